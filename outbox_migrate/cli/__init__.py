@@ -1,0 +1,1 @@
+"""The command line: a thin typer shell over library functions. No SQL lives here."""

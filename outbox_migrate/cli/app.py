@@ -1,0 +1,99 @@
+"""The `outbox-migrate` console script: command registry and the error boundary.
+
+Imports stay lazy (each command imports its library module inside the function) so that
+`--help` starts fast and loads neither rich, psycopg nor SQLAlchemy. Every error the library
+raises becomes one line on stderr and a documented exit code; no traceback reaches the user
+unless OUTBOX_MIGRATE_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from outbox_migrate import __version__
+from outbox_migrate.cli import config_cmd, ping_cmd
+from outbox_migrate.errors import ExitCode
+
+HELP = """Move a live PostgreSQL outbox to a LIST-partitioned table, with zero downtime.
+
+\b
+Examples:
+  outbox-migrate config --format json        # the names and settings in force
+  outbox-migrate ping --dsn embedded         # start the embedded PostgreSQL and connect
+"""
+
+app = typer.Typer(
+    name="outbox-migrate",
+    help=HELP,
+    rich_markup_mode=None,  # plain click help: rich is not imported for --help
+    pretty_exceptions_enable=False,
+    invoke_without_command=True,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"outbox-migrate {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Move a live PostgreSQL outbox to a LIST-partitioned table, with zero downtime."""
+    if ctx.invoked_subcommand is None:
+        sys.stdout.write(ctx.get_help() + "\n")
+        raise typer.Exit(0)
+
+
+config_cmd.register(app)
+ping_cmd.register(app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app, mapping our errors to one line and an exit code."""
+    from outbox_migrate.errors import OutboxMigrateError
+
+    try:
+        app(args=argv, prog_name="outbox-migrate", standalone_mode=False)
+    except OutboxMigrateError as exc:
+        _fail(str(exc), int(exc.exit_code))
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        _fail("aborted", 1)
+    except typer.TyperException as exc:  # click's usage errors (unknown option, bad value)
+        _fail(_usage_message(exc), int(ExitCode.USAGE))
+    except SystemExit:
+        raise
+    except Exception as exc:
+        if os.environ.get("OUTBOX_MIGRATE_DEBUG"):
+            raise
+        from outbox_migrate.dsn import mask
+
+        _fail(f"internal error: {mask(str(exc)) or type(exc).__name__} "
+              "(set OUTBOX_MIGRATE_DEBUG=1 for a traceback)", int(ExitCode.FAILED))  # fmt: skip
+    sys.exit(0)
+
+
+def _usage_message(exc: BaseException) -> str:
+    message = getattr(exc, "format_message", lambda: str(exc))()
+    return " ".join(str(message).split())
+
+
+def _fail(message: str, code: int) -> None:
+    first = message.strip().splitlines()[0] if message.strip() else "error"
+    sys.stderr.write(f"outbox-migrate: error: {first}\n")
+    sys.stderr.flush()
+    sys.exit(code)

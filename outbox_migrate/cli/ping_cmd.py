@@ -1,0 +1,43 @@
+"""`outbox-migrate ping`: prove the DSN connects, and show the server it reaches."""
+
+from __future__ import annotations
+
+import typer
+
+from outbox_migrate.cli.options import DsnOption, FormatOption, OutputFormat
+
+
+def register(app: typer.Typer) -> None:
+    app.command(
+        "ping",
+        help="Connect to the database and print the server version.\n\n"
+        "Example: outbox-migrate ping --dsn postgresql://app@db.internal/app",
+    )(ping)
+
+
+def ping(dsn: DsnOption = None, output: FormatOption = OutputFormat.text) -> None:
+    from outbox_migrate.db import connect, describe, server_version
+    from outbox_migrate.dsn import resolve
+    from outbox_migrate.errors import UsageError
+
+    resolved = resolve(dsn)
+    if resolved is None:
+        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
+    with connect(resolved.dsn) as conn:
+        row = conn.execute("SHOW server_version").fetchone()
+        info = {
+            "database": describe(resolved.dsn),
+            "server_version": str(row[0]) if row else "?",
+            "major": server_version(conn),
+            "current_database": conn.info.dbname,
+            "user": conn.info.user,
+        }
+    if output is OutputFormat.json:
+        from outbox_migrate.cli.console import print_json
+
+        print_json(info)
+    else:
+        from outbox_migrate.cli.console import text
+
+        text(f"connected to {info['database']}: PostgreSQL {info['server_version']} "
+             f"(database {info['current_database']}, user {info['user']})")  # fmt: skip

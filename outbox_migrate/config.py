@@ -1,0 +1,260 @@
+"""Configuration: which tables and columns the migration is about, and how careful to be.
+
+Sources, strongest first: CLI flags > `OUTBOX_MIGRATE_*` environment variables >
+`outbox-migrate.toml` (or `[tool.outbox-migrate]` in pyproject.toml) in the working
+directory > defaults equal to the names the spec uses. Every value remembers its source so an
+invalid one is reported as "key, where it came from, what is wrong" in one line.
+
+Pure data and parsing; no database access.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from outbox_migrate.errors import ConfigError
+
+ENV_PREFIX = "OUTBOX_MIGRATE_"
+CONFIG_FILE = "outbox-migrate.toml"
+PYPROJECT_TABLE = "outbox-migrate"
+# Environment variables with our prefix that are not configuration keys.
+NON_CONFIG_ENV = frozenset({"DSN", "TEST_DSN", "TEST_PG", "CONFIG", "EMBEDDED_DIR", "PG_CACHE"})
+MAX_IDENTIFIER_BYTES = 63  # NAMEDATALEN - 1: PostgreSQL silently truncates longer names
+
+
+@dataclass(frozen=True)
+class OutboxSpec:
+    """Names of everything the migration touches. Defaults are the spec's names."""
+
+    schema: str = "public"
+    table: str = "outbox"
+    partitioned_table: str = "outbox_new"
+    unpublished_partition: str = "outbox_unpublished"
+    published_partition: str = "outbox_published"
+    id_column: str = "id"
+    published_column: str = "published_at"
+    id_headroom: int = 1_000_000
+    """Gap left between the old table's max(id) and the new identity's START."""
+
+    @property
+    def check_name(self) -> str:
+        """The NOT VALID CHECK that lets ATTACH skip its scan (`outbox_published_check`)."""
+        return _fit(f"{self.table}_{self.published_column.removesuffix('_at')}_check")
+
+    @property
+    def unpublished_index(self) -> str:
+        """Index on the unpublished partition's id (`outbox_new_unpublished_id_idx`)."""
+        return _fit(f"{self.partitioned_table}_unpublished_{self.id_column}_idx")
+
+    @property
+    def copy_trigger(self) -> str:
+        """HOPIA's AFTER INSERT trigger on the published partition."""
+        return _fit(f"{self.published_partition}_insert")
+
+    @property
+    def copy_function(self) -> str:
+        return _fit(f"{self.published_partition}_insert_trigger")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything configurable: the names (`spec`) and the runner's safety budget."""
+
+    spec: OutboxSpec = field(default_factory=OutboxSpec)
+    lock_timeout_ms: int = 200
+    """`SET LOCAL lock_timeout` for every step: longer waits queue writers behind us."""
+    lock_budget_s: float = 60.0
+    """Total time a step may spend retrying lock acquisition before it gives up."""
+    old_app_name: str = ""
+    """`application_name` pattern (SQL LIKE) of the outgoing application version, if known."""
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+    """Where each non-default key came from (for messages)."""
+
+
+def _fit(name: str) -> str:
+    """Keep derived identifiers within PostgreSQL's limit instead of letting it truncate."""
+    return name.encode()[:MAX_IDENTIFIER_BYTES].decode(errors="ignore")
+
+
+def _identifier(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("must be a non-empty string")
+    if len(value.encode()) > MAX_IDENTIFIER_BYTES:
+        raise ValueError(f"is longer than {MAX_IDENTIFIER_BYTES} bytes")
+    if "\x00" in value:
+        raise ValueError("contains a NUL byte")
+    return value
+
+
+def _positive_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("must be an integer")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be an integer, got {value!r}") from None
+    if number <= 0:
+        raise ValueError(f"must be positive, got {number}")
+    return number
+
+
+def _positive_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("must be a number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be a number, got {value!r}") from None
+    if not number > 0:
+        raise ValueError(f"must be positive, got {number}")
+    return number
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("must be a string")
+    return value
+
+
+_SPEC_KEYS: dict[str, Callable[[Any], Any]] = {
+    "schema": _identifier,
+    "table": _identifier,
+    "partitioned_table": _identifier,
+    "unpublished_partition": _identifier,
+    "published_partition": _identifier,
+    "id_column": _identifier,
+    "published_column": _identifier,
+    "id_headroom": _positive_int,
+}
+_SETTINGS_KEYS: dict[str, Callable[[Any], Any]] = {
+    "lock_timeout_ms": _positive_int,
+    "lock_budget_s": _positive_float,
+    "old_app_name": _text,
+}
+KEYS = frozenset(_SPEC_KEYS) | frozenset(_SETTINGS_KEYS)
+
+
+def _from_files(cwd: Path) -> tuple[dict[str, Any], str]:
+    """Read `outbox-migrate.toml`, else `[tool.outbox-migrate]` from pyproject.toml."""
+    explicit = os.environ.get(ENV_PREFIX + "CONFIG")
+    candidates = [Path(explicit)] if explicit else [cwd / CONFIG_FILE]
+    for path in candidates:
+        if path.is_file():
+            return _load_toml(path), str(path)
+        if explicit:
+            raise ConfigError("config", ENV_PREFIX + "CONFIG", f"file {path} does not exist")
+    pyproject = cwd / "pyproject.toml"
+    if pyproject.is_file():
+        data = _load_toml(pyproject)
+        table = data.get("tool", {}).get(PYPROJECT_TABLE)
+        if isinstance(table, dict):
+            return table, f"{pyproject} [tool.{PYPROJECT_TABLE}]"
+    return {}, ""
+
+
+def _load_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("(file)", str(path), f"not valid TOML: {exc}") from None
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    found: dict[str, tuple[str, str]] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        suffix = name[len(ENV_PREFIX) :]
+        if suffix in NON_CONFIG_ENV:
+            continue
+        key = suffix.lower()
+        if key not in KEYS:
+            raise ConfigError(key, name, f"unknown key; known keys: {', '.join(sorted(KEYS))}")
+        found[key] = (value, name)
+    return found
+
+
+_KEY_SHAPE = re.compile(r"^[a-z_]+$")
+
+
+def load_settings(
+    flags: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Settings:
+    """Merge every source into `Settings`, validating each value where it came from.
+
+    `flags` holds only the options the user actually passed (None means "not given").
+    """
+    env = os.environ if environ is None else environ
+    merged: dict[str, tuple[Any, str]] = {}
+    file_values, file_source = _from_files(cwd or Path.cwd())
+    for key, value in file_values.items():
+        if key not in KEYS or not _KEY_SHAPE.match(key):
+            raise ConfigError(
+                key, file_source, f"unknown key; known keys: {', '.join(sorted(KEYS))}"
+            )
+        merged[key] = (value, file_source)
+    for key, (value, source) in _from_env(env).items():
+        merged[key] = (value, source)
+    for key, value in (flags or {}).items():
+        if value is None:
+            continue
+        if key not in KEYS:
+            raise ConfigError(key, "command line", "unknown option")
+        merged[key] = (value, "--" + key.replace("_", "-"))
+
+    spec_values: dict[str, Any] = {}
+    settings_values: dict[str, Any] = {}
+    for key, (raw, source) in merged.items():
+        parser = _SPEC_KEYS.get(key) or _SETTINGS_KEYS[key]
+        try:
+            parsed = parser(raw)
+        except ValueError as exc:
+            raise ConfigError(key, source, str(exc)) from None
+        (spec_values if key in _SPEC_KEYS else settings_values)[key] = parsed
+    spec = OutboxSpec(**spec_values)
+    _check_distinct(spec, {k: s for k, (_, s) in merged.items()})
+    return Settings(
+        spec=spec,
+        sources={k: s for k, (_, s) in merged.items()},
+        **settings_values,
+    )
+
+
+def _check_distinct(spec: OutboxSpec, sources: Mapping[str, str]) -> None:
+    """The four relations must have four different names, and the two columns two."""
+    tables = ["table", "partitioned_table", "unpublished_partition", "published_partition"]
+    seen: dict[str, str] = {}
+    for key in tables:
+        name = getattr(spec, key)
+        if name in seen:
+            raise ConfigError(
+                key,
+                sources.get(key, "defaults"),
+                f"{name!r} is already used for {seen[name]}; each relation needs its own name",
+            )
+        seen[name] = key
+    if spec.id_column == spec.published_column:
+        raise ConfigError(
+            "published_column",
+            sources.get("published_column", "defaults"),
+            "must differ from id_column",
+        )
+
+
+def spec_field_names() -> list[str]:
+    return [f.name for f in fields(OutboxSpec)]
+
+
+def with_spec(settings: Settings, **changes: Any) -> Settings:
+    """A copy of `settings` with some spec names changed (used by tests and the simulator)."""
+    return replace(settings, spec=replace(settings.spec, **changes))

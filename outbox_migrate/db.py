@@ -1,0 +1,94 @@
+"""Connections: psycopg 3, tagged with our application_name, errors masked and one line long.
+
+Every connection the tool opens goes through `connect` so that (a) `pg_stat_activity` shows
+`outbox-migrate/<version>` and the deploy gates can tell our sessions from the application's,
+and (b) a failure never surfaces a password or a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from outbox_migrate import __version__
+from outbox_migrate.dsn import EMBEDDED, mask, password_of
+from outbox_migrate.errors import ConnectError
+
+if TYPE_CHECKING:
+    import psycopg
+    from psycopg.rows import RowFactory
+
+APPLICATION_NAME = f"outbox-migrate/{__version__}"
+CONNECT_TIMEOUT_S = 10
+
+
+def resolve_embedded(dsn: str) -> str:
+    """Map the `embedded` pseudo-DSN to the running embedded server's real DSN."""
+    if dsn == EMBEDDED:
+        from outbox_migrate import embedded
+
+        return embedded.start()
+    return dsn
+
+
+def connect(
+    dsn: str,
+    *,
+    autocommit: bool = True,
+    application_name: str = APPLICATION_NAME,
+    row_factory: RowFactory[Any] | None = None,
+) -> psycopg.Connection[Any]:
+    """Open a connection, or raise `ConnectError` with a masked, single-line reason.
+
+    Autocommit by default: the tool manages its transactions explicitly
+    (`with conn.transaction():`) so that no statement ever runs in an implicit, forgotten
+    transaction that would hold locks or an old snapshot.
+    """
+    import psycopg
+
+    real = resolve_embedded(dsn)
+    kwargs: dict[str, Any] = {
+        "autocommit": autocommit,
+        "application_name": application_name,
+        "connect_timeout": CONNECT_TIMEOUT_S,
+    }
+    if row_factory is not None:
+        kwargs["row_factory"] = row_factory
+    try:
+        return psycopg.connect(real, **kwargs)
+    except psycopg.Error as exc:
+        raise ConnectError(
+            f"cannot connect to {describe(dsn)}: {one_line(str(exc), real)}"
+        ) from None
+
+
+def describe(dsn: str) -> str:
+    """How to name a DSN in a message: masked, or a word when it is implicit."""
+    if dsn == EMBEDDED:
+        return "the embedded PostgreSQL"
+    if not dsn:
+        return "the database named by PG* variables"
+    return mask(dsn)
+
+
+_NOISE = re.compile(r"^(connection failed:|connection to server .*? failed:)\s*", re.I)
+
+
+def one_line(message: str, dsn: str = "") -> str:
+    """Collapse a libpq/psycopg message to its most useful line, passwords removed."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    text = lines[0] if lines else "unknown error"
+    # libpq prefixes "connection failed: connection to server at ... failed:"; keep the cause.
+    while True:
+        stripped = _NOISE.sub("", text)
+        if stripped == text or not stripped:
+            break
+        text = stripped
+    text = re.sub(r"^FATAL:\s*", "", text)
+    secret = password_of(dsn) or ""
+    return mask(text, secret)
+
+
+def server_version(conn: psycopg.Connection[Any]) -> int:
+    """Major version of the server (14, 15, ...)."""
+    return int(conn.info.server_version // 10000)

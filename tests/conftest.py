@@ -1,0 +1,1 @@
+"""Shared test configuration; database fixtures live in tests/fixtures/postgres.py."""

@@ -1,0 +1,102 @@
+"""Configuration precedence and validation: flags > env > file > defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from outbox_migrate.config import OutboxSpec, load_settings
+from outbox_migrate.errors import ConfigError, ExitCode
+
+
+def test_defaults_are_the_spec_names(tmp_path: Path) -> None:
+    settings = load_settings(environ={}, cwd=tmp_path)
+    assert settings.spec == OutboxSpec()
+    assert settings.spec.table == "outbox"
+    assert settings.spec.partitioned_table == "outbox_new"
+    assert settings.spec.unpublished_partition == "outbox_unpublished"
+    assert settings.spec.published_partition == "outbox_published"
+    assert settings.spec.check_name == "outbox_published_check"
+    assert settings.spec.unpublished_index == "outbox_new_unpublished_id_idx"
+
+
+def test_precedence_flag_over_env_over_file(tmp_path: Path) -> None:
+    (tmp_path / "outbox-migrate.toml").write_text(
+        'table = "from_file"\nschema = "file_schema"\nid_column = "msg_id"\n'
+    )
+    env = {"OUTBOX_MIGRATE_TABLE": "from_env", "OUTBOX_MIGRATE_SCHEMA": "env_schema"}
+    settings = load_settings({"table": "from_flag"}, environ=env, cwd=tmp_path)
+    assert settings.spec.table == "from_flag"
+    assert settings.spec.schema == "env_schema"
+    assert settings.spec.id_column == "msg_id"
+    assert settings.sources["table"] == "--table"
+    assert settings.sources["schema"] == "OUTBOX_MIGRATE_SCHEMA"
+    assert settings.sources["id_column"].endswith("outbox-migrate.toml")
+
+
+def test_pyproject_tool_table(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\n[tool.outbox-migrate]\ntable = "events"\nlock_timeout_ms = 50\n'
+    )
+    settings = load_settings(environ={}, cwd=tmp_path)
+    assert settings.spec.table == "events"
+    assert settings.lock_timeout_ms == 50
+
+
+def test_dedicated_file_wins_over_pyproject(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.outbox-migrate]\ntable = "py"\n')
+    (tmp_path / "outbox-migrate.toml").write_text('table = "dedicated"\n')
+    assert load_settings(environ={}, cwd=tmp_path).spec.table == "dedicated"
+
+
+def test_unknown_file_key_names_key_and_file(tmp_path: Path) -> None:
+    (tmp_path / "outbox-migrate.toml").write_text('tabel = "x"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(environ={}, cwd=tmp_path)
+    message = str(info.value)
+    assert "'tabel'" in message
+    assert "outbox-migrate.toml" in message
+    assert info.value.exit_code == ExitCode.USAGE
+
+
+def test_unknown_env_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="OUTBOX_MIGRATE_TABEL"):
+        load_settings(environ={"OUTBOX_MIGRATE_TABEL": "x"}, cwd=tmp_path)
+
+
+def test_non_config_env_vars_are_ignored(tmp_path: Path) -> None:
+    env = {"OUTBOX_MIGRATE_DSN": "x", "OUTBOX_MIGRATE_TEST_PG": "14"}
+    assert load_settings(environ=env, cwd=tmp_path).spec == OutboxSpec()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("id_headroom", "-1", "must be positive"),
+        ("id_headroom", "lots", "must be an integer"),
+        ("lock_budget_s", "0", "must be positive"),
+        ("table", "x" * 64, "longer than 63 bytes"),
+        ("table", "", "non-empty"),
+    ],
+)
+def test_invalid_values_name_key_and_source(
+    tmp_path: Path, key: str, value: str, fragment: str
+) -> None:
+    env = {f"OUTBOX_MIGRATE_{key.upper()}": value}
+    with pytest.raises(ConfigError) as info:
+        load_settings(environ=env, cwd=tmp_path)
+    assert key in str(info.value)
+    assert f"OUTBOX_MIGRATE_{key.upper()}" in str(info.value)
+    assert fragment in str(info.value)
+
+
+def test_relations_need_distinct_names(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="already used"):
+        load_settings({"partitioned_table": "outbox"}, environ={}, cwd=tmp_path)
+
+
+def test_bad_toml_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "outbox-migrate.toml").write_text("table = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(environ={}, cwd=tmp_path)
