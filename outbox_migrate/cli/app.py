@@ -14,7 +14,7 @@ import sys
 import typer
 
 from outbox_migrate import __version__
-from outbox_migrate.cli import config_cmd, ping_cmd
+from outbox_migrate.cli import config_cmd, copy_back_cmd, ping_cmd, relay_cmd
 from outbox_migrate.errors import ExitCode
 
 HELP = """Move a live PostgreSQL outbox to a LIST-partitioned table, with zero downtime.
@@ -23,6 +23,8 @@ HELP = """Move a live PostgreSQL outbox to a LIST-partitioned table, with zero d
 Examples:
   outbox-migrate config --format json        # the names and settings in force
   outbox-migrate ping --dsn embedded         # start the embedded PostgreSQL and connect
+  outbox-migrate relay --sink stdout --until-empty   # publish the outbox, then exit
+  outbox-migrate copy-back --rate 50000      # HOPER: copy the detached partition back, verify, drop
 """
 
 app = typer.Typer(
@@ -57,6 +59,8 @@ def root(
 
 config_cmd.register(app)
 ping_cmd.register(app)
+relay_cmd.register(app)
+copy_back_cmd.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -46,3 +46,59 @@ def text(message: str = "", *, style: str | None = None) -> None:
 
 def markup(message: str) -> None:
     out().print(message)
+
+
+class RowProgress:
+    """A progress bar for a row-copying job on stderr: rows, rows/s and an ETA.
+
+    The rate and ETA are the job's own measurements (passed in), not rich's estimate, so the
+    bar shows the same figures the job reports in JSON.
+    """
+
+    def __init__(self, description: str, total: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("rows"),
+            TextColumn("{task.fields[rate]}"),
+            TextColumn("ETA {task.fields[eta]}"),
+            TextColumn("{task.fields[note]}"),
+            console=err(),
+            transient=False,
+        )
+        self._task = self._progress.add_task(description, total=total, rate="", eta="?", note="")
+
+    def __enter__(self) -> RowProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def update(
+        self,
+        completed: int,
+        total: int,
+        rows_per_s: float,
+        eta_s: float | None,
+        note: str = "",
+    ) -> None:
+        eta = "?" if eta_s is None else _duration(eta_s)
+        self._progress.update(
+            self._task,
+            completed=completed,
+            total=total,
+            rate=f"{rows_per_s:,.0f} rows/s",
+            eta=eta,
+            note=note,
+        )
+
+
+def _duration(seconds: float) -> str:
+    whole = int(seconds + 0.5)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

@@ -1,0 +1,167 @@
+"""`outbox-migrate copy-back`: HOPER's job — copy, verify, then drop the detached partition."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from outbox_migrate.cli.options import (
+    DsnOption,
+    FormatOption,
+    IdColumnOption,
+    OutputFormat,
+    PartitionedOption,
+    PublishedColumnOption,
+    PublishedOption,
+    SchemaOption,
+    TableOption,
+    UnpublishedOption,
+    settings_from,
+)
+
+BatchSizeOption = Annotated[
+    int, typer.Option("--batch-size", min=1, help="Rows per batch (one transaction each).")
+]
+RateOption = Annotated[
+    float | None,
+    typer.Option("--rate", min=1, help="Ceiling in rows/s. Default: as fast as impact allows."),
+]
+NoDropOption = Annotated[
+    bool, typer.Option("--no-drop", help="Copy and verify, but keep the source table.")
+]
+NoAdaptiveOption = Annotated[
+    bool,
+    typer.Option(
+        "--no-adaptive",
+        help="Do not back off on replica lag or probe latency (the --rate ceiling still holds).",
+    ),
+]
+MaxLagOption = Annotated[
+    float,
+    typer.Option("--max-replica-lag", min=0, help="Pause while a replica lags more (seconds)."),
+]
+
+
+def register(app: typer.Typer) -> None:
+    app.command(
+        "copy-back",
+        help="HOPER's job after the V4 swap: copy every row of the detached published "
+        "partition into the old table in resumable keyset batches, verify counts and per-range "
+        "checksums, then drop the source. A failed verification keeps the source and names the "
+        "id ranges that differ.\n\n"
+        "Example: outbox-migrate copy-back --dsn postgresql://app@db/app --rate 50000",
+    )(copy_back)
+
+
+def copy_back(
+    dsn: DsnOption = None,
+    batch_size: BatchSizeOption = 10_000,
+    rate: RateOption = None,
+    no_drop: NoDropOption = False,
+    no_adaptive: NoAdaptiveOption = False,
+    max_replica_lag: MaxLagOption = 5.0,
+    schema: SchemaOption = None,
+    table: TableOption = None,
+    partitioned_table: PartitionedOption = None,
+    unpublished_partition: UnpublishedOption = None,
+    published_partition: PublishedOption = None,
+    id_column: IdColumnOption = None,
+    published_column: PublishedColumnOption = None,
+    output: FormatOption = OutputFormat.text,
+) -> None:
+    from dataclasses import asdict
+
+    from outbox_migrate.db import connect
+    from outbox_migrate.dsn import resolve
+    from outbox_migrate.errors import UsageError
+    from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions, CopyProgress
+    from outbox_migrate.jobs.throttle import ThrottlePolicy
+
+    settings = settings_from(
+        schema=schema,
+        table=table,
+        partitioned_table=partitioned_table,
+        unpublished_partition=unpublished_partition,
+        published_partition=published_partition,
+        id_column=id_column,
+        published_column=published_column,
+    )
+    resolved = resolve(dsn)
+    if resolved is None:
+        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
+    options = CopyBackOptions(
+        batch_rows=batch_size,
+        throttle=ThrottlePolicy(
+            rate_rows_per_s=rate, adaptive=not no_adaptive, max_replica_lag_s=max_replica_lag
+        ),
+    )
+    human = output is OutputFormat.text
+    with connect(resolved.dsn) as conn:
+        job = CopyBack(conn, settings.spec, options, dsn=resolved.dsn)
+        plan = job.plan()
+        if plan.state == "done":
+            done = {"state": "done", "source": plan.source, "dropped": True}
+            _report(done, human, f"{plan.source} was already copied back and dropped")
+            return
+        if human:
+            from outbox_migrate.cli.console import RowProgress, text
+
+            if plan.high_water is not None:
+                text(f"resuming after id {plan.high_water}: {plan.remaining_rows:,} of "
+                     f"{plan.source_rows:,} rows left")  # fmt: skip
+            with RowProgress(f"{plan.source} → {plan.target}", plan.source_rows) as bar:
+                done_before = plan.source_rows - plan.remaining_rows
+                bar.update(done_before, plan.source_rows, 0.0, None)
+
+                def show(p: CopyProgress) -> None:
+                    note = f"paused {p.pause_s:.2f}s" if p.pause_s >= 0.05 else ""
+                    bar.update(p.copied_rows, p.total_rows, p.rows_per_s, p.eta_s, note)
+
+                result = job.run(progress=show)
+        else:
+            result = job.run()
+        verification = job.verify()
+        summary = {
+            "source": plan.source,
+            "target": plan.target,
+            "copy": {**asdict(result), "rows_per_s": round(result.rows_per_s, 1)},
+            "verification": {
+                "passed": verification.passed,
+                "source_rows": verification.source_rows,
+                "matched_rows": verification.matched_rows,
+                "ranges_checked": verification.ranges_checked,
+                "differing_ranges": [r.describe() for r in verification.differing],
+            },
+            "dropped": False,
+        }
+        if not verification.passed:
+            if not human:
+                _report(summary, human, "")
+            from outbox_migrate.jobs.copy_back import VerificationFailed
+
+            raise VerificationFailed(
+                verification.source, verification.target, list(verification.differing)
+            )
+        if not no_drop:
+            job.drop(verification)
+            summary["dropped"] = True
+    _report(
+        summary,
+        human,
+        f"copied {result.inserted_rows:,} rows ({result.present_rows:,} already present) "
+        f"at {result.rows_per_s:,.0f} rows/s; verified {verification.source_rows:,} rows in "
+        f"{verification.ranges_checked} ranges; "
+        + (f"dropped {plan.source}" if summary["dropped"] else f"kept {plan.source} (--no-drop)"),
+    )
+
+
+def _report(data: dict[str, object], human: bool, line: str) -> None:
+    if human:
+        from outbox_migrate.cli.console import text
+
+        text(line)
+    else:
+        from outbox_migrate.cli.console import print_json
+
+        print_json(data)

@@ -1,0 +1,121 @@
+"""Small catalog and session helpers shared by the jobs (copy-back, maintenance).
+
+Only read-only catalog look-ups and session settings live here; each job decides on its own
+what to change. Identifiers are always composed with `psycopg.sql`, never formatted as text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+STATE_SCHEMA = "outbox_migrate"
+"""Schema of the tool's own state tables (the runner's ledger lives there too)."""
+
+
+@dataclass(frozen=True)
+class Relation:
+    """A schema-qualified relation name, for SQL composition and for messages."""
+
+    schema: str
+    name: str
+
+    @property
+    def ident(self) -> sql.Identifier:
+        return sql.Identifier(self.schema, self.name)
+
+    def __str__(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+
+def exists(conn: psycopg.Connection[Any], rel: Relation) -> bool:
+    row = conn.execute(
+        "SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relname = %s",
+        (rel.schema, rel.name),
+    ).fetchone()
+    return row is not None
+
+
+def oid_of(conn: psycopg.Connection[Any], rel: Relation) -> int | None:
+    row = conn.execute(
+        "SELECT c.oid::int8 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relname = %s",
+        (rel.schema, rel.name),
+    ).fetchone()
+    return int(row[0]) if row else None
+
+
+def columns(conn: psycopg.Connection[Any], rel: Relation) -> list[str]:
+    """Ordinary (writable) columns in attribute order: no dropped or generated columns."""
+    rows = conn.execute(
+        "SELECT a.attname FROM pg_attribute a"
+        " JOIN pg_class c ON c.oid = a.attrelid"
+        " JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relname = %s AND a.attnum > 0 AND NOT a.attisdropped"
+        " AND a.attgenerated = '' ORDER BY a.attnum",
+        (rel.schema, rel.name),
+    ).fetchall()
+    return [str(r[0]) for r in rows]
+
+
+def is_partition(conn: psycopg.Connection[Any], rel: Relation) -> bool:
+    row = conn.execute(
+        "SELECT c.relispartition FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relname = %s",
+        (rel.schema, rel.name),
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def has_unique_index_on(conn: psycopg.Connection[Any], rel: Relation, column: str) -> bool:
+    """True when a valid unique index covers exactly `column` (ON CONFLICT needs one)."""
+    row = conn.execute(
+        "SELECT 1 FROM pg_index i"
+        " JOIN pg_class c ON c.oid = i.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = i.indkey[0]"
+        " WHERE n.nspname = %s AND c.relname = %s AND i.indisunique AND i.indisvalid"
+        " AND i.indnatts = 1 AND i.indpred IS NULL AND a.attname = %s",
+        (rel.schema, rel.name, column),
+    ).fetchone()
+    return row is not None
+
+
+def has_btree_leading(conn: psycopg.Connection[Any], rel: Relation, column: str) -> bool:
+    """True when a valid, non-partial btree index starts with `column` (keyset scans)."""
+    row = conn.execute(
+        "SELECT 1 FROM pg_index i"
+        " JOIN pg_class ic ON ic.oid = i.indexrelid JOIN pg_am am ON am.oid = ic.relam"
+        " JOIN pg_class c ON c.oid = i.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = i.indkey[0]"
+        " WHERE n.nspname = %s AND c.relname = %s AND i.indisvalid AND am.amname = 'btree'"
+        " AND i.indpred IS NULL AND a.attname = %s",
+        (rel.schema, rel.name, column),
+    ).fetchone()
+    return row is not None
+
+
+def column_list(names: Sequence[str], alias: str | None = None) -> sql.Composed:
+    if alias is None:
+        return sql.SQL(", ").join(sql.Identifier(n) for n in names)
+    return sql.SQL(", ").join(sql.Identifier(alias, n) for n in names)
+
+
+def ensure_state_schema(conn: psycopg.Connection[Any]) -> None:
+    """CREATE SCHEMA IF NOT EXISTS, tolerating a concurrent creator (the runner)."""
+    try:
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(STATE_SCHEMA)))
+    except psycopg.errors.UniqueViolation:
+        # Two sessions ran IF NOT EXISTS at the same moment; the other one created it.
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.rollback()
+
+
+def fit_identifier(name: str, suffix: str) -> str:
+    """`name` + `suffix` cut to PostgreSQL's 63-byte limit, keeping the suffix."""
+    limit = 63 - len(suffix.encode())
+    return name.encode()[:limit].decode(errors="ignore") + suffix

@@ -1,0 +1,221 @@
+"""How fast a background job may go: a target rate plus back-off on measured foreground impact.
+
+The decision functions are pure (what pause follows from these numbers) and unit-tested; the
+drivers below them only measure. Impact is read from replica lag when the primary has
+streaming replicas (`pg_stat_replication`), because a lagging replica is what a bulk copy
+hurts first there; without replicas a background thread times a tiny query shaped like the
+relay's hot query, so a copy that slows the foreground shows up while the copy is running,
+not only in the gaps between batches.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import psycopg
+from psycopg import sql
+
+PROBE_INTERVAL_S = 0.02
+"""Time between two latency probes in the probe thread."""
+PROBE_WINDOW_S = 1.0
+"""Probes older than this no longer count towards the current latency."""
+BASELINE_PROBES = 25
+"""Probes timed before the job starts to learn the unloaded latency."""
+MIN_PAUSE_S = 0.01
+"""First back-off step once foreground impact is over budget."""
+
+
+@dataclass(frozen=True)
+class ThrottlePolicy:
+    """Limits for a background job. The defaults favour the foreground."""
+
+    rate_rows_per_s: float | None = None
+    """Ceiling on the job's own rate; None = as fast as impact allows."""
+    adaptive: bool = True
+    """Back off on measured foreground impact (replica lag or probe latency)."""
+    max_replica_lag_s: float = 5.0
+    """Replay lag of the slowest replica above which the job pauses."""
+    max_replica_lag_bytes: int = 256 * 1024 * 1024
+    """WAL not yet replayed by the slowest replica above which the job pauses."""
+    probe_factor: float = 1.5
+    """Probe latency budget: the unloaded baseline times this factor ..."""
+    probe_floor_ms: float = 1.0
+    """... but never less than baseline plus this floor (sub-millisecond noise)."""
+    max_pause_s: float = 2.0
+    """Longest pause between two batches."""
+
+
+@dataclass(frozen=True)
+class Impact:
+    """One reading of foreground impact."""
+
+    source: Literal["replica_lag", "latency_probe", "none"]
+    value: float
+    """Seconds of replica lag, or milliseconds of probe latency."""
+    limit: float
+    over: bool
+
+
+def rate_pause_s(done: int, elapsed_s: float, rate_rows_per_s: float | None) -> float:
+    """Seconds to wait so that `done` rows over the elapsed time stay within the rate."""
+    if rate_rows_per_s is None or rate_rows_per_s <= 0:
+        return 0.0
+    due_s = done / rate_rows_per_s
+    return max(0.0, due_s - elapsed_s)
+
+
+def next_backoff_s(current_s: float, over_budget: bool, policy: ThrottlePolicy) -> float:
+    """Multiplicative increase while over budget, multiplicative decrease otherwise.
+
+    Halving rather than resetting avoids oscillating between full speed and a long pause.
+    """
+    if over_budget:
+        return min(policy.max_pause_s, max(MIN_PAUSE_S, current_s * 2))
+    halved = current_s / 2
+    return 0.0 if halved < MIN_PAUSE_S else halved
+
+
+def probe_limit_ms(baseline_ms: float, policy: ThrottlePolicy) -> float:
+    return max(baseline_ms * policy.probe_factor, baseline_ms + policy.probe_floor_ms)
+
+
+def replica_impact(conn: psycopg.Connection[Any], policy: ThrottlePolicy) -> Impact | None:
+    """The slowest streaming replica's lag, or None when there is no replica to watch."""
+    row = conn.execute(
+        "SELECT count(*),"
+        " coalesce(max(extract(epoch FROM replay_lag)), 0)::float8,"
+        " coalesce(max(pg_wal_lsn_diff(pg_current_wal_lsn(), replay_lsn)), 0)::float8"
+        " FROM pg_stat_replication WHERE state = 'streaming'"
+    ).fetchone()
+    if row is None or int(row[0]) == 0:
+        return None
+    lag_s, lag_bytes = float(row[1]), float(row[2])
+    over = lag_s > policy.max_replica_lag_s or lag_bytes > policy.max_replica_lag_bytes
+    return Impact("replica_lag", lag_s, policy.max_replica_lag_s, over)
+
+
+class LatencyProbe:
+    """Times a tiny query on its own connection, continuously, in a daemon thread.
+
+    The query is an index probe on the given relation (the relay's hot path), so what slows
+    the foreground (CPU, I/O, buffer contention caused by the job) slows the probe too.
+    """
+
+    def __init__(self, dsn: str, relation: sql.Composable, column: sql.Composable) -> None:
+        self._query = sql.SQL("SELECT {c} FROM {r} ORDER BY {c} LIMIT 1").format(
+            c=column, r=relation
+        )
+        self._dsn = dsn
+        self._samples: deque[tuple[float, float]] = deque(maxlen=1000)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conn: psycopg.Connection[Any] | None = None
+        self.baseline_ms = 0.0
+
+    def _time_once(self, conn: psycopg.Connection[Any]) -> float:
+        started = time.perf_counter()
+        conn.execute(self._query).fetchall()
+        return (time.perf_counter() - started) * 1000.0
+
+    def start(self) -> None:
+        from outbox_migrate.db import connect
+
+        self._conn = connect(self._dsn, application_name="outbox-migrate/probe")
+        self._conn.execute(self._query)  # plan cache warm-up, not a sample
+        samples = []
+        for _ in range(BASELINE_PROBES):
+            samples.append(self._time_once(self._conn))
+            time.sleep(PROBE_INTERVAL_S / 4)
+        self.baseline_ms = statistics.median(samples)
+        self._thread = threading.Thread(target=self._loop, name="latency-probe", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        while not self._stop.is_set():
+            try:
+                latency = self._time_once(conn)
+            except psycopg.Error:
+                return  # the job carries on unprobed rather than failing on its monitor
+            with self._lock:
+                self._samples.append((time.monotonic(), latency))
+            self._stop.wait(PROBE_INTERVAL_S)
+
+    def recent_ms(self) -> float | None:
+        """The 90th percentile of the probes of the last window, None before any."""
+        cutoff = time.monotonic() - PROBE_WINDOW_S
+        with self._lock:
+            values = [v for t, v in self._samples if t >= cutoff]
+        if not values:
+            return None
+        values.sort()
+        return values[min(len(values) - 1, int(len(values) * 0.9))]
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        if self._conn is not None:
+            self._conn.close()
+
+
+class Throttle:
+    """Combines the rate ceiling and impact back-off into one pause per batch."""
+
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        policy: ThrottlePolicy,
+        probe: LatencyProbe | None,
+    ) -> None:
+        self.policy = policy
+        self._conn = conn
+        self._probe = probe
+        self._backoff_s = 0.0
+        self._started = time.monotonic()
+        self._done_at_start = 0
+        self.last_impact: Impact | None = None
+        self.paused_s = 0.0
+
+    def restart_clock(self, done: int) -> None:
+        self._started = time.monotonic()
+        self._done_at_start = done
+
+    def measure(self) -> Impact:
+        if not self.policy.adaptive:
+            return Impact("none", 0.0, 0.0, False)
+        replica = replica_impact(self._conn, self.policy)
+        if replica is not None:
+            return replica
+        if self._probe is not None:
+            recent = self._probe.recent_ms()
+            if recent is not None:
+                limit = probe_limit_ms(self._probe.baseline_ms, self.policy)
+                return Impact("latency_probe", recent, limit, recent > limit)
+        return Impact("none", 0.0, 0.0, False)
+
+    def pause_s(self, done: int) -> float:
+        """The pause owed after a batch, given `done` rows since the clock started."""
+        impact = self.measure()
+        self.last_impact = impact
+        self._backoff_s = next_backoff_s(self._backoff_s, impact.over, self.policy)
+        elapsed = time.monotonic() - self._started
+        owed = rate_pause_s(done - self._done_at_start, elapsed, self.policy.rate_rows_per_s)
+        return max(owed, self._backoff_s)
+
+    def wait(self, done: int, stop: threading.Event | None) -> float:
+        pause = self.pause_s(done)
+        if pause > 0:
+            self.paused_s += pause
+            if stop is not None:
+                stop.wait(pause)
+            else:
+                time.sleep(pause)
+        return pause

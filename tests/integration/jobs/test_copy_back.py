@@ -1,0 +1,228 @@
+"""HOPER's copy-back on a real server: resume after SIGKILL, verification, refused drop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import SchemaError
+from outbox_migrate.jobs.copy_back import (
+    CopyBack,
+    CopyBackError,
+    CopyBackOptions,
+    VerificationFailed,
+    copy_back,
+)
+from outbox_migrate.jobs.throttle import ThrottlePolicy
+from tests.integration.jobs.hoper import build_after_v4
+
+UNTHROTTLED = CopyBackOptions(throttle=ThrottlePolicy(adaptive=False))
+
+
+def _count(conn: psycopg.Connection[Any], table: str) -> int:
+    row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table)))
+    return int(row.fetchone()[0])  # type: ignore[index]
+
+
+def _exists(conn: psycopg.Connection[Any], table: str) -> bool:
+    return conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is not None  # type: ignore[index]
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "outbox_migrate", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_copies_verifies_and_drops_with_late_rows_interleaved(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    spec = build_after_v4(conn, old_rows=500, published_rows=20_000, late_rows=300)
+    before_target = _count(conn, "outbox")
+    assert before_target == 800  # 500 old + 300 published after the swap
+    result, verification = copy_back(conn, spec, UNTHROTTLED, dsn=dsn)
+    assert result.inserted_rows == 20_000
+    assert result.present_rows == 0
+    assert verification is not None and verification.passed
+    # The late rows share the source's id range; verification must not count them.
+    assert verification.source_rows == verification.matched_rows == 20_000
+    assert not _exists(conn, "outbox_published")
+    assert _count(conn, "outbox") == before_target + 20_000
+    # Reachable through the partitioned table, as the application sees it.
+    assert _count(conn, "outbox_new") == before_target + 20_000
+    # A second run finds the recorded, finished job and does nothing.
+    again = CopyBack(conn, spec, UNTHROTTLED, dsn=dsn)
+    assert again.plan().state == "done"
+    assert again.run().inserted_rows == 0
+
+
+def test_killed_mid_copy_resumes_from_high_water_mark(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    build_after_v4(conn, old_rows=100, published_rows=60_000)
+    args = ("copy-back", "--dsn", dsn, "--batch-size", "500", "--rate", "15000",
+            "--no-adaptive", "--format", "json")  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outbox_migrate", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        mark = None
+        while time.monotonic() < deadline:
+            if _exists(conn, "outbox_migrate.copy_back_progress"):
+                row = conn.execute(
+                    "SELECT high_water, rows_inserted FROM outbox_migrate.copy_back_progress"
+                ).fetchone()
+                if row and row[1] and row[1] >= 10_000:
+                    mark = row
+                    break
+            time.sleep(0.05)
+        assert mark is not None, "the copy never got going"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    high_water, inserted = conn.execute(
+        "SELECT high_water, rows_inserted FROM outbox_migrate.copy_back_progress"
+    ).fetchone()  # type: ignore[misc]
+    copied = _count(conn, "outbox") - 100
+    assert 0 < copied < 60_000, "the kill did not land mid-copy"
+    # The mark commits with its batch: it covers exactly the rows in the target.
+    assert inserted == copied
+    max_copied = conn.execute(
+        "SELECT max(id) FROM outbox WHERE id IN (SELECT id FROM outbox_published)"
+    ).fetchone()[0]  # type: ignore[index]
+    assert high_water == max_copied
+
+    rerun = _cli(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    report = json.loads(rerun.stdout)
+    assert report["copy"]["resumed_from"] == high_water
+    assert report["copy"]["inserted_rows"] == 60_000 - copied
+    assert report["copy"]["present_rows"] == 0  # resumed after the mark, not from the start
+    assert report["verification"]["passed"] is True
+    assert report["dropped"] is True
+    assert _count(conn, "outbox") == 60_100
+    assert not _exists(conn, "outbox_published")
+
+
+def test_corrupted_rows_are_named_and_the_drop_is_refused(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    spec = build_after_v4(conn, old_rows=10, published_rows=30_000)
+    options = CopyBackOptions(verify_range_ids=10_000, throttle=ThrottlePolicy(adaptive=False))
+    job = CopyBack(conn, spec, options, dsn=dsn)
+    job.run()
+    assert job.verify().passed
+    low = conn.execute("SELECT min(id) FROM outbox_published").fetchone()[0]  # type: ignore[index]
+    changed, missing = low + 12_345, low + 25_000
+    conn.execute("UPDATE outbox SET payload = '{\"tampered\": true}' WHERE id = %s", (changed,))
+    conn.execute("DELETE FROM outbox WHERE id = %s", (missing,))
+
+    verification = job.verify()
+    assert not verification.passed
+    assert verification.ranges_checked == 3
+    ranges = {(r.low, r.high) for r in verification.differing}
+    assert ranges == {(low + 10_000, low + 20_000), (low + 20_000, low + 30_000)}
+    assert verification.matched_rows == 30_000 - 1
+    with pytest.raises(VerificationFailed, match=rf"ids \[{low + 10_000}, {low + 20_000}\)"):
+        job.drop(verification)
+    assert _exists(conn, "outbox_published")
+
+    # The CLI says the same in one line, exits 1 and keeps the source.
+    result = _cli("copy-back", "--dsn", dsn, "--no-adaptive")
+    assert result.returncode == 1
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("outbox-migrate: error")]
+    assert len(errors) == 1
+    assert f"ids [{low}, {low + 100_000}) (29999 of 30000 rows present)" in errors[0]
+    assert "was not dropped" in errors[0]
+    assert _exists(conn, "outbox_published")
+
+
+def test_rows_already_in_the_target_are_skipped_not_duplicated(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    spec = build_after_v4(conn, old_rows=10, published_rows=5_000)
+    # A copy made by other means (or a lost progress table): half the rows already there.
+    conn.execute(
+        "INSERT INTO outbox OVERRIDING SYSTEM VALUE"
+        " SELECT * FROM outbox_published ORDER BY id LIMIT 2500"
+    )
+    result, verification = copy_back(conn, spec, UNTHROTTLED, dsn=dsn, drop=False)
+    assert (result.inserted_rows, result.present_rows) == (2_500, 2_500)
+    assert verification is not None and verification.passed
+    assert _exists(conn, "outbox_published")  # drop=False keeps it
+    assert _count(conn, "outbox") == 5_010
+
+
+def test_refuses_a_source_that_is_still_attached(conn: psycopg.Connection[Any]) -> None:
+    from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned_outbox
+
+    create_flat_outbox(conn)
+    create_partitioned_outbox(conn, start=1_000_000)
+    with pytest.raises(CopyBackError, match="still a partition"):
+        CopyBack(conn, OutboxSpec()).plan()
+
+
+def test_missing_source_without_record_is_a_schema_error(conn: psycopg.Connection[Any]) -> None:
+    from outbox_migrate.testing.schema import create_flat_outbox
+
+    create_flat_outbox(conn)
+    with pytest.raises(SchemaError, match="does not exist"):
+        CopyBack(conn, OutboxSpec()).plan()
+
+
+def test_drop_refuses_a_source_changed_after_verification(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    spec = build_after_v4(conn, old_rows=10, published_rows=1_000)
+    job = CopyBack(conn, spec, UNTHROTTLED, dsn=dsn)
+    job.run()
+    verification = job.verify()
+    assert verification.passed
+    conn.execute(
+        "INSERT INTO outbox_published (id, payload, published_at) OVERRIDING SYSTEM VALUE"
+        " VALUES (99999999, '{}', now())"
+    )
+    with pytest.raises(CopyBackError, match="changed since verification"):
+        job.drop(verification)
+    assert _exists(conn, "outbox_published")
+
+
+def test_custom_names_come_from_the_spec(conn: psycopg.Connection[Any], dsn: str) -> None:
+    spec = OutboxSpec(
+        schema="billing",
+        table="events",
+        partitioned_table="events_p",
+        unpublished_partition="events_todo",
+        published_partition="events_done",
+        id_column="event_id",
+        published_column="sent_at",
+    )
+    build_after_v4(conn, old_rows=5, published_rows=2_000, late_rows=10, spec=spec)
+    result, verification = copy_back(conn, spec, UNTHROTTLED, dsn=dsn)
+    assert result.inserted_rows == 2_000
+    assert verification is not None and verification.passed
+    assert not _exists(conn, "billing.events_done")
+    total = conn.execute("SELECT count(*) FROM billing.events").fetchone()[0]  # type: ignore[index]
+    assert total == 2_015
