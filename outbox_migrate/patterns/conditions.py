@@ -1,0 +1,215 @@
+"""Condition factories: a named query from `sql/conditions.sql`, bound to concrete names."""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+from outbox_migrate import sql as queries
+from outbox_migrate.patterns.model import Condition
+from outbox_migrate.patterns.names import Names
+
+
+def condition(name: str, label: str = "", /, **parts: sql.Composable) -> Condition:
+    """Bind `conditions.sql`'s query `name`; `label` distinguishes several uses of one query."""
+    named = queries.query("conditions", name)
+    return Condition(
+        name=f"{name}:{label}" if label else name,
+        description=named.description,
+        query=named.compose(**parts),
+    )
+
+
+def relation_exists(n: Names, relation: str) -> Condition:
+    return condition("relation-exists", relation, rel_reg=n.reg(relation))
+
+
+def relation_absent(n: Names, relation: str) -> Condition:
+    return condition("relation-absent", relation, rel_reg=n.reg(relation))
+
+
+def is_plain_table(n: Names, relation: str) -> Condition:
+    return condition("is-plain-table", relation, rel_reg=n.reg(relation))
+
+
+def partitioned_by_list(n: Names) -> Condition:
+    return condition(
+        "partitioned-by-list",
+        n.parent,
+        rel_reg=n.reg(n.parent),
+        column_name=sql.Literal(n.spec.published_column),
+    )
+
+
+def partition_bound(n: Names, relation: str, bound: str) -> Condition:
+    return condition(
+        "partition-bound",
+        relation,
+        rel_reg=n.reg(relation),
+        parent_reg=n.reg(n.parent),
+        bound=sql.Literal(bound),
+    )
+
+
+def not_a_partition(n: Names, relation: str) -> Condition:
+    return condition(
+        "not-a-partition-of", relation, rel_reg=n.reg(relation), parent_reg=n.reg(n.parent)
+    )
+
+
+def unpublished_index_exists(n: Names) -> Condition:
+    return condition(
+        "index-exists",
+        n.spec.unpublished_index,
+        index_reg=n.reg(n.spec.unpublished_index),
+        rel_reg=n.reg(n.unpublished),
+    )
+
+
+def drained(n: Names, relation: str, phase: str) -> Condition:
+    return condition(
+        "old-table-drained",
+        relation,
+        rel_reg=n.reg(relation),
+        rel_q=n.q(relation),
+        column_q=n.published_at_q,
+        phase=sql.Literal(phase),
+    )
+
+
+def no_new_ids(n: Names, relation: str, phase: str, window_s: float) -> Condition:
+    return condition(
+        "no-new-ids",
+        relation,
+        rel_reg=n.reg(relation),
+        id_name=sql.Literal(n.spec.id_column),
+        window_s=sql.Literal(window_s),
+        phase=sql.Literal(phase),
+    )
+
+
+def no_old_app_sessions(pattern: str, phase: str) -> Condition:
+    return condition("no-old-app-sessions", pattern=sql.Literal(pattern), phase=sql.Literal(phase))
+
+
+def _check_parts(n: Names) -> dict[str, sql.Composable]:
+    return {"rel_reg": n.reg(n.table), "check_name": sql.Literal(n.spec.check_name)}
+
+
+def check_exists(n: Names) -> Condition:
+    return condition("check-exists", **_check_parts(n))
+
+
+def check_validated(n: Names) -> Condition:
+    return condition("check-validated", **_check_parts(n))
+
+
+def check_implies_partition_constraint(n: Names) -> Condition:
+    return condition(
+        "check-implies-partition-constraint",
+        column_name=sql.Literal(n.spec.published_column),
+        **_check_parts(n),
+    )
+
+
+def check_absent(n: Names) -> Condition:
+    return condition("check-absent", **_check_parts(n))
+
+
+def column_not_null(n: Names) -> Condition:
+    return condition(
+        "column-not-null",
+        rel_reg=n.reg(n.table),
+        column_name=sql.Literal(n.spec.published_column),
+    )
+
+
+def no_identity(n: Names, relation: str) -> Condition:
+    return condition(
+        "no-identity",
+        relation,
+        rel_reg=n.reg(relation),
+        column_name=sql.Literal(n.spec.id_column),
+    )
+
+
+def columns_match(n: Names, relation: str) -> Condition:
+    return condition("columns-match", relation, rel_reg=n.reg(relation), parent_reg=n.reg(n.parent))
+
+
+def new_ids_above_old(n: Names) -> Condition:
+    return condition(
+        "new-ids-above-old",
+        parent_reg=n.reg(n.parent),
+        rel_reg=n.reg(n.table),
+        rel_q=n.q(n.table),
+        id_q=n.id_q,
+        id_name=sql.Literal(n.spec.id_column),
+    )
+
+
+def _trigger_parts(n: Names) -> dict[str, sql.Composable]:
+    return {"rel_reg": n.reg(n.published), "trigger_name": sql.Literal(n.spec.copy_trigger)}
+
+
+def trigger_exists(n: Names) -> Condition:
+    return condition("trigger-exists", **_trigger_parts(n))
+
+
+def trigger_absent(n: Names) -> Condition:
+    return condition("trigger-absent", **_trigger_parts(n))
+
+
+def function_absent(n: Names) -> Condition:
+    return condition("function-absent", function_reg=n.reg(n.spec.copy_function))
+
+
+AUTOVACUUM_INSERT_ONLY: tuple[tuple[str, str], ...] = (
+    ("autovacuum_vacuum_insert_scale_factor", "0"),
+    ("autovacuum_vacuum_insert_threshold", "100000"),
+    ("autovacuum_analyze_scale_factor", "0"),
+    ("autovacuum_analyze_threshold", "100000"),
+)
+"""The spec's settings for the insert-only published partition: vacuum and analyze every
+100 k inserted rows regardless of size (PostgreSQL's defaults scale with table size)."""
+
+
+def autovacuum_tuned(n: Names, relation: str) -> Condition:
+    wanted = [f"{key}={value}" for key, value in AUTOVACUUM_INSERT_ONLY]
+    return condition(
+        "autovacuum-tuned", relation, rel_reg=n.reg(relation), settings=sql.Literal(wanted)
+    )
+
+
+def autovacuum_default(n: Names, relation: str) -> Condition:
+    return condition("autovacuum-default", relation, rel_reg=n.reg(relation))
+
+
+def all_rows_present(n: Names, source: str, target: str) -> Condition:
+    return condition(
+        "all-rows-present",
+        f"{source}->{target}",
+        source_reg=n.reg(source),
+        source_q=n.q(source),
+        rel_reg=n.reg(target),
+        rel_q=n.q(target),
+        id_q=n.id_q,
+    )
+
+
+def no_fk_references(n: Names, relation: str) -> Condition:
+    return condition("no-fk-references", relation, rel_reg=n.reg(relation))
+
+
+def no_id_clash(n: Names) -> Condition:
+    return condition(
+        "no-id-clash",
+        rel_reg=n.reg(n.table),
+        rel_q=n.q(n.table),
+        parent_reg=n.reg(n.parent),
+        parent_q=n.q(n.parent),
+        id_q=n.id_q,
+    )
+
+
+def relation_empty(n: Names, relation: str) -> Condition:
+    return condition("relation-empty", relation, rel_reg=n.reg(relation), rel_q=n.q(relation))

@@ -1,0 +1,124 @@
+"""Step kinds: the code behind the catalog's data. One module per family of kinds.
+
+A kind is a function `(ctx, params) -> Step` registered under its name; pattern files refer
+to kinds by that name. Kinds build inert `Step` objects and never touch a database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg import sql
+
+from outbox_migrate.patterns.model import Condition, Lock, Step, TxMode
+from outbox_migrate.patterns.names import Names
+
+CATALOG_TIMEOUT_MS = 2_000
+"""statement_timeout of catalog-only DDL: generous for catalog work, fatal for a table scan."""
+SCAN_GUARD_TIMEOUT_MS = 1_000
+"""ATTACH runs under this: if PostgreSQL decided to scan after all, it fails in a second
+instead of holding ACCESS EXCLUSIVE for minutes."""
+CREATE_TIMEOUT_MS = 10_000
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a kind needs to build its step: names, position in the pattern, options."""
+
+    names: Names
+    pattern: str
+    phase: str
+    app_before: str
+    app_after: str
+    sample_window_s: float
+    old_app_name: str
+    identity_generation: str = "ALWAYS"
+    """How the old table's identity was generated (for reversing DROP IDENTITY)."""
+
+    def step_id(self, kind: str) -> str:
+        return f"{self.pattern}.{self.phase.lower()}.{kind}"
+
+    def deploy_gate(self, relation: str) -> tuple[Condition, ...]:
+        """The checks that prove the previous version stopped writing to `relation`."""
+        from outbox_migrate.patterns import conditions as c
+
+        checks = [c.no_new_ids(self.names, relation, self.phase, self.sample_window_s)]
+        if self.old_app_name:
+            checks.append(c.no_old_app_sessions(self.old_app_name, self.phase))
+        return tuple(checks)
+
+
+StepBuilder = Callable[[BuildContext, Mapping[str, Any]], Step]
+REGISTRY: dict[str, StepBuilder] = {}
+
+
+def kind(name: str) -> Callable[[StepBuilder], StepBuilder]:
+    """Register a step builder under the name pattern files use."""
+
+    def register(builder: StepBuilder) -> StepBuilder:
+        if name in REGISTRY:
+            raise ValueError(f"step kind {name!r} registered twice")
+        REGISTRY[name] = builder
+        return builder
+
+    return register
+
+
+def make_step(
+    ctx: BuildContext,
+    kind_name: str,
+    *,
+    summary: str,
+    statements: tuple[sql.Composable, ...],
+    tx: TxMode,
+    locks: tuple[Lock, ...],
+    preconditions: tuple[Condition, ...],
+    postcondition: tuple[Condition, ...],
+    reverse: tuple[sql.Composable, ...] | None,
+    reverse_note: str,
+    reverse_preconditions: tuple[Condition, ...] = (),
+    scan: str = "",
+    statement_timeout_ms: int | None = CATALOG_TIMEOUT_MS,
+    optional: bool = False,
+    catalog_only: bool = False,
+    notes: tuple[str, ...] = (),
+) -> Step:
+    return Step(
+        id=ctx.step_id(kind_name),
+        kind=kind_name,
+        phase=ctx.phase,
+        summary=summary,
+        app_before=ctx.app_before,
+        app_after=ctx.app_after,
+        statements=statements,
+        tx=tx,
+        locks=locks,
+        scan=scan,
+        preconditions=preconditions,
+        postcondition=postcondition,
+        reverse=reverse,
+        reverse_note=reverse_note,
+        reverse_preconditions=reverse_preconditions,
+        statement_timeout_ms=statement_timeout_ms,
+        optional=optional,
+        catalog_only=catalog_only,
+        notes=notes,
+    )
+
+
+def load_all() -> Mapping[str, StepBuilder]:
+    """Import every kind module so the registry is complete."""
+    from outbox_migrate.patterns.kinds import (  # noqa: F401
+        attach,
+        check_constraint,
+        copy_trigger,
+        gate,
+        identity,
+        jobs,
+        partitioned_table,
+        tuning,
+    )
+
+    return REGISTRY

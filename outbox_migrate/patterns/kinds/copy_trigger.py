@@ -1,0 +1,110 @@
+"""HOPIA's copy trigger: every row that lands in the published partition is also written to
+the old table, so the old table (the future DEFAULT partition) is complete at all times.
+
+Rows reach the published partition by the relay's cross-partition UPDATE, which PostgreSQL
+executes as DELETE from `outbox_unpublished` + INSERT into `outbox_published`; the INSERT fires
+row-level AFTER INSERT triggers on the destination partition.
+
+The spec's trigger inserts explicit ids; while the old table still has its identity (until
+V4) that needs `OVERRIDING SYSTEM VALUE`, otherwise GENERATED ALWAYS rejects the insert and the
+relay's UPDATE fails. `ON CONFLICT DO NOTHING` keeps the copy idempotent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from psycopg import sql
+
+from outbox_migrate.patterns import conditions as c
+from outbox_migrate.patterns.kinds import BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND
+from outbox_migrate.patterns.model import Lock, LockMode, Step, TxMode
+
+
+def create_trigger_sql(ctx: BuildContext) -> tuple[sql.Composable, ...]:
+    n = ctx.names
+    function = sql.SQL(
+        "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $om$\n"
+        "BEGIN\n"
+        "    INSERT INTO {old} OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;\n"
+        "    RETURN NULL;\n"
+        "END\n"
+        "$om$"
+    ).format(function=n.function_q, old=n.q(n.table))
+    trigger = sql.SQL(
+        "CREATE TRIGGER {trigger} AFTER INSERT ON {published} "
+        "FOR EACH ROW EXECUTE FUNCTION {function}()"
+    ).format(trigger=n.trigger_q, published=n.q(n.published), function=n.function_q)
+    return (function, trigger)
+
+
+def drop_trigger_sql(ctx: BuildContext) -> tuple[sql.Composable, ...]:
+    n = ctx.names
+    return (
+        sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(n.trigger_q, n.q(n.published)),
+        sql.SQL("DROP FUNCTION IF EXISTS {}()").format(n.function_q),
+    )
+
+
+@kind("install-copy-trigger")
+def install_copy_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    n = ctx.names
+    return make_step(
+        ctx,
+        "install-copy-trigger",
+        summary=f"AFTER INSERT trigger on {n.published} copying each published row to {n.table}",
+        statements=create_trigger_sql(ctx),
+        tx=TxMode.TRANSACTION,
+        locks=(Lock(n.display(n.published), LockMode.SHARE_ROW_EXCLUSIVE),),
+        preconditions=(
+            c.partition_bound(n, n.published, DEFAULT_BOUND),
+            c.relation_exists(n, n.table),
+            c.relation_empty(n, n.published),
+        ),
+        postcondition=(c.trigger_exists(n),),
+        reverse=drop_trigger_sql(ctx),
+        reverse_note="drop the trigger and its function",
+    )
+
+
+@kind("remove-copy-trigger")
+def remove_copy_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    n = ctx.names
+    return make_step(
+        ctx,
+        "remove-copy-trigger",
+        summary=f"Drop the copy trigger and its function ({n.published} is detached now)",
+        statements=drop_trigger_sql(ctx),
+        tx=TxMode.TRANSACTION,
+        locks=(Lock(n.display(n.published), LockMode.ACCESS_EXCLUSIVE),),
+        catalog_only=True,
+        preconditions=(c.not_a_partition(n, n.published),),
+        postcondition=(c.trigger_absent(n), c.function_absent(n)),
+        reverse=create_trigger_sql(ctx),
+        reverse_note="re-create the trigger and function",
+        reverse_preconditions=(c.relation_exists(n, n.published),),
+    )
+
+
+@kind("drop-detached-published")
+def drop_detached_published(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    n = ctx.names
+    return make_step(
+        ctx,
+        "drop-detached-published",
+        summary=f"Drop the detached {n.published}: every row of it is in {n.table}",
+        statements=(sql.SQL("DROP TABLE {}").format(n.q(n.published)),),
+        tx=TxMode.TRANSACTION,
+        locks=(Lock(n.display(n.published), LockMode.ACCESS_EXCLUSIVE),),
+        catalog_only=True,
+        preconditions=(
+            c.not_a_partition(n, n.published),
+            c.all_rows_present(n, n.published, n.table),
+        ),
+        postcondition=(c.relation_absent(n, n.published),),
+        reverse=None,
+        reverse_note="irreversible: the table is gone (its rows live on in the old table)",
+        optional=bool(params.get("optional", False)),
+    )

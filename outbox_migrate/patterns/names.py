@@ -1,0 +1,75 @@
+"""Every identifier a step needs, composed once from the `OutboxSpec` with `psycopg.sql`.
+
+Two forms per relation: `*_q` (an Identifier for SQL text) and `*_reg` (a text literal of the
+quoted, schema-qualified name, for `to_regclass` in catalog queries). Both come from psycopg's
+quoting, never from string formatting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psycopg import sql
+
+from outbox_migrate.config import OutboxSpec
+
+
+def _reg(*parts: str) -> sql.Literal:
+    return sql.Literal(sql.Identifier(*parts).as_string(None))
+
+
+@dataclass(frozen=True)
+class Names:
+    spec: OutboxSpec
+
+    def q(self, relation: str) -> sql.Identifier:
+        return sql.Identifier(self.spec.schema, relation)
+
+    def reg(self, relation: str) -> sql.Literal:
+        return _reg(self.spec.schema, relation)
+
+    def display(self, relation: str) -> str:
+        """Human form used in lock tables: schema-qualified only outside `public`."""
+        if self.spec.schema == "public":
+            return relation
+        return f"{self.spec.schema}.{relation}"
+
+    @property
+    def table(self) -> str:
+        return self.spec.table
+
+    @property
+    def parent(self) -> str:
+        return self.spec.partitioned_table
+
+    @property
+    def unpublished(self) -> str:
+        return self.spec.unpublished_partition
+
+    @property
+    def published(self) -> str:
+        return self.spec.published_partition
+
+    @property
+    def id_q(self) -> sql.Identifier:
+        return sql.Identifier(self.spec.id_column)
+
+    @property
+    def published_at_q(self) -> sql.Identifier:
+        return sql.Identifier(self.spec.published_column)
+
+    @property
+    def check_q(self) -> sql.Identifier:
+        return sql.Identifier(self.spec.check_name)
+
+    @property
+    def index_q(self) -> sql.Identifier:
+        return sql.Identifier(self.spec.schema, self.spec.unpublished_index)
+
+    @property
+    def trigger_q(self) -> sql.Identifier:
+        return sql.Identifier(self.spec.copy_trigger)
+
+    @property
+    def function_q(self) -> sql.Identifier:
+        return sql.Identifier(self.spec.schema, self.spec.copy_function)
