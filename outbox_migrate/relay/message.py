@@ -1,0 +1,53 @@
+"""One outbox row as the relay hands it to a sink. Pure data; no I/O.
+
+The payload stays the JSON text PostgreSQL returned (`payload::text`): sinks send bytes, so
+parsing and re-serialising every payload would only cost CPU in the hot loop.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """An outbox row: its id (the de-duplication key downstream), routing fields, payload."""
+
+    id: int
+    table: str
+    """The relation it was claimed from (flat table or partitioned parent)."""
+    event_type: str | None
+    key: str | None
+    payload: str
+    """JSON text, exactly as stored."""
+    created_at: datetime
+
+    @property
+    def payload_bytes(self) -> bytes:
+        return self.payload.encode()
+
+    def envelope(self) -> str:
+        """One JSON object (no newline): id, table, event_type, key, created_at, payload.
+
+        The payload is embedded verbatim: it is already valid JSON text from PostgreSQL.
+        """
+        head = json.dumps(
+            {
+                "id": self.id,
+                "table": self.table,
+                "event_type": self.event_type,
+                "key": self.key,
+                "created_at": self.created_at.isoformat(),
+            },
+            separators=(",", ":"),
+        )
+        return f'{head[:-1]},"payload":{self.payload}}}'
+
+    def headers(self) -> dict[str, str]:
+        """Broker headers every sink sets: the outbox id and, when known, the event type."""
+        out = {"outbox-id": str(self.id), "outbox-table": self.table}
+        if self.event_type is not None:
+            out["event-type"] = self.event_type
+        return out

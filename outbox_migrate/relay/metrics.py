@@ -1,0 +1,141 @@
+"""Observability: Prometheus metrics and a health endpoint, both optional.
+
+`Observer` is what the worker loop reports to; the base class does nothing, so the relay
+runs without prometheus-client. `PrometheusObserver` keeps its own registry (several relays
+in one process — the tests — do not clash) and `serve` exposes `/metrics` and `/healthz` on a
+small threaded HTTP server. Health is "every live worker finished a loop iteration within
+HEALTH_STALE_S"; a worker blocked on a dead broker with backoff still iterates.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from outbox_migrate.relay.errors import RelayError
+
+HEALTH_STALE_S = 60.0
+METRICS_INTERVAL_S = 5.0
+"""How often the backlog size and oldest unpublished age are sampled."""
+BATCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Observer:
+    """Receives the relay's events. The default ignores them."""
+
+    def published(self, count: int) -> None: ...
+
+    def failed(self, reason: str, count: int = 1) -> None: ...
+
+    def batch_seconds(self, seconds: float) -> None: ...
+
+    def backlog(self, rows: int, oldest_age_s: float) -> None: ...
+
+    def heartbeat(self, worker: int) -> None: ...
+
+    def worker_done(self, worker: int) -> None: ...
+
+    def healthy(self) -> bool:
+        return True
+
+
+class PrometheusObserver(Observer):
+    """Counters, a latency histogram and backlog gauges in a private registry."""
+
+    def __init__(self) -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError:
+            raise RelayError(
+                "metrics need prometheus-client: install outbox-migrate[metrics]"
+            ) from None
+        self._prom = prom
+        self.registry = prom.CollectorRegistry()
+        self._published = prom.Counter(
+            "outbox_relay_published", "Messages acknowledged and marked", registry=self.registry
+        )
+        self._failed = prom.Counter(
+            "outbox_relay_failed",
+            "Failed attempts by reason (sink, rejected, serialization, connection)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._latency = prom.Histogram(
+            "outbox_relay_batch_seconds",
+            "Claim + publish + mark time of one batch",
+            buckets=BATCH_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._backlog = prom.Gauge(
+            "outbox_relay_backlog_rows", "Unpublished rows", registry=self.registry
+        )
+        self._oldest = prom.Gauge(
+            "outbox_relay_oldest_unpublished_age_seconds",
+            "Age of the oldest unpublished row",
+            registry=self.registry,
+        )
+        self._beats: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def published(self, count: int) -> None:
+        self._published.inc(count)
+
+    def failed(self, reason: str, count: int = 1) -> None:
+        self._failed.labels(reason=reason).inc(count)
+
+    def batch_seconds(self, seconds: float) -> None:
+        self._latency.observe(seconds)
+
+    def backlog(self, rows: int, oldest_age_s: float) -> None:
+        self._backlog.set(rows)
+        self._oldest.set(oldest_age_s)
+
+    def heartbeat(self, worker: int) -> None:
+        with self._lock:
+            self._beats[worker] = time.monotonic()
+
+    def worker_done(self, worker: int) -> None:
+        with self._lock:
+            self._beats.pop(worker, None)
+
+    def healthy(self) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            return all(now - beat < HEALTH_STALE_S for beat in self._beats.values())
+
+    def exposition(self) -> bytes:
+        data: bytes = self._prom.generate_latest(self.registry)
+        return data
+
+
+def serve(observer: PrometheusObserver, host: str, port: int) -> ThreadingHTTPServer:
+    """Start `/metrics` and `/healthz` in a daemon thread; the caller shuts it down."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.startswith("/metrics"):
+                body, status, kind = observer.exposition(), 200, "text/plain; version=0.0.4"
+            elif self.path.startswith("/healthz"):
+                ok = observer.healthy()
+                body, status, kind = (
+                    (b"ok\n" if ok else b"stale\n"),
+                    (200 if ok else 503),
+                    "text/plain",
+                )
+            else:
+                body, status, kind = b"not found\n", 404, "text/plain"
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="relay-http", daemon=True)
+    thread.start()
+    return server

@@ -1,0 +1,106 @@
+"""What a relay run is asked to do: mode, batching, workers, ordering, retries. Pure data.
+
+Constants carry units. The defaults suit a relay next to a busy service: batches of 500, a
+poll every second when LISTEN/NOTIFY is quiet, shutdown within 10 s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from outbox_migrate.relay.errors import RelayError
+
+DEFAULT_BATCH_SIZE = 500
+MAX_BATCH_SIZE = 100_000
+POLL_INTERVAL_S = 1.0
+"""Idle wait between claims when no NOTIFY arrives (the fallback to LISTEN/NOTIFY)."""
+SHUTDOWN_TIMEOUT_S = 10.0
+"""How long a stop waits for the in-flight batch before cancelling it (it is then re-sent)."""
+DEFAULT_CHANNEL = "outbox_migrate_relay"
+DEFAULT_DEAD_LETTER_TABLE = "outbox_dead_letter"
+
+
+class Mode(StrEnum):
+    """Which table(s) the relay publishes from."""
+
+    partitioned = "partitioned"
+    """The steady state: claim from the unpublished partition, mark through the parent."""
+    switching = "switching"
+    """V2 of HOP/HOPER/HOPIA: drain the flat table, then switch to the partitioned one, once."""
+    flat = "flat"
+    """A traditional outbox (V1, and the benchmarks' baseline)."""
+
+
+class Ordering(StrEnum):
+    """How the id space is split between concurrent claimers (see docs/relay.md)."""
+
+    none = "none"
+    """Shard by `id % shards`: most throughput, order only within a shard."""
+    key = "key"
+    """Shard by a hash of the message key: per-key order, parallel across keys."""
+    global_ = "global"
+    """One active claimer (a single shard): strict id order; other workers stand by."""
+
+
+class SwitchGate(StrEnum):
+    """The proof, besides "drained", that no writer can still insert into the flat table."""
+
+    privilege = "privilege"
+    """No non-superuser login role may INSERT into it (the operator revoked it). Sound."""
+    sessions = "sessions"
+    """No session of the old application (`old_app_name`) is connected. Trusts the deploy."""
+
+
+@dataclass(frozen=True)
+class RelayOptions:
+    """Options of one relay run; validated on construction."""
+
+    mode: Mode = Mode.partitioned
+    batch_size: int = DEFAULT_BATCH_SIZE
+    workers: int = 1
+    shards: int | None = None
+    """Total shards across every relay process sharing the table (default: `workers`)."""
+    ordering: Ordering = Ordering.none
+    until_empty: bool = False
+    poll_interval_s: float = POLL_INTERVAL_S
+    listen: bool = True
+    channel: str = DEFAULT_CHANNEL
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
+    max_attempts: int = 5
+    """A message the sink rejects this many times goes to the dead-letter table."""
+    dead_letter_table: str = DEFAULT_DEAD_LETTER_TABLE
+    key_column: str | None = None
+    """Column used as the broker key; None = `message_key` when the table has it."""
+    event_type_column: str | None = None
+    """Column sent as the event-type header; None = `event_type` when the table has it."""
+    switch_gate: SwitchGate = SwitchGate.privilege
+    old_app_name: str = ""
+    """SQL LIKE pattern of the old application's `application_name` (the sessions gate)."""
+    backoff_base_s: float = 0.1
+    backoff_cap_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
+            raise RelayError(f"batch size must be 1..{MAX_BATCH_SIZE}, got {self.batch_size}")
+        if self.workers < 1:
+            raise RelayError(f"workers must be >= 1, got {self.workers}")
+        if self.shards is not None and self.shards < 1:
+            raise RelayError(f"shards must be >= 1, got {self.shards}")
+        if self.max_attempts < 1:
+            raise RelayError(f"max attempts must be >= 1, got {self.max_attempts}")
+        if self.poll_interval_s <= 0 or self.shutdown_timeout_s <= 0:
+            raise RelayError("poll interval and shutdown timeout must be positive")
+        if (
+            self.mode is Mode.switching
+            and self.switch_gate is SwitchGate.sessions
+            and not (self.old_app_name)
+        ):
+            raise RelayError("the sessions switch gate needs old_app_name (the V1 app's name)")
+
+    @property
+    def shard_count(self) -> int:
+        """Shards the id space is split into; `global` ordering always uses one."""
+        if self.ordering is Ordering.global_:
+            return 1
+        return self.shards or self.workers

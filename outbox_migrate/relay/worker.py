@@ -1,0 +1,539 @@
+"""The relay's worker loop: claim → publish → mark, with a clean lifecycle.
+
+Each worker is a thread with its own connection and its own sink. One batch is one
+transaction: claim rows (`FOR UPDATE SKIP LOCKED`, this session's shards only), publish them
+and wait for the broker's acknowledgement, mark the acknowledged ones, commit. Nothing is
+marked before the broker acknowledged it, so a crash anywhere re-sends at most the batch in
+flight (at-least-once). Failures are sorted, never swallowed:
+
+* SQLSTATE 40001 (row moved to another partition by a concurrent mark): retried at once
+  after a short jitter — the shard scheme makes it rare, the retry makes it harmless;
+* a lost connection: reconnect with exponential backoff (shards are re-acquired);
+* the sink unavailable: the batch rolls back, the worker backs off and retries, forever;
+* messages the sink rejects: attempts are counted; after `max_attempts` the row goes to the
+  dead-letter table and is marked in the same transaction (nothing lost).
+
+`Relay.stop()` (SIGTERM in the CLI) lets every worker finish its in-flight batch; after
+`shutdown_timeout_s` the rest are abandoned before their mark (their rows are re-sent later).
+Log lines start with stable event names (`relay.started`, `relay.switched`, …).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.db import APPLICATION_NAME
+from outbox_migrate.relay import queries
+from outbox_migrate.relay.backoff import backoff_s, jitter_s
+from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
+from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
+from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
+from outbox_migrate.relay.shards import ShardLease, home_shards
+from outbox_migrate.relay.sinks import Sink, SinkFactory
+from outbox_migrate.relay.switching import SourceState
+
+log = logging.getLogger("outbox_migrate.relay")
+
+RELAY_APPLICATION_NAME = f"{APPLICATION_NAME} relay"
+CURSOR_RESET_S = 1.0
+"""How often a claim restarts from the lowest id, to find rows whose transaction committed
+after higher ids were already published."""
+ABANDON_GRACE_S = 2.0
+"""After the shutdown timeout: how long abandoned workers get to roll back and exit."""
+
+
+@dataclass
+class RelayStats:
+    """What a run did; read it after `run()` returns (or live, for tests)."""
+
+    published: int = 0
+    batches: int = 0
+    serialization_retries: int = 0
+    connection_retries: int = 0
+    sink_failures: int = 0
+    rejected: int = 0
+    dead_lettered: int = 0
+    switches: int = 0
+    abandoned_workers: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+
+class _Abandoned(Exception):
+    """Raised inside a worker's transaction after the shutdown timeout: roll back, exit."""
+
+
+class _Waker:
+    """Wakes idle workers on NOTIFY or stop; a generation counter avoids lost wake-ups."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._generation = 0
+
+    @property
+    def generation(self) -> int:
+        with self._cond:
+            return self._generation
+
+    def wake(self) -> None:
+        with self._cond:
+            self._generation += 1
+            self._cond.notify_all()
+
+    def wait(self, seen: int, timeout_s: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._generation != seen, timeout=timeout_s)
+
+
+class Relay:
+    """Publishes an outbox (flat, partitioned, or switching between them) through a sink."""
+
+    def __init__(
+        self,
+        dsn: str,
+        sink_factory: SinkFactory,
+        *,
+        spec: OutboxSpec | None = None,
+        options: RelayOptions | None = None,
+        observer: Observer | None = None,
+        application_name: str = RELAY_APPLICATION_NAME,
+    ) -> None:
+        self.dsn = dsn
+        self.spec = spec or OutboxSpec()
+        self.options = options or RelayOptions()
+        self.sink_factory = sink_factory
+        self.observer = observer or Observer()
+        self.application_name = application_name
+        self.state = SourceState(
+            self.spec, self.options.mode, self.options.switch_gate, self.options.old_app_name
+        )
+        self.stats = RelayStats()
+        self._stop = threading.Event()
+        self._abandon = threading.Event()
+        self._waker = _Waker()
+        self._columns: dict[str, queries.Columns] = {}
+        self._attempts: dict[tuple[str, int], int] = {}
+        self._attempts_lock = threading.Lock()
+        self._conns: dict[int, Any] = {}
+        self._dead_letter_ready = False
+        self._ddl_lock = threading.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask every worker to finish its in-flight batch and exit (thread- and signal-safe)."""
+        self._stop.set()
+        self._waker.wake()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> RelayStats:
+        """Run the workers until `stop()` (or, with `until_empty`, until nothing is left)."""
+        self._prepare()
+        options = self.options
+        log.info(
+            "relay.started mode=%s workers=%d shards=%d batch=%d",
+            options.mode, options.workers, options.shard_count, options.batch_size,
+        )  # fmt: skip
+        threads = [
+            threading.Thread(target=self._worker, args=(i,), name=f"relay-{i}", daemon=True)
+            for i in range(options.workers)
+        ]
+        helpers: list[threading.Thread] = []
+        if options.listen and not options.until_empty:
+            helpers.append(threading.Thread(target=self._listen, name="relay-listen", daemon=True))
+        if type(self.observer) is not Observer:
+            helpers.append(threading.Thread(target=self._sample, name="relay-sample", daemon=True))
+        for thread in threads + helpers:
+            thread.start()
+        try:
+            while any(t.is_alive() for t in threads) and not self._stop.is_set():
+                for thread in threads:
+                    thread.join(timeout=0.2)
+        finally:
+            self.stop()
+            self._shutdown(threads)
+            for helper in helpers:
+                helper.join(timeout=2.0)
+        self.stats.switches = self.state.switches
+        log.info("relay.stopped %s", " ".join(f"{k}={v}" for k, v in self.stats.as_dict().items()))
+        return self.stats
+
+    def _shutdown(self, threads: list[threading.Thread]) -> None:
+        deadline = time.monotonic() + self.options.shutdown_timeout_s
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        late = [t for t in threads if t.is_alive()]
+        if not late:
+            return
+        # The in-flight batch did not finish in time: abandon it before its mark. A running
+        # query is cancelled; a worker waiting on the broker rolls back when the call returns.
+        self._abandon.set()
+        self.stats.add(abandoned_workers=len(late))
+        log.warning("relay.shutdown_timeout workers=%d", len(late))
+        for conn in list(self._conns.values()):
+            try:
+                conn.cancel_safe(timeout=1.0)
+            except Exception:  # best effort: the connection is in use elsewhere
+                log.debug("relay.cancel_failed", exc_info=True)
+        for thread in late:
+            thread.join(timeout=ABANDON_GRACE_S)
+
+    def _prepare(self) -> None:
+        """Check the tables and resolve optional columns once, before any worker starts."""
+        from outbox_migrate.db import connect
+
+        with connect(self.dsn, application_name=self.application_name) as conn:
+            sources = [self.state.current]
+            if self.options.mode is Mode.switching:
+                sources = [self.state.flat, self.state.partitioned]
+            for source in sources:
+                self._columns[source.label] = self._resolve_columns(conn, source)
+
+    def _resolve_columns(self, conn: Any, source: queries.Source) -> queries.Columns:
+        rows = conn.execute(
+            queries.table_columns(), {"schema": source.schema, "table": source.mark_table}
+        ).fetchall()
+        present = {str(r[0]) for r in rows}
+        if not present:
+            raise RelayError(f"table {source.label} does not exist")
+        required = [source.id_column, source.published_column, "payload", "created_at"]
+        missing = [c for c in required if c not in present]
+        if missing:
+            raise RelayError(f"table {source.label} has no column(s) {', '.join(missing)}")
+
+        def optional(given: str | None, default: str) -> str | None:
+            if given is not None:
+                if given not in present:
+                    raise RelayError(f"table {source.label} has no column {given!r}")
+                return given
+            return default if default in present else None
+
+        return queries.Columns(
+            event_type=optional(self.options.event_type_column, "event_type"),
+            key=optional(self.options.key_column, "message_key"),
+        )
+
+    # -- the worker loop -------------------------------------------------------------------
+
+    def _worker(self, index: int) -> None:
+        _Worker(self, index).run()
+
+    def _idle_wait(self, generation: int) -> None:
+        if not self._stop.is_set():
+            self._waker.wait(generation, self.options.poll_interval_s)
+
+    def _backoff(self, failures: int) -> float:
+        return backoff_s(
+            failures, base_s=self.options.backoff_base_s, cap_s=self.options.backoff_cap_s
+        )
+
+    def _nothing_left(self, conn: Any) -> bool:
+        """`until_empty`: this worker's table is empty; in switching mode, wait for the switch
+        unless the partitioned table is empty too (nothing to publish either way)."""
+        if self.state.mode is not Mode.switching or self.state.switched:
+            return True
+        row = conn.execute(queries.has_unpublished(self.state.partitioned)).fetchone()
+        return not (row and row[0])
+
+    def _batch(
+        self, conn: Any, sink: Sink, source: queries.Source, lease: ShardLease, after: int
+    ) -> tuple[int, int]:
+        """One transaction: claim, publish, mark. Returns (rows claimed, cursor for the next)."""
+        options = self.options
+        columns = self._columns[source.label]
+        claim = queries.claim(
+            source, columns, sharded=lease.sharded, by_key=options.ordering is Ordering.key
+        )
+        params: dict[str, Any] = {"after": after, "limit": options.batch_size}
+        if lease.sharded:
+            params.update(shards=lease.count, mine=lease.mine())
+        started = time.perf_counter()
+        with conn.transaction():
+            rows = conn.execute(claim, params).fetchall()
+            if not rows:
+                return 0, after
+            batch = [Message(int(r[0]), source.label, r[1], r[2], r[3], r[4]) for r in rows]
+            to_mark, retry_from = self._publish(conn, sink, source, batch)
+            if self._abandon.is_set():
+                raise _Abandoned
+            if to_mark:
+                conn.execute(queries.mark(source), {"ids": to_mark})
+        elapsed = time.perf_counter() - started
+        self.stats.add(published=len(to_mark), batches=1)
+        self.observer.published(len(to_mark))
+        self.observer.batch_seconds(elapsed)
+        # Rejected messages still due a retry must be claimed again: move the cursor below them.
+        next_after = batch[-1].id if retry_from is None else retry_from - 1
+        return len(batch), next_after
+
+    def _publish(
+        self, conn: Any, sink: Sink, source: queries.Source, batch: list[Message]
+    ) -> tuple[list[int], int | None]:
+        """Publish; returns (ids to mark, lowest id to claim again or None)."""
+        try:
+            sink.publish(batch)
+        except MessagesRejected as exc:
+            rejected = exc.rejected
+        else:
+            return [m.id for m in batch], None
+        self.stats.add(rejected=len(rejected))
+        self.observer.failed("rejected", len(rejected))
+        to_mark = [m.id for m in batch if m.id not in rejected]
+        retry: list[int] = []
+        for message in batch:
+            if message.id not in rejected:
+                continue
+            with self._attempts_lock:
+                key = (source.label, message.id)
+                attempts = self._attempts.get(key, 0) + 1
+                self._attempts[key] = attempts
+            if attempts < self.options.max_attempts:
+                retry.append(message.id)
+                continue
+            self._dead_letter(conn, source, message, attempts, rejected[message.id])
+            to_mark.append(message.id)
+            with self._attempts_lock:
+                self._attempts.pop(key, None)
+        log.warning("relay.rejected count=%d dead_lettered=%d", len(rejected),
+                    len(rejected) - len(retry))  # fmt: skip
+        return to_mark, (min(retry) if retry else None)
+
+    def _dead_letter(
+        self, conn: Any, source: queries.Source, message: Message, attempts: int, error: str
+    ) -> None:
+        """Keep the message in the dead-letter table; its mark commits in the same transaction."""
+        schema = self.spec.schema
+        table = self.options.dead_letter_table
+        if not self._dead_letter_ready:
+            with self._ddl_lock:
+                conn.execute(queries.create_dead_letter(schema, table))
+                self._dead_letter_ready = True
+        conn.execute(
+            queries.insert_dead_letter(schema, table),
+            {
+                "source": source.label, "id": message.id, "event_type": message.event_type,
+                "key": message.key, "payload": message.payload,
+                "created_at": message.created_at, "attempts": attempts, "error": error[:2000],
+            },
+        )  # fmt: skip
+        self.stats.add(dead_lettered=1)
+        log.warning("relay.dead_lettered id=%d attempts=%d", message.id, attempts)
+
+    # -- helpers threads ------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        """LISTEN on the channel and wake idle workers; polling covers any gap."""
+        from psycopg import sql
+
+        from outbox_migrate.db import connect
+        from outbox_migrate.errors import ConnectError
+
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                with connect(self.dsn, application_name=self.application_name) as conn:
+                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.options.channel)))
+                    failures = 0
+                    while not self._stop.is_set():
+                        for _ in conn.notifies(timeout=0.5, stop_after=1):
+                            self._waker.wake()
+            except _connection_errors(ConnectError):
+                self._stop.wait(self._backoff(failures))
+                failures += 1
+
+    def _sample(self) -> None:
+        """Sample backlog size and oldest unpublished age for the metrics."""
+        from outbox_migrate.db import connect
+        from outbox_migrate.errors import ConnectError
+
+        while not self._stop.is_set():
+            try:
+                with connect(self.dsn, application_name=self.application_name) as conn:
+                    while not self._stop.is_set():
+                        source = self.state.current
+                        row = conn.execute(
+                            queries.backlog(source, self._columns[source.label])
+                        ).fetchone()
+                        if row:
+                            self.observer.backlog(int(row[0]), float(row[1]))
+                        self._stop.wait(METRICS_INTERVAL_S)
+            except _connection_errors(ConnectError):
+                self._stop.wait(METRICS_INTERVAL_S)
+
+    def _close_sink(self, sink: Sink | None) -> None:
+        if sink is not None:
+            try:
+                sink.close()
+            except Exception:  # a broken sink is replaced, not fatal
+                log.debug("relay.sink_close_failed", exc_info=True)
+
+    def _close_conn(self, index: int, conn: Any) -> None:
+        self._conns.pop(index, None)
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # closing a broken connection may fail too
+                log.debug("relay.close_failed", exc_info=True)
+
+
+def _connection_errors(*more: type[BaseException]) -> tuple[type[BaseException], ...]:
+    import psycopg
+
+    return (psycopg.OperationalError, psycopg.InterfaceError, *more)
+
+
+def _serialization_errors() -> type[BaseException]:
+    import psycopg
+
+    return psycopg.errors.SerializationFailure
+
+
+def _one_line(exc: BaseException) -> str:
+    from outbox_migrate.db import one_line
+
+    return one_line(str(exc))
+
+
+class _Worker:
+    """One worker thread's state: its session, sink, shards and id cursor."""
+
+    def __init__(self, relay: Relay, index: int) -> None:
+        options = relay.options
+        table = relay.state.flat if options.mode is Mode.flat else relay.state.partitioned
+        self.relay = relay
+        self.index = index
+        self.lease = ShardLease(
+            key=f"{queries.ADVISORY_NAMESPACE}:{table.label}",
+            shards=options.shard_count,
+            home=home_shards(index, options.workers, options.shard_count),
+        )
+        self.conn: Any = None
+        self.sink: Sink | None = None
+        self.failures = 0
+        self.after = 0
+        self.cursor_reset_at = time.monotonic() + CURSOR_RESET_S
+        self.idle = False
+
+    def run(self) -> None:
+        relay = self.relay
+        try:
+            while not relay.stopping:
+                relay.observer.heartbeat(self.index)
+                if self._step_guarded():
+                    return
+        except _Abandoned:
+            log.warning("relay.batch_abandoned worker=%d", self.index)
+        finally:
+            relay.observer.worker_done(self.index)
+            relay._close_sink(self.sink)
+            if self.conn is not None and not self.conn.closed:
+                try:
+                    self.lease.release_all(self.conn)
+                except Exception:  # the session is closing anyway
+                    log.debug("relay.release_failed", exc_info=True)
+            relay._close_conn(self.index, self.conn)
+
+    def _step_guarded(self) -> bool:
+        """One loop iteration with its failures sorted. True = this worker is done."""
+        from outbox_migrate.errors import ConnectError
+
+        relay = self.relay
+        try:
+            return self._step()
+        except SinkUnavailable as exc:
+            relay.stats.add(sink_failures=1)
+            relay.observer.failed("sink")
+            log.warning("relay.sink_unavailable worker=%d %s", self.index, exc)
+            relay._close_sink(self.sink)
+            self.sink = None
+            self._back_off()
+        except _serialization_errors():
+            # Another claimer moved a row we were about to lock (see queries.py). Checked
+            # before connection errors: SerializationFailure is an OperationalError too, but
+            # the session is fine.
+            relay.stats.add(serialization_retries=1)
+            relay.observer.failed("serialization")
+            relay._stop.wait(jitter_s())
+        except _connection_errors(ConnectError) as exc:
+            relay.stats.add(connection_retries=1)
+            relay.observer.failed("connection")
+            log.warning("relay.connection_lost worker=%d %s", self.index, _one_line(exc))
+            relay._close_conn(self.index, self.conn)
+            self.conn = None
+            self.lease.lost()
+            self._back_off()
+        return False
+
+    def _back_off(self) -> None:
+        self.relay._stop.wait(self.relay._backoff(self.failures))
+        self.failures += 1
+
+    def _step(self) -> bool:  # noqa: PLR0911 - one return per reason the loop ends or waits
+        from outbox_migrate.db import connect
+
+        relay, options, lease = self.relay, self.relay.options, self.lease
+        if self.conn is None:
+            self.conn = connect(relay.dsn, application_name=relay.application_name)
+            relay._conns[self.index] = self.conn
+            lease.lost()
+        if self.sink is None:
+            self.sink = relay.sink_factory()
+        if lease.maintain(self.conn, idle=self.idle):
+            self.after = 0
+        if not lease.owned:
+            if options.until_empty:
+                return True  # every shard belongs to another live session
+            relay._idle_wait(relay._waker.generation)
+            return False
+        if time.monotonic() >= self.cursor_reset_at:
+            self.after, self.cursor_reset_at = 0, time.monotonic() + CURSOR_RESET_S
+        generation = relay._waker.generation
+        source = relay.state.current
+        claimed, next_after = relay._batch(self.conn, self.sink, source, lease, self.after)
+        self.failures = 0
+        if claimed == options.batch_size:
+            self.after, self.idle = next_after, False
+            return False
+        self.after = 0  # a short batch reached the end: rescan from the start next time
+        if claimed:
+            self.idle = False
+            return False
+        self.idle = True
+        lease.release_adopted(self.conn)
+        if source is relay.state.flat and relay.state.try_switch(self.conn):
+            return False
+        if options.until_empty and relay._nothing_left(self.conn):
+            return True
+        relay._idle_wait(generation)
+        return False
+
+
+@contextmanager
+def running(relay: Relay) -> Iterator[threading.Thread]:
+    """Run a relay in a background thread for the duration of a `with` block (tests, sim)."""
+    thread = threading.Thread(target=relay.run, name="relay", daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        relay.stop()
+        thread.join(timeout=relay.options.shutdown_timeout_s + ABANDON_GRACE_S + 5)

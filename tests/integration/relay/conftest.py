@@ -1,0 +1,98 @@
+"""Fixtures for relay tests: outbox tables on a fresh database and an in-memory sink.
+
+`CollectSink` is a real sink (it stores what it is given, thread-safely), not a stand-in for
+the database: every relay test runs claim, publish and mark against real PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+
+import psycopg
+import pytest
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.relay.message import Message
+from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned_outbox
+
+SPEC = OutboxSpec()
+PARTITIONED_START = 1_000_001
+
+
+class CollectSink:
+    """Keeps every published message in order; `fail` decides per batch whether to refuse."""
+
+    name = "collect"
+
+    def __init__(self, shared: Collected, fail: Callable[[Sequence[Message]], None] | None = None):
+        self.shared = shared
+        self.fail = fail
+
+    def publish(self, batch: Sequence[Message]) -> None:
+        if self.fail is not None:
+            self.fail(batch)
+        self.shared.add(batch)
+
+    def close(self) -> None:
+        return None
+
+
+class Collected:
+    """What every CollectSink of one relay received."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.messages: list[Message] = []
+        self.batches = 0
+
+    def add(self, batch: Sequence[Message]) -> None:
+        with self.lock:
+            self.messages.extend(batch)
+            self.batches += 1
+
+    @property
+    def ids(self) -> list[int]:
+        with self.lock:
+            return [m.id for m in self.messages]
+
+    def duplicates(self) -> int:
+        return sum(c - 1 for c in Counter(self.ids).values())
+
+    def factory(self, fail: Callable[[Sequence[Message]], None] | None = None):
+        return lambda: CollectSink(self, fail)
+
+
+@pytest.fixture
+def collected() -> Collected:
+    return Collected()
+
+
+@pytest.fixture
+def flat(conn: psycopg.Connection) -> psycopg.Connection:
+    create_flat_outbox(conn, SPEC)
+    return conn
+
+
+@pytest.fixture
+def partitioned(conn: psycopg.Connection) -> psycopg.Connection:
+    create_partitioned_outbox(conn, SPEC, start=PARTITIONED_START)
+    return conn
+
+
+def ids_in(conn: psycopg.Connection, table: str, *, published: bool | None = None) -> list[int]:
+    where = (
+        ""
+        if published is None
+        else (" WHERE published_at IS NOT NULL" if published else " WHERE published_at IS NULL")
+    )
+    return [r[0] for r in conn.execute(f"SELECT id FROM {table}{where} ORDER BY id").fetchall()]
+
+
+@pytest.fixture
+def thread_errors() -> Iterator[list[BaseException]]:
+    """Collect exceptions from helper threads so a test fails loudly on them."""
+    errors: list[BaseException] = []
+    yield errors
+    assert not errors, errors

@@ -1,0 +1,303 @@
+"""Claim → publish → mark on real PostgreSQL: every mode, batching, workers, failures."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import psycopg
+import pytest
+
+from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
+from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
+from outbox_migrate.relay.worker import Relay, running
+from outbox_migrate.testing.schema import insert_rows
+
+from .conftest import SPEC, Collected, ids_in
+
+
+def run_until_empty(dsn: str, collected: Collected, fail=None, **options) -> Relay:
+    relay = Relay(
+        dsn,
+        collected.factory(fail),
+        spec=SPEC,
+        options=RelayOptions(until_empty=True, listen=False, poll_interval_s=0.05, **options),
+    )
+    relay.run()
+    return relay
+
+
+def test_partitioned_publishes_every_row_once_in_id_order(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    insert_rows(partitioned, "outbox_new", 1234, spec=SPEC)
+    relay = run_until_empty(dsn, collected, mode=Mode.partitioned, batch_size=100)
+    expected = ids_in(partitioned, "outbox_new")
+    assert collected.ids == expected  # one worker: exactly id order
+    assert ids_in(partitioned, "outbox_unpublished") == []
+    assert ids_in(partitioned, "outbox_published") == expected
+    assert relay.stats.published == 1234
+    assert relay.stats.batches == 13
+    first = collected.messages[0]
+    assert first.table == "public.outbox_new"
+    assert first.event_type == "event" and first.key and first.key.startswith("k-")
+    assert '"n"' in first.payload
+
+
+def test_flat_mode_marks_rows_in_place(
+    dsn: str, flat: psycopg.Connection, collected: Collected
+) -> None:
+    insert_rows(flat, "outbox", 300, spec=SPEC)
+    insert_rows(flat, "outbox", 50, spec=SPEC, published=True)
+    relay = run_until_empty(dsn, collected, mode=Mode.flat, batch_size=64)
+    assert sorted(collected.ids) == list(range(1, 301))
+    assert ids_in(flat, "outbox", published=False) == []
+    assert relay.stats.published == 300
+
+
+def test_missing_table_is_a_relay_error(dsn: str, collected: Collected) -> None:
+    with pytest.raises(RelayError, match="does not exist"):
+        run_until_empty(dsn, collected, mode=Mode.partitioned)
+
+
+def test_explicit_key_column_must_exist(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    with pytest.raises(RelayError, match="no column 'tenant'"):
+        run_until_empty(dsn, collected, key_column="tenant")
+
+
+def test_tables_without_optional_columns_publish_with_nulls(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    # The spec's own DDL: no event_type, no message_key.
+    conn.execute(
+        "CREATE TABLE outbox_new (id int8 GENERATED ALWAYS AS IDENTITY, payload json NOT NULL, "
+        "created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz) "
+        "PARTITION BY LIST (published_at)"
+    )
+    conn.execute("CREATE TABLE outbox_unpublished PARTITION OF outbox_new FOR VALUES IN (NULL)")
+    conn.execute("CREATE TABLE outbox_published PARTITION OF outbox_new DEFAULT")
+    conn.execute("INSERT INTO outbox_new (payload) SELECT '{}' FROM generate_series(1, 10)")
+    run_until_empty(dsn, collected)
+    assert sorted(collected.ids) == list(range(1, 11))
+    assert all(m.key is None and m.event_type is None for m in collected.messages)
+
+
+@pytest.mark.slow
+def test_four_workers_do_not_collide(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    """The sharded claim: ≤ 1 % of batches retried on SQLSTATE 40001 (issue's goal)."""
+    insert_rows(partitioned, "outbox_new", 20_000, spec=SPEC)
+    relay = run_until_empty(dsn, collected, workers=4, batch_size=100)
+    assert sorted(collected.ids) == ids_in(partitioned, "outbox_new")
+    assert collected.duplicates() == 0
+    assert relay.stats.batches >= 200
+    assert relay.stats.serialization_retries <= relay.stats.batches // 100
+
+
+def test_claimers_outside_the_shard_scheme_collide_safely(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    """A claimer that knows nothing of our shards (plain SKIP LOCKED claim+mark, as a V3 app
+    instance might run) races the relay: 40001 may hit either side and is retried; every row
+    is published by exactly one of them."""
+    insert_rows(partitioned, "outbox_new", 20_000, spec=SPEC)
+    other_ids: list[int] = []
+    other_retries = {"n": 0}
+    done = threading.Event()
+
+    def plain_claimer() -> None:
+        with psycopg.connect(dsn, autocommit=True) as other:
+            while not done.is_set():
+                try:
+                    rows = other.execute(
+                        "WITH b AS (SELECT id FROM outbox_unpublished ORDER BY id LIMIT 50 "
+                        "FOR UPDATE SKIP LOCKED) UPDATE outbox_new o SET published_at = now() "
+                        "FROM b WHERE o.published_at IS NULL AND o.id = b.id RETURNING o.id"
+                    ).fetchall()
+                except psycopg.errors.SerializationFailure:
+                    other_retries["n"] += 1
+                    continue
+                if not rows:
+                    return
+                other_ids.extend(r[0] for r in rows)
+
+    thread = threading.Thread(target=plain_claimer)
+    thread.start()
+    try:
+        relay = run_until_empty(dsn, collected, workers=2, batch_size=50)
+    finally:
+        thread.join(60)
+        done.set()
+    assert not set(other_ids) & set(collected.ids)
+    assert sorted(other_ids + collected.ids) == ids_in(partitioned, "outbox_new")
+    assert collected.duplicates() == 0
+    assert relay.stats.published == len(collected.ids)
+
+
+def test_sink_unavailable_rolls_back_and_retries(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    insert_rows(partitioned, "outbox_new", 30, spec=SPEC)
+    calls = {"n": 0}
+    seen_unpublished: list[int] = []
+
+    def flaky(batch: Sequence[Message]) -> None:
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            with psycopg.connect(dsn, autocommit=True) as other:
+                seen_unpublished.append(len(ids_in(other, "outbox_unpublished")))
+            raise SinkUnavailable("collect", "broker down")
+
+    relay = run_until_empty(dsn, collected, fail=flaky, backoff_base_s=0.01, backoff_cap_s=0.05)
+    assert seen_unpublished == [30, 30, 30]  # never marked while the broker was down
+    assert relay.stats.sink_failures == 3
+    assert sorted(collected.ids) == ids_in(partitioned, "outbox_new")
+    assert ids_in(partitioned, "outbox_unpublished") == []
+
+
+def test_rejected_message_goes_to_dead_letter_after_max_attempts(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    insert_rows(partitioned, "outbox_new", 20, spec=SPEC)
+    poison = 1_000_005
+    attempts = {"n": 0}
+
+    def reject(batch: Sequence[Message]) -> None:
+        if any(m.id == poison for m in batch):
+            attempts["n"] += 1
+            collected.add([m for m in batch if m.id != poison])
+            raise MessagesRejected("collect", {poison: "schema violation"})
+
+    relay = run_until_empty(dsn, collected, fail=reject, max_attempts=3, batch_size=8)
+    assert attempts["n"] == 3
+    assert relay.stats.dead_lettered == 1
+    assert poison not in collected.ids
+    assert sorted(set(collected.ids)) == [
+        i for i in ids_in(partitioned, "outbox_new") if i != poison
+    ]
+    assert ids_in(partitioned, "outbox_unpublished") == []
+    row = partitioned.execute(
+        "SELECT source_table, attempts, last_error, payload::text FROM outbox_dead_letter WHERE id = %s",
+        (poison,),
+    ).fetchone()
+    assert row is not None and row[:3] == ("public.outbox_new", 3, "schema violation")
+    assert '"n"' in row[3]
+
+
+def test_global_ordering_publishes_in_strict_id_order_with_several_workers(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    insert_rows(partitioned, "outbox_new", 2000, spec=SPEC)
+    relay = run_until_empty(dsn, collected, workers=3, ordering=Ordering.global_, batch_size=50)
+    assert collected.ids == ids_in(partitioned, "outbox_new")
+    assert relay.stats.published == 2000
+
+
+def test_key_ordering_keeps_per_key_order(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    partitioned.execute(
+        "INSERT INTO outbox_new (message_key, payload) "
+        "SELECT 'key-' || (g % 7), json_build_object('g', g) FROM generate_series(1, 1400) g"
+    )
+    run_until_empty(dsn, collected, workers=3, ordering=Ordering.key, batch_size=40)
+    assert collected.duplicates() == 0
+    per_key: dict[str, list[int]] = {}
+    for message in collected.messages:
+        per_key.setdefault(message.key or "", []).append(message.id)
+    assert len(per_key) == 7
+    for ids in per_key.values():
+        assert ids == sorted(ids)
+
+
+def test_notify_wakes_an_idle_relay(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    from outbox_migrate.relay.writer import WritePhase, insert_message
+
+    relay = Relay(dsn, collected.factory(), spec=SPEC, options=RelayOptions(poll_interval_s=30.0))
+    with running(relay):
+        time.sleep(1.0)  # the relay is idle, waiting on NOTIFY (poll in 30 s)
+        started = time.monotonic()
+        with partitioned.transaction():
+            new_id = insert_message(partitioned, {"a": 1}, phase=WritePhase.partitioned)
+        while new_id not in collected.ids and time.monotonic() - started < 10:
+            time.sleep(0.02)
+        latency = time.monotonic() - started
+    assert new_id in collected.ids
+    assert latency < 5.0  # far below the 30 s poll: the NOTIFY woke it
+
+
+def test_stop_finishes_the_batch_in_flight(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    insert_rows(partitioned, "outbox_new", 100, spec=SPEC)
+    in_publish = threading.Event()
+
+    def slow(batch: Sequence[Message]) -> None:
+        in_publish.set()
+        time.sleep(0.5)
+
+    relay = Relay(
+        dsn, collected.factory(slow), spec=SPEC,
+        options=RelayOptions(batch_size=10, listen=False, shutdown_timeout_s=5.0),
+    )  # fmt: skip
+    with running(relay):
+        assert in_publish.wait(10)
+        relay.stop()
+    published = ids_in(partitioned, "outbox_published")
+    assert published == sorted(collected.ids)  # what was acknowledged was marked, nothing else
+    assert len(published) == 10
+    assert relay.stats.abandoned_workers == 0
+
+
+def test_shutdown_timeout_abandons_the_batch_before_its_mark(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    insert_rows(partitioned, "outbox_new", 10, spec=SPEC)
+    in_publish = threading.Event()
+
+    def hang(batch: Sequence[Message]) -> None:
+        in_publish.set()
+        time.sleep(2.0)
+
+    relay = Relay(
+        dsn, collected.factory(hang), spec=SPEC,
+        options=RelayOptions(batch_size=10, listen=False, shutdown_timeout_s=0.3),
+    )  # fmt: skip
+    with running(relay):
+        assert in_publish.wait(10)
+        relay.stop()
+    assert relay.stats.abandoned_workers == 1
+    time.sleep(2.5)  # let the abandoned worker come back from the broker and roll back
+    assert ids_in(partitioned, "outbox_published") == []
+    assert len(ids_in(partitioned, "outbox_unpublished")) == 10
+
+
+def test_relay_survives_terminated_sessions(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    insert_rows(partitioned, "outbox_new", 3000, spec=SPEC)
+    killed = {"n": 0}
+
+    def kill_sessions_once(batch: Sequence[Message]) -> None:
+        if killed["n"] == 0:
+            killed["n"] = 1
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name LIKE 'outbox-migrate/% relay' AND datname = current_database()"
+                )
+
+    relay = run_until_empty(
+        dsn, collected, fail=kill_sessions_once, workers=2, batch_size=100, backoff_base_s=0.01
+    )
+    assert relay.stats.connection_retries >= 1
+    assert set(collected.ids) == set(ids_in(partitioned, "outbox_new"))
+    assert ids_in(partitioned, "outbox_unpublished") == []
+    assert collected.duplicates() <= 200  # at most the batches in flight when killed
