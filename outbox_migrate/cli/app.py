@@ -14,13 +14,15 @@ import sys
 import typer
 
 from outbox_migrate import __version__
-from outbox_migrate.cli import config_cmd, copy_back_cmd, ping_cmd, relay_cmd
+from outbox_migrate.cli import config_cmd, copy_back_cmd, ping_cmd, plan_cmd, relay_cmd, wizard_cmd
 from outbox_migrate.errors import ExitCode
 
 HELP = """Move a live PostgreSQL outbox to a LIST-partitioned table, with zero downtime.
 
 \b
 Examples:
+  outbox-migrate wizard                      # three questions -> the pattern for you, and why
+  outbox-migrate plan --pattern hoper --dsn embedded   # steps, SQL, locks for your schema
   outbox-migrate config --format json        # the names and settings in force
   outbox-migrate ping --dsn embedded         # start the embedded PostgreSQL and connect
   outbox-migrate relay --sink stdout --until-empty   # publish the outbox, then exit
@@ -57,6 +59,8 @@ def root(
         raise typer.Exit(0)
 
 
+wizard_cmd.register(app)
+plan_cmd.register(app)
 config_cmd.register(app)
 ping_cmd.register(app)
 relay_cmd.register(app)

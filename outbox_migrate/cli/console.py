@@ -102,3 +102,61 @@ def _duration(seconds: float) -> str:
     hours, rest = divmod(whole, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def confirm(question: str) -> bool:
+    """A yes/no question on the terminal (the wizard's interactive mode)."""
+    from rich.prompt import Confirm
+
+    return bool(Confirm.ask(question, console=out()))
+
+
+def render_plan(doc: dict[str, Any]) -> None:
+    """The terminal view of `plan`: one table per phase, steps with locks and rollback."""
+    console = out()
+    console.print(f"[bold]{doc['acronym']}[/bold]: {doc['title']}")
+    console.print(doc["summary"], markup=False)
+    facts = doc.get("facts")
+    if facts:
+        console.print(
+            f"Your outbox: PostgreSQL {facts['server_version']}, {facts['table']}, "
+            f"~{facts['row_estimate']:,} rows, {facts['unpublished']:,} unpublished, "
+            f"max id {facts['max_id']}, new identity starts at {facts['identity_start']:,}",
+            markup=False,
+        )
+        for warning in facts["warnings"]:
+            console.print(f"warning: {warning['message']} — {warning['remedy']}", markup=False)
+    for phase in doc["phases"]:
+        console.print()
+        console.print(f"[bold]{phase['name']}[/bold] ({phase['kind']}): {phase['title']}")
+        console.print(f"  application: {phase['application']}", markup=False)
+        for line in phase["instructions"]:
+            console.print(f"  - {line}", markup=False)
+        if not phase["steps"]:
+            continue
+        grid = Table(show_lines=True)
+        for column in ("step", "locks", "scan", "checks", "rollback"):
+            grid.add_column(column, overflow="fold")
+        for step in phase["steps"]:
+            locks = "\n".join(f"{lock['mode']} {lock['relation']}" for lock in step["locks"])
+            grid.add_row(
+                f"{step['id']}\n{step['summary']}",
+                (locks or "none") + ("\n(catalog-only)" if step["catalog_only"] else ""),
+                step["scan"],
+                str(len(step["preconditions"])),
+                step["reverse_note"] if step["reversible"] else "no: " + step["reverse_note"],
+            )
+        console.print(grid)
+
+
+def render_recommendation(doc: dict[str, Any]) -> None:
+    console = out()
+    console.print(f"Recommended pattern: [bold]{doc['pattern'].upper()}[/bold]")
+    for reason in doc["reasons"]:
+        console.print(f"  - {reason}", markup=False)
+    console.print("Not chosen:")
+    for name, why in doc["rejected"].items():
+        console.print(f"  - {name.upper()}: {why}", markup=False)
+    for note in doc.get("notes", []):
+        console.print(f"  * {note}", markup=False)
+    console.print(f"Next: outbox-migrate plan --pattern {doc['pattern']}", markup=False)

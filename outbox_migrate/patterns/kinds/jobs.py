@@ -16,6 +16,39 @@ from outbox_migrate.patterns.kinds import BuildContext, kind, make_step
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND
 from outbox_migrate.patterns.model import Lock, LockMode, Step, TxMode
 
+COPY_BATCH_ROWS = 10_000
+
+
+def copy_back_loop(ctx: BuildContext) -> sql.Composable:
+    """SQL-only copy-back (offline SQL, psql): keyset batches with a commit per batch.
+
+    The library job adds throttling, a persisted high-water mark and range checksums; this
+    loop is the plain equivalent a DBA can run by hand. It needs autocommit (COMMIT in DO).
+    """
+    n = ctx.names
+    return sql.SQL(
+        "DO $om_copy$\n"
+        "DECLARE last_id bigint := -9223372036854775808; batch_max bigint;\n"
+        "BEGIN\n"
+        "    LOOP\n"
+        "        WITH batch AS (SELECT * FROM {source} WHERE {id} > last_id "
+        "ORDER BY {id} LIMIT {limit}),\n"
+        "             copied AS (INSERT INTO {target} OVERRIDING SYSTEM VALUE "
+        "SELECT * FROM batch ON CONFLICT DO NOTHING)\n"
+        "        SELECT max({id}) INTO batch_max FROM batch;\n"
+        "        EXIT WHEN batch_max IS NULL;\n"
+        "        last_id := batch_max;\n"
+        "        COMMIT;\n"
+        "    END LOOP;\n"
+        "END\n"
+        "$om_copy$"
+    ).format(
+        source=n.q(n.published),
+        target=n.q(n.table),
+        id=n.id_q,
+        limit=sql.Literal(COPY_BATCH_ROWS),
+    )
+
 
 @kind("copy-back")
 def copy_back(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
@@ -25,8 +58,8 @@ def copy_back(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         "copy-back",
         summary=f"Copy every row of the detached {n.published} into {n.table} in keyset "
         "batches (resumable, throttled, verified)",
-        statements=(),
-        tx=TxMode.NONE,
+        statements=(copy_back_loop(ctx),),
+        tx=TxMode.AUTOCOMMIT,
         locks=(
             Lock(n.display(n.published), LockMode.ACCESS_SHARE),
             Lock(n.display(n.table), LockMode.ROW_EXCLUSIVE),
@@ -40,7 +73,10 @@ def copy_back(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         postcondition=(c.all_rows_present(n, n.published, n.table),),
         reverse=(),
         reverse_note="nothing to undo: the copies are ordinary published rows",
-        notes=("run by `outbox-migrate copy-back`, or by the runner as this step",),
+        notes=(
+            "the runner hands this step to the copy-back job (`outbox-migrate copy-back`); "
+            "the SQL shown is the plain equivalent for manual runs",
+        ),
     )
 
 

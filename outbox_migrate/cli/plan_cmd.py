@@ -1,0 +1,105 @@
+"""`outbox-migrate plan`: the ordered, versioned steps of a pattern for the user's schema."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+import typer
+
+from outbox_migrate.cli.options import (
+    DsnOption,
+    IdColumnOption,
+    PartitionedOption,
+    PublishedColumnOption,
+    PublishedOption,
+    SchemaOption,
+    TableOption,
+    UnpublishedOption,
+    settings_from,
+)
+
+
+class PlanFormat(StrEnum):
+    table = "table"
+    markdown = "markdown"
+    json = "json"
+    sql = "sql"
+
+
+class PatternName(StrEnum):
+    cop = "cop"
+    copra = "copra"
+    hop = "hop"
+    hoper = "hoper"
+    hopia = "hopia"
+
+
+PatternOption = Annotated[
+    PatternName,
+    typer.Option("--pattern", "-p", help="Migration pattern (see `outbox-migrate wizard`).",
+                 case_sensitive=False),
+]  # fmt: skip
+
+
+def register(app: typer.Typer) -> None:
+    app.command(
+        "plan",
+        help="Show a pattern's phases and steps: SQL, locks, scans, preconditions, rollback.\n\n"
+        "With a DSN the live schema is introspected: concrete identity START, counts, "
+        "estimated durations and blockers.\n\n"
+        "Example: outbox-migrate plan --pattern hoper --dsn postgresql://app@db/app "
+        "--format sql > hoper.sql",
+    )(plan)
+
+
+def plan(
+    pattern: PatternOption,
+    dsn: DsnOption = None,
+    output: Annotated[
+        PlanFormat, typer.Option("--format", help="table, markdown, json or psql-runnable sql.")
+    ] = PlanFormat.table,
+    with_optional: Annotated[
+        bool, typer.Option(help="Include optional steps (SET NOT NULL, final drops).")
+    ] = False,
+    schema: SchemaOption = None,
+    table: TableOption = None,
+    partitioned_table: PartitionedOption = None,
+    unpublished_partition: UnpublishedOption = None,
+    published_partition: PublishedOption = None,
+    id_column: IdColumnOption = None,
+    published_column: PublishedColumnOption = None,
+) -> None:
+    from outbox_migrate.dsn import resolve
+    from outbox_migrate.patterns import build_from_settings
+    from outbox_migrate.plan import plan_document, render_markdown, render_sql
+
+    settings = settings_from(
+        schema=schema,
+        table=table,
+        partitioned_table=partitioned_table,
+        unpublished_partition=unpublished_partition,
+        published_partition=published_partition,
+        id_column=id_column,
+        published_column=published_column,
+    )
+    built = build_from_settings(pattern.value, settings, include_optional=with_optional)
+    facts = None
+    resolved = resolve(dsn)
+    if resolved is not None:
+        from outbox_migrate.introspect import inspect, raise_for_blockers
+
+        facts = inspect(resolved.dsn, settings.spec)
+        raise_for_blockers(facts)
+    if output is PlanFormat.sql:
+        typer.echo(render_sql(built, settings.spec, settings.lock_timeout_ms), nl=False)
+    elif output is PlanFormat.markdown:
+        typer.echo(render_markdown(built, settings.spec, facts), nl=False)
+    elif output is PlanFormat.json:
+        from outbox_migrate.cli.console import print_json
+
+        print_json(plan_document(built, settings.spec, facts))
+    else:
+        from outbox_migrate.cli.console import render_plan
+
+        render_plan(plan_document(built, settings.spec, facts))

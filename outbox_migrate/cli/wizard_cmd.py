@@ -1,0 +1,100 @@
+"""`outbox-migrate wizard`: the decision flowchart as questions, answered or asked."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from outbox_migrate.cli.options import DsnOption, FormatOption, OutputFormat, TableOption
+
+
+def register(app: typer.Typer) -> None:
+    app.command(
+        "wizard",
+        help="Recommend a migration pattern from three questions, and explain why.\n\n"
+        "Asks interactively unless the answers are given as flags. With --dsn it also "
+        "measures the live outbox (size, backlog, rates, CDC, FKs) and says how that bears "
+        "on the choice.\n\n"
+        "Example: outbox-migrate wizard --no-pause --keep-old-rows --no-immediate-access "
+        "--format json",
+    )(wizard)
+
+
+def wizard(
+    pause: Annotated[
+        bool | None,
+        typer.Option("--pause/--no-pause", help="Publication can pause for a few minutes."),
+    ] = None,
+    keep_old_rows: Annotated[
+        bool | None,
+        typer.Option(
+            "--keep-old-rows/--no-keep-old-rows",
+            help="The old rows must become part of the partitioned table.",
+        ),
+    ] = None,
+    immediate_access: Annotated[
+        bool | None,
+        typer.Option(
+            "--immediate-access/--no-immediate-access",
+            help="Every published row must be readable from the final table at all times.",
+        ),
+    ] = None,
+    dsn: DsnOption = None,
+    table: TableOption = None,
+    output: FormatOption = OutputFormat.text,
+) -> None:
+    from outbox_migrate.errors import UsageError
+    from outbox_migrate.wizard import (
+        QUESTIONS,
+        Answers,
+        needs_immediate_access_question,
+        recommend,
+    )
+
+    interactive = output is OutputFormat.text and _stdin_is_tty()
+
+    def ask(key: str, given: bool | None) -> bool:
+        if given is not None:
+            return given
+        if not interactive:
+            flag = key.replace("_", "-")
+            raise UsageError(f"answer {QUESTIONS[key]!r} with --{flag} or --no-{flag}")
+        from outbox_migrate.cli.console import confirm
+
+        return confirm(QUESTIONS[key])
+
+    pause_answer = ask("pause", pause)
+    keep_answer = ask("keep_old_rows", keep_old_rows)
+    access_answer = immediate_access
+    if needs_immediate_access_question(pause_answer, keep_answer):
+        access_answer = ask("immediate_access", immediate_access)
+    result = recommend(Answers(pause_answer, keep_answer, access_answer))
+    document = result.to_json()
+    from outbox_migrate.dsn import resolve
+
+    resolved = resolve(dsn)
+    if resolved is not None:
+        from dataclasses import asdict
+
+        from outbox_migrate.cli.options import settings_from
+        from outbox_migrate.wizard import interpret, measure
+
+        settings = settings_from(table=table)
+        measured = measure(resolved.dsn, settings.spec)
+        document["measurements"] = asdict(measured)
+        document["notes"] = interpret(measured, result.pattern)
+    if output is OutputFormat.json:
+        from outbox_migrate.cli.console import print_json
+
+        print_json(document)
+        return
+    from outbox_migrate.cli.console import render_recommendation
+
+    render_recommendation(document)
+
+
+def _stdin_is_tty() -> bool:
+    import sys
+
+    return sys.stdin.isatty()

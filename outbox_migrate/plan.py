@@ -1,0 +1,228 @@
+"""`plan`: a pattern rendered for one schema — phases, app instructions, steps with SQL,
+locks, scans, preconditions and rollback — as JSON, Markdown or psql-runnable SQL.
+
+Pure rendering over inert `Pattern` data (and `TableFacts` when a DSN was given); the table
+view for terminals lives in the CLI, the only layer that may import rich.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.introspect import TableFacts
+from outbox_migrate.offline import step_sql
+from outbox_migrate.patterns.model import Pattern, Phase, Step
+
+PHASE_MARKER = "-- phase: "
+
+
+def step_document(step: Step) -> dict[str, Any]:
+    return {
+        "id": step.id,
+        "kind": step.kind,
+        "summary": step.summary,
+        "app_before": step.app_before,
+        "app_after": step.app_after,
+        "transaction": step.tx.value,
+        "sql": step.sql_texts(),
+        "locks": [{"relation": lock.relation, "mode": lock.mode.sql_name} for lock in step.locks],
+        "catalog_only": step.catalog_only,
+        "scan": step.scan or "none",
+        "statement_timeout_ms": step.statement_timeout_ms,
+        "preconditions": [
+            {"name": c.name, "description": c.description} for c in step.preconditions
+        ],
+        "postcondition": [
+            {"name": c.name, "description": c.description} for c in step.postcondition
+        ],
+        "reversible": step.reversible,
+        "reverse_sql": [s.as_string(None) for s in step.reverse or ()],
+        "reverse_note": step.reverse_note,
+        "optional": step.optional,
+        "notes": list(step.notes),
+        "checksum": step.checksum(),
+    }
+
+
+def facts_document(facts: TableFacts, spec: OutboxSpec) -> dict[str, Any]:
+    return {
+        "server_version": facts.server_version_text,
+        "table": f"{facts.schema}.{facts.table}",
+        "columns": [
+            {
+                "name": c.name,
+                "type": c.type,
+                "not_null": c.not_null,
+                "default": c.default,
+                "identity": c.identity,
+                "collation": c.collation,
+            }
+            for c in facts.columns
+        ],
+        "max_id": facts.max_id,
+        "sequence_last_value": facts.sequence_last_value,
+        "identity_start": facts.identity_start(spec.id_headroom),
+        "row_estimate": facts.row_estimate,
+        "unpublished": facts.unpublished,
+        "total_bytes": facts.total_bytes,
+        "estimated_validate_s": round(facts.estimated_scan_s(), 1),
+        "indexes": [name for name, _ in facts.indexes],
+        "triggers": [name for name, _ in facts.triggers],
+        "foreign_keys_in": [f"{n} on {t}" for n, t in facts.foreign_keys_in],
+        "publications": facts.publications,
+        "new_tables": facts.new_table_state,
+        "blockers": [vars(b) for b in facts.blockers],
+        "warnings": [vars(w) for w in facts.warnings],
+    }
+
+
+def plan_document(
+    pattern: Pattern, spec: OutboxSpec, facts: TableFacts | None = None
+) -> dict[str, Any]:
+    """Everything `plan` shows, as plain data (the JSON format, and the source of the others)."""
+    return {
+        "pattern": pattern.name,
+        "acronym": pattern.acronym,
+        "title": pattern.title,
+        "summary": pattern.summary,
+        "requirements": {
+            "publication_may_pause": pattern.pause_publication,
+            "old_rows_join_partitioned_table": pattern.keep_old_rows,
+            "published_rows_always_readable": pattern.immediate_access,
+        },
+        "spec": {
+            "schema": spec.schema,
+            "table": spec.table,
+            "partitioned_table": spec.partitioned_table,
+            "unpublished_partition": spec.unpublished_partition,
+            "published_partition": spec.published_partition,
+            "id_column": spec.id_column,
+            "published_column": spec.published_column,
+            "id_headroom": spec.id_headroom,
+        },
+        "point_of_no_return": pattern.point_of_no_return or None,
+        "facts": facts_document(facts, spec) if facts is not None else None,
+        "phases": [
+            {
+                "name": phase.name,
+                "kind": phase.kind.value,
+                "title": phase.title,
+                "application": phase.app.describe(spec.table, spec.partitioned_table),
+                "instructions": list(phase.instructions),
+                "steps": [step_document(step) for step in phase.steps],
+            }
+            for phase in pattern.phases
+        ],
+    }
+
+
+def render_sql(pattern: Pattern, spec: OutboxSpec, lock_timeout_ms: int = 200) -> str:
+    """psql-runnable SQL, one `-- phase: NAME` section per phase.
+
+    Apply one phase at a time (`psql -v ON_ERROR_STOP=1 -f phase.sql`) between deploys; a
+    transactional step is wrapped in BEGIN/COMMIT with its preconditions as assertions inside,
+    so a failed check leaves nothing behind.
+    """
+    lines = [
+        f"-- outbox-migrate plan: {pattern.acronym} ({pattern.title})",
+        f"-- {spec.schema}.{spec.table} -> {spec.schema}.{spec.partitioned_table}",
+        "-- Apply one phase at a time, between deploys: psql -v ON_ERROR_STOP=1 -f <phase>.sql",
+        "",
+    ]
+    for phase in pattern.phases:
+        lines.append(f"{PHASE_MARKER}{phase.name}")
+        lines.extend(f"-- {text}" for text in phase.instructions)
+        if not phase.steps:
+            lines.append("-- (no database steps in this phase)")
+        for step in phase.steps:
+            lines.append("")
+            lines.append(f"-- step: {step.id}: {step.summary}")
+            lines.extend(step_sql(step, lock_timeout_ms))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def split_sql_phases(text: str) -> dict[str, str]:
+    """Inverse of the phase markers: phase name → its SQL (for tests and scripted applies)."""
+    phases: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith(PHASE_MARKER):
+            current = phases.setdefault(line[len(PHASE_MARKER) :].strip(), [])
+        elif current is not None:
+            current.append(line)
+    return {name: "\n".join(body) + "\n" for name, body in phases.items()}
+
+
+def _md_step(step: Step, lines: list[str]) -> None:
+    lines.append(f"#### `{step.id}`{' (optional)' if step.optional else ''}")
+    lines.append("")
+    lines.append(step.summary + ".")
+    lines.append("")
+    locks = ", ".join(f"{lock.mode.sql_name} on `{lock.relation}`" for lock in step.locks)
+    timeout = (
+        "unlimited" if step.statement_timeout_ms is None else f"{step.statement_timeout_ms} ms"
+    )
+    lines.append(f"- Application before: {step.app_before}")
+    lines.append(f"- Application after: {step.app_after}")
+    lines.append(f"- Transaction: {step.tx.value}; statement_timeout {timeout}")
+    lines.append(
+        f"- Locks: {locks or 'none'}"
+        + (" (catalog-only, independent of table size)" if step.catalog_only else "")
+    )
+    lines.append(f"- Scan: {step.scan or 'none'}")
+    if step.preconditions:
+        lines.append("- Preconditions:")
+        lines.extend(f"  - {c.description} (`{c.name}`)" for c in step.preconditions)
+    if step.postcondition:
+        lines.append("- Done when: " + "; ".join(c.description for c in step.postcondition))
+    rollback = step.reverse_note if step.reversible else f"no — {step.reverse_note}"
+    lines.append(f"- Rollback: {rollback}")
+    lines.extend(f"- Note: {note}" for note in step.notes)
+    if step.statements:
+        lines.append("")
+        lines.append("```sql")
+        lines.extend(text.rstrip(";") + ";" for text in step.sql_texts())
+        lines.append("```")
+    lines.append("")
+
+
+def _md_phase(phase: Phase, spec: OutboxSpec, lines: list[str]) -> None:
+    kind = "deploy" if phase.kind.value == "deploy" else "job"
+    lines.append(f"### {phase.name} ({kind}): {phase.title}")
+    lines.append("")
+    lines.append(f"Application: {phase.app.describe(spec.table, spec.partitioned_table)}.")
+    lines.append("")
+    lines.extend(f"- {text}" for text in phase.instructions)
+    lines.append("")
+    if not phase.steps:
+        lines.append("No database steps in this phase.")
+        lines.append("")
+    for step in phase.steps:
+        _md_step(step, lines)
+
+
+def render_markdown(
+    pattern: Pattern, spec: OutboxSpec, facts: TableFacts | None = None, heading: int = 1
+) -> str:
+    h = "#" * heading
+    lines = [f"{h} {pattern.acronym}: {pattern.title}", "", pattern.summary, ""]
+    if facts is not None:
+        doc = facts_document(facts, spec)
+        lines += [
+            f"{h}# Your outbox",
+            "",
+            f"- PostgreSQL {doc['server_version']}, `{doc['table']}`: ~{doc['row_estimate']:,} "
+            f"rows, {doc['total_bytes']:,} bytes, {doc['unpublished']:,} unpublished",
+            f"- max id {doc['max_id']}, new identity starts at {doc['identity_start']:,}",
+            f"- VALIDATE scan estimate: ~{doc['estimated_validate_s']} s",
+        ]
+        lines += [f"- **Blocker**: {b.message} — {b.remedy}" for b in facts.blockers]
+        lines += [f"- Warning: {w.message} — {w.remedy}" for w in facts.warnings]
+        lines.append("")
+    lines.append(f"{h}# Phases")
+    lines.append("")
+    for phase in pattern.phases:
+        _md_phase(phase, spec, lines)
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,79 @@
+-- Introspection: facts about the live outbox, read from the catalogs.
+-- Placeholders: {rel_reg} text literal of the quoted, qualified table name; {id_name},
+-- {published_name} column-name literals; {rel_q} identifier; {id_q}, {published_q} columns.
+
+-- name: columns
+-- Columns with type, default, nullability, collation, identity and generation.
+SELECT a.attname, format_type(a.atttypid, a.atttypmod) AS type, a.atttypid::regtype::text AS base_type,
+       pg_get_expr(d.adbin, d.adrelid) AS default_expr, a.attnotnull,
+       CASE WHEN a.attcollation <> 0 THEN (SELECT collname FROM pg_collation WHERE oid = a.attcollation) END AS collation,
+       a.attidentity::text, a.attgenerated::text
+FROM pg_attribute a
+LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+WHERE a.attrelid = to_regclass({rel_reg}) AND a.attnum > 0 AND NOT a.attisdropped
+ORDER BY a.attnum
+
+-- name: table
+-- Kind, partition status, size and row estimate of the table.
+SELECT c.relkind::text, c.relispartition, pg_total_relation_size(c.oid) AS total_bytes,
+       pg_relation_size(c.oid) AS heap_bytes, greatest(c.reltuples, 0)::bigint AS row_estimate,
+       coalesce(s.n_tup_ins, 0) AS inserts, coalesce(s.n_tup_upd, 0) AS updates,
+       coalesce(s.n_tup_del, 0) AS deletes
+FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+WHERE c.oid = to_regclass({rel_reg})
+
+-- name: ids
+-- Highest id, the identity/serial sequence and its last value.
+SELECT (SELECT max({id_q}) FROM {rel_q}) AS max_id,
+       pg_get_serial_sequence({rel_reg}, {id_name}) AS sequence,
+       pg_sequence_last_value(pg_get_serial_sequence({rel_reg}, {id_name})::regclass) AS last_value
+
+-- name: unpublished
+-- Exact count of unpublished rows (the relay's partial index makes it cheap).
+SELECT count(*) FROM {rel_q} WHERE {published_q} IS NULL
+
+-- name: indexes
+-- Indexes on the table.
+SELECT i.relname, pg_get_indexdef(x.indexrelid), x.indisvalid, pg_relation_size(x.indexrelid)
+FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid
+WHERE x.indrelid = to_regclass({rel_reg})
+ORDER BY i.relname
+
+-- name: constraints
+-- Constraints on the table (not the NOT NULLs PostgreSQL 18 catalogues).
+SELECT conname, contype::text, pg_get_constraintdef(oid), convalidated
+FROM pg_constraint
+WHERE conrelid = to_regclass({rel_reg}) AND contype <> 'n'
+ORDER BY conname
+
+-- name: triggers
+-- User triggers on the table.
+SELECT tgname, pg_get_triggerdef(oid), tgenabled::text
+FROM pg_trigger WHERE tgrelid = to_regclass({rel_reg}) AND NOT tgisinternal
+ORDER BY tgname
+
+-- name: foreign-keys-in
+-- Foreign keys on other tables that reference this one.
+SELECT conname, conrelid::regclass::text FROM pg_constraint
+WHERE contype = 'f' AND confrelid = to_regclass({rel_reg})
+ORDER BY conname
+
+-- name: foreign-keys-out
+-- Foreign keys of this table to others.
+SELECT conname, confrelid::regclass::text FROM pg_constraint
+WHERE contype = 'f' AND conrelid = to_regclass({rel_reg})
+ORDER BY conname
+
+-- name: publications
+-- Logical-replication publications that include the table.
+SELECT p.pubname, p.puballtables
+FROM pg_publication p
+WHERE p.puballtables
+   OR EXISTS (SELECT 1 FROM pg_publication_rel r WHERE r.prpubid = p.oid AND r.prrelid = to_regclass({rel_reg}))
+ORDER BY p.pubname
+
+-- name: relation-kind
+-- Whether a relation exists, and its kind (r, p) and parent if it is a partition.
+SELECT c.relkind::text, (SELECT i.inhparent::regclass::text FROM pg_inherits i WHERE i.inhrelid = c.oid),
+       pg_get_expr(c.relpartbound, c.oid)
+FROM pg_class c WHERE c.oid = to_regclass({rel_reg})
