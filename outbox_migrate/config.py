@@ -73,6 +73,8 @@ class Settings:
     """Total time a step may spend retrying lock acquisition before it gives up."""
     old_app_name: str = ""
     """`application_name` pattern (SQL LIKE) of the outgoing application version, if known."""
+    gate_window_s: float = 2.0
+    """How long a deploy gate watches the old table's sequence for new ids."""
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     """Where each non-default key came from (for messages)."""
 
@@ -136,6 +138,7 @@ _SETTINGS_KEYS: dict[str, Callable[[Any], Any]] = {
     "lock_timeout_ms": _positive_int,
     "lock_budget_s": _positive_float,
     "old_app_name": _text,
+    "gate_window_s": _positive_float,
 }
 KEYS = frozenset(_SPEC_KEYS) | frozenset(_SETTINGS_KEYS)
 

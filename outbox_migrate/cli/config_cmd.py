@@ -52,6 +52,7 @@ def config(
         lock_timeout_ms=settings.lock_timeout_ms,
         lock_budget_s=settings.lock_budget_s,
         old_app_name=settings.old_app_name,
+        gate_window_s=settings.gate_window_s,
     )
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json

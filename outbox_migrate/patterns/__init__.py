@@ -139,7 +139,7 @@ def build_from_settings(
         name,
         settings.spec,
         BuildOptions(
-            sample_window_s=sample_window_s or DEFAULT_SAMPLE_WINDOW_S,
+            sample_window_s=sample_window_s or settings.gate_window_s,
             old_app_name=settings.old_app_name,
             include_optional=include_optional,
         ),

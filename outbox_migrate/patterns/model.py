@@ -143,6 +143,9 @@ class Step:
     catalog_only: bool = False
     """True when the ACCESS EXCLUSIVE part touches only the catalog (bounded, size-independent)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    undone_by: tuple[str, ...] = field(default_factory=tuple)
+    """Kinds of later steps that deliberately undo this step's effect (its postcondition then
+    stops being an invariant of the migration)."""
 
     @property
     def reversible(self) -> bool:
@@ -202,3 +205,24 @@ class Pattern:
 
     def phase_names(self) -> list[str]:
         return [phase.name for phase in self.phases]
+
+    def steps_through(self, phase: str) -> list[Step]:
+        """Every step up to and including `phase`."""
+        steps: list[Step] = []
+        for candidate in self.phases:
+            steps.extend(candidate.steps)
+            if candidate.name.lower() == phase.lower():
+                return steps
+        raise KeyError(phase)
+
+    def invariants(self, phase: str) -> list[tuple[Step, Condition]]:
+        """What must hold once every step through `phase` is done: each step's postcondition,
+        unless a later step (through `phase`) deliberately undid it."""
+        steps = self.steps_through(phase)
+        held: list[tuple[Step, Condition]] = []
+        for index, step in enumerate(steps):
+            later = {other.kind for other in steps[index + 1 :]}
+            if later.intersection(step.undone_by):
+                continue
+            held.extend((step, condition) for condition in step.postcondition)
+        return held

@@ -125,10 +125,11 @@ FROM pg_attribute
 WHERE attrelid = to_regclass({rel_reg}) AND attname = {column_name} AND NOT attnotnull
 
 -- name: no-identity
--- The column is not an identity column (a partition may not have one).
+-- The column has no identity of its own (a partition may not have one; 17+ shows the parent's).
 SELECT format('%s.%I is still an identity column; a partition may not have one', {rel_reg}, {column_name})
-FROM pg_attribute
-WHERE attrelid = to_regclass({rel_reg}) AND attname = {column_name} AND attidentity <> ''
+FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+WHERE a.attrelid = to_regclass({rel_reg}) AND a.attname = {column_name} AND a.attidentity <> ''
+  AND NOT c.relispartition
 
 -- name: columns-match
 -- The table has exactly the parent's columns: names, types, typmods and collations.

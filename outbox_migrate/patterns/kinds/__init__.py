@@ -84,6 +84,7 @@ def make_step(
     optional: bool = False,
     catalog_only: bool = False,
     notes: tuple[str, ...] = (),
+    undone_by: tuple[str, ...] = (),
 ) -> Step:
     return Step(
         id=ctx.step_id(kind_name),
@@ -105,6 +106,7 @@ def make_step(
         optional=optional,
         catalog_only=catalog_only,
         notes=notes,
+        undone_by=undone_by,
     )
 
 

@@ -53,6 +53,7 @@ def add_not_valid_check(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         postcondition=(c.check_exists(n),),
         reverse=(drop_check_sql(ctx),),
         reverse_note="drop the constraint",
+        undone_by=("drop-check",),
     )
 
 
@@ -74,6 +75,7 @@ def validate_check(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         postcondition=(c.check_exists(n), c.check_validated(n)),
         reverse=(),
         reverse_note="nothing to undo (reversing the add step drops the constraint)",
+        undone_by=("drop-check",),
     )
 
 

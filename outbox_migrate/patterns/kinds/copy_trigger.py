@@ -66,6 +66,7 @@ def install_copy_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         postcondition=(c.trigger_exists(n),),
         reverse=drop_trigger_sql(ctx),
         reverse_note="drop the trigger and its function",
+        undone_by=("remove-copy-trigger",),
     )
 
 

@@ -77,6 +77,7 @@ def copy_back(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             "the runner hands this step to the copy-back job (`outbox-migrate copy-back`); "
             "the SQL shown is the plain equivalent for manual runs",
         ),
+        undone_by=("drop-published",),
     )
 
 

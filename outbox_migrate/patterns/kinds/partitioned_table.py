@@ -147,4 +147,5 @@ def create_published_partition(ctx: BuildContext, params: Mapping[str, Any]) -> 
         reverse_note=f"drop {n.published}; refused once it holds rows",
         reverse_preconditions=(c.relation_empty(n, n.published),),
         statement_timeout_ms=CREATE_TIMEOUT_MS,
+        undone_by=("swap-default",),
     )

@@ -40,4 +40,6 @@ def tune_autovacuum(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         postcondition=(c.autovacuum_tuned(n, relation),),
         reverse=(sql.SQL("ALTER TABLE {} RESET ({})").format(n.q(relation), keys),),
         reverse_note="reset the four settings to the server defaults",
+        # The published partition is detached by the swap and may be dropped afterwards.
+        undone_by=("swap-default",) if target == "published" else (),
     )
