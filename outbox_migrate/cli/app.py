@@ -14,7 +14,15 @@ import sys
 import typer
 
 from outbox_migrate import __version__
-from outbox_migrate.cli import config_cmd, copy_back_cmd, ping_cmd, plan_cmd, relay_cmd, wizard_cmd
+from outbox_migrate.cli import (
+    config_cmd,
+    copy_back_cmd,
+    maintain_cmd,
+    ping_cmd,
+    plan_cmd,
+    relay_cmd,
+    wizard_cmd,
+)
 from outbox_migrate.errors import ExitCode
 
 HELP = """Move a live PostgreSQL outbox to a LIST-partitioned table, with zero downtime.
@@ -27,6 +35,7 @@ Examples:
   outbox-migrate ping --dsn embedded         # start the embedded PostgreSQL and connect
   outbox-migrate relay --sink stdout --until-empty   # publish the outbox, then exit
   outbox-migrate copy-back --rate 50000      # HOPER: copy the detached partition back, verify, drop
+  outbox-migrate maintain --once             # autovacuum settings, index bloat + REINDEX, retention
 """
 
 app = typer.Typer(
@@ -65,6 +74,7 @@ config_cmd.register(app)
 ping_cmd.register(app)
 relay_cmd.register(app)
 copy_back_cmd.register(app)
+maintain_cmd.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -328,7 +328,7 @@ class CopyBack:
 
     # -- run -------------------------------------------------------------------------------
 
-    def _ensure_source_index(self) -> None:
+    def ensure_source_index(self) -> None:
         """A btree on the source's id, so each keyset batch is an index range scan.
 
         The published partition has no index by design, and without one every batch would
@@ -438,7 +438,7 @@ class CopyBack:
         if plan.state == "done":
             return CopyResult(0, 0, 0, 0.0, 0.0, plan.high_water, plan.high_water, False)
         self.ensure_state_table()
-        self._ensure_source_index()
+        self.ensure_source_index()
         state = self._start_state(plan.source_rows)
         high_water: int | None = state["high_water"]
         resumed_from = high_water

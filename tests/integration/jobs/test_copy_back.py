@@ -24,7 +24,7 @@ from outbox_migrate.jobs.copy_back import (
     copy_back,
 )
 from outbox_migrate.jobs.throttle import ThrottlePolicy
-from tests.integration.jobs.hoper import build_after_v4
+from outbox_migrate.testing.hoper import build_after_v4
 
 UNTHROTTLED = CopyBackOptions(throttle=ThrottlePolicy(adaptive=False))
 

@@ -1,8 +1,9 @@
 """Build the database state HOPER's copy-back starts from, directly with SQL.
 
-The pattern runner reaches this state through the catalog's steps; these tests need only the
-result: the old table attached as the DEFAULT partition (identity dropped, primary key kept)
-and the former DEFAULT partition detached, holding the rows published between V2 and V4.
+For tests and benchmarks only. The pattern runner reaches this state through the catalog's
+steps; copy-back tests and `bench/copy_back.py` need only the result: the old table attached
+as the DEFAULT partition (identity dropped, primary key kept) and the former DEFAULT
+partition detached, holding the rows published between V2 and V4.
 """
 
 from __future__ import annotations

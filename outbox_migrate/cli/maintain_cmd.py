@@ -1,0 +1,183 @@
+"""`outbox-migrate maintain`: autovacuum settings, unpublished-index bloat and REINDEX, retention.
+
+`--once` runs one pass and exits (cron, Kubernetes CronJob): exit 0 when all is well, 5 when a
+needed rebuild was refused or the settings could not be applied, 1 when a rebuild failed.
+Without `--once` it runs a pass every `--interval` seconds until interrupted.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from outbox_migrate.cli.options import (
+    DsnOption,
+    FormatOption,
+    OutputFormat,
+    PartitionedOption,
+    PublishedColumnOption,
+    SchemaOption,
+    settings_from,
+)
+
+if TYPE_CHECKING:
+    from outbox_migrate.jobs.maintain import MaintenanceReport
+
+OnceOption = Annotated[bool, typer.Option("--once", help="One pass, then exit (for cron).")]
+IntervalOption = Annotated[
+    float, typer.Option("--interval", min=1, help="Seconds between passes in loop mode.")
+]
+ThresholdOption = Annotated[
+    float,
+    typer.Option("--bloat-threshold", min=0, max=100, help="Rebuild above this bloat (%)."),
+]
+MethodOption = Annotated[
+    str,
+    typer.Option(
+        "--bloat-method", help="auto (pgstattuple when available), pgstattuple or estimate."
+    ),
+]
+NoReindexOption = Annotated[
+    bool, typer.Option("--no-reindex", help="Measure and report, never rebuild.")
+]
+NoAutovacuumOption = Annotated[
+    bool, typer.Option("--no-autovacuum", help="Check the settings, never change them.")
+]
+MaxXactAgeOption = Annotated[
+    float,
+    typer.Option("--max-xact-age", min=0, help="Refuse to rebuild while a transaction is older."),
+]
+RetentionOption = Annotated[
+    float | None,
+    typer.Option("--retention-days", min=0, help="Delete rows published longer ago than this."),
+]
+RetentionRateOption = Annotated[
+    float, typer.Option("--retention-rate", min=1, help="Ceiling on deleted rows/s.")
+]
+
+
+def register(app: typer.Typer) -> None:
+    app.command(
+        "maintain",
+        help="Keep the partitioned outbox healthy: the spec's autovacuum settings on the "
+        "published partition, the unpublished partition's index bloat measured and rebuilt "
+        "with REINDEX CONCURRENTLY above a threshold, optional retention. Loops unless --once."
+        "\n\nExample: outbox-migrate maintain --once --format json --dsn postgresql://app@db/app",
+    )(maintain)
+
+
+def maintain(
+    dsn: DsnOption = None,
+    once: OnceOption = False,
+    interval: IntervalOption = 300.0,
+    bloat_threshold: ThresholdOption = 50.0,
+    bloat_method: MethodOption = "auto",
+    no_reindex: NoReindexOption = False,
+    no_autovacuum: NoAutovacuumOption = False,
+    max_xact_age: MaxXactAgeOption = 60.0,
+    retention_days: RetentionOption = None,
+    retention_rate: RetentionRateOption = 50_000.0,
+    schema: SchemaOption = None,
+    partitioned_table: PartitionedOption = None,
+    published_column: PublishedColumnOption = None,
+    output: FormatOption = OutputFormat.text,
+) -> None:
+    import threading
+    from datetime import timedelta
+
+    from outbox_migrate.db import connect
+    from outbox_migrate.dsn import resolve
+    from outbox_migrate.errors import OutboxMigrateError, UsageError
+    from outbox_migrate.jobs.errors import MaintenanceProblems
+    from outbox_migrate.jobs.maintain import MaintenanceOptions, maintain_loop, maintain_once
+
+    if bloat_method not in ("auto", "pgstattuple", "estimate"):
+        raise UsageError(f"--bloat-method: auto, pgstattuple or estimate, not {bloat_method!r}")
+    settings = settings_from(
+        schema=schema, partitioned_table=partitioned_table, published_column=published_column
+    )
+    resolved = resolve(dsn)
+    if resolved is None:
+        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
+    options = MaintenanceOptions(
+        apply_autovacuum=not no_autovacuum,
+        bloat_threshold_pct=bloat_threshold,
+        bloat_method=bloat_method,  # type: ignore[arg-type]  # checked above
+        reindex=not no_reindex,
+        max_xact_age_s=max_xact_age,
+        retention=timedelta(days=retention_days) if retention_days is not None else None,
+        retention_max_rows_per_s=retention_rate,
+    )
+    as_json = output is OutputFormat.json
+    if once:
+        with connect(resolved.dsn) as conn:
+            report = maintain_once(conn, settings.spec, options)
+        _show(report, as_json)
+        if report.problems:
+            failed = any(o.status == "failed" for o in report.indexes)
+            raise MaintenanceProblems(report.problems, failed=failed)
+        return
+
+    stop = threading.Event()
+
+    def on_error(exc: OutboxMigrateError) -> None:
+        from outbox_migrate.cli.console import err
+
+        err().print(f"outbox-migrate: maintain: {exc}", markup=False)
+
+    try:
+        maintain_loop(
+            resolved.dsn,
+            settings.spec,
+            options,
+            interval_s=interval,
+            on_report=lambda report: _show(report, as_json, compact=True),
+            on_error=on_error,
+            stop=stop,
+        )
+    except KeyboardInterrupt:
+        stop.set()
+
+
+def _as_dict(report: MaintenanceReport) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    data = asdict(report)
+    data["problems"] = report.problems
+    return data
+
+
+def _show(report: MaintenanceReport, as_json: bool, *, compact: bool = False) -> None:
+    if as_json:
+        if compact:
+            import json
+            import sys
+
+            sys.stdout.write(json.dumps(_as_dict(report), default=str) + "\n")
+            sys.stdout.flush()
+        else:
+            from outbox_migrate.cli.console import print_json
+
+            print_json(_as_dict(report))
+        return
+    from outbox_migrate.cli.console import table, text
+
+    text(f"maintenance pass at {report.started_at} ({report.seconds:.1f}s)")
+    if report.autovacuum is not None:
+        av = report.autovacuum
+        state = "applied" if av.applied else ("ok" if av.ok else "differs")
+        text(f"  autovacuum on {av.table}: {state}" + (f" ({av.error})" if av.error else ""))
+    rows = []
+    for o in report.indexes:
+        after = f"{o.after.bloat_pct:.1f}" if o.after else ""
+        rows.append((o.index, o.before.method, f"{o.before.size_bytes:,}",
+                     f"{o.before.bloat_pct:.1f}", after, o.status, o.message))  # fmt: skip
+    table(f"indexes of {report.unpublished}",
+          ["index", "method", "bytes", "bloat %", "after %", "status", "note"], rows)  # fmt: skip
+    if report.retention is not None:
+        r = report.retention
+        done = f"deleted {r.deleted_rows:,} rows in {r.batches} batches ({r.seconds:.1f}s)"
+        text(f"  retention on {r.table}: " + (f"skipped ({r.skipped})" if r.skipped else done))
+    for note in report.notes:
+        text(f"  note: {note}")

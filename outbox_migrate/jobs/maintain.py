@@ -1,0 +1,284 @@
+"""Outbox maintenance, one pass at a time: autovacuum settings, index bloat, REINDEX, retention.
+
+A pass finds the partitions from the catalog (the `FOR VALUES IN (NULL)` partition and the
+DEFAULT partition of the partitioned outbox), so it is right both for a fresh layout and after
+HOPER/HOPIA/COPRA, where the DEFAULT partition is the old table. What a pass does, in order:
+
+1. the published partition gets the spec's insert-only autovacuum settings (checked, and
+   applied unless told not to);
+2. the unpublished partition is vacuumed and analyzed (it is small by design, so this is
+   cheap) — that is what turns the dead entries of published rows into measurable index
+   bloat and refreshes the statistics the estimate needs;
+3. each btree index of the unpublished partition is measured and, above the threshold,
+   rebuilt with REINDEX CONCURRENTLY, one at a time (see `reindex` for the guards);
+4. optionally, rows published before a retention cutoff are deleted in gentle batches.
+
+The pass returns a report; it never prints. `maintain_loop` repeats it on an interval.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+import psycopg
+from psycopg import sql
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import OutboxMigrateError
+from outbox_migrate.jobs import autovacuum, bloat, reindex, retention
+from outbox_migrate.jobs.autovacuum import DEFAULT_EVERY_ROWS
+from outbox_migrate.jobs.common import Relation
+from outbox_migrate.jobs.errors import MaintenanceError, ReindexFailed, ReindexRefused
+from outbox_migrate.jobs.reindex import DEFAULT_MAX_XACT_AGE_S, DEFAULT_REINDEX_LOCK_TIMEOUT_MS
+from outbox_migrate.jobs.retention import DEFAULT_BATCH_BLOCKS, DEFAULT_MAX_ROWS_PER_S
+
+DEFAULT_BLOAT_THRESHOLD_PCT = 50.0
+"""Rebuild the unpublished index once more than this share of it is bloat."""
+DEFAULT_MIN_INDEX_BYTES = 1024 * 1024
+"""Indexes smaller than this are never worth a rebuild, whatever their bloat."""
+DEFAULT_INTERVAL_S = 300.0
+"""Time between passes in loop mode."""
+VACUUM_LOCK_TIMEOUT_MS = 5_000
+
+
+@dataclass(frozen=True)
+class MaintenanceOptions:
+    apply_autovacuum: bool = True
+    published_every_rows: int = DEFAULT_EVERY_ROWS
+    bloat_threshold_pct: float = DEFAULT_BLOAT_THRESHOLD_PCT
+    bloat_method: Literal["auto", "pgstattuple", "estimate"] = "auto"
+    min_index_bytes: int = DEFAULT_MIN_INDEX_BYTES
+    vacuum_unpublished: bool = True
+    reindex: bool = True
+    max_xact_age_s: float = DEFAULT_MAX_XACT_AGE_S
+    reindex_lock_timeout_ms: int = DEFAULT_REINDEX_LOCK_TIMEOUT_MS
+    retention: timedelta | None = None
+    retention_batch_blocks: int = DEFAULT_BATCH_BLOCKS
+    retention_max_rows_per_s: float = DEFAULT_MAX_ROWS_PER_S
+
+
+IndexStatus = Literal["ok", "reindexed", "refused", "failed", "small", "untrusted", "skipped"]
+
+
+@dataclass(frozen=True)
+class IndexOutcome:
+    index: str
+    status: IndexStatus
+    before: bloat.IndexBloat
+    after: bloat.IndexBloat | None = None
+    seconds: float = 0.0
+    message: str = ""
+    window: tuple[float, float] | None = None
+    """`time.monotonic()` at the start and end of the REINDEX (to line up other measurements)."""
+
+
+@dataclass
+class MaintenanceReport:
+    started_at: str
+    unpublished: str
+    published: str | None
+    autovacuum: autovacuum.AutovacuumCheck | None = None
+    vacuumed: bool = False
+    indexes: list[IndexOutcome] = field(default_factory=list)
+    retention: retention.RetentionResult | None = None
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def problems(self) -> list[str]:
+        """What an operator (or a CronJob's exit code) should hear about."""
+        found = [o.message for o in self.indexes if o.status in ("refused", "failed")]
+        if self.autovacuum is not None and not self.autovacuum.ok:
+            found.append(
+                f"autovacuum settings of {self.autovacuum.table} differ from the spec's"
+                + (f": {self.autovacuum.error}" if self.autovacuum.error else "")
+            )
+        return found
+
+
+@dataclass(frozen=True)
+class Partitions:
+    unpublished: Relation
+    published: Relation | None
+
+
+def find_partitions(conn: psycopg.Connection[Any], spec: OutboxSpec) -> Partitions:
+    """The NULL partition and the DEFAULT partition of the partitioned outbox, by catalog."""
+    rows = conn.execute(
+        "SELECT cn.nspname, c.relname, pg_get_expr(c.relpartbound, c.oid),"
+        " c.oid = pt.partdefid"
+        " FROM pg_class p JOIN pg_namespace pn ON pn.oid = p.relnamespace"
+        " JOIN pg_partitioned_table pt ON pt.partrelid = p.oid"
+        " JOIN pg_inherits i ON i.inhparent = p.oid JOIN pg_class c ON c.oid = i.inhrelid"
+        " JOIN pg_namespace cn ON cn.oid = c.relnamespace"
+        " WHERE pn.nspname = %s AND p.relname = %s",
+        (spec.schema, spec.partitioned_table),
+    ).fetchall()
+    unpublished = published = None
+    for schema, name, bound, is_default in rows:
+        if is_default:
+            published = Relation(str(schema), str(name))
+        elif str(bound).replace(" ", "").upper() == "FORVALUESIN(NULL)":
+            unpublished = Relation(str(schema), str(name))
+    if unpublished is None:
+        raise MaintenanceError(
+            f"{spec.schema}.{spec.partitioned_table} has no FOR VALUES IN (NULL) partition "
+            "(is it the partitioned outbox, and is it created yet?)"
+        )
+    return Partitions(unpublished, published)
+
+
+def _btree_indexes(conn: psycopg.Connection[Any], table: Relation) -> list[tuple[int, str]]:
+    rows = conn.execute(
+        "SELECT ic.oid::int8, ic.relname FROM pg_index i"
+        " JOIN pg_class ic ON ic.oid = i.indexrelid JOIN pg_am am ON am.oid = ic.relam"
+        " JOIN pg_class c ON c.oid = i.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relname = %s AND i.indisvalid AND am.amname = 'btree'"
+        " ORDER BY ic.relname",
+        (table.schema, table.name),
+    ).fetchall()
+    return [(int(r[0]), str(r[1])) for r in rows]
+
+
+def _index_oid(conn: psycopg.Connection[Any], table: Relation, name: str) -> int | None:
+    for oid, index in _btree_indexes(conn, table):
+        if index == name:
+            return oid
+    return None
+
+
+def vacuum_analyze(conn: psycopg.Connection[Any], table: Relation) -> bool:
+    """VACUUM (ANALYZE) under a lock_timeout; False when a vacuum already holds the table."""
+    conn.execute(
+        sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{VACUUM_LOCK_TIMEOUT_MS}ms"))
+    )
+    try:
+        conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(table.ident))
+    except psycopg.errors.LockNotAvailable:
+        return False
+    finally:
+        conn.execute("RESET lock_timeout")
+    return True
+
+
+def _verdict(
+    name: str, before: bloat.IndexBloat, options: MaintenanceOptions
+) -> tuple[IndexStatus, str] | None:
+    """Why an index is left alone this pass; None when it should be rebuilt."""
+    if before.bloat_pct <= options.bloat_threshold_pct:
+        return "ok", ""
+    if before.size_bytes < options.min_index_bytes:
+        return "small", f"{name} is below the minimum size for a rebuild"
+    if not before.trustworthy:
+        return "untrusted", f"{name}: no statistics to trust the estimate; not rebuilt"
+    if not options.reindex:
+        return "skipped", f"{name} needs a rebuild ({before.bloat_pct:.0f} % bloat); reindex off"
+    return None
+
+
+def _maintain_index(
+    conn: psycopg.Connection[Any],
+    table: Relation,
+    oid: int,
+    name: str,
+    options: MaintenanceOptions,
+) -> IndexOutcome:
+    before = bloat.measure(conn, oid, options.bloat_method)
+    verdict = _verdict(name, before, options)
+    if verdict is not None:
+        return IndexOutcome(name, verdict[0], before, message=verdict[1])
+    try:
+        done = reindex.reindex_concurrently(
+            conn,
+            table,
+            name,
+            max_xact_age_s=options.max_xact_age_s,
+            lock_timeout_ms=options.reindex_lock_timeout_ms,
+        )
+    except ReindexRefused as exc:
+        return IndexOutcome(name, "refused", before, message=str(exc))
+    except ReindexFailed as exc:
+        return IndexOutcome(name, "failed", before, message=str(exc))
+    new_oid = _index_oid(conn, table, name)
+    after = bloat.measure(conn, new_oid, options.bloat_method) if new_oid else None
+    return IndexOutcome(name, "reindexed", before, after, done.seconds, window=done.window)
+
+
+def maintain_once(
+    conn: psycopg.Connection[Any],
+    spec: OutboxSpec,
+    options: MaintenanceOptions | None = None,
+    *,
+    stop: threading.Event | None = None,
+) -> MaintenanceReport:
+    """One maintenance pass. `conn` must be autocommit (VACUUM and REINDEX CONCURRENTLY)."""
+    options = options or MaintenanceOptions()
+    if not conn.autocommit:
+        raise MaintenanceError("maintenance needs an autocommit connection")
+    started = time.monotonic()
+    parts = find_partitions(conn, spec)
+    report = MaintenanceReport(
+        started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        unpublished=str(parts.unpublished),
+        published=str(parts.published) if parts.published else None,
+    )
+    if parts.published is not None:
+        report.autovacuum = autovacuum.ensure(
+            conn,
+            parts.published,
+            autovacuum.published_settings(options.published_every_rows),
+            apply=options.apply_autovacuum,
+        )
+    else:
+        report.notes.append("no DEFAULT (published) partition attached: autovacuum skipped")
+    if options.vacuum_unpublished:
+        report.vacuumed = vacuum_analyze(conn, parts.unpublished)
+        if not report.vacuumed:
+            report.notes.append(f"{parts.unpublished} was busy; measured without a fresh vacuum")
+    # One index at a time: two concurrent rebuilds on one table would wait on each other.
+    for oid, name in _btree_indexes(conn, parts.unpublished):
+        if stop is not None and stop.is_set():
+            break
+        report.indexes.append(_maintain_index(conn, parts.unpublished, oid, name, options))
+    if options.retention is not None and parts.published is not None:
+        report.retention = retention.delete_published_before(
+            conn,
+            parts.published,
+            spec.published_column,
+            options.retention,
+            batch_blocks=options.retention_batch_blocks,
+            max_rows_per_s=options.retention_max_rows_per_s,
+            stop=stop,
+        )
+    report.seconds = round(time.monotonic() - started, 3)
+    return report
+
+
+def maintain_loop(
+    dsn: str,
+    spec: OutboxSpec,
+    options: MaintenanceOptions,
+    *,
+    interval_s: float = DEFAULT_INTERVAL_S,
+    on_report: Callable[[MaintenanceReport], None],
+    on_error: Callable[[OutboxMigrateError], None],
+    stop: threading.Event,
+) -> None:
+    """Run a pass every `interval_s` until `stop` is set. A failed pass (the database is
+    down, a table is missing) is reported and retried next interval, not fatal."""
+    from outbox_migrate.db import connect, one_line
+
+    while not stop.is_set():
+        try:
+            with connect(dsn) as conn:
+                on_report(maintain_once(conn, spec, options, stop=stop))
+        except OutboxMigrateError as exc:
+            on_error(exc)
+        except psycopg.Error as exc:
+            on_error(MaintenanceError(f"maintenance pass failed: {one_line(str(exc), dsn)}"))
+        stop.wait(interval_s)

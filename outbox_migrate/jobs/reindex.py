@@ -1,0 +1,189 @@
+"""REINDEX INDEX CONCURRENTLY for the outbox's hot index, done so it cannot hurt the writers.
+
+REINDEX CONCURRENTLY takes only SHARE UPDATE EXCLUSIVE on the table (inserts, updates and
+deletes carry on), but it waits, several times, for every transaction that could still see
+the old index. A transaction left open for hours would hold it in those waits for hours, so
+we refuse to start while any transaction in this database is older than a budget. If it
+fails anyway (a lock timeout, a cancel, a crash of this process) PostgreSQL leaves an invalid
+`<index>_ccnew` (or `_ccold`) behind that every write still has to maintain; we drop such
+leftovers after any failure and before every start.
+
+One index at a time, and one maintainer at a time (a session advisory lock per table).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox_migrate.jobs.common import Relation
+from outbox_migrate.jobs.errors import ReindexFailed, ReindexRefused
+
+DEFAULT_MAX_XACT_AGE_S = 60.0
+"""A transaction older than this makes us refuse to start a REINDEX CONCURRENTLY."""
+DEFAULT_REINDEX_LOCK_TIMEOUT_MS = 10_000
+"""lock_timeout for REINDEX CONCURRENTLY's own waits on older transactions. Its table lock
+(SHARE UPDATE EXCLUSIVE) blocks no DML, so a waiting REINDEX does not stall writers."""
+DROP_LEFTOVER_LOCK_TIMEOUT_MS = 2_000
+ADVISORY_NAMESPACE = "outbox-migrate:reindex:"
+
+
+@dataclass(frozen=True)
+class Blocker:
+    """A transaction that would make REINDEX CONCURRENTLY wait."""
+
+    pid: int | None
+    age_s: float
+    state: str
+    application_name: str
+    prepared_gid: str | None = None
+
+    def describe(self) -> str:
+        if self.prepared_gid is not None:
+            return f"prepared transaction {self.prepared_gid!r} ({self.age_s:.0f}s old)"
+        app = f" ({self.application_name})" if self.application_name else ""
+        return f"pid {self.pid}{app}, {self.state}, transaction {self.age_s:.0f}s old"
+
+
+def old_transactions(conn: psycopg.Connection[Any], max_age_s: float) -> list[Blocker]:
+    """Transactions in this database older than `max_age_s`, ours excluded.
+
+    Any open transaction counts, even a read-only one without a snapshot between statements:
+    the locks it keeps on the table make REINDEX CONCURRENTLY's last phase wait for it.
+    """
+    rows = conn.execute(
+        "SELECT pid, extract(epoch FROM now() - xact_start)::float8, coalesce(state, ''),"
+        " coalesce(application_name, '') FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        " AND backend_type = 'client backend' AND xact_start IS NOT NULL"
+        " AND xact_start < now() - make_interval(secs => %s)"
+        " ORDER BY xact_start",
+        (max_age_s,),
+    ).fetchall()
+    blockers = [Blocker(int(r[0]), float(r[1]), str(r[2]), str(r[3])) for r in rows]
+    prepared = conn.execute(
+        "SELECT gid, extract(epoch FROM now() - prepared)::float8 FROM pg_prepared_xacts"
+        " WHERE database = current_database() AND prepared < now() - make_interval(secs => %s)",
+        (max_age_s,),
+    ).fetchall()
+    blockers += [Blocker(None, float(r[1]), "prepared", "", str(r[0])) for r in prepared]
+    return blockers
+
+
+def leftover_indexes(conn: psycopg.Connection[Any], table: Relation) -> list[str]:
+    """Invalid `_ccnew`/`_ccold` indexes a failed REINDEX CONCURRENTLY left on `table`."""
+    rows = conn.execute(
+        "SELECT ic.relname FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid"
+        " JOIN pg_class c ON c.oid = i.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relname = %s AND NOT i.indisvalid"
+        " AND ic.relname ~ '_cc(new|old)[0-9]*$' ORDER BY ic.relname",
+        (table.schema, table.name),
+    ).fetchall()
+    return [str(r[0]) for r in rows]
+
+
+def drop_leftovers(conn: psycopg.Connection[Any], table: Relation) -> tuple[list[str], list[str]]:
+    """DROP INDEX CONCURRENTLY each invalid leftover; returns (dropped, still there).
+
+    Only invalid indexes whose names carry REINDEX's suffixes are touched, never a valid one.
+    A drop waits for the same transactions the REINDEX waited for, so it can time out too;
+    what is left is dropped by the next pass, before it starts anything new.
+    """
+    dropped, remaining = [], []
+    for name in leftover_indexes(conn, table):
+        conn.execute(
+            sql.SQL("SET lock_timeout = {}").format(
+                sql.Literal(f"{DROP_LEFTOVER_LOCK_TIMEOUT_MS}ms")
+            )
+        )
+        try:
+            conn.execute(
+                sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(
+                    sql.Identifier(table.schema, name)
+                )
+            )
+            dropped.append(name)
+        except psycopg.Error:
+            remaining.append(name)
+        finally:
+            conn.execute("RESET lock_timeout")
+    return dropped, remaining
+
+
+@dataclass(frozen=True)
+class ReindexResult:
+    index: str
+    seconds: float
+    leftovers_dropped: tuple[str, ...]
+    window: tuple[float, float]
+    """`time.monotonic()` when the REINDEX started and ended."""
+
+
+def _try_advisory_lock(conn: psycopg.Connection[Any], table: Relation) -> bool:
+    row = conn.execute(
+        "SELECT pg_try_advisory_lock(hashtext(%s))", (f"{ADVISORY_NAMESPACE}{table}",)
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def _unlock(conn: psycopg.Connection[Any], table: Relation) -> None:
+    conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (f"{ADVISORY_NAMESPACE}{table}",))
+
+
+def reindex_concurrently(
+    conn: psycopg.Connection[Any],
+    table: Relation,
+    index: str,
+    *,
+    max_xact_age_s: float = DEFAULT_MAX_XACT_AGE_S,
+    lock_timeout_ms: int = DEFAULT_REINDEX_LOCK_TIMEOUT_MS,
+) -> ReindexResult:
+    """Rebuild `index` (on `table`) without blocking writes, or refuse/fail cleanly.
+
+    Raises `ReindexRefused` (nothing done) when another maintainer holds the lock or an old
+    transaction would block the rebuild, `ReindexFailed` after cleaning up when it fails.
+    """
+    if not conn.autocommit:
+        raise ReindexFailed("REINDEX CONCURRENTLY needs an autocommit connection")
+    if not _try_advisory_lock(conn, table):
+        raise ReindexRefused(f"another outbox-migrate maintain is reindexing {table}")
+    try:
+        # Leftovers from an earlier failure first: an invalid index costs every insert.
+        dropped, remaining = drop_leftovers(conn, table)
+        if remaining:
+            raise ReindexRefused(
+                f"not reindexing {table.schema}.{index}: leftover invalid index(es) "
+                f"{', '.join(remaining)} could not be dropped yet (a transaction holds them)"
+            )
+        blockers = old_transactions(conn, max_xact_age_s)
+        if blockers:
+            shown = "; ".join(b.describe() for b in blockers[:3])
+            raise ReindexRefused(
+                f"not reindexing {table.schema}.{index}: {len(blockers)} transaction(s) older "
+                f"than {max_xact_age_s:.0f}s would block REINDEX CONCURRENTLY ({shown})"
+            )
+        started = time.monotonic()
+        conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{lock_timeout_ms}ms")))
+        try:
+            conn.execute(
+                sql.SQL("REINDEX INDEX CONCURRENTLY {}").format(sql.Identifier(table.schema, index))
+            )
+        except psycopg.Error as exc:
+            reason = (str(exc).strip().splitlines() or ["unknown error"])[0]
+            conn.execute("RESET lock_timeout")
+            cleaned, left = drop_leftovers(conn, table)
+            note = f"; dropped leftover {', '.join(cleaned)}" if cleaned else ""
+            if left:
+                note += f"; leftover {', '.join(left)} will be dropped by the next pass"
+            raise ReindexFailed(
+                f"REINDEX INDEX CONCURRENTLY {table.schema}.{index} failed: {reason}{note}"
+            ) from None
+        ended = time.monotonic()
+        conn.execute("RESET lock_timeout")
+        return ReindexResult(index, ended - started, tuple(dropped), (started, ended))
+    finally:
+        _unlock(conn, table)

@@ -1,0 +1,103 @@
+"""Retention for the published partition: delete rows published before a cutoff, gently.
+
+The generic path works on any table, indexed or not: it walks the heap in ranges of blocks
+(`ctid` range conditions, a TID Range Scan on PostgreSQL 14+), deleting the old rows of one
+range per transaction and sleeping to stay under a rows/s ceiling. Each batch's work is
+bounded by the block range, not by how many old rows there are, and nothing long-lived holds
+a snapshot. A full pass still reads the whole partition; where the partition is the tool's
+own table, sub-partitioning it by time makes retention a partition drop instead
+(docs/maintenance.md).
+
+Retention refuses to touch a table that HOPER's copy-back is still filling: deleting rows
+the copy has written would make its verification fail.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox_migrate.jobs import common
+from outbox_migrate.jobs.common import Relation
+
+DEFAULT_BATCH_BLOCKS = 1_000
+"""Heap blocks per delete batch (8 MB with 8 kB blocks)."""
+DEFAULT_MAX_ROWS_PER_S = 50_000.0
+"""Ceiling on deleted rows per second."""
+
+
+@dataclass(frozen=True)
+class RetentionResult:
+    table: str
+    cutoff_age_s: float
+    deleted_rows: int
+    batches: int
+    seconds: float
+    skipped: str | None = None
+
+
+def copy_back_pending(conn: psycopg.Connection[Any], table: Relation) -> bool:
+    progress = Relation(common.STATE_SCHEMA, "copy_back_progress")
+    if not common.exists(conn, progress):
+        return False
+    row = conn.execute(
+        sql.SQL(
+            "SELECT 1 FROM {} WHERE target_schema = %s AND target_table = %s AND dropped_at IS NULL"
+        ).format(progress.ident),
+        (table.schema, table.name),
+    ).fetchone()
+    return row is not None
+
+
+def delete_published_before(
+    conn: psycopg.Connection[Any],
+    table: Relation,
+    published_column: str,
+    older_than: timedelta,
+    *,
+    batch_blocks: int = DEFAULT_BATCH_BLOCKS,
+    max_rows_per_s: float = DEFAULT_MAX_ROWS_PER_S,
+    stop: threading.Event | None = None,
+) -> RetentionResult:
+    """Delete rows of `table` whose `published_column` is older than `older_than`."""
+    age_s = older_than.total_seconds()
+    if copy_back_pending(conn, table):
+        pending = "HOPER copy-back into this table is not finished"
+        return RetentionResult(str(table), age_s, 0, 0, 0.0, skipped=pending)
+    oid = common.oid_of(conn, table)
+    if oid is None:
+        return RetentionResult(str(table), age_s, 0, 0, 0.0, skipped="table does not exist")
+    row = conn.execute(
+        "SELECT pg_relation_size(%s::oid) / current_setting('block_size')::int8,"
+        " now() - make_interval(secs => %s)",
+        (oid, age_s),
+    ).fetchone()
+    assert row is not None
+    blocks, cutoff = int(row[0]), row[1]
+    statement = sql.SQL(
+        "DELETE FROM {t} WHERE ctid >= %(lo)s::tid AND ctid < %(hi)s::tid AND {pub} < %(cutoff)s"
+    ).format(t=table.ident, pub=sql.Identifier(published_column))
+    started = time.monotonic()
+    deleted = batches = 0
+    # Blocks past the size measured at the start hold rows newer than the cutoff (appended
+    # since), so one pass over [0, blocks) is complete for this cutoff.
+    for low in range(0, blocks, batch_blocks):
+        if stop is not None and stop.is_set():
+            break
+        bounds = {"lo": f"({low},0)", "hi": f"({low + batch_blocks},0)", "cutoff": cutoff}
+        cur = conn.execute(statement, bounds)
+        deleted += cur.rowcount
+        batches += 1
+        owed = deleted / max_rows_per_s - (time.monotonic() - started)
+        if owed > 0:
+            if stop is not None:
+                stop.wait(owed)
+            else:
+                time.sleep(owed)
+    return RetentionResult(str(table), age_s, deleted, batches, time.monotonic() - started)
