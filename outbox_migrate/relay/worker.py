@@ -272,14 +272,15 @@ class Relay:
             if not rows:
                 return 0, after
             batch = [Message(int(r[0]), source.label, r[1], r[2], r[3], r[4]) for r in rows]
-            to_mark, retry_from = self._publish(conn, sink, source, batch)
+            acked, dead, retry_from = self._publish(conn, sink, source, batch)
+            to_mark = acked + dead
             if self._abandon.is_set():
                 raise _Abandoned
             if to_mark:
                 conn.execute(queries.mark(source), {"ids": to_mark})
         elapsed = time.perf_counter() - started
-        self.stats.add(published=len(to_mark), batches=1)
-        self.observer.published(len(to_mark))
+        self.stats.add(published=len(acked), batches=1)
+        self.observer.published(len(acked))
         self.observer.batch_seconds(elapsed)
         # Rejected messages still due a retry must be claimed again: move the cursor below them.
         next_after = batch[-1].id if retry_from is None else retry_from - 1
@@ -287,17 +288,18 @@ class Relay:
 
     def _publish(
         self, conn: Any, sink: Sink, source: queries.Source, batch: list[Message]
-    ) -> tuple[list[int], int | None]:
-        """Publish; returns (ids to mark, lowest id to claim again or None)."""
+    ) -> tuple[list[int], list[int], int | None]:
+        """Publish; returns (acknowledged ids, dead-lettered ids, lowest id to claim again)."""
         try:
             sink.publish(batch)
         except MessagesRejected as exc:
             rejected = exc.rejected
         else:
-            return [m.id for m in batch], None
+            return [m.id for m in batch], [], None
         self.stats.add(rejected=len(rejected))
         self.observer.failed("rejected", len(rejected))
-        to_mark = [m.id for m in batch if m.id not in rejected]
+        acked = [m.id for m in batch if m.id not in rejected]
+        dead: list[int] = []
         retry: list[int] = []
         for message in batch:
             if message.id not in rejected:
@@ -310,12 +312,12 @@ class Relay:
                 retry.append(message.id)
                 continue
             self._dead_letter(conn, source, message, attempts, rejected[message.id])
-            to_mark.append(message.id)
+            dead.append(message.id)
             with self._attempts_lock:
                 self._attempts.pop(key, None)
         log.warning("relay.rejected count=%d dead_lettered=%d", len(rejected),
                     len(rejected) - len(retry))  # fmt: skip
-        return to_mark, (min(retry) if retry else None)
+        return acked, dead, (min(retry) if retry else None)
 
     def _dead_letter(
         self, conn: Any, source: queries.Source, message: Message, attempts: int, error: str

@@ -82,8 +82,3 @@ def factory(name: str, config: SinkConfig | None = None) -> SinkFactory:
         return sink
 
     return make
-
-
-def publish_all(sink: Sink, batch: Sequence[Message]) -> None:
-    """Convenience for tests and scripts: publish one batch (no retry)."""
-    sink.publish(batch)
