@@ -64,9 +64,11 @@ def attach_old_as_default(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         summary=f"ATTACH {n.table} to {n.parent} as the DEFAULT partition (no scan)",
         statements=(attach_old_sql(ctx),),
         tx=TxMode.TRANSACTION,
+        # ATTACH takes only SHARE UPDATE EXCLUSIVE on the parent (writers into the
+        # partitioned table go on); ACCESS EXCLUSIVE falls on the table being attached.
         locks=(
-            Lock(n.display(n.parent), LockMode.ACCESS_EXCLUSIVE),
-            Lock(n.display(n.table), LockMode.ACCESS_EXCLUSIVE),
+            Lock(n.parent, LockMode.SHARE_UPDATE_EXCLUSIVE),
+            Lock(n.table, LockMode.ACCESS_EXCLUSIVE),
         ),
         scan="skipped: the validated CHECK implies the DEFAULT bound (statement_timeout "
         "turns an unexpected scan into a fast failure)",
@@ -111,9 +113,9 @@ def swap_default(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         statements=(detach_sql(ctx, n.published), attach_old_sql(ctx)),
         tx=TxMode.TRANSACTION,
         locks=(
-            Lock(n.display(n.parent), LockMode.ACCESS_EXCLUSIVE),
-            Lock(n.display(n.published), LockMode.ACCESS_EXCLUSIVE),
-            Lock(n.display(n.table), LockMode.ACCESS_EXCLUSIVE),
+            Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),
+            Lock(n.published, LockMode.ACCESS_EXCLUSIVE),
+            Lock(n.table, LockMode.ACCESS_EXCLUSIVE),
         ),
         scan="skipped: the validated CHECK implies the DEFAULT bound; DETACH never scans",
         catalog_only=True,

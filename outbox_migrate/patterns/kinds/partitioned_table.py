@@ -56,8 +56,8 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
         statements=(create, start),
         tx=TxMode.TRANSACTION,
         locks=(
-            Lock(n.display(n.table), LockMode.ACCESS_SHARE),
-            Lock(n.display(n.parent), LockMode.ACCESS_EXCLUSIVE),
+            Lock(n.table, LockMode.ACCESS_SHARE),
+            Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),
         ),
         preconditions=(
             c.relation_exists(n, n.table),
@@ -90,7 +90,10 @@ def create_unpublished_partition(ctx: BuildContext, params: Mapping[str, Any]) -
             ),
         ),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(n.parent), LockMode.ACCESS_EXCLUSIVE),),
+        locks=(
+            Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),
+            Lock(n.unpublished, LockMode.ACCESS_EXCLUSIVE),
+        ),
         preconditions=(c.relation_exists(n, n.parent), c.relation_absent(n, n.unpublished)),
         postcondition=(c.partition_bound(n, n.unpublished, NULL_BOUND),),
         reverse=(sql.SQL("DROP TABLE {}").format(n.q(n.unpublished)),),
@@ -115,7 +118,7 @@ def create_unpublished_index(ctx: BuildContext, params: Mapping[str, Any]) -> St
             ),
         ),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(n.unpublished), LockMode.SHARE),),
+        locks=(Lock(n.unpublished, LockMode.SHARE),),
         preconditions=(
             c.partition_bound(n, n.unpublished, NULL_BOUND),
             c.relation_absent(n, n.spec.unpublished_index),
@@ -140,7 +143,10 @@ def create_published_partition(ctx: BuildContext, params: Mapping[str, Any]) -> 
             ),
         ),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(n.parent), LockMode.ACCESS_EXCLUSIVE),),
+        locks=(
+            Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),
+            Lock(n.published, LockMode.ACCESS_EXCLUSIVE),
+        ),
         preconditions=(c.relation_exists(n, n.parent), c.relation_absent(n, n.published)),
         postcondition=(c.partition_bound(n, n.published, DEFAULT_BOUND),),
         reverse=(sql.SQL("DROP TABLE {}").format(n.q(n.published)),),

@@ -1,0 +1,118 @@
+"""Every step's declared locks are the locks PostgreSQL really takes, on every server version.
+
+Each pattern is walked phase by phase on a real database (the application simulated between
+deploys as in the psql end-to-end test). Each step runs inside one transaction; before COMMIT
+the test reads `pg_locks` for its own backend. For each declared relation the strongest lock
+held must be exactly the declared mode, and no other outbox relation may be held stronger than
+ROW EXCLUSIVE. A wrong declaration here means `plan` tells the operator a wrong story about
+who is blocked.
+"""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
+from outbox_migrate.patterns.model import LockMode, Step, TxMode
+from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
+from tests.support.app import act_as, publish_all, violations
+
+SPEC = OutboxSpec()
+OURS = (
+    SPEC.table,
+    SPEC.partitioned_table,
+    SPEC.unpublished_partition,
+    SPEC.published_partition,
+)
+ORDER = list(LockMode)
+ROW_EXCLUSIVE = ORDER.index(LockMode.ROW_EXCLUSIVE)
+OUR_RELATIONS = """
+SELECT oid, relname FROM pg_class
+WHERE relnamespace = 'public'::regnamespace AND relname = ANY (%s)
+"""
+HELD_LOCKS = """
+SELECT relation, mode FROM pg_locks
+WHERE pid = pg_backend_pid() AND locktype = 'relation' AND granted
+"""
+
+
+def our_relations(conn: psycopg.Connection) -> dict[int, str]:
+    return dict(conn.execute(OUR_RELATIONS, (list(OURS),)).fetchall())
+
+
+def strongest_locks(conn: psycopg.Connection, names: dict[int, str]) -> dict[str, LockMode]:
+    """Strongest lock this backend holds on each of our relations (by oid, so a relation the
+    step dropped still counts)."""
+    held: dict[str, LockMode] = {}
+    for oid, mode in conn.execute(HELD_LOCKS).fetchall():
+        relname = names.get(oid)
+        if relname is None:
+            continue
+        lock = LockMode(mode)
+        if relname not in held or ORDER.index(lock) > ORDER.index(held[relname]):
+            held[relname] = lock
+    return held
+
+
+def locks_taken_by(conn: psycopg.Connection, step: Step) -> dict[str, LockMode]:
+    """Run the step's statements in one transaction; the locks held just before COMMIT."""
+    names = our_relations(conn)
+    with conn.transaction():
+        for statement in step.statements:
+            conn.execute(statement)
+        names.update(our_relations(conn))  # relations the step created
+        return strongest_locks(conn, names)
+
+
+@pytest.mark.parametrize("pattern", PATTERN_NAMES)
+def test_declared_locks_are_the_locks_taken(pattern: str, dsn: str) -> None:
+    built = build_pattern(pattern, SPEC, BuildOptions(sample_window_s=0.05, include_optional=True))
+    checked: list[str] = []
+    wrong: list[str] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        insert_rows(conn, SPEC.table, 200, published=True)
+        insert_rows(conn, SPEC.table, 10)
+        for index, phase in enumerate(built.phases):
+            if index:
+                previous = built.phases[index - 1]
+                if previous.app.publishes_from.value in ("old", "old-then-new"):
+                    publish_all(conn, SPEC.table)
+            for step in phase.steps:
+                # The walk is only meaningful if each step runs in the state it was built for.
+                assert violations(conn, list(step.preconditions)) == [], step.id
+                if step.tx is TxMode.NONE or not step.statements:
+                    continue  # deploy gates: no SQL, no locks
+                if step.tx is TxMode.AUTOCOMMIT:
+                    # copy-back's plain-SQL loop COMMITs per batch and cannot run inside a
+                    # transaction; the runner hands it to the copy-back job instead.
+                    for statement in step.statements:
+                        conn.execute(statement)
+                    continue
+                held = locks_taken_by(conn, step)
+                declared = {lock.relation: lock.mode for lock in step.locks}
+                for relation, mode in declared.items():
+                    if held.get(relation) is not mode:
+                        found = held[relation].sql_name if relation in held else "no lock"
+                        wrong.append(f"{step.id}: declares {mode.sql_name} on {relation}, "
+                                     f"PostgreSQL held {found}")  # fmt: skip
+                for relation, mode in held.items():
+                    if relation not in declared and ORDER.index(mode) > ROW_EXCLUSIVE:
+                        wrong.append(f"{step.id}: undeclared {mode.sql_name} on {relation}")
+                assert violations(conn, list(step.postcondition)) == [], step.id
+                checked.append(step.id)
+            act_as(conn, phase)
+    assert not wrong, "\n".join(wrong)
+    expected = [s.id for s in built.steps() if s.statements and s.tx is TxMode.TRANSACTION]
+    assert checked == expected
+
+
+def test_held_locks_reader_sees_an_explicit_lock(conn: psycopg.Connection) -> None:
+    """The probe itself: a LOCK TABLE inside the transaction shows up with its mode."""
+    create_flat_outbox(conn)
+    with conn.transaction():
+        conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(sql.Identifier(SPEC.table)))
+        assert strongest_locks(conn, our_relations(conn)) == {SPEC.table: LockMode.SHARE}
