@@ -1,0 +1,321 @@
+"""The catalog as data: ids, phases and step lists against the spec, completeness of every
+step's description, checksums, and identifier quoting. No database."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from psycopg import sql
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import UsageError
+from outbox_migrate.offline import assertion, step_sql
+from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
+from outbox_migrate.patterns.kinds import load_all
+from outbox_migrate.patterns.model import LockMode, Pattern, PhaseKind, Step, Table, TxMode
+from outbox_migrate.wizard import Answers, recommend
+
+ALL = BuildOptions(include_optional=True)
+OLD, NEW, SWITCH = Table.OLD, Table.NEW, Table.OLD_THEN_NEW
+
+# (phase, inserts into, publishes from) exactly as the spec lists the deploys of each pattern.
+SPEC_PHASES = {
+    "cop": [("V1", OLD, OLD), ("V2", NEW, OLD), ("V3", NEW, NEW)],
+    "copra": [("V1", OLD, OLD), ("V2", NEW, OLD), ("V3", NEW, OLD), ("V4", NEW, NEW)],
+    "hop": [("V1", OLD, OLD), ("V2", NEW, SWITCH), ("V3", NEW, NEW)],
+    "hoper": [
+        ("V1", OLD, OLD),
+        ("V2", NEW, SWITCH),
+        ("V3", NEW, NEW),
+        ("V4", NEW, NEW),
+        ("copy-back", NEW, NEW),
+    ],
+    "hopia": [("V1", OLD, OLD), ("V2", NEW, SWITCH), ("V3", NEW, NEW), ("V4", NEW, NEW)],
+}
+
+CREATE = [
+    "create-partitioned-table",
+    "create-unpublished-partition",
+    "create-unpublished-index",
+    "create-published-partition",
+    "tune-autovacuum",
+]
+CHECK_SEQUENCE = ["drop-identity", "add-not-valid-check", "validate-check", "set-not-null"]
+# The kinds of each phase, with optional steps included.
+SPEC_KINDS = {
+    "cop": {"V1": [], "V2": CREATE, "V3": ["gate-old-table-retired"]},
+    "copra": {
+        "V1": [],
+        # No published partition: the old table becomes it in V3.
+        "V2": CREATE[:3],
+        "V3": [
+            "gate-old-table-retired",
+            *CHECK_SEQUENCE,
+            "attach-old-as-default",
+            "drop-check",
+            "tune-autovacuum-old",
+        ],
+        "V4": [],
+    },
+    "hop": {"V1": [], "V2": CREATE, "V3": ["gate-old-table-retired"]},
+    "hoper": {
+        "V1": [],
+        "V2": CREATE,
+        "V3": ["gate-old-table-retired"],
+        "V4": [*CHECK_SEQUENCE, "swap-default", "drop-check", "tune-autovacuum-old"],
+        "copy-back": ["copy-back", "drop-published"],
+    },
+    "hopia": {
+        "V1": [],
+        "V2": [*CREATE, "install-copy-trigger"],
+        "V3": ["gate-old-table-retired"],
+        "V4": [
+            *CHECK_SEQUENCE,
+            "swap-default",
+            "drop-check",
+            "remove-copy-trigger",
+            "tune-autovacuum-old",
+            "drop-detached-published",
+        ],
+    },
+}
+
+
+def every_pattern(options: BuildOptions = ALL) -> list[Pattern]:
+    return [build_pattern(name, OutboxSpec(), options) for name in PATTERN_NAMES]
+
+
+def every_step() -> list[tuple[Pattern, Step]]:
+    return [(p, s) for p in every_pattern() for s in p.steps()]
+
+
+@pytest.mark.parametrize("name", PATTERN_NAMES)
+def test_phases_and_application_behaviour_follow_the_spec(name: str) -> None:
+    pattern = build_pattern(name, options=ALL)
+    observed = [(p.name, p.app.inserts_into, p.app.publishes_from) for p in pattern.phases]
+    assert observed == SPEC_PHASES[name]
+    kinds = [p.kind for p in pattern.phases]
+    expected = [PhaseKind.JOB if p == "copy-back" else PhaseKind.DEPLOY for p, *_ in observed]
+    assert kinds == expected
+
+
+@pytest.mark.parametrize("name", PATTERN_NAMES)
+def test_step_kinds_per_phase_follow_the_spec(name: str) -> None:
+    pattern = build_pattern(name, options=ALL)
+    assert {p.name: [s.kind for s in p.steps] for p in pattern.phases} == SPEC_KINDS[name]
+
+
+def test_optional_steps_are_left_out_by_default() -> None:
+    for full, default in zip(every_pattern(), every_pattern(BuildOptions()), strict=True):
+        dropped = {s.id for s in full.steps()} - {s.id for s in default.steps()}
+        assert dropped == {s.id for s in full.steps() if s.optional}
+    optional = {s.id for _, s in every_step() if s.optional}
+    assert optional == {
+        "copra.v3.set-not-null",
+        "hoper.v4.set-not-null",
+        "hopia.v4.set-not-null",
+        "hopia.v4.drop-detached-published",
+    }
+
+
+def test_step_ids_are_pattern_phase_kind_and_unique() -> None:
+    ids = []
+    for pattern, step in every_step():
+        assert step.id == f"{pattern.name}.{step.phase.lower()}.{step.kind}"
+        ids.append(step.id)
+    assert len(ids) == len(set(ids))
+
+
+def test_step_ids_do_not_depend_on_the_names_in_the_spec() -> None:
+    custom = OutboxSpec(schema="billing", table="events", partitioned_table="events_p")
+    for name in PATTERN_NAMES:
+        default = [s.id for s in build_pattern(name, OutboxSpec(), ALL).steps()]
+        renamed = [s.id for s in build_pattern(name, custom, ALL).steps()]
+        assert default == renamed
+
+
+@pytest.mark.parametrize(("pattern", "step"), every_step(), ids=lambda v: getattr(v, "id", ""))
+def test_every_step_is_fully_described(pattern: Pattern, step: Step) -> None:
+    assert step.summary and not step.summary.endswith(".")
+    assert step.app_before and step.app_after
+    assert step.reverse_note
+    if step.tx is TxMode.NONE:
+        # A deploy gate: no SQL, no locks, its proof is its preconditions.
+        assert step.kind.startswith("gate-")
+        assert step.statements == () and step.locks == () and step.postcondition == ()
+        assert step.preconditions
+        return
+    assert step.statements
+    assert step.locks
+    assert step.postcondition, "only gates may lack a postcondition"
+    assert step.preconditions
+    relations = [lock.relation for lock in step.locks]
+    assert len(relations) == len(set(relations))
+    if step.catalog_only:
+        assert step.statement_timeout_ms is not None
+    if step.reverse is None:
+        assert step.reverse_note.startswith("irreversible")
+
+
+@pytest.mark.parametrize("name", PATTERN_NAMES)
+def test_point_of_no_return_is_the_only_irreversible_step(name: str) -> None:
+    pattern = build_pattern(name, options=ALL)
+    irreversible = [s.id for s in pattern.steps() if not s.reversible]
+    assert irreversible == ([pattern.point_of_no_return] if pattern.point_of_no_return else [])
+    if pattern.point_of_no_return:
+        # Nothing after the point of no return: it is the pattern's very last step.
+        assert pattern.steps()[-1].id == pattern.point_of_no_return
+
+
+def test_steps_that_scan_never_block_writers() -> None:
+    """A step reading the whole table must not hold a lock that queues INSERT/UPDATE."""
+    for _, step in every_step():
+        if step.scan and not step.scan.startswith(("skipped", "none")):
+            assert not any(lock.mode.blocks_writers for lock in step.locks), step.id
+            assert step.statement_timeout_ms is None, step.id
+
+
+def test_writer_blocking_locks_on_live_tables_are_catalog_only() -> None:
+    """ACCESS EXCLUSIVE on a table the application uses must be brief: catalog-only, under
+    a statement_timeout. Steps creating new, unused relations are exempt."""
+    creators = {"create-partitioned-table", "create-unpublished-partition"}
+    creators |= {"create-published-partition", "create-unpublished-index"}
+    creators |= {"install-copy-trigger"}  # before V2: the published partition is still empty
+    for _, step in every_step():
+        if step.kind in creators or step.strongest_lock is None:
+            continue
+        if step.strongest_lock.blocks_writers:
+            assert step.catalog_only, step.id
+            assert step.statement_timeout_ms is not None, step.id
+
+
+def test_swap_takes_access_exclusive_on_parent_and_attach_does_not() -> None:
+    """DETACH (never CONCURRENTLY with a DEFAULT partition) locks the parent; ATTACH alone
+    takes SHARE UPDATE EXCLUSIVE on it."""
+    swap_step = next(s for s in build_pattern("hoper").steps() if s.kind == "swap-default")
+    swap = {lock.relation: lock.mode for lock in swap_step.locks}
+    assert swap["outbox_new"] is LockMode.ACCESS_EXCLUSIVE
+    assert "CONCURRENTLY" not in " ".join(swap_step.sql_texts())
+    attach = next(s for s in build_pattern("copra").steps() if s.kind == "attach-old-as-default")
+    assert {lock.relation: lock.mode for lock in attach.locks}["outbox_new"] is (
+        LockMode.SHARE_UPDATE_EXCLUSIVE
+    )
+
+
+def test_swap_is_one_transaction_detach_then_attach() -> None:
+    for name in ("hoper", "hopia"):
+        swap = next(s for s in build_pattern(name).steps() if s.kind == "swap-default")
+        assert swap.tx is TxMode.TRANSACTION
+        assert swap.sql_texts() == [
+            'ALTER TABLE "public"."outbox_new" DETACH PARTITION "public"."outbox_published"',
+            'ALTER TABLE "public"."outbox_new" ATTACH PARTITION "public"."outbox" DEFAULT',
+        ]
+        lines = step_sql(swap, 200)
+        assert lines[0] == "BEGIN;" and lines[-1] == "COMMIT;"
+
+
+def test_hopia_swap_requires_every_row_copied_and_hoper_does_not() -> None:
+    def names(pattern: str) -> set[str]:
+        swap = next(s for s in build_pattern(pattern).steps() if s.kind == "swap-default")
+        return {c.name for c in swap.preconditions}
+
+    assert "all-rows-present:outbox_published->outbox" in names("hopia")
+    assert "all-rows-present:outbox_published->outbox" not in names("hoper")
+
+
+def test_identity_starts_above_old_max_in_every_pattern() -> None:
+    for pattern in every_pattern():
+        create = pattern.steps()[0]
+        assert create.kind == "create-partitioned-table"
+        start = create.sql_texts()[1]
+        assert "setval" in start and 'max("id")' in start and "1000000" in start
+
+
+def test_hopia_trigger_overrides_the_old_identity() -> None:
+    trigger = next(s for s in build_pattern("hopia").steps() if s.kind == "install-copy-trigger")
+    assert "OVERRIDING SYSTEM VALUE" in trigger.sql_texts()[0]
+    assert 'AFTER INSERT ON "public"."outbox_published"' in trigger.sql_texts()[1]
+
+
+def test_invariants_drop_what_later_steps_undo() -> None:
+    hopia = build_pattern("hopia", options=ALL)
+    final = {c.name for _, c in hopia.invariants("V4")}
+    assert "trigger-exists" not in final and "check-exists" not in final
+    assert "trigger-absent" in final and "check-absent" in final
+    v2 = {c.name for _, c in hopia.invariants("V2")}
+    assert "trigger-exists" in v2
+    with pytest.raises(KeyError):
+        hopia.invariants("V9")
+
+
+def test_checksum_is_stable_and_follows_the_sql() -> None:
+    first = build_pattern("hoper").steps()
+    again = build_pattern("hoper").steps()
+    assert [s.checksum() for s in first] == [s.checksum() for s in again]
+    assert len({s.checksum() for s in first}) == len(first)
+    step = first[0]
+    changed_sql = dataclasses.replace(step, statements=(*step.statements, sql.SQL("SELECT 1")))
+    assert changed_sql.checksum() != step.checksum()
+    changed_tx = dataclasses.replace(step, tx=TxMode.AUTOCOMMIT)
+    assert changed_tx.checksum() != step.checksum()
+    relabelled = dataclasses.replace(step, summary="other words")
+    assert relabelled.checksum() == step.checksum()
+    renamed = build_pattern("hoper", OutboxSpec(table="events")).steps()[0]
+    assert renamed.checksum() != step.checksum()
+    # Preconditions say when a step may run, not what it does: tuning the gate's sampling
+    # window must not make an applied step look changed.
+    window = build_pattern("hoper", options=BuildOptions(sample_window_s=9)).phase("V4").steps[0]
+    default = build_pattern("hoper").phase("V4").steps[0]
+    assert [c.sql_text() for c in window.preconditions] != [
+        c.sql_text() for c in default.preconditions
+    ]
+    assert window.checksum() == default.checksum()
+
+
+def test_identifiers_are_quoted_by_psycopg() -> None:
+    spec = OutboxSpec(schema="Billing", table='out"box', partitioned_table="Outbox New")
+    texts = " ".join(t for s in build_pattern("hopia", spec, ALL).steps() for t in s.sql_texts())
+    assert '"Billing"."out""box"' in texts
+    assert '"Billing"."Outbox New"' in texts
+    assert "Billing.out" not in texts
+
+
+def test_offline_assertion_raises_the_violation_with_the_step_and_condition() -> None:
+    step = build_pattern("copra").phase("V3").steps[0]
+    drained = next(c for c in step.preconditions if c.name.startswith("old-table-drained"))
+    block = assertion(step.id, drained)
+    assert block.startswith("DO $om_assert$") and block.endswith("$om_assert$;")
+    assert drained.sql_text() in block
+    assert "precondition of copra.v3.gate-old-table-retired [old-table-drained:outbox]" in block
+
+
+def test_transactional_step_sql_has_checks_before_timeouts_and_statements() -> None:
+    step = next(s for s in build_pattern("copra").steps() if s.kind == "attach-old-as-default")
+    lines = step_sql(step, 150)
+    assert lines[0] == "BEGIN;" and lines[-1] == "COMMIT;"
+    first_set = next(i for i, line in enumerate(lines) if line.startswith("SET LOCAL"))
+    assert all(line.startswith("DO $om_assert$") for line in lines[1:first_set])
+    assert lines[first_set : first_set + 2] == [
+        "SET LOCAL lock_timeout = '150ms';",
+        "SET LOCAL statement_timeout = '1000ms';",
+    ]
+    assert len(lines[1:first_set]) == len(step.preconditions)
+
+
+def test_pattern_flags_agree_with_the_wizard() -> None:
+    for pattern in every_pattern():
+        answers = Answers(
+            pattern.pause_publication, pattern.keep_old_rows, pattern.immediate_access
+        )
+        assert recommend(answers).pattern == pattern.name
+
+
+def test_unknown_pattern_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="unknown pattern 'hopla'; choose one of cop, copra"):
+        build_pattern("hopla")
+
+
+def test_every_registered_kind_is_used_by_some_pattern() -> None:
+    used = {s.kind.removesuffix("-old") for _, s in every_step()}
+    assert used == set(load_all())
