@@ -21,6 +21,7 @@ from outbox_migrate.cli import (
     ping_cmd,
     plan_cmd,
     relay_cmd,
+    run_cmd,
     wizard_cmd,
 )
 from outbox_migrate.errors import ExitCode
@@ -31,6 +32,8 @@ HELP = """Move a live PostgreSQL outbox to a LIST-partitioned table, with zero d
 Examples:
   outbox-migrate wizard                      # three questions -> the pattern for you, and why
   outbox-migrate plan --pattern hoper --dsn embedded   # steps, SQL, locks for your schema
+  outbox-migrate run --pattern hoper --to V2 --dsn $DATABASE_URL   # one deploy's steps
+  outbox-migrate status --pattern hoper --format json   # where the migration stands
   outbox-migrate config --format json        # the names and settings in force
   outbox-migrate ping --dsn embedded         # start the embedded PostgreSQL and connect
   outbox-migrate relay --sink stdout --until-empty   # publish the outbox, then exit
@@ -70,6 +73,7 @@ def root(
 
 wizard_cmd.register(app)
 plan_cmd.register(app)
+run_cmd.register(app)
 config_cmd.register(app)
 ping_cmd.register(app)
 relay_cmd.register(app)

@@ -160,3 +160,79 @@ def render_recommendation(doc: dict[str, Any]) -> None:
     for note in doc.get("notes", []):
         console.print(f"  * {note}", markup=False)
     console.print(f"Next: outbox-migrate plan --pattern {doc['pattern']}", markup=False)
+
+
+class _TextRunnerEvents:
+    """Runner progress for people: one line per step and per lock attempt."""
+
+    def step_started(self, step: Any, action: str) -> None:
+        if action == "already-done":
+            return
+        err().print(f"[bold]{step.id}[/bold] {step.summary}", highlight=False)
+
+    def attempt(self, step: Any, log: Any) -> None:
+        if log.outcome == "done":
+            return
+        blockers = ", ".join(b.describe() for b in log.blockers) or "unknown session"
+        err().print(
+            f"  attempt {log.attempt}: lock not granted within the timeout "
+            f"({log.waited_ms:.0f} ms); held by {blockers}; retrying",
+            markup=False,
+        )
+
+    def step_finished(self, step: Any, outcome: str, elapsed_s: float) -> None:
+        err().print(f"  {outcome} in {elapsed_s * 1000:.0f} ms", markup=False)
+
+    def warning(self, step: Any, message: str) -> None:
+        err().print(f"  warning: {message}", markup=False)
+
+    def progress(self, step: Any, done: int, total: int, rate_per_s: float) -> None:
+        err().print(f"  {done:,}/{total:,} rows ({rate_per_s:,.0f} rows/s)", markup=False)
+
+
+class _JsonRunnerEvents:
+    """Runner progress for CI logs: one JSON object per line on stdout."""
+
+    def _emit(self, **fields: Any) -> None:
+        sys.stdout.write(json.dumps(fields, default=str) + "\n")
+        sys.stdout.flush()
+
+    def step_started(self, step: Any, action: str) -> None:
+        self._emit(event="step_started", step=step.id, action=action)
+
+    def attempt(self, step: Any, log: Any) -> None:
+        self._emit(event="attempt", step=step.id, attempt=log.attempt, outcome=log.outcome,
+                   waited_ms=round(log.waited_ms, 1),
+                   blockers=[vars(b) for b in log.blockers])  # fmt: skip
+
+    def step_finished(self, step: Any, outcome: str, elapsed_s: float) -> None:
+        self._emit(event="step_finished", step=step.id, outcome=outcome,
+                   elapsed_ms=round(elapsed_s * 1000, 1))  # fmt: skip
+
+    def warning(self, step: Any, message: str) -> None:
+        self._emit(event="warning", step=step.id, message=message)
+
+    def progress(self, step: Any, done: int, total: int, rate_per_s: float) -> None:
+        self._emit(event="progress", step=step.id, done=done, total=total,
+                   rate_per_s=round(rate_per_s, 1))  # fmt: skip
+
+
+def runner_events(*, json_lines: bool) -> Any:
+    return _JsonRunnerEvents() if json_lines else _TextRunnerEvents()
+
+
+def render_status(doc: dict[str, Any]) -> None:
+    console = out()
+    console.print(
+        f"{doc['pattern'].upper()} migration of {doc['table']}: {doc['state']}, completed "
+        f"through {doc['phase']}"
+        + (f", next {doc['next_phase']}" if doc.get("next_phase") else ""),
+        markup=False,
+    )
+    rows = [
+        (s["id"], s["state"], s.get("attempts", 0),
+         f"{s['duration_ms']:.0f}" if s.get("duration_ms") is not None else "",
+         f"{s.get('lock_wait_ms') or 0:.0f}", (s.get("last_error") or "")[:60])
+        for s in doc["steps"]
+    ]  # fmt: skip
+    table(None, ["step", "state", "attempts", "ms", "lock wait ms", "last error"], rows)

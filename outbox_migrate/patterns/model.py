@@ -14,6 +14,10 @@ from enum import StrEnum
 from psycopg import sql
 
 
+Statement = sql.Composed | sql.SQL
+"""A statement psycopg can execute as-is: composed SQL, identifiers already quoted."""
+
+
 class TxMode(StrEnum):
     """How a step's statements are executed."""
 
@@ -101,7 +105,7 @@ class Condition:
 
     name: str
     description: str
-    query: sql.Composable
+    query: Statement
 
     def sql_text(self) -> str:
         return self.query.as_string(None)
@@ -125,7 +129,7 @@ class Step:
     summary: str
     app_before: str
     app_after: str
-    statements: tuple[sql.Composable, ...]
+    statements: tuple[Statement, ...]
     tx: TxMode
     locks: tuple[Lock, ...]
     scan: str
@@ -134,7 +138,7 @@ class Step:
     postcondition: tuple[Condition, ...]
     """All hold ⇔ the step's effect is in place (re-runs and crash recovery rely on it).
     Empty only for steps whose proof is their ledger row (deploy gates)."""
-    reverse: tuple[sql.Composable, ...] | None
+    reverse: tuple[Statement, ...] | None
     reverse_note: str
     reverse_preconditions: tuple[Condition, ...]
     statement_timeout_ms: int | None
@@ -165,7 +169,9 @@ class Step:
         for part in (self.id, self.tx.value, *self.sql_texts()):
             digest.update(part.encode())
             digest.update(b"\x00")
-        for condition in (*self.preconditions, *self.postcondition):
+        # Preconditions are left out on purpose: they say when a step may run (and embed
+        # tunables such as the gate's sampling window), not what it does.
+        for condition in self.postcondition:
             digest.update(condition.sql_text().encode())
             digest.update(b"\x00")
         return digest.hexdigest()[:16]

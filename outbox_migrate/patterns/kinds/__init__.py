@@ -12,7 +12,7 @@ from typing import Any
 
 from psycopg import sql
 
-from outbox_migrate.patterns.model import Condition, Lock, Step, TxMode
+from outbox_migrate.patterns.model import Condition, Lock, Statement, Step, TxMode
 from outbox_migrate.patterns.names import Names
 
 CATALOG_TIMEOUT_MS = 2_000
@@ -71,12 +71,12 @@ def make_step(
     kind_name: str,
     *,
     summary: str,
-    statements: tuple[sql.Composable, ...],
+    statements: tuple[Statement, ...],
     tx: TxMode,
     locks: tuple[Lock, ...],
     preconditions: tuple[Condition, ...],
     postcondition: tuple[Condition, ...],
-    reverse: tuple[sql.Composable, ...] | None,
+    reverse: tuple[Statement, ...] | None,
     reverse_note: str,
     reverse_preconditions: tuple[Condition, ...] = (),
     scan: str = "",

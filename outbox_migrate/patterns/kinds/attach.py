@@ -45,12 +45,12 @@ def scan_guard(ctx: BuildContext) -> tuple[Condition, ...]:
     )
 
 
-def attach_old_sql(ctx: BuildContext) -> sql.Composable:
+def attach_old_sql(ctx: BuildContext) -> sql.Composed:
     n = ctx.names
     return sql.SQL("ALTER TABLE {} ATTACH PARTITION {} DEFAULT").format(n.q(n.parent), n.q(n.table))
 
 
-def detach_sql(ctx: BuildContext, relation: str) -> sql.Composable:
+def detach_sql(ctx: BuildContext, relation: str) -> sql.Composed:
     n = ctx.names
     return sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(n.q(n.parent), n.q(relation))
 

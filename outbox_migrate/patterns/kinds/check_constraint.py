@@ -24,14 +24,14 @@ from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND
 from outbox_migrate.patterns.model import Lock, LockMode, Step, TxMode
 
 
-def add_check_sql(ctx: BuildContext) -> sql.Composable:
+def add_check_sql(ctx: BuildContext) -> sql.Composed:
     n = ctx.names
     return sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} CHECK ({} IS NOT NULL) NOT VALID").format(
         n.q(n.table), n.check_q, n.published_at_q
     )
 
 
-def drop_check_sql(ctx: BuildContext) -> sql.Composable:
+def drop_check_sql(ctx: BuildContext) -> sql.Composed:
     n = ctx.names
     return sql.SQL("ALTER TABLE {} DROP CONSTRAINT IF EXISTS {}").format(n.q(n.table), n.check_q)
 
@@ -47,7 +47,7 @@ def add_not_valid_check(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         summary=f"Add CHECK ({n.spec.published_column} IS NOT NULL) NOT VALID to {n.table}",
         statements=(add_check_sql(ctx),),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(n.table), LockMode.ACCESS_EXCLUSIVE),),
+        locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
         preconditions=(*ctx.deploy_gate(n.table), c.drained(n, n.table, ctx.phase)),
         postcondition=(c.check_exists(n),),
@@ -68,7 +68,7 @@ def validate_check(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             sql.SQL("ALTER TABLE {} VALIDATE CONSTRAINT {}").format(n.q(n.table), n.check_q),
         ),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(n.table), LockMode.SHARE_UPDATE_EXCLUSIVE),),
+        locks=(Lock(n.table, LockMode.SHARE_UPDATE_EXCLUSIVE),),
         scan=f"reads all of {n.table} under SHARE UPDATE EXCLUSIVE (reads and writes go on)",
         statement_timeout_ms=None,
         preconditions=(c.check_exists(n), c.drained(n, n.table, ctx.phase)),
@@ -93,7 +93,7 @@ def set_not_null(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             ),
         ),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(n.table), LockMode.ACCESS_EXCLUSIVE),),
+        locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
         scan="none: the validated CHECK proves it (a scan would hit the statement_timeout)",
         catalog_only=True,
         statement_timeout_ms=SCAN_GUARD_TIMEOUT_MS,
@@ -118,7 +118,7 @@ def drop_check(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         summary=f"Drop the now-redundant CHECK from {n.table} (the partition bound says it)",
         statements=(drop_check_sql(ctx),),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(n.table), LockMode.ACCESS_EXCLUSIVE),),
+        locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
         preconditions=(c.partition_bound(n, n.table, DEFAULT_BOUND),),
         postcondition=(c.check_absent(n),),

@@ -23,7 +23,7 @@ from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND
 from outbox_migrate.patterns.model import Lock, LockMode, Step, TxMode
 
 
-def create_trigger_sql(ctx: BuildContext) -> tuple[sql.Composable, ...]:
+def create_trigger_sql(ctx: BuildContext) -> tuple[sql.Composed, ...]:
     n = ctx.names
     function = sql.SQL(
         "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $om$\n"
@@ -40,7 +40,7 @@ def create_trigger_sql(ctx: BuildContext) -> tuple[sql.Composable, ...]:
     return (function, trigger)
 
 
-def drop_trigger_sql(ctx: BuildContext) -> tuple[sql.Composable, ...]:
+def drop_trigger_sql(ctx: BuildContext) -> tuple[sql.Composed, ...]:
     n = ctx.names
     return (
         sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(n.trigger_q, n.q(n.published)),
@@ -57,7 +57,7 @@ def install_copy_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         summary=f"AFTER INSERT trigger on {n.published} copying each published row to {n.table}",
         statements=create_trigger_sql(ctx),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(n.published), LockMode.SHARE_ROW_EXCLUSIVE),),
+        locks=(Lock(n.published, LockMode.SHARE_ROW_EXCLUSIVE),),
         preconditions=(
             c.partition_bound(n, n.published, DEFAULT_BOUND),
             c.relation_exists(n, n.table),
@@ -79,7 +79,7 @@ def remove_copy_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         summary=f"Drop the copy trigger and its function ({n.published} is detached now)",
         statements=drop_trigger_sql(ctx),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(n.published), LockMode.ACCESS_EXCLUSIVE),),
+        locks=(Lock(n.published, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
         preconditions=(c.not_a_partition(n, n.published),),
         postcondition=(c.trigger_absent(n), c.function_absent(n)),
@@ -98,7 +98,7 @@ def drop_detached_published(ctx: BuildContext, params: Mapping[str, Any]) -> Ste
         summary=f"Drop the detached {n.published}: every row of it is in {n.table}",
         statements=(sql.SQL("DROP TABLE {}").format(n.q(n.published)),),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(n.published), LockMode.ACCESS_EXCLUSIVE),),
+        locks=(Lock(n.published, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
         preconditions=(
             c.not_a_partition(n, n.published),

@@ -34,7 +34,7 @@ def drop_identity(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             ),
         ),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(n.table), LockMode.ACCESS_EXCLUSIVE),),
+        locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
         preconditions=(
             c.relation_exists(n, n.table),

@@ -19,7 +19,7 @@ from outbox_migrate.patterns.model import Lock, LockMode, Step, TxMode
 COPY_BATCH_ROWS = 10_000
 
 
-def copy_back_loop(ctx: BuildContext) -> sql.Composable:
+def copy_back_loop(ctx: BuildContext) -> sql.Composed:
     """SQL-only copy-back (offline SQL, psql): keyset batches with a commit per batch.
 
     The library job adds throttling, a persisted high-water mark and range checksums; this
@@ -61,8 +61,8 @@ def copy_back(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         statements=(copy_back_loop(ctx),),
         tx=TxMode.AUTOCOMMIT,
         locks=(
-            Lock(n.display(n.published), LockMode.ACCESS_SHARE),
-            Lock(n.display(n.table), LockMode.ROW_EXCLUSIVE),
+            Lock(n.published, LockMode.ACCESS_SHARE),
+            Lock(n.table, LockMode.ROW_EXCLUSIVE),
         ),
         scan=f"reads all of {n.published} in id order, one batch per transaction",
         statement_timeout_ms=None,
@@ -90,7 +90,7 @@ def drop_published(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         summary=f"Drop the detached {n.published} once every row is verified in {n.table}",
         statements=(sql.SQL("DROP TABLE {}").format(n.q(n.published)),),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(n.published), LockMode.ACCESS_EXCLUSIVE),),
+        locks=(Lock(n.published, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
         preconditions=(
             c.not_a_partition(n, n.published),

@@ -37,7 +37,7 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
     ).format(parent=n.q(n.parent), old=n.q(n.table), published_at=n.published_at_q)
     start = sql.SQL(
         "SELECT setval(seq, greatest((SELECT max({id}) FROM {old}), "
-        "pg_sequence_last_value({old_seq}), 0) + {headroom}, false) "
+        "pg_sequence_last_value({old_seq}), 0) + {headroom}) "
         "FROM (SELECT pg_get_serial_sequence({parent_reg}, {id_name})::regclass AS seq) s "
         "WHERE seq IS NOT NULL"
     ).format(

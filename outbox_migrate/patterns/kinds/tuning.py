@@ -35,7 +35,7 @@ def tune_autovacuum(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         summary=f"Insert-only autovacuum settings on {relation} (every 100 k inserts)",
         statements=(sql.SQL("ALTER TABLE {} SET ({})").format(n.q(relation), settings),),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.display(relation), LockMode.SHARE_UPDATE_EXCLUSIVE),),
+        locks=(Lock(relation, LockMode.SHARE_UPDATE_EXCLUSIVE),),
         preconditions=(c.relation_exists(n, relation),),
         postcondition=(c.autovacuum_tuned(n, relation),),
         reverse=(sql.SQL("ALTER TABLE {} RESET ({})").format(n.q(relation), keys),),

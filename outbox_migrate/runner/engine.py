@@ -1,0 +1,451 @@
+"""The runner: a thin driver over the pure decisions in `decide.py`.
+
+It owns the connection, the session advisory lock ("one runner per table"), the ledger
+updates and the lock-safe execution; what to do next is always decided by `decide`. Core code:
+it reports through `RunnerEvents` and raises errors, never prints or exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import errors, sql
+
+from outbox_migrate.config import Settings
+from outbox_migrate.db import connect, one_line
+from outbox_migrate.patterns import BuildOptions, build_pattern
+from outbox_migrate.patterns.model import Condition, LockMode, Pattern, Step, TxMode
+from outbox_migrate.runner import ledger
+from outbox_migrate.runner.decide import (
+    Action,
+    action_for,
+    completed_phase,
+    phase_index,
+    steps_to_reverse,
+    steps_to_run,
+)
+from outbox_migrate.runner.errors import (
+    LongTransactionsPresent,
+    OutOfOrder,
+    PreconditionFailed,
+    RunnerBusy,
+    StepFailed,
+    VerifyFailed,
+)
+from outbox_migrate.runner.events import RunnerEvents, SilentEvents
+from outbox_migrate.runner.locks import (
+    AttemptLog,
+    LockBudget,
+    long_transactions,
+    run_with_lock_budget,
+)
+
+RUNNER_LOCK_CLASS = 0x6F6D7275  # "omru": first key of the per-table session advisory lock
+FAULT_ENV = "OUTBOX_MIGRATE_FAULT"
+"""Test hook: `<step-id>@<point>` SIGKILLs the runner at that point (before, after-ddl,
+after-commit) so crash recovery can be tested at every instant. Unset in production."""
+
+
+def _fault(step_id: str, point: str) -> None:
+    wanted = os.environ.get(FAULT_ENV)
+    if wanted and wanted == f"{step_id}@{point}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass
+class RunResult:
+    pattern: str
+    phase: str
+    ran: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    completed: bool = False
+
+
+class Runner:
+    """One migration (table, pattern) driven step by step. Use as a context manager."""
+
+    def __init__(
+        self,
+        dsn: str,
+        settings: Settings,
+        pattern: str,
+        *,
+        include_optional: bool = False,
+        events: RunnerEvents | None = None,
+        on_long_tx: str = "wait",
+        copy_back_options: Any = None,
+    ) -> None:
+        if on_long_tx not in ("wait", "refuse"):
+            raise ValueError("on_long_tx must be 'wait' or 'refuse'")
+        self.dsn = dsn
+        self.settings = settings
+        self.spec = settings.spec
+        self.pattern: Pattern = build_pattern(
+            pattern,
+            settings.spec,
+            BuildOptions(
+                sample_window_s=settings.gate_window_s,
+                old_app_name=settings.old_app_name,
+                include_optional=include_optional,
+            ),
+        )
+        self.events: RunnerEvents = events or SilentEvents()
+        self.on_long_tx = on_long_tx
+        self.copy_back_options = copy_back_options
+        self._conn: psycopg.Connection[Any] | None = None
+        self._locked = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Runner:
+        self._conn = connect(self.dsn)
+        ledger.ensure_schema(self._conn)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._conn is not None:
+            self._conn.close()  # closing the session releases the advisory lock
+            self._conn = None
+
+    @property
+    def conn(self) -> psycopg.Connection[Any]:
+        if self._conn is None:
+            raise RuntimeError("Runner used outside its `with` block")
+        return self._conn
+
+    @property
+    def table_label(self) -> str:
+        return f"{self.spec.schema}.{self.spec.table}"
+
+    def _lock_key(self) -> tuple[int, int]:
+        return RUNNER_LOCK_CLASS, zlib.crc32(self.table_label.encode()) & 0x7FFFFFFF
+
+    def acquire(self) -> None:
+        """The session advisory lock that admits one runner per table."""
+        if self._locked:
+            return
+        first, second = self._lock_key()
+        row = self.conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (first, second)).fetchone()
+        if row and row[0]:
+            self._locked = True
+            return
+        holder = self.conn.execute(
+            "SELECT a.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), "
+            "'local socket'), a.backend_start FROM pg_locks l JOIN pg_stat_activity a "
+            "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.classid = %s "
+            "AND l.objid = %s AND l.objsubid = 2 AND l.granted",
+            (first, second),
+        ).fetchone()
+        who = (
+            f"pid {holder[0]} ({holder[1] or 'no application_name'}, from {holder[2]}, "
+            f"connected since {holder[3]:%Y-%m-%d %H:%M:%S})"
+            if holder
+            else "a session that just ended; retry"
+        )
+        raise RunnerBusy(self.table_label, who)
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def _violations(self, conditions: tuple[Condition, ...] | list[Condition]) -> list[str]:
+        found: list[str] = []
+        for condition in conditions:
+            rows = self.conn.execute(condition.query).fetchall()
+            found.extend(str(r[0]) for r in rows)
+        return found
+
+    def _check(self, step: Step, conditions: tuple[Condition, ...]) -> None:
+        for condition in conditions:
+            rows = self.conn.execute(condition.query).fetchall()
+            if rows:
+                more = f" (+{len(rows) - 1} more)" if len(rows) > 1 else ""
+                raise PreconditionFailed(step.id, condition.name, f"{rows[0][0]}{more}")
+
+    def _open(self) -> ledger.MigrationRow:
+        migration = ledger.open_migration(self.conn, self.pattern, self.spec)
+        ledger.sync_steps(self.conn, migration, self.pattern)
+        return migration
+
+    def _rows(self, migration: ledger.MigrationRow) -> dict[str, ledger.StepRow]:
+        return {row.step_id: row for row in ledger.steps(self.conn, migration.id)}
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def run(self, to_phase: str) -> RunResult:
+        """Run every pending step through the end of `to_phase`, then stop at that boundary."""
+        self.acquire()
+        migration = self._open()
+        rows = self._rows(migration)
+        pending = steps_to_run(self.pattern, rows, to_phase)
+        result = RunResult(self.pattern.name, to_phase)
+        for step in pending:
+            self._execute(migration, step, rows.get(step.id), result)
+        return self._finish(migration, result)
+
+    def next(self) -> RunResult:
+        """Run exactly one step: the first pending one, if it is in the next phase at most."""
+        self.acquire()
+        migration = self._open()
+        rows = self._rows(migration)
+        done = phase_index(self.pattern, completed_phase(self.pattern, rows))
+        target = self.pattern.phases[min(done + 1, len(self.pattern.phases) - 1)].name
+        pending = steps_to_run(self.pattern, rows, target)
+        result = RunResult(self.pattern.name, target)
+        if pending:
+            self._execute(migration, pending[0], rows.get(pending[0].id), result)
+        return self._finish(migration, result)
+
+    def _finish(self, migration: ledger.MigrationRow, result: RunResult) -> RunResult:
+        rows = self._rows(migration)
+        reached = completed_phase(self.pattern, rows)
+        last = self.pattern.phases[-1].name
+        result.completed = reached == last
+        result.phase = reached
+        ledger.set_phase(
+            self.conn, migration.id, reached, "completed" if result.completed else "active"
+        )
+        return result
+
+    def _execute(
+        self, migration: ledger.MigrationRow, step: Step, row: ledger.StepRow | None,
+        result: RunResult,
+    ) -> None:  # fmt: skip
+        holds = not self._violations(step.postcondition) if step.postcondition else False
+        action = action_for(step, row, holds)
+        self.events.step_started(step, action.value)
+        started = time.monotonic()
+        if action is Action.ALREADY_DONE:
+            result.skipped.append(step.id)
+            return
+        if action is Action.ADOPT:
+            ledger.mark(self.conn, migration.id, step.id, "done")
+            result.adopted.append(step.id)
+            self.events.step_finished(step, "adopted", time.monotonic() - started)
+            return
+        self._check(step, step.preconditions)
+        self._preflight(step)
+        ledger.mark(self.conn, migration.id, step.id, "running", started=True)
+        _fault(step.id, "before")
+        try:
+            waited_ms = self._apply(migration, step)
+        except (StepFailed, PreconditionFailed):
+            raise
+        except psycopg.Error as exc:
+            message = one_line(str(exc), self.dsn)
+            if isinstance(exc, errors.QueryCanceled) and step.catalog_only:
+                message += (
+                    f" (statement_timeout {step.statement_timeout_ms} ms: the step was "
+                    "expected to be catalog-only; a table scan was stopped)"
+                )
+            ledger.mark(self.conn, migration.id, step.id, "failed", error=message)
+            raise StepFailed(step.id, message) from None
+        except Exception as exc:
+            ledger.mark(self.conn, migration.id, step.id, "failed", error=str(exc)[:500])
+            raise
+        _fault(step.id, "after-commit")
+        result.ran.append(step.id)
+        if waited_ms:
+            self.conn.execute(
+                "UPDATE outbox_migrate.step SET lock_wait_ms = %s "
+                "WHERE migration_id = %s AND step_id = %s",
+                (waited_ms, migration.id, step.id),
+            )
+        self.events.step_finished(step, "done", time.monotonic() - started)
+
+    def _preflight(self, step: Step) -> None:
+        """Before ACCESS EXCLUSIVE: report (or refuse on) long or idle-in-transaction
+        sessions holding locks on the step's relations — our queued request would make every
+        writer wait behind them."""
+        if step.strongest_lock is not LockMode.ACCESS_EXCLUSIVE:
+            return
+        relations = [lock.relation for lock in step.locks]
+        longs = long_transactions(self.conn, relations, self.spec.schema)
+        if not longs:
+            return
+        if self.on_long_tx == "refuse":
+            raise LongTransactionsPresent(step.id, longs)
+        for blocker in longs:
+            self.events.warning(
+                step, f"long transaction holds a lock it needs: {blocker.describe()}; "
+                "retrying with short lock timeouts instead of queueing behind it",
+            )  # fmt: skip
+
+    def _budget(self, step: Step) -> LockBudget:
+        return LockBudget(
+            lock_timeout_ms=self.settings.lock_timeout_ms,
+            budget_s=self.settings.lock_budget_s,
+            statement_timeout_ms=step.statement_timeout_ms,
+        )
+
+    def _apply(self, migration: ledger.MigrationRow, step: Step) -> float:
+        """Do the step's work; return milliseconds lost waiting for locks."""
+        if step.tx is TxMode.NONE:
+            ledger.mark(self.conn, migration.id, step.id, "done")
+            return 0.0
+        if step.tx is TxMode.AUTOCOMMIT:
+            self._apply_autocommit(step)
+            problems = self._violations(step.postcondition)
+            if problems:
+                raise StepFailed(step.id, f"finished but not proven done: {problems[0]}")
+            ledger.mark(self.conn, migration.id, step.id, "done")
+            return 0.0
+
+        def body(conn: psycopg.Connection[Any]) -> None:
+            for statement in step.statements:
+                conn.execute(statement)
+            _fault(step.id, "after-ddl")
+            # The ledger row commits with the DDL: done if and only if the change happened.
+            ledger.mark(conn, migration.id, step.id, "done")
+
+        return run_with_lock_budget(
+            self.conn,
+            step.id,
+            self._budget(step),
+            body,
+            relations=[(lock.relation, lock.mode) for lock in step.locks],
+            schema=self.spec.schema,
+            on_attempt=lambda log: self._attempt(migration, step, log),
+        )
+
+    def _attempt(self, migration: ledger.MigrationRow, step: Step, log: AttemptLog) -> None:
+        ledger.record_attempt(
+            self.conn, migration.id, step.id, log.attempt, log.outcome, log.waited_ms,
+            [vars(b) for b in log.blockers],
+        )  # fmt: skip
+        self.events.attempt(step, log)
+
+    def _apply_autocommit(self, step: Step) -> None:
+        """Non-transactional work: the copy-back job, or statements that refuse a
+        transaction block. Completion is proven afterwards by the postcondition."""
+        if step.kind == "copy-back":
+            from outbox_migrate.jobs.copy_back import copy_back
+
+            def progress(update: Any) -> None:
+                self.events.progress(
+                    step, int(getattr(update, "copied", 0)), int(getattr(update, "total", 0)),
+                    float(getattr(update, "rows_per_s", 0.0)),
+                )  # fmt: skip
+
+            copy_back(
+                self.conn, self.spec, self.copy_back_options, dsn=self.dsn, drop=False,
+                progress=progress,
+            )  # fmt: skip
+            return
+        self.conn.execute(
+            sql.SQL("SET lock_timeout = {}").format(
+                sql.Literal(f"{self.settings.lock_timeout_ms}ms")
+            )
+        )
+        try:
+            for statement in step.statements:
+                self.conn.execute(statement)
+        finally:
+            self.conn.execute("RESET lock_timeout")
+
+    # -- status, verify, rollback, reset -------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        migration = ledger.latest(self.conn, self.spec, self.pattern.name)
+        if migration is None:
+            return {"table": self.table_label, "pattern": self.pattern.name, "state": "not started",
+                    "phase": self.pattern.phases[0].name, "steps": []}  # fmt: skip
+        rows = self._rows(migration)
+        reached = completed_phase(self.pattern, rows)
+        index = phase_index(self.pattern, reached)
+        following = (
+            self.pattern.phases[index + 1].name if index + 1 < len(self.pattern.phases) else None
+        )
+        return {
+            "table": self.table_label,
+            "pattern": self.pattern.name,
+            "state": migration.state,
+            "phase": reached,
+            "next_phase": following,
+            "steps": [
+                {
+                    "id": step.id,
+                    "phase": step.phase,
+                    "summary": step.summary,
+                    **(rows[step.id].to_json() if step.id in rows else {"state": "pending"}),
+                }
+                for step in self.pattern.steps()
+            ],
+        }
+
+    def verify(self) -> list[str]:
+        """Violations of the current phase's invariants (empty: all hold)."""
+        migration = ledger.latest(self.conn, self.spec, self.pattern.name)
+        phase = (
+            completed_phase(self.pattern, self._rows(migration))
+            if migration
+            else self.pattern.phases[0].name
+        )
+        return self._violations([c for _, c in self.pattern.invariants(phase)])
+
+    def verify_or_raise(self) -> str:
+        migration = ledger.latest(self.conn, self.spec, self.pattern.name)
+        phase = (
+            completed_phase(self.pattern, self._rows(migration))
+            if migration
+            else self.pattern.phases[0].name
+        )
+        problems = self.verify()
+        if problems:
+            raise VerifyFailed(phase, problems)
+        return phase
+
+    def rollback(self, to_phase: str) -> list[str]:
+        """Undo, newest first, every done step after `to_phase`; refuse past an irreversible
+        step (the pattern's point of no return)."""
+        self.acquire()
+        migration = ledger.latest(self.conn, self.spec, self.pattern.name)
+        if migration is None:
+            raise OutOfOrder(
+                f"no {self.pattern.acronym} migration of {self.table_label} to roll back"
+            )
+        rows = self._rows(migration)
+        undo = steps_to_reverse(self.pattern, rows, to_phase)
+        for step in undo:
+            if step.reverse is None:
+                raise OutOfOrder(f"cannot roll back past {step.id}: {step.reverse_note}")
+        reversed_ids: list[str] = []
+        for step in undo:
+            self._check(step, step.reverse_preconditions)
+            self.events.step_started(step, "reverse")
+            started = time.monotonic()
+            statements = step.reverse or ()
+
+            def body(conn: psycopg.Connection[Any], statements: Any = statements,
+                     step: Step = step) -> None:  # fmt: skip
+                for statement in statements:
+                    conn.execute(statement)
+                ledger.mark(conn, migration.id, step.id, "rolled_back")
+
+            budget = LockBudget(self.settings.lock_timeout_ms, self.settings.lock_budget_s, None)
+            try:
+                run_with_lock_budget(
+                    self.conn, step.id, budget, body,
+                    relations=[(lock.relation, lock.mode) for lock in step.locks],
+                    schema=self.spec.schema,
+                )  # fmt: skip
+            except psycopg.Error as exc:
+                raise StepFailed(f"{step.id} (reverse)", one_line(str(exc), self.dsn)) from None
+            reversed_ids.append(step.id)
+            self.events.step_finished(step, "rolled back", time.monotonic() - started)
+        ledger.set_phase(self.conn, migration.id, to_phase, "active")
+        return reversed_ids
+
+    def reset(self) -> bool:
+        """Abandon the table's active migration record (schema objects are left as they are)."""
+        self.acquire()
+        active = ledger.active_for_table(self.conn, self.spec)
+        if active is None:
+            return False
+        ledger.abandon(self.conn, active.id)
+        return True

@@ -1,0 +1,40 @@
+"""How the runner reports progress without printing: an events protocol the CLI implements
+(rich progress for people, JSON lines for CI logs) and tests can record."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from outbox_migrate.patterns.model import Step
+from outbox_migrate.runner.locks import AttemptLog
+
+
+class RunnerEvents(Protocol):
+    def step_started(self, step: Step, action: str) -> None: ...
+
+    def attempt(self, step: Step, log: AttemptLog) -> None: ...
+
+    def step_finished(self, step: Step, outcome: str, elapsed_s: float) -> None: ...
+
+    def warning(self, step: Step, message: str) -> None: ...
+
+    def progress(self, step: Step, done: int, total: int, rate_per_s: float) -> None: ...
+
+
+class SilentEvents:
+    """The default: record nothing, say nothing."""
+
+    def step_started(self, step: Step, action: str) -> None:
+        return None
+
+    def attempt(self, step: Step, log: AttemptLog) -> None:
+        return None
+
+    def step_finished(self, step: Step, outcome: str, elapsed_s: float) -> None:
+        return None
+
+    def warning(self, step: Step, message: str) -> None:
+        return None
+
+    def progress(self, step: Step, done: int, total: int, rate_per_s: float) -> None:
+        return None

@@ -1,0 +1,249 @@
+"""The ledger: the runner's progress, stored in the target database beside the work.
+
+A transactional step updates its ledger row inside the step's own transaction, so the DDL and
+the record of it commit together. The schema is created and upgraded by the tool (numbered
+upgrades in `sql/ledger.sql`), under a transaction-level advisory lock so two first runs do
+not race.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+from psycopg import Connection, sql
+from psycopg.rows import dict_row
+
+from outbox_migrate import sql as queries
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import UsageError
+from outbox_migrate.patterns.model import Pattern
+from outbox_migrate.runner.errors import StepChanged
+
+SCHEMA = "outbox_migrate"
+LEDGER_VERSION = 1
+_SETUP_LOCK_KEY = 0x6F6D6C67  # "omlg": serialises ledger creation/upgrade
+HOST = socket.gethostname()
+
+
+@dataclass(frozen=True)
+class MigrationRow:
+    id: int
+    table_schema: str
+    table_name: str
+    pattern: str
+    state: str
+    current_phase: str
+    created_at: datetime
+    updated_at: datetime
+    operator: str
+    host: str | None
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step_id: str
+    position: int
+    phase: str
+    kind: str
+    checksum: str
+    state: str
+    attempts: int
+    started_at: datetime | None
+    finished_at: datetime | None
+    duration_ms: float | None
+    lock_wait_ms: float
+    last_error: str | None
+    operator: str | None
+    host: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ensure_schema(conn: Connection[Any]) -> None:
+    """Create or upgrade the ledger schema (idempotent; safe under concurrency)."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK_KEY,))
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
+        conn.execute(
+            sql.SQL("CREATE TABLE IF NOT EXISTS {} (version int NOT NULL)").format(
+                sql.Identifier(SCHEMA, "ledger_version")
+            )
+        )
+        row = conn.execute(
+            sql.SQL("SELECT max(version) FROM {}").format(sql.Identifier(SCHEMA, "ledger_version"))
+        ).fetchone()
+        current = int(row[0]) if row and row[0] is not None else 0
+        for version in range(current + 1, LEDGER_VERSION + 1):
+            for statement in queries.query("ledger", f"upgrade-{version}").text.split(";\n"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute(
+                sql.SQL("INSERT INTO {} VALUES (%s)").format(
+                    sql.Identifier(SCHEMA, "ledger_version")
+                ),
+                (version,),
+            )
+
+
+def _migration(row: dict[str, Any]) -> MigrationRow:
+    return MigrationRow(**{k: row[k] for k in MigrationRow.__dataclass_fields__})
+
+
+def active_for_table(conn: Connection[Any], spec: OutboxSpec) -> MigrationRow | None:
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(
+            "SELECT * FROM outbox_migrate.migration "
+            "WHERE table_schema = %s AND table_name = %s AND state = 'active'",
+            (spec.schema, spec.table),
+        ).fetchone()
+    return _migration(row) if row else None
+
+
+def latest(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> MigrationRow | None:
+    """The active or completed migration of this table with this pattern."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(
+            "SELECT * FROM outbox_migrate.migration WHERE table_schema = %s AND table_name = %s "
+            "AND pattern = %s AND state <> 'abandoned' ORDER BY id DESC LIMIT 1",
+            (spec.schema, spec.table, pattern),
+        ).fetchone()
+    return _migration(row) if row else None
+
+
+def open_migration(conn: Connection[Any], pattern: Pattern, spec: OutboxSpec) -> MigrationRow:
+    """Find this (table, pattern) migration or start it; refuse a different active pattern."""
+    active = active_for_table(conn, spec)
+    if active is not None and active.pattern != pattern.name:
+        raise UsageError(
+            f"a {active.pattern.upper()} migration of {spec.schema}.{spec.table} is active "
+            f"(phase {active.current_phase}); finish it, roll it back, or `outbox-migrate "
+            "reset` it before starting another pattern"
+        )
+    existing = latest(conn, spec, pattern.name)
+    if existing is not None:
+        return existing
+    spec_json = json.dumps(asdict(spec), sort_keys=True)
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(
+            "INSERT INTO outbox_migrate.migration "
+            "(table_schema, table_name, pattern, spec, current_phase, host) "
+            "VALUES (%s, %s, %s, %s, %s, %s) RETURNING *",
+            (spec.schema, spec.table, pattern.name, spec_json, pattern.phases[0].name, HOST),
+        ).fetchone()
+    assert row is not None
+    return _migration(row)
+
+
+def sync_steps(conn: Connection[Any], migration: MigrationRow, pattern: Pattern) -> None:
+    """Make the ledger list exactly the pattern's steps; refuse steps changed after applying.
+
+    A pending step whose definition changed is simply updated (it has not run). A done step
+    whose checksum differs means the catalog or the configuration changed under a running
+    migration: that is refused, because its postcondition may no longer describe reality.
+    """
+    rows = steps(conn, migration.id)
+    by_id = {row.step_id: row for row in rows}
+    for position, step in enumerate(pattern.steps()):
+        checksum = step.checksum()
+        row = by_id.get(step.id)
+        if row is None:
+            conn.execute(
+                "INSERT INTO outbox_migrate.step "
+                "(migration_id, position, step_id, phase, kind, checksum) "
+                "VALUES (%s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (migration_id, step_id) DO NOTHING",
+                (migration.id, position, step.id, step.phase, step.kind, checksum),
+            )
+        elif row.checksum != checksum:
+            if row.state in ("done", "running"):
+                raise StepChanged(step.id, row.checksum, checksum)
+            conn.execute(
+                "UPDATE outbox_migrate.step SET checksum = %s, position = %s "
+                "WHERE migration_id = %s AND step_id = %s",
+                (checksum, position, migration.id, step.id),
+            )
+        else:
+            conn.execute(
+                "UPDATE outbox_migrate.step SET position = %s "
+                "WHERE migration_id = %s AND step_id = %s",
+                (position, migration.id, step.id),
+            )
+
+
+def steps(conn: Connection[Any], migration_id: int) -> list[StepRow]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(
+            "SELECT * FROM outbox_migrate.step WHERE migration_id = %s ORDER BY position",
+            (migration_id,),
+        ).fetchall()
+    return [StepRow(**{k: r[k] for k in StepRow.__dataclass_fields__}) for r in rows]
+
+
+def mark(
+    conn: Connection[Any],
+    migration_id: int,
+    step_id: str,
+    state: str,
+    *,
+    error: str | None = None,
+    lock_wait_ms: float = 0.0,
+    started: bool = False,
+) -> None:
+    """Record a step's state. Call inside the step's transaction to commit them together."""
+    conn.execute(
+        "UPDATE outbox_migrate.step SET state = %s, "
+        "last_error = CASE WHEN %s::text IS NULL AND %s = 'done' THEN NULL "
+        "                  ELSE coalesce(%s, last_error) END, "
+        "lock_wait_ms = lock_wait_ms + %s, "
+        "started_at = CASE WHEN %s THEN clock_timestamp() ELSE started_at END, "
+        "finished_at = CASE WHEN %s IN ('done', 'failed', 'rolled_back') "
+        "                   THEN clock_timestamp() END, "
+        "duration_ms = CASE WHEN %s IN ('done', 'failed', 'rolled_back') AND started_at "
+        "IS NOT NULL THEN 1000 * extract(epoch FROM clock_timestamp() - started_at) END, "
+        "operator = current_user, host = %s "
+        "WHERE migration_id = %s AND step_id = %s",
+        (state, error, state, error, lock_wait_ms, started, state, state, HOST,
+         migration_id, step_id),
+    )  # fmt: skip
+
+
+def record_attempt(
+    conn: Connection[Any],
+    migration_id: int,
+    step_id: str,
+    attempt: int,
+    outcome: str,
+    waited_ms: float,
+    blockers: list[dict[str, Any]],
+) -> None:
+    conn.execute(
+        "INSERT INTO outbox_migrate.attempt "
+        "(migration_id, step_id, attempt, outcome, waited_ms, blockers) "
+        "VALUES (%s, %s, %s, %s, %s, %s)",
+        (migration_id, step_id, attempt, outcome, waited_ms, json.dumps(blockers)),
+    )
+    conn.execute(
+        "UPDATE outbox_migrate.step SET attempts = attempts + 1 "
+        "WHERE migration_id = %s AND step_id = %s",
+        (migration_id, step_id),
+    )
+
+
+def set_phase(conn: Connection[Any], migration_id: int, phase: str, state: str = "active") -> None:
+    conn.execute(
+        "UPDATE outbox_migrate.migration SET current_phase = %s, state = %s, "
+        "updated_at = now() WHERE id = %s",
+        (phase, state, migration_id),
+    )
+
+
+def abandon(conn: Connection[Any], migration_id: int) -> None:
+    conn.execute(
+        "UPDATE outbox_migrate.migration SET state = 'abandoned', updated_at = now() WHERE id = %s",
+        (migration_id,),
+    )
