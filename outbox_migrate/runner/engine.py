@@ -186,7 +186,7 @@ class Runner:
         result = RunResult(self.pattern.name, to_phase)
         for step in pending:
             self._execute(migration, step, rows.get(step.id), result)
-        return self._finish(migration, result)
+        return self._finish(migration, result, to_phase)
 
     def next(self) -> RunResult:
         """Run exactly one step: the first pending one, if it is in the next phase at most."""
@@ -197,13 +197,21 @@ class Runner:
         target = self.pattern.phases[min(done + 1, len(self.pattern.phases) - 1)].name
         pending = steps_to_run(self.pattern, rows, target)
         result = RunResult(self.pattern.name, target)
+        target = completed_phase(self.pattern, rows)
         if pending:
             self._execute(migration, pending[0], rows.get(pending[0].id), result)
-        return self._finish(migration, result)
+            target = pending[0].phase
+        return self._finish(migration, result, target)
 
-    def _finish(self, migration: ledger.MigrationRow, result: RunResult) -> RunResult:
+    def _finish(self, migration: ledger.MigrationRow, result: RunResult, target: str) -> RunResult:
         rows = self._rows(migration)
-        reached = completed_phase(self.pattern, rows)
+        # A phase without steps (COPRA's V4) is complete at once, but the runner only reports
+        # reaching the phase the operator asked for: the deploy boundary stays explicit.
+        reached_index = min(
+            phase_index(self.pattern, completed_phase(self.pattern, rows)),
+            phase_index(self.pattern, target),
+        )
+        reached = self.pattern.phases[reached_index].name
         last = self.pattern.phases[-1].name
         result.completed = reached == last
         result.phase = reached
@@ -356,7 +364,7 @@ class Runner:
             return {"table": self.table_label, "pattern": self.pattern.name, "state": "not started",
                     "phase": self.pattern.phases[0].name, "steps": []}  # fmt: skip
         rows = self._rows(migration)
-        reached = completed_phase(self.pattern, rows)
+        reached = self._current_phase(migration, rows)
         index = phase_index(self.pattern, reached)
         following = (
             self.pattern.phases[index + 1].name if index + 1 < len(self.pattern.phases) else None
@@ -378,23 +386,30 @@ class Runner:
             ],
         }
 
+    def _current_phase(
+        self, migration: ledger.MigrationRow, rows: dict[str, ledger.StepRow]
+    ) -> str:
+        """The phase the ledger records as reached, never beyond what its steps prove."""
+        proven = phase_index(self.pattern, completed_phase(self.pattern, rows))
+        try:
+            recorded = phase_index(self.pattern, migration.current_phase)
+        except OutOfOrder:
+            recorded = proven
+        return self.pattern.phases[min(proven, recorded)].name
+
+    def current_phase(self) -> str:
+        migration = ledger.latest(self.conn, self.spec, self.pattern.name)
+        if migration is None:
+            return self.pattern.phases[0].name
+        return self._current_phase(migration, self._rows(migration))
+
     def verify(self) -> list[str]:
         """Violations of the current phase's invariants (empty: all hold)."""
-        migration = ledger.latest(self.conn, self.spec, self.pattern.name)
-        phase = (
-            completed_phase(self.pattern, self._rows(migration))
-            if migration
-            else self.pattern.phases[0].name
-        )
+        phase = self.current_phase()
         return self._violations([c for _, c in self.pattern.invariants(phase)])
 
     def verify_or_raise(self) -> str:
-        migration = ledger.latest(self.conn, self.spec, self.pattern.name)
-        phase = (
-            completed_phase(self.pattern, self._rows(migration))
-            if migration
-            else self.pattern.phases[0].name
-        )
+        phase = self.current_phase()
         problems = self.verify()
         if problems:
             raise VerifyFailed(phase, problems)

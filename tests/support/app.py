@@ -49,3 +49,27 @@ def violations(conn: psycopg.Connection, conditions: list) -> list[str]:
     for condition in conditions:
         found.extend(str(r[0]) for r in conn.execute(condition.query).fetchall())
     return found
+
+
+def exercise(dsn: str, phase: Phase, *, old: str = "outbox", new: str = "outbox_new") -> None:
+    """Run `phase`'s application statements (insert one row, publish from where it
+    publishes) in a transaction that is rolled back: proves they still work, changes nothing."""
+    target = old if phase.app.inserts_into is Table.OLD else new
+    sources = {
+        Table.OLD: [old],
+        Table.NEW: [new],
+        Table.OLD_THEN_NEW: [old, new],
+        Table.NONE: [],
+    }[phase.app.publishes_from]
+    with psycopg.connect(dsn) as conn:
+        conn.execute("SET lock_timeout = '5s'")
+        insert_rows(conn, target, 1)
+        for source in sources:
+            conn.execute(
+                psycopg.sql.SQL(
+                    "UPDATE {t} SET published_at = now() WHERE id IN "
+                    "(SELECT id FROM {t} WHERE published_at IS NULL ORDER BY id LIMIT 10 "
+                    "FOR UPDATE SKIP LOCKED)"
+                ).format(t=psycopg.sql.Identifier(source))
+            )
+        conn.rollback()
