@@ -49,3 +49,10 @@ def ci(session: nox.Session) -> None:
     session.run("mypy", "--strict", "outbox_migrate")
     env = {"OUTBOX_MIGRATE_TEST_PG": os.environ.get("OUTBOX_MIGRATE_TEST_PG", ALL_PG)}
     session.run("pytest", "-p", "no:cacheprovider", *session.posargs, env=env)
+
+
+@nox.session
+def regenerate(session: nox.Session) -> None:
+    """Rewrite derived files from the catalog: plan golden output and playbooks/*.md."""
+    _install(session)
+    session.run("python", "-m", "tests.golden.regenerate")

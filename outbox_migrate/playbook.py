@@ -1,0 +1,205 @@
+"""Operator runbooks (`playbooks/<pattern>.md`) generated from the pattern catalog.
+
+A runbook says when to deploy what, what to check before and after each phase, and how to back
+out; the step lists and SQL come from the same `Step` objects the runner executes, so a
+playbook cannot drift from the catalog (a test regenerates and diffs them). Pure rendering:
+no database, no I/O.
+"""
+
+from __future__ import annotations
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.patterns import BuildOptions, build_pattern
+from outbox_migrate.patterns.model import Pattern, Phase, PhaseKind, Step, Table, TxMode
+from outbox_migrate.plan import render_markdown
+
+REGENERATE = "python -m tests.golden.regenerate"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _wizard_flags(pattern: Pattern) -> str:
+    flags = [
+        "--pause" if pattern.pause_publication else "--no-pause",
+        "--keep-old-rows" if pattern.keep_old_rows else "--no-keep-old-rows",
+    ]
+    if not pattern.pause_publication and pattern.keep_old_rows:
+        flags.append("--immediate-access" if pattern.immediate_access else "--no-immediate-access")
+    return " ".join(flags)
+
+
+def _locks(step: Step) -> str:
+    if not step.locks:
+        return "no locks"
+    held = ", ".join(f"{lock.mode.sql_name} on `{lock.relation}`" for lock in step.locks)
+    if step.catalog_only:
+        held += " (catalog-only: brief, independent of table size)"
+    return held
+
+
+def _step_lines(number: int, step: Step) -> list[str]:
+    optional = " *(optional)*" if step.optional else ""
+    lines = [f"{number}. `{step.id}`{optional}: {step.summary}.", f"   - Locks: {_locks(step)}."]
+    if step.scan:
+        lines.append(f"   - Scan: {step.scan}.")
+    if step.preconditions:
+        checks = ", ".join(f"`{c.name}`" for c in step.preconditions)
+        lines.append(f"   - Checked first: {checks}.")
+    if step.postcondition:
+        done = ", ".join(f"`{c.name}`" for c in step.postcondition)
+        lines.append(f"   - Done when: {done}.")
+    if step.reverse is None:
+        lines.append(f"   - Back out: **no** ({step.reverse_note}).")
+    elif step.reverse:
+        lines.append(f"   - Back out: {step.reverse_note}:")
+        lines.append("")
+        lines.append("     ```sql")
+        lines.extend(f"     {s.as_string(None).rstrip(';')};" for s in step.reverse)
+        lines.append("     ```")
+    else:
+        lines.append(f"   - Back out: {step.reverse_note}.")
+    lines.extend(f"   - Note: {note}" for note in step.notes)
+    return lines
+
+
+def _application_rollback(previous: Phase | None, phase: Phase, spec: OutboxSpec) -> str:
+    if previous is None:
+        return ""
+    stranded = phase.app.inserts_into is Table.NEW and previous.app.publishes_from not in (
+        Table.NEW,
+        Table.OLD_THEN_NEW,
+    )
+    text = f"the application can go back to {previous.name} ("
+    text += f"{previous.app.describe(spec.table, spec.partitioned_table)})"
+    if stranded:
+        text += (
+            f", but messages {phase.name} inserted into `{spec.partitioned_table}` are not "
+            f"published until a version that publishes from it runs again"
+        )
+    return text + "."
+
+
+def _phase_section(
+    pattern: Pattern, index: int, phase: Phase, spec: OutboxSpec, lines: list[str]
+) -> None:
+    previous = pattern.phases[index - 1] if index else None
+    job = phase.kind is PhaseKind.JOB
+    lines.append(f"### {index + 1}. {phase.name} ({'job' if job else 'deploy'}): {phase.title}")
+    lines.append("")
+    lines.append(
+        f"Application once this phase is done: "
+        f"{phase.app.describe(spec.table, spec.partitioned_table)}."
+    )
+    lines.append("")
+    lines.extend(f"- {text}" for text in phase.instructions)
+    lines.append("")
+    if not phase.steps:
+        if previous is None:
+            lines.append("This is where you are today; nothing to run.")
+        else:
+            lines.append(
+                f"No database steps: roll out {phase.name} once the previous phase is done."
+            )
+        lines.append("")
+    else:
+        when = (
+            "Run as a job after the last deploy" if job else f"Run before rolling out {phase.name}"
+        )
+        lines.append(
+            f"{when}: `outbox-migrate plan --pattern {pattern.name} --format sql`, section "
+            f"`-- phase: {phase.name}`, with `psql -v ON_ERROR_STOP=1 -f`. Every step checks its "
+            "preconditions first and stops, changing nothing, when one fails."
+        )
+        lines.append("")
+        for number, step in enumerate(phase.steps, start=1):
+            lines.extend(_step_lines(number, step))
+        lines.append("")
+    held = pattern.invariants(phase.name)
+    if held and phase.steps:
+        lines.append(f"Check after {phase.name}: every one of these holds.")
+        lines.append("")
+        seen: set[str] = set()
+        for step, condition in held:
+            if condition.name in seen:
+                continue
+            seen.add(condition.name)
+            lines.append(f"- `{condition.name}` ({step.id}): {condition.description}")
+        lines.append("")
+    rollback = _application_rollback(previous, phase, spec)
+    reversible = [s for s in phase.steps if s.reverse]
+    if rollback or reversible:
+        lines.append(f"Backing out of {phase.name}:")
+        lines.append("")
+        if reversible:
+            order = ", ".join(f"`{s.id}`" for s in reversed(reversible))
+            lines.append(f"- Database: reverse the steps in reverse order ({order}).")
+        if rollback:
+            lines.append(f"- Application: {rollback}")
+        lines.append("")
+
+
+def render_playbook(name: str, spec: OutboxSpec | None = None) -> str:
+    """The runbook of pattern `name` for `spec` (default: the spec's names)."""
+    spec = spec or OutboxSpec()
+    pattern = build_pattern(name, spec, BuildOptions(include_optional=True))
+    lines = [
+        f"# {pattern.acronym} playbook: {pattern.title}",
+        "",
+        f"<!-- Generated from the pattern catalog by `{REGENERATE}`; do not edit by hand. -->",
+        "",
+        pattern.summary,
+        "",
+        "## When this is the pattern",
+        "",
+        f"- Publication may pause for a few minutes: {_yes(pattern.pause_publication)}",
+        f"- The old rows must become part of the partitioned table: {_yes(pattern.keep_old_rows)}",
+        f"- Every published row must be readable from the final table at all times: "
+        f"{_yes(pattern.immediate_access)}",
+        "",
+        f"`outbox-migrate wizard {_wizard_flags(pattern)}` recommends it.",
+        "",
+        "## Before you start",
+        "",
+        f"- Run `outbox-migrate plan --pattern {pattern.name} --dsn <DSN>` against production "
+        "and resolve every blocker it reports (a foreign key into the outbox, an `id` that "
+        "is not a bigint identity, a publication column that is not a nullable timestamp).",
+        "- Read its warnings: a logical-replication publication on the outbox sees every "
+        "publish on the partitioned table as DELETE + INSERT; triggers and outgoing foreign "
+        "keys are not carried over.",
+        "- Every step sets a short `lock_timeout`: when it cannot get its lock it fails and "
+        "changes nothing; run it again when the blocking transaction is gone.",
+    ]
+    if pattern.point_of_no_return:
+        lines.append(
+            f"- Point of no return: `{pattern.point_of_no_return}`. Every step before it can "
+            "be reversed; that one cannot."
+        )
+    else:
+        lines.append("- No point of no return: every step can be reversed.")
+    lines += ["", "## Timeline", "", "| phase | kind | application | database steps |"]
+    lines.append("|---|---|---|---|")
+    for phase in pattern.phases:
+        steps = ", ".join(f"`{s.kind}`" for s in phase.steps) or "none"
+        app = phase.app.describe(spec.table, spec.partitioned_table)
+        lines.append(f"| {phase.name} | {phase.kind.value} | {app} | {steps} |")
+    transactional = sum(1 for s in pattern.steps() if s.tx is TxMode.TRANSACTION)
+    lines += [
+        "",
+        f"{len(pattern.steps())} steps, {transactional} of them transactional "
+        "(all statements of a step commit together, or none do).",
+        "",
+        "## Phase by phase",
+        "",
+    ]
+    for index, phase in enumerate(pattern.phases):
+        _phase_section(pattern, index, phase, spec, lines)
+    lines += ["## Reference: every step in full", ""]
+    reference = render_markdown(pattern, spec)
+    # Drop the reference's own title and summary: the playbook already starts with them.
+    lines.append(reference.split("\n## Phases\n", 1)[1].lstrip("\n"))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+__all__ = ["render_playbook"]

@@ -1,0 +1,702 @@
+-- outbox-migrate plan: HOPIA (Hot Outbox Partitioning w/ Immediate Access)
+-- billing.Events -> billing.events_p
+-- Apply one phase at a time, between deploys: psql -v ON_ERROR_STOP=1 -f <phase>.sql
+
+-- phase: V1
+-- The running version: inserts into and publishes from the flat outbox.
+-- (no database steps in this phase)
+
+-- phase: V2
+-- Run this phase's steps before deploying V2: identity above the old ids, and the AFTER INSERT trigger that copies every published row into the old table.
+-- V2 inserts into the partitioned table.
+-- V2's relay runs in switching mode: old table until drained and no writer is left, then the partitioned table (outbox-migrate relay --mode switching).
+
+-- step: hopia.v2.create-partitioned-table: Create events_p PARTITION BY LIST (published_at), identity starting 1,000,000 above the old table's highest id
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
+WHERE to_regclass('"billing"."Events"') IS NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-partitioned-table [relation-exists:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is %s, expected an ordinary table that is not a partition', c.oid::regclass,
+              CASE WHEN c.relkind = 'p' THEN 'a partitioned table'
+                   WHEN c.relispartition THEN 'already a partition of ' || (
+                        SELECT i.inhparent::regclass::text FROM pg_inherits i WHERE i.inhrelid = c.oid)
+                   ELSE 'of relkind ' || c.relkind::text END)
+FROM pg_class c
+WHERE c.oid = to_regclass('"billing"."Events"') AND (c.relkind <> 'r' OR c.relispartition)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-partitioned-table [is-plain-table:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('foreign key %I on %s references %s; drop it or point it elsewhere before migrating',
+              conname, conrelid::regclass, '"billing"."Events"')
+FROM pg_constraint
+WHERE contype = 'f' AND confrelid = to_regclass('"billing"."Events"')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-partitioned-table [no-fk-references:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"billing"."events_p"')
+WHERE to_regclass('"billing"."events_p"') IS NOT NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-partitioned-table [relation-absent:events_p] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+CREATE TABLE "billing"."events_p" (LIKE "billing"."Events" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
+SELECT setval(seq, greatest((SELECT max("id") FROM "billing"."Events"), pg_sequence_last_value(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass), 0) + 1000000) FROM (SELECT pg_get_serial_sequence('"billing"."events_p"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
+COMMIT;
+
+-- step: hopia.v2.create-unpublished-partition: Create events_todo as the partition FOR VALUES IN (NULL)
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_p"')
+WHERE to_regclass('"billing"."events_p"') IS NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-unpublished-partition [relation-exists:events_p] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"billing"."events_todo"')
+WHERE to_regclass('"billing"."events_todo"') IS NOT NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-unpublished-partition [relation-absent:events_todo] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+CREATE TABLE "billing"."events_todo" PARTITION OF "billing"."events_p" FOR VALUES IN (NULL);
+COMMIT;
+
+-- step: hopia.v2.create-unpublished-index: Index events_todo (id) for the relay's claim
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"billing"."events_todo"', '"billing"."events_p"', 'FOR VALUES IN (NULL)',
+              coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
+                        FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+                        WHERE c.oid = to_regclass('"billing"."events_todo"')), 'not a partition'))
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+    WHERE c.oid = to_regclass('"billing"."events_todo"') AND i.inhparent = to_regclass('"billing"."events_p"')
+      AND pg_get_expr(c.relpartbound, c.oid) = 'FOR VALUES IN (NULL)')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-unpublished-index [partition-bound:events_todo] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"billing"."events_p_unpublished_id_idx"')
+WHERE to_regclass('"billing"."events_p_unpublished_id_idx"') IS NOT NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-unpublished-index [relation-absent:events_p_unpublished_id_idx] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+CREATE INDEX "events_p_unpublished_id_idx" ON "billing"."events_todo" ("id");
+COMMIT;
+
+-- step: hopia.v2.create-published-partition: Create events_done as the DEFAULT partition (every published row)
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_p"')
+WHERE to_regclass('"billing"."events_p"') IS NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-published-partition [relation-exists:events_p] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"billing"."events_done"')
+WHERE to_regclass('"billing"."events_done"') IS NOT NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-published-partition [relation-absent:events_done] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+CREATE TABLE "billing"."events_done" PARTITION OF "billing"."events_p" DEFAULT;
+COMMIT;
+
+-- step: hopia.v2.tune-autovacuum: Insert-only autovacuum settings on events_done (every 100 k inserts)
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_done"')
+WHERE to_regclass('"billing"."events_done"') IS NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.tune-autovacuum [relation-exists:events_done] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+ALTER TABLE "billing"."events_done" SET (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000, autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
+COMMIT;
+
+-- step: hopia.v2.install-copy-trigger: AFTER INSERT trigger on events_done copying each published row to Events
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"billing"."events_done"', '"billing"."events_p"', 'DEFAULT',
+              coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
+                        FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+                        WHERE c.oid = to_regclass('"billing"."events_done"')), 'not a partition'))
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+    WHERE c.oid = to_regclass('"billing"."events_done"') AND i.inhparent = to_regclass('"billing"."events_p"')
+      AND pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.install-copy-trigger [partition-bound:events_done] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
+WHERE to_regclass('"billing"."Events"') IS NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.install-copy-trigger [relation-exists:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s holds rows; dropping it would lose them — move or publish them first', '"billing"."events_done"')
+WHERE to_regclass('"billing"."events_done"') IS NOT NULL AND EXISTS (SELECT 1 FROM "billing"."events_done")
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.install-copy-trigger [relation-empty:events_done] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+CREATE OR REPLACE FUNCTION "billing"."events_done_insert_trigger"() RETURNS trigger LANGUAGE plpgsql AS $om$
+BEGIN
+    INSERT INTO "billing"."Events" OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;
+    RETURN NULL;
+END
+$om$;
+CREATE TRIGGER "events_done_insert" AFTER INSERT ON "billing"."events_done" FOR EACH ROW EXECUTE FUNCTION "billing"."events_done_insert_trigger"();
+COMMIT;
+
+-- phase: V3
+-- Run this phase's gate before deploying V3: no V1 is left and the old table is fully published.
+-- V3 inserts into and publishes from the partitioned table only.
+
+-- step: hopia.v3.gate-old-table-retired: Gate: no writer inserts into Events any more and it is fully published
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
+WHERE to_regclass('"billing"."Events"') IS NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [relation-exists:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN WITH seq AS MATERIALIZED (
+    SELECT pg_get_serial_sequence('"billing"."Events"', 'id')::regclass AS oid
+), before AS MATERIALIZED (
+    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
+), pause AS MATERIALIZED (
+    SELECT pg_sleep(2.0) FROM before
+), after AS MATERIALIZED (
+    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+)
+SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+              '"billing"."Events"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V3')
+FROM before, after
+WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [no-new-ids:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+              count(*), '"billing"."Events"', 'V3')
+FROM "billing"."Events" WHERE "published_at" IS NULL
+HAVING count(*) > 0
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [old-table-drained:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+
+-- phase: V4
+-- Run this phase's steps once V3 is fully rolled out; V4 behaves like V3.
+-- The swap is one short catalog-only transaction; every published row was already in the old table, so nothing disappears from view.
+-- Optionally drop the detached published partition afterwards: all its rows are in the old table.
+
+-- step: hopia.v4.drop-identity: Drop IDENTITY from Events.id (a partition may not have one)
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
+WHERE to_regclass('"billing"."Events"') IS NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [relation-exists:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN WITH seq AS MATERIALIZED (
+    SELECT pg_get_serial_sequence('"billing"."Events"', 'id')::regclass AS oid
+), before AS MATERIALIZED (
+    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
+), pause AS MATERIALIZED (
+    SELECT pg_sleep(2.0) FROM before
+), after AS MATERIALIZED (
+    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+)
+SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+              '"billing"."Events"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V4')
+FROM before, after
+WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [no-new-ids:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN WITH new_seq AS (
+    SELECT s.seqstart, s.seqincrement, pg_sequence_last_value(s.seqrelid) AS last
+    FROM pg_sequence s
+    WHERE s.seqrelid = pg_get_serial_sequence('"billing"."events_p"', 'id')::regclass
+), old_top AS (
+    SELECT greatest(
+        (SELECT max("id") FROM "billing"."Events"),
+        pg_sequence_last_value(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass)) AS top
+)
+SELECT format('the identity of %s will issue id %s but %s already reaches id %s; raise the START (id_headroom)',
+              '"billing"."events_p"', coalesce(n.last + n.seqincrement, n.seqstart), '"billing"."Events"', o.top)
+FROM new_seq n, old_top o
+WHERE o.top IS NOT NULL AND coalesce(n.last + n.seqincrement, n.seqstart) <= o.top
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [new-ids-above-old] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+ALTER TABLE "billing"."Events" ALTER COLUMN "id" DROP IDENTITY IF EXISTS;
+COMMIT;
+
+-- step: hopia.v4.add-not-valid-check: Add CHECK (published_at IS NOT NULL) NOT VALID to Events
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN WITH seq AS MATERIALIZED (
+    SELECT pg_get_serial_sequence('"billing"."Events"', 'id')::regclass AS oid
+), before AS MATERIALIZED (
+    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
+), pause AS MATERIALIZED (
+    SELECT pg_sleep(2.0) FROM before
+), after AS MATERIALIZED (
+    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+)
+SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+              '"billing"."Events"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V4')
+FROM before, after
+WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.add-not-valid-check [no-new-ids:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+              count(*), '"billing"."Events"', 'V4')
+FROM "billing"."Events" WHERE "published_at" IS NULL
+HAVING count(*) > 0
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.add-not-valid-check [old-table-drained:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+ALTER TABLE "billing"."Events" ADD CONSTRAINT "Events_published_check" CHECK ("published_at" IS NOT NULL) NOT VALID;
+COMMIT;
+
+-- step: hopia.v4.validate-check: VALIDATE the CHECK on Events in its own transaction
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('CHECK constraint %I is missing on %s', 'Events_published_check', '"billing"."Events"')
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_constraint
+    WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_published_check' AND contype = 'c')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.validate-check [check-exists] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+              count(*), '"billing"."Events"', 'V4')
+FROM "billing"."Events" WHERE "published_at" IS NULL
+HAVING count(*) > 0
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.validate-check [old-table-drained:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '0ms';
+ALTER TABLE "billing"."Events" VALIDATE CONSTRAINT "Events_published_check";
+COMMIT;
+
+-- step: hopia.v4.set-not-null: Optional: SET NOT NULL on Events.published_at, proven by the validated CHECK
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('CHECK constraint %I is missing on %s', 'Events_published_check', '"billing"."Events"')
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_constraint
+    WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_published_check' AND contype = 'c')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.set-not-null [check-exists] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('CHECK constraint %I on %s is NOT VALID; run its VALIDATE step first', 'Events_published_check', '"billing"."Events"')
+FROM pg_constraint
+WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_published_check' AND NOT convalidated
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.set-not-null [check-validated] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '1000ms';
+ALTER TABLE "billing"."Events" ALTER COLUMN "published_at" SET NOT NULL;
+COMMIT;
+
+-- step: hopia.v4.swap-default: In one transaction: DETACH events_done and ATTACH Events as DEFAULT
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"billing"."events_done"', '"billing"."events_p"', 'DEFAULT',
+              coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
+                        FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+                        WHERE c.oid = to_regclass('"billing"."events_done"')), 'not a partition'))
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+    WHERE c.oid = to_regclass('"billing"."events_done"') AND i.inhparent = to_regclass('"billing"."events_p"')
+      AND pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [partition-bound:events_done] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_p"')
+WHERE to_regclass('"billing"."events_p"') IS NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [relation-exists:events_p] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is %s, expected an ordinary table that is not a partition', c.oid::regclass,
+              CASE WHEN c.relkind = 'p' THEN 'a partitioned table'
+                   WHEN c.relispartition THEN 'already a partition of ' || (
+                        SELECT i.inhparent::regclass::text FROM pg_inherits i WHERE i.inhrelid = c.oid)
+                   ELSE 'of relkind ' || c.relkind::text END)
+FROM pg_class c
+WHERE c.oid = to_regclass('"billing"."Events"') AND (c.relkind <> 'r' OR c.relispartition)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [is-plain-table:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('CHECK constraint %I is missing on %s', 'Events_published_check', '"billing"."Events"')
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_constraint
+    WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_published_check' AND contype = 'c')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [check-exists] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('CHECK constraint %I on %s is NOT VALID; run its VALIDATE step first', 'Events_published_check', '"billing"."Events"')
+FROM pg_constraint
+WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_published_check' AND NOT convalidated
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [check-validated] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('CHECK constraint %I on %s is %s, which does not prove %I IS NOT NULL; ATTACH would scan the table',
+              conname, '"billing"."Events"', pg_get_constraintdef(oid), 'published_at')
+FROM pg_constraint
+WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_published_check'
+  AND pg_get_constraintdef(oid) <> format('CHECK ((%I IS NOT NULL))', 'published_at')
+  AND pg_get_constraintdef(oid) <> format('CHECK ((%I IS NOT NULL)) NOT VALID', 'published_at')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [check-implies-partition-constraint] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN WITH parent AS (
+    SELECT attname, atttypid, atttypmod, attcollation, attnotnull
+    FROM pg_attribute WHERE attrelid = to_regclass('"billing"."events_p"') AND attnum > 0 AND NOT attisdropped
+), child AS (
+    SELECT attname, atttypid, atttypmod, attcollation, attnotnull
+    FROM pg_attribute WHERE attrelid = to_regclass('"billing"."Events"') AND attnum > 0 AND NOT attisdropped
+)
+SELECT format('column %I differs: %s has %s, %s has %s', coalesce(p.attname, c.attname),
+              '"billing"."events_p"', coalesce(format_type(p.atttypid, p.atttypmod) || CASE WHEN p.attnotnull THEN ' NOT NULL' ELSE '' END, 'no such column'),
+              '"billing"."Events"', coalesce(format_type(c.atttypid, c.atttypmod) || CASE WHEN c.attnotnull THEN ' NOT NULL' ELSE '' END, 'no such column'))
+FROM parent p FULL JOIN child c ON c.attname = p.attname
+WHERE p.attname IS NULL OR c.attname IS NULL
+   OR p.atttypid <> c.atttypid OR p.atttypmod <> c.atttypmod OR p.attcollation <> c.attcollation
+   OR (p.attnotnull AND NOT c.attnotnull)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [columns-match:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s.%I is still an identity column; a partition may not have one', '"billing"."Events"', 'id')
+FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+WHERE a.attrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' AND a.attidentity <> ''
+  AND NOT c.relispartition
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [no-identity:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('foreign key %I on %s references %s; drop it or point it elsewhere before migrating',
+              conname, conrelid::regclass, '"billing"."Events"')
+FROM pg_constraint
+WHERE contype = 'f' AND confrelid = to_regclass('"billing"."Events"')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [no-fk-references:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN WITH new_seq AS (
+    SELECT s.seqstart, s.seqincrement, pg_sequence_last_value(s.seqrelid) AS last
+    FROM pg_sequence s
+    WHERE s.seqrelid = pg_get_serial_sequence('"billing"."events_p"', 'id')::regclass
+), old_top AS (
+    SELECT greatest(
+        (SELECT max("id") FROM "billing"."Events"),
+        pg_sequence_last_value(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass)) AS top
+)
+SELECT format('the identity of %s will issue id %s but %s already reaches id %s; raise the START (id_headroom)',
+              '"billing"."events_p"', coalesce(n.last + n.seqincrement, n.seqstart), '"billing"."Events"', o.top)
+FROM new_seq n, old_top o
+WHERE o.top IS NOT NULL AND coalesce(n.last + n.seqincrement, n.seqstart) <= o.top
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [new-ids-above-old] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+              count(*), '"billing"."Events"', 'V4')
+FROM "billing"."Events" WHERE "published_at" IS NULL
+HAVING count(*) > 0
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [old-table-drained:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
+              count(*), '"billing"."events_done"', '"billing"."Events"', min(s."id"), max(s."id"))
+FROM "billing"."events_done" s
+WHERE NOT EXISTS (SELECT 1 FROM "billing"."Events" t WHERE t."id" = s."id")
+HAVING count(*) > 0
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [all-rows-present:events_done->Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '1000ms';
+ALTER TABLE "billing"."events_p" DETACH PARTITION "billing"."events_done";
+ALTER TABLE "billing"."events_p" ATTACH PARTITION "billing"."Events" DEFAULT;
+COMMIT;
+
+-- step: hopia.v4.drop-check: Drop the now-redundant CHECK from Events (the partition bound says it)
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"billing"."Events"', '"billing"."events_p"', 'DEFAULT',
+              coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
+                        FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+                        WHERE c.oid = to_regclass('"billing"."Events"')), 'not a partition'))
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+    WHERE c.oid = to_regclass('"billing"."Events"') AND i.inhparent = to_regclass('"billing"."events_p"')
+      AND pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-check [partition-bound:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+ALTER TABLE "billing"."Events" DROP CONSTRAINT IF EXISTS "Events_published_check";
+COMMIT;
+
+-- step: hopia.v4.remove-copy-trigger: Drop the copy trigger and its function (events_done is detached now)
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is still a partition of %s', '"billing"."events_done"', '"billing"."events_p"')
+FROM pg_inherits i
+WHERE i.inhrelid = to_regclass('"billing"."events_done"') AND i.inhparent = to_regclass('"billing"."events_p"')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.remove-copy-trigger [not-a-partition-of:events_done] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+DROP TRIGGER IF EXISTS "events_done_insert" ON "billing"."events_done";
+DROP FUNCTION IF EXISTS "billing"."events_done_insert_trigger"();
+COMMIT;
+
+-- step: hopia.v4.tune-autovacuum-old: Insert-only autovacuum settings on Events (every 100 k inserts)
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
+WHERE to_regclass('"billing"."Events"') IS NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.tune-autovacuum-old [relation-exists:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+ALTER TABLE "billing"."Events" SET (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000, autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
+COMMIT;
+
+-- step: hopia.v4.drop-detached-published: Drop the detached events_done: every row of it is in Events
+BEGIN;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is still a partition of %s', '"billing"."events_done"', '"billing"."events_p"')
+FROM pg_inherits i
+WHERE i.inhrelid = to_regclass('"billing"."events_done"') AND i.inhparent = to_regclass('"billing"."events_p"')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-detached-published [not-a-partition-of:events_done] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
+              count(*), '"billing"."events_done"', '"billing"."Events"', min(s."id"), max(s."id"))
+FROM "billing"."events_done" s
+WHERE NOT EXISTS (SELECT 1 FROM "billing"."Events" t WHERE t."id" = s."id")
+HAVING count(*) > 0
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-detached-published [all-rows-present:events_done->Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+DROP TABLE "billing"."events_done";
+COMMIT;
