@@ -31,6 +31,12 @@ def print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+def print_json_line(data: Any) -> None:
+    """One compact JSON object per line (JSON-lines streams such as `run --format json`)."""
+    sys.stdout.write(json.dumps(data, default=str) + "\n")
+    sys.stdout.flush()
+
+
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     grid = Table(title=title, show_lines=False)
     for column in columns:

@@ -111,9 +111,9 @@ def _report(result: Any, output: OutputFormat) -> None:
     from dataclasses import asdict
 
     if output is OutputFormat.json:
-        from outbox_migrate.cli.console import print_json
+        from outbox_migrate.cli.console import print_json_line
 
-        print_json({"event": "result", **asdict(result)})
+        print_json_line({"event": "result", **asdict(result)})
         return
     from outbox_migrate.cli.console import text
 
