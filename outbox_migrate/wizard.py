@@ -124,8 +124,10 @@ def _rejections(chosen: str, a: Answers) -> dict[str, str]:
                     "copy-back job finishes"
                 )
             else:
-                why["hopia"] = more_than_needed + " (no need for instant access: a copy job is "
-                "simpler than a trigger on the hot path)"
+                why["hopia"] = (
+                    more_than_needed + " (no need for instant access: a copy job is "
+                    "simpler than a trigger on the hot path)"
+                )
     why.pop(chosen, None)
     return why
 

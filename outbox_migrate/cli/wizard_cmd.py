@@ -43,6 +43,15 @@ def wizard(
     dsn: DsnOption = None,
     table: TableOption = None,
     output: FormatOption = OutputFormat.text,
+    interactive: Annotated[
+        bool | None,
+        typer.Option(
+            "--interactive/--no-interactive",
+            help="Ask for missing answers on stdin. Default: only when stdin is a terminal "
+            "and --format is text.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     from outbox_migrate.errors import UsageError
     from outbox_migrate.wizard import (
@@ -52,7 +61,10 @@ def wizard(
         recommend,
     )
 
-    interactive = output is OutputFormat.text and _stdin_is_tty()
+    if interactive and output is not OutputFormat.text:
+        raise UsageError("--interactive asks its questions on stdout; use it with --format text")
+    if interactive is None:
+        interactive = output is OutputFormat.text and _stdin_is_tty()
 
     def ask(key: str, given: bool | None) -> bool:
         if given is not None:
@@ -62,7 +74,14 @@ def wizard(
             raise UsageError(f"answer {QUESTIONS[key]!r} with --{flag} or --no-{flag}")
         from outbox_migrate.cli.console import confirm
 
-        return confirm(QUESTIONS[key])
+        try:
+            return confirm(QUESTIONS[key])
+        except EOFError:
+            flag = key.replace("_", "-")
+            raise UsageError(
+                f"stdin ended before {QUESTIONS[key]!r} was answered; answer y or n, or pass "
+                f"--{flag} / --no-{flag}"
+            ) from None
 
     pause_answer = ask("pause", pause)
     keep_answer = ask("keep_old_rows", keep_old_rows)
