@@ -1,0 +1,144 @@
+"""`outbox-migrate plan` as a user runs it: against a live database (concrete values, warnings)
+and with bad input (one line on stderr naming the problem, exit code 2, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psycopg
+import pytest
+
+from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
+
+
+def plan(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_MIGRATE_", "PG"))}
+    env["COLUMNS"] = "160"
+    return subprocess.run(
+        [sys.executable, "-m", "outbox_migrate", "plan", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("outbox-migrate: error: ")
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_unknown_pattern() -> None:
+    line = one_line_error(plan("--pattern", "hopla"))
+    assert "'hopla'" in line and "cop" in line and "hopia" in line
+
+
+def test_unknown_format() -> None:
+    line = one_line_error(plan("--pattern", "hop", "--format", "yaml"))
+    assert "'yaml'" in line and "--format" in line
+
+
+@pytest.mark.newest_pg_only
+def test_database_without_the_table(dsn: str) -> None:
+    line = one_line_error(plan("--pattern", "hop", "--dsn", dsn))
+    assert "table outbox does not exist in database" in line
+    line = one_line_error(plan("--pattern", "hop", "--dsn", dsn, "--schema", "app"))
+    assert "table app.outbox does not exist" in line
+
+
+@pytest.mark.newest_pg_only
+@pytest.mark.parametrize(
+    ("ddl", "named"),
+    [
+        (
+            "CREATE TABLE outbox (id int4 GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+            "payload json NOT NULL, published_at timestamptz)",
+            "outbox.id is integer, not bigint",
+        ),
+        (
+            "CREATE TABLE outbox (id int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+            "payload json NOT NULL, published_at text)",
+            "outbox.published_at is text, not a timestamp",
+        ),
+        (
+            "CREATE TABLE outbox (id bigserial PRIMARY KEY, payload json NOT NULL, "
+            "published_at timestamptz)",
+            "outbox.id is not an identity column",
+        ),
+    ],
+    ids=["int-id", "text-published-at", "serial"],
+)
+def test_wrong_column_types(dsn: str, ddl: str, named: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(ddl)
+    line = one_line_error(plan("--pattern", "copra", "--dsn", dsn))
+    assert named in line
+
+
+@pytest.mark.newest_pg_only
+def test_foreign_key_into_the_outbox(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        conn.execute("CREATE TABLE receipts (outbox_id int8 REFERENCES outbox (id))")
+    line = one_line_error(plan("--pattern", "hoper", "--dsn", dsn, "--format", "json"))
+    assert "foreign key receipts_outbox_id_fkey on receipts references outbox" in line
+    assert "drop it or point it elsewhere" in line
+
+
+def live_outbox(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        insert_rows(conn, "outbox", 2_000, published=True)
+        insert_rows(conn, "outbox", 25)
+        conn.execute("ANALYZE outbox")
+        conn.execute("CREATE PUBLICATION outbox_cdc FOR TABLE outbox")
+
+
+@pytest.mark.newest_pg_only
+def test_dsn_gives_concrete_values_in_every_format(dsn: str) -> None:
+    live_outbox(dsn)
+    doc = json.loads(plan("--pattern", "hoper", "--dsn", dsn, "--format", "json").stdout)
+    facts = doc["facts"]
+    assert facts["table"] == "public.outbox"
+    assert facts["max_id"] == 2_025 and facts["sequence_last_value"] == 2_025
+    assert facts["identity_start"] == 1_002_025
+    assert facts["unpublished"] == 25 and facts["row_estimate"] == 2_025
+    assert facts["total_bytes"] > 0 and facts["estimated_validate_s"] >= 0
+    assert facts["publications"] == ["outbox_cdc"]
+    assert facts["blockers"] == []
+    assert [w["code"] for w in facts["warnings"]] == ["cdc-publication"]
+    assert [p["name"] for p in doc["phases"]] == ["V1", "V2", "V3", "V4", "copy-back"]
+
+    markdown = plan("--pattern", "hoper", "--dsn", dsn, "--format", "markdown").stdout
+    assert "## Your outbox" in markdown
+    assert "~2,025 rows" in markdown and "25 unpublished" in markdown
+    assert "max id 2025, new identity starts at 1,002,025" in markdown
+    assert "- Warning: publication outbox_cdc includes outbox" in markdown
+
+    table = plan("--pattern", "hoper", "--dsn", dsn)
+    assert table.returncode == 0, table.stderr
+    assert "Your outbox: PostgreSQL" in table.stdout
+    assert "~2,025 rows, 25 unpublished, max id 2025, new identity starts at 1,002,025" in (
+        table.stdout
+    )
+    assert "warning: publication outbox_cdc includes outbox" in table.stdout
+
+
+@pytest.mark.newest_pg_only
+def test_dsn_does_not_change_the_steps(dsn: str) -> None:
+    """The live values are shown beside the plan; the steps (and their checksums, which the
+    runner compares) are the same as without a DSN."""
+    live_outbox(dsn)
+    offline = json.loads(plan("--pattern", "hopia", "--format", "json").stdout)
+    online = json.loads(plan("--pattern", "hopia", "--dsn", dsn, "--format", "json").stdout)
+    assert online["phases"] == offline["phases"]
+    assert offline["facts"] is None and online["facts"] is not None

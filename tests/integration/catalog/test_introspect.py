@@ -1,0 +1,196 @@
+"""Introspection of a live outbox: the facts, the blockers (with what to do) and the warnings.
+
+The facts test runs on every server version (the catalog queries differ across releases, e.g.
+PostgreSQL 18 lists NOT NULL in pg_constraint); the blocker and warning cases do not depend on
+the version and run once.
+"""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import SchemaError
+from outbox_migrate.introspect import TableFacts, introspect, raise_for_blockers
+from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
+from outbox_migrate.testing.server import Server
+
+SPEC = OutboxSpec()
+
+
+def codes(findings: list) -> list[str]:
+    return [f.code for f in findings]
+
+
+def test_facts_of_a_flat_outbox(conn: psycopg.Connection, pg_server: Server) -> None:
+    create_flat_outbox(conn)
+    insert_rows(conn, "outbox", 120, published=True)
+    insert_rows(conn, "outbox", 8)
+    conn.execute("ANALYZE outbox")
+    conn.execute("CREATE TABLE tenants (id int8 PRIMARY KEY)")
+    conn.execute("ALTER TABLE outbox ADD COLUMN tenant_id int8 REFERENCES tenants (id)")
+    facts = introspect(conn, SPEC)
+
+    assert facts.server_version == pg_server.version
+    assert facts.server_version_text.startswith(str(pg_server.version))
+    assert (facts.relkind, facts.is_partition) == ("r", False)
+    names = [c.name for c in facts.columns]
+    assert names == [
+        "id", "event_type", "message_key", "payload", "created_at", "published_at", "tenant_id",
+    ]  # fmt: skip
+    id_col, published = facts.column("id"), facts.column("published_at")
+    assert id_col is not None and published is not None
+    assert (id_col.type, id_col.identity, id_col.not_null) == ("bigint", "a", True)
+    assert (published.type, published.not_null) == ("timestamp with time zone", False)
+    assert facts.column("event_type").default == "'event'::text"  # type: ignore[union-attr]
+    assert facts.column("message_key").collation == "default"  # type: ignore[union-attr]
+    assert facts.max_id == 128 and facts.sequence_last_value == 128
+    assert facts.sequence == "public.outbox_id_seq"
+    assert facts.identity_start(SPEC.id_headroom) == 1_000_128
+    assert facts.unpublished == 8
+    assert facts.row_estimate == 128
+    assert facts.total_bytes > facts.heap_bytes > 0
+    assert {name for name, _ in facts.indexes} == {"outbox_pkey", "outbox_unpublished_id_idx"}
+    assert facts.constraints == [
+        ("outbox_pkey", "PRIMARY KEY (id)", True),
+        ("outbox_tenant_id_fkey", "FOREIGN KEY (tenant_id) REFERENCES tenants(id)", True),
+    ]  # and no NOT NULL entries, which PostgreSQL 18 also keeps in pg_constraint
+    assert facts.foreign_keys_out == [("outbox_tenant_id_fkey", "tenants")]
+    assert facts.foreign_keys_in == [] and facts.triggers == [] and facts.publications == []
+    assert facts.new_table_state == {}
+    assert facts.blockers == []
+    assert codes(facts.warnings) == ["fk-out"]
+    raise_for_blockers(facts)  # nothing to raise
+
+
+@pytest.mark.newest_pg_only
+def test_new_tables_already_present_are_reported(conn: psycopg.Connection) -> None:
+    create_flat_outbox(conn)
+    conn.execute(
+        "CREATE TABLE outbox_new (LIKE outbox INCLUDING DEFAULTS) PARTITION BY LIST (published_at)"
+    )
+    conn.execute("CREATE TABLE outbox_unpublished PARTITION OF outbox_new FOR VALUES IN (NULL)")
+    facts = introspect(conn, SPEC)
+    assert facts.new_table_state == {
+        "outbox_new": "partitioned table",
+        "outbox_unpublished": "partition of outbox_new FOR VALUES IN (NULL)",
+    }
+
+
+@pytest.mark.newest_pg_only
+def test_missing_table_is_a_schema_error(conn: psycopg.Connection) -> None:
+    with pytest.raises(SchemaError, match=r"table outbox does not exist in database 't_"):
+        introspect(conn, SPEC)
+    with pytest.raises(SchemaError, match=r"table billing\.events does not exist"):
+        introspect(conn, OutboxSpec(schema="billing", table="events"))
+
+
+def blocked(conn: psycopg.Connection, ddl: str) -> TableFacts:
+    conn.execute(ddl)
+    return introspect(conn, SPEC)
+
+
+OUTBOX_COLUMNS = "payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT now()"
+
+
+@pytest.mark.newest_pg_only
+@pytest.mark.parametrize(
+    ("ddl", "code", "message", "remedy"),
+    [
+        (
+            f"CREATE TABLE outbox (id int4 GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+            f"{OUTBOX_COLUMNS}, published_at timestamptz)",
+            "id-type",
+            "outbox.id is integer, not bigint",
+            "ALTER the column to bigint first",
+        ),
+        (
+            f"CREATE TABLE outbox (id bigserial PRIMARY KEY, {OUTBOX_COLUMNS}, "
+            "published_at timestamptz)",
+            "id-not-identity",
+            "outbox.id is not an identity column (default nextval('outbox_id_seq'::regclass))",
+            "convert it to GENERATED BY DEFAULT AS IDENTITY",
+        ),
+        (
+            f"CREATE TABLE outbox (id int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+            f"{OUTBOX_COLUMNS}, published_at boolean)",
+            "published-type",
+            "outbox.published_at is boolean, not a timestamp",
+            "nullable publication timestamp",
+        ),
+        (
+            f"CREATE TABLE outbox (id int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+            f"{OUTBOX_COLUMNS}, published_at timestamptz NOT NULL DEFAULT now())",
+            "published-not-null",
+            "outbox.published_at is NOT NULL",
+            "unpublished rows need NULL there",
+        ),
+        (
+            f"CREATE TABLE outbox (outbox_id int8 GENERATED ALWAYS AS IDENTITY, {OUTBOX_COLUMNS}, "
+            "published_at timestamptz)",
+            "id-missing",
+            "outbox has no column 'id'",
+            "set id_column",
+        ),
+        (
+            "CREATE TABLE outbox (id int8 GENERATED ALWAYS AS IDENTITY, payload json, "
+            "published_at timestamptz) PARTITION BY LIST (published_at)",
+            "already-partitioned",
+            "outbox is already partitioned",
+            "nothing to migrate",
+        ),
+    ],
+    ids=["int-id", "serial", "published-boolean", "published-not-null", "no-id", "partitioned"],
+)
+def test_schema_blockers(
+    conn: psycopg.Connection, ddl: str, code: str, message: str, remedy: str
+) -> None:
+    facts = blocked(conn, ddl)
+    assert codes(facts.blockers) == [code]
+    assert facts.blockers[0].message == message
+    assert remedy in facts.blockers[0].remedy
+    with pytest.raises(SchemaError) as raised:
+        raise_for_blockers(facts)
+    assert str(raised.value).startswith(f"{message}: ")
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.newest_pg_only
+def test_foreign_key_into_the_outbox_blocks(conn: psycopg.Connection) -> None:
+    create_flat_outbox(conn)
+    conn.execute("CREATE TABLE receipts (outbox_id int8 REFERENCES outbox (id))")
+    conn.execute("CREATE TABLE audits (outbox_id int8 CONSTRAINT audit_fk REFERENCES outbox (id))")
+    facts = introspect(conn, SPEC)
+    assert facts.foreign_keys_in == [
+        ("audit_fk", "audits"),
+        ("receipts_outbox_id_fkey", "receipts"),
+    ]
+    assert codes(facts.blockers) == ["fk-into-outbox", "fk-into-outbox"]
+    assert "uniqueness of ids is not enforced across partitions" in facts.blockers[0].remedy
+    with pytest.raises(SchemaError, match=r"\(\+1 more blockers\)$"):
+        raise_for_blockers(facts)
+
+
+@pytest.mark.newest_pg_only
+def test_cdc_publications_and_triggers_are_warnings(conn: psycopg.Connection) -> None:
+    create_flat_outbox(conn)
+    conn.execute("CREATE PUBLICATION only_outbox FOR TABLE outbox")
+    conn.execute("CREATE PUBLICATION everything FOR ALL TABLES")
+    conn.execute("CREATE PUBLICATION unrelated")
+    conn.execute(
+        "CREATE FUNCTION touch() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$"
+    )
+    conn.execute(
+        "CREATE TRIGGER outbox_touch BEFORE INSERT ON outbox FOR EACH ROW EXECUTE FUNCTION touch()"
+    )
+    facts = introspect(conn, SPEC)
+    assert facts.blockers == []
+    assert facts.publications == ["everything", "only_outbox"]
+    assert codes(facts.warnings) == ["cdc-publication", "cdc-publication", "trigger"]
+    assert "DELETE + INSERT" in facts.warnings[0].remedy
+    assert (
+        facts.warnings[2].message
+        == "trigger outbox_touch on outbox is not carried to the new table"
+    )
+    raise_for_blockers(facts)  # warnings never stop the plan
