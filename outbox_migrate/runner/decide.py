@@ -61,7 +61,12 @@ def steps_to_run(pattern: Pattern, rows: Mapping[str, StepRow], target: str) -> 
     """
     goal = phase_index(pattern, target)
     done = phase_index(pattern, completed_phase(pattern, rows))
-    if goal < done:
+    later_done = any(
+        rows.get(s.id) is not None and rows[s.id].state == "done"
+        for phase in pattern.phases[goal + 1 :]
+        for s in phase.steps
+    )
+    if goal < done and later_done:
         raise OutOfOrder(
             f"phase {pattern.phases[goal].name} is already behind (completed through "
             f"{pattern.phases[done].name}); use `outbox-migrate rollback --to "
