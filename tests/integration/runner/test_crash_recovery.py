@@ -53,7 +53,7 @@ def killed_run(dsn: str, pattern: str, phase: str, fault: str) -> int:
         try:
             with Runner(dsn, SETTINGS, pattern) as runner:
                 runner.run(phase)
-        except BaseException:  # noqa: BLE001 - the child reports by exit code only
+        except BaseException:
             code = 1
         os._exit(code)
     _, status = os.waitpid(pid, 0)
@@ -94,7 +94,9 @@ def clean_database(server: Server, dsn: str) -> str:
     name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
     clean = f"{name}_clean"
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE om_template").format(sql.Identifier(clean)))
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE om_template").format(sql.Identifier(clean))
+        )
     return server.dsn(clean)
 
 
