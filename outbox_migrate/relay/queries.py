@@ -133,13 +133,14 @@ def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> s
 
 
 def mark(source: Source) -> sql.Composed:
-    """Set the publication time of the acknowledged ids (parameter: ids int8[]).
+    """Set the publication time of the acknowledged ids (parameter: ids, an int8[] literal).
 
     Through the parent on the partitioned outbox: PostgreSQL moves each row to the published
     partition. `published_at IS NULL` keeps a re-run from touching a row twice.
     """
     return sql.SQL(
-        "UPDATE {table} SET {published} = now() WHERE {published} IS NULL AND {id} = ANY(%(ids)s)"
+        "UPDATE {table} SET {published} = now() "
+        "WHERE {published} IS NULL AND {id} = ANY(%(ids)s::int8[])"
     ).format(
         table=source.mark_ident,
         published=sql.Identifier(source.published_column),

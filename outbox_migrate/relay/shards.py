@@ -64,12 +64,13 @@ class ShardLease:
             self.owned.update(int(row[0]) for row in rows)
         return self.owned != before
 
-    def release_adopted(self, conn: Any) -> None:
+    def release_adopted(self, conn: Any) -> bool:
         """Give back shards that are not home once they ran dry (their owner may return)."""
         adopted = [s for s in self.owned if s not in self.home]
         if adopted:
             conn.execute(queries.unlock_shards(), {"key": self.key, "shards": adopted})
             self.owned.difference_update(adopted)
+        return bool(adopted)
 
     def release_all(self, conn: Any) -> None:
         if self.owned:

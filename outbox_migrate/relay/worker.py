@@ -32,6 +32,7 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
+from outbox_migrate.relay.cursor import Cursor
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
@@ -43,9 +44,6 @@ from outbox_migrate.relay.switching import SourceState
 log = logging.getLogger("outbox_migrate.relay")
 
 RELAY_APPLICATION_NAME = f"{APPLICATION_NAME} relay"
-CURSOR_RESET_S = 1.0
-"""How often a claim restarts from the lowest id, to find rows whose transaction committed
-after higher ids were already published."""
 ABANDON_GRACE_S = 2.0
 """After the shutdown timeout: how long abandoned workers get to roll back and exit."""
 
@@ -256,8 +254,8 @@ class Relay:
 
     def _batch(
         self, conn: Any, sink: Sink, source: queries.Source, lease: ShardLease, after: int
-    ) -> tuple[int, int]:
-        """One transaction: claim, publish, mark. Returns (rows claimed, cursor for the next)."""
+    ) -> tuple[list[int], int | None]:
+        """One transaction: claim, publish, mark. Returns (claimed ids, lowest id to retry)."""
         options = self.options
         columns = self._columns[source.label]
         claim = queries.claim(
@@ -270,21 +268,21 @@ class Relay:
         with conn.transaction():
             rows = conn.execute(claim, params).fetchall()
             if not rows:
-                return 0, after
+                return [], None
             batch = [Message(int(r[0]), source.label, r[1], r[2], r[3], r[4]) for r in rows]
             acked, dead, retry_from = self._publish(conn, sink, source, batch)
             to_mark = acked + dead
             if self._abandon.is_set():
                 raise _Abandoned
             if to_mark:
-                conn.execute(queries.mark(source), {"ids": to_mark})
+                # An array literal: psycopg's list dumper costs more than the whole mark.
+                ids = "{" + ",".join(map(str, to_mark)) + "}"
+                conn.execute(queries.mark(source), {"ids": ids})
         elapsed = time.perf_counter() - started
         self.stats.add(published=len(acked), batches=1)
         self.observer.published(len(acked))
         self.observer.batch_seconds(elapsed)
-        # Rejected messages still due a retry must be claimed again: move the cursor below them.
-        next_after = batch[-1].id if retry_from is None else retry_from - 1
-        return len(batch), next_after
+        return [m.id for m in batch], retry_from
 
     def _publish(
         self, conn: Any, sink: Sink, source: queries.Source, batch: list[Message]
@@ -431,8 +429,12 @@ class _Worker:
         self.conn: Any = None
         self.sink: Sink | None = None
         self.failures = 0
-        self.after = 0
-        self.cursor_reset_at = time.monotonic() + CURSOR_RESET_S
+        self.cursor = Cursor(
+            shards=options.shard_count,
+            mine=[],
+            track_gaps=options.ordering is not Ordering.key,
+            now=time.monotonic(),
+        )
         self.idle = False
 
     def run(self) -> None:
@@ -499,28 +501,34 @@ class _Worker:
             lease.lost()
         if self.sink is None:
             self.sink = relay.sink_factory()
-        if lease.maintain(self.conn, idle=self.idle):
-            self.after = 0
+        now = time.monotonic()
+        if lease.maintain(self.conn, idle=self.idle, now=now):
+            self.cursor.reset(lease.mine(), now)
         if not lease.owned:
             if options.until_empty:
                 return True  # every shard belongs to another live session
             relay._idle_wait(relay._waker.generation)
             return False
-        if time.monotonic() >= self.cursor_reset_at:
-            self.after, self.cursor_reset_at = 0, time.monotonic() + CURSOR_RESET_S
         generation = relay._waker.generation
         source = relay.state.current
-        claimed, next_after = relay._batch(self.conn, self.sink, source, lease, self.after)
+        after = self.cursor.start(now)
+        claimed, retry_from = relay._batch(self.conn, self.sink, source, lease, after)
         self.failures = 0
-        if claimed == options.batch_size:
-            self.after, self.idle = next_after, False
-            return False
-        self.after = 0  # a short batch reached the end: rescan from the start next time
+        self.cursor.claimed(after, claimed, time.monotonic())
+        if retry_from is not None:
+            self.cursor.retry_from(retry_from)
         if claimed:
             self.idle = False
             return False
+        switching_from_flat = relay.state.mode is Mode.switching and source is relay.state.flat
+        drained_proof_needed = options.until_empty or switching_from_flat
+        if after > 0 and drained_proof_needed:
+            # Empty above the frontier is not empty: prove it with a claim from id 0.
+            self.cursor.force_full_rescan()
+            return False
         self.idle = True
-        lease.release_adopted(self.conn)
+        if lease.release_adopted(self.conn):
+            self.cursor.reset(lease.mine(), time.monotonic())
         if source is relay.state.flat and relay.state.try_switch(self.conn):
             return False
         if options.until_empty and relay._nothing_left(self.conn):

@@ -80,11 +80,16 @@ class NatsSink:
         try:
             acks = self._loop.run_until_complete(self._publish(batch))
         except Exception as exc:  # noqa: BLE001 - nats-py raises many types; all mean "not acked"
-            self.close()
+            self._disconnect()
             raise SinkUnavailable(self.name, mask(f"{type(exc).__name__}: {exc}")) from None
         self.duplicates += sum(1 for ack in acks if getattr(ack, "duplicate", False))
 
     def close(self) -> None:
+        self._disconnect()
+        if not self._loop.is_closed():
+            self._loop.close()
+
+    def _disconnect(self) -> None:
         nc, self._nc, self._js = self._nc, None, None
         if nc is not None:
             try:

@@ -1,0 +1,329 @@
+"""Relay benchmark: messages/s side by side, on one throwaway PostgreSQL 18, in one run.
+
+Prints:
+  1. throughput for batch sizes 100 and 1000: (a) the SQL-only limit (claim+mark as one
+     statement, no broker), the relay on the partitioned outbox, (b) the relay on a flat
+     outbox, (c) pgqueuer (a PyPI job queue) doing the same work — drain N rows/jobs;
+  2. concurrent claimers: plain SKIP LOCKED vs the relay's sharded claim — rows/s and the share
+     of batches that hit SQLSTATE 40001, for 1, 2 and 4 claimers;
+  3. claim p99 latency as published rows grow (flat vs partitioned);
+  4. relay throughput while an idle REPEATABLE READ transaction holds back xmin.
+
+The relay publishes through the stdout sink into /dev/null: the whole relay (claim, Message
+objects, JSON envelopes, sink protocol, mark) runs, with no broker latency in the figures.
+
+Default run: a few minutes. Bigger: --rows 1000000 --grow-to 10000000 --xmin-seconds 180.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.relay import queries
+from outbox_migrate.relay.options import Mode, RelayOptions
+from outbox_migrate.relay.sinks.stdout import StdoutSink
+from outbox_migrate.relay.worker import Relay
+from outbox_migrate.testing import server as pgserver
+from outbox_migrate.testing.schema import (
+    create_flat_outbox,
+    create_partitioned_outbox,
+    insert_rows,
+)
+
+SPEC = OutboxSpec()
+INSERT_CHUNK = 200_000
+CLAIM_SAMPLES = 300
+
+
+def reset(conn: psycopg.Connection, rows: int, *, flat: bool = False) -> None:
+    table = "outbox" if flat else "outbox_new"
+    conn.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier(table)))
+    fill(conn, table, rows)
+    conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(table)))
+
+
+def fill(conn: psycopg.Connection, table: str, rows: int, *, published: bool = False) -> None:
+    done = 0
+    while done < rows:
+        step = min(INSERT_CHUNK, rows - done)
+        insert_rows(conn, table, step, spec=SPEC, published=published)
+        done += step
+
+
+def unpublished(conn: psycopg.Connection, flat: bool = False) -> int:
+    query = (
+        "SELECT count(*) FROM outbox WHERE published_at IS NULL"
+        if flat
+        else "SELECT count(*) FROM outbox_unpublished"
+    )
+    row = conn.execute(query).fetchone()
+    return int(row[0]) if row else -1
+
+
+# -- claimers ------------------------------------------------------------------------------
+
+
+def sql_only(
+    dsn: str, batch: int, claimers: int, *, sharded: bool, flat: bool = False
+) -> tuple[float, int, int]:
+    """Claim+mark in one statement until empty. Returns (seconds, batches, 40001 retries)."""
+    source = queries.flat_source(SPEC) if flat else queries.partitioned_source(SPEC)
+    statement = queries.claim_and_mark(source, sharded=sharded and claimers > 1)
+    counts = {"batches": 0, "retries": 0}
+    lock = threading.Lock()
+
+    def claimer(index: int) -> None:
+        params: dict[str, Any] = {"limit": batch}
+        if sharded and claimers > 1:
+            params.update(shards=claimers, mine=[index])
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            batches = retries = 0
+            while True:
+                try:
+                    rowcount = conn.execute(statement, params).rowcount
+                except psycopg.errors.SerializationFailure:
+                    retries += 1
+                    continue
+                batches += 1
+                if rowcount == 0:
+                    break
+            with lock:
+                counts["batches"] += batches
+                counts["retries"] += retries
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(claimers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started, counts["batches"], counts["retries"]
+
+
+def relay_run(dsn: str, batch: int, workers: int, mode: Mode) -> tuple[float, Relay]:
+    devnull = Path(os.devnull).open("w")  # noqa: SIM115 - closed below
+    try:
+        relay = Relay(
+            dsn,
+            lambda: StdoutSink(stream=devnull),
+            spec=SPEC,
+            options=RelayOptions(
+                mode=mode, batch_size=batch, workers=workers, until_empty=True, listen=False
+            ),
+        )
+        started = time.perf_counter()
+        relay.run()
+        return time.perf_counter() - started, relay
+    finally:
+        devnull.close()
+
+
+def pgqueuer_run(dsn: str, rows: int, batch: int) -> float | None:
+    """pgqueuer: enqueue `rows` jobs, then drain them with a no-op entrypoint."""
+    try:
+        from pgqueuer import PsycopgDriver, Queries, QueueManager
+        from pgqueuer.domain.types import QueueExecutionMode
+    except ImportError:
+        return None
+
+    async def main() -> float:
+        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+        try:
+            driver = PsycopgDriver(conn)
+            q = Queries(driver)
+            if not await q.schema_is_installed():
+                await q.install()
+            payload = b'{"n": 1, "pad": "xxxxxxxxxxxxxxxx"}'
+            for start in range(0, rows, 10_000):
+                n = min(10_000, rows - start)
+                await q.enqueue(["publish"] * n, [payload] * n, [0] * n)
+            qm = QueueManager(q)
+
+            @qm.entrypoint("publish")
+            async def publish(job: Any) -> None:
+                return None
+
+            started = time.perf_counter()
+            await qm.run(batch_size=batch, mode=QueueExecutionMode.drain)
+            return time.perf_counter() - started
+        finally:
+            await conn.close()
+
+    return asyncio.run(main())
+
+
+# -- sections -------------------------------------------------------------------------------
+
+
+def section_throughput(dsn: str, conn: psycopg.Connection, rows: int, peer: bool) -> None:
+    print(f"\n## 1. Throughput, one claimer, {rows:,} rows (messages/s)")
+    header = f"{'batch':>6} {'(a) SQL-only':>13} {'relay part.':>12} {'(b) relay flat':>15} "
+    header += f"{'(c) pgqueuer':>13} {'relay/(a)':>10} {'relay/(c)':>10} {'part/flat':>10}"
+    print(header)
+    for batch in (100, 1000):
+        reset(conn, rows)
+        secs, _b, _r = sql_only(dsn, batch, 1, sharded=False)
+        assert unpublished(conn) == 0
+        sql_rate = rows / secs
+        reset(conn, rows)
+        secs, relay = relay_run(dsn, batch, 1, Mode.partitioned)
+        assert relay.stats.published == rows and unpublished(conn) == 0
+        part_rate = rows / secs
+        reset(conn, rows, flat=True)
+        secs, relay = relay_run(dsn, batch, 1, Mode.flat)
+        assert relay.stats.published == rows and unpublished(conn, flat=True) == 0
+        flat_rate = rows / secs
+        peer_rate = None
+        if peer:
+            peer_secs = pgqueuer_run(dsn, rows, batch)
+            peer_rate = rows / peer_secs if peer_secs else None
+        peer_text = f"{peer_rate:>13,.0f}" if peer_rate else f"{'n/a':>13}"
+        ratio_peer = f"{part_rate / peer_rate:>9.2f}x" if peer_rate else f"{'n/a':>10}"
+        print(
+            f"{batch:>6} {sql_rate:>13,.0f} {part_rate:>12,.0f} {flat_rate:>15,.0f} {peer_text} "
+            f"{part_rate / sql_rate:>9.0%} {ratio_peer} {part_rate / flat_rate:>9.2f}x"
+        )
+
+
+def section_claimers(dsn: str, conn: psycopg.Connection, rows: int, batch: int) -> None:
+    print(f"\n## 2. Concurrent claimers on the partitioned outbox, {rows:,} rows, batch {batch}")
+    print(f"{'claimers':>8} {'plain rows/s':>13} {'plain 40001':>12} {'sharded rows/s':>15} "
+          f"{'sharded 40001':>14} {'relay rows/s':>13} {'relay 40001':>12}")  # fmt: skip
+    for claimers in (1, 2, 4):
+        reset(conn, rows)
+        secs, batches, retries = sql_only(dsn, batch, claimers, sharded=False)
+        plain = (rows / secs, retries / max(1, batches + retries))
+        reset(conn, rows)
+        secs, batches, retries = sql_only(dsn, batch, claimers, sharded=True)
+        sharded = (rows / secs, retries / max(1, batches + retries))
+        reset(conn, rows)
+        secs, relay = relay_run(dsn, batch, claimers, Mode.partitioned)
+        stats = relay.stats
+        relay_share = stats.serialization_retries / max(1, stats.batches)
+        print(
+            f"{claimers:>8} {plain[0]:>13,.0f} {plain[1]:>12.1%} {sharded[0]:>15,.0f} "
+            f"{sharded[1]:>14.1%} {rows / secs:>13,.0f} {relay_share:>12.1%}"
+        )
+
+
+def claim_latencies(dsn: str, flat: bool, batch: int) -> list[float]:
+    source = queries.flat_source(SPEC) if flat else queries.partitioned_source(SPEC)
+    claim = queries.claim(source, queries.Columns("event_type", "message_key"), sharded=False,
+                          by_key=False)  # fmt: skip
+    samples: list[float] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(CLAIM_SAMPLES):
+            started = time.perf_counter()
+            with conn.transaction(force_rollback=True):
+                conn.execute(claim, {"after": 0, "limit": batch}).fetchall()
+            samples.append(time.perf_counter() - started)
+    return samples
+
+
+def p99(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=100)[98]
+
+
+def section_growth(dsn: str, conn: psycopg.Connection, grow_to: int, batch: int) -> None:
+    sizes = [0] + [s for s in (1_000_000, 3_000_000, 10_000_000) if s <= grow_to]
+    if grow_to not in sizes:
+        sizes.append(grow_to)
+    print(f"\n## 3. Claim p99 (ms, batch {batch}, 10,000 unpublished rows) as published rows grow")
+    print(f"{'published':>11} {'flat p99':>9} {'part. p99':>10}")
+    for table in ("outbox", "outbox_new"):
+        conn.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier(table)))
+        fill(conn, table, 10_000)
+    results: list[tuple[int, float, float]] = []
+    have = 0
+    for size in sizes:
+        for table in ("outbox", "outbox_new"):
+            fill(conn, table, size - have, published=True)
+            conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(table)))
+        have = size
+        flat_p99 = p99(claim_latencies(dsn, True, batch)) * 1000
+        part_p99 = p99(claim_latencies(dsn, False, batch)) * 1000
+        results.append((size, flat_p99, part_p99))
+        print(f"{size:>11,} {flat_p99:>9.2f} {part_p99:>10.2f}")
+    base = results[0][2]
+    print(f"partitioned p99 at {results[-1][0]:,}: {results[-1][2] / base:.2f}x its empty value")
+
+
+def section_xmin(dsn: str, conn: psycopg.Connection, rows: int, hold_s: float, batch: int) -> None:
+    print(f"\n## 4. Relay throughput while xmin is held ({hold_s:.0f} s of churn first)")
+    reset(conn, rows)
+    secs, _relay = relay_run(dsn, batch, 1, Mode.partitioned)
+    base = rows / secs
+    holder = psycopg.connect(dsn)
+    holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT count(*) FROM outbox_new").fetchone()  # takes the snapshot
+    try:
+        # Churn under the held snapshot: rows inserted and published, their dead versions
+        # pile up in the unpublished partition and its index (nothing can be pruned).
+        churned = 0
+        deadline = time.monotonic() + hold_s
+        while time.monotonic() < deadline:
+            fill(conn, "outbox_new", 20_000)
+            _secs, relay = relay_run(dsn, batch, 1, Mode.partitioned)
+            churned += relay.stats.published
+        fill(conn, "outbox_new", rows)
+        secs, _relay = relay_run(dsn, batch, 1, Mode.partitioned)
+        held = rows / secs
+        flat_note = ""
+        # The same without the relay's id cursor: the spec's claim (always from the lowest id).
+        fill(conn, "outbox_new", rows)
+        secs, _b, _r = sql_only(dsn, batch, 1, sharded=False)
+        no_cursor = rows / secs
+    finally:
+        holder.rollback()
+        holder.close()
+    print(f"baseline relay: {base:,.0f} rows/s; after {churned:,} rows churned under the held "
+          f"xmin: relay {held:,.0f} rows/s ({held / base - 1:+.0%}){flat_note}; "
+          f"SQL-only claim without cursor: {no_cursor:,.0f} rows/s")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--claimer-rows", type=int, default=200_000)
+    parser.add_argument("--claimer-batch", type=int, default=1000)
+    parser.add_argument("--grow-to", type=int, default=1_000_000)
+    parser.add_argument("--xmin-seconds", type=float, default=20.0)
+    parser.add_argument("--no-peer", action="store_true", help="skip pgqueuer")
+    parser.add_argument("--only", default="1234", help="sections to run, e.g. 12")
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    srv = pgserver.start(18, settings={"autovacuum": "on"})
+    try:
+        dsn = srv.dsn()
+        print(f"PostgreSQL {srv.full_version}, {os.cpu_count()} CPUs, fsync off (throwaway)")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            create_flat_outbox(conn, SPEC)
+            create_partitioned_outbox(conn, SPEC, start=1_000_000_000)
+            sections: dict[str, Callable[[], None]] = {
+                "1": lambda: section_throughput(dsn, conn, args.rows, not args.no_peer),
+                "2": lambda: section_claimers(dsn, conn, args.claimer_rows, args.claimer_batch),
+                "3": lambda: section_growth(dsn, conn, args.grow_to, 100),
+                "4": lambda: section_xmin(dsn, conn, args.rows, args.xmin_seconds, 1000),
+            }
+            for key in args.only:
+                sections[key]()
+    finally:
+        srv.stop()
+    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

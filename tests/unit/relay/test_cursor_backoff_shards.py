@@ -1,0 +1,129 @@
+"""Pure relay decisions: the claim cursor, backoff, shard assignment, options, envelopes."""
+
+from __future__ import annotations
+
+import json
+import random
+from datetime import UTC, datetime
+
+import pytest
+
+from outbox_migrate.relay.backoff import backoff_s, jitter_s
+from outbox_migrate.relay.cursor import (
+    FULL_RESCAN_S,
+    GAP_RESCAN_S,
+    GAP_TTL_S,
+    KEY_SHARD_RESCAN_S,
+    MAX_PENDING_GAPS,
+    Cursor,
+)
+from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.options import Mode, Ordering, RelayOptions, SwitchGate
+from outbox_migrate.relay.shards import home_shards
+
+
+def cursor(shards: int = 1, mine=(0,), track: bool = True) -> Cursor:
+    return Cursor(shards=shards, mine=list(mine), track_gaps=track, now=0.0)
+
+
+def test_cursor_advances_past_claimed_ids() -> None:
+    c = cursor()
+    assert c.start(0.1) == 0
+    c.claimed(0, [1, 2, 3], 0.1)
+    assert c.start(0.2) == 3
+    assert c.pending == {}
+
+
+def test_cursor_remembers_gaps_and_rescans_them() -> None:
+    c = cursor()
+    c.claimed(0, [1, 2, 5, 6], 0.1)  # 3 and 4 not visible yet (in flight or rolled back)
+    assert set(c.pending) == {3, 4}
+    assert c.start(0.2) == 6  # before GAP_RESCAN_S: keep going forward
+    assert c.start(GAP_RESCAN_S + 0.01) == 2  # rescan from just below the lowest gap
+    c.claimed(2, [3, 7], GAP_RESCAN_S + 0.02)  # 3 committed late; 4 still missing; 7 is new
+    assert set(c.pending) == {4}  # no false gaps recorded below the frontier (5, 6)
+    assert c.frontier == 7
+
+
+def test_cursor_forgets_gaps_after_ttl_and_rescans_fully() -> None:
+    c = cursor()
+    c.claimed(0, [1, 3], 0.0)
+    assert c.start(GAP_TTL_S + 1) == 3  # the rolled-back id 2 is forgotten
+    assert c.pending == {}
+    assert c.start(FULL_RESCAN_S + 1) == 0
+
+
+def test_cursor_gaps_only_in_own_shards() -> None:
+    c = cursor(shards=4, mine=[1])
+    c.claimed(0, [1, 13], 0.0)  # own shard: 1, 5, 9, 13 → 5 and 9 missing
+    assert set(c.pending) == {5, 9}
+    c2 = cursor(shards=4, mine=[0, 2])
+    c2.claimed(0, [4, 12], 0.0)  # own: 2, 4, 6, 8, 10, 12 → 2, 6, 8, 10 missing
+    assert set(c2.pending) == {2, 6, 8, 10}
+
+
+def test_cursor_key_shards_fall_back_to_periodic_full_rescan() -> None:
+    c = cursor(shards=3, mine=[0], track=False)
+    c.claimed(0, [1, 50], 0.0)
+    assert c.pending == {}
+    assert c.start(0.5) == 50
+    assert c.start(KEY_SHARD_RESCAN_S + 0.1) == 0
+
+
+def test_cursor_overflow_and_forced_rescan() -> None:
+    c = cursor()
+    c.claimed(0, [1, MAX_PENDING_GAPS + 10], 0.0)
+    assert c.pending == {}
+    assert c.start(0.1) == 0
+    c.claimed(0, [5], 0.2)
+    c.force_full_rescan()
+    assert c.start(0.3) == 0
+
+
+def test_cursor_retry_moves_frontier_back() -> None:
+    c = cursor()
+    c.claimed(0, [1, 2, 3, 4], 0.0)
+    c.retry_from(2)
+    assert c.start(0.1) == 1
+
+
+def test_backoff_grows_with_jitter_and_caps() -> None:
+    rng = random.Random(7)
+    delays = [backoff_s(n, base_s=0.1, cap_s=2.0, rng=rng) for n in range(10)]
+    for n, delay in enumerate(delays):
+        ceiling = min(2.0, 0.1 * 2**n)
+        assert ceiling / 2 <= delay <= ceiling
+    assert max(delays) <= 2.0
+    assert 0 <= jitter_s(0.02, rng) <= 0.02
+    with pytest.raises(ValueError):
+        backoff_s(-1)
+
+
+def test_home_shards_cover_every_shard_once() -> None:
+    for workers, shards in [(1, 1), (2, 2), (3, 8), (4, 2)]:
+        owned = [s for w in range(workers) for s in home_shards(w, workers, shards)]
+        assert sorted(owned) == list(range(shards))
+
+
+def test_options_validation() -> None:
+    assert RelayOptions(workers=4).shard_count == 4
+    assert RelayOptions(workers=4, ordering=Ordering.global_).shard_count == 1
+    assert RelayOptions(workers=2, shards=8).shard_count == 8
+    with pytest.raises(RelayError):
+        RelayOptions(batch_size=0)
+    with pytest.raises(RelayError, match="old_app_name"):
+        RelayOptions(mode=Mode.switching, switch_gate=SwitchGate.sessions)
+
+
+def test_envelope_is_json_with_the_payload_embedded() -> None:
+    message = Message(7, "public.outbox_new", 'quote"d', None, '{"a": [1, 2]}',
+                      datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))  # fmt: skip
+    data = json.loads(message.envelope())
+    assert data == {
+        "id": 7, "table": "public.outbox_new", "event_type": 'quote"d', "key": None,
+        "created_at": "2026-01-02T03:04:05+00:00", "payload": {"a": [1, 2]},
+    }  # fmt: skip
+    assert message.headers() == {
+        "outbox-id": "7", "outbox-table": "public.outbox_new", "event-type": 'quote"d'
+    }  # fmt: skip
