@@ -166,7 +166,7 @@ def introspect(conn: Connection[Any], spec: OutboxSpec) -> TableFacts:
 def judge(facts: TableFacts, spec: OutboxSpec) -> None:
     """Fill `blockers` and `warnings` from the facts (pure; unit-testable)."""
     table = spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
-    block, warn = facts.blockers, facts.warnings
+    block = facts.blockers
     if facts.relkind == "p" or facts.is_partition:
         already = "partitioned" if facts.relkind == "p" else "a partition"
         block.append(Finding(
@@ -217,6 +217,15 @@ def judge(facts: TableFacts, spec: OutboxSpec) -> None:
             "drop it or point it elsewhere: uniqueness of ids is not enforced across "
             "partitions, so no foreign key can reference the partitioned outbox",
         ))  # fmt: skip
+    _warnings(facts, table)
+    if id_col is not None and id_col.type in ID_TYPES and facts.id_top + spec.id_headroom > 2**62:
+        block.append(Finding("id-overflow", "identity START would approach the bigint limit",
+                             "lower id_headroom"))  # fmt: skip
+
+
+def _warnings(facts: TableFacts, table: str) -> None:
+    """Facts the operator must know that do not stop the plan."""
+    warn = facts.warnings
     for name in facts.publications:
         warn.append(Finding(
             "cdc-publication",
@@ -225,6 +234,15 @@ def judge(facts: TableFacts, spec: OutboxSpec) -> None:
             "DELETE + INSERT; add the new table with publish_via_partition_root and make "
             "consumers ignore those deletes, or leave the outbox out of the publication",
         ))  # fmt: skip
+    for column in facts.columns:
+        if column.generated:
+            warn.append(Finding(
+                "generated-column", f"{table}.{column.name} is a generated column",
+                "HOPER's copy-back and HOPIA's copy trigger insert whole rows, and PostgreSQL "
+                "refuses explicit values for a generated column (under HOPIA the relay's "
+                "publishing UPDATE would fail); for those patterns make it a plain column "
+                "first, or choose COP, COPRA or HOP",
+            ))  # fmt: skip
     for name, _definition in facts.triggers:
         warn.append(Finding(
             "trigger", f"trigger {name} on {table} is not carried to the new table",
@@ -236,9 +254,6 @@ def judge(facts: TableFacts, spec: OutboxSpec) -> None:
             f"({', '.join(n for n, _ in facts.foreign_keys_out)})",
             "they are not copied to the new table; re-create them there if needed",
         ))  # fmt: skip
-    if id_col is not None and id_col.type in ID_TYPES and facts.id_top + spec.id_headroom > 2**62:
-        block.append(Finding("id-overflow", "identity START would approach the bigint limit",
-                             "lower id_headroom"))  # fmt: skip
 
 
 def inspect(dsn: str, spec: OutboxSpec) -> TableFacts:

@@ -194,3 +194,38 @@ def test_cdc_publications_and_triggers_are_warnings(conn: psycopg.Connection) ->
         == "trigger outbox_touch on outbox is not carried to the new table"
     )
     raise_for_blockers(facts)  # warnings never stop the plan
+
+
+GENERATED_OUTBOX = (
+    "CREATE TABLE outbox (id int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+    "event_type text NOT NULL DEFAULT 'event', message_key text, payload json NOT NULL, "
+    "created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz, "
+    "payload_bytes int GENERATED ALWAYS AS (length(payload::text)) STORED)"
+)
+
+
+@pytest.mark.newest_pg_only
+def test_generated_column_is_a_warning(conn: psycopg.Connection) -> None:
+    conn.execute(GENERATED_OUTBOX)
+    facts = introspect(conn, SPEC)
+    assert facts.blockers == []
+    assert codes(facts.warnings) == ["generated-column"]
+    assert facts.warnings[0].message == "outbox.payload_bytes is a generated column"
+    assert "HOPIA" in facts.warnings[0].remedy and "COP, COPRA or HOP" in facts.warnings[0].remedy
+
+
+@pytest.mark.newest_pg_only
+def test_why_a_generated_column_is_warned_about(conn: psycopg.Connection) -> None:
+    """HOPIA's copy trigger copies the whole row; with a generated column the relay's
+    publishing UPDATE fails, so publication would stop."""
+    from psycopg import errors
+
+    from outbox_migrate.patterns import build_pattern
+
+    conn.execute(GENERATED_OUTBOX)
+    for step in build_pattern("hopia").phase("V2").steps:
+        for statement in step.statements:
+            conn.execute(statement)
+    insert_rows(conn, "outbox_new", 3)
+    with pytest.raises(errors.GeneratedAlways):
+        conn.execute("UPDATE outbox_new SET published_at = now() WHERE published_at IS NULL")
