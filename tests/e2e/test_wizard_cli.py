@@ -172,3 +172,28 @@ def test_dsn_reports_blockers_in_the_notes(dsn: str) -> None:
     assert "blocker: foreign key receipts_outbox_id_fkey on receipts references outbox" in (
         result.stdout
     )
+
+
+def test_a_terminal_on_stdin_is_asked_without_flags() -> None:
+    """The default: with a terminal on stdin (and text output) the wizard asks by itself."""
+    import pty
+
+    primary, secondary = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_MIGRATE_", "PG"))}
+    try:
+        os.write(primary, b"n\nn\n")
+        result = subprocess.run(
+            [sys.executable, "-m", "outbox_migrate", "wizard"],
+            stdin=secondary,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(primary)
+        os.close(secondary)
+    assert result.returncode == 0, result.stderr
+    assert QUESTIONS["pause"] in result.stdout
+    assert "Recommended pattern: HOP" in result.stdout
