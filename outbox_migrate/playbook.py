@@ -125,7 +125,8 @@ def _phase_section(
             if condition.name in seen:
                 continue
             seen.add(condition.name)
-            lines.append(f"- `{condition.name}` ({step.id}): {condition.description}")
+            source = f"{step.id}, if you ran this optional step" if step.optional else step.id
+            lines.append(f"- `{condition.name}` ({source}): {condition.description}")
         lines.append("")
     rollback = _application_rollback(previous, phase, spec)
     reversible = [s for s in phase.steps if s.reverse]

@@ -10,7 +10,7 @@ SELECT format('%s does not exist; check the schema and table names (outbox-migra
 WHERE to_regclass({rel_reg}) IS NULL
 
 -- name: relation-absent
--- The relation does not exist yet.
+-- The relation does not exist.
 SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', {rel_reg})
 WHERE to_regclass({rel_reg}) IS NOT NULL
 
