@@ -13,7 +13,6 @@ from enum import StrEnum
 
 from psycopg import sql
 
-
 Statement = sql.Composed | sql.SQL
 """A statement psycopg can execute as-is: composed SQL, identifiers already quoted."""
 

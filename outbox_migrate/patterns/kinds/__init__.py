@@ -10,8 +10,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from psycopg import sql
-
 from outbox_migrate.patterns.model import Condition, Lock, Statement, Step, TxMode
 from outbox_migrate.patterns.names import Names
 
