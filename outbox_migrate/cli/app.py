@@ -15,6 +15,7 @@ import typer
 
 from outbox_migrate import __version__
 from outbox_migrate.cli import (
+    alembic_cmd,
     config_cmd,
     copy_back_cmd,
     maintain_cmd,
@@ -39,6 +40,7 @@ Examples:
   outbox-migrate relay --sink stdout --until-empty   # publish the outbox, then exit
   outbox-migrate copy-back --rate 50000      # HOPER: copy the detached partition back, verify, drop
   outbox-migrate maintain --once             # autovacuum settings, index bloat + REINDEX, retention
+  outbox-migrate alembic generate --pattern hoper --dir .   # the steps as Alembic revisions
 """
 
 app = typer.Typer(
@@ -79,6 +81,7 @@ ping_cmd.register(app)
 relay_cmd.register(app)
 copy_back_cmd.register(app)
 maintain_cmd.register(app)
+alembic_cmd.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ from psycopg import errors, sql
 
 from outbox_migrate.config import Settings
 from outbox_migrate.db import connect, one_line
+from outbox_migrate.errors import UsageError
 from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.patterns.model import Condition, LockMode, Pattern, Step, TxMode
 from outbox_migrate.runner import ledger
@@ -101,18 +102,57 @@ class Runner:
         self.copy_back_options = copy_back_options
         self._conn: psycopg.Connection[Any] | None = None
         self._locked = False
+        self._borrowed = False
+        self._job_dsn: str | None = dsn
+
+    @classmethod
+    def attached(
+        cls,
+        conn: psycopg.Connection[Any],
+        settings: Settings,
+        pattern: str,
+        *,
+        include_optional: bool = False,
+        events: RunnerEvents | None = None,
+    ) -> Runner:
+        """A runner driving `conn`, a connection someone else owns (Alembic's).
+
+        On an autocommit connection every step gets its own transaction, as with `run`; on a
+        connection inside a transaction the step's work joins it (lock-budget attempts become
+        savepoints) and commits when its owner commits. Leaving the `with` block releases the
+        advisory lock instead of closing the connection.
+        """
+        runner = cls("", settings, pattern, include_optional=include_optional, events=events)
+        runner._conn = conn
+        runner._borrowed = True
+        runner._job_dsn = None  # the copy-back job's adaptive throttle needs its own DSN
+        ledger.ensure_schema(conn)
+        return runner
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def __enter__(self) -> Runner:
+        if self._borrowed:
+            return self
         self._conn = connect(self.dsn)
         ledger.ensure_schema(self._conn)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._borrowed:
+            self.release()
+            self._conn = None
+            return
         if self._conn is not None:
             self._conn.close()  # closing the session releases the advisory lock
             self._conn = None
+
+    def release(self) -> None:
+        """Give the per-table advisory lock back without closing the session."""
+        if self._locked and self._conn is not None and not self._conn.closed:
+            first, second = self._lock_key()
+            self._conn.execute("SELECT pg_advisory_unlock(%s, %s)", (first, second))
+        self._locked = False
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -202,6 +242,84 @@ class Runner:
             self._execute(migration, pending[0], rows.get(pending[0].id), result)
             target = pending[0].phase
         return self._finish(migration, result, target)
+
+    def step(self, step_id: str) -> Step:
+        """The pattern's step called `step_id` (a `UsageError` names the known ones)."""
+        for step in self.pattern.steps():
+            if step.id == step_id:
+                return step
+        raise UsageError(
+            f"pattern {self.pattern.acronym} has no step {step_id!r}; its steps are "
+            + ", ".join(s.id for s in self.pattern.steps())
+        )
+
+    def execute_step(self, step_id: str) -> RunResult:
+        """Run one named step as `run` would: same ordering rule, preconditions, lock budget,
+        ledger. Earlier steps must be done; one done outside the ledger (offline SQL) is
+        adopted when its postcondition holds, and a gate is re-checked."""
+        step = self.step(step_id)
+        self.acquire()
+        migration = self._open()
+        rows = self._rows(migration)
+        result = RunResult(self.pattern.name, step.phase)
+        if step.id in rows and rows[step.id].state == "done":
+            result.skipped.append(step.id)
+            return self._finish(migration, result, step.phase)
+        for earlier in steps_to_run(self.pattern, rows, step.phase):
+            if earlier.id == step.id:
+                break
+            proven = bool(earlier.postcondition) and not self._violations(earlier.postcondition)
+            if not proven and earlier.tx is not TxMode.NONE:
+                raise OutOfOrder(
+                    f"{step.id} needs {earlier.id} first, and it is not done "
+                    "(apply the revisions in order)"
+                )
+            self._execute(migration, earlier, rows.get(earlier.id), result)
+        self._execute(migration, step, rows.get(step.id), result)
+        return self._finish(migration, result, step.phase)
+
+    def reverse_step(self, step_id: str) -> bool:
+        """Undo one step (its `reverse`), newest first like `rollback`. False when it was
+        never applied (nothing to undo); `OutOfOrder` when it cannot be reversed."""
+        step = self.step(step_id)
+        if step.reverse is None:
+            raise OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
+        self.acquire()
+        migration = ledger.latest(self.conn, self.spec, self.pattern.name)
+        rows = self._rows(migration) if migration is not None else {}
+        steps = self.pattern.steps()
+        later = steps[steps.index(step) + 1 :]
+        ahead = [s.id for s in later if s.id in rows and rows[s.id].state == "done"]
+        if ahead:
+            raise OutOfOrder(f"roll back {ahead[-1]} before {step.id}")
+        recorded = step.id in rows and rows[step.id].state == "done"
+        if not recorded and not (step.postcondition and not self._violations(step.postcondition)):
+            return False
+        self._check(step, step.reverse_preconditions)
+        self.events.step_started(step, "reverse")
+        started = time.monotonic()
+        statements = step.reverse
+
+        def body(conn: psycopg.Connection[Any]) -> None:
+            for statement in statements:
+                conn.execute(statement)
+            if migration is not None:
+                ledger.mark(conn, migration.id, step.id, "rolled_back")
+
+        budget = LockBudget(self.settings.lock_timeout_ms, self.settings.lock_budget_s, None)
+        try:
+            run_with_lock_budget(
+                self.conn, step.id, budget, body,
+                relations=[(lock.relation, lock.mode) for lock in step.locks],
+                schema=self.spec.schema,
+            )  # fmt: skip
+        except psycopg.Error as exc:
+            raise StepFailed(f"{step.id} (reverse)", one_line(str(exc), self.dsn)) from None
+        if migration is not None:
+            reached = completed_phase(self.pattern, self._rows(migration))
+            ledger.set_phase(self.conn, migration.id, reached, "active")
+        self.events.step_finished(step, "rolled back", time.monotonic() - started)
+        return True
 
     def _finish(self, migration: ledger.MigrationRow, result: RunResult, target: str) -> RunResult:
         rows = self._rows(migration)
@@ -341,7 +459,7 @@ class Runner:
                 )  # fmt: skip
 
             copy_back(
-                self.conn, self.spec, self.copy_back_options, dsn=self.dsn, drop=False,
+                self.conn, self.spec, self.copy_back_options, dsn=self._job_dsn, drop=False,
                 progress=progress,
             )  # fmt: skip
             return

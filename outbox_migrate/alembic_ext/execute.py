@@ -1,0 +1,261 @@
+"""How an outbox-migrate operation runs inside Alembic, online and offline (`--sql`).
+
+Online, the step goes through the runner on Alembic's own psycopg connection, so
+preconditions, the lock budget, the advisory lock and the ledger behave exactly as with
+`outbox-migrate run`. Offline, the same step compiles to SQL in which every precondition is
+a `DO … RAISE EXCEPTION` assertion inside the step's transaction.
+
+Transactions: a step either joins the revision's own transaction (generated revisions hold
+one step each and ask for it, when `transaction_per_migration` gives every revision its own
+transaction) — then the step, its ledger row and alembic_version commit together — or it runs
+in its own transaction inside `autocommit_block()`. `SET LOCAL` timeouts therefore end with
+the step's transaction and never reach the next step. Non-transactional steps (CONCURRENTLY,
+the copy-back job) always run inside `autocommit_block()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+from outbox_migrate.config import Settings, load_settings
+from outbox_migrate.errors import UsageError
+from outbox_migrate.offline import assertion, step_sql
+from outbox_migrate.patterns import build_from_settings
+from outbox_migrate.patterns.model import Pattern, Step, TxMode
+from outbox_migrate.runner.errors import OutOfOrder
+from outbox_migrate.runner.events import SilentEvents
+from outbox_migrate.runner.locks import AttemptLog
+
+if TYPE_CHECKING:
+    import psycopg
+    from alembic.runtime.migration import MigrationContext
+
+    from outbox_migrate.runner import Runner
+
+LOGGER = logging.getLogger("alembic.outbox_migrate")
+"""Under Alembic's logger, so the project's alembic.ini logging config shows our lines."""
+
+
+class LoggingEvents(SilentEvents):
+    """Runner events as log lines next to Alembic's own "Running upgrade …"."""
+
+    def step_started(self, step: Step, action: str) -> None:
+        LOGGER.info("outbox-migrate: %s: %s", step.id, action)
+
+    def attempt(self, step: Step, log: AttemptLog) -> None:
+        if log.outcome != "done":
+            who = ", ".join(b.describe() for b in log.blockers[:3]) or "unknown"
+            LOGGER.warning(
+                "outbox-migrate: %s: attempt %d hit lock_timeout after %.0f ms (held by %s)",
+                step.id, log.attempt, log.waited_ms, who,
+            )  # fmt: skip
+
+    def step_finished(self, step: Step, outcome: str, elapsed_s: float) -> None:
+        LOGGER.info("outbox-migrate: %s: %s in %.2f s", step.id, outcome, elapsed_s)
+
+    def warning(self, step: Step, message: str) -> None:
+        LOGGER.warning("outbox-migrate: %s: %s", step.id, message)
+
+
+# -- inputs ----------------------------------------------------------------------------------
+
+
+def pattern_of(step_id: str) -> str:
+    """`hoper.v4.swap-default` → `hoper`."""
+    name, _, rest = step_id.partition(".")
+    if not rest:
+        raise UsageError(f"{step_id!r} is not a step id (expected e.g. hoper.v4.swap-default)")
+    return name
+
+
+def settings_for(spec: Mapping[str, Any] | None) -> Settings:
+    """Environment and config file, with the names pinned in the revision taking precedence:
+    a revision keeps doing what it did when it was generated."""
+    return load_settings(dict(spec or {}))
+
+
+def build(pattern: str, settings: Settings, include_optional: bool) -> Pattern:
+    return build_from_settings(pattern, settings, include_optional=include_optional)
+
+
+def find_step(pattern: Pattern, step_id: str) -> Step:
+    for step in pattern.steps():
+        if step.id == step_id:
+            return step
+    raise UsageError(
+        f"pattern {pattern.acronym} has no step {step_id!r}; its steps are "
+        + ", ".join(s.id for s in pattern.steps())
+    )
+
+
+def select(pattern: Pattern, step_ids: list[str] | None, phase: str | None) -> list[Step]:
+    """The named steps, or every step of `phase`, in pattern order."""
+    if step_ids is not None:
+        return [find_step(pattern, s) for s in step_ids]
+    try:
+        return list(pattern.phase(phase or "").steps)
+    except KeyError:
+        raise UsageError(
+            f"pattern {pattern.acronym} has no phase {phase!r}; its phases are "
+            + ", ".join(pattern.phase_names())
+        ) from None
+
+
+def irreversible(step: Step) -> OutOfOrder:
+    return OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
+
+
+# -- transactions ----------------------------------------------------------------------------
+
+
+def revision_has_own_transaction(ctx: MigrationContext) -> bool:
+    """True when Alembic runs each revision in its own transaction (online and `--sql`)."""
+    per_migration = bool(ctx.opts.get("transaction_per_migration", False))
+    external = bool(getattr(ctx, "_in_external_transaction", False))
+    return per_migration and ctx.impl.transactional_ddl and not external
+
+
+def joins_revision(ctx: MigrationContext, steps: list[Step], requested: bool) -> bool:
+    """Whether the steps run inside the revision's transaction (else: their own)."""
+    return (
+        requested
+        and len(steps) == 1
+        and steps[0].tx is not TxMode.AUTOCOMMIT
+        and revision_has_own_transaction(ctx)
+    )
+
+
+def _driver(ctx: MigrationContext) -> psycopg.Connection[Any]:
+    import psycopg
+
+    bind = ctx.connection
+    if bind is None:  # pragma: no cover - online mode always has one
+        raise UsageError("Alembic has no connection (online mode expected)")
+    raw = bind.connection.driver_connection
+    if not isinstance(raw, psycopg.Connection):
+        raise UsageError(
+            "outbox-migrate's Alembic operations need the psycopg 3 driver: use a "
+            f"postgresql+psycopg:// URL (this one uses {bind.dialect.driver})"
+        )
+    return raw
+
+
+@contextmanager
+def _runner(
+    ctx: MigrationContext, pattern: str, settings: Settings, include_optional: bool, joined: bool
+) -> Iterator[Runner]:
+    """A runner on Alembic's connection: inside the revision's transaction (`joined`) or in
+    autocommit mode, where each step opens and commits its own transaction."""
+    from psycopg.pq import TransactionStatus
+
+    from outbox_migrate.runner import Runner
+
+    block = nullcontext() if joined else ctx.autocommit_block()
+    with block:
+        conn = _driver(ctx)
+        if joined and conn.info.transaction_status == TransactionStatus.IDLE:
+            # SQLAlchemy begins lazily; start the revision's transaction now so the step's
+            # work (and its lock-budget savepoints) join it instead of committing alone.
+            conn.execute("SELECT 1")
+        runner = Runner.attached(
+            conn, settings, pattern, include_optional=include_optional, events=LoggingEvents()
+        )
+        with runner:
+            yield runner
+
+
+# -- offline SQL -----------------------------------------------------------------------------
+
+
+def _header(step: Step, verb: str) -> str:
+    return f"-- outbox-migrate {verb}: {step.id}: {step.summary}"
+
+
+def forward_sql(step: Step, lock_timeout_ms: int, *, joined: bool) -> str:
+    """A step as psql text: its own BEGIN … COMMIT, or the body alone when it joins the
+    revision's transaction. Every precondition is an assertion inside that transaction."""
+    lines = step_sql(step, lock_timeout_ms)
+    if joined and step.tx is TxMode.TRANSACTION:
+        if lines[0] != "BEGIN;" or lines[-1] != "COMMIT;":  # pragma: no cover - step_sql's shape
+            raise ValueError("unexpected step SQL shape")
+        lines = lines[1:-1]
+    return "\n".join([_header(step, "step"), *lines])
+
+
+def reverse_sql(step: Step, lock_timeout_ms: int, *, joined: bool) -> str:
+    """A step's reverse as psql text, its reverse preconditions as assertions."""
+    if step.reverse is None:
+        raise irreversible(step)
+    if not step.reverse:
+        return f"{_header(step, 'reverse')}\n-- nothing to undo: {step.reverse_note}"
+    body = [
+        *(assertion(f"{step.id} (reverse)", c) for c in step.reverse_preconditions),
+        f"SET LOCAL lock_timeout = '{lock_timeout_ms}ms';",
+        "SET LOCAL statement_timeout = '0ms';",
+        *(s.as_string(None).rstrip(";") + ";" for s in step.reverse),
+    ]
+    if not joined:
+        body = ["BEGIN;", *body, "COMMIT;"]
+    return "\n".join([_header(step, "reverse"), *body])
+
+
+def _emit(ctx: MigrationContext, texts: list[str], joined: bool) -> None:
+    block = nullcontext() if joined else ctx.autocommit_block()
+    with block:
+        for text in texts:
+            ctx.impl.static_output(text)
+
+
+# -- the operations ----------------------------------------------------------------------------
+
+
+def upgrade_steps(
+    ctx: MigrationContext,
+    pattern_name: str,
+    step_ids: list[str] | None,
+    phase: str | None,
+    spec: Mapping[str, Any] | None,
+    include_optional: bool,
+    in_revision_transaction: bool,
+) -> None:
+    """Apply the named steps (or every step of `phase`) in pattern order."""
+    settings = settings_for(spec)
+    pattern = build(pattern_name, settings, include_optional)
+    steps = select(pattern, step_ids, phase)
+    joined = joins_revision(ctx, steps, in_revision_transaction)
+    if ctx.as_sql:
+        _emit(ctx, [forward_sql(s, settings.lock_timeout_ms, joined=joined) for s in steps], joined)
+        return
+    with _runner(ctx, pattern_name, settings, include_optional, joined) as runner:
+        for step in steps:
+            runner.execute_step(step.id)
+
+
+def downgrade_steps(
+    ctx: MigrationContext,
+    pattern_name: str,
+    step_ids: list[str] | None,
+    phase: str | None,
+    spec: Mapping[str, Any] | None,
+    include_optional: bool,
+    in_revision_transaction: bool,
+) -> None:
+    """Undo the named steps (or `phase`'s), newest first; refuse before touching anything
+    when one of them is irreversible."""
+    settings = settings_for(spec)
+    pattern = build(pattern_name, settings, include_optional)
+    steps = select(pattern, step_ids, phase)
+    steps.reverse()
+    for step in steps:
+        if step.reverse is None:
+            raise irreversible(step)
+    joined = joins_revision(ctx, steps, in_revision_transaction)
+    if ctx.as_sql:
+        _emit(ctx, [reverse_sql(s, settings.lock_timeout_ms, joined=joined) for s in steps], joined)
+        return
+    with _runner(ctx, pattern_name, settings, include_optional, joined) as runner:
+        for step in steps:
+            runner.reverse_step(step.id)

@@ -1,0 +1,172 @@
+"""`outbox-migrate alembic generate`: write a pattern's revisions into an Alembic project.
+
+Uses Alembic's own machinery (`ScriptDirectory` for the head, `command.revision` with the
+project's `script.py.mako`, filename template and post-write hooks), so the files look like
+the project's other revisions. Library code: returns what it wrote, never prints.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from outbox_migrate.alembic_ext.revisions import Split, phase_targets, plan_revisions
+from outbox_migrate.config import Settings
+from outbox_migrate.errors import UsageError
+from outbox_migrate.patterns import build_from_settings
+
+INI_NAMES = ("alembic.ini",)
+
+
+@dataclass
+class Generated:
+    """What `generate` wrote: the chain, and the revision that completes each phase."""
+
+    pattern: str
+    script_location: str
+    down_revision: str | None
+    revisions: list[dict[str, Any]] = field(default_factory=list)
+    phase_targets: dict[str, str] = field(default_factory=dict)
+    hints: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_config(directory: Path) -> Any:
+    """An Alembic `Config` for `directory`: a folder holding alembic.ini, an alembic.ini file,
+    or a script directory (env.py + script.py.mako) without an ini."""
+    from argparse import Namespace
+
+    from alembic.config import Config
+
+    quiet = Namespace(quiet=True)  # Alembic prints "Generating …"; we report it ourselves
+    if directory.is_file():
+        return Config(str(directory), cmd_opts=quiet)
+    for name in INI_NAMES:
+        if (directory / name).is_file():
+            return Config(str(directory / name), cmd_opts=quiet)
+    if (directory / "script.py.mako").is_file():
+        config = Config(cmd_opts=quiet)
+        config.set_main_option("script_location", str(directory))
+        return config
+    raise UsageError(
+        f"no Alembic project in {directory}: expected alembic.ini or a script directory "
+        "(script.py.mako); create one with `alembic init`, or pass --dir"
+    )
+
+
+def current_head(config: Any) -> str | None:
+    """The project's single head (None for an empty project)."""
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    script = ScriptDirectory.from_config(config)
+    try:
+        return script.get_current_head()
+    except CommandError:
+        heads = ", ".join(script.get_heads())
+        raise UsageError(
+            f"the Alembic project has several heads ({heads}); choose one with --down-revision"
+        ) from None
+
+
+def _spec_of(settings: Settings) -> dict[str, Any]:
+    return asdict(settings.spec)
+
+
+def generate(
+    pattern_name: str,
+    settings: Settings,
+    directory: Path,
+    *,
+    down_revision: str | None = None,
+    split: Split = Split.STEP,
+    include_optional: bool = False,
+    tag: str | None = None,
+) -> Generated:
+    """Write one revision per step (or per phase) of `pattern_name`, chained after the
+    project's head (or `down_revision`); each one calls `op.outbox_step`."""
+    from alembic.script import ScriptDirectory
+
+    from outbox_migrate.alembic_ext.ops import (
+        IMPORT_LINE,
+        OutboxPhaseOp,
+        OutboxStepOp,
+        ReverseOutboxPhaseOp,
+        ReverseOutboxStepOp,
+    )
+
+    config = load_config(directory)
+    script = ScriptDirectory.from_config(config)
+    parent = down_revision if down_revision is not None else current_head(config)
+    splice = False
+    if down_revision is not None:
+        script.get_revision(down_revision)  # an unknown id fails here, before any file
+        splice = down_revision not in script.get_heads()
+    pattern = build_from_settings(pattern_name, settings, include_optional=include_optional)
+    plans = plan_revisions(pattern, tag or secrets.token_hex(2), split)
+    spec = _spec_of(settings)
+    result = Generated(pattern.name, script.dir, parent)
+    for plan in plans:
+        forward: OutboxStepOp | OutboxPhaseOp
+        backward: ReverseOutboxStepOp | ReverseOutboxPhaseOp
+        if split is Split.STEP:
+            # One step per revision: it may share the revision's transaction (and commit
+            # together with alembic_version) when the env gives each revision its own.
+            forward = OutboxStepOp(
+                plan.step_ids[0],
+                spec=spec,
+                include_optional=include_optional,
+                in_revision_transaction=True,
+            )
+            backward = ReverseOutboxStepOp(plan.step_ids[0], spec=spec,
+                                           include_optional=include_optional,
+                                           in_revision_transaction=True)  # fmt: skip
+        else:
+            forward = OutboxPhaseOp(
+                pattern.name, phase=plan.phase, spec=spec, include_optional=include_optional
+            )
+            backward = ReverseOutboxPhaseOp(pattern.name, phase=plan.phase, spec=spec,
+                                            include_optional=include_optional)  # fmt: skip
+        written = script.generate_revision(
+            plan.rev_id,
+            plan.message,
+            head=parent if parent is not None else "base",
+            splice=splice,
+            upgrades=forward.render("    "),
+            downgrades=backward.render("    "),
+            imports=IMPORT_LINE,
+        )
+        splice = False
+        result.revisions.append(
+            {
+                "revision": plan.rev_id,
+                "down_revision": parent,
+                "phase": plan.phase,
+                "phase_kind": plan.phase_kind.value,
+                "position": f"{plan.position}/{plan.of}",
+                "steps": list(plan.step_ids),
+                "reversible": plan.reversible,
+                "summary": plan.summary,
+                "path": written.path if written is not None else None,
+            }
+        )
+        parent = plan.rev_id
+    result.phase_targets = phase_targets(plans)
+    result.hints = _hints(script.dir)
+    return result
+
+
+def _hints(script_dir: str) -> list[str]:
+    env = Path(script_dir) / "env.py"
+    text = env.read_text("utf-8") if env.is_file() else ""
+    if "transaction_per_migration" not in text:
+        return [
+            f"{env}: pass transaction_per_migration=True to context.configure() (online and "
+            "offline) so each step commits together with alembic_version; without it every "
+            "step still gets its own transaction, committed just before the version update"
+        ]
+    return []

@@ -1,0 +1,216 @@
+"""The Alembic operations `op.outbox_step`, `op.outbox_reverse_step`, `op.outbox_phase` and
+`op.outbox_reverse_phase` (Alembic's operation-plugin API), and how autogenerate renders them.
+
+The op objects are inert (a step id, the pinned names); `execute.py` runs them. Each op knows
+its `reverse()`, so a revision written from them gets its downgrade for free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from alembic.autogenerate import renderers
+from alembic.autogenerate.api import AutogenContext
+from alembic.operations import MigrateOperation, Operations
+
+from outbox_migrate.alembic_ext import execute
+
+IMPORT_LINE = (
+    "import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends"
+)
+
+
+class _OutboxOp(MigrateOperation):
+    """Shared fields: what to run, the names pinned at generation, the transaction wish."""
+
+    name = ""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        phase: str | None = None,
+        spec: Mapping[str, Any] | None = None,
+        include_optional: bool = False,
+        in_revision_transaction: bool = False,
+    ) -> None:
+        self.target = target
+        self.phase = phase
+        self.spec = dict(spec) if spec is not None else None
+        self.include_optional = include_optional
+        self.in_revision_transaction = in_revision_transaction
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "spec": self.spec,
+            "include_optional": self.include_optional,
+            "in_revision_transaction": self.in_revision_transaction,
+        }
+
+    def render(self, indent: str = "") -> str:
+        """The call as it appears in a revision file; continuation lines get `indent`."""
+        args = [repr(self.target)]
+        if self.phase is not None:
+            args.append(repr(self.phase))
+        if self.spec:
+            pairs = "".join(f"\n{indent}        {k!r}: {v!r}," for k, v in self.spec.items())
+            args.append(f"spec={{{pairs}\n{indent}    }}")
+        if self.include_optional:
+            args.append("include_optional=True")
+        if self.in_revision_transaction:
+            args.append("in_revision_transaction=True")
+        inner = "".join(f"\n{indent}    {arg}," for arg in args)
+        return f"op.{self.name}({inner}\n{indent})"
+
+
+@Operations.register_operation("outbox_step")
+class OutboxStepOp(_OutboxOp):
+    """Run one step of a pattern, e.g. `op.outbox_step("hoper.v4.swap-default")`."""
+
+    name = "outbox_step"
+
+    @classmethod
+    def outbox_step(
+        cls,
+        operations: Operations,
+        step_id: str,
+        *,
+        spec: Mapping[str, Any] | None = None,
+        include_optional: bool = False,
+        in_revision_transaction: bool = False,
+    ) -> Any:
+        """Apply the step: preconditions, lock budget and ledger as with `outbox-migrate run`.
+
+        `spec` pins the table and column names (else: configuration). With
+        `in_revision_transaction=True` and `transaction_per_migration`, the step commits in the
+        revision's own transaction together with alembic_version.
+        """
+        op = cls(step_id, spec=spec, include_optional=include_optional,
+                 in_revision_transaction=in_revision_transaction)  # fmt: skip
+        return operations.invoke(op)
+
+    def reverse(self) -> ReverseOutboxStepOp:
+        return ReverseOutboxStepOp(self.target, **self._kwargs())
+
+
+@Operations.register_operation("outbox_reverse_step")
+class ReverseOutboxStepOp(_OutboxOp):
+    """Undo one step (its reverse), or fail clearly when it has none."""
+
+    name = "outbox_reverse_step"
+
+    @classmethod
+    def outbox_reverse_step(
+        cls,
+        operations: Operations,
+        step_id: str,
+        *,
+        spec: Mapping[str, Any] | None = None,
+        include_optional: bool = False,
+        in_revision_transaction: bool = False,
+    ) -> Any:
+        """Run the step's reverse; raise `OutOfOrder` when the step is irreversible."""
+        op = cls(step_id, spec=spec, include_optional=include_optional,
+                 in_revision_transaction=in_revision_transaction)  # fmt: skip
+        return operations.invoke(op)
+
+    def reverse(self) -> OutboxStepOp:
+        return OutboxStepOp(self.target, **self._kwargs())
+
+
+@Operations.register_operation("outbox_phase")
+class OutboxPhaseOp(_OutboxOp):
+    """Run every step of one phase, e.g. `op.outbox_phase("hoper", "V4")`; each step commits
+    in its own transaction."""
+
+    name = "outbox_phase"
+
+    @classmethod
+    def outbox_phase(
+        cls,
+        operations: Operations,
+        pattern: str,
+        phase: str,
+        *,
+        spec: Mapping[str, Any] | None = None,
+        include_optional: bool = False,
+    ) -> Any:
+        """Apply `phase`'s steps in order (already-done ones are skipped via the ledger)."""
+        return operations.invoke(
+            cls(pattern, phase=phase, spec=spec, include_optional=include_optional)
+        )
+
+    def reverse(self) -> ReverseOutboxPhaseOp:
+        return ReverseOutboxPhaseOp(self.target, **self._kwargs())
+
+
+@Operations.register_operation("outbox_reverse_phase")
+class ReverseOutboxPhaseOp(_OutboxOp):
+    """Undo every step of one phase, newest first (refused if one is irreversible)."""
+
+    name = "outbox_reverse_phase"
+
+    @classmethod
+    def outbox_reverse_phase(
+        cls,
+        operations: Operations,
+        pattern: str,
+        phase: str,
+        *,
+        spec: Mapping[str, Any] | None = None,
+        include_optional: bool = False,
+    ) -> Any:
+        """Reverse `phase`'s steps, newest first."""
+        return operations.invoke(
+            cls(pattern, phase=phase, spec=spec, include_optional=include_optional)
+        )
+
+    def reverse(self) -> OutboxPhaseOp:
+        return OutboxPhaseOp(self.target, **self._kwargs())
+
+
+# -- implementations -----------------------------------------------------------------------------
+
+
+@Operations.implementation_for(OutboxStepOp)
+def _outbox_step(operations: Operations, op: OutboxStepOp) -> None:
+    execute.upgrade_steps(
+        operations.get_context(), execute.pattern_of(op.target), [op.target], None,
+        op.spec, op.include_optional, op.in_revision_transaction,
+    )  # fmt: skip
+
+
+@Operations.implementation_for(ReverseOutboxStepOp)
+def _outbox_reverse_step(operations: Operations, op: ReverseOutboxStepOp) -> None:
+    execute.downgrade_steps(
+        operations.get_context(), execute.pattern_of(op.target), [op.target], None,
+        op.spec, op.include_optional, op.in_revision_transaction,
+    )  # fmt: skip
+
+
+@Operations.implementation_for(OutboxPhaseOp)
+def _outbox_phase(operations: Operations, op: OutboxPhaseOp) -> None:
+    execute.upgrade_steps(
+        operations.get_context(), op.target, None, op.phase, op.spec, op.include_optional, False
+    )
+
+
+@Operations.implementation_for(ReverseOutboxPhaseOp)
+def _outbox_reverse_phase(operations: Operations, op: ReverseOutboxPhaseOp) -> None:
+    execute.downgrade_steps(
+        operations.get_context(), op.target, None, op.phase, op.spec, op.include_optional, False
+    )
+
+
+# -- rendering into revision files ---------------------------------------------------------------
+
+
+def _render(autogen_context: AutogenContext, op: _OutboxOp) -> str:
+    autogen_context.imports.add(IMPORT_LINE)
+    return op.render("    ")
+
+
+for _cls in (OutboxStepOp, ReverseOutboxStepOp, OutboxPhaseOp, ReverseOutboxPhaseOp):
+    renderers.dispatch_for(_cls)(_render)
