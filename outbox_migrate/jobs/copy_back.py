@@ -105,6 +105,15 @@ class CopyProgress:
     pause_s: float
     impact: Impact | None
 
+    @property
+    def copied(self) -> int:
+        """Alias of `copied_rows` (the runner's progress events read `copied`/`total`)."""
+        return self.copied_rows
+
+    @property
+    def total(self) -> int:
+        return self.total_rows
+
 
 @dataclass(frozen=True)
 class CopyResult:
