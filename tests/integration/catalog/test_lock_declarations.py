@@ -1,14 +1,18 @@
-"""Every step's declared locks are the locks PostgreSQL really takes, on every server version.
+"""Every step's declared locks and scans are what PostgreSQL really does, on every version.
 
 Each pattern is walked phase by phase on a real database (the application simulated between
 deploys as in the psql end-to-end test). Each step runs inside one transaction; before COMMIT
-the test reads `pg_locks` for its own backend. For each declared relation the strongest lock
-held must be exactly the declared mode, and no other outbox relation may be held stronger than
-ROW EXCLUSIVE. A wrong declaration here means `plan` tells the operator a wrong story about
-who is blocked.
+the test reads `pg_locks` for its own backend and the rows its statements read
+(`pg_stat_xact_user_tables`). For each declared relation the strongest lock held must be
+exactly the declared mode, and no other outbox relation may be held stronger than ROW
+EXCLUSIVE. A step that says it reads a whole table must read every row of it; a catalog-only
+step must read none; any other step at most an index probe. A wrong declaration here means
+`plan` tells the operator a wrong story about who is blocked and for how long.
 """
 
 from __future__ import annotations
+
+import re
 
 import psycopg
 import pytest
@@ -18,7 +22,7 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
 from outbox_migrate.patterns.model import LockMode, Step, TxMode
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
-from tests.support.app import act_as, publish_all, violations
+from tests.support.app import act_as, count, publish_all, violations
 
 SPEC = OutboxSpec()
 OURS = (
@@ -29,6 +33,7 @@ OURS = (
 )
 ORDER = list(LockMode)
 ROW_EXCLUSIVE = ORDER.index(LockMode.ROW_EXCLUSIVE)
+SCANNED = re.compile(r"reads all of (\S+)")
 OUR_RELATIONS = """
 SELECT oid, relname FROM pg_class
 WHERE relnamespace = 'public'::regnamespace AND relname = ANY (%s)
@@ -70,14 +75,33 @@ def in_one_transaction(step: Step) -> list[str]:
     return texts
 
 
-def locks_taken_by(conn: psycopg.Connection, step: Step) -> dict[str, LockMode]:
-    """Run the step's statements in one transaction; the locks held just before COMMIT."""
+ROWS_READ = """
+SELECT relname, coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
+FROM pg_stat_xact_user_tables
+WHERE schemaname = 'public' AND relname = ANY (%s)
+"""
+
+
+def rows_read(conn: psycopg.Connection) -> dict[str, int]:
+    """Table rows this transaction has read so far, per relation (0s left out)."""
+    found = conn.execute(ROWS_READ, (list(OURS),)).fetchall()
+    return {relname: int(read) for relname, read in found if read}
+
+
+def run_step(conn: psycopg.Connection, step: Step) -> tuple[dict[str, LockMode], dict[str, int]]:
+    """Run the step's statements in one transaction; the locks held just before COMMIT and
+    the table rows the statements read."""
     names = our_relations(conn)
     with conn.transaction():
+        # Pending statistics are flushed only between transactions, so the difference of two
+        # readings inside this one is exactly what the step's statements read.
+        before = rows_read(conn)
         for text in in_one_transaction(step):
             conn.execute(text)  # type: ignore[call-overload]
+        after = rows_read(conn)
         names.update(our_relations(conn))  # relations the step created
-        return strongest_locks(conn, names)
+        read = {rel: n - before.get(rel, 0) for rel, n in after.items() if n > before.get(rel, 0)}
+        return strongest_locks(conn, names), read
 
 
 @pytest.mark.parametrize("pattern", PATTERN_NAMES)
@@ -99,7 +123,19 @@ def test_declared_locks_are_the_locks_taken(pattern: str, dsn: str) -> None:
                 assert violations(conn, list(step.preconditions)) == [], step.id
                 if step.tx is TxMode.NONE or not step.statements:
                     continue  # deploy gates: no SQL, no locks
-                held = locks_taken_by(conn, step)
+                scanned = SCANNED.match(step.scan)
+                rows_before = count(conn, scanned[1]) if scanned else 0
+                held, read = run_step(conn, step)
+                if scanned:
+                    # A step that says it reads a whole table does (and the plan warns of it).
+                    if read.get(scanned[1], 0) < rows_before:
+                        wrong.append(f"{step.id}: says it reads all {rows_before} rows of "
+                                     f"{scanned[1]}, read {read.get(scanned[1], 0)}")  # fmt: skip
+                elif step.catalog_only and read:
+                    wrong.append(f"{step.id}: catalog-only, but read table rows {read}")
+                elif any(n > 1 for n in read.values()):
+                    # No scan claimed: at most an index probe such as max(id).
+                    wrong.append(f"{step.id}: claims no scan, but read table rows {read}")
                 declared = {lock.relation: lock.mode for lock in step.locks}
                 for relation, mode in declared.items():
                     if held.get(relation) is not mode:
