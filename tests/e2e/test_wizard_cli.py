@@ -197,3 +197,9 @@ def test_a_terminal_on_stdin_is_asked_without_flags() -> None:
     assert result.returncode == 0, result.stderr
     assert QUESTIONS["pause"] in result.stdout
     assert "Recommended pattern: HOP" in result.stdout
+
+
+@pytest.mark.newest_pg_only
+def test_dsn_without_the_table_is_one_line_exit_2(dsn: str) -> None:
+    line = one_line_usage_error(wizard(*FLAGS["cop"], "--dsn", dsn, "--table", "events"))
+    assert "table events does not exist in database" in line
