@@ -135,7 +135,10 @@ def serve(observer: PrometheusObserver, host: str, port: int) -> ThreadingHTTPSe
         def log_message(self, format: str, *args: Any) -> None:
             return None
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as exc:
+        raise RelayError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
     thread = threading.Thread(target=server.serve_forever, name="relay-http", daemon=True)
     thread.start()
     return server

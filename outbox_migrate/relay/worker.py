@@ -30,6 +30,7 @@ from typing import Any
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
+from outbox_migrate.errors import OutboxMigrateError
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
 from outbox_migrate.relay.cursor import Cursor
@@ -131,6 +132,7 @@ class Relay:
         self._conns: dict[int, Any] = {}
         self._dead_letter_ready = False
         self._ddl_lock = threading.Lock()
+        self._fatal: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -172,6 +174,10 @@ class Relay:
             for helper in helpers:
                 helper.join(timeout=2.0)
         self.stats.switches = self.state.switches
+        if self._fatal is not None:
+            if isinstance(self._fatal, OutboxMigrateError):
+                raise self._fatal
+            raise RelayError(f"relay worker failed: {_one_line(self._fatal)}") from self._fatal
         log.info("relay.stopped %s", " ".join(f"{k}={v}" for k, v in self.stats.as_dict().items()))
         return self.stats
 
@@ -446,6 +452,14 @@ class _Worker:
                     return
         except _Abandoned:
             log.warning("relay.batch_abandoned worker=%d", self.index)
+        except Exception as exc:
+            # Not a failure the loop knows how to retry (a sink that cannot be built, a bug):
+            # stop the whole relay and let run() report it, rather than die silently.
+            log.error("relay.worker_failed worker=%d %s", self.index, exc,
+                      exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
+            if relay._fatal is None:
+                relay._fatal = exc
+            relay.stop()
         finally:
             relay.observer.worker_done(self.index)
             relay._close_sink(self.sink)

@@ -76,6 +76,17 @@ def test_cli_unknown_sink_is_a_usage_error(dsn: str, partitioned: psycopg.Connec
     assert "unknown sink 'carrier-pigeon'" in result.stderr
 
 
+def test_cli_sink_that_cannot_be_built_fails_cleanly(
+    dsn: str, partitioned: psycopg.Connection
+) -> None:
+    pytest.importorskip("httpx")
+    insert_rows(partitioned, "outbox_new", 3, spec=SPEC)
+    result = relay_cli("--sink", "http", "--until-empty", "--dsn", dsn)
+    assert result.returncode == 2
+    assert "outbox-migrate: error: the http sink needs --sink-url" in result.stderr
+    assert len(ids_in(partitioned, "outbox_unpublished")) == 3
+
+
 def test_cli_sigterm_stops_gracefully_and_serves_metrics(
     dsn: str, partitioned: psycopg.Connection
 ) -> None:
