@@ -7,6 +7,7 @@ the project's other revisions. Library code: returns what it wrote, never prints
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -107,6 +108,8 @@ def generate(
         script.get_revision(down_revision)  # an unknown id fails here, before any file
         splice = down_revision not in script.get_heads()
     pattern = build_from_settings(pattern_name, settings, include_optional=include_optional)
+    if tag is not None and not re.fullmatch(r"[A-Za-z0-9]{1,16}", tag):
+        raise UsageError(f"--tag {tag!r}: use 1 to 16 letters or digits")
     plans = plan_revisions(pattern, tag or secrets.token_hex(2), split)
     spec = _spec_of(settings)
     result = Generated(pattern.name, script.dir, parent)

@@ -70,6 +70,11 @@ def generate(
         typer.Option("--split", help="step: one revision per step, each one transaction with "
                      "alembic_version (default); phase: one revision per phase."),
     ] = SplitChoice.step,
+    tag: Annotated[
+        str | None,
+        typer.Option("--tag", help="Prefix of the revision ids (<tag>_hoper_v2_01) [random].",
+                     show_default=False),
+    ] = None,
     with_optional: Annotated[
         bool, typer.Option(help="Include optional steps (SET NOT NULL, final drops).")
     ] = False,
@@ -96,7 +101,7 @@ def generate(
     )
     result = write_revisions(
         pattern.value, settings, directory, down_revision=down_revision,
-        split=Split(split.value), include_optional=with_optional,
+        split=Split(split.value), include_optional=with_optional, tag=tag,
     )  # fmt: skip
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json
@@ -109,9 +114,9 @@ def generate(
     print_table(
         f"{len(result.revisions)} revisions written to {result.script_location}/versions "
         f"(after {result.down_revision or 'base'})",
-        ["revision", "phase", "#", "step", "reversible"],
+        ["revision", "phase", "step", "reversible"],
         [
-            [r["revision"], r["phase"], r["position"], ", ".join(r["steps"]),
+            [r["revision"], r["phase"], ", ".join(s.split(".")[-1] for s in r["steps"]),
              "yes" if r["reversible"] else "no"]
             for r in result.revisions
         ],

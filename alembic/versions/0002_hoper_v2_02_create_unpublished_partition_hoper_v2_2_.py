@@ -1,0 +1,54 @@
+"""create-unpublished-partition: HOPER V2 2/5, before deploying V2 (outbox-migrate)
+
+Revision ID: 0002_hoper_v2_02
+Revises: 0002_hoper_v2_01
+Create Date: 2026-11-23 01:43:52.299669
+
+"""
+from typing import Sequence, Union
+
+from alembic import op
+import sqlalchemy as sa
+import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends
+
+# revision identifiers, used by Alembic.
+revision: str = '0002_hoper_v2_02'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_01'
+branch_labels: Union[str, Sequence[str], None] = None
+depends_on: Union[str, Sequence[str], None] = None
+
+
+def upgrade() -> None:
+    """Upgrade schema."""
+    op.outbox_step(
+        'hoper.v2.create-unpublished-partition',
+        spec={
+            'schema': 'public',
+            'table': 'outbox',
+            'partitioned_table': 'outbox_new',
+            'unpublished_partition': 'outbox_unpublished',
+            'published_partition': 'outbox_published',
+            'id_column': 'id',
+            'published_column': 'published_at',
+            'id_headroom': 1000000,
+        },
+        in_revision_transaction=True,
+    )
+
+
+def downgrade() -> None:
+    """Downgrade schema."""
+    op.outbox_reverse_step(
+        'hoper.v2.create-unpublished-partition',
+        spec={
+            'schema': 'public',
+            'table': 'outbox',
+            'partitioned_table': 'outbox_new',
+            'unpublished_partition': 'outbox_unpublished',
+            'published_partition': 'outbox_published',
+            'id_column': 'id',
+            'published_column': 'published_at',
+            'id_headroom': 1000000,
+        },
+        in_revision_transaction=True,
+    )

@@ -1,0 +1,54 @@
+"""validate-check: HOPER V4 3/6, before deploying V4 (outbox-migrate)
+
+Revision ID: 0002_hoper_v4_03
+Revises: 0002_hoper_v4_02
+Create Date: 2026-11-23 01:43:52.378148
+
+"""
+from typing import Sequence, Union
+
+from alembic import op
+import sqlalchemy as sa
+import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends
+
+# revision identifiers, used by Alembic.
+revision: str = '0002_hoper_v4_03'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v4_02'
+branch_labels: Union[str, Sequence[str], None] = None
+depends_on: Union[str, Sequence[str], None] = None
+
+
+def upgrade() -> None:
+    """Upgrade schema."""
+    op.outbox_step(
+        'hoper.v4.validate-check',
+        spec={
+            'schema': 'public',
+            'table': 'outbox',
+            'partitioned_table': 'outbox_new',
+            'unpublished_partition': 'outbox_unpublished',
+            'published_partition': 'outbox_published',
+            'id_column': 'id',
+            'published_column': 'published_at',
+            'id_headroom': 1000000,
+        },
+        in_revision_transaction=True,
+    )
+
+
+def downgrade() -> None:
+    """Downgrade schema."""
+    op.outbox_reverse_step(
+        'hoper.v4.validate-check',
+        spec={
+            'schema': 'public',
+            'table': 'outbox',
+            'partitioned_table': 'outbox_new',
+            'unpublished_partition': 'outbox_unpublished',
+            'published_partition': 'outbox_published',
+            'id_column': 'id',
+            'published_column': 'published_at',
+            'id_headroom': 1000000,
+        },
+        in_revision_transaction=True,
+    )
