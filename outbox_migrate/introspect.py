@@ -81,6 +81,11 @@ class TableFacts:
         """The highest id the old table holds or its sequence has handed out."""
         return max(self.max_id or 0, self.sequence_last_value or 0)
 
+    def identity_generation(self, spec: OutboxSpec) -> str:
+        """`BY DEFAULT` or `ALWAYS`: how the old id is generated, for reversing DROP IDENTITY."""
+        column = self.column(spec.id_column)
+        return "BY DEFAULT" if column is not None and column.identity == "d" else "ALWAYS"
+
     def identity_start(self, headroom: int) -> int:
         return self.id_top + headroom
 

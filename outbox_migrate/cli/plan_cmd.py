@@ -83,7 +83,6 @@ def plan(
         id_column=id_column,
         published_column=published_column,
     )
-    built = build_from_settings(pattern.value, settings, include_optional=with_optional)
     facts = None
     resolved = resolve(dsn)
     if resolved is not None:
@@ -91,6 +90,12 @@ def plan(
 
         facts = inspect(resolved.dsn, settings.spec)
         raise_for_blockers(facts)
+    built = build_from_settings(
+        pattern.value,
+        settings,
+        include_optional=with_optional,
+        identity_generation=facts.identity_generation(settings.spec) if facts else "ALWAYS",
+    )
     if output is PlanFormat.sql:
         typer.echo(render_sql(built, settings.spec, settings.lock_timeout_ms), nl=False)
     elif output is PlanFormat.markdown:

@@ -134,7 +134,10 @@ def build_from_settings(
     *,
     include_optional: bool = False,
     sample_window_s: float | None = None,
+    identity_generation: str = "ALWAYS",
 ) -> Pattern:
+    """`identity_generation` is the old table's (`ALWAYS` or `BY DEFAULT`, from introspection):
+    reversing DROP IDENTITY must restore it as it was."""
     return build_pattern(
         name,
         settings.spec,
@@ -142,6 +145,7 @@ def build_from_settings(
             sample_window_s=sample_window_s or settings.gate_window_s,
             old_app_name=settings.old_app_name,
             include_optional=include_optional,
+            identity_generation=identity_generation,
         ),
     )
 

@@ -97,3 +97,12 @@ def test_warnings_in_a_stable_order() -> None:
     assert (
         found.warnings[3].message == "outbox has foreign keys to other tables (tenant_fk, user_fk)"
     )
+
+
+def test_identity_generation_for_reversing_drop_identity() -> None:
+    spec = OutboxSpec()
+    assert facts().identity_generation(spec) == "ALWAYS"
+    by_default = dataclasses.replace(ID, identity="d")
+    assert facts(columns=[by_default, PAYLOAD, PUBLISHED]).identity_generation(spec) == (
+        "BY DEFAULT"
+    )
