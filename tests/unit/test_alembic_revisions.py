@@ -1,0 +1,160 @@
+"""Alembic generation without a database: how patterns split into revisions, what the files
+and the `--sql` output look like, and the errors a CI job would meet."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from alembic import command
+from alembic.config import Config
+
+from outbox_migrate.alembic_ext.execute import reverse_sql
+from outbox_migrate.alembic_ext.generate import generate
+from outbox_migrate.alembic_ext.revisions import Split, phase_targets, plan_revisions
+from outbox_migrate.config import load_settings
+from outbox_migrate.errors import UsageError
+from outbox_migrate.patterns import PATTERN_NAMES, build_pattern
+from outbox_migrate.runner.errors import OutOfOrder
+
+SETTINGS = load_settings({}, environ={})
+URL = "postgresql+psycopg://app@db.invalid/app"
+
+
+@pytest.mark.parametrize("name", PATTERN_NAMES)
+def test_one_revision_per_step_in_pattern_order(name: str) -> None:
+    pattern = build_pattern(name)
+    plans = plan_revisions(pattern, "ab12")
+    assert [p.step_ids[0] for p in plans] == [s.id for s in pattern.steps()]
+    assert all(len(p.step_ids) == 1 for p in plans)
+    assert len({p.rev_id for p in plans}) == len(plans)
+    with_steps = [ph.name for ph in pattern.phases if ph.steps]
+    assert list(phase_targets(plans)) == with_steps
+    for plan in plans:
+        assert plan.phase in plan.message and pattern.acronym in plan.message
+
+
+def test_phase_split_gives_one_revision_per_phase() -> None:
+    plans = plan_revisions(build_pattern("hoper"), "ab12", Split.PHASE)
+    assert [(p.rev_id, p.phase) for p in plans] == [
+        ("ab12_hoper_v2", "V2"), ("ab12_hoper_v3", "V3"), ("ab12_hoper_v4", "V4"),
+        ("ab12_hoper_copy_back", "copy-back"),
+    ]  # fmt: skip
+    assert [p.reversible for p in plans] == [True, True, True, False]
+    assert "before deploying V2" in plans[0].message
+    assert "job copy-back" in plans[-1].message
+
+
+def _project(root: Path, *, per_migration: bool) -> Path:
+    ini = root / "alembic.ini"
+    command.init(Config(str(ini), stdout=io.StringIO()), str(root / "migrations"))
+    if per_migration:
+        env = root / "migrations" / "env.py"
+        env.write_text(
+            env.read_text().replace(
+                "target_metadata=target_metadata",
+                "target_metadata=target_metadata, transaction_per_migration=True",
+            )
+        )
+    return ini
+
+
+def _sql(ini: Path, *args: str, downgrade: bool = False) -> str:
+    buffer = io.StringIO()
+    config = Config(str(ini), output_buffer=buffer, stdout=io.StringIO())
+    config.set_main_option("sqlalchemy.url", URL)
+    (command.downgrade if downgrade else command.upgrade)(config, *args, sql=True)
+    return buffer.getvalue()
+
+
+def test_revision_file_calls_the_library(tmp_path: Path) -> None:
+    ini = _project(tmp_path, per_migration=True)
+    result = generate("copra", SETTINGS, tmp_path, tag="c1")
+    first = Path(result.revisions[0]["path"])
+    text = first.read_text()
+    assert "import outbox_migrate.alembic_ext" in text
+    assert "op.outbox_step(\n        'copra.v2.create-partitioned-table'," in text
+    assert "op.outbox_reverse_step(" in text
+    assert "'table': 'outbox'," in text and "in_revision_transaction=True" in text
+    assert result.hints == []  # env.py has transaction_per_migration
+    assert ini.is_file()
+
+
+def test_offline_step_joins_the_revision_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUTBOX_MIGRATE_GATE_WINDOW_S", "0.1")
+    ini = _project(tmp_path, per_migration=True)
+    generate("hoper", SETTINGS, tmp_path, tag="h1")
+    text = _sql(ini, "h1_hoper_v4_03:h1_hoper_v4_04")
+    body = text[text.index("-- Running upgrade") :]
+    # One transaction: assertions, SET LOCAL, the swap, the version update, COMMIT.
+    assert body.count("BEGIN;\n") == 0 and body.count("COMMIT;") == 1
+    assert body.index("DO $om_assert$") < body.index("SET LOCAL lock_timeout = '200ms';")
+    assert body.index("ATTACH PARTITION") < body.index("UPDATE alembic_version")
+    assert "RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default" in body
+    # The copy-back job cannot run in a transaction: autocommit block, then the version.
+    job = _sql(ini, "h1_hoper_v4_06:h1_hoper_copy_back_01")
+    job = job[job.index("-- Running upgrade") :]
+    assert job.index("COMMIT;") < job.index("DO $om_copy$") < job.index("BEGIN;")
+
+
+def test_offline_step_in_its_own_transaction_without_per_migration(tmp_path: Path) -> None:
+    ini = _project(tmp_path, per_migration=False)
+    generate("hop", SETTINGS, tmp_path, tag="p1")
+    text = _sql(ini, "p1_hop_v2_01:p1_hop_v2_02")
+    body = text[text.index("-- Running upgrade") :]
+    # Alembic's transaction is committed, the step has its own BEGIN … COMMIT, then Alembic
+    # begins again for the version update: SET LOCAL ends with the step.
+    step = body.index("-- outbox-migrate step: hop.v2.create-unpublished-partition")
+    assert body.index("COMMIT;") < step
+    assert body.index("BEGIN;", step) < body.index("CREATE TABLE", step)
+    assert body.index("UPDATE alembic_version") > body.index("COMMIT;", step)
+
+
+def test_offline_downgrade_is_the_reverse_or_a_clear_error(tmp_path: Path) -> None:
+    ini = _project(tmp_path, per_migration=True)
+    generate("hoper", SETTINGS, tmp_path, tag="d1")
+    back = _sql(ini, "d1_hoper_v4_04:d1_hoper_v4_03", downgrade=True)
+    assert 'ATTACH PARTITION "public"."outbox_published" DEFAULT' in back
+    assert "precondition of hoper.v4.swap-default (reverse)" in back
+    with pytest.raises(OutOfOrder, match=r"cannot roll back hoper\.copy-back\.drop-published"):
+        _sql(ini, "d1_hoper_copy_back_02:d1_hoper_copy_back_01", downgrade=True)
+
+
+def test_reverse_without_statements_says_so() -> None:
+    gate = build_pattern("hoper").phase("V3").steps[0]
+    assert "nothing to undo" in reverse_sql(gate, 200, joined=True)
+
+
+def test_generate_errors(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="no Alembic project"):
+        generate("hoper", SETTINGS, tmp_path)
+    _project(tmp_path, per_migration=True)
+    with pytest.raises(UsageError, match="--tag"):
+        generate("hoper", SETTINGS, tmp_path, tag="no spaces")
+    generate("hop", SETTINGS, tmp_path, tag="a1")
+    # A second chain from base makes two heads: generation must be told where to chain.
+    generate("hop", SETTINGS, tmp_path, tag="b1", down_revision="a1_hop_v2_01")
+    with pytest.raises(UsageError, match="several heads"):
+        generate("hop", SETTINGS, tmp_path, tag="c1")
+
+
+def test_cli_generate_json_and_one_line_errors(tmp_path: Path) -> None:
+    _project(tmp_path, per_migration=True)
+    run = [sys.executable, "-m", "outbox_migrate", "alembic", "generate", "--pattern", "hop"]
+    done = subprocess.run([*run, "--dir", str(tmp_path), "--format", "json", "--tag", "j1"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["phase_targets"] == {"V2": "j1_hop_v2_05", "V3": "j1_hop_v3_01"}
+    assert doc["revisions"][0]["revision"] == "j1_hop_v2_01"
+    missing = subprocess.run([*run, "--dir", str(tmp_path / "nowhere")],
+                             capture_output=True, text=True)  # fmt: skip
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("outbox-migrate: error: no Alembic project in")
+    assert len(missing.stderr.strip().splitlines()) == 1
