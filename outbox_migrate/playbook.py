@@ -14,6 +14,8 @@ from outbox_migrate.patterns.model import Pattern, Phase, PhaseKind, Step, Table
 from outbox_migrate.plan import render_markdown
 
 REGENERATE = "python -m tests.golden.regenerate"
+ROW_COPYING_KINDS = frozenset({"install-copy-trigger", "copy-back"})
+"""Steps that insert whole rows into the old table (explicit values for every column)."""
 
 
 def _yes(flag: bool) -> str:
@@ -172,6 +174,13 @@ def render_playbook(name: str, spec: OutboxSpec | None = None) -> str:
         "- Every step sets a short `lock_timeout`: when it cannot get its lock it fails and "
         "changes nothing; run it again when the blocking transaction is gone.",
     ]
+    copiers = ", ".join(f"`{s.id}`" for s in pattern.steps() if s.kind in ROW_COPYING_KINDS)
+    if copiers:
+        lines.append(
+            f"- The old table must have no generated column: {copiers} "
+            "copies whole rows, which PostgreSQL refuses for a generated column (`plan --dsn` "
+            "warns about it)."
+        )
     if pattern.point_of_no_return:
         lines.append(
             f"- Point of no return: `{pattern.point_of_no_return}`. Every step before it can "

@@ -70,3 +70,9 @@ def test_playbook_follows_the_names_it_is_given() -> None:
     text = render_playbook("copra", spec)
     assert 'ALTER TABLE "billing"."events_p" ATTACH PARTITION "billing"."events" DEFAULT' in text
     assert '"public"' not in text
+
+
+def test_patterns_that_copy_whole_rows_warn_about_generated_columns() -> None:
+    for name in PATTERN_NAMES:
+        warned = "must have no generated column" in render_playbook(name)
+        assert warned is (name in ("hoper", "hopia")), name
