@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 from psycopg import errors, sql
+from psycopg.pq import TransactionStatus
 
 from outbox_migrate.config import Settings
 from outbox_migrate.db import connect, one_line
@@ -149,9 +150,17 @@ class Runner:
 
     def release(self) -> None:
         """Give the per-table advisory lock back without closing the session."""
-        if self._locked and self._conn is not None and not self._conn.closed:
+        conn = self._conn
+        # In a failed transaction the unlock cannot run; raising here would hide the step's
+        # own error, and the end of the owner's session releases the lock anyway.
+        if (
+            self._locked
+            and conn is not None
+            and not conn.closed
+            and conn.info.transaction_status is not TransactionStatus.INERROR
+        ):
             first, second = self._lock_key()
-            self._conn.execute("SELECT pg_advisory_unlock(%s, %s)", (first, second))
+            conn.execute("SELECT pg_advisory_unlock(%s, %s)", (first, second))
         self._locked = False
 
     @property
