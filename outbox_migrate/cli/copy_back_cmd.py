@@ -110,7 +110,8 @@ def copy_back(
             if plan.high_water is not None:
                 text(f"resuming after id {plan.high_water}: {plan.remaining_rows:,} of "
                      f"{plan.source_rows:,} rows left")  # fmt: skip
-            with RowProgress(f"{plan.source} → {plan.target}", plan.source_rows) as bar:
+            text(f"copying {plan.source} → {plan.target}")
+            with RowProgress("copy-back", plan.source_rows) as bar:
                 done_before = plan.source_rows - plan.remaining_rows
                 bar.update(done_before, plan.source_rows, 0.0, None)
 

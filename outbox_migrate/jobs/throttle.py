@@ -28,6 +28,16 @@ BASELINE_PROBES = 25
 """Probes timed before the job starts to learn the unloaded latency."""
 MIN_PAUSE_S = 0.01
 """First back-off step once foreground impact is over budget."""
+PROBE_MIN_SAMPLES = 3
+"""Probes taken while copying, within the window, needed before their latency counts."""
+AMBIENT_WINDOW_S = 10.0
+"""Probes taken while the job paused, within this window, define the ambient latency."""
+AMBIENT_MIN_PROBES = 5
+"""Fewer idle probes than this: keep the baseline measured before the job started."""
+PROBE_STOP_WAIT_S = 2.0
+"""How long stopping waits for a running probe before cancelling it."""
+PROBE_STATEMENT_TIMEOUT_MS = 30_000
+"""A probe stuck longer than this gives up (the job has long since backed off)."""
 
 
 @dataclass(frozen=True)
@@ -111,22 +121,38 @@ class LatencyProbe:
             c=column, r=relation
         )
         self._dsn = dsn
-        self._samples: deque[tuple[float, float]] = deque(maxlen=1000)
+        # (monotonic time, latency ms, was the job copying when the probe started)
+        self._samples: deque[tuple[float, float, bool]] = deque(maxlen=2000)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection[Any] | None = None
+        self._inflight_since: float | None = None
         self.baseline_ms = 0.0
+        """Latency before the job started."""
+        self.active = False
+        """Set by the job: True while a batch runs, False while it pauses."""
 
     def _time_once(self, conn: psycopg.Connection[Any]) -> float:
         started = time.perf_counter()
-        conn.execute(self._query).fetchall()
+        with self._lock:
+            self._inflight_since = started
+        try:
+            conn.execute(self._query).fetchall()
+        finally:
+            with self._lock:
+                self._inflight_since = None
         return (time.perf_counter() - started) * 1000.0
 
     def start(self) -> None:
         from outbox_migrate.db import connect
 
         self._conn = connect(self._dsn, application_name="outbox-migrate/probe")
+        self._conn.execute(
+            sql.SQL("SET statement_timeout = {}").format(
+                sql.Literal(f"{PROBE_STATEMENT_TIMEOUT_MS}ms")
+            )
+        )
         self._conn.execute(self._query)  # plan cache warm-up, not a sample
         samples = []
         for _ in range(BASELINE_PROBES):
@@ -140,28 +166,57 @@ class LatencyProbe:
         conn = self._conn
         assert conn is not None
         while not self._stop.is_set():
+            active = self.active
             try:
                 latency = self._time_once(conn)
             except psycopg.Error:
                 return  # the job carries on unprobed rather than failing on its monitor
             with self._lock:
-                self._samples.append((time.monotonic(), latency))
+                self._samples.append((time.monotonic(), latency, active))
             self._stop.wait(PROBE_INTERVAL_S)
 
     def recent_ms(self) -> float | None:
-        """The 90th percentile of the probes of the last window, None before any."""
+        """The 90th percentile of the probes taken while the job copied, over the last
+        window; None before any.
+
+        A probe still running counts with its age so far: a foreground query that is stuck
+        (behind a lock, on a saturated server) must slow the job down, not go unseen because
+        no sample completes.
+        """
         cutoff = time.monotonic() - PROBE_WINDOW_S
         with self._lock:
-            values = [v for t, v in self._samples if t >= cutoff]
-        if not values:
-            return None
+            values = [v for t, v, active in self._samples if t >= cutoff and active]
+            inflight = self._inflight_since
+        stuck_ms = (time.perf_counter() - inflight) * 1000.0 if inflight is not None else 0.0
+        if len(values) < PROBE_MIN_SAMPLES:
+            # Too few to judge (one slow sample is noise), unless one is stuck right now.
+            return stuck_ms or None
         values.sort()
-        return values[min(len(values) - 1, int(len(values) * 0.9))]
+        return max(stuck_ms, values[min(len(values) - 1, int(len(values) * 0.9))])
+
+    def ambient_ms(self) -> float:
+        """The latency the server has without us: the median of the probes taken while the
+        job paused, over the last `AMBIENT_WINDOW_S`; the start baseline until there are some.
+
+        Re-learning it while paused keeps the budget relative to the load the job does not
+        cause: if the application itself gets busier, the job does not stall for good.
+        """
+        cutoff = time.monotonic() - AMBIENT_WINDOW_S
+        with self._lock:
+            idle = [v for t, v, active in self._samples if t >= cutoff and not active]
+        if len(idle) < AMBIENT_MIN_PROBES:
+            return self.baseline_ms
+        return statistics.median(idle)
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2.0)
+            self._thread.join(timeout=PROBE_STOP_WAIT_S)
+            if self._thread.is_alive() and self._conn is not None:
+                # The probe is stuck in a query (behind a lock): cancel it rather than wait,
+                # since closing a connection another thread is using would block on it.
+                self._conn.cancel_safe(timeout=PROBE_STOP_WAIT_S)
+                self._thread.join(timeout=PROBE_STOP_WAIT_S)
         if self._conn is not None:
             self._conn.close()
 
@@ -178,6 +233,8 @@ class Throttle:
         self.policy = policy
         self._conn = conn
         self._probe = probe
+        if probe is not None:
+            probe.active = True  # created right before the first batch
         self._backoff_s = 0.0
         self._started = time.monotonic()
         self._done_at_start = 0
@@ -197,7 +254,7 @@ class Throttle:
         if self._probe is not None:
             recent = self._probe.recent_ms()
             if recent is not None:
-                limit = probe_limit_ms(self._probe.baseline_ms, self.policy)
+                limit = probe_limit_ms(self._probe.ambient_ms(), self.policy)
                 return Impact("latency_probe", recent, limit, recent > limit)
         return Impact("none", 0.0, 0.0, False)
 
@@ -214,8 +271,12 @@ class Throttle:
         pause = self.pause_s(done)
         if pause > 0:
             self.paused_s += pause
+            if self._probe is not None:
+                self._probe.active = False
             if stop is not None:
                 stop.wait(pause)
             else:
                 time.sleep(pause)
+        if self._probe is not None:
+            self._probe.active = True  # the next batch starts right away
         return pause

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -226,3 +227,56 @@ def test_custom_names_come_from_the_spec(conn: psycopg.Connection[Any], dsn: str
     assert not _exists(conn, "billing.events_done")
     total = conn.execute("SELECT count(*) FROM billing.events").fetchone()[0]  # type: ignore[index]
     assert total == 2_015
+
+
+def test_rate_ceiling_holds(conn: psycopg.Connection[Any], dsn: str) -> None:
+    spec = build_after_v4(conn, old_rows=10, published_rows=4_000)
+    policy = ThrottlePolicy(adaptive=False, rate_rows_per_s=4_000)
+    job = CopyBack(conn, spec, CopyBackOptions(batch_rows=500, throttle=policy), dsn=dsn)
+    started = time.monotonic()
+    result = job.run()
+    elapsed = time.monotonic() - started
+    assert result.inserted_rows == 4_000
+    # 4 000 rows at 4 000 rows/s: the last batch is due at 1 s.
+    assert elapsed >= 0.95
+    assert result.paused_s > 0.5
+
+
+def test_a_stuck_foreground_query_makes_the_copy_back_off(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    spec = build_after_v4(conn, old_rows=10, published_rows=20_000)
+    # Short pauses keep the test quick whatever else loads the machine.
+    policy = ThrottlePolicy(max_pause_s=0.25)
+    job = CopyBack(conn, spec, CopyBackOptions(batch_rows=200, throttle=policy), dsn=dsn)
+    impacts: list[Any] = []
+    locker = psycopg.connect(dsn)
+    release = threading.Timer(1.5, locker.rollback)
+
+    def progress(p: Any) -> None:
+        impacts.append(p.impact)
+        if len(impacts) == 5:
+            # The relay's table is locked: the probe's query (like the relay's) is stuck.
+            locker.execute("LOCK TABLE outbox_unpublished IN ACCESS EXCLUSIVE MODE")
+            release.start()
+
+    try:
+        result = job.run(progress=progress)
+    finally:
+        release.cancel()
+        locker.close()
+    assert result.inserted_rows == 20_000
+    over = [i for i in impacts if i is not None and i.over]
+    assert over, "the stuck probe was never seen"
+    assert {i.source for i in over} == {"latency_probe"}
+    assert result.paused_s >= 0.5  # the lock lasted 1.5 s; pauses of up to 0.25 s each
+
+
+def test_cli_shows_rows_rate_and_eta(conn: psycopg.Connection[Any], dsn: str) -> None:
+    build_after_v4(conn, old_rows=10, published_rows=3_000)
+    result = _cli("copy-back", "--dsn", dsn, "--batch-size", "500", "--rate", "6000")
+    assert result.returncode == 0, result.stderr
+    assert "3,000/3,000" in result.stderr or "3000/3000" in result.stderr
+    assert "rows/s" in result.stderr and "ETA" in result.stderr
+    assert "copied 3,000 rows" in result.stdout
+    assert "dropped public.outbox_published" in result.stdout
