@@ -210,7 +210,13 @@ class Relay:
             if self.options.mode is Mode.switching:
                 sources = [self.state.flat, self.state.partitioned]
             for source in sources:
-                self._columns[source.label] = self._resolve_columns(conn, source)
+                columns = self._resolve_columns(conn, source)
+                if self.options.ordering is Ordering.key and columns.key is None:
+                    raise RelayError(
+                        f"--ordering key needs a key column; {source.label} has no message_key "
+                        "(name yours with --key-column)"
+                    )
+                self._columns[source.label] = columns
 
     def _resolve_columns(self, conn: Any, source: queries.Source) -> queries.Columns:
         rows = conn.execute(

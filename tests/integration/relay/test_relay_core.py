@@ -69,6 +69,16 @@ def test_explicit_key_column_must_exist(
         run_until_empty(dsn, collected, key_column="tenant")
 
 
+def test_key_ordering_needs_a_key_column(dsn: str, conn: psycopg.Connection, collected) -> None:
+    conn.execute(
+        "CREATE TABLE outbox_new (id int8 GENERATED ALWAYS AS IDENTITY, payload json NOT NULL, "
+        "created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz) "
+        "PARTITION BY LIST (published_at)"
+    )
+    with pytest.raises(RelayError, match="--ordering key needs a key column"):
+        run_until_empty(dsn, collected, ordering=Ordering.key)
+
+
 def test_tables_without_optional_columns_publish_with_nulls(
     dsn: str, conn: psycopg.Connection, collected: Collected
 ) -> None:
