@@ -6,10 +6,17 @@ It imports Alembic and SQLAlchemy, so the CLI imports it lazily.
 """
 
 from outbox_migrate.alembic_ext.ops import (
+    AlembicStepError,
     OutboxPhaseOp,
     OutboxStepOp,
     ReverseOutboxPhaseOp,
     ReverseOutboxStepOp,
 )
 
-__all__ = ["OutboxPhaseOp", "OutboxStepOp", "ReverseOutboxPhaseOp", "ReverseOutboxStepOp"]
+__all__ = [
+    "AlembicStepError",
+    "OutboxPhaseOp",
+    "OutboxStepOp",
+    "ReverseOutboxPhaseOp",
+    "ReverseOutboxStepOp",
+]

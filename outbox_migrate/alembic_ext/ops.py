@@ -7,14 +7,17 @@ its `reverse()`, so a revision written from them gets its downgrade for free.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from alembic.autogenerate import renderers
 from alembic.autogenerate.api import AutogenContext
 from alembic.operations import MigrateOperation, Operations
+from alembic.util import CommandError
 
 from outbox_migrate.alembic_ext import execute
+from outbox_migrate.errors import OutboxMigrateError
 
 IMPORT_LINE = (
     "import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends"
@@ -174,34 +177,60 @@ class ReverseOutboxPhaseOp(_OutboxOp):
 # -- implementations -----------------------------------------------------------------------------
 
 
+class AlembicStepError(OutboxMigrateError, CommandError):
+    """An outbox-migrate error raised inside Alembic, as a `CommandError`: the `alembic` CLI
+    prints it as one `FAILED: …` line instead of a traceback. `error` is the original."""
+
+    def __init__(self, error: OutboxMigrateError) -> None:
+        self.error = error
+        self.exit_code = error.exit_code
+        super().__init__(str(error))
+
+
+@contextmanager
+def _reported() -> Iterator[None]:
+    try:
+        yield
+    except AlembicStepError:
+        raise
+    except OutboxMigrateError as exc:
+        raise AlembicStepError(exc) from exc
+
+
 @Operations.implementation_for(OutboxStepOp)
 def _outbox_step(operations: Operations, op: OutboxStepOp) -> None:
-    execute.upgrade_steps(
-        operations.get_context(), execute.pattern_of(op.target), [op.target], None,
-        op.spec, op.include_optional, op.in_revision_transaction,
-    )  # fmt: skip
+    with _reported():
+        execute.upgrade_steps(
+            operations.get_context(), execute.pattern_of(op.target), [op.target], None,
+            op.spec, op.include_optional, op.in_revision_transaction,
+        )  # fmt: skip
 
 
 @Operations.implementation_for(ReverseOutboxStepOp)
 def _outbox_reverse_step(operations: Operations, op: ReverseOutboxStepOp) -> None:
-    execute.downgrade_steps(
-        operations.get_context(), execute.pattern_of(op.target), [op.target], None,
-        op.spec, op.include_optional, op.in_revision_transaction,
-    )  # fmt: skip
+    with _reported():
+        execute.downgrade_steps(
+            operations.get_context(), execute.pattern_of(op.target), [op.target], None,
+            op.spec, op.include_optional, op.in_revision_transaction,
+        )  # fmt: skip
 
 
 @Operations.implementation_for(OutboxPhaseOp)
 def _outbox_phase(operations: Operations, op: OutboxPhaseOp) -> None:
-    execute.upgrade_steps(
-        operations.get_context(), op.target, None, op.phase, op.spec, op.include_optional, False
-    )
+    with _reported():
+        execute.upgrade_steps(
+            operations.get_context(), op.target, None, op.phase, op.spec,
+            op.include_optional, False,
+        )  # fmt: skip
 
 
 @Operations.implementation_for(ReverseOutboxPhaseOp)
 def _outbox_reverse_phase(operations: Operations, op: ReverseOutboxPhaseOp) -> None:
-    execute.downgrade_steps(
-        operations.get_context(), op.target, None, op.phase, op.spec, op.include_optional, False
-    )
+    with _reported():
+        execute.downgrade_steps(
+            operations.get_context(), op.target, None, op.phase, op.spec,
+            op.include_optional, False,
+        )  # fmt: skip
 
 
 # -- rendering into revision files ---------------------------------------------------------------

@@ -100,6 +100,18 @@ def test_example_online_phase_by_phase_and_offline_with_psql(
         insert_rows(conn, "outbox", 100, published=True)
         insert_rows(conn, "outbox", 5)
         for phase, _, target in phases():
+            if phase == "V3":
+                # A straggling V1 instance wrote 3 rows nobody published: the gate refuses
+                # V3 in one line, no traceback, a failing exit status; nothing is applied.
+                insert_rows(conn, "outbox", 3)
+                refused = alembic_process(dsn, "upgrade", target)
+                assert refused.returncode != 0
+                assert (
+                    "hoper.v3.gate-old-table-retired: precondition old-table-drained:outbox "
+                    'failed: 3 unpublished rows remain in "public"."outbox"'
+                ) in refused.stderr
+                assert "Traceback" not in refused.stderr
+                assert version_of(conn) == TARGETS["V2"]
             drain_previous(conn, phase)
             alembic(monkeypatch, dsn, "upgrade", target)
             assert version_of(conn) == target
@@ -116,6 +128,8 @@ def test_example_online_phase_by_phase_and_offline_with_psql(
         insert_rows(conn, "outbox", 100, published=True)
         insert_rows(conn, "outbox", 5)
         for phase, start, target in phases():
+            if phase == "V3":
+                insert_rows(conn, "outbox", 3)  # the same straggler as online
             drain_previous(conn, phase)
             text = alembic(monkeypatch, other_dsn, "upgrade", f"{start}:{target}", "--sql")
             assert "RAISE EXCEPTION 'outbox-migrate: precondition of" in text
