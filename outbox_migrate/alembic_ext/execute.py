@@ -151,10 +151,17 @@ def _runner(
     autocommit mode, where each step opens and commits its own transaction."""
     from psycopg.pq import TransactionStatus
 
-    from outbox_migrate.runner import Runner
+    from outbox_migrate.runner import Runner, ledger
 
+    if joined:
+        # Before the revision's transaction does anything: create the ledger in its own
+        # short transaction, so the setup lock is not held while the step runs.
+        with ctx.autocommit_block():
+            ledger.ensure_schema(_driver(ctx))
     block = nullcontext() if joined else ctx.autocommit_block()
     with block:
+        if not joined:
+            ledger.ensure_schema(_driver(ctx))
         conn = _driver(ctx)
         if joined and conn.info.transaction_status == TransactionStatus.IDLE:
             # SQLAlchemy begins lazily; start the revision's transaction now so the step's

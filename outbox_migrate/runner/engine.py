@@ -121,13 +121,14 @@ class Runner:
         On an autocommit connection every step gets its own transaction, as with `run`; on a
         connection inside a transaction the step's work joins it (lock-budget attempts become
         savepoints) and commits when its owner commits. Leaving the `with` block releases the
-        advisory lock instead of closing the connection.
+        advisory lock instead of closing the connection. The ledger schema must exist
+        (`ledger.ensure_schema`, run outside the transaction being joined so its setup lock
+        is not held for the whole step).
         """
         runner = cls("", settings, pattern, include_optional=include_optional, events=events)
         runner._conn = conn
         runner._borrowed = True
         runner._job_dsn = None  # the copy-back job's adaptive throttle needs its own DSN
-        ledger.ensure_schema(conn)
         return runner
 
     # -- lifecycle ---------------------------------------------------------------------------

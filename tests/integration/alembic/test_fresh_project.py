@@ -203,3 +203,68 @@ def test_offline_precondition_aborts_and_leaves_nothing_half_applied(
         assert conn.execute(
             "SELECT count(*) FROM pg_constraint WHERE conname = 'outbox_published_check'"
         ).fetchone() == (0,)
+
+
+PROBE = '''"""probe: the session settings a later, ordinary revision runs with
+
+Revision ID: probe01
+Revises: {down}
+"""
+from alembic import op
+
+revision = "probe01"
+down_revision = "{down}"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.execute(
+        "CREATE TABLE probe AS SELECT current_setting('lock_timeout') AS lock_timeout, "
+        "current_setting('statement_timeout') AS statement_timeout"
+    )
+
+
+def downgrade() -> None:
+    op.execute("DROP TABLE probe")
+'''
+
+
+@pytest.mark.parametrize("layout", ["project", "project_per_migration"])
+def test_step_timeouts_never_reach_the_next_revision(
+    layout: str, request: pytest.FixtureRequest, dsn: str
+) -> None:
+    ini: Path = request.getfixturevalue(layout)
+    targets = generate("hop", SETTINGS, ini.parent, tag="s1").phase_targets
+    versions = ini.parent / "migrations" / "versions"
+    (versions / "probe01_probe.py").write_text(PROBE.format(down=targets["V2"]))
+    config = config_for(ini, dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        command.upgrade(config, "probe01")  # V2's five steps, then the probe, one session
+        assert conn.execute("SELECT lock_timeout, statement_timeout FROM probe").fetchone() == (
+            "0",
+            "0",
+        )
+        assert version_of(conn) == "probe01"
+
+
+def test_phase_revisions_online(project_per_migration: Path, dsn: str) -> None:
+    """`--split phase`: op.outbox_phase forward, op.outbox_reverse_phase back, forward again."""
+    from outbox_migrate.alembic_ext.revisions import Split
+
+    ini = project_per_migration
+    result = generate("hop", SETTINGS, ini.parent, tag="f1", split=Split.PHASE)
+    assert [r["revision"] for r in result.revisions] == ["f1_hop_v2", "f1_hop_v3"]
+    assert "op.outbox_phase(" in Path(result.revisions[0]["path"]).read_text()
+    config = config_for(ini, dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        command.upgrade(config, "f1_hop_v2")
+        assert sorted(partitions(conn)) == ["outbox_published", "outbox_unpublished"]
+        command.downgrade(config, APP_REVISION)
+        assert conn.execute("SELECT to_regclass('outbox_new')").fetchone() == (None,)
+        command.upgrade(config, "f1_hop_v2")
+        assert version_of(conn) == "f1_hop_v2"
+        with Runner(dsn, SETTINGS, "hop") as runner:
+            assert runner.current_phase() == "V2"
