@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import time
 import uuid
@@ -37,6 +38,8 @@ BATCH_ROWS = 10_000
 FOREGROUND_PACE_PER_S = 500
 """Foreground single-row inserts per second (open loop: paced, not back-to-back)."""
 BASELINE_S = 3.0
+RATE_CAP_ROWS_PER_S = 100_000.0
+"""The `--rate` of the third foreground run (probe back-off plus a ceiling)."""
 
 SQL_LIMIT = """
 DO $$
@@ -123,15 +126,14 @@ def run_sql_limit(srv: pgserver.Server, template: str, rows: int) -> float:
         drop(srv, db)
 
 
-def foreground(dsn: str, seconds: float, pace: float, out: Any) -> None:
-    """A paced single-row writer: (wall-clock start, latency s) per insert."""
+def foreground(dsn: str, stop: Any, pace: float, out: Any) -> None:
+    """A paced single-row writer until `stop` is set: (wall-clock start, latency s) each."""
     samples = []
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("INSERT INTO outbox_new (payload) VALUES ('{}')")
         interval = 1.0 / pace
-        deadline = time.time() + seconds
         next_at = time.time()
-        while time.time() < deadline:
+        while not stop.is_set():
             now = time.time()
             if now < next_at:
                 time.sleep(next_at - now)
@@ -169,15 +171,15 @@ def run_copy_back(
 
 
 def run_with_foreground(
-    srv: pgserver.Server, template: str, rows: int, policy: ThrottlePolicy, copy_s_hint: float
+    srv: pgserver.Server, template: str, rows: int, policy: ThrottlePolicy
 ) -> dict[str, Any]:
     """Baseline, then the copy, with one paced writer across both; latencies split by time."""
     db = clone(srv, template)
     dsn = srv.dsn(db)
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
-    total_s = 1.0 + BASELINE_S + copy_s_hint * 3 + 5.0
-    proc = ctx.Process(target=foreground, args=(dsn, total_s, FOREGROUND_PACE_PER_S, writer))
+    stop = ctx.Event()
+    proc = ctx.Process(target=foreground, args=(dsn, stop, FOREGROUND_PACE_PER_S, writer))
     proc.start()
     try:
         time.sleep(1.0 + BASELINE_S)
@@ -187,12 +189,13 @@ def run_with_foreground(
             t0 = time.time()
             result = job.run()
             t1 = time.time()
+        stop.set()
+        if not reader.poll(60):
+            raise RuntimeError("the foreground writer died without reporting")
         samples: list[tuple[float, float]] = reader.recv()
         proc.join()
         base = [lat for t, lat in samples if t < t0 and t > t0 - BASELINE_S]
         during = [lat for t, lat in samples if t0 <= t <= t1]
-        if t1 > samples[-1][0]:
-            print("  (warning: the foreground writer stopped before the copy ended)")
         return {
             "rows_per_s": result.inserted_rows / (t1 - t0),
             "paused_s": result.paused_s,
@@ -221,9 +224,12 @@ def main() -> None:
         sizes.append(10_000_000)
     srv = pgserver.start(args.pg)
     try:
-        print(f"PostgreSQL {srv.full_version}; batch {BATCH_ROWS:,} rows")
+        load = os.getloadavg()[0]
+        print(f"PostgreSQL {srv.full_version}; batch {BATCH_ROWS:,} rows; {os.cpu_count()} CPUs;"
+              f" load average {load:.1f} (other work on the machine skews figures)")  # fmt: skip
         unthrottled = ThrottlePolicy(adaptive=False)
         throttled = ThrottlePolicy(adaptive=True)
+        capped = ThrottlePolicy(adaptive=True, rate_rows_per_s=RATE_CAP_ROWS_PER_S)
         rates: dict[int, float] = {}
         for rows in sizes:
             print(f"\n== {rows:,} rows")
@@ -237,12 +243,13 @@ def main() -> None:
                   f"SQL limit; verify {ours[0]['verify_s']:.2f}s "
                   f"({rows / ours[0]['verify_s']:,.0f} rows/s)")  # fmt: skip
             if not args.no_foreground:
-                hint = rows / rate
-                fast = run_with_foreground(srv, template, rows, unthrottled, hint)
-                slow = run_with_foreground(srv, template, rows, throttled, hint)
-                for label, r in (("unthrottled", fast), ("throttled", slow)):
+                fast = run_with_foreground(srv, template, rows, unthrottled)
+                slow = run_with_foreground(srv, template, rows, throttled)
+                cap = run_with_foreground(srv, template, rows, capped)
+                runs = (("unthrottled", fast), ("adaptive", slow), ("adaptive+100k/s", cap))
+                for label, r in runs:
                     print(
-                        f"  foreground inserts ({FOREGROUND_PACE_PER_S}/s), {label:<11}: "
+                        f"  foreground inserts ({FOREGROUND_PACE_PER_S}/s), {label:<15}: "
                         f"without copy p50 {r['base_p50']:.2f} ms p99 {r['base_p99']:.2f} ms | "
                         f"during copy p50 {r['p50']:.2f} ms p99 {r['p99']:.2f} ms "
                         f"({r['p99'] / r['base_p99']:.2f}x p99; copy {r['rows_per_s']:,.0f} "
@@ -251,6 +258,7 @@ def main() -> None:
             drop(srv, template)
         if len(rates) > 1:
             small, large = min(rates), max(rates)
+            print(f"load average at the end {os.getloadavg()[0]:.1f}")
             print(f"\nrate at {large:,} = {100 * rates[large] / rates[small]:.0f} % of the rate "
                   f"at {small:,}")  # fmt: skip
     finally:

@@ -164,10 +164,13 @@ def _show(report: MaintenanceReport, as_json: bool, *, compact: bool = False) ->
     from outbox_migrate.cli.console import table, text
 
     text(f"maintenance pass at {report.started_at} ({report.seconds:.1f}s)")
-    if report.autovacuum is not None:
-        av = report.autovacuum
+    for av in report.autovacuum:
         state = "applied" if av.applied else ("ok" if av.ok else "differs")
         text(f"  autovacuum on {av.table}: {state}" + (f" ({av.error})" if av.error else ""))
+    if report.time_partitions is not None:
+        tp = report.time_partitions
+        text(f"  time partitions of {tp.table}: created {', '.join(tp.created) or 'none'};"
+             f" dropped {', '.join(tp.dropped) or 'none'}")  # fmt: skip
     rows = []
     for o in report.indexes:
         after = f"{o.after.bloat_pct:.1f}" if o.after else ""

@@ -30,7 +30,7 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import OutboxMigrateError
-from outbox_migrate.jobs import autovacuum, bloat, reindex, retention
+from outbox_migrate.jobs import autovacuum, bloat, common, reindex, retention, time_partitions
 from outbox_migrate.jobs.autovacuum import DEFAULT_EVERY_ROWS
 from outbox_migrate.jobs.common import Relation
 from outbox_migrate.jobs.errors import MaintenanceError, ReindexFailed, ReindexRefused
@@ -60,6 +60,10 @@ class MaintenanceOptions:
     retention: timedelta | None = None
     retention_batch_blocks: int = DEFAULT_BATCH_BLOCKS
     retention_max_rows_per_s: float = DEFAULT_MAX_ROWS_PER_S
+    partition_interval: time_partitions.Interval = "month"
+    """Period of new sub-partitions when the published partition is RANGE-partitioned."""
+    partitions_ahead: int = 2
+    """Periods after the current one kept created ahead."""
 
 
 IndexStatus = Literal["ok", "reindexed", "refused", "failed", "small", "untrusted", "skipped"]
@@ -82,10 +86,12 @@ class MaintenanceReport:
     started_at: str
     unpublished: str
     published: str | None
-    autovacuum: autovacuum.AutovacuumCheck | None = None
+    autovacuum: list[autovacuum.AutovacuumCheck] = field(default_factory=list)
+    """One check per leaf table of the published partition."""
     vacuumed: bool = False
     indexes: list[IndexOutcome] = field(default_factory=list)
     retention: retention.RetentionResult | None = None
+    time_partitions: time_partitions.TimePartitionResult | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -93,10 +99,17 @@ class MaintenanceReport:
     def problems(self) -> list[str]:
         """What an operator (or a CronJob's exit code) should hear about."""
         found = [o.message for o in self.indexes if o.status in ("refused", "failed")]
-        if self.autovacuum is not None and not self.autovacuum.ok:
+        for check in self.autovacuum:
+            if not check.ok:
+                found.append(
+                    f"autovacuum settings of {check.table} differ from the spec's"
+                    + (f": {check.error}" if check.error else "")
+                )
+        if self.time_partitions is not None and self.time_partitions.busy:
             found.append(
-                f"autovacuum settings of {self.autovacuum.table} differ from the spec's"
-                + (f": {self.autovacuum.error}" if self.autovacuum.error else "")
+                "could not get the lock to attach/detach "
+                + ", ".join(self.time_partitions.busy)
+                + " (retried next pass)"
             )
         return found
 
@@ -212,6 +225,40 @@ def _maintain_index(
     return IndexOutcome(name, "reindexed", before, after, done.seconds, window=done.window)
 
 
+def _leaves(conn: psycopg.Connection[Any], table: Relation) -> list[Relation]:
+    rows = conn.execute(
+        "SELECT n.nspname, c.relname FROM pg_partition_tree(%s::oid) t"
+        " JOIN pg_class c ON c.oid = t.relid JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE t.isleaf ORDER BY c.relname",
+        (common.oid_of(conn, table),),
+    ).fetchall()
+    return [Relation(str(r[0]), str(r[1])) for r in rows]
+
+
+def _time_partitions(
+    conn: psycopg.Connection[Any],
+    spec: OutboxSpec,
+    published: Relation,
+    options: MaintenanceOptions,
+    report: MaintenanceReport,
+) -> None:
+    """Retention by partition drop when the published partition is RANGE-partitioned on the
+    publication time; nothing to do (batched deletes apply) otherwise."""
+    if time_partitions.range_key(conn, published) != spec.published_column:
+        return
+    result = time_partitions.TimePartitionResult(str(published))
+    time_partitions.ensure_ahead(
+        conn, published, spec.published_column,
+        interval=options.partition_interval, ahead=options.partitions_ahead, result=result,
+    )  # fmt: skip
+    if options.retention is not None:
+        if retention.copy_back_pending(conn, published):
+            report.notes.append("retention skipped: HOPER copy-back into it is not finished")
+        else:
+            time_partitions.drop_expired(conn, published, options.retention, result=result)
+    report.time_partitions = result
+
+
 def maintain_once(
     conn: psycopg.Connection[Any],
     spec: OutboxSpec,
@@ -231,12 +278,15 @@ def maintain_once(
         published=str(parts.published) if parts.published else None,
     )
     if parts.published is not None:
-        report.autovacuum = autovacuum.ensure(
-            conn,
-            parts.published,
-            autovacuum.published_settings(options.published_every_rows),
-            apply=options.apply_autovacuum,
-        )
+        # Time sub-partitions first, so a sub-partition created now gets its settings below.
+        _time_partitions(conn, spec, parts.published, options, report)
+        expected = autovacuum.published_settings(options.published_every_rows)
+        # Storage parameters live on leaf tables: a sub-partitioned published partition
+        # gets them on every sub-partition.
+        report.autovacuum = [
+            autovacuum.ensure(conn, leaf, expected, apply=options.apply_autovacuum)
+            for leaf in _leaves(conn, parts.published)
+        ]
     else:
         report.notes.append("no DEFAULT (published) partition attached: autovacuum skipped")
     if options.vacuum_unpublished:
@@ -248,7 +298,11 @@ def maintain_once(
         if stop is not None and stop.is_set():
             break
         report.indexes.append(_maintain_index(conn, parts.unpublished, oid, name, options))
-    if options.retention is not None and parts.published is not None:
+    if (
+        options.retention is not None
+        and parts.published is not None
+        and report.time_partitions is None
+    ):
         report.retention = retention.delete_published_before(
             conn,
             parts.published,
