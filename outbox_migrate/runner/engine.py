@@ -264,9 +264,10 @@ class Runner:
         )
 
     def execute_step(self, step_id: str) -> RunResult:
-        """Run one named step as `run` would: same ordering rule, preconditions, lock budget,
-        ledger. Earlier steps must be done; one done outside the ledger (offline SQL) is
-        adopted when its postcondition holds, and a gate is re-checked."""
+        """Run one named step as `run` would: same deploy-boundary rule, preconditions, lock
+        budget, ledger. Every earlier step must be done; one done outside the ledger (offline
+        SQL) is adopted when its postcondition holds (or a later step deliberately undid it),
+        and an earlier deploy gate is checked again."""
         step = self.step(step_id)
         self.acquire()
         migration = self._open()
@@ -275,16 +276,26 @@ class Runner:
         if step.id in rows and rows[step.id].state == "done":
             result.skipped.append(step.id)
             return self._finish(migration, result, step.phase)
-        for earlier in steps_to_run(self.pattern, rows, step.phase):
-            if earlier.id == step.id:
-                break
+        steps = self.pattern.steps()
+        before = steps[: steps.index(step)]
+        for index, earlier in enumerate(before):
+            row = rows.get(earlier.id)
+            if row is not None and row.state == "done":
+                continue
+            undone = any(later.kind in earlier.undone_by for later in before[index + 1 :])
+            if undone:  # its effect is gone on purpose; the undoing step is proven below
+                ledger.mark(self.conn, migration.id, earlier.id, "done")
+                result.adopted.append(earlier.id)
+                continue
             proven = bool(earlier.postcondition) and not self._violations(earlier.postcondition)
             if not proven and earlier.tx is not TxMode.NONE:
                 raise OutOfOrder(
                     f"{step.id} needs {earlier.id} first, and it is not done "
                     "(apply the revisions in order)"
                 )
-            self._execute(migration, earlier, rows.get(earlier.id), result)
+            self._execute(migration, earlier, row, result)
+        rows = self._rows(migration)
+        steps_to_run(self.pattern, rows, step.phase)  # the deploy-boundary rule of `run`
         self._execute(migration, step, rows.get(step.id), result)
         return self._finish(migration, result, step.phase)
 

@@ -268,3 +268,46 @@ def test_phase_revisions_online(project_per_migration: Path, dsn: str) -> None:
         assert version_of(conn) == "f1_hop_v2"
         with Runner(dsn, SETTINGS, "hop") as runner:
             assert runner.current_phase() == "V2"
+
+
+def test_offline_then_online_adopts_what_psql_applied(
+    project_per_migration: Path, pg_server: Server, dsn: str
+) -> None:
+    """V2 to V4 applied by a DBA from `--sql`, copy-back online: the runner adopts the earlier
+    steps (postconditions hold, or a later step undid them on purpose, like the CHECK the
+    swap no longer needs) instead of running them again; the ledger ends completed."""
+    ini = project_per_migration
+    targets = generate("hoper", SETTINGS, ini.parent, tag="m1").phase_targets
+    pattern = hoper()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        seed(conn)
+        previous = None
+        for index, phase in enumerate(pattern.phases[1:4], start=1):
+            before_phase(conn, pattern, index)
+            text = offline_sql(ini, dsn, previous, targets[phase.name])
+            assert psql(pg_server, dsn, text).returncode == 0, phase.name
+            act_as(conn, phase)
+            previous = targets[phase.name]
+        command.upgrade(config_for(ini, dsn), targets["copy-back"])
+        assert version_of(conn) == targets["copy-back"]
+    with Runner(dsn, SETTINGS, "hoper") as runner:
+        status = runner.status()
+        assert runner.verify() == []
+    assert status["state"] == "completed"
+    assert [s["state"] for s in status["steps"]] == ["done"] * len(pattern.steps())
+
+
+def test_a_step_refuses_to_run_before_the_one_it_needs(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+    with Runner(dsn, SETTINGS, "hop") as runner:
+        with pytest.raises(OutOfOrder, match=r"needs hop\.v2\.create-partitioned-table first"):
+            runner.execute_step("hop.v2.create-unpublished-partition")
+        assert runner.execute_step("hop.v2.create-partitioned-table").ran == [
+            "hop.v2.create-partitioned-table"
+        ]
+        assert runner.execute_step("hop.v2.create-partitioned-table").skipped == [
+            "hop.v2.create-partitioned-table"
+        ]
+        assert runner.reverse_step("hop.v2.create-unpublished-index") is False  # never applied
+        assert runner.reverse_step("hop.v2.create-partitioned-table") is True
