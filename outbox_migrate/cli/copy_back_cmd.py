@@ -37,6 +37,14 @@ NoAdaptiveOption = Annotated[
         help="Do not back off on replica lag or probe latency (the --rate ceiling still holds).",
     ),
 ]
+FromStartOption = Annotated[
+    bool,
+    typer.Option(
+        "--from-start",
+        help="Ignore the high-water mark and walk the whole source again (re-copies rows "
+        "missing from the target; rows present are skipped).",
+    ),
+]
 MaxLagOption = Annotated[
     float,
     typer.Option("--max-replica-lag", min=0, help="Pause while a replica lags more (seconds)."),
@@ -60,6 +68,7 @@ def copy_back(
     rate: RateOption = None,
     no_drop: NoDropOption = False,
     no_adaptive: NoAdaptiveOption = False,
+    from_start: FromStartOption = False,
     max_replica_lag: MaxLagOption = 5.0,
     schema: SchemaOption = None,
     table: TableOption = None,
@@ -107,21 +116,21 @@ def copy_back(
         if human:
             from outbox_migrate.cli.console import RowProgress, text
 
-            if plan.high_water is not None:
+            if plan.high_water is not None and not from_start:
                 text(f"resuming after id {plan.high_water}: {plan.remaining_rows:,} of "
                      f"{plan.source_rows:,} rows left")  # fmt: skip
             text(f"copying {plan.source} → {plan.target}")
             with RowProgress("copy-back", plan.source_rows) as bar:
-                done_before = plan.source_rows - plan.remaining_rows
+                done_before = 0 if from_start else plan.source_rows - plan.remaining_rows
                 bar.update(done_before, plan.source_rows, 0.0, None)
 
                 def show(p: CopyProgress) -> None:
                     note = f"paused {p.pause_s:.2f}s" if p.pause_s >= 0.05 else ""
                     bar.update(p.copied_rows, p.total_rows, p.rows_per_s, p.eta_s, note)
 
-                result = job.run(progress=show)
+                result = job.run(progress=show, from_start=from_start)
         else:
-            result = job.run()
+            result = job.run(from_start=from_start)
         verification = job.verify()
         summary = {
             "source": plan.source,

@@ -32,7 +32,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import OutboxMigrateError, SchemaError, UsageError
+from outbox_migrate.errors import ExitCode, OutboxMigrateError, SchemaError, UsageError
 from outbox_migrate.jobs import common
 from outbox_migrate.jobs.common import Relation
 from outbox_migrate.jobs.throttle import Impact, LatencyProbe, Throttle, ThrottlePolicy
@@ -53,6 +53,12 @@ PROGRESS_TABLE = "copy_back_progress"
 
 class CopyBackError(OutboxMigrateError):
     """The copy-back cannot proceed in the current state (names what is wrong)."""
+
+
+class CopyBackBusy(OutboxMigrateError):
+    """Another process is already copying this source into this target."""
+
+    exit_code = ExitCode.BUSY
 
 
 class VerificationFailed(OutboxMigrateError):
@@ -441,18 +447,50 @@ class CopyBack:
         self,
         progress: ProgressCallback | None = None,
         stop: threading.Event | None = None,
+        *,
+        from_start: bool = False,
     ) -> CopyResult:
-        """Copy the rows above the persisted high-water mark; returns when done or stopped."""
+        """Copy the rows above the persisted high-water mark; returns when done or stopped.
+
+        `from_start` ignores the mark and walks the whole source again: rows already in the
+        target are skipped, missing ones (deleted after they were copied) are copied again.
+
+        One copier per (source, target): a session advisory lock makes a second one raise
+        `CopyBackBusy` instead of copying the same batches in parallel.
+        """
         plan = self.plan()
         if plan.state == "done":
             return CopyResult(0, 0, 0, 0.0, 0.0, plan.high_water, plan.high_water, False)
+        locked = self.conn.execute(
+            "SELECT pg_try_advisory_lock(hashtext(%s))", (self.lock_key,)
+        ).fetchone()
+        if not (locked and locked[0]):
+            raise CopyBackBusy(f"another copy-back of {self.source} into {self.target} is running")
+        try:
+            return self._run(plan, progress, stop, from_start)
+        finally:
+            self.conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (self.lock_key,))
+
+    @property
+    def lock_key(self) -> str:
+        """Text of the advisory lock (`hashtext`) that admits one copier per pair."""
+        return f"outbox-migrate:copy-back:{self.source}:{self.target}"
+
+    def _run(
+        self,
+        plan: CopyPlan,
+        progress: ProgressCallback | None,
+        stop: threading.Event | None,
+        from_start: bool,
+    ) -> CopyResult:
         self.ensure_state_table()
         self.ensure_source_index()
         state = self._start_state(plan.source_rows)
-        high_water: int | None = state["high_water"]
+        high_water: int | None = None if from_start else state["high_water"]
         resumed_from = high_water
-        already = int(state["rows_inserted"]) + int(state["rows_present"])
-        total = max(plan.source_rows, already + plan.remaining_rows)
+        already = 0 if from_start else int(state["rows_inserted"]) + int(state["rows_present"])
+        remaining = plan.source_rows if from_start else plan.remaining_rows
+        total = max(plan.source_rows, already + remaining)
         statement = self._batch_statement(plan.columns)
         key = dict(zip(("ss", "st", "ts", "tt"), self._key(), strict=True))
 

@@ -19,6 +19,7 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
 from outbox_migrate.jobs.copy_back import (
     CopyBack,
+    CopyBackBusy,
     CopyBackError,
     CopyBackOptions,
     VerificationFailed,
@@ -159,6 +160,17 @@ def test_corrupted_rows_are_named_and_the_drop_is_refused(
     assert "was not dropped" in errors[0]
     assert _exists(conn, "outbox_published")
 
+    # --from-start re-copies the deleted row; the changed one is still named, still kept.
+    result = _cli("copy-back", "--dsn", dsn, "--no-adaptive", "--from-start", "--format", "json")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert (report["copy"]["inserted_rows"], report["copy"]["present_rows"]) == (1, 29_999)
+    assert report["verification"]["matched_rows"] == 30_000
+    assert report["verification"]["differing_ranges"] == [
+        f"ids [{low}, {low + 100_000}) (rows differ)"
+    ]
+    assert _exists(conn, "outbox_published")
+
 
 def test_rows_already_in_the_target_are_skipped_not_duplicated(
     conn: psycopg.Connection[Any], dsn: str
@@ -280,3 +292,15 @@ def test_cli_shows_rows_rate_and_eta(conn: psycopg.Connection[Any], dsn: str) ->
     assert "rows/s" in result.stderr and "ETA" in result.stderr
     assert "copied 3,000 rows" in result.stdout
     assert "dropped public.outbox_published" in result.stdout
+
+
+def test_a_second_copier_is_refused(conn: psycopg.Connection[Any], dsn: str) -> None:
+    spec = build_after_v4(conn, old_rows=10, published_rows=1_000)
+    job = CopyBack(conn, spec, UNTHROTTLED, dsn=dsn)
+    with psycopg.connect(dsn, autocommit=True) as other:
+        other.execute("SELECT pg_advisory_lock(hashtext(%s))", (job.lock_key,))
+        with pytest.raises(CopyBackBusy, match="another copy-back"):
+            job.run()
+        result = _cli("copy-back", "--dsn", dsn, "--no-adaptive")
+        assert result.returncode == 3, result.stderr
+    assert job.run().inserted_rows == 1_000  # free again
