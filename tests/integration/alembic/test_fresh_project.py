@@ -20,7 +20,7 @@ from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.patterns.model import Pattern
 from outbox_migrate.runner import Runner
-from outbox_migrate.runner.errors import OutOfOrder, PreconditionFailed
+from outbox_migrate.runner.errors import LockBudgetExceeded, OutOfOrder, PreconditionFailed
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from outbox_migrate.testing.server import Server
 from tests.integration.alembic.conftest import APP_REVISION
@@ -311,3 +311,32 @@ def test_a_step_refuses_to_run_before_the_one_it_needs(dsn: str) -> None:
         ]
         assert runner.reverse_step("hop.v2.create-unpublished-index") is False  # never applied
         assert runner.reverse_step("hop.v2.create-partitioned-table") is True
+
+
+@pytest.mark.parametrize("layout", ["project", "project_per_migration"])
+def test_lock_budget_online_names_the_blocker_and_applies_nothing(
+    layout: str, request: pytest.FixtureRequest, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session holding ACCESS EXCLUSIVE on the outbox: the step retries under
+    lock_timeout until its budget is spent, fails naming the blocker, and neither the step
+    nor alembic_version moved; once the blocker is gone the same upgrade succeeds."""
+    ini: Path = request.getfixturevalue(layout)
+    monkeypatch.setenv("OUTBOX_MIGRATE_LOCK_BUDGET_S", "1")
+    monkeypatch.setenv("OUTBOX_MIGRATE_LOCK_TIMEOUT_MS", "50")
+    targets = generate("hop", SETTINGS, ini.parent, tag="l1").phase_targets
+    config = config_for(ini, dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        command.upgrade(config, APP_REVISION)
+        with psycopg.connect(dsn, autocommit=True) as blocker:
+            blocker.execute("SET application_name = 'long-report'")
+            with blocker.transaction():
+                blocker.execute("LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE")
+                with pytest.raises(AlembicStepError, match="could not take its locks") as failed:
+                    command.upgrade(config, targets["V2"])
+        assert isinstance(failed.value.error, LockBudgetExceeded)
+        assert "long-report" in str(failed.value)
+        assert version_of(conn) == APP_REVISION
+        assert conn.execute("SELECT to_regclass('outbox_new')").fetchone() == (None,)
+        command.upgrade(config, targets["V2"])
+        assert version_of(conn) == targets["V2"]
