@@ -128,9 +128,9 @@ def copy_back(
                     note = f"paused {p.pause_s:.2f}s" if p.pause_s >= 0.05 else ""
                     bar.update(p.copied_rows, p.total_rows, p.rows_per_s, p.eta_s, note)
 
-                result = job.run(progress=show, from_start=from_start)
+                result = job.run(progress=show, from_start=from_start, plan=plan)
         else:
-            result = job.run(from_start=from_start)
+            result = job.run(from_start=from_start, plan=plan)
         verification = job.verify()
         summary = {
             "source": plan.source,

@@ -449,6 +449,7 @@ class CopyBack:
         stop: threading.Event | None = None,
         *,
         from_start: bool = False,
+        plan: CopyPlan | None = None,
     ) -> CopyResult:
         """Copy the rows above the persisted high-water mark; returns when done or stopped.
 
@@ -458,7 +459,8 @@ class CopyBack:
         One copier per (source, target): a session advisory lock makes a second one raise
         `CopyBackBusy` instead of copying the same batches in parallel.
         """
-        plan = self.plan()
+        # A plan the caller just made saves counting the source twice (a full scan).
+        plan = plan or self.plan()
         if plan.state == "done":
             return CopyResult(0, 0, 0, 0.0, 0.0, plan.high_water, plan.high_water, False)
         locked = self.conn.execute(
