@@ -47,6 +47,7 @@ INSERT_CHUNK = 200_000
 CLAIM_SAMPLES = 1000
 NO_CURSOR_MAX_S = 10.0
 ACK_LATENCY_S = 0.005
+LATENCY_ROWS = 20_000
 
 
 def reset(conn: psycopg.Connection, rows: int, *, flat: bool = False) -> None:
@@ -98,6 +99,7 @@ def sql_only(
         if sharded and claimers > 1:
             params.update(shards=claimers, mine=[index])
         with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(queries.claim_session_settings())  # as the relay's sessions do
             batches = retries = marked = 0
             while deadline is None or time.monotonic() < deadline:
                 try:
@@ -267,20 +269,21 @@ def section_claimers(dsn: str, conn: psycopg.Connection, rows: int, batch: int, 
           f"median of {reps}")  # fmt: skip
     print(f"{'claimers':>8} {'plain rows/s':>13} {'plain 40001':>12} {'sharded rows/s':>15} "
           f"{'sharded 40001':>14} {'relay rows/s':>13} {'relay 40001':>12} "
-          f"{'relay, 5 ms acks':>17} {'40001':>6}")  # fmt: skip
+          f"{'relay, 5 ms acks, batch 100':>28} {'40001':>6}")  # fmt: skip
     for claimers in (1, 2, 4):
         plain = measure(reps, sql_rate(dsn, conn, rows, batch, claimers, False))
         sharded = measure(reps, sql_rate(dsn, conn, rows, batch, claimers, True))
         relay = measure(reps, relay_rate(dsn, conn, rows, batch, claimers, Mode.partitioned))
-        slow = measure(reps, relay_rate(dsn, conn, rows, batch, claimers, Mode.partitioned,
-                                        ACK_LATENCY_S))  # fmt: skip
+        slow = measure(reps, relay_rate(dsn, conn, LATENCY_ROWS, 100, claimers,
+                                        Mode.partitioned, ACK_LATENCY_S))  # fmt: skip
         print(
             f"{claimers:>8} {plain[0]:>13,.0f} {plain[1]:>12.1%} {sharded[0]:>15,.0f} "
-            f"{sharded[1]:>14.1%} {relay[0]:>13,.0f} {relay[1]:>12.1%} {slow[0]:>17,.0f} "
+            f"{sharded[1]:>14.1%} {relay[0]:>13,.0f} {relay[1]:>12.1%} {slow[0]:>28,.0f} "
             f"{slow[1]:>6.1%}"
         )
     print("(40001 = share of claim statements that failed with SQLSTATE 40001 and were retried;")
-    print(" '5 ms acks': the sink waits 5 ms per batch, like a broker's acknowledgement)")
+    print(f" '5 ms acks': {LATENCY_ROWS:,} rows, the sink waits 5 ms per batch of 100 like a "
+          "broker's acknowledgement)")  # fmt: skip
 
 
 def claim_latencies(dsn: str, flat: bool, batch: int) -> list[float]:

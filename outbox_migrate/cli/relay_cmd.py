@@ -69,6 +69,13 @@ def relay(
         str, typer.Option(help="Topic / routing key / subject / stream name.")
     ] = "outbox",
     sink_timeout: Annotated[float, typer.Option(help="Seconds to wait for acks.")] = 10.0,
+    sink_option: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="KEY=VALUE for the sink, repeatable: exchange (rabbitmq), stream (nats), "
+            "maxlen (redis), retries (http), librdkafka settings such as linger.ms (kafka)."
+        ),
+    ] = None,
     key_column: Annotated[
         str | None, typer.Option(help="Column used as the broker key [message_key].")
     ] = None,
@@ -155,7 +162,13 @@ def relay(
         switch_gate=_choice(SwitchGate, switch_gate, "--switch-gate"),
         old_app_name=settings.old_app_name,
     )
-    config = sinks.SinkConfig(url=sink_url, target=target, timeout_s=sink_timeout)
+    extra: dict[str, str] = {}
+    for item in sink_option or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--sink-option: expected KEY=VALUE, got {item!r}")
+        extra[key] = value
+    config = sinks.SinkConfig(url=sink_url, target=target, timeout_s=sink_timeout, extra=extra)
     observer: relay_metrics.Observer | None = None
     server = None
     if metrics_port is not None:

@@ -172,6 +172,11 @@ def claim_and_mark(source: Source, *, sharded: bool) -> sql.Composed:
     )
 
 
+def claim_session_settings() -> sql.SQL:
+    """Settings of a claiming session: walk the id index, never scan-and-sort (see worker)."""
+    return sql.SQL("SET enable_sort = off")
+
+
 def try_lock_shards() -> sql.SQL:
     """Session advisory locks on the shards that are free (params: key, shards int[])."""
     return sql.SQL(

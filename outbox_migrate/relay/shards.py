@@ -55,7 +55,9 @@ class ShardLease:
         self._next_check = now + REBALANCE_S
         before = set(self.owned)
         wanted = [s for s in self.home if s not in self.owned]
-        if idle or not self.owned:
+        # Adopt other shards only when idle (or a pure standby): a worker that just started
+        # must not take its siblings' home shards before they had a chance to start.
+        if idle or not self.home:
             wanted += [s for s in range(self.count) if s not in self.owned and s not in wanted]
         if wanted:
             rows = conn.execute(

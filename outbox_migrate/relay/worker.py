@@ -517,6 +517,11 @@ class _Worker:
         relay, options, lease = self.relay, self.relay.options, self.lease
         if self.conn is None:
             self.conn = connect(relay.dsn, application_name=relay.application_name)
+            # The planner cannot know that `mod(id, n) = ANY(mine)` keeps 1/n of the rows; it
+            # guesses 0.5 % and picks "scan the whole partition, then sort" over walking the
+            # id index — 40 ms instead of 0.5 ms per claim at 100k rows. Every statement of
+            # this session wants index order, so sorting is ruled out for the session.
+            self.conn.execute(queries.claim_session_settings())
             relay._conns[self.index] = self.conn
             lease.lost()
         if self.sink is None:

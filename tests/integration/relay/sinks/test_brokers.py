@@ -272,3 +272,24 @@ def test_http_4xx_is_a_permanent_rejection(dsn: str, partitioned: psycopg.Connec
     assert relay.stats.dead_lettered == 3
     row = partitioned.execute("SELECT count(*), min(last_error) FROM outbox_dead_letter").fetchone()
     assert row == (3, "HTTP 422")
+
+
+@pytest.mark.broker("nats")
+def test_cli_nats_with_sink_options(
+    dsn: str, partitioned: psycopg.Connection, nats_url: str
+) -> None:
+    import subprocess
+    import sys
+
+    insert_rows(partitioned, "outbox_new", 30, spec=SPEC)
+    subject = f"om.cli.{uuid.uuid4().hex[:8]}"
+    stream = f"OM_CLI_{uuid.uuid4().hex[:8]}"
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_migrate", "relay", "--sink", "nats", "--dsn", dsn,
+         "--sink-url", nats_url, "--target", subject, "--sink-option", f"stream={stream}",
+         "--until-empty", "--ordering", "global", "--batch-size", "7"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    received, _headers = _nats_stream_ids(nats_url, stream)
+    assert_exactly(received, ids_in(partitioned, "outbox_new"))
