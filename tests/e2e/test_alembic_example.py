@@ -152,7 +152,8 @@ def test_example_revisions_are_what_generate_writes(tmp_path: Path) -> None:
     fresh = sorted(p.name for p in (copy / "versions").glob("0002_*.py"))
     shipped = sorted(p.name for p in (EXAMPLE / "versions").glob("0002_*.py"))
     assert fresh == shipped, (
-        "regenerate: outbox-migrate alembic generate --pattern hoper --dir alembic --tag 0002"
+        "regenerate: rm alembic/versions/0002_* && "
+        "outbox-migrate alembic generate --pattern hoper --dir alembic --tag 0002"
     )
     for name in fresh:
         assert _body(copy / "versions" / name) == _body(EXAMPLE / "versions" / name), name
