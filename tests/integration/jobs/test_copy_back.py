@@ -241,6 +241,7 @@ def test_custom_names_come_from_the_spec(conn: psycopg.Connection[Any], dsn: str
     assert total == 2_015
 
 
+@pytest.mark.newest_pg_only  # throttling/CLI logic, not server behaviour
 def test_rate_ceiling_holds(conn: psycopg.Connection[Any], dsn: str) -> None:
     spec = build_after_v4(conn, old_rows=10, published_rows=4_000)
     policy = ThrottlePolicy(adaptive=False, rate_rows_per_s=4_000)
@@ -254,6 +255,7 @@ def test_rate_ceiling_holds(conn: psycopg.Connection[Any], dsn: str) -> None:
     assert result.paused_s > 0.5
 
 
+@pytest.mark.newest_pg_only  # throttling/CLI logic, not server behaviour
 def test_a_stuck_foreground_query_makes_the_copy_back_off(
     conn: psycopg.Connection[Any], dsn: str
 ) -> None:
@@ -284,6 +286,7 @@ def test_a_stuck_foreground_query_makes_the_copy_back_off(
     assert result.paused_s >= 0.5  # the lock lasted 1.5 s; pauses of up to 0.25 s each
 
 
+@pytest.mark.newest_pg_only  # throttling/CLI logic, not server behaviour
 def test_cli_shows_rows_rate_and_eta(conn: psycopg.Connection[Any], dsn: str) -> None:
     build_after_v4(conn, old_rows=10, published_rows=3_000)
     result = _cli("copy-back", "--dsn", dsn, "--batch-size", "500", "--rate", "6000")
@@ -294,6 +297,7 @@ def test_cli_shows_rows_rate_and_eta(conn: psycopg.Connection[Any], dsn: str) ->
     assert "dropped public.outbox_published" in result.stdout
 
 
+@pytest.mark.newest_pg_only  # throttling/CLI logic, not server behaviour
 def test_a_second_copier_is_refused(conn: psycopg.Connection[Any], dsn: str) -> None:
     spec = build_after_v4(conn, old_rows=10, published_rows=1_000)
     job = CopyBack(conn, spec, UNTHROTTLED, dsn=dsn)
