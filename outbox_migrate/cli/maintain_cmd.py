@@ -120,6 +120,11 @@ def maintain(
         return
 
     stop = threading.Event()
+    import signal
+
+    # Kubernetes and systemd stop with SIGTERM: finish the current step, then leave cleanly
+    # (a REINDEX CONCURRENTLY cut short would leave an invalid index behind).
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: stop.set())
 
     def on_error(exc: OutboxMigrateError) -> None:
         from outbox_migrate.cli.console import err

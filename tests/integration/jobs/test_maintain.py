@@ -320,3 +320,33 @@ def test_retention_drops_expired_time_partitions_and_creates_ahead(
     conn.execute("UPDATE outbox_new SET published_at = now() WHERE published_at IS NULL")
     again = maintain_once(conn, SPEC, options).time_partitions
     assert again is not None and again.created == [] and again.dropped == []
+
+
+@pytest.mark.newest_pg_only  # the CLI's loop, not server behaviour
+def test_loop_mode_reports_every_interval_and_stops_on_sigterm(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    import signal
+
+    create_partitioned_outbox(conn)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outbox_migrate", "maintain", "--dsn", dsn, "--interval", "1",
+         "--format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        second = json.loads(proc.stdout.readline())
+        assert first["autovacuum"][0]["applied"] is True
+        assert second["autovacuum"][0]["applied"] is False  # already in place
+        assert second["problems"] == []
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
