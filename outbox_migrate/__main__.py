@@ -2,4 +2,5 @@
 
 from outbox_migrate.cli.app import main
 
-main()
+if __name__ == "__main__":  # the guard keeps spawned worker processes from re-running the CLI
+    main()

@@ -1,0 +1,410 @@
+"""The choreographer: rolls application versions like a rolling deploy and runs the runner's
+steps at each boundary, while writers and relays keep the outbox busy.
+
+Per phase: the runner applies the phase's database steps (waiting, as an operator would,
+while a deploy gate says the previous rollout is not finished), then the new version's
+instances start, old and new coexist for a while, and the old ones stop — writers first,
+relays after, so what the old version wrote is still published by someone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from outbox_migrate.config import load_settings
+from outbox_migrate.patterns.model import Phase, PhaseKind, Step, Table
+from outbox_migrate.runner import Runner
+from outbox_migrate.runner.errors import PreconditionFailed
+from outbox_migrate.runner.events import SilentEvents
+from outbox_migrate.runner.locks import AttemptLog
+from outbox_migrate.sim import recording
+from outbox_migrate.sim.actors import RelayResult, WriterResult, relay_main, writer_main
+from outbox_migrate.sim.scenario import APP_NAME_PREFIX, Scenario, relay_mode
+from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
+
+GATE_RETRY_S = 0.5
+GATE_PATIENCE_S = 60.0
+"""How long the choreographer waits for a deploy gate before giving up (a stuck rollout)."""
+WRONG_CHOREOGRAPHY_PATIENCE_S = 6.0
+DRAIN_TIMEOUT_S = 60.0
+MONITOR_INTERVAL_S = 0.5
+READY_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Marker:
+    """A moment on the timeline: a deploy, a step, a refusal."""
+
+    at: float
+    kind: str
+    label: str
+    detail: str = ""
+
+
+@dataclass
+class StepRecord:
+    step: str
+    phase: str
+    started: float
+    finished: float = 0.0
+    outcome: str = ""
+    attempts: int = 0
+    lock_timeouts: int = 0
+    lock_wait_ms: float = 0.0
+
+
+@dataclass
+class Snapshot:
+    """What the live view shows."""
+
+    elapsed_s: float
+    phase: str
+    step: str
+    received: int
+    backlog: int
+    max_lag_s: float
+    insert_rate_per_s: float
+    publish_rate_per_s: float
+
+
+@dataclass
+class RunData:
+    """Everything the report is computed from."""
+
+    scenario: Scenario
+    started: float
+    finished: float = 0.0
+    markers: list[Marker] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    writers: list[WriterResult] = field(default_factory=list)
+    relays: list[RelayResult] = field(default_factory=list)
+    received: dict[str, Any] = field(default_factory=dict)
+    phase_windows: list[tuple[str, float, float]] = field(default_factory=list)
+    refusal: dict[str, Any] | None = None
+    backlog_left: int = 0
+
+
+class _Events(SilentEvents):
+    def __init__(self, owner: Choreographer) -> None:
+        self.owner = owner
+
+    def step_started(self, step: Step, action: str) -> None:
+        if action == "already-done":
+            return
+        self.owner.current_step = step.id
+        self.owner.data.steps.append(StepRecord(step.id, step.phase, time.time()))
+        self.owner.mark("step", step.id)
+
+    def attempt(self, step: Step, log: AttemptLog) -> None:
+        record = self.owner.data.steps[-1]
+        record.attempts += 1
+        if log.outcome == "lock_timeout":
+            record.lock_timeouts += 1
+            record.lock_wait_ms += log.waited_ms
+
+    def step_finished(self, step: Step, outcome: str, elapsed_s: float) -> None:
+        record = self.owner.data.steps[-1]
+        record.finished = time.time()
+        record.outcome = outcome
+        self.owner.current_step = ""
+
+
+class Choreographer:
+    def __init__(
+        self,
+        dsn: str,
+        recording_dsn: str,
+        scenario: Scenario,
+        *,
+        on_snapshot: Callable[[Snapshot], None] | None = None,
+    ) -> None:
+        self.dsn = dsn
+        self.recording_dsn = recording_dsn
+        self.scenario = scenario
+        self.on_snapshot = on_snapshot
+        self.settings = load_settings(
+            {
+                "gate_window_s": scenario.gate_window_s,
+                "lock_timeout_ms": scenario.lock_timeout_ms,
+                "old_app_name": f"{APP_NAME_PREFIX}/V1/%",
+            },
+            environ={},
+        )
+        self.data = RunData(scenario, time.time())
+        self.current_phase = "V1"
+        self.current_step = ""
+        self._ctx = multiprocessing.get_context("spawn")
+        self._results: Any = self._ctx.Queue()
+        self._instances: dict[str, list[tuple[str, Any, Any]]] = {}
+        self._done = threading.Event()
+
+    # -- timeline ----------------------------------------------------------------------------
+
+    def mark(self, kind: str, label: str, detail: str = "") -> None:
+        self.data.markers.append(Marker(time.time(), kind, label, detail))
+
+    # -- instances ---------------------------------------------------------------------------
+
+    def _start_version(self, phase: Phase) -> None:
+        s = self.scenario
+        table = "outbox" if phase.app.inserts_into is Table.OLD else "outbox_new"
+        procs: list[tuple[str, Any, Any]] = []
+        ready: list[Any] = []
+        for index in range(s.writers):
+            stop = self._ctx.Event()
+            ready.append(self._ctx.Event())
+            proc = self._ctx.Process(
+                target=writer_main,
+                args=(self.dsn, table, phase.name, index, s.rate_per_s / s.writers, stop,
+                      self._results, ready[-1]),
+                daemon=True,
+            )  # fmt: skip
+            procs.append(("writer", proc, stop))
+        mode = relay_mode(phase)
+        if mode is not None:
+            for index in range(s.relays):
+                stop = self._ctx.Event()
+                ready.append(self._ctx.Event())
+                proc = self._ctx.Process(
+                    target=relay_main,
+                    args=(self.dsn, self.recording_dsn, phase.name, index, mode[0].value,
+                          f"{APP_NAME_PREFIX}/V1/%", s.batch_size, stop, self._results,
+                          ready[-1]),
+                    daemon=True,
+                )  # fmt: skip
+                procs.append(("relay", proc, stop))
+        for _, proc, _ in procs:
+            proc.start()
+        # A rollout counts an instance as deployed once it is up: wait for every one, so
+        # old and new really overlap before the old ones are stopped.
+        for event in ready:
+            event.wait(READY_TIMEOUT_S)
+        self._instances[phase.name] = procs
+        self.mark("deploy", phase.name, phase.app.describe("outbox", "outbox_new"))
+
+    def _stop(self, version: str, role: str) -> None:
+        chosen = [(proc, stop) for kind, proc, stop in self._instances.get(version, [])
+                  if kind == role]  # fmt: skip
+        for _, stop in chosen:
+            stop.set()
+        # A child cannot exit while its result is still in the queue's pipe: collect results
+        # while waiting, or join() would wait for ever on a full pipe.
+        deadline = time.monotonic() + 60
+        while any(proc.is_alive() for proc, _ in chosen) and time.monotonic() < deadline:
+            self._collect(timeout_s=0.1)
+        for proc, _ in chosen:
+            proc.join(5)
+        self.mark("stop", f"{version} {role}s")
+
+    def _retire(self, version: str) -> None:
+        """An old instance goes away whole: its writer stops, then its relay finishes the
+        in-flight batch and disconnects (what it wrote is published by the new version)."""
+        self._stop(version, "writer")
+        self._stop(version, "relay")
+
+    # -- runner ------------------------------------------------------------------------------
+
+    def _run_phase(self, phase: Phase, patience_s: float = GATE_PATIENCE_S) -> bool:
+        """Apply the phase's steps, retrying while a deploy gate says "not yet"."""
+        deadline = time.monotonic() + patience_s
+        last = ""
+        while True:
+            try:
+                with Runner(self.dsn, self.settings, self.scenario.pattern,
+                            events=_Events(self)) as runner:  # fmt: skip
+                    runner.run(phase.name)
+                return True
+            except PreconditionFailed as exc:
+                if str(exc) != last:
+                    self.mark("gate", exc.step_id, exc.observed)
+                    last = str(exc)
+                if time.monotonic() > deadline:
+                    self.data.refusal = {"step": exc.step_id, "condition": exc.condition,
+                                         "observed": exc.observed}  # fmt: skip
+                    return False
+                time.sleep(GATE_RETRY_S)
+
+    # -- monitor -----------------------------------------------------------------------------
+
+    def _monitor(self) -> None:
+        if self.on_snapshot is None:
+            return
+        previous_received = 0
+        previous_inserted = 0
+        previous_at = time.monotonic()
+        with psycopg.connect(self.dsn, autocommit=True, application_name="demo-monitor") as db, \
+                psycopg.connect(self.recording_dsn, autocommit=True) as rec:  # fmt: skip
+            while not self._done.wait(MONITOR_INTERVAL_S):
+                backlog = _backlog(db)
+                row = rec.execute(
+                    f"SELECT count(*), coalesce(extract(epoch FROM max(received_at - created_at) "
+                    f"FILTER (WHERE received_at > now() - interval '2 s')), 0) "
+                    f"FROM {recording.TABLE}"
+                ).fetchone()
+                received = int(row[0]) if row else 0
+                lag = float(row[1]) if row else 0.0
+                now = time.monotonic()
+                inserted = received + backlog
+                span = max(now - previous_at, 1e-6)
+                self.on_snapshot(
+                    Snapshot(
+                        elapsed_s=time.time() - self.data.started,
+                        phase=self.current_phase,
+                        step=self.current_step,
+                        received=received,
+                        backlog=backlog,
+                        max_lag_s=lag,
+                        insert_rate_per_s=max(inserted - previous_inserted, 0) / span,
+                        publish_rate_per_s=max(received - previous_received, 0) / span,
+                    )
+                )
+                previous_received, previous_inserted, previous_at = received, inserted, now
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            create_flat_outbox(conn)
+            insert_rows(conn, "outbox", 2_000, published=True)
+        recording.create(self.recording_dsn)
+
+    def run(self) -> RunData:
+        self.prepare()
+        monitor = threading.Thread(target=self._monitor, daemon=True)
+        monitor.start()
+        probe = Runner(self.dsn, self.settings, self.scenario.pattern)
+        pattern = probe.pattern
+        try:
+            self._walk(pattern.phases)
+        finally:
+            self._shutdown()
+            self._done.set()
+            monitor.join(5)
+        self.data.finished = time.time()
+        self.data.received = recording.received(self.recording_dsn)
+        return self.data
+
+    def _walk(self, phases: tuple[Phase, ...]) -> None:
+        s = self.scenario
+        phase_started = time.time()
+        self._start_version(phases[0])
+        time.sleep(s.segment_s)
+        running = phases[0].name
+        for phase in phases[1:]:
+            if phase.kind is PhaseKind.JOB:
+                self.current_phase = phase.name
+                self.mark("job", phase.name)
+                self._run_phase(phase)
+                continue
+            if s.wrong_choreography and phase.name == "V3":
+                self._wrong_v3(phase)
+            if not self._run_phase(phase):
+                return
+            self.data.phase_windows.append((running, phase_started, time.time()))
+            phase_started = time.time()
+            self.current_phase = phase.name
+            previous = running
+            self._start_version(phase)
+            time.sleep(s.coexist_s)
+            self._retire(previous)
+            running = phase.name
+            time.sleep(s.segment_s)
+        self.data.phase_windows.append((running, phase_started, time.time()))
+
+    def _wrong_v3(self, phase: Phase) -> None:
+        """Start a stray V1 writer (an instance the rollout forgot), try V3, expect refusal."""
+        s = self.scenario
+        stop = self._ctx.Event()
+        proc = self._ctx.Process(
+            target=writer_main,
+            args=(self.dsn, "outbox", "V1", 99, max(s.rate_per_s / 10, 5), stop, self._results),
+            daemon=True,
+        )  # fmt: skip
+        proc.start()
+        self.mark("deploy", "stray V1 writer", "a V1 instance left behind by the rollout")
+        time.sleep(1.0)
+        refused_at = time.time()
+        ok = self._run_phase(phase, patience_s=WRONG_CHOREOGRAPHY_PATIENCE_S)
+        refusal = self.data.refusal or {}
+        self.data.refusal = None
+        stop.set()
+        deadline = time.monotonic() + 60
+        while proc.is_alive() and time.monotonic() < deadline:
+            self._collect(timeout_s=0.1)
+        proc.join(5)
+        self._collect(timeout_s=0.2)
+        stray = [w for w in self.data.writers if w.instance == 99]
+        with psycopg.connect(self.dsn) as conn:
+            rows = conn.execute(
+                "SELECT id, message_key FROM outbox WHERE message_key LIKE 'V1-w99-%%' ORDER BY id"
+            ).fetchall()
+        self.data.refusal = {
+            **refusal,
+            "refused": not ok,
+            "at": refused_at,
+            "would_strand": {
+                "count": len(rows),
+                "first_ids": [int(r[0]) for r in rows[:20]],
+                "first_keys": [str(r[1]) for r in rows[:20]],
+                "written_by_stray_writer": sum(len(w.written) for w in stray),
+            },
+        }
+        self.mark("refused", phase.name, refusal.get("observed", ""))
+
+    def _collect(self, timeout_s: float) -> list[WriterResult]:
+        """Move finished instances' results from the queue into the run data."""
+        writers: list[WriterResult] = []
+        while True:
+            try:
+                kind, result = self._results.get(timeout=timeout_s)
+            except queue.Empty:
+                return writers
+            if kind == "writer":
+                self.data.writers.append(result)
+                writers.append(result)
+            else:
+                self.data.relays.append(result)
+
+    def _drain_results(self) -> list[WriterResult]:
+        return self._collect(timeout_s=0.5)
+
+    def _shutdown(self) -> None:
+        """Stop writers, let the relays drain what is left, then stop them."""
+        for version in list(self._instances):
+            self._stop(version, "writer")
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.data.backlog_left = self._backlog()
+            if self.data.backlog_left == 0:
+                break
+            time.sleep(0.2)
+        for version in list(self._instances):
+            self._stop(version, "relay")
+        self._drain_results()
+
+    def _backlog(self) -> int:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            return _backlog(conn)
+
+
+def _backlog(conn: psycopg.Connection[Any]) -> int:
+    """Unpublished rows in the old and the new outbox (whichever exist)."""
+    total = 0
+    for table in ("outbox", "outbox_new"):
+        exists = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
+        if exists and exists[0] is not None:
+            row = conn.execute(
+                psycopg.sql.SQL("SELECT count(*) FROM {} WHERE published_at IS NULL").format(
+                    psycopg.sql.Identifier(table)
+                )
+            ).fetchone()
+            total += int(row[0]) if row else 0
+    return total

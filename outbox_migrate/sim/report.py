@@ -1,0 +1,166 @@
+"""The proof: counts, latencies and gaps computed from a simulation run, plus the plots.
+
+`lost` is the number of message keys a writer committed that never reached the recording
+sink; it must be 0. Latencies are client-side insert times, as the application feels them.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from outbox_migrate.sim.choreographer import RunData
+
+COLD = {"cop", "copra"}
+
+
+def _percentile(values: list[float], pct: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(pct / 100 * len(ordered)) - 1))
+    return ordered[index]
+
+
+def build(data: RunData) -> dict[str, Any]:
+    s = data.scenario
+    produced = {key for w in data.writers for key in w.written}
+    counts: dict[str, int] = data.received.get("counts", {})
+    published = sum(1 for key in produced if counts.get(key, 0) > 0)
+    lost_keys = sorted(key for key in produced if counts.get(key, 0) == 0)
+    duplicated = sum(c - 1 for c in counts.values() if c > 1)
+    samples = [sample for w in data.writers for sample in w.samples]
+    latencies = [lat for _, lat in samples]
+    last_write = max((t for t, _ in samples), default=data.finished)
+    receipts = [t for t, _ in data.received.get("timeline", [])]
+    active = [t for t in receipts if t <= last_write]
+    gaps = [b - a for a, b in pairwise(active)]
+    lags = [lag for _, lag in data.received.get("timeline", [])]
+    per_phase = []
+    for name, start, end in data.phase_windows:
+        window = [lat for t, lat in samples if start <= t < end]
+        per_phase.append({
+            "phase": name,
+            "seconds": round(end - start, 1),
+            "inserts": len(window),
+            "max_insert_latency_ms": round(max(window, default=0) * 1000, 1),
+            "p99_insert_latency_ms": round(_percentile(window, 99) * 1000, 1),
+        })  # fmt: skip
+    steps = []
+    for record in data.steps:
+        end = record.finished or data.finished
+        during = [lat for t, lat in samples if record.started <= t <= end + 0.05]
+        steps.append({
+            "step": record.step,
+            "phase": record.phase,
+            "outcome": record.outcome or "interrupted",
+            "duration_ms": round((end - record.started) * 1000, 1),
+            "attempts": record.attempts,
+            "lock_timeouts": record.lock_timeouts,
+            "lock_wait_ms": round(record.lock_wait_ms, 1),
+            "max_insert_latency_ms_during": round(max(during, default=0) * 1000, 1),
+        })  # fmt: skip
+    report: dict[str, Any] = {
+        "pattern": s.pattern,
+        "rate_per_s": s.rate_per_s,
+        "relays_per_version": s.relays,
+        "writers_per_version": s.writers,
+        "duration_s": round(data.finished - data.started, 1),
+        "produced": len(produced),
+        "published": published,
+        "lost": len(lost_keys),
+        "lost_keys": lost_keys[:20],
+        "duplicated": duplicated,
+        "insert_errors": sum(w.failed for w in data.writers),
+        "insert_error_samples": [e for w in data.writers for e in w.errors][:5],
+        "max_insert_latency_ms": round(max(latencies, default=0) * 1000, 1),
+        "p99_insert_latency_ms": round(_percentile(latencies, 99) * 1000, 1),
+        "max_publish_gap_ms": round(max(gaps, default=0) * 1000, 1),
+        "max_publish_lag_ms": round(max(lags, default=0) * 1000, 1),
+        "lock_timeout_ms": s.lock_timeout_ms,
+        "phases": per_phase,
+        "steps": steps,
+        "relay_errors": [r.error for r in data.relays if r.error],
+        "backlog_left": data.backlog_left,
+        "refusal": data.refusal,
+        "markers": [vars(m) | {"at": round(m.at - data.started, 3)} for m in data.markers],
+    }
+    if s.pattern in COLD:
+        report["pause_ms"] = report["max_publish_lag_ms"]
+    return report
+
+
+def plot_png(data: RunData, path: Path) -> bool:
+    """Insert latency and publish lag over time, deploys and steps marked. False without
+    matplotlib (the `demo` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    t0 = data.started
+    samples = [(t - t0, lat * 1000) for w in data.writers for t, lat in w.samples]
+    timeline = [(t - t0, lag * 1000) for t, lag in data.received.get("timeline", [])]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
+    if samples:
+        top.scatter(*zip(*samples, strict=True), s=2, alpha=0.5, label="insert latency")
+    top.axhline(data.scenario.lock_timeout_ms, color="red", linestyle=":", label="lock_timeout")
+    top.set_ylabel("insert latency (ms)")
+    top.set_yscale("log")
+    if timeline:
+        bottom.scatter(*zip(*timeline, strict=True), s=2, alpha=0.5, color="tab:green",
+                       label="publish lag")  # fmt: skip
+    bottom.set_ylabel("publish lag (ms)")
+    bottom.set_yscale("log")
+    bottom.set_xlabel("seconds since start")
+    for marker in data.markers:
+        x = marker.at - t0
+        color = {"deploy": "tab:blue", "step": "tab:gray", "refused": "red"}.get(
+            marker.kind, "tab:orange"
+        )
+        for axis in (top, bottom):
+            axis.axvline(x, color=color, alpha=0.4, linewidth=0.8)
+        if marker.kind in ("deploy", "refused", "job"):
+            top.annotate(marker.label, (x, 1), xycoords=("data", "axes fraction"),
+                         rotation=90, va="top", fontsize=7)  # fmt: skip
+    top.legend(loc="upper right", fontsize=8)
+    top.set_title(
+        f"{data.scenario.pattern.upper()} under {data.scenario.rate_per_s} inserts/s: "
+        "deploys (blue), steps (gray)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_html(report: dict[str, Any], png: Path | None, path: Path) -> None:
+    image = ""
+    if png is not None and png.exists():
+        encoded = base64.b64encode(png.read_bytes()).decode()
+        image = f'<img alt="timeline" src="data:image/png;base64,{encoded}" width="100%">'
+    rows = "".join(
+        f"<tr><td>{s['step']}</td><td>{s['outcome']}</td><td>{s['duration_ms']}</td>"
+        f"<td>{s['attempts']}</td><td>{s['lock_wait_ms']}</td>"
+        f"<td>{s['max_insert_latency_ms_during']}</td></tr>"
+        for s in report["steps"]
+    )
+    summary = {k: report[k] for k in ("produced", "published", "lost", "duplicated",
+                                      "max_insert_latency_ms", "max_publish_gap_ms")}  # fmt: skip
+    buffer = io.StringIO()
+    buffer.write(
+        "<!doctype html><meta charset=utf-8><title>outbox-migrate demo</title>"
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}"
+        "td,th{padding:2px 8px;border-bottom:1px solid #ddd}</style>"
+        f"<h1>{report['pattern'].upper()} under live load</h1>"
+        f"<pre>{json.dumps(summary, indent=2)}</pre>{image}"
+        "<h2>Steps</h2><table><tr><th>step</th><th>outcome</th><th>ms</th><th>attempts</th>"
+        f"<th>lock wait ms</th><th>max insert ms during</th></tr>{rows}</table>"
+    )
+    path.write_text(buffer.getvalue(), encoding="utf-8")

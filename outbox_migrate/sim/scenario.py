@@ -1,0 +1,58 @@
+"""What a simulation run does: the pattern, the load, the rollout timing. Pure data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from outbox_migrate.patterns.model import Phase, Table
+from outbox_migrate.relay.options import Mode
+
+DEFAULT_RATE_PER_S = 500
+DEFAULT_DURATION_S = 40.0
+RELAYS_PER_VERSION = 2
+WRITERS_PER_VERSION = 2
+APP_NAME_PREFIX = "demo-app"
+"""application_name of simulated instances: `demo-app/V2/writer-0` — what the deploy gates
+and the switching relay's `sessions` gate look for."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    pattern: str
+    rate_per_s: int = DEFAULT_RATE_PER_S
+    duration_s: float = DEFAULT_DURATION_S
+    relays: int = RELAYS_PER_VERSION
+    writers: int = WRITERS_PER_VERSION
+    wrong_choreography: bool = False
+    """Deploy V3's database steps while a V1 writer still runs: the runner must refuse."""
+    lock_timeout_ms: int = 200
+    gate_window_s: float = 0.5
+    batch_size: int = 200
+
+    @property
+    def segment_s(self) -> float:
+        """Time each version runs alone before the next deploy starts (duration spread over
+        the pattern's deploys)."""
+        deploys = {"cop": 3, "copra": 4, "hop": 3, "hoper": 4, "hopia": 4}[self.pattern]
+        return max(2.0, self.duration_s / (deploys * 1.5))
+
+    @property
+    def coexist_s(self) -> float:
+        """How long old and new instances run side by side during a rollout."""
+        return max(1.0, self.segment_s / 2)
+
+
+def relay_mode(phase: Phase) -> tuple[Mode, str] | None:
+    """How a version's relay runs: mode and which table name it publishes from."""
+    source = phase.app.publishes_from
+    if source is Table.OLD:
+        return Mode.flat, "old"
+    if source is Table.NEW:
+        return Mode.partitioned, "new"
+    if source is Table.OLD_THEN_NEW:
+        return Mode.switching, "old-then-new"
+    return None
+
+
+def app_name(version: str, role: str, index: int) -> str:
+    return f"{APP_NAME_PREFIX}/{version}/{role}-{index}"
