@@ -558,12 +558,16 @@ class CopyBack:
         # Rows the target gained on its own (published after V4 through the partitioned
         # table) share the id space, so the target side is restricted to source ids by the
         # join; a missing target row shows up in the count, a changed one in the checksum.
+        # The range repeated on the target side is implied by the join, but spelling it out
+        # keeps each query to one range of both tables: without it the planner may hash the
+        # whole target for every range once the tables are large.
         return sql.SQL(
             "SELECT count(*), count(t.{id}),"
             " coalesce(md5(string_agg(ROW({s_cols})::text, E'\\n' ORDER BY s.{id})), ''),"
             " coalesce(md5(string_agg(ROW({t_cols})::text, E'\\n' ORDER BY s.{id})"
             "   FILTER (WHERE t.{id} IS NOT NULL)), '')"
             " FROM {source} s LEFT JOIN {target} t ON t.{id} = s.{id}"
+            "   AND t.{id} >= %(low)s AND t.{id} < %(high)s"
             " WHERE s.{id} >= %(low)s AND s.{id} < %(high)s"
         ).format(
             id=self._id,
