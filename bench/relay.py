@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.cli.relay_cmd import RELAY_SWITCH_INTERVAL_S
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.options import Mode, RelayOptions
@@ -395,6 +397,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
+    # As `outbox-migrate relay --workers N` does (see cli/relay_cmd.py).
+    sys.setswitchinterval(RELAY_SWITCH_INTERVAL_S)
     srv = pgserver.start(18, settings={"autovacuum": "on"})
     try:
         dsn = srv.dsn()
