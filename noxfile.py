@@ -11,7 +11,7 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "typecheck", "tests"]
 
 ALL_PG = "14,15,16,17,18"
-EXTRAS = ".[dev,embedded,kafka,rabbitmq,nats,redis,http,metrics,test-brokers]"
+EXTRAS = ".[dev,embedded,demo,kafka,rabbitmq,nats,redis,http,metrics,test-brokers]"
 
 
 def _install(session: nox.Session) -> None:

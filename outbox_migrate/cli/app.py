@@ -18,6 +18,7 @@ from outbox_migrate.cli import (
     alembic_cmd,
     config_cmd,
     copy_back_cmd,
+    demo_cmd,
     maintain_cmd,
     ping_cmd,
     plan_cmd,
@@ -31,6 +32,7 @@ HELP = """Move a live PostgreSQL outbox to a LIST-partitioned table, with zero d
 
 \b
 Examples:
+  outbox-migrate demo --pattern hoper        # a whole migration under live load, embedded PG
   outbox-migrate wizard                      # three questions -> the pattern for you, and why
   outbox-migrate plan --pattern hoper --dsn embedded   # steps, SQL, locks for your schema
   outbox-migrate run --pattern hoper --to V2 --dsn $DATABASE_URL   # one deploy's steps
@@ -73,6 +75,7 @@ def root(
         raise typer.Exit(0)
 
 
+demo_cmd.register(app)
 wizard_cmd.register(app)
 plan_cmd.register(app)
 run_cmd.register(app)

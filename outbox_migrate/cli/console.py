@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
@@ -242,3 +243,80 @@ def render_status(doc: dict[str, Any]) -> None:
         for s in doc["steps"]
     ]  # fmt: skip
     table(None, ["step", "state", "attempts", "ms", "lock wait ms", "last error"], rows)
+
+
+@contextmanager
+def demo_live(pattern: str) -> Iterator[Callable[[Any], None]]:
+    """A live view of the simulation: phase, step, rates, backlog and lag."""
+    from rich.live import Live
+
+    def view(snapshot: Any) -> Table:
+        grid = Table(title=f"outbox-migrate demo: {pattern.upper()}", show_header=False)
+        grid.add_column("what")
+        grid.add_column("value")
+        grid.add_row("elapsed", f"{snapshot.elapsed_s:5.1f} s")
+        grid.add_row("deployed", snapshot.phase)
+        grid.add_row("runner step", snapshot.step or "-")
+        grid.add_row("inserts/s", f"{snapshot.insert_rate_per_s:,.0f}")
+        grid.add_row("published/s", f"{snapshot.publish_rate_per_s:,.0f}")
+        grid.add_row("published", f"{snapshot.received:,}")
+        grid.add_row("backlog", f"{snapshot.backlog:,}")
+        grid.add_row("max lag (2 s)", f"{snapshot.max_lag_s * 1000:,.0f} ms")
+        return grid
+
+    with Live(Table(title=f"outbox-migrate demo: {pattern.upper()} starting…"),
+              console=err(), refresh_per_second=4, transient=False) as live:  # fmt: skip
+
+        def update(snapshot: Any) -> None:
+            live.update(view(snapshot))
+
+        yield update
+
+
+def render_demo_report(report: dict[str, Any]) -> None:
+    console = out()
+    lost = report["lost"]
+    verdict = "[green]nothing lost[/green]" if lost == 0 else "[red]LOST MESSAGES[/red]"
+    console.print(f"\n[bold]{report['pattern'].upper()}[/bold] at {report['rate_per_s']} inserts/s: "
+                  f"{verdict}")  # fmt: skip
+    summary = [
+        ("produced", f"{report['produced']:,}"),
+        ("published", f"{report['published']:,}"),
+        ("lost", str(report["lost"])),
+        ("duplicated", str(report["duplicated"])),
+        ("max insert latency", f"{report['max_insert_latency_ms']} ms "
+         f"(lock_timeout {report['lock_timeout_ms']} ms)"),
+        ("p99 insert latency", f"{report['p99_insert_latency_ms']} ms"),
+        ("longest publish gap", f"{report['max_publish_gap_ms']} ms"),
+        ("max publish lag", f"{report['max_publish_lag_ms']} ms"),
+    ]  # fmt: skip
+    if "pause_ms" in report:
+        summary.append(("publication pause (cold pattern)", f"{report['pause_ms']} ms"))
+    table(None, ["measure", "value"], summary)
+    table(
+        "per phase",
+        ["phase", "seconds", "inserts", "max insert ms", "p99 insert ms"],
+        [(p["phase"], p["seconds"], p["inserts"], p["max_insert_latency_ms"],
+          p["p99_insert_latency_ms"]) for p in report["phases"]],
+    )  # fmt: skip
+    table(
+        "runner steps",
+        ["step", "outcome", "ms", "attempts", "lock wait ms", "max insert ms during"],
+        [(s["step"], s["outcome"], s["duration_ms"], s["attempts"], s["lock_wait_ms"],
+          s["max_insert_latency_ms_during"]) for s in report["steps"]],
+    )  # fmt: skip
+    refusal = report.get("refusal")
+    if refusal:
+        strand = refusal.get("would_strand", {})
+        console.print(
+            f"[bold red]refused[/bold red] {refusal.get('step')}: {refusal.get('observed')}",
+        )
+        console.print(
+            f"rows that would have been stranded: {strand.get('count', 0)} "
+            f"(ids {strand.get('first_ids', [])[:10]}…, keys {strand.get('first_keys', [])[:5]}…)",
+            markup=False,
+        )
+    files = report.get("files") or {}
+    for kind, path in files.items():
+        if path:
+            console.print(f"{kind}: {path}", markup=False)
