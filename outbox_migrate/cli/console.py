@@ -277,8 +277,8 @@ def render_demo_report(report: dict[str, Any]) -> None:
     console = out()
     lost = report["lost"]
     verdict = "[green]nothing lost[/green]" if lost == 0 else "[red]LOST MESSAGES[/red]"
-    console.print(f"\n[bold]{report['pattern'].upper()}[/bold] at {report['rate_per_s']} inserts/s: "
-                  f"{verdict}")  # fmt: skip
+    title = f"{report['pattern'].upper()}[/bold] at {report['rate_per_s']} inserts/s"
+    console.print(f"\n[bold]{title}: {verdict}")
     summary = [
         ("produced", f"{report['produced']:,}"),
         ("published", f"{report['published']:,}"),

@@ -48,7 +48,7 @@ def demo(
             help="Leave a V1 writer running when V3 is deployed: the runner must "
             "refuse, and the report names the rows that would have been stranded."
         ),
-    ] = False,  # fmt: skip
+    ] = False,
     output: FormatOption = OutputFormat.text,
 ) -> None:
     from outbox_migrate.sim import simulate
