@@ -178,16 +178,38 @@ def claim_session_settings() -> sql.SQL:
 
 
 def try_lock_shards() -> sql.SQL:
-    """Session advisory locks on the shards that are free (params: key, shards int[])."""
+    """Session advisory locks on up to %(limit)s free shards, in the order given.
+
+    No ORDER BY: the Limit node stops pulling rows, so no lock beyond the limit is taken.
+    """
     return sql.SQL(
         "SELECT s FROM unnest(%(shards)s::int[]) AS s "
-        "WHERE pg_try_advisory_lock(hashtext(%(key)s), s) ORDER BY s"
+        "WHERE pg_try_advisory_lock(hashtext(%(key)s), s) LIMIT %(limit)s"
     )
 
 
 def unlock_shards() -> sql.SQL:
     return sql.SQL(
         "SELECT pg_advisory_unlock(hashtext(%(key)s), s) FROM unnest(%(shards)s::int[]) AS s"
+    )
+
+
+def join_members() -> sql.SQL:
+    """A shared session lock that marks this session as a live worker of the outbox."""
+    return sql.SQL("SELECT pg_advisory_lock_shared(hashtext(%(key)s), 0)")
+
+
+def count_members() -> sql.SQL:
+    """Live workers of the outbox: sessions holding the shared membership lock.
+
+    Two-int4 advisory locks show up in pg_locks as classid = key1 (an oid, so the int4 hash is
+    compared as unsigned), objid = key2, objsubid = 2.
+    """
+    return sql.SQL(
+        "SELECT count(DISTINCT pid) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+        "AND classid::int8 = (hashtext(%(key)s)::int8 & 4294967295) AND objid::int8 = 0 "
+        "AND objsubid = 2"
     )
 
 

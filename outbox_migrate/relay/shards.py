@@ -2,27 +2,49 @@
 
 Each shard is a session-level advisory lock `(hashtext(key), shard)`. A session that holds it
 is the only claimer of that shard, so two claimers never try to lock the same row — the cause
-of SQLSTATE 40001 on the partitioned outbox. Locks die with the session, so a crashed relay's
-shards are free at once; an idle worker adopts free shards (failover) and gives adopted ones
-back when they run dry, so a restarted owner gets its home shards back.
+of SQLSTATE 40001 on the partitioned outbox. Locks die with their session, so a crashed
+relay's shards are free at once.
 
-Decisions are pure (`plan_*`); `ShardLease` only runs the two statements.
+Balancing across processes: every worker session also holds a *shared* membership lock
+`(hashtext(key || ':members'), 0)`, so any worker can count the live workers of this outbox in
+`pg_locks` without knowing about the other processes. Each worker aims at its fair share,
+ceil(shards / live workers): it takes free shards (its home shards first) while below it and
+gives shards back while above it. A second relay process started next to a first one thus
+gets half the shards within a few REBALANCE_S; when one dies, the survivors take its shards.
+
+`fair_share` and `shards_to_release` are pure; `ShardLease` only runs the statements.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 from outbox_migrate.relay import queries
 
 REBALANCE_S = 1.0
-"""How often a worker retries its missing home shards and looks for orphaned ones."""
+"""How often a worker re-counts the live workers and takes or gives back shards."""
+UNTIL_EMPTY_PATIENCE_CHECKS = 3
+"""`until_empty`: rebalance checks a worker without shards waits before it gives up."""
 
 
 def home_shards(worker_index: int, workers: int, shards: int) -> list[int]:
-    """Shards a worker owns by default: every `workers`-th one, starting at its index."""
+    """Shards a worker prefers: every `workers`-th one, starting at its index."""
     return [s for s in range(shards) if s % workers == worker_index]
+
+
+def fair_share(shards: int, live_workers: int) -> int:
+    return math.ceil(shards / max(1, live_workers))
+
+
+def shards_to_release(owned: set[int], home: list[int], keep: int) -> list[int]:
+    """Which shards to give back to get down to `keep`: foreign ones first, highest first."""
+    surplus = len(owned) - keep
+    if surplus <= 0:
+        return []
+    ordered = sorted(owned, key=lambda s: (s in home, -s))
+    return ordered[:surplus]
 
 
 class ShardLease:
@@ -30,9 +52,12 @@ class ShardLease:
 
     def __init__(self, key: str, shards: int, home: list[int]) -> None:
         self.key = key
+        self.members_key = f"{key}:members"
         self.count = shards
         self.home = list(home)
         self.owned: set[int] = set()
+        self.checks = 0
+        self._member = False
         self._next_check = 0.0
 
     @property
@@ -45,34 +70,45 @@ class ShardLease:
     def lost(self) -> None:
         """The session ended: every advisory lock went with it."""
         self.owned.clear()
+        self._member = False
         self._next_check = 0.0
 
-    def maintain(self, conn: Any, *, idle: bool, now: float | None = None) -> bool:
-        """Take missing home shards; when idle, adopt free ones. True when ownership changed."""
+    def maintain(self, conn: Any, *, now: float | None = None) -> bool:
+        """Rebalance when due. True when this worker's shards changed."""
         now = time.monotonic() if now is None else now
         if now < self._next_check:
             return False
         self._next_check = now + REBALANCE_S
+        self.checks += 1
         before = set(self.owned)
-        wanted = [s for s in self.home if s not in self.owned]
-        # Adopt other shards only when idle (or a pure standby): a worker that just started
-        # must not take its siblings' home shards before they had a chance to start.
-        if idle or not self.home:
-            wanted += [s for s in range(self.count) if s not in self.owned and s not in wanted]
-        if wanted:
-            rows = conn.execute(
-                queries.try_lock_shards(), {"key": self.key, "shards": wanted}
-            ).fetchall()
-            self.owned.update(int(row[0]) for row in rows)
+        if not self._member:
+            conn.execute(queries.join_members(), {"key": self.members_key})
+            self._member = True
+            # First round: home shards only, so sibling workers starting a moment later
+            # find theirs free; fair shares are settled from the next round on.
+            self._take(conn, list(self.home), len(self.home))
+            return self.owned != before
+        row = conn.execute(queries.count_members(), {"key": self.members_key}).fetchone()
+        keep = fair_share(self.count, int(row[0]) if row else 1)
+        give_back = shards_to_release(self.owned, self.home, keep)
+        if give_back:
+            conn.execute(queries.unlock_shards(), {"key": self.key, "shards": give_back})
+            self.owned.difference_update(give_back)
+        elif len(self.owned) < keep:
+            candidates = [s for s in self.home if s not in self.owned]
+            candidates += [
+                s for s in range(self.count) if s not in self.owned and s not in candidates
+            ]
+            self._take(conn, candidates, keep - len(self.owned))
         return self.owned != before
 
-    def release_adopted(self, conn: Any) -> bool:
-        """Give back shards that are not home once they ran dry (their owner may return)."""
-        adopted = [s for s in self.owned if s not in self.home]
-        if adopted:
-            conn.execute(queries.unlock_shards(), {"key": self.key, "shards": adopted})
-            self.owned.difference_update(adopted)
-        return bool(adopted)
+    def _take(self, conn: Any, candidates: list[int], limit: int) -> None:
+        if not candidates or limit <= 0:
+            return
+        rows = conn.execute(
+            queries.try_lock_shards(), {"key": self.key, "shards": candidates, "limit": limit}
+        ).fetchall()
+        self.owned.update(int(r[0]) for r in rows)
 
     def release_all(self, conn: Any) -> None:
         if self.owned:

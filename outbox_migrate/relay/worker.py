@@ -38,7 +38,7 @@ from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavai
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
-from outbox_migrate.relay.shards import ShardLease, home_shards
+from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
 from outbox_migrate.relay.sinks import Sink, SinkFactory
 from outbox_migrate.relay.switching import SourceState
 
@@ -447,7 +447,6 @@ class _Worker:
             track_gaps=options.ordering is not Ordering.key,
             now=time.monotonic(),
         )
-        self.idle = False
 
     def run(self) -> None:
         relay = self.relay
@@ -527,10 +526,12 @@ class _Worker:
         if self.sink is None:
             self.sink = relay.sink_factory()
         now = time.monotonic()
-        if lease.maintain(self.conn, idle=self.idle, now=now):
+        if lease.maintain(self.conn, now=now):
             self.cursor.reset(lease.mine(), now)
         if not lease.owned:
-            if options.until_empty:
+            if options.until_empty and (
+                not lease.home or lease.checks >= UNTIL_EMPTY_PATIENCE_CHECKS
+            ):
                 return True  # every shard belongs to another live session
             relay._idle_wait(relay._waker.generation)
             return False
@@ -543,7 +544,6 @@ class _Worker:
         if retry_from is not None:
             self.cursor.retry_from(retry_from)
         if claimed:
-            self.idle = False
             return False
         switching_from_flat = relay.state.mode is Mode.switching and source is relay.state.flat
         drained_proof_needed = options.until_empty or switching_from_flat
@@ -551,9 +551,6 @@ class _Worker:
             # Empty above the frontier is not empty: prove it with a claim from id 0.
             self.cursor.force_full_rescan()
             return False
-        self.idle = True
-        if lease.release_adopted(self.conn):
-            self.cursor.reset(lease.mine(), time.monotonic())
         if source is relay.state.flat and relay.state.try_switch(self.conn):
             return False
         if options.until_empty and relay._nothing_left(self.conn):

@@ -149,6 +149,39 @@ def test_claimers_outside_the_shard_scheme_collide_safely(
     assert relay.stats.published == len(collected.ids)
 
 
+def test_two_relay_processes_share_the_shards(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    """Two relays (as two processes would: own sessions, no shared memory), one worker each,
+    `shards=2`: the second one gets a fair share within a few rebalances; none is lost or
+    published twice; a relay that stops hands its shards to the other."""
+    from outbox_migrate.relay.shards import REBALANCE_S
+
+    options = RelayOptions(shards=2, batch_size=20, listen=False, poll_interval_s=0.02)
+    first = Relay(dsn, collected.factory(), spec=SPEC, options=options)
+    second_seen = Collected()
+    second = Relay(dsn, second_seen.factory(), spec=SPEC, options=options)
+    with running(first):
+        time.sleep(2 * REBALANCE_S)
+        with running(second):
+            time.sleep(4 * REBALANCE_S)  # fair shares settle
+            insert_rows(partitioned, "outbox_new", 400, spec=SPEC)
+            deadline = time.monotonic() + 30
+            while ids_in(partitioned, "outbox_unpublished") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert second_seen.ids, "the second relay never got a shard"
+            assert collected.ids, "the first relay kept no shard"
+        # The second relay stopped: the first takes its shard back.
+        insert_rows(partitioned, "outbox_new", 100, spec=SPEC)
+        deadline = time.monotonic() + 30
+        while ids_in(partitioned, "outbox_unpublished") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    everything = collected.ids + second_seen.ids
+    assert sorted(everything) == ids_in(partitioned, "outbox_new")
+    assert len(set(everything)) == len(everything)
+    assert {i % 2 for i in second_seen.ids} == {i % 2 for i in second_seen.ids[:1]}  # one shard
+
+
 def test_sink_unavailable_rolls_back_and_retries(
     dsn: str, partitioned: psycopg.Connection, collected: Collected
 ) -> None:

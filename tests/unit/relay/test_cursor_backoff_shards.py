@@ -20,7 +20,7 @@ from outbox_migrate.relay.cursor import (
 from outbox_migrate.relay.errors import RelayError
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions, SwitchGate
-from outbox_migrate.relay.shards import home_shards
+from outbox_migrate.relay.shards import fair_share, home_shards, shards_to_release
 
 
 def cursor(shards: int = 1, mine=(0,), track: bool = True) -> Cursor:
@@ -127,3 +127,14 @@ def test_envelope_is_json_with_the_payload_embedded() -> None:
     assert message.headers() == {
         "outbox-id": "7", "outbox-table": "public.outbox_new", "event-type": 'quote"d'
     }  # fmt: skip
+
+
+def test_fair_share_and_release_order() -> None:
+    assert fair_share(8, 2) == 4
+    assert fair_share(4, 3) == 2
+    assert fair_share(1, 5) == 1
+    assert fair_share(4, 0) == 4
+    # Down to 2 of {0, 2, 5, 7} with home [0, 2]: give back foreign shards, highest first.
+    assert shards_to_release({0, 2, 5, 7}, [0, 2], 2) == [7, 5]
+    assert shards_to_release({0, 4, 8}, [0, 4, 8], 1) == [8, 4]
+    assert shards_to_release({1}, [1], 1) == []
