@@ -444,11 +444,13 @@ class Runner:
             return 0.0
 
         def body(conn: psycopg.Connection[Any]) -> None:
+            # The ledger row commits with the DDL: done if and only if the change happened.
+            # It is written first so that, once the DDL has its lock, only COMMIT remains:
+            # the application waits for the DDL itself, not for our bookkeeping.
+            ledger.mark(conn, migration.id, step.id, "done")
             for statement in step.statements:
                 conn.execute(statement)
             _fault(step.id, "after-ddl")
-            # The ledger row commits with the DDL: done if and only if the change happened.
-            ledger.mark(conn, migration.id, step.id, "done")
 
         return run_with_lock_budget(
             self.conn,
