@@ -15,7 +15,8 @@ def assertion(step_id: str, condition: Condition) -> str:
     body = condition.sql_text()
     if "$om_assert$" in body:  # pragma: no cover - our own queries never contain it
         raise ValueError("condition text collides with the dollar-quote tag")
-    label = f"{step_id} [{condition.name}]".replace("'", "''")
+    # RAISE's format string: quote for the SQL literal, double % so names cannot act as slots.
+    label = f"{step_id} [{condition.name}]".replace("'", "''").replace("%", "%%")
     return (
         "DO $om_assert$\n"
         "DECLARE violation text;\n"
