@@ -6,7 +6,8 @@ Prints:
      outbox, (c) pgqueuer (a PyPI job queue) doing the same work — drain N rows/jobs;
   2. concurrent claimers: plain SKIP LOCKED vs the relay's sharded claim — rows/s and the share
      of batches that hit SQLSTATE 40001, for 1, 2 and 4 claimers;
-  3. claim p99 latency as published rows grow (flat vs partitioned);
+  3. claim latency (p50, p99) as published rows grow by publishing, flat vs partitioned,
+     from id 0 (the spec's claim, the relay's periodic rescan) and from the relay's cursor;
   4. relay throughput while an idle REPEATABLE READ transaction holds back xmin.
 
 The relay publishes through the stdout sink into /dev/null: the whole relay (claim, Message
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -102,7 +104,8 @@ def sql_only(
         if sharded and claimers > 1:
             params.update(shards=claimers, mine=[index])
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(queries.claim_session_settings())  # as the relay's sessions do
+            if sharded and claimers > 1:  # as the relay's sharded sessions do
+                conn.execute(queries.claim_session_settings())
             batches = retries = marked = 0
             while deadline is None or time.monotonic() < deadline:
                 try:
@@ -438,6 +441,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
+    # SIGTERM (a CI timeout, kill) must still run the `finally` that stops the server.
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(143))
     # As `outbox-migrate relay --workers N` does (see cli/relay_cmd.py).
     sys.setswitchinterval(RELAY_SWITCH_INTERVAL_S)
     srv = pgserver.start(18, settings={"autovacuum": "on"})
