@@ -89,6 +89,8 @@ class Runner:
         self.dsn = dsn
         self.settings = settings
         self.spec = settings.spec
+        self._pattern_name = pattern
+        self._include_optional = include_optional
         self.pattern: Pattern = build_pattern(
             pattern,
             settings.spec,
@@ -217,8 +219,40 @@ class Runner:
                 more = f" (+{len(rows) - 1} more)" if len(rows) > 1 else ""
                 raise PreconditionFailed(step.id, condition.name, f"{rows[0][0]}{more}")
 
+    def _identity_generation(self) -> str:
+        """ALWAYS or BY DEFAULT: how the old table's id was generated, so that reversing DROP
+        IDENTITY restores the same kind. Read live while the identity exists, afterwards from
+        what the ledger recorded when the migration started."""
+        row = self.conn.execute(
+            "SELECT a.attidentity FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
+            "WHERE a.attrelid = to_regclass(%s) AND a.attname = %s AND NOT c.relispartition",
+            (sql.Identifier(self.spec.schema, self.spec.table).as_string(None),
+             self.spec.id_column),
+        ).fetchone()  # fmt: skip
+        if row and row[0] in ("a", "d"):
+            return "ALWAYS" if row[0] == "a" else "BY DEFAULT"
+        return ledger.recorded_identity_generation(self.conn, self.spec) or "ALWAYS"
+
+    def _adopt_identity_generation(self) -> str:
+        generation = self._identity_generation()
+        if generation != "ALWAYS":
+            self.pattern = build_pattern(
+                self._pattern_name,
+                self.spec,
+                BuildOptions(
+                    sample_window_s=self.settings.gate_window_s,
+                    old_app_name=self.settings.old_app_name,
+                    include_optional=self._include_optional,
+                    identity_generation=generation,
+                ),
+            )
+        return generation
+
     def _open(self) -> ledger.MigrationRow:
-        migration = ledger.open_migration(self.conn, self.pattern, self.spec)
+        generation = self._adopt_identity_generation()
+        migration = ledger.open_migration(
+            self.conn, self.pattern, self.spec, {"identity_generation": generation}
+        )
         ledger.sync_steps(self.conn, migration, self.pattern)
         return migration
 
@@ -560,6 +594,7 @@ class Runner:
         """Undo, newest first, every done step after `to_phase`; refuse past an irreversible
         step (the pattern's point of no return)."""
         self.acquire()
+        self._adopt_identity_generation()
         migration = ledger.latest(self.conn, self.spec, self.pattern.name)
         if migration is None:
             raise OutOfOrder(

@@ -115,7 +115,12 @@ def latest(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> MigrationRo
     return _migration(row) if row else None
 
 
-def open_migration(conn: Connection[Any], pattern: Pattern, spec: OutboxSpec) -> MigrationRow:
+def open_migration(
+    conn: Connection[Any],
+    pattern: Pattern,
+    spec: OutboxSpec,
+    extra: dict[str, Any] | None = None,
+) -> MigrationRow:
     """Find this (table, pattern) migration or start it; refuse a different active pattern."""
     active = active_for_table(conn, spec)
     if active is not None and active.pattern != pattern.name:
@@ -127,7 +132,7 @@ def open_migration(conn: Connection[Any], pattern: Pattern, spec: OutboxSpec) ->
     existing = latest(conn, spec, pattern.name)
     if existing is not None:
         return existing
-    spec_json = json.dumps(asdict(spec), sort_keys=True)
+    spec_json = json.dumps({**asdict(spec), **(extra or {})}, sort_keys=True)
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(
             "INSERT INTO outbox_migrate.migration "
@@ -232,6 +237,17 @@ def record_attempt(
         "WHERE migration_id = %s AND step_id = %s",
         (migration_id, step_id),
     )
+
+
+def recorded_identity_generation(conn: Connection[Any], spec: OutboxSpec) -> str | None:
+    """The old table's identity kind as recorded when its migration started."""
+    row = conn.execute(
+        "SELECT spec->>'identity_generation' FROM outbox_migrate.migration "
+        "WHERE table_schema = %s AND table_name = %s AND state <> 'abandoned' "
+        "ORDER BY id DESC LIMIT 1",
+        (spec.schema, spec.table),
+    ).fetchone()
+    return str(row[0]) if row and row[0] else None
 
 
 def set_phase(conn: Connection[Any], migration_id: int, phase: str, state: str = "active") -> None:
