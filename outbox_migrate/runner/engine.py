@@ -353,23 +353,7 @@ class Runner:
         self._check(step, step.reverse_preconditions)
         self.events.step_started(step, "reverse")
         started = time.monotonic()
-        statements = step.reverse
-
-        def body(conn: psycopg.Connection[Any]) -> None:
-            for statement in statements:
-                conn.execute(statement)
-            if migration is not None:
-                ledger.mark(conn, migration.id, step.id, "rolled_back")
-
-        budget = LockBudget(self.settings.lock_timeout_ms, self.settings.lock_budget_s, None)
-        try:
-            run_with_lock_budget(
-                self.conn, step.id, budget, body,
-                relations=[(lock.relation, lock.mode) for lock in step.locks],
-                schema=self.spec.schema,
-            )  # fmt: skip
-        except psycopg.Error as exc:
-            raise StepFailed(f"{step.id} (reverse)", one_line(str(exc), self.dsn)) from None
+        self._run_reverse(migration.id if migration is not None else None, step)
         if migration is not None:
             reached = completed_phase(self.pattern, self._rows(migration))
             ledger.set_phase(self.conn, migration.id, reached, "active")
@@ -590,6 +574,27 @@ class Runner:
             raise VerifyFailed(phase, problems)
         return phase
 
+    def _run_reverse(self, migration_id: int | None, step: Step) -> None:
+        """A step's inverse in one transaction, under the same lock budget as forward steps
+        (no statement_timeout: undoing the swap validates a CHECK on the detached table)."""
+        statements = step.reverse or ()
+
+        def body(conn: psycopg.Connection[Any]) -> None:
+            if migration_id is not None:
+                ledger.mark(conn, migration_id, step.id, "rolled_back")
+            for statement in statements:
+                conn.execute(statement)
+
+        budget = LockBudget(self.settings.lock_timeout_ms, self.settings.lock_budget_s, None)
+        try:
+            run_with_lock_budget(
+                self.conn, step.id, budget, body,
+                relations=[(lock.relation, lock.mode) for lock in step.locks],
+                schema=self.spec.schema,
+            )  # fmt: skip
+        except psycopg.Error as exc:
+            raise StepFailed(f"{step.id} (reverse)", one_line(str(exc), self.dsn)) from None
+
     def rollback(self, to_phase: str) -> list[str]:
         """Undo, newest first, every done step after `to_phase`; refuse past an irreversible
         step (the pattern's point of no return)."""
@@ -610,23 +615,7 @@ class Runner:
             self._check(step, step.reverse_preconditions)
             self.events.step_started(step, "reverse")
             started = time.monotonic()
-            statements = step.reverse or ()
-
-            def body(conn: psycopg.Connection[Any], statements: Any = statements,
-                     step: Step = step) -> None:  # fmt: skip
-                for statement in statements:
-                    conn.execute(statement)
-                ledger.mark(conn, migration.id, step.id, "rolled_back")
-
-            budget = LockBudget(self.settings.lock_timeout_ms, self.settings.lock_budget_s, None)
-            try:
-                run_with_lock_budget(
-                    self.conn, step.id, budget, body,
-                    relations=[(lock.relation, lock.mode) for lock in step.locks],
-                    schema=self.spec.schema,
-                )  # fmt: skip
-            except psycopg.Error as exc:
-                raise StepFailed(f"{step.id} (reverse)", one_line(str(exc), self.dsn)) from None
+            self._run_reverse(migration.id, step)
             reversed_ids.append(step.id)
             self.events.step_finished(step, "rolled back", time.monotonic() - started)
         ledger.set_phase(self.conn, migration.id, to_phase, "active")
