@@ -20,7 +20,7 @@ from psycopg.pq import TransactionStatus
 
 from outbox_migrate.config import Settings
 from outbox_migrate.db import connect, one_line
-from outbox_migrate.errors import UsageError
+from outbox_migrate.errors import SchemaError, UsageError
 from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.patterns.model import Condition, LockMode, Pattern, Step, TxMode
 from outbox_migrate.runner import ledger
@@ -249,6 +249,17 @@ class Runner:
         return generation
 
     def _open(self) -> ledger.MigrationRow:
+        # A wrong --table must not leave a migration record behind for a table that is not
+        # there: refuse before the ledger is touched (one line, exit 2, like `plan`).
+        found = self.conn.execute(
+            "SELECT to_regclass(%s)",
+            (sql.Identifier(self.spec.schema, self.spec.table).as_string(None),),
+        ).fetchone()
+        if found is None or found[0] is None:
+            raise SchemaError(
+                f"table {self.table_label} does not exist in database "
+                f"{self.conn.info.dbname!r}; check --schema/--table (outbox-migrate config)"
+            )
         generation = self._adopt_identity_generation()
         migration = ledger.open_migration(
             self.conn, self.pattern, self.spec, {"identity_generation": generation}
@@ -381,7 +392,9 @@ class Runner:
         self, migration: ledger.MigrationRow, step: Step, row: ledger.StepRow | None,
         result: RunResult,
     ) -> None:  # fmt: skip
-        holds = not self._violations(step.postcondition) if step.postcondition else False
+        holds: bool | None = None  # the ledger's "done" needs no catalog query
+        if step.postcondition and (row is None or row.state != "done"):
+            holds = not self._violations(step.postcondition)
         action = action_for(step, row, holds)
         self.events.step_started(step, action.value)
         started = time.monotonic()

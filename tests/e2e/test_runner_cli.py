@@ -158,3 +158,14 @@ def test_reset_needs_confirmation(dsn: str) -> None:
         assert conn.execute("SELECT state FROM outbox_migrate.migration").fetchone() == (
             "abandoned",
         )
+
+
+def test_unknown_table_leaves_no_migration_record(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+    line = error_line(
+        cli("run", "--pattern", "hop", "--to", "V2", "--dsn", dsn, "--table", "nosuch"), 2
+    )
+    assert "table public.nosuch does not exist" in line
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox_migrate.migration").fetchone() == (0,)
