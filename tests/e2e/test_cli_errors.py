@@ -2,35 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 from outbox_migrate.testing.server import PASSWORD_ROLE, Server, free_port
+from tests.support.cli import error_line, run_cli
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_MIGRATE_", "PG"))}
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "outbox_migrate", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=60,
-    )
+    return run_cli(*args, env=env, timeout=60)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *secrets: str) -> str:
-    assert result.returncode == 2, (result.returncode, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    for secret in secrets:
-        assert secret not in result.stderr
-        assert secret not in result.stdout
-    assert lines[0].startswith("outbox-migrate: error: ")
-    return lines[0]
+    return error_line(result, 2, *secrets, only=True)
 
 
 def test_unreachable_dsn() -> None:

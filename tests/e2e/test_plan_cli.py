@@ -4,37 +4,23 @@ and with bad input (one line on stderr naming the problem, exit code 2, no trace
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import psycopg
 import pytest
 
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
+from tests.support.cli import error_line, run_cli
 
 
 def plan(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_MIGRATE_", "PG"))}
-    env["COLUMNS"] = "160"
-    return subprocess.run(
-        [sys.executable, "-m", "outbox_migrate", "plan", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
+    return run_cli("plan", *args, timeout=60)
 
 
 def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    line = error_line(result, 2, only=True)
     assert result.stdout == ""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("outbox-migrate: error: ")
-    assert "Traceback" not in result.stderr
-    return lines[0]
+    return line
 
 
 def test_unknown_pattern() -> None:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import psycopg
 
@@ -13,27 +11,11 @@ from outbox_migrate.config import load_settings
 from outbox_migrate.runner import Runner
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from outbox_migrate.testing.server import free_port
+from tests.support.cli import error_line, run_cli
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_MIGRATE_")}
-    full["OUTBOX_MIGRATE_GATE_WINDOW_S"] = "0.1"
-    full.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "outbox_migrate", *args],
-        capture_output=True,
-        text=True,
-        env=full,
-        timeout=120,
-    )
-
-
-def error_line(result: subprocess.CompletedProcess[str], code: int) -> str:
-    assert result.returncode == code, (result.returncode, result.stderr)
-    assert "Traceback" not in result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("outbox-migrate: error: ")
-    return last
+    return run_cli(*args, env={"OUTBOX_MIGRATE_GATE_WINDOW_S": "0.1", **(env or {})})
 
 
 def ledger_states(dsn: str) -> dict[str, str]:

@@ -15,6 +15,7 @@ import pytest
 
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from outbox_migrate.wizard import QUESTIONS
+from tests.support.cli import error_line, run_cli
 
 FLAGS = {
     "cop": ["--pause", "--no-keep-old-rows"],
@@ -26,26 +27,11 @@ FLAGS = {
 
 
 def wizard(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_MIGRATE_", "PG"))}
-    env["COLUMNS"] = "200"
-    return subprocess.run(
-        [sys.executable, "-m", "outbox_migrate", "wizard", *args],
-        input=stdin,
-        stdin=None if stdin is not None else subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
+    return run_cli("wizard", *args, stdin=stdin, env={"COLUMNS": "200"}, timeout=60)
 
 
 def one_line_usage_error(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("outbox-migrate: error: "), result.stderr
-    assert "Traceback" not in result.stderr
-    return lines[0]
+    return error_line(result, 2, only=True)
 
 
 @pytest.mark.parametrize("pattern", list(FLAGS))

@@ -77,29 +77,50 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
     )
 
 
-@kind("create-unpublished-partition")
-def create_unpublished_partition(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+def _create_partition(
+    ctx: BuildContext,
+    kind_name: str,
+    relation: str,
+    bound: str,
+    summary: str,
+    undone_by: tuple[str, ...] = (),
+) -> Step:
+    """CREATE TABLE … PARTITION OF the new parent: an empty table, dropped again on rollback
+    only while it still holds no rows."""
     n = ctx.names
     return make_step(
         ctx,
-        "create-unpublished-partition",
-        summary=f"Create {n.unpublished} as the partition FOR VALUES IN (NULL)",
+        kind_name,
+        summary=summary,
         statements=(
-            sql.SQL("CREATE TABLE {} PARTITION OF {} FOR VALUES IN (NULL)").format(
-                n.q(n.unpublished), n.q(n.parent)
+            sql.SQL("CREATE TABLE {} PARTITION OF {} {}").format(
+                n.q(relation), n.q(n.parent), sql.SQL(bound)
             ),
         ),
         tx=TxMode.TRANSACTION,
         locks=(
             Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),
-            Lock(n.unpublished, LockMode.ACCESS_EXCLUSIVE),
+            Lock(relation, LockMode.ACCESS_EXCLUSIVE),
         ),
-        preconditions=(c.relation_exists(n, n.parent), c.relation_absent(n, n.unpublished)),
-        postcondition=(c.partition_bound(n, n.unpublished, NULL_BOUND),),
-        reverse=(sql.SQL("DROP TABLE {}").format(n.q(n.unpublished)),),
-        reverse_note=f"drop {n.unpublished}; refused once it holds rows",
-        reverse_preconditions=(c.relation_empty(n, n.unpublished),),
+        preconditions=(c.relation_exists(n, n.parent), c.relation_absent(n, relation)),
+        postcondition=(c.partition_bound(n, relation, bound),),
+        reverse=(sql.SQL("DROP TABLE {}").format(n.q(relation)),),
+        reverse_note=f"drop {relation}; refused once it holds rows",
+        reverse_preconditions=(c.relation_empty(n, relation),),
         statement_timeout_ms=CREATE_TIMEOUT_MS,
+        undone_by=undone_by,
+    )
+
+
+@kind("create-unpublished-partition")
+def create_unpublished_partition(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    n = ctx.names
+    return _create_partition(
+        ctx,
+        "create-unpublished-partition",
+        n.unpublished,
+        NULL_BOUND,
+        f"Create {n.unpublished} as the partition FOR VALUES IN (NULL)",
     )
 
 
@@ -133,25 +154,11 @@ def create_unpublished_index(ctx: BuildContext, params: Mapping[str, Any]) -> St
 @kind("create-published-partition")
 def create_published_partition(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     n = ctx.names
-    return make_step(
+    return _create_partition(
         ctx,
         "create-published-partition",
-        summary=f"Create {n.published} as the DEFAULT partition (every published row)",
-        statements=(
-            sql.SQL("CREATE TABLE {} PARTITION OF {} DEFAULT").format(
-                n.q(n.published), n.q(n.parent)
-            ),
-        ),
-        tx=TxMode.TRANSACTION,
-        locks=(
-            Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),
-            Lock(n.published, LockMode.ACCESS_EXCLUSIVE),
-        ),
-        preconditions=(c.relation_exists(n, n.parent), c.relation_absent(n, n.published)),
-        postcondition=(c.partition_bound(n, n.published, DEFAULT_BOUND),),
-        reverse=(sql.SQL("DROP TABLE {}").format(n.q(n.published)),),
-        reverse_note=f"drop {n.published}; refused once it holds rows",
-        reverse_preconditions=(c.relation_empty(n, n.published),),
-        statement_timeout_ms=CREATE_TIMEOUT_MS,
+        n.published,
+        DEFAULT_BOUND,
+        f"Create {n.published} as the DEFAULT partition (every published row)",
         undone_by=("swap-default",),
     )
