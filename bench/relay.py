@@ -6,6 +6,8 @@ Prints:
      outbox, (c) pgqueuer (a PyPI job queue) doing the same work — drain N rows/jobs;
   2. concurrent claimers: plain SKIP LOCKED vs the relay's sharded claim — rows/s and the share
      of batches that hit SQLSTATE 40001, for 1, 2 and 4 claimers;
+ 2b. relay processes (1, 2, 4; one worker each, shards balanced through advisory locks)
+     draining rows inserted into the running relays — scaling past one Python process;
   3. claim latency (p50, p99) as published rows grow by publishing, flat vs partitioned,
      from id 0 (the spec's claim, the relay's periodic rescan) and from the relay's cursor;
   4. relay throughput while an idle REPEATABLE READ transaction holds back xmin.
@@ -292,6 +294,84 @@ def section_claimers(dsn: str, conn: psycopg.Connection, rows: int, batch: int, 
           "broker's acknowledgement)")  # fmt: skip
 
 
+PROCESS_SHARDS = 8
+"""Shards every relay process of the process-scaling run is told (`--shards`), as a
+deployment of several relay processes on one outbox must."""
+BALANCE_WAIT_S = 2.5
+
+
+def _relay_process(dsn: str, batch: int, ready: Any, stop: Any) -> None:
+    """One relay process (1 worker, stdout sink into /dev/null) until `stop` is set."""
+    with Path(os.devnull).open("w") as devnull:
+        relay = Relay(
+            dsn,
+            lambda: StdoutSink(stream=devnull),
+            spec=SPEC,
+            options=RelayOptions(
+                batch_size=batch, shards=PROCESS_SHARDS, listen=False, poll_interval_s=0.002
+            ),
+        )
+        with running(relay):
+            ready.set()
+            stop.wait()
+
+
+def wait_drained(conn: psycopg.Connection) -> None:
+    query = "SELECT 1 FROM outbox_unpublished ORDER BY id LIMIT 1"
+    while conn.execute(query).fetchone() is not None:
+        time.sleep(0.002)
+
+
+def processes_rate(
+    dsn: str, conn: psycopg.Connection, rows: int, batch: int, processes: int
+) -> Callable[[], tuple[float, float]]:
+    """Relay processes already running (and balanced: each owns its share of the shards):
+    insert `rows` in one transaction, time until the unpublished partition is empty."""
+    import multiprocessing
+
+    def run() -> tuple[float, float]:
+        reset(conn, 0)
+        ctx = multiprocessing.get_context("spawn")
+        stop = ctx.Event()
+        readies = [ctx.Event() for _ in range(processes)]
+        children = [
+            ctx.Process(target=_relay_process, args=(dsn, batch, ready, stop)) for ready in readies
+        ]
+        for child in children:
+            child.start()
+        try:
+            for ready in readies:
+                ready.wait(60)
+            time.sleep(BALANCE_WAIT_S)  # rebalancing: each process settles on its fair share
+            fill(conn, "outbox_new", rows)
+            started = time.perf_counter()
+            wait_drained(conn)
+            secs = time.perf_counter() - started
+        finally:
+            stop.set()
+            for child in children:
+                child.join(30)
+        assert unpublished(conn) == 0
+        return rows / secs, 0.0
+
+    return run
+
+
+def section_processes(dsn: str, conn: psycopg.Connection, rows: int, reps: int) -> None:
+    print(f"\n## 2b. Relay processes (1 worker each, {PROCESS_SHARDS} shards), {rows:,} rows "
+          f"inserted at once into a running relay, median of {reps} (messages/s)")  # fmt: skip
+    print(f"{'processes':>9} {'batch 100':>10} {'batch 1000':>11}")
+    base: dict[int, float] = {}
+    for processes in (1, 2, 4):
+        rates = [measure(reps, processes_rate(dsn, conn, rows, b, processes))[0]
+                 for b in (100, 1000)]  # fmt: skip
+        base.setdefault(100, rates[0])
+        base.setdefault(1000, rates[1])
+        scale = f"{rates[0] / base[100]:.2f}x / {rates[1] / base[1000]:.2f}x"
+        print(f"{processes:>9} {rates[0]:>10,.0f} {rates[1]:>11,.0f}   ({scale} of one process)")
+    print("(the stdout sink into /dev/null: no broker latency; PostgreSQL shares the same CPUs)")
+
+
 def claim_latencies(dsn: str, flat: bool, batch: int, *, cursor: bool) -> list[float]:
     """Claim (and roll back) CLAIM_SAMPLES times: from id 0, or from the relay's cursor (just
     below the oldest unpublished row, where a running relay's frontier is)."""
@@ -437,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--claimer-batch", type=int, default=1000)
     parser.add_argument("--grow-to", type=int, default=1_000_000)
     parser.add_argument("--xmin-seconds", type=float, default=20.0)
-    parser.add_argument("--only", default="1234", help="sections to run, e.g. 12")
+    parser.add_argument("--only", default="12p34", help="sections to run, e.g. 12p")
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -457,6 +537,7 @@ def main(argv: list[str] | None = None) -> None:
                 "2": lambda: section_claimers(
                     dsn, conn, args.claimer_rows, args.claimer_batch, args.reps
                 ),
+                "p": lambda: section_processes(dsn, conn, args.claimer_rows, args.reps),
                 "3": lambda: section_growth(dsn, conn, args.grow_to, 100),
                 "4": lambda: section_xmin(dsn, conn, args.rows, args.xmin_seconds, 1000),
             }

@@ -70,11 +70,12 @@ class Cursor:
 
     def claimed(self, after: int, ids: Sequence[int], now: float) -> None:
         """Record a claim that started at `after` and returned `ids` (ascending)."""
-        for found in ids:
-            self.pending.pop(found, None)
+        if self.pending:
+            for found in ids:
+                self.pending.pop(found, None)
         if not ids or ids[-1] <= self.frontier:
             return
-        if self.track_gaps:
+        if self.track_gaps and not self._gapless(max(after, 0, self.frontier), ids):
             previous = max(after, 0)
             for current in ids:
                 if self._overflow:
@@ -84,6 +85,18 @@ class Cursor:
                     self._remember_gaps(low, current, now)
                 previous = current
         self.frontier = ids[-1]
+
+    def _gapless(self, low: int, ids: Sequence[int]) -> bool:
+        """True when `ids` are every id of this worker's shards in (low, ids[-1]]: the usual
+        batch, checked with one count per shard instead of a walk over every id."""
+        high = ids[-1]
+        n = self.shards
+        if n <= 1:
+            expected = high - low
+        else:
+            expected = sum((high - s) // n - (low - s) // n for s in self.mine)
+        above = len(ids) if ids[0] > low else sum(1 for i in ids if i > low)
+        return above == expected
 
     def force_full_rescan(self) -> None:
         """The next claim starts at id 0 (to prove "nothing left", not just "nothing new")."""

@@ -105,7 +105,9 @@ def shard_expression(source: Source, columns: Columns, *, by_key: bool) -> sql.C
 def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> sql.Composed:
     """Claim the next batch of this session's shards, oldest id first, locking the rows.
 
-    Parameters: after (id cursor), limit, and when sharded shards + mine (int[]).
+    Parameters: after (id cursor), limit, and when sharded shards + mine (int[]). The columns
+    come back in `Message` field order (the source's label as a constant second column), so
+    each row becomes a message with `Message._make(row)`.
     The cursor (`id > %(after)s`) lets a claim start where the last one ended instead of
     re-walking index entries of rows just moved out (they stay in the index until vacuum, and a
     held xmin keeps them there); the worker resets it to 0 regularly so a row whose transaction
@@ -117,11 +119,12 @@ def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> s
         else sql.SQL("")
     )
     return sql.SQL(
-        "SELECT {id}, {event_type}, {key}, {payload}::text, {created_at} FROM {table} "
-        "WHERE {unpublished} AND {id} > %(after)s{shard} "
+        "SELECT {id}, {label}::text, {event_type}, {key}, {payload}::text, {created_at} "
+        "FROM {table} WHERE {unpublished} AND {id} > %(after)s{shard} "
         "ORDER BY {id} LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
     ).format(
         id=sql.Identifier(source.id_column),
+        label=sql.Literal(source.label),
         event_type=_optional(columns.event_type),
         key=_optional(columns.key),
         payload=sql.Identifier(columns.payload),

@@ -67,6 +67,15 @@ class ShardLease:
     def mine(self) -> list[int]:
         return sorted(self.owned)
 
+    @property
+    def owns_all(self) -> bool:
+        """Every shard is this session's: its claim needs no shard filter."""
+        return len(self.owned) == self.count
+
+    def due(self, now: float) -> bool:
+        """A rebalance check is due: the worker should come back to `maintain`."""
+        return now >= self._next_check
+
     def lost(self) -> None:
         """The session ended: every advisory lock went with it."""
         self.owned.clear()

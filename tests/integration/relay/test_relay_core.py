@@ -344,3 +344,32 @@ def test_relay_survives_terminated_sessions(
     assert set(collected.ids) == set(ids_in(partitioned, "outbox_new"))
     assert ids_in(partitioned, "outbox_unpublished") == []
     assert collected.duplicates() <= 200  # at most the batches in flight when killed
+
+
+def test_a_claim_failing_after_the_previous_commit_loses_nothing(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected, monkeypatch
+) -> None:
+    """A batch's mark and COMMIT travel with the next claim (pipeline mode). When that claim
+    fails — here SQLSTATE 40001 on the 3rd claim, raised once its rows were already fetched
+    and locked — the batch before it is committed and counted, the failed claim's transaction
+    is rolled back (its rows are claimed again, not lost and not published twice)."""
+    from outbox_migrate.relay import worker
+
+    insert_rows(partitioned, "outbox_new", 1000, spec=SPEC)
+    original = worker._Worker._claim
+    calls = {"n": 0}
+
+    def flaky_claim(self, statement, sharded, after):  # type: ignore[no-untyped-def]
+        rows = original(self, statement, sharded, after)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise psycopg.errors.SerializationFailure("injected: row moved")
+        return rows
+
+    monkeypatch.setattr(worker._Worker, "_claim", flaky_claim)
+    relay = run_until_empty(dsn, collected, batch_size=100)
+    expected = ids_in(partitioned, "outbox_new")
+    assert relay.stats.serialization_retries == 1
+    assert collected.ids == expected  # the failed claim's rows came again, in order, once
+    assert relay.stats.published == 1000 and relay.stats.batches == 10
+    assert ids_in(partitioned, "outbox_unpublished") == []

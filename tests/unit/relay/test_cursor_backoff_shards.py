@@ -63,6 +63,35 @@ def test_cursor_gaps_only_in_own_shards() -> None:
     assert set(c2.pending) == {2, 6, 8, 10}
 
 
+class _WalkingCursor(Cursor):
+    """The cursor without its gapless fast path: every claimed id is walked."""
+
+    def _gapless(self, low: int, ids) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+@pytest.mark.parametrize("shards,mine", [(1, [0]), (4, [1]), (4, [0, 2, 3]), (8, list(range(8)))])
+def test_cursor_fast_path_remembers_exactly_what_the_walk_does(
+    shards: int, mine: list[int]
+) -> None:
+    """Random claims (with gaps, rescans below the frontier, repeats): the O(shards) gapless
+    check must never hide a gap the id-by-id walk would have remembered."""
+    rng = random.Random(shards * 100 + len(mine))
+    fast, walk = cursor(shards, mine), _WalkingCursor(shards=shards, mine=mine, track_gaps=True,
+                                                      now=0.0)  # fmt: skip
+    own = [i for i in range(1, 3000) if shards == 1 or i % shards in mine]
+    now = 0.0
+    for _ in range(400):
+        now += 0.01
+        after = fast.start(now)
+        assert walk.start(now) == after
+        candidates = [i for i in own if i > after][: rng.randint(0, 30)]
+        ids = [i for i in candidates if rng.random() > 0.05]  # some ids not visible yet
+        fast.claimed(after, ids, now)
+        walk.claimed(after, ids, now)
+        assert fast.pending == walk.pending and fast.frontier == walk.frontier
+
+
 def test_cursor_key_shards_fall_back_to_periodic_full_rescan() -> None:
     c = cursor(shards=3, mine=[0], track=False)
     c.claimed(0, [1, 50], 0.0)
