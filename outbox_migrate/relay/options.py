@@ -17,6 +17,10 @@ POLL_INTERVAL_S = 1.0
 """Idle wait between claims when no NOTIFY arrives (the fallback to LISTEN/NOTIFY)."""
 SHUTDOWN_TIMEOUT_S = 10.0
 """How long a stop waits for the in-flight batch before cancelling it (it is then re-sent)."""
+DEFAULT_SHARDS = 8
+"""Default shard count (or `workers`, when more): a lone worker owns them all and claims
+without a shard filter; a second relay process started with the defaults finds shards to
+take instead of claiming the same rows (and meeting SQLSTATE 40001)."""
 DEFAULT_CHANNEL = "outbox_migrate_relay"
 DEFAULT_DEAD_LETTER_TABLE = "outbox_dead_letter"
 
@@ -60,7 +64,8 @@ class RelayOptions:
     batch_size: int = DEFAULT_BATCH_SIZE
     workers: int = 1
     shards: int | None = None
-    """Total shards across every relay process sharing the table (default: `workers`)."""
+    """Total shards across every relay process sharing the table (default: the larger of
+    `workers` and DEFAULT_SHARDS). Every process of one outbox must use the same value."""
     ordering: Ordering = Ordering.none
     until_empty: bool = False
     poll_interval_s: float = POLL_INTERVAL_S
@@ -103,4 +108,4 @@ class RelayOptions:
         """Shards the id space is split into; `global` ordering always uses one."""
         if self.ordering is Ordering.global_:
             return 1
-        return self.shards or self.workers
+        return self.shards or max(self.workers, DEFAULT_SHARDS)

@@ -136,7 +136,8 @@ def test_home_shards_cover_every_shard_once() -> None:
 
 
 def test_options_validation() -> None:
-    assert RelayOptions(workers=4).shard_count == 4
+    assert RelayOptions(workers=4).shard_count == 8
+    assert RelayOptions(workers=12).shard_count == 12
     assert RelayOptions(workers=4, ordering=Ordering.global_).shard_count == 1
     assert RelayOptions(workers=2, shards=8).shard_count == 8
     with pytest.raises(RelayError):
