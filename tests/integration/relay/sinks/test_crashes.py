@@ -3,10 +3,10 @@
 * The relay process is SIGKILLed after the broker acknowledged a batch and before the mark:
   after a restart every message is delivered, with at most that one batch duplicated.
 * The broker goes down (killed, then restarted from its append-only file): the relay backs
-  off without marking anything, recovers by itself, and loses nothing. The issue asks for 30 s
-  of downtime; BROKER_DOWN_S is shorter to keep CI fast — with the backoff capped at
-  BACKOFF_CAP_S the relay goes through the same states (first failure, growing delays,
-  capped delays, recovery) well within it, so a longer outage exercises nothing new.
+  off without marking anything, recovers by itself, and loses nothing. The outage lasts
+  30 s, as the issue asks; the backoff is capped at BACKOFF_CAP_S so the relay reaches its
+  capped delays well within the outage and the test checks it retried at that pace, not
+  faster (spinning) and not slower (given up).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from .crash_sink import KILL_AFTER_BATCHES
 pytestmark = [pytest.mark.newest_pg_only, pytest.mark.broker("redis")]
 REPO = Path(__file__).resolve().parents[4]
 BATCH = 50
-BROKER_DOWN_S = 5.0
-BACKOFF_CAP_S = 0.5
+BROKER_DOWN_S = 30.0
+BACKOFF_CAP_S = 2.0
 
 
 def stream_ids(url: str, stream: str) -> list[int]:
@@ -131,7 +131,11 @@ def test_broker_down_backs_off_recovers_and_loses_nothing(
         # While the broker is down nothing is marked, and the relay is backing off, not spinning.
         assert len(ids_in(partitioned, "outbox_published")) == 300
         failures = relay.stats.sink_failures
-        assert 3 <= failures <= 2 * BROKER_DOWN_S / (BACKOFF_CAP_S / 2) + 10
+        # Equal jitter: each capped delay is in [cap/2, cap], so at least ~BROKER_DOWN_S / cap
+        # and at most 2 * BROKER_DOWN_S / cap retries (plus the short first delays).
+        assert (
+            BROKER_DOWN_S / BACKOFF_CAP_S - 2 <= failures <= 2 * BROKER_DOWN_S / BACKOFF_CAP_S + 10
+        )
         start()
         deadline = time.monotonic() + 30
         while ids_in(partitioned, "outbox_unpublished") and time.monotonic() < deadline:
