@@ -23,6 +23,8 @@ without a shard filter; a second relay process started with the defaults finds s
 take instead of claiming the same rows (and meeting SQLSTATE 40001)."""
 DEFAULT_CHANNEL = "outbox_migrate_relay"
 DEFAULT_DEAD_LETTER_TABLE = "outbox_dead_letter"
+ATTEMPTS_TABLE_SUFFIX = "_attempts"
+"""The rejection counters live next to the dead-letter table: `<dead_letter_table>_attempts`."""
 
 
 class Mode(StrEnum):
@@ -109,3 +111,8 @@ class RelayOptions:
         if self.ordering is Ordering.global_:
             return 1
         return self.shards or max(self.workers, DEFAULT_SHARDS)
+
+    @property
+    def attempts_table(self) -> str:
+        """Where rejections are counted until a message is published or dead-lettered."""
+        return self.dead_letter_table + ATTEMPTS_TABLE_SUFFIX

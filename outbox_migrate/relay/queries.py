@@ -288,3 +288,48 @@ def insert_dead_letter(schema: str, table: str) -> sql.Composed:
         "%(payload)s::json, %(created_at)s, %(attempts)s, %(error)s) "
         "ON CONFLICT (source_table, id) DO NOTHING"
     ).format(table=sql.Identifier(schema, table))
+
+
+def create_attempts(schema: str, table: str) -> sql.Composed:
+    """Rejections so far of messages not yet dead-lettered: survives relay restarts, so a
+    message that makes the relay crash-loop still reaches the dead-letter table."""
+    return sql.SQL(
+        "CREATE TABLE IF NOT EXISTS {table} ("
+        "source_table text NOT NULL, id int8 NOT NULL, attempts int NOT NULL, "
+        "last_error text NOT NULL, updated_at timestamptz NOT NULL DEFAULT now(), "
+        "PRIMARY KEY (source_table, id))"
+    ).format(table=sql.Identifier(schema, table))
+
+
+def count_attempts(schema: str, table: str) -> sql.Composed:
+    """Add one rejection per id (params: source, ids int8[], errors text[]); returns each id's
+    attempts so far."""
+    return sql.SQL(
+        "INSERT INTO {table} AS a (source_table, id, attempts, last_error) "
+        "SELECT %(source)s, r.id, 1, r.error "
+        "FROM unnest(%(ids)s::int8[], %(errors)s::text[]) AS r(id, error) "
+        "ON CONFLICT (source_table, id) DO UPDATE SET attempts = a.attempts + 1, "
+        "last_error = excluded.last_error, updated_at = now() RETURNING a.id, a.attempts"
+    ).format(table=sql.Identifier(schema, table))
+
+
+def forget_attempts(schema: str, table: str) -> sql.Composed:
+    """Drop the counters of ids that were published or dead-lettered (params: source, ids)."""
+    return sql.SQL(
+        "DELETE FROM {table} WHERE source_table = %(source)s AND id = ANY(%(ids)s::int8[])"
+    ).format(table=sql.Identifier(schema, table))
+
+
+def attempted_ids(schema: str, table: str) -> sql.Composed:
+    """Ids with a rejection on record (param: source), read when a relay starts."""
+    return sql.SQL("SELECT id FROM {table} WHERE source_table = %(source)s").format(
+        table=sql.Identifier(schema, table)
+    )
+
+
+def relation_exists() -> sql.SQL:
+    """Params: schema, table."""
+    return sql.SQL(
+        "SELECT EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %(schema)s AND c.relname = %(table)s)"
+    )

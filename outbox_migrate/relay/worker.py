@@ -127,11 +127,10 @@ class Relay:
         self._abandon = threading.Event()
         self._waker = _Waker()
         self._columns: dict[str, queries.Columns] = {}
-        self._attempts: dict[tuple[str, int], int] = {}
+        self._attempted: set[tuple[str, int]] = set()
+        """(source, id) of messages with a rejection counter in the attempts table."""
         self._attempts_lock = threading.Lock()
         self._conns: dict[int, Any] = {}
-        self._dead_letter_ready = False
-        self._ddl_lock = threading.Lock()
         self._fatal: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -217,6 +216,35 @@ class Relay:
                         "(name yours with --key-column)"
                     )
                 self._columns[source.label] = columns
+            self._prepare_rejections(conn, sources)
+
+    def _prepare_rejections(self, conn: Any, sources: list[queries.Source]) -> None:
+        """Create the dead-letter and attempts tables up front (not inside a batch, where two
+        relay processes racing on CREATE TABLE IF NOT EXISTS would fail one batch), and read
+        the rejection counters a previous run left."""
+        import psycopg
+
+        schema, options = self.spec.schema, self.options
+        for create in (
+            queries.create_dead_letter(schema, options.dead_letter_table),
+            queries.create_attempts(schema, options.attempts_table),
+        ):
+            try:
+                conn.execute(create)
+            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+                pass  # another relay process created it at the same moment
+            except psycopg.errors.InsufficientPrivilege as exc:
+                log.warning(
+                    "relay.dead_letter_unavailable %s: create %s and %s as in docs/relay.md; "
+                    "until then a rejected message stops the relay",
+                    _one_line(exc), options.dead_letter_table, options.attempts_table,
+                )  # fmt: skip
+                return
+        for source in sources:
+            rows = conn.execute(
+                queries.attempted_ids(schema, options.attempts_table), {"source": source.label}
+            ).fetchall()
+            self._attempted.update((source.label, int(r[0])) for r in rows)
 
     def _resolve_columns(self, conn: Any, source: queries.Source) -> queries.Columns:
         rows = conn.execute(
@@ -266,49 +294,61 @@ class Relay:
 
     def _publish(
         self, conn: Any, sink: Sink, source: queries.Source, batch: list[Message]
-    ) -> tuple[list[int], list[int], int | None]:
-        """Publish; returns (acknowledged ids, dead-lettered ids, lowest id to claim again)."""
+    ) -> tuple[list[int], list[int], int | None, int]:
+        """Publish; returns (acknowledged ids, dead-lettered ids, lowest id to claim again,
+        the most attempts any message to claim again has had)."""
         try:
             sink.publish(batch)
         except MessagesRejected as exc:
             rejected = exc.rejected
         else:
-            return [m.id for m in batch], [], None
+            if self._attempted:  # a message rejected before went through this time
+                label = source.label
+                with self._attempts_lock:
+                    again = [m.id for m in batch if (label, m.id) in self._attempted]
+                self._forget_attempts(conn, source, again)
+            return [m.id for m in batch], [], None, 0
         self.stats.add(rejected=len(rejected))
         self.observer.failed("rejected", len(rejected))
+        schema, options = self.spec.schema, self.options
+        refused = [m for m in batch if m.id in rejected]
+        counted = conn.execute(
+            queries.count_attempts(schema, options.attempts_table),
+            {"source": source.label, "ids": [m.id for m in refused],
+             "errors": [rejected[m.id][:2000] for m in refused]},
+        ).fetchall()  # fmt: skip
+        attempts = {int(r[0]): int(r[1]) for r in counted}
+        dead = [m for m in refused if attempts[m.id] >= options.max_attempts]
+        for message in dead:
+            self._dead_letter(conn, source, message, attempts[message.id], rejected[message.id])
+        retry = [m.id for m in refused if attempts[m.id] < options.max_attempts]
         acked = [m.id for m in batch if m.id not in rejected]
-        dead: list[int] = []
-        retry: list[int] = []
-        for message in batch:
-            if message.id not in rejected:
-                continue
-            with self._attempts_lock:
-                key = (source.label, message.id)
-                attempts = self._attempts.get(key, 0) + 1
-                self._attempts[key] = attempts
-            if attempts < self.options.max_attempts:
-                retry.append(message.id)
-                continue
-            self._dead_letter(conn, source, message, attempts, rejected[message.id])
-            dead.append(message.id)
-            with self._attempts_lock:
-                self._attempts.pop(key, None)
-        log.warning("relay.rejected count=%d dead_lettered=%d", len(rejected),
-                    len(rejected) - len(retry))  # fmt: skip
-        return acked, dead, (min(retry) if retry else None)
+        with self._attempts_lock:
+            again = [i for i in acked if (source.label, i) in self._attempted]
+            self._attempted.update((source.label, i) for i in retry)
+        self._forget_attempts(conn, source, [m.id for m in dead] + again)
+        log.warning("relay.rejected count=%d dead_lettered=%d", len(rejected), len(dead))
+        most = max((attempts[i] for i in retry), default=0)
+        return acked, [m.id for m in dead], (min(retry) if retry else None), most
+
+    def _forget_attempts(self, conn: Any, source: queries.Source, ids: list[int]) -> None:
+        """Published or dead-lettered: their rejection counters go, in the same transaction."""
+        if not ids:
+            return
+        with self._attempts_lock:
+            for i in ids:
+                self._attempted.discard((source.label, i))
+        conn.execute(
+            queries.forget_attempts(self.spec.schema, self.options.attempts_table),
+            {"source": source.label, "ids": ids},
+        )
 
     def _dead_letter(
         self, conn: Any, source: queries.Source, message: Message, attempts: int, error: str
     ) -> None:
         """Keep the message in the dead-letter table; its mark commits in the same transaction."""
-        schema = self.spec.schema
-        table = self.options.dead_letter_table
-        if not self._dead_letter_ready:
-            with self._ddl_lock:
-                conn.execute(queries.create_dead_letter(schema, table))
-                self._dead_letter_ready = True
         conn.execute(
-            queries.insert_dead_letter(schema, table),
+            queries.insert_dead_letter(self.spec.schema, self.options.dead_letter_table),
             {
                 "source": source.label, "id": message.id, "event_type": message.event_type,
                 "key": message.key, "payload": message.payload,
@@ -414,6 +454,8 @@ class _Worker:
         claim returns at once if a NOTIFY came in meanwhile."""
         self.sink: Sink | None = None
         self.failures = 0
+        self.pause_s = 0.0
+        """Wait before the next claim: the sink rejected messages that are to be retried."""
         self.cursor = Cursor(
             shards=options.shard_count,
             mine=[],
@@ -509,6 +551,10 @@ class _Worker:
                 return True  # every shard belongs to another live session
             relay._idle_wait(relay._waker.generation)
             return False
+        if self.pause_s:
+            pause, self.pause_s = self.pause_s, 0.0
+            relay._stop.wait(pause)
+            return False
         source = relay.state.current
         empty_after = self._publish_run(source, self.cursor.start(now))
         self.failures = 0
@@ -591,7 +637,7 @@ class _Worker:
                         conn.execute(b"ROLLBACK")
                         return after
                     batch = list(map(Message._make, rows))
-                    acked, dead, retry_from = relay._publish(conn, sink, source, batch)
+                    acked, dead, retry_from, attempts = relay._publish(conn, sink, source, batch)
                     if relay._abandon.is_set():
                         raise _Abandoned
                     now = time.monotonic()
@@ -604,6 +650,12 @@ class _Worker:
                         conn.execute(mark, {"ids": "{" + ",".join(map(str, to_mark)) + "}"})
                     committed = _Commit(len(acked), started, conn.execute(b"COMMIT"))
                     relay.observer.heartbeat(self.index)
+                    if attempts:
+                        # Rejected messages are claimed again after a backoff that grows with
+                        # their attempts, not at once: a transient refusal gets time to clear
+                        # before the message counts towards the dead-letter table.
+                        self.pause_s = relay._backoff(attempts - 1)
+                        break
                     if relay.stopping or self.lease.due(now) or relay.state.current is not source:
                         break
                     after = cursor.start(now)

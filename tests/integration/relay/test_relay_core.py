@@ -232,6 +232,62 @@ def test_rejected_message_goes_to_dead_letter_after_max_attempts(
     assert '"n"' in row[3]
 
 
+def test_rejection_counts_survive_a_restart(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    """Attempts are counted in a table, in the batch's transaction: a relay that restarts
+    (crash loop, deploy) does not give a poison message its attempts back; a message
+    rejected once and then accepted leaves no counter behind."""
+    insert_rows(partitioned, "outbox_new", 20, spec=SPEC)
+    poison, flaky = 1_000_005, 1_000_012
+    seen = {"poison": 0, "flaky": 0}
+
+    def reject(batch: Sequence[Message]) -> None:
+        refused = {}
+        if any(m.id == poison for m in batch):
+            seen["poison"] += 1
+            refused[poison] = "schema violation"
+        if any(m.id == flaky for m in batch):
+            seen["flaky"] += 1
+            if seen["flaky"] == 1:
+                refused[flaky] = "try again"
+        if refused:
+            collected.add([m for m in batch if m.id not in refused])
+            raise MessagesRejected("collect", refused)
+
+    def attempts_of(message_id: int) -> int:
+        try:
+            row = partitioned.execute(
+                "SELECT attempts FROM outbox_dead_letter_attempts WHERE id = %s", (message_id,)
+            ).fetchone()
+        except psycopg.errors.UndefinedTable:
+            return 0  # the relay has not created it yet
+        return int(row[0]) if row else 0
+
+    first = Relay(
+        dsn,
+        collected.factory(reject),
+        spec=SPEC,
+        options=RelayOptions(listen=False, poll_interval_s=0.02, batch_size=8, max_attempts=3),
+    )
+    with running(first):
+        deadline = time.monotonic() + 20
+        while attempts_of(poison) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    # The first relay stopped after one or two rejections of the poison message.
+    before_restart = attempts_of(poison)
+    assert 1 <= before_restart <= 2 and seen["poison"] == before_restart
+    relay = run_until_empty(dsn, collected, fail=reject, max_attempts=3, batch_size=8)
+    assert seen["poison"] == 3  # not 3 more: the count went on from the first run
+    assert relay.stats.dead_lettered == 1
+    dead = partitioned.execute("SELECT id, attempts FROM outbox_dead_letter").fetchall()
+    assert dead == [(poison, 3)]
+    assert partitioned.execute("SELECT count(*) FROM outbox_dead_letter_attempts").fetchone() == (
+        0,
+    )
+    assert flaky in collected.ids and ids_in(partitioned, "outbox_unpublished") == []
+
+
 def test_global_ordering_publishes_in_strict_id_order_with_several_workers(
     dsn: str, partitioned: psycopg.Connection, collected: Collected
 ) -> None:
