@@ -495,21 +495,46 @@ def steady_rate(relay: Relay, conn: psycopg.Connection, rows: int) -> float:
     return rows / (time.perf_counter() - started)
 
 
-def section_xmin(dsn: str, conn: psycopg.Connection, rows: int, hold_s: float, batch: int) -> None:
-    print(f"\n## 4. Running relay's throughput while xmin is held ({hold_s:.0f} s of churn)")
-    reset(conn, 0)
-    devnull = Path(os.devnull).open("w")  # noqa: SIM115 - closed below
-    relay = Relay(
+def _relay_for(dsn: str, devnull: Any, batch: int) -> Relay:
+    return Relay(
         dsn,
         lambda: StdoutSink(stream=devnull),
         spec=SPEC,
         options=RelayOptions(batch_size=batch, poll_interval_s=0.05),
     )
+
+
+def section_xmin(dsn: str, conn: psycopg.Connection, rows: int, hold_s: float, batch: int) -> None:
+    """Throughput of a running relay before and after `hold_s` of churn under a held xmin.
+
+    Measured against a *control*: the same relay on an identical outbox in another database of
+    the same server, where the held snapshot does not hold back vacuum (horizons are per
+    database for ordinary tables). Both are measured alternately and churned alike, so a
+    change in the machine's load moves both; the held-xmin effect is the change of the ratio.
+    """
+    print(f"\n## 4. Running relay's throughput while xmin is held ({hold_s:.0f} s of churn)")
+    reset(conn, 0)
+    conn.execute("DROP DATABASE IF EXISTS xmin_control")
+    conn.execute("CREATE DATABASE xmin_control")
+    control_dsn = dsn.replace("dbname=postgres", "dbname=xmin_control")
+    devnull = Path(os.devnull).open("w")  # noqa: SIM115 - closed below
+    control_conn = psycopg.connect(control_dsn, autocommit=True)
+    create_partitioned_outbox(control_conn, SPEC, start=1_000_000_000)
+    relay, control = _relay_for(dsn, devnull, batch), _relay_for(control_dsn, devnull, batch)
     holder = psycopg.connect(dsn)
+
+    def paired() -> tuple[float, float]:
+        """(held side, control side): medians of three alternating measurements."""
+        held_side, control_side = [], []
+        for _ in range(3):
+            held_side.append(steady_rate(relay, conn, rows))
+            control_side.append(steady_rate(control, control_conn, rows))
+        return statistics.median(held_side), statistics.median(control_side)
+
     try:
-        with running(relay):
+        with running(relay), running(control):
             time.sleep(0.5)
-            base = statistics.median(steady_rate(relay, conn, rows) for _ in range(3))
+            base, base_control = paired()
             holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
             holder.execute("SELECT count(*) FROM outbox_new").fetchone()  # takes the snapshot
             # Churn under the held snapshot: rows inserted and published; their dead versions
@@ -518,8 +543,9 @@ def section_xmin(dsn: str, conn: psycopg.Connection, rows: int, hold_s: float, b
             deadline = time.monotonic() + hold_s
             while time.monotonic() < deadline:
                 steady_rate(relay, conn, 20_000)
+                steady_rate(control, control_conn, 20_000)
             churned = relay.stats.published - churned_from
-            held = statistics.median(steady_rate(relay, conn, rows) for _ in range(3))
+            held, held_control = paired()
         # The spec's claim for contrast: always from the lowest id, no cursor.
         fill(conn, "outbox_new", rows)
         secs, marked, _r = sql_only(dsn, batch, 1, sharded=False, max_s=NO_CURSOR_MAX_S)
@@ -527,9 +553,18 @@ def section_xmin(dsn: str, conn: psycopg.Connection, rows: int, hold_s: float, b
     finally:
         holder.rollback()
         holder.close()
+        control_conn.close()
         devnull.close()
-    print(f"relay before: {base:,.0f} rows/s; after {churned:,} rows churned under the held "
-          f"xmin: {held:,.0f} rows/s ({held / base - 1:+.1%})")  # fmt: skip
+    effect = (held / held_control) / (base / base_control) - 1
+    raw, drift = held / base - 1, held_control / base_control - 1
+    print(
+        f"relay before: {base:,.0f} rows/s (control {base_control:,.0f}); after {churned:,} "
+        f"rows churned under the held xmin: {held:,.0f} rows/s (control {held_control:,.0f})"
+    )
+    print(
+        f"raw change {raw:+.1%}; control's change {drift:+.1%}; "
+        f"held-xmin effect (ratio to control) {effect:+.1%}"
+    )
     print(f"the spec's claim (always from the lowest id, SQL-only) under that xmin: "
           f"{no_cursor:,.0f} rows/s")  # fmt: skip
 
