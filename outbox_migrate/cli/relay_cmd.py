@@ -74,7 +74,8 @@ def relay(
         list[str] | None,
         typer.Option(
             help="KEY=VALUE for the sink, repeatable: exchange (rabbitmq), stream (nats), "
-            "maxlen (redis), retries (http), librdkafka settings such as linger.ms (kafka)."
+            "maxlen (redis), retries, concurrency, batch (http), librdkafka settings such as "
+            "linger.ms (kafka)."
         ),
     ] = None,
     key_column: Annotated[
@@ -169,7 +170,10 @@ def relay(
         if not sep or not key:
             raise UsageError(f"--sink-option: expected KEY=VALUE, got {item!r}")
         extra[key] = value
-    config = sinks.SinkConfig(url=sink_url, target=target, timeout_s=sink_timeout, extra=extra)
+    # The sink is told the ordering so a concurrent one (http) keeps exactly what it promises.
+    config = sinks.SinkConfig(
+        url=sink_url, target=target, timeout_s=sink_timeout, extra=extra, ordering=options.ordering
+    )
     observer: relay_metrics.Observer | None = None
     server = None
     if metrics_port is not None:

@@ -3,8 +3,9 @@
 A sink's `publish(batch)` returns only once the broker acknowledged every message of the batch
 (that is what lets the relay mark them published), raises `SinkUnavailable` when nothing can be
 trusted as delivered, or `MessagesRejected` naming the ids it refused. Each relay worker gets its
-own sink instance from a factory, so sinks need not be thread-safe. Broker clients are imported
-only when their sink is built.
+own sink instance from a factory, so sinks need not be thread-safe. A sink that sends a batch's
+messages concurrently (http) keeps the order `SinkConfig.ordering` asks for. Broker clients are
+imported only when their sink is built.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Protocol
 
 from outbox_migrate.relay.errors import RelayError
 from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.options import Ordering
 
 DEFAULT_TARGET = "outbox"
 DEFAULT_TIMEOUT_S = 10.0
@@ -44,6 +46,10 @@ class SinkConfig:
     Redis stream key; unused by stdout and HTTP."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     extra: Mapping[str, str] = field(default_factory=dict)
+    ordering: Ordering | None = None
+    """The relay's `--ordering`, for sinks that publish a batch concurrently (http). None = not
+    told (a library caller that built the config itself): such sinks then keep strict id order,
+    the strongest promise, rather than guess."""
 
 
 BUILTIN: dict[str, str] = {

@@ -13,12 +13,21 @@ import pytest
 
 from outbox_migrate.relay.options import Ordering, RelayOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
-from outbox_migrate.relay.worker import Relay
+from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.testing.schema import insert_rows
 from tests.integration.relay.conftest import SPEC, ids_in
+from tests.support.tcp_proxy import TcpProxy
+from tests.support.webhook import Webhook
 
 pytestmark = pytest.mark.newest_pg_only
 COUNT = 1000
+OUTAGE_S = 3.0
+"""Broker down this long in the RabbitMQ and HTTP outage tests. The issue's 30-s outage runs in
+test_crashes.py (Redis); what is new here is each sink's own failure path (connection reset
+and refused, retries exhausted), and with the backoff capped at OUTAGE_BACKOFF_CAP_S 3 s goes
+through the same states: first failure, growing delays, capped delays, recovery."""
+OUTAGE_BATCH = 50
+OUTAGE_BACKOFF_CAP_S = 0.5
 DEFAULTS = {"until_empty": True, "listen": False, "batch_size": 100, "ordering": Ordering.global_}
 
 
@@ -39,6 +48,48 @@ def assert_exactly(received: list[int], expected: list[int], *, ordered: bool = 
     assert sorted(received) == expected
     if ordered:
         assert received == expected
+
+
+def wait_until_published(conn: psycopg.Connection, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ids_in(conn, "outbox_unpublished") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ids_in(conn, "outbox_unpublished") == []
+
+
+def outage_relay(dsn: str, sink: str, config: SinkConfig) -> Relay:
+    """A relay that polls fast and backs off briefly, as in test_crashes.py."""
+    return Relay(
+        dsn, factory(sink, config), spec=SPEC,
+        options=RelayOptions(batch_size=OUTAGE_BATCH, listen=False, poll_interval_s=0.05,
+                             backoff_base_s=0.05, backoff_cap_s=OUTAGE_BACKOFF_CAP_S),
+    )  # fmt: skip
+
+
+def assert_backed_off_during_outage(relay: Relay, conn: psycopg.Connection, marked: int) -> None:
+    """Nothing was marked while the broker was away, and the relay backed off, not spun."""
+    assert len(ids_in(conn, "outbox_published")) == marked
+    failures = relay.stats.sink_failures
+    assert 3 <= failures <= 2 * OUTAGE_S / (OUTAGE_BACKOFF_CAP_S / 2) + 10, failures
+
+
+def read_queue(url: str, queue: str) -> list[tuple[int, object]]:
+    """Every message of `queue` as (outbox id, properties); the queue is deleted."""
+    import pika
+
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        out = []
+        while True:
+            method, properties, _body = channel.basic_get(queue, auto_ack=True)
+            if method is None:
+                break
+            out.append((int(properties.message_id), properties))
+        channel.queue_delete(queue)
+    finally:
+        connection.close()
+    return out
 
 
 @pytest.mark.broker("redis")
@@ -65,27 +116,37 @@ def test_redis_streams(dsn: str, partitioned: psycopg.Connection, redis_url: str
 def test_rabbitmq_with_publisher_confirms(
     dsn: str, partitioned: psycopg.Connection, rabbitmq_url: str
 ) -> None:
-    import pika
-
     insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
     queue = f"om-test-{uuid.uuid4().hex[:8]}"
     relay_to(dsn, "rabbitmq", SinkConfig(url=rabbitmq_url, target=queue))
-    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
-    try:
-        channel = connection.channel()
-        received: list[int] = []
-        first_headers = None
-        while True:
-            method, properties, _body = channel.basic_get(queue, auto_ack=True)
-            if method is None:
-                break
-            received.append(int(properties.message_id))
-            first_headers = first_headers or properties.headers
-        channel.queue_delete(queue)
-    finally:
-        connection.close()
+    messages = read_queue(rabbitmq_url, queue)
+    received = [outbox_id for outbox_id, _ in messages]
     assert_exactly(received, ids_in(partitioned, "outbox_new"))
-    assert first_headers is not None and first_headers["outbox-id"] == str(received[0])
+    first = messages[0][1]
+    assert first.headers["outbox-id"] == str(received[0])
+    assert first.headers["event-type"] == first.type == "event"
+    assert first.delivery_mode == 2 and first.content_type == "application/json"
+
+
+@pytest.mark.broker("rabbitmq")
+def test_rabbitmq_one_batch_of_thousands_is_confirmed_at_once(rabbitmq_url: str) -> None:
+    """The pipelined path without the relay: one publish, every message confirmed, none lost."""
+    from datetime import UTC, datetime
+
+    from outbox_migrate.relay.message import Message
+    from outbox_migrate.relay.sinks.rabbitmq import RabbitMQSink
+
+    queue = f"om-test-{uuid.uuid4().hex[:8]}"
+    now = datetime.now(UTC)
+    batch = [Message(i, "public.outbox", None, None, f'{{"n":{i}}}', now) for i in range(1, 5001)]
+    sink = RabbitMQSink(SinkConfig(url=rabbitmq_url, target=queue))
+    try:
+        sink.publish(batch[:2500])
+        sink.publish(batch[2500:])  # the same channel: delivery tags continue
+    finally:
+        sink.close()
+    received = [outbox_id for outbox_id, _ in read_queue(rabbitmq_url, queue)]
+    assert_exactly(received, [m.id for m in batch])
 
 
 @pytest.mark.broker("rabbitmq")
@@ -114,6 +175,107 @@ def test_rabbitmq_unroutable_messages_are_rejected_not_marked(
     assert relay.stats.published == 0
     dead = partitioned.execute("SELECT id FROM outbox_dead_letter ORDER BY id").fetchall()
     assert [r[0] for r in dead] == ids_in(partitioned, "outbox_new")
+
+
+@pytest.mark.broker("rabbitmq")
+def test_rabbitmq_returned_messages_are_rejected_by_id_the_others_published(
+    dsn: str, partitioned: psycopg.Connection, rabbitmq_url: str
+) -> None:
+    """A headers exchange routes only `event-type: routable`: in every batch the broker returns
+    the other half, which are rejected by id (then dead-lettered) while the rest is marked."""
+    import pika
+
+    insert_rows(partitioned, "outbox_new", 40, spec=SPEC)
+    partitioned.execute("UPDATE outbox_new SET event_type = 'routable' WHERE id % 2 = 0")
+    exchange = f"om-test-{uuid.uuid4().hex[:8]}"
+    queue = f"{exchange}-q"
+    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
+    try:
+        channel = connection.channel()
+        channel.exchange_declare(exchange, exchange_type="headers")
+        channel.queue_declare(queue)
+        channel.queue_bind(queue, exchange, arguments={"x-match": "all", "event-type": "routable"})
+        relay = relay_to(
+            dsn, "rabbitmq",
+            SinkConfig(url=rabbitmq_url, target="ignored", extra={"exchange": exchange}),
+            max_attempts=2, batch_size=8,
+        )  # fmt: skip
+        channel.exchange_delete(exchange)
+    finally:
+        connection.close()
+    ids = ids_in(partitioned, "outbox_new")
+    routable = [i for i in ids if i % 2 == 0]
+    assert_exactly(sorted(i for i, _ in read_queue(rabbitmq_url, queue)), routable)
+    assert relay.stats.published == 20
+    assert relay.stats.rejected == 40 and relay.stats.dead_lettered == 20
+    dead = partitioned.execute("SELECT id, last_error FROM outbox_dead_letter ORDER BY id")
+    rows = dead.fetchall()
+    assert [r[0] for r in rows] == [i for i in ids if i % 2]
+    assert rows[0][1] == "unroutable: 312 NO_ROUTE"
+
+
+@pytest.mark.broker("rabbitmq")
+def test_rabbitmq_nack_makes_the_whole_batch_unavailable(rabbitmq_url: str) -> None:
+    """A full queue with `x-overflow: reject-publish` nacks what does not fit: back-pressure,
+    so the batch is SinkUnavailable (retried with backoff), not rejected towards dead letters."""
+    import pika
+
+    from outbox_migrate.relay.errors import SinkUnavailable
+    from outbox_migrate.relay.message import Message
+    from outbox_migrate.relay.sinks.rabbitmq import RabbitMQSink
+
+    exchange = f"om-test-{uuid.uuid4().hex[:8]}"
+    queue = f"{exchange}-q"
+    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
+    channel = connection.channel()
+    channel.exchange_declare(exchange, exchange_type="direct")
+    channel.queue_declare(queue, arguments={"x-max-length": 3, "x-overflow": "reject-publish"})
+    channel.queue_bind(queue, exchange, routing_key="full")
+    config = SinkConfig(url=rabbitmq_url, target="full", extra={"exchange": exchange})
+    sink = RabbitMQSink(config)
+    try:
+        with pytest.raises(SinkUnavailable, match=r"nacked 2 message\(s\), e.g. id 4"):
+            sink.publish([Message(i, "t", None, None, "{}", time_now()) for i in range(1, 6)])
+        channel.queue_purge(queue)
+        sink.publish([Message(9, "t", None, None, "{}", time_now())])  # fits again
+    finally:
+        sink.close()
+        channel.exchange_delete(exchange)
+        connection.close()
+    assert [i for i, _ in read_queue(rabbitmq_url, queue)] == [9]
+
+
+def time_now():
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC)
+
+
+@pytest.mark.broker("rabbitmq")
+def test_rabbitmq_outage_backs_off_recovers_and_loses_nothing(
+    dsn: str, partitioned: psycopg.Connection, rabbitmq_url: str
+) -> None:
+    """The broker's connections dropped and refused (a proxy cut, the shared broker untouched):
+    nothing is marked, the relay backs off, and after the broker is back everything arrives."""
+    from urllib.parse import urlsplit
+
+    queue = f"om-outage-{uuid.uuid4().hex[:8]}"
+    insert_rows(partitioned, "outbox_new", 300, spec=SPEC)
+    with TcpProxy(urlsplit(rabbitmq_url).port or 5672) as proxy:
+        url = f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F"
+        relay = outage_relay(dsn, "rabbitmq", SinkConfig(url=url, target=queue, timeout_s=2.0))
+        with running(relay):
+            wait_until_published(partitioned)
+            proxy.cut()
+            insert_rows(partitioned, "outbox_new", 300, spec=SPEC)
+            time.sleep(OUTAGE_S)
+            assert_backed_off_during_outage(relay, partitioned, 300)
+            proxy.restore()
+            wait_until_published(partitioned)
+    received = [i for i, _ in read_queue(rabbitmq_url, queue)]
+    duplicates = sum(c - 1 for c in Counter(received).values())
+    assert set(received) == set(ids_in(partitioned, "outbox_new"))
+    assert duplicates <= OUTAGE_BATCH
 
 
 def _nats_stream_ids(nats_url: str, stream: str) -> tuple[list[int], dict[str, str]]:
@@ -272,6 +434,82 @@ def test_http_4xx_is_a_permanent_rejection(dsn: str, partitioned: psycopg.Connec
     assert relay.stats.dead_lettered == 3
     row = partitioned.execute("SELECT count(*), min(last_error) FROM outbox_dead_letter").fetchone()
     assert row == (3, "HTTP 422")
+
+
+@pytest.mark.broker("http")
+def test_http_concurrent_posts_keep_per_key_order(
+    dsn: str, partitioned: psycopg.Connection
+) -> None:
+    """`--ordering key`, two workers, 8 posts in flight per sink, some requests slow: every key
+    arrives in id order while other keys overtake the slow ones."""
+    pytest.importorskip("httpx")
+    insert_rows(partitioned, "outbox_new", 300, spec=SPEC)
+    partitioned.execute("UPDATE outbox_new SET message_key = 'k-' || (id % 7)")
+    keys = dict(partitioned.execute("SELECT id, message_key FROM outbox_new").fetchall())
+
+    def respond(body) -> tuple[int, float]:
+        return 204, (0.02 if body["id"] % 5 == 0 else 0.0)
+
+    with Webhook(respond) as hook:
+        config = SinkConfig(url=hook.url, timeout_s=5, extra={"concurrency": "8"},
+                            ordering=Ordering.key)  # fmt: skip
+        relay_to(dsn, "http", config, ordering=Ordering.key, workers=2, batch_size=50)
+    assert_exactly(sorted(hook.accepted), ids_in(partitioned, "outbox_new"))
+    for key in set(keys.values()):
+        arrived = [i for i in hook.arrived if keys[i] == key]
+        assert arrived == sorted(arrived), f"{key} out of order"
+    assert hook.max_in_flight > 1
+    assert hook.arrived != sorted(hook.arrived)
+
+
+@pytest.mark.broker("http")
+def test_http_global_ordering_from_the_cli_stays_in_id_order(
+    dsn: str, partitioned: psycopg.Connection
+) -> None:
+    """The CLI tells the sink the ordering: under `--ordering global` one POST at a time."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("httpx")
+    insert_rows(partitioned, "outbox_new", 40, spec=SPEC)
+    with Webhook(lambda body: (204, 0.01 if body["id"] % 3 == 0 else 0.0)) as hook:
+        result = subprocess.run(
+            [sys.executable, "-m", "outbox_migrate", "relay", "--sink", "http", "--dsn", dsn,
+             "--sink-url", hook.url, "--sink-option", "concurrency=8", "--until-empty",
+             "--ordering", "global", "--batch-size", "15"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert_exactly(hook.arrived, ids_in(partitioned, "outbox_new"))
+    assert hook.max_in_flight == 1
+
+
+@pytest.mark.broker("http")
+def test_http_outage_backs_off_recovers_and_loses_nothing(
+    dsn: str, partitioned: psycopg.Connection
+) -> None:
+    """The webhook answers 503 for a while: retries run out, the batch is unavailable, the relay
+    backs off without marking anything, and delivers everything once the webhook is back."""
+    pytest.importorskip("httpx")
+    down = {"now": False}
+    insert_rows(partitioned, "outbox_new", 200, spec=SPEC)
+    with Webhook(lambda body: (503 if down["now"] else 204, 0.0)) as hook:
+        config = SinkConfig(url=hook.url, timeout_s=2.0, extra={"retries": "1"},
+                            ordering=Ordering.none)  # fmt: skip
+        relay = outage_relay(dsn, "http", config)
+        with running(relay):
+            wait_until_published(partitioned)
+            down["now"] = True
+            insert_rows(partitioned, "outbox_new", 200, spec=SPEC)
+            time.sleep(OUTAGE_S)
+            assert_backed_off_during_outage(relay, partitioned, 200)
+            down["now"] = False
+            wait_until_published(partitioned)
+    # The batch in flight when the webhook came back may be accepted in part (a lane's retry
+    # lands after the recovery while another lane had just given up) and then re-sent whole.
+    duplicates = sum(c - 1 for c in Counter(hook.accepted).values())
+    assert set(hook.accepted) == set(ids_in(partitioned, "outbox_new"))
+    assert duplicates <= OUTAGE_BATCH
 
 
 @pytest.mark.broker("nats")

@@ -1,0 +1,253 @@
+"""Sink decisions without a broker: which HTTP posts may overlap, RabbitMQ confirm bookkeeping,
+and the HTTP sink's concurrency, order, retries and refusals against a webhook on loopback."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+import pytest
+
+from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
+from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.options import Ordering
+from outbox_migrate.relay.sinks import SinkConfig
+from outbox_migrate.relay.sinks.http import posting_groups
+from outbox_migrate.relay.sinks.rabbitmq import Confirms
+from tests.support.webhook import Webhook
+
+NOW = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def message(id_: int, key: str | None = None) -> Message:
+    return Message(id_, "public.outbox", "event", key, f'{{"n":{id_}}}', NOW)
+
+
+def batch(count: int, keys: int | None = None) -> list[Message]:
+    """`count` messages with ids 1..count; keys k0..k{keys-1} round-robin, or no key."""
+    return [message(i, None if keys is None else f"k{i % keys}") for i in range(1, count + 1)]
+
+
+# -- posting_groups (pure) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ordering", [None, Ordering.global_])
+def test_global_or_unknown_ordering_is_one_group_in_batch_order(ordering) -> None:
+    messages = batch(6, keys=3)
+    assert posting_groups(messages, ordering) == [messages]
+    assert posting_groups([], ordering) == []
+
+
+def test_key_ordering_groups_by_key_and_keeps_keyless_messages_together() -> None:
+    messages = [message(1, "a"), message(2), message(3, "b"), message(4, "a"), message(5)]
+    groups = posting_groups(messages, Ordering.key)
+    assert [[m.id for m in g] for g in groups] == [[1, 4], [2, 5], [3]]
+
+
+def test_none_ordering_keeps_keys_together_but_frees_keyless_messages() -> None:
+    messages = [message(1, "a"), message(2), message(3, "a"), message(4)]
+    groups = posting_groups(messages, Ordering.none)
+    assert [[m.id for m in g] for g in groups] == [[1, 3], [2], [4]]
+
+
+# -- Confirms (pure) ----------------------------------------------------------------------
+
+
+def confirms_for(*ids: int) -> Confirms:
+    confirms = Confirms()
+    confirms.start_batch()
+    for outbox_id in ids:
+        confirms.sent(outbox_id)
+    return confirms
+
+
+def test_confirms_single_and_multiple_acks_settle_the_batch() -> None:
+    confirms = confirms_for(10, 11, 12, 13)
+    confirms.confirmed(2, multiple=False, ack=True)
+    assert not confirms.settled and set(confirms.pending) == {1, 3, 4}
+    confirms.confirmed(3, multiple=True, ack=True)
+    assert confirms.pending == {4: 13}
+    confirms.confirmed(4, multiple=False, ack=True)
+    assert confirms.settled and confirms.nacked == [] and confirms.returned == {}
+
+
+def test_confirms_nacks_name_outbox_ids_and_tags_continue_across_batches() -> None:
+    confirms = confirms_for(10, 11, 12)
+    confirms.confirmed(2, multiple=True, ack=False)
+    confirms.confirmed(3, multiple=False, ack=True)
+    assert confirms.settled and confirms.nacked == [10, 11]
+    confirms.start_batch()
+    confirms.sent(20)  # the channel's 4th publish
+    assert confirms.pending == {4: 20} and confirms.nacked == []
+    confirms.was_returned(20, "unroutable: 312 NO_ROUTE")
+    confirms.confirmed(4, multiple=True, ack=True)
+    assert confirms.settled and confirms.returned == {20: "unroutable: 312 NO_ROUTE"}
+
+
+def test_confirms_ignore_tags_already_settled() -> None:
+    confirms = confirms_for(1, 2)
+    confirms.confirmed(1, multiple=False, ack=True)
+    confirms.confirmed(1, multiple=False, ack=False)
+    confirms.confirmed(2, multiple=True, ack=True)
+    assert confirms.settled and confirms.nacked == []
+
+
+# -- HttpSink against a webhook on loopback --------------------------------------------------
+
+
+@pytest.fixture
+def http_sink():
+    pytest.importorskip("httpx")
+    from outbox_migrate.relay.sinks.http import HttpSink
+
+    sinks: list[HttpSink] = []
+
+    def build(
+        url: str, ordering: Ordering | None = Ordering.key, timeout_s: float = 5, **extra: str
+    ) -> HttpSink:
+        sink = HttpSink(SinkConfig(url=url, timeout_s=timeout_s, extra=extra, ordering=ordering))
+        sinks.append(sink)
+        return sink
+
+    yield build
+    for sink in sinks:
+        sink.close()
+
+
+def slow_every(n: int, delay_s: float):
+    def respond(body) -> tuple[int, float]:
+        return 204, (delay_s if body["id"] % n == 0 else 0.0)
+
+    return respond
+
+
+def test_concurrent_posts_keep_per_key_order(http_sink) -> None:
+    messages = batch(80, keys=6)
+    keys = {m.id: m.key for m in messages}
+    with Webhook(slow_every(7, 0.05)) as hook:
+        http_sink(hook.url, Ordering.key, concurrency="4").publish(messages)
+    assert sorted(hook.accepted) == [m.id for m in messages]
+    assert len(hook.arrived) == len(messages)
+    for key in set(keys.values()):
+        arrived = [i for i in hook.arrived if keys[i] == key]
+        assert arrived == sorted(arrived), f"key {key} out of order"
+    assert 1 < hook.max_in_flight <= 4
+    assert hook.arrived != sorted(hook.arrived)  # the slow ones were overtaken by other keys
+
+
+def test_keyless_messages_stay_in_order_under_key_ordering_only(http_sink) -> None:
+    with Webhook(slow_every(3, 0.03)) as hook:
+        http_sink(hook.url, Ordering.key).publish(batch(20))
+    assert hook.arrived == list(range(1, 21)) and hook.max_in_flight == 1
+    with Webhook(slow_every(3, 0.03)) as hook:
+        http_sink(hook.url, Ordering.none).publish(batch(20))
+    assert sorted(hook.accepted) == list(range(1, 21)) and hook.max_in_flight > 1
+
+
+@pytest.mark.parametrize("ordering", [None, Ordering.global_])
+def test_global_or_unknown_ordering_posts_one_at_a_time_in_id_order(http_sink, ordering) -> None:
+    with Webhook(slow_every(5, 0.02)) as hook:
+        http_sink(hook.url, ordering, concurrency="16").publish(batch(30, keys=30))
+    assert hook.arrived == list(range(1, 31))
+    assert hook.max_in_flight == 1
+
+
+def test_headers_and_envelope_per_message(http_sink) -> None:
+    with Webhook() as hook:
+        http_sink(hook.url).publish([message(7, "a")])
+    assert hook.bodies == [{"id": 7, "table": "public.outbox", "event_type": "event", "key": "a",
+                            "created_at": NOW.isoformat(), "payload": {"n": 7}}]  # fmt: skip
+    headers = {k.lower(): v for k, v in hook.headers[0].items()}
+    assert headers["idempotency-key"] == headers["x-outbox-id"] == "7"
+    assert headers["x-event-type"] == "event"
+
+
+def test_4xx_rejects_exactly_those_ids_and_acks_the_rest(http_sink) -> None:
+    def respond(body) -> tuple[int, float]:
+        return (422 if body["id"] % 4 == 0 else 200), 0.0
+
+    with Webhook(respond) as hook, pytest.raises(MessagesRejected) as info:
+        http_sink(hook.url, retries="0").publish(batch(20, keys=3))
+    assert info.value.rejected == {i: "HTTP 422" for i in (4, 8, 12, 16, 20)}
+    assert sorted(hook.accepted) == [i for i in range(1, 21) if i % 4]
+    assert len(hook.arrived) == 20  # a 4xx is not retried
+
+
+def test_retryable_statuses_are_retried_then_acknowledged(http_sink) -> None:
+    seen: dict[int, int] = {}
+
+    def respond(body) -> tuple[int, float]:
+        seen[body["id"]] = seen.get(body["id"], 0) + 1
+        return (429 if seen[body["id"]] == 1 and body["id"] % 2 else 204), 0.0
+
+    with Webhook(respond) as hook:
+        http_sink(hook.url).publish(batch(10, keys=10))
+    assert sorted(hook.accepted) == list(range(1, 11))
+    assert len(hook.arrived) == 15
+
+
+def test_exhausted_retries_stop_the_batch_after_the_requests_in_flight(http_sink) -> None:
+    """Id 3 always gets 503; 4, 5 and 6 are slow. Once 3 is hopeless nothing new starts (7, 8
+    never leave), and publish raises only when the requests in flight were answered."""
+
+    def respond(body) -> tuple[int, float]:
+        if body["id"] == 3:
+            return 503, 0.0
+        return 204, (1.0 if body["id"] > 3 else 0.0)
+
+    with Webhook(respond) as hook:
+        sink = http_sink(hook.url, retries="2", concurrency="4")
+        started = time.monotonic()
+        with pytest.raises(SinkUnavailable, match="HTTP 503 after 3 attempts"):
+            sink.publish(batch(8, keys=8))
+        elapsed = time.monotonic() - started
+        assert hook.in_flight == 0
+        assert 1.0 <= elapsed < 3
+        assert set(hook.arrived) == {1, 2, 3, 4, 5, 6} and hook.arrived.count(3) == 3
+        # The sink stays usable for the next batch (the relay rebuilds it anyway).
+        hook.respond = lambda body: (204, 0.0)
+        sink.publish([message(100, "a")])
+    assert 100 in hook.accepted
+
+
+def test_a_hung_request_holds_a_failed_batch_at_most_its_timeout(http_sink) -> None:
+    def respond(body) -> tuple[int, float]:
+        return (503, 0.0) if body["id"] == 1 else (204, 30.0)
+
+    with Webhook(respond) as hook:
+        sink = http_sink(hook.url, timeout_s=0.5, retries="1", concurrency="4")
+        started = time.monotonic()
+        with pytest.raises(SinkUnavailable, match="HTTP 503 after 2 attempts"):
+            sink.publish(batch(4, keys=4))
+        assert time.monotonic() - started < 3
+        assert sorted(set(hook.arrived)) == [1, 2, 3, 4]
+
+
+def test_unreachable_webhook_is_unavailable(http_sink) -> None:
+    from outbox_migrate.testing.server import free_port
+
+    sink = http_sink(f"http://127.0.0.1:{free_port()}/hook", retries="1")
+    with pytest.raises(SinkUnavailable, match="ConnectError"):
+        sink.publish(batch(3, keys=3))
+
+
+def test_batch_mode_posts_one_array_per_batch(http_sink) -> None:
+    with Webhook() as hook:
+        http_sink(hook.url, Ordering.none, batch="true").publish(batch(25, keys=4))
+    assert len(hook.bodies) == 1
+    assert [e["id"] for e in hook.bodies[0]] == list(range(1, 26))
+    assert hook.accepted == list(range(1, 26))
+
+
+def test_batch_mode_refusal_rejects_the_whole_batch(http_sink) -> None:
+    with Webhook(lambda body: (400, 0.0)) as hook, pytest.raises(MessagesRejected) as info:
+        http_sink(hook.url, batch="yes").publish(batch(3))
+    assert info.value.rejected == {1: "HTTP 400", 2: "HTTP 400", 3: "HTTP 400"}
+
+
+@pytest.mark.parametrize(
+    "extra", [{"concurrency": "0"}, {"concurrency": "many"}, {"retries": "-1"}, {"batch": "maybe"}]
+)
+def test_bad_http_options_are_refused(http_sink, extra: dict[str, str]) -> None:
+    with pytest.raises(RelayError, match="http sink"):
+        http_sink("http://127.0.0.1:9/hook", **extra)
