@@ -57,7 +57,7 @@ def relay(
     workers: Annotated[int, typer.Option(help="Concurrent claimers in this process.")] = 1,
     shards: Annotated[
         int | None,
-        typer.Option(help="Shards across all relay processes of this outbox [workers]."),
+        typer.Option(help="Shards across all relay processes of this outbox [max(8, workers)]."),
     ] = None,
     ordering: Annotated[
         str,
