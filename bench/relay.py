@@ -50,7 +50,8 @@ from outbox_migrate.testing.schema import (
 
 SPEC = OutboxSpec()
 INSERT_CHUNK = 200_000
-CLAIM_SAMPLES = 1000
+CLAIM_SAMPLES = 2000
+LATENCY_ROUNDS = 5
 NO_CURSOR_MAX_S = 10.0
 GROW_CHUNK = 500_000
 ACK_LATENCY_S = 0.005
@@ -444,15 +445,34 @@ def wait_for_autovacuum(conn: psycopg.Connection) -> float:
 
 
 def section_growth(dsn: str, conn: psycopg.Connection, grow_to: int, batch: int) -> None:
+    """Claim latency as published rows grow, against a *baseline* measured at the same moment.
+
+    The baseline is the same two outboxes in another database, with the same 10,000-row
+    backlog and nothing ever published. Each round samples the grown tables and the baseline
+    alternately, so on a shared machine a burst of load lands on both; the ratio grown/baseline
+    is the effect of the published rows (the goal: at most 1.2x for the partitioned claim).
+    """
     sizes = [0] + [s for s in (1_000_000, 3_000_000, 10_000_000) if s <= grow_to]
     if grow_to not in sizes:
         sizes.append(grow_to)
+    conn.execute("DROP DATABASE IF EXISTS latency_baseline")
+    conn.execute("CREATE DATABASE latency_baseline")
+    base_dsn = dsn.replace("dbname=postgres", "dbname=latency_baseline")
+    with psycopg.connect(base_dsn, autocommit=True) as base_conn:
+        create_flat_outbox(base_conn, SPEC)
+        create_partitioned_outbox(base_conn, SPEC, start=1_000_000_000)
+        for table in ("outbox", "outbox_new"):
+            fill(base_conn, table, 10_000)
+            base_conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(table)))
     print(f"\n## 3. Claim latency (ms, batch {batch}, 10,000 unpublished rows) as published "
-          "rows grow by publishing; p99 (p50)")  # fmt: skip
+          "rows grow by publishing; p99 (p50); part./base = partitioned p99 over the baseline's "
+          "(nothing published) sampled alternately with it")  # fmt: skip
     print(f"{'published':>11} {'flat, from id 0':>17} {'part., from id 0':>17} "
-          f"{'flat, cursor':>15} {'part., cursor':>15}")  # fmt: skip
+          f"{'flat, cursor':>15} {'part., cursor':>15} {'part./base id 0':>16} "
+          f"{'part./base cursor':>18}")  # fmt: skip
     for table in ("outbox", "outbox_new"):
         conn.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier(table)))
+    variants = [(True, False), (False, False), (True, True), (False, True)]
     results: list[list[float]] = []
     have = 0
     for size in sizes:
@@ -461,28 +481,33 @@ def section_growth(dsn: str, conn: psycopg.Connection, grow_to: int, batch: int)
             fill(conn, table, 10_000)  # the backlog the claims are measured against
         have = size
         settled = wait_for_autovacuum(conn)
-        # Alternate the variants over three rounds and keep the median of each figure, so a
-        # burst of load from elsewhere on the machine does not land on one side only.
-        variants = [(True, False), (False, False), (True, True), (False, True)]
-        rounds = [[claim_latencies(dsn, f, batch, cursor=c) for f, c in variants]
-                  for _ in range(3)]  # fmt: skip
+        rounds = []
+        for _ in range(LATENCY_ROUNDS):
+            grown = [claim_latencies(dsn, f, batch, cursor=c) for f, c in variants]
+            baseline = [claim_latencies(base_dsn, f, batch, cursor=c) for f, c in variants]
+            rounds.append((grown, baseline))
         cells = []
         row_p99 = []
         for i in range(len(variants)):
-            q99 = statistics.median(p99(r[i]) for r in rounds) * 1000
-            q50 = statistics.median(p50(r[i]) for r in rounds) * 1000
+            q99 = statistics.median(p99(g[i]) for g, _b in rounds) * 1000
+            q50 = statistics.median(p50(g[i]) for g, _b in rounds) * 1000
             row_p99.append(q99)
             cells.append(f"{q99:.2f} ({q50:.2f})")
+        ratios = [statistics.median(p99(g[i]) / p99(b[i]) for g, b in rounds) for i in (1, 3)]
+        row_p99 += ratios
         results.append(row_p99)
-        print(f"{size:>11,} {cells[0]:>17} {cells[1]:>17} {cells[2]:>15} {cells[3]:>15}"
-              f"   (autovacuum settled after {settled:.0f} s)")  # fmt: skip
+        print(f"{size:>11,} {cells[0]:>17} {cells[1]:>17} {cells[2]:>15} {cells[3]:>15} "
+              f"{ratios[0]:>15.2f}x {ratios[1]:>17.2f}x   (autovacuum settled after "
+              f"{settled:.0f} s)")  # fmt: skip
         for is_flat in (True, False):
             sql_only(dsn, 1000, 1, sharded=False, flat=is_flat)  # publish the backlog
         have += 10_000
     first, last = results[0], results[-1]
-    print(f"p99 at {sizes[-1]:,} vs empty: partitioned {last[1] / first[1]:.2f}x from id 0, "
-          f"{last[3] / first[3]:.2f}x from the cursor; flat {last[0] / first[0]:.2f}x / "
+    print(f"p99 at {sizes[-1]:,} vs empty (minutes apart): partitioned {last[1] / first[1]:.2f}x "
+          f"from id 0, {last[3] / first[3]:.2f}x from the cursor; flat {last[0] / first[0]:.2f}x / "
           f"{last[2] / first[2]:.2f}x")  # fmt: skip
+    print(f"p99 at {sizes[-1]:,} vs the baseline sampled alongside: partitioned {last[4]:.2f}x "
+          f"from id 0, {last[5]:.2f}x from the cursor")  # fmt: skip
 
 
 def steady_rate(relay: Relay, conn: psycopg.Connection, rows: int) -> float:
