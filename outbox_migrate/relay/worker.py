@@ -21,6 +21,7 @@ Log lines start with stable event names (`relay.started`, `relay.switched`, …)
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections.abc import Iterator
@@ -636,7 +637,7 @@ class _Worker:
                     if not rows:
                         conn.execute(b"ROLLBACK")
                         return after
-                    batch = list(map(Message._make, rows))
+                    batch = list(map(Message._make, map(_MESSAGE_COLUMNS, rows)))
                     acked, dead, retry_from, attempts = relay._publish(conn, sink, source, batch)
                     if relay._abandon.is_set():
                         raise _Abandoned
@@ -644,10 +645,10 @@ class _Worker:
                     cursor.claimed(after, [m.id for m in batch], now)
                     if retry_from is not None:
                         cursor.retry_from(retry_from)
-                    to_mark = acked + dead
-                    if to_mark:
+                    tids = _tids_to_mark(rows, acked, dead)
+                    if tids:
                         # An array literal: psycopg's list dumper costs more than the mark.
-                        conn.execute(mark, {"ids": "{" + ",".join(map(str, to_mark)) + "}"})
+                        conn.execute(mark, {"tids": '{"' + '","'.join(tids) + '"}'})
                     committed = _Commit(len(acked), started, conn.execute(b"COMMIT"))
                     relay.observer.heartbeat(self.index)
                     if attempts:
@@ -688,6 +689,18 @@ class _Worker:
                 conn.execute(b"ROLLBACK")
         except Exception:  # a broken session: the caller's error handling replaces it
             log.debug("relay.rollback_failed", exc_info=True)
+
+
+_MESSAGE_COLUMNS = operator.itemgetter(slice(0, queries.CLAIM_CTID_COLUMN))
+
+
+def _tids_to_mark(rows: list[Any], acked: list[int], dead: list[int]) -> list[str]:
+    """The ctids of the claimed rows that are acknowledged or dead-lettered."""
+    at = queries.CLAIM_CTID_COLUMN
+    if len(acked) == len(rows):
+        return [r[at] for r in rows]
+    wanted = set(acked) | set(dead)
+    return [r[at] for r in rows if r[0] in wanted]
 
 
 @dataclass
