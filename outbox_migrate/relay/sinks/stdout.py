@@ -26,7 +26,7 @@ class StdoutSink:
 
     def publish(self, batch: Sequence[Message]) -> None:
         stream = self._stream or sys.stdout
-        text = "".join(message.envelope() + "\n" for message in batch)
+        text = "\n".join(map(Message.envelope, batch)) + "\n" if batch else ""
         try:
             with _WRITE_LOCK:
                 stream.write(text)
