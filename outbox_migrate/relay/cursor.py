@@ -25,6 +25,10 @@ picked up (while its gap is remembered)."""
 GAP_TTL_S = 30.0
 FULL_RESCAN_S = 60.0
 KEY_SHARD_RESCAN_S = 1.0
+RESCAN_COST_FACTOR = 100.0
+"""A rescan from id 0 that took t seconds puts the next timed one at least 100·t away: under a
+held xmin such a claim walks every dead index entry left since, and the backstop must not
+cost more than about 1 % of the worker's time."""
 MAX_PENDING_GAPS = 10_000
 """Beyond this many remembered gaps the cursor stops tracking and rescans from 0 instead."""
 
@@ -97,6 +101,10 @@ class Cursor:
             expected = sum((high - s) // n - (low - s) // n for s in self.mine)
         above = len(ids) if ids[0] > low else sum(1 for i in ids if i > low)
         return above == expected
+
+    def rescanned(self, seconds: float, now: float) -> None:
+        """A claim from id 0 took `seconds`: space the timed rescans by their cost."""
+        self._next_full_rescan = max(self._next_full_rescan, now + RESCAN_COST_FACTOR * seconds)
 
     def force_full_rescan(self) -> None:
         """The next claim starts at id 0 (to prove "nothing left", not just "nothing new")."""

@@ -604,8 +604,12 @@ class _Worker:
         if sharded:
             params.update(shards=self.lease.count, mine=self.lease.mine())
         self.generation = self.relay._waker.generation
+        started = time.monotonic()
         self.conn.execute(b"BEGIN")
         rows: list[Any] = self.conn.execute(statement, params).fetchall()
+        if after == 0:
+            now = time.monotonic()
+            self.cursor.rescanned(now - started, now)
         return rows
 
     def _publish_run(self, source: queries.Source, after: int) -> int | None:

@@ -15,6 +15,7 @@ from outbox_migrate.relay.cursor import (
     GAP_TTL_S,
     KEY_SHARD_RESCAN_S,
     MAX_PENDING_GAPS,
+    RESCAN_COST_FACTOR,
     Cursor,
 )
 from outbox_migrate.relay.errors import RelayError
@@ -90,6 +91,23 @@ def test_cursor_fast_path_remembers_exactly_what_the_walk_does(
         fast.claimed(after, ids, now)
         walk.claimed(after, ids, now)
         assert fast.pending == walk.pending and fast.frontier == walk.frontier
+
+
+def test_costly_rescans_from_zero_are_spaced_by_their_cost() -> None:
+    """Under a held xmin a claim from id 0 walks every dead index entry: a 2 s rescan puts the
+    next timed one 200 s away (about 1 % of the time), a cheap one changes nothing; a forced
+    rescan (the "nothing left" proof) is never deferred."""
+    c = cursor()
+    c.claimed(0, [1, 2, 3], 0.0)
+    c.rescanned(0.001, 0.0)
+    assert c.start(FULL_RESCAN_S + 0.1) == 0  # cheap: the regular interval holds
+    c.rescanned(2.0, FULL_RESCAN_S + 2.1)
+    c.claimed(0, [4], FULL_RESCAN_S + 2.1)
+    assert c.start(2 * FULL_RESCAN_S + 3) == 4  # deferred
+    assert c.start(FULL_RESCAN_S + 2.1 + RESCAN_COST_FACTOR * 2.0 + 0.1) == 0
+    c.rescanned(5.0, 500.0)
+    c.force_full_rescan()
+    assert c.start(500.1) == 0
 
 
 def test_cursor_key_shards_fall_back_to_periodic_full_rescan() -> None:
