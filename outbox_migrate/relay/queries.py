@@ -330,11 +330,3 @@ def attempted_ids(schema: str, table: str) -> sql.Composed:
     return sql.SQL("SELECT id FROM {table} WHERE source_table = %(source)s").format(
         table=sql.Identifier(schema, table)
     )
-
-
-def relation_exists() -> sql.SQL:
-    """Params: schema, table."""
-    return sql.SQL(
-        "SELECT EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %(schema)s AND c.relname = %(table)s)"
-    )
