@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import nox
 
@@ -40,15 +42,30 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *session.posargs)
 
 
+def _multi_host_tools(session: nox.Session) -> None:
+    """The multi-host tests (tests/netns) need `ip` and `nft`: install them where missing and
+    possible (root on Debian). Where they cannot be had, those tests fail loudly in CI."""
+    if shutil.which("nft") and shutil.which("ip"):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        session.warn("iproute2/nftables missing and not installable here: tests/netns will fail")
+        return
+    install = ["apt-get", "install", "-y", "-q", "nftables", "iproute2"]
+    if subprocess.run(install, capture_output=True, check=False).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, check=False)
+        subprocess.run(install, capture_output=True, check=False)
+
+
 @nox.session
 def ci(session: nox.Session) -> None:
     """Everything CI checks, in one virtualenv: lint, types, the suite on PostgreSQL 14-18."""
+    _multi_host_tools(session)
     _install(session)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", "--strict", "outbox_migrate")
     env = {"OUTBOX_MIGRATE_TEST_PG": os.environ.get("OUTBOX_MIGRATE_TEST_PG", ALL_PG)}
-    session.run("pytest", "-p", "no:cacheprovider", *session.posargs, env=env)
+    session.run("pytest", "-p", "no:cacheprovider", "--durations=40", *session.posargs, env=env)
 
 
 @nox.session
@@ -56,3 +73,18 @@ def regenerate(session: nox.Session) -> None:
     """Rewrite derived files from the catalog: plan golden output and playbooks/*.md."""
     _install(session)
     session.run("python", "-m", "tests.golden.regenerate")
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """The operator fuzzer, longer than in CI: OUTBOX_MIGRATE_FUZZ_EXAMPLES sequences (200)
+    of up to OUTBOX_MIGRATE_FUZZ_STEPS commands (30), on the newest PostgreSQL."""
+    _install(session)
+    env = {
+        "OUTBOX_MIGRATE_FUZZ_EXAMPLES": os.environ.get("OUTBOX_MIGRATE_FUZZ_EXAMPLES", "200"),
+        "OUTBOX_MIGRATE_FUZZ_STEPS": os.environ.get("OUTBOX_MIGRATE_FUZZ_STEPS", "30"),
+    }
+    session.run(
+        "pytest", "-p", "no:cacheprovider", "-q",
+        "tests/integration/runner/test_operator_fuzzer.py", *session.posargs, env=env,
+    )  # fmt: skip

@@ -10,7 +10,17 @@ Prints:
      draining rows inserted into the running relays — scaling past one Python process;
   3. claim latency (p50, p99) as published rows grow by publishing, flat vs partitioned,
      from id 0 (the spec's claim, the relay's periodic rescan) and from the relay's cursor;
-  4. relay throughput while an idle REPEATABLE READ transaction holds back xmin.
+  4. relay throughput while an idle REPEATABLE READ transaction holds back xmin;
+  5. steady state: plain INSERTs paced at 1,000 and 5,000 msg/s from 1 and 4 writers,
+     end-to-end p50/p99/max and relay CPU per 100 k messages, beside the CDC floor
+     (pg_recvlogical + test_decoding) in the same run (bench/relay_steady.py);
+  6. linger trade-off at 1,000 msg/s;
+  7. the wake-up trigger's cost to the application's commits, 1..16 writers;
+  8. late rows (committed after a higher id was published): delivery after their COMMIT with
+     traffic stopped and at 1,000 msg/s, beside that traffic's own end-to-end.
+
+Each section runs alone with --only (e.g. --only s); --quick shortens every section to a few
+minutes in all.
 
 The relay publishes through the stdout sink into /dev/null: the whole relay (claim, Message
 objects, JSON envelopes, sink protocol, mark) runs, with no broker latency in the figures.
@@ -33,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import relay_steady as steady
 from psycopg import sql
 
 from outbox_migrate.cli.relay_cmd import RELAY_SWITCH_INTERVAL_S
@@ -107,8 +118,12 @@ def sql_only(
         if sharded and claimers > 1:
             params.update(shards=claimers, mine=[index])
         with psycopg.connect(dsn, autocommit=True) as conn:
-            if sharded and claimers > 1:  # as the relay's sharded sessions do
-                conn.execute(queries.claim_session_settings())
+            # The index plan, as the relay's sessions use: without these the planner picks a
+            # hash join over a scan of the whole unpublished partition at batch 1000 (13.7 ms
+            # per batch at 100 k rows instead of 3.1 ms), a slow baseline. `plan` prints it.
+            conn.execute(queries.claim_session_settings())
+            for setting in INDEX_PLAN:
+                conn.execute(setting)
             batches = retries = marked = 0
             while deadline is None or time.monotonic() < deadline:
                 try:
@@ -135,6 +150,31 @@ def sql_only(
     if max_s:  # time-boxed: report the rate as if `rows` were all done at that pace
         return elapsed, counts["rows"], counts["retries"]
     return elapsed, counts["batches"], counts["retries"]
+
+
+INDEX_PLAN = (
+    "SET enable_seqscan = off",
+    "SET enable_hashjoin = off",
+    "SET enable_mergejoin = off",
+)
+
+
+def plan(dsn: str, batch: int) -> str:
+    """The SQL-only statement's plan at this batch size, in one line (nodes only)."""
+    source = queries.partitioned_source(SPEC)
+    statement = queries.claim_and_mark(source, sharded=False)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(queries.claim_session_settings())
+        for setting in INDEX_PLAN:
+            conn.execute(setting)
+        with conn.transaction(force_rollback=True):
+            rows = conn.execute(
+                sql.SQL("EXPLAIN (COSTS OFF) {}").format(statement), {"limit": batch}
+            ).fetchall()
+    nodes = [str(r[0]).strip().lstrip("-> ").split("  ")[0] for r in rows]
+    keep = ("Update", "Nested Loop", "Hash Join", "Merge Join", "Seq Scan", "Index Scan",
+            "Index Only Scan", "Bitmap", "Tid Scan", "Limit", "LockRows", "Sort")  # fmt: skip
+    return " > ".join(n for n in nodes if n.startswith(keep))
 
 
 class AckLatencySink(StdoutSink):
@@ -189,14 +229,19 @@ def pgqueuer_run(dsn: str, rows: int, batch: int) -> float | None:
                 n = min(10_000, rows - start)
                 await q.enqueue(["publish"] * n, [payload] * n, [0] * n)
             qm = QueueManager(q)
+            done = {"jobs": 0, "last": 0.0}
 
             @qm.entrypoint("publish")
             async def publish(job: Any) -> None:
-                return None
+                done["jobs"] += 1
+                done["last"] = time.perf_counter()
 
             started = time.perf_counter()
             await qm.run(batch_size=batch, mode=QueueExecutionMode.drain)
-            return time.perf_counter() - started
+            # Timed to its last job, not to run() returning: drain mode keeps polling for a
+            # few seconds after the queue is empty, which is not work done.
+            assert done["jobs"] == rows, done
+            return done["last"] - started
         finally:
             await conn.close()
 
@@ -270,7 +315,10 @@ def section_throughput(
             f"{part / sql:>9.0%} {two / sql:>6.0%} {ratio_peer} {part / flat:>9.2f}x"
         )
     if peer_rows:
-        print(f"(pgqueuer: {peer_rows:,} jobs enqueued, then drained by a no-op entrypoint)")
+        print(f"(pgqueuer: {peer_rows:,} jobs enqueued, then drained by a no-op entrypoint; "
+              "timed to its last job)")  # fmt: skip
+    for batch in (100, 1000):
+        print(f"(a) SQL-only plan at batch {batch}: {plan(dsn, batch)}")
 
 
 def section_claimers(dsn: str, conn: psycopg.Connection, rows: int, batch: int, reps: int) -> None:
@@ -613,7 +661,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--claimer-batch", type=int, default=1000)
     parser.add_argument("--grow-to", type=int, default=1_000_000)
     parser.add_argument("--xmin-seconds", type=float, default=20.0)
-    parser.add_argument("--only", default="12p34", help="sections to run, e.g. 12p")
+    parser.add_argument("--only", default="12p34sltk", help="sections to run, e.g. 12p or s")
+    parser.add_argument("--quick", action="store_true", help="small sizes: minutes, not more")
+    parser.add_argument("--steady-seconds", type=float, default=20.0)
+    parser.add_argument("--trigger-seconds", type=float, default=8.0)
+    parser.add_argument(
+        "--trigger-fsync",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="section 7 with fsync on (the NOTIFY lock is then held across a real WAL flush; "
+        "on a shared disk the figures follow the other tenants' I/O)",
+    )
     parser.add_argument(
         "--no-flat-growth",
         action="store_true",
@@ -621,6 +679,10 @@ def main(argv: list[str] | None = None) -> None:
         "by publishing slows down as published rows pile up: that is the problem)",
     )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.peer_rows, args.reps = 50_000, 5_000, 2
+        args.claimer_rows, args.grow_to, args.xmin_seconds = 50_000, 200_000, 10.0
+        args.steady_seconds, args.trigger_seconds = 8.0, 4.0
 
     started = time.perf_counter()
     # SIGTERM (a CI timeout, kill) must still run the `finally` that stops the server.
@@ -630,7 +692,8 @@ def main(argv: list[str] | None = None) -> None:
     srv = pgserver.start(18, settings={"autovacuum": "on"})
     try:
         dsn = srv.dsn()
-        print(f"PostgreSQL {srv.full_version}, {os.cpu_count()} CPUs, fsync off (throwaway)")
+        print(f"PostgreSQL {srv.full_version}, {os.cpu_count()} CPUs, fsync off (throwaway); "
+              f"{steady.load_note()} at start")  # fmt: skip
         with psycopg.connect(dsn, autocommit=True) as conn:
             create_flat_outbox(conn, SPEC)
             create_partitioned_outbox(conn, SPEC, start=1_000_000_000)
@@ -644,9 +707,24 @@ def main(argv: list[str] | None = None) -> None:
                     dsn, conn, args.grow_to, 100, flat=not args.no_flat_growth
                 ),
                 "4": lambda: section_xmin(dsn, conn, args.rows, args.xmin_seconds, 1000),
+                "s": lambda: steady.section_steady(
+                    dsn, srv.tool("pg_recvlogical"), args.steady_seconds, [1000, 5000]
+                ),
+                "l": lambda: steady.section_linger(
+                    dsn, args.steady_seconds, [0.0, 1.0, 2.0, 5.0, 10.0]
+                ),
+                "k": lambda: steady.section_late(dsn, 20 if args.quick else 40),
+                "t": lambda: steady.section_trigger(
+                    dsn,
+                    args.trigger_seconds,
+                    [1, 4, 16] if args.quick else [1, 2, 4, 8, 16],
+                    args.trigger_fsync,
+                    args.reps,
+                ),
             }
             for key in args.only:
                 sections[key]()
+                print(f"({steady.load_note()})")
     finally:
         srv.stop()
     print(f"\n(total {time.perf_counter() - started:.0f} s)")

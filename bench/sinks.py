@@ -22,8 +22,15 @@ counts in the client CPU figure):
   `key` ordering would be the same);
 - batch: `HttpSink` with `batch=true`, one POST per batch.
 
+Envelopes (`--only envelopes`, no broker): client CPU per message to build what the Kafka sink
+hands to `produce` — (value, headers) — for `envelope=raw` (the default), `json`,
+`cloudevents` (the relay's own mapping, binary mode, `ce_` headers), and the same through the
+`cloudevents` SDK from PyPI (`cloudevents.core.bindings.kafka.to_binary_event` of a
+`CloudEvent` per message) when it is importable, each side by side over the same messages
+(two of three with a `traceparent` and a tenant as extra headers).
+
 Usage: python bench/sinks.py [--messages 3000] [--batch 100] [--latency-ms 0,5] [--rounds 3]
-[--only rabbitmq|http]. Needs pika and httpx (outbox-migrate[rabbitmq,http]).
+[--only rabbitmq|http|envelopes]. Needs pika and httpx (outbox-migrate[rabbitmq,http]).
 """
 
 from __future__ import annotations
@@ -293,9 +300,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--latency-ms", default="0,5", help="webhook answer delays, comma list")
     parser.add_argument("--rabbitmq-url", default=DEFAULT_RABBITMQ_URL)
-    parser.add_argument("--only", choices=["rabbitmq", "http"])
+    parser.add_argument("--only", choices=["rabbitmq", "http", "envelopes"])
     args = parser.parse_args(argv)
     work = batches(args.messages, args.batch)
+    if args.only == "envelopes":
+        bench_envelopes(work, args.rounds)
+        return
     figures: list[Figure] = []
     if args.only in (None, "rabbitmq"):
         figures += bench_rabbitmq(args.rabbitmq_url, work, args.rounds)
@@ -308,6 +318,63 @@ def main(argv: list[str] | None = None) -> None:
     for f in figures:
         print(f"{f.sink:<9} {f.setting:>8} {f.way:<7} {f.rate:>8,.0f} "
               f"{f.rate / old[(f.sink, f.setting)]:>6.1f} {f.cpu_us:>11.0f}")  # fmt: skip
+
+
+TRACE = (("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+         ("tenant-id", "acme"))  # fmt: skip
+
+
+def bench_envelopes(work: Work, rounds: int) -> None:
+    """CPU per message of (value, headers) as the Kafka sink builds them, per envelope."""
+    from outbox_migrate.relay.sinks.envelopes import CloudEvents
+
+    messages = [m._replace(extra_headers=TRACE if m.id % 3 else ()) for b in work for m in b]
+    ce = CloudEvents({})
+
+    def raw(m: Message) -> object:
+        return m.payload_bytes, list(m.headers().items())
+
+    def json_envelope(m: Message) -> object:
+        return m.envelope().encode(), list(m.headers().items())
+
+    def cloudevents_own(m: Message) -> object:
+        headers = ce.binary_headers(m, "ce_", content_type=False)
+        headers["content-type"] = "application/json"
+        return m.payload_bytes, list(headers.items())
+
+    ways: list[tuple[str, Callable[[Message], object]]] = [
+        ("raw", raw), ("json", json_envelope), ("cloudevents (own)", cloudevents_own),
+    ]  # fmt: skip
+    try:
+        from cloudevents.core.bindings.kafka import to_binary_event
+        from cloudevents.core.v1.event import CloudEvent
+    except ImportError:
+        print("cloudevents SDK not importable: its row is left out")
+    else:
+
+        def cloudevents_sdk(m: Message) -> object:
+            attributes = ce.attributes(m)
+            event = CloudEvent(attributes={**attributes, "time": m.created_at},
+                               data=m.payload_bytes)  # fmt: skip
+            kafka = to_binary_event(event)
+            headers = {**kafka.headers, **m.headers()}
+            return kafka.value, list(headers.items())
+
+        ways.append(("cloudevents (SDK)", cloudevents_sdk))
+    results: dict[str, float] = {}
+    for name, build in ways:
+        per_round = []
+        for _ in range(rounds):
+            started = time.process_time()
+            for m in messages:
+                build(m)
+            per_round.append((time.process_time() - started) / len(messages) * 1e6)
+        results[name] = statistics.median(per_round)
+    print(f"{len(messages)} messages, Kafka (value, headers) built per envelope, "
+          f"median of {rounds} rounds")  # fmt: skip
+    print(f"{'envelope':<20} {'CPU µs/msg':>11} {'vs raw':>7}")
+    for name, us in results.items():
+        print(f"{name:<20} {us:>11.2f} {us / results['raw']:>7.1f}")
 
 
 if __name__ == "__main__":

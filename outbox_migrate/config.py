@@ -24,7 +24,10 @@ ENV_PREFIX = "OUTBOX_MIGRATE_"
 CONFIG_FILE = "outbox-migrate.toml"
 PYPROJECT_TABLE = "outbox-migrate"
 # Environment variables with our prefix that are not configuration keys.
-NON_CONFIG_ENV = frozenset({"DSN", "TEST_DSN", "TEST_PG", "CONFIG", "EMBEDDED_DIR", "PG_CACHE"})
+NON_CONFIG_ENV = frozenset(
+    {"DSN", "TEST_DSN", "TEST_PG", "CONFIG", "EMBEDDED_DIR", "PG_CACHE", "DEBUG", "FAULT"}
+)
+MAX_LOCK_TIMEOUT_MS = 2_147_483_647  # lock_timeout is a 32-bit int of milliseconds
 MAX_IDENTIFIER_BYTES = 63  # NAMEDATALEN - 1: PostgreSQL silently truncates longer names
 
 
@@ -41,6 +44,28 @@ class OutboxSpec:
     published_column: str = "published_at"
     id_headroom: int = 1_000_000
     """Gap left between the old table's max(id) and the new identity's START."""
+    # -- column roles: what each column of the outbox means to the relay, jobs and steps --
+    created_column: str = "created_at"
+    """Creation timestamp (message age, envelopes); "" when the outbox has none."""
+    payload_column: str = "payload"
+    """Message body: json, jsonb, text or bytea."""
+    key_column: str = "message_key"
+    """Broker key (Kafka key, routing key); used only when the table has it, unless set."""
+    event_type_column: str = "event_type"
+    """Sent as the event-type header; used only when the table has it, unless set."""
+    headers_column: str = "headers"
+    """A jsonb object whose entries become broker headers; used only when the table has it."""
+    metadata_columns: tuple[str, ...] = ()
+    """Further columns sent as broker headers (`trace_id`, `tenant_id`), name = value."""
+    id_kind: str = "database"
+    """`database`: ids come from an identity or a sequence default (bigint, integer);
+    `application`: the application supplies them (uuid, ULID, text). No headroom is needed
+    for those; the deploy gates watch a small sequence the migration installs on the old
+    table (ticked by a statement trigger), and the relay claims in `order_column` order."""
+    order_column: str = ""
+    """The relay's claim order for application ids: "" = the id itself (right for uuidv7 and
+    ULID, which sort by time); random uuids (v4) need a creation timestamp or a bigint column
+    here. Database ids are always claimed by id and refuse this setting."""
 
     @property
     def check_name(self) -> str:
@@ -60,6 +85,24 @@ class OutboxSpec:
     @property
     def copy_function(self) -> str:
         return _fit(f"{self.published_partition}_insert_trigger")
+
+    @property
+    def claim_order(self) -> str:
+        """The column the relay claims by, oldest first: `order_column`, else the id."""
+        return self.order_column or self.id_column
+
+    @property
+    def gate_sequence(self) -> str:
+        """Application ids: the sequence the old table's inserts tick, for the deploy gates."""
+        return _fit(f"{self.table}_gate_seq")
+
+    @property
+    def gate_function(self) -> str:
+        return _fit(f"{self.table}_gate_tick")
+
+    @property
+    def gate_trigger(self) -> str:
+        return _fit(f"{self.table}_gate_tick")
 
 
 @dataclass(frozen=True)
@@ -115,7 +158,42 @@ def _positive_float(value: Any) -> float:
         raise ValueError(f"must be a number, got {value!r}") from None
     if not number > 0:
         raise ValueError(f"must be positive, got {number}")
+    if number == float("inf"):
+        raise ValueError("must be finite (a number of seconds), got inf")
     return number
+
+
+def _lock_timeout_ms(value: Any) -> int:
+    """PostgreSQL's `lock_timeout` is an int of milliseconds: refuse what the server would."""
+    number = _positive_int(value)
+    if number > MAX_LOCK_TIMEOUT_MS:
+        raise ValueError(f"must be at most {MAX_LOCK_TIMEOUT_MS} ms, got {number}")
+    return number
+
+
+def _optional_identifier(value: Any) -> str:
+    """An identifier, or "" for "this outbox has no such column"."""
+    if value == "":
+        return ""
+    return _identifier(value)
+
+
+def _identifiers(value: Any) -> tuple[str, ...]:
+    """A TOML list, or a comma-separated string (environment variable, flag)."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, list | tuple):
+        raise ValueError("must be a list of column names")
+    return tuple(_identifier(item) for item in value)
+
+
+ID_KINDS = ("database", "application")
+
+
+def _id_kind(value: Any) -> str:
+    if value not in ID_KINDS:
+        raise ValueError(f"must be one of {', '.join(ID_KINDS)}, got {value!r}")
+    return str(value)
 
 
 def _text(value: Any) -> str:
@@ -133,9 +211,17 @@ _SPEC_KEYS: dict[str, Callable[[Any], Any]] = {
     "id_column": _identifier,
     "published_column": _identifier,
     "id_headroom": _positive_int,
+    "created_column": _optional_identifier,
+    "payload_column": _identifier,
+    "key_column": _optional_identifier,
+    "event_type_column": _optional_identifier,
+    "headers_column": _optional_identifier,
+    "metadata_columns": _identifiers,
+    "id_kind": _id_kind,
+    "order_column": _optional_identifier,
 }
 _SETTINGS_KEYS: dict[str, Callable[[Any], Any]] = {
-    "lock_timeout_ms": _positive_int,
+    "lock_timeout_ms": _lock_timeout_ms,
     "lock_budget_s": _positive_float,
     "old_app_name": _text,
     "gate_window_s": _positive_float,
@@ -252,6 +338,22 @@ def _check_distinct(spec: OutboxSpec, sources: Mapping[str, str]) -> None:
             sources.get("published_column", "defaults"),
             "must differ from id_column",
         )
+    if spec.order_column and spec.id_kind == "database":
+        raise ConfigError(
+            "order_column",
+            sources.get("order_column", "defaults"),
+            "applies to application ids only (id_kind = application); database ids are "
+            "claimed by id",
+        )
+    roles = {"id_column": spec.id_column, "published_column": spec.published_column,
+             "payload_column": spec.payload_column}  # fmt: skip
+    for key, name in roles.items():
+        if name in spec.metadata_columns:
+            raise ConfigError(
+                "metadata_columns",
+                sources.get("metadata_columns", "defaults"),
+                f"{name!r} is the {key.removesuffix('_column')} column, not metadata",
+            )
 
 
 def spec_field_names() -> list[str]:

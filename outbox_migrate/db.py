@@ -37,12 +37,14 @@ def connect(
     autocommit: bool = True,
     application_name: str = APPLICATION_NAME,
     row_factory: RowFactory[Any] | None = None,
+    params: dict[str, Any] | None = None,
 ) -> psycopg.Connection[Any]:
     """Open a connection, or raise `ConnectError` with a masked, single-line reason.
 
     Autocommit by default: the tool manages its transactions explicitly
     (`with conn.transaction():`) so that no statement ever runs in an implicit, forgotten
-    transaction that would hold locks or an old snapshot.
+    transaction that would hold locks or an old snapshot. `params` are further libpq
+    connection parameters (the relay's keepalives).
     """
     import psycopg
 
@@ -54,6 +56,7 @@ def connect(
     }
     if row_factory is not None:
         kwargs["row_factory"] = row_factory
+    kwargs.update(params or {})
     try:
         return psycopg.connect(real, **kwargs)
     except psycopg.Error as exc:

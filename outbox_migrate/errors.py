@@ -19,6 +19,9 @@ class ExitCode(IntEnum):
     BUSY = 3  # another runner holds the migration's advisory lock
     LOCK_BUDGET = 4  # a lock could not be taken within the step's budget; nothing was applied
     PRECONDITION = 5  # a precondition on the live database does not hold
+    CONNECTION_LOST = 6  # the database connection broke mid-command; nothing half-applied
+    INTERRUPTED = 130  # SIGINT (Ctrl-C): the current step was left consistent, then we stopped
+    TERMINATED = 143  # SIGTERM: as for SIGINT
 
 
 class OutboxMigrateError(Exception):
@@ -57,7 +60,33 @@ class UsageError(OutboxMigrateError):
     exit_code = ExitCode.USAGE
 
 
+class ConnectionLost(OutboxMigrateError):
+    """The server connection broke (server restart, terminated backend, network) mid-command.
+
+    Raised by core code that knows what it was doing, so the one line names the step. The
+    runner only raises it where a re-run converges: a transactional step either committed with
+    its ledger row or not at all, and a non-transactional one is proven by its postcondition.
+    """
+
+    exit_code = ExitCode.CONNECTION_LOST
+
+    def __init__(self, doing: str, cause: str) -> None:
+        self.doing = doing
+        self.cause = cause
+        super().__init__(
+            f"lost the database connection during {doing} ({cause}); nothing is half-applied "
+            "— re-run the same command"
+        )
+
+
 class EmbeddedServerError(OutboxMigrateError):
     """The embedded PostgreSQL could not be installed or started."""
+
+    exit_code = ExitCode.FAILED
+
+
+class NothingRecorded(OutboxMigrateError):
+    """`verify` found no migration in the ledger for the table: nothing can be verified, and
+    a CI gate must not pass on nothing (a typo in --table, the wrong database)."""
 
     exit_code = ExitCode.FAILED

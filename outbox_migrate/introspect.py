@@ -15,9 +15,17 @@ from psycopg import Connection, sql
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
+from outbox_migrate.patterns.model import PublicationFact
 from outbox_migrate.patterns.names import Names
 
-ID_TYPES = frozenset({"bigint"})
+ID_TYPES = frozenset({"bigint", "integer"})
+"""Types of database-generated ids (identity, serial, nextval default)."""
+ID_LIMITS = {"bigint": 2**63 - 1, "integer": 2**31 - 1}
+STATUS_COLUMNS = frozenset({"status", "state"})
+"""Names of the state column of status-driven outboxes (PENDING/DELIVERED/DEAD)."""
+ID_SAFETY_FACTOR = 2
+"""The new identity's START must stay below limit / factor: room to keep issuing ids."""
+
 PUBLISHED_TYPES = frozenset({"timestamp with time zone", "timestamp without time zone"})
 ASSUMED_SCAN_BYTES_PER_S = 200 * 1024 * 1024
 """Sequential-read rate used only to *estimate* VALIDATE/copy durations in plans."""
@@ -42,6 +50,17 @@ class Finding:
     code: str
     message: str
     remedy: str
+
+
+@dataclass(frozen=True)
+class ObjectFact:
+    """An object on the old table (primary key, index, CHECK, trigger) and what the migration
+    does with it, so `plan` can say it for every one."""
+
+    kind: str
+    name: str
+    definition: str
+    fate: str
 
 
 @dataclass
@@ -69,9 +88,25 @@ class TableFacts:
     foreign_keys_in: list[tuple[str, str]]
     foreign_keys_out: list[tuple[str, str]]
     publications: list[str]
+    publication_details: list[PublicationFact] = field(default_factory=list)
+    """Each publication covering the table, with what the catalog must carry (CDC users)."""
     new_table_state: dict[str, str] = field(default_factory=dict)
+    random_uuid_ids: bool = False
+    """The newest rows' uuid ids are version 4 (random): they do not sort by time."""
+    sequence_owned: bool = False
+    """The id's sequence is owned by the column (serial/bigserial), not just named by its
+    `nextval` default."""
+    index_details: list[tuple[str, str, bool, bool, bool]] = field(default_factory=list)
+    """(name, definition, primary, unique, valid) of each index."""
+    check_details: list[tuple[str, str, bool, bool]] = field(default_factory=list)
+    """(name, definition, validated, no inherit) of each CHECK constraint."""
+    trigger_details: list[tuple[str, str, str]] = field(default_factory=list)
+    """(name, definition, enabled: O/D/R/A) of each user trigger."""
     blockers: list[Finding] = field(default_factory=list)
     warnings: list[Finding] = field(default_factory=list)
+    notes: list[Finding] = field(default_factory=list)
+    """How the plan handles what is unusual about this table (id kind, …); nothing to do."""
+    objects: list[ObjectFact] = field(default_factory=list)
 
     def column(self, name: str) -> ColumnFact | None:
         return next((c for c in self.columns if c.name == name), None)
@@ -89,6 +124,18 @@ class TableFacts:
     def identity_start(self, headroom: int) -> int:
         return self.id_top + headroom
 
+    def id_kind(self, spec: OutboxSpec) -> str:
+        """`identity`, `sequence`, `none` (an integer with no generator), `application`
+        (a non-integer id, e.g. uuid) or `missing`."""
+        column = self.column(spec.id_column)
+        if column is None:
+            return "missing"
+        if column.type not in ID_TYPES and column.type != "smallint":
+            return "application"
+        if column.identity:
+            return "identity"
+        return "sequence" if self.sequence else "none"
+
     def estimated_scan_s(self) -> float:
         return self.heap_bytes / ASSUMED_SCAN_BYTES_PER_S
 
@@ -100,8 +147,41 @@ def _rows(conn: Connection[Any], name: str, **parts: sql.Composable) -> list[tup
     return list(conn.execute(queries.query("introspect", name).compose(**parts)).fetchall())
 
 
-def introspect(conn: Connection[Any], spec: OutboxSpec) -> TableFacts:
-    """Read the facts; raise `SchemaError` when the table does not exist at all."""
+def publication_facts(conn: Connection[Any], spec: OutboxSpec) -> tuple[PublicationFact, ...]:
+    """The publications covering the old table, for the catalog's conditional step (and
+    `plan`'s CDC view). PostgreSQL 14 has no row filters, column lists or schema
+    publications, hence its own query."""
+    name = "publication-details" if conn.info.server_version >= 150000 else "publication-details-14"
+    rows = _rows(conn, name, rel_reg=Names(spec).reg(spec.table))
+    return tuple(
+        PublicationFact(
+            name=str(pub), explicit=bool(explicit), all_tables=bool(all_tables),
+            by_schema=bool(by_schema), via_root=bool(via_root), insert=bool(ins),
+            update=bool(upd), delete=bool(dele), row_filter=row_filter,
+            columns=tuple(columns) if columns else None,
+        )
+        for pub, explicit, all_tables, by_schema, via_root, ins, upd, dele, row_filter, columns
+        in rows
+    )  # fmt: skip
+
+
+def migration_publications(conn: Connection[Any], spec: OutboxSpec) -> tuple[PublicationFact, ...]:
+    """What the runner builds the CDC step from: the publications its migration recorded when
+    it started, else (no migration yet) the live ones; none when the old table is gone."""
+    from outbox_migrate.runner import ledger
+
+    recorded = ledger.recorded_publications(conn, spec)
+    if recorded is not None:
+        return recorded
+    found = conn.execute(
+        sql.SQL("SELECT to_regclass({})").format(Names(spec).reg(spec.table))
+    ).fetchone()
+    return publication_facts(conn, spec) if found and found[0] is not None else ()
+
+
+def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> TableFacts:
+    """Read the facts; raise `SchemaError` when the table does not exist at all. `pattern`
+    (optional) turns what only that pattern needs into blockers."""
     n = Names(spec)
     rel = {"rel_reg": n.reg(spec.table)}
     table_rows = _rows(conn, "table", **rel)
@@ -132,13 +212,24 @@ def introspect(conn: Connection[Any], spec: OutboxSpec) -> TableFacts:
         total_bytes=int(total),
         heap_bytes=int(heap),
         inserts=int(inserts),
-        indexes=[(r[0], r[1]) for r in _rows(conn, "indexes", **rel)],
-        constraints=[(r[0], r[2], bool(r[3])) for r in _rows(conn, "constraints", **rel)],
-        triggers=[(r[0], r[1]) for r in _rows(conn, "triggers", **rel)],
+        indexes=[],
+        constraints=[],
+        triggers=[],
         foreign_keys_in=[(r[0], r[1]) for r in _rows(conn, "foreign-keys-in", **rel)],
         foreign_keys_out=[(r[0], r[1]) for r in _rows(conn, "foreign-keys-out", **rel)],
         publications=[r[0] for r in _rows(conn, "publications", **rel)],
+        publication_details=list(publication_facts(conn, spec)),
     )
+    for name, definition, _valid, _size, primary, unique, _con in _rows(conn, "indexes", **rel):
+        facts.indexes.append((name, definition))
+        facts.index_details.append((name, definition, primary, unique, _valid))
+    for name, contype, definition, validated, noinherit in _rows(conn, "constraints", **rel):
+        facts.constraints.append((name, definition, bool(validated)))
+        if contype == "c":
+            facts.check_details.append((name, definition, bool(validated), bool(noinherit)))
+    for name, definition, enabled, _type in _rows(conn, "triggers", **rel):
+        facts.triggers.append((name, definition))
+        facts.trigger_details.append((name, definition, enabled))
     id_col = facts.column(spec.id_column)
     pub_col = facts.column(spec.published_column)
     if id_col is not None and id_col.type in ID_TYPES:
@@ -147,10 +238,15 @@ def introspect(conn: Connection[Any], spec: OutboxSpec) -> TableFacts:
             "ids",
             rel_reg=n.reg(spec.table),
             rel_q=n.q(spec.table),
+            rel_seq=n.id_sequence(spec.table),
             id_q=n.id_q,
             id_name=sql.Literal(spec.id_column),
         )[0]
-        facts.max_id, facts.sequence, facts.sequence_last_value = ids
+        facts.max_id, facts.sequence, facts.sequence_last_value, facts.sequence_owned = ids
+    elif id_col is not None and id_col.type == "uuid":
+        facts.random_uuid_ids = bool(
+            _rows(conn, "uuid-random", rel_q=n.q(spec.table), id_q=n.id_q)[0][0]
+        )
     if pub_col is not None:
         facts.unpublished = int(
             _rows(conn, "unpublished", rel_q=n.q(spec.table), published_q=n.published_at_q)[0][0]
@@ -164,12 +260,13 @@ def introspect(conn: Connection[Any], spec: OutboxSpec) -> TableFacts:
                 if parent
                 else {"p": "partitioned table"}.get(kind, "table")
             )
-    judge(facts, spec)
+    judge(facts, spec, pattern)
     return facts
 
 
-def judge(facts: TableFacts, spec: OutboxSpec) -> None:
-    """Fill `blockers` and `warnings` from the facts (pure; unit-testable)."""
+def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
+    """Fill `blockers`, `warnings`, `notes` and `objects` from the facts (pure; unit-testable).
+    With a `pattern`, what only that pattern needs is a blocker (HOPER: a unique id index)."""
     table = spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
     block = facts.blockers
     if facts.relkind == "p" or facts.is_partition:
@@ -179,27 +276,30 @@ def judge(facts: TableFacts, spec: OutboxSpec) -> None:
             f"{table} is already {already}",
             "nothing to migrate, or point --table at the flat outbox",
         ))  # fmt: skip
-    id_col = facts.column(spec.id_column)
-    if id_col is None:
-        block.append(Finding("id-missing", f"{table} has no column {spec.id_column!r}",
-                             "set id_column to the outbox's id column"))  # fmt: skip
-    elif id_col.type not in ID_TYPES:
-        block.append(Finding(
-            "id-type",
-            f"{table}.{spec.id_column} is {id_col.type}, not bigint",
-            f"ALTER the column to bigint first; the new identity starts "
-            f"{spec.id_headroom:,} above the current maximum and must not overflow",
-        ))  # fmt: skip
-    elif not id_col.identity:
-        block.append(Finding(
-            "id-not-identity",
-            f"{table}.{spec.id_column} is not an identity column"
-            + (f" (default {id_col.default})" if id_col.default else ""),
-            "convert it to GENERATED BY DEFAULT AS IDENTITY first (the patterns rely on the "
-            "identity's own sequence to tell old writers from new ones)",
-        ))  # fmt: skip
+    _judge_id(facts, spec, table)
+    for pub in facts.publication_details:
+        if pub.columns and pub.publishes_changes and pub.explicit and not pub.covers_new_tables:
+            block.append(Finding(
+                "cdc-column-list",
+                f"publication {pub.name} publishes only columns {', '.join(pub.columns)} of "
+                f"{table} and also its UPDATEs/DELETEs",
+                "the partition it must reach needs REPLICA IDENTITY FULL (the relay's mark is a "
+                "cross-partition UPDATE), which a column list cannot cover, so every mark "
+                "would fail: set the publication to publish = 'insert' or drop its column list",
+            ))  # fmt: skip
     pub_col = facts.column(spec.published_column)
-    if pub_col is None:
+    status = next((c for c in facts.columns if c.name in STATUS_COLUMNS), None)
+    if pub_col is None and status is not None:
+        block.append(Finding(
+            "status-column",
+            f"{table} keeps its state in a status column ({status.name}) and has no "
+            f"publication timestamp {spec.published_column!r}",
+            "status-column outboxes (PENDING/DELIVERED/DEAD) are not supported: a dead "
+            "message never gets a publication time, so it would stay in the hot partition, "
+            "and the relay would leave the status stale; see docs/patterns.md, \"Your table "
+            "is not the spec's\"",
+        ))  # fmt: skip
+    elif pub_col is None:
         block.append(Finding(
             "published-missing", f"{table} has no column {spec.published_column!r}",
             "set published_column to the publication timestamp column",
@@ -223,21 +323,293 @@ def judge(facts: TableFacts, spec: OutboxSpec) -> None:
             "partitions, so no foreign key can reference the partitioned outbox",
         ))  # fmt: skip
     _warnings(facts, table)
-    if id_col is not None and id_col.type in ID_TYPES and facts.id_top + spec.id_headroom > 2**62:
-        block.append(Finding("id-overflow", "identity START would approach the bigint limit",
-                             "lower id_headroom"))  # fmt: skip
+    _judge_objects(facts, spec, table, pattern)
+
+
+def _judge_id(facts: TableFacts, spec: OutboxSpec, table: str) -> None:
+    """The id kind: identity and sequence defaults are database ids (the new parent gets an
+    identity of its own above them); anything else is an application id, which needs
+    `id_kind = application`. Every refusal says what to run or set."""
+    block, note = facts.blockers, facts.notes
+    id_col = facts.column(spec.id_column)
+    col = f"{table}.{spec.id_column}"
+    kind = facts.id_kind(spec)
+    if id_col is None:
+        block.append(Finding("id-missing", f"{table} has no column {spec.id_column!r}",
+                             "set id_column to the outbox's id column"))  # fmt: skip
+        return
+    if id_col.type == "smallint":
+        block.append(Finding(
+            "id-type", f"{col} is smallint",
+            f"widen it first (rewrites the table under ACCESS EXCLUSIVE; plan a window): "
+            f"ALTER TABLE {table} ALTER COLUMN {spec.id_column} TYPE bigint",
+        ))  # fmt: skip
+        return
+    if spec.id_kind == "application" and kind in ("identity", "sequence"):
+        block.append(Finding(
+            "id-kind-mismatch",
+            f"{col} is generated by the database ({kind}) but id_kind = application",
+            "remove id_kind (the default, database) so the new table gets an identity "
+            "above the old ids",
+        ))  # fmt: skip
+        return
+    if kind == "application":
+        _judge_application_id(facts, spec, table, id_col)
+        return
+    if spec.id_kind == "application":
+        block.append(Finding(
+            "id-kind-mismatch",
+            f"{col} is {id_col.type} with no generator but id_kind = application",
+            "application ids that are integers cannot be told from a writer's: give the "
+            "column a sequence (plan without id_kind says how)",
+        ))  # fmt: skip
+        return
+    if kind == "none":
+        seq = f"{spec.table}_{spec.id_column}_seq"
+        block.append(Finding(
+            "id-no-generator",
+            f"{col} has neither an identity nor a sequence default",
+            f"give it a sequence (catalog-only, no rewrite): CREATE SEQUENCE {seq} OWNED BY "
+            f"{col}; SELECT setval('{seq}', (SELECT coalesce(max({spec.id_column}), 0) + 1 "
+            f"FROM {table}), false); ALTER TABLE {table} ALTER COLUMN {spec.id_column} SET "
+            f"DEFAULT nextval('{seq}') — or, if the application supplies the ids, set id_kind "
+            "= \"application\"",
+        ))  # fmt: skip
+        return
+    if not id_col.not_null:
+        block.append(Finding(
+            "id-nullable",
+            f"{col} is nullable",
+            "the new table's identity needs NOT NULL, and so does the swap (a partition must "
+            f"carry the parent's NOT NULL): {not_null_recipe(table, spec.id_column)}",
+        ))  # fmt: skip
+    if kind == "sequence":
+        how = (
+            "serial: the column owns it"
+            if facts.sequence_owned
+            else "a nextval default on a sequence the column does not own"
+        )
+        note.append(Finding(
+            "id-sequence",
+            f"{col} takes its ids from sequence {facts.sequence} ({how})",
+            f"the new table gets an identity of its own starting at "
+            f"{facts.identity_start(spec.id_headroom):,}; {table} keeps its default while old "
+            "writers may still use it, and the deploy gates watch that sequence",
+        ))  # fmt: skip
+    limit = ID_LIMITS.get(id_col.type, ID_LIMITS["bigint"])
+    if facts.identity_start(spec.id_headroom) > limit // ID_SAFETY_FACTOR:
+        block.append(Finding(
+            "id-overflow",
+            f"identity START {facts.identity_start(spec.id_headroom):,} would approach the "
+            f"{id_col.type} limit",
+            "lower id_headroom"
+            + (f", or first ALTER {col} TYPE bigint" if id_col.type == "integer" else ""),
+        ))  # fmt: skip
+
+
+APPLICATION_ID_TYPES = frozenset({"uuid", "text", "character varying", "character"})
+"""Types of application-supplied ids the relay and the jobs handle (uuid, ULID as text)."""
+ORDER_TYPES = (
+    frozenset({"timestamp with time zone", "timestamp without time zone", "bigint", "integer"})
+    | APPLICATION_ID_TYPES
+)
+
+
+def _judge_application_id(
+    facts: TableFacts, spec: OutboxSpec, table: str, id_col: ColumnFact
+) -> None:
+    """Application ids (uuid, ULID): no headroom; the gates watch the sequence the migration
+    installs; the claim order must be a column that sorts by time."""
+    block, note = facts.blockers, facts.notes
+    col = f"{table}.{spec.id_column}"
+    if spec.id_kind != "application":
+        block.append(Finding(
+            "id-application",
+            f"{col} is {id_col.type}: the application supplies the ids",
+            'set id_kind = "application" (and order_column = "created_at" unless the ids '
+            "sort by time, as uuidv7 and ULID do); see docs/patterns.md, \"Your table is not "
+            "the spec's\"",
+        ))  # fmt: skip
+        return
+    if id_col.type.split("(")[0] not in APPLICATION_ID_TYPES:
+        block.append(Finding(
+            "id-type", f"{col} is {id_col.type}",
+            f"application ids must be one of {', '.join(sorted(APPLICATION_ID_TYPES))}: "
+            f"ALTER TABLE {table} ALTER COLUMN {spec.id_column} TYPE text (rewrites the "
+            "table) or add a sequence column and migrate by it",
+        ))  # fmt: skip
+        return
+    if not id_col.not_null:
+        block.append(Finding(
+            "id-nullable", f"{col} is nullable",
+            f"a NULL id cannot be claimed or copied: {not_null_recipe(table, spec.id_column)}",
+        ))  # fmt: skip
+    order = spec.claim_order
+    order_col = facts.column(order)
+    if order_col is None:
+        block.append(Finding(
+            "order-missing", f"{table} has no column {order!r} (order_column)",
+            "set order_column to a creation timestamp or a bigint column",
+        ))  # fmt: skip
+        return
+    if order_col.type.split("(")[0] not in ORDER_TYPES:
+        block.append(Finding(
+            "order-type", f"{table}.{order} is {order_col.type}",
+            "order_column must be a timestamp, a bigint/integer or the id itself",
+        ))  # fmt: skip
+        return
+    if not spec.order_column and facts.random_uuid_ids:
+        block.append(Finding(
+            "order-random-uuid",
+            f"{col} holds random (version 4) uuids: claiming by id would publish in random "
+            "order",
+            'set order_column = "created_at" (or another creation timestamp or bigint column; '
+            "index it WHERE the publication column IS NULL for the relay)",
+        ))  # fmt: skip
+        return
+    note.append(Finding(
+        "id-application",
+        f"{col} is {id_col.type}, supplied by the application; the relay claims by {order}",
+        f"no identity and no headroom: the application keeps ids unique. The deploy gates "
+        f"watch sequence {spec.gate_sequence}, ticked by a statement trigger on {table} that "
+        f"V2's first step installs (and the step after the last gate removes)",
+    ))  # fmt: skip
+
+
+def not_null_recipe(table: str, column: str) -> str:
+    """SET NOT NULL without holding ACCESS EXCLUSIVE through a scan: PostgreSQL 12+ proves it
+    from a validated CHECK, and VALIDATE reads the table under SHARE UPDATE EXCLUSIVE."""
+    check = f"{table}_{column}_not_null"
+    return (
+        f"ALTER TABLE {table} ADD CONSTRAINT {check} CHECK ({column} IS NOT NULL) NOT VALID; "
+        f"ALTER TABLE {table} VALIDATE CONSTRAINT {check}; ALTER TABLE {table} ALTER COLUMN "
+        f"{column} SET NOT NULL; ALTER TABLE {table} DROP CONSTRAINT {check}"
+    )
+
+
+def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str) -> None:
+    """What happens to every index, CHECK and trigger of the old table (`facts.objects`), and
+    the blockers among them."""
+    parent, published = spec.partitioned_table, spec.published_column
+    key_rule = (
+        f"not carried to {parent}: a unique index on a partitioned table must include the "
+        f"partition key ({published}), so it could not guard the same columns there"
+    )
+    unique_id = False
+    for name, definition, primary, unique, valid in facts.index_details:
+        if primary or unique:
+            columns = definition[definition.rfind("(") + 1 : definition.rfind(")")]
+            quoted = '"' + spec.id_column.replace('"', '""') + '"'
+            if columns in (spec.id_column, quoted) and valid and " WHERE " not in definition:
+                unique_id = True
+            ids = (
+                "ids stay unique by construction (the new identity starts above the old ids)"
+                if spec.id_kind == "database"
+                else "the application must keep ids unique across both tables"
+            )
+            fate = f"stays on {table} (and with it after the swap); {key_rule}; {ids}"
+            facts.objects.append(
+                ObjectFact("primary key" if primary else "unique index", name, definition, fate)
+            )
+            continue
+        if f"({published} IS NULL)" in definition:
+            fate = (
+                f"serves the relay on {table} until it is drained; after a swap {table} holds "
+                f"published rows only and the index stays empty: DROP INDEX CONCURRENTLY {name}"
+            )
+        else:
+            fate = (
+                f"stays on {table} (after a swap it covers the published rows there); not "
+                f"created on {parent}: create it there if queries on new rows need it "
+                f"(CREATE INDEX ON {parent} …, then on each partition)"
+            )
+        facts.objects.append(ObjectFact("index", name, definition, fate))
+    for name, definition, validated, noinherit in facts.check_details:
+        if noinherit:
+            facts.blockers.append(Finding(
+                "check-no-inherit",
+                f"CHECK {name} on {table} is NO INHERIT",
+                "a partitioned table cannot have one; drop it, or re-create it without NO "
+                "INHERIT",
+            ))  # fmt: skip
+        elif not validated:
+            facts.blockers.append(Finding(
+                "check-not-valid",
+                f"CHECK {name} on {table} is NOT VALID",
+                f"validate it first (ALTER TABLE {table} VALIDATE CONSTRAINT {name}; reads "
+                f"the table under SHARE UPDATE EXCLUSIVE): it is copied to {parent}, and the "
+                "swap attaches the old table, which then must satisfy it",
+            ))  # fmt: skip
+        facts.objects.append(ObjectFact("check", name, definition, (
+            f"copied to {parent} in V2 (LIKE … INCLUDING CONSTRAINTS; the table is empty, so "
+            "it is valid at once): the new table refuses at insert what the old one refused, "
+            "so no published row can be refused later when it is copied or attached into "
+            f"{table}"
+        )))  # fmt: skip
+    for name, definition, enabled in facts.trigger_details:
+        if name == spec.gate_trigger and spec.id_kind == "application":
+            facts.objects.append(ObjectFact("trigger", name, definition, (
+                "installed by this migration (V2) so the deploy gates see old writers of "
+                "application ids; removed after the last gate"
+            )))  # fmt: skip
+            continue
+        facts.objects.append(
+            ObjectFact("trigger", name, definition, _trigger_fate(definition, enabled, spec))
+        )
+    if not unique_id:
+        (facts.blockers if pattern == "hoper" else facts.warnings).append(Finding(
+            "no-unique-id",
+            f"{table} has no unique index on {spec.id_column}",
+            "HOPER's copy-back needs one and its V2 refuses to start without it: CREATE UNIQUE "
+            f"INDEX CONCURRENTLY ON {table} ({spec.id_column}); the other patterns do not",
+        ))  # fmt: skip
+
+
+def _trigger_fate(definition: str, enabled: str, spec: OutboxSpec) -> str:
+    """When a trigger on the old table fires once the migration starts."""
+    if enabled == "D":
+        return "disabled; stays on the old table and never fires"
+    table, parent = spec.table, spec.partitioned_table
+    upper = definition.upper()
+    timing = upper.split(" ON ", 1)[0]
+    fires: list[str] = [f"V1 writes to {table} fire it as before"]
+    if " INSERT" in timing:
+        fires.append(
+            "new messages (V2 on) go to "
+            f"{parent} and do not fire it; HOPIA's copy trigger (V2 on) and HOPER's copy-back "
+            f"insert every published row into {table} and do fire it; after a swap every "
+            f"publish moves a row into {table} (DELETE + INSERT) and fires it"
+        )
+    if " UPDATE" in timing:
+        fires.append(f"the relay's publishing UPDATE fires it while it publishes from {table}")
+    if " DELETE" in timing:
+        fires.append(f"retention deletes on {table} fire it")
+    return (
+        "; ".join(fires)
+        + f". It is not carried to {parent}: re-create it there if the application relies on "
+        "it, and disable it on the old table at the swap if its effects must not repeat "
+        "(optional step disable-old-triggers)"
+    )
 
 
 def _warnings(facts: TableFacts, table: str) -> None:
     """Facts the operator must know that do not stop the plan."""
     warn = facts.warnings
-    for name in facts.publications:
+    for pub in facts.publication_details:
+        how = ("FOR ALL TABLES" if pub.all_tables else "TABLES IN SCHEMA" if pub.by_schema
+               else "FOR TABLE")  # fmt: skip
         warn.append(Finding(
             "cdc-publication",
-            f"publication {name} includes {table}",
-            "logical replication / CDC sees each publish (a row moving between partitions) as "
-            "DELETE + INSERT; add the new table with publish_via_partition_root and make "
-            "consumers ignore those deletes, or leave the outbox out of the publication",
+            f"publication {pub.name} ({how}) includes {table}",
+            ("it covers the partitions by itself; V2's step publish-unpublished-partition "
+             "gives them a replica identity if it publishes UPDATE/DELETE"
+             if pub.covers_new_tables else
+             "V2's step publish-unpublished-partition adds the unpublished partition to it "
+             "before V2 writes there")
+            + "; the consumer must follow the new relation name and emit an INSERT only when "
+            "the publication column is NULL (a mark, a copy and the swap re-insert rows with "
+            "it set) — `plan` shows per phase what the stream carries (docs/patterns.md, "
+            "CDC consumers)",
         ))  # fmt: skip
     for column in facts.columns:
         if column.generated:
@@ -248,11 +620,6 @@ def _warnings(facts: TableFacts, table: str) -> None:
                 "publishing UPDATE would fail); for those patterns make it a plain column "
                 "first, or choose COP, COPRA or HOP",
             ))  # fmt: skip
-    for name, _definition in facts.triggers:
-        warn.append(Finding(
-            "trigger", f"trigger {name} on {table} is not carried to the new table",
-            "re-create it on the partitioned table if the application relies on it",
-        ))  # fmt: skip
     if facts.foreign_keys_out:
         warn.append(Finding(
             "fk-out", f"{table} has foreign keys to other tables "
@@ -261,12 +628,12 @@ def _warnings(facts: TableFacts, table: str) -> None:
         ))  # fmt: skip
 
 
-def inspect(dsn: str, spec: OutboxSpec) -> TableFacts:
+def inspect(dsn: str, spec: OutboxSpec, pattern: str = "") -> TableFacts:
     """Connect, introspect, disconnect."""
     from outbox_migrate.db import connect
 
     with connect(dsn) as conn:
-        return introspect(conn, spec)
+        return introspect(conn, spec, pattern)
 
 
 def raise_for_blockers(facts: TableFacts) -> None:

@@ -7,7 +7,10 @@ whole step: nothing is half-applied.
 
 from __future__ import annotations
 
-from outbox_migrate.patterns.model import Condition, Step, TxMode
+from psycopg import sql
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.patterns.model import CheckPoint, Condition, Pattern, Step, TxMode
 
 
 def assertion(step_id: str, condition: Condition) -> str:
@@ -39,15 +42,74 @@ def timeouts(step: Step, lock_timeout_ms: int) -> list[str]:
     ]
 
 
-def step_sql(step: Step, lock_timeout_ms: int, *, with_assertions: bool = True) -> list[str]:
-    """The lines that apply `step` by hand: one transaction for transactional steps."""
-    checks = [assertion(step.id, c) for c in step.preconditions] if with_assertions else []
+def lock_statements(
+    step: Step, schema: str, parent: str, *, skip_created: bool = True
+) -> list[str]:
+    """`LOCK TABLE ONLY` for the step's declared locks, parent first (as the runner takes
+    them), leaving out the relations the step itself creates (they do not exist yet)."""
+    created = (
+        {obj.name for obj in step.creates if obj.kind == "relation"} if skip_created else set()
+    )
+    ordered = sorted(step.locks, key=lambda lock: 0 if lock.relation == parent else 1)
+    lines: list[str] = []
+    for lock in ordered:
+        if lock.relation in created:
+            continue
+        statement = sql.SQL("LOCK TABLE ONLY {} IN {} MODE;").format(
+            sql.Identifier(schema, lock.relation), sql.SQL(lock.mode.sql_name)
+        )
+        lines.append(statement.as_string(None))
+    return list(dict.fromkeys(lines))
+
+
+def step_sql(
+    step: Step,
+    lock_timeout_ms: int,
+    *,
+    with_assertions: bool = True,
+    schema: str = "public",
+    parent: str = "",
+) -> list[str]:
+    """The lines that apply `step` by hand: one transaction for transactional steps.
+
+    Sampling and scanning checks run first, outside the transaction (a gate's window sleeps
+    longer than a catalog step's statement_timeout, and no lock should be held meanwhile);
+    then, inside it, the declared locks, then every other check — so what is asserted is what
+    holds at COMMIT, as in the runner.
+    """
+    before = [c for c in step.preconditions if c.at is not CheckPoint.LOCKED]
+    locked = step.conditions_at(CheckPoint.LOCKED)
+    early = [assertion(step.id, c) for c in before] if with_assertions else []
+    checks = [assertion(step.id, c) for c in locked] if with_assertions else []
     statements = [text.rstrip(";") + ";" for text in step.sql_texts()]
     if step.tx is TxMode.TRANSACTION:
-        # Assertions first: the deploy-gate sampling sleeps longer than a catalog step's
-        # statement_timeout, and they take no lock stronger than ACCESS SHARE.
-        return ["BEGIN;", *checks, *timeouts(step, lock_timeout_ms), *statements, "COMMIT;"]
+        locks = lock_statements(step, schema, parent)
+        return [*early, "BEGIN;", *timeouts(step, lock_timeout_ms), *locks, *checks,
+                *statements, "COMMIT;"]  # fmt: skip
     if step.tx is TxMode.AUTOCOMMIT:
-        return [*checks, f"SET lock_timeout = '{lock_timeout_ms}ms';", *statements,
+        return [*early, *checks, f"SET lock_timeout = '{lock_timeout_ms}ms';", *statements,
                 "RESET lock_timeout;"]  # fmt: skip
-    return checks
+    return [*early, *checks]
+
+
+CDC_KIND = "publish-unpublished-partition"
+CDC_PHASE = "V2"
+
+
+def cdc_guard(pattern: Pattern, step: Step, spec: OutboxSpec) -> list[str]:
+    """After the last step of V2, when the pattern was built without the live database (no
+    CDC step: `plan` without `--dsn`, Alembic `--sql`): an assertion that no publication
+    lists the old outbox without the unpublished partition, so a DBA applying offline SQL
+    learns before deploying V2 that a CDC consumer would miss its messages."""
+    if step.phase != CDC_PHASE or any(s.kind == CDC_KIND for s in pattern.steps()):
+        return []
+    v2 = pattern.phase(CDC_PHASE).steps
+    if not v2 or v2[-1].id != step.id:
+        return []
+    from outbox_migrate.patterns import conditions as c
+    from outbox_migrate.patterns.names import Names
+
+    n = Names(spec)
+    guard = c.condition("publications-carried", rel_reg=n.reg(n.table),
+                        unpublished_reg=n.reg(n.unpublished))  # fmt: skip
+    return [assertion(f"{step.id} (CDC)", guard)]

@@ -7,11 +7,13 @@ view for terminals lives in the CLI, the only layer that may import rich.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
+from outbox_migrate.cdc_view import phase_views, render_lines
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.introspect import TableFacts
-from outbox_migrate.offline import step_sql
+from outbox_migrate.offline import cdc_guard, step_sql
 from outbox_migrate.patterns.model import Pattern, Phase, Step
 
 PHASE_MARKER = "-- phase: "
@@ -31,8 +33,11 @@ def step_document(step: Step) -> dict[str, Any]:
         "scan": step.scan or "none",
         "statement_timeout_ms": step.statement_timeout_ms,
         "preconditions": [
-            {"name": c.name, "description": c.description} for c in step.preconditions
+            {"name": c.name, "description": c.description, "at": c.at.value}
+            | ({"kept_by": c.kept_by} if c.kept_by else {})
+            for c in step.preconditions
         ],
+        "creates": [obj.name for obj in step.creates],
         "postcondition": [
             {"name": c.name, "description": c.description} for c in step.postcondition
         ],
@@ -60,6 +65,13 @@ def facts_document(facts: TableFacts, spec: OutboxSpec) -> dict[str, Any]:
             }
             for c in facts.columns
         ],
+        "id_kind": facts.id_kind(spec),
+        **(
+            {"claim_order": spec.claim_order, "gate_sequence": spec.gate_sequence}
+            if facts.id_kind(spec) == "application"
+            else {}
+        ),
+        "id_sequence": facts.sequence,
         "max_id": facts.max_id,
         "sequence_last_value": facts.sequence_last_value,
         "identity_start": facts.identity_start(spec.id_headroom),
@@ -71,9 +83,12 @@ def facts_document(facts: TableFacts, spec: OutboxSpec) -> dict[str, Any]:
         "triggers": [name for name, _ in facts.triggers],
         "foreign_keys_in": [f"{n} on {t}" for n, t in facts.foreign_keys_in],
         "publications": facts.publications,
+        "publication_details": [asdict(p) for p in facts.publication_details],
         "new_tables": facts.new_table_state,
         "blockers": [vars(b) for b in facts.blockers],
         "warnings": [vars(w) for w in facts.warnings],
+        "notes": [vars(n) for n in facts.notes],
+        "objects": [vars(o) for o in facts.objects],
     }
 
 
@@ -81,6 +96,7 @@ def plan_document(
     pattern: Pattern, spec: OutboxSpec, facts: TableFacts | None = None
 ) -> dict[str, Any]:
     """Everything `plan` shows, as plain data (the JSON format, and the source of the others)."""
+    cdc = phase_views(pattern, spec, facts.publication_details) if facts is not None else {}
     return {
         "pattern": pattern.name,
         "acronym": pattern.acronym,
@@ -100,6 +116,13 @@ def plan_document(
             "id_column": spec.id_column,
             "published_column": spec.published_column,
             "id_headroom": spec.id_headroom,
+            "id_kind": spec.id_kind,
+            "created_column": spec.created_column,
+            "payload_column": spec.payload_column,
+            "key_column": spec.key_column,
+            "event_type_column": spec.event_type_column,
+            "headers_column": spec.headers_column,
+            "metadata_columns": list(spec.metadata_columns),
         },
         "point_of_no_return": pattern.point_of_no_return or None,
         "facts": facts_document(facts, spec) if facts is not None else None,
@@ -111,6 +134,14 @@ def plan_document(
                 "application": phase.app.describe(spec.table, spec.partitioned_table),
                 "instructions": list(phase.instructions),
                 "steps": [step_document(step) for step in phase.steps],
+                **(
+                    {
+                        "cdc": [view.to_json() for view in cdc[phase.name]],
+                        "cdc_text": render_lines(cdc, phase.name),
+                    }
+                    if cdc.get(phase.name)
+                    else {}
+                ),
             }
             for phase in pattern.phases
         ],
@@ -138,7 +169,15 @@ def render_sql(pattern: Pattern, spec: OutboxSpec, lock_timeout_ms: int = 200) -
         for step in phase.steps:
             lines.append("")
             lines.append(f"-- step: {step.id}: {step.summary}")
-            lines.extend(step_sql(step, lock_timeout_ms))
+            lines.extend(
+                step_sql(step, lock_timeout_ms, schema=spec.schema, parent=spec.partitioned_table)
+            )
+            guard = cdc_guard(pattern, step, spec)
+            if guard:
+                lines.append("")
+                lines.append(f"-- check: no publication lists {spec.table} without "
+                             f"{spec.unpublished_partition} (CDC consumers)")  # fmt: skip
+                lines.extend(guard)
         lines.append("")
     return "\n".join(lines)
 
@@ -188,7 +227,9 @@ def _md_step(step: Step, lines: list[str]) -> None:
     lines.append("")
 
 
-def _md_phase(phase: Phase, spec: OutboxSpec, lines: list[str]) -> None:
+def _md_phase(
+    phase: Phase, spec: OutboxSpec, lines: list[str], cdc: list[str] | None = None
+) -> None:
     kind = "deploy" if phase.kind.value == "deploy" else "job"
     lines.append(f"### {phase.name} ({kind}): {phase.title}")
     lines.append("")
@@ -196,11 +237,28 @@ def _md_phase(phase: Phase, spec: OutboxSpec, lines: list[str]) -> None:
     lines.append("")
     lines.extend(f"- {text}" for text in phase.instructions)
     lines.append("")
+    if cdc:
+        lines += ["```text", *cdc, "```", ""]
     if not phase.steps:
         lines.append("No database steps in this phase.")
         lines.append("")
     for step in phase.steps:
         _md_step(step, lines)
+
+
+def _id_line(doc: dict[str, Any]) -> str:
+    kind = doc["id_kind"]
+    if kind == "application":
+        return (
+            "- ids supplied by the application: no identity, no headroom; the relay claims "
+            f"by {doc.get('claim_order', 'id')}; the deploy gates watch "
+            f"{doc.get('gate_sequence', 'the gate sequence')} (installed in V2)"
+        )
+    source = f" from {doc['id_sequence']}" if kind == "sequence" else ""
+    return (
+        f"- ids: {kind}{source}; max id {doc['max_id']}, new identity starts at "
+        f"{doc['identity_start']:,}"
+    )
 
 
 def render_markdown(
@@ -215,14 +273,20 @@ def render_markdown(
             "",
             f"- PostgreSQL {doc['server_version']}, `{doc['table']}`: ~{doc['row_estimate']:,} "
             f"rows, {doc['total_bytes']:,} bytes, {doc['unpublished']:,} unpublished",
-            f"- max id {doc['max_id']}, new identity starts at {doc['identity_start']:,}",
+            _id_line(doc),
             f"- VALIDATE scan estimate: ~{doc['estimated_validate_s']} s",
         ]
         lines += [f"- **Blocker**: {b.message} — {b.remedy}" for b in facts.blockers]
         lines += [f"- Warning: {w.message} — {w.remedy}" for w in facts.warnings]
+        lines += [f"- Note: {n.message} — {n.remedy}" for n in facts.notes]
         lines.append("")
+        if facts.objects:
+            lines += [f"{h}# Objects on `{facts.table}` and what happens to each", ""]
+            lines += [f"- {o.kind} `{o.name}`: {o.fate}" for o in facts.objects]
+            lines.append("")
     lines.append(f"{h}# Phases")
     lines.append("")
+    cdc = phase_views(pattern, spec, facts.publication_details) if facts is not None else {}
     for phase in pattern.phases:
-        _md_phase(phase, spec, lines)
+        _md_phase(phase, spec, lines, render_lines(cdc, phase.name))
     return "\n".join(lines).rstrip() + "\n"

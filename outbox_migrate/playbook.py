@@ -168,9 +168,10 @@ def render_playbook(name: str, spec: OutboxSpec | None = None) -> str:
         f"- Run `outbox-migrate plan --pattern {pattern.name} --dsn <DSN>` against production "
         "and resolve every blocker it reports (a foreign key into the outbox, an `id` that "
         "is not a bigint identity, a publication column that is not a nullable timestamp).",
-        "- Read its warnings: a logical-replication publication on the outbox sees every "
-        "publish on the partitioned table as DELETE + INSERT; triggers and outgoing foreign "
-        "keys are not carried over.",
+        "- Read its warnings: a logical-replication publication on the outbox gets the "
+        "unpublished partition in V2, and the plan shows per phase what its consumer receives "
+        "and must change (a new relation name; an INSERT is a new message only when the "
+        "publication column is NULL); triggers and outgoing foreign keys are not carried over.",
         "- Every step sets a short `lock_timeout`: when it cannot get its lock it fails and "
         "changes nothing; run it again when the blocking transaction is gone.",
     ]

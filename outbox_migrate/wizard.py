@@ -226,8 +226,9 @@ def interpret(m: Measurements, pattern: str) -> list[str]:
         )
     if m.publications:
         notes.append(
-            f"CDC: publications {', '.join(m.publications)} include the outbox; every publish "
-            "on the partitioned table becomes DELETE + INSERT for their subscribers"
+            f"CDC: publications {', '.join(m.publications)} include the outbox; V2 adds the "
+            "unpublished partition to them (step publish-unpublished-partition), and `plan "
+            "--dsn` shows per phase what their consumers receive and must change"
         )
     notes.extend(f"blocker: {b}" for b in m.blockers)
     return notes

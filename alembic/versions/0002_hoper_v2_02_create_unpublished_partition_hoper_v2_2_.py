@@ -1,8 +1,8 @@
-"""create-unpublished-partition: HOPER V2 2/5, before deploying V2 (outbox-migrate)
+"""create-unpublished-partition: HOPER V2 2/6, before deploying V2 (outbox-migrate)
 
 Revision ID: 0002_hoper_v2_02
 Revises: 0002_hoper_v2_01
-Create Date: 2026-11-23 01:43:52.299669
+Create Date: 2026-11-23 23:25:02.544299
 
 """
 from typing import Sequence, Union
@@ -31,6 +31,14 @@ def upgrade() -> None:
             'id_column': 'id',
             'published_column': 'published_at',
             'id_headroom': 1000000,
+            'created_column': 'created_at',
+            'payload_column': 'payload',
+            'key_column': 'message_key',
+            'event_type_column': 'event_type',
+            'headers_column': 'headers',
+            'metadata_columns': (),
+            'id_kind': 'database',
+            'order_column': '',
         },
         in_revision_transaction=True,
     )
@@ -49,6 +57,14 @@ def downgrade() -> None:
             'id_column': 'id',
             'published_column': 'published_at',
             'id_headroom': 1000000,
+            'created_column': 'created_at',
+            'payload_column': 'payload',
+            'key_column': 'message_key',
+            'event_type_column': 'event_type',
+            'headers_column': 'headers',
+            'metadata_columns': (),
+            'id_kind': 'database',
+            'order_column': '',
         },
         in_revision_transaction=True,
     )

@@ -1,8 +1,8 @@
 """gate-old-table-retired: HOPER V3 1/1, before deploying V3 (outbox-migrate)
 
 Revision ID: 0002_hoper_v3_01
-Revises: 0002_hoper_v2_05
-Create Date: 2026-11-23 01:43:52.347115
+Revises: 0002_hoper_v2_06
+Create Date: 2026-11-23 23:25:02.564881
 
 """
 from typing import Sequence, Union
@@ -13,7 +13,7 @@ import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and f
 
 # revision identifiers, used by Alembic.
 revision: str = '0002_hoper_v3_01'
-down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_05'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_06'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
@@ -31,6 +31,14 @@ def upgrade() -> None:
             'id_column': 'id',
             'published_column': 'published_at',
             'id_headroom': 1000000,
+            'created_column': 'created_at',
+            'payload_column': 'payload',
+            'key_column': 'message_key',
+            'event_type_column': 'event_type',
+            'headers_column': 'headers',
+            'metadata_columns': (),
+            'id_kind': 'database',
+            'order_column': '',
         },
         in_revision_transaction=True,
     )
@@ -49,6 +57,14 @@ def downgrade() -> None:
             'id_column': 'id',
             'published_column': 'published_at',
             'id_headroom': 1000000,
+            'created_column': 'created_at',
+            'payload_column': 'payload',
+            'key_column': 'message_key',
+            'event_type_column': 'event_type',
+            'headers_column': 'headers',
+            'metadata_columns': (),
+            'id_kind': 'database',
+            'order_column': '',
         },
         in_revision_transaction=True,
     )

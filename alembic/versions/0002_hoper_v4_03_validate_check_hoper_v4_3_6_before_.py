@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_03
 Revises: 0002_hoper_v4_02
-Create Date: 2026-11-23 01:43:52.378148
+Create Date: 2026-11-23 23:25:02.576590
 
 """
 from typing import Sequence, Union
@@ -31,6 +31,14 @@ def upgrade() -> None:
             'id_column': 'id',
             'published_column': 'published_at',
             'id_headroom': 1000000,
+            'created_column': 'created_at',
+            'payload_column': 'payload',
+            'key_column': 'message_key',
+            'event_type_column': 'event_type',
+            'headers_column': 'headers',
+            'metadata_columns': (),
+            'id_kind': 'database',
+            'order_column': '',
         },
         in_revision_transaction=True,
     )
@@ -49,6 +57,14 @@ def downgrade() -> None:
             'id_column': 'id',
             'published_column': 'published_at',
             'id_headroom': 1000000,
+            'created_column': 'created_at',
+            'payload_column': 'payload',
+            'key_column': 'message_key',
+            'event_type_column': 'event_type',
+            'headers_column': 'headers',
+            'metadata_columns': (),
+            'id_kind': 'database',
+            'order_column': '',
         },
         in_revision_transaction=True,
     )

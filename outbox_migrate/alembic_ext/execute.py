@@ -20,9 +20,9 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
-from outbox_migrate.config import Settings, load_settings
+from outbox_migrate.config import OutboxSpec, Settings, load_settings
 from outbox_migrate.errors import UsageError
-from outbox_migrate.offline import assertion, step_sql
+from outbox_migrate.offline import assertion, cdc_guard, lock_statements, step_sql
 from outbox_migrate.patterns import build_from_settings
 from outbox_migrate.patterns.model import Pattern, Step, TxMode
 from outbox_migrate.runner.errors import OutOfOrder
@@ -104,6 +104,30 @@ def select(pattern: Pattern, step_ids: list[str] | None, phase: str | None) -> l
         ) from None
 
 
+def with_live_steps(
+    live: Pattern, built: Pattern, steps: list[Step], *, reverse: bool = False
+) -> list[str]:
+    """The step ids to apply, with the conditional steps only the live database knows of
+    (the CDC step, when a publication covers the old table) slotted in where the runner's
+    pattern has them: a revision generated without a DSN has no such step, but the runner
+    requires every earlier step of the phase (and unwinds newest first)."""
+    known = {s.id for s in built.steps()}
+    order = live.steps()
+    position = {s.id: index for index, s in enumerate(order)}
+    ids: list[str] = []
+    for step in steps:
+        at = position.get(step.id)
+        if at is not None:
+            extra = [s for s in order if s.phase == step.phase and s.id not in known]
+            if reverse:
+                before = [s.id for s in reversed(extra) if position[s.id] > at]
+            else:
+                before = [s.id for s in extra if position[s.id] < at]
+            ids += [i for i in before if i not in ids]
+        ids.append(step.id)
+    return ids
+
+
 def irreversible(step: Step) -> OutOfOrder:
     return OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
 
@@ -181,27 +205,38 @@ def _header(step: Step, verb: str) -> str:
     return f"-- outbox-migrate {verb}: {step.id}: {step.summary}"
 
 
-def forward_sql(step: Step, lock_timeout_ms: int, *, joined: bool) -> str:
+def forward_sql(
+    step: Step, lock_timeout_ms: int, *, joined: bool, spec: OutboxSpec | None = None
+) -> str:
     """A step as psql text: its own BEGIN … COMMIT, or the body alone when it joins the
-    revision's transaction. Every precondition is an assertion inside that transaction."""
-    lines = step_sql(step, lock_timeout_ms)
+    revision's transaction. The declared locks come first inside it, then every check that
+    must hold at commit, as assertions."""
+    spec = spec or OutboxSpec()
+    lines = step_sql(step, lock_timeout_ms, schema=spec.schema, parent=spec.partitioned_table)
     if joined and step.tx is TxMode.TRANSACTION:
-        if lines[0] != "BEGIN;" or lines[-1] != "COMMIT;":  # pragma: no cover - step_sql's shape
+        if lines[-1] != "COMMIT;" or "BEGIN;" not in lines:  # pragma: no cover - step_sql's shape
             raise ValueError("unexpected step SQL shape")
-        lines = lines[1:-1]
+        begin = lines.index("BEGIN;")
+        lines = lines[:begin] + lines[begin + 1 : -1]
     return "\n".join([_header(step, "step"), *lines])
 
 
-def reverse_sql(step: Step, lock_timeout_ms: int, *, joined: bool) -> str:
-    """A step's reverse as psql text, its reverse preconditions as assertions."""
+def reverse_sql(
+    step: Step, lock_timeout_ms: int, *, joined: bool, spec: OutboxSpec | None = None
+) -> str:
+    """A step's reverse as psql text: its locks, then its reverse preconditions as
+    assertions (so an emptiness check cannot be stale at COMMIT), then the statements."""
     if step.reverse is None:
         raise irreversible(step)
     if not step.reverse:
         return f"{_header(step, 'reverse')}\n-- nothing to undo: {step.reverse_note}"
+    spec = spec or OutboxSpec()
+    locks = lock_statements(step, spec.schema, spec.partitioned_table, skip_created=False)
     body = [
-        *(assertion(f"{step.id} (reverse)", c) for c in step.reverse_preconditions),
         f"SET LOCAL lock_timeout = '{lock_timeout_ms}ms';",
         "SET LOCAL statement_timeout = '0ms';",
+        *locks,
+        *(assertion(f"{step.id} (reverse)", c) for c in step.reverse_preconditions),
         *(s.as_string(None).rstrip(";") + ";" for s in step.reverse),
     ]
     if not joined:
@@ -234,11 +269,22 @@ def upgrade_steps(
     steps = select(pattern, step_ids, phase)
     joined = joins_revision(ctx, steps, in_revision_transaction)
     if ctx.as_sql:
-        _emit(ctx, [forward_sql(s, settings.lock_timeout_ms, joined=joined) for s in steps], joined)
+        _emit(
+            ctx,
+            [
+                text
+                for s in steps
+                for text in (
+                    forward_sql(s, settings.lock_timeout_ms, joined=joined, spec=settings.spec),
+                    *cdc_guard(pattern, s, settings.spec),
+                )
+            ],
+            joined,
+        )
         return
     with _runner(ctx, pattern_name, settings, include_optional, joined) as runner:
-        for step in steps:
-            runner.execute_step(step.id)
+        for step_id in with_live_steps(runner.pattern, pattern, steps):
+            runner.execute_step(step_id)
 
 
 def downgrade_steps(
@@ -261,8 +307,15 @@ def downgrade_steps(
             raise irreversible(step)
     joined = joins_revision(ctx, steps, in_revision_transaction)
     if ctx.as_sql:
-        _emit(ctx, [reverse_sql(s, settings.lock_timeout_ms, joined=joined) for s in steps], joined)
+        _emit(
+            ctx,
+            [
+                reverse_sql(s, settings.lock_timeout_ms, joined=joined, spec=settings.spec)
+                for s in steps
+            ],
+            joined,
+        )
         return
     with _runner(ctx, pattern_name, settings, include_optional, joined) as runner:
-        for step in steps:
-            runner.reverse_step(step.id)
+        for step_id in with_live_steps(runner.pattern, pattern, steps, reverse=True):
+            runner.reverse_step(step_id)

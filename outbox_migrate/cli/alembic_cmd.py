@@ -4,21 +4,15 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from outbox_migrate.cli.options import (
     FormatOption,
-    IdColumnOption,
     OutputFormat,
-    PartitionedOption,
-    PublishedColumnOption,
-    PublishedOption,
-    SchemaOption,
-    TableOption,
-    UnpublishedOption,
     settings_from,
+    with_names,
 )
 from outbox_migrate.cli.plan_cmd import PatternOption
 
@@ -50,7 +44,7 @@ def register(app: typer.Typer) -> None:
         help="Write one revision per step of each deploy phase, chained after the project's "
         "head (or --down-revision), and print the revision that completes each phase.\n\n"
         "Example: outbox-migrate alembic generate --pattern hoper --dir . --format json",
-    )(generate)
+    )(with_names(generate))
     app.add_typer(group, name="alembic")
 
 
@@ -79,26 +73,13 @@ def generate(
         bool, typer.Option(help="Include optional steps (SET NOT NULL, final drops).")
     ] = False,
     output: FormatOption = OutputFormat.text,
-    schema: SchemaOption = None,
-    table: TableOption = None,
-    partitioned_table: PartitionedOption = None,
-    unpublished_partition: UnpublishedOption = None,
-    published_partition: PublishedOption = None,
-    id_column: IdColumnOption = None,
-    published_column: PublishedColumnOption = None,
+    *,
+    names: dict[str, Any],
 ) -> None:  # fmt: skip
     from outbox_migrate.alembic_ext.generate import generate as write_revisions
     from outbox_migrate.alembic_ext.revisions import Split
 
-    settings = settings_from(
-        schema=schema,
-        table=table,
-        partitioned_table=partitioned_table,
-        unpublished_partition=unpublished_partition,
-        published_partition=published_partition,
-        id_column=id_column,
-        published_column=published_column,
-    )
+    settings = settings_from(**names)
     result = write_revisions(
         pattern.value, settings, directory, down_revision=down_revision,
         split=Split(split.value), include_optional=with_optional, tag=tag,

@@ -8,7 +8,6 @@ unless OUTBOX_MIGRATE_DEBUG=1.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import typer
@@ -34,15 +33,19 @@ HELP = """Move a live PostgreSQL outbox to a LIST-partitioned table, with zero d
 Examples:
   outbox-migrate demo --pattern hoper        # a whole migration under live load, embedded PG
   outbox-migrate wizard                      # three questions -> the pattern for you, and why
-  outbox-migrate plan --pattern hoper --dsn embedded   # steps, SQL, locks for your schema
+  outbox-migrate plan --pattern hoper --dsn $DATABASE_URL   # steps, SQL, locks for your schema
   outbox-migrate run --pattern hoper --to V2 --dsn $DATABASE_URL   # one deploy's steps
-  outbox-migrate status --pattern hoper --format json   # where the migration stands
+  outbox-migrate status --dsn $DATABASE_URL --format json   # where the migration stands
   outbox-migrate config --format json        # the names and settings in force
   outbox-migrate ping --dsn embedded         # start the embedded PostgreSQL and connect
-  outbox-migrate relay --sink stdout --until-empty   # publish the outbox, then exit
-  outbox-migrate copy-back --rate 50000      # HOPER: copy the detached partition back, verify, drop
-  outbox-migrate maintain --once             # autovacuum settings, index bloat + REINDEX, retention
+  outbox-migrate relay --sink stdout --until-empty --dsn $DATABASE_URL   # publish, then exit
+  outbox-migrate copy-back --rate 50000 --dsn $DATABASE_URL   # HOPER: copy back, verify, drop
+  outbox-migrate maintain --once --dsn $DATABASE_URL   # autovacuum, index bloat, retention
   outbox-migrate alembic generate --pattern hoper --dir .   # the steps as Alembic revisions
+
+\b
+Exit codes: 0 ok, 1 failed, 2 bad input, 3 busy, 4 lock budget, 5 precondition,
+6 connection lost, 130 interrupted, 143 terminated (docs/cli.md).
 """
 
 app = typer.Typer(
@@ -88,36 +91,48 @@ alembic_cmd.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the app, mapping our errors to one line and an exit code."""
-    from outbox_migrate.errors import OutboxMigrateError
+    """Entry point: run the command, then exit with the code `exits.classify` gives.
 
+    This is the only place the CLI exits: typer runs in non-standalone mode and whatever it
+    returns (an exit code from `typer.Exit`, 130 from an interrupt it caught) or raises is
+    mapped here, so no path can turn a failure into exit 0.
+    """
+    from outbox_migrate.cli import exits
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    exits.set_command(args)
+    exits.install_signal_handlers()
     try:
-        app(args=argv, prog_name="outbox-migrate", standalone_mode=False)
-    except OutboxMigrateError as exc:
-        _fail(str(exc), int(exc.exit_code))
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        _fail("aborted", 1)
+        returned = app(args=args, prog_name="outbox-migrate", standalone_mode=False)
+    except typer.Exit as exc:  # raised outside a command (never in practice) — honour it
+        _exit(int(exc.exit_code or 0))
+    except typer.Abort:  # stdin ended at a prompt
+        _fail("aborted: stdin ended before the question was answered", int(ExitCode.FAILED))
     except typer.TyperException as exc:  # click's usage errors (unknown option, bad value)
         _fail(_usage_message(exc), int(ExitCode.USAGE))
     except SystemExit:
         raise
-    except Exception as exc:
-        if os.environ.get("OUTBOX_MIGRATE_DEBUG"):
-            raise
-        from outbox_migrate.dsn import mask
+    except BaseException as exc:  # noqa: BLE001 — every outcome goes through the table
+        code, message = exits.classify(exc)
+        if exits.debug_enabled():
+            import traceback
 
-        _fail(f"internal error: {mask(str(exc)) or type(exc).__name__} "
-              "(set OUTBOX_MIGRATE_DEBUG=1 for a traceback)", int(ExitCode.FAILED))  # fmt: skip
-    sys.exit(0)
+            traceback.print_exception(exc)
+        _fail(message, code)
+    code = returned if isinstance(returned, int) else 0
+    if code == int(ExitCode.INTERRUPTED):  # typer turns KeyboardInterrupt into a return of 130
+        _fail(exits.interrupt_message(), exits.interrupt_code())
+    _exit(code)
 
 
 def _usage_message(exc: BaseException) -> str:
     message = getattr(exc, "format_message", lambda: str(exc))()
     return " ".join(str(message).split())
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.exit(code)
 
 
 def _fail(message: str, code: int) -> None:

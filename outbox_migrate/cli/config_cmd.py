@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 from outbox_migrate.cli.options import (
     FormatOption,
-    IdColumnOption,
     OutputFormat,
-    PartitionedOption,
-    PublishedColumnOption,
-    PublishedOption,
-    SchemaOption,
-    TableOption,
-    UnpublishedOption,
     settings_from,
+    with_names,
 )
 
 
@@ -23,30 +19,17 @@ def register(app: typer.Typer) -> None:
         "config",
         help="Show the configuration in force and where each value came from.\n\n"
         "Example: outbox-migrate config --table events_outbox --format json",
-    )(config)
+    )(with_names(config))
 
 
 def config(
-    schema: SchemaOption = None,
-    table: TableOption = None,
-    partitioned_table: PartitionedOption = None,
-    unpublished_partition: UnpublishedOption = None,
-    published_partition: PublishedOption = None,
-    id_column: IdColumnOption = None,
-    published_column: PublishedColumnOption = None,
     output: FormatOption = OutputFormat.text,
+    *,
+    names: dict[str, Any],
 ) -> None:
     from dataclasses import asdict
 
-    settings = settings_from(
-        schema=schema,
-        table=table,
-        partitioned_table=partitioned_table,
-        unpublished_partition=unpublished_partition,
-        published_partition=published_partition,
-        id_column=id_column,
-        published_column=published_column,
-    )
+    settings = settings_from(**names)
     values = asdict(settings.spec)
     values.update(
         lock_timeout_ms=settings.lock_timeout_ms,

@@ -38,12 +38,27 @@ def print_json_line(data: Any) -> None:
     sys.stdout.flush()
 
 
-def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    grid = Table(title=title, show_lines=False)
-    for column in columns:
-        grid.add_column(column)
-    for row in rows:
-        grid.add_row(*("" if cell is None else str(cell) for cell in row))
+def table(
+    title: str | None,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    *,
+    keep: Sequence[str] = (),
+) -> None:
+    """A table for people. Columns in `keep` (identifiers such as step ids) are never wrapped
+    or truncated; the others wrap at word boundaries, so the table fits 80 columns."""
+    from rich import box
+
+    cells = [["" if cell is None else str(cell) for cell in row] for row in rows]
+    grid = Table(title=title, show_lines=False, box=box.SIMPLE_HEAD if keep else box.HEAVY_HEAD)
+    for index, column in enumerate(columns):
+        if column in keep:
+            widest = max([len(column), *(len(row[index]) for row in cells)])
+            grid.add_column(column, no_wrap=True, min_width=widest)
+        else:
+            grid.add_column(column, overflow="fold")
+    for row in cells:
+        grid.add_row(*row)
     out().print(grid)
 
 
@@ -125,24 +140,37 @@ def render_plan(doc: dict[str, Any]) -> None:
     console.print(doc["summary"], markup=False)
     facts = doc.get("facts")
     if facts:
+        ids = (
+            f"application ids claimed by {facts.get('claim_order')}, gates on "
+            f"{facts.get('gate_sequence')}"
+            if facts.get("id_kind") == "application"
+            else f"max id {facts['max_id']}, new identity starts at {facts['identity_start']:,}"
+        )
         console.print(
             f"Your outbox: PostgreSQL {facts['server_version']}, {facts['table']}, "
-            f"~{facts['row_estimate']:,} rows, {facts['unpublished']:,} unpublished, "
-            f"max id {facts['max_id']}, new identity starts at {facts['identity_start']:,}",
+            f"~{facts['row_estimate']:,} rows, {facts['unpublished']:,} unpublished, {ids}",
             markup=False,
         )
         for warning in facts["warnings"]:
             console.print(f"warning: {warning['message']} — {warning['remedy']}", markup=False)
+        for note in facts.get("notes", ()):
+            console.print(f"note: {note['message']} — {note['remedy']}", markup=False)
+        for obj in facts.get("objects", ()):
+            console.print(f"{obj['kind']} {obj['name']}: {obj['fate']}", markup=False)
     for phase in doc["phases"]:
         console.print()
         console.print(f"[bold]{phase['name']}[/bold] ({phase['kind']}): {phase['title']}")
         console.print(f"  application: {phase['application']}", markup=False)
         for line in phase["instructions"]:
             console.print(f"  - {line}", markup=False)
+        for line in phase.get("cdc_text", ()):
+            console.print(f"  {line}", markup=False)
         if not phase["steps"]:
             continue
         grid = Table(show_lines=True)
-        for column in ("step", "locks", "scan", "checks", "rollback"):
+        widest = max(len(step["id"]) for step in phase["steps"])
+        grid.add_column("step", min_width=widest)  # ids never wrap; summaries wrap at spaces
+        for column in ("locks", "scan", "checks", "rollback"):
             grid.add_column(column, overflow="fold")
         for step in phase["steps"]:
             locks = "\n".join(f"{lock['mode']} {lock['relation']}" for lock in step["locks"])
@@ -166,7 +194,8 @@ def render_recommendation(doc: dict[str, Any]) -> None:
         console.print(f"  - {name.upper()}: {why}", markup=False)
     for note in doc.get("notes", []):
         console.print(f"  * {note}", markup=False)
-    console.print(f"Next: outbox-migrate plan --pattern {doc['pattern']}", markup=False)
+    following = doc.get("next") or f"outbox-migrate plan --pattern {doc['pattern']}"
+    console.print(f"Next: {following}", markup=False)
 
 
 class _TextRunnerEvents:
@@ -181,6 +210,13 @@ class _TextRunnerEvents:
         if log.outcome == "done":
             return
         blockers = ", ".join(b.describe() for b in log.blockers) or "unknown session"
+        if log.outcome == "waiting":
+            err().print(
+                f"  attempt {log.attempt}: waiting, without queueing, for the lock held by "
+                f"{blockers}",
+                markup=False,
+            )
+            return
         err().print(
             f"  attempt {log.attempt}: lock not granted within the timeout "
             f"({log.waited_ms:.0f} ms); held by {blockers}; retrying",
@@ -239,10 +275,13 @@ def render_status(doc: dict[str, Any]) -> None:
     rows = [
         (s["id"], s["state"], s.get("attempts", 0),
          f"{s['duration_ms']:.0f}" if s.get("duration_ms") is not None else "",
-         f"{s.get('lock_wait_ms') or 0:.0f}", (s.get("last_error") or "")[:60])
+         f"{s.get('lock_wait_ms') or 0:.0f}")
         for s in doc["steps"]
     ]  # fmt: skip
-    table(None, ["step", "state", "attempts", "ms", "lock wait ms", "last error"], rows)
+    table(None, ["step", "state", "tries", "ms", "lock wait ms"], rows, keep=["step"])
+    for s in doc["steps"]:  # errors below the table: they wrap, the ids above never do
+        if s.get("last_error"):
+            console.print(f"{s['id']}: {s['last_error']}", markup=False)
 
 
 @contextmanager
@@ -277,6 +316,9 @@ def render_demo_report(report: dict[str, Any]) -> None:
     console = out()
     lost = report["lost"]
     verdict = "[green]nothing lost[/green]" if lost == 0 else "[red]LOST MESSAGES[/red]"
+    if report.get("interrupted"):
+        left = report["backlog_left"]
+        verdict += f" [yellow](interrupted: a partial run, {left:,} left unpublished)[/yellow]"
     title = f"{report['pattern'].upper()}[/bold] at {report['rate_per_s']} inserts/s"
     console.print(f"\n[bold]{title}: {verdict}")
     summary = [
@@ -301,9 +343,10 @@ def render_demo_report(report: dict[str, Any]) -> None:
     )  # fmt: skip
     table(
         "runner steps",
-        ["step", "outcome", "ms", "attempts", "lock wait ms", "max insert ms during"],
+        ["step", "outcome", "ms", "tries", "lock wait ms", "max insert ms"],
         [(s["step"], s["outcome"], s["duration_ms"], s["attempts"], s["lock_wait_ms"],
           s["max_insert_latency_ms_during"]) for s in report["steps"]],
+        keep=["step"],
     )  # fmt: skip
     refusal = report.get("refusal")
     if refusal:

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from outbox_migrate.cli.options import (
     DsnOption,
     FormatOption,
-    IdColumnOption,
     OutputFormat,
-    PartitionedOption,
-    PublishedColumnOption,
-    PublishedOption,
-    SchemaOption,
-    TableOption,
-    UnpublishedOption,
     settings_from,
+    with_names,
 )
 
 BatchSizeOption = Annotated[
@@ -58,8 +52,8 @@ def register(app: typer.Typer) -> None:
         "partition into the old table in resumable keyset batches, verify counts and per-range "
         "checksums, then drop the source. A failed verification keeps the source and names the "
         "id ranges that differ.\n\n"
-        "Example: outbox-migrate copy-back --dsn postgresql://app@db/app --rate 50000",
-    )(copy_back)
+        "Example: outbox-migrate copy-back --dsn $DATABASE_URL --rate 50000",
+    )(with_names(copy_back))
 
 
 def copy_back(
@@ -70,14 +64,9 @@ def copy_back(
     no_adaptive: NoAdaptiveOption = False,
     from_start: FromStartOption = False,
     max_replica_lag: MaxLagOption = 5.0,
-    schema: SchemaOption = None,
-    table: TableOption = None,
-    partitioned_table: PartitionedOption = None,
-    unpublished_partition: UnpublishedOption = None,
-    published_partition: PublishedOption = None,
-    id_column: IdColumnOption = None,
-    published_column: PublishedColumnOption = None,
     output: FormatOption = OutputFormat.text,
+    *,
+    names: dict[str, Any],
 ) -> None:
     from dataclasses import asdict
 
@@ -87,15 +76,7 @@ def copy_back(
     from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions, CopyProgress
     from outbox_migrate.jobs.throttle import ThrottlePolicy
 
-    settings = settings_from(
-        schema=schema,
-        table=table,
-        partitioned_table=partitioned_table,
-        unpublished_partition=unpublished_partition,
-        published_partition=published_partition,
-        id_column=id_column,
-        published_column=published_column,
-    )
+    settings = settings_from(**names)
     resolved = resolve(dsn)
     if resolved is None:
         raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
@@ -106,6 +87,12 @@ def copy_back(
         ),
     )
     human = output is OutputFormat.text
+    if _recorded_migration(resolved.dsn, settings) is not None:
+        # One path for the job: with a HOPER migration in the ledger, this command is
+        # `run --to copy-back` (or, with --no-drop, the copy-back step alone), so the ledger
+        # records it whichever entry point ran it, and either can finish the other's work.
+        _through_the_runner(resolved.dsn, settings, options, no_drop, human)
+        return
     with connect(resolved.dsn) as conn:
         job = CopyBack(conn, settings.spec, options, dsn=resolved.dsn)
         plan = job.plan()
@@ -164,6 +151,46 @@ def copy_back(
         f"{verification.ranges_checked} ranges; "
         + (f"dropped {plan.source}" if summary["dropped"] else f"kept {plan.source} (--no-drop)"),
     )
+
+
+def _recorded_migration(dsn: str, settings: Any) -> object | None:
+    """The table's HOPER migration in the ledger, if any (read-only)."""
+    from outbox_migrate.db import connect
+    from outbox_migrate.errors import UsageError
+    from outbox_migrate.runner import ledger
+    from outbox_migrate.runner.admission import ledger_exists
+
+    with connect(dsn) as conn:
+        if not ledger_exists(conn):
+            return None
+        active = ledger.active_for_table(conn, settings.spec)
+        if active is not None and active.pattern != "hoper":
+            raise UsageError(
+                f"copy-back is HOPER's job; the active migration of {settings.spec.schema}."
+                f"{settings.spec.table} is {active.pattern.upper()} (phase "
+                f"{active.current_phase}), which keeps its published rows without one"
+            )
+        return ledger.latest(conn, settings.spec, "hoper")
+
+
+def _through_the_runner(dsn: str, settings: Any, options: Any, no_drop: bool, human: bool) -> None:
+    from dataclasses import asdict
+
+    from outbox_migrate.cli.console import runner_events
+    from outbox_migrate.runner import Runner
+
+    events = runner_events(json_lines=not human)
+    with Runner(dsn, settings, "hoper", events=events, copy_back_options=options) as runner:
+        if no_drop:
+            result = runner.execute_step("hoper.copy-back.copy-back")
+        else:
+            result = runner.run("copy-back")
+    line = (
+        f"HOPER copy-back through the migration's ledger: ran {len(result.ran)} steps, "
+        f"adopted {len(result.adopted)}; "
+        + ("migration complete" if result.completed else f"at the end of {result.phase}")
+    )
+    _report({"through": "runner", **asdict(result)}, human, line)
 
 
 def _report(data: dict[str, object], human: bool, line: str) -> None:

@@ -72,8 +72,20 @@ def demo(
                 main_dsn, recording_dsn, scenario, on_snapshot=on_snapshot, output_dir=output_dir
             )
         render_demo_report(result)
+    if result.get("interrupted"):
+        from outbox_migrate.cli.exits import set_interrupt_note
+
+        files = result.get("files") or {}
+        where = files.get("html") or "not written"
+        set_interrupt_note(f"writers and relays stopped, partial report: {where}")
+        raise KeyboardInterrupt
     if result["lost"]:
-        raise typer.Exit(1)
+        from outbox_migrate.errors import OutboxMigrateError
+
+        raise OutboxMigrateError(
+            f"the demo lost {result['lost']} messages (see the report above); a correct "
+            "choreography loses none"
+        )
 
 
 def prepare_databases(dsn: str) -> tuple[str, str]:

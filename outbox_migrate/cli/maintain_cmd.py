@@ -15,10 +15,8 @@ from outbox_migrate.cli.options import (
     DsnOption,
     FormatOption,
     OutputFormat,
-    PartitionedOption,
-    PublishedColumnOption,
-    SchemaOption,
     settings_from,
+    with_names,
 )
 
 if TYPE_CHECKING:
@@ -63,8 +61,8 @@ def register(app: typer.Typer) -> None:
         help="Keep the partitioned outbox healthy: the spec's autovacuum settings on the "
         "published partition, the unpublished partition's index bloat measured and rebuilt "
         "with REINDEX CONCURRENTLY above a threshold, optional retention. Loops unless --once."
-        "\n\nExample: outbox-migrate maintain --once --format json --dsn postgresql://app@db/app",
-    )(maintain)
+        "\n\nExample: outbox-migrate maintain --once --format json --dsn $DATABASE_URL",
+    )(with_names(maintain))
 
 
 def maintain(
@@ -78,10 +76,9 @@ def maintain(
     max_xact_age: MaxXactAgeOption = 60.0,
     retention_days: RetentionOption = None,
     retention_rate: RetentionRateOption = 50_000.0,
-    schema: SchemaOption = None,
-    partitioned_table: PartitionedOption = None,
-    published_column: PublishedColumnOption = None,
     output: FormatOption = OutputFormat.text,
+    *,
+    names: dict[str, Any],
 ) -> None:
     import threading
     from datetime import timedelta
@@ -94,9 +91,7 @@ def maintain(
 
     if bloat_method not in ("auto", "pgstattuple", "estimate"):
         raise UsageError(f"--bloat-method: auto, pgstattuple or estimate, not {bloat_method!r}")
-    settings = settings_from(
-        schema=schema, partitioned_table=partitioned_table, published_column=published_column
-    )
+    settings = settings_from(**names)
     resolved = resolve(dsn)
     if resolved is None:
         raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")

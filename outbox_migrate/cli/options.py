@@ -1,18 +1,103 @@
 """Options shared by several commands, and turning them into `Settings`.
 
+The naming options (`--schema`, `--table`, … and every column role) are generated here, once,
+from the fields of `OutboxSpec`: `@with_names` adds them to a command, so every command that
+touches a table takes the same set, and a field added to the spec appears on all of them.
 Only the options the user actually passed are forwarded (None = not given), so environment
-variables and config files keep their place in the precedence order.
+variables and config files keep their place in the precedence order (flags > env > file >
+defaults), and every value — from any source — is validated by `config.load_settings` before
+a command does any work: one line naming the option, exit 2.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from dataclasses import MISSING, fields
 from enum import StrEnum
-from typing import Annotated, Any
+from functools import wraps
+from typing import Annotated, Any, TypeVar
 
 import typer
 
-from outbox_migrate.config import Settings, load_settings
+from outbox_migrate.config import ID_KINDS, OutboxSpec, Settings, load_settings
 from outbox_migrate.dsn import ResolvedDsn, resolve
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+NAMES_PARAMETER = "names"
+"""The parameter through which a `@with_names` command receives the naming flags given."""
+
+NAME_HELP: dict[str, str] = {
+    "schema": "Schema of the outbox tables",
+    "table": "The flat outbox table",
+    "partitioned_table": "The new partitioned table",
+    "unpublished_partition": "Partition FOR VALUES IN (NULL)",
+    "published_partition": "The DEFAULT partition",
+    "id_column": "Identity column",
+    "published_column": "Publication timestamp column",
+    "id_headroom": "Gap between the old max(id) and the new identity START",
+    "created_column": "Creation timestamp column ('' if none)",
+    "payload_column": "Message body column",
+    "key_column": "Broker key column ('' if none)",
+    "event_type_column": "Column sent as the event-type header ('' if none)",
+    "headers_column": "jsonb column whose entries become headers ('' if none)",
+    "metadata_columns": "Further columns sent as headers, comma-separated",
+    "id_kind": f"Where ids come from: {' or '.join(ID_KINDS)}",
+    "order_column": "Claim order for application ids ('' = the id)",
+}
+"""Help for the spec's fields; a field without an entry still gets an option."""
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    return "''" if value == "" else str(value)
+
+
+def _name_parameter(field_name: str, field_type: str, default: Any) -> inspect.Parameter:
+    flag = "--" + field_name.replace("_", "-")
+    base = NAME_HELP.get(field_name, field_name.replace("_", " ").capitalize())
+    help_text = f"{base} [{_default_text(default)}]."
+    python_type: Any = int if field_type == "int" else str
+    annotation = Annotated[
+        python_type | None, typer.Option(flag, help=help_text, show_default=False)
+    ]
+    return inspect.Parameter(
+        field_name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation
+    )
+
+
+def name_fields() -> list[str]:
+    return [f.name for f in fields(OutboxSpec)]
+
+
+def with_names(command: _F) -> _F:
+    """Give `command` one option per `OutboxSpec` field; it receives those the user passed as
+    `names: dict[str, Any]` (pass it on to `settings_from(**names)`)."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != NAMES_PARAMETER]
+    taken = {p.name for p in own}
+    added = [
+        _name_parameter(f.name, str(f.type), f.default if f.default is not MISSING else None)
+        for f in fields(OutboxSpec)
+        if f.name not in taken
+    ]
+    generated = {p.name for p in added}
+
+    @wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        # In the spec's field order, so advice built from them reads the same every time.
+        names = {p.name: kwargs[p.name] for p in added if kwargs.get(p.name) is not None}
+        for k in generated:
+            kwargs.pop(k, None)
+        return command(**kwargs, **{NAMES_PARAMETER: names})
+
+    parameters = own + added
+    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    del wrapper.__wrapped__  # typer must read our signature, not the original one
+    return wrapper  # type: ignore[return-value]
+
 
 DsnOption = Annotated[
     str | None,
@@ -22,21 +107,6 @@ DsnOption = Annotated[
         "Default: $OUTBOX_MIGRATE_DSN, then libpq PG* variables.",
         show_default=False,
     ),
-]
-SchemaOption = Annotated[str | None, typer.Option(help="Schema of the outbox tables [public].")]
-TableOption = Annotated[str | None, typer.Option(help="The flat outbox table [outbox].")]
-PartitionedOption = Annotated[
-    str | None, typer.Option(help="The new partitioned table [outbox_new].")
-]
-UnpublishedOption = Annotated[
-    str | None, typer.Option(help="Partition FOR VALUES IN (NULL) [outbox_unpublished].")
-]
-PublishedOption = Annotated[
-    str | None, typer.Option(help="The DEFAULT partition [outbox_published].")
-]
-IdColumnOption = Annotated[str | None, typer.Option(help="Identity column [id].")]
-PublishedColumnOption = Annotated[
-    str | None, typer.Option(help="Publication timestamp column [published_at].")
 ]
 
 
@@ -50,6 +120,42 @@ class OutputFormat(StrEnum):
 FormatOption = Annotated[
     OutputFormat, typer.Option("--format", help="Output format: text for people, json for tools.")
 ]
+
+
+class Phase(StrEnum):
+    """Every phase name the patterns use (each pattern has a subset; the runner says which)."""
+
+    V1 = "V1"
+    V2 = "V2"
+    V3 = "V3"
+    V4 = "V4"
+    copy_back = "copy-back"
+
+
+def require_positive(flag: str, value: float | None) -> None:
+    """Reject a zero, negative, infinite or NaN number before any work, naming the option."""
+    import math
+
+    from outbox_migrate.errors import UsageError
+
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
+
+
+def command_line(*words: str, dsn: str | None = None, names: dict[str, Any] | None = None) -> str:
+    """A follow-up command for the user to run, carrying the DSN and names they gave (the
+    DSN's password masked: printed advice must never leak it)."""
+    import shlex
+
+    from outbox_migrate.dsn import mask
+
+    parts = ["outbox-migrate", *words]
+    for key, value in (names or {}).items():
+        shown = ",".join(value) if isinstance(value, tuple | list) else str(value)
+        parts += ["--" + key.replace("_", "-"), shlex.quote(shown)]
+    if dsn:
+        parts += ["--dsn", shlex.quote(mask(dsn))]
+    return " ".join(parts)
 
 
 def settings_from(**flags: Any) -> Settings:

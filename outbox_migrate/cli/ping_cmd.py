@@ -11,7 +11,7 @@ def register(app: typer.Typer) -> None:
     app.command(
         "ping",
         help="Connect to the database and print the server version.\n\n"
-        "Example: outbox-migrate ping --dsn postgresql://app@db.internal/app",
+        "Example: outbox-migrate ping --dsn $DATABASE_URL",
     )(ping)
 
 

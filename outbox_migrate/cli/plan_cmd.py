@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from outbox_migrate.cli.options import (
     DsnOption,
-    IdColumnOption,
-    PartitionedOption,
-    PublishedColumnOption,
-    PublishedOption,
-    SchemaOption,
-    TableOption,
-    UnpublishedOption,
     settings_from,
+    with_names,
 )
 
 
@@ -48,9 +42,9 @@ def register(app: typer.Typer) -> None:
         help="Show a pattern's phases and steps: SQL, locks, scans, preconditions, rollback.\n\n"
         "With a DSN the live schema is introspected: concrete identity START, counts, "
         "estimated durations and blockers.\n\n"
-        "Example: outbox-migrate plan --pattern hoper --dsn postgresql://app@db/app "
+        "Example: outbox-migrate plan --pattern hoper --dsn $DATABASE_URL "
         "--format sql > hoper.sql",
-    )(plan)
+    )(with_names(plan))
 
 
 def plan(
@@ -62,39 +56,27 @@ def plan(
     with_optional: Annotated[
         bool, typer.Option(help="Include optional steps (SET NOT NULL, final drops).")
     ] = False,
-    schema: SchemaOption = None,
-    table: TableOption = None,
-    partitioned_table: PartitionedOption = None,
-    unpublished_partition: UnpublishedOption = None,
-    published_partition: PublishedOption = None,
-    id_column: IdColumnOption = None,
-    published_column: PublishedColumnOption = None,
+    *,
+    names: dict[str, Any],
 ) -> None:
     from outbox_migrate.dsn import resolve
     from outbox_migrate.patterns import build_from_settings
     from outbox_migrate.plan import plan_document, render_markdown, render_sql
 
-    settings = settings_from(
-        schema=schema,
-        table=table,
-        partitioned_table=partitioned_table,
-        unpublished_partition=unpublished_partition,
-        published_partition=published_partition,
-        id_column=id_column,
-        published_column=published_column,
-    )
+    settings = settings_from(**names)
     facts = None
     resolved = resolve(dsn)
     if resolved is not None:
         from outbox_migrate.introspect import inspect, raise_for_blockers
 
-        facts = inspect(resolved.dsn, settings.spec)
+        facts = inspect(resolved.dsn, settings.spec, pattern.value)
         raise_for_blockers(facts)
     built = build_from_settings(
         pattern.value,
         settings,
         include_optional=with_optional,
         identity_generation=facts.identity_generation(settings.spec) if facts else "ALWAYS",
+        publications=tuple(facts.publication_details) if facts else (),
     )
     if output is PlanFormat.sql:
         typer.echo(render_sql(built, settings.spec, settings.lock_timeout_ms), nl=False)

@@ -7,20 +7,14 @@ wire SIGTERM/SIGINT to a graceful stop, and expose metrics when asked. Messages 
 
 from __future__ import annotations
 
-from enum import Enum
-from typing import Annotated, TypeVar
+from enum import Enum, StrEnum
+from typing import Annotated, Any, TypeVar
 
 import typer
 
 from outbox_migrate.cli.options import (
     DsnOption,
-    IdColumnOption,
-    PartitionedOption,
-    PublishedColumnOption,
-    PublishedOption,
-    SchemaOption,
-    TableOption,
-    UnpublishedOption,
+    with_names,
 )
 
 _E = TypeVar("_E", bound=Enum)
@@ -31,45 +25,74 @@ HELP = (
     "acknowledgement, mark it published. At-least-once; SIGTERM finishes the batch in flight."
     "\n\nModes: partitioned (steady state), switching (V2 of HOP/HOPER/HOPIA: drain the flat "
     "table, then switch once no writer can insert into it), flat (a traditional outbox)."
-    "\n\nExample: outbox-migrate relay --sink kafka --sink-url 127.0.0.1:9092 --target orders "
-    "--mode partitioned --workers 4"
-    "\n\nExample: outbox-migrate relay --sink stdout --until-empty --dsn postgresql://app@db/app"
+    "\n\nBrokers and their options (--sink kafka --sink-url HOST:9092 --target orders, …): "
+    "docs/relay.md."
+    "\n\nExample: outbox-migrate relay --sink stdout --until-empty --dsn $DATABASE_URL"
 )
 
 
+class ModeChoice(StrEnum):
+    partitioned = "partitioned"
+    switching = "switching"
+    flat = "flat"
+    cdc = "cdc"
+
+
+class OrderingChoice(StrEnum):
+    none = "none"
+    key = "key"
+    global_ = "global"
+
+
+class SwitchGateChoice(StrEnum):
+    privilege = "privilege"
+    sessions = "sessions"
+
+
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
 def register(app: typer.Typer) -> None:
-    app.command("relay", help=HELP)(relay)
+    app.command("relay", help=HELP)(with_names(relay))
 
 
 def relay(
     sink: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="stdout, kafka, rabbitmq, nats, redis, http, or module:callable for your own."
         ),
-    ],
-    mode: Annotated[str, typer.Option(help="partitioned, switching or flat.")] = "partitioned",
+    ] = None,
+    mode: Annotated[
+        ModeChoice, typer.Option(help="partitioned, switching, flat, or cdc (stream from the WAL).")
+    ] = ModeChoice.partitioned,
     dsn: DsnOption = None,
     until_empty: Annotated[
         bool, typer.Option("--until-empty", help="Exit 0 once nothing is left to publish.")
     ] = False,
-    batch_size: Annotated[int, typer.Option(help="Rows per claim.")] = 500,
-    workers: Annotated[int, typer.Option(help="Concurrent claimers in this process.")] = 1,
+    batch_size: Annotated[int, typer.Option(help="Rows per claim.", min=1)] = 500,
+    workers: Annotated[int, typer.Option(help="Concurrent claimers in this process.", min=1)] = 1,
     shards: Annotated[
         int | None,
-        typer.Option(help="Shards across all relay processes of this outbox [max(8, workers)]."),
+        typer.Option(
+            help="Shards across all relay processes of this outbox [max(8, workers)].", min=1
+        ),
     ] = None,
     ordering: Annotated[
-        str,
+        OrderingChoice,
         typer.Option(help="none (shard by id), key (per-key order), global (one claimer)."),
-    ] = "none",
+    ] = OrderingChoice.none,
     sink_url: Annotated[
         str | None, typer.Option(help="Broker address (bootstrap servers, amqp://, nats://, …).")
     ] = None,
     target: Annotated[
         str, typer.Option(help="Topic / routing key / subject / stream name.")
     ] = "outbox",
-    sink_timeout: Annotated[float, typer.Option(help="Seconds to wait for acks.")] = 10.0,
+    sink_timeout: Annotated[float, typer.Option(help="Seconds to wait for acks (> 0).")] = 10.0,
     sink_option: Annotated[
         list[str] | None,
         typer.Option(
@@ -86,35 +109,89 @@ def relay(
     ] = None,
     poll_interval: Annotated[float, typer.Option(help="Seconds between idle polls.")] = 1.0,
     listen: Annotated[bool, typer.Option("--listen/--no-listen", help="Wake on NOTIFY.")] = True,
+    linger_ms: Annotated[
+        float, typer.Option(help="After a small batch, wait this long for more rows.")
+    ] = 5.0,
+    install_notify: Annotated[
+        bool,
+        typer.Option(
+            "--install-notify",
+            help="Install the wake-up trigger on the partitioned outbox first (plain INSERTs "
+            "then wake the relay; docs/relay.md).",
+        ),
+    ] = False,
     channel: Annotated[str, typer.Option(help="NOTIFY channel.")] = "outbox_migrate_relay",
     max_attempts: Annotated[
-        int, typer.Option(help="Rejections before a message goes to the dead-letter table.")
+        int, typer.Option(help="Rejections before a message goes to the dead-letter table.", min=1)
     ] = 5,
     dead_letter_table: Annotated[
         str, typer.Option(help="Dead-letter table.")
     ] = "outbox_dead_letter",
     switch_gate: Annotated[
-        str,
+        SwitchGateChoice,
         typer.Option(help="privilege (INSERT revoked) or sessions (old app disconnected)."),
-    ] = "privilege",
+    ] = SwitchGateChoice.privilege,
     old_app_name: Annotated[
         str | None, typer.Option(help="application_name LIKE pattern of the old app version.")
     ] = None,
     shutdown_timeout: Annotated[
         float, typer.Option(help="Seconds a stop waits for the batch in flight.")
     ] = 10.0,
+    session_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds after which PostgreSQL drops a silent relay session and its shards "
+            "move (keepalives, tcp_user_timeout); 0 = OS defaults, no fencing "
+            "[max(12, sink timeout + 2)]."
+        ),
+    ] = None,
     metrics_port: Annotated[
-        int | None, typer.Option(help="Serve /metrics and /healthz on this port.")
+        int | None, typer.Option(help="Serve /metrics and /healthz on this port.", min=1, max=65535)
     ] = None,
     metrics_host: Annotated[str, typer.Option(help="Address for /metrics.")] = "127.0.0.1",
-    log_level: Annotated[str, typer.Option(help="Log level for stderr.")] = "warning",
-    schema: SchemaOption = None,
-    table: TableOption = None,
-    partitioned_table: PartitionedOption = None,
-    unpublished_partition: UnpublishedOption = None,
-    published_partition: PublishedOption = None,
-    id_column: IdColumnOption = None,
-    published_column: PublishedColumnOption = None,
+    log_level: Annotated[LogLevel, typer.Option(help="Log level for stderr.")] = LogLevel.warning,
+    slot: Annotated[
+        str, typer.Option(help="cdc: the relay's replication slot.")
+    ] = "outbox_migrate_cdc",
+    publication: Annotated[
+        str, typer.Option(help="cdc: the publication on the unpublished partition.")
+    ] = "outbox_migrate_cdc",
+    mark: Annotated[
+        bool,
+        typer.Option(
+            "--mark/--no-mark",
+            help="cdc: move delivered rows to the published "
+            "partition (off: append-only outbox, retention drops partitions).",
+        ),
+    ] = True,
+    mark_interval: Annotated[
+        float,
+        typer.Option(
+            help="cdc: seconds acknowledged ids collect before one mark (sent behind the "
+            "stream; the slot is confirmed once it committed)."
+        ),
+    ] = 0.1,
+    slot_lag_warn_mb: Annotated[
+        int, typer.Option(help="cdc: warn (log, /readyz 503) above this much retained WAL.")
+    ] = 1024,
+    failover_slot: Annotated[
+        bool,
+        typer.Option(
+            "--failover-slot/--no-failover-slot",
+            help="cdc: create a failover slot (PostgreSQL 17+).",
+        ),
+    ] = True,
+    drop_slot: Annotated[
+        bool,
+        typer.Option(
+            "--drop-slot",
+            help="Decommission the CDC relay: drop its slot and "
+            "publication (asks for confirmation), then exit.",
+        ),
+    ] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Confirm --drop-slot.")] = False,
+    *,
+    names: dict[str, Any],
 ) -> None:
     import logging
     import signal
@@ -130,38 +207,40 @@ def relay(
 
     logging.basicConfig(
         stream=sys.stderr,
-        level=getattr(logging, log_level.upper(), logging.WARNING),
+        level=getattr(logging, log_level.value.upper(), logging.WARNING),
         format="%(asctime)s %(levelname)s %(message)s",
     )
+    _check_ranges(sink_timeout, poll_interval, shutdown_timeout, workers, shards)
     resolved = resolve(dsn)
     if resolved is None:
         raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
-    settings = settings_from(
-        schema=schema,
-        table=table,
-        partitioned_table=partitioned_table,
-        unpublished_partition=unpublished_partition,
-        published_partition=published_partition,
-        id_column=id_column,
-        published_column=published_column,
-        old_app_name=old_app_name,
-    )
+    settings = settings_from(**names, old_app_name=old_app_name)
+    if mode is ModeChoice.cdc or drop_slot:
+        _cdc(locals(), resolved.dsn)
+        return
+    if sink is None:
+        raise UsageError("--sink is required: where should the relay publish?")
     options = RelayOptions(
-        mode=_choice(Mode, mode, "--mode"),
+        mode=_choice(Mode, mode.value, "--mode"),
         batch_size=batch_size,
         workers=workers,
         shards=shards,
-        ordering=_choice(Ordering, "global_" if ordering == "global" else ordering, "--ordering"),
+        ordering=_choice(
+            Ordering, "global_" if ordering == "global" else ordering.value, "--ordering"
+        ),
         until_empty=until_empty,
         poll_interval_s=poll_interval,
+        linger_s=linger_ms / 1000.0,
         listen=listen,
         channel=channel,
         shutdown_timeout_s=shutdown_timeout,
+        sink_timeout_s=sink_timeout,
+        session_timeout_s=session_timeout,
         max_attempts=max_attempts,
         dead_letter_table=dead_letter_table,
         key_column=key_column,
         event_type_column=event_type_column,
-        switch_gate=_choice(SwitchGate, switch_gate, "--switch-gate"),
+        switch_gate=_choice(SwitchGate, switch_gate.value, "--switch-gate"),
         old_app_name=settings.old_app_name,
     )
     extra: dict[str, str] = {}
@@ -193,6 +272,12 @@ def relay(
         # waits for another thread's time slice. The process is the relay's own, so it may
         # change this global (measured: 2 workers 150k → 200k rows/s, bench/relay.py).
         sys.setswitchinterval(RELAY_SWITCH_INTERVAL_S)
+    if install_notify:
+        from outbox_migrate.db import connect
+        from outbox_migrate.relay import notify
+
+        with connect(resolved.dsn, application_name=runner.application_name) as conn:
+            notify.install(conn, settings.spec, channel)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _signum, _frame: runner.stop())
     try:
@@ -200,6 +285,56 @@ def relay(
     finally:
         if server is not None:
             server.shutdown()
+
+
+def _cdc(given: dict[str, object], dsn: str) -> None:
+    """Hand over to relay_cdc.py: the CDC relay, or decommissioning its slot."""
+
+    from outbox_migrate.cli import relay_cdc
+    from outbox_migrate.errors import UsageError
+    from outbox_migrate.relay import sinks
+
+    a: dict[str, Any] = given
+    args = relay_cdc.CdcArgs(
+        slot=a["slot"], publication=a["publication"], mark=a["mark"],
+        mark_interval_s=a["mark_interval"], lag_warn_mb=a["slot_lag_warn_mb"],
+        failover=a["failover_slot"],
+    )  # fmt: skip
+    if a["drop_slot"]:
+        relay_cdc.drop_slot(dsn, a["settings"].spec, args, yes=a["yes"])
+        return
+    if a["sink"] is None:
+        raise UsageError("--sink is required: where should the relay publish?")
+    extra = dict(item.partition("=")[::2] for item in a["sink_option"] or [])
+    config = sinks.SinkConfig(
+        url=a["sink_url"], target=a["target"], timeout_s=a["sink_timeout"], extra=extra
+    )
+    metrics = (a["metrics_host"], a["metrics_port"]) if a["metrics_port"] is not None else None
+    relay_cdc.run(
+        dsn, a["settings"].spec, args, sink_factory=sinks.factory(a["sink"], config),
+        batch_size=a["batch_size"], until_empty=a["until_empty"],
+        max_attempts=a["max_attempts"], dead_letter_table=a["dead_letter_table"],
+        key_column=a["key_column"], event_type_column=a["event_type_column"], metrics=metrics,
+    )  # fmt: skip
+
+
+def _check_ranges(
+    sink_timeout: float,
+    poll_interval: float,
+    shutdown_timeout: float,
+    workers: int,
+    shards: int | None,
+) -> None:
+    """Values the relay would only trip over at runtime, refused before it starts."""
+    from outbox_migrate.cli.options import require_positive
+    from outbox_migrate.errors import UsageError
+
+    require_positive("--sink-timeout", sink_timeout)
+    require_positive("--poll-interval", poll_interval)
+    require_positive("--shutdown-timeout", shutdown_timeout)
+    if shards is not None and shards < workers:
+        raise UsageError(f"--shards {shards} is fewer than --workers {workers}: "
+                         f"{workers - shards} workers would never claim anything")  # fmt: skip
 
 
 def _choice(enum: type[_E], value: str, flag: str) -> _E:

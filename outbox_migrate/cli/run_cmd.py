@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -10,21 +11,31 @@ from outbox_migrate.cli.options import (
     DsnOption,
     FormatOption,
     OutputFormat,
-    SchemaOption,
-    TableOption,
+    Phase,
     settings_from,
+    with_names,
 )
-from outbox_migrate.cli.plan_cmd import PatternOption
+from outbox_migrate.cli.plan_cmd import PatternName, PatternOption
 
 if TYPE_CHECKING:
     from outbox_migrate.runner import Runner
 
-ToOption = Annotated[str, typer.Option("--to", help="Phase to reach (V2, V3, V4, copy-back).")]
+ToOption = Annotated[
+    Phase,
+    typer.Option("--to", case_sensitive=False, help="Phase to reach (V2, V3, V4, copy-back)."),
+]
+
+
+class LongTx(StrEnum):
+    wait = "wait"
+    refuse = "refuse"
+
+
 OptionalOption = Annotated[
     bool, typer.Option(help="Include optional steps (SET NOT NULL, final drops).")
 ]
 LongTxOption = Annotated[
-    str,
+    LongTx,
     typer.Option(
         "--on-long-tx",
         help="Before an ACCESS EXCLUSIVE step, when long transactions hold locks on its "
@@ -32,8 +43,16 @@ LongTxOption = Annotated[
     ),
 ]
 LockTimeoutOption = Annotated[
-    int | None, typer.Option(help="lock_timeout per attempt, ms [200].", show_default=False)
+    int | None,
+    typer.Option(help="lock_timeout per attempt, ms [200].", show_default=False),
 ]
+ActivePatternOption = Annotated[
+    PatternName | None,
+    typer.Option(
+        "--pattern", "-p", case_sensitive=False, show_default=False,
+        help="Migration pattern [the table's active migration, from the ledger].",
+    ),
+]  # fmt: skip
 BudgetOption = Annotated[
     float | None, typer.Option(help="Lock retry budget per step, s [60].", show_default=False)
 ]
@@ -44,31 +63,31 @@ def register(app: typer.Typer) -> None:
         "run",
         help="Run the steps of a pattern up to the end of a phase, then stop at that deploy "
         "boundary.\n\nExample: outbox-migrate run --pattern hoper --to V2 --dsn $DATABASE_URL",
-    )(run)
+    )(with_names(run))
     app.command(
         "next", help="Run exactly one pending step.\n\n"
         "Example: outbox-migrate next --pattern hoper --dsn $DATABASE_URL",
-    )(next_step)  # fmt: skip
+    )(with_names(next_step))  # fmt: skip
     app.command(
         "status",
         help="Show the migration's phase and every step's state, attempts and timings.\n\n"
-        "Example: outbox-migrate status --pattern hoper --format json",
-    )(status)
+        "Example: outbox-migrate status --format json",
+    )(with_names(status))
     app.command(
         "verify",
         help="Check that the invariants of the current phase hold on the live database.\n\n"
-        "Example: outbox-migrate verify --pattern hoper --dsn $DATABASE_URL",
-    )(verify)
+        "Example: outbox-migrate verify --dsn $DATABASE_URL",
+    )(with_names(verify))
     app.command(
         "rollback",
         help="Undo the steps after a phase, newest first (up to the point of no return).\n\n"
         "Example: outbox-migrate rollback --pattern hoper --to V3 --dsn $DATABASE_URL",
-    )(rollback)
+    )(with_names(rollback))
     app.command(
         "reset",
         help="Abandon a stuck migration record (schema objects are left as they are).\n\n"
-        "Example: outbox-migrate reset --pattern hoper --yes",
-    )(reset)
+        "Example: outbox-migrate reset --yes",
+    )(with_names(reset))
 
 
 def _runner(
@@ -76,8 +95,7 @@ def _runner(
     dsn: str | None,
     output: OutputFormat,
     *,
-    schema: str | None = None,
-    table: str | None = None,
+    names: dict[str, Any],
     with_optional: bool = False,
     on_long_tx: str = "wait",
     lock_timeout_ms: int | None = None,
@@ -87,39 +105,63 @@ def _runner(
     from outbox_migrate.errors import UsageError
     from outbox_migrate.runner import Runner
 
-    settings = settings_from(
-        schema=schema, table=table, lock_timeout_ms=lock_timeout_ms, lock_budget_s=lock_budget_s
-    )
+    settings = settings_from(**names, lock_timeout_ms=lock_timeout_ms, lock_budget_s=lock_budget_s)
     resolved = resolve(dsn)
     if resolved is None:
         raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
-    if on_long_tx not in ("wait", "refuse"):
-        raise UsageError(f"--on-long-tx must be 'wait' or 'refuse', not {on_long_tx!r}")
     from outbox_migrate.cli.console import runner_events
+    from outbox_migrate.cli.exits import TrackedEvents
 
     return Runner(
         resolved.dsn,
         settings,
         pattern,
         include_optional=with_optional,
-        events=runner_events(json_lines=output is OutputFormat.json),
+        events=TrackedEvents(runner_events(json_lines=output is OutputFormat.json)),
         on_long_tx=on_long_tx,
     )
 
 
-def _report(result: Any, output: OutputFormat) -> None:
+def _report(result: Any, output: OutputFormat, runner: Runner | None = None) -> None:
     from dataclasses import asdict
 
+    following = _what_next(result, runner) if runner is not None else None
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json_line
 
-        print_json_line({"event": "result", **asdict(result)})
+        print_json_line({"event": "result", **asdict(result), "next": following})
         return
     from outbox_migrate.cli.console import text
 
     state = "migration complete" if result.completed else f"stopped at the end of {result.phase}"
     text(f"{result.pattern.upper()}: ran {len(result.ran)} steps, adopted "
          f"{len(result.adopted)}, {state}")  # fmt: skip
+    if following:
+        text(f"Next: {following}")
+
+
+def _what_next(result: Any, runner: Runner) -> str | None:
+    """What the operator does at this boundary: deploy the version the database is now
+    ready for, then run the next phase (or nothing, when the migration is complete)."""
+    if result.completed:
+        return None
+    pattern = runner.pattern
+    names = [phase.name for phase in pattern.phases]
+    if result.phase not in names:
+        return None
+    index = names.index(result.phase)
+    reached = pattern.phases[index]
+    spec = runner.spec
+    upcoming = pattern.phases[index + 1] if index + 1 < len(names) else None
+    then = (
+        f"then `outbox-migrate run --pattern {pattern.name} --to {upcoming.name}`"
+        if upcoming is not None
+        else ""
+    )
+    if reached.kind.value == "deploy" and index > 0:
+        app = reached.app.describe(spec.table, spec.partitioned_table)
+        return f"deploy application version {reached.name} ({app}), {then}".rstrip(", ")
+    return then.removeprefix("then ") or None
 
 
 def run(
@@ -128,19 +170,19 @@ def run(
     dsn: DsnOption = None,
     output: FormatOption = OutputFormat.text,
     with_optional: OptionalOption = False,
-    on_long_tx: LongTxOption = "wait",
+    on_long_tx: LongTxOption = LongTx.wait,
     lock_timeout_ms: LockTimeoutOption = None,
     lock_budget_s: BudgetOption = None,
-    schema: SchemaOption = None,
-    table: TableOption = None,
+    *,
+    names: dict[str, Any],
 ) -> None:
     runner = _runner(
-        pattern.value, dsn, output, schema=schema, table=table, with_optional=with_optional,
-        on_long_tx=on_long_tx, lock_timeout_ms=lock_timeout_ms, lock_budget_s=lock_budget_s,
+        pattern.value, dsn, output, names=names, with_optional=with_optional,
+        on_long_tx=on_long_tx.value, lock_timeout_ms=lock_timeout_ms, lock_budget_s=lock_budget_s,
     )  # fmt: skip
     with runner:
-        result = runner.run(to)
-    _report(result, output)
+        result = runner.run(to.value)
+    _report(result, output, runner)
 
 
 def next_step(
@@ -148,32 +190,48 @@ def next_step(
     dsn: DsnOption = None,
     output: FormatOption = OutputFormat.text,
     with_optional: OptionalOption = False,
-    schema: SchemaOption = None,
-    table: TableOption = None,
+    *,
+    names: dict[str, Any],
 ) -> None:
-    runner = _runner(pattern.value, dsn, output, schema=schema, table=table,
+    runner = _runner(pattern.value, dsn, output, names=names,
                      with_optional=with_optional)  # fmt: skip
     with runner:
         result = runner.next()
-    _report(result, output)
+    _report(result, output, runner)
+
+
+def _dsn(dsn: str | None) -> str:
+    from outbox_migrate.dsn import resolve
+    from outbox_migrate.errors import UsageError
+
+    resolved = resolve(dsn)
+    if resolved is None:
+        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
+    return resolved.dsn
 
 
 def status(
-    pattern: PatternOption,
+    pattern: ActivePatternOption = None,
     dsn: DsnOption = None,
     output: FormatOption = OutputFormat.text,
     with_optional: OptionalOption = False,
-    schema: SchemaOption = None,
-    table: TableOption = None,
+    *,
+    names: dict[str, Any],
 ) -> None:
-    runner = _runner(pattern.value, dsn, output, schema=schema, table=table,
-                     with_optional=with_optional)  # fmt: skip
-    with runner:
-        document = runner.status()
+    from outbox_migrate.runner import inspect
+
+    settings = settings_from(**names)
+    name = pattern.value if pattern else None
+    document = inspect.status(_dsn(dsn), settings, name, include_optional=with_optional)
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json
 
         print_json(document)
+        return
+    if not document["recorded"]:
+        from outbox_migrate.cli.console import text
+
+        text(inspect.not_recorded_message(settings, name, document.get("active_pattern")))
         return
     from outbox_migrate.cli.console import render_status
 
@@ -181,56 +239,67 @@ def status(
 
 
 def verify(
-    pattern: PatternOption,
+    pattern: ActivePatternOption = None,
     dsn: DsnOption = None,
     output: FormatOption = OutputFormat.text,
     with_optional: OptionalOption = False,
-    schema: SchemaOption = None,
-    table: TableOption = None,
+    *,
+    names: dict[str, Any],
 ) -> None:
-    runner = _runner(pattern.value, dsn, output, schema=schema, table=table,
-                     with_optional=with_optional)  # fmt: skip
-    with runner:
-        phase = runner.verify_or_raise()
+    from outbox_migrate.runner import inspect
+
+    settings = settings_from(**names)
+    name = pattern.value if pattern else None
+    phase = inspect.verify(_dsn(dsn), settings, name, include_optional=with_optional)
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json
 
-        print_json({"phase": phase, "violations": []})
+        print_json({"table": inspect.table_label(settings), "phase": phase, "violations": []})
     else:
         from outbox_migrate.cli.console import text
 
-        text(f"every invariant of phase {phase} holds")
+        text(f"every invariant of phase {phase} holds on {inspect.table_label(settings)}")
 
 
 def rollback(
-    pattern: PatternOption,
     to: ToOption,
+    pattern: ActivePatternOption = None,
     dsn: DsnOption = None,
     output: FormatOption = OutputFormat.text,
     with_optional: OptionalOption = False,
-    schema: SchemaOption = None,
-    table: TableOption = None,
+    *,
+    names: dict[str, Any],
 ) -> None:
-    runner = _runner(pattern.value, dsn, output, schema=schema, table=table,
+    from outbox_migrate.errors import UsageError
+    from outbox_migrate.runner import inspect
+
+    name = pattern.value if pattern else None
+    if name is None:
+        settings = settings_from(**names)
+        name = inspect.active_pattern(_dsn(dsn), settings)
+        if name is None:
+            raise UsageError(f"no migration recorded for {inspect.table_label(settings)} to "
+                             "roll back")  # fmt: skip
+    runner = _runner(name, dsn, output, names=names,
                      with_optional=with_optional)  # fmt: skip
     with runner:
-        undone = runner.rollback(to)
+        undone = runner.rollback(to.value)
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json
 
-        print_json({"rolled_back": undone, "phase": to})
+        print_json({"rolled_back": undone, "phase": to.value})
     else:
         from outbox_migrate.cli.console import text
 
-        text(f"rolled back {len(undone)} steps; now at the end of {to}")
+        text(f"rolled back {len(undone)} steps; now at the end of {to.value}")
 
 
 def reset(
-    pattern: PatternOption,
+    pattern: ActivePatternOption = None,
     dsn: DsnOption = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
-    schema: SchemaOption = None,
-    table: TableOption = None,
+    *,
+    names: dict[str, Any],
 ) -> None:
     if not yes:
         import sys
@@ -242,8 +311,20 @@ def reset(
         from outbox_migrate.cli.console import confirm
 
         if not confirm("Abandon the active migration record? Schema objects stay as they are."):
-            raise typer.Exit(1)
-    runner = _runner(pattern.value, dsn, OutputFormat.text, schema=schema, table=table)
+            from outbox_migrate.cli.exits import Declined
+
+            raise Declined("reset not confirmed; the migration record is unchanged")
+    name = pattern.value if pattern else None
+    if name is None:  # the record to abandon is the table's active one, whatever its pattern
+        from outbox_migrate.runner import inspect
+
+        name = inspect.active_pattern(_dsn(dsn), settings_from(**names))
+        if name is None:
+            from outbox_migrate.cli.console import text
+
+            text("no active migration to reset")
+            return
+    runner = _runner(name, dsn, OutputFormat.text, names=names)
     with runner:
         changed = runner.reset()
     from outbox_migrate.cli.console import text

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from outbox_migrate.cli.options import DsnOption, FormatOption, OutputFormat, TableOption
+from outbox_migrate.cli.options import DsnOption, FormatOption, OutputFormat, with_names
 
 
 def register(app: typer.Typer) -> None:
@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
         "on the choice.\n\n"
         "Example: outbox-migrate wizard --no-pause --keep-old-rows --no-immediate-access "
         "--format json",
-    )(wizard)
+    )(with_names(wizard))
 
 
 def wizard(
@@ -41,7 +41,6 @@ def wizard(
         ),
     ] = None,
     dsn: DsnOption = None,
-    table: TableOption = None,
     output: FormatOption = OutputFormat.text,
     interactive: Annotated[
         bool | None,
@@ -52,7 +51,10 @@ def wizard(
             show_default=False,
         ),
     ] = None,
+    *,
+    names: dict[str, Any],
 ) -> None:
+    from outbox_migrate.cli.options import command_line, settings_from
     from outbox_migrate.errors import UsageError
     from outbox_migrate.wizard import (
         QUESTIONS,
@@ -61,6 +63,7 @@ def wizard(
         recommend,
     )
 
+    settings = settings_from(**names)  # bad names fail before any question is asked
     if interactive and output is not OutputFormat.text:
         raise UsageError("--interactive asks its questions on stdout; use it with --format text")
     if interactive is None:
@@ -96,13 +99,12 @@ def wizard(
     if resolved is not None:
         from dataclasses import asdict
 
-        from outbox_migrate.cli.options import settings_from
         from outbox_migrate.wizard import interpret, measure
 
-        settings = settings_from(table=table)
         measured = measure(resolved.dsn, settings.spec)
         document["measurements"] = asdict(measured)
         document["notes"] = interpret(measured, result.pattern)
+    document["next"] = command_line("plan", "--pattern", result.pattern, dsn=dsn, names=names)
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json
 

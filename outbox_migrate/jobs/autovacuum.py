@@ -81,13 +81,18 @@ def ensure(
     assignments = sql.SQL(", ").join(
         sql.SQL("{} = {}").format(sql.Identifier(k), sql.Literal(v)) for k, v in expected.items()
     )
+    from outbox_migrate.runner.errors import LockBudgetExceeded
+    from outbox_migrate.runner.locks import LockBudget, run_with_lock_budget
+
+    statement = sql.SQL("ALTER TABLE {} SET ({})").format(table.ident, assignments)
     try:
-        with conn.transaction():
-            conn.execute(
-                sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{LOCK_TIMEOUT_MS}ms"))
-            )
-            conn.execute(sql.SQL("ALTER TABLE {} SET ({})").format(table.ident, assignments))
-    except psycopg.errors.LockNotAvailable:
+        # One attempt (budget 0): a vacuum holding the table is normal; the next run retries.
+        run_with_lock_budget(
+            conn, "autovacuum-settings", LockBudget(lock_timeout_ms=LOCK_TIMEOUT_MS, budget_s=0.0),
+            lambda c: c.execute(statement), relations=(), schema=table.schema,
+            watch_blockers=False,
+        )  # fmt: skip
+    except LockBudgetExceeded:
         busy = "table busy (a vacuum holds its lock); retried next run"
         return AutovacuumCheck(str(table), expected, actual, applied=False, error=busy)
     return AutovacuumCheck(str(table), expected, current_settings(conn, table), applied=True)

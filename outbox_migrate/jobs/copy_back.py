@@ -36,6 +36,8 @@ from outbox_migrate.errors import ExitCode, OutboxMigrateError, SchemaError, Usa
 from outbox_migrate.jobs import common
 from outbox_migrate.jobs.common import Relation
 from outbox_migrate.jobs.throttle import Impact, LatencyProbe, Throttle, ThrottlePolicy
+from outbox_migrate.patterns.model import LockMode
+from outbox_migrate.runner.locks import LockBudget, run_with_lock_budget
 
 DEFAULT_BATCH_ROWS = 10_000
 """Rows per batch: large enough to amortise the round trip, small enough for short locks."""
@@ -45,10 +47,16 @@ DROP_LOCK_TIMEOUT_MS = 2_000
 """lock_timeout for the DROP of the source: never queue long behind a reader of it."""
 INDEX_LOCK_TIMEOUT_MS = 2_000
 """lock_timeout for building the keyset index on the source."""
+LOCK_BUDGET_S = 30.0
+"""How long the DROP and the index build may keep retrying their short lock attempts (the
+tool's one lock-budget primitive: a known holder is watched, not queued behind)."""
 RATE_WINDOW_S = 5.0
 """Window over which the reported rows/s (and so the ETA) is measured."""
 
 PROGRESS_TABLE = "copy_back_progress"
+
+IdValue = int | str
+"""An id as copy-back handles it: an integer, or an application id (uuid, ULID) as text."""
 
 
 class CopyBackError(OutboxMigrateError):
@@ -89,9 +97,9 @@ class CopyPlan:
     target: str
     columns: tuple[str, ...]
     source_rows: int
-    source_min_id: int | None
-    source_max_id: int | None
-    high_water: int | None
+    source_min_id: IdValue | None
+    source_max_id: IdValue | None
+    high_water: IdValue | None
     remaining_rows: int
     needs_index: bool
     state: str
@@ -105,7 +113,7 @@ class CopyProgress:
     copied_rows: int
     """Rows handled so far in this copy (inserted or already present), restarts included."""
     total_rows: int
-    high_water: int | None
+    high_water: IdValue | None
     rows_per_s: float
     eta_s: float | None
     pause_s: float
@@ -130,8 +138,8 @@ class CopyResult:
     batches: int
     elapsed_s: float
     paused_s: float
-    high_water: int | None
-    resumed_from: int | None
+    high_water: IdValue | None
+    resumed_from: IdValue | None
     stopped: bool
     """True when `stop` was set before the copy finished."""
 
@@ -143,9 +151,9 @@ class CopyResult:
 
 @dataclass(frozen=True)
 class RangeCheck:
-    low: int
-    high: int
-    """Exclusive upper bound."""
+    low: IdValue
+    high: IdValue | None
+    """Exclusive upper bound (None: the last range of application ids, unbounded)."""
     source_rows: int
     target_rows: int
     source_md5: str
@@ -161,7 +169,8 @@ class RangeCheck:
             if self.source_rows != self.target_rows
             else "rows differ"
         )
-        return f"ids [{self.low}, {self.high}) ({what})"
+        high = "" if self.high is None else self.high
+        return f"ids [{self.low}, {high}) ({what})"
 
 
 @dataclass(frozen=True)
@@ -172,7 +181,7 @@ class Verification:
     matched_rows: int
     ranges_checked: int
     differing: tuple[RangeCheck, ...]
-    source_max_id: int | None
+    source_max_id: IdValue | None
 
     @property
     def passed(self) -> bool:
@@ -225,6 +234,10 @@ class CopyBack:
         self.progress_rel = Relation(common.STATE_SCHEMA, PROGRESS_TABLE)
         self.index_name = common.fit_identifier(spec.published_partition, "_copy_back_id_idx")
         self._id = sql.Identifier(spec.id_column)
+        self._text_ids = spec.id_kind == "application"
+        """Application ids (uuid, ULID): keyset batches and verification ranges by the id's
+        own order, carried as text (uuid has no min()/max(), and no arithmetic for ranges)."""
+        self._id_type_sql: sql.Composable | None = None
 
     # -- state -----------------------------------------------------------------------------
 
@@ -250,16 +263,64 @@ class CopyBack:
                 " PRIMARY KEY (source_schema, source_table, target_schema, target_table))"
             ).format(t=self.progress_rel.ident)
         )
+        self._ensure_text_high_water()
+
+    def _ensure_text_high_water(self) -> None:
+        """Application ids keep their high-water mark as text, in a column of its own (added
+        to a progress table an integer copy-back created before)."""
+        if self._text_ids:
+            self.conn.execute(
+                sql.SQL("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS high_water_id text").format(
+                    t=self.progress_rel.ident
+                )
+            )
+
+    @property
+    def _high_water_column(self) -> sql.Identifier:
+        return sql.Identifier("high_water_id" if self._text_ids else "high_water")
+
+    def _id_type(self) -> sql.Composable:
+        """The id's SQL type (from the catalog), to cast text bounds back to it."""
+        if self._id_type_sql is None:
+            row = self.conn.execute(
+                "SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
+                "WHERE a.attrelid = to_regclass(%s) AND a.attname = %s",
+                (self.source.ident.as_string(self.conn), self.spec.id_column),
+            ).fetchone()
+            self._id_type_sql = sql.SQL(str(row[0]) if row and row[0] else "text")
+        return self._id_type_sql
+
+    def _bound(self, name: str) -> sql.Composed:
+        """A bound parameter compared with the id: as is for integers, cast for text ids."""
+        if not self._text_ids:
+            return sql.SQL("{}").format(sql.Placeholder(name))
+        return sql.SQL("{}::{}").format(sql.Placeholder(name), self._id_type())
+
+    def _id_out(self, alias: str = "") -> sql.Composed:
+        """The id as selected: as is, or as text for application ids."""
+        ident = sql.Identifier(alias, self.spec.id_column) if alias else self._id
+        return sql.SQL("{}::text" if self._text_ids else "{}").format(ident)
+
+    def _ends(self) -> sql.Composed:
+        """`count(*), lowest id, highest id` of the source (ORDER BY … LIMIT 1 for text ids:
+        uuid has no min()/max())."""
+        if not self._text_ids:
+            return sql.SQL("count(*), min({id}), max({id})").format(id=self._id)
+        return sql.SQL(
+            "count(*), (SELECT {out} FROM {s} ORDER BY {id} LIMIT 1), "
+            "(SELECT {out} FROM {s} ORDER BY {id} DESC LIMIT 1)"
+        ).format(out=self._id_out(), s=self.source.ident, id=self._id)
 
     def _state_row(self) -> dict[str, Any] | None:
         if not common.exists(self.conn, self.progress_rel):
             return None
+        self._ensure_text_high_water()
         cur = self.conn.execute(
             sql.SQL(
-                "SELECT high_water, rows_inserted, rows_present, batches, total_rows,"
+                "SELECT {hw} AS high_water, rows_inserted, rows_present, batches, total_rows,"
                 " copied_at, verified_at, dropped_at FROM {t} WHERE source_schema = %s"
                 " AND source_table = %s AND target_schema = %s AND target_table = %s"
-            ).format(t=self.progress_rel.ident),
+            ).format(t=self.progress_rel.ident, hw=self._high_water_column),
             self._key(),
         )
         row = cur.fetchone()
@@ -310,9 +371,7 @@ class CopyBack:
             )
         cols = self._check_shape()
         row = self.conn.execute(
-            sql.SQL("SELECT count(*), min({id}), max({id}) FROM {s}").format(
-                id=self._id, s=self.source.ident
-            )
+            sql.SQL("SELECT {ends} FROM {s}").format(ends=self._ends(), s=self.source.ident)
         ).fetchone()
         assert row is not None
         total, lo, hi = int(row[0]), row[1], row[2]
@@ -321,10 +380,10 @@ class CopyBack:
             remaining = total
         else:
             rem = self.conn.execute(
-                sql.SQL("SELECT count(*) FROM {s} WHERE {id} > %s").format(
-                    id=self._id, s=self.source.ident
+                sql.SQL("SELECT count(*) FROM {s} WHERE {id} > {after}").format(
+                    id=self._id, s=self.source.ident, after=self._bound("after")
                 ),
-                (high_water,),
+                {"after": high_water},
             ).fetchone()
             remaining = int(rem[0]) if rem else 0
         copied = state is not None and state["dropped_at"] is None and state["copied_at"]
@@ -353,17 +412,15 @@ class CopyBack:
         """
         if common.has_btree_leading(self.conn, self.source, self.spec.id_column):
             return
-        with self.conn.transaction():
-            self.conn.execute(
-                sql.SQL("SET LOCAL lock_timeout = {}").format(
-                    sql.Literal(f"{INDEX_LOCK_TIMEOUT_MS}ms")
-                )
-            )
-            self.conn.execute(
-                sql.SQL("CREATE INDEX IF NOT EXISTS {i} ON {s} ({id})").format(
-                    i=sql.Identifier(self.index_name), s=self.source.ident, id=self._id
-                )
-            )
+        statement = sql.SQL("CREATE INDEX IF NOT EXISTS {i} ON {s} ({id})").format(
+            i=sql.Identifier(self.index_name), s=self.source.ident, id=self._id
+        )
+        run_with_lock_budget(
+            self.conn, "copy-back.source-index",
+            LockBudget(lock_timeout_ms=INDEX_LOCK_TIMEOUT_MS, budget_s=LOCK_BUDGET_S),
+            lambda conn: conn.execute(statement), relations=((self.source.name, LockMode.SHARE),),
+            schema=self.source.schema,
+        )  # fmt: skip
 
     def _start_state(self, total_rows: int) -> dict[str, Any]:
         state = self._state_row()
@@ -389,9 +446,11 @@ class CopyBack:
         assert state is not None
         return state
 
-    def _batch_statement(self, cols: tuple[str, ...]) -> sql.Composed:
+    def _batch_statement(self, cols: tuple[str, ...], *, first: bool = False) -> sql.Composed:
         # One statement = one transaction: the rows and the high-water mark that covers them
         # commit together, so a kill at any point leaves a mark that is exact.
+        if self._text_ids:
+            return self._text_batch_statement(cols, first=first)
         return sql.SQL(
             "WITH batch AS MATERIALIZED ("
             " SELECT {cols} FROM {source} WHERE {id} > %(after)s ORDER BY {id} LIMIT %(limit)s"
@@ -412,6 +471,42 @@ class CopyBack:
             source=self.source.ident,
             target=self.target.ident,
             id=self._id,
+            progress=self.progress_rel.ident,
+        )
+
+    def _text_batch_statement(self, cols: tuple[str, ...], *, first: bool) -> sql.Composed:
+        """`_batch_statement` for application ids: the first batch has no lower bound (there is
+        no id below every uuid to start after, and `$1 IS NULL OR id > $1` would defeat the
+        index), the mark is the batch's last id as text."""
+        after = (
+            sql.SQL("")
+            if first
+            else sql.SQL(" WHERE {id} > {after}").format(id=self._id, after=self._bound("after"))
+        )
+        return sql.SQL(
+            "WITH batch AS MATERIALIZED ("
+            " SELECT {cols} FROM {source}{after} ORDER BY {id} LIMIT %(limit)s"
+            "), copied AS ("
+            " INSERT INTO {target} ({cols}) OVERRIDING SYSTEM VALUE"
+            " SELECT {cols} FROM batch ORDER BY {id} ON CONFLICT ({id}) DO NOTHING RETURNING 1"
+            "), summary AS ("
+            " SELECT (SELECT count(*) FROM batch) AS n,"
+            " (SELECT {out} FROM batch ORDER BY {id} DESC LIMIT 1) AS hw,"
+            " (SELECT count(*) FROM copied) AS ins"
+            "), mark AS ("
+            " UPDATE {progress} p SET high_water_id = s.hw,"
+            " rows_inserted = p.rows_inserted + s.ins,"
+            " rows_present = p.rows_present + s.n - s.ins, batches = p.batches + 1,"
+            " updated_at = now() FROM summary s WHERE s.n > 0 AND p.source_schema = %(ss)s"
+            " AND p.source_table = %(st)s AND p.target_schema = %(ts)s AND p.target_table = %(tt)s"
+            ") SELECT n, hw, ins FROM summary"
+        ).format(
+            cols=common.column_list(cols),
+            source=self.source.ident,
+            after=after,
+            target=self.target.ident,
+            id=self._id,
+            out=self._id_out(),
             progress=self.progress_rel.ident,
         )
 
@@ -488,12 +583,13 @@ class CopyBack:
         self.ensure_state_table()
         self.ensure_source_index()
         state = self._start_state(plan.source_rows)
-        high_water: int | None = None if from_start else state["high_water"]
+        high_water: IdValue | None = None if from_start else state["high_water"]
         resumed_from = high_water
         already = 0 if from_start else int(state["rows_inserted"]) + int(state["rows_present"])
         remaining = plan.source_rows if from_start else plan.remaining_rows
         total = max(plan.source_rows, already + remaining)
         statement = self._batch_statement(plan.columns)
+        first_batch = self._batch_statement(plan.columns, first=True)
         key = dict(zip(("ss", "st", "ts", "tt"), self._key(), strict=True))
 
         probe = self._start_probe()
@@ -502,15 +598,19 @@ class CopyBack:
         meter = RateMeter(started)
         inserted = present = batches = 0
         stopped = False
-        # Start below every id: ids are int8 and the source may hold negative ones.
-        after = high_water if high_water is not None else -(2**63)
+        # Start below every id: ids are int8 and the source may hold negative ones. Text ids
+        # have no such value: their first batch is a statement without the lower bound.
+        after: IdValue | None = high_water
+        if after is None and not self._text_ids:
+            after = -(2**63)
         try:
             while True:
                 if stop is not None and stop.is_set():
                     stopped = True
                     break
                 row = self.conn.execute(
-                    statement, {"after": after, "limit": self.options.batch_rows, **key}
+                    first_batch if after is None else statement,
+                    {"after": after, "limit": self.options.batch_rows, **key},
                 ).fetchone()
                 assert row is not None
                 count, batch_high, batch_inserted = int(row[0]), row[1], int(row[2])
@@ -519,7 +619,7 @@ class CopyBack:
                 batches += 1
                 inserted += batch_inserted
                 present += count - batch_inserted
-                after = high_water = int(batch_high)
+                after = high_water = str(batch_high) if self._text_ids else int(batch_high)
                 done = inserted + present
                 pause = throttle.wait(done, stop)
                 if progress is not None:
@@ -554,22 +654,28 @@ class CopyBack:
 
     # -- verify ----------------------------------------------------------------------------
 
-    def _range_statement(self, cols: tuple[str, ...]) -> sql.Composed:
+    def _range_statement(self, cols: tuple[str, ...], *, bounded: bool = True) -> sql.Composed:
         # Rows the target gained on its own (published after V4 through the partitioned
         # table) share the id space, so the target side is restricted to source ids by the
         # join; a missing target row shows up in the count, a changed one in the checksum.
         # The range repeated on the target side is implied by the join, but spelling it out
         # keeps each query to one range of both tables: without it the planner may hash the
         # whole target for every range once the tables are large.
+        low, high = self._bound("low"), self._bound("high")
+        upper_t = sql.SQL(" AND t.{id} < {high}" if bounded else "").format(id=self._id, high=high)
+        upper_s = sql.SQL(" AND s.{id} < {high}" if bounded else "").format(id=self._id, high=high)
         return sql.SQL(
             "SELECT count(*), count(t.{id}),"
             " coalesce(md5(string_agg(ROW({s_cols})::text, E'\\n' ORDER BY s.{id})), ''),"
             " coalesce(md5(string_agg(ROW({t_cols})::text, E'\\n' ORDER BY s.{id})"
             "   FILTER (WHERE t.{id} IS NOT NULL)), '')"
             " FROM {source} s LEFT JOIN {target} t ON t.{id} = s.{id}"
-            "   AND t.{id} >= %(low)s AND t.{id} < %(high)s"
-            " WHERE s.{id} >= %(low)s AND s.{id} < %(high)s"
+            "   AND t.{id} >= {low}{upper_t}"
+            " WHERE s.{id} >= {low}{upper_s}"
         ).format(
+            low=low,
+            upper_t=upper_t,
+            upper_s=upper_s,
             id=self._id,
             s_cols=common.column_list(cols, "s"),
             t_cols=common.column_list(cols, "t"),
@@ -586,6 +692,8 @@ class CopyBack:
         if not common.exists(self.conn, self.source):
             raise CopyBackError(f"{self.source} does not exist: nothing to verify")
         cols = self._check_shape()
+        if self._text_ids:
+            return self._verify_by_rows(cols)
         statement = self._range_statement(cols)
         next_low = sql.SQL("SELECT min({id}) FROM {s} WHERE {id} >= %s").format(
             id=self._id, s=self.source.ident
@@ -623,6 +731,49 @@ class CopyBack:
             self._mark("verified_at")
         return result
 
+    def _verify_by_rows(self, cols: tuple[str, ...]) -> Verification:
+        """`verify` for application ids: ranges of `verify_range_ids` rows in id order (a uuid
+        has no arithmetic to make ranges of ids), the last one unbounded above."""
+        bounded = self._range_statement(cols)
+        last = self._range_statement(cols, bounded=False)
+        next_high = sql.SQL(
+            "SELECT {out} FROM {s} WHERE {id} >= {low} ORDER BY {id} OFFSET %(width)s LIMIT 1"
+        ).format(out=self._id_out(), s=self.source.ident, id=self._id, low=self._bound("low"))
+        ends = self.conn.execute(
+            sql.SQL("SELECT {ends} FROM {s}").format(ends=self._ends(), s=self.source.ident)
+        ).fetchone()
+        assert ends is not None
+        low: IdValue | None = ends[1]
+        source_rows = matched = checked = 0
+        differing: list[RangeCheck] = []
+        while low is not None:
+            found = self.conn.execute(
+                next_high, {"low": low, "width": self.options.verify_range_ids}
+            ).fetchone()
+            high: IdValue | None = found[0] if found else None
+            statement = bounded if high is not None else last
+            row = self.conn.execute(statement, {"low": low, "high": high}).fetchone()
+            assert row is not None
+            check = RangeCheck(low, high, int(row[0]), int(row[1]), row[2], row[3])
+            checked += 1
+            source_rows += check.source_rows
+            matched += check.target_rows
+            if not check.ok:
+                differing.append(check)
+            low = high
+        result = Verification(
+            source=str(self.source),
+            target=str(self.target),
+            source_rows=source_rows,
+            matched_rows=matched,
+            ranges_checked=checked,
+            differing=tuple(differing),
+            source_max_id=ends[2],
+        )
+        if result.passed:
+            self._mark("verified_at")
+        return result
+
     # -- drop ------------------------------------------------------------------------------
 
     def drop(self, verification: Verification) -> None:
@@ -636,29 +787,51 @@ class CopyBack:
             raise VerificationFailed(
                 verification.source, verification.target, list(verification.differing)
             )
-        with self.conn.transaction():
-            self.conn.execute(
-                sql.SQL("SET LOCAL lock_timeout = {}").format(
-                    sql.Literal(f"{DROP_LOCK_TIMEOUT_MS}ms")
-                )
-            )
-            self.conn.execute(
+
+        def lock_check_drop(conn: psycopg.Connection[Any]) -> None:
+            conn.execute(
                 sql.SQL("LOCK TABLE {s} IN ACCESS EXCLUSIVE MODE").format(s=self.source.ident)
             )
-            row = self.conn.execute(
-                sql.SQL("SELECT count(*), max({id}) FROM {s}").format(
-                    id=self._id, s=self.source.ident
-                )
+            row = conn.execute(
+                sql.SQL("SELECT {ends} FROM {s}").format(ends=self._ends(), s=self.source.ident)
             ).fetchone()
             assert row is not None
-            if int(row[0]) != verification.source_rows or row[1] != verification.source_max_id:
+            if int(row[0]) != verification.source_rows or row[2] != verification.source_max_id:
                 raise CopyBackError(
                     f"{self.source} changed since verification ({verification.source_rows} "
                     f"rows then, {row[0]} now); run copy-back again"
                 )
-            self.conn.execute(sql.SQL("DROP TABLE {s}").format(s=self.source.ident))
+            conn.execute(sql.SQL("DROP TABLE {s}").format(s=self.source.ident))
             # Same transaction as the DROP: "dropped" is recorded if and only if it happened.
             self._mark("dropped_at")
+
+        run_with_lock_budget(
+            self.conn, "copy-back.drop",
+            LockBudget(lock_timeout_ms=DROP_LOCK_TIMEOUT_MS, budget_s=LOCK_BUDGET_S),
+            lock_check_drop, relations=((self.source.name, LockMode.ACCESS_EXCLUSIVE),),
+            schema=self.source.schema,
+        )  # fmt: skip
+
+
+def finished_and_dropped(conn: psycopg.Connection[Any], spec: OutboxSpec) -> bool:
+    """True when a copy-back of `spec`'s published partition ran to its end — copied,
+    verified, source dropped, as its progress table records — and the source is gone.
+
+    The runner's copy-back step counts this as proven, whoever ran the job (`outbox-migrate
+    copy-back` or `run --to copy-back`)."""
+    source = Relation(spec.schema, spec.published_partition)
+    progress = Relation(common.STATE_SCHEMA, PROGRESS_TABLE)
+    if common.exists(conn, source) or not common.exists(conn, progress):
+        return False
+    row = conn.execute(
+        sql.SQL(
+            "SELECT dropped_at IS NOT NULL AND verified_at IS NOT NULL FROM {t} "
+            "WHERE source_schema = %s AND source_table = %s AND target_schema = %s "
+            "AND target_table = %s"
+        ).format(t=progress.ident),
+        (spec.schema, spec.published_partition, spec.schema, spec.table),
+    ).fetchone()
+    return bool(row and row[0])
 
 
 def copy_back(

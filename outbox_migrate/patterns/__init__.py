@@ -22,6 +22,7 @@ from outbox_migrate.patterns.model import (
     Pattern,
     Phase,
     PhaseKind,
+    PublicationFact,
     Step,
     Table,
 )
@@ -40,6 +41,8 @@ class BuildOptions:
     old_app_name: str = ""
     include_optional: bool = False
     identity_generation: str = "ALWAYS"
+    publications: tuple[PublicationFact, ...] = ()
+    """Publications covering the old table: a conditional step carries them (CDC users)."""
 
 
 @cache
@@ -78,8 +81,18 @@ def build_pattern(
         describe_running = f"{running_name} running: {running_text}"
         entries = [e if isinstance(e, dict) else {"kind": e} for e in raw_phase.get("steps", [])]
         steps: list[Step] = []
+        # A kind that does not apply to this outbox builds no step; the phase's last step is
+        # the last one that applies (it tells the operator the next deploy is ready).
+        final = max(
+            (
+                i
+                for i, e in enumerate(entries)
+                if _applies(registry, key, raw_phase, e, names, options)
+            ),
+            default=-1,
+        )
         for index, entry in enumerate(entries):
-            last = index == len(entries) - 1
+            last = index == final
             after = (
                 f"ready to deploy {raw_phase['name']}: "
                 f"{app.describe(spec.table, spec.partitioned_table)}"
@@ -95,13 +108,14 @@ def build_pattern(
                 sample_window_s=options.sample_window_s,
                 old_app_name=options.old_app_name,
                 identity_generation=options.identity_generation,
+                publications=options.publications,
             )
             kind_name = entry["kind"]
             if kind_name not in registry:
                 raise ValueError(f"pattern {key}: unknown step kind {kind_name!r}")
             params = {k: v for k, v in entry.items() if k != "kind"}
             step = registry[kind_name](ctx, params)
-            if step.optional and not options.include_optional:
+            if step is None or (step.optional and not options.include_optional):
                 continue
             steps.append(step)
         phases.append(
@@ -128,6 +142,24 @@ def build_pattern(
     )
 
 
+def _applies(
+    registry: Mapping[str, Any],
+    pattern: str,
+    raw_phase: Mapping[str, Any],
+    entry: Mapping[str, Any],
+    names: Names,
+    options: BuildOptions,
+) -> bool:
+    """Whether the entry's kind builds a step for this outbox (kinds are pure and cheap)."""
+    builder = registry.get(entry["kind"])
+    if builder is None:
+        return True  # reported by the build itself
+    probe = BuildContext(names=names, pattern=pattern, phase=raw_phase["name"], app_before="",
+                         app_after="", sample_window_s=DEFAULT_SAMPLE_WINDOW_S,
+                         old_app_name="", publications=options.publications)  # fmt: skip
+    return builder(probe, {k: v for k, v in entry.items() if k != "kind"}) is not None
+
+
 def build_from_settings(
     name: str,
     settings: Settings,
@@ -135,6 +167,7 @@ def build_from_settings(
     include_optional: bool = False,
     sample_window_s: float | None = None,
     identity_generation: str = "ALWAYS",
+    publications: tuple[PublicationFact, ...] = (),
 ) -> Pattern:
     """`identity_generation` is the old table's (`ALWAYS` or `BY DEFAULT`, from introspection):
     reversing DROP IDENTITY must restore it as it was."""
@@ -146,6 +179,7 @@ def build_from_settings(
             old_app_name=settings.old_app_name,
             include_optional=include_optional,
             identity_generation=identity_generation,
+            publications=publications,
         ),
     )
 

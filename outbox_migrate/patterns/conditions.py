@@ -2,21 +2,38 @@
 
 from __future__ import annotations
 
+import zlib
+from dataclasses import replace
+
 from psycopg import sql
 
 from outbox_migrate import sql as queries
-from outbox_migrate.patterns.model import Condition
+from outbox_migrate.patterns.model import CheckPoint, Condition
 from outbox_migrate.patterns.names import Names
 
 
 def condition(name: str, label: str = "", /, **parts: sql.Composable) -> Condition:
-    """Bind `conditions.sql`'s query `name`; `label` distinguishes several uses of one query."""
+    """Bind `conditions.sql`'s query `name`; `label` distinguishes several uses of one query.
+    It is checked under the step's locks (`CheckPoint.LOCKED`) unless `before_lock` says
+    otherwise."""
     named = queries.query("conditions", name)
     return Condition(
         name=f"{name}:{label}" if label else name,
         description=named.description,
         query=named.compose(**parts),
     )
+
+
+def before_lock(condition: Condition, at: CheckPoint, kept_by: str) -> Condition:
+    """The same check, evaluated before the step's transaction; `kept_by` names what keeps
+    its result true until commit (shown by `plan`)."""
+    return replace(condition, at=at, kept_by=kept_by)
+
+
+def _sample_key(n: Names, relation: str) -> sql.Literal:
+    """The session setting where a gate's sample is remembered until the step's lock."""
+    key = zlib.crc32(n.reg(relation).as_string(None).encode()) & 0xFFFFFFFF
+    return sql.Literal(f"outbox_migrate.gate_{key:08x}")
 
 
 def relation_exists(n: Names, relation: str) -> Condition:
@@ -77,14 +94,68 @@ def drained(n: Names, relation: str, phase: str) -> Condition:
 
 
 def no_new_ids(n: Names, relation: str, phase: str, window_s: float) -> Condition:
-    return condition(
+    sampled = condition(
         "no-new-ids",
         relation,
         rel_reg=n.reg(relation),
+        rel_seq=n.id_sequence(relation),
+        rel_q=n.q(relation),
+        id_q=n.id_q,
         id_name=sql.Literal(n.spec.id_column),
         window_s=sql.Literal(window_s),
         phase=sql.Literal(phase),
+        sample_key=_sample_key(n, relation),
     )
+    return before_lock(sampled, CheckPoint.SAMPLED, f"no-new-rows-since-sample:{relation}")
+
+
+def no_new_rows_since_sample(n: Names, relation: str, phase: str) -> Condition:
+    """The deploy gate's final check under the step's lock: a writer of the old version that
+    was still in flight when the window ended (its row committed while we waited for the
+    lock) or that came back after it is caught here, at commit."""
+    return condition(
+        "no-new-rows-since-sample",
+        relation,
+        rel_reg=n.reg(relation),
+        rel_seq=n.id_sequence(relation),
+        rel_q=n.q(relation),
+        id_q=n.id_q,
+        id_name=sql.Literal(n.spec.id_column),
+        phase=sql.Literal(phase),
+        sample_key=_sample_key(n, relation),
+    )
+
+
+def _gate_parts(n: Names, relation: str, phase: str) -> dict[str, sql.Composable]:
+    from outbox_migrate.patterns.kinds.gate_sequence import lock_keys
+
+    key1, key2 = lock_keys(n)
+    return {
+        "rel_reg": n.reg(relation),
+        "seq_reg": n.reg(n.spec.gate_sequence),
+        "key1": key1,
+        "key2": key2,
+        "phase": sql.Literal(phase),
+        "sample_key": _sample_key(n, relation),
+    }
+
+
+def no_new_ticks(n: Names, relation: str, phase: str, window_s: float) -> Condition:
+    """Application ids: the gate sequence's window (see kinds/gate_sequence.py)."""
+    sampled = condition(
+        "no-new-ticks", relation, window_s=sql.Literal(window_s), **_gate_parts(n, relation, phase)
+    )
+    return before_lock(sampled, CheckPoint.SAMPLED, f"no-new-ticks-since-sample:{relation}")
+
+
+def no_new_ticks_since_sample(n: Names, relation: str, phase: str) -> Condition:
+    """Under the step's lock: no insert statement ended since the window, and no transaction
+    that inserted is still open."""
+    return condition("no-new-ticks-since-sample", relation, **_gate_parts(n, relation, phase))
+
+
+def no_partitions(n: Names, relation: str) -> Condition:
+    return condition("no-partitions", relation, rel_reg=n.reg(relation))
 
 
 def no_old_app_sessions(pattern: str, phase: str) -> Condition:
@@ -141,6 +212,7 @@ def new_ids_above_old(n: Names) -> Condition:
         "new-ids-above-old",
         parent_reg=n.reg(n.parent),
         rel_reg=n.reg(n.table),
+        rel_seq=n.id_sequence(n.table),
         rel_q=n.q(n.table),
         id_q=n.id_q,
         id_name=sql.Literal(n.spec.id_column),
@@ -184,9 +256,11 @@ def autovacuum_default(n: Names, relation: str) -> Condition:
     return condition("autovacuum-default", relation, rel_reg=n.reg(relation))
 
 
-def all_rows_present(n: Names, source: str, target: str) -> Condition:
-    return condition(
-        "all-rows-present",
+def all_rows_present(n: Names, source: str, target: str, kept_by: str = "") -> Condition:
+    """A scan of the whole source: checked before the step's transaction; `kept_by` says what
+    keeps it true until commit (the source detached and locked, or the copy trigger)."""
+    scan = condition(
+        "all-rows-present-by-order" if n.spec.id_kind == "application" else "all-rows-present",
         f"{source}->{target}",
         source_reg=n.reg(source),
         source_q=n.q(source),
@@ -194,6 +268,8 @@ def all_rows_present(n: Names, source: str, target: str) -> Condition:
         rel_q=n.q(target),
         id_q=n.id_q,
     )
+    kept = kept_by or f"{source} is locked ACCESS EXCLUSIVE and detached: no row can arrive"
+    return before_lock(scan, CheckPoint.SCAN, kept)
 
 
 def no_fk_references(n: Names, relation: str) -> Condition:
@@ -213,3 +289,16 @@ def no_id_clash(n: Names) -> Condition:
 
 def relation_empty(n: Names, relation: str) -> Condition:
     return condition("relation-empty", relation, rel_reg=n.reg(relation), rel_q=n.q(relation))
+
+
+def unique_id_index(n: Names, relation: str) -> Condition:
+    return condition(
+        "unique-id-index",
+        relation,
+        rel_reg=n.reg(relation),
+        id_name=sql.Literal(n.spec.id_column),
+    )
+
+
+def no_enabled_user_triggers(n: Names, relation: str) -> Condition:
+    return condition("no-enabled-user-triggers", relation, rel_reg=n.reg(relation))

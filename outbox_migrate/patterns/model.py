@@ -94,6 +94,23 @@ class AppBehaviour:
         return f"inserts into {target}; publishes from {source}"
 
 
+class CheckPoint(StrEnum):
+    """When the runner evaluates a precondition, relative to the step's locks.
+
+    A check made before waiting for a lock proves nothing about the moment of commit, so the
+    default is LOCKED. The two exceptions must name what keeps them true until commit.
+    """
+
+    LOCKED = "locked"
+    """In the step's transaction, after its declared locks are held, on every attempt."""
+    SAMPLED = "sampled"
+    """Before the transaction: it watches the database over a window (a deploy gate). A LOCKED
+    companion re-proves, under the lock, that nothing changed since the window ended."""
+    SCAN = "scan"
+    """Before the transaction: it reads many rows, too slow to run under ACCESS EXCLUSIVE.
+    `kept_by` names the LOCKED condition or lock that keeps its result true until commit."""
+
+
 @dataclass(frozen=True)
 class Condition:
     """A named check on the live database: its query returns one text row per violation.
@@ -105,6 +122,8 @@ class Condition:
     name: str
     description: str
     query: Statement
+    at: CheckPoint = CheckPoint.LOCKED
+    kept_by: str = ""
 
     def sql_text(self) -> str:
         return self.query.as_string(None)
@@ -116,6 +135,50 @@ class Lock:
 
     relation: str
     mode: LockMode
+
+
+@dataclass(frozen=True)
+class PublicationFact:
+    """A logical-replication publication that covers the old outbox, as introspected: what
+    the catalog must carry to the partitioned outbox so an existing CDC consumer keeps
+    receiving every new message (see the `publish-unpublished-partition` kind)."""
+
+    name: str
+    explicit: bool = True
+    """The old table is listed in it (`FOR TABLE`), as opposed to covered by ALL TABLES or
+    TABLES IN SCHEMA (which cover new tables by themselves)."""
+    all_tables: bool = False
+    by_schema: bool = False
+    via_root: bool = False
+    insert: bool = True
+    update: bool = True
+    delete: bool = True
+    row_filter: str | None = None
+    """The old table's row filter (PostgreSQL 15+), as `pg_get_expr` prints it."""
+    columns: tuple[str, ...] | None = None
+    """The old table's column list (PostgreSQL 15+); None: every column."""
+
+    @property
+    def covers_new_tables(self) -> bool:
+        return self.all_tables or self.by_schema
+
+    @property
+    def publishes_changes(self) -> bool:
+        """UPDATE or DELETE are published: every table in it needs a replica identity, or
+        the relay's mark (a cross-partition UPDATE) fails."""
+        return self.update or self.delete
+
+
+@dataclass(frozen=True)
+class Created:
+    """An object a step creates, so the ledger can record it by OID: a migration only ever
+    drops (on rollback) or adopts (on re-run) what it can prove is its own."""
+
+    kind: str
+    """`relation` (table or index), `constraint`, `trigger` or `function`."""
+    name: str
+    on: str = ""
+    """The relation a constraint or trigger belongs to."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +212,21 @@ class Step:
     undone_by: tuple[str, ...] = field(default_factory=tuple)
     """Kinds of later steps that deliberately undo this step's effect (its postcondition then
     stops being an invariant of the migration)."""
+    creates: tuple[Created, ...] = field(default_factory=tuple)
+    """Objects this step creates (recorded by OID in the ledger when it commits)."""
+    reverse_creates: tuple[Created, ...] = field(default_factory=tuple)
+    """Objects this step's inverse re-creates (DROP CHECK's inverse adds the CHECK back): they
+    are recorded too, so rolling back further may drop them again."""
+    executor: str = "sql"
+    """Who carries the step out: `sql` (its statements, by the runner) or a job's name
+    (`copy-back`); the runner looks the executor up instead of branching on kinds."""
+    former_checksums: tuple[str, ...] = field(default_factory=tuple)
+    """Checksums of earlier releases' definitions of this step whose effect the current one's
+    postcondition still describes: a migration started with such a release and past this
+    step is adopted (its ledger row takes the current checksum) instead of refused."""
+
+    def conditions_at(self, point: CheckPoint) -> tuple[Condition, ...]:
+        return tuple(c for c in self.preconditions if c.at is point)
 
     @property
     def reversible(self) -> bool:
@@ -220,13 +298,18 @@ class Pattern:
                 return steps
         raise KeyError(phase)
 
-    def invariants(self, phase: str) -> list[tuple[Step, Condition]]:
+    def invariants(
+        self, phase: str, done: frozenset[str] = frozenset()
+    ) -> list[tuple[Step, Condition]]:
         """What must hold once every step through `phase` is done: each step's postcondition,
-        unless a later step (through `phase`) deliberately undid it."""
+        unless a later step deliberately undid it — a later step of `phase` or before, or one
+        of the next phase already `done` (ids from the ledger: between two steps of a phase,
+        the swap has undone the published partition's attachment on purpose)."""
         steps = self.steps_through(phase)
+        ahead = {s.kind for s in self.steps()[len(steps) :] if s.id in done}
         held: list[tuple[Step, Condition]] = []
         for index, step in enumerate(steps):
-            later = {other.kind for other in steps[index + 1 :]}
+            later = {other.kind for other in steps[index + 1 :]} | ahead
             if later.intersection(step.undone_by):
                 continue
             held.extend((step, condition) for condition in step.postcondition)

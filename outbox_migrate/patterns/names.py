@@ -73,3 +73,20 @@ class Names:
     @property
     def function_q(self) -> sql.Identifier:
         return sql.Identifier(self.spec.schema, self.spec.copy_function)
+
+    def id_sequence(self, relation: str) -> sql.Composed:
+        """The sequence that hands out `relation`'s ids, as a regclass (NULL when none).
+
+        `pg_get_serial_sequence` finds identity sequences and serial sequences OWNED BY the
+        column; a `DEFAULT nextval('some_seq')` on a sequence the column does not own is found
+        through the default's dependency on it, so the deploy gates watch that one too.
+        """
+        return sql.SQL(
+            "coalesce(pg_get_serial_sequence({rel}, {col})::regclass, ("
+            "SELECT d.refobjid::regclass FROM pg_attrdef ad "
+            "JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum "
+            "JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid "
+            "AND d.refclassid = 'pg_class'::regclass "
+            "JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' "
+            "WHERE ad.adrelid = to_regclass({rel}) AND a.attname = {col} LIMIT 1))"
+        ).format(rel=self.reg(relation), col=sql.Literal(self.spec.id_column))

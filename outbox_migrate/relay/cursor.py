@@ -9,19 +9,37 @@ each claim after the last id this worker claimed (the *frontier*) skips them.
 The catch: ids are handed out at INSERT, rows become visible at COMMIT, so a row may appear
 *below* the frontier after the frontier passed it (its transaction committed late). The cursor
 therefore remembers the ids it jumped over (gaps between consecutive claimed ids that belong to
-this worker's shards) and rescans from the lowest such id every GAP_RESCAN_S; a gap that stays
-empty for GAP_TTL_S (a rolled-back insert) is forgotten, and a full rescan from id 0 every
-FULL_RESCAN_S catches anything else. With key-hash shards a gap cannot be attributed to a
-shard, so the cursor falls back to a full rescan every KEY_SHARD_RESCAN_S.
+this worker's shards) and *probes* exactly those ids every GAP_PROBE_S (a claim by
+`id = ANY(gaps)`: one index descent per gap, however far the frontier has moved on); a gap
+that stays empty for GAP_TTL_S (a rolled-back insert) is forgotten, and a full rescan from id 0
+every FULL_RESCAN_S catches anything else.
+
+Ids the cursor passed without a gap list — the first claim after a (re)start jumps from id 0 to
+the lowest visible id, and more than MAX_PENDING_GAPS gaps overflow — and gaps that expired form
+an *unaccounted region*: a transaction that allocated one of those ids may still commit. The
+cursor does not pass it blindly until the once-a-minute rescan: while a region is open, each
+claim also reads the transaction horizon (`pg_snapshot_xmin`/`pg_snapshot_xmax` of
+`pg_current_snapshot()`), records the xmax once the region is REGION_SETTLE_S old, and when
+the xmin reaches it — every transaction that was running then has ended — claims the region
+once more (from id 0, or the expired ids by id) and closes it. A notified id inside an open
+region is claimed from just below it at once. A notification whose id is below the frontier (the
+wake-up trigger's or the application's payload) makes the probe due at once, or, for an id
+the cursor never saw as a gap, starts the next claim just below it. With key-hash shards a gap
+cannot be attributed to a shard, so the cursor falls back to a full rescan every
+KEY_SHARD_RESCAN_S (and to the notified ids).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-GAP_RESCAN_S = 0.5
+GAP_PROBE_S = 0.05
 """How late, at most, a row whose transaction committed after a higher id was claimed is
-picked up (while its gap is remembered)."""
+picked up by a busy worker (while its gap is remembered); an idle worker is woken at once by
+the row's notification. Probing costs one index descent per remembered gap."""
+MAX_PROBE_IDS = 1_000
+"""Gaps probed per claim at most, lowest first."""
 GAP_TTL_S = 30.0
 FULL_RESCAN_S = 60.0
 KEY_SHARD_RESCAN_S = 1.0
@@ -31,6 +49,23 @@ held xmin such a claim walks every dead index entry left since, and the backstop
 cost more than about 1 % of the worker's time."""
 MAX_PENDING_GAPS = 10_000
 """Beyond this many remembered gaps the cursor stops tracking and rescans from 0 instead."""
+REGION_SETTLE_S = 0.25
+"""How old an unaccounted region must be before its horizon (xmax) is taken. A transaction
+gets its xid at its first row write, a moment after `nextval` handed out its id: a writer
+stalled longer than this between the two is left to the once-a-minute rescan."""
+
+
+class _Region:
+    """Ids a transaction may still commit that the cursor has no gap list for."""
+
+    def __init__(self, opened: float) -> None:
+        self.full = False
+        """Everything below the frontier: resolved by one claim from id 0."""
+        self.ids: set[int] = set()
+        """Expired gaps: resolved by one probe of exactly these ids."""
+        self.opened = opened
+        self.horizon: int | None = None
+        """pg_snapshot_xmax once the region had settled; resolved when xmin reaches it."""
 
 
 class Cursor:
@@ -43,9 +78,19 @@ class Cursor:
         self.frontier = 0
         self.pending: dict[int, float] = {}
         """Gap id → when it was first seen."""
-        self._next_gap_rescan = now + GAP_RESCAN_S
+        self._next_probe = now + GAP_PROBE_S
+        self._confirming = False
+        """The next probe is the one before the worker sleeps: every gap, not MAX_PROBE_IDS."""
+        self._lowered: int | None = None
+        """A notified id below the frontier that was no remembered gap: start just below it."""
         self._next_full_rescan = now + (FULL_RESCAN_S if track_gaps else KEY_SHARD_RESCAN_S)
         self._overflow = False
+        self._region: _Region | None = None
+        self._settled = False
+        """A full region's writers have all ended: the next claim starts at id 0. Not
+        `_overflow`, which the gap walk of a claim already in flight reads as "stop"."""
+        self._final: set[int] = set()
+        """Expired gaps whose writers have all ended: probed once more, then forgotten."""
 
     def reset(self, mine: Sequence[int], now: float) -> None:
         """Shards changed or the session was lost: start over from id 0."""
@@ -53,26 +98,85 @@ class Cursor:
         self.frontier = 0
         self.pending.clear()
         self._overflow = False
+        self._lowered = None
         self._next_full_rescan = now + (FULL_RESCAN_S if self.track_gaps else KEY_SHARD_RESCAN_S)
+        self._region = None  # the first claim, from id 0, opens a new one if it must
+        self._settled = False
+        self._final.clear()
 
     def start(self, now: float) -> int:
         """`after` for the next claim (`id > after`)."""
-        if now >= self._next_full_rescan or self._overflow:
+        if now >= self._next_full_rescan or self._overflow or self._settled:
             self._next_full_rescan = now + (
                 FULL_RESCAN_S if self.track_gaps else KEY_SHARD_RESCAN_S
             )
-            self._overflow = False
+            self._overflow = self._settled = False
+            self._lowered = None
+            self._confirming = False  # a claim from id 0 covers every gap
             return 0
-        if self.pending and now >= self._next_gap_rescan:
-            self._next_gap_rescan = now + GAP_RESCAN_S
-            for gap, seen in list(self.pending.items()):
-                if now - seen > GAP_TTL_S:
-                    del self.pending[gap]
-            if self.pending:
-                return min(self.pending) - 1
+        if self._lowered is not None:
+            lowered, self._lowered = self._lowered, None
+            return lowered
         return self.frontier
 
-    def claimed(self, after: int, ids: Sequence[int], now: float) -> None:
+    def probe(self, now: float) -> list[int] | None:
+        """The remembered gaps to claim by id now (lowest first), or None when no probe is due.
+
+        A probe replaces one range claim: the caller claims `id = ANY(ids)` instead.
+        """
+        if not (self.pending or self._final) or now < self._next_probe:
+            return None
+        self._next_probe = now + GAP_PROBE_S
+        everything, self._confirming = self._confirming, False
+        expired = [gap for gap, seen in self.pending.items() if now - seen > GAP_TTL_S]
+        if expired:
+            # Likely rolled back; but a long transaction may still commit it: keep the ids in
+            # the unaccounted region until the horizon says their writers have ended.
+            region = self._open_region(now - REGION_SETTLE_S)
+            for gap in expired:
+                del self.pending[gap]
+                region.ids.add(gap)
+            if len(region.ids) > MAX_PENDING_GAPS:  # under a long-held xmin: bound the memory
+                region.ids.clear()
+                region.full = True
+        final, self._final = self._final, set()
+        if not (self.pending or final):
+            return None
+        gaps = sorted(final.union(self.pending))
+        return gaps if everything else gaps[: MAX_PROBE_IDS + len(final)]
+
+    def confirm(self) -> None:
+        """The next claim is the last one before the worker sleeps: probe every gap in it.
+
+        A writer whose INSERT saw the relay busy sends no NOTIFY at its commit (relay/notify.py);
+        the relay's guarantee is that its claim after raising the idle flag sees that writer's
+        rows. A row of such a writer may lie below the frontier — its transaction committed
+        after a higher id was claimed — where only the gap probe reaches it. Left to the probe's
+        period, that claim could miss the row (probed a moment before the commit) and the
+        worker slept the whole poll interval with the row visible.
+        """
+        self._next_probe = 0.0
+        self._confirming = True
+
+    def notified(self, low: int) -> None:
+        """Some transaction committed rows from id `low` on (a notification's payload)."""
+        if low > self.frontier:
+            return  # the next claim from the frontier finds it anyway
+        if self.track_gaps:
+            # Rows of this worker's shards below the frontier are remembered gaps, or inside
+            # the unaccounted region. The statement's rows run from `low` upwards, possibly in
+            # several shards.
+            if any(gap >= low for gap in self.pending):
+                self._next_probe = 0.0
+            region = self._region
+            if region is None or not (region.full or any(i >= low for i in region.ids)):
+                return
+        # Key shards, or an id the cursor has no gap for: claim from just below it once.
+        # Key shards: no gaps to probe; claim from just below the notified id once.
+        current = self._lowered if self._lowered is not None else self.frontier
+        self._lowered = min(current, low - 1)
+
+    def claimed(self, after: int, ids: Sequence[Any], now: float) -> None:
         """Record a claim that started at `after` and returned `ids` (ascending)."""
         if self.pending:
             for found in ids:
@@ -89,6 +193,42 @@ class Cursor:
                     self._remember_gaps(low, current, now)
                 previous = current
         self.frontier = ids[-1]
+
+    def _open_region(self, opened: float) -> _Region:
+        """The open region, with its horizon to be taken again (it covers more now)."""
+        region = self._region
+        if region is None:
+            region = self._region = _Region(opened)
+        region.opened, region.horizon = max(region.opened, opened), None
+        return region
+
+    def wants_horizon(self) -> bool:
+        """Whether the next claim should read the transaction horizon (a region is open)."""
+        return self._region is not None
+
+    def horizon(self, xmin: int, xmax: int, now: float) -> None:
+        """The transaction horizon read after a claim: `pg_snapshot_xmin` and `_xmax` of
+        `pg_current_snapshot()`, as integers."""
+        region = self._region
+        if region is None:
+            return
+        if region.horizon is None:
+            if now - region.opened >= REGION_SETTLE_S:
+                region.horizon = xmax
+            return
+        if xmin < region.horizon:
+            return  # a transaction that was running when the horizon was taken still runs
+        # Every writer that could commit an id of the region has ended: one last look.
+        self._region = None
+        if region.full:
+            self._settled = True
+        if region.ids:
+            self._final.update(region.ids)
+            self._next_probe = 0.0
+
+    def due(self) -> bool:
+        """A claim below the frontier is due now: the worker should not sleep first."""
+        return self._overflow or self._settled or bool(self._final) or self._lowered is not None
 
     def _gapless(self, low: int, ids: Sequence[int]) -> bool:
         """True when `ids` are every id of this worker's shards in (low, ids[-1]]: the usual
@@ -110,7 +250,7 @@ class Cursor:
         """The next claim starts at id 0 (to prove "nothing left", not just "nothing new")."""
         self._overflow = True
 
-    def retry_from(self, lowest: int) -> None:
+    def retry_from(self, lowest: Any) -> None:
         """Messages from `lowest` on must be claimed again (the sink rejected them)."""
         self.frontier = min(self.frontier, lowest - 1)
 
@@ -121,7 +261,48 @@ class Cursor:
             first = low + 1 + ((shard - (low + 1)) % n) if n > 1 else low + 1
             for gap in range(first, high, n):
                 if len(self.pending) >= MAX_PENDING_GAPS:
+                    # The gap list is dropped (or never fit, as on the first claim from id 0
+                    # of an outbox whose ids start high): all below the frontier is unaccounted.
                     self._overflow = True
                     self.pending.clear()
+                    self._open_region(now).full = True
                     return
                 self.pending.setdefault(gap, now)
+
+
+class NoCursor(Cursor):
+    """Application ids (uuid, ULID): every claim starts at the beginning of the claim order.
+
+    Such ids have no successor to resume after, and with a timestamp order a row may land
+    below the last one claimed at any time, so gaps cannot be reasoned about. The claim SQL
+    has no `after` bound (queries.claim); this only keeps the worker's bookkeeping uniform."""
+
+    def __init__(self, *, now: float) -> None:
+        super().__init__(shards=1, mine=[], track_gaps=False, now=now)
+
+    def start(self, now: float) -> int:
+        return 0
+
+    def probe(self, now: float) -> list[int] | None:
+        return None
+
+    def notified(self, low: int) -> None:
+        return None
+
+    def claimed(self, after: int, ids: Sequence[Any], now: float) -> None:
+        return None
+
+    def rescanned(self, seconds: float, now: float) -> None:
+        return None
+
+    def retry_from(self, lowest: Any) -> None:
+        return None
+
+    def force_full_rescan(self) -> None:
+        return None  # every claim starts at the beginning already
+
+    def due(self) -> bool:
+        return False  # nothing below a frontier can be pending: there is no frontier
+
+    def wants_horizon(self) -> bool:
+        return False

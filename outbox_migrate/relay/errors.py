@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from outbox_migrate.errors import ExitCode, OutboxMigrateError
+from outbox_migrate.relay.message import MessageId
 
 
 class RelayError(OutboxMigrateError):
@@ -36,7 +37,7 @@ class SinkUnavailable(SinkError):
 class MessagesRejected(SinkError):
     """Some messages were refused (permanently or not); every other one was acknowledged."""
 
-    def __init__(self, sink: str, rejected: Mapping[int, str]) -> None:
+    def __init__(self, sink: str, rejected: Mapping[MessageId, str]) -> None:
         self.sink = sink
         self.rejected = dict(rejected)
         first = next(iter(self.rejected.items()), (0, ""))

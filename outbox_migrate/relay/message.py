@@ -15,25 +15,34 @@ def _json_text(value: str | None) -> str:
     return "null" if value is None else encode_basestring(value)
 
 
+MessageId = int | str
+"""A database id (int), or an application id (uuid, ULID) as text."""
+
+
 class Message(NamedTuple):
     """An outbox row: its id (the de-duplication key downstream), routing fields, payload.
 
     Fields: `id`; `table`, the relation it was claimed from (flat table or partitioned
     parent); `event_type` and `key` (None when the outbox has no such column); `payload`, the
-    JSON text exactly as stored; `created_at`.
+    JSON text exactly as stored; `created_at`; `extra_headers`, metadata the outbox carries
+    for the broker (a headers column, chosen metadata columns) as (name, value) pairs, in the
+    order they are to be sent. Last and defaulted so a claim that selects no metadata builds
+    a `Message` from its first six columns unchanged.
 
     A NamedTuple rather than a frozen dataclass: the relay builds one per row in its hot loop,
-    straight from the claim's result tuple (`Message._make(row)`, the claim selects the columns
-    in this order), and a frozen dataclass's `__init__` costs five times as much — measurable
-    at batch 100 (bench/relay.py). Immutable either way.
+    straight from the claim's result tuple (`Message(*row)`: the claim selects the columns in
+    this order; `_make` would refuse a row without the defaulted last field), and a frozen
+    dataclass's `__init__` costs five times as much — measurable at batch 100
+    (bench/relay.py). Immutable either way.
     """
 
-    id: int
+    id: MessageId
     table: str
     event_type: str | None
     key: str | None
     payload: str
     created_at: datetime
+    extra_headers: tuple[tuple[str, str], ...] = ()
 
     @property
     def payload_bytes(self) -> bytes:
@@ -53,8 +62,29 @@ class Message(NamedTuple):
         )
 
     def headers(self) -> dict[str, str]:
-        """Broker headers every sink sets: the outbox id and, when known, the event type."""
+        """Broker headers every sink sets: the outbox id, table and, when known, the event type,
+        then `extra_headers` in their order (a W3C `traceparent` among them passes unchanged).
+
+        The built-in names win over an extra header of the same name: `outbox-id` is what
+        consumers de-duplicate on, and a row's own metadata must not be able to change it.
+        """
         out = {"outbox-id": str(self.id), "outbox-table": self.table}
         if self.event_type is not None:
             out["event-type"] = self.event_type
+        if self.extra_headers:
+            for name, value in self.extra_headers:
+                out.setdefault(name, value)
         return out
+
+
+class TextIdMessage(Message):
+    """A message whose id the application supplied (uuid, ULID), claimed as text: the same
+    fields, with the id quoted in the envelope. A subclass rather than a type test in
+    `Message.envelope`, so integer ids keep their hot path untouched."""
+
+    __slots__ = ()
+
+    def envelope(self) -> str:
+        text = super().envelope()
+        number = f'{{"id":{self.id},'
+        return f'{{"id":{_json_text(str(self.id))},' + text[len(number) :]

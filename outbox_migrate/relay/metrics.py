@@ -5,6 +5,11 @@ runs without prometheus-client. `PrometheusObserver` keeps its own registry (sev
 in one process — the tests — do not clash) and `serve` exposes `/metrics` and `/healthz` on a
 small threaded HTTP server. Health is "every live worker finished a loop iteration within
 HEALTH_STALE_S"; a worker blocked on a dead broker with backoff still iterates.
+
+Readiness (`/readyz`, for Kubernetes) is a different question: "is this process part of the
+fleet?" — it holds shards, or it is a live standby whose session PostgreSQL counts as a member.
+Both are proven the same way: a worker's shard-lease check (a round trip on the session that
+holds the advisory locks) succeeded within READY_STALE_S.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from typing import Any
 from outbox_migrate.relay.errors import RelayError
 
 HEALTH_STALE_S = 60.0
+READY_STALE_S = 40.0
+"""A lease check older than this makes the process unready: longer than the sink backoff cap
+(30 s), during which a worker does not come back to its lease."""
 METRICS_INTERVAL_S = 5.0
 """How often the backlog size and oldest unpublished age are sampled."""
 BATCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -37,7 +45,16 @@ class Observer:
 
     def worker_done(self, worker: int) -> None: ...
 
+    def lease_checked(self, worker: int, owned: int) -> None:
+        """A worker's session proved alive and holds `owned` shards (0 = a live standby)."""
+
+    def slot(self, lag_bytes: int, lag_s: float, active: bool) -> None:
+        """CDC mode: the replication slot's lag and whether a relay streams from it."""
+
     def healthy(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
         return True
 
 
@@ -76,7 +93,19 @@ class PrometheusObserver(Observer):
             "Age of the oldest unpublished row",
             registry=self.registry,
         )
+        self._shards = prom.Gauge(
+            "outbox_relay_shards_owned",
+            "Shards whose advisory lock this process holds",
+            registry=self.registry,
+        )
+        self._ready_gauge = prom.Gauge(
+            "outbox_relay_ready",
+            "1 while this process holds shards or is a live standby (see /readyz)",
+            registry=self.registry,
+        )
+        self._ready_gauge.set_function(lambda: 1.0 if self.ready() else 0.0)
         self._beats: dict[int, float] = {}
+        self._leases: dict[int, tuple[float, int]] = {}
         self._lock = threading.Lock()
 
     def published(self, count: int) -> None:
@@ -99,6 +128,18 @@ class PrometheusObserver(Observer):
     def worker_done(self, worker: int) -> None:
         with self._lock:
             self._beats.pop(worker, None)
+            self._leases.pop(worker, None)
+            self._shards.set(sum(owned for _, owned in self._leases.values()))
+
+    def lease_checked(self, worker: int, owned: int) -> None:
+        with self._lock:
+            self._leases[worker] = (time.monotonic(), owned)
+            self._shards.set(sum(n for _, n in self._leases.values()))
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            return any(now - at < READY_STALE_S for at, _ in self._leases.values())
 
     def healthy(self) -> bool:
         now = time.monotonic()
@@ -111,7 +152,8 @@ class PrometheusObserver(Observer):
 
 
 def serve(observer: PrometheusObserver, host: str, port: int) -> ThreadingHTTPServer:
-    """Start `/metrics` and `/healthz` in a daemon thread; the caller shuts it down."""
+    """Start `/metrics`, `/healthz` and `/readyz` in a daemon thread; the caller shuts it
+    down."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -121,6 +163,13 @@ def serve(observer: PrometheusObserver, host: str, port: int) -> ThreadingHTTPSe
                 ok = observer.healthy()
                 body, status, kind = (
                     (b"ok\n" if ok else b"stale\n"),
+                    (200 if ok else 503),
+                    "text/plain",
+                )
+            elif self.path.startswith("/readyz"):
+                ok = observer.ready()
+                body, status, kind = (
+                    (b"ready\n" if ok else b"no lease check\n"),
                     (200 if ok else 503),
                     "text/plain",
                 )

@@ -15,6 +15,10 @@ DEFAULT_BATCH_SIZE = 500
 MAX_BATCH_SIZE = 100_000
 POLL_INTERVAL_S = 1.0
 """Idle wait between claims when no NOTIFY arrives (the fallback to LISTEN/NOTIFY)."""
+LINGER_S = 0.005
+"""After a batch smaller than the batch size, wait this long before the next claim, so steady
+traffic forms batches instead of one claim per message (Kafka's linger.ms idea). It bounds the
+added latency; it is no wait at all while a backlog fills whole batches."""
 SHUTDOWN_TIMEOUT_S = 10.0
 """How long a stop waits for the in-flight batch before cancelling it (it is then re-sent)."""
 DEFAULT_SHARDS = 8
@@ -23,6 +27,11 @@ without a shard filter; a second relay process started with the defaults finds s
 take instead of claiming the same rows (and meeting SQLSTATE 40001)."""
 DEFAULT_CHANNEL = "outbox_migrate_relay"
 DEFAULT_DEAD_LETTER_TABLE = "outbox_dead_letter"
+DEFAULT_SESSION_TIMEOUT_S = 12.0
+"""How long a silent relay session keeps its shards at most (plus one keepalive probe)."""
+SESSION_TIMEOUT_HEADROOM_S = 2.0
+"""The session timeout must exceed the sink timeout by this: the fence's margin (1 s) plus
+time for the claim that precedes a publish."""
 ATTEMPTS_TABLE_SUFFIX = "_attempts"
 """The rejection counters live next to the dead-letter table: `<dead_letter_table>_attempts`."""
 
@@ -71,6 +80,7 @@ class RelayOptions:
     ordering: Ordering = Ordering.none
     until_empty: bool = False
     poll_interval_s: float = POLL_INTERVAL_S
+    linger_s: float = LINGER_S
     listen: bool = True
     channel: str = DEFAULT_CHANNEL
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
@@ -86,6 +96,11 @@ class RelayOptions:
     """SQL LIKE pattern of the old application's `application_name` (the sessions gate)."""
     backoff_base_s: float = 0.1
     backoff_cap_s: float = 30.0
+    sink_timeout_s: float = 10.0
+    """How long one publish may take (the sink's timeout): what the fence must leave room for."""
+    session_timeout_s: float | None = None
+    """Dead-session bound T (relay/keepalive.py): None = max(12 s, sink timeout + 2 s);
+    0 = the operating system's defaults and no fencing."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
@@ -98,12 +113,29 @@ class RelayOptions:
             raise RelayError(f"max attempts must be >= 1, got {self.max_attempts}")
         if self.poll_interval_s <= 0 or self.shutdown_timeout_s <= 0:
             raise RelayError("poll interval and shutdown timeout must be positive")
+        if self.session_timeout_s is not None and 0 < self.session_timeout_s < (
+            self.sink_timeout_s + SESSION_TIMEOUT_HEADROOM_S
+        ):
+            raise RelayError(
+                f"session timeout ({self.session_timeout_s:g} s) must exceed the sink timeout "
+                f"({self.sink_timeout_s:g} s) by {SESSION_TIMEOUT_HEADROOM_S:g} s: a publish must "
+                "end before the shard lease can move to another relay"
+            )
+        if not 0 <= self.linger_s <= self.poll_interval_s:
+            raise RelayError(f"linger must be 0..poll interval seconds, got {self.linger_s}")
         if (
             self.mode is Mode.switching
             and self.switch_gate is SwitchGate.sessions
             and not (self.old_app_name)
         ):
             raise RelayError("the sessions switch gate needs old_app_name (the V1 app's name)")
+
+    @property
+    def dead_session_s(self) -> float:
+        """The session timeout in force (0 = off)."""
+        if self.session_timeout_s is not None:
+            return self.session_timeout_s
+        return max(DEFAULT_SESSION_TIMEOUT_S, self.sink_timeout_s + SESSION_TIMEOUT_HEADROOM_S)
 
     @property
     def shard_count(self) -> int:

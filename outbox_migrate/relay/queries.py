@@ -14,6 +14,7 @@ lock, and `FOR UPDATE SKIP LOCKED` stays as the safety net against claimers outs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from psycopg import sql
 
@@ -22,6 +23,9 @@ from outbox_migrate.config import OutboxSpec
 ADVISORY_NAMESPACE = "outbox-migrate.relay"
 CLAIM_CTID_COLUMN = 6
 """Position of `ctid` in a claimed row; the columns before it are a `Message`."""
+CLAIM_HEADERS_COLUMN = 7
+"""Position of the extra headers ([name, value] pairs), present only when the outbox has a
+headers column or metadata columns (`Columns.carries_headers`)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,10 @@ class Source:
     id_column: str
     published_column: str
     partitioned: bool
+    text_ids: bool = False
+    """Application ids (uuid, ULID): claimed as text in `order_column` order, no id cursor."""
+    order_column: str = ""
+    """The claim order of application ids ("" = the id itself)."""
 
     @property
     def claim_ident(self) -> sql.Identifier:
@@ -63,6 +71,7 @@ def flat_source(spec: OutboxSpec) -> Source:
         id_column=spec.id_column,
         published_column=spec.published_column,
         partitioned=False,
+        **_id_handling(spec),
     )
 
 
@@ -75,21 +84,84 @@ def partitioned_source(spec: OutboxSpec) -> Source:
         id_column=spec.id_column,
         published_column=spec.published_column,
         partitioned=True,
+        **_id_handling(spec),
     )
+
+
+def _id_handling(spec: OutboxSpec) -> dict[str, Any]:
+    if spec.id_kind != "application":
+        return {}
+    order = spec.order_column if spec.order_column != spec.id_column else ""
+    return {"text_ids": True, "order_column": order}
+
+
+def id_sql_type(text_ids: bool) -> sql.SQL:
+    """How ids are stored in the attempts and dead-letter tables."""
+    return sql.SQL("text" if text_ids else "int8")
 
 
 @dataclass(frozen=True)
 class Columns:
-    """Optional columns the relay reads besides id, payload and created_at."""
+    """The columns the relay reads besides the id, resolved against the live table from the
+    `OutboxSpec`'s column roles (see `worker.Relay._resolve_columns`)."""
 
     event_type: str | None
     key: str | None
     payload: str = "payload"
-    created_at: str = "created_at"
+    created_at: str | None = "created_at"
+    """None: the outbox has no creation timestamp; the claim's time stands in for it."""
+    payload_type: str = "jsonb"
+    headers: str | None = None
+    """A jsonb object column whose entries become broker headers."""
+    metadata: tuple[str, ...] = ()
+    """Columns sent as broker headers, named after the column."""
+
+    @property
+    def carries_headers(self) -> bool:
+        return bool(self.headers or self.metadata)
 
 
 def _optional(column: str | None) -> sql.Composable:
     return sql.Identifier(column) if column else sql.SQL("NULL::text")
+
+
+def payload_expression(columns: Columns) -> sql.Composable:
+    """The payload as text: json/jsonb/text as stored; bytea decoded as UTF-8 (a body that is
+    not UTF-8 fails the claim with PostgreSQL's own message rather than being mangled)."""
+    payload = sql.Identifier(columns.payload)
+    if columns.payload_type == "bytea":
+        return sql.SQL("convert_from({}, 'UTF8')").format(payload)
+    return sql.SQL("{}::text").format(payload)
+
+
+def created_expression(columns: Columns) -> sql.Composable:
+    if columns.created_at:
+        return sql.Identifier(columns.created_at)
+    return sql.SQL("now()")
+
+
+def extra_headers_expression(columns: Columns) -> sql.Composable:
+    """Broker headers from the row: the headers object's entries, then the metadata columns
+    (a metadata column wins over a same-named entry), as a two-dimensional text[] of
+    [name, value] pairs; NULL values are left out. Selected only when configured, so the hot
+    loop pays nothing for outboxes without metadata."""
+    parts: list[sql.Composable] = []
+    if columns.headers:
+        parts.append(
+            sql.SQL("CASE WHEN jsonb_typeof({h}::jsonb) = 'object' THEN {h}::jsonb "
+                    "ELSE '{{}}'::jsonb END").format(h=sql.Identifier(columns.headers))
+        )  # fmt: skip
+    if columns.metadata:
+        pairs = sql.SQL(", ").join(
+            sql.SQL("{}, {}::text").format(sql.Literal(name), sql.Identifier(name))
+            for name in columns.metadata
+        )
+        parts.append(sql.SQL("jsonb_build_object({})").format(pairs))
+    merged = sql.SQL(" || ").join(parts)
+    return sql.SQL(
+        "ARRAY(SELECT ARRAY[e.key, e.value] FROM jsonb_each_text({}) AS e "
+        "WHERE e.value IS NOT NULL)"
+    ).format(merged)
 
 
 def shard_expression(source: Source, columns: Columns, *, by_key: bool) -> sql.Composable:
@@ -101,6 +173,10 @@ def shard_expression(source: Source, columns: Columns, *, by_key: bool) -> sql.C
     if by_key and columns.key:
         return sql.SQL("mod(hashtext(coalesce({key}::text, ''))::int8 + 2147483648, %(shards)s)")\
             .format(key=sql.Identifier(columns.key))  # fmt: skip
+    if source.text_ids:
+        return sql.SQL("mod(hashtext({id}::text)::int8 + 2147483648, %(shards)s)").format(
+            id=sql.Identifier(source.id_column)
+        )
     return sql.SQL("mod({id}, %(shards)s)").format(id=sql.Identifier(source.id_column))
 
 
@@ -109,7 +185,8 @@ def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> s
 
     Parameters: after (id cursor), limit, and when sharded shards + mine (int[]). The columns
     come back in `Message` field order (the source's label as a constant second column), then
-    the row's `ctid` (CLAIM_CTID_COLUMN), which the mark uses to find it again.
+    the row's `ctid` (CLAIM_CTID_COLUMN), which the mark uses to find it again, then, when the
+    outbox carries metadata, the extra headers (CLAIM_HEADERS_COLUMN).
     The cursor (`id > %(after)s`) lets a claim start where the last one ended instead of
     re-walking index entries of rows just moved out (they stay in the index until vacuum, and a
     held xmin keeps them there); the worker resets it to 0 regularly so a row whose transaction
@@ -120,21 +197,98 @@ def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> s
         if sharded
         else sql.SQL("")
     )
+    if source.text_ids:
+        return _claim_in_order(source, columns, shard)
     return sql.SQL(
-        "SELECT {id}, {label}::text, {event_type}, {key}, {payload}::text, {created_at}, ctid "
-        "FROM {table} WHERE {unpublished} AND {id} > %(after)s{shard} "
+        "SELECT {columns} FROM {table} WHERE {unpublished} AND {id} > %(after)s{shard} "
         "ORDER BY {id} LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
     ).format(
+        columns=claimed_columns(source, columns),
         id=sql.Identifier(source.id_column),
-        label=sql.Literal(source.label),
-        event_type=_optional(columns.event_type),
-        key=_optional(columns.key),
-        payload=sql.Identifier(columns.payload),
-        created_at=sql.Identifier(columns.created_at),
         table=source.claim_ident,
         unpublished=source.unpublished_filter(),
         shard=shard,
     )
+
+
+def _claim_in_order(source: Source, columns: Columns, shard: sql.Composable) -> sql.Composed:
+    """Application ids: oldest first by `order_column` (ties by id), always from the start.
+
+    A uuid or ULID has no successor to resume after, and a timestamp order may receive rows
+    below the last one claimed at any time, so there is no cursor: the claim walks the
+    unpublished partition's (order_column, id) index from its start (docs/relay.md says
+    what that costs under a held xmin)."""
+    order = [sql.Identifier(source.id_column)]
+    if source.order_column:
+        order.insert(0, sql.Identifier(source.order_column))
+    return sql.SQL(
+        "SELECT {columns} FROM {table} WHERE {unpublished}{shard} "
+        "ORDER BY {order} LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
+    ).format(
+        columns=claimed_columns(source, columns),
+        table=source.claim_ident,
+        unpublished=source.unpublished_filter(),
+        shard=shard,
+        order=sql.SQL(", ").join(order),
+    )
+
+
+def claimed_columns(source: Source, columns: Columns) -> sql.Composed:
+    """What a claim returns: `Message` fields, ctid, and the extra headers if any."""
+    return sql.SQL(
+        "{id}, {label}::text, {event_type}, {key}, {payload}, {created_at}, ctid{headers}"
+    ).format(
+        id=sql.SQL("{}::text").format(sql.Identifier(source.id_column))
+        if source.text_ids
+        else sql.Identifier(source.id_column),
+        label=sql.Literal(source.label),
+        event_type=_optional(columns.event_type),
+        key=_optional(columns.key),
+        payload=payload_expression(columns),
+        created_at=created_expression(columns),
+        headers=sql.SQL(", {}").format(extra_headers_expression(columns))
+        if columns.carries_headers
+        else sql.SQL(""),
+    )
+
+
+def probe(source: Source, columns: Columns) -> sql.Composed:
+    """Claim the given ids (parameter: ids, int8[]) if they are unpublished now: the gaps the
+    cursor jumped over (a transaction that committed late). Same columns as `claim`; no
+    ORDER BY (the worker sorts the few rows), one index descent per id however far the
+    cursor has moved on."""
+    return sql.SQL(
+        "SELECT {columns} FROM {table} WHERE {unpublished} AND {id} = ANY(%(ids)s::int8[]) "
+        "FOR UPDATE SKIP LOCKED"
+    ).format(
+        columns=claimed_columns(source, columns),
+        id=sql.Identifier(source.id_column),
+        table=source.claim_ident,
+        unpublished=source.unpublished_filter(),
+    )
+
+
+def horizon() -> sql.SQL:
+    """The transaction horizon as integers: the oldest xid still running and the first xid not
+    yet assigned (relay/cursor.py: an unaccounted region is settled once xmin reaches the xmax
+    read after it opened). Read only while a region is open."""
+    return sql.SQL(
+        "SELECT pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint "
+        "FROM pg_current_snapshot() s"
+    )
+
+
+def try_idle_lock() -> sql.SQL:
+    """Raise the idle flag the wake-up trigger looks at (param: key; see relay/notify.py).
+
+    A try, never a wait: it fails while a writer that saw the relay busy has not committed yet
+    (or while another worker holds the flag), and the worker then looks again shortly."""
+    return sql.SQL("SELECT pg_try_advisory_lock(hashtext(%(key)s), 0)")
+
+
+def idle_unlock() -> sql.SQL:
+    """Lower the idle flag: writers stop notifying (the relay is claiming anyway)."""
+    return sql.SQL("SELECT pg_advisory_unlock(hashtext(%(key)s), 0)")
 
 
 def mark(source: Source) -> sql.Composed:
@@ -202,9 +356,45 @@ def unlock_shards() -> sql.SQL:
     )
 
 
+def end_idle_shard_holders() -> sql.SQL:
+    """End the sessions that hold a shard of this outbox but have not heard from their client
+    for longer than %(after_s)s seconds; returns (pid, silent seconds, ended).
+
+    Silent means waiting for the client: idle, idle in a transaction, or `active` in
+    ClientRead — a pipeline frozen between its statements and their Sync. See
+    `ShardLease.reap` for why the server's own timers do not cover every such moment. The
+    silence is measured from the later of the state change and the statement start, so no
+    session is ended sooner after its last message than the server's timers would end it.
+    """
+    return sql.SQL(
+        "SELECT a.pid, extract(epoch FROM now() - greatest(a.state_change, a.query_start))"
+        "::float8, pg_terminate_backend(a.pid) FROM pg_stat_activity a "
+        "WHERE a.pid <> pg_backend_pid() "
+        "AND (a.state LIKE 'idle%%' OR (a.state = 'active' AND a.wait_event = 'ClientRead')) "
+        "AND greatest(a.state_change, a.query_start) < now() - make_interval(secs => %(after_s)s) "
+        "AND a.pid IN (SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' "
+        "AND l.granted AND l.mode = 'ExclusiveLock' AND l.objsubid = 2 "
+        "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+        "AND l.classid::int8 = (hashtext(%(key)s)::int8 & 4294967295))"
+    )
+
+
 def join_members() -> sql.SQL:
     """A shared session lock that marks this session as a live worker of the outbox."""
     return sql.SQL("SELECT pg_advisory_lock_shared(hashtext(%(key)s), 0)")
+
+
+def leave_members() -> sql.SQL:
+    """Stop counting as a live worker (a worker whose broker is unreachable steps out)."""
+    return sql.SQL("SELECT pg_advisory_unlock_shared(hashtext(%(key)s), 0)")
+
+
+def table_exists() -> sql.SQL:
+    """Whether %(schema)s.%(table)s exists (needs no privilege on it)."""
+    return sql.SQL(
+        "SELECT EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %(schema)s AND c.relname = %(table)s)"
+    )
 
 
 def count_members() -> sql.SQL:
@@ -222,9 +412,11 @@ def count_members() -> sql.SQL:
 
 
 def table_columns() -> sql.SQL:
-    """Column names of a relation (params: schema, table); empty when it does not exist."""
+    """Column names and base types of a relation (params: schema, table); empty when it does
+    not exist."""
     return sql.SQL(
-        "SELECT a.attname FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
+        "SELECT a.attname, format_type(a.atttypid, NULL) "
+        "FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
         "JOIN pg_namespace n ON n.oid = c.relnamespace "
         "WHERE n.nspname = %(schema)s AND c.relname = %(table)s AND a.attnum > 0 "
         "AND NOT a.attisdropped"
@@ -237,7 +429,7 @@ def backlog(source: Source, columns: Columns) -> sql.Composed:
         "SELECT count(*), coalesce(extract(epoch FROM now() - min({created_at})), 0)::float8 "
         "FROM {table} WHERE {unpublished}"
     ).format(
-        created_at=sql.Identifier(columns.created_at),
+        created_at=created_expression(columns),
         table=source.claim_ident,
         unpublished=source.unpublished_filter(),
     )
@@ -275,54 +467,57 @@ def old_app_sessions() -> sql.SQL:
     )
 
 
-def create_dead_letter(schema: str, table: str) -> sql.Composed:
+def create_dead_letter(schema: str, table: str, text_ids: bool = False) -> sql.Composed:
     """Where messages go after the sink refused them `max_attempts` times; nothing is lost."""
     return sql.SQL(
         "CREATE TABLE IF NOT EXISTS {table} ("
-        "source_table text NOT NULL, id int8 NOT NULL, event_type text, message_key text, "
-        "payload json NOT NULL, created_at timestamptz NOT NULL, attempts int NOT NULL, "
+        "source_table text NOT NULL, id {id_type} NOT NULL, event_type text, message_key text, "
+        "payload text NOT NULL, created_at timestamptz NOT NULL, attempts int NOT NULL, "
         "last_error text NOT NULL, dead_at timestamptz NOT NULL DEFAULT now(), "
         "PRIMARY KEY (source_table, id))"
-    ).format(table=sql.Identifier(schema, table))
+    ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids))
 
 
 def insert_dead_letter(schema: str, table: str) -> sql.Composed:
+    """The payload goes in as an untyped parameter: the table keeps it as text, whatever the
+    outbox's payload type (json, jsonb, text, bytea as UTF-8); a table created as json by an
+    earlier version still takes JSON payloads."""
     return sql.SQL(
         "INSERT INTO {table} (source_table, id, event_type, message_key, payload, created_at, "
         "attempts, last_error) VALUES (%(source)s, %(id)s, %(event_type)s, %(key)s, "
-        "%(payload)s::json, %(created_at)s, %(attempts)s, %(error)s) "
+        "%(payload)s, %(created_at)s, %(attempts)s, %(error)s) "
         "ON CONFLICT (source_table, id) DO NOTHING"
     ).format(table=sql.Identifier(schema, table))
 
 
-def create_attempts(schema: str, table: str) -> sql.Composed:
+def create_attempts(schema: str, table: str, text_ids: bool = False) -> sql.Composed:
     """Rejections so far of messages not yet dead-lettered: survives relay restarts, so a
     message that makes the relay crash-loop still reaches the dead-letter table."""
     return sql.SQL(
         "CREATE TABLE IF NOT EXISTS {table} ("
-        "source_table text NOT NULL, id int8 NOT NULL, attempts int NOT NULL, "
+        "source_table text NOT NULL, id {id_type} NOT NULL, attempts int NOT NULL, "
         "last_error text NOT NULL, updated_at timestamptz NOT NULL DEFAULT now(), "
         "PRIMARY KEY (source_table, id))"
-    ).format(table=sql.Identifier(schema, table))
+    ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids))
 
 
-def count_attempts(schema: str, table: str) -> sql.Composed:
+def count_attempts(schema: str, table: str, text_ids: bool = False) -> sql.Composed:
     """Add one rejection per id (params: source, ids int8[], errors text[]); returns each id's
     attempts so far."""
     return sql.SQL(
         "INSERT INTO {table} AS a (source_table, id, attempts, last_error) "
         "SELECT %(source)s, r.id, 1, r.error "
-        "FROM unnest(%(ids)s::int8[], %(errors)s::text[]) AS r(id, error) "
+        "FROM unnest(%(ids)s::{id_type}[], %(errors)s::text[]) AS r(id, error) "
         "ON CONFLICT (source_table, id) DO UPDATE SET attempts = a.attempts + 1, "
         "last_error = excluded.last_error, updated_at = now() RETURNING a.id, a.attempts"
-    ).format(table=sql.Identifier(schema, table))
+    ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids))
 
 
-def forget_attempts(schema: str, table: str) -> sql.Composed:
+def forget_attempts(schema: str, table: str, text_ids: bool = False) -> sql.Composed:
     """Drop the counters of ids that were published or dead-lettered (params: source, ids)."""
     return sql.SQL(
-        "DELETE FROM {table} WHERE source_table = %(source)s AND id = ANY(%(ids)s::int8[])"
-    ).format(table=sql.Identifier(schema, table))
+        "DELETE FROM {table} WHERE source_table = %(source)s AND id = ANY(%(ids)s::{id_type}[])"
+    ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids))
 
 
 def attempted_ids(schema: str, table: str) -> sql.Composed:

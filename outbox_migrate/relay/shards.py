@@ -17,11 +17,14 @@ gets half the shards within a few REBALANCE_S; when one dies, the survivors take
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
 
 from outbox_migrate.relay import queries
+
+log = logging.getLogger("outbox_migrate.relay")
 
 REBALANCE_S = 1.0
 """How often a worker re-counts the live workers and takes or gives back shards."""
@@ -50,8 +53,12 @@ def shards_to_release(owned: set[int], home: list[int], keep: int) -> list[int]:
 class ShardLease:
     """The shards one worker's session holds."""
 
-    def __init__(self, key: str, shards: int, home: list[int]) -> None:
+    def __init__(
+        self, key: str, shards: int, home: list[int], reap_after_s: float | None = None
+    ) -> None:
         self.key = key
+        self.reap_after_s = reap_after_s
+        """End shard holders idle (outside a transaction) longer than this; None = never."""
         self.members_key = f"{key}:members"
         self.count = shards
         self.home = list(home)
@@ -97,6 +104,7 @@ class ShardLease:
             # find theirs free; fair shares are settled from the next round on.
             self._take(conn, list(self.home), len(self.home))
             return self.owned != before
+        self.reap(conn)
         row = conn.execute(queries.count_members(), {"key": self.members_key}).fetchone()
         keep = fair_share(self.count, int(row[0]) if row else 1)
         give_back = shards_to_release(self.owned, self.home, keep)
@@ -111,6 +119,51 @@ class ShardLease:
             self._take(conn, candidates, keep - len(self.owned))
         return self.owned != before
 
+    def reap(self, conn: Any) -> list[int]:
+        """End sessions that hold shards but have been silent past `reap_after_s`; their pids.
+
+        The server ends a silent relay's session by itself (relay/keepalive.py) — but only
+        when its idle timers are armed, which happens when it reports ready for a query (after
+        a Sync). In pipeline mode there are moments when they are not: between a statement
+        and its Sync (the backend is `active`, reading from the client), and after psycopg
+        leaves pipeline mode with a Sync followed by a Flush (the server disarms its timers on
+        the Flush; the worker's next statement re-arms them microseconds later). A relay
+        frozen in such a moment (SIGSTOP, a frozen container: the kernel still answers TCP, so
+        keepalives never fire) would keep its shards for good — the fleet tests caught it
+        several times in ten. A live worker is never silent with shards for longer than its
+        poll interval, so the survivors end such a session once it has been silent for the
+        session timeout plus the poll interval: the bound the server's own timers keep, so
+        fencing (relay/fencing.py) is unaffected. Without the right to signal the session
+        (another role, no pg_signal_backend) the server's timers are all there is: one
+        warning, and reaping stops.
+        """
+        import psycopg
+
+        if self.reap_after_s is None:
+            return []
+        try:
+            rows = conn.execute(
+                queries.end_idle_shard_holders(),
+                {"key": self.key, "after_s": self.reap_after_s},
+            ).fetchall()
+        except psycopg.errors.InsufficientPrivilege as exc:
+            log.warning(
+                "relay.reap_refused %s (a frozen relay's shards wait for the server's own timers)",
+                str(exc).strip().splitlines()[0],
+            )
+            self.reap_after_s = None
+            return []
+        ended = []
+        for pid, idle_s, done in rows:
+            if done:
+                ended.append(int(pid))
+                log.warning(
+                    "relay.reaped_session pid=%d silent_s=%.1f (held shards, client silent)",
+                    pid,
+                    idle_s,
+                )
+        return ended
+
     def _take(self, conn: Any, candidates: list[int], limit: int) -> None:
         if not candidates or limit <= 0:
             return
@@ -118,6 +171,19 @@ class ShardLease:
             queries.try_lock_shards(), {"key": self.key, "shards": candidates, "limit": limit}
         ).fetchall()
         self.owned.update(int(r[0]) for r in rows)
+
+    def step_out(self, conn: Any) -> None:
+        """Give back every shard and stop counting as a member, until the next `maintain`.
+
+        For a worker that cannot publish (its broker is unreachable, while PostgreSQL is
+        not): holding its shards would stall them for as long as the broker stays away, and
+        staying a member would keep the survivors' fair share too small to take them all.
+        """
+        self.release_all(conn)
+        if self._member:
+            conn.execute(queries.leave_members(), {"key": self.members_key})
+            self._member = False
+        self._next_check = 0.0
 
     def release_all(self, conn: Any) -> None:
         if self.owned:

@@ -64,29 +64,34 @@ def _regclass(source: queries.Source) -> str:
 
 def check_switch(conn: Any, source: queries.Source, gate: SwitchGate, old_app: str) -> str:
     """Why the relay may not leave `source` yet ("" = it may). `conn` is autocommit."""
-    import psycopg
-    from psycopg import sql
+
+    from outbox_migrate.runner.errors import LockBudgetExceeded
+    from outbox_migrate.runner.locks import LockBudget, run_with_lock_budget
 
     blocked = writers_remaining(conn, source, gate, old_app)
     if blocked:
         return blocked
+    reason = ""
+
+    def under_share_lock(c: Any) -> None:
+        nonlocal reason
+        c.execute(queries.lock_for_switch(source))
+        reason = writers_remaining(c, source, gate, old_app)
+        if not reason:
+            row = c.execute(queries.has_unpublished(source)).fetchone()
+            reason = "unpublished rows remain" if row and row[0] else ""
+
+    # One attempt (budget 0) through the tool's lock-budget primitive: the relay tries again
+    # after its next empty claim, so it never waits here, and never watches a holder.
+    budget = LockBudget(lock_timeout_ms=SWITCH_LOCK_TIMEOUT_MS, budget_s=0.0)
     try:
-        with conn.transaction():
-            conn.execute(
-                sql.SQL("SET LOCAL lock_timeout = {}").format(
-                    sql.Literal(f"{SWITCH_LOCK_TIMEOUT_MS}ms")
-                )
-            )
-            conn.execute(queries.lock_for_switch(source))
-            blocked = writers_remaining(conn, source, gate, old_app)
-            if blocked:
-                return blocked
-            row = conn.execute(queries.has_unpublished(source)).fetchone()
-            if row and row[0]:
-                return "unpublished rows remain"
-    except psycopg.errors.LockNotAvailable:
+        run_with_lock_budget(
+            conn, "relay.switch", budget, under_share_lock, relations=(),
+            schema=source.schema, watch_blockers=False,
+        )  # fmt: skip
+    except LockBudgetExceeded:
         return "a transaction is still writing the table"
-    return ""
+    return reason
 
 
 class SourceState:

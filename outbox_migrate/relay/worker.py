@@ -24,30 +24,43 @@ import logging
 import operator
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import starmap
 from typing import Any
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
 from outbox_migrate.errors import OutboxMigrateError
-from outbox_migrate.relay import queries
+from outbox_migrate.relay import keepalive, library_logs, notify, queries
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
-from outbox_migrate.relay.cursor import Cursor
+from outbox_migrate.relay.cursor import Cursor, NoCursor
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
-from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.fencing import Fence, LeaseUnproven
+from outbox_migrate.relay.message import Message, MessageId, TextIdMessage
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
+from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
 from outbox_migrate.relay.sinks import Sink, SinkFactory
 from outbox_migrate.relay.switching import SourceState
 
+PAYLOAD_TYPES = ("jsonb", "json", "text", "bytea")
+"""Payload column types the relay sends as they are (bytea as UTF-8 text)."""
+
 log = logging.getLogger("outbox_migrate.relay")
 
 RELAY_APPLICATION_NAME = f"{APPLICATION_NAME} relay"
+MAX_ID_DIGITS = 20
+BUSY_POLL_CAP_S = 0.05
+"""An idle worker that could not raise the idle flag (a writer that saw the relay busy has not
+committed yet) looks again after linger, doubling up to this: the late-row bound."""
 ABANDON_GRACE_S = 2.0
 """After the shutdown timeout: how long abandoned workers get to roll back and exit."""
+REAP_MARGIN_S = 0.5
+"""Past the server's own idle-session bound (session timeout + poll interval) before the
+survivors end a silent shard holder themselves (`ShardLease.reap`)."""
 
 
 @dataclass
@@ -80,11 +93,37 @@ class _Abandoned(Exception):
 
 
 class _Waker:
-    """Wakes idle workers on NOTIFY or stop; a generation counter avoids lost wake-ups."""
+    """Wakes idle workers on NOTIFY or stop; a generation counter avoids lost wake-ups.
+
+    A notification's payload, when it is an id (the wake-up trigger's and the application
+    helpers' are), is kept per worker as the lowest id notified since that worker last looked:
+    a row below a worker's cursor is then claimed at once instead of at the next rescan.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._generation = 0
+        self._lows: dict[int, int] = {}
+        self._workers: set[int] = set()
+
+    def register(self, worker: int) -> None:
+        with self._cond:
+            self._workers.add(worker)
+
+    def notified(self, low: int) -> None:
+        with self._cond:
+            for worker in self._workers:
+                current = self._lows.get(worker)
+                self._lows[worker] = low if current is None else min(current, low)
+            self._generation += 1
+            self._cond.notify_all()
+
+    def take_low(self, worker: int) -> int | None:
+        """The lowest id notified since this worker's last call (None: none)."""
+        if not self._lows:  # unlocked peek: the common case costs no lock
+            return None
+        with self._cond:
+            return self._lows.pop(worker, None)
 
     @property
     def generation(self) -> int:
@@ -128,9 +167,15 @@ class Relay:
         self._abandon = threading.Event()
         self._waker = _Waker()
         self._columns: dict[str, queries.Columns] = {}
-        self._attempted: set[tuple[str, int]] = set()
+        self._text_ids = self.spec.id_kind == "application"
+        """Application ids (uuid, ULID) travel as text: claimed in order, no id cursor."""
+        self._id: Callable[[Any], MessageId] = str if self._text_ids else int
+        self._message: type[Message] = TextIdMessage if self._text_ids else Message
+        self._attempted: set[tuple[str, MessageId]] = set()
         """(source, id) of messages with a rejection counter in the attempts table."""
         self._attempts_lock = threading.Lock()
+        self._parking = Parking()
+        """Keys waiting for a rejected message (`--ordering key` only; see parking.py)."""
         self._conns: dict[int, Any] = {}
         self._fatal: BaseException | None = None
 
@@ -147,6 +192,8 @@ class Relay:
 
     def run(self) -> RelayStats:
         """Run the workers until `stop()` (or, with `until_empty`, until nothing is left)."""
+        library_logs.route()
+        self._check_sink()
         self._prepare()
         options = self.options
         log.info(
@@ -201,6 +248,12 @@ class Relay:
         for thread in late:
             thread.join(timeout=ABANDON_GRACE_S)
 
+    def _check_sink(self) -> None:
+        """Build one sink and close it: a configuration error (bad URL scheme, an option the
+        sink refuses, a missing client library) is a `RelayError` here, at start — one line,
+        exit 2 — rather than a worker failure, or an "outage" retried for ever, later."""
+        self._close_sink(self.sink_factory())
+
     def _prepare(self) -> None:
         """Check the tables and resolve optional columns once, before any worker starts."""
         from outbox_migrate.db import connect
@@ -226,13 +279,22 @@ class Relay:
         import psycopg
 
         schema, options = self.spec.schema, self.options
-        for create in (
-            queries.create_dead_letter(schema, options.dead_letter_table),
-            queries.create_attempts(schema, options.attempts_table),
+        for table, create in (
+            (options.dead_letter_table, queries.create_dead_letter),
+            (options.attempts_table, queries.create_attempts),
         ):
+            # Pre-created tables need no CREATE right: `CREATE TABLE IF NOT EXISTS` checks the
+            # privilege before it looks whether the table exists, so look first.
+            exists = conn.execute(queries.table_exists(), {"schema": schema, "table": table})
+            if exists.fetchone()[0]:
+                continue
             try:
-                conn.execute(create)
-            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+                conn.execute(create(schema, table, self._text_ids))
+            except (
+                psycopg.errors.UniqueViolation,
+                psycopg.errors.DuplicateTable,
+                psycopg.errors.DuplicateObject,  # the table's row type, on some versions
+            ):
                 pass  # another relay process created it at the same moment
             except psycopg.errors.InsufficientPrivilege as exc:
                 log.warning(
@@ -245,40 +307,96 @@ class Relay:
             rows = conn.execute(
                 queries.attempted_ids(schema, options.attempts_table), {"source": source.label}
             ).fetchall()
-            self._attempted.update((source.label, int(r[0])) for r in rows)
+            self._attempted.update((source.label, self._id(r[0])) for r in rows)
 
     def _resolve_columns(self, conn: Any, source: queries.Source) -> queries.Columns:
+        """The spec's column roles checked against the live table. A role left at its default
+        (`message_key`, `event_type`, `headers`) is used when the table has that column; one
+        configured by name must exist."""
         rows = conn.execute(
             queries.table_columns(), {"schema": source.schema, "table": source.mark_table}
         ).fetchall()
-        present = {str(r[0]) for r in rows}
-        if not present:
+        types = {str(r[0]): str(r[1]) for r in rows}
+        if not types:
             raise RelayError(f"table {source.label} does not exist")
-        required = [source.id_column, source.published_column, "payload", "created_at"]
-        missing = [c for c in required if c not in present]
+        spec, defaults = self.spec, OutboxSpec()
+        required = [source.id_column, source.published_column, spec.payload_column]
+        required += [spec.created_column] if spec.created_column else []
+        required += list(spec.metadata_columns)
+        missing = [c for c in required if c not in types]
         if missing:
-            raise RelayError(f"table {source.label} has no column(s) {', '.join(missing)}")
+            raise RelayError(
+                f"table {source.label} has no column(s) {', '.join(missing)}; name the "
+                "outbox's columns with the column-role settings (docs/configuration.md)"
+            )
 
-        def optional(given: str | None, default: str) -> str | None:
-            if given is not None:
-                if given not in present:
-                    raise RelayError(f"table {source.label} has no column {given!r}")
-                return given
-            return default if default in present else None
+        self._check_ids(source, types)
 
+        def optional(given: str | None, configured: str, default: str) -> str | None:
+            name = given if given is not None else configured
+            if not name:
+                return None
+            if name in types:
+                return name
+            if given is None and name == default:
+                return None
+            raise RelayError(f"table {source.label} has no column {name!r}")
+
+        headers = optional(None, spec.headers_column, defaults.headers_column)
+        if headers is not None and types[headers] not in ("jsonb", "json"):
+            raise RelayError(
+                f"{source.label}.{headers} is {types[headers]}; the headers column must be a "
+                'json or jsonb object (set headers_column = "" to ignore it)'
+            )
+        payload_type = types[spec.payload_column]
+        if payload_type not in PAYLOAD_TYPES:
+            raise RelayError(
+                f"{source.label}.{spec.payload_column} is {payload_type}; the payload must be "
+                f"one of {', '.join(PAYLOAD_TYPES)}"
+            )
         return queries.Columns(
-            event_type=optional(self.options.event_type_column, "event_type"),
-            key=optional(self.options.key_column, "message_key"),
+            event_type=optional(
+                self.options.event_type_column, spec.event_type_column, defaults.event_type_column
+            ),
+            key=optional(self.options.key_column, spec.key_column, defaults.key_column),
+            payload=spec.payload_column,
+            created_at=spec.created_column or None,
+            payload_type=payload_type,
+            headers=headers,
+            metadata=spec.metadata_columns,
         )
+
+    def _check_ids(self, source: queries.Source, types: dict[str, str]) -> None:
+        """The id kind configured must match the table's id column: integers are claimed by a
+        cursor over the id, application ids (uuid, ULID) as text in `order_column` order."""
+        id_type = types[source.id_column]
+        integer = id_type in ("bigint", "integer", "smallint")
+        if integer and self._text_ids:
+            raise RelayError(
+                f"{source.label}.{source.id_column} is {id_type} but id_kind = application; "
+                "remove id_kind (database ids are claimed by id)"
+            )
+        if not integer and not self._text_ids:
+            raise RelayError(
+                f"{source.label}.{source.id_column} is {id_type}: set id_kind = application "
+                "(and order_column, unless the ids sort by time as uuidv7 and ULID do)"
+            )
+        if source.order_column and source.order_column not in types:
+            raise RelayError(f"table {source.label} has no column {source.order_column!r}")
+        if source.order_column and self.options.ordering is Ordering.key:
+            raise RelayError(
+                "--ordering key with application ids needs them claimed by id (order_column "
+                "unset: uuidv7, ULID); a parked key compares ids"
+            )
 
     # -- the worker loop -------------------------------------------------------------------
 
     def _worker(self, index: int) -> None:
         _Worker(self, index).run()
 
-    def _idle_wait(self, generation: int) -> None:
+    def _idle_wait(self, generation: int, timeout_s: float | None = None) -> None:
         if not self._stop.is_set():
-            self._waker.wait(generation, self.options.poll_interval_s)
+            self._waker.wait(generation, timeout_s or self.options.poll_interval_s)
 
     def _backoff(self, failures: int) -> float:
         return backoff_s(
@@ -295,9 +413,17 @@ class Relay:
 
     def _publish(
         self, conn: Any, sink: Sink, source: queries.Source, batch: list[Message]
-    ) -> tuple[list[int], list[int], int | None, int]:
-        """Publish; returns (acknowledged ids, dead-lettered ids, lowest id to claim again,
-        the most attempts any message to claim again has had)."""
+    ) -> tuple[list[MessageId], list[MessageId], MessageId | None, int]:
+        """Publish; returns (acknowledged ids to mark, dead-lettered ids, lowest id to claim
+        again, the most attempts any message to claim again has had — the worker pauses by
+        it). With `--ordering key` a rejection parks its key instead (parking.py): no rewind,
+        no pause, later messages of that key wait while the others flow."""
+        parking = self._parking
+        if parking:  # only ever non-empty with key ordering
+            batch = parking.withhold(source.label, batch, now=time.monotonic())[0]
+            if not batch:  # every message waits for its key; others would have been sent
+                self._stop.wait(PARKED_BATCH_WAIT_S)  # no busy loop of rescans meanwhile
+                return [], [], None, 0
         try:
             sink.publish(batch)
         except MessagesRejected as exc:
@@ -308,17 +434,21 @@ class Relay:
                 with self._attempts_lock:
                     again = [m.id for m in batch if (label, m.id) in self._attempted]
                 self._forget_attempts(conn, source, again)
-            return [m.id for m in batch], [], None, 0
+            acked = [m.id for m in batch]
+            if parking:
+                parking.settle(source.label, batch, {}, acked, now=time.monotonic(),
+                               backoff=self._backoff)  # fmt: skip
+            return acked, [], None, 0
         self.stats.add(rejected=len(rejected))
         self.observer.failed("rejected", len(rejected))
         schema, options = self.spec.schema, self.options
         refused = [m for m in batch if m.id in rejected]
         counted = conn.execute(
-            queries.count_attempts(schema, options.attempts_table),
+            queries.count_attempts(schema, options.attempts_table, self._text_ids),
             {"source": source.label, "ids": [m.id for m in refused],
              "errors": [rejected[m.id][:2000] for m in refused]},
         ).fetchall()  # fmt: skip
-        attempts = {int(r[0]): int(r[1]) for r in counted}
+        attempts = {self._id(r[0]): int(r[1]) for r in counted}
         dead = [m for m in refused if attempts[m.id] >= options.max_attempts]
         for message in dead:
             self._dead_letter(conn, source, message, attempts[message.id], rejected[message.id])
@@ -329,10 +459,17 @@ class Relay:
             self._attempted.update((source.label, i) for i in retry)
         self._forget_attempts(conn, source, [m.id for m in dead] + again)
         log.warning("relay.rejected count=%d dead_lettered=%d", len(rejected), len(dead))
+        dead_ids = [m.id for m in dead]
+        if options.ordering is Ordering.key:
+            held = parking.settle(
+                source.label, batch, {i: attempts[i] for i in retry}, set(acked) | set(dead_ids),
+                now=time.monotonic(), backoff=self._backoff,
+            )  # fmt: skip
+            return [i for i in acked if i not in held], dead_ids, None, 0
         most = max((attempts[i] for i in retry), default=0)
-        return acked, [m.id for m in dead], (min(retry) if retry else None), most
+        return acked, dead_ids, (min(retry) if retry else None), most
 
-    def _forget_attempts(self, conn: Any, source: queries.Source, ids: list[int]) -> None:
+    def _forget_attempts(self, conn: Any, source: queries.Source, ids: list[MessageId]) -> None:
         """Published or dead-lettered: their rejection counters go, in the same transaction."""
         if not ids:
             return
@@ -340,7 +477,7 @@ class Relay:
             for i in ids:
                 self._attempted.discard((source.label, i))
         conn.execute(
-            queries.forget_attempts(self.spec.schema, self.options.attempts_table),
+            queries.forget_attempts(self.spec.schema, self.options.attempts_table, self._text_ids),
             {"source": source.label, "ids": ids},
         )
 
@@ -357,7 +494,7 @@ class Relay:
             },
         )  # fmt: skip
         self.stats.add(dead_lettered=1)
-        log.warning("relay.dead_lettered id=%d attempts=%d", message.id, attempts)
+        log.warning("relay.dead_lettered id=%s attempts=%d", message.id, attempts)
 
     # -- helpers threads ------------------------------------------------------------------
 
@@ -375,8 +512,12 @@ class Relay:
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.options.channel)))
                     failures = 0
                     while not self._stop.is_set():
-                        for _ in conn.notifies(timeout=0.5, stop_after=1):
-                            self._waker.wake()
+                        for note in conn.notifies(timeout=0.5, stop_after=1):
+                            low = _payload_id(note.payload)
+                            if low is None:
+                                self._waker.wake()
+                            else:
+                                self._waker.notified(low)
             except _connection_errors(ConnectError):
                 self._stop.wait(self._backoff(failures))
                 failures += 1
@@ -422,6 +563,13 @@ def _connection_errors(*more: type[BaseException]) -> tuple[type[BaseException],
     return (psycopg.OperationalError, psycopg.InterfaceError, *more)
 
 
+def _payload_id(payload: str) -> int | None:
+    """The id a notification carries, if it carries one (other payloads just wake)."""
+    if payload.isdigit() and len(payload) < MAX_ID_DIGITS:
+        return int(payload)
+    return None
+
+
 def _serialization_errors() -> type[BaseException]:
     import psycopg
 
@@ -446,9 +594,16 @@ class _Worker:
             key=f"{queries.ADVISORY_NAMESPACE}:{table.label}",
             shards=options.shard_count,
             home=home_shards(index, options.workers, options.shard_count),
+            reap_after_s=(
+                options.dead_session_s + options.poll_interval_s + REAP_MARGIN_S
+                if options.dead_session_s > 0
+                else None
+            ),
         )
         self.conn: Any = None
-        self.rendered: dict[tuple[str, bool], tuple[bytes, bytes]] = {}
+        self.rendered: dict[tuple[str, bool], tuple[bytes, bytes, bytes]] = {}
+        self.pipeline: Any = None
+        """The session's pipeline while a run of batches is in flight (`_publish_run`)."""
         """Claim and mark statements rendered for this session (see `_statements`)."""
         self.generation = 0
         """The waker's generation when the last claim was sent: an idle wait after an empty
@@ -457,12 +612,25 @@ class _Worker:
         self.failures = 0
         self.pause_s = 0.0
         """Wait before the next claim: the sink rejected messages that are to be retried."""
-        self.cursor = Cursor(
-            shards=options.shard_count,
-            mine=[],
-            track_gaps=options.ordering is not Ordering.key,
-            now=time.monotonic(),
+        self.fence = Fence(options.dead_session_s, options.sink_timeout_s)
+        """Whether a batch may still be handed to the sink (relay/fencing.py)."""
+        self.cursor: Cursor = (
+            NoCursor(now=time.monotonic())
+            if relay._text_ids
+            else Cursor(
+                shards=options.shard_count,
+                mine=[],
+                track_gaps=options.ordering is not Ordering.key,
+                now=time.monotonic(),
+            )
         )
+        self.idle_key: str | None = None
+        """The idle flag this session holds (see relay/notify.py), or None."""
+        self.idle_sleeping = False
+        """The flag was raised and the confirming claim came back empty: the worker sleeps."""
+        self.busy_polls = 0
+        self.uses_flag = options.listen and not options.until_empty
+        relay._waker.register(index)
 
     def run(self) -> None:
         relay = self.relay
@@ -498,12 +666,16 @@ class _Worker:
         relay = self.relay
         try:
             return self._step()
+        except LeaseUnproven as exc:
+            relay.observer.failed("fenced")
+            log.warning("relay.fenced worker=%d %s", self.index, exc)
         except SinkUnavailable as exc:
             relay.stats.add(sink_failures=1)
             relay.observer.failed("sink")
             log.warning("relay.sink_unavailable worker=%d %s", self.index, exc)
             relay._close_sink(self.sink)
             self.sink = None
+            self._step_out()
             self._back_off()
         except _serialization_errors():
             # Another claimer moved a row we were about to lock (see queries.py). Checked
@@ -522,6 +694,16 @@ class _Worker:
             self._back_off()
         return False
 
+    def _step_out(self) -> None:
+        """The broker is out of reach: let the other relays serve this worker's shards while
+        it backs off (it rejoins at its next lease check)."""
+        if self.conn is None or self.conn.closed:
+            return
+        try:
+            self.lease.step_out(self.conn)
+        except _connection_errors():  # the session is gone: so are its locks
+            log.debug("relay.step_out_failed", exc_info=True)
+
     def _back_off(self) -> None:
         self.relay._stop.wait(self.relay._backoff(self.failures))
         self.failures += 1
@@ -531,7 +713,14 @@ class _Worker:
 
         relay, options, lease = self.relay, self.relay.options, self.lease
         if self.conn is None:
-            self.conn = connect(relay.dsn, application_name=relay.application_name)
+            timeout_s = options.dead_session_s
+            self.conn = connect(
+                relay.dsn,
+                application_name=relay.application_name,
+                params=keepalive.libpq_params(timeout_s),
+            )
+            keepalive.configure_session(self.conn, timeout_s, options.poll_interval_s)
+            self.fence.lost()
             # The planner cannot know that `mod(id, n) = ANY(mine)` keeps 1/n of the rows; it
             # guesses 0.5 % and picks "scan the whole partition, then sort" over walking the
             # id index — 40 ms instead of 0.5 ms per claim at 100k rows. Every statement of
@@ -540,11 +729,15 @@ class _Worker:
             self.rendered.clear()
             relay._conns[self.index] = self.conn
             lease.lost()
+            self.idle_key, self.idle_sleeping = None, False  # session locks die with it
         if self.sink is None:
             self.sink = relay.sink_factory()
         now = time.monotonic()
+        checks = lease.checks
         if lease.maintain(self.conn, now=now):
             self.cursor.reset(lease.mine(), now)
+        if lease.checks != checks:
+            relay.observer.lease_checked(self.index, len(lease.owned))
         if not lease.owned:
             if options.until_empty and (
                 not lease.home or lease.checks >= UNTIL_EMPTY_PATIENCE_CHECKS
@@ -557,9 +750,10 @@ class _Worker:
             relay._stop.wait(pause)
             return False
         source = relay.state.current
-        empty_after = self._publish_run(source, self.cursor.start(now))
+        empty_after = self._publish_run(source)
         self.failures = 0
         if empty_after is None:
+            self.busy_polls = 0
             return False  # stopped, rebalance due or source switched: back to the top
         after = empty_after
         switching_from_flat = relay.state.mode is Mode.switching and source is relay.state.flat
@@ -572,12 +766,55 @@ class _Worker:
             return False
         if options.until_empty and relay._nothing_left(self.conn):
             return True
-        relay._idle_wait(self.generation)
+        keepalive.arm_idle_timeout(self.conn)
+        self._idle(source)
         return False
+
+    def _idle(self, source: queries.Source) -> None:
+        """Nothing to claim: sleep until a notification or the poll interval — with the idle
+        flag up, so the wake-up trigger notifies (relay/notify.py)."""
+        relay = self.relay
+        if self.cursor.due():
+            return  # a claim below the cursor is due (a late row may be visible): no sleep
+        if self.uses_flag and not self.idle_sleeping:
+            if self.idle_key is not None:
+                # The flag is up and the claim after raising it found nothing: now sleep.
+                self.idle_sleeping = True
+            elif self._raise_idle_flag(source):
+                return  # claim once more with the flag up, then sleep
+            else:
+                # A writer that saw the relay busy has not committed yet (it holds the flag's
+                # lock shared and will not notify), or another worker holds the flag: look
+                # again soon rather than at the poll interval.
+                self.busy_polls += 1
+                relay._idle_wait(self.generation, self._busy_poll_s())
+                return
+        relay._idle_wait(self.generation)
+
+    def _raise_idle_flag(self, source: queries.Source) -> bool:
+        key = notify.idle_key(source.label)
+        row = self.conn.execute(queries.try_idle_lock(), {"key": key}).fetchone()
+        if row and row[0]:
+            self.idle_key, self.idle_sleeping, self.busy_polls = key, False, 0
+            # Every writer that saw the relay busy has committed (they held the lock shared):
+            # the confirming claim must reach their rows below the cursor too (cursor.confirm).
+            self.cursor.confirm()
+            return True
+        return False
+
+    def _lower_idle_flag(self) -> None:
+        """Queue the flag's release (pipeline): a claiming relay needs no notifications."""
+        if self.idle_key is not None:
+            self.conn.execute(queries.idle_unlock(), {"key": self.idle_key})
+            self.idle_key, self.idle_sleeping = None, False
+
+    def _busy_poll_s(self) -> float:
+        linger = max(self.relay.options.linger_s, 0.001)
+        return float(min(linger * 2 ** min(self.busy_polls, 16), BUSY_POLL_CAP_S))
 
     # -- the hot path: batches back to back, one round trip each ------------------------
 
-    def _statements(self, source: queries.Source) -> tuple[bytes, bytes, bool]:
+    def _statements(self, source: queries.Source) -> tuple[bytes, bytes, bytes, bool]:
         """Claim and mark of `source`, rendered once per session and shard layout.
 
         A worker that owns every shard (the usual single worker) claims without the shard
@@ -594,25 +831,61 @@ class _Worker:
                 sharded=sharded,
                 by_key=relay.options.ordering is Ordering.key,
             )
-            rendered = (claim.as_bytes(self.conn), queries.mark(source).as_bytes(self.conn))
+            rendered = (
+                claim.as_bytes(self.conn),
+                queries.probe(source, relay._columns[source.label]).as_bytes(self.conn),
+                queries.mark(source).as_bytes(self.conn),
+            )
             self.rendered[key] = rendered
-        return rendered[0], rendered[1], sharded
+        return rendered[0], rendered[1], rendered[2], sharded
 
-    def _claim(self, statement: bytes, sharded: bool, after: int) -> list[Any]:
-        """Queue BEGIN and the claim, send everything queued, return the claimed rows."""
-        params: dict[str, Any] = {"after": after, "limit": self.relay.options.batch_size}
+    def _claim(self, claim: bytes, probe: bytes, sharded: bool) -> tuple[list[Any], int, int]:
+        """Queue BEGIN and the claim, send everything queued, return the claimed rows, the
+        `after` the range claim started from and how many rows that range claim returned.
+
+        When the cursor's gap probe is due, the remembered gaps are claimed by id in the same
+        transaction and round trip, ahead of the range claim (they are all below it).
+        """
+        relay, cursor, conn = self.relay, self.cursor, self.conn
+        low = relay._waker.take_low(self.index)
+        if low is not None:
+            cursor.notified(low)
+        if self.idle_sleeping:
+            self._lower_idle_flag()  # woken: claiming now, writers need not notify
+        now = time.monotonic()
+        after = cursor.start(now)
+        gaps = cursor.probe(now) if after >= cursor.frontier else None
+        params: dict[str, Any] = {"after": after, "limit": relay.options.batch_size}
         if sharded:
             params.update(shards=self.lease.count, mine=self.lease.mine())
-        self.generation = self.relay._waker.generation
+        self.generation = relay._waker.generation
         started = time.monotonic()
-        self.conn.execute(b"BEGIN")
-        rows: list[Any] = self.conn.execute(statement, params).fetchall()
+        conn.execute(b"BEGIN")
+        late = conn.execute(probe, {"ids": gaps}) if gaps else None
+        claimed = conn.execute(claim, params)
+        # While ids below the cursor are unaccounted for, read the horizon after the claim.
+        horizon = conn.execute(_HORIZON) if cursor.wants_horizon() else None
+        # A Sync after the claim: the server only starts its idle-in-transaction timer after
+        # a Sync, so without one a relay paused mid-batch would keep its session (and shards)
+        # for good. It travels in the same network write as the claim.
+        self.pipeline.sync()
+        rows: list[Any] = claimed.fetchall()
+        self.fence.proven(started)
+        ranged = len(rows)
+        if late is not None:
+            found = late.fetchall()
+            if found:
+                found.sort(key=_ID)
+                rows = found + rows
         if after == 0:
             now = time.monotonic()
-            self.cursor.rescanned(now - started, now)
-        return rows
+            cursor.rescanned(now - started, now)
+        if horizon is not None:
+            xmin, xmax = horizon.fetchone()
+            cursor.horizon(int(xmin), int(xmax), time.monotonic())
+        return rows, after, ranged
 
-    def _publish_run(self, source: queries.Source, after: int) -> int | None:
+    def _publish_run(self, source: queries.Source) -> int | None:
         """Claim → publish → mark, batch after batch, until a claim comes back empty (returns
         the `after` it started from) or the worker must look up (stop, rebalance, switch:
         returns None).
@@ -625,15 +898,21 @@ class _Worker:
         arrive (results come back in order), or at the pipeline's final sync. When the next
         claim fails (SQLSTATE 40001, a lost connection), the COMMIT before it already
         happened or not — its own result says which.
+
+        Linger: after a claim that did not fill a batch, the COMMIT is sent on its own and the
+        next claim waits until `linger_s` after the previous one was sent. Steady traffic then
+        costs one batch per linger period instead of one per message (see docs/relay.md).
         """
         relay, conn, cursor, sink = self.relay, self.conn, self.cursor, self.sink
         assert sink is not None  # built by _step before any claim
-        claim, mark, sharded = self._statements(source)
+        claim, probe, mark, sharded = self._statements(source)
+        batch_size, linger = relay.options.batch_size, relay.options.linger_s
         committed: _Commit | None = None
         try:
-            with conn.pipeline():
+            with conn.pipeline() as self.pipeline:
                 started = time.perf_counter()
-                rows = self._claim(claim, sharded, after)
+                sent = time.monotonic()
+                rows, after, ranged = self._claim(claim, probe, sharded)
                 while True:
                     if committed is not None:
                         self._count(committed)
@@ -641,7 +920,9 @@ class _Worker:
                     if not rows:
                         conn.execute(b"ROLLBACK")
                         return after
-                    batch = list(map(Message._make, map(_MESSAGE_COLUMNS, rows)))
+                    self._lower_idle_flag()  # if raised: the claim after raising it found rows
+                    batch = _messages(rows, relay._message)
+                    self.fence.check(time.monotonic())
                     acked, dead, retry_from, attempts = relay._publish(conn, sink, source, batch)
                     if relay._abandon.is_set():
                         raise _Abandoned
@@ -649,11 +930,7 @@ class _Worker:
                     cursor.claimed(after, [m.id for m in batch], now)
                     if retry_from is not None:
                         cursor.retry_from(retry_from)
-                    tids = _tids_to_mark(rows, acked, dead)
-                    if tids:
-                        # An array literal: psycopg's list dumper costs more than the mark.
-                        conn.execute(mark, {"tids": '{"' + '","'.join(tids) + '"}'})
-                    committed = _Commit(len(acked), started, conn.execute(b"COMMIT"))
+                    committed = self._mark_and_commit(mark, rows, acked, dead, started)
                     relay.observer.heartbeat(self.index)
                     if attempts:
                         # Rejected messages are claimed again after a backoff that grows with
@@ -663,9 +940,15 @@ class _Worker:
                         break
                     if relay.stopping or self.lease.due(now) or relay.state.current is not source:
                         break
-                    after = cursor.start(now)
+                    if ranged < batch_size and linger > 0:
+                        # A small batch: commit it now, and give the next one time to fill.
+                        self._linger(self.pipeline, committed, sent + linger)
+                        committed = None
+                        if relay.stopping:
+                            break
                     started = time.perf_counter()
-                    rows = self._claim(claim, sharded, after)
+                    sent = time.monotonic()
+                    rows, after, ranged = self._claim(claim, probe, sharded)
         except BaseException:
             if committed is not None and committed.succeeded:
                 self._count(committed)
@@ -674,6 +957,31 @@ class _Worker:
         if committed is not None:
             self._count(committed)
         return None
+
+    def _mark_and_commit(
+        self,
+        mark: bytes,
+        rows: list[Any],
+        acked: list[MessageId],
+        dead: list[MessageId],
+        started: float,
+    ) -> _Commit:
+        """Queue the mark of the acknowledged and dead-lettered rows, and the COMMIT."""
+        tids = _tids_to_mark(rows, acked, dead)
+        if tids:
+            # An array literal: psycopg's list dumper costs more than the mark.
+            self.conn.execute(mark, {"tids": '{"' + '","'.join(tids) + '"}'})
+        return _Commit(len(acked), started, self.conn.execute(b"COMMIT"))
+
+    def _linger(self, pipeline: Any, committed: _Commit, until: float) -> None:
+        """Send the COMMIT now (no row locks or snapshot held while waiting), count the batch,
+        then wait until `until` (or a stop)."""
+        pipeline.sync()
+        if committed.succeeded:
+            self._count(committed)
+        wait = until - time.monotonic()
+        if wait > 0:
+            self.relay._stop.wait(wait)
 
     def _count(self, commit: _Commit) -> None:
         relay = self.relay
@@ -695,10 +1003,24 @@ class _Worker:
             log.debug("relay.rollback_failed", exc_info=True)
 
 
+_HORIZON = queries.horizon().as_string().encode()
 _MESSAGE_COLUMNS = operator.itemgetter(slice(0, queries.CLAIM_CTID_COLUMN))
+_ID = operator.itemgetter(0)
 
 
-def _tids_to_mark(rows: list[Any], acked: list[int], dead: list[int]) -> list[str]:
+def _messages(rows: list[Any], message: type[Message] = Message) -> list[Message]:
+    """The claimed rows as `Message`s; the extra headers (a text[][] of [name, value]) only
+    when the claim selected them, so an outbox without metadata pays nothing for them."""
+    if len(rows[0]) <= queries.CLAIM_HEADERS_COLUMN:
+        return list(starmap(message, map(_MESSAGE_COLUMNS, rows)))
+    at = queries.CLAIM_HEADERS_COLUMN
+    return [
+        message(r[0], r[1], r[2], r[3], r[4], r[5], tuple((k, v) for k, v in r[at] or ()))
+        for r in rows
+    ]
+
+
+def _tids_to_mark(rows: list[Any], acked: list[MessageId], dead: list[MessageId]) -> list[str]:
     """The ctids of the claimed rows that are acknowledged or dead-lettered."""
     at = queries.CLAIM_CTID_COLUMN
     if len(acked) == len(rows):

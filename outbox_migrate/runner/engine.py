@@ -12,6 +12,7 @@ import signal
 import time
 import zlib
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -20,19 +21,33 @@ from psycopg.pq import TransactionStatus
 
 from outbox_migrate.config import Settings
 from outbox_migrate.db import connect, one_line
-from outbox_migrate.errors import SchemaError, UsageError
+from outbox_migrate.errors import ConnectionLost, SchemaError, UsageError
 from outbox_migrate.patterns import BuildOptions, build_pattern
-from outbox_migrate.patterns.model import Condition, LockMode, Pattern, Step, TxMode
-from outbox_migrate.runner import ledger
+from outbox_migrate.patterns.model import (
+    Condition,
+    LockMode,
+    Pattern,
+    PublicationFact,
+    Step,
+    TxMode,
+)
+from outbox_migrate.runner import ledger, ownership
+from outbox_migrate.runner.admission import admit, ledger_exists
+from outbox_migrate.runner.checks import (
+    before_transaction,
+    check_conditions,
+    under_lock,
+    violations,
+)
 from outbox_migrate.runner.decide import (
     Action,
     action_for,
     completed_phase,
     phase_index,
-    steps_to_reverse,
     steps_to_run,
 )
 from outbox_migrate.runner.errors import (
+    LockBudgetExceeded,
     LongTransactionsPresent,
     OutOfOrder,
     PreconditionFailed,
@@ -41,9 +56,11 @@ from outbox_migrate.runner.errors import (
     VerifyFailed,
 )
 from outbox_migrate.runner.events import RunnerEvents, SilentEvents
+from outbox_migrate.runner.executors import executor_for
 from outbox_migrate.runner.locks import (
     AttemptLog,
     LockBudget,
+    lock_declared,
     long_transactions,
     run_with_lock_budget,
 )
@@ -58,6 +75,21 @@ def _fault(step_id: str, point: str) -> None:
     wanted = os.environ.get(FAULT_ENV)
     if wanted and wanted == f"{step_id}@{point}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+CONNECTION_SQLSTATES = ("08", "57P01", "57P02", "57P03")
+"""Connection exceptions and server shutdowns: the session is gone, not the statement."""
+
+
+def connection_lost(exc: BaseException, conn: psycopg.Connection[Any] | None) -> bool:
+    """True when `exc` means the session is gone (server restart, terminated backend,
+    network), as opposed to the statement failing on a live session."""
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = getattr(exc, "sqlstate", None) or ""
+    if state.startswith(CONNECTION_SQLSTATES):
+        return True
+    return conn is not None and conn.closed
 
 
 @dataclass
@@ -100,13 +132,18 @@ class Runner:
                 include_optional=include_optional,
             ),
         )
+        self._publications: tuple[PublicationFact, ...] = ()
         self.events: RunnerEvents = events or SilentEvents()
         self.on_long_tx = on_long_tx
         self.copy_back_options = copy_back_options
         self._conn: psycopg.Connection[Any] | None = None
         self._locked = False
         self._borrowed = False
-        self._job_dsn: str | None = dsn
+        self.job_dsn: str | None = dsn
+        self.step_started_at: datetime | None = None
+        self.watch_blockers = True
+        """Watch a known conflicting lock holder instead of queueing behind it (False only to
+        measure the 0.1 behaviour in bench/lock_wait.py)."""
 
     @classmethod
     def attached(
@@ -130,17 +167,38 @@ class Runner:
         runner = cls("", settings, pattern, include_optional=include_optional, events=events)
         runner._conn = conn
         runner._borrowed = True
-        runner._job_dsn = None  # the copy-back job's adaptive throttle needs its own DSN
+        runner.job_dsn = None  # the copy-back job's adaptive throttle needs its own DSN
         return runner
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def __enter__(self) -> Runner:
-        if self._borrowed:
-            return self
-        self._conn = connect(self.dsn)
-        ledger.ensure_schema(self._conn)
+        if not self._borrowed:
+            # The ledger schema is created by the first command that writes to it, after the
+            # admission check (`_open`): refused input leaves the database exactly as it was.
+            self._conn = connect(self.dsn)
+        self._adopt_publications()
         return self
+
+    def _adopt_publications(self) -> None:
+        """Every command (run, status, reverse, Alembic's ops) sees the same steps: the CDC
+        step exists only when a publication covers the old table, which only the live
+        database knows."""
+        from outbox_migrate.introspect import migration_publications
+
+        publications = migration_publications(self.conn, self.spec)
+        if publications:
+            self._publications = publications
+            self.pattern = build_pattern(
+                self._pattern_name,
+                self.spec,
+                BuildOptions(
+                    sample_window_s=self.settings.gate_window_s,
+                    old_app_name=self.settings.old_app_name,
+                    include_optional=self._include_optional,
+                    publications=publications,
+                ),
+            )
 
     def __exit__(self, *exc: object) -> None:
         if self._borrowed:
@@ -206,18 +264,10 @@ class Runner:
     # -- queries ----------------------------------------------------------------------------
 
     def _violations(self, conditions: tuple[Condition, ...] | list[Condition]) -> list[str]:
-        found: list[str] = []
-        for condition in conditions:
-            rows = self.conn.execute(condition.query).fetchall()
-            found.extend(str(r[0]) for r in rows)
-        return found
+        return violations(self.conn, conditions)
 
-    def _check(self, step: Step, conditions: tuple[Condition, ...]) -> None:
-        for condition in conditions:
-            rows = self.conn.execute(condition.query).fetchall()
-            if rows:
-                more = f" (+{len(rows) - 1} more)" if len(rows) > 1 else ""
-                raise PreconditionFailed(step.id, condition.name, f"{rows[0][0]}{more}")
+    def _check(self, step: Step, conditions: tuple[Condition, ...], label: str = "") -> None:
+        check_conditions(self.conn, label or step.id, conditions)
 
     def _identity_generation(self) -> str:
         """ALWAYS or BY DEFAULT: how the old table's id was generated, so that reversing DROP
@@ -234,8 +284,14 @@ class Runner:
         return ledger.recorded_identity_generation(self.conn, self.spec) or "ALWAYS"
 
     def _adopt_identity_generation(self) -> str:
+        """Rebuild the pattern from what the live database says: the old id's generation and
+        the publications covering the old table (CDC users' conditional step)."""
+        from outbox_migrate.introspect import migration_publications
+
         generation = self._identity_generation()
-        if generation != "ALWAYS":
+        publications = migration_publications(self.conn, self.spec)
+        self._publications = publications
+        if generation != "ALWAYS" or publications:
             self.pattern = build_pattern(
                 self._pattern_name,
                 self.spec,
@@ -244,13 +300,21 @@ class Runner:
                     old_app_name=self.settings.old_app_name,
                     include_optional=self._include_optional,
                     identity_generation=generation,
+                    publications=publications,
                 ),
             )
         return generation
 
-    def _open(self) -> ledger.MigrationRow:
-        # A wrong --table must not leave a migration record behind for a table that is not
-        # there: refuse before the ledger is touched (one line, exit 2, like `plan`).
+    def _existing_rows(self) -> dict[str, ledger.StepRow]:
+        """The ledger rows of this table's migration with this pattern, read-only (empty when
+        there is none, or no ledger at all yet)."""
+        migration = self._latest()
+        return self._rows(migration) if migration is not None else {}
+
+    def _open(self, to_phase: str | None = None) -> ledger.MigrationRow:
+        """Admit, then find or start the migration record. Everything that can refuse — a
+        wrong --table, a blocker `plan` reports, another pattern's migration, a phase out of
+        order — refuses before the ledger is written (one line, exit 2, like `plan`)."""
         found = self.conn.execute(
             "SELECT to_regclass(%s)",
             (sql.Identifier(self.spec.schema, self.spec.table).as_string(None),),
@@ -260,9 +324,28 @@ class Runner:
                 f"table {self.table_label} does not exist in database "
                 f"{self.conn.info.dbname!r}; check --schema/--table (outbox-migrate config)"
             )
+        # The admission reads the table (introspection); under the lock budget like a step,
+        # so a session holding ACCESS EXCLUSIVE on it is named instead of waited on for ever.
+        run_with_lock_budget(
+            self.conn, f"{self.pattern.name} admission",
+            LockBudget(self.settings.lock_timeout_ms, self.settings.lock_budget_s, None),
+            lambda conn: admit(conn, self.spec, self.pattern.name),
+            relations=[(self.spec.table, LockMode.ACCESS_SHARE)], schema=self.spec.schema,
+            watch_blockers=self.watch_blockers,
+        )  # fmt: skip
+        if to_phase is not None:
+            steps_to_run(self.pattern, self._existing_rows(), to_phase)
+        if not self._borrowed:
+            ledger.ensure_schema(self.conn)
         generation = self._adopt_identity_generation()
         migration = ledger.open_migration(
-            self.conn, self.pattern, self.spec, {"identity_generation": generation}
+            self.conn,
+            self.pattern,
+            self.spec,
+            {
+                "identity_generation": generation,
+                "publications": ledger.publications_json(self._publications),
+            },
         )
         ledger.sync_steps(self.conn, migration, self.pattern)
         return migration
@@ -275,7 +358,7 @@ class Runner:
     def run(self, to_phase: str) -> RunResult:
         """Run every pending step through the end of `to_phase`, then stop at that boundary."""
         self.acquire()
-        migration = self._open()
+        migration = self._open(to_phase)
         rows = self._rows(migration)
         pending = steps_to_run(self.pattern, rows, to_phase)
         result = RunResult(self.pattern.name, to_phase)
@@ -327,8 +410,11 @@ class Runner:
             row = rows.get(earlier.id)
             if row is not None and row.state == "done":
                 continue
-            undone = any(later.kind in earlier.undone_by for later in before[index + 1 :])
-            if undone:  # its effect is gone on purpose; the undoing step is proven below
+            undoers = [later for later in before[index + 1 :] if later.kind in earlier.undone_by]
+            if any(self._done_or_proven(later, rows) for later in undoers):
+                # Its effect is gone on purpose: a later step that undoes it is done (in the
+                # ledger, or proven by its postcondition — offline SQL). Never on the mere
+                # presence of that step in the pattern: a step not yet applied undoes nothing.
                 ledger.mark(self.conn, migration.id, earlier.id, "done")
                 result.adopted.append(earlier.id)
                 continue
@@ -344,32 +430,18 @@ class Runner:
         self._execute(migration, step, rows.get(step.id), result)
         return self._finish(migration, result, step.phase)
 
+    def _done_or_proven(self, step: Step, rows: dict[str, ledger.StepRow]) -> bool:
+        row = rows.get(step.id)
+        if row is not None and row.state == "done":
+            return True
+        return bool(step.postcondition) and not self._violations(step.postcondition)
+
     def reverse_step(self, step_id: str) -> bool:
         """Undo one step (its `reverse`), newest first like `rollback`. False when it was
         never applied (nothing to undo); `OutOfOrder` when it cannot be reversed."""
-        step = self.step(step_id)
-        if step.reverse is None:
-            raise OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
-        self.acquire()
-        migration = ledger.latest(self.conn, self.spec, self.pattern.name)
-        rows = self._rows(migration) if migration is not None else {}
-        steps = self.pattern.steps()
-        later = steps[steps.index(step) + 1 :]
-        ahead = [s.id for s in later if s.id in rows and rows[s.id].state == "done"]
-        if ahead:
-            raise OutOfOrder(f"roll back {ahead[-1]} before {step.id}")
-        recorded = step.id in rows and rows[step.id].state == "done"
-        if not recorded and not (step.postcondition and not self._violations(step.postcondition)):
-            return False
-        self._check(step, step.reverse_preconditions)
-        self.events.step_started(step, "reverse")
-        started = time.monotonic()
-        self._run_reverse(migration.id if migration is not None else None, step)
-        if migration is not None:
-            reached = completed_phase(self.pattern, self._rows(migration))
-            ledger.set_phase(self.conn, migration.id, reached, "active")
-        self.events.step_finished(step, "rolled back", time.monotonic() - started)
-        return True
+        from outbox_migrate.runner.reverse import reverse_one
+
+        return reverse_one(self, step_id)
 
     def _finish(self, migration: ledger.MigrationRow, result: RunResult, target: str) -> RunResult:
         rows = self._rows(migration)
@@ -392,9 +464,10 @@ class Runner:
         self, migration: ledger.MigrationRow, step: Step, row: ledger.StepRow | None,
         result: RunResult,
     ) -> None:  # fmt: skip
+        executor = executor_for(step)
         holds: bool | None = None  # the ledger's "done" needs no catalog query
         if step.postcondition and (row is None or row.state != "done"):
-            holds = not self._violations(step.postcondition)
+            holds = executor.proven(self, step)
         action = action_for(step, row, holds)
         self.events.step_started(step, action.value)
         started = time.monotonic()
@@ -402,19 +475,32 @@ class Runner:
             result.skipped.append(step.id)
             return
         if action is Action.ADOPT:
-            ledger.mark(self.conn, migration.id, step.id, "done")
+            # Adopting is the one way a migration takes an object it did not create in this
+            # run: only when no live migration owns it (recorded by OID).
+            with self.conn.transaction():
+                origin = ownership.check_adoptable(self.conn, migration.id, step, self.spec)
+                ownership.record(self.conn, migration.id, step, self.spec, origin)
+                ledger.mark(self.conn, migration.id, step.id, "done")
             result.adopted.append(step.id)
             self.events.step_finished(step, "adopted", time.monotonic() - started)
             return
-        self._check(step, step.preconditions)
-        self._preflight(step)
-        ledger.mark(self.conn, migration.id, step.id, "running", started=True)
-        _fault(step.id, "before")
+        self.step_started_at = datetime.now(UTC)
         try:
-            waited_ms = self._apply(migration, step)
-        except (StepFailed, PreconditionFailed):
+            self._check(step, before_transaction(step))
+            self._preflight(step)
+            _fault(step.id, "before")
+            waited_ms = executor.apply(self, migration, step)
+        except PreconditionFailed as exc:
+            self._record_refusal(migration, step, str(exc))
+            raise
+        except StepFailed:
+            raise
+        except (LockBudgetExceeded, LongTransactionsPresent) as exc:
+            ledger.mark(self.conn, migration.id, step.id, "failed", error=str(exc)[:500])
             raise
         except psycopg.Error as exc:
+            if connection_lost(exc, self._conn):
+                raise ConnectionLost(f"step {step.id}", one_line(str(exc), self.dsn)) from None
             message = one_line(str(exc), self.dsn)
             if isinstance(exc, errors.QueryCanceled) and step.catalog_only:
                 message += (
@@ -424,7 +510,8 @@ class Runner:
             ledger.mark(self.conn, migration.id, step.id, "failed", error=message)
             raise StepFailed(step.id, message) from None
         except Exception as exc:
-            ledger.mark(self.conn, migration.id, step.id, "failed", error=str(exc)[:500])
+            if self._conn is not None and not self._conn.closed:
+                ledger.mark(self.conn, migration.id, step.id, "failed", error=str(exc)[:500])
             raise
         _fault(step.id, "after-commit")
         result.ran.append(step.id)
@@ -435,6 +522,16 @@ class Runner:
                 (waited_ms, migration.id, step.id),
             )
         self.events.step_finished(step, "done", time.monotonic() - started)
+
+    def _record_refusal(self, migration: ledger.MigrationRow, step: Step, message: str) -> None:
+        """A refused step stays pending (it did nothing), with the reason for `status`."""
+        if self._conn is None or self._conn.closed:
+            return
+        from psycopg.pq import TransactionStatus
+
+        if self.conn.info.transaction_status is TransactionStatus.INERROR:
+            return  # inside a borrowed (Alembic) transaction that is aborting anyway
+        ledger.mark(self.conn, migration.id, step.id, "pending", error=message[:500])
 
     def _preflight(self, step: Step) -> None:
         """Before ACCESS EXCLUSIVE: report (or refuse on) long or idle-in-transaction
@@ -451,7 +548,7 @@ class Runner:
         for blocker in longs:
             self.events.warning(
                 step, f"long transaction holds a lock it needs: {blocker.describe()}; "
-                "retrying with short lock timeouts instead of queueing behind it",
+                "waiting for it to end without queueing (writers are not stalled meanwhile)",
             )  # fmt: skip
 
     def _budget(self, step: Step) -> LockBudget:
@@ -461,62 +558,60 @@ class Runner:
             statement_timeout_ms=step.statement_timeout_ms,
         )
 
-    def _apply(self, migration: ledger.MigrationRow, step: Step) -> float:
-        """Do the step's work; return milliseconds lost waiting for locks."""
-        if step.tx is TxMode.NONE:
-            ledger.mark(self.conn, migration.id, step.id, "done")
-            return 0.0
-        if step.tx is TxMode.AUTOCOMMIT:
-            self._apply_autocommit(step)
-            problems = self._violations(step.postcondition)
-            if problems:
-                raise StepFailed(step.id, f"finished but not proven done: {problems[0]}")
-            ledger.mark(self.conn, migration.id, step.id, "done")
-            return 0.0
+    def in_step_transaction(
+        self,
+        step: Step,
+        label: str,
+        budget: LockBudget,
+        body: Any,
+        on_attempt: Any = None,
+    ) -> float:
+        """The shape of every transactional step and inverse: take the declared locks, then
+        `body` (its checks and its work), all in one transaction, retried under the budget."""
 
-        def body(conn: psycopg.Connection[Any]) -> None:
-            # The ledger row commits with the DDL: done if and only if the change happened.
-            # It is written first so that, once the DDL has its lock, only COMMIT remains:
-            # the application waits for the DDL itself, not for our bookkeeping.
-            ledger.mark(conn, migration.id, step.id, "done")
-            for statement in step.statements:
-                conn.execute(statement)
-            _fault(step.id, "after-ddl")
+        def locked_body(conn: psycopg.Connection[Any]) -> None:
+            lock_declared(
+                conn,
+                [(lock.relation, lock.mode) for lock in step.locks],
+                self.spec.schema,
+                self.spec.partitioned_table,
+            )
+            body(conn)
 
         return run_with_lock_budget(
             self.conn,
-            step.id,
-            self._budget(step),
-            body,
+            label,
+            budget,
+            locked_body,
             relations=[(lock.relation, lock.mode) for lock in step.locks],
             schema=self.spec.schema,
-            on_attempt=lambda log: self._attempt(migration, step, log),
+            on_attempt=on_attempt,
+            watch_blockers=self.watch_blockers,
         )
 
-    def _attempt(self, migration: ledger.MigrationRow, step: Step, log: AttemptLog) -> None:
-        ledger.record_attempt(
-            self.conn, migration.id, step.id, log.attempt, log.outcome, log.waited_ms,
-            [vars(b) for b in log.blockers],
+    def apply_in_transaction(self, migration: ledger.MigrationRow, step: Step) -> float:
+        """Locks, then the checks that must hold at commit, then the DDL, the ledger row and
+        the ownership records — one transaction; milliseconds lost waiting for locks."""
+
+        def body(conn: psycopg.Connection[Any]) -> None:
+            check_conditions(conn, step.id, under_lock(step))
+            for statement in step.statements:
+                conn.execute(statement)
+            # The locks were taken first, so the order of these last writes does not
+            # lengthen any lock hold; the ledger row commits with the DDL.
+            ledger.mark(conn, migration.id, step.id, "done", started_at=self.step_started_at)
+            ownership.record(conn, migration.id, step, self.spec, "created")
+            _fault(step.id, "after-ddl")
+
+        return self.in_step_transaction(
+            step, step.id, self._budget(step), body,
+            on_attempt=lambda log: self._attempt(migration, step, log),
         )  # fmt: skip
-        self.events.attempt(step, log)
 
-    def _apply_autocommit(self, step: Step) -> None:
-        """Non-transactional work: the copy-back job, or statements that refuse a
-        transaction block. Completion is proven afterwards by the postcondition."""
-        if step.kind == "copy-back":
-            from outbox_migrate.jobs.copy_back import copy_back
-
-            def progress(update: Any) -> None:
-                self.events.progress(
-                    step, int(getattr(update, "copied", 0)), int(getattr(update, "total", 0)),
-                    float(getattr(update, "rows_per_s", 0.0)),
-                )  # fmt: skip
-
-            copy_back(
-                self.conn, self.spec, self.copy_back_options, dsn=self._job_dsn, drop=False,
-                progress=progress,
-            )  # fmt: skip
-            return
+    def apply_autocommit(self, migration: ledger.MigrationRow, step: Step) -> float:
+        """Statements that refuse a transaction block: run, then re-prove at the end — the
+        postcondition, and every LOCKED precondition again — before recording done."""
+        ledger.mark(self.conn, migration.id, step.id, "running", started=True)
         self.conn.execute(
             sql.SQL("SET lock_timeout = {}").format(
                 sql.Literal(f"{self.settings.lock_timeout_ms}ms")
@@ -527,11 +622,35 @@ class Runner:
                 self.conn.execute(statement)
         finally:
             self.conn.execute("RESET lock_timeout")
+        self.prove_done(migration, step)
+        return 0.0
+
+    def prove_done(self, migration: ledger.MigrationRow, step: Step) -> None:
+        problems = self._violations(step.postcondition)
+        if problems:
+            raise StepFailed(step.id, f"finished but not proven done: {problems[0]}")
+        with self.conn.transaction():
+            ownership.record(self.conn, migration.id, step, self.spec, "created")
+            ledger.mark(self.conn, migration.id, step.id, "done")
+
+    def _attempt(self, migration: ledger.MigrationRow, step: Step, log: AttemptLog) -> None:
+        ledger.record_attempt(
+            self.conn, migration.id, step.id, log.attempt, log.outcome, log.waited_ms,
+            [vars(b) for b in log.blockers],
+        )  # fmt: skip
+        self.events.attempt(step, log)
 
     # -- status, verify, rollback, reset -------------------------------------------------------
 
+    def _latest(self) -> ledger.MigrationRow | None:
+        """This table's migration with this pattern; None before any ledger exists (reading
+        never creates the ledger)."""
+        if not ledger_exists(self.conn):
+            return None
+        return ledger.latest(self.conn, self.spec, self.pattern.name)
+
     def status(self) -> dict[str, Any]:
-        migration = ledger.latest(self.conn, self.spec, self.pattern.name)
+        migration = self._latest()
         if migration is None:
             return {"table": self.table_label, "pattern": self.pattern.name, "state": "not started",
                     "phase": self.pattern.phases[0].name, "steps": []}  # fmt: skip
@@ -570,7 +689,7 @@ class Runner:
         return self.pattern.phases[min(proven, recorded)].name
 
     def current_phase(self) -> str:
-        migration = ledger.latest(self.conn, self.spec, self.pattern.name)
+        migration = self._latest()
         if migration is None:
             return self.pattern.phases[0].name
         return self._current_phase(migration, self._rows(migration))
@@ -578,7 +697,10 @@ class Runner:
     def verify(self) -> list[str]:
         """Violations of the current phase's invariants (empty: all hold)."""
         phase = self.current_phase()
-        return self._violations([c for _, c in self.pattern.invariants(phase)])
+        migration = self._latest()
+        rows = self._rows(migration) if migration is not None else {}
+        done = frozenset(i for i, row in rows.items() if row.state == "done")
+        return self._violations([c for _, c in self.pattern.invariants(phase, done)])
 
     def verify_or_raise(self) -> str:
         phase = self.current_phase()
@@ -587,56 +709,17 @@ class Runner:
             raise VerifyFailed(phase, problems)
         return phase
 
-    def _run_reverse(self, migration_id: int | None, step: Step) -> None:
-        """A step's inverse in one transaction, under the same lock budget as forward steps
-        (no statement_timeout: undoing the swap validates a CHECK on the detached table)."""
-        statements = step.reverse or ()
-
-        def body(conn: psycopg.Connection[Any]) -> None:
-            if migration_id is not None:
-                ledger.mark(conn, migration_id, step.id, "rolled_back")
-            for statement in statements:
-                conn.execute(statement)
-
-        budget = LockBudget(self.settings.lock_timeout_ms, self.settings.lock_budget_s, None)
-        try:
-            run_with_lock_budget(
-                self.conn, step.id, budget, body,
-                relations=[(lock.relation, lock.mode) for lock in step.locks],
-                schema=self.spec.schema,
-            )  # fmt: skip
-        except psycopg.Error as exc:
-            raise StepFailed(f"{step.id} (reverse)", one_line(str(exc), self.dsn)) from None
-
     def rollback(self, to_phase: str) -> list[str]:
-        """Undo, newest first, every done step after `to_phase`; refuse past an irreversible
-        step (the pattern's point of no return)."""
-        self.acquire()
-        self._adopt_identity_generation()
-        migration = ledger.latest(self.conn, self.spec, self.pattern.name)
-        if migration is None:
-            raise OutOfOrder(
-                f"no {self.pattern.acronym} migration of {self.table_label} to roll back"
-            )
-        rows = self._rows(migration)
-        undo = steps_to_reverse(self.pattern, rows, to_phase)
-        for step in undo:
-            if step.reverse is None:
-                raise OutOfOrder(f"cannot roll back past {step.id}: {step.reverse_note}")
-        reversed_ids: list[str] = []
-        for step in undo:
-            self._check(step, step.reverse_preconditions)
-            self.events.step_started(step, "reverse")
-            started = time.monotonic()
-            self._run_reverse(migration.id, step)
-            reversed_ids.append(step.id)
-            self.events.step_finished(step, "rolled back", time.monotonic() - started)
-        ledger.set_phase(self.conn, migration.id, to_phase, "active")
-        return reversed_ids
+        """Undo, newest first, every done step after `to_phase` (see `reverse.rollback`)."""
+        from outbox_migrate.runner.reverse import rollback
+
+        return rollback(self, to_phase)
 
     def reset(self) -> bool:
         """Abandon the table's active migration record (schema objects are left as they are)."""
         self.acquire()
+        if not ledger_exists(self.conn):
+            return False
         active = ledger.active_for_table(self.conn, self.spec)
         if active is None:
             return False

@@ -9,6 +9,7 @@ not race.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -20,11 +21,13 @@ from psycopg.rows import dict_row
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import UsageError
-from outbox_migrate.patterns.model import Pattern
+from outbox_migrate.patterns.model import Pattern, PublicationFact
 from outbox_migrate.runner.errors import StepChanged
 
+log = logging.getLogger("outbox_migrate.runner")
+
 SCHEMA = "outbox_migrate"
-LEDGER_VERSION = 1
+LEDGER_VERSION = 3
 _SETUP_LOCK_KEY = 0x6F6D6C67  # "omlg": serialises ledger creation/upgrade
 HOST = socket.gethostname()
 
@@ -165,8 +168,16 @@ def sync_steps(conn: Connection[Any], migration: MigrationRow, pattern: Pattern)
                 (migration.id, position, step.id, step.phase, step.kind, checksum),
             )
         elif row.checksum != checksum:
-            if row.state in ("done", "running"):
+            if row.state in ("done", "running") and not (
+                row.state == "done" and row.checksum in step.former_checksums
+            ):
                 raise StepChanged(step.id, row.checksum, checksum)
+            if row.state == "done":
+                log.info(
+                    "runner.step_adopted step=%s recorded=%s current=%s (an earlier release's "
+                    "definition with the same effect)",
+                    step.id, row.checksum, checksum,
+                )  # fmt: skip
             conn.execute(
                 "UPDATE outbox_migrate.step SET checksum = %s, position = %s "
                 "WHERE migration_id = %s AND step_id = %s",
@@ -198,22 +209,28 @@ def mark(
     error: str | None = None,
     lock_wait_ms: float = 0.0,
     started: bool = False,
+    started_at: datetime | None = None,
 ) -> None:
-    """Record a step's state. Call inside the step's transaction to commit them together."""
+    """Record a step's state. Call inside the step's transaction to commit them together.
+
+    `started` stamps the start now; `started_at` gives it (a transactional step records its
+    whole life — checks, lock waits, DDL — in the one row it commits at the end)."""
     conn.execute(
         "UPDATE outbox_migrate.step SET state = %s, "
         "last_error = CASE WHEN %s::text IS NULL AND %s = 'done' THEN NULL "
         "                  ELSE coalesce(%s, last_error) END, "
         "lock_wait_ms = lock_wait_ms + %s, "
-        "started_at = CASE WHEN %s THEN clock_timestamp() ELSE started_at END, "
+        "started_at = CASE WHEN %s THEN clock_timestamp() "
+        "                  ELSE coalesce(%s::timestamptz, started_at) END, "
         "finished_at = CASE WHEN %s IN ('done', 'failed', 'rolled_back') "
         "                   THEN clock_timestamp() END, "
-        "duration_ms = CASE WHEN %s IN ('done', 'failed', 'rolled_back') AND started_at "
-        "IS NOT NULL THEN 1000 * extract(epoch FROM clock_timestamp() - started_at) END, "
+        "duration_ms = CASE WHEN %s IN ('done', 'failed', 'rolled_back') "
+        "AND coalesce(%s::timestamptz, started_at) IS NOT NULL THEN 1000 * extract(epoch FROM "
+        "clock_timestamp() - coalesce(%s::timestamptz, started_at)) END, "
         "operator = current_user, host = %s "
         "WHERE migration_id = %s AND step_id = %s",
-        (state, error, state, error, lock_wait_ms, started, state, state, HOST,
-         migration_id, step_id),
+        (state, error, state, error, lock_wait_ms, started, started_at, state, state,
+         started_at, started_at, HOST, migration_id, step_id),
     )  # fmt: skip
 
 
@@ -248,6 +265,36 @@ def recorded_identity_generation(conn: Connection[Any], spec: OutboxSpec) -> str
         (spec.schema, spec.table),
     ).fetchone()
     return str(row[0]) if row and row[0] else None
+
+
+def recorded_publications(
+    conn: Connection[Any], spec: OutboxSpec
+) -> tuple[PublicationFact, ...] | None:
+    """The publications covering the old table as recorded when its migration started (None:
+    no migration or no ledger yet), so the CDC step stays what it was when the migration
+    started even if a publication changes later. A migration started by a release that did
+    not record them has none: its steps stay the ones it started with."""
+    found = conn.execute("SELECT to_regclass('outbox_migrate.migration')").fetchone()
+    if found is None or found[0] is None:
+        return None
+    row = conn.execute(
+        "SELECT spec->'publications' FROM outbox_migrate.migration "
+        "WHERE table_schema = %s AND table_name = %s AND state <> 'abandoned' "
+        "ORDER BY id DESC LIMIT 1",
+        (spec.schema, spec.table),
+    ).fetchone()
+    if row is None:
+        return None
+    if row[0] is None:
+        return ()
+    return tuple(
+        PublicationFact(**{**item, "columns": tuple(item["columns"]) if item["columns"] else None})
+        for item in row[0]
+    )
+
+
+def publications_json(publications: tuple[PublicationFact, ...]) -> list[dict[str, Any]]:
+    return [asdict(p) for p in publications]
 
 
 def set_phase(conn: Connection[Any], migration_id: int, phase: str, state: str = "active") -> None:

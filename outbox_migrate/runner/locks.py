@@ -5,6 +5,16 @@ attempt runs under `SET LOCAL lock_timeout` (default 200 ms): a writer waits at 
 On SQLSTATE 55P03 (lock_not_available) the transaction is rolled back and retried after an
 exponential backoff with full jitter, inside a per-step budget; every other error fails at
 once. Each failed attempt names who held the lock, read from pg_locks + pg_stat_activity.
+
+While a session that holds a conflicting lock is still there (an idle-in-transaction client,
+a long report), attempting at all is what hurts: every attempt queues for the lock and stalls
+every writer behind it for up to lock_timeout. So before each attempt the holders are read from
+pg_locks, and while one is visible we only watch it (a cheap catalog read every
+`BLOCKER_POLL_S`); the attempt is made once it is gone. lock_timeout still bounds the race in
+which a new holder appears between the look and the attempt.
+
+This module is the one lock-budget primitive: the runner's steps and inverses, the jobs and
+the relay's switch all go through `run_with_lock_budget`.
 """
 
 from __future__ import annotations
@@ -17,11 +27,14 @@ from typing import Any
 
 from psycopg import Connection, errors, sql
 
+from outbox_migrate.backoff import backoff_s as shared_backoff_s
 from outbox_migrate.patterns.model import LockMode
 from outbox_migrate.runner.errors import Blocker, LockBudgetExceeded
 
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
+BLOCKER_POLL_S = 0.05
+"""How often a known conflicting holder is looked for again while we wait for it to go."""
 LONG_TX_S = 1.0
 """A transaction open longer than this, holding a lock on our relations, is reported before
 an ACCESS EXCLUSIVE step (it would keep our queued lock — and all writers — waiting)."""
@@ -124,35 +137,117 @@ def _blocker(pid: Any, app: Any, state: Any, age: Any, mode: Any, relation: str)
     )
 
 
+def lock_declared(
+    conn: Connection[Any], relations: Sequence[tuple[str, LockMode]], schema: str, parent: str
+) -> None:
+    """Take the step's declared locks, first statement of its transaction, so that every
+    check after this sees the state that will hold at commit.
+
+    `LOCK TABLE ONLY` takes exactly what the DDL takes (not the partitions' locks too). The
+    partitioned parent comes first, as PostgreSQL itself and the application's inserts lock
+    parent before partition; locking a partition first could deadlock with an INSERT. A
+    relation that does not exist yet is the one the step creates: nothing to lock.
+    """
+    ordered = sorted(relations, key=lambda item: 0 if item[0] == parent else 1)
+    seen: set[str] = set()
+    for relation, mode in ordered:
+        if relation in seen:
+            continue
+        seen.add(relation)
+        name = sql.Identifier(schema, relation)
+        found = conn.execute("SELECT to_regclass(%s)", (name.as_string(None),)).fetchone()
+        if found is None or found[0] is None:
+            continue
+        conn.execute(sql.SQL("LOCK TABLE ONLY {} IN {} MODE").format(name, sql.SQL(mode.sql_name)))
+
+
+def lasting(blockers: list[Blocker], min_age_s: float) -> list[Blocker]:
+    """The holders worth waiting for without queueing: idle in transaction, or in a
+    transaction older than `min_age_s` (the lock_timeout). An INSERT that holds its lock for
+    a millisecond is not one — queueing behind it costs writers nothing, and under steady
+    traffic such holders are always there, so waiting for none would never end."""
+    return [
+        b
+        for b in blockers
+        if b.state.startswith("idle in transaction")
+        or (b.xact_age_s is not None and b.xact_age_s >= min_age_s)
+    ]
+
+
+def wait_while_blocked(
+    conn: Connection[Any],
+    relations: Sequence[tuple[str, LockMode]],
+    schema: str,
+    deadline: float,
+    on_wait: Callable[[list[Blocker]], None] | None = None,
+    min_age_s: float = 0.0,
+) -> list[Blocker]:
+    """Watch, without queueing, until no session holds a lock conflicting with ours for
+    longer than `min_age_s` (see `lasting`), or the deadline passes. Returns the holders
+    still there at the deadline (empty: go ahead)."""
+    reported: frozenset[int] = frozenset()
+    while True:
+        blockers = lasting(find_blockers(conn, relations, schema), min_age_s)
+        if not blockers or time.monotonic() >= deadline:
+            return blockers
+        pids = frozenset(b.pid for b in blockers)
+        if on_wait is not None and pids != reported:
+            on_wait(blockers)
+            reported = pids
+        time.sleep(min(BLOCKER_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
 def backoff_s(attempt: int, rng: random.Random) -> float:
-    """Exponential backoff with full jitter: uniform(0, min(cap, base * 2**attempt))."""
-    return rng.uniform(0.0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * (2**attempt)))
+    """The pause after failed lock attempt `attempt` (1 = first): the tool's one backoff
+    function, full jitter — uniform(0, min(cap, base * 2**attempt))."""
+    return shared_backoff_s(
+        attempt, base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S, rng=rng, full_jitter=True
+    )
 
 
 def run_with_lock_budget(
     conn: Connection[Any],
     step_id: str,
     budget: LockBudget,
-    body: Callable[[Connection[Any]], None],
+    body: Callable[[Connection[Any]], object],
     *,
     relations: Sequence[tuple[str, LockMode]],
     schema: str,
     on_attempt: Callable[[AttemptLog], None] | None = None,
     rng: random.Random | None = None,
+    watch_blockers: bool = True,
 ) -> float:
     """Run `body` in a transaction with the step's timeouts; retry only on lock_not_available.
 
-    Returns the milliseconds spent waiting for locks in failed attempts. Raises
-    `LockBudgetExceeded` (nothing applied) when the budget runs out; any other error
-    propagates after the rollback.
+    Returns the milliseconds spent waiting for locks (failed attempts and watching a known
+    holder). Raises `LockBudgetExceeded` (nothing applied) when the budget runs out; any other
+    error propagates after the rollback.
     """
     rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
     started = time.monotonic()
+    deadline = started + budget.budget_s
     waited_ms = 0.0
     attempt = 0
     last_blockers: list[Blocker] = []
+    # Inside a transaction someone else owns (Alembic), our own session may hold locks on
+    # these relations already; watching for "other" holders is still right, as pg_locks
+    # excludes our pid.
     while True:
         attempt += 1
+        if watch_blockers and relations:
+            watch_started = time.monotonic()
+
+            def report(blockers: list[Blocker], number: int = attempt) -> None:
+                if on_attempt:
+                    on_attempt(AttemptLog(number, 0.0, "waiting", blockers))
+
+            still = wait_while_blocked(
+                conn, relations, schema, deadline, report,
+                min_age_s=budget.lock_timeout_ms / 1000,
+            )  # fmt: skip
+            waited_ms += (time.monotonic() - watch_started) * 1000
+            if still:
+                raise LockBudgetExceeded(step_id, attempt, time.monotonic() - started, still)
         attempt_started = time.monotonic()
         try:
             with conn.transaction():
@@ -179,7 +274,7 @@ def run_with_lock_budget(
             if on_attempt:
                 on_attempt(AttemptLog(attempt, elapsed_ms, "lock_timeout", last_blockers))
             pause = backoff_s(attempt, rng)
-            if time.monotonic() - started + pause > budget.budget_s:
+            if time.monotonic() + pause > deadline:
                 raise LockBudgetExceeded(
                     step_id, attempt, time.monotonic() - started, last_blockers
                 ) from None

@@ -17,6 +17,15 @@ WRITE_STATEMENT = (
 )
 
 
+def _ignore_interrupts() -> None:
+    """Ctrl-C in a terminal reaches the whole process group: the instances leave stopping to
+    the parent (through their `stop` event), so they report their results instead of dying
+    with a traceback each."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @dataclass
 class WriterResult:
     version: str
@@ -33,6 +42,7 @@ def writer_main(
     stop: Any, results: Any, ready: Any = None,
 ) -> None:  # fmt: skip
     """Insert one message at a time at `rate_per_s`, each with a unique key, until `stop`."""
+    _ignore_interrupts()
     import psycopg
     from psycopg import sql
 
@@ -83,6 +93,7 @@ def relay_main(
     old_app_pattern: str, batch_size: int, stop: Any, results: Any, ready: Any = None,
 ) -> None:  # fmt: skip
     """Run a `Relay` of this version until `stop`, publishing into the recording sink."""
+    _ignore_interrupts()
     from outbox_migrate.config import OutboxSpec
     from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
     from outbox_migrate.relay.worker import Relay

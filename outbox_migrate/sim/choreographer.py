@@ -90,6 +90,8 @@ class RunData:
     phase_windows: list[tuple[str, float, float]] = field(default_factory=list)
     refusal: dict[str, Any] | None = None
     backlog_left: int = 0
+    interrupted: bool = False
+    """Stopped by Ctrl-C/SIGTERM: the report is partial and unpublished rows are backlog."""
 
 
 class _Events(SilentEvents):
@@ -152,6 +154,8 @@ class Choreographer:
         self._instances: dict[str, list[tuple[str, Any, Any]]] = {}
         self._done = threading.Event()
         self._stray_since = 0
+        self._running = "V1"
+        self._phase_started: float | None = None
 
     # -- timeline ----------------------------------------------------------------------------
 
@@ -300,8 +304,15 @@ class Choreographer:
         pattern = probe.pattern
         try:
             self._walk(pattern.phases)
+        except KeyboardInterrupt:
+            # Stop at once, but cleanly: every instance stopped and its results collected,
+            # so the partial report is written; the caller re-raises the interrupt.
+            self.data.interrupted = True
+            self.mark("interrupted", self.current_step or self.current_phase)
+            if self._phase_started is not None:
+                self.data.phase_windows.append((self._running, self._phase_started, time.time()))
         finally:
-            self._shutdown()
+            self._shutdown(drain=not self.data.interrupted)
             self._done.set()
             monitor.join(5)
         self.data.finished = time.time()
@@ -310,10 +321,10 @@ class Choreographer:
 
     def _walk(self, phases: tuple[Phase, ...]) -> None:
         s = self.scenario
-        phase_started = time.time()
+        phase_started = self._phase_started = time.time()
         self._start_version(phases[0])
         time.sleep(s.segment_s)
-        running = phases[0].name
+        running = self._running = phases[0].name
         for phase in phases[1:]:
             if phase.kind is PhaseKind.JOB:
                 self.current_phase = phase.name
@@ -325,15 +336,16 @@ class Choreographer:
             if not self._run_phase(phase):
                 return
             self.data.phase_windows.append((running, phase_started, time.time()))
-            phase_started = time.time()
+            phase_started = self._phase_started = time.time()
             self.current_phase = phase.name
             previous = running
             self._start_version(phase)
             time.sleep(s.coexist_s)
             self._retire(previous)
-            running = phase.name
+            running = self._running = phase.name
             time.sleep(s.segment_s)
         self.data.phase_windows.append((running, phase_started, time.time()))
+        self._phase_started = None
 
     def _max_old_id(self) -> int:
         with psycopg.connect(self.dsn) as conn:
@@ -385,11 +397,13 @@ class Choreographer:
     def _drain_results(self) -> list[WriterResult]:
         return self._collect(timeout_s=0.5)
 
-    def _shutdown(self) -> None:
-        """Stop writers, let the relays drain what is left, then stop them."""
+    def _shutdown(self, *, drain: bool = True) -> None:
+        """Stop writers, let the relays drain what is left (unless interrupted: then what is
+        left is counted as backlog), then stop them."""
         for version in list(self._instances):
             self._stop(version, "writer")
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        deadline = time.monotonic() + (DRAIN_TIMEOUT_S if drain else 0)
+        self.data.backlog_left = self._backlog()
         while time.monotonic() < deadline:
             self.data.backlog_left = self._backlog()
             if self.data.backlog_left == 0:
@@ -397,6 +411,8 @@ class Choreographer:
             time.sleep(0.2)
         for version in list(self._instances):
             self._stop(version, "relay")
+        if not drain:
+            self.data.backlog_left = self._backlog()  # after the relays' last batch
         self._drain_results()
 
     def _backlog(self) -> int:

@@ -16,6 +16,25 @@ from typing import Any
 from outbox_migrate.sim.choreographer import RunData
 
 COLD = {"cop", "copra"}
+MARKER_COLORS = {
+    "deploy": "tab:blue",
+    "step": "tab:gray",
+    "gate": "tab:orange",
+    "stop": "tab:purple",
+    "job": "tab:brown",
+    "refused": "red",
+    "interrupted": "black",
+}
+MARKER_LEGEND = {
+    "deploy": "deploy of a version",
+    "step": "runner step",
+    "gate": "deploy gate said 'not yet'",
+    "stop": "old instances stopped",
+    "job": "job phase (copy-back)",
+    "refused": "runner refused",
+    "interrupted": "interrupted",
+}
+"""Timeline marker colours and their legend entries (every kind shown gets one)."""
 
 
 def _percentile(values: list[float], pct: float) -> float:
@@ -32,6 +51,9 @@ def build(data: RunData) -> dict[str, Any]:
     counts: dict[str, int] = data.received.get("counts", {})
     published = sum(1 for key in produced if counts.get(key, 0) > 0)
     lost_keys = sorted(key for key in produced if counts.get(key, 0) == 0)
+    # Interrupted: the relays were stopped without draining, so unpublished rows are still
+    # in the outbox (backlog), not lost; only what the backlog cannot account for is.
+    lost = max(0, len(lost_keys) - data.backlog_left) if data.interrupted else len(lost_keys)
     duplicated = sum(c - 1 for c in counts.values() if c > 1)
     samples = [sample for w in data.writers for sample in w.samples]
     latencies = [lat for _, lat in samples]
@@ -72,7 +94,7 @@ def build(data: RunData) -> dict[str, Any]:
         "duration_s": round(data.finished - data.started, 1),
         "produced": len(produced),
         "published": published,
-        "lost": len(lost_keys),
+        "lost": lost,
         "lost_keys": lost_keys[:20],
         "duplicated": duplicated,
         "insert_errors": sum(w.failed for w in data.writers),
@@ -86,6 +108,7 @@ def build(data: RunData) -> dict[str, Any]:
         "steps": steps,
         "relay_errors": [r.error for r in data.relays if r.error],
         "backlog_left": data.backlog_left,
+        "interrupted": data.interrupted,
         "refusal": data.refusal,
         "markers": [vars(m) | {"at": round(m.at - data.started, 3)} for m in data.markers],
     }
@@ -119,21 +142,29 @@ def plot_png(data: RunData, path: Path) -> bool:
     bottom.set_ylabel("publish lag (ms)")
     bottom.set_yscale("log")
     bottom.set_xlabel("seconds since start")
+    from matplotlib.lines import Line2D
+
+    seen: set[str] = set()
     for marker in data.markers:
         x = marker.at - t0
-        color = {"deploy": "tab:blue", "step": "tab:gray", "refused": "red"}.get(
-            marker.kind, "tab:orange"
-        )
+        color = MARKER_COLORS.get(marker.kind, MARKER_COLORS["gate"])
+        seen.add(marker.kind if marker.kind in MARKER_COLORS else "gate")
         for axis in (top, bottom):
             axis.axvline(x, color=color, alpha=0.4, linewidth=0.8)
-        if marker.kind in ("deploy", "refused", "job"):
-            top.annotate(marker.label, (x, 1), xycoords=("data", "axes fraction"),
-                         rotation=90, va="top", fontsize=7)  # fmt: skip
-    top.legend(loc="upper right", fontsize=8)
-    top.set_title(
-        f"{data.scenario.pattern.upper()} under {data.scenario.rate_per_s} inserts/s: "
-        "deploys (blue), steps (gray)"
-    )
+        if marker.kind in ("deploy", "refused", "job", "interrupted"):
+            top.annotate(marker.label, (x, 0.98), xycoords=("data", "axes fraction"),
+                         rotation=90, va="top", ha="right", fontsize=7,
+                         annotation_clip=False,
+                         bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none",
+                               "alpha": 0.7})  # fmt: skip
+    handles, _ = top.get_legend_handles_labels()
+    handles += [
+        Line2D([0], [0], color=MARKER_COLORS[kind], linewidth=1.5, label=MARKER_LEGEND[kind])
+        for kind in MARKER_COLORS
+        if kind in seen
+    ]
+    top.legend(handles=handles, loc="lower right", fontsize=7, framealpha=0.8)
+    top.set_title(f"{data.scenario.pattern.upper()} under {data.scenario.rate_per_s} inserts/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -67,20 +67,58 @@ FROM {rel_q} WHERE {column_q} IS NULL
 HAVING count(*) > 0
 
 -- name: no-new-ids
--- Nobody takes new ids from the table's sequence during a sampling window (no writer left).
+-- Nobody takes new ids from the table's sequence (identity, serial or any nextval default) during a sampling window (no writer left).
+-- It also remembers, in a session setting, where the sequence and the committed ids stood at
+-- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
 WITH seq AS MATERIALIZED (
-    SELECT pg_get_serial_sequence({rel_reg}, {id_name})::regclass AS oid
+    SELECT {rel_seq} AS oid
 ), before AS MATERIALIZED (
     SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
 ), pause AS MATERIALIZED (
     SELECT pg_sleep({window_s}) FROM before
-), after AS MATERIALIZED (
+), after_ AS MATERIALIZED (
     SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+), after AS MATERIALIZED (
+    -- set_config here, in the CTE the result is computed from: it runs whatever the outcome.
+    SELECT after_.value,
+           set_config({sample_key},
+                      coalesce(after_.value::text, '') || ':' || coalesce(
+                          (SELECT max(t.{id_q})::text FROM {rel_q} t WHERE t.{id_q} <= after_.value), ''),
+                      false) AS saved
+    FROM after_
 )
 SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
               {rel_reg}, coalesce(after.value, 0) - coalesce(before.value, 0), {window_s}, {phase})
 FROM before, after
 WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+
+-- name: no-new-rows-since-sample
+-- Under the step's lock: no id was taken from the sequence, and no row of the old version was committed, since the gate's sampling window ended.
+WITH seq AS MATERIALIZED (
+    SELECT {rel_seq} AS oid
+), saved AS MATERIALIZED (
+    SELECT nullif(split_part(coalesce(current_setting({sample_key}, true), ''), ':', 1), '')::bigint AS seq_last,
+           nullif(split_part(coalesce(current_setting({sample_key}, true), ''), ':', 2), '')::bigint AS top,
+           coalesce(current_setting({sample_key}, true), '') <> '' AS sampled
+), now_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(seq.oid) AS seq_last,
+           (SELECT max(t.{id_q}) FROM {rel_q} t WHERE t.{id_q} <= saved.seq_last) AS top
+    FROM seq, saved WHERE seq.oid IS NOT NULL
+)
+SELECT CASE WHEN NOT saved.sampled
+            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', {rel_reg}, {phase})
+            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+                        {rel_reg}, now_.seq_last, saved.seq_last, now_.top, saved.top, {phase}) END
+FROM now_, saved
+WHERE NOT saved.sampled
+   OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
+   OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
+
+-- name: no-partitions
+-- The partitioned table has no partitions left (dropping it drops nothing else).
+SELECT format('%s still has partition %s; it was not created by this migration — detach or drop it yourself first', {rel_reg}, i.inhrelid::regclass)
+FROM pg_inherits i
+WHERE i.inhparent = to_regclass({rel_reg})
 
 -- name: no-old-app-sessions
 -- No session of the outgoing application version is connected.
@@ -157,7 +195,7 @@ WITH new_seq AS (
 ), old_top AS (
     SELECT greatest(
         (SELECT max({id_q}) FROM {rel_q}),
-        pg_sequence_last_value(pg_get_serial_sequence({rel_reg}, {id_name})::regclass)) AS top
+        pg_sequence_last_value({rel_seq})) AS top
 )
 SELECT format('the identity of %s will issue id %s but %s already reaches id %s; raise the START (id_headroom)',
               {parent_reg}, coalesce(n.last + n.seqincrement, n.seqstart), {rel_reg}, o.top)
@@ -222,3 +260,112 @@ LIMIT 5
 -- The relation holds no rows (dropping it loses nothing).
 SELECT format('%s holds rows; dropping it would lose them — move or publish them first', {rel_reg})
 WHERE to_regclass({rel_reg}) IS NOT NULL AND EXISTS (SELECT 1 FROM {rel_q})
+
+-- name: unique-id-index
+-- A valid unique index (or primary key) on exactly the id column exists.
+SELECT format('%s has no unique index on %I alone; HOPER''s copy-back needs one to skip rows already copied. Create it first: CREATE UNIQUE INDEX CONCURRENTLY ON %s (%I)',
+              {rel_reg}, {id_name}, {rel_reg}, {id_name})
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_index x JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = x.indkey[0]
+    WHERE x.indrelid = to_regclass({rel_reg}) AND x.indisunique AND x.indisvalid
+      AND x.indnkeyatts = 1 AND x.indpred IS NULL AND a.attname = {id_name})
+
+-- name: no-enabled-user-triggers
+-- The table has no enabled user trigger (internal constraint triggers do not count).
+SELECT format('trigger %I on %s is still enabled', tgname, {rel_reg})
+FROM pg_trigger
+WHERE tgrelid = to_regclass({rel_reg}) AND NOT tgisinternal AND tgenabled <> 'D'
+
+-- name: no-new-ticks
+-- Application ids: no INSERT statement into the table ticked the gate sequence during a sampling window, and no transaction that inserted is still open at its end (no writer left).
+-- The trigger of kinds/gate_sequence.py ticks the sequence when an insert statement ends and
+-- holds a shared advisory lock until its transaction ends. Where the sequence stood is kept
+-- in a session setting for `no-new-ticks-since-sample`.
+WITH before AS MATERIALIZED (
+    SELECT to_regclass({seq_reg}) AS oid, pg_sequence_last_value(to_regclass({seq_reg})) AS value
+), pause AS MATERIALIZED (
+    SELECT pg_sleep({window_s}) FROM before
+), after_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(before.oid) AS value,
+           (SELECT count(DISTINCT l.pid) FROM pg_locks l
+            WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.pid <> pg_backend_pid()
+              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+              AND l.classid::int8 = ({key1}::int8 & 4294967295)
+              AND l.objid::int8 = ({key2}::int8 & 4294967295)) AS open_writers
+    FROM before, pause
+), after AS MATERIALIZED (
+    SELECT after_.value, after_.open_writers,
+           set_config({sample_key}, coalesce(after_.value, 0)::text || ':ticks', false) AS saved
+    FROM after_
+)
+SELECT CASE
+    WHEN before.oid IS NULL
+    THEN format('%s: the gate sequence %s is missing (application ids need the install-gate-sequence step of V2)', {rel_reg}, {seq_reg})
+    WHEN coalesce(after.value, 0) > coalesce(before.value, 0)
+    THEN format('%s is still receiving inserts: %s insert statements in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+                {rel_reg}, coalesce(after.value, 0) - coalesce(before.value, 0), {window_s}, {phase})
+    ELSE format('%s: %s open transaction(s) inserted into it and have not ended; phase %s needs every writer of the old version gone',
+                {rel_reg}, after.open_writers, {phase}) END
+FROM before LEFT JOIN after ON true
+WHERE before.oid IS NULL OR coalesce(after.value, 0) > coalesce(before.value, 0)
+   OR after.open_writers > 0
+
+-- name: no-new-ticks-since-sample
+-- Application ids, under the step's lock: no insert statement ticked the gate sequence since the sampling window, and no transaction that inserted is still open.
+WITH saved AS MATERIALIZED (
+    SELECT nullif(split_part(coalesce(current_setting({sample_key}, true), ''), ':', 1), '')::bigint AS seq_last,
+           coalesce(current_setting({sample_key}, true), '') LIKE '%:ticks' AS sampled
+), now_ AS MATERIALIZED (
+    SELECT coalesce(pg_sequence_last_value(to_regclass({seq_reg})), 0) AS seq_last,
+           (SELECT count(DISTINCT l.pid) FROM pg_locks l
+            WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.pid <> pg_backend_pid()
+              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+              AND l.classid::int8 = ({key1}::int8 & 4294967295)
+              AND l.objid::int8 = ({key2}::int8 & 4294967295)) AS open_writers
+)
+SELECT CASE WHEN NOT saved.sampled
+            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', {rel_reg}, {phase})
+            WHEN now_.open_writers > 0
+            THEN format('%s: %s open transaction(s) inserted into it after the gate sampled; phase %s needs every writer of the old version gone', {rel_reg}, now_.open_writers, {phase})
+            ELSE format('%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, was %s); phase %s needs every writer of the old version gone',
+                        {rel_reg}, now_.seq_last, saved.seq_last, {phase}) END
+FROM now_, saved
+WHERE NOT saved.sampled OR now_.seq_last > coalesce(saved.seq_last, 0) OR now_.open_writers > 0
+
+-- name: all-rows-present-by-order
+-- Every row of the source is present in the target (by id); for ids with no min()/max() aggregate (uuid).
+WITH missing AS MATERIALIZED (
+    SELECT s.{id_q} AS id FROM {source_q} s
+    WHERE NOT EXISTS (SELECT 1 FROM {rel_q} t WHERE t.{id_q} = s.{id_q})
+)
+SELECT format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
+              (SELECT count(*) FROM missing), {source_reg}, {rel_reg},
+              (SELECT id FROM missing ORDER BY id LIMIT 1),
+              (SELECT id FROM missing ORDER BY id DESC LIMIT 1))
+WHERE EXISTS (SELECT FROM missing)
+
+-- name: publication-includes
+-- The publication lists the relation (FOR TABLE membership).
+SELECT format('publication %I does not list %s; was it altered since `plan`? re-run plan and review the CDC consumer', {pub_name}, {rel_reg})
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
+    WHERE p.pubname = {pub_name} AND r.prrelid = to_regclass({rel_reg}))
+
+-- name: publication-excludes
+-- The publication does not list the relation yet.
+SELECT format('publication %I already lists %s; was this step applied by hand? inspect it, or reset the ledger', {pub_name}, {rel_reg})
+WHERE EXISTS (
+    SELECT 1 FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
+    WHERE p.pubname = {pub_name} AND r.prrelid = to_regclass({rel_reg}))
+
+-- name: replica-identity-full
+-- The relation logs whole old rows (REPLICA IDENTITY FULL): a publication that publishes UPDATE or DELETE accepts the relay's mark.
+SELECT format('%s has no REPLICA IDENTITY FULL: a publication of its UPDATEs/DELETEs would make every mark fail', {rel_reg})
+WHERE NOT EXISTS (SELECT 1 FROM pg_class WHERE oid = to_regclass({rel_reg}) AND relreplident = 'f')
+
+-- name: publications-carried
+-- Every publication that lists the old outbox also lists the unpublished partition (offline SQL has no CDC step of its own).
+SELECT format('publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD TABLE %s) before deploying V2', p.pubname, {rel_reg}, {unpublished_reg}, p.pubname, {unpublished_reg})
+FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass({rel_reg})
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid AND u.prrelid = to_regclass({unpublished_reg}))

@@ -25,8 +25,9 @@ WHERE c.oid = to_regclass({rel_reg})
 -- name: ids
 -- Highest id, the identity/serial sequence and its last value.
 SELECT (SELECT max({id_q}) FROM {rel_q}) AS max_id,
-       pg_get_serial_sequence({rel_reg}, {id_name}) AS sequence,
-       pg_sequence_last_value(pg_get_serial_sequence({rel_reg}, {id_name})::regclass) AS last_value
+       coalesce(pg_get_serial_sequence({rel_reg}, {id_name}), {rel_seq}::text) AS sequence,
+       pg_sequence_last_value({rel_seq}) AS last_value,
+       pg_get_serial_sequence({rel_reg}, {id_name}) IS NOT NULL AS owned
 
 -- name: unpublished
 -- Exact count of unpublished rows (the relay's partial index makes it cheap).
@@ -34,21 +35,23 @@ SELECT count(*) FROM {rel_q} WHERE {published_q} IS NULL
 
 -- name: indexes
 -- Indexes on the table.
-SELECT i.relname, pg_get_indexdef(x.indexrelid), x.indisvalid, pg_relation_size(x.indexrelid)
+SELECT i.relname, pg_get_indexdef(x.indexrelid), x.indisvalid, pg_relation_size(x.indexrelid),
+       x.indisprimary, x.indisunique,
+       (SELECT conname FROM pg_constraint WHERE conindid = x.indexrelid AND conrelid = x.indrelid LIMIT 1)
 FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid
 WHERE x.indrelid = to_regclass({rel_reg})
 ORDER BY i.relname
 
 -- name: constraints
 -- Constraints on the table (not the NOT NULLs PostgreSQL 18 catalogues).
-SELECT conname, contype::text, pg_get_constraintdef(oid), convalidated
+SELECT conname, contype::text, pg_get_constraintdef(oid), convalidated, connoinherit
 FROM pg_constraint
 WHERE conrelid = to_regclass({rel_reg}) AND contype <> 'n'
 ORDER BY conname
 
 -- name: triggers
 -- User triggers on the table.
-SELECT tgname, pg_get_triggerdef(oid), tgenabled::text
+SELECT tgname, pg_get_triggerdef(oid), tgenabled::text, tgtype
 FROM pg_trigger WHERE tgrelid = to_regclass({rel_reg}) AND NOT tgisinternal
 ORDER BY tgname
 
@@ -77,3 +80,33 @@ ORDER BY p.pubname
 SELECT c.relkind::text, (SELECT i.inhparent::regclass::text FROM pg_inherits i WHERE i.inhrelid = c.oid),
        pg_get_expr(c.relpartbound, c.oid)
 FROM pg_class c WHERE c.oid = to_regclass({rel_reg})
+
+-- name: uuid-random
+-- Whether the table's uuid ids are version 4 (random, no time order): a few rows decide.
+SELECT coalesce(bool_and(substr(x.id::text, 15, 1) = '4'), false)
+FROM (SELECT t.{id_q} AS id FROM {rel_q} t LIMIT 20) x
+
+-- name: publication-details
+-- Publications covering the table (PostgreSQL 15+): membership kind, options, row filter and column list to carry.
+SELECT p.pubname, r.oid IS NOT NULL, p.puballtables,
+       EXISTS (SELECT 1 FROM pg_publication_namespace pn WHERE pn.pnpubid = p.oid AND pn.pnnspid = c.relnamespace),
+       p.pubviaroot, p.pubinsert, p.pubupdate, p.pubdelete,
+       pg_get_expr(r.prqual, r.prrelid),
+       (SELECT array_agg(a.attname::text ORDER BY k.ord)
+        FROM unnest(r.prattrs::int2[]) WITH ORDINALITY k(attnum, ord)
+        JOIN pg_attribute a ON a.attrelid = r.prrelid AND a.attnum = k.attnum)
+FROM pg_class c CROSS JOIN pg_publication p
+LEFT JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = c.oid
+WHERE c.oid = to_regclass({rel_reg})
+  AND (p.puballtables OR r.oid IS NOT NULL
+       OR EXISTS (SELECT 1 FROM pg_publication_namespace pn WHERE pn.pnpubid = p.oid AND pn.pnnspid = c.relnamespace))
+ORDER BY p.pubname
+
+-- name: publication-details-14
+-- Publications covering the table (PostgreSQL 13-14: no schema publications, row filters or column lists).
+SELECT p.pubname, r.oid IS NOT NULL, p.puballtables, false,
+       p.pubviaroot, p.pubinsert, p.pubupdate, p.pubdelete, NULL::text, NULL::text[]
+FROM pg_class c CROSS JOIN pg_publication p
+LEFT JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = c.oid
+WHERE c.oid = to_regclass({rel_reg}) AND (p.puballtables OR r.oid IS NOT NULL)
+ORDER BY p.pubname

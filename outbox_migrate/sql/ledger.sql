@@ -51,3 +51,25 @@ CREATE TABLE outbox_migrate.attempt (
     blockers jsonb NOT NULL DEFAULT '[]',
     FOREIGN KEY (migration_id, step_id) REFERENCES outbox_migrate.step (migration_id, step_id)
 )
+
+-- name: upgrade-2
+-- Version 2: every object a migration created or took over, by OID. Rollback drops only
+-- objects recorded here as this migration's own; re-runs adopt only objects no live
+-- migration owns. Names are kept for messages; the OID is what is compared.
+CREATE TABLE outbox_migrate.owned_object (
+    migration_id bigint NOT NULL REFERENCES outbox_migrate.migration (id),
+    step_id text NOT NULL,
+    kind text NOT NULL CHECK (kind IN ('relation', 'constraint', 'trigger', 'function')),
+    object_oid oid NOT NULL,
+    name text NOT NULL,
+    origin text NOT NULL CHECK (origin IN ('created', 'adopted', 'found')),
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (migration_id, kind, object_oid)
+);
+CREATE INDEX owned_object_by_oid ON outbox_migrate.owned_object (kind, object_oid)
+
+-- name: upgrade-3
+-- Version 3: publication memberships a migration added (CDC users: the unpublished partition in their publication) are owned objects too, by their pg_publication_rel OID.
+ALTER TABLE outbox_migrate.owned_object DROP CONSTRAINT owned_object_kind_check;
+ALTER TABLE outbox_migrate.owned_object ADD CONSTRAINT owned_object_kind_check
+    CHECK (kind IN ('relation', 'constraint', 'trigger', 'function', 'publication-rel'))

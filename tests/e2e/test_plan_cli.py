@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from typing import Any
 
 import psycopg
 import pytest
@@ -46,9 +47,14 @@ def test_database_without_the_table(dsn: str) -> None:
     ("ddl", "named"),
     [
         (
-            "CREATE TABLE outbox (id int4 GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
-            "payload json NOT NULL, published_at timestamptz)",
-            "outbox.id is integer, not bigint",
+            "CREATE TABLE outbox (id uuid PRIMARY KEY, payload json NOT NULL, "
+            "published_at timestamptz)",
+            'outbox.id is uuid: the application supplies the ids: set id_kind = "application"',
+        ),
+        (
+            "CREATE TABLE outbox (id smallserial PRIMARY KEY, payload json NOT NULL, "
+            "published_at timestamptz)",
+            "outbox.id is smallint: widen it first",
         ),
         (
             "CREATE TABLE outbox (id int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
@@ -56,12 +62,12 @@ def test_database_without_the_table(dsn: str) -> None:
             "outbox.published_at is text, not a timestamp",
         ),
         (
-            "CREATE TABLE outbox (id bigserial PRIMARY KEY, payload json NOT NULL, "
+            "CREATE TABLE outbox (id int8 PRIMARY KEY, payload json NOT NULL, "
             "published_at timestamptz)",
-            "outbox.id is not an identity column",
+            "outbox.id has neither an identity nor a sequence default",
         ),
     ],
-    ids=["int-id", "text-published-at", "serial"],
+    ids=["uuid-id", "smallint-id", "text-published-at", "no-generator"],
 )
 def test_wrong_column_types(dsn: str, ddl: str, named: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -80,13 +86,14 @@ def test_foreign_key_into_the_outbox(dsn: str) -> None:
     assert "drop it or point it elsewhere" in line
 
 
-def live_outbox(dsn: str) -> None:
+def live_outbox(dsn: str, *, publication: bool = True) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_flat_outbox(conn)
         insert_rows(conn, "outbox", 2_000, published=True)
         insert_rows(conn, "outbox", 25)
         conn.execute("ANALYZE outbox")
-        conn.execute("CREATE PUBLICATION outbox_cdc FOR TABLE outbox")
+        if publication:
+            conn.execute("CREATE PUBLICATION outbox_cdc FOR TABLE outbox")
 
 
 @pytest.mark.newest_pg_only
@@ -108,7 +115,8 @@ def test_dsn_gives_concrete_values_in_every_format(dsn: str) -> None:
     assert "## Your outbox" in markdown
     assert "~2,025 rows" in markdown and "25 unpublished" in markdown
     assert "max id 2025, new identity starts at 1,002,025" in markdown
-    assert "- Warning: publication outbox_cdc includes outbox" in markdown
+    assert "- Warning: publication outbox_cdc (FOR TABLE) includes outbox" in markdown
+    assert "Add outbox_unpublished to publication(s) outbox_cdc" in markdown
 
     table = plan("--pattern", "hoper", "--dsn", dsn)
     assert table.returncode == 0, table.stderr
@@ -116,18 +124,31 @@ def test_dsn_gives_concrete_values_in_every_format(dsn: str) -> None:
     assert "~2,025 rows, 25 unpublished, max id 2025, new identity starts at 1,002,025" in (
         table.stdout
     )
-    assert "warning: publication outbox_cdc includes outbox" in table.stdout
+    assert "warning: publication outbox_cdc (FOR TABLE) includes outbox" in table.stdout
 
 
 @pytest.mark.newest_pg_only
 def test_dsn_does_not_change_the_steps(dsn: str) -> None:
     """The live values are shown beside the plan; the steps (and their checksums, which the
-    runner compares) are the same as without a DSN."""
-    live_outbox(dsn)
+    runner compares) are the same as without a DSN — unless a publication covers the outbox,
+    which adds exactly one step (carrying the publication to the unpublished partition) and
+    the per-phase view of what its consumer sees."""
+    live_outbox(dsn, publication=False)
     offline = json.loads(plan("--pattern", "hopia", "--format", "json").stdout)
     online = json.loads(plan("--pattern", "hopia", "--dsn", dsn, "--format", "json").stdout)
     assert online["phases"] == offline["phases"]
     assert offline["facts"] is None and online["facts"] is not None
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE PUBLICATION outbox_cdc FOR TABLE outbox")
+    published = json.loads(plan("--pattern", "hopia", "--dsn", dsn, "--format", "json").stdout)
+
+    def steps(doc: dict[str, Any]) -> list[tuple[str, str]]:
+        return [(s["id"], s["checksum"]) for p in doc["phases"] for s in p["steps"]]
+
+    added = [s for s in steps(published) if s not in steps(offline)]
+    assert [step_id for step_id, _ in added] == ["hopia.v2.publish-unpublished-partition"]
+    assert [s for s in steps(published) if s not in added] == steps(offline)
 
 
 @pytest.mark.newest_pg_only

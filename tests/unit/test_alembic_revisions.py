@@ -93,9 +93,11 @@ def test_offline_step_joins_the_revision_transaction(
     generate("hoper", SETTINGS, tmp_path, tag="h1")
     text = _sql(ini, "h1_hoper_v4_03:h1_hoper_v4_04")
     body = text[text.index("-- Running upgrade") :]
-    # One transaction: assertions, SET LOCAL, the swap, the version update, COMMIT.
+    # One transaction: SET LOCAL, the locks, the assertions (under the locks: what they
+    # prove holds at COMMIT), the swap, the version update, COMMIT.
     assert body.count("BEGIN;\n") == 0 and body.count("COMMIT;") == 1
-    assert body.index("DO $om_assert$") < body.index("SET LOCAL lock_timeout = '200ms';")
+    assert body.index("SET LOCAL lock_timeout = '200ms';") < body.index("LOCK TABLE ONLY")
+    assert body.index("LOCK TABLE ONLY") < body.index("DO $om_assert$")
     assert body.index("ATTACH PARTITION") < body.index("UPDATE alembic_version")
     assert "RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default" in body
     # The copy-back job cannot run in a transaction: autocommit block, then the version.
@@ -155,7 +157,7 @@ def test_cli_generate_json_and_one_line_errors(tmp_path: Path) -> None:
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
-    assert doc["phase_targets"] == {"V2": "j1_hop_v2_05", "V3": "j1_hop_v3_01"}
+    assert doc["phase_targets"] == {"V2": "j1_hop_v2_06", "V3": "j1_hop_v3_01"}
     assert doc["revisions"][0]["revision"] == "j1_hop_v2_01"
     missing = subprocess.run([*run, "--dir", str(tmp_path / "nowhere")],
                              capture_output=True, text=True)  # fmt: skip

@@ -100,3 +100,48 @@ def test_bad_toml_is_reported(tmp_path: Path) -> None:
     (tmp_path / "outbox-migrate.toml").write_text("table = \n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_settings(environ={}, cwd=tmp_path)
+
+
+def test_column_roles_from_file_env_and_flags(tmp_path: Path) -> None:
+    (tmp_path / "outbox-migrate.toml").write_text(
+        'created_column = "occurred_at"\nmetadata_columns = ["trace_id", "tenant_id"]\n'
+        'payload_column = "body"\n'
+    )
+    env = {"OUTBOX_MIGRATE_KEY_COLUMN": "aggregate_id", "OUTBOX_MIGRATE_HEADERS_COLUMN": ""}
+    settings = load_settings({"event_type_column": "type"}, environ=env, cwd=tmp_path)
+    spec = settings.spec
+    assert spec.created_column == "occurred_at"
+    assert spec.metadata_columns == ("trace_id", "tenant_id")
+    assert spec.payload_column == "body"
+    assert spec.key_column == "aggregate_id"
+    assert spec.headers_column == ""  # explicitly "no headers column"
+    assert spec.event_type_column == "type"
+
+
+def test_metadata_columns_comma_separated_in_env(tmp_path: Path) -> None:
+    env = {"OUTBOX_MIGRATE_METADATA_COLUMNS": "trace_id, tenant_id,"}
+    spec = load_settings(environ=env, cwd=tmp_path).spec
+    assert spec.metadata_columns == ("trace_id", "tenant_id")
+
+
+@pytest.mark.parametrize(
+    ("values", "fragment"),
+    [
+        ({"metadata_columns": "id"}, "is the id column"),
+        ({"id_kind": "uuid"}, "must be one of database, application"),
+        ({"payload_column": ""}, "non-empty"),
+        ({"order_column": "created_at"}, "applies to application ids only"),
+    ],
+)
+def test_column_role_errors(tmp_path: Path, values: dict[str, str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        load_settings(values, environ={}, cwd=tmp_path)
+
+
+def test_order_column_for_application_ids(tmp_path: Path) -> None:
+    """The claim order of application ids: the order column, else the id itself."""
+    env = {"OUTBOX_MIGRATE_ID_KIND": "application"}
+    spec = load_settings(environ=env, cwd=tmp_path).spec
+    assert (spec.claim_order, spec.gate_sequence) == ("id", "outbox_gate_seq")
+    spec = load_settings({"order_column": "created_at"}, environ=env, cwd=tmp_path).spec
+    assert spec.claim_order == "created_at"

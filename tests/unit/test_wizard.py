@@ -156,6 +156,6 @@ def test_cdc_publications_and_blockers_are_noted() -> None:
     notes = interpret(
         measurements(publications=["cdc_all"], blockers=["fk into outbox: drop it"]), "hop"
     )
-    assert any("publications cdc_all" in n and "DELETE + INSERT" in n for n in notes)
+    assert any("publications cdc_all" in n and "publish-unpublished-partition" in n for n in notes)
     assert "blocker: fk into outbox: drop it" in notes
     assert not any("CDC" in n for n in interpret(measurements(), "hop"))

@@ -10,7 +10,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from outbox_migrate.patterns.model import Condition, Lock, Statement, Step, TxMode
+from outbox_migrate.patterns.model import (
+    Condition,
+    Created,
+    Lock,
+    PublicationFact,
+    Statement,
+    Step,
+    TxMode,
+)
 from outbox_migrate.patterns.names import Names
 
 CATALOG_TIMEOUT_MS = 2_000
@@ -34,6 +42,8 @@ class BuildContext:
     old_app_name: str
     identity_generation: str = "ALWAYS"
     """How the old table's identity was generated (for reversing DROP IDENTITY)."""
+    publications: tuple[PublicationFact, ...] = ()
+    """Publications covering the old table (introspected): CDC users' streams to carry."""
 
     def step_id(self, kind: str) -> str:
         return f"{self.pattern}.{self.phase.lower()}.{kind}"
@@ -42,13 +52,24 @@ class BuildContext:
         """The checks that prove the previous version stopped writing to `relation`."""
         from outbox_migrate.patterns import conditions as c
 
-        checks = [c.no_new_ids(self.names, relation, self.phase, self.sample_window_s)]
+        if self.names.spec.id_kind == "application":
+            checks = [
+                c.no_new_ticks(self.names, relation, self.phase, self.sample_window_s),
+                c.no_new_ticks_since_sample(self.names, relation, self.phase),
+            ]
+        else:
+            checks = [
+                c.no_new_ids(self.names, relation, self.phase, self.sample_window_s),
+                c.no_new_rows_since_sample(self.names, relation, self.phase),
+            ]
         if self.old_app_name:
             checks.append(c.no_old_app_sessions(self.old_app_name, self.phase))
         return tuple(checks)
 
 
-StepBuilder = Callable[[BuildContext, Mapping[str, Any]], Step]
+StepBuilder = Callable[[BuildContext, Mapping[str, Any]], Step | None]
+"""A kind returns None when it does not apply to this outbox (e.g. the gate sequence for
+database ids): the pattern then has no such step."""
 REGISTRY: dict[str, StepBuilder] = {}
 
 
@@ -83,6 +104,9 @@ def make_step(
     catalog_only: bool = False,
     notes: tuple[str, ...] = (),
     undone_by: tuple[str, ...] = (),
+    creates: tuple[Created, ...] = (),
+    reverse_creates: tuple[Created, ...] = (),
+    executor: str = "sql",
 ) -> Step:
     return Step(
         id=ctx.step_id(kind_name),
@@ -105,6 +129,9 @@ def make_step(
         catalog_only=catalog_only,
         notes=notes,
         undone_by=undone_by,
+        creates=creates,
+        reverse_creates=reverse_creates,
+        executor=executor,
     )
 
 
@@ -115,9 +142,13 @@ def load_all() -> Mapping[str, StepBuilder]:
         check_constraint,
         copy_trigger,
         gate,
+        gate_sequence,
         identity,
         jobs,
+        notify,
+        old_triggers,
         partitioned_table,
+        publication,
         tuning,
     )
 

@@ -31,6 +31,8 @@ from outbox_migrate.patterns.model import Condition, Lock, LockMode, Step, TxMod
 
 def scan_guard(ctx: BuildContext) -> tuple[Condition, ...]:
     n = ctx.names
+    # Application ids have no identity that could collide with the old ids: nothing to check.
+    ids_above = () if n.spec.id_kind == "application" else (c.new_ids_above_old(n),)
     return (
         c.relation_exists(n, n.parent),
         c.is_plain_table(n, n.table),
@@ -40,7 +42,7 @@ def scan_guard(ctx: BuildContext) -> tuple[Condition, ...]:
         c.columns_match(n, n.table),
         c.no_identity(n, n.table),
         c.no_fk_references(n, n.table),
-        c.new_ids_above_old(n),
+        *ids_above,
         c.drained(n, n.table, ctx.phase),
     )
 
@@ -92,7 +94,14 @@ def swap_default(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     if params.get("require_copied"):
         # HOPIA: the copy trigger must have put every published row into the old table,
         # otherwise some published messages vanish from view at the swap.
-        extra = (c.all_rows_present(n, n.published, n.table),)
+        extra = (
+            c.all_rows_present(
+                n, n.published, n.table,
+                kept_by=f"the copy trigger on {n.published} (checked under the lock) copies "
+                "every row published after the scan",
+            ),
+            c.trigger_exists(n),
+        )  # fmt: skip
     published_check = sql.Identifier(f"{n.spec.published_partition}_swap_back_check"[:63])
     reverse = (
         # Validated CHECK on the detached table (scans it, but nobody writes to it any more

@@ -21,7 +21,7 @@ from outbox_migrate.patterns.kinds import (
     make_step,
 )
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND
-from outbox_migrate.patterns.model import Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
 
 
 def add_check_sql(ctx: BuildContext) -> sql.Composed:
@@ -54,6 +54,7 @@ def add_not_valid_check(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         reverse=(drop_check_sql(ctx),),
         reverse_note="drop the constraint",
         undone_by=("drop-check",),
+        creates=(Created("constraint", n.spec.check_name, on=n.table),),
     )
 
 
@@ -124,4 +125,5 @@ def drop_check(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         postcondition=(c.check_absent(n),),
         reverse=(add_check_sql(ctx),),
         reverse_note="re-add the CHECK as NOT VALID (catalog-only)",
+        reverse_creates=(Created("constraint", n.spec.check_name, on=n.table),),
     )

@@ -20,11 +20,28 @@ from psycopg import sql
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds import BuildContext, kind, make_step
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND
-from outbox_migrate.patterns.model import Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
 
 
 def create_trigger_sql(ctx: BuildContext) -> tuple[sql.Composed, ...]:
     n = ctx.names
+    if n.spec.id_kind == "application":
+        # The gate sequence's trigger on the old table must not count this copy as a writer
+        # (kinds/gate_sequence.py): the flag is raised around the INSERT only.
+        from outbox_migrate.patterns.kinds.gate_sequence import COPYING_FLAG
+
+        flag = sql.Literal(COPYING_FLAG)
+        function = sql.SQL(
+            "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $om$\n"
+            "BEGIN\n"
+            "    PERFORM set_config({flag}, 'on', true);\n"
+            "    INSERT INTO {old} OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;\n"
+            "    PERFORM set_config({flag}, 'off', true);\n"
+            "    RETURN NULL;\n"
+            "END\n"
+            "$om$"
+        ).format(function=n.function_q, old=n.q(n.table), flag=flag)
+        return (function, _trigger(ctx))
     function = sql.SQL(
         "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $om$\n"
         "BEGIN\n"
@@ -33,11 +50,15 @@ def create_trigger_sql(ctx: BuildContext) -> tuple[sql.Composed, ...]:
         "END\n"
         "$om$"
     ).format(function=n.function_q, old=n.q(n.table))
-    trigger = sql.SQL(
+    return (function, _trigger(ctx))
+
+
+def _trigger(ctx: BuildContext) -> sql.Composed:
+    n = ctx.names
+    return sql.SQL(
         "CREATE TRIGGER {trigger} AFTER INSERT ON {published} "
         "FOR EACH ROW EXECUTE FUNCTION {function}()"
     ).format(trigger=n.trigger_q, published=n.q(n.published), function=n.function_q)
-    return (function, trigger)
 
 
 def drop_trigger_sql(ctx: BuildContext) -> tuple[sql.Composed, ...]:
@@ -67,6 +88,10 @@ def install_copy_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         reverse=drop_trigger_sql(ctx),
         reverse_note="drop the trigger and its function",
         undone_by=("remove-copy-trigger",),
+        creates=(
+            Created("function", n.spec.copy_function),
+            Created("trigger", n.spec.copy_trigger, on=n.published),
+        ),
     )
 
 
@@ -85,6 +110,10 @@ def remove_copy_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         postcondition=(c.trigger_absent(n), c.function_absent(n)),
         reverse=create_trigger_sql(ctx),
         reverse_note="re-create the trigger and function",
+        reverse_creates=(
+            Created("function", n.spec.copy_function),
+            Created("trigger", n.spec.copy_trigger, on=n.published),
+        ),
         reverse_preconditions=(c.relation_exists(n, n.published),),
     )
 

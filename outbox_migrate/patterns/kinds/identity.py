@@ -24,6 +24,23 @@ def drop_identity(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     resync = sql.SQL(
         "SELECT setval(pg_get_serial_sequence({}, {}), coalesce(max({}), 0) + 1, false) FROM {}"
     ).format(n.reg(n.table), sql.Literal(n.spec.id_column), n.id_q, n.q(n.table))
+    if n.spec.id_kind == "application":
+        # No identity to drop; the step stays for its deploy gate, re-proved under ACCESS
+        # EXCLUSIVE (no inserting transaction can be open) right before the swap.
+        return make_step(
+            ctx,
+            "drop-identity",
+            summary=f"Gate under lock: no writer inserts into {n.table} any more "
+            "(application ids: no identity to drop)",
+            statements=(),
+            tx=TxMode.TRANSACTION,
+            locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
+            catalog_only=True,
+            preconditions=(c.relation_exists(n, n.table), *ctx.deploy_gate(n.table)),
+            postcondition=(c.no_identity(n, n.table),),
+            reverse=(),
+            reverse_note="nothing to undo",
+        )
     return make_step(
         ctx,
         "drop-identity",

@@ -26,6 +26,8 @@ def copy_back_loop(ctx: BuildContext) -> sql.Composed:
     loop is the plain equivalent a DBA can run by hand. It needs autocommit (COMMIT in DO).
     """
     n = ctx.names
+    if n.spec.id_kind == "application":
+        return _copy_back_loop_by_order(ctx)
     return sql.SQL(
         "DO $om_copy$\n"
         "DECLARE last_id bigint := -9223372036854775808; batch_max bigint;\n"
@@ -48,6 +50,45 @@ def copy_back_loop(ctx: BuildContext) -> sql.Composed:
         id=n.id_q,
         limit=sql.Literal(COPY_BATCH_ROWS),
     )
+
+
+def _copy_back_loop_by_order(ctx: BuildContext) -> sql.Composed:
+    """The plain loop for application ids: the mark has the id's own type (`%TYPE`), the
+    first batch has no lower bound (no uuid is below every other), and the batch's last id
+    comes from ORDER BY … DESC (uuid has no max())."""
+    n = ctx.names
+    batch = (
+        "SELECT * FROM {source}{where} ORDER BY {id} LIMIT {limit}), copied AS (INSERT INTO "
+        "{target} OVERRIDING SYSTEM VALUE SELECT * FROM batch ON CONFLICT DO NOTHING) "
+        "SELECT {id} INTO batch_max FROM batch ORDER BY {id} DESC LIMIT 1;\n"
+    )
+    parts = {
+        "source": n.q(n.published),
+        "target": n.q(n.table),
+        "id": n.id_q,
+        "limit": sql.Literal(COPY_BATCH_ROWS),
+    }
+    first = sql.SQL(batch).format(where=sql.SQL(""), **parts)
+    rest = sql.SQL(batch).format(where=sql.SQL(" WHERE {} > last_id").format(n.id_q), **parts)
+    return sql.SQL(
+        "DO $om_copy$\n"
+        "DECLARE last_id {column}%TYPE; batch_max {column}%TYPE;\n"
+        "BEGIN\n"
+        "    LOOP\n"
+        "        IF last_id IS NULL THEN\n"
+        "            WITH batch AS ({first}"
+        "        ELSE\n"
+        "            WITH batch AS ({rest}"
+        "        END IF;\n"
+        "        EXIT WHEN batch_max IS NULL;\n"
+        "        last_id := batch_max;\n"
+        "        batch_max := NULL;\n"
+        "        COMMIT;\n"
+        "    END LOOP;\n"
+        "END\n"
+        "$om_copy$"
+    ).format(column=sql.Identifier(n.spec.schema, n.table, n.spec.id_column), first=first,
+             rest=rest)  # fmt: skip
 
 
 @kind("copy-back")
@@ -78,6 +119,7 @@ def copy_back(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             "the SQL shown is the plain equivalent for manual runs",
         ),
         undone_by=("drop-published",),
+        executor="copy-back",
     )
 
 

@@ -8,13 +8,14 @@ before V2 is deployed).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from psycopg import sql
 
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds import CREATE_TIMEOUT_MS, BuildContext, kind, make_step
-from outbox_migrate.patterns.model import Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.model import Condition, Created, Lock, LockMode, Step, TxMode
 
 NULL_BOUND = "FOR VALUES IN (NULL)"
 DEFAULT_BOUND = "DEFAULT"
@@ -22,38 +23,73 @@ DEFAULT_BOUND = "DEFAULT"
 
 @kind("create-partitioned-table")
 def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
-    """`LIKE` the old table so columns, types, defaults, collations and identity match exactly
-    (ATTACH later demands identical columns), then move the identity's next value above every
-    id the old table holds or has handed out, plus headroom for V1 instances still inserting
-    while V2 rolls out."""
+    """`LIKE` the old table so columns, types, defaults, collations, CHECK constraints and
+    identity match exactly (ATTACH later demands identical columns and the parent's CHECKs on
+    the attached table).
+
+    Database-generated ids: the parent's id becomes an identity of its own whatever the old
+    table had (an identity, a serial, a `nextval` default on any sequence). `LIKE … INCLUDING
+    DEFAULTS` would otherwise copy a serial's `nextval('outbox_id_seq')`, so V2 would keep
+    drawing from the old sequence and no deploy gate could tell old writers from new ones. The
+    identity then starts above every id the old table holds or has handed out, plus headroom
+    for V1 instances still inserting while V2 rolls out.
+
+    Application-generated ids (uuid, ULID): nothing to move; the application keeps them unique.
+    """
     n = ctx.names
-    old_seq = sql.SQL("pg_get_serial_sequence({}, {})::regclass").format(
-        n.reg(n.table), sql.Literal(n.spec.id_column)
-    )
     create = sql.SQL(
         "CREATE TABLE {parent} (LIKE {old} INCLUDING DEFAULTS INCLUDING IDENTITY "
-        "INCLUDING GENERATED INCLUDING STORAGE INCLUDING COMMENTS) "
+        "INCLUDING GENERATED INCLUDING CONSTRAINTS INCLUDING STORAGE INCLUDING COMMENTS) "
         "PARTITION BY LIST ({published_at})"
     ).format(parent=n.q(n.parent), old=n.q(n.table), published_at=n.published_at_q)
-    start = sql.SQL(
-        "SELECT setval(seq, greatest((SELECT max({id}) FROM {old}), "
-        "pg_sequence_last_value({old_seq}), 0) + {headroom}) "
-        "FROM (SELECT pg_get_serial_sequence({parent_reg}, {id_name})::regclass AS seq) s "
-        "WHERE seq IS NOT NULL"
-    ).format(
-        id=n.id_q,
-        old=n.q(n.table),
-        old_seq=old_seq,
-        headroom=sql.Literal(n.spec.id_headroom),
-        parent_reg=n.reg(n.parent),
-        id_name=sql.Literal(n.spec.id_column),
-    )
-    return make_step(
+    statements: tuple[sql.Composed, ...] = (create,)
+    summary = f"Create {n.parent} PARTITION BY LIST ({n.spec.published_column})"
+    notes = [
+        "CHECK constraints of the old table are copied (a row the old table would refuse "
+        "must be refused at insert, not when the relay publishes it into the old table).",
+    ]
+    if n.spec.id_kind == "database":
+        own_identity = tuple(
+            sql.SQL("ALTER TABLE {} ALTER COLUMN {} {}").format(n.q(n.parent), n.id_q, action)
+            for action in (
+                sql.SQL("DROP IDENTITY IF EXISTS"),
+                sql.SQL("DROP DEFAULT"),
+                sql.SQL("ADD GENERATED {} AS IDENTITY").format(sql.SQL(ctx.identity_generation)),
+            )
+        )
+        start = sql.SQL(
+            "SELECT setval(seq, greatest((SELECT max({id}) FROM {old}), "
+            "pg_sequence_last_value({old_seq}), 0) + {headroom}) "
+            "FROM (SELECT pg_get_serial_sequence({parent_reg}, {id_name})::regclass AS seq) s "
+            "WHERE seq IS NOT NULL"
+        ).format(
+            id=n.id_q,
+            old=n.q(n.table),
+            old_seq=n.id_sequence(n.table),
+            headroom=sql.Literal(n.spec.id_headroom),
+            parent_reg=n.reg(n.parent),
+            id_name=sql.Literal(n.spec.id_column),
+        )
+        statements += (*own_identity, start)
+        summary += (
+            f", its own identity starting {n.spec.id_headroom:,} above the old table's highest id"
+        )
+        notes.insert(
+            0,
+            "Ids stay unique across both tables in every pattern: sinks and consumers that "
+            "de-duplicate by outbox id would otherwise drop new messages reusing old ids.",
+        )
+    else:
+        notes.insert(
+            0,
+            "Ids come from the application (id_kind = application): no identity and no "
+            "headroom; the application must keep them unique across both tables.",
+        )
+    step = make_step(
         ctx,
         "create-partitioned-table",
-        summary=f"Create {n.parent} PARTITION BY LIST ({n.spec.published_column}), identity "
-        f"starting {n.spec.id_headroom:,} above the old table's highest id",
-        statements=(create, start),
+        summary=summary,
+        statements=statements,
         tx=TxMode.TRANSACTION,
         locks=(
             Lock(n.table, LockMode.ACCESS_SHARE),
@@ -64,17 +100,55 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
             c.is_plain_table(n, n.table),
             c.no_fk_references(n, n.table),
             c.relation_absent(n, n.parent),
+            *_unique_id_needed(ctx, params),
         ),
         postcondition=(c.relation_exists(n, n.parent), c.partitioned_by_list(n)),
         reverse=(sql.SQL("DROP TABLE {}").format(n.q(n.parent)),),
         reverse_note=f"drop {n.parent}; refused once it holds rows",
-        reverse_preconditions=(c.relation_empty(n, n.parent),),
+        reverse_preconditions=(c.no_partitions(n, n.parent), c.relation_empty(n, n.parent)),
         statement_timeout_ms=CREATE_TIMEOUT_MS,
-        notes=(
-            "Ids stay unique across both tables in every pattern: sinks and consumers that "
-            "de-duplicate by outbox id would otherwise drop new messages reusing old ids.",
-        ),
+        creates=(Created("relation", n.parent),),
+        notes=tuple(notes),
     )
+    if n.spec.id_kind != "database":
+        return step
+    return replace(step, former_checksums=(replace(step, statements=_release_01(ctx)).checksum(),))
+
+
+def _release_01(ctx: BuildContext) -> tuple[sql.Composed, ...]:
+    """The step as release 0.1 ran it: the identity copied as the old table had it, no CHECK
+    constraints, the old table's own identity sequence only. Its postcondition is today's, so
+    a migration that ran it is adopted by this release (its new identity was started above
+    the old ids all the same; CHECKs are reported by `plan`, as ever)."""
+    n = ctx.names
+    create = sql.SQL(
+        "CREATE TABLE {parent} (LIKE {old} INCLUDING DEFAULTS INCLUDING IDENTITY "
+        "INCLUDING GENERATED INCLUDING STORAGE INCLUDING COMMENTS) "
+        "PARTITION BY LIST ({published_at})"
+    ).format(parent=n.q(n.parent), old=n.q(n.table), published_at=n.published_at_q)
+    start = sql.SQL(
+        "SELECT setval(seq, greatest((SELECT max({id}) FROM {old}), "
+        "pg_sequence_last_value(pg_get_serial_sequence({old_reg}, {id_name})::regclass), 0) "
+        "+ {headroom}) "
+        "FROM (SELECT pg_get_serial_sequence({parent_reg}, {id_name})::regclass AS seq) s "
+        "WHERE seq IS NOT NULL"
+    ).format(
+        id=n.id_q,
+        old=n.q(n.table),
+        old_reg=n.reg(n.table),
+        headroom=sql.Literal(n.spec.id_headroom),
+        parent_reg=n.reg(n.parent),
+        id_name=sql.Literal(n.spec.id_column),
+    )
+    return (create, start)
+
+
+def _unique_id_needed(ctx: BuildContext, params: Mapping[str, Any]) -> tuple[Condition, ...]:
+    """HOPER's copy-back skips rows already copied by `ON CONFLICT (id)`, which needs a unique
+    index on the old table's id: checked here, in V2, not at copy-back after the swap."""
+    if not params.get("require_unique_id"):
+        return ()
+    return (c.unique_id_index(ctx.names, ctx.names.table),)
 
 
 def _create_partition(
@@ -109,6 +183,7 @@ def _create_partition(
         reverse_preconditions=(c.relation_empty(n, relation),),
         statement_timeout_ms=CREATE_TIMEOUT_MS,
         undone_by=undone_by,
+        creates=(Created("relation", relation),),
     )
 
 
@@ -129,13 +204,20 @@ def create_unpublished_index(ctx: BuildContext, params: Mapping[str, Any]) -> St
     """The relay claims by id from this partition only; the table is still empty, so a plain
     CREATE INDEX in the transaction is instant (no CONCURRENTLY needed)."""
     n = ctx.names
+    # Application ids are claimed in `order_column` order (ties broken by id); database ids
+    # by id alone.
+    keys = [n.spec.id_column]
+    if n.spec.id_kind == "application" and n.spec.order_column:
+        keys.insert(0, n.spec.order_column)
     return make_step(
         ctx,
         "create-unpublished-index",
-        summary=f"Index {n.unpublished} ({n.spec.id_column}) for the relay's claim",
+        summary=f"Index {n.unpublished} ({', '.join(keys)}) for the relay's claim",
         statements=(
             sql.SQL("CREATE INDEX {} ON {} ({})").format(
-                sql.Identifier(n.spec.unpublished_index), n.q(n.unpublished), n.id_q
+                sql.Identifier(n.spec.unpublished_index),
+                n.q(n.unpublished),
+                sql.SQL(", ").join(map(sql.Identifier, keys)),
             ),
         ),
         tx=TxMode.TRANSACTION,
@@ -148,6 +230,7 @@ def create_unpublished_index(ctx: BuildContext, params: Mapping[str, Any]) -> St
         reverse=(sql.SQL("DROP INDEX {}").format(n.index_q),),
         reverse_note="drop the index",
         statement_timeout_ms=CREATE_TIMEOUT_MS,
+        creates=(Created("relation", n.spec.unpublished_index),),
     )
 
 

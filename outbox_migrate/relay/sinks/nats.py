@@ -4,27 +4,69 @@ JetStream acknowledges each publish once the message is stored in the stream; a 
 id it saw within the stream's duplicate window is acknowledged as a duplicate and not stored
 again — the relay's at-least-once becomes effectively-once downstream. nats-py is asyncio;
 each sink owns a private event loop driven from its worker thread. Subject: `target`; the
-stream (`extra["stream"]`, default derived from the subject) is created when missing.
+stream (`extra["stream"]`, default derived from the subject) is created when missing, unless
+`extra["create_stream"]` is false. Headers: `Message.headers()`; body per the `envelope`
+option (`raw` by default; `cloudevents` = binary content mode, `ce-` headers).
+
+Failures, per message (the batch's publishes run concurrently, each has its own outcome):
+
+* refused for what the message is — larger than the server's `max_payload`
+  (`MaxPayloadError`, raised by the client before sending), no stream listening on the
+  subject (`NoStreamResponseError`), or a JetStream API error 400 (e.g. over the stream's
+  `max_msg_size`, a header it cannot take) — `MessagesRejected` under its id;
+* anything else (not connected, a timeout, JetStream 503 while a leader is elected):
+  `SinkUnavailable` for the whole batch.
+
+Connecting is bounded by the sink timeout: nats-py treats `max_reconnect_attempts=0` as
+"unlimited" and would loop on a dead server for ever (logging a traceback every 2 s), so the
+sink allows one attempt per server, no reconnect wait, reports errors through its own one-line
+callback, and wraps the whole connect in `asyncio.wait_for`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
 
-from outbox_migrate.dsn import mask
-from outbox_migrate.relay.errors import RelayError, SinkUnavailable
-from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
+from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import SinkConfig
+from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
+SCHEMES = ("nats", "tls", "ws", "wss")
+_FALSE = frozenset({"0", "false", "no", "off"})
+log = logging.getLogger("outbox_migrate.relay.sink.nats")
 
 
 def stream_name(subject: str) -> str:
     """A valid stream name for a subject (no dots, wildcards or spaces)."""
     return re.sub(r"[^A-Za-z0-9_-]", "_", subject).upper()
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """True when NATS refused this one message for what it is (see the module docstring)."""
+    from nats.errors import BadHeaderError, BadSubjectError, MaxPayloadError
+    from nats.js.errors import APIError, NoStreamResponseError
+
+    if isinstance(exc, MaxPayloadError | NoStreamResponseError | BadHeaderError | BadSubjectError):
+        return True
+    return isinstance(exc, APIError) and exc.code == 400
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    name = type(exc).__name__
+    return mask_url(f"{name}: {text}" if text and name not in text else text or name)
+
+
+async def _quiet_error(exc: Exception) -> None:
+    """nats-py's default error callback logs a traceback per failed attempt; one line will do."""
+    log.debug("relay.sink_library nats %s", _describe(exc))
 
 
 class NatsSink:
@@ -36,8 +78,12 @@ class NatsSink:
         except ImportError:
             raise RelayError("the nats sink needs nats-py: install outbox-migrate[nats]") from None
         self.config = config
+        self.url = require_scheme(self.name, config.url, SCHEMES) or DEFAULT_URL
         self.subject = config.target
         self.stream = config.extra.get("stream") or stream_name(config.target)
+        self.create_stream = config.extra.get("create_stream", "true").lower() not in _FALSE
+        self.envelope = envelope_option(config.extra, self.name, Envelope.raw)
+        self.cloudevents = CloudEvents(config.extra)
         self._loop = asyncio.new_event_loop()
         self._nc: Any = None
         self._js: Any = None
@@ -47,42 +93,69 @@ class NatsSink:
     async def _connect(self) -> Any:
         if self._js is not None and self._nc is not None and self._nc.is_connected:
             return self._js
-        import nats
+        from nats.aio.client import Client
         from nats.js.errors import NotFoundError
 
-        self._nc = await nats.connect(
-            self.config.url or DEFAULT_URL,
-            connect_timeout=self.config.timeout_s,
-            max_reconnect_attempts=0,
-            allow_reconnect=False,
+        timeout = self.config.timeout_s
+        # Our own client object rather than nats.connect(): when the bounded connect gives
+        # up, the half-open transport it made must be closed, not left to the GC.
+        self._nc = Client()
+        await asyncio.wait_for(
+            self._nc.connect(
+                self.url,
+                connect_timeout=timeout,
+                allow_reconnect=False,
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0,
+                error_cb=_quiet_error,
+            ),
+            timeout,
         )
-        js = self._nc.jetstream(timeout=self.config.timeout_s)
-        try:
-            await js.stream_info(self.stream)
-        except NotFoundError:
-            await js.add_stream(name=self.stream, subjects=[self.subject])
+        js = self._nc.jetstream(timeout=timeout)
+        if self.create_stream:
+            try:
+                await js.stream_info(self.stream)
+            except NotFoundError:
+                await js.add_stream(name=self.stream, subjects=[self.subject])
         self._js = js
         return js
 
+    def _body_and_headers(self, message: Message) -> tuple[bytes, dict[str, str]]:
+        if self.envelope is Envelope.cloudevents:
+            headers = self.cloudevents.binary_headers(message, "ce-")
+            body = message.payload_bytes
+        else:
+            headers = message.headers()
+            json = self.envelope is Envelope.json
+            body = message.envelope().encode() if json else message.payload_bytes
+        headers["Nats-Msg-Id"] = str(message.id)
+        return body, headers
+
     async def _publish(self, batch: Sequence[Message]) -> list[Any]:
         js = await self._connect()
-        pending = [
-            js.publish(
-                self.subject,
-                message.payload_bytes,
-                headers={"Nats-Msg-Id": str(message.id), **message.headers()},
-            )
-            for message in batch
-        ]
-        return list(await asyncio.gather(*pending))
+        pending = []
+        for message in batch:
+            body, headers = self._body_and_headers(message)
+            pending.append(js.publish(self.subject, body, headers=headers))
+        return list(await asyncio.gather(*pending, return_exceptions=True))
 
     def publish(self, batch: Sequence[Message]) -> None:
         try:
-            acks = self._loop.run_until_complete(self._publish(batch))
+            outcomes = self._loop.run_until_complete(self._publish(batch))
         except Exception as exc:  # noqa: BLE001 - nats-py raises many types; all mean "not acked"
             self._disconnect()
-            raise SinkUnavailable(self.name, mask(f"{type(exc).__name__}: {exc}")) from None
-        self.duplicates += sum(1 for ack in acks if getattr(ack, "duplicate", False))
+            raise SinkUnavailable(self.name, _describe(exc)) from None
+        rejected: dict[MessageId, str] = {}
+        for message, outcome in zip(batch, outcomes, strict=True):
+            if not isinstance(outcome, BaseException):
+                self.duplicates += bool(getattr(outcome, "duplicate", False))
+            elif is_permanent(outcome):
+                rejected[message.id] = f"nats {_describe(outcome)}"
+            else:
+                self._disconnect()
+                raise SinkUnavailable(self.name, _describe(outcome))
+        if rejected:
+            raise MessagesRejected(self.name, rejected)
 
     def close(self) -> None:
         self._disconnect()
@@ -91,8 +164,16 @@ class NatsSink:
 
     def _disconnect(self) -> None:
         nc, self._nc, self._js = self._nc, None, None
-        if nc is not None:
+        if nc is None:
+            return
+        try:
+            self._loop.run_until_complete(asyncio.wait_for(nc.close(), self.config.timeout_s))
+        except Exception:  # noqa: BLE001 - closing a broken connection we discard anyway
+            log.debug("relay.sink_library nats close failed")
+        transport = getattr(nc, "_transport", None)
+        if transport is not None:  # a connect cut short may leave it open under a closed nc
             try:
-                self._loop.run_until_complete(nc.close())
-            except Exception:  # noqa: BLE001 - closing a broken connection we discard anyway
+                transport.close()
+                self._loop.run_until_complete(asyncio.sleep(0))  # let the socket close now
+            except Exception:  # noqa: BLE001 - best effort on a connection being discarded
                 return

@@ -3,7 +3,11 @@
 The channel is in confirm mode and every message goes out `mandatory`, persistent
 (delivery_mode 2) to the default exchange with the queue as routing key — the queue (`target`)
 declared durable — or to `extra["exchange"]` (nothing declared then). Properties: message_id =
-outbox id (consumers de-duplicate on it), type = event type, headers from `Message.headers()`.
+outbox id (consumers de-duplicate on it), type = event type, headers from `Message.headers()`
+(the row's extra headers, e.g. `traceparent`, among them); body per the `envelope` option
+(`raw` payload by default, `json`, or `cloudevents`: binary content mode, the CloudEvents
+attributes as `cloudEvents:`-prefixed application properties, as the AMQP binding names them,
+and datacontenttype as the content_type property).
 `publish` writes the batch without waiting, then waits (at most `timeout_s`) until the broker
 confirmed every delivery tag — one round trip per batch, not per message. Outcomes:
 
@@ -16,7 +20,14 @@ confirmed every delivery tag — one round trip per batch, not per message. Outc
   reject-publish` — which is back-pressure, not a poisonous message: the relay must back off
   and retry, not dead-letter five quick refusals. Acked messages of that batch are re-sent
   (consumers de-duplicate on message_id, as after any at-least-once retry);
-* the connection or channel closes, or the confirms do not arrive in `timeout_s`:
+* a body over the broker's `max_message_size`: RabbitMQ closes the *channel* (406
+  PRECONDITION_FAILED, "message size N is larger than configured max size M"), which says
+  nothing about the other messages. The sink learns M from that text, reports every message
+  of the batch whose body exceeds it in `MessagesRejected` (→ dead letters after the relay's
+  max attempts: the message can never be delivered), and sends the rest again on a fresh
+  channel within the same call. Later batches are checked against M before sending, so a
+  poisonous message no longer closes the channel at all;
+* the connection or channel closes otherwise, or the confirms do not arrive in `timeout_s`:
   `SinkUnavailable` (the connection is dropped; the next publish reconnects).
 
 Why pika's own asyncio adapter rather than aio-pika/aiormq: measured on the same broker with the
@@ -33,17 +44,23 @@ found by the next publish instead (a reset one at once, a silent one by the time
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from outbox_migrate.dsn import mask
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
-from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import SinkConfig
+from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks.urls import require_scheme
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 CLOSE_TIMEOUT_S = 2.0
 """How long closing a connection may wait for the broker's Close-Ok before it is dropped."""
+PRECONDITION_FAILED = 406
+TOO_LARGE = re.compile(r"larger than configured max size (\d+)")
+"""RabbitMQ's channel-close text for a body over `max_message_size` (3.8 and later)."""
 
 
 class Confirms:
@@ -55,19 +72,22 @@ class Confirms:
 
     def __init__(self) -> None:
         self.last_tag = 0
-        self.pending: dict[int, int] = {}
+        self.pending: dict[int, MessageId] = {}
         """Delivery tag → outbox id, for messages not confirmed yet."""
-        self.nacked: list[int] = []
-        self.returned: dict[int, str] = {}
+        self.nacked: list[MessageId] = []
+        self.acked: list[MessageId] = []
+        """Outbox ids acked in this batch (what need not be sent again after a channel close)."""
+        self.returned: dict[MessageId, str] = {}
         """Outbox id → reason, for messages the broker returned as unroutable."""
         self._lowest = 1
         """No tag below this one is pending (keeps `multiple` confirms O(1) amortised)."""
 
     def start_batch(self) -> None:
         self.nacked.clear()
+        self.acked.clear()
         self.returned.clear()
 
-    def sent(self, outbox_id: int) -> None:
+    def sent(self, outbox_id: MessageId) -> None:
         self.last_tag += 1
         self.pending[self.last_tag] = outbox_id
 
@@ -79,10 +99,9 @@ class Confirms:
         else:
             outbox_id = self.pending.pop(tag, None)
             settled = [] if outbox_id is None else [outbox_id]
-        if not ack:
-            self.nacked.extend(settled)
+        (self.acked if ack else self.nacked).extend(settled)
 
-    def was_returned(self, outbox_id: int, reason: str) -> None:
+    def was_returned(self, outbox_id: MessageId, reason: str) -> None:
         self.returned[outbox_id] = reason
 
     @property
@@ -92,6 +111,19 @@ class Confirms:
 
 class _Closed(Exception):
     """The connection or channel closed while the sink waited on it."""
+
+    def __init__(self, reason: str, max_size: int | None = None) -> None:
+        super().__init__(reason)
+        self.max_size = max_size
+        """Set when the broker closed the channel for a body over this many bytes."""
+
+
+def too_large_limit(reply_code: object, reply_text: object) -> int | None:
+    """The broker's `max_message_size` when a channel close says a body exceeded it."""
+    if reply_code != PRECONDITION_FAILED or not isinstance(reply_text, str):
+        return None
+    found = TOO_LARGE.search(reply_text)
+    return int(found.group(1)) if found else None
 
 
 class RabbitMQSink:
@@ -110,6 +142,9 @@ class RabbitMQSink:
         self.config = config
         self.exchange = config.extra.get("exchange", "")
         self.routing_key = config.target
+        self.url = require_scheme(self.name, config.url, ("amqp", "amqps")) or DEFAULT_URL
+        self.envelope = envelope_option(config.extra, self.name, Envelope.raw)
+        self.cloudevents = CloudEvents(config.extra)
         self._params = self._parameters()
         self._loop = asyncio.new_event_loop()
         self._connection: Any = None
@@ -118,10 +153,15 @@ class RabbitMQSink:
         self._confirms = Confirms()
         self._waiter: asyncio.Future[Any] | None = None
         """What the sink awaits now; a close callback fails it (callbacks cannot raise)."""
+        self._max_size: int | None = None
+        """The broker's max_message_size, once a channel close told it (see the module doc)."""
 
     def _parameters(self) -> Any:
-        url = self.config.url or DEFAULT_URL
-        params = self._pika.URLParameters(url)
+        url = self.url
+        try:
+            params = self._pika.URLParameters(url)
+        except Exception as exc:  # noqa: BLE001 - pika raises ValueError, KeyError, …
+            raise RelayError(f"sink rabbitmq: bad URL {mask(url)!r}: {exc}") from None
         params.socket_timeout = self.config.timeout_s
         params.stack_timeout = self.config.timeout_s
         params.blocked_connection_timeout = self.config.timeout_s
@@ -132,15 +172,18 @@ class RabbitMQSink:
 
     # -- callbacks (run by the event loop) ------------------------------------------------
 
-    def _fail_waiter(self, reason: str) -> None:
+    def _fail_waiter(self, reason: str, max_size: int | None = None) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            waiter.set_exception(_Closed(reason))
+            waiter.set_exception(_Closed(reason, max_size))
 
     def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
         if channel is self._channel:
             self._channel = None
-            self._fail_waiter(f"channel closed: {reason!r}")
+            limit = too_large_limit(
+                getattr(reason, "reply_code", None), getattr(reason, "reply_text", None)
+            )
+            self._fail_waiter(f"channel closed: {reason!r}", limit)
 
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method
@@ -225,16 +268,17 @@ class RabbitMQSink:
 
         def publish_all(done: Callable[..., None]) -> None:
             for message in batch:
+                body, headers = self._body(message), self._headers(message)
                 channel.basic_publish(
                     exchange,
                     routing_key,
-                    message.payload_bytes,
+                    body,
                     properties(
                         message_id=str(message.id),
                         type=message.event_type,
                         content_type="application/json",
                         delivery_mode=2,
-                        headers=message.headers(),
+                        headers=headers,
                     ),
                     mandatory=True,
                 )
@@ -246,9 +290,50 @@ class RabbitMQSink:
         async with asyncio.timeout(self.config.timeout_s):
             await self._wait(publish_all)
 
+    def _body(self, message: Message) -> bytes:
+        if self.envelope is Envelope.json:
+            return message.envelope().encode()
+        return message.payload_bytes
+
+    def _headers(self, message: Message) -> Any:
+        if self.envelope is Envelope.cloudevents:
+            return self.cloudevents.binary_headers(message, "cloudEvents:", content_type=False)
+        return message.headers()
+
+    def _oversized(self, batch: Sequence[Message]) -> dict[MessageId, str]:
+        """Messages whose body the broker refuses for good (over its max_message_size)."""
+        limit = self._max_size
+        if limit is None:
+            return {}
+        return {
+            m.id: f"message too large: {size} bytes over the broker's max_message_size {limit}"
+            for m in batch
+            if (size := len(self._body(m))) > limit
+        }
+
     def publish(self, batch: Sequence[Message]) -> None:
+        refused = self._oversized(batch)
+        sending = [m for m in batch if m.id not in refused] if refused else list(batch)
         try:
-            self._loop.run_until_complete(self._publish(batch))
+            try:
+                self._send(sending)
+            except _Closed as exc:
+                if exc.max_size is None:
+                    raise
+                # A body over the broker's limit closed the channel: those messages are
+                # poisonous, the others are sent again on a fresh channel.
+                self._max_size = exc.max_size
+                too_large = self._oversized(sending)
+                if not too_large:
+                    raise
+                # Acked before the close (returned ones included: RabbitMQ acks them after the
+                # return): not sent again. Unconfirmed ones are — at least once, as after any
+                # retry; consumers de-duplicate on message_id.
+                done = set(self._confirms.acked)
+                refused.update(too_large)
+                refused.update(self._confirms.returned)
+                sending = [m for m in sending if m.id not in too_large and m.id not in done]
+                self._send(sending)
         except Exception as exc:  # noqa: BLE001 - pika, asyncio and OS errors all mean "not acked"
             self._disconnect()
             if isinstance(exc, TimeoutError):
@@ -264,8 +349,14 @@ class RabbitMQSink:
                 self.name,
                 f"broker nacked {len(confirms.nacked)} message(s), e.g. id {confirms.nacked[0]}",
             )
-        if confirms.returned:
-            raise MessagesRejected(self.name, confirms.returned)
+        if confirms.returned or refused:
+            raise MessagesRejected(self.name, {**confirms.returned, **refused})
+
+    def _send(self, batch: Sequence[Message]) -> None:
+        if batch:
+            self._loop.run_until_complete(self._publish(batch))
+        else:
+            self._confirms.start_batch()  # nothing left to send: no stale outcomes either
 
     def _mask(self, text: str) -> str:
         return mask(text, self._params.credentials.password)

@@ -12,8 +12,11 @@
 -- V2 keeps publishing from the old table only, until it is empty; messages in the new table wait (publication is paused for them).
 -- V1 and V2 coexist during the rollout; let the rollout finish.
 
--- step: cop.v2.create-partitioned-table: Create outbox_new PARTITION BY LIST (published_at), identity starting 1,000,000 above the old table's highest id
+-- step: cop.v2.create-partitioned-table: Create outbox_new PARTITION BY LIST (published_at), its own identity starting 1,000,000 above the old table's highest id
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "public"."outbox" IN ACCESS SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -61,14 +64,18 @@ WHERE to_regclass('"public"."outbox_new"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '10000ms';
-CREATE TABLE "public"."outbox_new" (LIKE "public"."outbox" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
-SELECT setval(seq, greatest((SELECT max("id") FROM "public"."outbox"), pg_sequence_last_value(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass), 0) + 1000000) FROM (SELECT pg_get_serial_sequence('"public"."outbox_new"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
+CREATE TABLE "public"."outbox_new" (LIKE "public"."outbox" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING CONSTRAINTS INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
+ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" DROP IDENTITY IF EXISTS;
+ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" DROP DEFAULT;
+ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" ADD GENERATED ALWAYS AS IDENTITY;
+SELECT setval(seq, greatest((SELECT max("id") FROM "public"."outbox"), pg_sequence_last_value(coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1))), 0) + 1000000) FROM (SELECT pg_get_serial_sequence('"public"."outbox_new"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
 COMMIT;
 
 -- step: cop.v2.create-unpublished-partition: Create outbox_unpublished as the partition FOR VALUES IN (NULL)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "public"."outbox_new" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -89,13 +96,14 @@ WHERE to_regclass('"public"."outbox_unpublished"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '10000ms';
 CREATE TABLE "public"."outbox_unpublished" PARTITION OF "public"."outbox_new" FOR VALUES IN (NULL);
 COMMIT;
 
 -- step: cop.v2.create-unpublished-index: Index outbox_unpublished (id) for the relay's claim
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "public"."outbox_unpublished" IN SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -122,13 +130,48 @@ WHERE to_regclass('"public"."outbox_new_unpublished_id_idx"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '10000ms';
 CREATE INDEX "outbox_new_unpublished_id_idx" ON "public"."outbox_unpublished" ("id");
+COMMIT;
+
+-- step: cop.v2.install-notify-trigger: Statement-level AFTER INSERT trigger on outbox_new waking an idle relay
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox_new" IN SHARE ROW EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is not partitioned by LIST (%s)', '"public"."outbox_new"', 'published_at')
+WHERE NOT EXISTS (
+    SELECT 1
+    FROM pg_partitioned_table pt
+    JOIN pg_attribute a ON a.attrelid = pt.partrelid AND a.attnum = pt.partattrs[0]
+    WHERE pt.partrelid = to_regclass('"public"."outbox_new"') AND pt.partstrat = 'l' AND pt.partnatts = 1
+      AND a.attname = 'published_at')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.install-notify-trigger [partitioned-by-list:outbox_new] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+CREATE OR REPLACE FUNCTION "public"."outbox_new_relay_notify"() RETURNS trigger LANGUAGE plpgsql AS $om$
+BEGIN
+    -- an idle relay holds this lock exclusively: only then is a NOTIFY worth its
+    -- commit-time cost (see outbox_migrate/relay/notify.py)
+    IF NOT pg_try_advisory_xact_lock_shared(hashtext('outbox-migrate.relay' || ':' ||
+            TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME || ':idle'), 0) THEN
+        PERFORM pg_notify(TG_ARGV[0], (SELECT min("id")::text FROM "new_rows"));
+    END IF;
+    RETURN NULL;
+END
+$om$;
+CREATE TRIGGER "relay_notify" AFTER INSERT ON "public"."outbox_new" REFERENCING NEW TABLE AS "new_rows" FOR EACH STATEMENT EXECUTE FUNCTION "public"."outbox_new_relay_notify"('outbox_migrate_relay');
 COMMIT;
 
 -- step: cop.v2.create-published-partition: Create outbox_published as the DEFAULT partition (every published row)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "public"."outbox_new" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -149,13 +192,14 @@ WHERE to_regclass('"public"."outbox_published"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '10000ms';
 CREATE TABLE "public"."outbox_published" PARTITION OF "public"."outbox_new" DEFAULT;
 COMMIT;
 
 -- step: cop.v2.tune-autovacuum: Insert-only autovacuum settings on outbox_published (every 100 k inserts)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox_published" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -166,10 +210,22 @@ WHERE to_regclass('"public"."outbox_published"') IS NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 ALTER TABLE "public"."outbox_published" SET (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000, autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
 COMMIT;
+
+-- check: no publication lists outbox without outbox_unpublished (CDC consumers)
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD TABLE %s) before deploying V2', p.pubname, '"public"."outbox"', '"public"."outbox_unpublished"', p.pubname, '"public"."outbox_unpublished"')
+FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass('"public"."outbox"')
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid AND u.prrelid = to_regclass('"public"."outbox_unpublished"'))
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.tune-autovacuum (CDC) [publications-carried] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
 
 -- phase: V3
 -- Run this phase's gate before deploying V3: it proves no V1 is left and the old table is fully published.
@@ -177,6 +233,37 @@ COMMIT;
 -- The old table is no longer used: keep it, archive it or drop it on your own schedule.
 
 -- step: cop.v3.gate-old-table-retired: Gate: no writer inserts into outbox any more and it is fully published
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
+-- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
+WITH seq AS MATERIALIZED (
+    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+), before AS MATERIALIZED (
+    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
+), pause AS MATERIALIZED (
+    SELECT pg_sleep(2.0) FROM before
+), after_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+), after AS MATERIALIZED (
+    -- set_config here, in the CTE the result is computed from: it runs whatever the outcome.
+    SELECT after_.value,
+           set_config('outbox_migrate.gate_69376700',
+                      coalesce(after_.value::text, '') || ':' || coalesce(
+                          (SELECT max(t."id")::text FROM "public"."outbox" t WHERE t."id" <= after_.value), ''),
+                      false) AS saved
+    FROM after_
+)
+SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+              '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V3')
+FROM before, after
+WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v3.gate-old-table-retired [no-new-ids:outbox] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -191,20 +278,26 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT pg_get_serial_sequence('"public"."outbox"', 'id')::regclass AS oid
-), before AS MATERIALIZED (
-    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
-), pause AS MATERIALIZED (
-    SELECT pg_sleep(2.0) FROM before
-), after AS MATERIALIZED (
-    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+), saved AS MATERIALIZED (
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint AS top,
+           coalesce(current_setting('outbox_migrate.gate_69376700', true), '') <> '' AS sampled
+), now_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(seq.oid) AS seq_last,
+           (SELECT max(t."id") FROM "public"."outbox" t WHERE t."id" <= saved.seq_last) AS top
+    FROM seq, saved WHERE seq.oid IS NOT NULL
 )
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
-              '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V3')
-FROM before, after
-WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+SELECT CASE WHEN NOT saved.sampled
+            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"public"."outbox"', 'V3')
+            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+                        '"public"."outbox"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V3') END
+FROM now_, saved
+WHERE NOT saved.sampled
+   OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
+   OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v3.gate-old-table-retired [no-new-ids:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v3.gate-old-table-retired [no-new-rows-since-sample:outbox] failed: %', violation;
     END LOOP;
 END
 $om_assert$;

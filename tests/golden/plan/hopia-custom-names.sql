@@ -11,8 +11,11 @@
 -- V2 inserts into the partitioned table.
 -- V2's relay runs in switching mode: old table until drained and no writer is left, then the partitioned table (outbox-migrate relay --mode switching).
 
--- step: hopia.v2.create-partitioned-table: Create events_p PARTITION BY LIST (published_at), identity starting 1,000,000 above the old table's highest id
+-- step: hopia.v2.create-partitioned-table: Create events_p PARTITION BY LIST (published_at), its own identity starting 1,000,000 above the old table's highest id
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "billing"."Events" IN ACCESS SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -60,14 +63,18 @@ WHERE to_regclass('"billing"."events_p"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '10000ms';
-CREATE TABLE "billing"."events_p" (LIKE "billing"."Events" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
-SELECT setval(seq, greatest((SELECT max("id") FROM "billing"."Events"), pg_sequence_last_value(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass), 0) + 1000000) FROM (SELECT pg_get_serial_sequence('"billing"."events_p"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
+CREATE TABLE "billing"."events_p" (LIKE "billing"."Events" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING CONSTRAINTS INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
+ALTER TABLE "billing"."events_p" ALTER COLUMN "id" DROP IDENTITY IF EXISTS;
+ALTER TABLE "billing"."events_p" ALTER COLUMN "id" DROP DEFAULT;
+ALTER TABLE "billing"."events_p" ALTER COLUMN "id" ADD GENERATED ALWAYS AS IDENTITY;
+SELECT setval(seq, greatest((SELECT max("id") FROM "billing"."Events"), pg_sequence_last_value(coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1))), 0) + 1000000) FROM (SELECT pg_get_serial_sequence('"billing"."events_p"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
 COMMIT;
 
 -- step: hopia.v2.create-unpublished-partition: Create events_todo as the partition FOR VALUES IN (NULL)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "billing"."events_p" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -88,13 +95,14 @@ WHERE to_regclass('"billing"."events_todo"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '10000ms';
 CREATE TABLE "billing"."events_todo" PARTITION OF "billing"."events_p" FOR VALUES IN (NULL);
 COMMIT;
 
 -- step: hopia.v2.create-unpublished-index: Index events_todo (id) for the relay's claim
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "billing"."events_todo" IN SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -121,13 +129,48 @@ WHERE to_regclass('"billing"."events_p_unpublished_id_idx"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '10000ms';
 CREATE INDEX "events_p_unpublished_id_idx" ON "billing"."events_todo" ("id");
+COMMIT;
+
+-- step: hopia.v2.install-notify-trigger: Statement-level AFTER INSERT trigger on events_p waking an idle relay
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."events_p" IN SHARE ROW EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is not partitioned by LIST (%s)', '"billing"."events_p"', 'published_at')
+WHERE NOT EXISTS (
+    SELECT 1
+    FROM pg_partitioned_table pt
+    JOIN pg_attribute a ON a.attrelid = pt.partrelid AND a.attnum = pt.partattrs[0]
+    WHERE pt.partrelid = to_regclass('"billing"."events_p"') AND pt.partstrat = 'l' AND pt.partnatts = 1
+      AND a.attname = 'published_at')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.install-notify-trigger [partitioned-by-list:events_p] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+CREATE OR REPLACE FUNCTION "billing"."events_p_relay_notify"() RETURNS trigger LANGUAGE plpgsql AS $om$
+BEGIN
+    -- an idle relay holds this lock exclusively: only then is a NOTIFY worth its
+    -- commit-time cost (see outbox_migrate/relay/notify.py)
+    IF NOT pg_try_advisory_xact_lock_shared(hashtext('outbox-migrate.relay' || ':' ||
+            TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME || ':idle'), 0) THEN
+        PERFORM pg_notify(TG_ARGV[0], (SELECT min("id")::text FROM "new_rows"));
+    END IF;
+    RETURN NULL;
+END
+$om$;
+CREATE TRIGGER "relay_notify" AFTER INSERT ON "billing"."events_p" REFERENCING NEW TABLE AS "new_rows" FOR EACH STATEMENT EXECUTE FUNCTION "billing"."events_p_relay_notify"('outbox_migrate_relay');
 COMMIT;
 
 -- step: hopia.v2.create-published-partition: Create events_done as the DEFAULT partition (every published row)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "billing"."events_p" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -148,13 +191,14 @@ WHERE to_regclass('"billing"."events_done"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '10000ms';
 CREATE TABLE "billing"."events_done" PARTITION OF "billing"."events_p" DEFAULT;
 COMMIT;
 
 -- step: hopia.v2.tune-autovacuum: Insert-only autovacuum settings on events_done (every 100 k inserts)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."events_done" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -165,13 +209,14 @@ WHERE to_regclass('"billing"."events_done"') IS NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 ALTER TABLE "billing"."events_done" SET (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000, autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
 COMMIT;
 
 -- step: hopia.v2.install-copy-trigger: AFTER INSERT trigger on events_done copying each published row to Events
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."events_done" IN SHARE ROW EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -208,8 +253,6 @@ WHERE to_regclass('"billing"."events_done"') IS NOT NULL AND EXISTS (SELECT 1 FR
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 CREATE OR REPLACE FUNCTION "billing"."events_done_insert_trigger"() RETURNS trigger LANGUAGE plpgsql AS $om$
 BEGIN
     INSERT INTO "billing"."Events" OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;
@@ -219,11 +262,56 @@ $om$;
 CREATE TRIGGER "events_done_insert" AFTER INSERT ON "billing"."events_done" FOR EACH ROW EXECUTE FUNCTION "billing"."events_done_insert_trigger"();
 COMMIT;
 
+-- check: no publication lists Events without events_todo (CDC consumers)
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD TABLE %s) before deploying V2', p.pubname, '"billing"."Events"', '"billing"."events_todo"', p.pubname, '"billing"."events_todo"')
+FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass('"billing"."Events"')
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid AND u.prrelid = to_regclass('"billing"."events_todo"'))
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.install-copy-trigger (CDC) [publications-carried] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+
 -- phase: V3
 -- Run this phase's gate before deploying V3: no V1 is left and the old table is fully published.
 -- V3 inserts into and publishes from the partitioned table only.
 
 -- step: hopia.v3.gate-old-table-retired: Gate: no writer inserts into Events any more and it is fully published
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
+-- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
+WITH seq AS MATERIALIZED (
+    SELECT coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
+), before AS MATERIALIZED (
+    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
+), pause AS MATERIALIZED (
+    SELECT pg_sleep(2.0) FROM before
+), after_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+), after AS MATERIALIZED (
+    -- set_config here, in the CTE the result is computed from: it runs whatever the outcome.
+    SELECT after_.value,
+           set_config('outbox_migrate.gate_46223f3c',
+                      coalesce(after_.value::text, '') || ':' || coalesce(
+                          (SELECT max(t."id")::text FROM "billing"."Events" t WHERE t."id" <= after_.value), ''),
+                      false) AS saved
+    FROM after_
+)
+SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+              '"billing"."Events"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V3')
+FROM before, after
+WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [no-new-ids:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -238,20 +326,26 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT pg_get_serial_sequence('"billing"."Events"', 'id')::regclass AS oid
-), before AS MATERIALIZED (
-    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
-), pause AS MATERIALIZED (
-    SELECT pg_sleep(2.0) FROM before
-), after AS MATERIALIZED (
-    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+    SELECT coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
+), saved AS MATERIALIZED (
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 1), '')::bigint AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 2), '')::bigint AS top,
+           coalesce(current_setting('outbox_migrate.gate_46223f3c', true), '') <> '' AS sampled
+), now_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(seq.oid) AS seq_last,
+           (SELECT max(t."id") FROM "billing"."Events" t WHERE t."id" <= saved.seq_last) AS top
+    FROM seq, saved WHERE seq.oid IS NOT NULL
 )
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
-              '"billing"."Events"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V3')
-FROM before, after
-WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+SELECT CASE WHEN NOT saved.sampled
+            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"billing"."Events"', 'V3')
+            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+                        '"billing"."Events"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V3') END
+FROM now_, saved
+WHERE NOT saved.sampled
+   OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
+   OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [no-new-ids:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [no-new-rows-since-sample:Events] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -274,7 +368,41 @@ $om_assert$;
 -- Optionally drop the detached published partition afterwards: all its rows are in the old table.
 
 -- step: hopia.v4.drop-identity: Drop IDENTITY from Events.id (a partition may not have one)
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
+-- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
+WITH seq AS MATERIALIZED (
+    SELECT coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
+), before AS MATERIALIZED (
+    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
+), pause AS MATERIALIZED (
+    SELECT pg_sleep(2.0) FROM before
+), after_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+), after AS MATERIALIZED (
+    -- set_config here, in the CTE the result is computed from: it runs whatever the outcome.
+    SELECT after_.value,
+           set_config('outbox_migrate.gate_46223f3c',
+                      coalesce(after_.value::text, '') || ':' || coalesce(
+                          (SELECT max(t."id")::text FROM "billing"."Events" t WHERE t."id" <= after_.value), ''),
+                      false) AS saved
+    FROM after_
+)
+SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+              '"billing"."Events"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V4')
+FROM before, after
+WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [no-new-ids:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."Events" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -289,20 +417,26 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT pg_get_serial_sequence('"billing"."Events"', 'id')::regclass AS oid
-), before AS MATERIALIZED (
-    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
-), pause AS MATERIALIZED (
-    SELECT pg_sleep(2.0) FROM before
-), after AS MATERIALIZED (
-    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+    SELECT coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
+), saved AS MATERIALIZED (
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 1), '')::bigint AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 2), '')::bigint AS top,
+           coalesce(current_setting('outbox_migrate.gate_46223f3c', true), '') <> '' AS sampled
+), now_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(seq.oid) AS seq_last,
+           (SELECT max(t."id") FROM "billing"."Events" t WHERE t."id" <= saved.seq_last) AS top
+    FROM seq, saved WHERE seq.oid IS NOT NULL
 )
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
-              '"billing"."Events"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V4')
-FROM before, after
-WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+SELECT CASE WHEN NOT saved.sampled
+            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"billing"."Events"', 'V4')
+            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+                        '"billing"."Events"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V4') END
+FROM now_, saved
+WHERE NOT saved.sampled
+   OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
+   OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [no-new-ids:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [no-new-rows-since-sample:Events] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -316,7 +450,7 @@ BEGIN
 ), old_top AS (
     SELECT greatest(
         (SELECT max("id") FROM "billing"."Events"),
-        pg_sequence_last_value(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass)) AS top
+        pg_sequence_last_value(coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)))) AS top
 )
 SELECT format('the identity of %s will issue id %s but %s already reaches id %s; raise the START (id_headroom)',
               '"billing"."events_p"', coalesce(n.last + n.seqincrement, n.seqstart), '"billing"."Events"', o.top)
@@ -327,24 +461,31 @@ WHERE o.top IS NOT NULL AND coalesce(n.last + n.seqincrement, n.seqstart) <= o.t
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 ALTER TABLE "billing"."Events" ALTER COLUMN "id" DROP IDENTITY IF EXISTS;
 COMMIT;
 
 -- step: hopia.v4.add-not-valid-check: Add CHECK (published_at IS NOT NULL) NOT VALID to Events
-BEGIN;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT pg_get_serial_sequence('"billing"."Events"', 'id')::regclass AS oid
+    FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
+-- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
+WITH seq AS MATERIALIZED (
+    SELECT coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), before AS MATERIALIZED (
     SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
 ), pause AS MATERIALIZED (
     SELECT pg_sleep(2.0) FROM before
-), after AS MATERIALIZED (
+), after_ AS MATERIALIZED (
     SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+), after AS MATERIALIZED (
+    -- set_config here, in the CTE the result is computed from: it runs whatever the outcome.
+    SELECT after_.value,
+           set_config('outbox_migrate.gate_46223f3c',
+                      coalesce(after_.value::text, '') || ':' || coalesce(
+                          (SELECT max(t."id")::text FROM "billing"."Events" t WHERE t."id" <= after_.value), ''),
+                      false) AS saved
+    FROM after_
 )
 SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
               '"billing"."Events"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V4')
@@ -352,6 +493,37 @@ FROM before, after
 WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
     LOOP
         RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.add-not-valid-check [no-new-ids:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."Events" IN ACCESS EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN WITH seq AS MATERIALIZED (
+    SELECT coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
+), saved AS MATERIALIZED (
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 1), '')::bigint AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 2), '')::bigint AS top,
+           coalesce(current_setting('outbox_migrate.gate_46223f3c', true), '') <> '' AS sampled
+), now_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(seq.oid) AS seq_last,
+           (SELECT max(t."id") FROM "billing"."Events" t WHERE t."id" <= saved.seq_last) AS top
+    FROM seq, saved WHERE seq.oid IS NOT NULL
+)
+SELECT CASE WHEN NOT saved.sampled
+            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"billing"."Events"', 'V4')
+            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+                        '"billing"."Events"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V4') END
+FROM now_, saved
+WHERE NOT saved.sampled
+   OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
+   OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.add-not-valid-check [no-new-rows-since-sample:Events] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -367,13 +539,14 @@ HAVING count(*) > 0
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 ALTER TABLE "billing"."Events" ADD CONSTRAINT "Events_published_check" CHECK ("published_at" IS NOT NULL) NOT VALID;
 COMMIT;
 
 -- step: hopia.v4.validate-check: VALIDATE the CHECK on Events in its own transaction
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '0ms';
+LOCK TABLE ONLY "billing"."Events" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -398,13 +571,14 @@ HAVING count(*) > 0
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '0ms';
 ALTER TABLE "billing"."Events" VALIDATE CONSTRAINT "Events_published_check";
 COMMIT;
 
 -- step: hopia.v4.set-not-null: Optional: SET NOT NULL on Events.published_at, proven by the validated CHECK
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '1000ms';
+LOCK TABLE ONLY "billing"."Events" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -428,13 +602,47 @@ WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_publish
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '1000ms';
 ALTER TABLE "billing"."Events" ALTER COLUMN "published_at" SET NOT NULL;
 COMMIT;
 
--- step: hopia.v4.swap-default: In one transaction: DETACH events_done and ATTACH Events as DEFAULT
+-- step: hopia.v4.disable-old-triggers: Optional: disable the user triggers of Events before it becomes a partition (they would fire on every publish)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."Events" IN SHARE ROW EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
+WHERE to_regclass('"billing"."Events"') IS NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.disable-old-triggers [relation-exists:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+ALTER TABLE "billing"."Events" DISABLE TRIGGER USER;
+COMMIT;
+
+-- step: hopia.v4.swap-default: In one transaction: DETACH events_done and ATTACH Events as DEFAULT
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
+              count(*), '"billing"."events_done"', '"billing"."Events"', min(s."id"), max(s."id"))
+FROM "billing"."events_done" s
+WHERE NOT EXISTS (SELECT 1 FROM "billing"."Events" t WHERE t."id" = s."id")
+HAVING count(*) > 0
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [all-rows-present:events_done->Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '1000ms';
+LOCK TABLE ONLY "billing"."events_p" IN ACCESS EXCLUSIVE MODE;
+LOCK TABLE ONLY "billing"."events_done" IN ACCESS EXCLUSIVE MODE;
+LOCK TABLE ONLY "billing"."Events" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -569,7 +777,7 @@ BEGIN
 ), old_top AS (
     SELECT greatest(
         (SELECT max("id") FROM "billing"."Events"),
-        pg_sequence_last_value(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass)) AS top
+        pg_sequence_last_value(coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)))) AS top
 )
 SELECT format('the identity of %s will issue id %s but %s already reaches id %s; raise the START (id_headroom)',
               '"billing"."events_p"', coalesce(n.last + n.seqincrement, n.seqstart), '"billing"."Events"', o.top)
@@ -595,24 +803,24 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
-              count(*), '"billing"."events_done"', '"billing"."Events"', min(s."id"), max(s."id"))
-FROM "billing"."events_done" s
-WHERE NOT EXISTS (SELECT 1 FROM "billing"."Events" t WHERE t."id" = s."id")
-HAVING count(*) > 0
+    FOR violation IN SELECT format('trigger %I on %s is missing or disabled', 'events_done_insert', '"billing"."events_done"')
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_trigger
+    WHERE tgrelid = to_regclass('"billing"."events_done"') AND tgname = 'events_done_insert' AND tgenabled <> 'D')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [all-rows-present:events_done->Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [trigger-exists] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '1000ms';
 ALTER TABLE "billing"."events_p" DETACH PARTITION "billing"."events_done";
 ALTER TABLE "billing"."events_p" ATTACH PARTITION "billing"."Events" DEFAULT;
 COMMIT;
 
 -- step: hopia.v4.drop-check: Drop the now-redundant CHECK from Events (the partition bound says it)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."Events" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -629,13 +837,14 @@ WHERE NOT EXISTS (
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 ALTER TABLE "billing"."Events" DROP CONSTRAINT IF EXISTS "Events_published_check";
 COMMIT;
 
 -- step: hopia.v4.remove-copy-trigger: Drop the copy trigger and its function (events_done is detached now)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."events_done" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -647,14 +856,15 @@ WHERE i.inhrelid = to_regclass('"billing"."events_done"') AND i.inhparent = to_r
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 DROP TRIGGER IF EXISTS "events_done_insert" ON "billing"."events_done";
 DROP FUNCTION IF EXISTS "billing"."events_done_insert_trigger"();
 COMMIT;
 
 -- step: hopia.v4.tune-autovacuum-old: Insert-only autovacuum settings on Events (every 100 k inserts)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."Events" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -665,24 +875,10 @@ WHERE to_regclass('"billing"."Events"') IS NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 ALTER TABLE "billing"."Events" SET (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000, autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
 COMMIT;
 
 -- step: hopia.v4.drop-detached-published: Drop the detached events_done: every row of it is in Events
-BEGIN;
-DO $om_assert$
-DECLARE violation text;
-BEGIN
-    FOR violation IN SELECT format('%s is still a partition of %s', '"billing"."events_done"', '"billing"."events_p"')
-FROM pg_inherits i
-WHERE i.inhrelid = to_regclass('"billing"."events_done"') AND i.inhparent = to_regclass('"billing"."events_p"')
-    LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-detached-published [not-a-partition-of:events_done] failed: %', violation;
-    END LOOP;
-END
-$om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -696,7 +892,20 @@ HAVING count(*) > 0
     END LOOP;
 END
 $om_assert$;
+BEGIN;
 SET LOCAL lock_timeout = '200ms';
 SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."events_done" IN ACCESS EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is still a partition of %s', '"billing"."events_done"', '"billing"."events_p"')
+FROM pg_inherits i
+WHERE i.inhrelid = to_regclass('"billing"."events_done"') AND i.inhparent = to_regclass('"billing"."events_p"')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-detached-published [not-a-partition-of:events_done] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
 DROP TABLE "billing"."events_done";
 COMMIT;

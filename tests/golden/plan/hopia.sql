@@ -11,8 +11,11 @@
 -- V2 inserts into the partitioned table.
 -- V2's relay runs in switching mode: old table until drained and no writer is left, then the partitioned table (outbox-migrate relay --mode switching).
 
--- step: hopia.v2.create-partitioned-table: Create outbox_new PARTITION BY LIST (published_at), identity starting 1,000,000 above the old table's highest id
+-- step: hopia.v2.create-partitioned-table: Create outbox_new PARTITION BY LIST (published_at), its own identity starting 1,000,000 above the old table's highest id
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "public"."outbox" IN ACCESS SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -60,14 +63,18 @@ WHERE to_regclass('"public"."outbox_new"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '10000ms';
-CREATE TABLE "public"."outbox_new" (LIKE "public"."outbox" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
-SELECT setval(seq, greatest((SELECT max("id") FROM "public"."outbox"), pg_sequence_last_value(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass), 0) + 1000000) FROM (SELECT pg_get_serial_sequence('"public"."outbox_new"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
+CREATE TABLE "public"."outbox_new" (LIKE "public"."outbox" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING CONSTRAINTS INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
+ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" DROP IDENTITY IF EXISTS;
+ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" DROP DEFAULT;
+ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" ADD GENERATED ALWAYS AS IDENTITY;
+SELECT setval(seq, greatest((SELECT max("id") FROM "public"."outbox"), pg_sequence_last_value(coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1))), 0) + 1000000) FROM (SELECT pg_get_serial_sequence('"public"."outbox_new"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
 COMMIT;
 
 -- step: hopia.v2.create-unpublished-partition: Create outbox_unpublished as the partition FOR VALUES IN (NULL)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "public"."outbox_new" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -88,13 +95,14 @@ WHERE to_regclass('"public"."outbox_unpublished"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '10000ms';
 CREATE TABLE "public"."outbox_unpublished" PARTITION OF "public"."outbox_new" FOR VALUES IN (NULL);
 COMMIT;
 
 -- step: hopia.v2.create-unpublished-index: Index outbox_unpublished (id) for the relay's claim
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "public"."outbox_unpublished" IN SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -121,13 +129,48 @@ WHERE to_regclass('"public"."outbox_new_unpublished_id_idx"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '10000ms';
 CREATE INDEX "outbox_new_unpublished_id_idx" ON "public"."outbox_unpublished" ("id");
+COMMIT;
+
+-- step: hopia.v2.install-notify-trigger: Statement-level AFTER INSERT trigger on outbox_new waking an idle relay
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox_new" IN SHARE ROW EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is not partitioned by LIST (%s)', '"public"."outbox_new"', 'published_at')
+WHERE NOT EXISTS (
+    SELECT 1
+    FROM pg_partitioned_table pt
+    JOIN pg_attribute a ON a.attrelid = pt.partrelid AND a.attnum = pt.partattrs[0]
+    WHERE pt.partrelid = to_regclass('"public"."outbox_new"') AND pt.partstrat = 'l' AND pt.partnatts = 1
+      AND a.attname = 'published_at')
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.install-notify-trigger [partitioned-by-list:outbox_new] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+CREATE OR REPLACE FUNCTION "public"."outbox_new_relay_notify"() RETURNS trigger LANGUAGE plpgsql AS $om$
+BEGIN
+    -- an idle relay holds this lock exclusively: only then is a NOTIFY worth its
+    -- commit-time cost (see outbox_migrate/relay/notify.py)
+    IF NOT pg_try_advisory_xact_lock_shared(hashtext('outbox-migrate.relay' || ':' ||
+            TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME || ':idle'), 0) THEN
+        PERFORM pg_notify(TG_ARGV[0], (SELECT min("id")::text FROM "new_rows"));
+    END IF;
+    RETURN NULL;
+END
+$om$;
+CREATE TRIGGER "relay_notify" AFTER INSERT ON "public"."outbox_new" REFERENCING NEW TABLE AS "new_rows" FOR EACH STATEMENT EXECUTE FUNCTION "public"."outbox_new_relay_notify"('outbox_migrate_relay');
 COMMIT;
 
 -- step: hopia.v2.create-published-partition: Create outbox_published as the DEFAULT partition (every published row)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "public"."outbox_new" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -148,13 +191,14 @@ WHERE to_regclass('"public"."outbox_published"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '10000ms';
 CREATE TABLE "public"."outbox_published" PARTITION OF "public"."outbox_new" DEFAULT;
 COMMIT;
 
 -- step: hopia.v2.tune-autovacuum: Insert-only autovacuum settings on outbox_published (every 100 k inserts)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox_published" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -165,13 +209,14 @@ WHERE to_regclass('"public"."outbox_published"') IS NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 ALTER TABLE "public"."outbox_published" SET (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000, autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
 COMMIT;
 
 -- step: hopia.v2.install-copy-trigger: AFTER INSERT trigger on outbox_published copying each published row to outbox
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox_published" IN SHARE ROW EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -208,8 +253,6 @@ WHERE to_regclass('"public"."outbox_published"') IS NOT NULL AND EXISTS (SELECT 
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 CREATE OR REPLACE FUNCTION "public"."outbox_published_insert_trigger"() RETURNS trigger LANGUAGE plpgsql AS $om$
 BEGIN
     INSERT INTO "public"."outbox" OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;
@@ -219,11 +262,56 @@ $om$;
 CREATE TRIGGER "outbox_published_insert" AFTER INSERT ON "public"."outbox_published" FOR EACH ROW EXECUTE FUNCTION "public"."outbox_published_insert_trigger"();
 COMMIT;
 
+-- check: no publication lists outbox without outbox_unpublished (CDC consumers)
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD TABLE %s) before deploying V2', p.pubname, '"public"."outbox"', '"public"."outbox_unpublished"', p.pubname, '"public"."outbox_unpublished"')
+FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass('"public"."outbox"')
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid AND u.prrelid = to_regclass('"public"."outbox_unpublished"'))
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.install-copy-trigger (CDC) [publications-carried] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+
 -- phase: V3
 -- Run this phase's gate before deploying V3: no V1 is left and the old table is fully published.
 -- V3 inserts into and publishes from the partitioned table only.
 
 -- step: hopia.v3.gate-old-table-retired: Gate: no writer inserts into outbox any more and it is fully published
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
+-- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
+WITH seq AS MATERIALIZED (
+    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+), before AS MATERIALIZED (
+    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
+), pause AS MATERIALIZED (
+    SELECT pg_sleep(2.0) FROM before
+), after_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+), after AS MATERIALIZED (
+    -- set_config here, in the CTE the result is computed from: it runs whatever the outcome.
+    SELECT after_.value,
+           set_config('outbox_migrate.gate_69376700',
+                      coalesce(after_.value::text, '') || ':' || coalesce(
+                          (SELECT max(t."id")::text FROM "public"."outbox" t WHERE t."id" <= after_.value), ''),
+                      false) AS saved
+    FROM after_
+)
+SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+              '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V3')
+FROM before, after
+WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [no-new-ids:outbox] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -238,20 +326,26 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT pg_get_serial_sequence('"public"."outbox"', 'id')::regclass AS oid
-), before AS MATERIALIZED (
-    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
-), pause AS MATERIALIZED (
-    SELECT pg_sleep(2.0) FROM before
-), after AS MATERIALIZED (
-    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+), saved AS MATERIALIZED (
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint AS top,
+           coalesce(current_setting('outbox_migrate.gate_69376700', true), '') <> '' AS sampled
+), now_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(seq.oid) AS seq_last,
+           (SELECT max(t."id") FROM "public"."outbox" t WHERE t."id" <= saved.seq_last) AS top
+    FROM seq, saved WHERE seq.oid IS NOT NULL
 )
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
-              '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V3')
-FROM before, after
-WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+SELECT CASE WHEN NOT saved.sampled
+            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"public"."outbox"', 'V3')
+            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+                        '"public"."outbox"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V3') END
+FROM now_, saved
+WHERE NOT saved.sampled
+   OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
+   OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [no-new-ids:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [no-new-rows-since-sample:outbox] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -274,7 +368,41 @@ $om_assert$;
 -- Optionally drop the detached published partition afterwards: all its rows are in the old table.
 
 -- step: hopia.v4.drop-identity: Drop IDENTITY from outbox.id (a partition may not have one)
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
+-- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
+WITH seq AS MATERIALIZED (
+    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+), before AS MATERIALIZED (
+    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
+), pause AS MATERIALIZED (
+    SELECT pg_sleep(2.0) FROM before
+), after_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+), after AS MATERIALIZED (
+    -- set_config here, in the CTE the result is computed from: it runs whatever the outcome.
+    SELECT after_.value,
+           set_config('outbox_migrate.gate_69376700',
+                      coalesce(after_.value::text, '') || ':' || coalesce(
+                          (SELECT max(t."id")::text FROM "public"."outbox" t WHERE t."id" <= after_.value), ''),
+                      false) AS saved
+    FROM after_
+)
+SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+              '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V4')
+FROM before, after
+WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [no-new-ids:outbox] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -289,20 +417,26 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT pg_get_serial_sequence('"public"."outbox"', 'id')::regclass AS oid
-), before AS MATERIALIZED (
-    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
-), pause AS MATERIALIZED (
-    SELECT pg_sleep(2.0) FROM before
-), after AS MATERIALIZED (
-    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+), saved AS MATERIALIZED (
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint AS top,
+           coalesce(current_setting('outbox_migrate.gate_69376700', true), '') <> '' AS sampled
+), now_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(seq.oid) AS seq_last,
+           (SELECT max(t."id") FROM "public"."outbox" t WHERE t."id" <= saved.seq_last) AS top
+    FROM seq, saved WHERE seq.oid IS NOT NULL
 )
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
-              '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V4')
-FROM before, after
-WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+SELECT CASE WHEN NOT saved.sampled
+            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"public"."outbox"', 'V4')
+            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+                        '"public"."outbox"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V4') END
+FROM now_, saved
+WHERE NOT saved.sampled
+   OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
+   OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [no-new-ids:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [no-new-rows-since-sample:outbox] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -316,7 +450,7 @@ BEGIN
 ), old_top AS (
     SELECT greatest(
         (SELECT max("id") FROM "public"."outbox"),
-        pg_sequence_last_value(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass)) AS top
+        pg_sequence_last_value(coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)))) AS top
 )
 SELECT format('the identity of %s will issue id %s but %s already reaches id %s; raise the START (id_headroom)',
               '"public"."outbox_new"', coalesce(n.last + n.seqincrement, n.seqstart), '"public"."outbox"', o.top)
@@ -327,24 +461,31 @@ WHERE o.top IS NOT NULL AND coalesce(n.last + n.seqincrement, n.seqstart) <= o.t
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 ALTER TABLE "public"."outbox" ALTER COLUMN "id" DROP IDENTITY IF EXISTS;
 COMMIT;
 
 -- step: hopia.v4.add-not-valid-check: Add CHECK (published_at IS NOT NULL) NOT VALID to outbox
-BEGIN;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT pg_get_serial_sequence('"public"."outbox"', 'id')::regclass AS oid
+    FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
+-- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
+WITH seq AS MATERIALIZED (
+    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), before AS MATERIALIZED (
     SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
 ), pause AS MATERIALIZED (
     SELECT pg_sleep(2.0) FROM before
-), after AS MATERIALIZED (
+), after_ AS MATERIALIZED (
     SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+), after AS MATERIALIZED (
+    -- set_config here, in the CTE the result is computed from: it runs whatever the outcome.
+    SELECT after_.value,
+           set_config('outbox_migrate.gate_69376700',
+                      coalesce(after_.value::text, '') || ':' || coalesce(
+                          (SELECT max(t."id")::text FROM "public"."outbox" t WHERE t."id" <= after_.value), ''),
+                      false) AS saved
+    FROM after_
 )
 SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
               '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V4')
@@ -352,6 +493,37 @@ FROM before, after
 WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
     LOOP
         RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.add-not-valid-check [no-new-ids:outbox] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox" IN ACCESS EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN WITH seq AS MATERIALIZED (
+    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+), saved AS MATERIALIZED (
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint AS top,
+           coalesce(current_setting('outbox_migrate.gate_69376700', true), '') <> '' AS sampled
+), now_ AS MATERIALIZED (
+    SELECT pg_sequence_last_value(seq.oid) AS seq_last,
+           (SELECT max(t."id") FROM "public"."outbox" t WHERE t."id" <= saved.seq_last) AS top
+    FROM seq, saved WHERE seq.oid IS NOT NULL
+)
+SELECT CASE WHEN NOT saved.sampled
+            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"public"."outbox"', 'V4')
+            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+                        '"public"."outbox"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V4') END
+FROM now_, saved
+WHERE NOT saved.sampled
+   OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
+   OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.add-not-valid-check [no-new-rows-since-sample:outbox] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -367,13 +539,14 @@ HAVING count(*) > 0
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 ALTER TABLE "public"."outbox" ADD CONSTRAINT "outbox_published_check" CHECK ("published_at" IS NOT NULL) NOT VALID;
 COMMIT;
 
 -- step: hopia.v4.validate-check: VALIDATE the CHECK on outbox in its own transaction
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '0ms';
+LOCK TABLE ONLY "public"."outbox" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -398,13 +571,29 @@ HAVING count(*) > 0
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '0ms';
 ALTER TABLE "public"."outbox" VALIDATE CONSTRAINT "outbox_published_check";
 COMMIT;
 
 -- step: hopia.v4.swap-default: In one transaction: DETACH outbox_published and ATTACH outbox as DEFAULT
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
+              count(*), '"public"."outbox_published"', '"public"."outbox"', min(s."id"), max(s."id"))
+FROM "public"."outbox_published" s
+WHERE NOT EXISTS (SELECT 1 FROM "public"."outbox" t WHERE t."id" = s."id")
+HAVING count(*) > 0
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [all-rows-present:outbox_published->outbox] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '1000ms';
+LOCK TABLE ONLY "public"."outbox_new" IN ACCESS EXCLUSIVE MODE;
+LOCK TABLE ONLY "public"."outbox_published" IN ACCESS EXCLUSIVE MODE;
+LOCK TABLE ONLY "public"."outbox" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -539,7 +728,7 @@ BEGIN
 ), old_top AS (
     SELECT greatest(
         (SELECT max("id") FROM "public"."outbox"),
-        pg_sequence_last_value(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass)) AS top
+        pg_sequence_last_value(coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)))) AS top
 )
 SELECT format('the identity of %s will issue id %s but %s already reaches id %s; raise the START (id_headroom)',
               '"public"."outbox_new"', coalesce(n.last + n.seqincrement, n.seqstart), '"public"."outbox"', o.top)
@@ -565,24 +754,24 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
-              count(*), '"public"."outbox_published"', '"public"."outbox"', min(s."id"), max(s."id"))
-FROM "public"."outbox_published" s
-WHERE NOT EXISTS (SELECT 1 FROM "public"."outbox" t WHERE t."id" = s."id")
-HAVING count(*) > 0
+    FOR violation IN SELECT format('trigger %I on %s is missing or disabled', 'outbox_published_insert', '"public"."outbox_published"')
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_trigger
+    WHERE tgrelid = to_regclass('"public"."outbox_published"') AND tgname = 'outbox_published_insert' AND tgenabled <> 'D')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [all-rows-present:outbox_published->outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [trigger-exists] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '1000ms';
 ALTER TABLE "public"."outbox_new" DETACH PARTITION "public"."outbox_published";
 ALTER TABLE "public"."outbox_new" ATTACH PARTITION "public"."outbox" DEFAULT;
 COMMIT;
 
 -- step: hopia.v4.drop-check: Drop the now-redundant CHECK from outbox (the partition bound says it)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -599,13 +788,14 @@ WHERE NOT EXISTS (
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 ALTER TABLE "public"."outbox" DROP CONSTRAINT IF EXISTS "outbox_published_check";
 COMMIT;
 
 -- step: hopia.v4.remove-copy-trigger: Drop the copy trigger and its function (outbox_published is detached now)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox_published" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -617,14 +807,15 @@ WHERE i.inhrelid = to_regclass('"public"."outbox_published"') AND i.inhparent = 
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 DROP TRIGGER IF EXISTS "outbox_published_insert" ON "public"."outbox_published";
 DROP FUNCTION IF EXISTS "public"."outbox_published_insert_trigger"();
 COMMIT;
 
 -- step: hopia.v4.tune-autovacuum-old: Insert-only autovacuum settings on outbox (every 100 k inserts)
 BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -635,7 +826,5 @@ WHERE to_regclass('"public"."outbox"') IS NULL
     END LOOP;
 END
 $om_assert$;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
 ALTER TABLE "public"."outbox" SET (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000, autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
 COMMIT;

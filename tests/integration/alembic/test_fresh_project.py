@@ -71,7 +71,7 @@ def test_generate_chains_after_the_head(project: Path) -> None:
     assert chain(project) == [APP_REVISION, *ids]
     assert [r["steps"][0] for r in result.revisions] == [s.id for s in hoper().steps()]
     assert result.phase_targets == {
-        "V2": "t1_hoper_v2_05", "V3": "t1_hoper_v3_01", "V4": "t1_hoper_v4_06",
+        "V2": "t1_hoper_v2_06", "V3": "t1_hoper_v3_01", "V4": "t1_hoper_v4_06",
         "copy-back": "t1_hoper_copy_back_02",
     }  # fmt: skip
     assert result.hints  # the stock env.py lacks transaction_per_migration
@@ -97,7 +97,7 @@ def test_upgrade_phase_by_phase_and_downgrade(project: Path, dsn: str) -> None:
                 with pytest.raises(AlembicStepError, match="holds rows") as refused:
                     command.downgrade(config, APP_REVISION)
                 assert isinstance(refused.value.error, PreconditionFailed)
-                assert version_of(conn) == "t1_hoper_v2_04"
+                assert version_of(conn) == "t1_hoper_v2_05"
                 command.upgrade(config, targets["V2"])
             if phase.name == "V4":
                 # The way back after the cutover, the V3 application still working, and
@@ -340,3 +340,22 @@ def test_lock_budget_online_names_the_blocker_and_applies_nothing(
         assert conn.execute("SELECT to_regclass('outbox_new')").fetchone() == (None,)
         command.upgrade(config, targets["V2"])
         assert version_of(conn) == targets["V2"]
+
+
+def test_revisions_generated_without_a_dsn_carry_a_publication_online(
+    project: Path, dsn: str
+) -> None:
+    """CDC users (issue 18): the per-step revisions know nothing of the publication; online,
+    the runner slots the conditional step in before V2's next step, and unwinds it on the
+    way down (before this, V2's upgrade stopped: "needs …publish-unpublished-partition")."""
+    targets = generate("hoper", SETTINGS, project.parent, tag="t1").phase_targets
+    config = config_for(project, dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        seed(conn)
+        conn.execute("CREATE PUBLICATION dbz FOR TABLE outbox")
+        command.upgrade(config, targets["V2"])
+        listed = "SELECT count(*) FROM pg_publication_tables WHERE pubname = 'dbz'"
+        assert conn.execute(listed).fetchone() == (2,)
+        command.downgrade(config, APP_REVISION)
+        assert conn.execute(listed).fetchone() == (1,)
+        assert conn.execute("SELECT to_regclass('outbox_new')").fetchone() == (None,)

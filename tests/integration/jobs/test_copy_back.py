@@ -308,3 +308,93 @@ def test_a_second_copier_is_refused(conn: psycopg.Connection[Any], dsn: str) -> 
         result = _cli("copy-back", "--dsn", dsn, "--no-adaptive")
         assert result.returncode == 3, result.stderr
     assert job.run().inserted_rows == 1_000  # free again
+
+
+def test_uuid_ids_copy_in_keyset_batches_resume_and_verify_by_rows(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    """Application ids (uuid): no min()/max(), no id arithmetic. Batches walk the uuid order
+    from no lower bound, the high-water mark is kept as text and resumed from, verification
+    ranges are `verify_range_ids` rows each (the last unbounded), and a changed row is named
+    by its uuid range and refuses the drop."""
+    conn.execute(
+        "CREATE TABLE outbox_u (id uuid PRIMARY KEY, payload jsonb NOT NULL, "
+        "published_at timestamptz);"
+        "CREATE TABLE outbox_u_published (LIKE outbox_u);"
+        "INSERT INTO outbox_u_published SELECT gen_random_uuid(), jsonb_build_object('n', n), "
+        "now() FROM generate_series(1, 2500) n;"
+        # rows an interrupted earlier run already copied
+        "INSERT INTO outbox_u SELECT * FROM outbox_u_published ORDER BY id LIMIT 300"
+    )
+    spec = OutboxSpec(
+        table="outbox_u", partitioned_table="outbox_u_new",
+        unpublished_partition="outbox_u_unpublished", published_partition="outbox_u_published",
+        id_kind="application",
+    )  # fmt: skip
+    options = CopyBackOptions(
+        batch_rows=400, verify_range_ids=700, throttle=ThrottlePolicy(adaptive=False)
+    )
+    stop = threading.Event()
+    seen: list[Any] = []
+
+    def progress(p: Any) -> None:
+        seen.append(p.high_water)
+        if len(seen) == 2:
+            stop.set()
+
+    job = CopyBack(conn, spec, options, dsn=dsn)
+    first = job.run(progress=progress, stop=stop)
+    assert first.stopped and first.batches == 2
+    assert isinstance(first.high_water, str) and first.high_water == seen[-1]
+    assert (first.inserted_rows, first.present_rows) == (500, 300)
+    lowest_800 = conn.execute(
+        "SELECT max(id::text) FROM (SELECT id FROM outbox_u_published ORDER BY id LIMIT 800) x"
+    ).fetchone()
+    assert lowest_800 == (first.high_water,)
+    plan = CopyBack(conn, spec, options, dsn=dsn).plan()
+    assert plan.high_water == first.high_water and plan.remaining_rows == 1700
+    second = CopyBack(conn, spec, options, dsn=dsn).run()
+    assert second.resumed_from == first.high_water
+    assert (second.inserted_rows, second.present_rows, second.stopped) == (1700, 0, False)
+    assert _count(conn, "outbox_u") == 2500
+
+    conn.execute(
+        "UPDATE outbox_u SET payload = '{\"n\": -1}' "
+        "WHERE id = (SELECT id FROM outbox_u ORDER BY id OFFSET 1500 LIMIT 1)"
+    )
+    failed = CopyBack(conn, spec, options, dsn=dsn).verify()
+    assert not failed.passed and failed.ranges_checked == 4  # 700 + 700 + 700 + 400 rows
+    assert len(failed.differing) == 1 and failed.differing[0].source_rows == 700
+    with pytest.raises(VerificationFailed, match="rows differ"):
+        CopyBack(conn, spec, options, dsn=dsn).drop(failed)
+    conn.execute(
+        "UPDATE outbox_u o SET payload = p.payload FROM outbox_u_published p WHERE p.id = o.id"
+    )
+    _, verification = copy_back(conn, spec, options, dsn=dsn)
+    assert verification is not None and verification.passed
+    assert verification.source_rows == verification.matched_rows == 2500
+    assert not _exists(conn, "outbox_u_published")
+
+
+def test_the_plain_sql_loop_copies_uuid_ids(conn: psycopg.Connection[Any]) -> None:
+    """The copy-back step's SQL shown for manual runs works for application ids too (no
+    max(uuid), no bigint mark)."""
+    from outbox_migrate.patterns import build_pattern
+
+    conn.execute(
+        "CREATE TABLE outbox_u (id uuid PRIMARY KEY, payload jsonb NOT NULL, "
+        "published_at timestamptz);"
+        "CREATE TABLE outbox_u_published (LIKE outbox_u);"
+        "INSERT INTO outbox_u_published SELECT gen_random_uuid(), jsonb_build_object('n', n), "
+        "now() FROM generate_series(1, 25000) n;"
+        "INSERT INTO outbox_u SELECT * FROM outbox_u_published LIMIT 10"
+    )
+    spec = OutboxSpec(table="outbox_u", published_partition="outbox_u_published",
+                      id_kind="application")  # fmt: skip
+    step = next(s for s in build_pattern("hoper", spec).steps() if s.kind == "copy-back")
+    conn.execute(step.statements[0])
+    missing = conn.execute(
+        "SELECT count(*) FROM outbox_u_published p "
+        "WHERE NOT EXISTS (SELECT FROM outbox_u o WHERE o.id = p.id)"
+    ).fetchone()
+    assert missing == (0,) and _count(conn, "outbox_u") == 25000

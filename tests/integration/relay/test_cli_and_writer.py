@@ -59,7 +59,7 @@ def test_cli_flat_mode_with_workers(dsn: str, flat: psycopg.Connection) -> None:
 def test_cli_rejects_unknown_mode_with_usage_exit(dsn: str) -> None:
     result = relay_cli("--sink", "stdout", "--mode", "sideways", "--dsn", dsn)
     assert result.returncode == 2
-    assert "--mode: 'sideways' is not one of partitioned, switching, flat" in result.stderr
+    assert "'--mode'" in result.stderr and "'sideways' is not one of" in result.stderr
 
 
 def test_cli_missing_table_is_one_line(dsn: str) -> None:

@@ -232,6 +232,32 @@ def test_rejected_message_goes_to_dead_letter_after_max_attempts(
     assert '"n"' in row[3]
 
 
+def test_a_payload_that_is_not_json_reaches_the_dead_letter_table_as_it_was(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    """The dead-letter table took payloads as json: a text (or bytea) outbox whose payload is
+    not JSON could not dead-letter a poison message — the insert failed and the batch with
+    it, for ever. Payloads are kept as text now, byte for byte."""
+    partitioned.execute("ALTER TABLE outbox_new ALTER COLUMN payload TYPE text")
+    insert_rows(partitioned, "outbox_new", 10, spec=SPEC)
+    poison = 1_000_004
+    body = "plain text, not JSON: {unbalanced ✓"
+    partitioned.execute("UPDATE outbox_new SET payload = %s WHERE id = %s", (body, poison))
+
+    def reject(batch: Sequence[Message]) -> None:
+        if any(m.id == poison for m in batch):
+            collected.add([m for m in batch if m.id != poison])
+            raise MessagesRejected("collect", {poison: "not JSON"})
+
+    relay = run_until_empty(dsn, collected, fail=reject, max_attempts=2, batch_size=4)
+    assert relay.stats.dead_lettered == 1
+    assert ids_in(partitioned, "outbox_unpublished") == []
+    row = partitioned.execute(
+        "SELECT payload FROM outbox_dead_letter WHERE id = %s", (poison,)
+    ).fetchone()
+    assert row == (body,)
+
+
 def test_rejection_counts_survive_a_restart(
     dsn: str, partitioned: psycopg.Connection, collected: Collected
 ) -> None:

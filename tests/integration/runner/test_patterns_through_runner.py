@@ -49,6 +49,39 @@ def settings(**extra: Any) -> Any:
 def test_pattern_runs_to_the_end(name: str, dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_flat_outbox(conn)
+    _run_to_the_end(name, dsn, {})
+
+
+UUID_OUTBOX = """
+    CREATE TABLE outbox (
+        id uuid PRIMARY KEY DEFAULT gen_random_uuid(), event_type text NOT NULL,
+        message_key text, payload json NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT clock_timestamp(), published_at timestamptz);
+    CREATE INDEX outbox_pending ON outbox (created_at, id) WHERE published_at IS NULL
+"""
+
+
+@pytest.mark.parametrize("name", PATTERN_NAMES)
+def test_pattern_runs_to_the_end_with_uuid_ids(name: str, dsn: str) -> None:
+    """Every pattern with application ids: the gate sequence comes and goes with the
+    pattern's steps (nothing of it is left at the end), no identity step breaks the old
+    version's inserts, and COPRA's attach and HOPER's copy-back handle uuids."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(UUID_OUTBOX)
+    _run_to_the_end(name, dsn, {"id_kind": "application", "order_column": "created_at"})
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        left = conn.execute(
+            "SELECT to_regclass('outbox_gate_seq'), to_regprocedure('outbox_gate_tick()'), "
+            "(SELECT count(*) FROM pg_trigger WHERE tgname = 'outbox_gate_tick')"
+        ).fetchone()
+    assert left == (None, None, 0)
+
+
+def _run_to_the_end(name: str, dsn: str, names: dict[str, str]) -> None:
+    def settings(**extra: Any) -> Any:
+        return load_settings({**FAST, **names, **extra}, environ={})
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
         insert_rows(conn, "outbox", 500, published=True)
         insert_rows(conn, "outbox", 10)
     written = 510
@@ -88,5 +121,5 @@ def test_rerun_is_a_no_op(dsn: str) -> None:
         first = runner.run("V2")
     with Runner(dsn, settings(), "hop") as runner:
         second = runner.run("V2")
-    assert len(first.ran) == 5
+    assert len(first.ran) == 6
     assert second.ran == [] and second.adopted == [] and len(second.skipped) == 0

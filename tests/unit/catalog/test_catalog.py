@@ -13,7 +13,15 @@ from outbox_migrate.errors import UsageError
 from outbox_migrate.offline import assertion, step_sql
 from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
 from outbox_migrate.patterns.kinds import load_all
-from outbox_migrate.patterns.model import LockMode, Pattern, PhaseKind, Step, Table, TxMode
+from outbox_migrate.patterns.model import (
+    LockMode,
+    Pattern,
+    PhaseKind,
+    PublicationFact,
+    Step,
+    Table,
+    TxMode,
+)
 from outbox_migrate.wizard import Answers, recommend
 
 ALL = BuildOptions(include_optional=True)
@@ -38,6 +46,7 @@ CREATE = [
     "create-partitioned-table",
     "create-unpublished-partition",
     "create-unpublished-index",
+    "install-notify-trigger",
     "create-published-partition",
     "tune-autovacuum",
 ]
@@ -48,10 +57,11 @@ SPEC_KINDS = {
     "copra": {
         "V1": [],
         # No published partition: the old table becomes it in V3.
-        "V2": CREATE[:3],
+        "V2": CREATE[:4],
         "V3": [
             "gate-old-table-retired",
             *CHECK_SEQUENCE,
+            "disable-old-triggers",
             "attach-old-as-default",
             "drop-check",
             "tune-autovacuum-old",
@@ -63,7 +73,13 @@ SPEC_KINDS = {
         "V1": [],
         "V2": CREATE,
         "V3": ["gate-old-table-retired"],
-        "V4": [*CHECK_SEQUENCE, "swap-default", "drop-check", "tune-autovacuum-old"],
+        "V4": [
+            *CHECK_SEQUENCE,
+            "disable-old-triggers",
+            "swap-default",
+            "drop-check",
+            "tune-autovacuum-old",
+        ],
         "copy-back": ["copy-back", "drop-published"],
     },
     "hopia": {
@@ -72,6 +88,7 @@ SPEC_KINDS = {
         "V3": ["gate-old-table-retired"],
         "V4": [
             *CHECK_SEQUENCE,
+            "disable-old-triggers",
             "swap-default",
             "drop-check",
             "remove-copy-trigger",
@@ -86,8 +103,22 @@ def every_pattern(options: BuildOptions = ALL) -> list[Pattern]:
     return [build_pattern(name, OutboxSpec(), options) for name in PATTERN_NAMES]
 
 
+APPLICATION_IDS = OutboxSpec(id_kind="application", order_column="created_at")
+
+
+PUBLISHED = dataclasses.replace(ALL, publications=(PublicationFact("dbz"),))
+"""A flat outbox in a FOR TABLE publication (CDC users): the conditional step appears."""
+
+
 def every_step() -> list[tuple[Pattern, Step]]:
-    return [(p, s) for p in every_pattern() for s in p.steps()]
+    """Every step of every pattern, and the steps only application ids have (the gate
+    sequence's) or only a published outbox has (the CDC step)."""
+    steps = [(p, s) for p in every_pattern() for s in p.steps()]
+    known = {s.id for _, s in steps}
+    application = [build_pattern(name, APPLICATION_IDS, ALL) for name in PATTERN_NAMES]
+    published = every_pattern(PUBLISHED)
+    extra = [(p, s) for p in [*application, *published] for s in p.steps() if s.id not in known]
+    return steps + list({s.id: (p, s) for p, s in extra}.values())
 
 
 @pytest.mark.parametrize("name", PATTERN_NAMES)
@@ -116,6 +147,9 @@ def test_optional_steps_are_left_out_by_default() -> None:
         "hoper.v4.set-not-null",
         "hopia.v4.set-not-null",
         "hopia.v4.drop-detached-published",
+        "copra.v3.disable-old-triggers",
+        "hoper.v4.disable-old-triggers",
+        "hopia.v4.disable-old-triggers",
     }
 
 
@@ -211,8 +245,18 @@ def test_swap_is_one_transaction_detach_then_attach() -> None:
             'ALTER TABLE "public"."outbox_new" DETACH PARTITION "public"."outbox_published"',
             'ALTER TABLE "public"."outbox_new" ATTACH PARTITION "public"."outbox" DEFAULT',
         ]
-        lines = step_sql(swap, 200)
-        assert lines[0] == "BEGIN;" and lines[-1] == "COMMIT;"
+        lines = step_sql(swap, 200, parent="outbox_new")
+        assert lines[-1] == "COMMIT;"
+        begin = lines.index("BEGIN;")
+        # Only scans run before the transaction; inside it the locks come first (parent
+        # first), then every check that must hold at commit, then the DDL.
+        assert all("all-rows-present" in line for line in lines[:begin])
+        body = lines[begin + 1 :]
+        locks = [i for i, line in enumerate(body) if line.startswith("LOCK TABLE ONLY")]
+        checks = [i for i, line in enumerate(body) if line.startswith("DO $om_assert$")]
+        ddl = [i for i, line in enumerate(body) if line.startswith("ALTER TABLE")]
+        assert body[locks[0]] == ('LOCK TABLE ONLY "public"."outbox_new" IN ACCESS EXCLUSIVE MODE;')
+        assert max(locks) < min(checks) < max(checks) < min(ddl)
 
 
 def test_hopia_swap_requires_every_row_copied_and_hoper_does_not() -> None:
@@ -228,7 +272,7 @@ def test_identity_starts_above_old_max_in_every_pattern() -> None:
     for pattern in every_pattern():
         create = pattern.steps()[0]
         assert create.kind == "create-partitioned-table"
-        start = create.sql_texts()[1]
+        start = create.sql_texts()[-1]
         assert "setval" in start and 'max("id")' in start and "1000000" in start
 
 
@@ -290,17 +334,22 @@ def test_offline_assertion_raises_the_violation_with_the_step_and_condition() ->
     assert "precondition of copra.v3.gate-old-table-retired [old-table-drained:outbox]" in block
 
 
-def test_transactional_step_sql_has_checks_before_timeouts_and_statements() -> None:
+def test_transactional_step_sql_takes_locks_then_checks_then_acts() -> None:
+    """The offline SQL follows the runner's commit-time rule: timeouts, the declared locks
+    (parent first), every precondition as an assertion, the DDL — in one transaction."""
     step = next(s for s in build_pattern("copra").steps() if s.kind == "attach-old-as-default")
-    lines = step_sql(step, 150)
+    lines = step_sql(step, 150, parent="outbox_new")
     assert lines[0] == "BEGIN;" and lines[-1] == "COMMIT;"
-    first_set = next(i for i, line in enumerate(lines) if line.startswith("SET LOCAL"))
-    assert all(line.startswith("DO $om_assert$") for line in lines[1:first_set])
-    assert lines[first_set : first_set + 2] == [
+    assert lines[1:5] == [
         "SET LOCAL lock_timeout = '150ms';",
         "SET LOCAL statement_timeout = '1000ms';",
+        'LOCK TABLE ONLY "public"."outbox_new" IN SHARE UPDATE EXCLUSIVE MODE;',
+        'LOCK TABLE ONLY "public"."outbox" IN ACCESS EXCLUSIVE MODE;',
     ]
-    assert len(lines[1:first_set]) == len(step.preconditions)
+    checks = lines[5:-2]
+    assert all(line.startswith("DO $om_assert$") for line in checks)
+    assert len(checks) == len(step.preconditions)
+    assert lines[-2].startswith("ALTER TABLE")
 
 
 def test_pattern_flags_agree_with_the_wizard() -> None:

@@ -11,10 +11,12 @@ import pytest
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
 from outbox_migrate.relay.cursor import (
     FULL_RESCAN_S,
-    GAP_RESCAN_S,
+    GAP_PROBE_S,
     GAP_TTL_S,
     KEY_SHARD_RESCAN_S,
     MAX_PENDING_GAPS,
+    MAX_PROBE_IDS,
+    REGION_SETTLE_S,
     RESCAN_COST_FACTOR,
     Cursor,
 )
@@ -36,23 +38,127 @@ def test_cursor_advances_past_claimed_ids() -> None:
     assert c.pending == {}
 
 
-def test_cursor_remembers_gaps_and_rescans_them() -> None:
+def test_cursor_remembers_gaps_and_probes_them() -> None:
     c = cursor()
     c.claimed(0, [1, 2, 5, 6], 0.1)  # 3 and 4 not visible yet (in flight or rolled back)
     assert set(c.pending) == {3, 4}
-    assert c.start(0.2) == 6  # before GAP_RESCAN_S: keep going forward
-    assert c.start(GAP_RESCAN_S + 0.01) == 2  # rescan from just below the lowest gap
-    c.claimed(2, [3, 7], GAP_RESCAN_S + 0.02)  # 3 committed late; 4 still missing; 7 is new
+    assert c.probe(0.01) is None  # before GAP_PROBE_S: keep going forward
+    assert c.start(0.01) == 6
+    assert c.probe(GAP_PROBE_S + 0.01) == [3, 4]  # claim exactly the gaps, by id
+    assert c.probe(GAP_PROBE_S + 0.02) is None  # not again before the next period
+    c.claimed(6, [3, 7], GAP_PROBE_S + 0.02)  # 3 committed late; 4 still missing; 7 is new
     assert set(c.pending) == {4}  # no false gaps recorded below the frontier (5, 6)
     assert c.frontier == 7
+
+
+def test_a_notified_id_below_the_frontier_makes_the_probe_due_at_once() -> None:
+    c = cursor()
+    c.claimed(0, [1, 2, 5, 6], 0.0)
+    c.notified(7)  # above the frontier: the next range claim finds it
+    assert c.probe(0.01) is None  # GAP_PROBE_S has not passed
+    c.notified(4)  # a statement with ids 4.. committed: gap 4 is among them
+    assert c.probe(0.01) == [3, 4]
+    assert c.start(0.01) == 6
+
+
+def test_the_claim_before_sleeping_probes_every_gap_at_once() -> None:
+    """After the idle flag is raised, the confirming claim must reach rows of writers that saw
+    the relay busy (no NOTIFY) below the frontier: every remembered gap, probe period or not."""
+    c = cursor()
+    high = MAX_PROBE_IDS + 10
+    c.claimed(0, [1, high], 0.0)  # ids 2 .. high-1 are gaps: more than one probe takes
+    assert len(c.probe(GAP_PROBE_S)) == MAX_PROBE_IDS  # the periodic probe: lowest first
+    assert c.probe(GAP_PROBE_S + 0.001) is None  # just probed: not due
+    c.confirm()
+    assert c.probe(GAP_PROBE_S + 0.001) == list(range(2, high))  # due, and every gap
+    assert c.probe(GAP_PROBE_S + 0.002) is None  # once
+    assert len(c.probe(3 * GAP_PROBE_S)) == MAX_PROBE_IDS  # periodic probes as before
+
+
+def test_key_shards_claim_from_just_below_a_notified_id_once() -> None:
+    c = cursor(shards=3, mine=[0], track=False)
+    c.claimed(0, [1, 50], 0.0)
+    c.notified(20)
+    c.notified(30)
+    assert c.start(0.1) == 19
+    assert c.start(0.2) == 50
 
 
 def test_cursor_forgets_gaps_after_ttl_and_rescans_fully() -> None:
     c = cursor()
     c.claimed(0, [1, 3], 0.0)
-    assert c.start(GAP_TTL_S + 1) == 3  # the rolled-back id 2 is forgotten
+    assert c.probe(GAP_TTL_S + 1) is None  # id 2 is no longer probed every 50 ms
+    assert c.start(GAP_TTL_S + 1) == 3
     assert c.pending == {}
+    assert c.wants_horizon()  # ... but kept until its writer (if any) has surely ended
     assert c.start(FULL_RESCAN_S + 1) == 0
+
+
+def test_an_expired_gap_is_probed_once_more_when_the_horizon_passes_its_writers() -> None:
+    """A transaction open longer than GAP_TTL_S (the fuzzer's held INSERT) still commits."""
+    c = cursor()
+    c.claimed(0, [1, 3], 0.0)
+    t = GAP_TTL_S + 1
+    assert c.probe(t) is None
+    c.horizon(100, 110, t)  # the expired gap is settled already: the horizon is xmax 110
+    c.horizon(105, 112, t + 1)  # xid 105 (maybe the writer of id 2) still runs
+    assert not c.due()
+    c.horizon(110, 115, t + 2)  # every transaction below 110 has ended
+    assert c.due()  # the worker claims before it sleeps
+    assert c.probe(t + 2) == [2]  # one last probe by id
+    assert not c.wants_horizon()
+    assert c.probe(t + 3) is None and not c.due()
+
+
+def test_ids_passed_without_a_gap_list_are_claimed_again_once_their_writers_ended() -> None:
+    """The first claim of a fresh cursor jumps from id 0 to an outbox's lowest id (a million
+    here): too many gaps to remember. Before, a row committed below the frontier after the
+    overflow rescan waited for the once-a-minute rescan."""
+    c = cursor()
+    c.claimed(0, [1_000_002], 0.0)
+    assert c.start(0.0) == 0  # the overflow rescan, as before
+    c.claimed(0, [], 0.01)
+    assert c.start(0.02) == 1_000_002
+    assert c.wants_horizon()
+    c.horizon(50, 60, REGION_SETTLE_S / 2)  # too soon: a writer may not have its xid yet
+    c.horizon(61, 70, REGION_SETTLE_S)  # settled: horizon 70 (xmin 61 does not count)
+    assert not c.due()
+    c.horizon(69, 75, REGION_SETTLE_S + 0.1)
+    assert not c.due()
+    c.horizon(70, 75, REGION_SETTLE_S + 0.2)
+    assert c.due() and not c.wants_horizon()
+    assert c.start(REGION_SETTLE_S + 0.2) == 0  # the region's last look: from id 0
+    assert not c.due()
+    assert c.start(REGION_SETTLE_S + 0.3) == 1_000_002
+
+
+def test_a_region_settling_during_a_claim_keeps_that_claims_gaps() -> None:
+    """The horizon is read in the claim's round trip, before the claim is recorded: settling
+    the region then must not stop the gap walk of that claim (it did, as an overflow)."""
+    c = cursor()
+    c.claimed(0, [1_000_002], 0.0)
+    assert c.start(0.0) == 0
+    c.claimed(0, [], 0.0)
+    c.horizon(1, 5, REGION_SETTLE_S)
+    after = c.start(REGION_SETTLE_S + 0.1)
+    c.horizon(5, 9, REGION_SETTLE_S + 0.1)  # settled, read with this claim
+    c.claimed(after, [1_000_003, 1_000_005], REGION_SETTLE_S + 0.1)  # 1_000_004 in flight
+    assert set(c.pending) == {1_000_004}
+    assert c.start(REGION_SETTLE_S + 0.2) == 0  # and the region's last look follows
+
+
+def test_a_notified_id_in_the_unaccounted_region_is_claimed_from_just_below_it() -> None:
+    c = cursor()
+    c.claimed(0, [1_000_002], 0.0)
+    c.start(0.0)
+    c.notified(1_000_001)  # the late writer notified at its commit (the relay was idle)
+    assert c.due()
+    assert c.start(0.01) == 1_000_000
+    assert c.start(0.02) == 1_000_002
+    fresh = cursor()
+    fresh.claimed(0, [1, 2, 3], 0.0)
+    fresh.notified(2)  # already claimed, no region: nothing to do
+    assert not fresh.due() and fresh.start(0.01) == 3
 
 
 def test_cursor_gaps_only_in_own_shards() -> None:

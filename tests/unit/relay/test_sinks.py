@@ -251,3 +251,21 @@ def test_batch_mode_refusal_rejects_the_whole_batch(http_sink) -> None:
 def test_bad_http_options_are_refused(http_sink, extra: dict[str, str]) -> None:
     with pytest.raises(RelayError, match="http sink"):
         http_sink("http://127.0.0.1:9/hook", **extra)
+
+
+def test_rabbitmq_reads_max_message_size_from_the_channel_close_text() -> None:
+    from outbox_migrate.relay.sinks.rabbitmq import too_large_limit
+
+    text = "PRECONDITION_FAILED - message size 70000 is larger than configured max size 65536"
+    assert too_large_limit(406, text) == 65536
+    assert too_large_limit(406, "PRECONDITION_FAILED - inequivalent arg 'durable'") is None
+    assert too_large_limit(404, text) is None  # another close: an outage, as before
+    assert too_large_limit(None, None) is None
+
+
+def test_rabbitmq_confirms_remember_what_was_acked_in_the_batch() -> None:
+    confirms = confirms_for(7, 8, 9)
+    confirms.confirmed(2, multiple=True, ack=True)
+    assert confirms.acked == [7, 8] and not confirms.settled
+    confirms.start_batch()
+    assert confirms.acked == []

@@ -12,10 +12,13 @@ from __future__ import annotations
 import importlib
 import os
 import shlex
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -104,6 +107,71 @@ def rabbitmq_url() -> str:
             if time.monotonic() > deadline:
                 unavailable(f"rabbitmq on port {port} refuses connections: {exc!r}")
             time.sleep(0.5)
+
+
+SMALL_RABBITMQ_MAX_MESSAGE_SIZE = 65_536
+"""`max_message_size` of the test's own RabbitMQ node: a 64 KiB+ body is "too large"."""
+RABBITMQ_LIB = "/usr/lib/rabbitmq/bin"
+
+
+def _as_rabbitmq(command: str, env: dict[str, str], timeout_s: float) -> None:
+    """Run a RabbitMQ script as the `rabbitmq` user (the node refuses other cookies/homes)."""
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    subprocess.run(
+        ["su", "rabbitmq", "-s", "/bin/sh", "-c", f"cd /tmp && env {exports} {command}"],
+        capture_output=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def small_rabbitmq_url() -> Iterator[str]:
+    """A RabbitMQ node of the test's own, with a 64 KiB `max_message_size`.
+
+    The limit is a node setting (no policy or vhost limit sets it), and the machine's shared
+    broker must not be reconfigured: this starts a second node of the installed RabbitMQ
+    under its own name, ports and data directory, as the `rabbitmq` user, and stops it at
+    the end of the session."""
+    client("pika", "rabbitmq")
+    import pika
+
+    if os.geteuid() != 0 or not os.path.exists(f"{RABBITMQ_LIB}/rabbitmq-server"):
+        unavailable("a private RabbitMQ node needs root and the rabbitmq-server package")
+    # Not under pytest's temporary directory: its parent is private to root.
+    base = Path(tempfile.mkdtemp(prefix="om-rabbitmq-"))
+    base.chmod(0o777)
+    port, dist = free_port(), free_port()
+    node = f"omtest{os.getpid()}@localhost"
+    (base / "rabbitmq.conf").write_text(
+        f"listeners.tcp.default = 127.0.0.1:{port}\n"
+        f"max_message_size = {SMALL_RABBITMQ_MAX_MESSAGE_SIZE}\n"
+    )
+    (base / "plugins").write_text("[].\n")
+    env = {
+        "HOME": "/var/lib/rabbitmq",  # the shared Erlang cookie, for rabbitmqctl
+        "RABBITMQ_NODENAME": node,
+        "RABBITMQ_DIST_PORT": str(dist),
+        "RABBITMQ_MNESIA_BASE": str(base / "mnesia"),
+        "RABBITMQ_LOG_BASE": str(base / "log"),
+        "RABBITMQ_CONFIG_FILE": str(base / "rabbitmq.conf"),
+        "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "plugins"),
+        "RABBITMQ_PID_FILE": str(base / "pid"),
+    }
+    _as_rabbitmq(f"{RABBITMQ_LIB}/rabbitmq-server -detached", env, START_TIMEOUT_S)
+    url = f"amqp://guest:guest@127.0.0.1:{port}/%2F"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                pika.BlockingConnection(pika.URLParameters(url)).close()
+                break
+            except pika.exceptions.AMQPError as exc:
+                if time.monotonic() > deadline:
+                    unavailable(f"the private RabbitMQ node did not come up: {exc!r}")
+                time.sleep(0.5)
+        yield url
+    finally:
+        _as_rabbitmq(f"{RABBITMQ_LIB}/rabbitmqctl -n {node} stop", env, START_TIMEOUT_S)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
-"""create-published-partition: HOPER V2 4/5, before deploying V2 (outbox-migrate)
+"""install-notify-trigger: HOPER V2 4/6, before deploying V2 (outbox-migrate)
 
 Revision ID: 0002_hoper_v2_04
 Revises: 0002_hoper_v2_03
-Create Date: 2026-11-23 01:43:52.322862
+Create Date: 2026-11-23 23:25:02.553276
 
 """
 from typing import Sequence, Union
@@ -21,7 +21,7 @@ depends_on: Union[str, Sequence[str], None] = None
 def upgrade() -> None:
     """Upgrade schema."""
     op.outbox_step(
-        'hoper.v2.create-published-partition',
+        'hoper.v2.install-notify-trigger',
         spec={
             'schema': 'public',
             'table': 'outbox',
@@ -31,6 +31,14 @@ def upgrade() -> None:
             'id_column': 'id',
             'published_column': 'published_at',
             'id_headroom': 1000000,
+            'created_column': 'created_at',
+            'payload_column': 'payload',
+            'key_column': 'message_key',
+            'event_type_column': 'event_type',
+            'headers_column': 'headers',
+            'metadata_columns': (),
+            'id_kind': 'database',
+            'order_column': '',
         },
         in_revision_transaction=True,
     )
@@ -39,7 +47,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Downgrade schema."""
     op.outbox_reverse_step(
-        'hoper.v2.create-published-partition',
+        'hoper.v2.install-notify-trigger',
         spec={
             'schema': 'public',
             'table': 'outbox',
@@ -49,6 +57,14 @@ def downgrade() -> None:
             'id_column': 'id',
             'published_column': 'published_at',
             'id_headroom': 1000000,
+            'created_column': 'created_at',
+            'payload_column': 'payload',
+            'key_column': 'message_key',
+            'event_type_column': 'event_type',
+            'headers_column': 'headers',
+            'metadata_columns': (),
+            'id_kind': 'database',
+            'order_column': '',
         },
         in_revision_transaction=True,
     )

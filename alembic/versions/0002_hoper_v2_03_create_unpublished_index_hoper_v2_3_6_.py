@@ -1,8 +1,8 @@
-"""create-partitioned-table: HOPER V2 1/5, before deploying V2 (outbox-migrate)
+"""create-unpublished-index: HOPER V2 3/6, before deploying V2 (outbox-migrate)
 
-Revision ID: 0002_hoper_v2_01
-Revises: 0001
-Create Date: 2026-11-23 01:43:52.285813
+Revision ID: 0002_hoper_v2_03
+Revises: 0002_hoper_v2_02
+Create Date: 2026-11-23 23:25:02.548146
 
 """
 from typing import Sequence, Union
@@ -12,8 +12,8 @@ import sqlalchemy as sa
 import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends
 
 # revision identifiers, used by Alembic.
-revision: str = '0002_hoper_v2_01'
-down_revision: Union[str, Sequence[str], None] = '0001'
+revision: str = '0002_hoper_v2_03'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_02'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
@@ -21,7 +21,7 @@ depends_on: Union[str, Sequence[str], None] = None
 def upgrade() -> None:
     """Upgrade schema."""
     op.outbox_step(
-        'hoper.v2.create-partitioned-table',
+        'hoper.v2.create-unpublished-index',
         spec={
             'schema': 'public',
             'table': 'outbox',
@@ -31,6 +31,14 @@ def upgrade() -> None:
             'id_column': 'id',
             'published_column': 'published_at',
             'id_headroom': 1000000,
+            'created_column': 'created_at',
+            'payload_column': 'payload',
+            'key_column': 'message_key',
+            'event_type_column': 'event_type',
+            'headers_column': 'headers',
+            'metadata_columns': (),
+            'id_kind': 'database',
+            'order_column': '',
         },
         in_revision_transaction=True,
     )
@@ -39,7 +47,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Downgrade schema."""
     op.outbox_reverse_step(
-        'hoper.v2.create-partitioned-table',
+        'hoper.v2.create-unpublished-index',
         spec={
             'schema': 'public',
             'table': 'outbox',
@@ -49,6 +57,14 @@ def downgrade() -> None:
             'id_column': 'id',
             'published_column': 'published_at',
             'id_headroom': 1000000,
+            'created_column': 'created_at',
+            'payload_column': 'payload',
+            'key_column': 'message_key',
+            'event_type_column': 'event_type',
+            'headers_column': 'headers',
+            'metadata_columns': (),
+            'id_kind': 'database',
+            'order_column': '',
         },
         in_revision_transaction=True,
     )

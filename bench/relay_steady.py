@@ -1,0 +1,494 @@
+"""Steady-state sections of bench/relay.py: latency and relay CPU under paced plain INSERTs,
+beside the CDC floor; the wake-up trigger's cost to the application's commits; linger.
+
+* steady (`--only s`): writer *processes* insert one row per autocommit transaction through the
+  partitioned parent (plain INSERT, no pg_notify: the wake-up trigger does the waking), paced
+  to a total rate. The relay runs in its own process (stdout sink into /dev/null, default
+  options) and records when each id reached the sink; end-to-end = that moment minus the
+  moment the writer's COMMIT returned (CLOCK_MONOTONIC is one clock for all processes). Relay
+  CPU = the relay process's user+system time over the paced window, per 100 k messages. In
+  the same window pg_recvlogical (test_decoding, a logical slot) streams the same inserts: the
+  CDC floor, the latency of a relay that reads the WAL instead of the table.
+* trigger (`--only t`): closed-loop writers (1..16 processes, INSERT+COMMIT as fast as they
+  can) with no trigger, with the relay's idle-aware trigger, and with a naive trigger that
+  notifies on every statement — each with the relay running, measured one after the other
+  in the same run; insert throughput and commit p99. Run with fsync and synchronous_commit
+  on: the NOTIFY lock is held across the commit's WAL flush, which is where it hurts.
+* linger (`--only l`): the steady section at 1,000 msg/s for several `--linger-ms` values.
+* late rows (`--only k`): a row committed after a higher id was published, delivered how long
+  after its COMMIT — traffic stopped, and under 1,000 msg/s beside that traffic's own
+  end-to-end, with one relay in the same run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import statistics
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.relay import notify
+from outbox_migrate.relay.options import DEFAULT_CHANNEL, RelayOptions
+from outbox_migrate.relay.sinks.stdout import StdoutSink
+from outbox_migrate.relay.worker import Relay, running
+
+SPEC = OutboxSpec()
+INSERT = (
+    "INSERT INTO outbox_new (payload, event_type, message_key) "
+    "VALUES ('{\"order\": 42, \"pad\": \"xxxxxxxxxxxxxxxx\"}', 'OrderCreated', 'k') RETURNING id"
+)
+WARM_UP_S = 1.0
+DRAIN_WAIT_S = 3.0
+SLOT = "bench_cdc"
+CDC_LINE = re.compile(r"^table \S+: INSERT: id\[bigint\]:(\d+)")
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+class _RecordingSink(StdoutSink):
+    """The stdout sink (into /dev/null) that also notes when each id reached it."""
+
+    def __init__(self, stream: Any, seen: list[tuple[int, float]]) -> None:
+        super().__init__(stream=stream)
+        self.seen = seen
+
+    def publish(self, batch: Any) -> None:
+        super().publish(batch)
+        now = time.monotonic()
+        self.seen.extend((m.id, now) for m in batch)
+
+
+def _relay_child(dsn: str, linger_s: float, ready: Any, begin: Any, end: Any, out: Any) -> None:
+    """A relay process: records deliveries; CPU between `begin` and `end`."""
+    seen: list[tuple[int, float]] = []
+    with Path(os.devnull).open("w") as devnull:
+        relay = Relay(
+            dsn,
+            lambda: _RecordingSink(devnull, seen),
+            spec=SPEC,
+            options=RelayOptions(linger_s=linger_s),
+        )
+        with running(relay):
+            time.sleep(WARM_UP_S)
+            ready.set()
+            begin.wait()
+            cpu0 = sum(os.times()[:2])
+            end.wait()
+            cpu = sum(os.times()[:2]) - cpu0
+            time.sleep(DRAIN_WAIT_S)
+            batches = relay.stats.batches
+    out.put((cpu, seen, batches))
+
+
+def _writer_child(dsn: str, rate: float, seconds: float, ready: Any, go: Any, out: Any) -> None:
+    """Paced writer: one autocommit INSERT every 1/rate s from the start time it is sent."""
+    committed: list[tuple[int, float]] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET synchronous_commit = on")
+        ready.release()
+        start_at = go.get()
+        interval = 1.0 / rate
+        n = int(rate * seconds)
+        delay = start_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        for i in range(n):
+            due = start_at + i * interval
+            ahead = due - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+            row = conn.execute(INSERT).fetchone()
+            committed.append((int(row[0]) if row else 0, time.monotonic()))
+    out.put(committed)
+
+
+def _closed_writer(dsn: str, seconds: float, ready: Any, go: Any, out: Any) -> None:
+    """Closed-loop writer: INSERT+COMMIT as fast as possible; commit latencies."""
+    latencies: list[float] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET synchronous_commit = on")
+        ready.release()
+        start_at = go.get()
+        delay = start_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        stop = start_at + seconds
+        while (now := time.monotonic()) < stop:
+            conn.execute(INSERT)
+            latencies.append(time.monotonic() - now)
+    out.put(latencies)
+
+
+def _start_together(children: list[Any], ready: Any, go: Any) -> float:
+    """Start writer processes, wait until each is connected, give them one start time."""
+    for child in children:
+        child.start()
+    for _ in children:
+        ready.acquire(timeout=120)
+    start_at = time.monotonic() + 0.2
+    for _ in children:
+        go.put(start_at)
+    return start_at
+
+
+class _Cdc:
+    """pg_recvlogical with test_decoding: when each inserted id arrived (the CDC floor)."""
+
+    def __init__(self, tool: str, dsn: str) -> None:
+        self.tool, self.dsn = tool, dsn
+        self.seen: dict[int, float] = {}
+        self.process: subprocess.Popen[bytes] | None = None
+        self.thread: threading.Thread | None = None
+
+    def __enter__(self) -> _Cdc:
+        subprocess.run(
+            [self.tool, "-d", self.dsn, "--slot", SLOT, "--create-slot", "-P", "test_decoding"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        self.process = subprocess.Popen(
+            [self.tool, "-d", self.dsn, "--slot", SLOT, "--start", "-f", "-",
+             "-o", "include-xids=0", "--status-interval", "1"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        return self
+
+    def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            found = CDC_LINE.match(line.decode(errors="replace"))
+            if found:
+                self.seen[int(found.group(1))] = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+        if self.thread is not None:
+            self.thread.join(5)
+        subprocess.run(
+            [self.tool, "-d", self.dsn, "--slot", SLOT, "--drop-slot"], check=False,
+            capture_output=True,
+        )  # fmt: skip
+
+
+# -- figures -------------------------------------------------------------------------------
+
+
+@dataclass
+class Latency:
+    p50: float
+    p99: float
+    max: float
+    missing: int
+
+    @staticmethod
+    def of(committed: dict[int, float], seen: dict[int, float]) -> Latency:
+        delays = [seen[i] - t for i, t in committed.items() if i in seen]
+        missing = sum(1 for i in committed if i not in seen)
+        if not delays:
+            return Latency(float("nan"), float("nan"), float("nan"), missing)
+        delays.sort()
+        return Latency(
+            delays[len(delays) // 2] * 1000,
+            delays[min(len(delays) - 1, int(len(delays) * 0.99))] * 1000,
+            delays[-1] * 1000,
+            missing,
+        )
+
+    def text(self) -> str:
+        return f"{self.p50:6.2f} {self.p99:7.2f} {self.max:7.1f}"
+
+
+@dataclass
+class SteadyResult:
+    rate: float
+    writers: int
+    relay: Latency
+    cdc: Latency | None
+    cpu_per_100k: float
+    rows_per_batch: float
+    messages: int
+
+
+def steady_run(
+    dsn: str, tool: str | None, rate: float, writers: int, seconds: float, linger_s: float
+) -> SteadyResult:
+    ctx = multiprocessing.get_context("spawn")
+    out, ready, begin, end = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    relay = ctx.Process(target=_relay_child, args=(dsn, linger_s, ready, begin, end, out))
+    relay.start()
+    ready.wait(60)
+    cdc = _Cdc(tool, dsn) if tool else None
+    try:
+        if cdc is not None:
+            cdc.__enter__()
+            time.sleep(0.5)
+        wout, wready, go = ctx.Queue(), ctx.Semaphore(0), ctx.Queue()
+        children = [
+            ctx.Process(target=_writer_child, args=(dsn, rate / writers, seconds, wready, go, wout))
+            for _ in range(writers)
+        ]
+        start_at = _start_together(children, wready, go)
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        begin.set()
+        committed: dict[int, float] = {}
+        for _ in children:
+            committed.update(wout.get(timeout=seconds + 120))
+        end.set()
+        for child in children:
+            child.join(30)
+        cpu, seen_list, batches = out.get(timeout=120)
+        relay.join(30)
+        time.sleep(0.2)
+    finally:
+        if cdc is not None:
+            cdc.__exit__(None, None, None)
+        if relay.is_alive():
+            relay.terminate()
+    seen = dict(seen_list)
+    n = len(committed)
+    return SteadyResult(
+        rate=rate,
+        writers=writers,
+        relay=Latency.of(committed, seen),
+        cdc=Latency.of(committed, cdc.seen) if cdc is not None else None,
+        cpu_per_100k=cpu * 100_000 / max(1, n),
+        rows_per_batch=len(seen) / max(1, batches),
+        messages=n,
+    )
+
+
+def _prepare(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE outbox_new")
+        notify.install(conn, SPEC, DEFAULT_CHANNEL)
+        conn.execute("VACUUM ANALYZE outbox_new")
+
+
+def section_steady(dsn: str, tool: str, seconds: float, rates: list[int]) -> None:
+    print(f"\n## 5. Steady state: plain INSERTs (no pg_notify by the app; the wake-up trigger), "
+          f"{seconds:.0f} s per row, relay with default options (linger 5 ms)")  # fmt: skip
+    print("end-to-end = writer's COMMIT returned -> message in the relay's sink (ms); "
+          "CDC = pg_recvlogical + test_decoding, same run, same rows")  # fmt: skip
+    print(f"{'msg/s':>6} {'writers':>7} | {'relay p50':>9} {'p99':>7} {'max':>7} | "
+          f"{'CDC p50':>7} {'p99':>7} {'max':>7} | {'p99/CDC':>7} {'CPU-s/100k':>10} "
+          f"{'rows/batch':>10} {'lost':>4}")  # fmt: skip
+    for rate in rates:
+        for writers in (1, 4):
+            _prepare(dsn)
+            r = steady_run(dsn, tool, rate, writers, seconds, RelayOptions().linger_s)
+            cdc = r.cdc
+            ratio = r.relay.p99 / cdc.p99 if cdc and cdc.p99 > 0 else float("nan")
+            print(f"{rate:>6} {writers:>7} | {r.relay.p50:>9.2f} {r.relay.p99:>7.2f} "
+                  f"{r.relay.max:>7.1f} | {cdc.p50 if cdc else 0:>7.2f} "
+                  f"{cdc.p99 if cdc else 0:>7.2f} {cdc.max if cdc else 0:>7.1f} | "
+                  f"{ratio:>6.1f}x {r.cpu_per_100k:>10.2f} {r.rows_per_batch:>10.1f} "
+                  f"{r.relay.missing:>4}")  # fmt: skip
+
+
+def section_linger(dsn: str, seconds: float, lingers_ms: list[float], rate: int = 1000) -> None:
+    print(f"\n## 6. Linger trade-off: {rate:,} msg/s from 4 writers, plain INSERTs, "
+          f"{seconds:.0f} s each")  # fmt: skip
+    print(f"{'linger ms':>9} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'CPU-s/100k':>10} "
+          f"{'rows/batch':>10}")  # fmt: skip
+    for linger in lingers_ms:
+        _prepare(dsn)
+        r = steady_run(dsn, None, rate, 4, seconds, linger / 1000)
+        print(f"{linger:>9.1f} {r.relay.p50:>7.2f} {r.relay.p99:>7.2f} {r.relay.max:>7.1f} "
+              f"{r.cpu_per_100k:>10.2f} {r.rows_per_batch:>10.1f}")  # fmt: skip
+
+
+class _SeenSink(StdoutSink):
+    """The stdout sink (into /dev/null) that notes when each id reached it, for polling."""
+
+    def __init__(self, stream: Any, seen: dict[int, float]) -> None:
+        super().__init__(stream=stream)
+        self.seen = seen
+
+    def publish(self, batch: Any) -> None:
+        super().publish(batch)
+        now = time.monotonic()
+        for m in batch:
+            self.seen[m.id] = now
+
+
+def _await(seen: dict[int, float], wanted: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while wanted not in seen and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    return wanted in seen
+
+
+def _late_rows(dsn: str, seen: dict[int, float], trials: int) -> tuple[list[float], int]:
+    """Late rows the hard way: id n inserted in an open transaction, n+1 committed and
+    published (the cursor passes n), then n committed at once (the relay is finishing its
+    batch) or after a pause (the relay is idle). Seconds from n's COMMIT to its delivery."""
+    delays: list[float] = []
+    lost = 0
+    with psycopg.connect(dsn, autocommit=True) as writer, psycopg.connect(dsn) as late:
+        for trial in range(trials):
+            low = int(late.execute(INSERT).fetchone()[0])  # type: ignore[index]
+            high = int(writer.execute(INSERT).fetchone()[0])  # type: ignore[index]
+            _await(seen, high)
+            if trial % 2:
+                time.sleep(0.05)  # every other row: commit after the relay went idle
+            late.commit()
+            committed = time.monotonic()
+            if _await(seen, low):
+                delays.append(seen[low] - committed)
+            else:
+                lost += 1
+    return delays, lost
+
+
+def section_late(dsn: str, trials: int, rate: int = 1000) -> None:
+    print(f"\n## 8. Late rows (an id committed after a higher one was published), {trials} "
+          f"each: traffic stopped vs {rate:,} msg/s of plain INSERTs from 1 writer process "
+          "(and that traffic's own end-to-end), same relay, same run")  # fmt: skip
+    print("commit of the late row -> its delivery (ms); relay in-process, default options, "
+          "the wake-up trigger installed; goal (issue 16): late rows <= 100 ms")  # fmt: skip
+    print(f"{'case':<34} {'p50':>7} {'p99':>7} {'max':>7} {'n':>5} {'lost':>4}")
+    _prepare(dsn)
+    seen: dict[int, float] = {}
+    rows: list[tuple[str, list[float], int]] = []
+    with Path(os.devnull).open("w") as devnull:
+        relay = Relay(dsn, lambda: _SeenSink(devnull, seen), spec=SPEC, options=RelayOptions())
+        with running(relay):
+            time.sleep(WARM_UP_S)
+            with psycopg.connect(dsn, autocommit=True) as warm:  # past the first-claim jump
+                _await(seen, int(warm.execute(INSERT).fetchone()[0]))  # type: ignore[index]
+            delays, lost = _late_rows(dsn, seen, trials)
+            rows.append(("late row, traffic stopped", delays, lost))
+            ctx = multiprocessing.get_context("spawn")
+            wout, wready, go = ctx.Queue(), ctx.Semaphore(0), ctx.Queue()
+            seconds = max(3.0, trials * 0.06)
+            child = ctx.Process(target=_writer_child, args=(dsn, rate, seconds, wready, go, wout))
+            start_at = _start_together([child], wready, go)
+            time.sleep(max(0.0, start_at - time.monotonic()) + 0.3)
+            delays, lost = _late_rows(dsn, seen, trials)
+            rows.append((f"late row, {rate:,} msg/s flowing", delays, lost))
+            committed = dict(wout.get(timeout=seconds + 120))
+            child.join(30)
+            time.sleep(DRAIN_WAIT_S)
+    traffic = Latency.of(committed, seen)
+    for name, delays, lost in rows:
+        late = Latency.of(dict(enumerate([0.0] * len(delays))), dict(enumerate(delays)))
+        print(f"{name:<34} {late.text()} {len(delays):>5} {lost:>4}")
+    print(f"{f'the {rate:,} msg/s traffic itself':<34} {traffic.text()} {len(committed):>5} "
+          f"{traffic.missing:>4}")  # fmt: skip
+
+
+NAIVE_FUNCTION = (
+    "CREATE OR REPLACE FUNCTION bench_notify_always() RETURNS trigger LANGUAGE plpgsql AS "
+    "$$ BEGIN PERFORM pg_notify(TG_ARGV[0], (SELECT min(id)::text FROM new_rows)); "
+    "RETURN NULL; END $$"
+)
+NAIVE_TRIGGER = (
+    "CREATE TRIGGER relay_notify AFTER INSERT ON outbox_new REFERENCING NEW TABLE AS new_rows "
+    "FOR EACH STATEMENT EXECUTE FUNCTION bench_notify_always('outbox_migrate_relay')"
+)
+
+
+def _trigger_mode(dsn: str, mode: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE outbox_new")
+        for statement in notify.drop_sql(SPEC):
+            conn.execute(statement)
+        if mode == "idle-aware":
+            notify.install(conn, SPEC, DEFAULT_CHANNEL)
+        elif mode == "naive":
+            conn.execute(NAIVE_FUNCTION)
+            conn.execute(NAIVE_TRIGGER)
+        conn.execute("VACUUM ANALYZE outbox_new")
+
+
+def _closed_loop(dsn: str, writers: int, seconds: float) -> tuple[float, float]:
+    """Relay running; `writers` closed-loop writer processes: (inserts/s, commit p99 ms).
+
+    The relay polls every 5 ms (its linger) in every mode: without the trigger a relay polling
+    once a second would sleep most of the time and leave the two CPUs to the writers, and the
+    comparison would measure the relay's work instead of the trigger's cost.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    options = RelayOptions(poll_interval_s=RelayOptions().linger_s)
+    with Path(os.devnull).open("w") as devnull:
+        relay = Relay(dsn, lambda: StdoutSink(stream=devnull), spec=SPEC, options=options)
+        with running(relay):
+            time.sleep(WARM_UP_S)
+            out, ready, go = ctx.Queue(), ctx.Semaphore(0), ctx.Queue()
+            children = [
+                ctx.Process(target=_closed_writer, args=(dsn, seconds, ready, go, out))
+                for _ in range(writers)
+            ]
+            _start_together(children, ready, go)
+            latencies: list[float] = []
+            for _ in children:
+                latencies.extend(out.get(timeout=seconds + 120))
+            for child in children:
+                child.join(30)
+    latencies.sort()
+    p99 = latencies[int(len(latencies) * 0.99)] * 1000 if latencies else float("nan")
+    return max(1, len(latencies)) / seconds, p99
+
+
+MODES = ("none", "idle-aware", "naive")
+
+
+def section_trigger(
+    dsn: str, seconds: float, writer_counts: list[int], fsync: bool, reps: int
+) -> None:
+    print(f"\n## 7. Wake-up trigger cost to the application: closed-loop INSERT+COMMIT, "
+          f"{seconds:.0f} s each, relay running (polling every 5 ms in every mode), "
+          f"synchronous_commit on, fsync "
+          f"{'on' if fsync else 'off'}, median of {reps} interleaved runs")  # fmt: skip
+    print(f"{'writers':>7} | {'none ins/s':>10} {'p99 ms':>7} | {'idle-aware':>10} "
+          f"{'p99 ms':>7} {'tput':>6} {'p99':>6} | {'naive':>8} {'p99 ms':>7} {'tput':>6} "
+          f"{'p99':>6}")  # fmt: skip
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if fsync:
+            conn.execute("ALTER SYSTEM SET fsync = on")
+            conn.execute("SELECT pg_reload_conf()")
+    try:
+        for writers in writer_counts:
+            runs: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+            for _ in range(reps):  # interleaved: the machine's load drifts between runs
+                for mode in MODES:
+                    _trigger_mode(dsn, mode)
+                    runs[mode].append(_closed_loop(dsn, writers, seconds))
+            base, idle, naive = (
+                (median([r[0] for r in runs[m]]), median([r[1] for r in runs[m]])) for m in MODES
+            )
+            print(f"{writers:>7} | {base[0]:>10,.0f} {base[1]:>7.2f} | {idle[0]:>10,.0f} "
+                  f"{idle[1]:>7.2f} {idle[0] / base[0] - 1:>+6.1%} {idle[1] / base[1]:>5.2f}x | "
+                  f"{naive[0]:>8,.0f} {naive[1]:>7.2f} {naive[0] / base[0] - 1:>+6.1%} "
+                  f"{naive[1] / base[1]:>5.2f}x")  # fmt: skip
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM RESET fsync")
+            conn.execute("SELECT pg_reload_conf()")
+        _trigger_mode(dsn, "idle-aware")
+    print(
+        "(tput / p99: the trigger's change in insert throughput and commit p99 vs no trigger, "
+        "measured one after the other; naive = NOTIFY from every inserting statement)"
+    )
+
+
+def load_note() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} CPUs"
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")

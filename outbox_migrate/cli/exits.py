@@ -1,0 +1,201 @@
+"""The exit-code table, enforced in one place (`classify`), and the signals that feed it.
+
+Every command returns through `cli.app.main`, which hands whatever ended the command (a
+return, an error, an interrupt) to `classify` and exits with the code it gives. Nothing else
+in the CLI calls `sys.exit`, so a script can trust the code: `run --to V3 && deploy-v3` never
+deploys after a failure, a Ctrl-C or a lost connection.
+
+Signals: SIGINT raises `KeyboardInterrupt` and SIGTERM raises `Terminated` (a subclass) at
+the point the main thread is at, so `with` blocks unwind and an open transaction is rolled
+back (psycopg cancels the running query first) before the process exits with 130 or 143.
+Commands that run as services (`relay`, `maintain` without `--once`) install their own
+handlers and treat a signal as the normal way to stop (exit 0).
+
+Imports stay light: no rich, and psycopg only if a command already loaded it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from outbox_migrate.errors import (
+    ConfigError,
+    ConnectError,
+    ConnectionLost,
+    ExitCode,
+    OutboxMigrateError,
+)
+
+DEBUG_ENV = "OUTBOX_MIGRATE_DEBUG"
+# SQLSTATEs that mean "the server went away", besides class 08 (connection exception).
+_ADMIN_SHUTDOWN = frozenset({"57P01", "57P02", "57P03"})
+_CLOSED_MESSAGES = ("connection is closed", "connection is lost", "server closed the connection",
+                    "consuming input failed", "connection to server", "ssl connection has been "
+                    "closed", "terminating connection")  # fmt: skip
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is so cleanup runs as for Ctrl-C."""
+
+
+class Declined(OutboxMigrateError):
+    """The user answered no to a confirmation: nothing was done, but the command did not do
+    what was asked, so a script must not carry on as if it had."""
+
+    exit_code = ExitCode.FAILED
+
+
+@dataclass
+class _State:
+    command: str = "outbox-migrate"
+    activity: str | None = None
+    signal: int | None = None
+    note: str | None = None
+
+
+_state = _State()
+
+
+def debug_enabled() -> bool:
+    """`OUTBOX_MIGRATE_DEBUG=1` (any value but empty/0/false/no/off) prints tracebacks."""
+    value = os.environ.get(DEBUG_ENV, "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
+def set_command(argv: list[str]) -> None:
+    """Remember the command's name (`run`, `alembic generate`) for interrupt and lost-
+    connection lines."""
+    words = [a for a in argv if not a.startswith("-")]
+    name = " ".join(words[:2]) if words[:1] == ["alembic"] else " ".join(words[:1])
+    _state.command = name or "outbox-migrate"
+
+
+def set_activity(what: str | None) -> None:
+    """What the command is doing right now (`step hoper.v2.create_partitioned`), or None."""
+    _state.activity = what
+
+
+def set_interrupt_note(note: str) -> None:
+    """What an interrupt left behind, when the command knows better than the default
+    (`demo`: where its partial report is)."""
+    _state.note = note
+
+
+def doing() -> str:
+    command = f"`{_state.command}`"
+    return f"{_state.activity} of {command}" if _state.activity else command
+
+
+def _on_signal(signum: int, _frame: FrameType | None) -> None:
+    _state.signal = signum
+    if signum == signal.SIGTERM:
+        raise Terminated()
+    raise KeyboardInterrupt()
+
+
+def install_signal_handlers() -> None:
+    """SIGINT → KeyboardInterrupt, SIGTERM → Terminated, both remembered for the exit code.
+
+    A second signal while the first unwinds raises again, which is what a user pressing
+    Ctrl-C twice expects."""
+    _state.signal = None
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+
+
+def interrupt_code() -> int:
+    return int(ExitCode.TERMINATED if _state.signal == signal.SIGTERM else ExitCode.INTERRUPTED)
+
+
+def interrupt_message() -> str:
+    name = "terminated (SIGTERM)" if _state.signal == signal.SIGTERM else "interrupted"
+    if _state.note:
+        return f"{name} during {doing()}; {_state.note}"
+    if _state.activity and _state.activity.startswith("step "):
+        return (f"{name} during {doing()}; the step did not complete and its transaction was "
+                "rolled back — re-run the same command to continue")  # fmt: skip
+    return f"{name} during {doing()}; nothing was left half-done — re-run the same command"
+
+
+def connection_error(exc: BaseException | None) -> BaseException | None:
+    """The psycopg error in `exc`'s chain that means the server connection broke, if any:
+    SQLSTATE class 08, an administrator/crash shutdown (57P01-57P03), or a client-side
+    OperationalError without SQLSTATE (the socket closed under a query)."""
+    psycopg = sys.modules.get("psycopg")
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen and psycopg is not None:
+        seen.add(id(exc))
+        if isinstance(exc, psycopg.Error) and _breaks_connection(exc, psycopg):
+            found: BaseException = exc
+            return found
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _breaks_connection(exc: Any, psycopg: Any) -> bool:
+    state = exc.sqlstate or ""
+    if state.startswith("08") or state in _ADMIN_SHUTDOWN:
+        return True
+    if state:
+        return False
+    if isinstance(exc, psycopg.OperationalError):
+        return True
+    lowered = str(exc).lower()
+    return isinstance(exc, psycopg.InterfaceError) and any(m in lowered for m in _CLOSED_MESSAGES)
+
+
+def _first_line(text: str) -> str:
+    from outbox_migrate.dsn import mask
+
+    lines = mask(text).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def classify(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the one line for whatever ended a command (see docs/cli.md)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return interrupt_code(), interrupt_message()
+    if isinstance(exc, ConnectionLost):
+        named = f"`{_state.command}`" in exc.doing
+        what = exc.doing if named else f"{exc.doing} of `{_state.command}`"
+        return int(exc.exit_code), str(ConnectionLost(what, exc.cause))
+    if not isinstance(exc, ConnectError | ConfigError):
+        lost = connection_error(exc)
+        if lost is not None:
+            where = getattr(exc, "step_id", None)
+            what = f"step {where} of `{_state.command}`" if where else doing()
+            cause = _first_line(str(lost)) or type(lost).__name__
+            return int(ExitCode.CONNECTION_LOST), str(ConnectionLost(what, cause))
+    if isinstance(exc, OutboxMigrateError):
+        return int(exc.exit_code), str(exc)
+    if getattr(exc, "sqlstate", None) == "42501":  # insufficient_privilege: the wrong role
+        return int(ExitCode.USAGE), (
+            f"{_first_line(str(exc))}: the role lacks a privilege `{_state.command}` needs"
+        )
+    message = _first_line(str(exc)) or type(exc).__name__
+    return int(ExitCode.FAILED), (f"internal error: {message} (set {DEBUG_ENV}=1 for a traceback)")
+
+
+class TrackedEvents:
+    """Runner events that also record the step in flight, so an interrupt or a lost
+    connection names it; everything else is passed on to `inner`."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def step_started(self, step: Any, action: str) -> None:
+        if action != "already-done":
+            set_activity(f"step {step.id}")
+        self._inner.step_started(step, action)
+
+    def step_finished(self, step: Any, outcome: str, elapsed_s: float) -> None:
+        set_activity(None)
+        self._inner.step_finished(step, outcome, elapsed_s)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

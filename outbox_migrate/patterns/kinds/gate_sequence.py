@@ -1,0 +1,154 @@
+"""The gate sequence: what the deploy gates watch when the application supplies the ids.
+
+Database ids come from a sequence, and a gate knows a writer of the old version is alive when
+that sequence moves. A uuid or ULID outbox has no sequence, so the migration gives the old
+table one: a FOR EACH STATEMENT AFTER INSERT trigger that calls `nextval` on a small sequence
+of its own, and takes a transaction-level *shared* advisory lock. `nextval` is not
+transactional, so an insert is seen when its statement ends, committed or not; the advisory
+lock is held until the inserting transaction ends, so a gate also sees an insert that is still
+uncommitted (`no-new-ticks` and `no-new-ticks-since-sample` in sql/conditions.sql).
+
+HOPIA's copy trigger raises a transaction-local flag (`COPYING_FLAG`) around its INSERT: that
+insert is the migration's own, not a writer's, and does not tick. Inserts made by the
+application's own triggers (an outbox row written by a trigger on a business table) do tick.
+The function is SECURITY DEFINER so application roles need no privilege on the sequence.
+Only for `id_kind = application`: for database ids these kinds build no step at all, so
+those plans are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from psycopg import sql
+
+from outbox_migrate.patterns import conditions as c
+from outbox_migrate.patterns.kinds import BuildContext, kind, make_step
+from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.names import Names
+
+COPYING_FLAG = "outbox_migrate.copying"
+"""Transaction-local setting HOPIA's copy trigger raises (application ids) while it inserts a
+published row into the old table: that insert is the migration's, not a writer's."""
+GATE_LOCK_NAMESPACE = "outbox-migrate.gate"
+"""First key of the writers' shared advisory lock; the second is the old table's name."""
+
+
+def lock_keys(n: Names) -> tuple[sql.Composable, sql.Composable]:
+    """The two int4 keys of the writers' advisory lock, as SQL expressions."""
+    return (
+        sql.SQL("hashtext({})").format(sql.Literal(GATE_LOCK_NAMESPACE)),
+        sql.SQL("hashtext({})").format(n.reg(n.table)),
+    )
+
+
+def _created(n: Names) -> tuple[Created, ...]:
+    return (
+        Created("relation", n.spec.gate_sequence),
+        Created("function", n.spec.gate_function),
+        Created("trigger", n.spec.gate_trigger, on=n.table),
+    )
+
+
+def create_sql(n: Names) -> tuple[sql.Composed, ...]:
+    key1, key2 = lock_keys(n)
+    sequence = sql.Identifier(n.spec.schema, n.spec.gate_sequence)
+    function = sql.Identifier(n.spec.schema, n.spec.gate_function)
+    return (
+        sql.SQL("CREATE SEQUENCE {} AS bigint CACHE 1").format(sequence),
+        sql.SQL(
+            "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER "
+            "SET search_path = pg_catalog AS $om$\n"
+            "BEGIN\n"
+            "    -- a writer's INSERT (also one made by the application's own triggers), not\n"
+            "    -- HOPIA's copy of a published row, which raises this flag around its INSERT\n"
+            "    IF coalesce(current_setting({flag}, true), '') <> 'on' THEN\n"
+            "        PERFORM nextval({seq_reg}::regclass);\n"
+            "        PERFORM pg_advisory_xact_lock_shared({key1}, {key2});\n"
+            "    END IF;\n"
+            "    RETURN NULL;\n"
+            "END\n"
+            "$om$"
+        ).format(
+            function=function,
+            flag=sql.Literal(COPYING_FLAG),
+            seq_reg=n.reg(n.spec.gate_sequence),
+            key1=key1,
+            key2=key2,
+        ),
+        sql.SQL(
+            "CREATE TRIGGER {trigger} AFTER INSERT ON {table} "
+            "FOR EACH STATEMENT EXECUTE FUNCTION {function}()"
+        ).format(
+            trigger=sql.Identifier(n.spec.gate_trigger), table=n.q(n.table), function=function
+        ),
+    )
+
+
+def drop_sql(n: Names) -> tuple[sql.Composed, ...]:
+    return (
+        sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(
+            sql.Identifier(n.spec.gate_trigger), n.q(n.table)
+        ),
+        sql.SQL("DROP FUNCTION IF EXISTS {}()").format(
+            sql.Identifier(n.spec.schema, n.spec.gate_function)
+        ),
+        sql.SQL("DROP SEQUENCE IF EXISTS {}").format(
+            sql.Identifier(n.spec.schema, n.spec.gate_sequence)
+        ),
+    )
+
+
+@kind("install-gate-sequence")
+def install_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step | None:
+    n = ctx.names
+    if n.spec.id_kind != "application":
+        return None
+    return make_step(
+        ctx,
+        "install-gate-sequence",
+        summary=f"Sequence {n.spec.gate_sequence} ticked by every INSERT statement into "
+        f"{n.table}: what the deploy gates watch (the application supplies the ids)",
+        statements=create_sql(n),
+        tx=TxMode.TRANSACTION,
+        # CREATE TRIGGER takes SHARE ROW EXCLUSIVE: it waits for the inserts in flight, so
+        # every insert after it ticks.
+        locks=(Lock(n.table, LockMode.SHARE_ROW_EXCLUSIVE),),
+        catalog_only=True,
+        preconditions=(
+            c.relation_exists(n, n.table),
+            c.relation_absent(n, n.spec.gate_sequence),
+        ),
+        postcondition=(c.relation_exists(n, n.spec.gate_sequence),),
+        reverse=drop_sql(n),
+        reverse_note="drop the trigger, its function and the sequence",
+        undone_by=("remove-gate-sequence",),
+        creates=_created(n),
+        notes=(
+            "nextval is not transactional and the trigger also holds a shared advisory lock "
+            "until the inserting transaction ends: a gate sees an uncommitted insert too.",
+        ),
+    )
+
+
+@kind("remove-gate-sequence")
+def remove_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step | None:
+    n = ctx.names
+    if n.spec.id_kind != "application":
+        return None
+    return make_step(
+        ctx,
+        "remove-gate-sequence",
+        summary=f"Drop the gate trigger and {n.spec.gate_sequence}: the last deploy gate passed",
+        statements=drop_sql(n),
+        tx=TxMode.TRANSACTION,
+        locks=(Lock(n.table, LockMode.SHARE_ROW_EXCLUSIVE),),
+        catalog_only=True,
+        preconditions=(c.relation_exists(n, n.table),),
+        postcondition=(c.relation_absent(n, n.spec.gate_sequence),),
+        reverse=create_sql(n),
+        reverse_note="re-create the sequence, its function and the trigger",
+        reverse_creates=_created(n),
+        reverse_preconditions=(c.relation_absent(n, n.spec.gate_sequence),),
+    )

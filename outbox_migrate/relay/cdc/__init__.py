@@ -1,0 +1,14 @@
+"""The second delivery style: stream committed outbox inserts from the WAL (CDC).
+
+`relay --mode cdc` reads the unpublished partition's inserts from a logical replication slot
+(`pgoutput`) it creates and owns, publishes them per transaction batch through the ordinary
+sinks, marks the acknowledged rows (one set-based UPDATE per batch, so the partitioned layout
+stays small) and only then confirms the slot position. Pieces:
+
+* `pgoutput` — a small decoder of the pgoutput messages the relay needs (pure, no I/O);
+* `stream` — the replication protocol over psycopg 3's libpq layer (no extra dependency);
+* `slot` — publication, slot, lag and decommissioning statements over a normal session;
+* `relay` — the loop that ties them together (`CdcRelay`).
+
+See docs/relay.md, "CDC mode", for the design and the measurements behind it.
+"""

@@ -1,0 +1,151 @@
+"""Publication, slot, lag and decommissioning: plain SQL over a normal session.
+
+Which table is published, and why: only the **unpublished partition**, `publish = 'insert'`.
+Every outbox row is inserted there (its `published_at` is NULL), so its inserts are exactly
+the messages. The relay's mark moves rows to the published partition; PostgreSQL decodes that
+move as a DELETE from the unpublished partition (not published: inserts only) and an INSERT
+into the published one (not in the publication). The stream therefore never sees marking at
+all, without any filtering in the relay. Publishing the parent with
+`publish_via_partition_root = true` instead would report that move as an INSERT into the
+parent — every message twice, the second copy with `published_at` set — and every row would
+pay for being decoded and sent twice.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg import sql
+
+from outbox_migrate.relay.errors import RelayError
+
+NAME = re.compile(r"[a-z0-9_]{1,63}\Z")
+"""Slot names must match this (PostgreSQL's rule); publications are held to it too, so the
+`publication_names` option needs no quoting."""
+FAILOVER_MIN_VERSION = 170000
+
+
+def check_name(kind: str, name: str) -> str:
+    if not NAME.match(name):
+        raise RelayError(f"{kind} name {name!r}: use 1-63 lower-case letters, digits or _")
+    return name
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """One row of pg_replication_slots, with the lag computed by the server."""
+
+    name: str
+    plugin: str | None
+    database: str | None
+    active: bool
+    confirmed_lsn: str | None
+    lag_bytes: int
+    """WAL the slot holds back: the server's current position minus the confirmed one."""
+    failover: bool
+
+
+def ensure_publication(conn: Any, publication: str, schema: str, partition: str) -> bool:
+    """Create the publication on the unpublished partition; True when it was created.
+
+    An existing publication of that name must publish exactly that table (a different one
+    would make the relay stream someone else's rows): checked, never altered.
+    """
+    rows = conn.execute(
+        "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s",
+        (publication,),
+    ).fetchall()
+    exists = conn.execute(
+        "SELECT pubinsert FROM pg_publication WHERE pubname = %s", (publication,)
+    ).fetchone()
+    if exists is None:
+        conn.execute(
+            sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')").format(
+                sql.Identifier(publication), sql.Identifier(schema, partition)
+            )
+        )
+        return True
+    tables = {(str(r[0]), str(r[1])) for r in rows}
+    if tables != {(schema, partition)} or not exists[0]:
+        raise RelayError(
+            f"publication {publication} exists but does not publish inserts of exactly "
+            f"{schema}.{partition} (it has {sorted(tables) or 'no tables'}): drop it or name "
+            "another with --publication"
+        )
+    return False
+
+
+def slot_state(conn: Any, slot: str) -> SlotState | None:
+    failover = "failover" if conn.info.server_version >= FAILOVER_MIN_VERSION else "false"
+    row = conn.execute(
+        sql.SQL(
+            "SELECT slot_name, plugin, database, active, confirmed_flush_lsn::text, "
+            "coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() "
+            "THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END, "
+            "confirmed_flush_lsn), 0)::int8, {} "
+            "FROM pg_replication_slots WHERE slot_name = %s"
+        ).format(sql.SQL(failover)),
+        (slot,),
+    ).fetchone()
+    if row is None:
+        return None
+    return SlotState(str(row[0]), row[1], row[2], bool(row[3]), row[4], int(row[5]), bool(row[6]))
+
+
+def create_slot(conn: Any, slot: str, *, failover: bool) -> bool:
+    """Create the pgoutput slot; returns whether it is a failover slot (PostgreSQL 17+)."""
+    use_failover = failover and conn.info.server_version >= FAILOVER_MIN_VERSION
+    if use_failover:
+        conn.execute(
+            "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, false, true)",
+            (slot,),
+        )
+    else:
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+    return use_failover
+
+
+def ensure_slot(conn: Any, slot: str, database: str, *, failover: bool) -> tuple[bool, SlotState]:
+    """The relay's slot: created when missing (True), else checked to be a pgoutput slot of
+    this database (another plugin or database would stream the wrong thing)."""
+    state = slot_state(conn, slot)
+    created = False
+    if state is None:
+        create_slot(conn, slot, failover=failover)
+        created = True
+        state = slot_state(conn, slot)
+        assert state is not None
+    if state.plugin != "pgoutput" or state.database != database:
+        raise RelayError(
+            f"replication slot {slot} exists but is not a pgoutput slot of database "
+            f"{database} (plugin {state.plugin}, database {state.database}): choose another "
+            "--slot"
+        )
+    return created, state
+
+
+def drop_slot(conn: Any, slot: str) -> bool:
+    """Drop the slot if it exists and nobody streams from it; True when dropped."""
+    state = slot_state(conn, slot)
+    if state is None:
+        return False
+    if state.active:
+        raise RelayError(f"replication slot {slot} is in use by a running relay: stop it first")
+    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+    return True
+
+
+def drop_publication(conn: Any, publication: str) -> None:
+    conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication)))
+
+
+def check_wal_level(conn: Any) -> None:
+    row = conn.execute("SHOW wal_level").fetchone()
+    level = str(row[0]) if row else "?"
+    if level != "logical":
+        raise RelayError(
+            f"--mode cdc needs wal_level = logical (the server has {level}): set it in "
+            "postgresql.conf and restart the server"
+        )

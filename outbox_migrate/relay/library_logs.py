@@ -1,0 +1,55 @@
+"""Broker libraries' own log output, routed through the relay's event log as single lines.
+
+pika logs a traceback when RabbitMQ goes away, nats-py logs one per failed (re)connect
+attempt, librdkafka writes to stderr: the relay already reports each of those failures as its
+own `relay.sink_unavailable` event, so the libraries' lines only add noise, and a traceback in
+an operator's log reads as a crash. `route()` gives each library logger one handler that
+re-emits the record on the relay's logger as `relay.sink_library logger=<name> <message>` —
+the exception, if any, reduced to `Type: message` — and stops it propagating to the root
+logger. Errors and warnings of a library become warnings of the relay (the relay decides what
+is an error); the rest become debug lines.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from outbox_migrate.relay.sinks.urls import mask_url
+
+LIBRARY_LOGGERS = (
+    "pika", "nats", "aiormq", "aio_pika", "redis", "httpx", "httpcore",
+    "outbox_migrate.relay.sink",
+)  # fmt: skip
+"""`outbox_migrate.relay.sink.*`: where the sinks send what their libraries report through a
+callback (librdkafka's log, nats-py's error callback)."""
+EVENT = "relay.sink_library"
+_relay_log = logging.getLogger("outbox_migrate.relay")
+
+
+class _OneLine(logging.Handler):
+    """Re-emit a library record on the relay's logger, one line, no traceback."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a library's bad format string must not kill us
+            text = str(record.msg)
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            text = f"{text}: {type(exc).__name__}: {exc}"
+        text = mask_url(" ".join(text.split()))[:500]
+        level = logging.WARNING if record.levelno >= logging.WARNING else logging.DEBUG
+        if _relay_log.isEnabledFor(level):
+            _relay_log.log(level, "%s logger=%s %s", EVENT, record.name, text)
+
+
+_HANDLER = _OneLine()
+
+
+def route() -> None:
+    """Install the routing (idempotent; the relay calls it when it starts)."""
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        if _HANDLER not in logger.handlers:
+            logger.addHandler(_HANDLER)
+        logger.propagate = False

@@ -1,0 +1,150 @@
+"""The wake-up trigger: the partitioned outbox wakes an idle relay without application changes.
+
+An ORM inserting its outbox row does not call `pg_notify`, so without help the relay learns of
+new rows only at its next poll (up to `--poll-interval`, 1 s). This statement-level AFTER INSERT
+trigger on the partitioned parent notifies once per inserting statement, with the statement's
+lowest id as the payload — the same payload the application helpers send, so a relay can reach
+a row below its claim cursor at once (a row whose transaction committed late).
+
+Why it does not notify every time: a transaction that executed NOTIFY takes a cluster-wide lock
+while it commits (PostgreSQL queues notifications in commit order), so notifying from every
+inserting transaction serializes the application's commits at high write rates. The trigger
+therefore notifies only when a relay may be idle. An idle relay holds the session advisory lock
+`(hashtext('outbox-migrate.relay:<schema>.<table>:idle'), 0)` exclusively while it waits; the
+trigger tries to take it *shared* for the rest of its transaction:
+
+* the try fails → a relay is idle (or about to be): notify;
+* it succeeds → no relay is idle; the writer keeps the shared lock until its transaction ends,
+  which stops a relay from going idle while this row is still uncommitted (the relay's
+  `pg_try_advisory_lock` fails, and it polls again shortly instead of sleeping). When the lock
+  is free, every writer that saw "busy" has committed, so the relay's last claim before it
+  sleeps sees their rows: no lost wake-up.
+
+A busy relay — one that keeps finding rows, lingering between small batches — never holds the
+lock, so steady traffic commits without NOTIFY. The key is computed from the table's current
+name, the same label the relay uses, so it survives the trigger being installed before a rename
+only if the relay is configured with the new name too.
+
+Inserts straight into the unpublished partition bypass the parent's statement triggers; the
+application helpers insert through the parent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg import sql
+
+from outbox_migrate.config import OutboxSpec
+
+TRIGGER_NAME = "relay_notify"
+IDLE_SUFFIX = ":idle"
+"""The idle lock's key is the relay's advisory namespace + table label + this suffix."""
+NEW_ROWS = "new_rows"
+"""Transition table name inside the trigger function."""
+MAX_IDENTIFIER = 63
+
+
+def function_name(spec: OutboxSpec) -> str:
+    """`<partitioned table>_relay_notify`, cut to PostgreSQL's identifier length."""
+    suffix = "_relay_notify"
+    return spec.partitioned_table[: MAX_IDENTIFIER - len(suffix)] + suffix
+
+
+def idle_key(label: str) -> str:
+    """The text hashed into the idle lock's first key (`label` = schema.table)."""
+    from outbox_migrate.relay.queries import ADVISORY_NAMESPACE
+
+    return f"{ADVISORY_NAMESPACE}:{label}{IDLE_SUFFIX}"
+
+
+def create_sql(spec: OutboxSpec, channel: str) -> tuple[sql.Composed, ...]:
+    """The trigger function and the statement-level trigger on the partitioned parent."""
+    from outbox_migrate.relay.queries import ADVISORY_NAMESPACE
+
+    function = sql.Identifier(spec.schema, function_name(spec))
+    body = sql.SQL(
+        "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $om$\n"
+        "BEGIN\n"
+        "    -- an idle relay holds this lock exclusively: only then is a NOTIFY worth its\n"
+        "    -- commit-time cost (see outbox_migrate/relay/notify.py)\n"
+        "    IF NOT pg_try_advisory_xact_lock_shared(hashtext({namespace} || ':' ||\n"
+        "            TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME || {suffix}), 0) THEN\n"
+        "        PERFORM pg_notify(TG_ARGV[0], {payload});\n"
+        "    END IF;\n"
+        "    RETURN NULL;\n"
+        "END\n"
+        "$om$"
+    ).format(
+        function=function,
+        namespace=sql.Literal(ADVISORY_NAMESPACE),
+        suffix=sql.Literal(IDLE_SUFFIX),
+        payload=_payload(spec),
+    )
+    trigger = sql.SQL(
+        "CREATE TRIGGER {trigger} AFTER INSERT ON {parent} REFERENCING NEW TABLE AS {new_rows} "
+        "FOR EACH STATEMENT EXECUTE FUNCTION {function}({channel})"
+    ).format(
+        trigger=sql.Identifier(TRIGGER_NAME),
+        parent=sql.Identifier(spec.schema, spec.partitioned_table),
+        new_rows=sql.Identifier(NEW_ROWS),
+        function=function,
+        channel=sql.Literal(channel),
+    )
+    return (body, trigger)
+
+
+def _payload(spec: OutboxSpec) -> sql.Composable:
+    """The statement's lowest id; application-supplied ids (uuid, ULID) have no useful order
+    for the cursor (and uuid has no min()), so those notify with an empty payload."""
+    if spec.id_kind == "application":
+        return sql.Literal("")
+    return sql.SQL("(SELECT min({id})::text FROM {new_rows})").format(
+        id=sql.Identifier(spec.id_column), new_rows=sql.Identifier(NEW_ROWS)
+    )
+
+
+def drop_sql(spec: OutboxSpec) -> tuple[sql.Composed, ...]:
+    return (
+        sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(
+            sql.Identifier(TRIGGER_NAME), sql.Identifier(spec.schema, spec.partitioned_table)
+        ),
+        sql.SQL("DROP FUNCTION IF EXISTS {}()").format(
+            sql.Identifier(spec.schema, function_name(spec))
+        ),
+    )
+
+
+def install(conn: Any, spec: OutboxSpec, channel: str) -> None:
+    """Install (or replace) the trigger on an existing partitioned outbox, in one transaction.
+
+    CREATE TRIGGER takes SHARE ROW EXCLUSIVE on the parent: inserts wait for it, briefly; a
+    short lock_timeout keeps the application from queueing behind a long transaction.
+    """
+    import psycopg
+
+    from outbox_migrate.relay.errors import RelayError
+
+    try:
+        with conn.transaction():
+            conn.execute("SET LOCAL lock_timeout = '2s'")
+            for statement in (drop_sql(spec)[0], *create_sql(spec, channel)):
+                conn.execute(statement)
+    except psycopg.errors.UndefinedTable as exc:
+        raise RelayError(
+            f"cannot install the wake-up trigger: {spec.schema}.{spec.partitioned_table} "
+            "does not exist"
+        ) from exc
+    except psycopg.errors.LockNotAvailable as exc:
+        raise RelayError(
+            f"cannot install the wake-up trigger: {spec.schema}.{spec.partitioned_table} "
+            "stayed locked for 2 s (a long transaction?); try again"
+        ) from exc
+
+
+def installed(conn: Any, spec: OutboxSpec) -> bool:
+    row = conn.execute(
+        "SELECT EXISTS (SELECT FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND tgname = %s)",
+        (sql.Identifier(spec.schema, spec.partitioned_table).as_string(conn), TRIGGER_NAME),
+    ).fetchone()
+    return bool(row and row[0])

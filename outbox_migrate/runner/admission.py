@@ -1,0 +1,69 @@
+"""The one admission check: what `plan` reports as a blocker stops `run`, `next`, the Alembic
+operations and the jobs too, before anything is written — the ledger included.
+
+A migration already under way (this table, this pattern, not abandoned) was admitted when it
+started; its own later states (the old table attached as a partition, say) are not blockers.
+Another pattern's migration that completed on the table is: the table is migrated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg import Connection, sql
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import UsageError
+from outbox_migrate.introspect import introspect, raise_for_blockers
+
+
+def ledger_exists(conn: Connection[Any]) -> bool:
+    row = conn.execute("SELECT to_regclass('outbox_migrate.migration') IS NOT NULL").fetchone()
+    return bool(row and row[0])
+
+
+def admit(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> None:
+    """Raise (exit 2) when this pattern may not start on the table; return quietly when it
+    may, or when its migration is already under way."""
+    table = f"{spec.schema}.{spec.table}"
+    if ledger_exists(conn):
+        rows = conn.execute(
+            "SELECT id, pattern, state, current_phase FROM outbox_migrate.migration "
+            "WHERE table_schema = %s AND table_name = %s AND state <> 'abandoned' "
+            "ORDER BY id",
+            (spec.schema, spec.table),
+        ).fetchall()
+        for migration_id, other, state, phase in rows:
+            if other == pattern:
+                return
+            if state == "active":
+                raise UsageError(
+                    f"a {str(other).upper()} migration of {table} is active (phase {phase}); "
+                    "finish it, roll it back, or `outbox-migrate reset` it before starting "
+                    "another pattern"
+                )
+            raise UsageError(
+                f"{table} was already migrated by {str(other).upper()} (migration "
+                f"#{migration_id}, completed); nothing to migrate — its objects are left "
+                "untouched"
+            )
+    if _partition_of_our_parent(conn, spec):
+        # The old table is already a partition of the partitioned table this migration is
+        # named for: the pattern's own steps did that (applied as offline SQL, then resumed
+        # online). The blockers describe a flat table (on PostgreSQL <= 16 an attached table
+        # also shows no identity), so they do not apply; every step still proves its state,
+        # and objects found this way are adopted as `found`, never dropped by a rollback.
+        return
+    raise_for_blockers(introspect(conn, spec, pattern))
+
+
+def _partition_of_our_parent(conn: Connection[Any], spec: OutboxSpec) -> bool:
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s) "
+        "AND inhparent = to_regclass(%s))",
+        (
+            sql.Identifier(spec.schema, spec.table).as_string(None),
+            sql.Identifier(spec.schema, spec.partitioned_table).as_string(None),
+        ),
+    ).fetchone()
+    return bool(row and row[0])

@@ -1,0 +1,47 @@
+"""Evaluating a step's conditions: which run before its transaction, which under its locks.
+
+The rule (docs/runner.md): a precondition proves something about the moment the step
+commits only when it is evaluated after the step's locks are held, in the same transaction.
+So every LOCKED condition is evaluated there, on every attempt. SAMPLED and SCAN conditions
+run before the transaction — a gate's window or a full scan must not hold ACCESS EXCLUSIVE —
+and each names (`kept_by`) the LOCKED condition or lock that keeps it true until commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from psycopg import Connection
+
+from outbox_migrate.patterns.model import CheckPoint, Condition, Step
+from outbox_migrate.runner.errors import PreconditionFailed
+
+
+def violations(conn: Connection[Any], conditions: Iterable[Condition]) -> list[str]:
+    found: list[str] = []
+    for condition in conditions:
+        rows = conn.execute(condition.query).fetchall()
+        found.extend(str(r[0]) for r in rows)
+    return found
+
+
+def check_conditions(conn: Connection[Any], label: str, conditions: Iterable[Condition]) -> None:
+    """Raise `PreconditionFailed` on the first condition with a violation."""
+    for condition in conditions:
+        rows = conn.execute(condition.query).fetchall()
+        if rows:
+            more = f" (+{len(rows) - 1} more)" if len(rows) > 1 else ""
+            raise PreconditionFailed(label, condition.name, f"{rows[0][0]}{more}")
+
+
+def before_transaction(step: Step) -> tuple[Condition, ...]:
+    """What is checked before the step's transaction: the sampled and scanning checks, and
+    the LOCKED ones once as well, so a step that cannot apply is refused without ever
+    queueing for a lock (they are checked again under the lock)."""
+    early = tuple(c for c in step.preconditions if c.at is not CheckPoint.LOCKED)
+    return early + step.conditions_at(CheckPoint.LOCKED)
+
+
+def under_lock(step: Step) -> tuple[Condition, ...]:
+    return step.conditions_at(CheckPoint.LOCKED)

@@ -1,0 +1,145 @@
+"""Which objects a migration owns: recorded by OID when a step creates them, consulted before
+anything is adopted or dropped.
+
+The rule it enforces: a rollback drops only what this migration created (or took over from an
+abandoned migration of the same tool), and a re-run adopts an existing object only when no
+live (active or completed) migration owns it. Names are not enough — an object dropped and
+re-created by someone else under the same name is a different object with a different OID.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg import Connection, sql
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.patterns.model import Created, Step
+from outbox_migrate.runner.errors import PreconditionFailed
+
+
+@dataclass(frozen=True)
+class Owner:
+    migration_id: int
+    pattern: str
+    state: str
+    origin: str
+
+
+def current_oid(conn: Connection[Any], spec: OutboxSpec, obj: Created) -> int | None:
+    """The OID the object has now, or None when it does not exist."""
+    if obj.kind == "relation":
+        query = "SELECT to_regclass(%s)::oid::int8"
+        params: tuple[Any, ...] = (sql.Identifier(spec.schema, obj.name).as_string(None),)
+    elif obj.kind == "constraint":
+        query = (
+            "SELECT oid::int8 FROM pg_constraint WHERE conrelid = to_regclass(%s) AND conname = %s"
+        )
+        params = (sql.Identifier(spec.schema, obj.on).as_string(None), obj.name)
+    elif obj.kind == "trigger":
+        query = (
+            "SELECT oid::int8 FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND tgname = %s "
+            "AND NOT tgisinternal"
+        )
+        params = (sql.Identifier(spec.schema, obj.on).as_string(None), obj.name)
+    elif obj.kind == "publication-rel":
+        query = (
+            "SELECT r.oid::int8 FROM pg_publication_rel r JOIN pg_publication p "
+            "ON p.oid = r.prpubid WHERE p.pubname = %s AND r.prrelid = to_regclass(%s)"
+        )
+        params = (obj.name, sql.Identifier(spec.schema, obj.on).as_string(None))
+    elif obj.kind == "function":
+        query = "SELECT to_regprocedure(%s)::oid::int8"
+        params = (sql.Identifier(spec.schema, obj.name).as_string(None) + "()",)
+    else:
+        raise ValueError(f"unknown object kind {obj.kind!r}")
+    row = conn.execute(query, params).fetchone()
+    return int(row[0]) if row and row[0] is not None else None
+
+
+def owners(conn: Connection[Any], kind: str, oid: int) -> list[Owner]:
+    rows = conn.execute(
+        "SELECT o.migration_id, m.pattern, m.state, o.origin FROM outbox_migrate.owned_object o "
+        "JOIN outbox_migrate.migration m ON m.id = o.migration_id "
+        "WHERE o.kind = %s AND o.object_oid = %s ORDER BY o.migration_id",
+        (kind, oid),
+    ).fetchall()
+    return [Owner(int(r[0]), str(r[1]), str(r[2]), str(r[3])) for r in rows]
+
+
+def record(
+    conn: Connection[Any],
+    migration_id: int,
+    step: Step,
+    spec: OutboxSpec,
+    origin: str,
+    objects: tuple[Created, ...] | None = None,
+) -> None:
+    """Record the step's objects (or `objects`, e.g. what its inverse re-created) under this
+    migration, inside the step's transaction so the record commits with the DDL."""
+    for obj in step.creates if objects is None else objects:
+        oid = current_oid(conn, spec, obj)
+        if oid is None:
+            continue
+        conn.execute(
+            "INSERT INTO outbox_migrate.owned_object "
+            "(migration_id, step_id, kind, object_oid, name, origin) "
+            "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (migration_id, kind, object_oid) "
+            "DO NOTHING",
+            (migration_id, step.id, obj.kind, oid, obj.name, origin),
+        )
+
+
+def check_adoptable(conn: Connection[Any], migration_id: int, step: Step, spec: OutboxSpec) -> str:
+    """Refuse to adopt an object another live migration owns; say how it may be taken.
+
+    Returns the origin to record: `created` (already ours), `adopted` (made by an abandoned
+    migration of this tool, handed over) or `found` (no ledger knows it: made by hand or by
+    offline SQL; it is adopted but a rollback will never drop it).
+    """
+    origin = "found"
+    for obj in step.creates:
+        oid = current_oid(conn, spec, obj)
+        if oid is None:
+            continue
+        for owner in owners(conn, obj.kind, oid):
+            if owner.migration_id == migration_id:
+                return owner.origin
+            if owner.state in ("active", "completed"):
+                raise PreconditionFailed(
+                    step.id,
+                    "owned-by-another-migration",
+                    f"{obj.name} belongs to the {owner.pattern.upper()} migration "
+                    f"#{owner.migration_id} ({owner.state}); finish or roll back that "
+                    "migration instead of starting another on the same objects",
+                )
+            origin = "adopted"
+    return origin
+
+
+def check_droppable(
+    conn: Connection[Any], migration_id: int | None, step: Step, spec: OutboxSpec
+) -> None:
+    """Before a step's inverse drops its objects (called under the step's locks): each must
+    be one this migration created or took over, with the same OID as recorded."""
+    for obj in step.creates:
+        oid = current_oid(conn, spec, obj)
+        if oid is None:
+            continue  # already gone: the inverse's IF EXISTS / DROP finds nothing to lose
+        mine = [
+            o
+            for o in (owners(conn, obj.kind, oid) if migration_id is not None else [])
+            if o.migration_id == migration_id
+        ]
+        if not mine or mine[0].origin == "found":
+            why = (
+                "it was there before this migration (made by hand or by offline SQL)"
+                if mine
+                else "this migration did not create it"
+            )
+            raise PreconditionFailed(
+                f"{step.id} (reverse)",
+                "owned-by-this-migration",
+                f"{obj.name} is not dropped: {why}; drop it yourself if that is intended",
+            )

@@ -1,0 +1,602 @@
+"""The operator fuzzer: random command sequences against one live database, under load.
+
+An operator types `run --to`, `next`, `rollback --to`, `reset`, `copy-back`, `verify` and
+`status` in any order — following the playbook, or not — while the application keeps
+inserting and publishing as the version that is deployed. Deploys are part of the state:
+`deploy_next` ships the next application version only once the ledger reached that phase
+(the playbook's order), `deploy_previous` rolls the application back; the operator's
+commands ignore them, so running ahead of the deploy and rolling back under a newer version
+are tried as often as the right order.
+
+After every command: its exit code is documented and its stderr has no traceback or
+"internal error"; every message the writer got a COMMIT for is still in some outbox table;
+`verify` passes for the phase the ledger records; a V1 application is never left running past
+a deploy gate that retires it. At the end of each sequence the migration is finished the
+playbook's way and, after a final drain, every committed message has been published.
+
+CI runs a few sequences on the newest PostgreSQL only; `nox -s fuzz` runs many
+(OUTBOX_MIGRATE_FUZZ_EXAMPLES, OUTBOX_MIGRATE_FUZZ_STEPS). A summary (sequences, commands,
+exit codes, failures) is printed at the end of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections import Counter
+from collections.abc import Set
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+from psycopg import sql
+
+from outbox_migrate.config import load_settings
+from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
+from outbox_migrate.patterns.model import Pattern, PhaseKind
+from outbox_migrate.testing import server as pgserver
+from outbox_migrate.testing.schema import create_flat_outbox
+from tests.support.operator_fuzz import (
+    DOCUMENTED_EXIT_CODES,
+    OLD_APP_PATTERN,
+    App,
+    CliResult,
+    cli,
+    cli_processes,
+    cli_signalled,
+    create_recording,
+    outbox_keys,
+    outbox_relations,
+    published_keys,
+)
+
+EXAMPLES = int(os.environ.get("OUTBOX_MIGRATE_FUZZ_EXAMPLES", "8"))
+STEPS = int(os.environ.get("OUTBOX_MIGRATE_FUZZ_STEPS", "20"))
+REPORT = os.environ.get("OUTBOX_MIGRATE_FUZZ_REPORT", "")
+FINISH_PATIENCE_S = 60.0
+DRAIN_PATIENCE_S = 75.0
+"""Longer than the relay's full-rescan backstop (60 s): a row its cursor missed is late, and
+reported as such, but only a row still unpublished after this counts as never published."""
+LATE_S = 10.0
+SEED_PUBLISHED = 40
+SEED_UNPUBLISHED = 10
+ENV = {
+    "OUTBOX_MIGRATE_GATE_WINDOW_S": "0.2",
+    "OUTBOX_MIGRATE_LOCK_TIMEOUT_MS": "50",
+    "OUTBOX_MIGRATE_LOCK_BUDGET_S": "2",
+    "OUTBOX_MIGRATE_OLD_APP_NAME": OLD_APP_PATTERN,
+}
+DONE = ("done", "adopted")
+FORBIDDEN_IN_STDERR = ("Traceback", "internal error")
+KNOWN_HOPIA_STRAND_BUG = False
+"""HOPIA: a `rollback --to V1` refused at the published partition has already removed the copy
+trigger, and `run --to V2` then refuses to reinstall it while V2 publishes — stuck both ways:
+test_operator_regressions.py::test_refused_rollback_does_not_strand_hopia. While True the
+fuzzer never rolls HOPIA back to V1; set False with the fix."""
+KNOWN_COPY_BACK_INSIDE_V2_BUG = False
+"""HOPER: `copy-back` typed before V4 drops the live outbox_published, then refuses at the V3
+gate; the playbook can never finish: test_operator_regressions.py::
+test_copy_back_inside_v2_keeps_the_published_partition. While True the fuzzer types
+`copy-back` on HOPER only from V4 on; set False with the fix."""
+KNOWN_VERIFY_MID_PHASE_BUG = False
+"""`verify` right after `swap-default` (a V4 step, the ledger still at V3) fails on a V3
+postcondition the swap deliberately undid: test_operator_regressions.py::
+test_verify_between_steps_of_a_phase. While True the fuzzer checks verify only at phase
+boundaries; set False with the fix."""
+
+
+@dataclass
+class FuzzStats:
+    """What the whole run tried, printed at the end (the issue asks for the count)."""
+
+    sequences: int = 0
+    commands: int = 0
+    codes: Counter[str] = field(default_factory=Counter)
+    patterns: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    unfinished: list[str] = field(default_factory=list)
+    late: list[str] = field(default_factory=list)
+    app_errors: Counter[str] = field(default_factory=Counter)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        codes = ", ".join(f"{k}:{v}" for k, v in sorted(self.codes.items()))
+        return (
+            f"operator fuzzer: {self.sequences} command sequences, {self.commands} commands "
+            f"in {self.seconds:.0f} s; patterns {dict(self.patterns)}; exit codes {codes}; "
+            f"failures {len(self.failures)}; late publications {len(self.late)}; "
+            f"app errors {sum(self.app_errors.values())}"
+        )
+
+
+class OperatorFuzzer(RuleBasedStateMachine):
+    """One example = one fresh database, one pattern, one command sequence.
+
+    No rule has a hypothesis `precondition`: whether a rule applies depends on the live
+    database (what the ledger says after a race), and hypothesis refuses preconditions that
+    change between replays of the same draws. A rule that does not apply does nothing.
+    """
+
+    server: ClassVar[pgserver.Server]
+    stats: ClassVar[FuzzStats]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.db = f"fuzz_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(self.server.dsn(), autocommit=True) as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.db)))
+        self.dsn = self.server.dsn(self.db)
+        self.conn = psycopg.connect(self.dsn, autocommit=True)
+        create_flat_outbox(self.conn)
+        create_recording(self.dsn)
+        self.app = App(self.dsn)
+        self.seed_published = [f"seed-p{i}" for i in range(SEED_PUBLISHED)]
+        seed = [f"seed-u{i}" for i in range(SEED_UNPUBLISHED)]
+        for key in self.seed_published:
+            self.conn.execute(
+                "INSERT INTO outbox (message_key, payload, published_at) VALUES (%s, '{}', now())",
+                (key,),
+            )
+        for key in seed:
+            self.conn.execute("INSERT INTO outbox (message_key, payload) VALUES (%s, '{}')", (key,))
+        self.app.committed.extend([*self.seed_published, *seed])
+        self.log: list[str] = []
+        self.pattern: Pattern | None = None
+        self.name = ""
+        self.app_index = 0
+        self.replaced: int | None = None
+        """The version a deploy just replaced (its last request may still be in flight)."""
+        self.state = "not started"
+        self.mid_phase = False
+        self.killed = False
+        self.ledger_index = 0
+        self.relations: dict[int, str] = outbox_relations(self.conn)
+        self.stats.sequences += 1
+
+    # -- the model ---------------------------------------------------------------------------
+
+    @property
+    def p(self) -> Pattern:
+        assert self.pattern is not None
+        return self.pattern
+
+    def names(self) -> list[str]:
+        return self.p.phase_names()
+
+    def deploy_indexes(self) -> list[int]:
+        return [i for i, ph in enumerate(self.p.phases) if ph.kind is PhaseKind.DEPLOY]
+
+    def gate_index(self) -> int | None:
+        """The first phase whose steps retire the V1 application (its deploy gate)."""
+        for index, phase in enumerate(self.p.phases):
+            if any(step.kind == "gate-old-table-retired" for step in phase.steps):
+                return index
+        return None
+
+    def command(self, *argv: str) -> CliResult:
+        """Run one CLI command, check what every command must satisfy, refresh the model."""
+        before = self.relations
+        result = cli(*argv, "--dsn", self.dsn)
+        self.after_commands(before, [result])
+        return result
+
+    def after_commands(
+        self, before: dict[int, str], results: list[CliResult], also: Set[int] = frozenset()
+    ) -> None:
+        self.killed = False
+        self.replaced = None  # the replaced version's last request is over by now
+        self.app.settle()
+        for result in results:
+            self.stats.commands += 1
+            self.stats.codes[f"{result.argv[0]}={result.code}"] += 1
+            self.log.append(f"[app {self.names()[self.app_index]}] {result.line(self.dsn)}")
+        for result in results:
+            code, stderr = result.code, result.stderr.strip()
+            self.expect(
+                code in DOCUMENTED_EXIT_CODES or code in also,
+                f"undocumented exit code {code}: {stderr}",
+            )
+            for text in FORBIDDEN_IN_STDERR:
+                self.expect(text not in stderr, f"{text!r} in stderr: {stderr}")
+        self.refresh()
+        self.relations = outbox_relations(self.conn)
+        typed = " & ".join(" ".join(r.argv) for r in results).replace(f" --dsn {self.dsn}", "")
+        self.check_rows_kept(before, typed)
+
+    def refresh(self) -> None:
+        found = cli("status", "--pattern", self.name, "--format", "json", "--dsn", self.dsn)
+        self.expect(found.code == 0, f"status failed: {found.line(self.dsn)}")
+        document = json.loads(found.stdout)
+        self.state = str(document["state"])
+        phase = str(document["phase"])
+        live = self.state in ("active", "completed")
+        self.ledger_index = self.names().index(phase) if live else 0
+        names = self.names()
+        self.mid_phase = any(
+            s["state"] == "done" and names.index(s["phase"]) > self.ledger_index
+            for s in document["steps"]
+        )
+        if self.state == "completed":
+            pending = [s["id"] for s in document["steps"] if s["state"] not in DONE]
+            self.expect(not pending, f"the migration is completed with steps {pending} not done")
+
+    def expect(self, ok: bool, what: str) -> None:
+        if not ok:
+            message = f"{self.name}: {what}\n  sequence:\n    " + "\n    ".join(self.log)
+            self.stats.failures.append(message)
+            raise AssertionError(message)
+
+    def check_rows_kept(self, before: dict[int, str], commands: str) -> None:
+        """Every committed message is still in some outbox table (seen in one snapshot)."""
+        committed = self.app.committed_so_far()
+        present = outbox_keys(self.conn)
+        missing = [k for k in committed if k not in present]
+        if missing:
+            dropped = {oid: n for oid, n in before.items() if oid not in self.relations}
+            self.expect(
+                False,
+                f"{len(missing)} committed messages lost after `{commands}` (e.g. "
+                f"{missing[:3]}); tables dropped by it: {sorted(dropped.values())}",
+            )
+
+    def rollback_targets(self) -> st.SearchStrategy[str]:
+        names = self.names()
+        if self.name == "hopia" and KNOWN_HOPIA_STRAND_BUG:
+            names = names[1:]  # never back to V1, see KNOWN_HOPIA_STRAND_BUG
+        return st.sampled_from(names)
+
+    def phases_after_v1(self) -> st.SearchStrategy[str]:
+        return st.sampled_from(self.names()[1:])
+
+    # -- rules -------------------------------------------------------------------------------
+
+    @initialize(name=st.sampled_from(PATTERN_NAMES))
+    def choose_pattern(self, name: str) -> None:
+        self.name = name
+        self.pattern = build_pattern(name, load_settings({}, environ={}).spec, BuildOptions())
+        self.stats.patterns[name] += 1
+        self.log.append(f"pattern {name}")
+        self.app.deploy(self.p.phases[0])
+
+    @rule(data=st.data())
+    def run_to(self, data: st.DataObject) -> None:
+        self.run_phase(data.draw(self.phases_after_v1(), label="to"))
+
+    def run_phase(self, target: str) -> CliResult:
+        result = self.command("run", "--pattern", self.name, "--to", target)
+        self.check_gate_respected()
+        if result.code == 0:
+            reached = self.names()[self.ledger_index]
+            self.expect(reached == target, f"run --to {target} -> 0 but the ledger is at {reached}")
+        return result
+
+    @rule()
+    def follow_playbook(self) -> None:
+        """What the playbook says next: deploy the version the ledger reached, else run to the
+        next phase. Without it random sequences seldom get past V2's gates; with it they
+        reach V4 and the copy-back, where the wrong commands are tried too."""
+        if self.state == "completed":
+            return
+        following = self.next_deploy()
+        if following is not None:
+            self.ship(following)
+            return
+        last = len(self.p.phases) - 1
+        self.run_phase(self.names()[min(self.ledger_index + 1, last)])
+
+    @rule()
+    def next_step(self) -> None:
+        self.command("next", "--pattern", self.name)
+        self.check_gate_respected()
+
+    @rule(data=st.data())
+    def rollback_to(self, data: st.DataObject) -> None:
+        target = data.draw(self.rollback_targets(), label="to")
+        ahead = self.state == "active" and self.names().index(target) > self.ledger_index
+        at = self.names()[self.ledger_index]
+        result = self.command("rollback", "--pattern", self.name, "--to", target)
+        if result.code == 0 and not ahead:
+            reached = self.names()[self.ledger_index]
+            self.expect(
+                reached == target,
+                f"rollback --to {target} -> 0 but the ledger is {self.state} at {reached}",
+            )
+        if ahead:
+            self.expect(
+                result.code == 2,
+                f"rollback --to {target}, a phase ahead of the ledger's {at}, ended with "
+                f"{result.code} instead of a refusal (2)",
+            )
+
+    @rule(data=st.data())
+    def run_other_pattern(self, data: st.DataObject) -> None:
+        """A second pattern on a table that one is migrating (or migrated): refused."""
+        other = data.draw(st.sampled_from([n for n in PATTERN_NAMES if n != self.name]))
+        target = data.draw(st.sampled_from(["V2", "V3"]), label="to")
+        if self.state not in ("active", "completed"):
+            return
+        result = self.command("run", "--pattern", other, "--to", target)
+        self.expect(
+            result.code != 0,
+            f"run --pattern {other} --to {target} was accepted on a table with a "
+            f"{self.state} {self.name} migration",
+        )
+
+    @rule(data=st.data())
+    def two_operators(self, data: st.DataObject) -> None:
+        """Two operators type a command at the same moment (subprocesses started together):
+        one of them may be told the migration is busy (3); nothing else may change."""
+        commands = [
+            ("run", "--pattern", self.name, "--to", data.draw(self.phases_after_v1(), "to")),
+            ("next", "--pattern", self.name),
+            ("rollback", "--pattern", self.name, "--to", data.draw(self.rollback_targets(), "to")),
+        ]
+        first = data.draw(st.sampled_from(commands), label="first")
+        second = data.draw(st.sampled_from(commands), label="second")
+        before = self.relations
+        results = cli_processes((*first, "--dsn", self.dsn), (*second, "--dsn", self.dsn), env=ENV)
+        self.log.append("two operators at once:")
+        self.after_commands(before, results)
+        self.check_gate_respected()
+
+    @rule(
+        data=st.data(),
+        signum=st.sampled_from([signal.SIGINT, signal.SIGTERM, signal.SIGKILL]),
+        after=st.floats(0.5, 2.5),
+    )
+    def interrupted_run(self, data: st.DataObject, signum: int, after: float) -> None:
+        """`run` (or `next`, `rollback`) stopped by a signal part-way: Ctrl-C and SIGTERM
+        must end with 130/143 (or the command's own code if it was done) and leave every
+        step consistent; after SIGKILL, only the next command is expected to converge."""
+        argv = data.draw(
+            st.sampled_from([
+                ("run", "--pattern", self.name, "--to", data.draw(self.phases_after_v1(), "to")),
+                ("next", "--pattern", self.name),
+                ("rollback", "--pattern", self.name, "--to", data.draw(self.rollback_targets(), "to")),
+            ]),
+            label="command",
+        )  # fmt: skip
+        before = self.relations
+        result = cli_signalled((*argv, "--dsn", self.dsn), ENV, signum, after)
+        name = signal.Signals(signum).name
+        self.log.append(f"{name} after {after:.1f} s:")
+        # 128+N is the CLI's own exit; -N (death by the signal) is what Python does when the
+        # signal lands after the CLI's handlers are gone (interpreter exit): a shell shows
+        # both as 128+N, so both are the documented 130/143.
+        allowed = {128 + signum, -signum} if signum != signal.SIGKILL else {-signum}
+        self.after_commands(before, [result], also=allowed)
+        self.killed = result.code == -9
+
+    @rule(really=st.integers(0, 3))
+    def reset(self, really: int) -> None:
+        if really == 0:  # a rare, drastic command: one draw in four
+            self.command("reset", "--pattern", self.name, "--yes")
+
+    @rule(no_drop=st.booleans())
+    def copy_back(self, no_drop: bool) -> None:
+        extra = ("--no-drop",) if no_drop else ()
+        early = self.name == "hoper" and self.ledger_index < self.names().index("V4")
+        if early and KNOWN_COPY_BACK_INSIDE_V2_BUG:
+            return  # see KNOWN_COPY_BACK_INSIDE_V2_BUG
+        self.command("copy-back", "--batch-size", "100", "--no-adaptive", *extra)
+
+    @rule()
+    def verify(self) -> None:
+        self.command("verify", "--pattern", self.name)
+
+    @rule()
+    def status(self) -> None:
+        self.command("status", "--pattern", self.name)
+
+    @rule()
+    def deploy_next(self) -> None:
+        """Ship the next application version: only once the ledger reached its phase."""
+        target = self.next_deploy()
+        if target is not None:
+            self.ship(target)
+
+    def ship(self, target: int) -> None:
+        self.replaced = self.app_index
+        self.app_index = target
+        self.log.append(f"deploy {self.names()[target]}")
+        self.app.deploy(self.p.phases[target])
+
+    @rule(really=st.integers(0, 2))
+    def deploy_previous(self, really: int) -> None:
+        """Roll the application back one version (schema one ahead of the app is fine).
+        Drawn one time in three, or deploy/deploy-back pairs crowd out the commands."""
+        if really or not (self.app_index > 0 and self.app_index >= self.ledger_index):
+            return
+        target = max(i for i in self.deploy_indexes() if i < self.app_index)
+        self.app_index = target
+        self.log.append(f"deploy back to {self.names()[target]}")
+        self.app.deploy(self.p.phases[target])
+
+    @rule(previous=st.booleans(), hold=st.sampled_from([0.3, 1.0]))
+    def slow_request(self, previous: bool, hold: float) -> None:
+        """A request that holds its INSERT open across the operator's next command: of the
+        deployed version, or right after a deploy, of the version it replaced."""
+        index = self.replaced if previous and self.replaced is not None else self.app_index
+        self.log.append(f"slow request of {self.names()[index]} ({hold} s)")
+        self.app.straggle(self.p.phases[index], hold)
+
+    @rule(seconds=st.sampled_from([0.1, 0.5]))
+    def wait(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def next_deploy(self) -> int | None:
+        later = [i for i in self.deploy_indexes() if self.app_index < i <= self.ledger_index]
+        return later[0] if later else None
+
+    # -- invariants --------------------------------------------------------------------------
+
+    def check_gate_respected(self) -> None:
+        """A V1 application is still deployed: the ledger must not be past the gate."""
+        gate = self.gate_index()
+        if gate is not None and self.app_index == 0 and self.state == "active":
+            self.expect(
+                self.ledger_index < gate,
+                f"the ledger reached {self.names()[self.ledger_index]} past the V1-retiring "
+                "gate while V1 is still deployed",
+            )
+
+    @invariant()
+    def ledger_agrees_with_catalog(self) -> None:
+        if self.pattern is None:
+            return
+        self.app.keep_alive()
+        if self.state not in ("active", "completed"):
+            return
+        if self.mid_phase and KNOWN_VERIFY_MID_PHASE_BUG:
+            return
+        if self.killed:
+            return  # a SIGKILLed step is proven or redone by the next command, not before
+        result = cli("verify", "--pattern", self.name, "--dsn", self.dsn)
+        self.expect(
+            result.code == 0,
+            f"verify at {self.names()[self.ledger_index]} failed: {result.line(self.dsn)}",
+        )
+
+    # -- the end of a sequence ---------------------------------------------------------------
+
+    def teardown(self) -> None:
+        try:
+            if self.pattern is not None:
+                self.finish()
+                self.drain()
+        finally:
+            if REPORT:  # every sequence as it ends, so a long run can be watched
+                with open(REPORT, "a", encoding="utf-8") as handle:
+                    handle.write("\n  ".join(self.log) + "\n")
+            self.app.stop()
+            for error in self.app.errors:
+                self.stats.app_errors[error.split(":")[0]] += 1
+            self.conn.close()
+            with psycopg.connect(self.server.dsn(), autocommit=True) as admin:
+                admin.execute(
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                        sql.Identifier(self.db)
+                    )
+                )
+
+    def finish(self) -> None:
+        """Follow the playbook from wherever the sequence left things to the end."""
+        self.log.append("-- finish by the playbook --")
+        last = len(self.p.phases) - 1
+        deadline = time.monotonic() + FINISH_PATIENCE_S
+        while True:
+            self.refresh()
+            if self.state == "completed":
+                break
+            following = self.next_deploy()
+            if following is not None:
+                self.app_index = following
+                self.log.append(f"deploy {self.names()[following]}")
+                self.app.deploy(self.p.phases[following])
+                continue
+            target = self.names()[min(self.ledger_index + 1, last)]
+            result = self.command("run", "--pattern", self.name, "--to", target)
+            if result.code == 0:
+                continue
+            if result.code in (4, 5) and time.monotonic() < deadline:
+                time.sleep(0.3)  # a gate waits for the relay to drain the old table
+                continue
+            self.stats.unfinished.append(f"{self.name}: {result.line(self.dsn)}")
+            self.expect(False, f"the playbook cannot finish: {result.line(self.dsn)}")
+        final = max(self.deploy_indexes())
+        if self.app_index != final:
+            self.app_index = final
+            self.log.append(f"deploy {self.names()[final]}")
+            self.app.deploy(self.p.phases[final])
+
+    def drain(self) -> None:
+        """Stop writing, let the final version's relay publish, then check every message."""
+        assert self.app.writer is not None
+        self.app.writer.stop()
+        committed = set(self.app.committed_so_far()) - set(self.seed_published)
+        started = time.monotonic()
+        missing: set[str] = committed
+        late: set[str] = set()
+        while time.monotonic() < started + DRAIN_PATIENCE_S:
+            self.app.keep_alive()
+            missing = committed - published_keys(self.conn)
+            if not missing:
+                break
+            if time.monotonic() > started + LATE_S and not late:
+                late = set(missing)
+            time.sleep(0.3)
+        if late:
+            self.stats.late.append(
+                f"{self.name}: {len(late)} committed messages published only "
+                f"{time.monotonic() - started:.0f} s into the final drain (e.g. "
+                f"{sorted(late)[:2]})\n    " + "\n    ".join(self.log)
+            )
+        present = outbox_keys(self.conn)
+        lost = [k for k in self.app.committed_so_far() if k not in present]
+        self.expect(not lost, f"{len(lost)} committed messages lost at the end (e.g. {lost[:3]})")
+        self.expect(
+            not missing,
+            f"{len(missing)} committed messages never published after the final drain (e.g. "
+            f"{sorted(missing)[:3]}, in {[sorted(present.get(k, ())) for k in sorted(missing)[:3]]})",
+        )
+
+
+@pytest.mark.newest_pg_only
+@pytest.mark.slow
+def test_operator_fuzzer(
+    pg_server: pgserver.Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    for key in [k for k in os.environ if k.startswith("OUTBOX_MIGRATE_") and k not in (
+        "OUTBOX_MIGRATE_TEST_PG", "OUTBOX_MIGRATE_TEST_DSN", "OUTBOX_MIGRATE_PG_CACHE",
+        "OUTBOX_MIGRATE_EMBEDDED_DIR",
+    )]:  # fmt: skip
+        monkeypatch.delenv(key)
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)  # no outbox-migrate.toml of the developer's
+    stats = FuzzStats()
+    OperatorFuzzer.server = pg_server
+    OperatorFuzzer.stats = stats
+    started = time.monotonic()
+    try:
+        run_state_machine_as_test(
+            OperatorFuzzer,
+            settings=settings(
+                max_examples=EXAMPLES,
+                stateful_step_count=STEPS,
+                deadline=None,
+                database=None,
+                phases=(Phase.explicit, Phase.generate),
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
+    finally:
+        stats.seconds = time.monotonic() - started
+        with capsys.disabled():
+            print("\n" + stats.summary())
+            for failure in stats.failures[:3]:
+                print(failure)
+            for late in stats.late[:3]:
+                print("late: " + late)
+        if REPORT:
+            with open(REPORT, "a", encoding="utf-8") as handle:
+                handle.write(stats.summary() + "\n")
+                for failure in stats.failures:
+                    handle.write("FAILED " + failure + "\n")
+                for late in stats.late:
+                    handle.write("LATE " + late + "\n")
+    assert stats.sequences >= EXAMPLES

@@ -1,0 +1,432 @@
+"""The operator fuzzer's world: the CLI run in-process, and the application it migrates.
+
+The fuzzer (tests/integration/runner/test_operator_fuzzer.py) plays an operator who types
+`run`, `next`, `rollback`, `reset`, `copy-back`, `verify` and `status` in any order, while the
+application keeps writing and publishing. This module holds what that needs and nothing
+about the rules themselves:
+
+* `cli` runs `outbox_migrate.cli.app.main` in this process (a subprocess costs ~1 s of
+  imports per command; in-process gives the same exit code and stderr in milliseconds);
+* `App` is one deployed application version: a writer thread inserting into the table that
+  version inserts into, and a real `Relay` (the simulator's `relay_main`, in a thread) in
+  that version's mode, publishing into the recording sink. Their `application_name`s are the
+  simulator's (`demo-app/V1/writer-0`), so the deploy gates see them as real instances;
+* `outbox_keys` / `published_keys` read what the database holds and what was delivered.
+
+Every key the writer got a successful COMMIT for is recorded: those are the messages that
+must never be lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.patterns.model import Phase, Table
+from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
+from outbox_migrate.sim import recording
+from outbox_migrate.sim.actors import WRITE_STATEMENT
+from outbox_migrate.sim.scenario import APP_NAME_PREFIX, app_name, relay_mode
+
+DOCUMENTED_EXIT_CODES = frozenset({0, 1, 2, 3, 4, 5, 6})
+"""docs/cli.md's codes a command may end with here (130/143 need a signal, none is sent)."""
+OLD_APP_PATTERN = f"{APP_NAME_PREFIX}/V1/%"
+WRITER_RATE_PER_S = 40.0
+MAX_HOLD_S = 0.15
+"""Longest a writer's transaction stays open after its INSERT."""
+RELAY_BATCH = 50
+RELAY_RESTART_PAUSE_S = 0.5
+
+
+@dataclass(frozen=True)
+class CliResult:
+    argv: tuple[str, ...]
+    code: int
+    stdout: str
+    stderr: str
+    elapsed_s: float
+
+    def line(self, dsn: str = "") -> str:
+        """The command (without `--dsn DSN`) and its outcome in one line, for the log."""
+        last = self.stderr.strip().splitlines()[-1] if self.stderr.strip() else ""
+        argv = " ".join(self.argv).replace(f" --dsn {dsn}", "") if dsn else " ".join(self.argv)
+        return f"{argv} -> {self.code} {last}".rstrip()
+
+
+_cli_lock = threading.Lock()
+
+
+def cli(*argv: str) -> CliResult:
+    """`outbox-migrate ARGV` in this process: exit code, stdout, stderr.
+
+    `main` always ends in `sys.exit`; the streams are swapped for the call (nothing else in
+    this process prints: the actors report through data, the relay logs through `logging`).
+    """
+    from outbox_migrate.cli.app import main
+
+    out, err = io.StringIO(), io.StringIO()
+    started = time.monotonic()
+    code: int
+    with _cli_lock, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(argv))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        else:  # pragma: no cover - main() always exits
+            code = 0
+    return CliResult(tuple(argv), code, out.getvalue(), err.getvalue(), time.monotonic() - started)
+
+
+def cli_processes(*commands: tuple[str, ...], env: dict[str, str]) -> list[CliResult]:
+    """Several `outbox-migrate` commands as subprocesses started together: two operators
+    typing at the same moment (the in-process `cli` cannot overlap with itself)."""
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "outbox_migrate", *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**scrubbed_environment(), **env},
+        )
+        for argv in commands
+    ]
+    results: list[CliResult] = []
+    for argv, proc in zip(commands, procs, strict=True):
+        out, err = proc.communicate(timeout=120)
+        results.append(CliResult(argv, proc.returncode, out, err, time.monotonic() - started))
+    return results
+
+
+def cli_signalled(
+    argv: tuple[str, ...], env: dict[str, str], signum: int, after_s: float
+) -> CliResult:
+    """`outbox-migrate ARGV` as a subprocess that receives `signum` after `after_s` (an
+    operator's Ctrl-C, a deploy tool's SIGTERM, an OOM kill), if it is still running."""
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outbox_migrate", *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**scrubbed_environment(), **env},
+    )
+    try:
+        out, err = proc.communicate(timeout=after_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)
+    return CliResult(argv, proc.returncode, out, err, time.monotonic() - started)
+
+
+def scrubbed_environment() -> dict[str, str]:
+    """This process's environment without our or libpq's variables (as tests/support/cli.py
+    does), so only what the fuzzer sets reaches the subprocess."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_MIGRATE_", "PG"))}
+
+
+def table_for(table: Table) -> str:
+    return "outbox" if table is Table.OLD else "outbox_new"
+
+
+class Writer:
+    """One writer instance of an application version: one INSERT per transaction.
+
+    Half of the transactions stay open a little after their INSERT (as an application's do
+    while it finishes its own work), so the runner's DDL really meets a writer holding the
+    table's lock with an uncommitted row — the race a precondition checked before the lock
+    loses.
+    """
+
+    def __init__(self, dsn: str, phase: Phase, committed: list[str], seed: int = 0) -> None:
+        self.dsn = dsn
+        self.version = phase.name
+        self.table = table_for(phase.app.inserts_into)
+        self.committed = committed
+        self.failed = 0
+        self.errors: list[str] = []
+        self._random = random.Random(seed)
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, daemon=True, name=f"writer-{phase}")
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait(30)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _main(self) -> None:
+        statement = sql.SQL(WRITE_STATEMENT.replace("{table}", "{}")).format(
+            sql.Identifier(self.table)
+        )
+        name = app_name(self.version, "writer", 0)
+        sequence = 0
+        interval = 1.0 / WRITER_RATE_PER_S
+        conn: psycopg.Connection[Any] | None = None
+        try:
+            while not self._stop.is_set():
+                if conn is None or conn.closed:
+                    try:
+                        conn = psycopg.connect(self.dsn, autocommit=True, application_name=name)
+                    except psycopg.Error as exc:
+                        self._failure(exc)
+                        self._stop.wait(0.2)
+                        continue
+                    finally:
+                        self._ready.set()
+                key = f"{self.version}-{time.monotonic_ns()}-{sequence}"
+                sequence += 1
+                hold = self._random.choice((0.0, self._random.uniform(0.0, MAX_HOLD_S)))
+                try:
+                    with conn.transaction():
+                        conn.execute(statement, (key,))
+                        if hold:
+                            time.sleep(hold)
+                except psycopg.Error as exc:
+                    self._failure(exc)
+                else:
+                    self.committed.append(key)
+                self._stop.wait(interval)
+        finally:
+            self._ready.set()
+            if conn is not None:
+                conn.close()
+
+    def _failure(self, exc: BaseException) -> None:
+        self.failed += 1
+        if len(self.errors) < 5:
+            self.errors.append(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+class Straggler:
+    """One slow request: BEGIN, INSERT, hold the transaction `hold_s`, COMMIT — running while
+    the operator's next command does. Of the deployed version, or of the one just replaced
+    (its last request still in flight during a rolling deploy): the in-flight row that a
+    precondition checked before taking the lock cannot see."""
+
+    def __init__(self, dsn: str, phase: Phase, committed: list[str], hold_s: float) -> None:
+        self.dsn = dsn
+        self.version = phase.name
+        self.table = table_for(phase.app.inserts_into)
+        self.committed = committed
+        self.hold_s = hold_s
+        self.error = ""
+        self._inserted = threading.Event()
+        self._thread = threading.Thread(target=self._main, daemon=True, name="straggler")
+
+    def start(self) -> None:
+        """Return once the row is inserted (uncommitted) or the INSERT failed."""
+        self._thread.start()
+        self._inserted.wait(30)
+
+    def join(self) -> None:
+        self._thread.join(60)
+
+    def _main(self) -> None:
+        statement = sql.SQL(WRITE_STATEMENT.replace("{table}", "{}")).format(
+            sql.Identifier(self.table)
+        )
+        key = f"{self.version}-straggler-{time.monotonic_ns()}"
+        try:
+            with psycopg.connect(
+                self.dsn, autocommit=True, application_name=app_name(self.version, "writer", 9)
+            ) as conn:
+                with conn.transaction():
+                    conn.execute(statement, (key,))
+                    self._inserted.set()
+                    time.sleep(self.hold_s)
+                self.committed.append(key)
+        except psycopg.Error as exc:
+            self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        finally:
+            self._inserted.set()
+
+
+class Publisher:
+    """One relay instance of an application version: a real `Relay` in that version's mode
+    (as the simulator configures it), publishing into the recording sink, in a thread.
+    Restarted, its error kept, when it stopped on something the operator did.
+
+    Not `sim.actors.relay_main`: that is a process entry point (it sets signal handlers,
+    which only the main thread may)."""
+
+    def __init__(self, dsn: str, phase: Phase) -> None:
+        self.dsn = dsn
+        self.phase = phase
+        self.errors: list[str] = []
+        self.restarts = 0
+        self._relay: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def mode(self) -> Mode | None:
+        found = relay_mode(self.phase)
+        return None if found is None else found[0]
+
+    def start(self) -> None:
+        from outbox_migrate.relay.worker import Relay
+
+        mode = self.mode
+        if mode is None:
+            return
+        name = app_name(self.phase.name, "relay", 0)
+        options = RelayOptions(
+            mode=mode, batch_size=RELAY_BATCH, workers=1, shards=2, poll_interval_s=0.05,
+            switch_gate=SwitchGate.sessions, old_app_name=OLD_APP_PATTERN, shutdown_timeout_s=5.0,
+        )  # fmt: skip
+        relay = Relay(
+            self.dsn, lambda: recording.RecordingSink(self.dsn, name), spec=OutboxSpec(),
+            options=options, application_name=name,
+        )  # fmt: skip
+        self._relay = relay
+        self._thread = threading.Thread(
+            target=self._run, args=(relay,), daemon=True, name=f"relay-{self.phase.name}"
+        )
+        self._thread.start()
+
+    def _run(self, relay: Any) -> None:
+        try:
+            relay.run()
+        except Exception as exc:  # kept for the report; the relay is restarted
+            if len(self.errors) < 5:
+                self.errors.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
+
+    def keep_alive(self) -> None:
+        """Restart a relay that stopped on an error (the error is kept for the report)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.restarts += 1
+            time.sleep(RELAY_RESTART_PAUSE_S)
+            self.start()
+
+    def stop(self) -> None:
+        if self._relay is None or self._thread is None:
+            return
+        self._relay.stop()
+        self._thread.join(30)
+
+
+@dataclass
+class App:
+    """The deployed application: one version's writer and relay.
+
+    `deploy` starts the new version before stopping the old one (a rolling deploy: both run
+    for a moment, as they would), writers first so what the old writer committed is still
+    published by the old relay before it goes.
+    """
+
+    dsn: str
+    committed: list[str] = field(default_factory=list)
+    phase: Phase | None = None
+    writer: Writer | None = None
+    publisher: Publisher | None = None
+    errors: list[str] = field(default_factory=list)
+    stragglers: list[Straggler] = field(default_factory=list)
+
+    def straggle(self, phase: Phase, hold_s: float) -> Straggler:
+        """Start a slow request of `phase`'s version; it commits while the next command runs."""
+        straggler = Straggler(self.dsn, phase, self.committed, hold_s)
+        straggler.start()
+        self.stragglers.append(straggler)
+        return straggler
+
+    def settle(self) -> None:
+        """Wait for every slow request to end (commit or fail)."""
+        for straggler in self.stragglers:
+            straggler.join()
+            if straggler.error:
+                self.errors.append(f"straggler {straggler.version}: {straggler.error}")
+        self.stragglers.clear()
+
+    def deploy(self, phase: Phase) -> None:
+        writer = Writer(self.dsn, phase, self.committed, seed=len(self.committed))
+        publisher = Publisher(self.dsn, phase)
+        writer.start()
+        publisher.start()
+        self.stop()
+        self.phase, self.writer, self.publisher = phase, writer, publisher
+
+    def keep_alive(self) -> None:
+        if self.publisher is not None:
+            self.publisher.keep_alive()
+
+    def stop(self) -> None:
+        self.settle()
+        if self.writer is not None:
+            self.writer.stop()
+            self.errors.extend(f"writer {self.writer.version}: {e}" for e in self.writer.errors)
+        if self.publisher is not None:
+            self.publisher.stop()
+            self.errors.extend(
+                f"relay {self.publisher.phase.name}: {e}" for e in self.publisher.errors
+            )
+        self.writer = self.publisher = None
+
+    def committed_so_far(self) -> list[str]:
+        return list(self.committed)
+
+
+def create_recording(dsn: str) -> None:
+    recording.create(dsn)
+
+
+OUTBOX_RELATIONS = """
+SELECT c.oid::bigint, c.relname
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = 'public' AND c.relkind = 'r' AND c.relname <> %s
+  AND EXISTS (SELECT FROM pg_attribute a
+              WHERE a.attrelid = c.oid AND a.attname = 'message_key' AND NOT a.attisdropped)
+ORDER BY c.relname
+"""
+
+
+def outbox_relations(conn: psycopg.Connection[Any]) -> dict[int, str]:
+    """Every plain table (leaf partitions included) that holds outbox rows, by OID."""
+    return dict(conn.execute(OUTBOX_RELATIONS, (recording.TABLE,)).fetchall())
+
+
+def outbox_keys(conn: psycopg.Connection[Any]) -> dict[str, set[str]]:
+    """Which tables hold each message key, over every outbox table that exists now.
+
+    One statement, so one snapshot: a row the relay moves from the unpublished to the
+    published partition meanwhile is seen in exactly one of them, never in neither.
+    """
+    names = list(outbox_relations(conn).values())
+    if not names:
+        return {}
+    query = sql.SQL(" UNION ALL ").join(
+        sql.SQL("SELECT {}::text, message_key FROM ONLY {}").format(
+            sql.Literal(name), sql.Identifier(name)
+        )
+        for name in names
+    )
+    found: dict[str, set[str]] = {}
+    for name, key in conn.execute(query).fetchall():
+        found.setdefault(key, set()).add(name)
+    return found
+
+
+def published_keys(conn: psycopg.Connection[Any]) -> set[str]:
+    return {
+        k
+        for (k,) in conn.execute(
+            sql.SQL("SELECT DISTINCT message_key FROM {}").format(sql.Identifier(recording.TABLE))
+        ).fetchall()
+    }

@@ -1,0 +1,87 @@
+"""The pgoutput decoder against hand-built protocol messages (the byte layouts are the
+protocol's, documented in PostgreSQL's "Logical Replication Message Formats")."""
+
+from __future__ import annotations
+
+import struct
+from datetime import UTC, datetime
+
+import pytest
+
+from outbox_migrate.relay.cdc import pgoutput
+
+WHEN = datetime(2026, 11, 23, 19, 0, 0, 123456, tzinfo=UTC)
+
+
+def _text(value: str | None) -> bytes:
+    if value is None:
+        return b"n"
+    raw = value.encode()
+    return b"t" + struct.pack("!i", len(raw)) + raw
+
+
+def test_begin_commit_relation_insert() -> None:
+    micros = pgoutput.pg_micros(WHEN)
+    begin = pgoutput.decode(b"B" + struct.pack("!QqI", 0x1_0000_0010, micros, 742))
+    assert begin == pgoutput.Begin(0x1_0000_0010, micros, 742)
+    assert pgoutput.pg_time(begin.commit_micros) == WHEN
+    commit = pgoutput.decode(b"C" + struct.pack("!BQQq", 0, 0x20, 0x48, micros))
+    assert commit == pgoutput.Commit(0x20, 0x48, micros)
+    columns = [b"id", b"payload", b"created_at"]
+    relation = (
+        b"R" + struct.pack("!I", 16400) + b"public\0outbox_unpublished\0" + b"d"
+        + struct.pack("!h", len(columns))
+        + b"".join(b"\x01" + c + b"\0" + struct.pack("!Ii", 20, -1) for c in columns)
+    )  # fmt: skip
+    assert pgoutput.decode(relation) == pgoutput.Relation(
+        16400, "public", "outbox_unpublished", ("id", "payload", "created_at")
+    )
+    values = ["1000001", '{"ä": 1}', None]
+    insert = b"I" + struct.pack("!I", 16400) + b"N" + struct.pack("!h", 3)
+    insert += b"".join(_text(v) for v in values)
+    assert pgoutput.decode(insert) == pgoutput.Insert(16400, tuple(values))
+    assert pgoutput.decode(b"U\0\0") == pgoutput.Other("U")
+
+
+def test_malformed_messages_raise_decode_error() -> None:
+    with pytest.raises(pgoutput.DecodeError):
+        pgoutput.decode(b"B\0\0")
+    with pytest.raises(pgoutput.DecodeError):
+        pgoutput.decode(b"I" + struct.pack("!I", 1) + b"K")
+    with pytest.raises(pgoutput.DecodeError):
+        pgoutput.decode(b"")
+
+
+def test_frames_and_status_update() -> None:
+    payload = b"B" + struct.pack("!QqI", 5, 0, 1)
+    frame = pgoutput.frame(b"w" + struct.pack("!QQq", 0x10, 0x99, 0) + payload)
+    assert isinstance(frame, pgoutput.XLogData)
+    assert (frame.start_lsn, frame.wal_end, bytes(frame.payload)) == (0x10, 0x99, payload)
+    keepalive = pgoutput.frame(b"k" + struct.pack("!Qq?", 0x77, 0, True))
+    assert keepalive == pgoutput.Keepalive(0x77, True)
+    update = pgoutput.status_update(0x1_0000_0042, WHEN, reply=True)
+    kind, write, flush, apply, micros, reply = struct.unpack("!cQQQq?", update)
+    assert (kind, write, flush, apply, reply) == (b"r", 0x1_0000_0042, 0x1_0000_0042,
+                                                  0x1_0000_0042, True)  # fmt: skip
+    assert pgoutput.pg_time(micros) == WHEN
+
+
+def test_lsn_notation_round_trips() -> None:
+    assert pgoutput.lsn_text(0x1_0000_00AB) == "1/AB"
+    assert pgoutput.parse_lsn("16/B374D848") == (0x16 << 32) | 0xB374D848
+
+
+def test_message_decodes_a_copydata_frame_in_one_step() -> None:
+    """`message` (the stream loop's path) gives what `frame` then `decode` give."""
+    header = b"w" + struct.pack("!QQq", 0x10, 0x99, 0)
+    values = ["1000001", '{"ä": 1}', None]
+    insert = b"I" + struct.pack("!I", 16400) + b"N" + struct.pack("!h", 3)
+    insert += b"".join(_text(v) for v in values)
+    commit = b"C" + struct.pack("!BQQq", 0, 0x20, 0x48, 7)
+    for payload in (insert, commit, b"U\0\0"):
+        assert pgoutput.message(memoryview(header + payload)) == pgoutput.decode(payload)
+    keepalive = b"k" + struct.pack("!Qq?", 0x77, 0, False)
+    assert pgoutput.message(keepalive) == pgoutput.Keepalive(0x77, False)
+    for bad in (header, header + b"I" + struct.pack("!I", 1) + b"K", b"x\0"):
+        with pytest.raises(pgoutput.DecodeError):
+            pgoutput.message(bad)
