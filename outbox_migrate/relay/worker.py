@@ -907,6 +907,10 @@ class _Worker:
         assert sink is not None  # built by _step before any claim
         claim, probe, mark, sharded = self._statements(source)
         batch_size, linger = relay.options.batch_size, relay.options.linger_s
+        if relay.state.mode is Mode.switching and source is relay.state.flat:
+            # The flat table is drained to be left: the switch needs an empty claim, and a
+            # linger would let steady V1 traffic fill every claim so none ever comes back empty.
+            linger = 0.0
         committed: _Commit | None = None
         try:
             with conn.pipeline() as self.pipeline:

@@ -191,3 +191,30 @@ def test_switching_until_empty_exits_when_both_tables_are_empty(
     relay.run()
     assert relay.state.switches == 1  # no non-superuser role can insert: the gate holds
     assert collected.ids == ids_in(both, "outbox") + ids_in(both, "outbox_new")
+
+
+def test_a_linger_does_not_hide_the_drained_flat_table_from_the_switch(
+    dsn: str, both: psycopg.Connection, collected: Collected
+) -> None:
+    """Steady V1 traffic and a long linger: every lingered claim would find a row, so the
+    flat table would never be seen empty and the switch never checked (a CI flake at the
+    default 5 ms linger under load). On the flat table the switching relay does not linger."""
+    v1 = Writers()
+    v1.start(dsn, WritePhase.flat, count=2, application_name="orders-v1")
+    relay = Relay(
+        dsn, collected.factory(), spec=SPEC,
+        options=RelayOptions(
+            mode=Mode.switching, batch_size=50, listen=False, poll_interval_s=0.05,
+            linger_s=0.05, switch_gate=SwitchGate.sessions, old_app_name="orders-v1%",
+        ),
+    )  # fmt: skip
+    try:
+        with running(relay):
+            wait_for(lambda: relay.state.blocked_checks >= 3, 10.0, "switch checks while V1 writes")
+            assert not relay.state.switched
+            v1.finish()
+            wait_for(lambda: relay.state.switched, what="the switch")
+    finally:
+        v1.finish()
+    assert set(collected.ids) == set(ids_in(both, "outbox"))
+    assert collected.duplicates() == 0
