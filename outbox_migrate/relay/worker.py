@@ -33,7 +33,7 @@ from typing import Any
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
 from outbox_migrate.errors import OutboxMigrateError
-from outbox_migrate.relay import keepalive, library_logs, notify, queries
+from outbox_migrate.relay import keepalive, library_logs, notify, queries, wire
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
 from outbox_migrate.relay.cursor import Cursor, NoCursor
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
@@ -602,9 +602,9 @@ class _Worker:
         )
         self.conn: Any = None
         self.rendered: dict[tuple[str, bool], tuple[bytes, bytes, bytes]] = {}
-        self.pipeline: Any = None
-        """The session's pipeline while a run of batches is in flight (`_publish_run`)."""
         """Claim and mark statements rendered for this session (see `_statements`)."""
+        self.wire: wire.Wire | None = None
+        """The session's libpq-level pipeline of prepared statements (relay/wire.py)."""
         self.generation = 0
         """The waker's generation when the last claim was sent: an idle wait after an empty
         claim returns at once if a NOTIFY came in meanwhile."""
@@ -727,6 +727,11 @@ class _Worker:
             # this session wants index order, so sorting is ruled out for the session.
             self.conn.execute(queries.claim_session_settings())
             self.rendered.clear()
+            # The hot path prepares its own statements (relay/wire.py). psycopg's automatic
+            # preparing stays off on this session: with statements of its own prepared, a
+            # ROLLBACK through psycopg makes it send DEALLOCATE ALL, which would take ours too.
+            self.conn.prepare_threshold = None
+            self.wire = wire.Wire(self.conn)
             relay._conns[self.index] = self.conn
             lease.lost()
             self.idle_key, self.idle_sleeping = None, False  # session locks die with it
@@ -805,7 +810,8 @@ class _Worker:
     def _lower_idle_flag(self) -> None:
         """Queue the flag's release (pipeline): a claiming relay needs no notifications."""
         if self.idle_key is not None:
-            self.conn.execute(queries.idle_unlock(), {"key": self.idle_key})
+            assert self.wire is not None
+            self.wire.send(_IDLE_UNLOCK, {"key": self.idle_key})
             self.idle_key, self.idle_sleeping = None, False
 
     def _busy_poll_s(self) -> float:
@@ -837,6 +843,14 @@ class _Worker:
                 queries.mark(source).as_bytes(self.conn),
             )
             self.rendered[key] = rendered
+            assert self.wire is not None
+            # Prepared before the pipeline starts (PQprepare is synchronous); the gap probe
+            # and the horizon only where the cursor uses them (integer ids).
+            used = [rendered[0], rendered[2], _IDLE_UNLOCK]
+            if not relay._text_ids:
+                used += [rendered[1], _HORIZON]
+            for statement in used:
+                self.wire.prepare(statement)
         return rendered[0], rendered[1], rendered[2], sharded
 
     def _claim(self, claim: bytes, probe: bytes, sharded: bool) -> tuple[list[Any], int, int]:
@@ -846,7 +860,8 @@ class _Worker:
         When the cursor's gap probe is due, the remembered gaps are claimed by id in the same
         transaction and round trip, ahead of the range claim (they are all below it).
         """
-        relay, cursor, conn = self.relay, self.cursor, self.conn
+        relay, cursor, pipe = self.relay, self.cursor, self.wire
+        assert pipe is not None
         low = relay._waker.take_low(self.index)
         if low is not None:
             cursor.notified(low)
@@ -860,20 +875,20 @@ class _Worker:
             params.update(shards=self.lease.count, mine=self.lease.mine())
         self.generation = relay._waker.generation
         started = time.monotonic()
-        conn.execute(b"BEGIN")
-        late = conn.execute(probe, {"ids": gaps}) if gaps else None
-        claimed = conn.execute(claim, params)
+        pipe.send_plain(b"BEGIN")
+        late = pipe.send(probe, {"ids": gaps}) if gaps else None
+        claimed = pipe.send(claim, params)
         # While ids below the cursor are unaccounted for, read the horizon after the claim.
-        horizon = conn.execute(_HORIZON) if cursor.wants_horizon() else None
+        horizon = pipe.send(_HORIZON) if cursor.wants_horizon() else None
         # A Sync after the claim: the server only starts its idle-in-transaction timer after
         # a Sync, so without one a relay paused mid-batch would keep its session (and shards)
         # for good. It travels in the same network write as the claim.
-        self.pipeline.sync()
-        rows: list[Any] = claimed.fetchall()
+        pipe.sync()
+        rows: list[Any] = pipe.rows(claimed)
         self.fence.proven(started)
         ranged = len(rows)
         if late is not None:
-            found = late.fetchall()
+            found = pipe.rows(late)
             if found:
                 found.sort(key=_ID)
                 rows = found + rows
@@ -881,7 +896,7 @@ class _Worker:
             now = time.monotonic()
             cursor.rescanned(now - started, now)
         if horizon is not None:
-            xmin, xmax = horizon.fetchone()
+            xmin, xmax = pipe.rows(horizon)[0]
             cursor.horizon(int(xmin), int(xmax), time.monotonic())
         return rows, after, ranged
 
@@ -890,8 +905,9 @@ class _Worker:
         the `after` it started from) or the worker must look up (stop, rebalance, switch:
         returns None).
 
-        One batch is still one transaction, but the session runs in pipeline mode with explicit
-        BEGIN/COMMIT, so a batch's mark and COMMIT travel with the next batch's BEGIN and claim:
+        One batch is still one transaction, but the session runs in pipeline mode (prepared
+        statements sent through libpq directly: relay/wire.py) with explicit BEGIN/COMMIT, so
+        a batch's mark and COMMIT travel with the next batch's BEGIN and claim:
         one round trip per batch instead of four (BEGIN, claim, mark, COMMIT). At batch 100
         the round trips were as costly as the SQL itself (bench/relay.py). A batch counts as
         published once its COMMIT is known to have succeeded: when the next claim's rows
@@ -899,21 +915,18 @@ class _Worker:
         claim fails (SQLSTATE 40001, a lost connection), the COMMIT before it already
         happened or not — its own result says which.
 
-        Linger: after a claim that did not fill a batch, the COMMIT is sent on its own and the
-        next claim waits until `linger_s` after the previous one was sent. Steady traffic then
-        costs one batch per linger period instead of one per message (see docs/relay.md).
+        Linger: after a claim that did not fill a batch, the COMMIT is sent on its own (not
+        waited for: its result comes back with the next claim's) and the next claim waits
+        until `linger_s` after the previous one was sent. Steady traffic then costs one batch,
+        and one wake-up, per linger period instead of one per message (see docs/relay.md).
         """
-        relay, conn, cursor, sink = self.relay, self.conn, self.cursor, self.sink
-        assert sink is not None  # built by _step before any claim
+        relay, conn, cursor, sink, pipe = self.relay, self.conn, self.cursor, self.sink, self.wire
+        assert sink is not None and pipe is not None  # built by _step before any claim
         claim, probe, mark, sharded = self._statements(source)
-        batch_size, linger = relay.options.batch_size, relay.options.linger_s
-        if relay.state.mode is Mode.switching and source is relay.state.flat:
-            # The flat table is drained to be left: the switch needs an empty claim, and a
-            # linger would let steady V1 traffic fill every claim so none ever comes back empty.
-            linger = 0.0
+        batch_size, linger = relay.options.batch_size, self._linger_s(source)
         committed: _Commit | None = None
         try:
-            with conn.pipeline() as self.pipeline:
+            with pipe.pipeline():
                 started = time.perf_counter()
                 sent = time.monotonic()
                 rows, after, ranged = self._claim(claim, probe, sharded)
@@ -922,12 +935,14 @@ class _Worker:
                         self._count(committed)
                         committed = None
                     if not rows:
-                        conn.execute(b"ROLLBACK")
+                        pipe.send_plain(b"ROLLBACK")
                         return after
                     self._lower_idle_flag()  # if raised: the claim after raising it found rows
                     batch = _messages(rows, relay._message)
                     self.fence.check(time.monotonic())
-                    acked, dead, retry_from, attempts = relay._publish(conn, sink, source, batch)
+                    acked, dead, retry_from, attempts = relay._publish(
+                        wire.direct(conn, pipe), sink, source, batch
+                    )
                     if relay._abandon.is_set():
                         raise _Abandoned
                     now = time.monotonic()
@@ -946,8 +961,7 @@ class _Worker:
                         break
                     if ranged < batch_size and linger > 0:
                         # A small batch: commit it now, and give the next one time to fill.
-                        self._linger(self.pipeline, committed, sent + linger)
-                        committed = None
+                        self._linger(pipe, committed, sent + linger)
                         if relay.stopping:
                             break
                     started = time.perf_counter()
@@ -962,6 +976,14 @@ class _Worker:
             self._count(committed)
         return None
 
+    def _linger_s(self, source: queries.Source) -> float:
+        relay = self.relay
+        if relay.state.mode is Mode.switching and source is relay.state.flat:
+            # The flat table is drained to be left: the switch needs an empty claim, and a
+            # linger would let steady V1 traffic fill every claim so none ever comes back empty.
+            return 0.0
+        return relay.options.linger_s
+
     def _mark_and_commit(
         self,
         mark: bytes,
@@ -971,18 +993,20 @@ class _Worker:
         started: float,
     ) -> _Commit:
         """Queue the mark of the acknowledged and dead-lettered rows, and the COMMIT."""
+        pipe = self.wire
+        assert pipe is not None
         tids = _tids_to_mark(rows, acked, dead)
         if tids:
-            # An array literal: psycopg's list dumper costs more than the mark.
-            self.conn.execute(mark, {"tids": '{"' + '","'.join(tids) + '"}'})
-        return _Commit(len(acked), started, self.conn.execute(b"COMMIT"))
+            # An array literal: a list dumper would cost more than the mark.
+            pipe.send(mark, {"tids": '{"' + '","'.join(tids) + '"}'})
+        return _Commit(len(acked), started, pipe.send_plain(b"COMMIT"))
 
-    def _linger(self, pipeline: Any, committed: _Commit, until: float) -> None:
-        """Send the COMMIT now (no row locks or snapshot held while waiting), count the batch,
-        then wait until `until` (or a stop)."""
-        pipeline.sync()
-        if committed.succeeded:
-            self._count(committed)
+    def _linger(self, pipe: wire.Wire, committed: _Commit, until: float) -> None:
+        """Send the COMMIT now (no row locks or snapshot held while waiting), then wait until
+        `until` (or a stop). Its result is read with the next claim's, in the same wake-up
+        (the batch is counted then, as after a batch without linger)."""
+        pipe.send_sync()
+        committed.sent = time.perf_counter()
         wait = until - time.monotonic()
         if wait > 0:
             self.relay._stop.wait(wait)
@@ -991,7 +1015,7 @@ class _Worker:
         relay = self.relay
         relay.stats.add(published=commit.published, batches=1)
         relay.observer.published(commit.published)
-        relay.observer.batch_seconds(time.perf_counter() - commit.started)
+        relay.observer.batch_seconds((commit.sent or time.perf_counter()) - commit.started)
 
     def _end_transaction(self) -> None:
         """After a failed run: roll back whatever transaction the session is still in."""
@@ -1008,6 +1032,7 @@ class _Worker:
 
 
 _HORIZON = queries.horizon().as_string().encode()
+_IDLE_UNLOCK = queries.idle_unlock().as_string().encode()
 _MESSAGE_COLUMNS = operator.itemgetter(slice(0, queries.CLAIM_CTID_COLUMN))
 _ID = operator.itemgetter(0)
 
@@ -1039,14 +1064,13 @@ class _Commit:
 
     published: int
     started: float
-    cursor: Any
+    commit: wire.Slot
+    sent: float = 0.0
+    """When its COMMIT went out alone (a linger); 0: with the next claim."""
 
     @property
     def succeeded(self) -> bool:
-        import psycopg
-
-        result = self.cursor.pgresult
-        return result is not None and result.status == psycopg.pq.ExecStatus.COMMAND_OK
+        return self.commit.succeeded
 
 
 @contextmanager

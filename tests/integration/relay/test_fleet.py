@@ -53,10 +53,19 @@ def _relay_process(dsn: str, out: Path, *extra: str) -> subprocess.Popen[bytes]:
         )  # fmt: skip
 
 
+_SHARD_LOCKS = (
+    "locktype = 'advisory' AND objsubid = 2 AND mode = 'ExclusiveLock' "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND classid::int8 = (hashtext('outbox-migrate.relay:public.outbox_new')::int8 & 4294967295)"
+)
+"""A relay's shard locks on the test outbox — not its idle flag (relay/notify.py), also an
+exclusive two-key advisory lock, held while the relay waits for work: counting it made a
+lone idle relay look like it held five shards of four (a CI flake)."""
+
+
 def _locks_of(conn: psycopg.Connection, pid: int) -> int:
     row = conn.execute(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 "
-        "AND mode = 'ExclusiveLock' AND pid = %s",
+        f"SELECT count(*) FROM pg_locks WHERE {_SHARD_LOCKS} AND pid = %s",
         (pid,),
     ).fetchone()
     return int(row[0]) if row else 0
@@ -65,8 +74,7 @@ def _locks_of(conn: psycopg.Connection, pid: int) -> int:
 def _relay_pids(conn: psycopg.Connection) -> dict[int, int]:
     """Backend pid → shards held, for every session holding shard locks."""
     rows = conn.execute(
-        "SELECT pid, count(*) FILTER (WHERE mode = 'ExclusiveLock') FROM pg_locks "
-        "WHERE locktype = 'advisory' AND objsubid = 2 GROUP BY pid"
+        f"SELECT pid, count(*) FROM pg_locks WHERE {_SHARD_LOCKS} GROUP BY pid"
     ).fetchall()
     return {int(pid): int(n) for pid, n in rows}
 
@@ -272,20 +280,23 @@ def test_a_batch_whose_lease_cannot_be_proven_long_enough_is_not_published(
 ) -> None:
     """The claim comes back 2.5 s after it was sent (a lock holds it up): with a 5 s session
     timeout and a 3 s sink timeout the lease is only proven for 1 s beyond the claim, so the
-    fence refuses the batch; the next claim, fast again, publishes every row once."""
-    insert_rows(partitioned, "outbox_new", 50, spec=SPEC)
+    fence refuses the batch; the next claim, fast again, publishes every row once.
+
+    The relay is idle (its statements prepared) before the lock is taken: preparing the claim
+    waits for the lock too, and a claim sent after a slow PREPARE is proven fresh."""
     observer = _Reasons()
     options = RelayOptions(
         listen=False, poll_interval_s=0.05, sink_timeout_s=3.0, session_timeout_s=5.0
     )
     relay = Relay(dsn, collected.factory(), spec=SPEC, options=options, observer=observer)
-    with psycopg.connect(dsn) as blocker:
-        blocker.execute("LOCK TABLE outbox_unpublished IN ACCESS EXCLUSIVE MODE")
-        with running(relay):
+    with running(relay):
+        time.sleep(1.0)  # started, nothing to publish: it claims every poll interval
+        with psycopg.connect(dsn) as blocker:
+            insert_rows(blocker, "outbox_new", 50, spec=SPEC)  # committed with the lock's end
+            blocker.execute("LOCK TABLE outbox_unpublished IN ACCESS EXCLUSIVE MODE")
             time.sleep(2.5)
             assert collected.ids == []
-            blocker.commit()
-            _wait(lambda: not ids_in(partitioned, "outbox_unpublished"), 15)
+        _wait(lambda: not ids_in(partitioned, "outbox_unpublished"), 15)
     assert "fenced" in observer.reasons
     assert sorted(collected.ids) == ids_in(partitioned, "outbox_new")
     assert collected.duplicates() == 0

@@ -1,0 +1,272 @@
+"""The worker's hot path at the libpq level: prepared statements in one pipeline.
+
+Why not psycopg's own pipeline (`conn.pipeline()` + `conn.execute`)? Measured on the 2-vCPU
+VM: one steady-state batch cycle (BEGIN, claim, Sync, fetch, mark, COMMIT, Sync) costs about
+440 µs of CPU through psycopg's Cursor and generator machinery — every `execute` builds a
+cursor, converts the query and polls the socket twice to send it on its own — against about
+100 µs when the same statements go out through `psycopg.pq` directly and leave in one network
+write. At 1,000 msg/s with small batches that per-batch cost is the relay's CPU bill
+(docs/relay.md, "Wake-ups, linger and late rows").
+
+What stays psycopg's: the connection (its settings, keepalives, cancel), the row loading
+(`Transformer`, so claimed rows have exactly the types `conn.execute` would give), the error
+classes (`error_from_result`: SQLSTATE 40001 is still `SerializationFailure`, a lost server
+still an `OperationalError`). Statements are prepared once per session by name; values go as
+text with unknown type (what psycopg does for `str`), so the server infers them as it would.
+
+Errors: the first failed statement's error is raised once the pipeline has been read up to
+its Sync (the statements after it are aborted by the server); the session's transaction is
+then in an aborted state and the caller rolls it back (`Wire.close` leaves pipeline mode
+first), as with psycopg's pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import select
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from psycopg import errors as pg_errors
+from psycopg import pq
+from psycopg.adapt import Transformer
+
+log = logging.getLogger("outbox_migrate.relay")
+
+_PLACEHOLDER = re.compile(rb"%\((\w+)\)s|%%")
+_OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+_POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
+
+
+class Statement:
+    """A statement rendered with `%(name)s` placeholders, in `$n` form with its parameter
+    names in order (`%%` is a literal `%`, as for psycopg)."""
+
+    __slots__ = ("names", "text")
+
+    def __init__(self, rendered: bytes) -> None:
+        names: list[str] = []
+
+        def number(match: re.Match[bytes]) -> bytes:
+            if match.group(0) == b"%%":
+                return b"%"
+            name = match.group(1).decode()
+            if name not in names:
+                names.append(name)
+            return b"$%d" % (names.index(name) + 1)
+
+        self.text = _PLACEHOLDER.sub(number, rendered)
+        self.names = tuple(names)
+
+
+def dump(value: Any, encoding: str) -> bytes | None:
+    """A parameter as text: ints and strings as such, int lists as array literals."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode(encoding)
+    if isinstance(value, bool):
+        return b"t" if value else b"f"
+    if isinstance(value, int):
+        return str(value).encode()
+    if isinstance(value, list | tuple) and all(type(v) is int for v in value):
+        return ("{" + ",".join(map(str, value)) + "}").encode()
+    raise TypeError(f"no text form for a {type(value).__name__} parameter")
+
+
+class Slot:
+    """Where one statement's result lands when the pipeline is read."""
+
+    __slots__ = ("result",)
+
+    def __init__(self) -> None:
+        self.result: pq.abc.PGresult | None = None
+
+    @property
+    def succeeded(self) -> bool:
+        result = self.result
+        return result is not None and result.status in _OK
+
+
+class Wire:
+    """One session's pipeline of prepared statements (one worker thread uses it)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.pg: pq.abc.PGconn = conn.pgconn
+        self.encoding: str = conn.info.encoding
+        self.tx = Transformer.from_context(conn)
+        self._prepared: dict[bytes, tuple[bytes, tuple[str, ...]]] = {}
+        self._slots: deque[Slot] = deque()
+        """One entry per statement sent and not yet read."""
+        self._syncs = 0
+        """Syncs sent whose results are not read yet."""
+        self._sent = 0
+        """How many of `_slots` went out before the last Sync."""
+        self._active = False
+        self._poll = select.poll()
+        self._poll.register(self.pg.socket, _POLL_IN)
+
+    # -- statements ---------------------------------------------------------------------
+
+    def prepare(self, rendered: bytes) -> bytes:
+        """Prepare `rendered` once on this session (outside the pipeline); returns its name."""
+        known = self._prepared.get(rendered)
+        if known is not None:
+            return known[0]
+        self.pause()  # PQprepare is synchronous: not in pipeline mode (first use only)
+        statement = Statement(rendered)
+        name = b"om_relay_%d" % len(self._prepared)
+        result = self.pg.prepare(name, statement.text)
+        if result.status != pq.ExecStatus.COMMAND_OK:
+            raise pg_errors.error_from_result(result, encoding=self.encoding)
+        self._prepared[rendered] = (name, statement.names)
+        return name
+
+    def send(self, rendered: bytes, params: dict[str, Any] | None = None) -> Slot:
+        """Queue a prepared statement (prepared on first use) in the pipeline."""
+        name = self.prepare(rendered)
+        names = self._prepared[rendered][1]
+        values = [dump(params[n], self.encoding) for n in names] if names and params else None
+        self._enter()
+        self.pg.send_query_prepared(name, values)
+        slot = Slot()
+        self._slots.append(slot)
+        return slot
+
+    def send_plain(self, command: bytes) -> Slot:
+        """Queue a parameterless command (BEGIN, COMMIT, ROLLBACK)."""
+        self._enter()
+        self.pg.send_query_params(command, None)
+        slot = Slot()
+        self._slots.append(slot)
+        return slot
+
+    def rows(self, slot: Slot) -> list[tuple[Any, ...]]:
+        """A read slot's rows, loaded as psycopg loads them for this connection."""
+        result = slot.result
+        if result is None or result.status != pq.ExecStatus.TUPLES_OK:
+            return []
+        self.tx.set_pgresult(result)
+        return self.tx.load_rows(0, result.ntuples, tuple)
+
+    # -- the round trip -------------------------------------------------------------------
+
+    def send_sync(self) -> None:
+        """Send a Sync with everything queued, without waiting for the results: the server
+        runs the statements (a COMMIT commits) while the worker waits for other reasons; the
+        next `sync` reads these results with its own, in one wake-up instead of two."""
+        if self._slots and self._sent < len(self._slots):
+            self.pg.pipeline_sync()
+            self._flush()
+            self._syncs += 1
+            self._sent = len(self._slots)
+
+    def sync(self) -> None:
+        """Send a Sync with everything queued (one network write), then read every result up
+        to it (and to any Sync sent before); raise the first error among them."""
+        self.send_sync()
+        if not self._syncs:
+            return
+        error: pq.abc.PGresult | None = None
+        slots = self._slots
+        while self._syncs:
+            result = self._next_result()
+            if result is None:  # the end of one statement's results
+                if slots and slots[0].result is not None:
+                    slots.popleft()
+                continue
+            status = result.status
+            if status == pq.ExecStatus.PIPELINE_SYNC:
+                self._syncs -= 1
+                continue
+            if slots:
+                slots[0].result = result
+            if status == pq.ExecStatus.FATAL_ERROR and error is None:
+                error = result
+        slots.clear()
+        self._sent = 0
+        if error is not None:
+            raise pg_errors.error_from_result(error, encoding=self.encoding)
+
+    def _next_result(self) -> pq.abc.PGresult | None:
+        pg = self.pg
+        while pg.is_busy():
+            self._wait_readable()
+            pg.consume_input()
+        return pg.get_result()
+
+    def _wait_readable(self) -> None:
+        while not self._poll.poll(1000):
+            pass
+
+    def _flush(self) -> None:
+        pg = self.pg
+        while pg.flush() == 1:  # the socket's buffer is full: wait until it drains
+            select.select([], [pg.socket], [], 1.0)
+
+    # -- pipeline mode ----------------------------------------------------------------------
+
+    @contextmanager
+    def pipeline(self) -> Iterator[Wire]:
+        """A run of batches: on a normal exit what is queued is sent and read (raising its
+        error); on an exception it is read as far as the session allows, then pipeline mode
+        is left so the caller can roll back with ordinary statements."""
+        try:
+            yield self
+            self.sync()
+        except BaseException:
+            self.close()
+            raise
+        self._leave()
+
+    def pause(self) -> None:
+        """Read everything queued and leave pipeline mode (the transaction stays open), so
+        ordinary `conn.execute` calls can run inside it; the next `send` enters again."""
+        self.sync()
+        self._leave()
+
+    def close(self) -> None:
+        """After a failure: drain what can be drained, leave pipeline mode (best effort)."""
+        try:
+            if (self._slots or self._syncs) and self.pg.status == pq.ConnStatus.OK:
+                self.sync()
+        except pg_errors.Error:  # the error that got us here is the one that counts
+            log.debug("relay.wire_drain_failed", exc_info=True)
+        self._slots.clear()
+        self._syncs = self._sent = 0
+        try:
+            self._leave()
+        except pg_errors.Error:  # a broken session: the caller replaces it
+            self._active = False
+
+    def _enter(self) -> None:
+        if not self._active:
+            self.pg.enter_pipeline_mode()
+            self._active = True
+
+    def _leave(self) -> None:
+        if self._active:
+            self._slots.clear()
+            self.pg.exit_pipeline_mode()
+            self._active = False
+
+
+def direct(conn: Any, wire: Wire) -> Any:
+    """`conn`, for code that runs ordinary statements inside the batch's transaction (the
+    rejection path): the pipeline is paused before the first of them."""
+    return _Direct(conn, wire)
+
+
+class _Direct:
+    __slots__ = ("_conn", "_wire")
+
+    def __init__(self, conn: Any, wire: Wire) -> None:
+        self._conn, self._wire = conn, wire
+
+    def execute(self, query: Any, params: Sequence[Any] | dict[str, Any] | None = None) -> Any:
+        self._wire.pause()
+        return self._conn.execute(query, params)
