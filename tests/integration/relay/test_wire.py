@@ -1,0 +1,105 @@
+"""The relay's libpq-level pipeline (relay/wire.py) against a real server: results land in
+their slots across several Syncs, the first error is raised with psycopg's class once the
+pipeline is read, the transaction can be paused for ordinary statements and resumed, and the
+prepared statements survive what the worker does to its session."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from psycopg import errors as pg_errors
+
+from outbox_migrate.relay.wire import Wire, direct
+
+SELECT_AFTER = b"SELECT g FROM generate_series(1, %(n)s) g WHERE g > %(after)s ORDER BY g"
+INSERT = b"INSERT INTO w(v) VALUES (%(v)s)"
+
+
+@pytest.fixture
+def wire(conn: psycopg.Connection) -> Wire:
+    conn.execute("CREATE TABLE w (v int PRIMARY KEY)")
+    conn.prepare_threshold = None  # as the relay's worker sessions (worker.py)
+    return Wire(conn)
+
+
+def test_results_of_two_syncs_are_read_in_one_go(wire: Wire, conn: psycopg.Connection) -> None:
+    with wire.pipeline():
+        wire.send_plain(b"BEGIN")
+        wire.send(INSERT, {"v": 1})
+        commit = wire.send_plain(b"COMMIT")
+        wire.send_sync()  # the COMMIT goes out now; its result is read with the next Sync's
+        assert conn.pgconn.transaction_status != psycopg.pq.TransactionStatus.INERROR
+        wire.send_plain(b"BEGIN")
+        rows = wire.send(SELECT_AFTER, {"n": 5, "after": 2})
+        wire.sync()
+        assert commit.succeeded
+        assert wire.rows(rows) == [(3,), (4,), (5,)]
+        wire.send_plain(b"ROLLBACK")
+    assert conn.execute("SELECT v FROM w").fetchall() == [(1,)]
+
+
+def test_the_first_error_is_raised_as_psycopg_would_and_the_rest_is_aborted(
+    wire: Wire, conn: psycopg.Connection
+) -> None:
+    conn.execute("INSERT INTO w VALUES (1)")
+    with pytest.raises(pg_errors.UniqueViolation), wire.pipeline():
+        wire.send_plain(b"BEGIN")
+        wire.send(INSERT, {"v": 2})
+        wire.send(INSERT, {"v": 1})  # fails
+        later = wire.send(INSERT, {"v": 3})  # aborted by the server
+        commit = wire.send_plain(b"COMMIT")
+        wire.sync()
+    assert not later.succeeded and not commit.succeeded
+    # Pipeline mode was left: the caller rolls back with an ordinary statement.
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+    conn.execute("ROLLBACK")
+    assert conn.execute("SELECT v FROM w ORDER BY v").fetchall() == [(1,)]
+
+
+def test_a_commit_that_succeeded_before_a_failing_claim_is_known(
+    wire: Wire, conn: psycopg.Connection
+) -> None:
+    """The worker's accounting: batch k's COMMIT and batch k+1's claim share a round trip; if
+    the claim fails, the COMMIT's own result says whether batch k is in."""
+    with pytest.raises(pg_errors.DivisionByZero), wire.pipeline():
+        wire.send_plain(b"BEGIN")
+        wire.send(INSERT, {"v": 7})
+        commit = wire.send_plain(b"COMMIT")
+        wire.send_plain(b"BEGIN")
+        wire.send(b"SELECT 1 / %(zero)s", {"zero": 0})
+        wire.sync()
+    assert commit.succeeded
+    conn.execute("ROLLBACK")
+    assert conn.execute("SELECT v FROM w").fetchall() == [(7,)]
+
+
+def test_ordinary_statements_run_inside_the_pipelines_transaction(
+    wire: Wire, conn: psycopg.Connection
+) -> None:
+    """The rejection path: `direct` pauses the pipeline, the transaction stays open."""
+    with wire.pipeline():
+        wire.send_plain(b"BEGIN")
+        wire.send(INSERT, {"v": 1})
+        direct(conn, wire).execute("INSERT INTO w VALUES (2)")
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        wire.send(INSERT, {"v": 3})
+        wire.send_plain(b"ROLLBACK")
+    assert conn.execute("SELECT count(*) FROM w").fetchone() == (0,)
+
+
+def test_prepared_statements_survive_a_rollback_through_psycopg(
+    wire: Wire, conn: psycopg.Connection
+) -> None:
+    """With psycopg's automatic preparing off, a ROLLBACK through psycopg does not send
+    DEALLOCATE ALL (which took the relay's statements with it when it was on)."""
+    for _ in range(6):  # past psycopg's default prepare threshold
+        conn.execute("SELECT v FROM w WHERE v = %s", (1,))
+    with wire.pipeline():
+        rows = wire.send(SELECT_AFTER, {"n": 2, "after": 0})
+        wire.sync()
+    assert wire.rows(rows) == [(1,), (2,)]
+    conn.execute("BEGIN")
+    conn.execute("ROLLBACK")
+    with wire.pipeline():
+        rows = wire.send(SELECT_AFTER, {"n": 2, "after": 1})
+    assert wire.rows(rows) == [(2,)]
