@@ -1,0 +1,96 @@
+"""The relay's hot path through psycopg's pipeline vs through `psycopg.pq` (relay/wire.py).
+
+One cycle is what a steady-state batch costs the relay's session: BEGIN, claim (5 rows),
+Sync, read; mark, COMMIT, Sync, read. Printed: CPU µs per cycle of this process (user +
+system) and wall µs, back to back and with 5 ms between cycles (a lingering relay), both
+drivers side by side in one run on a throwaway PostgreSQL 18 (fsync off).
+
+    python bench/wire.py [--cycles 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import psycopg
+
+from outbox_migrate.relay.wire import Wire
+from outbox_migrate.testing import server as pgserver
+
+CLAIM = (
+    b"SELECT id, payload, ctid::text FROM bench_wire WHERE published_at IS NULL "
+    b"AND id > %(after)s ORDER BY id LIMIT 500 FOR UPDATE"
+)
+MARK = b"UPDATE bench_wire SET payload = payload WHERE ctid = ANY(%(tids)s::tid[])"
+TIDS = '{"(0,1)","(0,2)","(0,3)","(0,4)","(0,5)"}'
+
+
+def psycopg_cycles(conn: psycopg.Connection, cycles: int, pause_s: float) -> None:
+    with conn.pipeline() as pipeline:
+        for _ in range(cycles):
+            conn.execute(b"BEGIN")
+            claimed = conn.execute(CLAIM, {"after": 0})
+            pipeline.sync()
+            claimed.fetchall()
+            conn.execute(MARK, {"tids": TIDS})
+            conn.execute(b"COMMIT")
+            pipeline.sync()
+            if pause_s:
+                time.sleep(pause_s)
+
+
+def wire_cycles(conn: psycopg.Connection, cycles: int, pause_s: float) -> None:
+    wire = Wire(conn)
+    with wire.pipeline():
+        for _ in range(cycles):
+            wire.send_plain(b"BEGIN")
+            claimed = wire.send(CLAIM, {"after": 0})
+            wire.sync()
+            wire.rows(claimed)
+            wire.send(MARK, {"tids": TIDS})
+            wire.send_plain(b"COMMIT")
+            wire.sync()
+            if pause_s:
+                time.sleep(pause_s)
+
+
+def measure(
+    dsn: str, run: Callable[[psycopg.Connection, int, float], None], cycles: int, pause_s: float
+) -> tuple[float, float]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.prepare_threshold = None
+        run(conn, 50, 0.0)  # warm up: plans, caches
+        cpu, wall = time.process_time(), time.perf_counter()
+        run(conn, cycles, pause_s)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    return 1e6 * cpu / cycles, 1e6 * (wall - cycles * pause_s) / cycles
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cycles", type=int, default=3000)
+    args = parser.parse_args()
+    srv = pgserver.start(18)
+    try:
+        dsn = srv.dsn()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "CREATE TABLE bench_wire (id bigint PRIMARY KEY, payload text, "
+                "published_at timestamptz)"
+            )
+            conn.execute("INSERT INTO bench_wire SELECT g, 'x', NULL FROM generate_series(1, 5) g")
+        print(f"PostgreSQL {srv.full_version}; {args.cycles} cycles each; µs per cycle")
+        print(f"{'pause':>6} {'driver':>16} {'CPU':>7} {'wall':>7}")
+        for pause_s in (0.0, 0.005):
+            for name, run in (("psycopg pipeline", psycopg_cycles), ("relay/wire.py", wire_cycles)):
+                cycles = args.cycles if not pause_s else max(1, args.cycles // 3)
+                cpu, wall = measure(dsn, run, cycles, pause_s)
+                print(f"{pause_s * 1000:>4.0f}ms {name:>16} {cpu:>7.0f} {wall:>7.0f}")
+    finally:
+        srv.stop()
+
+
+if __name__ == "__main__":
+    main()
