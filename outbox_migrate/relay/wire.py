@@ -22,6 +22,7 @@ first), as with psycopg's pipeline.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import select
@@ -36,6 +37,9 @@ from psycopg.adapt import Transformer
 
 log = logging.getLogger("outbox_migrate.relay")
 
+_NAMES = itertools.count()
+"""Statement names, unique in the process: a new `Wire` on a session that had one before
+must not collide with the statements that one prepared."""
 _PLACEHOLDER = re.compile(rb"%\((\w+)\)s|%%")
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 _POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
@@ -119,7 +123,7 @@ class Wire:
             return known[0]
         self.pause()  # PQprepare is synchronous: not in pipeline mode (first use only)
         statement = Statement(rendered)
-        name = b"om_relay_%d" % len(self._prepared)
+        name = b"om_relay_%d" % next(_NAMES)
         result = self.pg.prepare(name, statement.text)
         if result.status != pq.ExecStatus.COMMAND_OK:
             raise pg_errors.error_from_result(result, encoding=self.encoding)
