@@ -298,6 +298,14 @@ def reset(
     pattern: ActivePatternOption = None,
     dsn: DsnOption = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Abandon the record even while steps of it are applied (the schema stays as "
+            "it is; nothing will undo those steps). Without it, roll back to V1 first.",
+        ),
+    ] = False,
     *,
     names: dict[str, Any],
 ) -> None:
@@ -326,7 +334,7 @@ def reset(
             return
     runner = _runner(name, dsn, OutputFormat.text, names=names)
     with runner:
-        changed = runner.reset()
+        changed = runner.reset(force=force)
     from outbox_migrate.cli.console import text
 
     text("migration record abandoned" if changed else "no active migration to reset")

@@ -44,6 +44,7 @@ from outbox_migrate.runner.decide import (
     action_for,
     completed_phase,
     phase_index,
+    steps_to_reverse,
     steps_to_run,
 )
 from outbox_migrate.runner.errors import (
@@ -715,13 +716,39 @@ class Runner:
 
         return rollback(self, to_phase)
 
-    def reset(self) -> bool:
-        """Abandon the table's active migration record (schema objects are left as they are)."""
+    def reset(self, *, force: bool = False) -> bool:
+        """Abandon the table's active migration record (schema objects are left as they are).
+
+        Refused while steps of it are applied, unless `force`: the record is the only thing
+        that knows how to undo them. Abandoning a COPRA migration after its `drop-identity`
+        left the old table with no id default — V1's inserts failed and no pattern could
+        start again (found by the operator fuzzer). `rollback --to V1` first undoes what can
+        be undone; then the record can go.
+        """
         self.acquire()
         if not ledger_exists(self.conn):
             return False
         active = ledger.active_for_table(self.conn, self.spec)
         if active is None:
             return False
+        if not force:
+            if active.pattern != self.pattern.name:
+                raise OutOfOrder(
+                    f"the active migration of {self.table_label} is a "
+                    f"{active.pattern.upper()} one: reset --pattern {active.pattern}"
+                )
+            applied = steps_to_reverse(
+                self.pattern, self._rows(active), self.pattern.phases[0].name
+            )
+            if applied:
+                first = self.pattern.phases[0].name
+                raise PreconditionFailed(
+                    "reset",
+                    "nothing-applied",
+                    f"{len(applied)} step(s) of this migration are applied (latest "
+                    f"{applied[0].id}) and only its record can undo them: run `outbox-migrate "
+                    f"rollback --pattern {self.pattern.name} --to {first}` first, or `reset "
+                    "--force` to abandon it with the schema as it is",
+                )
         ledger.abandon(self.conn, active.id)
         return True

@@ -71,7 +71,10 @@ def test_bad_input(command: str, dsn: str) -> None:
 # -- precondition failed --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [["run", "-p", "copra", "--to", "V3"], ["next", "-p", "copra"]])
+@pytest.mark.parametrize(
+    "command",
+    [["run", "-p", "copra", "--to", "V3"], ["next", "-p", "copra"], ["reset", "--yes"]],
+)
 def test_precondition_failed(command: list[str], dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_flat_outbox(conn)
@@ -112,8 +115,8 @@ BUSY = {
     "rollback": Busy(("rollback", "--to", "V1"), "LOCK TABLE outbox_new IN ACCESS EXCLUSIVE MODE",
                      "%pg_locks%", queues=False),
     "maintain": Busy(("maintain", "--once"), "LOCK TABLE outbox_new IN ACCESS EXCLUSIVE MODE"),
-    "reset": Busy(("reset", "--yes"), "SELECT * FROM outbox_migrate.migration FOR UPDATE",
-                  "%"),
+    "reset": Busy(("reset", "--yes", "--force"),  # at V2 steps are applied: --force
+                  "SELECT * FROM outbox_migrate.migration FOR UPDATE", "%"),
 }  # fmt: skip
 
 

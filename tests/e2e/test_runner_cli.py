@@ -137,6 +137,7 @@ def test_reset_needs_confirmation(dsn: str) -> None:
         create_flat_outbox(conn)
     assert cli("run", "--pattern", "hop", "--to", "V2", "--dsn", dsn).returncode == 0
     error_line(cli("reset", "--pattern", "hop", "--dsn", dsn), 2)
+    assert cli("rollback", "--pattern", "hop", "--to", "V1", "--dsn", dsn).returncode == 0
     assert cli("reset", "--pattern", "hop", "--dsn", dsn, "--yes").returncode == 0
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT state FROM outbox_migrate.migration").fetchone() == (

@@ -217,3 +217,42 @@ def test_copy_back_inside_v2_keeps_the_published_partition(
     assert conn.execute("SELECT to_regclass('outbox_published') IS NOT NULL").fetchone() == (True,)
     result = om(dsn, "verify", "--pattern", "hoper")
     assert result.code == 0, result
+
+
+def test_reset_is_refused_while_steps_are_applied(
+    operator: tuple[str, psycopg.Connection[tuple[object, ...]]],
+) -> None:
+    """Fuzzer (COPRA): `run --to V2`, deploy V2, `next`, `next` (the V3 gate, then
+    drop-identity), `reset --yes` -> 0. The record that knew how to give the old table its
+    identity back was gone: V1's inserts failed (no id default) and every later `run` was
+    refused. Now reset refuses while steps are applied; `rollback --to V1` undoes them, then
+    the record can go, and the migration can start again."""
+    dsn, conn = operator
+    assert om(dsn, "run", "--pattern", "copra", "--to", "V2").code == 0
+    publish_all(conn, "outbox")  # the old table drained: the V3 gate lets V3 begin
+    assert om(dsn, "next", "--pattern", "copra").code == 0  # gate-old-table-retired
+    assert om(dsn, "next", "--pattern", "copra").code == 0  # drop-identity
+    refused = om(dsn, "reset", "--pattern", "copra", "--yes")
+    assert refused.code == 5, refused
+    assert "copra.v3.drop-identity" in refused.stderr and "rollback" in refused.stderr
+    assert om(dsn, "rollback", "--pattern", "copra", "--to", "V1").code == 0
+    assert om(dsn, "reset", "--pattern", "copra", "--yes").code == 0
+    identity = conn.execute(
+        "SELECT attidentity FROM pg_attribute WHERE attrelid = 'outbox'::regclass "
+        "AND attname = 'id'"
+    ).fetchone()
+    assert identity is not None and identity[0] in ("a", "d")
+    conn.execute("INSERT INTO outbox (payload) VALUES ('{}')")  # V1 can insert again
+    assert om(dsn, "run", "--pattern", "copra", "--to", "V2").code == 0
+
+
+def test_reset_force_abandons_an_applied_migration(
+    operator: tuple[str, psycopg.Connection[tuple[object, ...]]],
+) -> None:
+    """`--force` keeps the escape hatch: the record goes, the schema stays as it is."""
+    dsn, conn = operator
+    assert om(dsn, "run", "--pattern", "hop", "--to", "V2").code == 0
+    assert om(dsn, "reset", "--pattern", "hop", "--yes", "--force").code == 0
+    state = conn.execute("SELECT state FROM outbox_migrate.migration").fetchone()
+    assert state == ("abandoned",)
+    assert conn.execute("SELECT to_regclass('outbox_new') IS NOT NULL").fetchone() == (True,)
