@@ -132,8 +132,11 @@ class Wire:
 
     def send(self, rendered: bytes, params: dict[str, Any] | None = None) -> Slot:
         """Queue a prepared statement (prepared on first use) in the pipeline."""
-        name = self.prepare(rendered)
-        names = self._prepared[rendered][1]
+        known = self._prepared.get(rendered)
+        if known is None:
+            self.prepare(rendered)
+            known = self._prepared[rendered]
+        name, names = known
         values = [dump(params[n], self.encoding) for n in names] if names and params else None
         self._enter()
         self.pg.send_query_prepared(name, values)
