@@ -11,8 +11,9 @@ Prints:
      INSERTs: commit→delivery latency p50/p99 and consumer CPU for pg_recvlogical
      (test_decoding, the floor), `relay --mode cdc` (default: marks every 0.1 s behind the
      stream; with `--mark-interval 0`; with `--no-mark`) and the polling relay (`--mode
-     partitioned`), each a separate process printing to a pipe that this process reads.
-     Ratios are against pg_recvlogical measured in the same run.
+     partitioned`), each a separate process printing to a pipe that this process reads in
+     chunks (one timestamp per read, so the reader keeps up with pg_recvlogical's unbuffered
+     writes at 5,000 msg/s). Ratios are against pg_recvlogical measured in the same run.
 
 It starts its own PostgreSQL 18 (fsync off, wal_level=logical). Default run: about 3 minutes.
 """
@@ -206,23 +207,40 @@ def _writer(dsn: str, rate: float, seconds: float, queue: Any) -> None:
     queue.put(out)
 
 
-ID_JSON = re.compile(rb'^\{"id":(\d+),')
+ID_JSON = re.compile(rb'^\{"id":(\d+),', re.MULTILINE)
 ID_TEST_DECODING = re.compile(rb"INSERT: id\[bigint\]:(\d+)")
 
 
 class Reader(threading.Thread):
-    """Timestamps every id a consumer prints, as it arrives on the pipe."""
+    """Timestamps every id a consumer prints, as it arrives on the pipe.
+
+    Reads whatever the pipe holds in one `os.read` (up to 1 MB), stamps it once and finds the
+    ids with one regex pass over the chunk: per wake-up, not per line. The first version
+    read line by line in Python, which `pg_recvlogical` (three lines and six unbuffered
+    writes per transaction with test_decoding) outran at 5,000 msg/s: its lines queued in the
+    pipe for seconds (p50 623 ms) and the floor measured this reader, not the consumer."""
+
+    CHUNK = 1 << 20
 
     def __init__(self, pipe: Any, pattern: re.Pattern[bytes]) -> None:
         super().__init__(daemon=True)
-        self.pipe, self.pattern = pipe, pattern
+        self.fd, self.pattern = pipe.fileno(), pattern
         self.seen: dict[int, float] = {}
+        self.reads = 0
 
     def run(self) -> None:
-        for line in iter(self.pipe.readline, b""):
-            found = self.pattern.search(line)
-            if found:
-                self.seen.setdefault(int(found.group(1)), time.time())
+        seen, finditer, read, fd = self.seen, self.pattern.finditer, os.read, self.fd
+        tail = b""
+        while chunk := read(fd, self.CHUNK):
+            now = time.time()
+            self.reads += 1
+            cut = chunk.rfind(b"\n") + 1  # a line split across reads waits for its end
+            if not cut:
+                tail += chunk
+                continue
+            text, tail = tail + chunk[:cut], chunk[cut:]
+            for found in finditer(text):
+                seen.setdefault(int(found.group(1)), now)
 
 
 def _cpu_s(pid: int) -> float:

@@ -97,6 +97,20 @@ def decode(data: bytes | memoryview) -> Decoded:
     return _decode(buf, 0)
 
 
+def decode_at(buf: bytes, at: int) -> Decoded:
+    """The pgoutput message starting at `buf[at]` (`at` 25: the payload of an XLogData
+    frame, decoded without copying it out first)."""
+    return _decode(buf, at)
+
+
+def insert_at(buf: bytes, at: int) -> Insert:
+    """The Insert message starting at `buf[at]` (the stream loop has read its tag)."""
+    try:
+        return _insert(buf, at)
+    except (struct.error, IndexError, UnicodeDecodeError, ValueError) as exc:
+        raise DecodeError(f"malformed pgoutput 'I' message: {exc}") from None
+
+
 def _decode(buf: bytes, at: int) -> Decoded:
     """The pgoutput message starting at `buf[at]`. Works on `bytes`, not a memoryview: slicing
     and decoding bytes costs about half as much per value, and the stream loop runs this for
@@ -208,8 +222,20 @@ def message(data: bytes | memoryview) -> Decoded | Keepalive:
     raise DecodeError(f"unexpected replication frame {chr(tag)!r}")
 
 
-def status_update(flush_lsn: int, now: datetime | None = None, *, reply: bool = False) -> bytes:
-    """A standby status update: written = flushed = applied = `flush_lsn` (the relay
-    confirms only what the broker acknowledged, and has nothing else to report)."""
+def status_update(
+    flush_lsn: int, now: datetime | None = None, *, reply: bool = False, written_lsn: int = 0
+) -> bytes:
+    """A standby status update: flushed = applied = `flush_lsn` (the relay confirms only what
+    the broker acknowledged and its mark committed); written = `written_lsn` when it is
+    further, else `flush_lsn`.
+
+    The written position is what the relay has *received* (the furthest keepalive or commit),
+    which a logical slot ignores: only the flushed one moves its confirmed position. It
+    matters to the walsender's keepalives: it pings every time it waits for WAL while the
+    client's written and flushed positions are both behind what it sent (walsender.c,
+    WalSndWaitForWal), so a client that reports nothing between its confirmations is sent a
+    keepalive at each WAL flush on the server, about half of them repeating the position of
+    the one before."""
     micros = pg_micros(now) if now else int((time.time() - PG_EPOCH_UNIX_S) * 1_000_000)
-    return _STATUS.pack(b"r", flush_lsn, flush_lsn, flush_lsn, micros, reply)
+    written = max(written_lsn, flush_lsn)
+    return _STATUS.pack(b"r", written, flush_lsn, flush_lsn, micros, reply)

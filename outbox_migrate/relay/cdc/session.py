@@ -2,10 +2,12 @@
 
 The state machine behind `CdcRelay` (see its module doc for the guarantees):
 
-* frames are read until none is waiting; each transaction's outbox inserts are kept between
-  its Begin and Commit; complete transactions collect in `pending`;
-* `pending` is published when no frame is waiting or it reached the batch size (always at a
-  transaction boundary); the acknowledged ids then wait in `acked` for the mark;
+* per wake-up, every frame libpq has received is taken in one call (`stream.drain`) and acted
+  on in one call (`_frames`, decoding in place); each transaction's outbox inserts are kept
+  between its Begin and Commit; complete transactions collect in `pending`;
+* `pending` is published as soon as nothing more is buffered, or when it reached the batch
+  size (always at a transaction boundary); the acknowledged ids then wait in `acked` for the
+  mark. The loop's cost is per wake-up, not per frame (docs/relay.md, "CDC mode: CPU");
 * marks run *behind* the stream: once per `mark_interval_s` (or as soon as `MARK_MAX_IDS` ids
   wait) the ids acknowledged since the last mark go out as one statement on the marks session,
   sent without waiting for it; the loop keeps reading and publishing, and collects the mark's
@@ -20,8 +22,8 @@ The state machine behind `CdcRelay` (see its module doc for the guarantees):
 
 from __future__ import annotations
 
+import struct
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from outbox_migrate.errors import OutboxMigrateError
@@ -30,19 +32,13 @@ from outbox_migrate.relay.cdc.options import IDLE_TICK_S, MARK_MAX_IDS, STATUS_I
 from outbox_migrate.relay.errors import SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 
+_I64 = struct.Struct("!q")
+_U64 = struct.Struct("!Q")
+_KEEPALIVE = struct.Struct("!Qq?")
+
 if TYPE_CHECKING:
     from outbox_migrate.relay.cdc.relay import CdcRelay, _Columns
     from outbox_migrate.relay.cdc.stream import ReplicationStream
-
-
-@dataclass
-class _Pending:
-    """Complete transactions received and not yet published."""
-
-    messages: list[Message] = field(default_factory=list)
-    transactions: int = 0
-    end_lsn: int = 0
-    started: float = 0.0
 
 
 class StreamSession:
@@ -53,9 +49,14 @@ class StreamSession:
         self.stream = stream
         self.relations: dict[int, _Columns | None] = {}
         self.partition = (relay.spec.schema, relay.spec.unpublished_partition)
-        self.pending = _Pending()
         self.txn: list[Message] | None = None
         self.txn_commit = 0
+        self.pending: list[Message] = []
+        """Messages of complete transactions received and not yet published."""
+        self.pending_transactions = 0
+        self.pending_end = 0
+        """End of the last complete transaction received (with or without outbox rows)."""
+        self.pending_started = 0.0
         self.acked: list[MessageId] = []
         """Acknowledged ids not yet sent in a mark."""
         self.acked_end = 0
@@ -63,6 +64,9 @@ class StreamSession:
         self.marking_end: int | None = None
         """End of the last transaction the mark in flight covers (None: no mark in flight)."""
         self.confirmed = 0
+        self.received = 0
+        """The furthest position the server said it sent (keepalives, commits): reported as
+        written, never as flushed."""
         self.last_status = time.monotonic()
         self.last_mark = time.monotonic()
 
@@ -71,30 +75,33 @@ class StreamSession:
         """Anything received that the slot must not be confirmed past yet."""
         return (
             self.txn is not None
-            or self.pending.end_lsn > self.confirmed
+            or self.pending_end > self.confirmed
             or self.acked_end > self.confirmed
         )
 
     def run(self) -> None:
         relay, stream = self.relay, self.stream
         stopping = relay.stop_event.is_set
-        poll, handle, keepalive = stream.poll_message, self._message, pgoutput.Keepalive
+        drain, wait, frames = stream.drain, stream.wait, self._frames
         until_caught_up = relay.options.until_caught_up
         try:
             while not stopping():
-                # What is already buffered first: the timeout and the marks' socket only
-                # matter when the loop is about to wait.
-                item = poll() or stream.next_message(self._timeout(), relay.mark_socket())
-                if item is None:
-                    self._idle()
-                elif type(item) is keepalive:
-                    self._keepalive(item)
-                else:
-                    handle(item)
+                # Per wake-up: every frame libpq holds in one call, acted on in one call.
+                received = drain()
+                if received:
+                    frames(received)
                     continue
+                # Nothing buffered: publish the complete transactions at once (no extra
+                # poll for more: what arrives meanwhile is read right after), move the
+                # marks on, then sleep until the socket has more.
+                if self.pending_end > self.acked_end and self.pending_end > self.confirmed:
+                    self.publish()
+                self.marks()
                 if until_caught_up and self._caught_up():
                     self.flush()
                     return
+                if not wait(self._timeout(), relay.mark_socket()):
+                    self._idle()
             self.flush()  # stopped: what the broker acknowledged is marked and confirmed
         except SinkUnavailable:
             # The stream is dropped and re-read from the confirmed position: first settle
@@ -109,8 +116,6 @@ class StreamSession:
             raise
 
     def _timeout(self) -> float:
-        if self.pending.end_lsn > max(self.confirmed, self.acked_end):
-            return 0.0
         if self.acked_end > self.confirmed and self.marking_end is None:
             wait = self.relay.options.mark_interval_s - (time.monotonic() - self.last_mark)
             return max(0.0, min(wait, IDLE_TICK_S))
@@ -119,67 +124,106 @@ class StreamSession:
     def _caught_up(self) -> bool:
         return (
             self.txn is None
-            and not self.pending.messages
+            and not self.pending
             and max(self.confirmed, self.acked_end) >= self.relay.target_lsn
         )
 
     def _idle(self) -> None:
-        """Nothing waiting: publish what is pending, move the marks on, ping the server."""
+        """Nothing arrived for a while: ping the server now and then."""
         self.relay.observer.heartbeat(0)  # the loop is alive (liveness, /healthz)
-        if self.pending.end_lsn > max(self.confirmed, self.acked_end):
-            self.publish()
-        self.marks()
         if time.monotonic() - self.last_status >= STATUS_INTERVAL_S:
             self._status(self.confirmed, reply=True)
 
-    def _keepalive(self, frame: pgoutput.Keepalive) -> None:
-        if not self.in_flight and frame.wal_end > self.confirmed:
-            # Nothing of ours is in flight: everything that commits before this position has
-            # been sent, so the slot may move up to it.
-            self.confirmed = frame.wal_end
+    def _frames(self, frames: list[bytes]) -> None:
+        """Act on the frames of one wake-up: keep each transaction's outbox inserts between
+        its Begin and Commit, publish once `batch_size` messages are complete, and answer
+        keepalives. Decoded in place (pgoutput's layouts), the common messages first: this
+        runs for every message the stream carries."""
+        relations = self.relations
+        build = self.relay.message
+        keepalive = reply = False
+        try:
+            for data in frames:
+                tag = data[0]
+                if tag == 0x77:  # 'w' XLogData: a pgoutput message after a 25-byte header
+                    kind = data[25]
+                    if kind == 0x49:  # 'I'
+                        insert = pgoutput.insert_at(data, 25)
+                        columns = relations.get(insert.oid)
+                        if columns is not None and self.txn is not None:
+                            self.txn.append(build(columns, insert.values))
+                    elif kind == 0x42:  # 'B': final LSN, then the commit time
+                        self.txn = []
+                        self.txn_commit = _I64.unpack_from(data, 34)[0]
+                        if not self.pending:
+                            self.pending_started = time.monotonic()
+                    elif kind == 0x43:  # 'C': flags, commit LSN, then the end LSN
+                        self._commit(_U64.unpack_from(data, 35)[0])
+                    elif kind == 0x52:  # 'R'
+                        self._relation(pgoutput.decode_at(data, 25))
+                    # Origin, Type, Update, Delete, Truncate, logical messages: not ours
+                elif tag == 0x6B:  # 'k'
+                    wal_end, _sent, requested = _KEEPALIVE.unpack_from(data, 1)
+                    self.received = max(self.received, wal_end)
+                    keepalive = True
+                    reply = reply or requested
+                else:
+                    raise pgoutput.DecodeError(f"unexpected replication frame {chr(tag)!r}")
+        except (struct.error, IndexError) as exc:
+            raise pgoutput.DecodeError(f"malformed replication frame: {exc}") from None
+        if keepalive:
+            self._keepalive(reply)
+
+    def _relation(self, relation: pgoutput.Decoded) -> None:
+        if type(relation) is pgoutput.Relation:
+            ours = (relation.namespace, relation.name) == self.partition
+            self.relations[relation.oid] = self.relay.columns_for(relation) if ours else None
+
+    def _commit(self, end_lsn: int) -> None:
+        txn = self.txn
+        if txn:
+            self.pending += txn
+            self.pending_transactions += 1
+            if self.relay.oldest_unconfirmed is None:
+                self.relay.oldest_unconfirmed = self.txn_commit
+        self.pending_end = max(self.pending_end, end_lsn)
+        self.received = max(self.received, end_lsn)
+        self.txn = None
+        if len(self.pending) >= self.relay.options.batch_size:
+            self.publish()
+            self.marks()
+
+    def _keepalive(self, reply: bool) -> None:
+        """After the keepalives of one wake-up: with nothing of ours in flight, everything
+        that commits before the server's position has been sent, so the slot may move up to
+        it. Otherwise only a requested reply is sent. (Answering every keepalive with the
+        received position as written stops the walsender's repeated pings, but measured
+        no cheaper: one status update per transaction instead of ~one more keepalive, and
+        each update wakes the walsender; docs/relay.md.)"""
+        if not self.in_flight and self.received > self.confirmed:
+            self.confirmed = self.received
             self._status(self.confirmed)
             self.relay.stats.add(idle_confirms=1)
             self.relay.stats.confirmed_lsn = self.confirmed
-        elif frame.reply_requested:
+        elif reply:
             self._status(self.confirmed)
-
-    def _message(self, message: pgoutput.Decoded | pgoutput.Keepalive) -> None:
-        if isinstance(message, pgoutput.Insert):
-            columns = self.relations.get(message.oid)
-            if columns is not None and self.txn is not None:
-                self.txn.append(self.relay.message(columns, message.values))
-        elif isinstance(message, pgoutput.Begin):
-            self.txn, self.txn_commit = [], message.commit_micros
-            if not self.pending.messages:
-                self.pending.started = time.monotonic()
-        elif isinstance(message, pgoutput.Commit):
-            if self.txn:
-                self.pending.messages.extend(self.txn)
-                self.pending.transactions += 1
-                if self.relay.oldest_unconfirmed is None:
-                    self.relay.oldest_unconfirmed = self.txn_commit
-            self.pending.end_lsn = max(self.pending.end_lsn, message.end_lsn)
-            self.txn = None
-            if len(self.pending.messages) >= self.relay.options.batch_size:
-                self.publish()
-                self.marks()
-        elif isinstance(message, pgoutput.Relation):
-            ours = (message.namespace, message.name) == self.partition
-            self.relations[message.oid] = self.relay.columns_for(message) if ours else None
 
     def publish(self) -> None:
         """Publish the pending transactions and wait for the broker's acknowledgement."""
-        pending, relay = self.pending, self.relay
-        if pending.messages:
-            relay.deliver(pending.messages)
-            self.acked.extend(m.id for m in pending.messages)
-            relay.stats.add(
-                published=len(pending.messages), batches=1, transactions=pending.transactions
-            )
-            relay.observer.published(len(pending.messages))
-            relay.observer.batch_seconds(time.monotonic() - pending.started)
-        self.acked_end = max(self.acked_end, pending.end_lsn)
-        self.pending = _Pending()
+        relay, messages = self.relay, self.pending
+        if messages:
+            relay.deliver(messages)
+            self.acked += [m.id for m in messages]
+            stats = relay.stats
+            stats.published += len(messages)  # this thread is the only writer
+            stats.batches += 1
+            stats.transactions += self.pending_transactions
+            relay.observer.published(len(messages))
+            relay.observer.batch_seconds(time.monotonic() - self.pending_started)
+            relay.observer.heartbeat(0)
+            self.pending = []
+            self.pending_transactions = 0
+        self.acked_end = max(self.acked_end, self.pending_end)
 
     def marks(self) -> None:
         """Collect the mark in flight (confirming what it covers), then send the next one
@@ -233,5 +277,5 @@ class StreamSession:
         self.relay.observer.heartbeat(0)
 
     def _status(self, lsn: int, *, reply: bool = False) -> None:
-        self.stream.confirm(lsn, reply=reply)
+        self.stream.confirm(lsn, reply=reply, received=self.received)
         self.last_status = time.monotonic()

@@ -114,34 +114,36 @@ class ReplicationStream:
             raise StreamLost(self._conn.get_error_message() or "replication stream ended")
         return pgoutput.frame(data)
 
-    def next_message(
-        self, timeout_s: float, also: int | None = None
-    ) -> pgoutput.Decoded | pgoutput.Keepalive | None:
-        """Like `read`, decoded (`pgoutput.message`): the stream loop's one call per message."""
-        size, data = self._conn.get_copy_data(1)
-        if size == 0:
-            if not self._wait(timeout_s, also):
-                return None
-            self._consume()
-            size, data = self._conn.get_copy_data(1)
-            if size == 0:
-                return None
+    def drain(self) -> list[bytes]:
+        """Every CopyData frame libpq has already received, without touching the socket
+        (an empty list when none is buffered: call `wait` next). The stream loop's one call
+        per wake-up, instead of one call per frame."""
+        frames: list[bytes] = []
+        get = self._conn.get_copy_data
+        size, data = get(1)
+        while size > 0:
+            frames.append(bytes(data))  # the decoder slices and decodes bytes (cheaper)
+            size, data = get(1)
         if size < 0:
+            if frames:  # hand over what arrived before the end; the next call raises
+                return frames
             raise StreamLost(self._conn.get_error_message() or "replication stream ended")
-        return pgoutput.message(data)
+        return frames
 
-    def poll_message(self) -> pgoutput.Decoded | pgoutput.Keepalive | None:
-        """The next message already received, without waiting (None: nothing buffered)."""
-        size, data = self._conn.get_copy_data(1)
-        if size > 0:
-            return pgoutput.message(data)
-        if size < 0:
-            raise StreamLost(self._conn.get_error_message() or "replication stream ended")
-        return None
+    def wait(self, timeout_s: float, also: int | None = None) -> bool:
+        """Wait until the stream's socket is readable and read what it holds into libpq's
+        buffer (True), or until `timeout_s` passed or only socket `also` (the marks session)
+        became readable (False)."""
+        if not self._wait(timeout_s, also):
+            return False
+        self._consume()
+        return True
 
-    def confirm(self, lsn: int, *, reply: bool = False) -> None:
-        """Report `lsn` as flushed: the server may discard WAL and decoding state before it."""
-        message = pgoutput.status_update(lsn, reply=reply)
+    def confirm(self, lsn: int, *, reply: bool = False, received: int = 0) -> None:
+        """Report `lsn` as flushed: the server may discard WAL and decoding state before it.
+        `received` (when further than `lsn`) is reported as written: what the relay has
+        received, which only informs the server (see `pgoutput.status_update`)."""
+        message = pgoutput.status_update(lsn, reply=reply, written_lsn=received)
         if self._conn.put_copy_data(message) < 0:
             raise StreamLost(self._conn.get_error_message() or "status update failed")
         self._flush()

@@ -85,3 +85,14 @@ def test_message_decodes_a_copydata_frame_in_one_step() -> None:
     for bad in (header, header + b"I" + struct.pack("!I", 1) + b"K", b"x\0"):
         with pytest.raises(pgoutput.DecodeError):
             pgoutput.message(bad)
+
+
+def test_status_update_reports_what_was_received_as_written_and_only_the_confirmed_as_flushed() -> (
+    None
+):
+    update = pgoutput.status_update(0x40, WHEN, written_lsn=0x90)
+    _tag, written, flushed, applied, _micros, reply = struct.unpack("!cQQQq?", update)
+    assert (written, flushed, applied, reply) == (0x90, 0x40, 0x40, False)
+    # Never a written position behind the flushed one.
+    update = pgoutput.status_update(0x40, WHEN, written_lsn=0x10)
+    assert struct.unpack("!cQQQq?", update)[1:4] == (0x40, 0x40, 0x40)
