@@ -186,11 +186,17 @@ class AckLatencySink(StdoutSink):
 
     def publish(self, batch: Any) -> None:
         super().publish(batch)
-        time.sleep(self.latency_s)
+        if self.latency_s:  # time.sleep(0) is still a system call and a trip through the GIL
+            time.sleep(self.latency_s)
 
 
 def relay_run(
-    dsn: str, batch: int, workers: int, mode: Mode, ack_latency_s: float = 0.0
+    dsn: str,
+    batch: int,
+    workers: int,
+    mode: Mode,
+    ack_latency_s: float = 0.0,
+    read_ahead: bool = True,
 ) -> tuple[float, Relay]:
     devnull = Path(os.devnull).open("w")  # noqa: SIM115 - closed below
     try:
@@ -199,7 +205,12 @@ def relay_run(
             lambda: AckLatencySink(devnull, ack_latency_s),
             spec=SPEC,
             options=RelayOptions(
-                mode=mode, batch_size=batch, workers=workers, until_empty=True, listen=False
+                mode=mode,
+                batch_size=batch,
+                workers=workers,
+                until_empty=True,
+                listen=False,
+                read_ahead=read_ahead,
             ),
         )
         started = time.perf_counter()
@@ -279,12 +290,13 @@ def relay_rate(
     workers: int,
     mode: Mode,
     ack_latency_s: float = 0.0,
+    read_ahead: bool = True,
 ) -> Callable[[], tuple[float, float]]:
     flat = mode is Mode.flat
 
     def run() -> tuple[float, float]:
         reset(conn, rows, flat=flat)
-        secs, relay = relay_run(dsn, batch, workers, mode, ack_latency_s)
+        secs, relay = relay_run(dsn, batch, workers, mode, ack_latency_s, read_ahead)
         assert relay.stats.published == rows and unpublished(conn, flat=flat) == 0
         return rows / secs, relay.stats.serialization_retries / max(1, relay.stats.batches)
 
@@ -295,13 +307,17 @@ def section_throughput(
     dsn: str, conn: psycopg.Connection, rows: int, peer_rows: int, reps: int
 ) -> None:
     print(f"\n## 1. Throughput, {rows:,} rows, median of {reps} (messages/s)")
-    header = f"{'batch':>6} {'(a) SQL-only':>13} {'relay part.':>12} {'relay x2':>9} "
+    header = f"{'batch':>6} {'(a) SQL-only':>13} {'relay part.':>12} {'no read-ahead':>14} "
+    header += f"{'relay x2':>9} "
     header += f"{'(b) relay flat':>15} {'(c) pgqueuer':>13} {'relay/(a)':>10} {'x2/(a)':>7} "
     header += f"{'relay/(c)':>10} {'part/flat':>10}"
     print(header)
     for batch in (100, 1000):
         sql, _ = measure(reps, sql_rate(dsn, conn, rows, batch, 1, False))
         part, _ = measure(reps, relay_rate(dsn, conn, rows, batch, 1, Mode.partitioned))
+        alone, _ = measure(
+            reps, relay_rate(dsn, conn, rows, batch, 1, Mode.partitioned, read_ahead=False)
+        )
         two, _ = measure(reps, relay_rate(dsn, conn, rows, batch, 2, Mode.partitioned))
         flat, _ = measure(reps, relay_rate(dsn, conn, rows, batch, 1, Mode.flat))
         peer = None
@@ -311,7 +327,8 @@ def section_throughput(
         peer_text = f"{peer:>13,.0f}" if peer else f"{'n/a':>13}"
         ratio_peer = f"{part / peer:>9.1f}x" if peer else f"{'n/a':>10}"
         print(
-            f"{batch:>6} {sql:>13,.0f} {part:>12,.0f} {two:>9,.0f} {flat:>15,.0f} {peer_text} "
+            f"{batch:>6} {sql:>13,.0f} {part:>12,.0f} {alone:>14,.0f} {two:>9,.0f} "
+            f"{flat:>15,.0f} {peer_text} "
             f"{part / sql:>9.0%} {two / sql:>6.0%} {ratio_peer} {part / flat:>9.2f}x"
         )
     if peer_rows:

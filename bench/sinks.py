@@ -63,7 +63,7 @@ class Figure:
 
 
 def batches(total: int, size: int) -> list[list[Message]]:
-    now = datetime.now(UTC)
+    now = datetime.now(UTC).isoformat()
     messages = [Message(i, "public.outbox", "OrderCreated", f"order-{i}", PAYLOAD, now)
                 for i in range(1, total + 1)]  # fmt: skip
     return [messages[i : i + size] for i in range(0, total, size)]

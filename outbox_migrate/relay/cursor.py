@@ -91,6 +91,9 @@ class Cursor:
         `_overflow`, which the gap walk of a claim already in flight reads as "stop"."""
         self._final: set[int] = set()
         """Expired gaps whose writers have all ended: probed once more, then forgotten."""
+        self._next_look = now + GAP_PROBE_S
+        """While a region is open, plain claims (read-ahead) give way to a claim that reads
+        the horizon this often."""
 
     def reset(self, mine: Sequence[int], now: float) -> None:
         """Shards changed or the session was lost: start over from id 0."""
@@ -106,6 +109,7 @@ class Cursor:
 
     def start(self, now: float) -> int:
         """`after` for the next claim (`id > after`)."""
+        self._next_look = now + GAP_PROBE_S
         if now >= self._next_full_rescan or self._overflow or self._settled:
             self._next_full_rescan = now + (
                 FULL_RESCAN_S if self.track_gaps else KEY_SHARD_RESCAN_S
@@ -226,6 +230,18 @@ class Cursor:
             self._final.update(region.ids)
             self._next_probe = 0.0
 
+    def plain(self, now: float) -> bool:
+        """Whether the next claim would be a plain range claim from the frontier: no rescan
+        from id 0, notified id, gap probe or horizon due (what read-ahead may claim)."""
+        return not (
+            self._lowered is not None
+            or self._overflow
+            or self._settled
+            or now >= self._next_full_rescan
+            or ((self.pending or self._final) and now >= self._next_probe)
+            or (self._region is not None and now >= self._next_look)
+        )
+
     def due(self) -> bool:
         """A claim below the frontier is due now: the worker should not sleep first."""
         return self._overflow or self._settled or bool(self._final) or self._lowered is not None
@@ -306,3 +322,6 @@ class NoCursor(Cursor):
 
     def wants_horizon(self) -> bool:
         return False
+
+    def plain(self, now: float) -> bool:
+        return False  # no frontier to claim after

@@ -90,11 +90,19 @@ def arm_idle_timeout(conn: Any) -> None:
     conn.execute(b"SELECT")
 
 
-def configure_session(conn: Any, timeout_s: float, poll_interval_s: float) -> None:
-    """Apply `server_settings` to a worker session (autocommit, before any transaction)."""
+def configure_session(
+    conn: Any, timeout_s: float, poll_interval_s: float, *, idle_session: bool = True
+) -> None:
+    """Apply `server_settings` to a worker session (autocommit, before any transaction).
+
+    `idle_session=False` leaves out `idle_session_timeout`: it exists to free the shards of a
+    silent relay, and a session that holds none (the read-ahead session) would only be cut
+    between backlogs for nothing."""
     from outbox_migrate.db import server_version
 
     settings = server_settings(timeout_s, poll_interval_s, server_version(conn))
+    if not idle_session:
+        settings.pop("idle_session_timeout", None)
     if not settings:
         return
     statement = sql.SQL("SELECT {}").format(

@@ -24,7 +24,8 @@ class Message(NamedTuple):
 
     Fields: `id`; `table`, the relation it was claimed from (flat table or partitioned
     parent); `event_type` and `key` (None when the outbox has no such column); `payload`, the
-    JSON text exactly as stored; `created_at`; `extra_headers`, metadata the outbox carries
+    JSON text exactly as stored; `created`, the creation time as RFC 3339 text (the
+    `created_at` property gives it as a datetime); `extra_headers`, metadata the outbox carries
     for the broker (a headers column, chosen metadata columns) as (name, value) pairs, in the
     order they are to be sent. Last and defaulted so a claim that selects no metadata builds
     a `Message` from its first six columns unchanged.
@@ -41,8 +42,15 @@ class Message(NamedTuple):
     event_type: str | None
     key: str | None
     payload: str
-    created_at: datetime
+    created: str
+    """RFC 3339, as the server rendered it (queries.created_text_expression): sinks send text,
+    and formatting a datetime per message cost more than any other field of the envelope."""
     extra_headers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def created_at(self) -> datetime:
+        """The creation time as an aware datetime (parsed on demand)."""
+        return datetime.fromisoformat(self.created)
 
     @property
     def payload_bytes(self) -> bytes:
@@ -55,10 +63,12 @@ class Message(NamedTuple):
         dict costs several times more); every string goes through the json module's own
         escaping. The payload is embedded verbatim: it is already valid JSON from PostgreSQL.
         """
+        event_type, key = self.event_type, self.key
         return (
-            f'{{"id":{self.id},"table":{_json_text(self.table)},'
-            f'"event_type":{_json_text(self.event_type)},"key":{_json_text(self.key)},'
-            f'"created_at":"{self.created_at.isoformat()}","payload":{self.payload}}}'
+            f'{{"id":{self.id},"table":{encode_basestring(self.table)},"event_type":'
+            f'{"null" if event_type is None else encode_basestring(event_type)},"key":'
+            f"{'null' if key is None else encode_basestring(key)},"
+            f'"created_at":"{self.created}","payload":{self.payload}}}'
         )
 
     def headers(self) -> dict[str, str]:

@@ -81,6 +81,9 @@ class RelayOptions:
     until_empty: bool = False
     poll_interval_s: float = POLL_INTERVAL_S
     linger_s: float = LINGER_S
+    read_ahead: bool = True
+    """Claim the next batch on a second session while one is published (relay/read_ahead.py):
+    a second connection per worker, used while claims come back full."""
     listen: bool = True
     channel: str = DEFAULT_CHANNEL
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S

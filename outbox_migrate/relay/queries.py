@@ -140,6 +140,23 @@ def created_expression(columns: Columns) -> sql.Composable:
     return sql.SQL("now()")
 
 
+RFC3339 = 'YYYY-MM-DD"T"HH24:MI:SS.USTZH:TZM'
+"""`to_char` format of a timestamptz as RFC 3339 (in the session's time zone, with offset)."""
+
+
+def created_text_expression(columns: Columns) -> sql.Composable:
+    """The creation time as RFC 3339 text, which is what every sink sends.
+
+    Rendered by the server in the claim rather than loaded as a datetime and formatted by the
+    relay: `datetime.isoformat()` alone cost 0.85 µs per message, a quarter of the relay's
+    per-message work at batch 1000 (bench/relay.py), and the relay never needs the datetime
+    itself (`Message.created_at` parses it on demand). A `timestamp` column is taken as
+    the session's local time, as a cast to timestamptz does."""
+    return sql.SQL("to_char({}::timestamptz, {})").format(
+        created_expression(columns), sql.Literal(RFC3339)
+    )
+
+
 def extra_headers_expression(columns: Columns) -> sql.Composable:
     """Broker headers from the row: the headers object's entries, then the metadata columns
     (a metadata column wins over a same-named entry), as a two-dimensional text[] of
@@ -245,7 +262,7 @@ def claimed_columns(source: Source, columns: Columns) -> sql.Composed:
         event_type=_optional(columns.event_type),
         key=_optional(columns.key),
         payload=payload_expression(columns),
-        created_at=created_expression(columns),
+        created_at=created_text_expression(columns),
         headers=sql.SQL(", {}").format(extra_headers_expression(columns))
         if columns.carries_headers
         else sql.SQL(""),

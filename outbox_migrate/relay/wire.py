@@ -204,7 +204,13 @@ class Wire:
         while pg.is_busy():
             self._wait_readable()
             pg.consume_input()
-        return pg.get_result()
+        result = pg.get_result()
+        if result is None and pg.status == pq.ConnStatus.BAD:
+            # The session is gone with a Sync still unanswered: no result will ever come, and
+            # without this a second read (cleanup after the first error) would spin for ever.
+            message = pg.get_error_message(self.encoding) or "the server closed the session"
+            raise pg_errors.OperationalError(f"connection lost: {message.strip()}")
+        return result
 
     def _wait_readable(self) -> None:
         while not self._poll.poll(1000):

@@ -27,13 +27,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import starmap
 from typing import Any
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
 from outbox_migrate.errors import OutboxMigrateError
-from outbox_migrate.relay import keepalive, library_logs, notify, queries, wire
+from outbox_migrate.relay import keepalive, library_logs, notify, queries, read_ahead, wire
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
 from outbox_migrate.relay.cursor import Cursor, NoCursor
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
@@ -53,6 +52,9 @@ log = logging.getLogger("outbox_migrate.relay")
 
 RELAY_APPLICATION_NAME = f"{APPLICATION_NAME} relay"
 MAX_ID_DIGITS = 20
+LINGER_SLEEP_MAX_S = 0.05
+"""Lingers up to this long are a plain sleep (a stop waits for it); longer ones wait on the
+stop event."""
 BUSY_POLL_CAP_S = 0.05
 """An idle worker that could not raise the idle flag (a writer that saw the relay busy has not
 committed yet) looks again after linger, doubling up to this: the late-row bound."""
@@ -76,12 +78,20 @@ class RelayStats:
     dead_lettered: int = 0
     switches: int = 0
     abandoned_workers: int = 0
+    read_ahead: int = 0
+    """Batches claimed on a worker's read-ahead session while the one before was published."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
         with self._lock:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
+
+    def batch(self, published: int) -> None:
+        """One batch committed (the per-batch path: no keyword dispatch)."""
+        with self._lock:
+            self.published += published
+            self.batches += 1
 
     def as_dict(self) -> dict[str, int]:
         with self._lock:
@@ -124,6 +134,10 @@ class _Waker:
             return None
         with self._cond:
             return self._lows.pop(worker, None)
+
+    def has_low(self, worker: int) -> bool:
+        """Whether a notified id waits for this worker (an unlocked peek)."""
+        return worker in self._lows
 
     @property
     def generation(self) -> int:
@@ -563,6 +577,17 @@ def _connection_errors(*more: type[BaseException]) -> tuple[type[BaseException],
     return (psycopg.OperationalError, psycopg.InterfaceError, *more)
 
 
+def _connect_worker(relay: Relay) -> Any:
+    """A worker session: the relay's application name, keepalives for its session timeout."""
+    from outbox_migrate.db import connect
+
+    return connect(
+        relay.dsn,
+        application_name=relay.application_name,
+        params=keepalive.libpq_params(relay.options.dead_session_s),
+    )
+
+
 def _payload_id(payload: str) -> int | None:
     """The id a notification carries, if it carries one (other payloads just wake)."""
     if payload.isdigit() and len(payload) < MAX_ID_DIGITS:
@@ -630,6 +655,12 @@ class _Worker:
         """The flag was raised and the confirming claim came back empty: the worker sleeps."""
         self.busy_polls = 0
         self.uses_flag = options.listen and not options.until_empty
+        self.read_ahead = read_ahead.ReadAhead(
+            read_ahead.open_session(
+                lambda: _connect_worker(relay), options.dead_session_s, options.poll_interval_s
+            )
+        )
+        """The worker's second session, claiming the next batch while one is published."""
         relay._waker.register(index)
 
     def run(self) -> None:
@@ -658,6 +689,8 @@ class _Worker:
                 except Exception:  # the session is closing anyway
                     log.debug("relay.release_failed", exc_info=True)
             relay._close_conn(self.index, self.conn)
+            relay._conns.pop(_ahead_key(self.index), None)
+            self.read_ahead.close()
 
     def _step_guarded(self) -> bool:
         """One loop iteration with its failures sorted. True = this worker is done."""
@@ -709,16 +742,10 @@ class _Worker:
         self.failures += 1
 
     def _step(self) -> bool:  # noqa: PLR0911 - one return per reason the loop ends or waits
-        from outbox_migrate.db import connect
-
         relay, options, lease = self.relay, self.relay.options, self.lease
         if self.conn is None:
             timeout_s = options.dead_session_s
-            self.conn = connect(
-                relay.dsn,
-                application_name=relay.application_name,
-                params=keepalive.libpq_params(timeout_s),
-            )
+            self.conn = _connect_worker(relay)
             keepalive.configure_session(self.conn, timeout_s, options.poll_interval_s)
             self.fence.lost()
             # The planner cannot know that `mod(id, n) = ANY(mine)` keeps 1/n of the rows; it
@@ -910,71 +937,194 @@ class _Worker:
         a batch's mark and COMMIT travel with the next batch's BEGIN and claim:
         one round trip per batch instead of four (BEGIN, claim, mark, COMMIT). At batch 100
         the round trips were as costly as the SQL itself (bench/relay.py). A batch counts as
-        published once its COMMIT is known to have succeeded: when the next claim's rows
-        arrive (results come back in order), or at the pipeline's final sync. When the next
+        published once its COMMIT is known to have succeeded: when a later result of its
+        session arrives (results come back in order), or at the final sync. When the next
         claim fails (SQLSTATE 40001, a lost connection), the COMMIT before it already
         happened or not — its own result says which.
 
-        Linger: after a claim that did not fill a batch, the COMMIT is sent on its own (not
-        waited for: its result comes back with the next claim's) and the next claim waits
-        until `linger_s` after the previous one was sent. Steady traffic then costs one batch,
-        and one wake-up, per linger period instead of one per message (see docs/relay.md).
+        Read-ahead (relay/read_ahead.py): while claims come back full, the next batch is
+        claimed on the worker's other session before this one is published, so the server
+        claims (and marks) while the relay publishes; batches alternate between the sessions.
+
+        Linger: after a claim that did not fill a batch, the next claim waits until
+        `linger_s` after the previous one was sent, and the lingering batch's mark and COMMIT
+        wait with it: they leave with the next BEGIN and claim, in the same network write.
+        Steady traffic then costs one batch, one write and one wake-up of the server per
+        linger period instead of one per message. Sending the COMMIT before the wait (as
+        before) cost a second write — and a second wake-up of the server backend, from the
+        relay's time slice — per batch (docs/relay.md has the figures). The price is that
+        the batch's row locks are held through the linger (a few milliseconds); its messages
+        are already delivered, so the latency does not change.
         """
-        relay, conn, cursor, sink, pipe = self.relay, self.conn, self.cursor, self.sink, self.wire
-        assert sink is not None and pipe is not None  # built by _step before any claim
+        relay, cursor, pipe = self.relay, self.cursor, self.wire
+        assert self.sink is not None and pipe is not None  # built by _step before any claim
         claim, probe, mark, sharded = self._statements(source)
         batch_size, linger = relay.options.batch_size, self._linger_s(source)
-        committed: _Commit | None = None
+        ahead_ok = self._read_ahead_allowed(source)
+        # Batches whose COMMIT was queued and not yet seen to succeed (at most one per session).
+        pending: list[_Commit] = []
+        empty_after: int | None = None
         try:
             with pipe.pipeline():
                 started = time.perf_counter()
                 sent = time.monotonic()
                 rows, after, ranged = self._claim(claim, probe, sharded)
+                conn, cur = self.conn, pipe  # the session holding the batch in hand
                 while True:
-                    if committed is not None:
-                        self._count(committed)
-                        committed = None
+                    if pending:
+                        self._count_committed(pending)
                     if not rows:
-                        pipe.send_plain(b"ROLLBACK")
-                        return after
+                        cur.send_plain(b"ROLLBACK")
+                        empty_after = after
+                        break
                     self._lower_idle_flag()  # if raised: the claim after raising it found rows
-                    batch = _messages(rows, relay._message)
-                    self.fence.check(time.monotonic())
-                    acked, dead, retry_from, attempts = relay._publish(
-                        wire.direct(conn, pipe), sink, source, batch
+                    ahead = None
+                    if (
+                        ahead_ok
+                        and ranged == batch_size
+                        and self._may_read_ahead(source, time.monotonic())
+                    ):
+                        # From the last id in hand: the rows come in ascending id order.
+                        ahead = self._send_ahead(
+                            cur, claim, mark, sharded, max(cursor.frontier, rows[-1][0])
+                        )
+                    attempts, now = self._publish_batch(
+                        conn, cur, source, (mark, rows, after, started), pending
                     )
-                    if relay._abandon.is_set():
-                        raise _Abandoned
-                    now = time.monotonic()
-                    cursor.claimed(after, [m.id for m in batch], now)
-                    if retry_from is not None:
-                        cursor.retry_from(retry_from)
-                    committed = self._mark_and_commit(mark, rows, acked, dead, started)
-                    relay.observer.heartbeat(self.index)
+                    stop_run = (
+                        relay.stopping or self.lease.due(now) or relay.state.current is not source
+                    )
+                    if ahead is not None and self._take_ahead(
+                        ahead, cur, keep=not (attempts or stop_run)
+                    ):
+                        started = time.perf_counter()
+                        rows, after, ranged = self._receive_ahead(ahead)
+                        conn, cur = ahead.conn, ahead.pipe
+                        continue
                     if attempts:
                         # Rejected messages are claimed again after a backoff that grows with
                         # their attempts, not at once: a transient refusal gets time to clear
                         # before the message counts towards the dead-letter table.
                         self.pause_s = relay._backoff(attempts - 1)
                         break
-                    if relay.stopping or self.lease.due(now) or relay.state.current is not source:
+                    if stop_run:
                         break
-                    if ranged < batch_size and linger > 0:
-                        # A small batch: commit it now, and give the next one time to fill.
-                        self._linger(pipe, committed, sent + linger)
-                        if relay.stopping:
-                            break
+                    if cur is not pipe:
+                        # The batch is the read-ahead session's: its mark and COMMIT complete
+                        # before the lease session claims again (a claim from id 0 must not
+                        # meet rows that move under it).
+                        cur.sync()
+                        conn, cur = self.conn, pipe
+                    if ranged < batch_size and linger > 0 and self._linger(pending, sent + linger):
+                        break
                     started = time.perf_counter()
                     sent = time.monotonic()
                     rows, after, ranged = self._claim(claim, probe, sharded)
+            self.read_ahead.settle()
         except BaseException:
-            if committed is not None and committed.succeeded:
-                self._count(committed)
-            self._end_transaction()
+            self._abort_run(pending)
             raise
-        if committed is not None:
-            self._count(committed)
-        return None
+        self._count_committed(pending)
+        return empty_after
+
+    def _abort_run(self, pending: list[_Commit]) -> None:
+        """A run failed: roll back both sessions, count what did commit (a COMMIT of the
+        read-ahead session still in flight is read first, so a batch marked is counted)."""
+        self.read_ahead.abandon()
+        for commit in pending:
+            if commit.succeeded:
+                self._count(commit)
+        self._end_transaction()
+
+    def _receive_ahead(self, ahead: read_ahead.Pending) -> tuple[list[Any], int, int]:
+        """The rows claimed ahead, as `_claim` returns them (rows, after, rows of the range
+        claim); a claim on the lease session proves the lease too."""
+        rows = self.read_ahead.receive(ahead)
+        if ahead.pipe is self.wire:
+            self.fence.proven(ahead.sent)
+        self.relay.stats.add(read_ahead=1)
+        return rows, ahead.after, len(rows)
+
+    def _publish_batch(
+        self,
+        conn: Any,
+        pipe: wire.Wire,
+        source: queries.Source,
+        claimed: tuple[bytes, list[Any], int, float],
+        pending: list[_Commit],
+    ) -> tuple[int, float]:
+        """Publish the claimed rows and queue their mark and COMMIT on their session. Returns
+        the most attempts of a message to claim again (0: none) and the time after."""
+        relay, cursor = self.relay, self.cursor
+        mark, rows, after, started = claimed
+        batch = _messages(rows, relay._message)
+        self.fence.check(time.monotonic())
+        assert self.sink is not None
+        acked, dead, retry_from, attempts = relay._publish(
+            wire.direct(conn, pipe), self.sink, source, batch
+        )
+        if relay._abandon.is_set():
+            raise _Abandoned
+        now = time.monotonic()
+        cursor.claimed(after, [m.id for m in batch], now)
+        if retry_from is not None:
+            cursor.retry_from(retry_from)
+        pending.append(self._mark_and_commit(pipe, mark, rows, acked, dead, started))
+        relay.observer.heartbeat(self.index)
+        return attempts, now
+
+    @staticmethod
+    def _take_ahead(ahead: read_ahead.Pending, cur: wire.Wire, *, keep: bool) -> bool:
+        """After a batch was published: send its mark and COMMIT and take the batch claimed
+        ahead (True), or — the publish was refused in part, or the worker must look up — roll
+        the read-ahead back unpublished (its rows are claimed again later)."""
+        if keep:
+            cur.send_sync()
+            return True
+        ahead.pipe.send_plain(b"ROLLBACK")
+        ahead.pipe.send_sync()
+        return False
+
+    def _read_ahead_allowed(self, source: queries.Source) -> bool:
+        """Read-ahead keeps publishing one batch at a time in id order, but a rejection would
+        meet a batch already claimed behind it: with key or global ordering (parking, strict
+        order) and application ids (no cursor to claim after) it is not used."""
+        relay = self.relay
+        options = relay.options
+        return (
+            options.read_ahead
+            and options.ordering is Ordering.none
+            and not relay._text_ids
+            # not while the switching relay drains the flat table to leave it
+            and self._linger_s(source) == options.linger_s
+        )
+
+    def _may_read_ahead(self, source: queries.Source, now: float) -> bool:
+        """Whether the next claim may be a plain range claim from the frontier, claimed now on
+        the other session: nothing the lease session must do first (relay/read_ahead.py)."""
+        relay = self.relay
+        return not (
+            relay.stopping
+            or self.pause_s
+            or self.lease.due(now)
+            or relay.state.current is not source
+            or relay._waker.has_low(self.index)
+            or not self.cursor.plain(now)
+        )
+
+    def _send_ahead(
+        self, cur: wire.Wire, claim: bytes, mark: bytes, sharded: bool, after: int
+    ) -> read_ahead.Pending:
+        """Send the next batch's claim, from `after`, on the session not holding `cur`."""
+        params: dict[str, Any] = {"limit": self.relay.options.batch_size}
+        if sharded:
+            params.update(shards=self.lease.count, mine=self.lease.mine())
+        if cur is not self.wire:
+            assert self.wire is not None
+            return self.read_ahead.send(self.wire, self.conn, claim, params, after)
+        conn, pipe = self.read_ahead.session((claim, mark))
+        self.relay._conns[_ahead_key(self.index)] = conn
+        return self.read_ahead.send(pipe, conn, claim, params, after)
 
     def _linger_s(self, source: queries.Source) -> float:
         relay = self.relay
@@ -986,34 +1136,46 @@ class _Worker:
 
     def _mark_and_commit(
         self,
+        pipe: wire.Wire,
         mark: bytes,
         rows: list[Any],
         acked: list[MessageId],
         dead: list[MessageId],
         started: float,
     ) -> _Commit:
-        """Queue the mark of the acknowledged and dead-lettered rows, and the COMMIT."""
-        pipe = self.wire
-        assert pipe is not None
+        """Queue the mark of the acknowledged and dead-lettered rows, and the COMMIT, on the
+        session that claimed them."""
         tids = _tids_to_mark(rows, acked, dead)
         if tids:
             # An array literal: a list dumper would cost more than the mark.
             pipe.send(mark, {"tids": '{"' + '","'.join(tids) + '"}'})
         return _Commit(len(acked), started, pipe.send_plain(b"COMMIT"))
 
-    def _linger(self, pipe: wire.Wire, committed: _Commit, until: float) -> None:
-        """Send the COMMIT now (no row locks or snapshot held while waiting), then wait until
-        `until` (or a stop). Its result is read with the next claim's, in the same wake-up
-        (the batch is counted then, as after a batch without linger)."""
-        pipe.send_sync()
-        committed.sent = time.perf_counter()
+    def _linger(self, pending: list[_Commit], until: float) -> bool:
+        """Wait until `until` (or a stop: True) with the batch's mark and COMMIT queued: they
+        go out with the next claim, or at the pipeline's final sync on a stop (the batch is
+        counted then, as after a batch without linger; its time excludes the wait)."""
+        if pending:
+            pending[-1].sent = time.perf_counter()
         wait = until - time.monotonic()
-        if wait > 0:
+        if wait > LINGER_SLEEP_MAX_S:
             self.relay._stop.wait(wait)
+        elif wait > 0:
+            # A plain sleep: `Event.wait` allocates and queues a lock per call, which this
+            # path pays once per batch; a stop waits at most this long.
+            time.sleep(wait)
+        return self.relay.stopping
+
+    def _count_committed(self, pending: list[_Commit]) -> None:
+        """Count the batches whose COMMIT result came back (a failed one raised already)."""
+        done = [c for c in pending if c.commit.result is not None]
+        for commit in done:
+            self._count(commit)
+            pending.remove(commit)
 
     def _count(self, commit: _Commit) -> None:
         relay = self.relay
-        relay.stats.add(published=commit.published, batches=1)
+        relay.stats.batch(commit.published)
         relay.observer.published(commit.published)
         relay.observer.batch_seconds((commit.sent or time.perf_counter()) - commit.started)
 
@@ -1031,20 +1193,28 @@ class _Worker:
             log.debug("relay.rollback_failed", exc_info=True)
 
 
+def _ahead_key(index: int) -> int:
+    """The read-ahead session's key in `Relay._conns` (cancelled at the shutdown timeout)."""
+    return -1 - index
+
+
 _HORIZON = queries.horizon().as_string().encode()
 _IDLE_UNLOCK = queries.idle_unlock().as_string().encode()
-_MESSAGE_COLUMNS = operator.itemgetter(slice(0, queries.CLAIM_CTID_COLUMN))
 _ID = operator.itemgetter(0)
 
 
 def _messages(rows: list[Any], message: type[Message] = Message) -> list[Message]:
     """The claimed rows as `Message`s; the extra headers (a text[][] of [name, value]) only
-    when the claim selected them, so an outbox without metadata pays nothing for them."""
+    when the claim selected them, so an outbox without metadata pays nothing for them.
+
+    Built with `tuple.__new__` from the row's first six columns: the NamedTuple's own
+    `__new__` is a Python function, and this runs once per message (0.26 → 0.16 µs a row)."""
+    new = tuple.__new__
     if len(rows[0]) <= queries.CLAIM_HEADERS_COLUMN:
-        return list(starmap(message, map(_MESSAGE_COLUMNS, rows)))
+        return [new(message, (r[0], r[1], r[2], r[3], r[4], r[5], ())) for r in rows]
     at = queries.CLAIM_HEADERS_COLUMN
     return [
-        message(r[0], r[1], r[2], r[3], r[4], r[5], tuple((k, v) for k, v in r[at] or ()))
+        new(message, (r[0], r[1], r[2], r[3], r[4], r[5], tuple((k, v) for k, v in r[at] or ())))
         for r in rows
     ]
 
@@ -1066,7 +1236,8 @@ class _Commit:
     started: float
     commit: wire.Slot
     sent: float = 0.0
-    """When its COMMIT went out alone (a linger); 0: with the next claim."""
+    """When it started to linger (its mark and COMMIT then wait for the next claim); 0: no
+    linger. The batch's time ends there."""
 
     @property
     def succeeded(self) -> bool:

@@ -366,6 +366,8 @@ class CdcRelay:
 
     def message(self, columns: _Columns, values: Sequence[str | None]) -> Message:
         created = values[columns.created_at] if columns.created_at is not None else None
+        # pgoutput's text ("2026-01-02 03:04:05.6+00") as RFC 3339, like the polling claim's
+        created_at = datetime.fromisoformat(created) if created else datetime.now(UTC)
         extra: tuple[tuple[str, str], ...] = ()
         if columns.headers is not None or columns.metadata:
             extra = _extra_headers(columns, values)
@@ -375,7 +377,7 @@ class CdcRelay:
             values[columns.event_type] if columns.event_type is not None else None,
             values[columns.key] if columns.key is not None else None,
             values[columns.payload] or "null",
-            datetime.fromisoformat(created) if created else datetime.now(UTC),
+            created_at.isoformat(),
             extra,
         )
 

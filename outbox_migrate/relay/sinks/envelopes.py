@@ -72,7 +72,7 @@ class CloudEvents:
             "source": self.source or f"/outbox/{message.table}",
             "type": message.event_type or self.default_type,
             "datacontenttype": CONTENT_TYPE,
-            "time": message.created_at.isoformat(),
+            "time": message.created,
         }
         if message.key is not None:
             out["subject"] = message.key

@@ -86,7 +86,7 @@ class RedisSink:
             "table": message.table,
             "event_type": message.event_type or "",
             "key": message.key or "",
-            "created_at": message.created_at.isoformat(),
+            "created_at": message.created,
         }
         for name, value in message.extra_headers:
             if name not in BUILT_IN_FIELDS:

@@ -425,7 +425,9 @@ def test_relay_survives_terminated_sessions(
     assert relay.stats.connection_retries >= 1
     assert set(collected.ids) == set(ids_in(partitioned, "outbox_new"))
     assert ids_in(partitioned, "outbox_unpublished") == []
-    assert collected.duplicates() <= 200  # at most the batches in flight when killed
+    # At most the batches in flight when killed: per worker the one being published and,
+    # while it reads ahead, the one whose mark was committing meanwhile (docs/relay.md).
+    assert collected.duplicates() <= 400
 
 
 def test_a_claim_failing_after_the_previous_commit_loses_nothing(

@@ -103,3 +103,40 @@ def test_prepared_statements_survive_a_rollback_through_psycopg(
     with wire.pipeline():
         rows = wire.send(SELECT_AFTER, {"n": 2, "after": 1})
     assert wire.rows(rows) == [(2,)]
+
+
+def test_a_lost_session_raises_on_every_read_instead_of_spinning(
+    wire: Wire, conn: psycopg.Connection, dsn: str
+) -> None:
+    """A session the server ended while a Sync was pending: the first read raises, and so does
+    every later one (the read-ahead session's cleanup reads again after the error). Before,
+    the second read found no result and a dead connection and looped for ever."""
+    import threading
+
+    pid = conn.info.backend_pid
+    wire.send_plain(b"BEGIN")
+    wire.send(b"SELECT pg_sleep(30)")
+    wire.send_sync()
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        while not admin.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND query LIKE 'SELECT pg_sleep%%'",
+            (pid,),
+        ).fetchone():
+            pass
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    outcomes: list[BaseException | None] = []
+
+    def read_twice() -> None:
+        for _ in range(2):
+            try:
+                wire.sync()
+                outcomes.append(None)
+            except psycopg.OperationalError as exc:
+                outcomes.append(exc)
+
+    reader = threading.Thread(target=read_twice, daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "a read on the lost session never returned"
+    assert len(outcomes) == 2 and all(isinstance(o, psycopg.OperationalError) for o in outcomes)
+    wire.close()  # leaves pipeline mode on the dead session, as the worker's cleanup does

@@ -132,6 +132,39 @@ def test_ids_passed_without_a_gap_list_are_claimed_again_once_their_writers_ende
     assert c.start(REGION_SETTLE_S + 0.3) == 1_000_002
 
 
+def test_plain_claims_give_way_to_whatever_only_the_lease_session_does() -> None:
+    """Read-ahead claims are plain range claims from the frontier (relay/read_ahead.py): the
+    cursor says no while a probe, a rescan from id 0, a notified id or a horizon read is due,
+    so those stay on the lease session, at most one probe period late."""
+    c = cursor()
+    c.start(0.0)
+    c.claimed(0, [1, 2, 3], 0.0)
+    assert c.plain(0.01)
+    c.claimed(3, [4, 6], 0.02)  # 5 is a gap
+    assert c.plain(0.03)  # the probe is not due yet
+    assert not c.plain(GAP_PROBE_S + 0.01)  # now it is: the lease session claims
+    assert c.probe(GAP_PROBE_S + 0.01) == [5]
+    assert c.plain(GAP_PROBE_S + 0.02)
+    c.notified(5)  # a late row below the frontier was notified
+    assert not c.plain(GAP_PROBE_S + 0.02)
+    assert c.probe(GAP_PROBE_S + 0.02) == [5]
+    assert not c.plain(FULL_RESCAN_S)  # the once-a-minute rescan
+    c.force_full_rescan()
+    assert not c.plain(0.1)
+
+
+def test_plain_claims_read_the_horizon_once_a_probe_period_while_a_region_is_open() -> None:
+    c = cursor()
+    c.claimed(0, [1_000_002], 0.0)  # jumped from 0: an unaccounted region opens
+    assert c.start(0.0) == 0
+    c.claimed(0, [], 0.01)
+    assert c.start(0.02) == 1_000_002 and c.wants_horizon()
+    assert c.plain(0.03)  # range claims may run ahead meanwhile...
+    assert not c.plain(0.02 + GAP_PROBE_S)  # ...but a claim with the horizon comes first
+    c.start(0.02 + GAP_PROBE_S)
+    assert c.plain(0.03 + GAP_PROBE_S)
+
+
 def test_a_region_settling_during_a_claim_keeps_that_claims_gaps() -> None:
     """The horizon is read in the claim's round trip, before the claim is recorded: settling
     the region then must not stop the gap walk of that claim (it did, as an overflow)."""
@@ -272,7 +305,7 @@ def test_options_validation() -> None:
 
 def test_envelope_is_json_with_the_payload_embedded() -> None:
     message = Message(7, "public.outbox_new", 'quote"d', None, '{"a": [1, 2]}',
-                      datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))  # fmt: skip
+                      datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).isoformat())  # fmt: skip
     data = json.loads(message.envelope())
     assert data == {
         "id": 7, "table": "public.outbox_new", "event_type": 'quote"d', "key": None,

@@ -17,7 +17,7 @@ from outbox_migrate.relay.sinks.http import header_value
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.sinks.urls import require_scheme
 
-NOW = datetime(2026, 5, 4, 3, 2, 1, tzinfo=UTC)
+NOW = datetime(2026, 5, 4, 3, 2, 1, tzinfo=UTC).isoformat()
 MESSAGE = Message(5, "public.outbox", "Placed", 'k"1', '{"a": [1, 2]}', NOW, (("tp", "x"),))
 
 

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 from outbox_migrate.relay.message import Message
 
-NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).isoformat()
 
 
 def test_a_six_column_claim_row_builds_a_message_without_extra_headers() -> None:

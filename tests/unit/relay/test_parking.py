@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.parking import PARK_STALE_S, Parking
 
-NOW = datetime(2026, 1, 1, tzinfo=UTC)
+NOW = datetime(2026, 1, 1, tzinfo=UTC).isoformat()
 SRC = "public.outbox"
 
 

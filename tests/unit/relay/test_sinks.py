@@ -16,7 +16,7 @@ from outbox_migrate.relay.sinks.http import posting_groups
 from outbox_migrate.relay.sinks.rabbitmq import Confirms
 from tests.support.webhook import Webhook
 
-NOW = datetime(2025, 1, 1, tzinfo=UTC)
+NOW = datetime(2025, 1, 1, tzinfo=UTC).isoformat()
 
 
 def message(id_: int, key: str | None = None) -> Message:
@@ -156,7 +156,7 @@ def test_headers_and_envelope_per_message(http_sink) -> None:
     with Webhook() as hook:
         http_sink(hook.url).publish([message(7, "a")])
     assert hook.bodies == [{"id": 7, "table": "public.outbox", "event_type": "event", "key": "a",
-                            "created_at": NOW.isoformat(), "payload": {"n": 7}}]  # fmt: skip
+                            "created_at": NOW, "payload": {"n": 7}}]  # fmt: skip
     headers = {k.lower(): v for k, v in hook.headers[0].items()}
     assert headers["idempotency-key"] == headers["x-outbox-id"] == "7"
     assert headers["x-event-type"] == "event"

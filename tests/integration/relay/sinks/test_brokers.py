@@ -137,7 +137,7 @@ def test_rabbitmq_one_batch_of_thousands_is_confirmed_at_once(rabbitmq_url: str)
     from outbox_migrate.relay.sinks.rabbitmq import RabbitMQSink
 
     queue = f"om-test-{uuid.uuid4().hex[:8]}"
-    now = datetime.now(UTC)
+    now = datetime.now(UTC).isoformat()
     batch = [Message(i, "public.outbox", None, None, f'{{"n":{i}}}', now) for i in range(1, 5001)]
     sink = RabbitMQSink(SinkConfig(url=rabbitmq_url, target=queue))
     try:
@@ -248,7 +248,7 @@ def test_rabbitmq_nack_makes_the_whole_batch_unavailable(rabbitmq_url: str) -> N
 def time_now():
     from datetime import UTC, datetime
 
-    return datetime.now(UTC)
+    return datetime.now(UTC).isoformat()
 
 
 @pytest.mark.broker("rabbitmq")
@@ -318,7 +318,9 @@ def test_nats_jetstream_deduplicates_on_outbox_id(
     ).fetchall()
     sink = NatsSink(config)
     try:
-        sink.publish([Message(r[0], "public.outbox_new", r[1], r[2], r[3], r[4]) for r in rows])
+        sink.publish(
+            [Message(r[0], "public.outbox_new", r[1], r[2], r[3], r[4].isoformat()) for r in rows]
+        )
     finally:
         sink.close()
     assert sink.duplicates == 100

@@ -107,7 +107,7 @@ def test_nats_publish_to_a_dead_server_fails_within_the_sink_timeout(nats_url: s
 
     def publish() -> None:
         try:
-            sink.publish([Message(1, "t", None, None, "{}", datetime.now(UTC))])
+            sink.publish([Message(1, "t", None, None, "{}", datetime.now(UTC).isoformat())])
         except BaseException as exc:
             outcome.append(exc)
 

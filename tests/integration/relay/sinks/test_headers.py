@@ -21,7 +21,7 @@ from outbox_migrate.relay.sinks import SinkConfig, factory
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 EXTRA = (("traceparent", TRACEPARENT), ("tenant-id", "acme"))
-CREATED = datetime(2026, 5, 4, 3, 2, 1, tzinfo=UTC)
+CREATED = datetime(2026, 5, 4, 3, 2, 1, tzinfo=UTC).isoformat()
 PAYLOAD = '{"order": 7, "total": "12.50"}'
 
 
