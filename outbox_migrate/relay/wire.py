@@ -126,6 +126,11 @@ class Wire:
         name = b"om_relay_%d" % next(_NAMES)
         result = self.pg.prepare(name, statement.text)
         if result.status != pq.ExecStatus.COMMAND_OK:
+            if self.pg.status == pq.ConnStatus.BAD:
+                # A result made up by libpq (no SQLSTATE): psycopg's class for it would be the
+                # generic DatabaseError, which the worker does not retry as a lost connection.
+                message = result.error_message.decode(self.encoding, "replace").strip()
+                raise pg_errors.OperationalError(f"connection lost: {message}")
             raise pg_errors.error_from_result(result, encoding=self.encoding)
         self._prepared[rendered] = (name, statement.names)
         return name

@@ -140,3 +140,15 @@ def test_a_lost_session_raises_on_every_read_instead_of_spinning(
     assert not reader.is_alive(), "a read on the lost session never returned"
     assert len(outcomes) == 2 and all(isinstance(o, psycopg.OperationalError) for o in outcomes)
     wire.close()  # leaves pipeline mode on the dead session, as the worker's cleanup does
+
+
+def test_preparing_on_a_lost_session_is_a_lost_connection(
+    wire: Wire, conn: psycopg.Connection, dsn: str
+) -> None:
+    """libpq's own result for a dead session has no SQLSTATE; before, it became psycopg's
+    generic DatabaseError, which the worker does not retry, and a relay whose read-ahead
+    session was cut while it prepared its statements stopped for good."""
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+    with pytest.raises(psycopg.OperationalError):
+        wire.prepare(b"SELECT 1")
