@@ -14,6 +14,10 @@ Prints:
      partitioned`), each a separate process printing to a pipe that this process reads in
      chunks (one timestamp per read, so the reader keeps up with pg_recvlogical's unbuffered
      writes at 5,000 msg/s). Ratios are against pg_recvlogical measured in the same run.
+     The CDC rows run with the relay's default `--linger-ms` (or `--cdc-linger-ms`); each
+     value of `--lingers` adds a row "cdc, linger N" (default marks) to show the trade-off.
+     `wakes/msg`: the consumer's voluntary context switches (its sleeps, so its wake-ups)
+     per message written.
 
 It starts its own PostgreSQL 18 (fsync off, wal_level=logical). Default run: about 3 minutes.
 """
@@ -249,8 +253,25 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _consumer(kind: str, dsn: str, server: pgserver.Server) -> tuple[list[str], re.Pattern[bytes]]:
+def _wakes(pid: int) -> int:
+    """Voluntary context switches of all of a process's threads (each one a sleep, so the
+    wake-ups that follow), from /proc."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            text = status.read_text()
+        except FileNotFoundError:  # a thread that just ended
+            continue
+        total += int(text.partition("voluntary_ctxt_switches:")[2].split()[0])
+    return total
+
+
+def _consumer(
+    kind: str, dsn: str, server: pgserver.Server, linger_ms: float | None
+) -> tuple[list[str], re.Pattern[bytes]]:
     python = [sys.executable, "-m", "outbox_migrate", "relay", "--sink", "stdout", "--dsn", dsn]
+    if kind.startswith("cdc") and linger_ms is not None:
+        python += ["--linger-ms", f"{linger_ms:g}"]
     if kind == "pg_recvlogical":
         params = psycopg.conninfo.conninfo_to_dict(dsn)
         base = [server.tool("pg_recvlogical"), "-h", str(params["host"]), "-p",
@@ -264,22 +285,30 @@ def _consumer(kind: str, dsn: str, server: pgserver.Server) -> tuple[list[str], 
         return [*python, "--mode", "cdc", "--no-mark"], ID_JSON
     if kind == "cdc, mark 0":  # the next mark as soon as the previous one committed
         return [*python, "--mode", "cdc", "--mark-interval", "0"], ID_JSON
+    if kind.startswith("cdc, linger "):  # a variant row: the last --linger-ms wins
+        return [*python, "--mode", "cdc", "--linger-ms", kind.removeprefix("cdc, linger ")], ID_JSON
     # No NOTIFY from the writers: poll every 10 ms so the polling relay's latency means
     # something (its default, 1 s, would dominate every figure).
     return [*python, "--mode", "partitioned", "--poll-interval", "0.01"], ID_JSON
 
 
 def run_steady(
-    kind: str, dsn: str, server: pgserver.Server, rate: int, seconds: float
+    kind: str,
+    dsn: str,
+    server: pgserver.Server,
+    rate: int,
+    seconds: float,
+    linger_ms: float | None = None,
 ) -> dict[str, float]:
     _fresh(dsn)
-    command, pattern = _consumer(kind, dsn, server)
+    command, pattern = _consumer(kind, dsn, server, linger_ms)
     errors = tempfile.TemporaryFile()  # noqa: SIM115 - read back after the consumer exits
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, cwd=REPO)
     reader = Reader(proc.stdout, pattern)
     reader.start()
     time.sleep(SETTLE_S)
     cpu_start = _cpu_s(proc.pid)  # the consumer's own CPU from here on (not its start-up)
+    wakes_start = _wakes(proc.pid)
     queue: Any = multiprocessing.Queue()
     writers = [
         multiprocessing.Process(target=_writer, args=(dsn, rate / WRITERS, seconds, queue))
@@ -296,6 +325,7 @@ def run_steady(
     while len(reader.seen) < len(written) and time.monotonic() < deadline:
         time.sleep(0.05)
     cpu = _cpu_s(proc.pid) - cpu_start
+    wakes = _wakes(proc.pid) - wakes_start
     proc.terminate()
     proc.wait(timeout=30)
     reader.join(timeout=5)
@@ -313,26 +343,37 @@ def run_steady(
         "p50": statistics.median(lat) if lat else float("nan"),
         "p99": lat[int(len(lat) * 0.99) - 1] if lat else float("nan"),
         "cpu": cpu,
+        "wakes": wakes / max(1, len(written)),
         "achieved": len(written) / seconds,
     }
 
 
-def section_steady(dsn: str, server: pgserver.Server, rates: list[int], seconds: float) -> None:
+def section_steady(
+    dsn: str,
+    server: pgserver.Server,
+    rates: list[int],
+    seconds: float,
+    linger_ms: float | None = None,
+    lingers: tuple[float, ...] = (),
+) -> None:
     print(f"\n## 2. Steady load, {WRITERS} writers, single-row INSERTs, {seconds:.0f} s per run")
+    default = "the relay's default" if linger_ms is None else f"{linger_ms:g} ms"
+    print(f"(CDC rows: --linger-ms {default}, unless the row names one)")
+    consumers = [*CONSUMERS[:4], *(f"cdc, linger {v:g}" for v in lingers), *CONSUMERS[4:]]
     print(
         f"{'rate':>6} {'consumer':16} {'achieved/s':>10} {'p50 ms':>7} {'p99 ms':>7} "
-        f"{'CPU s':>6} {'missing':>7} {'p99/floor':>9} {'CPU/floor':>9}"
+        f"{'CPU s':>6} {'missing':>7} {'p99/floor':>9} {'CPU/floor':>9} {'wakes/msg':>9}"
     )
     for rate in rates:
         floor: dict[str, float] | None = None
-        for kind in CONSUMERS:
-            r = run_steady(kind, dsn, server, rate, seconds)
+        for kind in consumers:
+            r = run_steady(kind, dsn, server, rate, seconds, linger_ms)
             if floor is None:
                 floor = r
             print(
                 f"{rate:6} {kind:16} {r['achieved']:10,.0f} {r['p50']:7.2f} {r['p99']:7.2f} "
                 f"{r['cpu']:6.2f} {r['missing']:7.0f} {r['p99'] / floor['p99']:8.2f}x "
-                f"{r['cpu'] / floor['cpu']:8.2f}x",
+                f"{r['cpu'] / floor['cpu']:8.2f}x {r['wakes']:9.2f}",
                 flush=True,
             )
 
@@ -346,6 +387,12 @@ def main(argv: list[str] | None = None) -> None:
         "--psycopg2-python", help="a Python with psycopg2-binary, to measure option (c)"
     )
     parser.add_argument("--dsn", help="an existing server with wal_level=logical (default: own)")
+    parser.add_argument(
+        "--cdc-linger-ms", type=float, help="--linger-ms for the CDC rows (default: the relay's)"
+    )
+    parser.add_argument(
+        "--lingers", default="", help="comma-separated --linger-ms values, a CDC row each"
+    )
     args = parser.parse_args(argv)
     server = None
     if args.dsn:
@@ -368,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
             section_transport(dsn, args.psycopg2_python)
         if "2" in args.only:
             rates = [int(r) for r in args.rates.split(",")]
-            section_steady(dsn, srv, rates, args.seconds)
+            lingers = tuple(float(v) for v in args.lingers.split(",") if v)
+            section_steady(dsn, srv, rates, args.seconds, args.cdc_linger_ms, lingers)
         print(json.dumps({"done": True}))
     finally:
         if server is not None:

@@ -29,6 +29,8 @@ class CdcArgs:
     mark_interval_s: float
     lag_warn_mb: int
     failover: bool
+    linger_s: float | None = None
+    """None: CDC's own default (not the polling relay's)."""
 
 
 def drop_slot(dsn: str, spec: OutboxSpec, args: CdcArgs, *, yes: bool) -> None:
@@ -95,7 +97,7 @@ def run(
 
     from outbox_migrate.relay import metrics as relay_metrics
     from outbox_migrate.relay.cdc.metrics import CdcObserver
-    from outbox_migrate.relay.cdc.options import CdcOptions
+    from outbox_migrate.relay.cdc.options import DEFAULT_LINGER_S, CdcOptions
     from outbox_migrate.relay.cdc.relay import CdcRelay
 
     options = CdcOptions(
@@ -105,6 +107,7 @@ def run(
         mark=args.mark,
         mark_interval_s=args.mark_interval_s,
         failover=args.failover,
+        linger_s=DEFAULT_LINGER_S if args.linger_s is None else args.linger_s,
         until_caught_up=until_empty,
         lag_warn_bytes=args.lag_warn_mb * 1024 * 1024,
         max_attempts=max_attempts,

@@ -110,8 +110,16 @@ def relay(
     poll_interval: Annotated[float, typer.Option(help="Seconds between idle polls.")] = 1.0,
     listen: Annotated[bool, typer.Option("--listen/--no-listen", help="Wake on NOTIFY.")] = True,
     linger_ms: Annotated[
-        float, typer.Option(help="After a small batch, wait this long for more rows.")
-    ] = 5.0,
+        float | None,
+        typer.Option(
+            help="After a small batch, wait this long for more rows [polling: 5]. cdc: once "
+            "a transaction arrives, sleep this long (and, while the stream stays busy, "
+            "between batches) before reading what arrived and publishing what is complete "
+            "as one batch: fewer wake-ups (CPU) for up to this much latency; a full batch "
+            "never waits; 0 publishes at once [cdc: 2].",
+            show_default=False,
+        ),
+    ] = None,
     install_notify: Annotated[
         bool,
         typer.Option(
@@ -202,7 +210,7 @@ def relay(
     from outbox_migrate.errors import UsageError
     from outbox_migrate.relay import metrics as relay_metrics
     from outbox_migrate.relay import sinks
-    from outbox_migrate.relay.options import Mode, Ordering, RelayOptions, SwitchGate
+    from outbox_migrate.relay.options import LINGER_S, Mode, Ordering, RelayOptions, SwitchGate
     from outbox_migrate.relay.worker import Relay
 
     logging.basicConfig(
@@ -230,7 +238,7 @@ def relay(
         ),
         until_empty=until_empty,
         poll_interval_s=poll_interval,
-        linger_s=linger_ms / 1000.0,
+        linger_s=LINGER_S if linger_ms is None else linger_ms / 1000.0,
         listen=listen,
         channel=channel,
         shutdown_timeout_s=shutdown_timeout,
@@ -299,6 +307,7 @@ def _cdc(given: dict[str, object], dsn: str) -> None:
         slot=a["slot"], publication=a["publication"], mark=a["mark"],
         mark_interval_s=a["mark_interval"], lag_warn_mb=a["slot_lag_warn_mb"],
         failover=a["failover_slot"],
+        linger_s=None if a["linger_ms"] is None else a["linger_ms"] / 1000.0,
     )  # fmt: skip
     if a["drop_slot"]:
         relay_cdc.drop_slot(dsn, a["settings"].spec, args, yes=a["yes"])

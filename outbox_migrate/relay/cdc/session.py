@@ -5,9 +5,21 @@ The state machine behind `CdcRelay` (see its module doc for the guarantees):
 * per wake-up, every frame libpq has received is taken in one call (`stream.drain`) and acted
   on in one call (`_frames`, decoding in place); each transaction's outbox inserts are kept
   between its Begin and Commit; complete transactions collect in `pending`;
-* `pending` is published as soon as nothing more is buffered, or when it reached the batch
-  size (always at a transaction boundary); the acknowledged ids then wait in `acked` for the
-  mark. The loop's cost is per wake-up, not per frame (docs/relay.md, "CDC mode: CPU");
+* `pending` is published once nothing more is buffered and the linger is over, or at once
+  when it reached the batch size (always at a transaction boundary); the acknowledged ids
+  then wait in `acked` for the mark. The loop's cost is per wake-up, not per frame
+  (docs/relay.md, "CDC mode: CPU");
+* the linger (`linger_s`): a wake-up that leaves a transaction to publish (or one begun)
+  does not publish it at once. It sleeps — a plain timed sleep, not watching the socket —
+  until `linger_s` after that transaction's first frame arrived, then reads everything the
+  socket holds, decodes it in one pass and publishes the complete transactions as one
+  batch: one wake-up for several transactions, and the keepalives that arrived meanwhile.
+  Socket data already waiting (a backlog) is read before sleeping, and a full batch is
+  published as it completes, so a backlog never waits. After a lingered publish the next
+  wait is a sleep of `linger_s` too (a steady stream: one wake-up per linger, not two),
+  and a sleep that brings nothing returns to waiting on the socket. An idle stream still
+  wakes on its first packet; a lone insert is delivered `linger_s` plus processing after
+  it arrived, and nothing waits more than that;
 * marks run *behind* the stream: once per `mark_interval_s` (or as soon as `MARK_MAX_IDS` ids
   wait) the ids acknowledged since the last mark go out as one statement on the marks session,
   sent without waiting for it; the loop keeps reading and publishing, and collects the mark's
@@ -56,7 +68,11 @@ class StreamSession:
         self.pending_transactions = 0
         self.pending_end = 0
         """End of the last complete transaction received (with or without outbox rows)."""
-        self.pending_started = 0.0
+        self.txn_began = 0.0
+        """When the open transaction's Begin arrived (its wake-up's time)."""
+        self.linger_from: float | None = None
+        """When the first frame of what waits to be published arrived (None: nothing waits);
+        the linger ends `linger_s` later."""
         self.acked: list[MessageId] = []
         """Acknowledged ids not yet sent in a mark."""
         self.acked_end = 0
@@ -83,23 +99,35 @@ class StreamSession:
         relay, stream = self.relay, self.stream
         stopping = relay.stop_event.is_set
         drain, wait, frames = stream.drain, stream.wait, self._frames
+        linger = relay.options.linger_s
         until_caught_up = relay.options.until_caught_up
         try:
             while not stopping():
                 # Per wake-up: every frame libpq holds in one call, acted on in one call.
-                received = drain()
+                received: list[bytes] | None = drain()
+                if not received and linger and self.linger_from is not None:
+                    received = self._linger(self.linger_from + linger)
+                    if received is None:
+                        continue  # slept: what arrived meanwhile is taken now
                 if received:
                     frames(received)
                     continue
-                # Nothing buffered: publish the complete transactions at once (no extra
-                # poll for more: what arrives meanwhile is read right after), move the
-                # marks on, then sleep until the socket has more.
+                # Nothing buffered, the linger over: publish the complete transactions (no
+                # extra poll for more: what arrives meanwhile is read right after), move
+                # the marks on, then sleep until the socket has more.
+                busy = False
                 if self.pending_end > self.acked_end and self.pending_end > self.confirmed:
                     self.publish()
+                    busy = linger > 0
+                elif self.txn is None:
+                    self.linger_from = None
                 self.marks()
                 if until_caught_up and self._caught_up():
                     self.flush()
                     return
+                if busy:
+                    self._sleep_while_busy(linger)
+                    continue
                 if not wait(self._timeout(), relay.mark_socket()):
                     self._idle()
             self.flush()  # stopped: what the broker acknowledged is marked and confirmed
@@ -114,6 +142,32 @@ class StreamSession:
             if isinstance(exc, _Interrupted):  # stopped inside a batch's retries
                 self.flush()
             raise
+
+    def _linger(self, until: float) -> list[bytes] | None:
+        """Something waits to be published: the frames the socket already holds (a backlog,
+        or the rest of what arrived during the linger: libpq reads one buffer at a time),
+        taken without waiting; else, until `until`, a sleep that does not watch the socket
+        (each wake-up costs more than the frames it brings): None. An empty list: the
+        linger is over, publish."""
+        self.stream.receive()
+        received = self.stream.drain()
+        if not received:
+            remaining = until - time.monotonic()
+            if remaining > 0:
+                time.sleep(remaining)
+                return None
+        return received
+
+    def _sleep_while_busy(self, linger: float) -> None:
+        """A lingered batch went out: while the stream stays busy, sleep one linger rather
+        than wake for the next packet (a wake-up for it and another after its linger would
+        cost two). What arrives meanwhile counts as arrived at the start of the sleep, so it
+        is published at its end; a sleep that brings nothing returns the loop to waiting on
+        the socket (an idle stream wakes on its first packet)."""
+        if self.linger_from is None:
+            self.linger_from = time.monotonic()
+        time.sleep(linger)
+        self.stream.receive()
 
     def _timeout(self) -> float:
         if self.acked_end > self.confirmed and self.marking_end is None:
@@ -142,6 +196,7 @@ class StreamSession:
         relations = self.relations
         build = self.relay.message
         keepalive = reply = False
+        now = time.monotonic()  # when this wake-up's frames arrived, for the linger
         try:
             for data in frames:
                 tag = data[0]
@@ -155,8 +210,9 @@ class StreamSession:
                     elif kind == 0x42:  # 'B': final LSN, then the commit time
                         self.txn = []
                         self.txn_commit = _I64.unpack_from(data, 34)[0]
-                        if not self.pending:
-                            self.pending_started = time.monotonic()
+                        self.txn_began = now
+                        if self.linger_from is None:
+                            self.linger_from = now
                     elif kind == 0x43:  # 'C': flags, commit LSN, then the end LSN
                         self._commit(_U64.unpack_from(data, 35)[0])
                     elif kind == 0x52:  # 'R'
@@ -219,11 +275,15 @@ class StreamSession:
             stats.batches += 1
             stats.transactions += self.pending_transactions
             relay.observer.published(len(messages))
-            relay.observer.batch_seconds(time.monotonic() - self.pending_started)
+            # From the batch's first frame (or the open transaction's) to the acknowledgement.
+            started = self.linger_from
+            relay.observer.batch_seconds(time.monotonic() - started if started else 0.0)
             relay.observer.heartbeat(0)
             self.pending = []
             self.pending_transactions = 0
         self.acked_end = max(self.acked_end, self.pending_end)
+        # A transaction begun and not complete lingers from its own first frame.
+        self.linger_from = self.txn_began if self.txn is not None else None
 
     def marks(self) -> None:
         """Collect the mark in flight (confirming what it covers), then send the next one

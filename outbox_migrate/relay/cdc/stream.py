@@ -139,6 +139,11 @@ class ReplicationStream:
         self._consume()
         return True
 
+    def receive(self) -> None:
+        """Read whatever the socket holds into libpq's buffer, without waiting (then call
+        `drain`): the linger's read after its sleep, and its check for a backlog before it."""
+        self._consume()
+
     def confirm(self, lsn: int, *, reply: bool = False, received: int = 0) -> None:
         """Report `lsn` as flushed: the server may discard WAL and decoding state before it.
         `received` (when further than `lsn`) is reported as written: what the relay has
