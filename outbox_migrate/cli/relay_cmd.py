@@ -120,6 +120,14 @@ def relay(
             show_default=False,
         ),
     ] = None,
+    read_ahead: Annotated[
+        bool,
+        typer.Option(
+            "--read-ahead/--no-read-ahead",
+            help="While a backlog fills every batch, claim the next batch on a second session "
+            "while one is published (one more connection per worker).",
+        ),
+    ] = True,
     install_notify: Annotated[
         bool,
         typer.Option(
@@ -239,6 +247,7 @@ def relay(
         until_empty=until_empty,
         poll_interval_s=poll_interval,
         linger_s=LINGER_S if linger_ms is None else linger_ms / 1000.0,
+        read_ahead=read_ahead,
         listen=listen,
         channel=channel,
         shutdown_timeout_s=shutdown_timeout,
