@@ -1095,8 +1095,9 @@ class _Worker:
             options.read_ahead
             and options.ordering is Ordering.none
             and not relay._text_ids
-            # not while the switching relay drains the flat table to leave it
-            and self._linger_s(source) == options.linger_s
+            # Not while the switching relay drains the flat table to leave it: that run must
+            # end with a claim that comes back empty, and it is short.
+            and not (relay.state.mode is Mode.switching and source is relay.state.flat)
         )
 
     def _may_read_ahead(self, source: queries.Source, now: float) -> bool:
