@@ -71,8 +71,6 @@ class ReadAhead:
         self._open_session = open_session
         self.conn: Any = None
         self.pipe: wire.Wire | None = None
-        self.claims = 0
-        """Batches claimed ahead on either session (a statistic for tests and benchmarks)."""
 
     def session(self, statements: Iterable[bytes]) -> tuple[Any, wire.Wire]:
         """The session, connected and with `statements` prepared."""
@@ -93,7 +91,6 @@ class ReadAhead:
         pipe.send_plain(b"BEGIN")
         slot = pipe.send(claim, {**params, "after": after})
         pipe.send_sync()
-        self.claims += 1
         return Pending(pipe, conn, slot, after, sent)
 
     @staticmethod
@@ -109,8 +106,7 @@ class ReadAhead:
         if pipe is None:
             return
         try:
-            pipe.sync()
-            pipe.pause()
+            pipe.pause()  # reads everything in flight, then leaves pipeline mode
         except BaseException:
             self.close()
             raise
@@ -126,8 +122,7 @@ class ReadAhead:
             self.close()
             return
         try:
-            pipe.sync()
-            pipe.pause()
+            pipe.pause()  # reads everything in flight, then leaves pipeline mode
             if conn.info.transaction_status != pq.TransactionStatus.IDLE:
                 conn.execute(b"ROLLBACK")
         except Exception:  # this session failed too: the server rolls it back when closed
