@@ -10,8 +10,8 @@ Why it does not notify every time: a transaction that executed NOTIFY takes a cl
 while it commits (PostgreSQL queues notifications in commit order), so notifying from every
 inserting transaction serializes the application's commits at high write rates. The trigger
 therefore notifies only when a relay may be idle. An idle relay holds the session advisory lock
-`(hashtext('outbox-migrate.relay:<schema>.<table>:idle'), 0)` exclusively while it waits; the
-trigger tries to take it *shared* for the rest of its transaction:
+`(idle_lock_key('<schema>.<table>'), 0)` exclusively while it waits; the trigger tries to take it
+*shared* for the rest of its transaction:
 
 * the try fails → a relay is idle (or about to be): notify;
 * it succeeds → no relay is idle; the writer keeps the shared lock until its transaction ends,
@@ -21,9 +21,15 @@ trigger tries to take it *shared* for the rest of its transaction:
   sleeps sees their rows: no lost wake-up.
 
 A busy relay — one that keeps finding rows, lingering between small batches — never holds the
-lock, so steady traffic commits without NOTIFY. The key is computed from the table's current
-name, the same label the relay uses, so it survives the trigger being installed before a rename
-only if the relay is configured with the new name too.
+lock, so steady traffic commits without NOTIFY.
+
+The key is a literal in the trigger function, computed by the client from the table's name (a
+CRC-32 of the same label the relay uses), not `hashtext(TG_TABLE_SCHEMA || ...)` per statement:
+the trigger runs on every application INSERT, and building and hashing that string there cost
+about a third of the trigger's price (bench/relay.py section 7; docs/relay.md). It also lets
+`plan` print the exact function. The price: after renaming the partitioned table, reinstall the
+trigger (`relay --install-notify`); the relay warns at start when the installed key is not the
+one it uses (`key_matches`), and without a matching key it still finds rows by polling.
 
 Inserts straight into the unpublished partition bypass the parent's statement triggers; the
 application helpers insert through the parent.
@@ -31,6 +37,7 @@ application helpers insert through the parent.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 from psycopg import sql
@@ -58,18 +65,30 @@ def idle_key(label: str) -> str:
     return f"{ADVISORY_NAMESPACE}:{label}{IDLE_SUFFIX}"
 
 
+def idle_lock_key(label: str) -> int:
+    """The idle lock's first key (an int4) for the table `label` (= schema.table).
+
+    A CRC-32 of `idle_key(label)` folded to a signed int4, computed here rather than by the
+    server's `hashtext` so that the same value can be written into the trigger as a literal
+    (see the module docstring) and printed by `plan` without a server."""
+    return int.from_bytes(zlib.crc32(idle_key(label).encode()).to_bytes(4, "big"), signed=True)
+
+
+def label(spec: OutboxSpec) -> str:
+    """The partitioned outbox's label, as the relay names its source (relay/queries.py)."""
+    return f"{spec.schema}.{spec.partitioned_table}"
+
+
 def create_sql(spec: OutboxSpec, channel: str) -> tuple[sql.Composed, ...]:
     """The trigger function and the statement-level trigger on the partitioned parent."""
-    from outbox_migrate.relay.queries import ADVISORY_NAMESPACE
-
     function = sql.Identifier(spec.schema, function_name(spec))
     body = sql.SQL(
         "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $om$\n"
         "BEGIN\n"
         "    -- an idle relay holds this lock exclusively: only then is a NOTIFY worth its\n"
-        "    -- commit-time cost (see outbox_migrate/relay/notify.py)\n"
-        "    IF NOT pg_try_advisory_xact_lock_shared(hashtext({namespace} || ':' ||\n"
-        "            TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME || {suffix}), 0) THEN\n"
+        "    -- commit-time cost; the key stands for this table's name (idle_lock_key in\n"
+        "    -- outbox_migrate/relay/notify.py)\n"
+        "    IF NOT {key} THEN\n"
         "        PERFORM pg_notify(TG_ARGV[0], {payload});\n"
         "    END IF;\n"
         "    RETURN NULL;\n"
@@ -77,8 +96,7 @@ def create_sql(spec: OutboxSpec, channel: str) -> tuple[sql.Composed, ...]:
         "$om$"
     ).format(
         function=function,
-        namespace=sql.Literal(ADVISORY_NAMESPACE),
-        suffix=sql.Literal(IDLE_SUFFIX),
+        key=sql.SQL(_lock_call(spec)),
         payload=_payload(spec),
     )
     trigger = sql.SQL(
@@ -148,3 +166,20 @@ def installed(conn: Any, spec: OutboxSpec) -> bool:
         (sql.Identifier(spec.schema, spec.partitioned_table).as_string(conn), TRIGGER_NAME),
     ).fetchone()
     return bool(row and row[0])
+
+
+def key_matches(conn: Any, spec: OutboxSpec) -> bool | None:
+    """Whether the installed trigger function uses this relay's idle lock key (None: no
+    trigger function installed). False after a rename of the table without reinstalling."""
+    row = conn.execute(
+        "SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure(%s)",
+        (sql.Identifier(spec.schema, function_name(spec)).as_string(conn) + "()",),
+    ).fetchone()
+    if row is None:
+        return None
+    return _lock_call(spec) in str(row[0])
+
+
+def _lock_call(spec: OutboxSpec) -> str:
+    """The trigger's lock call (an int rendered by Python: digits and a sign, nothing to quote)."""
+    return f"pg_try_advisory_xact_lock_shared({idle_lock_key(label(spec))}, 0)"

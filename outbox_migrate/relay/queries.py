@@ -296,16 +296,16 @@ def horizon() -> sql.SQL:
 
 
 def try_idle_lock() -> sql.SQL:
-    """Raise the idle flag the wake-up trigger looks at (param: key; see relay/notify.py).
+    """Raise the idle flag the wake-up trigger looks at (param: key, `notify.idle_lock_key`).
 
     A try, never a wait: it fails while a writer that saw the relay busy has not committed yet
     (or while another worker holds the flag), and the worker then looks again shortly."""
-    return sql.SQL("SELECT pg_try_advisory_lock(hashtext(%(key)s), 0)")
+    return sql.SQL("SELECT pg_try_advisory_lock(%(key)s::int, 0)")
 
 
 def idle_unlock() -> sql.SQL:
     """Lower the idle flag: writers stop notifying (the relay is claiming anyway)."""
-    return sql.SQL("SELECT pg_advisory_unlock(hashtext(%(key)s), 0)")
+    return sql.SQL("SELECT pg_advisory_unlock(%(key)s::int, 0)")
 
 
 def mark(source: Source) -> sql.Composed:

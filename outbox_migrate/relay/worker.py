@@ -285,6 +285,18 @@ class Relay:
                     )
                 self._columns[source.label] = columns
             self._prepare_rejections(conn, sources)
+            if self.options.listen and self.options.mode is not Mode.flat:
+                self._check_trigger_key(conn)
+
+    def _check_trigger_key(self, conn: Any) -> None:
+        """A wake-up trigger installed under the table's old name uses another idle lock key:
+        it would never see this relay idle, so plain INSERTs would wait for the poll."""
+        if notify.key_matches(conn, self.spec) is False:
+            log.warning(
+                "relay.notify_trigger_stale table=%s: the wake-up trigger was installed for "
+                "another table name (renamed since?); reinstall it with relay --install-notify",
+                notify.label(self.spec),
+            )
 
     def _prepare_rejections(self, conn: Any, sources: list[queries.Source]) -> None:
         """Create the dead-letter and attempts tables up front (not inside a batch, where two
@@ -649,7 +661,7 @@ class _Worker:
                 now=time.monotonic(),
             )
         )
-        self.idle_key: str | None = None
+        self.idle_key: int | None = None
         """The idle flag this session holds (see relay/notify.py), or None."""
         self.idle_sleeping = False
         """The flag was raised and the confirming claim came back empty: the worker sleeps."""
@@ -824,7 +836,7 @@ class _Worker:
         relay._idle_wait(self.generation)
 
     def _raise_idle_flag(self, source: queries.Source) -> bool:
-        key = notify.idle_key(source.label)
+        key = notify.idle_lock_key(source.label)
         row = self.conn.execute(queries.try_idle_lock(), {"key": key}).fetchone()
         if row and row[0]:
             self.idle_key, self.idle_sleeping, self.busy_polls = key, False, 0

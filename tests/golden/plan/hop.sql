@@ -155,9 +155,9 @@ $om_assert$;
 CREATE OR REPLACE FUNCTION "public"."outbox_new_relay_notify"() RETURNS trigger LANGUAGE plpgsql AS $om$
 BEGIN
     -- an idle relay holds this lock exclusively: only then is a NOTIFY worth its
-    -- commit-time cost (see outbox_migrate/relay/notify.py)
-    IF NOT pg_try_advisory_xact_lock_shared(hashtext('outbox-migrate.relay' || ':' ||
-            TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME || ':idle'), 0) THEN
+    -- commit-time cost; the key stands for this table's name (idle_lock_key in
+    -- outbox_migrate/relay/notify.py)
+    IF NOT pg_try_advisory_xact_lock_shared(-1919037244, 0) THEN
         PERFORM pg_notify(TG_ARGV[0], (SELECT min("id")::text FROM "new_rows"));
     END IF;
     RETURN NULL;

@@ -26,7 +26,7 @@ SLACK_S = 0.15
 """Scheduling slack on a shared 2-core machine (load 10+ at times); the old code needed 1 s."""
 MAX_S = 0.6
 """The worst of five: still well below the old code's 1 s, with room for a stalled CPU."""
-IDLE_KEY = notify.idle_key(f"{SPEC.schema}.{SPEC.partitioned_table}")
+IDLE_KEY = notify.idle_lock_key(notify.label(SPEC))
 
 
 def plain_insert(conn: psycopg.Connection, n: int = 1) -> list[int]:
@@ -72,7 +72,7 @@ def test_the_trigger_notifies_only_while_a_relay_holds_the_idle_flag(
     plain_insert(triggered, 3)
     assert notes(listener) == []  # no relay idle: commits without NOTIFY
     with psycopg.connect(dsn, autocommit=True) as relay_session:
-        relay_session.execute("SELECT pg_advisory_lock(hashtext(%s), 0)", (IDLE_KEY,))
+        relay_session.execute("SELECT pg_advisory_lock(%s, 0)", (IDLE_KEY,))
         ids = plain_insert(triggered, 3)
         assert notes(listener) == [str(min(ids))]  # once per statement, its lowest id
         with triggered.transaction():
@@ -93,12 +93,10 @@ def test_a_writer_in_flight_keeps_the_relay_from_sleeping(
         with triggered.transaction():
             plain_insert(triggered, 1)
             row = relay_session.execute(
-                "SELECT pg_try_advisory_lock(hashtext(%s), 0)", (IDLE_KEY,)
+                "SELECT pg_try_advisory_lock(%s, 0)", (IDLE_KEY,)
             ).fetchone()
             assert row == (False,)
-        row = relay_session.execute(
-            "SELECT pg_try_advisory_lock(hashtext(%s), 0)", (IDLE_KEY,)
-        ).fetchone()
+        row = relay_session.execute("SELECT pg_try_advisory_lock(%s, 0)", (IDLE_KEY,)).fetchone()
         assert row == (True,)
 
 
@@ -160,7 +158,7 @@ def test_a_late_row_of_a_writer_that_saw_the_relay_busy_is_claimed_before_it_sle
     with psycopg.connect(dsn, autocommit=True) as busy:
         # What a writer that saw the relay busy holds until it commits: the relay cannot
         # raise its idle flag meanwhile, and neither this writer nor the late one notifies.
-        busy.execute("SELECT pg_advisory_lock_shared(hashtext(%s), 0)", (IDLE_KEY,))
+        busy.execute("SELECT pg_advisory_lock_shared(%s, 0)", (IDLE_KEY,))
         with running(relay), psycopg.connect(dsn) as late:
             (warm,) = plain_insert(triggered)  # the cursor's first claim starts from id 0
             assert wait_for(collected, warm) < 5.0
@@ -168,7 +166,7 @@ def test_a_late_row_of_a_writer_that_saw_the_relay_busy_is_claimed_before_it_sle
             (high,) = plain_insert(triggered)
             assert wait_for(collected, high) < 5.0  # the cursor passes `low`: a gap
             time.sleep(0.2)  # the relay keeps polling (flag refused), its probe is far off
-            busy.execute("SELECT pg_advisory_unlock_shared(hashtext(%s), 0)", (IDLE_KEY,))
+            busy.execute("SELECT pg_advisory_unlock_shared(%s, 0)", (IDLE_KEY,))
             late.commit()  # the flag's lock is free now: the relay raises it and confirms
             delay = wait_for(collected, low, timeout_s=3.0)
     assert low in collected.ids, "the late row waited for the poll (30 s)"
@@ -261,3 +259,42 @@ def test_cli_installs_the_trigger_on_an_existing_outbox(
         (notify.TRIGGER_NAME,),
     ).fetchone()
     assert count == (1,)
+
+
+def test_the_trigger_builds_no_key_per_statement(triggered: psycopg.Connection) -> None:
+    """The key is a literal: `hashtext(TG_TABLE_SCHEMA || ...)` on every application INSERT
+    cost about a third of the trigger's price (docs/relay.md, the wake-up trigger's cost)."""
+    row = triggered.execute(
+        "SELECT prosrc FROM pg_proc WHERE proname = %s", (notify.function_name(SPEC),)
+    ).fetchone()
+    assert row is not None
+    assert "hashtext" not in row[0]
+    assert "TG_TABLE_NAME" not in row[0]
+    assert f"pg_try_advisory_xact_lock_shared({IDLE_KEY}, 0)" in row[0]
+    assert notify.key_matches(triggered, SPEC) is True
+
+
+def test_a_relay_warns_when_the_trigger_was_installed_under_another_name(
+    dsn: str,
+    triggered: psycopg.Connection,
+    collected: Collected,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Renamed after the install, the trigger locks the old name's key: it never sees this
+    relay idle. The relay says so at start; reinstalling fixes it."""
+    import dataclasses
+    import logging
+
+    triggered.execute("ALTER TABLE outbox_new RENAME TO outbox_renamed")
+    renamed = dataclasses.replace(SPEC, partitioned_table="outbox_renamed")
+    assert notify.key_matches(triggered, renamed) is None  # function keeps the old name
+    triggered.execute(
+        f"ALTER FUNCTION {notify.function_name(SPEC)}() RENAME TO {notify.function_name(renamed)}"
+    )
+    assert notify.key_matches(triggered, renamed) is False
+    relay = Relay(dsn, collected.factory(), spec=renamed, options=RelayOptions(poll_interval_s=30))
+    with caplog.at_level(logging.WARNING, logger="outbox_migrate"), running(relay):
+        time.sleep(0.3)
+    assert any("relay.notify_trigger_stale" in r.getMessage() for r in caplog.records)
+    notify.install(triggered, renamed, DEFAULT_CHANNEL)
+    assert notify.key_matches(triggered, renamed) is True
