@@ -399,6 +399,14 @@ def section_late(dsn: str, trials: int, rate: int = 1000) -> None:
           f"{traffic.missing:>4}")  # fmt: skip
 
 
+EMPTY_FUNCTION = (
+    "CREATE OR REPLACE FUNCTION bench_notify_never() RETURNS trigger LANGUAGE plpgsql AS "
+    "$$ BEGIN RETURN NULL; END $$"
+)
+EMPTY_TRIGGER = (
+    "CREATE TRIGGER relay_notify AFTER INSERT ON outbox_new "
+    "FOR EACH STATEMENT EXECUTE FUNCTION bench_notify_never()"
+)
 NAIVE_FUNCTION = (
     "CREATE OR REPLACE FUNCTION bench_notify_always() RETURNS trigger LANGUAGE plpgsql AS "
     "$$ BEGIN PERFORM pg_notify(TG_ARGV[0], (SELECT min(id)::text FROM new_rows)); "
@@ -420,6 +428,9 @@ def _trigger_mode(dsn: str, mode: str) -> None:
         elif mode == "naive":
             conn.execute(NAIVE_FUNCTION)
             conn.execute(NAIVE_TRIGGER)
+        elif mode == "empty":
+            conn.execute(EMPTY_FUNCTION)
+            conn.execute(EMPTY_TRIGGER)
         conn.execute("VACUUM ANALYZE outbox_new")
 
 
@@ -452,7 +463,7 @@ def _closed_loop(dsn: str, writers: int, seconds: float) -> tuple[float, float]:
     return max(1, len(latencies)) / seconds, p99
 
 
-MODES = ("none", "idle-aware", "naive")
+MODES = ("none", "empty", "idle-aware", "naive")
 
 
 def section_trigger(
@@ -462,9 +473,9 @@ def section_trigger(
           f"{seconds:.0f} s each, relay running (polling every 5 ms in every mode), "
           f"synchronous_commit on, fsync "
           f"{'on' if fsync else 'off'}, median of {reps} interleaved runs")  # fmt: skip
-    print(f"{'writers':>7} | {'none ins/s':>10} {'p99 ms':>7} | {'idle-aware':>10} "
-          f"{'p99 ms':>7} {'tput':>6} {'p99':>6} | {'naive':>8} {'p99 ms':>7} {'tput':>6} "
-          f"{'p99':>6}")  # fmt: skip
+    print(f"{'writers':>7} | {'none ins/s':>10} {'p99 ms':>7} | {'empty':>8} {'tput':>6} "
+          f"{'p99':>6} | {'idle-aware':>10} {'p99 ms':>7} {'tput':>6} {'p99':>6} | "
+          f"{'naive':>8} {'p99 ms':>7} {'tput':>6} {'p99':>6}")  # fmt: skip
     with psycopg.connect(dsn, autocommit=True) as conn:
         if fsync:
             conn.execute("ALTER SYSTEM SET fsync = on")
@@ -476,13 +487,14 @@ def section_trigger(
                 for mode in MODES:
                     _trigger_mode(dsn, mode)
                     runs[mode].append(_closed_loop(dsn, writers, seconds))
-            base, idle, naive = (
+            base, empty, idle, naive = (
                 (median([r[0] for r in runs[m]]), median([r[1] for r in runs[m]])) for m in MODES
             )
-            print(f"{writers:>7} | {base[0]:>10,.0f} {base[1]:>7.2f} | {idle[0]:>10,.0f} "
-                  f"{idle[1]:>7.2f} {idle[0] / base[0] - 1:>+6.1%} {idle[1] / base[1]:>5.2f}x | "
-                  f"{naive[0]:>8,.0f} {naive[1]:>7.2f} {naive[0] / base[0] - 1:>+6.1%} "
-                  f"{naive[1] / base[1]:>5.2f}x")  # fmt: skip
+            print(f"{writers:>7} | {base[0]:>10,.0f} {base[1]:>7.2f} | {empty[0]:>8,.0f} "
+                  f"{empty[0] / base[0] - 1:>+6.1%} {empty[1] / base[1]:>5.2f}x | "
+                  f"{idle[0]:>10,.0f} {idle[1]:>7.2f} {idle[0] / base[0] - 1:>+6.1%} "
+                  f"{idle[1] / base[1]:>5.2f}x | {naive[0]:>8,.0f} {naive[1]:>7.2f} "
+                  f"{naive[0] / base[0] - 1:>+6.1%} {naive[1] / base[1]:>5.2f}x")  # fmt: skip
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("ALTER SYSTEM RESET fsync")
@@ -490,7 +502,8 @@ def section_trigger(
         _trigger_mode(dsn, "idle-aware")
     print(
         "(tput / p99: the trigger's change in insert throughput and commit p99 vs no trigger, "
-        "measured one after the other; naive = NOTIFY from every inserting statement)"
+        "measured one after the other; empty = a statement trigger that does nothing, the "
+        "floor of any trigger-based wake-up; naive = NOTIFY from every inserting statement)"
     )
 
 
