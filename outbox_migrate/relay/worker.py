@@ -63,6 +63,11 @@ BUSY_POLL_CAP_S = 0.05
 committed yet) looks again after linger, doubling up to this: the late-row bound."""
 ABANDON_GRACE_S = 2.0
 """After the shutdown timeout: how long abandoned workers get to roll back and exit."""
+SPARSE_ROWS = 8
+"""With no linger, a claim that returned at most this many rows means rows arrive one at a
+time: each wakes an idle relay through a notification anyway, so the idle flag stays up
+through the next claim and the worker sleeps right after publishing (relay/notify.py). More
+rows than this, and the flag comes down: writers of dense traffic commit without NOTIFY."""
 REAP_MARGIN_S = 0.5
 """Past the server's own idle-session bound (session timeout + poll interval) before the
 survivors end a silent shard holder themselves (`ShardLease.reap`)."""
@@ -697,6 +702,12 @@ class _Worker:
         """The flag was raised and the confirming claim came back empty: the worker sleeps."""
         self.busy_polls = 0
         self.uses_flag = options.listen and not options.until_empty
+        self.flag_key = 0
+        """The idle lock's key for the source of the current run (`notify.idle_lock_key`)."""
+        self.sparse = False
+        """The last claim returned at most `_flag_rows` rows: the next one raises the flag."""
+        self.flag_tried = False
+        """The last claim went out with the flag up, or with an attempt to raise it."""
         self.read_ahead = read_ahead.ReadAhead(
             read_ahead.open_session(
                 lambda: _connect_worker(relay), options.dead_session_s, options.poll_interval_s
@@ -915,34 +926,54 @@ class _Worker:
             assert self.wire is not None
             # Prepared before the pipeline starts (PQprepare is synchronous); the gap probe
             # and the horizon only where the cursor uses them (integer ids).
-            used = [rendered[0], rendered[2], _IDLE_UNLOCK]
+            used = [rendered[0], rendered[2], _IDLE_UNLOCK, _TRY_IDLE_LOCK]
             if not relay._text_ids:
                 used += [rendered[1], _HORIZON]
             for statement in used:
                 self.wire.prepare(statement)
         return rendered[0], rendered[1], rendered[2], sharded
 
-    def _claim(self, claim: bytes, probe: bytes, sharded: bool) -> tuple[list[Any], int, int]:
+    def _claim(
+        self, claim: bytes, probe: bytes, sharded: bool, flag_rows: int = -1
+    ) -> tuple[list[Any], int, int]:
         """Queue BEGIN and the claim, send everything queued, return the claimed rows, the
         `after` the range claim started from and how many rows that range claim returned.
 
         When the cursor's gap probe is due, the remembered gaps are claimed by id in the same
         transaction and round trip, ahead of the range claim (they are all below it).
+
+        The idle flag (`flag_rows` >= 0, see `_publish_run`): after a claim that returned at
+        most `flag_rows` rows the flag goes up with this claim — `pg_try_advisory_lock` in the
+        same network write, ahead of BEGIN — so that if this claim finds nothing (or little),
+        the worker may sleep at once: its snapshot is taken with the flag up, and every row it
+        cannot see will notify. After a bigger claim the flag comes down in the same way.
         """
         relay, cursor, pipe = self.relay, self.cursor, self.wire
         assert pipe is not None
+        # The generation first, then the notified ids: a notification arriving in between
+        # is then either taken now or makes the next idle wait return at once (taken then).
+        self.generation = relay._waker.generation
         low = relay._waker.take_low(self.index)
         if low is not None:
             cursor.notified(low)
-        if self.idle_sleeping:
-            self._lower_idle_flag()  # woken: claiming now, writers need not notify
+        raising = None
+        if flag_rows < 0:
+            if self.idle_sleeping:
+                self._lower_idle_flag()  # woken: claiming now, writers need not notify
+        elif not self.sparse:
+            self._lower_idle_flag()
+        elif self.idle_key is None:
+            # Writers that saw the relay busy hold the lock shared until they commit: once it
+            # is ours, their rows are visible to this claim — below the cursor too (confirm).
+            raising = pipe.send(_TRY_IDLE_LOCK, {"key": self.flag_key})
+            cursor.confirm()
+        self.flag_tried = self.idle_key is not None or raising is not None
         now = time.monotonic()
         after = cursor.start(now)
         gaps = cursor.probe(now) if after >= cursor.frontier else None
         params: dict[str, Any] = {"after": after, "limit": relay.options.batch_size}
         if sharded:
             params.update(shards=self.lease.count, mine=self.lease.mine())
-        self.generation = relay._waker.generation
         started = time.monotonic()
         pipe.send_plain(b"BEGIN")
         late = pipe.send(probe, {"ids": gaps}) if gaps else None
@@ -953,6 +984,10 @@ class _Worker:
         # a Sync, so without one a relay paused mid-batch would keep its session (and shards)
         # for good. It travels in the same network write as the claim.
         pipe.sync()
+        if raising is not None:
+            got = pipe.rows(raising)
+            if got and got[0][0]:
+                self.idle_key, self.idle_sleeping, self.busy_polls = self.flag_key, False, 0
         rows: list[Any] = pipe.rows(claimed)
         self.fence.proven(started)
         ranged = len(rows)
@@ -967,6 +1002,7 @@ class _Worker:
         if horizon is not None:
             xmin, xmax = pipe.rows(horizon)[0]
             cursor.horizon(int(xmin), int(xmax), time.monotonic())
+        self.sparse = len(rows) <= flag_rows
         return rows, after, ranged
 
     def _publish_run(self, source: queries.Source) -> int | None:
@@ -1003,6 +1039,8 @@ class _Worker:
         claim, probe, mark, sharded = self._statements(source)
         batch_size, linger = relay.options.batch_size, self._linger_s(source)
         ahead_ok = self._read_ahead_allowed(source)
+        flag_rows = self._flag_rows(source, linger)
+        self.flag_key = notify.idle_lock_key(source.label)
         # Batches whose COMMIT was queued and not yet seen to succeed (at most one per session).
         pending: list[_Commit] = []
         empty_after: int | None = None
@@ -1010,16 +1048,29 @@ class _Worker:
             with pipe.pipeline():
                 started = time.perf_counter()
                 sent = time.monotonic()
-                rows, after, ranged = self._claim(claim, probe, sharded)
+                rows, after, ranged = self._claim(claim, probe, sharded, flag_rows)
                 conn, cur = self.conn, pipe  # the session holding the batch in hand
                 while True:
                     if pending:
                         self._count_committed(pending)
                     if not rows:
                         cur.send_plain(b"ROLLBACK")
-                        empty_after = after
-                        break
-                    self._lower_idle_flag()  # if raised: the claim after raising it found rows
+                        if flag_rows < 0:
+                            empty_after = after
+                            break
+                        if cur is not pipe:  # the read-ahead claim came back empty
+                            cur.sync()
+                            conn, cur = self.conn, pipe
+                        if self._wait_in_run(pipe, source, pending):
+                            break
+                        started = time.perf_counter()
+                        sent = time.monotonic()
+                        rows, after, ranged = self._claim(claim, probe, sharded, flag_rows)
+                        continue
+                    if len(rows) > flag_rows:
+                        # The claim after raising the flag found rows, or more than a sparse
+                        # trickle: writers need not notify while the worker claims.
+                        self._lower_idle_flag()
                     ahead = None
                     if (
                         ahead_ok
@@ -1057,17 +1108,74 @@ class _Worker:
                         # meet rows that move under it).
                         cur.sync()
                         conn, cur = self.conn, pipe
+                    if (
+                        self.idle_key is not None
+                        and ranged < batch_size
+                        and self._wait_in_run(pipe, source, pending)
+                    ):
+                        break  # a sparse row published with the flag up: slept until woken
                     if ranged < batch_size and linger > 0 and self._linger(pending, sent + linger):
                         break
                     started = time.perf_counter()
                     sent = time.monotonic()
-                    rows, after, ranged = self._claim(claim, probe, sharded)
+                    rows, after, ranged = self._claim(claim, probe, sharded, flag_rows)
             self.read_ahead.settle()
         except BaseException:
             self._abort_run(pending)
             raise
         self._count_committed(pending)
         return empty_after
+
+    def _flag_rows(self, source: queries.Source, linger: float) -> int:
+        """How many rows a claim may return for the idle flag to go up with (or stay up
+        through) the next claim, the worker then sleeping inside the run (`_wait_in_run`);
+        -1: the flag is only raised after the run, by `_idle`.
+
+        Only where an empty claim means "sleep until notified": with notifications, and not
+        while the switching relay drains the flat table (its empty claim starts the switch).
+        With a linger, any row brings the flag down: the worker lingers instead of sleeping,
+        and writers need not notify meanwhile."""
+        state = self.relay.state
+        if not self.uses_flag or (state.mode is Mode.switching and source is state.flat):
+            return -1
+        return SPARSE_ROWS if linger <= 0 else 0
+
+    def _wait_in_run(
+        self, pipe: wire.Wire, source: queries.Source, pending: list[_Commit]
+    ) -> bool:
+        """Nothing more to claim now: send what is queued (the last COMMIT or ROLLBACK) and
+        wait — until a notification or the poll interval with the idle flag up, shortly
+        without it — staying in the run (no pipeline exit, no statements of its own). True:
+        the worker must go back to `_step` first (stop, lease check, source switch).
+
+        The flag was up while the last claim's snapshot was taken, or this waits briefly
+        (`_busy_poll_s`) and the next claim raises it: an idle worker costs one round trip
+        per wake-up, not the three of leaving the run and raising the flag on its own.
+        The sleep starts after the Sync's results are read, so the server is idle (its
+        idle-session timer armed) and the batch counted while the worker sleeps.
+        """
+        relay, cursor = self.relay, self.cursor
+        pipe.sync()
+        self._count_committed(pending)
+        if cursor.due():
+            pass  # a claim below the cursor is due (a late row may be visible): no sleep
+        elif self.idle_key is not None:
+            self.idle_sleeping = True
+            relay._idle_wait(self.generation)
+        elif not self.flag_tried:
+            pass  # the claim did not try to raise the flag (the one before found many rows)
+        else:
+            # A writer that saw the relay busy has not committed yet (it holds the flag's lock
+            # shared and will not notify), or another worker holds the flag: look again soon.
+            self.busy_polls += 1
+            relay._idle_wait(self.generation, self._busy_poll_s())
+        relay.observer.heartbeat(self.index)
+        return (
+            relay.stopping
+            or bool(self.pause_s)
+            or self.lease.due(time.monotonic())
+            or relay.state.current is not source
+        )
 
     def _abort_run(self, pending: list[_Commit]) -> None:
         """A run failed: roll back both sessions, count what did commit (a COMMIT of the
@@ -1084,6 +1192,7 @@ class _Worker:
         rows = self.read_ahead.receive(ahead)
         if ahead.pipe is self.wire:
             self.fence.proven(ahead.sent)
+        self.sparse = not rows  # claimed with the flag down (read-ahead follows full batches)
         self.relay.stats.add(read_ahead=1)
         return rows, ahead.after, len(rows)
 
@@ -1243,6 +1352,7 @@ def _ahead_key(index: int) -> int:
 
 _HORIZON = queries.horizon().as_string().encode()
 _IDLE_UNLOCK = queries.idle_unlock().as_string().encode()
+_TRY_IDLE_LOCK = queries.try_idle_lock().as_string().encode()
 _ID = operator.itemgetter(0)
 
 

@@ -443,8 +443,8 @@ def test_a_claim_failing_after_the_previous_commit_loses_nothing(
     original = worker._Worker._claim
     calls = {"n": 0}
 
-    def flaky_claim(self, statement, sharded, after):  # type: ignore[no-untyped-def]
-        rows = original(self, statement, sharded, after)
+    def flaky_claim(self, *args):  # type: ignore[no-untyped-def]
+        rows = original(self, *args)
         calls["n"] += 1
         if calls["n"] == 3:
             raise psycopg.errors.SerializationFailure("injected: row moved")
