@@ -20,8 +20,11 @@ Log lines start with stable event names (`relay.started`, `relay.switched`, …)
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import operator
+import os
 import select
 import threading
 import time
@@ -29,6 +32,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+from psycopg import OperationalError, pq
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
@@ -53,8 +58,6 @@ log = logging.getLogger("outbox_migrate.relay")
 
 RELAY_APPLICATION_NAME = f"{APPLICATION_NAME} relay"
 MAX_ID_DIGITS = 20
-LISTEN_POLL_MS = 500
-"""How often the LISTEN thread looks up from its socket to see whether the relay stops."""
 LINGER_SLEEP_MAX_S = 0.05
 """Lingers up to this long are a plain sleep (a stop waits for it); longer ones wait on the
 stop event."""
@@ -110,58 +113,6 @@ class _Abandoned(Exception):
     """Raised inside a worker's transaction after the shutdown timeout: roll back, exit."""
 
 
-class _Waker:
-    """Wakes idle workers on NOTIFY or stop; a generation counter avoids lost wake-ups.
-
-    A notification's payload, when it is an id (the wake-up trigger's and the application
-    helpers' are), is kept per worker as the lowest id notified since that worker last looked:
-    a row below a worker's cursor is then claimed at once instead of at the next rescan.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._generation = 0
-        self._lows: dict[int, int] = {}
-        self._workers: set[int] = set()
-
-    def register(self, worker: int) -> None:
-        with self._cond:
-            self._workers.add(worker)
-
-    def notified(self, low: int) -> None:
-        with self._cond:
-            for worker in self._workers:
-                current = self._lows.get(worker)
-                self._lows[worker] = low if current is None else min(current, low)
-            self._generation += 1
-            self._cond.notify_all()
-
-    def take_low(self, worker: int) -> int | None:
-        """The lowest id notified since this worker's last call (None: none)."""
-        if not self._lows:  # unlocked peek: the common case costs no lock
-            return None
-        with self._cond:
-            return self._lows.pop(worker, None)
-
-    def has_low(self, worker: int) -> bool:
-        """Whether a notified id waits for this worker (an unlocked peek)."""
-        return worker in self._lows
-
-    @property
-    def generation(self) -> int:
-        with self._cond:
-            return self._generation
-
-    def wake(self) -> None:
-        with self._cond:
-            self._generation += 1
-            self._cond.notify_all()
-
-    def wait(self, seen: int, timeout_s: float) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._generation != seen, timeout=timeout_s)
-
-
 class Relay:
     """Publishes an outbox (flat, partitioned, or switching between them) through a sink."""
 
@@ -187,7 +138,11 @@ class Relay:
         self.stats = RelayStats()
         self._stop = threading.Event()
         self._abandon = threading.Event()
-        self._waker = _Waker()
+        self._wake_fds: tuple[int, int] | None = None
+        """A pipe a stop writes to: idle workers wait on it beside their own session."""
+        self._wake_lock = threading.RLock()
+        """Guards the pipe's closing; re-entrant, as a signal handler may call `stop` on the
+        thread that holds it."""
         self._columns: dict[str, queries.Columns] = {}
         self._text_ids = self.spec.id_kind == "application"
         """Application ids (uuid, ULID) travel as text: claimed in order, no id cursor."""
@@ -206,7 +161,11 @@ class Relay:
     def stop(self) -> None:
         """Ask every worker to finish its in-flight batch and exit (thread- and signal-safe)."""
         self._stop.set()
-        self._waker.wake()
+        with self._wake_lock:
+            fds = self._wake_fds
+            if fds is not None:
+                with contextlib.suppress(OSError):  # full: a byte is there already
+                    os.write(fds[1], b"x")
 
     @property
     def stopping(self) -> bool:
@@ -227,8 +186,9 @@ class Relay:
             for i in range(options.workers)
         ]
         helpers: list[threading.Thread] = []
-        if options.listen and not options.until_empty:
-            helpers.append(threading.Thread(target=self._listen, name="relay-listen", daemon=True))
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._wake_fds = (read, write)
         if type(self.observer) is not Observer:
             helpers.append(threading.Thread(target=self._sample, name="relay-sample", daemon=True))
         for thread in threads + helpers:
@@ -242,6 +202,7 @@ class Relay:
             self._shutdown(threads)
             for helper in helpers:
                 helper.join(timeout=2.0)
+            self._close_wake_pipe()
         self.stats.switches = self.state.switches
         if self._fatal is not None:
             if isinstance(self._fatal, OutboxMigrateError):
@@ -249,6 +210,18 @@ class Relay:
             raise RelayError(f"relay worker failed: {_one_line(self._fatal)}") from self._fatal
         log.info("relay.stopped %s", " ".join(f"{k}={v}" for k, v in self.stats.as_dict().items()))
         return self.stats
+
+    def _close_wake_pipe(self) -> None:
+        with self._wake_lock:
+            fds, self._wake_fds = self._wake_fds, None
+            if fds is not None:
+                for fd in fds:
+                    os.close(fd)
+
+    def wake_fd(self) -> int | None:
+        """The read end of the stop pipe (readable once `stop` was called), while running."""
+        fds = self._wake_fds
+        return None if fds is None else fds[0]
 
     def _shutdown(self, threads: list[threading.Thread]) -> None:
         deadline = time.monotonic() + self.options.shutdown_timeout_s
@@ -428,10 +401,6 @@ class Relay:
     def _worker(self, index: int) -> None:
         _Worker(self, index).run()
 
-    def _idle_wait(self, generation: int, timeout_s: float | None = None) -> None:
-        if not self._stop.is_set():
-            self._waker.wait(generation, timeout_s or self.options.poll_interval_s)
-
     def _backoff(self, failures: int) -> float:
         return backoff_s(
             failures, base_s=self.options.backoff_base_s, cap_s=self.options.backoff_cap_s
@@ -532,57 +501,6 @@ class Relay:
 
     # -- helpers threads ------------------------------------------------------------------
 
-    def _listen(self) -> None:
-        """LISTEN on the channel and wake idle workers; polling covers any gap."""
-        from psycopg import sql
-
-        from outbox_migrate.db import connect
-        from outbox_migrate.errors import ConnectError
-
-        failures = 0
-        while not self._stop.is_set():
-            try:
-                with connect(self.dsn, application_name=self.application_name) as conn:
-                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.options.channel)))
-                    failures = 0
-                    self._receive_notifications(conn)
-            except _connection_errors(ConnectError):
-                self._stop.wait(self._backoff(failures))
-                failures += 1
-
-    def _receive_notifications(self, conn: Any) -> None:
-        """Wait on the LISTEN session's socket and hand each wake-up's notifications to the
-        workers at once: the lowest id among them (one lock, one `notify_all`).
-
-        Straight through libpq (`consume_input`, `notifies`) rather than psycopg's
-        `Connection.notifies()` generator: that cost ~115 µs of CPU per notification (a
-        generator, its waiting machinery and a lock per call), paid each time an idle relay is
-        woken — at 1,000 msg/s with a short linger, a fifth of the relay's CPU (docs/relay.md).
-        """
-        import psycopg
-
-        pg = conn.pgconn
-        poller = select.poll()
-        poller.register(pg.socket, select.POLLIN | select.POLLERR | select.POLLHUP)
-        encoding = conn.info.encoding
-        while not self._stop.is_set():
-            if not poller.poll(LISTEN_POLL_MS):
-                continue
-            pg.consume_input()
-            if pg.status == psycopg.pq.ConnStatus.BAD:
-                raise psycopg.OperationalError("the LISTEN session was lost")
-            low: int | None = None
-            woken = False
-            while (note := pg.notifies()) is not None:
-                woken = True
-                notified = _payload_id(note.extra.decode(encoding, "replace"))
-                if notified is not None:
-                    low = notified if low is None else min(low, notified)
-            if low is not None:
-                self._waker.notified(low)
-            elif woken:
-                self._waker.wake()
-
     def _sample(self) -> None:
         """Sample backlog size and oldest unpublished age for the metrics."""
         from outbox_migrate.db import connect
@@ -677,9 +595,12 @@ class _Worker:
         """Claim and mark statements rendered for this session (see `_statements`)."""
         self.wire: wire.Wire | None = None
         """The session's libpq-level pipeline of prepared statements (relay/wire.py)."""
-        self.generation = 0
-        """The waker's generation when the last claim was sent: an idle wait after an empty
-        claim returns at once if a NOTIFY came in meanwhile."""
+        self.poller: Any = None
+        """Polls the session's socket (notifications: the session LISTENs) and the relay's
+        stop pipe while the worker waits for work (`_sleep`)."""
+        self.noted: list[str] = []
+        """Payloads of notifications psycopg read on this session (`conn.execute` takes them
+        from libpq and hands them to the connection's notify handlers)."""
         self.sink: Sink | None = None
         self.failures = 0
         self.pause_s = 0.0
@@ -714,7 +635,6 @@ class _Worker:
             )
         )
         """The worker's second session, claiming the next batch while one is published."""
-        relay._waker.register(index)
 
     def run(self) -> None:
         relay = self.relay
@@ -812,6 +732,7 @@ class _Worker:
             # ROLLBACK through psycopg makes it send DEALLOCATE ALL, which would take ours too.
             self.conn.prepare_threshold = None
             self.wire = wire.Wire(self.conn)
+            self._listen()
             relay._conns[self.index] = self.conn
             lease.lost()
             self.idle_key, self.idle_sleeping = None, False  # session locks die with it
@@ -828,7 +749,7 @@ class _Worker:
                 not lease.home or lease.checks >= UNTIL_EMPTY_PATIENCE_CHECKS
             ):
                 return True  # every shard belongs to another live session
-            relay._idle_wait(relay._waker.generation)
+            self._sleep()
             return False
         if self.pause_s:
             pause, self.pause_s = self.pause_s, 0.0
@@ -858,7 +779,6 @@ class _Worker:
     def _idle(self, source: queries.Source) -> None:
         """Nothing to claim: sleep until a notification or the poll interval — with the idle
         flag up, so the wake-up trigger notifies (relay/notify.py)."""
-        relay = self.relay
         if self.cursor.due():
             return  # a claim below the cursor is due (a late row may be visible): no sleep
         if self.uses_flag and not self.idle_sleeping:
@@ -872,9 +792,9 @@ class _Worker:
                 # lock shared and will not notify), or another worker holds the flag: look
                 # again soon rather than at the poll interval.
                 self.busy_polls += 1
-                relay._idle_wait(self.generation, self._busy_poll_s())
+                self._sleep(self._busy_poll_s())
                 return
-        relay._idle_wait(self.generation)
+        self._sleep()
 
     def _raise_idle_flag(self, source: queries.Source) -> bool:
         key = notify.idle_lock_key(source.label)
@@ -897,6 +817,68 @@ class _Worker:
     def _busy_poll_s(self) -> float:
         linger = max(self.relay.options.linger_s, 0.001)
         return float(min(linger * 2 ** min(self.busy_polls, 16), BUSY_POLL_CAP_S))
+
+    # -- notifications: LISTEN on the worker's own session --------------------------------
+
+    def _listen(self) -> None:
+        """LISTEN on the new session, and wait on its socket when idle (`_sleep`).
+
+        On the worker's own session rather than a listener thread's: a notification then
+        wakes the thread that claims, straight from its socket, instead of a second thread
+        that hands it over through a lock (a GIL hand-off and ~40 µs of CPU per wake-up at
+        1,000 msg/s, docs/relay.md). The server delivers a notification to a session only
+        between its transactions, so one sent while a claim's transaction is open is read
+        after that transaction ends: before the worker sleeps (`_take_notifications`), or
+        by the wait itself. Every worker listens; each sees every notification."""
+        from psycopg import sql
+
+        relay = self.relay
+        self.poller = select.poll()
+        self.noted.clear()
+        if not self.uses_flag:
+            return
+        self.conn.add_notify_handler(lambda note: self.noted.append(note.payload))
+        self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(relay.options.channel)))
+        self.poller.register(self.conn.pgconn.socket, _POLL_IN)
+        stop = relay.wake_fd()
+        if stop is not None:
+            self.poller.register(stop, _POLL_IN)
+
+    def _take_notifications(self) -> bool:
+        """Read the notifications that arrived on the session; the lowest notified id goes to
+        the cursor (a row below it is claimed at once). True when there was any."""
+        conn = self.conn
+        if conn is None or not self.uses_flag:
+            return False
+        payloads: list[str] = []
+        if self.noted:
+            payloads, self.noted = self.noted, []
+        pg = conn.pgconn
+        while (note := pg.notifies()) is not None:
+            payloads.append(note.extra.decode(self.wire.encoding if self.wire else "utf-8"))
+        if not payloads:
+            return False
+        ids = [i for i in map(_payload_id, payloads) if i is not None]
+        if ids:
+            self.cursor.notified(min(ids))
+        return True
+
+    def _sleep(self, timeout_s: float | None = None) -> None:
+        """Wait for a notification on this session, a stop, or `timeout_s` (default: the poll
+        interval). Returns at once when a notification was read already."""
+        relay = self.relay
+        if relay.stopping or self._take_notifications():
+            return
+        timeout = relay.options.poll_interval_s if timeout_s is None else timeout_s
+        if not self.uses_flag or self.poller is None:
+            relay._stop.wait(timeout)
+            return
+        if self.poller.poll(math.ceil(timeout * 1000)):
+            pg = self.conn.pgconn
+            pg.consume_input()  # raises OperationalError on a lost session
+            if pg.status == pq.ConnStatus.BAD:
+                raise OperationalError("the worker's session was lost")
+            self._take_notifications()
 
     # -- the hot path: batches back to back, one round trip each ------------------------
 
@@ -950,12 +932,7 @@ class _Worker:
         """
         relay, cursor, pipe = self.relay, self.cursor, self.wire
         assert pipe is not None
-        # The generation first, then the notified ids: a notification arriving in between
-        # is then either taken now or makes the next idle wait return at once (taken then).
-        self.generation = relay._waker.generation
-        low = relay._waker.take_low(self.index)
-        if low is not None:
-            cursor.notified(low)
+        self._take_notifications()
         raising = None
         if flag_rows < 0:
             if self.idle_sleeping:
@@ -1005,7 +982,9 @@ class _Worker:
         self.sparse = len(rows) <= flag_rows
         return rows, after, ranged
 
-    def _publish_run(self, source: queries.Source) -> int | None:
+    def _publish_run(self, source: queries.Source) -> int | None:  # noqa: PLR0912, PLR0915
+        # One loop on purpose: the batch in hand moves between two sessions, and its mark and
+        # COMMIT leave with whatever the loop sends next; split up, that state would be shared.
         """Claim → publish → mark, batch after batch, until a claim comes back empty (returns
         the `after` it started from) or the worker must look up (stop, rebalance, switch:
         returns None).
@@ -1140,9 +1119,7 @@ class _Worker:
             return -1
         return SPARSE_ROWS if linger <= 0 else 0
 
-    def _wait_in_run(
-        self, pipe: wire.Wire, source: queries.Source, pending: list[_Commit]
-    ) -> bool:
+    def _wait_in_run(self, pipe: wire.Wire, source: queries.Source, pending: list[_Commit]) -> bool:
         """Nothing more to claim now: send what is queued (the last COMMIT or ROLLBACK) and
         wait — until a notification or the poll interval with the idle flag up, shortly
         without it — staying in the run (no pipeline exit, no statements of its own). True:
@@ -1161,14 +1138,14 @@ class _Worker:
             pass  # a claim below the cursor is due (a late row may be visible): no sleep
         elif self.idle_key is not None:
             self.idle_sleeping = True
-            relay._idle_wait(self.generation)
+            self._sleep()
         elif not self.flag_tried:
             pass  # the claim did not try to raise the flag (the one before found many rows)
         else:
             # A writer that saw the relay busy has not committed yet (it holds the flag's lock
             # shared and will not notify), or another worker holds the flag: look again soon.
             self.busy_polls += 1
-            relay._idle_wait(self.generation, self._busy_poll_s())
+            self._sleep(self._busy_poll_s())
         relay.observer.heartbeat(self.index)
         return (
             relay.stopping
@@ -1260,7 +1237,7 @@ class _Worker:
             or self.pause_s
             or self.lease.due(now)
             or relay.state.current is not source
-            or relay._waker.has_low(self.index)
+            or self._take_notifications()
             or not self.cursor.plain(now)
         )
 
@@ -1350,6 +1327,7 @@ def _ahead_key(index: int) -> int:
     return -1 - index
 
 
+_POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
 _HORIZON = queries.horizon().as_string().encode()
 _IDLE_UNLOCK = queries.idle_unlock().as_string().encode()
 _TRY_IDLE_LOCK = queries.try_idle_lock().as_string().encode()
