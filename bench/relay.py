@@ -725,7 +725,11 @@ def main(argv: list[str] | None = None) -> None:
                 ),
                 "4": lambda: section_xmin(dsn, conn, args.rows, args.xmin_seconds, 1000),
                 "s": lambda: steady.section_steady(
-                    dsn, srv.tool("pg_recvlogical"), args.steady_seconds, [1000, 5000]
+                    dsn,
+                    srv.tool("pg_recvlogical"),
+                    args.steady_seconds,
+                    [1000, 5000],
+                    [RelayOptions().linger_s * 1000, 0.0],
                 ),
                 "l": lambda: steady.section_linger(
                     dsn, args.steady_seconds, [0.0, 1.0, 2.0, 5.0, 10.0]

@@ -286,25 +286,29 @@ def _prepare(dsn: str) -> None:
         conn.execute("VACUUM ANALYZE outbox_new")
 
 
-def section_steady(dsn: str, tool: str, seconds: float, rates: list[int]) -> None:
+def section_steady(
+    dsn: str, tool: str, seconds: float, rates: list[int], lingers_ms: list[float]
+) -> None:
+    default_ms = RelayOptions().linger_s * 1000
     print(f"\n## 5. Steady state: plain INSERTs (no pg_notify by the app; the wake-up trigger), "
-          f"{seconds:.0f} s per row, relay with default options (linger 5 ms)")  # fmt: skip
+          f"{seconds:.0f} s per row; linger (ms) in column 3, default {default_ms:g}")  # fmt: skip
     print("end-to-end = writer's COMMIT returned -> message in the relay's sink (ms); "
           "CDC = pg_recvlogical + test_decoding, same run, same rows")  # fmt: skip
-    print(f"{'msg/s':>6} {'writers':>7} | {'relay p50':>9} {'p99':>7} {'max':>7} | "
+    print(f"{'msg/s':>6} {'writers':>7} {'linger':>6} | {'relay p50':>9} {'p99':>7} {'max':>7} | "
           f"{'CDC p50':>7} {'p99':>7} {'max':>7} | {'p99/CDC':>7} {'CPU-s/100k':>10} "
           f"{'rows/batch':>10} {'lost':>4}")  # fmt: skip
     for rate in rates:
         for writers in (1, 4):
-            _prepare(dsn)
-            r = steady_run(dsn, tool, rate, writers, seconds, RelayOptions().linger_s)
-            cdc = r.cdc
-            ratio = r.relay.p99 / cdc.p99 if cdc and cdc.p99 > 0 else float("nan")
-            print(f"{rate:>6} {writers:>7} | {r.relay.p50:>9.2f} {r.relay.p99:>7.2f} "
-                  f"{r.relay.max:>7.1f} | {cdc.p50 if cdc else 0:>7.2f} "
-                  f"{cdc.p99 if cdc else 0:>7.2f} {cdc.max if cdc else 0:>7.1f} | "
-                  f"{ratio:>6.1f}x {r.cpu_per_100k:>10.2f} {r.rows_per_batch:>10.1f} "
-                  f"{r.relay.missing:>4}")  # fmt: skip
+            for linger in lingers_ms:
+                _prepare(dsn)
+                r = steady_run(dsn, tool, rate, writers, seconds, linger / 1000)
+                cdc = r.cdc
+                ratio = r.relay.p99 / cdc.p99 if cdc and cdc.p99 > 0 else float("nan")
+                print(f"{rate:>6} {writers:>7} {linger:>6g} | {r.relay.p50:>9.2f} "
+                      f"{r.relay.p99:>7.2f} {r.relay.max:>7.1f} | {cdc.p50 if cdc else 0:>7.2f} "
+                      f"{cdc.p99 if cdc else 0:>7.2f} {cdc.max if cdc else 0:>7.1f} | "
+                      f"{ratio:>6.1f}x {r.cpu_per_100k:>10.2f} {r.rows_per_batch:>10.1f} "
+                      f"{r.relay.missing:>4}")  # fmt: skip
 
 
 def section_linger(dsn: str, seconds: float, lingers_ms: list[float], rate: int = 1000) -> None:

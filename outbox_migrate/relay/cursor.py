@@ -162,23 +162,30 @@ class Cursor:
         self._next_probe = 0.0
         self._confirming = True
 
-    def notified(self, low: int) -> None:
-        """Some transaction committed rows from id `low` on (a notification's payload)."""
+    def notified(self, low: int) -> bool:
+        """Some transaction committed rows from id `low` on (a notification's payload).
+
+        True when a claim should follow: the rows lie above the frontier, or among the
+        remembered gaps, or in the unaccounted region. False when every id from `low` up to
+        the frontier was claimed already — the notification of a row the last claim found
+        (its commit came before that claim, its notification after): an idle worker then
+        need not claim again."""
         if low > self.frontier:
-            return  # the next claim from the frontier finds it anyway
+            return True  # the next claim from the frontier finds it
         if self.track_gaps:
             # Rows of this worker's shards below the frontier are remembered gaps, or inside
             # the unaccounted region. The statement's rows run from `low` upwards, possibly in
             # several shards.
-            if any(gap >= low for gap in self.pending):
+            due = any(gap >= low for gap in self.pending)
+            if due:
                 self._next_probe = 0.0
             region = self._region
             if region is None or not (region.full or any(i >= low for i in region.ids)):
-                return
+                return due
         # Key shards, or an id the cursor has no gap for: claim from just below it once.
-        # Key shards: no gaps to probe; claim from just below the notified id once.
         current = self._lowered if self._lowered is not None else self.frontier
         self._lowered = min(current, low - 1)
+        return True
 
     def claimed(self, after: int, ids: Sequence[Any], now: float) -> None:
         """Record a claim that started at `after` and returned `ids` (ascending)."""
@@ -302,8 +309,8 @@ class NoCursor(Cursor):
     def probe(self, now: float) -> list[int] | None:
         return None
 
-    def notified(self, low: int) -> None:
-        return None
+    def notified(self, low: int) -> bool:
+        return True  # no frontier: whatever was notified may be unclaimed
 
     def claimed(self, after: int, ids: Sequence[Any], now: float) -> None:
         return None

@@ -71,6 +71,9 @@ SPARSE_ROWS = 8
 time: each wakes an idle relay through a notification anyway, so the idle flag stays up
 through the next claim and the worker sleeps right after publishing (relay/notify.py). More
 rows than this, and the flag comes down: writers of dense traffic commit without NOTIFY."""
+HOLD_S = 0.05
+"""How long an idle worker keeps its last batch's COMMIT queued (and its transaction open)
+for the next claim to take along; then the COMMIT goes alone (see `_Worker._hold`)."""
 REAP_MARGIN_S = 0.5
 """Past the server's own idle-session bound (session timeout + poll interval) before the
 survivors end a silent shard holder themselves (`ShardLease.reap`)."""
@@ -595,12 +598,10 @@ class _Worker:
         """Claim and mark statements rendered for this session (see `_statements`)."""
         self.wire: wire.Wire | None = None
         """The session's libpq-level pipeline of prepared statements (relay/wire.py)."""
+        self.listener: Any = None
+        """The worker's LISTEN session (see `_listen`), None without notifications."""
         self.poller: Any = None
-        """Polls the session's socket (notifications: the session LISTENs) and the relay's
-        stop pipe while the worker waits for work (`_sleep`)."""
-        self.noted: list[str] = []
-        """Payloads of notifications psycopg read on this session (`conn.execute` takes them
-        from libpq and hands them to the connection's notify handlers)."""
+        """Polls the LISTEN session's socket and the relay's stop pipe (`_sleep`)."""
         self.sink: Sink | None = None
         self.failures = 0
         self.pause_s = 0.0
@@ -662,6 +663,7 @@ class _Worker:
                 except Exception:  # the session is closing anyway
                     log.debug("relay.release_failed", exc_info=True)
             relay._close_conn(self.index, self.conn)
+            self._close_listener()
             relay._conns.pop(_ahead_key(self.index), None)
             self.read_ahead.close()
 
@@ -695,6 +697,7 @@ class _Worker:
             relay.observer.failed("connection")
             log.warning("relay.connection_lost worker=%d %s", self.index, _one_line(exc))
             relay._close_conn(self.index, self.conn)
+            self._close_listener()
             self.conn = None
             self.lease.lost()
             self._back_off()
@@ -818,67 +821,121 @@ class _Worker:
         linger = max(self.relay.options.linger_s, 0.001)
         return float(min(linger * 2 ** min(self.busy_polls, 16), BUSY_POLL_CAP_S))
 
-    # -- notifications: LISTEN on the worker's own session --------------------------------
+    # -- notifications: a LISTEN session per worker, waited on by the worker itself ---------
 
     def _listen(self) -> None:
-        """LISTEN on the new session, and wait on its socket when idle (`_sleep`).
+        """Open the worker's LISTEN session (when notifications are on), after its claim
+        session was (re)opened; idle waits (`_sleep`) poll its socket and the stop pipe.
 
-        On the worker's own session rather than a listener thread's: a notification then
-        wakes the thread that claims, straight from its socket, instead of a second thread
-        that hands it over through a lock (a GIL hand-off and ~40 µs of CPU per wake-up at
-        1,000 msg/s, docs/relay.md). The server delivers a notification to a session only
-        between its transactions, so one sent while a claim's transaction is open is read
-        after that transaction ends: before the worker sleeps (`_take_notifications`), or
-        by the wait itself. Every worker listens; each sees every notification."""
+        Why a session per worker, polled by the worker thread: a listener thread handing
+        wake-ups over through a lock cost a GIL hand-off and ~40 µs of CPU per wake-up at
+        1,000 msg/s (docs/relay.md). Why not LISTEN on the claim session itself: the server
+        delivers notifications to a session only between its transactions, and a worker that
+        published a trickle sleeps with that batch's mark and COMMIT still queued
+        (`_wait_in_run`), its transaction open, so that they leave with the next claim in one
+        network write. The LISTEN session is never in a transaction.
+        """
         from psycopg import sql
 
-        relay = self.relay
-        self.poller = select.poll()
-        self.noted.clear()
+        self._close_listener()
         if not self.uses_flag:
             return
-        self.conn.add_notify_handler(lambda note: self.noted.append(note.payload))
-        self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(relay.options.channel)))
-        self.poller.register(self.conn.pgconn.socket, _POLL_IN)
+        relay = self.relay
+        conn = _connect_worker(relay)
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(relay.options.channel)))
+        except BaseException:
+            conn.close()
+            raise
+        self.listener = conn
+        self.poller = select.poll()
+        self.poller.register(conn.pgconn.socket, _POLL_IN)
         stop = relay.wake_fd()
         if stop is not None:
             self.poller.register(stop, _POLL_IN)
 
-    def _take_notifications(self) -> bool:
-        """Read the notifications that arrived on the session; the lowest notified id goes to
-        the cursor (a row below it is claimed at once). True when there was any."""
-        conn = self.conn
-        if conn is None or not self.uses_flag:
-            return False
-        payloads: list[str] = []
-        if self.noted:
-            payloads, self.noted = self.noted, []
-        pg = conn.pgconn
-        while (note := pg.notifies()) is not None:
-            payloads.append(note.extra.decode(self.wire.encoding if self.wire else "utf-8"))
-        if not payloads:
-            return False
-        ids = [i for i in map(_payload_id, payloads) if i is not None]
-        if ids:
-            self.cursor.notified(min(ids))
-        return True
+    def _close_listener(self) -> None:
+        listener, self.listener, self.poller = self.listener, None, None
+        if listener is not None:
+            try:
+                listener.close()
+            except Exception:  # closing a broken connection may fail too
+                log.debug("relay.close_failed", exc_info=True)
 
-    def _sleep(self, timeout_s: float | None = None) -> None:
-        """Wait for a notification on this session, a stop, or `timeout_s` (default: the poll
-        interval). Returns at once when a notification was read already."""
+    def _take_notifications(self) -> bool:
+        """Read the notifications libpq holds for the LISTEN session; True when one calls for
+        a claim (`Cursor.notified`: not when it only reports rows the worker claimed already,
+        the usual case for a notification that arrives right after the claim that found its
+        row). The lowest notified id goes to the cursor."""
+        listener = self.listener
+        if listener is None:
+            return False
+        pg = listener.pgconn
+        low: int | None = None
+        high = 0
+        other = False
+        while (note := pg.notifies()) is not None:
+            notified = _payload_id(note.extra.decode("utf-8", "replace"))
+            if notified is None:
+                other = True  # no id (an application's own payload): just wake
+            else:
+                low = notified if low is None else min(low, notified)
+                high = max(high, notified)
+        if low is None:
+            return other
+        # The lowest id tells the cursor where rows may lie below its frontier; any id above
+        # it is a row no claim has seen yet.
+        below = self.cursor.notified(low)
+        return below or other or high > self.cursor.frontier
+
+    def _sleep(self, timeout_s: float | None = None) -> bool:
+        """Wait until a notification calls for a claim, a stop, or `timeout_s` (default: the
+        poll interval). True: woken (or stopping), False: timed out. Returns at once when a
+        notification read meanwhile calls for a claim."""
         relay = self.relay
         if relay.stopping or self._take_notifications():
-            return
+            return True
         timeout = relay.options.poll_interval_s if timeout_s is None else timeout_s
-        if not self.uses_flag or self.poller is None:
-            relay._stop.wait(timeout)
-            return
-        if self.poller.poll(math.ceil(timeout * 1000)):
-            pg = self.conn.pgconn
-            pg.consume_input()  # raises OperationalError on a lost session
-            if pg.status == pq.ConnStatus.BAD:
-                raise OperationalError("the worker's session was lost")
-            self._take_notifications()
+        if self.listener is None and self.uses_flag and self.conn is not None and self._relisten():
+            return True
+        if self.poller is None or self.listener is None:
+            return relay._stop.wait(timeout)
+        return self._poll_listener(timeout)
+
+    def _relisten(self) -> bool:
+        """The LISTEN session was lost (`_poll_listener`): listen again. True when it worked:
+        then claim once — a row committed while nobody listened notified no one."""
+        from outbox_migrate.errors import ConnectError
+
+        try:
+            self._listen()
+        except _connection_errors(ConnectError) as exc:
+            log.debug("relay.listen_failed worker=%d %s", self.index, _one_line(exc))
+            return False
+        return True
+
+    def _poll_listener(self, timeout_s: float) -> bool:
+        relay, poller, pg = self.relay, self.poller, self.listener.pgconn
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not poller.poll(math.ceil(left * 1000)):
+                return False
+            if relay.stopping:
+                return True
+            try:
+                pg.consume_input()
+                lost = pg.status == pq.ConnStatus.BAD
+            except OperationalError:
+                lost = True
+            if lost:
+                # The claim session may be fine, and may hold a batch's COMMIT: wake up, and
+                # listen again at the next idle wait (meanwhile wait on the stop event).
+                log.warning("relay.listen_lost worker=%d", self.index)
+                self._close_listener()
+                return True
+            if self._take_notifications():
+                return True
+        return False
 
     # -- the hot path: batches back to back, one round trip each ------------------------
 
@@ -1120,32 +1177,30 @@ class _Worker:
         return SPARSE_ROWS if linger <= 0 else 0
 
     def _wait_in_run(self, pipe: wire.Wire, source: queries.Source, pending: list[_Commit]) -> bool:
-        """Nothing more to claim now: send what is queued (the last COMMIT or ROLLBACK) and
-        wait — until a notification or the poll interval with the idle flag up, shortly
-        without it — staying in the run (no pipeline exit, no statements of its own). True:
-        the worker must go back to `_step` first (stop, lease check, source switch).
+        """Nothing more to claim now: wait — until a notification or the poll interval with
+        the idle flag up, shortly without it — staying in the run (no pipeline exit, no
+        statements of its own), the last COMMIT or ROLLBACK queued for the next claim to take
+        along (`_hold`). True: the worker must go back to `_step` first (stop, lease check,
+        source switch).
 
         The flag was up while the last claim's snapshot was taken, or this waits briefly
         (`_busy_poll_s`) and the next claim raises it: an idle worker costs one round trip
-        per wake-up, not the three of leaving the run and raising the flag on its own.
-        The sleep starts after the Sync's results are read, so the server is idle (its
-        idle-session timer armed) and the batch counted while the worker sleeps.
+        per wake-up, where leaving the run, raising the flag on its own and confirming cost
+        six.
         """
-        relay, cursor = self.relay, self.cursor
-        pipe.sync()
-        self._count_committed(pending)
-        if cursor.due():
-            pass  # a claim below the cursor is due (a late row may be visible): no sleep
+        if self.cursor.due() or (self.idle_key is None and not self.flag_tried):
+            # A claim below the cursor is due (a late row may be visible), or the last claim
+            # did not try to raise the flag: claim again now (what is queued goes with it).
+            pass
         elif self.idle_key is not None:
             self.idle_sleeping = True
-            self._sleep()
-        elif not self.flag_tried:
-            pass  # the claim did not try to raise the flag (the one before found many rows)
+            self._hold(pipe, pending, None)
         else:
             # A writer that saw the relay busy has not committed yet (it holds the flag's lock
             # shared and will not notify), or another worker holds the flag: look again soon.
             self.busy_polls += 1
-            self._sleep(self._busy_poll_s())
+            self._hold(pipe, pending, self._busy_poll_s())
+        relay = self.relay
         relay.observer.heartbeat(self.index)
         return (
             relay.stopping
@@ -1153,6 +1208,24 @@ class _Worker:
             or self.lease.due(time.monotonic())
             or relay.state.current is not source
         )
+
+    def _hold(self, pipe: wire.Wire, pending: list[_Commit], timeout_s: float | None) -> None:
+        """Sleep (`_sleep`) with the last batch's mark and COMMIT (or the empty claim's
+        ROLLBACK) still queued: woken within HOLD_S they leave with the next claim, in the
+        same network write — one round trip per wake-up instead of two. A longer sleep ends
+        the transaction first, so nothing stays locked or open while the outbox is quiet."""
+        relay = self.relay
+        if pending:
+            pending[-1].sent = time.perf_counter()
+        timeout = relay.options.poll_interval_s if timeout_s is None else timeout_s
+        if timeout <= HOLD_S:
+            self._sleep(timeout)
+            return
+        if self._sleep(HOLD_S):
+            return
+        pipe.sync()
+        self._count_committed(pending)
+        self._sleep(timeout - HOLD_S)
 
     def _abort_run(self, pending: list[_Commit]) -> None:
         """A run failed: roll back both sessions, count what did commit (a COMMIT of the
