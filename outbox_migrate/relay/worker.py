@@ -1174,7 +1174,7 @@ class _Worker:
         state = self.relay.state
         if not self.uses_flag or (state.mode is Mode.switching and source is state.flat):
             return -1
-        return SPARSE_ROWS if linger <= 0 else 0
+        return SPARSE_ROWS
 
     def _wait_in_run(self, pipe: wire.Wire, source: queries.Source, pending: list[_Commit]) -> bool:
         """Nothing more to claim now: wait — until a notification or the poll interval with
@@ -1194,7 +1194,12 @@ class _Worker:
             pass
         elif self.idle_key is not None:
             self.idle_sleeping = True
-            self._hold(pipe, pending, None)
+            linger = self._linger_s(source)
+            if self._hold(pipe, pending, None) and linger > 0:
+                # Woken by a row's notification: give it `linger` for company, as a batch
+                # that did not fill waits before the next claim — a trickle then costs one
+                # claim per linger period, not one per row.
+                self._linger([], time.monotonic() + linger)
         else:
             # A writer that saw the relay busy has not committed yet (it holds the flag's lock
             # shared and will not notify), or another worker holds the flag: look again soon.
@@ -1209,23 +1214,23 @@ class _Worker:
             or relay.state.current is not source
         )
 
-    def _hold(self, pipe: wire.Wire, pending: list[_Commit], timeout_s: float | None) -> None:
+    def _hold(self, pipe: wire.Wire, pending: list[_Commit], timeout_s: float | None) -> bool:
         """Sleep (`_sleep`) with the last batch's mark and COMMIT (or the empty claim's
         ROLLBACK) still queued: woken within HOLD_S they leave with the next claim, in the
         same network write — one round trip per wake-up instead of two. A longer sleep ends
-        the transaction first, so nothing stays locked or open while the outbox is quiet."""
+        the transaction first, so nothing stays locked or open while the outbox is quiet.
+        True: woken (a notification, or a stop) before the timeout."""
         relay = self.relay
         if pending:
             pending[-1].sent = time.perf_counter()
         timeout = relay.options.poll_interval_s if timeout_s is None else timeout_s
         if timeout <= HOLD_S:
-            self._sleep(timeout)
-            return
+            return self._sleep(timeout)
         if self._sleep(HOLD_S):
-            return
+            return True
         pipe.sync()
         self._count_committed(pending)
-        self._sleep(timeout - HOLD_S)
+        return self._sleep(timeout - HOLD_S)
 
     def _abort_run(self, pending: list[_Commit]) -> None:
         """A run failed: roll back both sessions, count what did commit (a COMMIT of the
