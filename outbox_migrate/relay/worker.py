@@ -556,13 +556,6 @@ def _connect_worker(relay: Relay) -> Any:
     )
 
 
-def _payload_id(payload: str) -> int | None:
-    """The id a notification carries, if it carries one (other payloads just wake)."""
-    if payload.isdigit() and len(payload) < MAX_ID_DIGITS:
-        return int(payload)
-    return None
-
-
 def _serialization_errors() -> type[BaseException]:
     import psycopg
 
@@ -875,7 +868,8 @@ class _Worker:
         high = 0
         other = False
         while (note := pg.notifies()) is not None:
-            notified = _payload_id(note.extra.decode("utf-8", "replace"))
+            payload = note.extra  # bytes: isdigit() and int() take them as they are
+            notified = int(payload) if payload.isdigit() and len(payload) < MAX_ID_DIGITS else None
             if notified is None:
                 other = True  # no id (an application's own payload): just wake
             else:
@@ -915,11 +909,16 @@ class _Worker:
         return True
 
     def _poll_listener(self, timeout_s: float) -> bool:
+        """`_sleep` on the LISTEN session's socket. Reads what already arrived before it
+        blocks: the notifications of rows the last claim found usually have (their commits
+        came first), and one read then replaces a wake-up for each."""
         relay, poller, pg = self.relay, self.poller, self.listener.pgconn
         deadline = time.monotonic() + timeout_s
+        ready = True  # a non-blocking read first
         while (left := deadline - time.monotonic()) > 0:
-            if not poller.poll(math.ceil(left * 1000)):
+            if not ready and not poller.poll(math.ceil(left * 1000)):
                 return False
+            ready = False
             if relay.stopping:
                 return True
             try:
