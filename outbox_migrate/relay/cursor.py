@@ -31,9 +31,11 @@ KEY_SHARD_RESCAN_S (and to the notified ids).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+MAX_ID_DIGITS = 20
+"""A notification payload longer than this is no bigint id."""
 GAP_PROBE_S = 0.05
 """How late, at most, a row whose transaction committed after a higher id was claimed is
 picked up by a busy worker (while its gap is remembered); an idle worker is woken at once by
@@ -186,6 +188,25 @@ class Cursor:
         current = self._lowered if self._lowered is not None else self.frontier
         self._lowered = min(current, low - 1)
         return True
+
+    def notified_payloads(self, payloads: Iterable[bytes]) -> bool:
+        """Notifications read together (their payloads, as libpq gives them): True when one
+        calls for a claim. The lowest id goes to `notified`; any id above the frontier is a
+        row no claim has seen; a payload that is no id (an application's own) just wakes."""
+        low: int | None = None
+        high = 0
+        other = False
+        for payload in payloads:
+            if payload.isdigit() and len(payload) < MAX_ID_DIGITS:
+                notified = int(payload)
+                low = notified if low is None else min(low, notified)
+                high = max(high, notified)
+            else:
+                other = True
+        if low is None:
+            return other
+        below = self.notified(low)  # first: it may make the probe due or lower the start
+        return below or other or high > self.frontier
 
     def claimed(self, after: int, ids: Sequence[Any], now: float) -> None:
         """Record a claim that started at `after` and returned `ids` (ascending)."""

@@ -57,7 +57,6 @@ PAYLOAD_TYPES = ("jsonb", "json", "text", "bytea")
 log = logging.getLogger("outbox_migrate.relay")
 
 RELAY_APPLICATION_NAME = f"{APPLICATION_NAME} relay"
-MAX_ID_DIGITS = 20
 LINGER_SLEEP_MAX_S = 0.05
 """Lingers up to this long are a plain sleep (a stop waits for it); longer ones wait on the
 stop event."""
@@ -864,23 +863,10 @@ class _Worker:
         if listener is None:
             return False
         pg = listener.pgconn
-        low: int | None = None
-        high = 0
-        other = False
+        payloads = []
         while (note := pg.notifies()) is not None:
-            payload = note.extra  # bytes: isdigit() and int() take them as they are
-            notified = int(payload) if payload.isdigit() and len(payload) < MAX_ID_DIGITS else None
-            if notified is None:
-                other = True  # no id (an application's own payload): just wake
-            else:
-                low = notified if low is None else min(low, notified)
-                high = max(high, notified)
-        if low is None:
-            return other
-        # The lowest id tells the cursor where rows may lie below its frontier; any id above
-        # it is a row no claim has seen yet.
-        below = self.cursor.notified(low)
-        return below or other or high > self.cursor.frontier
+            payloads.append(note.extra)
+        return bool(payloads) and self.cursor.notified_payloads(payloads)
 
     def _sleep(self, timeout_s: float | None = None) -> bool:
         """Wait until a notification calls for a claim, a stop, or `timeout_s` (default: the

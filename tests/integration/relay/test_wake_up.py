@@ -298,3 +298,123 @@ def test_a_relay_warns_when_the_trigger_was_installed_under_another_name(
     assert any("relay.notify_trigger_stale" in r.getMessage() for r in caplog.records)
     notify.install(triggered, renamed, DEFAULT_CHANNEL)
     assert notify.key_matches(triggered, renamed) is True
+
+
+def _relay_round_trips(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count the relay threads' round trips: pipeline writes and psycopg statements."""
+    from outbox_migrate.relay import wire
+
+    counts = {"n": 0}
+
+    def counted(original):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if threading.current_thread().name.startswith("relay-"):
+                counts["n"] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(wire.Wire, "send_sync", counted(wire.Wire.send_sync))
+    monkeypatch.setattr(psycopg.Connection, "execute", counted(psycopg.Connection.execute))
+    return counts
+
+
+def test_an_idle_relay_pays_one_round_trip_per_woken_row(
+    dsn: str,
+    triggered: psycopg.Connection,
+    collected: Collected,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fails on the code before: a woken worker claimed the row, claimed again (empty), left
+    its pipeline, armed the idle timer, raised the idle flag on its own and confirmed with a
+    last claim — about eight round trips per row at a trickle (the relay's CPU at 1,000 msg/s
+    with no linger: ~10 CPU-s per 100 k). Now the flag stays up through a trickle and the
+    batch's COMMIT leaves with the next claim."""
+    relay = Relay(
+        dsn,
+        collected.factory(),
+        spec=SPEC,
+        options=RelayOptions(poll_interval_s=30, linger_s=0),
+    )
+    rows = 30
+    with running(relay):
+        time.sleep(0.5)  # idle, flag up
+        counts = _relay_round_trips(monkeypatch)
+        for _ in range(rows):
+            (new_id,) = plain_insert(triggered)
+            assert wait_for(collected, new_id) < 1.0  # woken, not polled
+            time.sleep(0.01)
+        trips = counts["n"]
+    assert len(collected.ids) == rows
+    assert trips <= 1.5 * rows + 6, trips  # + lease checks (one a second)
+
+
+def test_a_trickled_row_is_marked_soon_without_more_traffic(
+    dsn: str, triggered: psycopg.Connection, collected: Collected
+) -> None:
+    """The COMMIT that waits for the next claim waits HOLD_S at most, not the poll interval:
+    the row leaves the unpublished partition, its lock and transaction end."""
+    from outbox_migrate.relay.worker import HOLD_S
+
+    relay = Relay(dsn, collected.factory(), spec=SPEC, options=RelayOptions(poll_interval_s=30))
+    with running(relay):
+        time.sleep(0.5)
+        (new_id,) = plain_insert(triggered)
+        assert wait_for(collected, new_id) < 1.0
+        started = time.monotonic()
+        while time.monotonic() - started < 5.0:
+            unpublished = triggered.execute("SELECT count(*) FROM outbox_unpublished").fetchone()
+            if unpublished == (0,):
+                break
+            time.sleep(0.005)
+        marked_after = time.monotonic() - started
+        time.sleep(HOLD_S + 0.3)  # a claim woken meanwhile holds its ROLLBACK as long
+        idle_in_transaction = triggered.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
+            "AND application_name LIKE 'outbox-migrate%'"
+        ).fetchone()
+    assert marked_after < HOLD_S + 0.5, marked_after
+    assert idle_in_transaction == (0,)
+
+
+def test_stop_wakes_an_idle_relay_at_once(
+    dsn: str, triggered: psycopg.Connection, collected: Collected
+) -> None:
+    relay = Relay(dsn, collected.factory(), spec=SPEC, options=RelayOptions(poll_interval_s=30))
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    time.sleep(0.5)  # idle on its LISTEN session's socket
+    started = time.monotonic()
+    relay.stop()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_relay_listens_again_when_its_listen_session_is_cut(
+    dsn: str,
+    triggered: psycopg.Connection,
+    collected: Collected,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A terminated LISTEN session (a failover, an operator's pg_terminate_backend) is noticed
+    at once; the worker listens again and a plain INSERT still wakes it."""
+    import logging
+
+    relay = Relay(dsn, collected.factory(), spec=SPEC, options=RelayOptions(poll_interval_s=30))
+    with caplog.at_level(logging.WARNING, logger="outbox_migrate"), running(relay):
+        time.sleep(0.5)
+        cut = triggered.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE query ILIKE 'LISTEN%%' AND application_name LIKE 'outbox-migrate%%'"
+        ).fetchall()
+        assert cut == [(True,)]
+        time.sleep(0.5)
+        (new_id,) = plain_insert(triggered)
+        assert wait_for(collected, new_id) < 1.0  # woken: the poll interval is 30 s
+        listening = triggered.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE query ILIKE 'LISTEN%%' AND application_name LIKE 'outbox-migrate%%'"
+        ).fetchone()
+    assert listening == (1,)
+    assert any("relay.listen_lost" in r.getMessage() for r in caplog.records)
