@@ -873,14 +873,14 @@ class _Worker:
         poll interval). True: woken (or stopping), False: timed out. Returns at once when a
         notification read meanwhile calls for a claim."""
         relay = self.relay
-        if relay.stopping or self._take_notifications():
+        if relay.stopping:
             return True
         timeout = relay.options.poll_interval_s if timeout_s is None else timeout_s
         if self.listener is None and self.uses_flag and self.conn is not None and self._relisten():
             return True
         if self.poller is None or self.listener is None:
             return relay._stop.wait(timeout)
-        return self._poll_listener(timeout)
+        return self._poll_listener(timeout)  # reads what libpq and the socket hold first
 
     def _relisten(self) -> bool:
         """The LISTEN session was lost (`_poll_listener`): listen again. True when it worked:
