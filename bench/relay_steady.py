@@ -3,12 +3,13 @@ beside the CDC floor; the wake-up trigger's cost to the application's commits; l
 
 * steady (`--only s`): writer *processes* insert one row per autocommit transaction through the
   partitioned parent (plain INSERT, no pg_notify: the wake-up trigger does the waking), paced
-  to a total rate. The relay runs in its own process (stdout sink into /dev/null, default
-  options) and records when each id reached the sink; end-to-end = that moment minus the
-  moment the writer's COMMIT returned (CLOCK_MONOTONIC is one clock for all processes). Relay
-  CPU = the relay process's user+system time over the paced window, per 100 k messages. In
-  the same window pg_recvlogical (test_decoding, a logical slot) streams the same inserts: the
-  CDC floor, the latency of a relay that reads the WAL instead of the table.
+  to a total rate. The relay runs in its own process (stdout sink into /dev/null) with the
+  default linger and with none, and records when each id reached the sink; end-to-end = that
+  moment minus the moment the writer's COMMIT returned (CLOCK_MONOTONIC is one clock for all
+  processes). Relay CPU = the relay process's user+system time over the paced window, per
+  100 k messages. Just before, under the same writers, pg_recvlogical (test_decoding, a
+  logical slot) streams the inserts alone: the CDC floor, the latency of a reader of the WAL.
+  Alone, because run at the same time each one's CPU inflated the other's tail on 2 vCPUs.
 * trigger (`--only t`): closed-loop writers (1..16 processes, INSERT+COMMIT as fast as they
   can) with no trigger, with the relay's idle-aware trigger, and with a naive trigger that
   notifies on every statement — each with the relay running, measured one after the other
@@ -231,9 +232,47 @@ class SteadyResult:
     messages: int
 
 
+def _paced(
+    dsn: str, rate: float, writers: int, seconds: float, begin: Any = None
+) -> dict[int, float]:
+    """Run `writers` paced writer processes for `seconds` at `rate` in total; when each id's
+    COMMIT returned. `begin` (an Event) is set when they start."""
+    ctx = multiprocessing.get_context("spawn")
+    wout, wready, go = ctx.Queue(), ctx.Semaphore(0), ctx.Queue()
+    children = [
+        ctx.Process(target=_writer_child, args=(dsn, rate / writers, seconds, wready, go, wout))
+        for _ in range(writers)
+    ]
+    start_at = _start_together(children, wready, go)
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    if begin is not None:
+        begin.set()
+    committed: dict[int, float] = {}
+    for _ in children:
+        committed.update(wout.get(timeout=seconds + 120))
+    for child in children:
+        child.join(30)
+    return committed
+
+
+def cdc_run(dsn: str, tool: str, rate: float, writers: int, seconds: float) -> Latency:
+    """The CDC floor alone: pg_recvlogical + test_decoding under the same paced writers, with
+    no relay running (measured concurrently, each one's CPU on 2 vCPUs inflated the other's
+    latency: at 5,000 msg/s beside a relay with no linger the floor's p99 read 38-67 ms)."""
+    with _Cdc(tool, dsn) as cdc:
+        time.sleep(0.5)
+        committed = _paced(dsn, rate, writers, seconds)
+        deadline = time.monotonic() + DRAIN_WAIT_S
+        while len(cdc.seen) < len(committed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return Latency.of(committed, cdc.seen)
+
+
 def steady_run(
     dsn: str, tool: str | None, rate: float, writers: int, seconds: float, linger_s: float
 ) -> SteadyResult:
+    """The relay (its own process) under paced writers; with `tool`, pg_recvlogical streams
+    the same rows at the same time (section 5 measures the floor alone instead: `cdc_run`)."""
     ctx = multiprocessing.get_context("spawn")
     out, ready, begin, end = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
     relay = ctx.Process(target=_relay_child, args=(dsn, linger_s, ready, begin, end, out))
@@ -244,20 +283,8 @@ def steady_run(
         if cdc is not None:
             cdc.__enter__()
             time.sleep(0.5)
-        wout, wready, go = ctx.Queue(), ctx.Semaphore(0), ctx.Queue()
-        children = [
-            ctx.Process(target=_writer_child, args=(dsn, rate / writers, seconds, wready, go, wout))
-            for _ in range(writers)
-        ]
-        start_at = _start_together(children, wready, go)
-        time.sleep(max(0.0, start_at - time.monotonic()))
-        begin.set()
-        committed: dict[int, float] = {}
-        for _ in children:
-            committed.update(wout.get(timeout=seconds + 120))
+        committed = _paced(dsn, rate, writers, seconds, begin)
         end.set()
-        for child in children:
-            child.join(30)
         cpu, seen_list, batches = out.get(timeout=120)
         relay.join(30)
         time.sleep(0.2)
@@ -292,23 +319,24 @@ def section_steady(
     default_ms = RelayOptions().linger_s * 1000
     print(f"\n## 5. Steady state: plain INSERTs (no pg_notify by the app; the wake-up trigger), "
           f"{seconds:.0f} s per row; linger (ms) in column 3, default {default_ms:g}")  # fmt: skip
-    print("end-to-end = writer's COMMIT returned -> message in the relay's sink (ms); "
-          "CDC = pg_recvlogical + test_decoding, same run, same rows")  # fmt: skip
+    print("end-to-end = writer's COMMIT returned -> message in the relay's sink (ms); CDC = "
+          "pg_recvlogical + test_decoding under the same writers just before, alone")  # fmt: skip
     print(f"{'msg/s':>6} {'writers':>7} {'linger':>6} | {'relay p50':>9} {'p99':>7} {'max':>7} | "
           f"{'CDC p50':>7} {'p99':>7} {'max':>7} | {'p99/CDC':>7} {'CPU-s/100k':>10} "
           f"{'rows/batch':>10} {'lost':>4}")  # fmt: skip
     for rate in rates:
         for writers in (1, 4):
+            _prepare(dsn)
+            cdc = cdc_run(dsn, tool, rate, writers, seconds)
             for linger in lingers_ms:
                 _prepare(dsn)
-                r = steady_run(dsn, tool, rate, writers, seconds, linger / 1000)
-                cdc = r.cdc
-                ratio = r.relay.p99 / cdc.p99 if cdc and cdc.p99 > 0 else float("nan")
+                r = steady_run(dsn, None, rate, writers, seconds, linger / 1000)
+                ratio = r.relay.p99 / cdc.p99 if cdc.p99 > 0 else float("nan")
                 print(f"{rate:>6} {writers:>7} {linger:>6g} | {r.relay.p50:>9.2f} "
-                      f"{r.relay.p99:>7.2f} {r.relay.max:>7.1f} | {cdc.p50 if cdc else 0:>7.2f} "
-                      f"{cdc.p99 if cdc else 0:>7.2f} {cdc.max if cdc else 0:>7.1f} | "
+                      f"{r.relay.p99:>7.2f} {r.relay.max:>7.1f} | {cdc.p50:>7.2f} "
+                      f"{cdc.p99:>7.2f} {cdc.max:>7.1f} | "
                       f"{ratio:>6.1f}x {r.cpu_per_100k:>10.2f} {r.rows_per_batch:>10.1f} "
-                      f"{r.relay.missing:>4}")  # fmt: skip
+                      f"{r.relay.missing + cdc.missing:>4}")  # fmt: skip
 
 
 def section_linger(dsn: str, seconds: float, lingers_ms: list[float], rate: int = 1000) -> None:
