@@ -455,7 +455,7 @@ def _trigger_mode(dsn: str, mode: str) -> None:
         conn.execute("TRUNCATE outbox_new")
         for statement in notify.drop_sql(SPEC):
             conn.execute(statement)
-        if mode == "idle-aware":
+        if mode.startswith("idle-aware"):
             notify.install(conn, SPEC, DEFAULT_CHANNEL)
         elif mode == "naive":
             conn.execute(NAIVE_FUNCTION)
@@ -466,15 +466,22 @@ def _trigger_mode(dsn: str, mode: str) -> None:
         conn.execute("VACUUM ANALYZE outbox_new")
 
 
-def _closed_loop(dsn: str, writers: int, seconds: float) -> tuple[float, float]:
+def _closed_loop(
+    dsn: str, writers: int, seconds: float, linger_s: float | None = None
+) -> tuple[float, float]:
     """Relay running; `writers` closed-loop writer processes: (inserts/s, commit p99 ms).
 
     The relay polls every 5 ms (its linger) in every mode: without the trigger a relay polling
     once a second would sleep most of the time and leave the two CPUs to the writers, and the
-    comparison would measure the relay's work instead of the trigger's cost.
+    comparison would measure the relay's work instead of the trigger's cost. `linger_s`: the
+    relay's linger (default: the default); with 0 a relay that finds a trickle keeps the idle
+    flag up, so more commits notify.
     """
     ctx = multiprocessing.get_context("spawn")
-    options = RelayOptions(poll_interval_s=RelayOptions().linger_s)
+    default = RelayOptions().linger_s
+    options = RelayOptions(
+        poll_interval_s=default, linger_s=default if linger_s is None else linger_s
+    )
     with Path(os.devnull).open("w") as devnull:
         relay = Relay(dsn, lambda: StdoutSink(stream=devnull), spec=SPEC, options=options)
         with running(relay):
@@ -495,7 +502,8 @@ def _closed_loop(dsn: str, writers: int, seconds: float) -> tuple[float, float]:
     return max(1, len(latencies)) / seconds, p99
 
 
-MODES = ("none", "empty", "idle-aware", "naive")
+MODES = ("none", "empty", "idle-aware", "idle-aware/0", "naive")
+"""idle-aware/0: the installed trigger with a relay that has no linger."""
 
 
 def section_trigger(
@@ -507,6 +515,7 @@ def section_trigger(
           f"{'on' if fsync else 'off'}, median of {reps} interleaved runs")  # fmt: skip
     print(f"{'writers':>7} | {'none ins/s':>10} {'p99 ms':>7} | {'empty':>8} {'tput':>6} "
           f"{'p99':>6} | {'idle-aware':>10} {'p99 ms':>7} {'tput':>6} {'p99':>6} | "
+          f"{'linger 0':>8} {'tput':>6} {'p99':>6} | "
           f"{'naive':>8} {'p99 ms':>7} {'tput':>6} {'p99':>6}")  # fmt: skip
     with psycopg.connect(dsn, autocommit=True) as conn:
         if fsync:
@@ -518,14 +527,17 @@ def section_trigger(
             for _ in range(reps):  # interleaved: the machine's load drifts between runs
                 for mode in MODES:
                     _trigger_mode(dsn, mode)
-                    runs[mode].append(_closed_loop(dsn, writers, seconds))
-            base, empty, idle, naive = (
+                    linger = 0.0 if mode.endswith("/0") else None
+                    runs[mode].append(_closed_loop(dsn, writers, seconds, linger))
+            base, empty, idle, idle0, naive = (
                 (median([r[0] for r in runs[m]]), median([r[1] for r in runs[m]])) for m in MODES
             )
             print(f"{writers:>7} | {base[0]:>10,.0f} {base[1]:>7.2f} | {empty[0]:>8,.0f} "
                   f"{empty[0] / base[0] - 1:>+6.1%} {empty[1] / base[1]:>5.2f}x | "
                   f"{idle[0]:>10,.0f} {idle[1]:>7.2f} {idle[0] / base[0] - 1:>+6.1%} "
-                  f"{idle[1] / base[1]:>5.2f}x | {naive[0]:>8,.0f} {naive[1]:>7.2f} "
+                  f"{idle[1] / base[1]:>5.2f}x | {idle0[0]:>8,.0f} "
+                  f"{idle0[0] / base[0] - 1:>+6.1%} {idle0[1] / base[1]:>5.2f}x | "
+                  f"{naive[0]:>8,.0f} {naive[1]:>7.2f} "
                   f"{naive[0] / base[0] - 1:>+6.1%} {naive[1] / base[1]:>5.2f}x")  # fmt: skip
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -535,7 +547,8 @@ def section_trigger(
     print(
         "(tput / p99: the trigger's change in insert throughput and commit p99 vs no trigger, "
         "measured one after the other; empty = a statement trigger that does nothing, the "
-        "floor of any trigger-based wake-up; naive = NOTIFY from every inserting statement)"
+        "floor of any trigger-based wake-up; linger 0 = the trigger, the relay without a "
+        "linger; naive = NOTIFY from every inserting statement)"
     )
 
 
