@@ -66,10 +66,15 @@ committed yet) looks again after linger, doubling up to this: the late-row bound
 ABANDON_GRACE_S = 2.0
 """After the shutdown timeout: how long abandoned workers get to roll back and exit."""
 SPARSE_ROWS = 8
-"""With no linger, a claim that returned at most this many rows means rows arrive one at a
-time: each wakes an idle relay through a notification anyway, so the idle flag stays up
-through the next claim and the worker sleeps right after publishing (relay/notify.py). More
-rows than this, and the flag comes down: writers of dense traffic commit without NOTIFY."""
+"""A claim made with the idle flag up that returned at most this many rows is a trickle: rows
+arrive a few at a time and each would wake an idle relay anyway, so the flag stays up and the
+worker sleeps right after publishing (relay/notify.py). More rows than this, and the flag comes
+down: writers of dense traffic commit without NOTIFY."""
+AWAKE_WAITS = 2
+"""Idle waits in a row that found a notification already there (the worker never had to
+sleep): the traffic is continuous, not a trickle, and the flag comes down — otherwise every
+writer would keep paying a NOTIFY at its commit, which at tens of thousands of commits a second
+slows them down until the relay's claims look like a trickle for good (bench section 7)."""
 HOLD_S = 0.05
 """How long an idle worker keeps its last batch's COMMIT queued (and its transaction open)
 for the next claim to take along; then the COMMIT goes alone (see `_Worker._hold`)."""
@@ -619,7 +624,13 @@ class _Worker:
         self.flag_key = 0
         """The idle lock's key for the source of the current run (`notify.idle_lock_key`)."""
         self.sparse = False
-        """The last claim returned at most `_flag_rows` rows: the next one raises the flag."""
+        """The last claim returned at most `_flag_rows` rows: a held flag may stay up."""
+        self.empty = False
+        """The last claim returned nothing: the next one raises the flag."""
+        self.awake = 0
+        """Idle waits in a row that did not have to block (see AWAKE_WAITS)."""
+        self.blocked = False
+        """The last idle wait blocked before it returned (`_poll_listener`)."""
         self.flag_tried = False
         """The last claim went out with the flag up, or with an attempt to raise it."""
         self.read_ahead = read_ahead.ReadAhead(
@@ -879,6 +890,7 @@ class _Worker:
         if self.listener is None and self.uses_flag and self.conn is not None and self._relisten():
             return True
         if self.poller is None or self.listener is None:
+            self.blocked = True
             return relay._stop.wait(timeout)
         return self._poll_listener(timeout)  # reads what libpq and the socket hold first
 
@@ -901,9 +913,12 @@ class _Worker:
         relay, poller, pg = self.relay, self.poller, self.listener.pgconn
         deadline = time.monotonic() + timeout_s
         ready = True  # a non-blocking read first
+        self.blocked = False
         while (left := deadline - time.monotonic()) > 0:
-            if not ready and not poller.poll(math.ceil(left * 1000)):
-                return False
+            if not ready:
+                self.blocked = True
+                if not poller.poll(math.ceil(left * 1000)):
+                    return False
             ready = False
             if relay.stopping:
                 return True
@@ -966,11 +981,14 @@ class _Worker:
         When the cursor's gap probe is due, the remembered gaps are claimed by id in the same
         transaction and round trip, ahead of the range claim (they are all below it).
 
-        The idle flag (`flag_rows` >= 0, see `_publish_run`): after a claim that returned at
-        most `flag_rows` rows the flag goes up with this claim — `pg_try_advisory_lock` in the
-        same network write, ahead of BEGIN — so that if this claim finds nothing (or little),
-        the worker may sleep at once: its snapshot is taken with the flag up, and every row it
-        cannot see will notify. After a bigger claim the flag comes down in the same way.
+        The idle flag (`flag_rows` >= 0, see `_publish_run`): after a claim that found nothing
+        the flag goes up with this claim — `pg_try_advisory_lock` in the same network write,
+        ahead of BEGIN — so that if this claim finds nothing (or a trickle), the worker may
+        sleep at once: its snapshot is taken with the flag up, and every row it cannot see
+        will notify. A raised flag stays up through claims of a trickle (SPARSE_ROWS) while
+        the worker sleeps between them, and comes down in the same way (`pg_advisory_unlock`
+        in the claim's write) after a bigger claim, or once the traffic no longer lets the
+        worker sleep (AWAKE_WAITS).
         """
         relay, cursor, pipe = self.relay, self.cursor, self.wire
         assert pipe is not None
@@ -979,9 +997,10 @@ class _Worker:
         if flag_rows < 0:
             if self.idle_sleeping:
                 self._lower_idle_flag()  # woken: claiming now, writers need not notify
-        elif not self.sparse:
-            self._lower_idle_flag()
-        elif self.idle_key is None:
+        elif self.idle_key is not None:
+            if not self.sparse or self.awake >= AWAKE_WAITS:
+                self._lower_idle_flag()
+        elif self.empty:
             # Writers that saw the relay busy hold the lock shared until they commit: once it
             # is ours, their rows are visible to this claim — below the cursor too (confirm).
             raising = pipe.send(_TRY_IDLE_LOCK, {"key": self.flag_key})
@@ -1021,7 +1040,7 @@ class _Worker:
         if horizon is not None:
             xmin, xmax = pipe.rows(horizon)[0]
             cursor.horizon(int(xmin), int(xmax), time.monotonic())
-        self.sparse = len(rows) <= flag_rows
+        self.sparse, self.empty = len(rows) <= flag_rows, not rows
         return rows, after, ranged
 
     def _publish_run(self, source: queries.Source) -> int | None:  # noqa: PLR0912, PLR0915
@@ -1153,9 +1172,7 @@ class _Worker:
         -1: the flag is only raised after the run, by `_idle`.
 
         Only where an empty claim means "sleep until notified": with notifications, and not
-        while the switching relay drains the flat table (its empty claim starts the switch).
-        With a linger, any row brings the flag down: the worker lingers instead of sleeping,
-        and writers need not notify meanwhile."""
+        while the switching relay drains the flat table (its empty claim starts the switch)."""
         state = self.relay.state
         if not self.uses_flag or (state.mode is Mode.switching and source is state.flat):
             return -1
@@ -1180,7 +1197,9 @@ class _Worker:
         elif self.idle_key is not None:
             self.idle_sleeping = True
             linger = self._linger_s(source)
-            if self._hold(pipe, pending, None) and linger > 0:
+            woken = self._hold(pipe, pending, None)
+            self.awake = 0 if self.blocked else self.awake + 1
+            if woken and linger > 0:
                 # Woken by a row's notification: give it `linger` for company, as a batch
                 # that did not fill waits before the next claim — a trickle then costs one
                 # claim per linger period, not one per row.
@@ -1215,7 +1234,9 @@ class _Worker:
             return True
         pipe.sync()
         self._count_committed(pending)
-        return self._sleep(timeout - HOLD_S)
+        woken = self._sleep(timeout - HOLD_S)
+        self.blocked = True  # it slept HOLD_S already
+        return woken
 
     def _abort_run(self, pending: list[_Commit]) -> None:
         """A run failed: roll back both sessions, count what did commit (a COMMIT of the
@@ -1232,7 +1253,7 @@ class _Worker:
         rows = self.read_ahead.receive(ahead)
         if ahead.pipe is self.wire:
             self.fence.proven(ahead.sent)
-        self.sparse = not rows  # claimed with the flag down (read-ahead follows full batches)
+        self.sparse = self.empty = not rows  # claimed with the flag down, after a full batch
         self.relay.stats.add(read_ahead=1)
         return rows, ahead.after, len(rows)
 
