@@ -1167,9 +1167,9 @@ class _Worker:
         return empty_after
 
     def _flag_rows(self, source: queries.Source, linger: float) -> int:
-        """How many rows a claim may return for the idle flag to go up with (or stay up
-        through) the next claim, the worker then sleeping inside the run (`_wait_in_run`);
-        -1: the flag is only raised after the run, by `_idle`.
+        """How many rows a claim made with the idle flag up may return for the flag to stay
+        up, the worker then sleeping inside the run (`_wait_in_run`); -1: the flag is only
+        raised after the run, by `_idle`.
 
         Only where an empty claim means "sleep until notified": with notifications, and not
         while the switching relay drains the flat table (its empty claim starts the switch)."""

@@ -418,3 +418,65 @@ def test_a_relay_listens_again_when_its_listen_session_is_cut(
         ).fetchone()
     assert listening == (1,)
     assert any("relay.listen_lost" in r.getMessage() for r in caplog.records)
+
+
+WRITER_SCRIPT = """
+import sys, time, psycopg
+with psycopg.connect(sys.argv[1], autocommit=True) as conn:
+    stop = time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < stop:
+        conn.execute("INSERT INTO outbox_new (payload, event_type, message_key) "
+                     "VALUES ('{}', 'e', 'k')")
+"""
+
+
+def _count_notifications(conn: psycopg.Connection, stop: threading.Event, out: list[int]) -> None:
+    """Count notifications as they come (libpq directly: psycopg's generator falls behind)."""
+    import select
+
+    pg = conn.pgconn
+    poller = select.poll()
+    poller.register(pg.socket, select.POLLIN)
+    count = 0
+    while not stop.is_set():
+        if poller.poll(50):
+            pg.consume_input()
+            while pg.notifies() is not None:
+                count += 1
+    out.append(count)
+
+
+def test_continuous_traffic_lowers_the_idle_flag_with_no_linger(
+    dsn: str, triggered: psycopg.Connection, listener: psycopg.Connection, collected: Collected
+) -> None:
+    """With no linger a relay keeps the idle flag up through claims of a trickle. Writers
+    committing back to back are no trickle even when each claim finds few rows: the flag must
+    come down, or every commit pays a NOTIFY — which slowed closed-loop writers by 45-62 %
+    beside such a relay (bench section 7) and kept the claims small, so the flag stayed up."""
+    import subprocess
+    import sys
+
+    relay = Relay(
+        dsn, collected.factory(), spec=SPEC, options=RelayOptions(poll_interval_s=30, linger_s=0)
+    )
+    stop, counted = threading.Event(), []
+    counter = threading.Thread(target=_count_notifications, args=(listener, stop, counted))
+    with running(relay):
+        time.sleep(0.5)
+        counter.start()
+        writers = [
+            subprocess.Popen([sys.executable, "-c", WRITER_SCRIPT, dsn, "3"]) for _ in range(4)
+        ]
+        for writer in writers:
+            assert writer.wait(60) == 0
+        time.sleep(0.3)
+        stop.set()
+        counter.join(5)
+        row = triggered.execute("SELECT count(*) FROM outbox_new").fetchone()
+        assert row is not None
+        inserted = int(row[0])
+        deadline = time.monotonic() + 10
+        while len(collected.ids) < inserted and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(collected.ids) == inserted > 1000
+    assert counted[0] < 0.25 * inserted, (counted[0], inserted)
