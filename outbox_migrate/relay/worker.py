@@ -76,8 +76,8 @@ sleep): the traffic is continuous, not a trickle, and the flag comes down — ot
 writer would keep paying a NOTIFY at its commit, which at tens of thousands of commits a second
 slows them down until the relay's claims look like a trickle for good (bench section 7)."""
 HOLD_S = 0.05
-"""How long an idle worker keeps its last batch's COMMIT queued (and its transaction open)
-for the next claim to take along; then the COMMIT goes alone (see `_Worker._hold`)."""
+"""How long an idle worker leaves its last COMMIT's result unread for the next claim to read
+with its own; then it reads it (see `_Worker._hold`)."""
 REAP_MARGIN_S = 0.5
 """Past the server's own idle-session bound (session timeout + poll interval) before the
 survivors end a silent shard holder themselves (`ShardLease.reap`)."""
@@ -1219,12 +1219,17 @@ class _Worker:
         )
 
     def _hold(self, pipe: wire.Wire, pending: list[_Commit], timeout_s: float | None) -> bool:
-        """Sleep (`_sleep`) with the last batch's mark and COMMIT (or the empty claim's
-        ROLLBACK) still queued: woken within HOLD_S they leave with the next claim, in the
-        same network write — one round trip per wake-up instead of two. A longer sleep ends
-        the transaction first, so nothing stays locked or open while the outbox is quiet.
+        """Sleep (`_sleep`) once the last batch's mark and COMMIT (or the empty claim's
+        ROLLBACK) went out, without waiting for their results: the next claim reads them with
+        its own, so a wake-up costs one wait for the server, not two. Not sent with that
+        claim instead (it would save a write): the session would sleep inside its transaction,
+        holding its lock on the outbox — under steady traffic nearly all the time, which kept
+        a migration step's DDL from ever finding a moment to take its lock (the demo's COPRA
+        run under load: "blocked by relay-0, idle in transaction"). Results not read within
+        HOLD_S are read then (the batch is counted).
         True: woken (a notification, or a stop) before the timeout."""
         relay = self.relay
+        pipe.send_sync()
         if pending:
             pending[-1].sent = time.perf_counter()
         timeout = relay.options.poll_interval_s if timeout_s is None else timeout_s

@@ -301,21 +301,25 @@ def test_a_relay_warns_when_the_trigger_was_installed_under_another_name(
 
 
 def _relay_round_trips(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Count the relay threads' round trips: pipeline writes and psycopg statements."""
+    """Count the relay threads' waits for the server (a pipeline read, a psycopg statement)
+    and their network writes (a pipeline sent, read or not)."""
     from outbox_migrate.relay import wire
 
-    counts = {"n": 0}
+    counts = {"waits": 0, "writes": 0}
 
-    def counted(original):  # type: ignore[no-untyped-def]
+    def counted(original, *keys):  # type: ignore[no-untyped-def]
         def call(*args, **kwargs):  # type: ignore[no-untyped-def]
             if threading.current_thread().name.startswith("relay-"):
-                counts["n"] += 1
+                for key in keys:
+                    counts[key] += 1
             return original(*args, **kwargs)
 
         return call
 
-    monkeypatch.setattr(wire.Wire, "send_sync", counted(wire.Wire.send_sync))
-    monkeypatch.setattr(psycopg.Connection, "execute", counted(psycopg.Connection.execute))
+    monkeypatch.setattr(wire.Wire, "sync", counted(wire.Wire.sync, "waits"))
+    monkeypatch.setattr(wire.Wire, "send_sync", counted(wire.Wire.send_sync, "writes"))
+    execute = counted(psycopg.Connection.execute, "waits", "writes")
+    monkeypatch.setattr(psycopg.Connection, "execute", execute)
     return counts
 
 
@@ -328,8 +332,9 @@ def test_an_idle_relay_pays_one_round_trip_per_woken_row(
     """Fails on the code before: a woken worker claimed the row, claimed again (empty), left
     its pipeline, armed the idle timer, raised the idle flag on its own and confirmed with a
     last claim — about eight round trips per row at a trickle (the relay's CPU at 1,000 msg/s
-    with no linger: ~10 CPU-s per 100 k). Now the flag stays up through a trickle and the
-    batch's COMMIT leaves with the next claim."""
+    with no linger: ~10 CPU-s per 100 k). Now the flag stays up through a trickle: one wait
+    for the claim, and the batch's COMMIT sent before the worker sleeps, its result read with
+    the next claim's."""
     relay = Relay(
         dsn,
         collected.factory(),
@@ -344,9 +349,10 @@ def test_an_idle_relay_pays_one_round_trip_per_woken_row(
             (new_id,) = plain_insert(triggered)
             assert wait_for(collected, new_id) < 1.0  # woken, not polled
             time.sleep(0.01)
-        trips = counts["n"]
+        waits, writes = counts["waits"], counts["writes"]
     assert len(collected.ids) == rows
-    assert trips <= 1.5 * rows + 6, trips  # + lease checks (one a second)
+    assert waits <= 1.5 * rows + 6, waits  # + lease checks (one a second)
+    assert writes <= 2.5 * rows + 6, writes
 
 
 def test_a_trickled_row_is_marked_soon_without_more_traffic(
@@ -480,3 +486,45 @@ def test_continuous_traffic_lowers_the_idle_flag_with_no_linger(
             time.sleep(0.05)
     assert len(collected.ids) == inserted > 1000
     assert counted[0] < 0.25 * inserted, (counted[0], inserted)
+
+
+def test_a_trickle_leaves_room_for_a_migration_steps_lock(
+    dsn: str, triggered: psycopg.Connection, collected: Collected
+) -> None:
+    """The runner takes a step's lock only when no session holding a conflicting lock is idle
+    in transaction (runner/locks.py: queueing behind one could stall the application). An idle
+    worker that slept inside its transaction, its last COMMIT queued for the next claim, was
+    such a session nearly all the time under a trickle: the demo's COPRA run under load gave
+    up after 60 s ("blocked by relay-0, idle in transaction")."""
+    from outbox_migrate.patterns.model import LockMode
+    from outbox_migrate.runner import locks
+
+    relay = Relay(
+        dsn, collected.factory(), spec=SPEC, options=RelayOptions(poll_interval_s=1, linger_s=0)
+    )
+    stop = threading.Event()
+
+    def trickle() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                plain_insert(conn)
+                time.sleep(0.004)
+
+    writer = threading.Thread(target=trickle)
+    blocked = 0
+    samples = 100
+    with running(relay):
+        time.sleep(0.5)
+        writer.start()
+        time.sleep(0.3)
+        with psycopg.connect(dsn, autocommit=True) as runner:
+            wanted = [("outbox_unpublished", LockMode.ACCESS_EXCLUSIVE)]
+            for _ in range(samples):
+                found = locks.find_blockers(runner, wanted, SPEC.schema)
+                blocked += bool(
+                    locks.lasting([b for b in found if "relay" in b.application_name], 0)
+                )
+                time.sleep(0.01)
+        stop.set()
+        writer.join(5)
+    assert blocked < 0.3 * samples, blocked
