@@ -40,6 +40,14 @@ def plain_insert(conn: psycopg.Connection, n: int = 1) -> list[int]:
     return [int(r[0]) for r in rows]
 
 
+def steady_inserts(dsn: str, stop: threading.Event, pause_s: float) -> None:
+    """Plain INSERTs, one per `pause_s`, until `stop` (a writer thread's body)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not stop.is_set():
+            plain_insert(conn)
+            time.sleep(pause_s)
+
+
 def wait_for(collected: Collected, wanted: int, timeout_s: float = 10.0) -> float:
     """Seconds until `wanted` was published (or the timeout)."""
     started = time.monotonic()
@@ -212,14 +220,8 @@ def test_a_late_row_is_found_while_the_relay_is_busy(
     relay = Relay(dsn, collected.factory(), spec=SPEC, options=RelayOptions(poll_interval_s=1))
     stop = threading.Event()
 
-    def traffic() -> None:
-        with psycopg.connect(dsn, autocommit=True) as writer:
-            while not stop.is_set():
-                plain_insert(writer)
-                time.sleep(0.002)
-
     with running(relay):
-        feeder = threading.Thread(target=traffic, daemon=True)
+        feeder = threading.Thread(target=steady_inserts, args=(dsn, stop, 0.002), daemon=True)
         feeder.start()
         try:
             time.sleep(0.3)
@@ -503,14 +505,7 @@ def test_a_trickle_leaves_room_for_a_migration_steps_lock(
         dsn, collected.factory(), spec=SPEC, options=RelayOptions(poll_interval_s=1, linger_s=0)
     )
     stop = threading.Event()
-
-    def trickle() -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            while not stop.is_set():
-                plain_insert(conn)
-                time.sleep(0.004)
-
-    writer = threading.Thread(target=trickle)
+    writer = threading.Thread(target=steady_inserts, args=(dsn, stop, 0.004))
     blocked = 0
     samples = 100
     with running(relay):
