@@ -56,7 +56,39 @@ PUBLICATION = "bench_pub"
 WRITERS = 4
 SETTLE_S = 2.0
 DRAIN_TIMEOUT_S = 60.0
-CONSUMERS = ("pg_recvlogical", "cdc relay", "cdc, mark 0", "cdc, --no-mark", "polling relay")
+CONSUMERS = (
+    "pg_recvlogical",
+    "python floor",
+    "cdc relay",
+    "cdc, mark 0",
+    "cdc, --no-mark",
+    "polling relay",
+)
+PYTHON_FLOOR_SLOT = "bench_pyfloor"
+
+# The least a Python consumer can do per wake-up: wait on the socket, take the frames libpq
+# holds (our transport), decode the inserts (our decoder), write one line per message with
+# one os.write per wake-up. No broker, no batches, no marks, no confirmations, no linger:
+# what any Python relay pays before it does a relay's work (docs/relay.md, "the Python floor").
+PYTHON_FLOOR = r"""
+import os, select, sys
+from outbox_migrate.relay.cdc import pgoutput
+from outbox_migrate.relay.cdc.stream import ReplicationStream
+stream = ReplicationStream(sys.argv[1], "bench python floor")
+stream.start(sys.argv[2], sys.argv[3])
+drain, insert_at, write, fd = stream.drain, pgoutput.insert_at, os.write, sys.stdout.fileno()
+while True:
+    frames = drain()
+    if not frames:
+        stream.wait(1.0)
+        continue
+    lines = [  # the bench's table: id, event_type, message_key, payload, ...
+        '{"id":%s,"payload":%s}\n' % insert_at(f, 25).values[:4:3]
+        for f in frames if f[0] == 0x77 and f[25] == 0x49
+    ]
+    if lines:
+        write(fd, "".join(lines).encode())
+"""
 
 PSYCOPG2_DRAIN = r"""
 import sys, time, psycopg2, psycopg2.extras
@@ -279,6 +311,12 @@ def _consumer(
                 "-S", "bench_recv"]  # fmt: skip
         subprocess.run([*base, "--create-slot", "-P", "test_decoding"], check=True)
         return [*base, "--start", "-f", "-", "-F", "0"], ID_TEST_DECODING
+    if kind == "python floor":
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (PYTHON_FLOOR_SLOT,)
+            )
+        return [sys.executable, "-c", PYTHON_FLOOR, dsn, PYTHON_FLOOR_SLOT, PUBLICATION], ID_JSON
     if kind == "cdc relay":
         return [*python, "--mode", "cdc"], ID_JSON
     if kind == "cdc, --no-mark":
@@ -359,7 +397,7 @@ def section_steady(
     print(f"\n## 2. Steady load, {WRITERS} writers, single-row INSERTs, {seconds:.0f} s per run")
     default = "the relay's default" if linger_ms is None else f"{linger_ms:g} ms"
     print(f"(CDC rows: --linger-ms {default}, unless the row names one)")
-    consumers = [*CONSUMERS[:4], *(f"cdc, linger {v:g}" for v in lingers), *CONSUMERS[4:]]
+    consumers = [*CONSUMERS[:5], *(f"cdc, linger {v:g}" for v in lingers), *CONSUMERS[5:]]
     print(
         f"{'rate':>6} {'consumer':16} {'achieved/s':>10} {'p50 ms':>7} {'p99 ms':>7} "
         f"{'CPU s':>6} {'missing':>7} {'p99/floor':>9} {'CPU/floor':>9} {'wakes/msg':>9}"
