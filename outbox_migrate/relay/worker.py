@@ -1065,14 +1065,15 @@ class _Worker:
         claims (and marks) while the relay publishes; batches alternate between the sessions.
 
         Linger: after a claim that did not fill a batch, the next claim waits until
-        `linger_s` after the previous one was sent, and the lingering batch's mark and COMMIT
-        wait with it: they leave with the next BEGIN and claim, in the same network write.
-        Steady traffic then costs one batch, one write and one wake-up of the server per
-        linger period instead of one per message. Sending the COMMIT before the wait (as
-        before) cost a second write — and a second wake-up of the server backend, from the
-        relay's time slice — per batch (docs/relay.md has the figures). The price is that
-        the batch's row locks are held through the linger (a few milliseconds); its messages
-        are already delivered, so the latency does not change.
+        `linger_s` after the previous one was sent. Steady traffic then costs one batch and
+        one wake-up of the relay per linger period instead of one per message. The batch's
+        mark and COMMIT are sent before the wait, their results read with the next claim's
+        (one wait for the server per batch, as without a linger). They used to wait with the
+        batch for the next claim, saving a network write and a wake-up of the server backend
+        per batch, but the session then sat "idle in transaction" on its row locks through
+        nearly every linger under steady traffic — and the migration runner does not queue a
+        step's lock behind such a session, so a step could not find a moment to take it
+        (tests/integration/relay/test_wake_up.py).
         """
         relay, cursor, pipe = self.relay, self.cursor, self.wire
         assert self.sink is not None and pipe is not None  # built by _step before any claim
@@ -1154,8 +1155,13 @@ class _Worker:
                         and self._wait_in_run(pipe, source, pending)
                     ):
                         break  # a sparse row published with the flag up: slept until woken
-                    if ranged < batch_size and linger > 0 and self._linger(pending, sent + linger):
-                        break
+                    if ranged < batch_size and linger > 0:
+                        # The mark and COMMIT leave now, their results read with the next
+                        # claim's: lingering inside the transaction would hold its row locks
+                        # and show the session "idle in transaction" through every linger.
+                        pipe.send_sync()
+                        if self._linger(pending, sent + linger):
+                            break
                     started = time.perf_counter()
                     sent = time.monotonic()
                     rows, after, ranged = self._claim(claim, probe, sharded, flag_rows)
@@ -1370,9 +1376,9 @@ class _Worker:
         return _Commit(len(acked), started, pipe.send_plain(b"COMMIT"))
 
     def _linger(self, pending: list[_Commit], until: float) -> bool:
-        """Wait until `until` (or a stop: True) with the batch's mark and COMMIT queued: they
-        go out with the next claim, or at the pipeline's final sync on a stop (the batch is
-        counted then, as after a batch without linger; its time excludes the wait)."""
+        """Wait until `until` (or a stop: True); the batch's mark and COMMIT were sent, their
+        results are read with the next claim's, or at the pipeline's final sync on a stop (the
+        batch is counted then, as after a batch without linger; its time excludes the wait)."""
         if pending:
             pending[-1].sent = time.perf_counter()
         wait = until - time.monotonic()

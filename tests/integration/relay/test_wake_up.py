@@ -490,22 +490,32 @@ def test_continuous_traffic_lowers_the_idle_flag_with_no_linger(
     assert counted[0] < 0.25 * inserted, (counted[0], inserted)
 
 
-def test_a_trickle_leaves_room_for_a_migration_steps_lock(
-    dsn: str, triggered: psycopg.Connection, collected: Collected
+@pytest.mark.parametrize(
+    ("linger_s", "pause_s"),
+    [(0.0, 0.004), (RelayOptions().linger_s, 0.001)],
+    ids=["trickle-no-linger", "steady-default-linger"],
+)
+def test_a_relay_leaves_room_for_a_migration_steps_lock(
+    dsn: str, triggered: psycopg.Connection, collected: Collected, linger_s: float, pause_s: float
 ) -> None:
     """The runner takes a step's lock only when no session holding a conflicting lock is idle
     in transaction (runner/locks.py: queueing behind one could stall the application). An idle
     worker that slept inside its transaction, its last COMMIT queued for the next claim, was
     such a session nearly all the time under a trickle: the demo's COPRA run under load gave
-    up after 60 s ("blocked by relay-0, idle in transaction")."""
+    up after 60 s ("blocked by relay-0, idle in transaction"). A busy worker lingering between
+    small batches (the default linger under steady traffic) did the same: its batch's mark and
+    COMMIT waited through the linger for the next claim."""
     from outbox_migrate.patterns.model import LockMode
     from outbox_migrate.runner import locks
 
     relay = Relay(
-        dsn, collected.factory(), spec=SPEC, options=RelayOptions(poll_interval_s=1, linger_s=0)
+        dsn,
+        collected.factory(),
+        spec=SPEC,
+        options=RelayOptions(poll_interval_s=1, linger_s=linger_s),
     )
     stop = threading.Event()
-    writer = threading.Thread(target=steady_inserts, args=(dsn, stop, 0.004))
+    writer = threading.Thread(target=steady_inserts, args=(dsn, stop, pause_s))
     blocked = 0
     samples = 100
     with running(relay):
