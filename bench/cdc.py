@@ -220,11 +220,12 @@ def section_transport(dsn: str, psycopg2_python: str | None) -> None:
 # -- 2. steady load ------------------------------------------------------------------------
 
 
-def _writer(dsn: str, rate: float, seconds: float, queue: Any) -> None:
+def _writer(dsn: str, rate: float, seconds: float, queue: Any, start: float) -> None:
+    """One paced writer from `start` (a `time.perf_counter()` value: CLOCK_MONOTONIC, the
+    same clock in every process), one INSERT every 1/rate s."""
     out: list[tuple[int, float]] = []
     with psycopg.connect(dsn, autocommit=True) as conn:
         interval = 1.0 / rate
-        start = time.perf_counter()
         n = 0
         while True:
             due = start + n * interval
@@ -348,9 +349,16 @@ def run_steady(
     cpu_start = _cpu_s(proc.pid)  # the consumer's own CPU from here on (not its start-up)
     wakes_start = _wakes(proc.pid)
     queue: Any = multiprocessing.Queue()
+    # Interleaved: writer k starts k/rate after the first, so rows arrive evenly spaced for
+    # every consumer (each writer used to start on its own clock once connected: random
+    # phases, different for each consumer's run; bench/relay_steady.py found writers in
+    # step halving a batching consumer's cost per message).
+    start = time.perf_counter() + 0.5
     writers = [
-        multiprocessing.Process(target=_writer, args=(dsn, rate / WRITERS, seconds, queue))
-        for _ in range(WRITERS)
+        multiprocessing.Process(
+            target=_writer, args=(dsn, rate / WRITERS, seconds, queue, start + k / rate)
+        )
+        for k in range(WRITERS)
     ]
     for w in writers:
         w.start()
