@@ -7,9 +7,11 @@ Prints:
      function pg_logical_slot_get_binary_changes polled over a normal psycopg 3 session,
      (c) psycopg2's LogicalReplicationConnection (only with --psycopg2-python, an interpreter
      that has psycopg2-binary), plus the CPU (b) burns polling an idle slot every 10 ms;
-  2. steady load, 1,000 and 5,000 msg/s from 4 writer processes with plain single-row
-     INSERTs: commit→delivery latency p50/p99 and consumer CPU for pg_recvlogical
-     (test_decoding, the floor), `relay --mode cdc` (default: marks every 0.1 s behind the
+  2. steady load, 1,000 and 5,000 msg/s from 4 interleaved writer processes (writer k starts
+     k/rate after the first) with plain single-row INSERTs: commit→delivery latency p50/p99
+     and consumer CPU for pg_recvlogical (test_decoding, the floor), the "python floor" (the
+     least a Python consumer does: our transport and decoder, one line per insert, nothing
+     else), `relay --mode cdc` (default: marks every 0.1 s behind the
      stream; with `--mark-interval 0`; with `--no-mark`) and the polling relay (`--mode
      partitioned`), each a separate process printing to a pipe that this process reads in
      chunks (one timestamp per read, so the reader keeps up with pg_recvlogical's unbuffered
