@@ -423,17 +423,21 @@ class Relay:
 
     def _publish(
         self, conn: Any, sink: Sink, source: queries.Source, batch: list[Message]
-    ) -> tuple[list[MessageId], list[MessageId], MessageId | None, int]:
+    ) -> tuple[list[MessageId], list[MessageId], MessageId | None, float]:
         """Publish; returns (acknowledged ids to mark, dead-lettered ids, lowest id to claim
-        again, the most attempts any message to claim again has had — the worker pauses by
-        it). With `--ordering key` a rejection parks its key instead (parking.py): no rewind,
-        no pause, later messages of that key wait while the others flow."""
+        again, how long the worker pauses once this batch's transaction has ended: a backoff
+        by the most attempts any message to claim again has had). With `--ordering key` a
+        rejection parks its key instead (parking.py): no rewind, no pause, later messages of
+        that key wait while the others flow.
+
+        The pause is the worker's to take after its COMMIT, never here: a session that waits
+        inside its transaction is "idle in transaction" on the claimed rows' locks, and the
+        migration runner does not queue a step's lock behind such a session."""
         parking = self._parking
         if parking:  # only ever non-empty with key ordering
             batch = parking.withhold(source.label, batch, now=time.monotonic())[0]
             if not batch:  # every message waits for its key; others would have been sent
-                self._stop.wait(PARKED_BATCH_WAIT_S)  # no busy loop of rescans meanwhile
-                return [], [], None, 0
+                return [], [], None, PARKED_BATCH_WAIT_S  # no busy loop of rescans meanwhile
         try:
             sink.publish(batch)
         except MessagesRejected as exc:
@@ -448,7 +452,7 @@ class Relay:
             if parking:
                 parking.settle(source.label, batch, {}, acked, now=time.monotonic(),
                                backoff=self._backoff)  # fmt: skip
-            return acked, [], None, 0
+            return acked, [], None, 0.0
         self.stats.add(rejected=len(rejected))
         self.observer.failed("rejected", len(rejected))
         schema, options = self.spec.schema, self.options
@@ -475,9 +479,13 @@ class Relay:
                 source.label, batch, {i: attempts[i] for i in retry}, set(acked) | set(dead_ids),
                 now=time.monotonic(), backoff=self._backoff,
             )  # fmt: skip
-            return [i for i in acked if i not in held], dead_ids, None, 0
+            return [i for i in acked if i not in held], dead_ids, None, 0.0
         most = max((attempts[i] for i in retry), default=0)
-        return acked, dead_ids, (min(retry) if retry else None), most
+        # Rejected messages are claimed again after a backoff that grows with their attempts,
+        # not at once: a transient refusal gets time to clear before the message counts
+        # towards the dead-letter table.
+        pause = self._backoff(most - 1) if most else 0.0
+        return acked, dead_ids, (min(retry) if retry else None), pause
 
     def _forget_attempts(self, conn: Any, source: queries.Source, ids: list[MessageId]) -> None:
         """Published or dead-lettered: their rejection counters go, in the same transaction."""
@@ -1122,24 +1130,21 @@ class _Worker:
                         ahead = self._send_ahead(
                             cur, claim, mark, sharded, max(cursor.frontier, rows[-1][0])
                         )
-                    attempts, now = self._publish_batch(
+                    pause, now = self._publish_batch(
                         conn, cur, source, (mark, rows, after, started), pending
                     )
                     stop_run = (
                         relay.stopping or self.lease.due(now) or relay.state.current is not source
                     )
                     if ahead is not None and self._take_ahead(
-                        ahead, cur, keep=not (attempts or stop_run)
+                        ahead, cur, keep=not (pause or stop_run)
                     ):
                         started = time.perf_counter()
                         rows, after, ranged = self._receive_ahead(ahead)
                         conn, cur = ahead.conn, ahead.pipe
                         continue
-                    if attempts:
-                        # Rejected messages are claimed again after a backoff that grows with
-                        # their attempts, not at once: a transient refusal gets time to clear
-                        # before the message counts towards the dead-letter table.
-                        self.pause_s = relay._backoff(attempts - 1)
+                    if pause:  # a rejection's backoff, or a claim of parked keys only
+                        self.pause_s = pause  # taken in `_step`, after the COMMIT
                         break
                     if stop_run:
                         break
@@ -1275,15 +1280,16 @@ class _Worker:
         source: queries.Source,
         claimed: tuple[bytes, list[Any], int, float],
         pending: list[_Commit],
-    ) -> tuple[int, float]:
+    ) -> tuple[float, float]:
         """Publish the claimed rows and queue their mark and COMMIT on their session. Returns
-        the most attempts of a message to claim again (0: none) and the time after."""
+        the pause the worker takes once the transaction has ended (0: none; see
+        `Relay._publish`) and the time after."""
         relay, cursor = self.relay, self.cursor
         mark, rows, after, started = claimed
         batch = _messages(rows, relay._message)
         self.fence.check(time.monotonic())
         assert self.sink is not None
-        acked, dead, retry_from, attempts = relay._publish(
+        acked, dead, retry_from, pause = relay._publish(
             wire.direct(conn, pipe), self.sink, source, batch
         )
         if relay._abandon.is_set():
@@ -1294,7 +1300,7 @@ class _Worker:
             cursor.retry_from(retry_from)
         pending.append(self._mark_and_commit(pipe, mark, rows, acked, dead, started))
         relay.observer.heartbeat(self.index)
-        return attempts, now
+        return pause, now
 
     @staticmethod
     def _take_ahead(ahead: read_ahead.Pending, cur: wire.Wire, *, keep: bool) -> bool:

@@ -15,6 +15,7 @@ import pytest
 
 from outbox_migrate.relay import cursor as cursor_module
 from outbox_migrate.relay import notify
+from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import DEFAULT_CHANNEL, RelayOptions
 from outbox_migrate.relay.worker import Relay, running
 
@@ -532,4 +533,69 @@ def test_a_relay_leaves_room_for_a_migration_steps_lock(
                 time.sleep(0.01)
         stop.set()
         writer.join(5)
+    assert blocked < 0.3 * samples, blocked
+
+
+def test_a_parked_key_leaves_room_for_a_migration_steps_lock(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    """With `--ordering key`, a claim that brings only messages of a parked key (one refused,
+    its retry not yet due) used to wait `PARKED_BATCH_WAIT_S` inside its transaction before
+    committing. With that key's traffic still coming, every claim brought only its messages:
+    the worker sat "idle in transaction" nearly all the time while the key stayed parked —
+    for the whole backoff — and the migration runner would not queue a step's lock behind
+    it. The pause now comes after the transaction."""
+    from outbox_migrate.patterns.model import LockMode
+    from outbox_migrate.relay.errors import MessagesRejected
+    from outbox_migrate.relay.options import Ordering
+    from outbox_migrate.runner import locks
+
+    partitioned.execute(
+        "INSERT INTO outbox_new (payload, event_type, message_key) "
+        "SELECT json_build_object('n', g), 'event', 'stuck' FROM generate_series(1, 5) g"
+    )
+
+    def refuse_stuck(batch: list[Message]) -> None:
+        refused = {m.id: "refused" for m in batch if m.key == "stuck"}
+        if refused:
+            collected.add([m for m in batch if m.id not in refused])
+            raise MessagesRejected("collect", refused)
+
+    options = RelayOptions(
+        ordering=Ordering.key, listen=False, poll_interval_s=0.05,
+        backoff_base_s=30.0, backoff_cap_s=30.0, max_attempts=5,
+    )  # fmt: skip
+    relay = Relay(dsn, collected.factory(refuse_stuck), spec=SPEC, options=options)
+    stop = threading.Event()
+
+    def stuck_traffic() -> None:  # the parked key's later messages keep coming
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                conn.execute(
+                    "INSERT INTO outbox_new (payload, event_type, message_key) "
+                    "VALUES ('{}', 'event', 'stuck')"
+                )
+                time.sleep(0.005)
+
+    writer = threading.Thread(target=stuck_traffic)
+    blocked = 0
+    samples = 100
+    with running(relay):
+        deadline = time.monotonic() + 10
+        while relay.stats.rejected == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert relay.stats.rejected > 0
+        writer.start()
+        time.sleep(0.2)
+        with psycopg.connect(dsn, autocommit=True) as runner:
+            wanted = [("outbox_unpublished", LockMode.ACCESS_EXCLUSIVE)]
+            for _ in range(samples):
+                found = locks.find_blockers(runner, wanted, SPEC.schema)
+                blocked += bool(
+                    locks.lasting([b for b in found if "relay" in b.application_name], 0)
+                )
+                time.sleep(0.01)
+        stop.set()
+        writer.join(5)
+    assert collected.ids == []  # the key stayed parked throughout
     assert blocked < 0.3 * samples, blocked
