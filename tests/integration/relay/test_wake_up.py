@@ -57,6 +57,23 @@ def wait_for(collected: Collected, wanted: int, timeout_s: float = 10.0) -> floa
     return time.monotonic() - started
 
 
+def relay_blocking(dsn: str, samples: int) -> int:
+    """How many of `samples` looks, 10 ms apart, the migration runner's own blocker check
+    (runner/locks.py) found a relay session it would not queue a step's lock behind, for an
+    ACCESS EXCLUSIVE lock on the unpublished partition."""
+    from outbox_migrate.patterns.model import LockMode
+    from outbox_migrate.runner import locks
+
+    blocked = 0
+    with psycopg.connect(dsn, autocommit=True) as runner:
+        wanted = [("outbox_unpublished", LockMode.ACCESS_EXCLUSIVE)]
+        for _ in range(samples):
+            found = locks.find_blockers(runner, wanted, SPEC.schema)
+            blocked += bool(locks.lasting([b for b in found if "relay" in b.application_name], 0))
+            time.sleep(0.01)
+    return blocked
+
+
 @pytest.fixture
 def triggered(partitioned: psycopg.Connection) -> psycopg.Connection:
     notify.install(partitioned, SPEC, DEFAULT_CHANNEL)
@@ -506,9 +523,6 @@ def test_a_relay_leaves_room_for_a_migration_steps_lock(
     up after 60 s ("blocked by relay-0, idle in transaction"). A busy worker lingering between
     small batches (the default linger under steady traffic) did the same: its batch's mark and
     COMMIT waited through the linger for the next claim."""
-    from outbox_migrate.patterns.model import LockMode
-    from outbox_migrate.runner import locks
-
     relay = Relay(
         dsn,
         collected.factory(),
@@ -517,20 +531,12 @@ def test_a_relay_leaves_room_for_a_migration_steps_lock(
     )
     stop = threading.Event()
     writer = threading.Thread(target=steady_inserts, args=(dsn, stop, pause_s))
-    blocked = 0
     samples = 100
     with running(relay):
         time.sleep(0.5)
         writer.start()
         time.sleep(0.3)
-        with psycopg.connect(dsn, autocommit=True) as runner:
-            wanted = [("outbox_unpublished", LockMode.ACCESS_EXCLUSIVE)]
-            for _ in range(samples):
-                found = locks.find_blockers(runner, wanted, SPEC.schema)
-                blocked += bool(
-                    locks.lasting([b for b in found if "relay" in b.application_name], 0)
-                )
-                time.sleep(0.01)
+        blocked = relay_blocking(dsn, samples)
         stop.set()
         writer.join(5)
     assert blocked < 0.3 * samples, blocked
@@ -545,10 +551,8 @@ def test_a_parked_key_leaves_room_for_a_migration_steps_lock(
     the worker sat "idle in transaction" nearly all the time while the key stayed parked —
     for the whole backoff — and the migration runner would not queue a step's lock behind
     it. The pause now comes after the transaction."""
-    from outbox_migrate.patterns.model import LockMode
     from outbox_migrate.relay.errors import MessagesRejected
     from outbox_migrate.relay.options import Ordering
-    from outbox_migrate.runner import locks
 
     partitioned.execute(
         "INSERT INTO outbox_new (payload, event_type, message_key) "
@@ -578,7 +582,6 @@ def test_a_parked_key_leaves_room_for_a_migration_steps_lock(
                 time.sleep(0.005)
 
     writer = threading.Thread(target=stuck_traffic)
-    blocked = 0
     samples = 100
     with running(relay):
         deadline = time.monotonic() + 10
@@ -587,14 +590,7 @@ def test_a_parked_key_leaves_room_for_a_migration_steps_lock(
         assert relay.stats.rejected > 0
         writer.start()
         time.sleep(0.2)
-        with psycopg.connect(dsn, autocommit=True) as runner:
-            wanted = [("outbox_unpublished", LockMode.ACCESS_EXCLUSIVE)]
-            for _ in range(samples):
-                found = locks.find_blockers(runner, wanted, SPEC.schema)
-                blocked += bool(
-                    locks.lasting([b for b in found if "relay" in b.application_name], 0)
-                )
-                time.sleep(0.01)
+        blocked = relay_blocking(dsn, samples)
         stop.set()
         writer.join(5)
     assert collected.ids == []  # the key stayed parked throughout
