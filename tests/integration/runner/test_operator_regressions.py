@@ -256,3 +256,29 @@ def test_reset_force_abandons_an_applied_migration(
     state = conn.execute("SELECT state FROM outbox_migrate.migration").fetchone()
     assert state == ("abandoned",)
     assert conn.execute("SELECT to_regclass('outbox_new') IS NOT NULL").fetchone() == (True,)
+
+
+def test_copy_back_does_not_adopt_steps_whose_undoer_merely_finds_nothing(
+    operator: tuple[str, psycopg.Connection[tuple[object, ...]]],
+) -> None:
+    """Fuzzer (HOPER): V2 and V3 done, `next` (drop-identity), then `copy-back --no-drop`
+    -> 2 "needs hoper.v4.swap-default first" — but on its way it had marked
+    add-not-valid-check and validate-check done: their undoer, drop-check, counted as applied
+    because its postcondition (the CHECK is absent) held, which it does just as well before the
+    CHECK was ever added. The ledger then said done for a CHECK that never existed and every
+    `run --to V4` failed at swap-default's "check-exists" precondition (the playbook could not
+    finish)."""
+    dsn, conn = operator
+    publish_all(conn, "outbox")
+    assert om(dsn, "run", "--pattern", "hoper", "--to", "V2").code == 0
+    assert om(dsn, "run", "--pattern", "hoper", "--to", "V3").code == 0
+    assert om(dsn, "next", "--pattern", "hoper").code == 0  # drop-identity
+    refused = om(dsn, "copy-back", "--no-drop", "--batch-size", "100", "--no-adaptive")
+    assert refused.code == 2, refused  # out of order: V4 is not done
+    assert "add-not-valid-check" in refused.stderr, refused
+    check = conn.execute(
+        "SELECT count(*) FROM pg_constraint WHERE conname = 'outbox_published_check'"
+    ).fetchone()
+    assert check == (0,)  # the refusal changed nothing
+    result = om(dsn, "run", "--pattern", "hoper", "--to", "V4")
+    assert result.code == 0, result
