@@ -412,9 +412,9 @@ class Runner:
             if row is not None and row.state == "done":
                 continue
             undoers = [later for later in before[index + 1 :] if later.kind in earlier.undone_by]
-            if any(self._undone_by(later, steps, rows) for later in undoers):
+            if any(self._done_or_proven(later, rows) for later in undoers):
                 # Its effect is gone on purpose: a later step that undoes it is done (in the
-                # ledger, or proven — offline SQL; see `_undone_by`). Never on the mere
+                # ledger, or proven by its postcondition — offline SQL). Never on the mere
                 # presence of that step in the pattern: a step not yet applied undoes nothing.
                 ledger.mark(self.conn, migration.id, earlier.id, "done")
                 result.adopted.append(earlier.id)
@@ -436,22 +436,6 @@ class Runner:
         if row is not None and row.state == "done":
             return True
         return bool(step.postcondition) and not self._violations(step.postcondition)
-
-    def _undone_by(self, undoer: Step, steps: list[Step], rows: dict[str, ledger.StepRow]) -> bool:
-        """Whether `undoer` (a step that removes an earlier step's effect) has been applied:
-        done in the ledger, or — applied outside it (offline SQL) — its postcondition holds
-        *and* the step before it is done or proven. An undoer's postcondition is an absence
-        (the CHECK, the trigger, the sequence is gone), which holds just as well before the
-        earlier step ever ran: on its own it adopted `add-not-valid-check` as done for a CHECK
-        that never existed, and swap-default then refused for ever (operator fuzzer;
-        tests/integration/runner/test_operator_regressions.py)."""
-        row = rows.get(undoer.id)
-        if row is not None and row.state == "done":
-            return True
-        if not self._done_or_proven(undoer, rows):
-            return False
-        position = steps.index(undoer)
-        return position > 0 and self._done_or_proven(steps[position - 1], rows)
 
     def reverse_step(self, step_id: str) -> bool:
         """Undo one step (its `reverse`), newest first like `rollback`. False when it was
