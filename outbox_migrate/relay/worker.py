@@ -1160,13 +1160,8 @@ class _Worker:
                         and self._wait_in_run(pipe, source, pending)
                     ):
                         break  # a sparse row published with the flag up: slept until woken
-                    if ranged < batch_size and linger > 0:
-                        # The mark and COMMIT leave now, their results read with the next
-                        # claim's: lingering inside the transaction would hold its row locks
-                        # and show the session "idle in transaction" through every linger.
-                        pipe.send_sync()
-                        if self._linger(pending, sent + linger):
-                            break
+                    if ranged < batch_size and linger > 0 and self._linger(pending, sent + linger):
+                        break
                     started = time.perf_counter()
                     sent = time.monotonic()
                     rows, after, ranged = self._claim(claim, probe, sharded, flag_rows)
@@ -1382,9 +1377,14 @@ class _Worker:
         return _Commit(len(acked), started, pipe.send_plain(b"COMMIT"))
 
     def _linger(self, pending: list[_Commit], until: float) -> bool:
-        """Wait until `until` (or a stop: True); the batch's mark and COMMIT were sent, their
+        """Send the batch's mark and COMMIT, then wait until `until` (or a stop: True); their
         results are read with the next claim's, or at the pipeline's final sync on a stop (the
         batch is counted then, as after a batch without linger; its time excludes the wait)."""
+        # The mark and COMMIT leave now (a no-op when `_hold` sent them): lingering inside the
+        # transaction would hold its row locks and show the session "idle in transaction"
+        # through every linger, which the migration runner will not queue behind.
+        assert self.wire is not None
+        self.wire.send_sync()
         if pending:
             pending[-1].sent = time.perf_counter()
         wait = until - time.monotonic()
@@ -1468,8 +1468,8 @@ class _Commit:
     started: float
     commit: wire.Slot
     sent: float = 0.0
-    """When it started to linger (its mark and COMMIT then wait for the next claim); 0: no
-    linger. The batch's time ends there."""
+    """When it started to linger or sleep (its mark and COMMIT sent, their result read with
+    the next claim's); 0: no linger. The batch's time ends there."""
 
     @property
     def succeeded(self) -> bool:
