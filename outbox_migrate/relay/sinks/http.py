@@ -215,7 +215,11 @@ class HttpSink:
                     if lanes.stop.is_set():
                         return
                     headers = request_headers(message, self.envelope, self.cloudevents)
-                    body = message.envelope() if self.envelope is Envelope.json else message.payload
+                    body = (
+                        message.envelope()
+                        if self.envelope is Envelope.json
+                        else message.payload_text()
+                    )
                     status = self._post(body, headers, lanes.stop)
                     if status is None:
                         return

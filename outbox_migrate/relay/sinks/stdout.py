@@ -52,4 +52,4 @@ class StdoutSink:
 
 
 def _payload(message: Message) -> str:
-    return message.payload
+    return message.payload_text()
