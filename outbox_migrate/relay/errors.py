@@ -24,6 +24,13 @@ class RelayError(OutboxMigrateError):
     exit_code = ExitCode.USAGE
 
 
+class RelayFailed(OutboxMigrateError):
+    """The relay stopped on a fault met while running (exit 1): not bad input, which is
+    refused before any work starts (`RelayError`, exit 2)."""
+
+    exit_code = ExitCode.FAILED
+
+
 class SinkError(OutboxMigrateError):
     """Base class for failures reported by a sink."""
 

@@ -34,14 +34,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from psycopg import OperationalError, pq
+from psycopg.errors import IntegrityError
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
-from outbox_migrate.errors import OutboxMigrateError
-from outbox_migrate.relay import keepalive, library_logs, notify, queries, read_ahead, wire
+from outbox_migrate.relay import (
+    claimed,
+    keepalive,
+    library_logs,
+    mark_repair,
+    notify,
+    publishing,
+    queries,
+    read_ahead,
+    wire,
+)
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
+from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.cursor import Cursor, NoCursor
-from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
+from outbox_migrate.relay.errors import RelayError, RelayFailed, SinkUnavailable
 from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.message import Message, MessageId, TextIdMessage
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
@@ -52,7 +63,8 @@ from outbox_migrate.relay.sinks import Sink, SinkFactory
 from outbox_migrate.relay.switching import SourceState
 
 PAYLOAD_TYPES = ("jsonb", "json", "text", "bytea")
-"""Payload column types the relay sends as they are (bytea as UTF-8 text)."""
+"""Payload column types the relay sends as they are (bytea as UTF-8 text, or as bytes when it
+is not UTF-8)."""
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -93,6 +105,9 @@ class RelayStats:
     connection_retries: int = 0
     sink_failures: int = 0
     rejected: int = 0
+    bad_rows: int = 0
+    """Failures of a row itself (relay/claimed.py, an unrepresentable message, a mark that
+    violates a constraint): counted like rejections, without the backoff."""
     dead_lettered: int = 0
     switches: int = 0
     abandoned_workers: int = 0
@@ -155,9 +170,12 @@ class Relay:
         """Application ids (uuid, ULID) travel as text: claimed in order, no id cursor."""
         self._id: Callable[[Any], MessageId] = str if self._text_ids else int
         self._message: type[Message] = TextIdMessage if self._text_ids else Message
-        self._attempted: set[tuple[str, MessageId]] = set()
-        """(source, id) of messages with a rejection counter in the attempts table."""
-        self._attempts_lock = threading.Lock()
+        options = self.options
+        self.failures = FailedMessages(
+            self.spec.schema, options.dead_letter_table, options.attempts_table,
+            options.max_attempts, self._text_ids,
+        )  # fmt: skip
+        """Attempts counted in the database, dead letters (relay/bad_rows.py)."""
         self._parking = Parking()
         """Keys waiting for a rejected message (`--ordering key` only; see parking.py)."""
         self._conns: dict[int, Any] = {}
@@ -212,9 +230,11 @@ class Relay:
             self._close_wake_pipe()
         self.stats.switches = self.state.switches
         if self._fatal is not None:
-            if isinstance(self._fatal, OutboxMigrateError):
+            # A fault met while running is a failure (exit 1), not bad input (exit 2): what
+            # could be refused before work started was refused by `_prepare`.
+            if isinstance(self._fatal, RelayFailed):
                 raise self._fatal
-            raise RelayError(f"relay worker failed: {_one_line(self._fatal)}") from self._fatal
+            raise RelayFailed(f"relay worker failed: {_one_line(self._fatal)}") from self._fatal
         log.info("relay.stopped %s", " ".join(f"{k}={v}" for k, v in self.stats.as_dict().items()))
         return self.stats
 
@@ -287,41 +307,13 @@ class Relay:
             )
 
     def _prepare_rejections(self, conn: Any, sources: list[queries.Source]) -> None:
-        """Create the dead-letter and attempts tables up front (not inside a batch, where two
-        relay processes racing on CREATE TABLE IF NOT EXISTS would fail one batch), and read
-        the rejection counters a previous run left."""
-        import psycopg
-
-        schema, options = self.spec.schema, self.options
-        for table, create in (
-            (options.dead_letter_table, queries.create_dead_letter),
-            (options.attempts_table, queries.create_attempts),
-        ):
-            # Pre-created tables need no CREATE right: `CREATE TABLE IF NOT EXISTS` checks the
-            # privilege before it looks whether the table exists, so look first.
-            exists = conn.execute(queries.table_exists(), {"schema": schema, "table": table})
-            if exists.fetchone()[0]:
-                continue
-            try:
-                conn.execute(create(schema, table, self._text_ids))
-            except (
-                psycopg.errors.UniqueViolation,
-                psycopg.errors.DuplicateTable,
-                psycopg.errors.DuplicateObject,  # the table's row type, on some versions
-            ):
-                pass  # another relay process created it at the same moment
-            except psycopg.errors.InsufficientPrivilege as exc:
-                log.warning(
-                    "relay.dead_letter_unavailable %s: create %s and %s as in docs/relay.md; "
-                    "until then a rejected message stops the relay",
-                    _one_line(exc), options.dead_letter_table, options.attempts_table,
-                )  # fmt: skip
-                return
-        for source in sources:
-            rows = conn.execute(
-                queries.attempted_ids(schema, options.attempts_table), {"source": source.label}
-            ).fetchall()
-            self._attempted.update((source.label, self._id(r[0])) for r in rows)
+        """The dead-letter and attempts tables, created up front (relay/bad_rows.py)."""
+        if not self.failures.prepare(conn, [source.label for source in sources]):
+            log.warning(
+                "relay.dead_letter_unavailable: create %s and %s as in docs/relay.md; "
+                "until then a rejected message stops the relay",
+                self.options.dead_letter_table, self.options.attempts_table,
+            )  # fmt: skip
 
     def _resolve_columns(self, conn: Any, source: queries.Source) -> queries.Columns:
         """The spec's column roles checked against the live table. A role left at its default
@@ -356,12 +348,9 @@ class Relay:
                 return None
             raise RelayError(f"table {source.label} has no column {name!r}")
 
+        # Any type: json/jsonb is read by the server, anything else (text) parsed per row; a
+        # value that is not a JSON object makes that row a bad row, not the relay stop.
         headers = optional(None, spec.headers_column, defaults.headers_column)
-        if headers is not None and types[headers] not in ("jsonb", "json"):
-            raise RelayError(
-                f"{source.label}.{headers} is {types[headers]}; the headers column must be a "
-                'json or jsonb object (set headers_column = "" to ignore it)'
-            )
         payload_type = types[spec.payload_column]
         if payload_type not in PAYLOAD_TYPES:
             raise RelayError(
@@ -377,6 +366,7 @@ class Relay:
             created_at=spec.created_column or None,
             payload_type=payload_type,
             headers=headers,
+            headers_type=types[headers] if headers else "jsonb",
             metadata=spec.metadata_columns,
         )
 
@@ -422,97 +412,73 @@ class Relay:
         return not (row and row[0])
 
     def _publish(
-        self, conn: Any, sink: Sink, source: queries.Source, batch: list[Message]
+        self,
+        conn: Any,
+        sink: Sink,
+        source: queries.Source,
+        batch: list[Message],
+        bad: list[claimed.BadRow],
     ) -> tuple[list[MessageId], list[MessageId], MessageId | None, float]:
         """Publish; returns (acknowledged ids to mark, dead-lettered ids, lowest id to claim
         again, how long the worker pauses once this batch's transaction has ended: a backoff
-        by the most attempts any message to claim again has had). With `--ordering key` a
-        rejection parks its key instead (parking.py): no rewind, no pause, later messages of
+        by the most attempts any message the sink refused has had). With `--ordering key` a
+        failure parks its key instead (parking.py): no rewind, no pause, later messages of
         that key wait while the others flow.
+
+        `bad`: rows of the batch that could not become a message (relay/claimed.py); they and
+        messages the sink cannot represent count attempts like a rejection, without the
+        backoff — the row itself is at fault, waiting changes nothing.
 
         The pause is the worker's to take after its COMMIT, never here: a session that waits
         inside its transaction is "idle in transaction" on the claimed rows' locks, and the
         migration runner does not queue a step's lock behind such a session."""
-        parking = self._parking
+        parking, label = self._parking, source.label
         if parking:  # only ever non-empty with key ordering
-            batch = parking.withhold(source.label, batch, now=time.monotonic())[0]
-            if not batch:  # every message waits for its key; others would have been sent
+            now = time.monotonic()
+            batch = parking.withhold(label, batch, now=now)[0]
+            if bad:
+                free = {m.id for m in parking.withhold(label, [b.message for b in bad], now=now)[0]}
+                bad = [b for b in bad if b.message.id in free]
+            if not batch and not bad:  # every message waits for its key
                 return [], [], None, PARKED_BATCH_WAIT_S  # no busy loop of rescans meanwhile
-        try:
-            sink.publish(batch)
-        except MessagesRejected as exc:
-            rejected = exc.rejected
-        else:
-            if self._attempted:  # a message rejected before went through this time
-                label = source.label
-                with self._attempts_lock:
-                    again = [m.id for m in batch if (label, m.id) in self._attempted]
-                self._forget_attempts(conn, source, again)
+        rejected, unrepresentable = publishing.publish(sink, batch)
+        failures = self.failures
+        if not (rejected or unrepresentable or bad):
             acked = [m.id for m in batch]
+            # A message that failed before went through this time: its counter goes.
+            failures.forget(conn, label, failures.seen_before(label, acked))
             if parking:
-                parking.settle(source.label, batch, {}, acked, now=time.monotonic(),
+                parking.settle(label, batch, {}, acked, now=time.monotonic(),
                                backoff=self._backoff)  # fmt: skip
             return acked, [], None, 0.0
-        self.stats.add(rejected=len(rejected))
-        self.observer.failed("rejected", len(rejected))
-        schema, options = self.spec.schema, self.options
-        refused = [m for m in batch if m.id in rejected]
-        counted = conn.execute(
-            queries.count_attempts(schema, options.attempts_table, self._text_ids),
-            {"source": source.label, "ids": [m.id for m in refused],
-             "errors": [rejected[m.id][:2000] for m in refused]},
-        ).fetchall()  # fmt: skip
-        attempts = {self._id(r[0]): int(r[1]) for r in counted}
-        dead = [m for m in refused if attempts[m.id] >= options.max_attempts]
-        for message in dead:
-            self._dead_letter(conn, source, message, attempts[message.id], rejected[message.id])
-        retry = [m.id for m in refused if attempts[m.id] < options.max_attempts]
-        acked = [m.id for m in batch if m.id not in rejected]
-        with self._attempts_lock:
-            again = [i for i in acked if (source.label, i) in self._attempted]
-            self._attempted.update((source.label, i) for i in retry)
-        self._forget_attempts(conn, source, [m.id for m in dead] + again)
-        log.warning("relay.rejected count=%d dead_lettered=%d", len(rejected), len(dead))
-        dead_ids = [m.id for m in dead]
-        if options.ordering is Ordering.key:
+        reasons = {b.message.id: b.reason for b in bad}
+        reasons.update(unrepresentable)
+        reasons.update(rejected)
+        refused = [m for m in batch if m.id in reasons] + [b.message for b in bad]
+        self.stats.add(rejected=len(rejected), bad_rows=len(reasons) - len(rejected))
+        if rejected:
+            self.observer.failed("rejected", len(rejected))
+        verdict = failures.record(conn, label, refused, reasons)
+        self.stats.add(dead_lettered=len(verdict.dead))
+        acked = [m.id for m in batch if m.id not in reasons]
+        failures.forget(conn, label, failures.seen_before(label, acked))
+        log.warning("relay.rejected count=%d bad_rows=%d dead_lettered=%d",
+                    len(rejected), len(reasons) - len(rejected), len(verdict.dead))  # fmt: skip
+        dead_ids = [m.id for m in verdict.dead]
+        if self.options.ordering is Ordering.key:
+            order = sorted(batch + [b.message for b in bad], key=_BY_ID)
             held = parking.settle(
-                source.label, batch, {i: attempts[i] for i in retry}, set(acked) | set(dead_ids),
-                now=time.monotonic(), backoff=self._backoff,
+                label, order, {i: verdict.attempts[i] for i in verdict.retry},
+                set(acked) | set(dead_ids), now=time.monotonic(), backoff=self._backoff,
             )  # fmt: skip
             return [i for i in acked if i not in held], dead_ids, None, 0.0
-        most = max((attempts[i] for i in retry), default=0)
+        most = max((verdict.attempts[i] for i in verdict.retry if i in rejected), default=0)
         # Rejected messages are claimed again after a backoff that grows with their attempts,
         # not at once: a transient refusal gets time to clear before the message counts
-        # towards the dead-letter table.
+        # towards the dead-letter table. A bad row is tried again at once.
         pause = self._backoff(most - 1) if most else 0.0
+        retry = verdict.retry
         return acked, dead_ids, (min(retry) if retry else None), pause
-
-    def _forget_attempts(self, conn: Any, source: queries.Source, ids: list[MessageId]) -> None:
-        """Published or dead-lettered: their rejection counters go, in the same transaction."""
-        if not ids:
-            return
-        with self._attempts_lock:
-            for i in ids:
-                self._attempted.discard((source.label, i))
-        conn.execute(
-            queries.forget_attempts(self.spec.schema, self.options.attempts_table, self._text_ids),
-            {"source": source.label, "ids": ids},
-        )
-
-    def _dead_letter(
-        self, conn: Any, source: queries.Source, message: Message, attempts: int, error: str
-    ) -> None:
-        """Keep the message in the dead-letter table; its mark commits in the same transaction."""
-        conn.execute(
-            queries.insert_dead_letter(self.spec.schema, self.options.dead_letter_table),
-            {
-                "source": source.label, "id": message.id, "event_type": message.event_type,
-                "key": message.key, "payload": message.payload,
-                "created_at": message.created_at, "attempts": attempts, "error": error[:2000],
-            },
-        )  # fmt: skip
-        self.stats.add(dead_lettered=1)
-        log.warning("relay.dead_lettered id=%s attempts=%d", message.id, attempts)
 
     # -- helpers threads ------------------------------------------------------------------
 
@@ -641,6 +607,10 @@ class _Worker:
         """The last idle wait blocked before it returned (`_poll_listener`)."""
         self.flag_tried = False
         """The last claim went out with the flag up, or with an attempt to raise it."""
+        self.rewound = False
+        """The last batch set the cursor back to a row to try again (no read-ahead then)."""
+        self.unmarked: list[_Commit] = []
+        """Batches of the last failed run whose mark did not commit (`_repair_marks`)."""
         self.read_ahead = read_ahead.ReadAhead(
             read_ahead.open_session(
                 lambda: _connect_worker(relay), options.dead_session_s, options.poll_interval_s
@@ -696,6 +666,10 @@ class _Worker:
             self.sink = None
             self._step_out()
             self._back_off()
+        except IntegrityError as exc:
+            # The mark of a published batch broke a constraint (a duplicate id moving into
+            # the published partition): find the rows at fault, mark the rest.
+            self._repair_marks(exc)
         except _serialization_errors():
             # Another claimer moved a row we were about to lock (see queries.py). Checked
             # before connection errors: SerializationFailure is an OperationalError too, but
@@ -713,6 +687,28 @@ class _Worker:
             self.lease.lost()
             self._back_off()
         return False
+
+    def _repair_marks(self, exc: IntegrityError) -> None:
+        """After a mark failed on a constraint: mark the acknowledged rows of the batches it
+        took down one by one in halves (relay/mark_repair.py); a row that cannot be marked is
+        a bad row — counted, claimed again, dead-lettered and removed after `max_attempts`.
+        A failure that no repair can place (no batch to repair) is raised."""
+        relay, unmarked, self.unmarked = self.relay, self.unmarked, []
+        if not unmarked or self.conn is None:
+            raise exc
+        for commit in unmarked:
+            assert commit.unmarked is not None
+            source, rows, batch, acked = commit.unmarked
+            done = mark_repair.repair(self.conn, source, relay.failures, rows, batch, acked)
+            relay.stats.batch(done.marked)
+            relay.stats.add(bad_rows=len(done.bad), dead_lettered=len(done.dead))
+            relay.observer.published(done.marked)
+            if done.retry:
+                self.cursor.retry_from(min(done.retry))
+            log.warning(
+                "relay.mark_repaired worker=%d marked=%d bad_rows=%d dead_lettered=%d %s",
+                self.index, done.marked, len(done.bad), len(done.dead), _one_line(exc),
+            )  # fmt: skip
 
     def _step_out(self) -> None:
         """The broker is out of reach: let the other relays serve this worker's shards while
@@ -1137,7 +1133,7 @@ class _Worker:
                         relay.stopping or self.lease.due(now) or relay.state.current is not source
                     )
                     if ahead is not None and self._take_ahead(
-                        ahead, cur, keep=not (pause or stop_run)
+                        ahead, cur, keep=not (pause or stop_run or self.rewound)
                     ):
                         started = time.perf_counter()
                         rows, after, ranged = self._receive_ahead(ahead)
@@ -1251,11 +1247,13 @@ class _Worker:
 
     def _abort_run(self, pending: list[_Commit]) -> None:
         """A run failed: roll back both sessions, count what did commit (a COMMIT of the
-        read-ahead session still in flight is read first, so a batch marked is counted)."""
+        read-ahead session still in flight is read first, so a batch marked is counted), and
+        keep the published batches whose mark did not commit for `_repair_marks`."""
         self.read_ahead.abandon()
         for commit in pending:
             if commit.succeeded:
                 self._count(commit)
+        self.unmarked = [c for c in pending if not c.succeeded and c.unmarked is not None]
         self._end_transaction()
 
     def _receive_ahead(self, ahead: read_ahead.Pending) -> tuple[list[Any], int, int]:
@@ -1273,27 +1271,30 @@ class _Worker:
         conn: Any,
         pipe: wire.Wire,
         source: queries.Source,
-        claimed: tuple[bytes, list[Any], int, float],
+        work: tuple[bytes, list[Any], int, float],
         pending: list[_Commit],
     ) -> tuple[float, float]:
         """Publish the claimed rows and queue their mark and COMMIT on their session. Returns
         the pause the worker takes once the transaction has ended (0: none; see
         `Relay._publish`) and the time after."""
         relay, cursor = self.relay, self.cursor
-        mark, rows, after, started = claimed
-        batch = _messages(rows, relay._message)
+        mark, rows, after, started = work
+        batch, bad = claimed.messages(rows, relay._message, relay._columns[source.label])
         self.fence.check(time.monotonic())
         assert self.sink is not None
         acked, dead, retry_from, pause = relay._publish(
-            wire.direct(conn, pipe), self.sink, source, batch
+            wire.direct(conn, pipe), self.sink, source, batch, bad
         )
         if relay._abandon.is_set():
             raise _Abandoned
         now = time.monotonic()
-        cursor.claimed(after, [m.id for m in batch], now)
+        cursor.claimed(after, [r[0] for r in rows], now)
+        self.rewound = retry_from is not None
         if retry_from is not None:
             cursor.retry_from(retry_from)
-        pending.append(self._mark_and_commit(pipe, mark, rows, acked, dead, started))
+        commit = self._mark_and_commit(pipe, mark, rows, acked, dead, started)
+        commit.unmarked = (source, rows, batch, acked)
+        pending.append(commit)
         relay.observer.heartbeat(self.index)
         return pause, now
 
@@ -1433,22 +1434,8 @@ _HORIZON = queries.horizon().as_string().encode()
 _IDLE_UNLOCK = queries.idle_unlock().as_string().encode()
 _TRY_IDLE_LOCK = queries.try_idle_lock().as_string().encode()
 _ID = operator.itemgetter(0)
-
-
-def _messages(rows: list[Any], message: type[Message] = Message) -> list[Message]:
-    """The claimed rows as `Message`s; the extra headers (a text[][] of [name, value]) only
-    when the claim selected them, so an outbox without metadata pays nothing for them.
-
-    Built with `tuple.__new__` from the row's first six columns: the NamedTuple's own
-    `__new__` is a Python function, and this runs once per message (0.26 → 0.16 µs a row)."""
-    new = tuple.__new__
-    if len(rows[0]) <= queries.CLAIM_HEADERS_COLUMN:
-        return [new(message, (r[0], r[1], r[2], r[3], r[4], r[5], ())) for r in rows]
-    at = queries.CLAIM_HEADERS_COLUMN
-    return [
-        new(message, (r[0], r[1], r[2], r[3], r[4], r[5], tuple((k, v) for k, v in r[at] or ())))
-        for r in rows
-    ]
+_BY_ID = operator.attrgetter("id")
+"""Claim order with key ordering: by id (application ids are then claimed by id too)."""
 
 
 def _tids_to_mark(rows: list[Any], acked: list[MessageId], dead: list[MessageId]) -> list[str]:
@@ -1470,6 +1457,9 @@ class _Commit:
     sent: float = 0.0
     """When it started to linger or sleep (its mark and COMMIT sent, their result read with
     the next claim's); 0: no linger. The batch's time ends there."""
+    unmarked: tuple[queries.Source, list[Any], list[Message], list[MessageId]] | None = None
+    """(source, claimed rows, messages, acknowledged ids): what a repair needs if the mark
+    fails (`_Worker._repair_marks`)."""
 
     @property
     def succeeded(self) -> bool:
