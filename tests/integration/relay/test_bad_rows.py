@@ -14,6 +14,8 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import subprocess
+import sys
 import time
 import uuid
 from typing import Any
@@ -345,3 +347,33 @@ def test_a_row_whose_mark_a_check_refuses_is_dead_lettered(
     remaining = conn.execute(f"SELECT count(*) FROM {table} WHERE published_at IS NULL")
     assert remaining.fetchone() == (0,)
     assert conn.execute(f"SELECT count(*) FROM {table}").fetchone() == (24,)
+
+
+# -- exit codes -------------------------------------------------------------------------------
+
+
+def test_a_relay_that_stops_on_a_runtime_fault_exits_1(
+    dsn: str, partitioned: psycopg.Connection
+) -> None:
+    """A fault met while running (here a trigger that refuses every mark, not a constraint a
+    row breaks) is a failure, exit 1 — not "bad input" (2), which is refused before work."""
+    partitioned.execute(
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$BEGIN RAISE EXCEPTION 'marks are frozen'; END$$"
+    )
+    partitioned.execute(
+        "CREATE TRIGGER refuse BEFORE UPDATE ON outbox_unpublished "
+        "FOR EACH ROW EXECUTE FUNCTION refuse()"
+    )
+    insert_rows(partitioned, "outbox_new", 3, spec=SPEC)
+    partitioned.commit()
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_migrate", "relay", "--sink", "stdout", "--until-empty",
+         "--no-listen", "--dsn", dsn],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("outbox-migrate: error: relay worker failed: marks are frozen"), last
+    assert "Traceback" not in result.stderr
+    assert len(ids_in(partitioned, "outbox_unpublished")) == 3  # nothing lost
