@@ -138,6 +138,8 @@ def render_plan(doc: dict[str, Any]) -> None:
     console = out()
     console.print(f"[bold]{doc['acronym']}[/bold]: {doc['title']}")
     console.print(doc["summary"], markup=False)
+    if doc.get("duplicate_ids"):
+        console.print(doc["duplicate_ids"], markup=False)
     facts = doc.get("facts")
     if facts:
         ids = (
