@@ -11,12 +11,17 @@ dead-letter table with the constraint's message and removed from the outbox — 
 marked, and nothing is lost. Cost: about 2·log2(batch) statements per bad row, paid only by
 the batch that holds it.
 
+A row that failed is a *suspect* until it is marked or dead-lettered: when it comes back in a
+later batch it is marked alone, in a savepoint, before that batch's mark (`mark_suspects`), so
+its next attempts cost one statement each instead of a failed batch and another bisection.
+
 Runs in its own transaction on the worker's session (no pipeline), never waits on a lock
 (`SKIP LOCKED`: a row another relay holds is its business now).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +42,32 @@ class Repaired:
     retry: list[MessageId] = field(default_factory=list)
 
 
+class Suspects:
+    """(source, id) of rows whose mark failed and that will be tried again; thread-safe (the
+    workers of one relay share it)."""
+
+    def __init__(self) -> None:
+        self._ids: set[tuple[str, MessageId]] = set()
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)
+
+    def among(self, label: str, ids: Sequence[MessageId]) -> set[MessageId]:
+        with self._lock:
+            return {i for i in ids if (label, i) in self._ids}
+
+    def update(self, label: str, add: Sequence[MessageId], drop: Sequence[MessageId]) -> None:
+        with self._lock:
+            self._ids.update((label, i) for i in add)
+            self._ids.difference_update((label, i) for i in drop)
+
+
 def repair(
     conn: Any,
     source: queries.Source,
     failures: FailedMessages,
+    suspects: Suspects,
     rows: Sequence[Any],
     batch: Sequence[Message],
     acked: Sequence[MessageId],
@@ -59,42 +86,107 @@ def repair(
         # Same ctid and id, still unpublished: the row the batch claimed (in claim order).
         same = {tid for tid, ident in locked if tids.get(tid) == _id_of(source, ident)}
         todo = [tid for tid in tids if tid in same]
-        failed = _mark_in_halves(conn, queries.mark(source), todo)
+        # The whole batch failed already: `_mark_in_halves` starts with its halves.
+        failed = _mark_in_halves(conn, source, todo)
         done.marked = len(todo) - len(failed)
-        if not failed:
-            return done
-        done.bad = {tids[tid]: reason for tid, reason in failed.items()}
-        verdict = failures.record(conn, source.label, [by_id[i] for i in done.bad], done.bad)
-        done.dead, done.retry = verdict.dead, verdict.retry
-        dead = {m.id for m in verdict.dead}
-        gone = [tid for tid in failed if tids[tid] in dead]
-        if gone:
-            # Dead-lettered rows cannot be marked: they leave the outbox (the dead-letter
-            # table holds them) so they are not claimed again.
-            conn.execute(_delete(source), {"tids": _tid_array(gone)})
         marked = [tids[tid] for tid in todo if tid not in failed]
         failures.forget(conn, source.label, failures.seen_before(source.label, marked))
+        if failed:
+            _count(conn, source, failures, suspects, failed, tids, by_id, done)
     return done
 
 
-def _mark_in_halves(conn: Any, mark: sql.Composed, tids: list[str]) -> dict[str, str]:
+def mark_suspects(
+    conn: Any,
+    source: queries.Source,
+    failures: FailedMessages,
+    suspects: Suspects,
+    rows: Sequence[Any],
+    batch: Sequence[Message],
+    acked: Sequence[MessageId],
+) -> Repaired:
+    """In the batch's transaction, before its mark: mark each acknowledged suspect alone, in a
+    savepoint. One that fails again counts an attempt (dead-lettered and removed at the
+    last); the caller leaves the returned `bad` ids out of the batch's mark."""
+    again = suspects.among(source.label, acked)
+    tids = {r[queries.CLAIM_CTID_COLUMN]: r[0] for r in rows if r[0] in again}
+    done = Repaired()
+    if not tids:
+        return done
+    failed: dict[str, str] = {}
+    for tid in tids:
+        failed.update(_mark_in_halves(conn, source, [tid]))
+    marked = [tids[tid] for tid in tids if tid not in failed]
+    done.marked = len(marked)
+    suspects.update(source.label, [], marked)
+    failures.forget(conn, source.label, marked)
+    if failed:
+        _count(conn, source, failures, suspects, failed, tids, {m.id: m for m in batch}, done)
+    return done
+
+
+def _count(
+    conn: Any,
+    source: queries.Source,
+    failures: FailedMessages,
+    suspects: Suspects,
+    failed: dict[str, str],
+    tids: dict[str, MessageId],
+    by_id: dict[MessageId, Message],
+    done: Repaired,
+) -> None:
+    """One attempt for each row that could not be marked; at the last, dead-letter it."""
+    done.bad = {tids[tid]: reason for tid, reason in failed.items()}
+    verdict = failures.record(conn, source.label, [by_id[i] for i in done.bad], done.bad)
+    done.dead, done.retry = verdict.dead, verdict.retry
+    dead = {m.id for m in verdict.dead}
+    suspects.update(source.label, verdict.retry, list(dead))
+    gone = [tid for tid in failed if tids[tid] in dead]
+    if gone:
+        # Dead-lettered rows cannot be marked: they leave the outbox (the dead-letter table
+        # holds them) so they are not claimed again.
+        conn.execute(_delete(source), {"tids": _tid_array(gone)})
+
+
+def _mark_in_halves(conn: Any, source: queries.Source, tids: list[str]) -> dict[str, str]:
     """Mark `tids`, each part in a savepoint; a part that breaks a constraint is split until
     the rows at fault stand alone. Returns tid → reason for those. Parts are marked in claim
     order, so of two rows with one id the first is marked and the second is the bad one."""
     failed: dict[str, str] = {}
-    stack = [tids] if tids else []
+    half = len(tids) // 2
+    stack = [tids[half:], tids[:half]] if half else [tids] if tids else []
     while stack:
         part = stack.pop()
+        # One round trip per part: savepoint, mark, release as one simple query (the tids as
+        # a literal), and a ROLLBACK TO only for a part that failed. Savepoints by name, not
+        # `conn.transaction()`: this also runs through the worker's paused pipeline
+        # (`wire.direct`), which only executes statements.
         try:
-            with conn.transaction():
-                conn.execute(mark, {"tids": _tid_array(part)})
+            conn.execute(_marked_in_savepoint(source, part))
         except psycopg.errors.IntegrityError as exc:
+            conn.execute(_ROLLBACK_TO)
             if len(part) == 1:
                 failed[part[0]] = _reason(exc)
             else:
                 half = len(part) // 2
                 stack += [part[half:], part[:half]]
     return failed
+
+
+_ROLLBACK_TO = sql.SQL("ROLLBACK TO SAVEPOINT om_relay_mark")
+
+
+def _marked_in_savepoint(source: queries.Source, tids: Sequence[str]) -> sql.Composed:
+    """`queries.mark` for these rows, between a savepoint and its release."""
+    return sql.SQL(
+        "SAVEPOINT om_relay_mark; UPDATE {table} SET {published} = now() "
+        "WHERE {published} IS NULL AND ctid = ANY({tids}::tid[]); "
+        "RELEASE SAVEPOINT om_relay_mark"
+    ).format(
+        table=source.mark_ident,
+        published=sql.Identifier(source.published_column),
+        tids=sql.Literal(_tid_array(tids)),
+    )
 
 
 def _reason(exc: psycopg.Error) -> str:

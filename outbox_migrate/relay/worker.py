@@ -176,6 +176,8 @@ class Relay:
             options.max_attempts, self._text_ids,
         )  # fmt: skip
         """Attempts counted in the database, dead letters (relay/bad_rows.py)."""
+        self._suspects = mark_repair.Suspects()
+        """Rows whose mark failed, marked alone when they come back (mark_repair.py)."""
         self._parking = Parking()
         """Keys waiting for a rejected message (`--ordering key` only; see parking.py)."""
         self._conns: dict[int, Any] = {}
@@ -418,11 +420,12 @@ class Relay:
         source: queries.Source,
         batch: list[Message],
         bad: list[claimed.BadRow],
-    ) -> tuple[list[MessageId], list[MessageId], MessageId | None, float]:
-        """Publish; returns (acknowledged ids to mark, dead-lettered ids, lowest id to claim
-        again, how long the worker pauses once this batch's transaction has ended: a backoff
-        by the most attempts any message the sink refused has had). With `--ordering key` a
-        failure parks its key instead (parking.py): no rewind, no pause, later messages of
+    ) -> tuple[list[MessageId], list[MessageId], list[MessageId], float]:
+        """Publish; returns (acknowledged ids to mark, dead-lettered ids, ids to claim again,
+        how long the worker pauses once this batch's transaction has ended: a backoff by the
+        most attempts any message the sink refused has had — the worker then claims again
+        from the lowest of them; without a pause it claims them by id). With `--ordering key`
+        a failure parks its key instead (parking.py): no rewind, no pause, later messages of
         that key wait while the others flow.
 
         `bad`: rows of the batch that could not become a message (relay/claimed.py); they and
@@ -440,17 +443,17 @@ class Relay:
                 free = {m.id for m in parking.withhold(label, [b.message for b in bad], now=now)[0]}
                 bad = [b for b in bad if b.message.id in free]
             if not batch and not bad:  # every message waits for its key
-                return [], [], None, PARKED_BATCH_WAIT_S  # no busy loop of rescans meanwhile
+                return [], [], [], PARKED_BATCH_WAIT_S  # no busy loop of rescans meanwhile
         rejected, unrepresentable = publishing.publish(sink, batch)
         failures = self.failures
         if not (rejected or unrepresentable or bad):
             acked = [m.id for m in batch]
             # A message that failed before went through this time: its counter goes.
-            failures.forget(conn, label, failures.seen_before(label, acked))
+            self._forget(conn, label, acked)
             if parking:
                 parking.settle(label, batch, {}, acked, now=time.monotonic(),
                                backoff=self._backoff)  # fmt: skip
-            return acked, [], None, 0.0
+            return acked, [], [], 0.0
         reasons = {b.message.id: b.reason for b in bad}
         reasons.update(unrepresentable)
         reasons.update(rejected)
@@ -461,7 +464,7 @@ class Relay:
         verdict = failures.record(conn, label, refused, reasons)
         self.stats.add(dead_lettered=len(verdict.dead))
         acked = [m.id for m in batch if m.id not in reasons]
-        failures.forget(conn, label, failures.seen_before(label, acked))
+        self._forget(conn, label, acked)
         log.warning("relay.rejected count=%d bad_rows=%d dead_lettered=%d",
                     len(rejected), len(reasons) - len(rejected), len(verdict.dead))  # fmt: skip
         dead_ids = [m.id for m in verdict.dead]
@@ -471,14 +474,22 @@ class Relay:
                 label, order, {i: verdict.attempts[i] for i in verdict.retry},
                 set(acked) | set(dead_ids), now=time.monotonic(), backoff=self._backoff,
             )  # fmt: skip
-            return [i for i in acked if i not in held], dead_ids, None, 0.0
+            return [i for i in acked if i not in held], dead_ids, [], 0.0
         most = max((verdict.attempts[i] for i in verdict.retry if i in rejected), default=0)
         # Rejected messages are claimed again after a backoff that grows with their attempts,
         # not at once: a transient refusal gets time to clear before the message counts
         # towards the dead-letter table. A bad row is tried again at once.
         pause = self._backoff(most - 1) if most else 0.0
-        retry = verdict.retry
-        return acked, dead_ids, (min(retry) if retry else None), pause
+        return acked, dead_ids, verdict.retry, pause
+
+    def _forget(self, conn: Any, label: str, acked: list[MessageId]) -> None:
+        """A message that failed before went through: its counter goes — unless its mark
+        failed before, which is yet to be tried (`_Worker._mark_suspects`)."""
+        seen = self.failures.seen_before(label, acked)
+        if seen and self._suspects:
+            pending = self._suspects.among(label, seen)
+            seen = [i for i in seen if i not in pending]
+        self.failures.forget(conn, label, seen)
 
     # -- helpers threads ------------------------------------------------------------------
 
@@ -699,12 +710,13 @@ class _Worker:
         for commit in unmarked:
             assert commit.unmarked is not None
             source, rows, batch, acked = commit.unmarked
-            done = mark_repair.repair(self.conn, source, relay.failures, rows, batch, acked)
+            done = mark_repair.repair(
+                self.conn, source, relay.failures, relay._suspects, rows, batch, acked
+            )
             relay.stats.batch(done.marked)
             relay.stats.add(bad_rows=len(done.bad), dead_lettered=len(done.dead))
             relay.observer.published(done.marked)
-            if done.retry:
-                self.cursor.retry_from(min(done.retry))
+            self.cursor.retry_ids(done.retry, time.monotonic())
             log.warning(
                 "relay.mark_repaired worker=%d marked=%d bad_rows=%d dead_lettered=%d %s",
                 self.index, done.marked, len(done.bad), len(done.dead), _one_line(exc),
@@ -1282,21 +1294,46 @@ class _Worker:
         batch, bad = claimed.messages(rows, relay._message, relay._columns[source.label])
         self.fence.check(time.monotonic())
         assert self.sink is not None
-        acked, dead, retry_from, pause = relay._publish(
+        acked, dead, retry, pause = relay._publish(
             wire.direct(conn, pipe), self.sink, source, batch, bad
         )
+        if relay._suspects and acked:
+            acked, again = self._mark_suspects(conn, pipe, source, rows, batch, acked)
+            retry += again
         if relay._abandon.is_set():
             raise _Abandoned
         now = time.monotonic()
         cursor.claimed(after, [r[0] for r in rows], now)
-        self.rewound = retry_from is not None
-        if retry_from is not None:
-            cursor.retry_from(retry_from)
+        # After a rejection's pause: claim again from the lowest (the read-ahead batch, if
+        # any, is dropped). Bad rows, tried again at once: by id with the next claim.
+        self.rewound = bool(pause and retry)
+        if self.rewound:
+            cursor.retry_from(min(retry))
+        elif retry:
+            cursor.retry_ids(retry, now)
         commit = self._mark_and_commit(pipe, mark, rows, acked, dead, started)
         commit.unmarked = (source, rows, batch, acked)
         pending.append(commit)
         relay.observer.heartbeat(self.index)
         return pause, now
+
+    def _mark_suspects(
+        self,
+        conn: Any,
+        pipe: wire.Wire,
+        source: queries.Source,
+        rows: list[Any],
+        batch: list[Message],
+        acked: list[MessageId],
+    ) -> tuple[list[MessageId], list[MessageId]]:
+        """Rows whose mark failed before are marked alone first (mark_repair.py); returns the
+        acknowledged ids left for the batch's mark and the ids to claim again."""
+        relay = self.relay
+        done = mark_repair.mark_suspects(
+            wire.direct(conn, pipe), source, relay.failures, relay._suspects, rows, batch, acked
+        )
+        relay.stats.add(bad_rows=len(done.bad), dead_lettered=len(done.dead))
+        return [i for i in acked if i not in done.bad], done.retry
 
     @staticmethod
     def _take_ahead(ahead: read_ahead.Pending, cur: wire.Wire, *, keep: bool) -> bool:
