@@ -21,6 +21,7 @@ Runs in its own transaction on the worker's session (no pipeline), never waits o
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -71,8 +72,10 @@ def repair(
     rows: Sequence[Any],
     batch: Sequence[Message],
     acked: Sequence[MessageId],
+    error: psycopg.Error | None = None,
 ) -> Repaired:
-    """Mark the acknowledged rows of a batch whose mark failed; count the rows at fault."""
+    """Mark the acknowledged rows of a batch whose mark failed (`error`, when known); count
+    the rows at fault."""
     wanted = set(acked)
     by_id = {m.id: m for m in batch}
     tids = {r[queries.CLAIM_CTID_COLUMN]: r[0] for r in rows if r[0] in wanted}
@@ -86,8 +89,10 @@ def repair(
         # Same ctid and id, still unpublished: the row the batch claimed (in claim order).
         same = {tid for tid, ident in locked if tids.get(tid) == _id_of(source, ident)}
         todo = [tid for tid in tids if tid in same]
-        # The whole batch failed already: `_mark_in_halves` starts with its halves.
-        failed = _mark_in_halves(conn, source, todo)
+        failed = _mark_named_first(conn, source, todo, tids, _named_id(error, source))
+        if failed is None:
+            # The whole batch failed already: `_mark_in_halves` starts with its halves.
+            failed = _mark_in_halves(conn, source, todo)
         done.marked = len(todo) - len(failed)
         marked = [tids[tid] for tid in todo if tid not in failed]
         failures.forget(conn, source.label, failures.seen_before(source.label, marked))
@@ -146,6 +151,50 @@ def _count(
         # Dead-lettered rows cannot be marked: they leave the outbox (the dead-letter table
         # holds them) so they are not claimed again.
         conn.execute(_delete(source), {"tids": _tid_array(gone)})
+
+
+_DUPLICATE_KEY = re.compile(r"Key \((?P<columns>[^)]*)\)=\((?P<value>.*)\) already exists\.")
+
+
+def _named_id(error: psycopg.Error | None, source: queries.Source) -> str | None:
+    """The id a unique violation on the id alone names in its detail ("Key (id)=(13) already
+    exists."), as text; None for any other error, or a server whose messages are not in
+    English (the repair then bisects)."""
+    if error is None or error.sqlstate != "23505":
+        return None
+    found = _DUPLICATE_KEY.fullmatch(error.diag.message_detail or "")
+    if found is None or found["columns"] not in (source.id_column, f'"{source.id_column}"'):
+        return None
+    return found["value"]
+
+
+def _mark_named_first(
+    conn: Any,
+    source: queries.Source,
+    todo: list[str],
+    tids: dict[str, MessageId],
+    named: str | None,
+) -> dict[str, str] | None:
+    """A guess from the error, then proof: mark every row but those with the id the error
+    named (one statement), then each of those alone — of two rows with that id in the batch,
+    the first is marked. None: no guess, or the rest failed too (the caller bisects; what
+    this marked stays rolled back)."""
+    if named is None:
+        return None
+    suspects = [tid for tid in todo if str(tids[tid]) == named]
+    rest = [tid for tid in todo if str(tids[tid]) != named]
+    if not suspects:
+        return None
+    try:
+        if rest:
+            conn.execute(_marked_in_savepoint(source, rest))
+    except psycopg.errors.IntegrityError:
+        conn.execute(_ROLLBACK_TO)
+        return None
+    failed: dict[str, str] = {}
+    for tid in suspects:
+        failed.update(_mark_in_halves(conn, source, [tid]))
+    return failed
 
 
 def _mark_in_halves(conn: Any, source: queries.Source, tids: list[str]) -> dict[str, str]:

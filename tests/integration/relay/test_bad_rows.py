@@ -280,6 +280,23 @@ def test_a_duplicate_id_after_the_swap_is_dead_lettered_not_a_crash_loop(
     assert relay.stats.dead_lettered == 1
 
 
+def test_two_unpublished_rows_with_one_id_the_first_is_marked_the_second_dead_lettered(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """Both copies in one batch, none published yet: the batch's mark moves the first and
+    fails on the second; the repair marks the first (claim order) and dead-letters the
+    second, removed from the outbox."""
+    _swapped_with_duplicate(conn)
+    conn.execute("INSERT INTO outbox_new (id, payload) VALUES (20, '{\"copy\": 2}')")
+    conn.commit()
+    _relay(dsn, collected.factory(), SWAPPED, batch_size=50).run()
+    assert ids_in(conn, "outbox_unpublished") == []
+    assert ids_in(conn, "outbox").count(20) == 1
+    assert conn.execute("SELECT payload FROM outbox WHERE id = 20").fetchone() == ({"n": 20},)
+    dead = _dead(conn)
+    assert sorted((d[0], json.loads(d[3]).get("copy")) for d in dead) == [(13, None), (20, 2)]
+
+
 def test_attempts_of_a_bad_row_survive_a_restart(
     dsn: str, conn: psycopg.Connection, collected: Collected
 ) -> None:
