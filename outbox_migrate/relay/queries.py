@@ -107,7 +107,7 @@ def id_sql_type(text_ids: bool) -> sql.SQL:
 @dataclass(frozen=True)
 class Columns:
     """The columns the relay reads besides the id, resolved against the live table from the
-    `OutboxSpec`'s column roles (see `worker.Relay._resolve_columns`)."""
+    `OutboxSpec`'s column roles (see `columns.resolve`)."""
 
     event_type: str | None
     key: str | None

@@ -51,6 +51,7 @@ from outbox_migrate.relay import (
 )
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
 from outbox_migrate.relay.bad_rows import FailedMessages
+from outbox_migrate.relay.columns import resolve as resolve_columns
 from outbox_migrate.relay.cursor import Cursor, NoCursor
 from outbox_migrate.relay.errors import RelayError, RelayFailed, SinkUnavailable
 from outbox_migrate.relay.fencing import Fence, LeaseUnproven
@@ -61,10 +62,6 @@ from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
 from outbox_migrate.relay.sinks import Sink, SinkFactory
 from outbox_migrate.relay.switching import SourceState
-
-PAYLOAD_TYPES = ("jsonb", "json", "text", "bytea")
-"""Payload column types the relay sends as they are (bytea as UTF-8 text, or as bytes when it
-is not UTF-8)."""
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -318,82 +315,9 @@ class Relay:
             )  # fmt: skip
 
     def _resolve_columns(self, conn: Any, source: queries.Source) -> queries.Columns:
-        """The spec's column roles checked against the live table. A role left at its default
-        (`message_key`, `event_type`, `headers`) is used when the table has that column; one
-        configured by name must exist."""
-        rows = conn.execute(
-            queries.table_columns(), {"schema": source.schema, "table": source.mark_table}
-        ).fetchall()
-        types = {str(r[0]): str(r[1]) for r in rows}
-        if not types:
-            raise RelayError(f"table {source.label} does not exist")
-        spec, defaults = self.spec, OutboxSpec()
-        required = [source.id_column, source.published_column, spec.payload_column]
-        required += [spec.created_column] if spec.created_column else []
-        required += list(spec.metadata_columns)
-        missing = [c for c in required if c not in types]
-        if missing:
-            raise RelayError(
-                f"table {source.label} has no column(s) {', '.join(missing)}; name the "
-                "outbox's columns with the column-role settings (docs/configuration.md)"
-            )
-
-        self._check_ids(source, types)
-
-        def optional(given: str | None, configured: str, default: str) -> str | None:
-            name = given if given is not None else configured
-            if not name:
-                return None
-            if name in types:
-                return name
-            if given is None and name == default:
-                return None
-            raise RelayError(f"table {source.label} has no column {name!r}")
-
-        # Any type: json/jsonb is read by the server, anything else (text) parsed per row; a
-        # value that is not a JSON object makes that row a bad row, not the relay stop.
-        headers = optional(None, spec.headers_column, defaults.headers_column)
-        payload_type = types[spec.payload_column]
-        if payload_type not in PAYLOAD_TYPES:
-            raise RelayError(
-                f"{source.label}.{spec.payload_column} is {payload_type}; the payload must be "
-                f"one of {', '.join(PAYLOAD_TYPES)}"
-            )
-        return queries.Columns(
-            event_type=optional(
-                self.options.event_type_column, spec.event_type_column, defaults.event_type_column
-            ),
-            key=optional(self.options.key_column, spec.key_column, defaults.key_column),
-            payload=spec.payload_column,
-            created_at=spec.created_column or None,
-            payload_type=payload_type,
-            headers=headers,
-            headers_type=types[headers] if headers else "jsonb",
-            metadata=spec.metadata_columns,
-        )
-
-    def _check_ids(self, source: queries.Source, types: dict[str, str]) -> None:
-        """The id kind configured must match the table's id column: integers are claimed by a
-        cursor over the id, application ids (uuid, ULID) as text in `order_column` order."""
-        id_type = types[source.id_column]
-        integer = id_type in ("bigint", "integer", "smallint")
-        if integer and self._text_ids:
-            raise RelayError(
-                f"{source.label}.{source.id_column} is {id_type} but id_kind = application; "
-                "remove id_kind (database ids are claimed by id)"
-            )
-        if not integer and not self._text_ids:
-            raise RelayError(
-                f"{source.label}.{source.id_column} is {id_type}: set id_kind = application "
-                "(and order_column, unless the ids sort by time as uuidv7 and ULID do)"
-            )
-        if source.order_column and source.order_column not in types:
-            raise RelayError(f"table {source.label} has no column {source.order_column!r}")
-        if source.order_column and self.options.ordering is Ordering.key:
-            raise RelayError(
-                "--ordering key with application ids needs them claimed by id (order_column "
-                "unset: uuidv7, ULID); a parked key compares ids"
-            )
+        options = self.options
+        return resolve_columns(conn, source, self.spec, options.key_column,
+                               options.event_type_column, options.ordering)  # fmt: skip
 
     # -- the worker loop -------------------------------------------------------------------
 
