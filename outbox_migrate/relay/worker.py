@@ -382,9 +382,7 @@ class Relay:
         reasons.update(unrepresentable)
         reasons.update(rejected)
         refused = [m for m in batch if m.id in reasons] + [b.message for b in bad]
-        self.stats.add(rejected=len(rejected), bad_rows=len(reasons) - len(rejected))
-        if rejected:
-            self.observer.failed("rejected", len(rejected))
+        self._count_failures(len(rejected), len(reasons) - len(rejected))
         verdict = failures.record(conn, label, refused, reasons)
         self.stats.add(dead_lettered=len(verdict.dead))
         acked = [m.id for m in batch if m.id not in reasons]
@@ -405,6 +403,12 @@ class Relay:
         # towards the dead-letter table. A bad row is tried again at once.
         pause = self._backoff(most - 1) if most else 0.0
         return acked, dead_ids, verdict.retry, pause
+
+    def _count_failures(self, rejected: int, bad: int, dead: int = 0) -> None:
+        self.stats.add(rejected=rejected, bad_rows=bad, dead_lettered=dead)
+        for reason, count in (("rejected", rejected), ("bad_row", bad)):
+            if count:
+                self.observer.failed(reason, count)
 
     def _forget(self, conn: Any, label: str, acked: list[MessageId]) -> None:
         """A message that failed before went through: its counter goes — unless its mark
@@ -640,7 +644,7 @@ class _Worker:
                 self.conn, source, relay.failures, relay._suspects, rows, batch, acked, exc
             )
             relay.stats.batch(done.marked)
-            relay.stats.add(bad_rows=len(done.bad), dead_lettered=len(done.dead))
+            relay._count_failures(0, len(done.bad), dead=len(done.dead))
             relay.observer.published(done.marked)
             self.later += done.retry
             log.warning(
@@ -1271,7 +1275,7 @@ class _Worker:
         done = mark_repair.mark_suspects(
             wire.direct(conn, pipe), source, relay.failures, relay._suspects, rows, batch, acked
         )
-        relay.stats.add(bad_rows=len(done.bad), dead_lettered=len(done.dead))
+        relay._count_failures(0, len(done.bad), dead=len(done.dead))
         return [i for i in acked if i not in done.bad], done.retry
 
     @staticmethod

@@ -233,6 +233,38 @@ def test_jsonb_headers_that_are_not_an_object_are_a_bad_row(
     assert ids_in(partitioned, "outbox_unpublished") == []
 
 
+def test_with_key_ordering_a_bad_row_parks_only_its_key(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """Key A's bad row parks key A: A's later messages are not marked before it is
+    dead-lettered (each is delivered last after it); keys B and C flow meanwhile."""
+    conn.execute(
+        "CREATE TABLE outbox (id bigserial PRIMARY KEY, message_key text NOT NULL, "
+        "payload jsonb NOT NULL, headers text, created_at timestamptz NOT NULL DEFAULT now(), "
+        "published_at timestamptz)"
+    )
+    conn.execute(
+        "INSERT INTO outbox (message_key, payload, headers) SELECT "
+        "(ARRAY['A', 'B', 'C'])[1 + i % 3], jsonb_build_object('n', i), "
+        "CASE WHEN i = 4 THEN 'oops' ELSE '{}' END FROM generate_series(1, 30) i"
+    )
+    conn.commit()
+    bad_key = conn.execute("SELECT message_key FROM outbox WHERE id = 4").fetchone()[0]
+    relay = _relay(dsn, collected.factory(), OutboxSpec(table="outbox"), mode=Mode.flat,
+                   ordering=Ordering.key, batch_size=10)  # fmt: skip
+    relay.run()
+    assert [(d[0], d[1]) for d in _dead(conn)] == [(4, 2)]
+    assert ids_in(conn, "outbox", published=False) == []
+    assert sorted(set(collected.ids)) == [i for i in range(1, 31) if i != 4]
+    others = [m.id for m in collected.messages if m.key != bad_key]
+    held = [m.id for m in collected.messages if m.key == bad_key and m.id > 4]
+    # Other keys were delivered once each, in id order: nothing of theirs waited or was sent
+    # again. The bad key's later messages were held until the bad row was dead-lettered.
+    assert len(others) == len(set(others)) and others == sorted(others)
+    assert len(held) > len(set(held))
+    assert relay.stats.bad_rows == 2
+
+
 # -- a duplicate id after the swap ------------------------------------------------------------
 
 
