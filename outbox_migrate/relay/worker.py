@@ -422,20 +422,22 @@ class Relay:
         return not (row and row[0])
 
     def _publish(
-        self, conn: Any, sink: Sink, source: queries.Source, batch: list[Message]
+        self, conn: Any, sink: Sink, source: queries.Source, batch: list[Message], after: int = 0
     ) -> tuple[list[MessageId], list[MessageId], MessageId | None, float]:
         """Publish; returns (acknowledged ids to mark, dead-lettered ids, lowest id to claim
         again, how long the worker pauses once this batch's transaction has ended: a backoff
         by the most attempts any message to claim again has had). With `--ordering key` a
         rejection parks its key instead (parking.py): no rewind, no pause, later messages of
-        that key wait while the others flow.
+        that key wait while the others flow; a released key's held-back messages lie below the
+        cursor, which claims again from the lowest of them (`after`: where the claim started).
 
         The pause is the worker's to take after its COMMIT, never here: a session that waits
         inside its transaction is "idle in transaction" on the claimed rows' locks, and the
         migration runner does not queue a step's lock behind such a session."""
         parking = self._parking
+        last = batch[-1].id if batch else None
         if parking:  # only ever non-empty with key ordering
-            batch = parking.withhold(source.label, batch, now=time.monotonic())[0]
+            batch = parking.withhold(source.label, batch, now=time.monotonic(), after=after)[0]
             if not batch:  # every message waits for its key; others would have been sent
                 return [], [], None, PARKED_BATCH_WAIT_S  # no busy loop of rescans meanwhile
         try:
@@ -450,8 +452,9 @@ class Relay:
                 self._forget_attempts(conn, source, again)
             acked = [m.id for m in batch]
             if parking:
-                parking.settle(source.label, batch, {}, acked, now=time.monotonic(),
-                               backoff=self._backoff)  # fmt: skip
+                return acked, [], parking.settle(
+                    source.label, batch, {}, now=time.monotonic(), backoff=self._backoff, last=last
+                ).claim_again_from, 0.0  # fmt: skip
             return acked, [], None, 0.0
         self.stats.add(rejected=len(rejected))
         self.observer.failed("rejected", len(rejected))
@@ -475,11 +478,12 @@ class Relay:
         log.warning("relay.rejected count=%d dead_lettered=%d", len(rejected), len(dead))
         dead_ids = [m.id for m in dead]
         if options.ordering is Ordering.key:
-            held = parking.settle(
-                source.label, batch, {i: attempts[i] for i in retry}, set(acked) | set(dead_ids),
-                now=time.monotonic(), backoff=self._backoff,
+            settled = parking.settle(
+                source.label, batch, {i: attempts[i] for i in retry},
+                now=time.monotonic(), backoff=self._backoff, last=last,
             )  # fmt: skip
-            return [i for i in acked if i not in held], dead_ids, None, 0.0
+            held = settled.held
+            return [i for i in acked if i not in held], dead_ids, settled.claim_again_from, 0.0
         most = max((attempts[i] for i in retry), default=0)
         # Rejected messages are claimed again after a backoff that grows with their attempts,
         # not at once: a transient refusal gets time to clear before the message counts
@@ -1285,7 +1289,7 @@ class _Worker:
         self.fence.check(time.monotonic())
         assert self.sink is not None
         acked, dead, retry_from, pause = relay._publish(
-            wire.direct(conn, pipe), self.sink, source, batch
+            wire.direct(conn, pipe), self.sink, source, batch, after
         )
         if relay._abandon.is_set():
             raise _Abandoned
