@@ -38,7 +38,15 @@ from psycopg import OperationalError, pq
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
 from outbox_migrate.errors import OutboxMigrateError
-from outbox_migrate.relay import keepalive, library_logs, notify, queries, read_ahead, wire
+from outbox_migrate.relay import (
+    keepalive,
+    library_logs,
+    notify,
+    outage_wait,
+    queries,
+    read_ahead,
+    wire,
+)
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
 from outbox_migrate.relay.cursor import Cursor, NoCursor
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
@@ -699,7 +707,7 @@ class _Worker:
             relay._close_sink(self.sink)
             self.sink = None
             self._step_out()
-            self._back_off()
+            self._back_off(keep_session=True)
         except _serialization_errors():
             # Another claimer moved a row we were about to lock (see queries.py). Checked
             # before connection errors: SerializationFailure is an OperationalError too, but
@@ -711,10 +719,7 @@ class _Worker:
             relay.stats.add(connection_retries=1)
             relay.observer.failed("connection")
             log.warning("relay.connection_lost worker=%d %s", self.index, _one_line(exc))
-            relay._close_conn(self.index, self.conn)
-            self._close_listener()
-            self.conn = None
-            self.lease.lost()
+            self._forget_session()
             self._back_off()
         return False
 
@@ -728,9 +733,25 @@ class _Worker:
         except _connection_errors():  # the session is gone: so are its locks
             log.debug("relay.step_out_failed", exc_info=True)
 
-    def _back_off(self) -> None:
-        self.relay._stop.wait(self.relay._backoff(self.failures))
+    def _forget_session(self) -> None:
+        self.relay._close_conn(self.index, self.conn)
+        self._close_listener()
+        self.conn = None
+        self.lease.lost()
+
+    def _back_off(self, *, keep_session: bool = False) -> None:
+        """`keep_session` (the broker is away, PostgreSQL is not): the session is kept alive
+        through the wait, or dropped before the wake-up when it was lost anyway, so that the
+        wake-up tries the broker instead of failing on a dead session (relay/outage_wait.py)."""
+        delay = self.relay._backoff(self.failures)
         self.failures += 1
+        conn = self.conn
+        if keep_session and conn is not None and not conn.closed:
+            if not outage_wait.back_off(self.relay._stop, delay, conn):
+                log.info("relay.session_reopened worker=%d (ended during the backoff)", self.index)
+                self._forget_session()
+            return
+        self.relay._stop.wait(delay)
 
     def _step(self) -> bool:  # noqa: PLR0911 - one return per reason the loop ends or waits
         relay, options, lease = self.relay, self.relay.options, self.lease
