@@ -42,7 +42,7 @@ def ping_interval_s(timeout_s: float) -> float | None:
     return max(MIN_PING_S, timeout_s / PING_SHARE)
 
 
-def back_off(stop: threading.Event, seconds: float, conn: Any) -> bool:
+def back_off_keeping_session(stop: threading.Event, seconds: float, conn: Any) -> bool:
     """Wait `seconds` (or until `stop` is set), keeping `conn` from being ended as idle.
 
     True: the session is still usable (it answered a last ping at the end of the wait);

@@ -38,15 +38,7 @@ from psycopg import OperationalError, pq
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
 from outbox_migrate.errors import OutboxMigrateError
-from outbox_migrate.relay import (
-    keepalive,
-    library_logs,
-    notify,
-    outage_wait,
-    queries,
-    read_ahead,
-    wire,
-)
+from outbox_migrate.relay import keepalive, library_logs, notify, queries, read_ahead, wire
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
 from outbox_migrate.relay.cursor import Cursor, NoCursor
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
@@ -54,6 +46,7 @@ from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.message import Message, MessageId, TextIdMessage
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
+from outbox_migrate.relay.outage_wait import back_off_keeping_session
 from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
 from outbox_migrate.relay.sinks import Sink, SinkFactory
@@ -747,7 +740,7 @@ class _Worker:
         self.failures += 1
         conn = self.conn
         if keep_session and conn is not None and not conn.closed:
-            if not outage_wait.back_off(self.relay._stop, delay, conn):
+            if not back_off_keeping_session(self.relay._stop, delay, conn):
                 log.info("relay.session_reopened worker=%d (ended during the backoff)", self.index)
                 self._forget_session()
             return
