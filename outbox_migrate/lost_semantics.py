@@ -69,12 +69,12 @@ def id_unique_by_construction(facts: TableFacts, spec: OutboxSpec) -> bool:
     """Ids the database generates (an identity, a sequence, a uuid default) stay unique
     without an index: the new identity starts above the old ids. Ids the application
     supplies without a default were kept unique by the index alone — which is how a
-    framework deduplicates (NServiceBus's primary key on MessageId)."""
-    kind = facts.id_kind(spec)
-    if kind in ("identity", "sequence"):
+    framework deduplicates (NServiceBus's primary key on MessageId). With database ids that
+    are not generated, the id's own blocker already says what to do."""
+    if spec.id_kind != "application":
         return True
     column = facts.column(spec.id_column)
-    return kind == "application" and column is not None and column.default is not None
+    return column is not None and column.default is not None
 
 
 def lost_unique_keys(facts: TableFacts, spec: OutboxSpec) -> list[UniqueKey]:

@@ -373,7 +373,7 @@ WHERE NOT EXISTS (
 -- name: no-trigger-name-clash
 -- No trigger on the table has the name of a row trigger of the parent (ATTACH clones the parent's row triggers onto the partition and refuses a name already taken).
 SELECT format('trigger %I on %s has the name of row trigger %I on %s, which ATTACH clones onto %s and refuses ("trigger already exists"); rename the one on %s (ALTER TRIGGER %I ON %s RENAME TO …) or the one on %s, then run this step again',
-              o.tgname, {rel_reg}, p.tgname, {parent_reg}, {rel_reg}, {parent_reg}, p.tgname, {parent_reg}, {rel_reg})
+              o.tgname, o.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass, p.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass)
 FROM pg_trigger o
 JOIN pg_trigger p ON p.tgname = o.tgname
 WHERE o.tgrelid = to_regclass({rel_reg}) AND p.tgrelid = to_regclass({parent_reg})
