@@ -59,7 +59,7 @@ BRIGHTER = FrameworkTable(
         "published_column": "dispatched",
         "payload_column": "body",
         "created_column": "timestamp",
-    },  # fmt: skip
+    },
     blockers=["lost-unique"],
     warnings=list(LAYOUT_WARNINGS),
 )
@@ -88,7 +88,7 @@ NSERVICEBUS = FrameworkTable(
         "published_column": "DispatchedAt",
         "payload_column": "Operations",
         "created_column": "",
-    },  # fmt: skip
+    },
     blockers=["lost-unique"],
     warnings=["status-column-beside", *LAYOUT_WARNINGS],
 )
@@ -150,7 +150,7 @@ SPRING_MODULITH = FrameworkTable(
         "payload_column": "serialized_event",
         # the application supplies random uuids: the primary key is accepted as lost
         "accept_lost_unique": ["event_publication_pkey"],
-    },  # fmt: skip
+    },
     blockers=[],
     warnings=["lost-unique-accepted", "status-column-beside", *LAYOUT_WARNINGS],
 )
