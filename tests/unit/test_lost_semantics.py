@@ -231,3 +231,14 @@ def test_accept_lost_unique_from_file_env_and_flags(tmp_path: Path) -> None:
     assert load_settings(flags, environ=env, cwd=tmp_path).spec.accept_lost_unique == ("e_key",)
     with pytest.raises(ConfigError, match="list of index or constraint names"):
         load_settings({"accept_lost_unique": 3}, environ={}, cwd=tmp_path)
+
+
+def test_alembic_revisions_pin_an_acceptance_only_when_one_was_made() -> None:
+    """Pinned empty, the revision's spec would override the acceptance in the configuration
+    it runs with (pinned values are flags); pinned when made, it is reviewed with the code."""
+    from outbox_migrate.alembic_ext.generate import _spec_of
+
+    assert "accept_lost_unique" not in _spec_of(load_settings({}, environ={}))
+    made = load_settings({"accept_lost_unique": "outbox_msg_key"}, environ={})
+    assert _spec_of(made)["accept_lost_unique"] == ("outbox_msg_key",)
+    assert load_settings(_spec_of(made), environ={}).spec.accept_lost_unique == ("outbox_msg_key",)
