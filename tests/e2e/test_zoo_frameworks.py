@@ -204,6 +204,27 @@ def test_the_duplicate_the_blocker_is_about_commits_on_a_partitioned_table(dsn: 
 
 
 @pytest.mark.newest_pg_only
+def test_a_ctid_cleanup_on_the_partitioned_table_deletes_undispatched_rows(dsn: str) -> None:
+    """The fact behind `ctid-per-partition`: NServiceBus's cleanup (`DELETE … WHERE ctid IN
+    (SELECT ctid … LIMIT n)`) meant for dispatched rows also deletes the undispatched rows
+    that sit at the same positions of the other partition."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE p (id int, dispatched_at timestamp) PARTITION BY LIST (dispatched_at);"
+            "CREATE TABLE p_un PARTITION OF p FOR VALUES IN (NULL);"
+            "CREATE TABLE p_pub PARTITION OF p DEFAULT;"
+            "INSERT INTO p SELECT g, now() FROM generate_series(1, 5) g;"
+            "INSERT INTO p SELECT g, NULL FROM generate_series(11, 15) g"
+        )
+        conn.execute(
+            "DELETE FROM p WHERE ctid IN "
+            "(SELECT ctid FROM p WHERE dispatched_at IS NOT NULL LIMIT 3)"
+        )
+        left = conn.execute("SELECT id FROM p WHERE dispatched_at IS NULL ORDER BY id").fetchall()
+    assert left == [(14,), (15,)]  # 11, 12 and 13 were never dispatched
+
+
+@pytest.mark.newest_pg_only
 def test_run_refuses_a_lost_unique_key_before_writing_and_accepts_it_when_named(
     dsn: str,
 ) -> None:
