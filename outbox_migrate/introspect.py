@@ -12,17 +12,11 @@ from typing import Any
 
 from psycopg import Connection, sql
 
+from outbox_migrate import lost_semantics as lost_rules
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
 from outbox_migrate.findings import Finding
-from outbox_migrate.lost_semantics import (
-    UniqueKey,
-    judge_lost_semantics,
-    lost_unique_keys,
-    missing_marker,
-    read_unique_keys,
-)
 from outbox_migrate.patterns.model import PublicationFact
 from outbox_migrate.patterns.names import Names
 
@@ -101,7 +95,7 @@ class TableFacts:
     """(name, definition, validated, no inherit) of each CHECK constraint."""
     trigger_details: list[tuple[str, str, str]] = field(default_factory=list)
     """(name, definition, enabled: O/D/R/A) of each user trigger."""
-    unique_keys: list[UniqueKey] = field(default_factory=list)
+    unique_keys: list[lost_rules.UniqueKey] = field(default_factory=list)
     blockers: list[Finding] = field(default_factory=list)
     warnings: list[Finding] = field(default_factory=list)
     notes: list[Finding] = field(default_factory=list)
@@ -230,7 +224,7 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
     for name, definition, enabled, _type in _rows(conn, "triggers", **rel):
         facts.triggers.append((name, definition))
         facts.trigger_details.append((name, definition, enabled))
-    facts.unique_keys = read_unique_keys(conn, spec)
+    facts.unique_keys = lost_rules.read_unique_keys(conn, spec)
     id_col = facts.column(spec.id_column)
     pub_col = facts.column(spec.published_column)
     if id_col is not None and id_col.type in ID_TYPES:
@@ -301,7 +295,7 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
             "is not the spec's\"",
         ))  # fmt: skip
     elif pub_col is None:
-        block.append(missing_marker(facts, spec, table))
+        block.append(lost_rules.missing_marker(facts, spec, table))
     elif pub_col.type not in PUBLISHED_TYPES:
         block.append(Finding(
             "published-type",
@@ -322,7 +316,7 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
         ))  # fmt: skip
     _warnings(facts, table)
     _judge_objects(facts, spec, table, pattern)
-    judge_lost_semantics(facts, spec, table)
+    lost_rules.judge_lost_semantics(facts, spec, table)
 
 
 def _judge_id(facts: TableFacts, spec: OutboxSpec, table: str) -> None:
@@ -495,7 +489,7 @@ def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str
         f"partition key ({published}), so it could not guard the same columns there"
     )
     unique_id = False
-    lost = {key.name for key in lost_unique_keys(facts, spec)}
+    lost = {key.name for key in lost_rules.lost_unique_keys(facts, spec)}
     for name, definition, primary, unique, valid in facts.index_details:
         if primary or unique:
             columns = definition[definition.rfind("(") + 1 : definition.rfind(")")]
