@@ -279,14 +279,7 @@ def test_plan_cli_refuses_in_one_line_and_takes_the_flag_repeatedly(dsn: str) ->
 
 def _to_v4(dsn: str, settings: Settings) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        create_flat_outbox(conn)
         insert_rows(conn, "outbox", 20, published=True)
-        conn.execute(
-            "CREATE FUNCTION audit() RETURNS trigger LANGUAGE plpgsql AS "
-            "$$ BEGIN RETURN NULL; END $$;"
-            "CREATE TRIGGER outbox_audit AFTER INSERT ON outbox "
-            "FOR EACH ROW EXECUTE FUNCTION audit()"
-        )
     for phase in ("V2", "V3"):
         with Runner(dsn, settings, "hoper") as runner:
             runner.run(phase)
@@ -302,6 +295,17 @@ def test_a_trigger_name_clash_stops_the_swap_before_its_lock_and_leaves_nothing_
     lock budget is far longer than the refusal takes), and nothing of V4 past the steps
     before the swap is applied; renamed, the swap goes through."""
     settings = load_settings({"gate_window_s": 0.1, "lock_budget_s": 60.0}, environ={})
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        conn.execute(
+            "CREATE FUNCTION audit() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RETURN NULL; END $$;"
+            "CREATE TRIGGER outbox_audit AFTER INSERT ON outbox "
+            "FOR EACH ROW EXECUTE FUNCTION audit()"
+        )
+        # plan's advice is one that works: another name on the parent
+        fate = {o.name: o.fate for o in introspect(conn, settings.spec).objects}["outbox_audit"]
+        assert "re-create it there under another name" in fate
     _to_v4(dsn, settings)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
