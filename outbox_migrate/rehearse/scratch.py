@@ -113,7 +113,7 @@ def insert_statement(shape: SourceShape, spec: OutboxSpec) -> tuple[str, str]:
     n = "(random() * 1000000)::int"
     for column in _filled_columns(shape, spec):
         if by_key and column.name == spec.key_column:
-            value: sql.Composable | None = sql.SQL("%(key)s")
+            value: sql.Composable | None = sql.SQL(_KEY_SENTINEL)
         else:
             value = value_sql(column, shape, spec, n=n, pad_bytes=_pad_bytes(shape))
         if value is None:
@@ -126,10 +126,21 @@ def insert_statement(shape: SourceShape, spec: OutboxSpec) -> tuple[str, str]:
         names.append(sql.Identifier(column.name))
         values.append(value)
     returning = sql.SQL("" if by_key else " RETURNING {}").format(sql.Identifier(spec.id_column))
-    statement = sql.SQL("INSERT INTO {{table}} ({}) VALUES ({}){}").format(
-        sql.SQL(", ").join(names), sql.SQL(", ").join(values), returning
+    statement = sql.SQL("INSERT INTO {} ({}) VALUES ({}){}").format(
+        sql.Identifier(_TABLE_SENTINEL),
+        sql.SQL(", ").join(names),
+        sql.SQL(", ").join(values),
+        returning,
     )
-    return statement.as_string(None), "key" if by_key else "id"
+    # The text is formatted twice more (the table by `str.format`-like composition, the key
+    # as a query parameter): escape what either would read, then put the two placeholders in.
+    text = statement.as_string(None).replace("%", "%%").replace("{", "{{").replace("}", "}}")
+    text = text.replace(f'"{_TABLE_SENTINEL}"', "{table}").replace(_KEY_SENTINEL, "%(key)s")
+    return text, "key" if by_key else "id"
+
+
+_TABLE_SENTINEL = "rehearsal_table_placeholder"
+_KEY_SENTINEL = "rehearsal_key_placeholder"
 
 
 def _pad_bytes(shape: SourceShape) -> int:
