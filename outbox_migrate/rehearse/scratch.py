@@ -67,9 +67,9 @@ def value_sql(
     column: ColumnFact, shape: SourceShape, spec: OutboxSpec, *, n: str, pad_bytes: int
 ) -> sql.Composable | None:
     """A synthetic value for `column`, as SQL over the integer expression `n`; None when the
-    type is unknown to us (the column then gets its default, or NULL). The key column gets
-    few distinct values (keys repeat, as real ones do); the payload is padded to the
-    source's average row width."""
+    type is unknown to us (the column then gets its default, or NULL). Key values are unique
+    (the report matches deliveries by key: a repeated key would count as a duplicate); the
+    payload is padded to the source's average row width."""
     base = _base(column.type)
     parts: dict[str, sql.Composable] = {"n": sql.SQL(n), "t": sql.SQL(column.type)}
     template = _VALUE_BY_TYPE.get(base)
@@ -77,7 +77,7 @@ def value_sql(
     if column.type.endswith("[]"):
         template = None
     elif column.name == spec.key_column and base in _TEXT:
-        template = "('k' || ({n}) % 97)::{t}"
+        template = "('prefill-' || ({n}))::{t}"
     elif column.name == spec.payload_column:
         parts["pad"] = sql.Literal("x" * max(pad_bytes, 0))
         body = "json_build_object('n', {n}, 'pad', {pad})::text"
@@ -273,8 +273,9 @@ def fill_synthetic(
     unpublished = min(UNPUBLISHED_ROWS_MAX, round(rows * share), facts.unpublished)
     names: list[sql.Composable] = [sql.Identifier(spec.published_column)]
     values: list[sql.Composable] = [
-        sql.SQL("CASE WHEN g > {} THEN now() - g * interval '1 ms' END").format(
-            sql.Literal(rows - unpublished)
+        # The newest `unpublished` rows are the backlog; the others published, oldest first.
+        sql.SQL("CASE WHEN g <= {} THEN now() - ({} - g) * interval '1 ms' END").format(
+            sql.Literal(rows - unpublished), sql.Literal(rows)
         )
     ]
     for column in _filled_columns(shape, spec):

@@ -125,6 +125,7 @@ def test_rehearse_reports_nothing_lost_and_leaves_the_source_untouched(
     assert report["lost"] == 0, report["lost_keys"]
     assert report["produced"] > 100
     assert report["published"] == report["produced"]
+    assert report["duplicated"] == 0
     assert report["insert_errors"] == 0, report["insert_error_samples"]
     assert report["relay_errors"] == []
     assert report["scratch"]["rows"] == 20000
