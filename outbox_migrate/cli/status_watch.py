@@ -104,10 +104,10 @@ def render(doc: dict[str, Any], width: int, now: float | None = None) -> list[st
         raw += [f"  {s['id']:<{widest}}  {s.get('state', 'pending')}" for s in doc["steps"]]
     lines: list[str] = []
     for line in raw:
-        indent = " " * (len(line) - len(line.lstrip()) + 2)
+        lead = " " * (len(line) - len(line.lstrip()))
         lines += textwrap.wrap(
-            line, width, subsequent_indent=indent, break_long_words=False,
-            break_on_hyphens=False,
+            line.lstrip(), width, initial_indent=lead, subsequent_indent=lead + "  ",
+            break_long_words=False, break_on_hyphens=False,
         ) or [""]  # fmt: skip
     return lines
 
