@@ -727,6 +727,7 @@ class _Worker:
             log.debug("relay.step_out_failed", exc_info=True)
 
     def _forget_session(self) -> None:
+        """Drop a lost session (its shard locks died with it): `_step` opens a new one."""
         self.relay._close_conn(self.index, self.conn)
         self._close_listener()
         self.conn = None
