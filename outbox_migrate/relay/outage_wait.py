@@ -18,6 +18,7 @@ It must not: hold a transaction or a lock, publish, or decide the backoff (the w
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 PING_SHARE = 3
@@ -45,20 +46,20 @@ def ping_interval_s(timeout_s: float) -> float | None:
 def back_off_keeping_session(stop: threading.Event, seconds: float, conn: Any) -> bool:
     """Wait `seconds` (or until `stop` is set), keeping `conn` from being ended as idle.
 
-    True: the session is still usable (it answered a last ping at the end of the wait);
-    False: it was lost meanwhile, and the caller must reconnect before it goes on.
+    True: the session is still usable (it answered a ping at the end of the wait); False: it
+    was lost meanwhile — the wait still runs its full length (the broker gets its backoff),
+    and the caller reopens the session before it goes on.
     """
     import psycopg
 
+    deadline = time.monotonic() + seconds
     try:
         every = ping_interval_s(idle_timeout_s(conn))
-        left = seconds
-        while left > 0:
-            step = left if every is None else min(left, every)
-            if stop.wait(step):
+        while (left := deadline - time.monotonic()) > 0:
+            if stop.wait(left if every is None else min(left, every)):
                 return True  # stopping: the worker's shutdown closes the session anyway
-            left -= step
             conn.execute(b"SELECT")
     except (psycopg.OperationalError, psycopg.InterfaceError):
+        stop.wait(max(0.0, deadline - time.monotonic()))
         return False
     return True

@@ -123,3 +123,38 @@ def test_publishing_resumes_within_the_backoff_cap_after_an_outage(
     assert stats.connection_retries == 0  # the session was never found dead at a wake-up
     assert resumed_s <= RESUME_BOUND_S, resumed_s
     assert len(ids_in(partitioned, "outbox_published")) == 200
+
+
+def test_a_session_ended_during_the_backoff_is_reopened_without_a_second_backoff(
+    dsn: str,
+    partitioned: psycopg.Connection,
+    request: pytest.FixtureRequest,
+) -> None:
+    """The server ends the backing-off worker's session (an administrator, a failover): the
+    next ping finds it gone, the worker drops it and opens a new one as its wake-up's first
+    step — no "connection lost", no second backoff."""
+    url, kill, start = request.getfixturevalue("own_redis")
+    relay = Relay(
+        dsn, factory("redis", SinkConfig(url=url, target="om-reopen", timeout_s=1.0)),
+        spec=SPEC,
+        options=RelayOptions(batch_size=50, listen=False, poll_interval_s=0.05,
+                             backoff_base_s=BACKOFF_CAP_S, backoff_cap_s=BACKOFF_CAP_S,
+                             sink_timeout_s=1.0, session_timeout_s=3.5),
+    )  # fmt: skip
+    stats = relay.stats
+    with running(relay):
+        insert_rows(partitioned, "outbox_new", 100, spec=SPEC)
+        wait_for(lambda: not ids_in(partitioned, "outbox_unpublished"), 30, "first rows")
+        kill()
+        insert_rows(partitioned, "outbox_new", 100, spec=SPEC)
+        wait_for(lambda: stats.sink_failures >= 1, 30, "a failed attempt")
+        pid = relay._conns[0].info.backend_pid
+        partitioned.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        start()
+        back = time.monotonic()
+        wait_for(lambda: not ids_in(partitioned, "outbox_unpublished"), 60, "publishing resumed")
+        resumed_s = time.monotonic() - back
+        reopened = relay._conns[0].info.backend_pid
+    assert reopened != pid
+    assert stats.connection_retries == 0
+    assert resumed_s <= RESUME_BOUND_S, resumed_s
