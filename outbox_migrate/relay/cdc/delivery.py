@@ -19,7 +19,7 @@ from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.cdc.rejections import RejectionLedger
 from outbox_migrate.relay.cdc.stats import CdcStats
 from outbox_migrate.relay.errors import MessagesRejected, SinkError
-from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.sinks import Sink, SinkFactory
 
@@ -85,8 +85,7 @@ class Delivery:
                 self._count_crash(todo, exc)
                 raise
             else:
-                if ledger.known:
-                    ledger.forget(self.marks.session(), [m.id for m in todo])
+                self._forget([m.id for m in todo])
                 return
 
     def _rejected(self, todo: list[Message], exc: MessagesRejected) -> list[Message]:
@@ -95,11 +94,10 @@ class Delivery:
         ledger = self.ledger
         self.observer.failed("rejected", len(exc.rejected))
         refused = [m for m in todo if m.id in exc.rejected]
-        conn = self.marks.session()
-        acked = [m.id for m in todo if m.id not in exc.rejected]
-        if ledger.known and acked:
-            ledger.forget(conn, acked)
-        attempts = ledger.count(conn, {m.id: exc.rejected[m.id] for m in refused})
+        self._forget([m.id for m in todo if m.id not in exc.rejected])
+        if not refused:
+            return []
+        attempts = ledger.count(self.marks.session(), {m.id: exc.rejected[m.id] for m in refused})
         dead = [m for m in refused if attempts[m.id] >= ledger.max_attempts]
         retry = [m for m in refused if attempts[m.id] < ledger.max_attempts]
         log.warning("relay.rejected count=%d dead_lettered=%d", len(refused), len(dead))
@@ -111,6 +109,13 @@ class Delivery:
             if self.stop.wait(self.backoff(most - 1)):
                 raise Interrupted from None
         return retry
+
+    def _forget(self, acked: list[MessageId]) -> None:
+        """Counters of messages that went through after all. The marks session is asked for
+        only when there is one: it waits for the mark in flight."""
+        ids = [i for i in acked if self.ledger.suspect(i)] if self.ledger.known else []
+        if ids:
+            self.ledger.forget(self.marks.session(), ids)
 
     def _count_crash(self, todo: list[Message], exc: Exception) -> None:
         """The sink raised something it should not: the relay stops, and the attempt counts
@@ -139,7 +144,7 @@ class Delivery:
             self._sink = None
 
 
-def _isolate(batch: list[Message], suspect: Callable[[int | str], bool]) -> Iterator[list[Message]]:
+def _isolate(batch: list[Message], suspect: Callable[[MessageId], bool]) -> Iterator[list[Message]]:
     """The batch in order, each suspect alone, the messages between them together."""
     run: list[Message] = []
     for m in batch:

@@ -93,6 +93,8 @@ class RejectionLedger:
     def exhausted(self, messages: Iterable[Message]) -> list[Message]:
         """Messages already at `max_attempts` (the relay crashed on their last attempt)."""
         known, most = self.known, self.max_attempts
+        if not known:  # the hot path: no failure on record
+            return []
         return [m for m in messages if known.get(m.id, (0, ""))[0] >= most]
 
     def count(self, conn: Any, errors: Mapping[MessageId, str]) -> dict[MessageId, int]:
@@ -131,7 +133,8 @@ class RejectionLedger:
         """Published after all: the counters go (only ids with a failure on record)."""
         mine = [i for i in ids if i in self.known]
         if mine:
-            self._forget(conn, mine)
+            with conn.transaction():
+                self._forget(conn, mine)
 
     def _forget(self, conn: Any, ids: list[MessageId]) -> None:
         conn.execute(
