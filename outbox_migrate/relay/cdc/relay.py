@@ -26,8 +26,10 @@ and does not hold back WAL written for other tables.
 First start (the slot does not exist yet): the slot is created with an exported snapshot;
 the rows that snapshot shows in the unpublished partition (committed before the slot's
 consistent point, e.g. left by a polling relay) are published and marked first, then the
-stream starts — nothing falls in between. Completion is recorded in the publication's comment,
-so a first start that dies half-way is detected and redone on the next start.
+stream starts — nothing falls in between (`backlog`: the snapshot only picks the ids, in one
+short transaction). Completion is recorded in the publication's comment, so a first start that
+dies half-way is detected and redone on the next start. A slot of another database is never
+dropped or streamed (`slot.check_owned`, asked before anything else).
 """
 
 from __future__ import annotations
