@@ -13,7 +13,8 @@ A row marked meanwhile is simply not found again (it left the unpublished partit
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from psycopg import sql
@@ -29,14 +30,35 @@ from outbox_migrate.relay.metrics import Observer
 ID_FETCH_ROWS = 10_000
 """Ids fetched per round trip while the snapshot is imported."""
 
-Runs = list[tuple[int, int]]
-"""The backlog's ids as (first, last) runs of consecutive ids, ascending."""
+
+class IdRuns:
+    """The backlog's ids as runs of consecutive ids, ascending: two int64 arrays (16 bytes a
+    run), so a dense backlog of millions of rows costs a few bytes and a sparse one 16 per id."""
+
+    def __init__(self) -> None:
+        self.firsts = array("q")
+        self.lasts = array("q")
+
+    def add(self, i: int) -> None:
+        """Append an id (ascending); a repeated id is one message."""
+        lasts = self.lasts
+        if lasts and lasts[-1] + 1 == i:
+            lasts[-1] = i
+        elif not lasts or lasts[-1] != i:
+            self.firsts.append(i)
+            lasts.append(i)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return zip(self.firsts, self.lasts, strict=True)
+
+    def __len__(self) -> int:
+        return len(self.firsts)
 
 
-def snapshot_ids(conn: Any, snapshot: str, spec: OutboxSpec) -> Runs:
+def snapshot_ids(conn: Any, snapshot: str, spec: OutboxSpec) -> IdRuns:
     """The ids the exported snapshot shows in the unpublished partition (one transaction,
     no broker in it)."""
-    runs: Runs = []
+    runs = IdRuns()
     select = sql.SQL("SELECT {} FROM {} ORDER BY 1").format(
         sql.Identifier(spec.id_column), sql.Identifier(spec.schema, spec.unpublished_partition)
     )
@@ -47,15 +69,11 @@ def snapshot_ids(conn: Any, snapshot: str, spec: OutboxSpec) -> Runs:
             cursor.itersize = ID_FETCH_ROWS
             cursor.execute(select)
             for (value,) in cursor:
-                i = int(value)
-                if runs and runs[-1][1] + 1 == i:
-                    runs[-1] = (runs[-1][0], i)
-                elif not runs or runs[-1][1] != i:  # a repeated id is one message
-                    runs.append((i, i))
+                runs.add(int(value))
     return runs
 
 
-def chunks(runs: Runs, size: int) -> Iterator[list[int]]:
+def chunks(runs: Iterable[tuple[int, int]], size: int) -> Iterator[list[int]]:
     """The ids of `runs` in order, `size` at a time."""
     chunk: list[int] = []
     for first, last in runs:
@@ -101,7 +119,7 @@ class Backlog:
 
     def publish(
         self,
-        runs: Runs,
+        runs: IdRuns,
         batch_size: int,
         deliver: Callable[[list[Message]], None],
         mark: Callable[[list[MessageId]], None],
