@@ -220,6 +220,10 @@ class CdcRelay:
                 if column not in present:
                     raise RelayError(f"{self.label} has no column {column!r}")
             self._present = present
+            # Refused before anything is written: the slot's name is taken in another database.
+            state = slot.slot_state(conn, self.options.slot)
+            if state is not None:
+                slot.check_owned(state, conn.info.dbname)
             slot.ensure_publication(
                 conn, self.options.publication, spec.schema, spec.unpublished_partition
             )

@@ -59,6 +59,9 @@ def test_a_relay_on_a_second_database_refuses_the_first_ones_slot_and_keeps_it(
     assert f"belongs to database {first}" in dropped.stderr
 
     assert slot_row(cdc_outbox)[:2] == before[:2]  # still there, not moved on
+    with psycopg.connect(other_database) as other:  # a refused start wrote nothing
+        assert other.execute("SELECT count(*) FROM pg_publication").fetchone() == (0,)
+        assert other.execute("SELECT to_regclass('outbox_dead_letter')").fetchone() == (None,)
     insert_rows(cdc_outbox, "outbox_new", 2, spec=SPEC)
     again = cdc_relay(dsn, collected.factory(), until_caught_up=True)
     again.run()
