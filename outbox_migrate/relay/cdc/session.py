@@ -1,6 +1,8 @@
 """One replication connection's stream loop: transactions in, batches out, positions back.
 
-The state machine behind `CdcRelay` (see its module doc for the guarantees):
+The state machine behind `CdcRelay` (see its module doc for the guarantees). It is handed
+its collaborators — the message builder, the delivery, the marks session, counters, the stop
+event — and imports nothing of the relay that owns it:
 
 * per wake-up, every frame libpq has received is taken in one call (`stream.drain`) and acted
   on in one call (`_frames`, decoding in place); each transaction's outbox inserts are kept

@@ -110,6 +110,8 @@ def create_slot(conn: Any, slot: str, *, failover: bool) -> bool:
 def check_database(state: SlotState, database: str, advice: str) -> None:
     """Slot names are server-wide: the slot of another database (the default `--slot` of a
     relay on a second outbox) belongs to someone else and is never dropped or streamed."""
+    if state.database is None:
+        raise RelayError(f"replication slot {state.name} is a physical slot: {advice}")
     if state.database != database:
         raise RelayError(
             f"replication slot {state.name} belongs to database {state.database}, not "

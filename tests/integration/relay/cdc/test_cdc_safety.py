@@ -69,6 +69,26 @@ def test_a_relay_on_a_second_database_refuses_the_first_ones_slot_and_keeps_it(
     assert collected.duplicates() == 0
 
 
+def test_a_physical_slot_of_the_same_name_is_refused_and_kept(
+    dsn: str, cdc_outbox: psycopg.Connection, collected: Collected
+) -> None:
+    """A standby's physical slot named like --slot: the relay took it for its own first
+    start that died half-way and dropped it."""
+    cdc_outbox.execute("SELECT pg_create_physical_replication_slot('outbox_migrate_cdc')")
+    try:
+        with pytest.raises(RelayError, match="is a physical slot"):
+            cdc_relay(dsn, collected.factory(), until_caught_up=True).run()
+        kept = cdc_outbox.execute(
+            "SELECT slot_type FROM pg_replication_slots WHERE slot_name = 'outbox_migrate_cdc'"
+        ).fetchone()
+        assert kept == ("physical",)
+    finally:
+        cdc_outbox.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+            "WHERE slot_name = 'outbox_migrate_cdc' AND slot_type = 'physical'"
+        )
+
+
 # -- failed attempts in the database ---------------------------------------------------------
 
 
