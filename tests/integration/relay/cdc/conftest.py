@@ -4,6 +4,7 @@ limited resource)."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -12,7 +13,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_migrate.relay import queries
+from outbox_migrate.relay import library_logs, queries
 from outbox_migrate.relay.cdc.options import CdcOptions
 from outbox_migrate.relay.cdc.relay import CdcRelay
 from outbox_migrate.relay.sinks import SinkFactory
@@ -137,3 +138,35 @@ def cdc_role(dsn: str, cdc_outbox: psycopg.Connection) -> Iterator[str]:
         drop_slots(dsn)
         conn.execute(sql.SQL("DROP OWNED BY {}").format(ident))
         conn.execute(sql.SQL("DROP ROLE {}").format(ident))
+
+
+@pytest.fixture
+def unrouted() -> Iterator[list[logging.LogRecord]]:
+    """pika's logger as a fresh process has it (another test may have routed it already),
+    and every record the root logger sees."""
+    pika = logging.getLogger("pika")
+    saved = (list(pika.handlers), pika.propagate)
+    for handler in list(pika.handlers):
+        pika.removeHandler(handler)
+    pika.propagate = True
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    root, keep = logging.getLogger(), Keep()
+    level = root.level
+    root.addHandler(keep)
+    root.setLevel(logging.DEBUG)
+    try:
+        yield seen
+    finally:
+        root.removeHandler(keep)
+        root.setLevel(level)
+        for handler in list(pika.handlers):
+            pika.removeHandler(handler)
+        for handler in saved[0]:
+            pika.addHandler(handler)
+        pika.propagate = saved[1]
+        library_logs.route()

@@ -8,13 +8,12 @@ import logging
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from outbox_migrate.relay import library_logs
 from outbox_migrate.relay.cdc.relay import running
 from outbox_migrate.relay.errors import MessagesRejected, RelayError
 from outbox_migrate.relay.message import Message
@@ -250,38 +249,6 @@ def test_the_backlog_is_published_with_no_transaction_or_xmin_held_while_the_bro
 
 
 # -- broker libraries' log lines ---------------------------------------------------------------
-
-
-@pytest.fixture
-def unrouted() -> Iterator[list[logging.LogRecord]]:
-    """pika's logger as a fresh process has it (another test may have routed it already),
-    and every record the root logger sees."""
-    pika = logging.getLogger("pika")
-    saved = (list(pika.handlers), pika.propagate)
-    for handler in list(pika.handlers):
-        pika.removeHandler(handler)
-    pika.propagate = True
-    seen: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            seen.append(record)
-
-    root, keep = logging.getLogger(), Keep()
-    level = root.level
-    root.addHandler(keep)
-    root.setLevel(logging.DEBUG)
-    try:
-        yield seen
-    finally:
-        root.removeHandler(keep)
-        root.setLevel(level)
-        for handler in list(pika.handlers):
-            pika.removeHandler(handler)
-        for handler in saved[0]:
-            pika.addHandler(handler)
-        pika.propagate = saved[1]
-        library_logs.route()
 
 
 def test_cdc_mode_logs_a_broker_librarys_traceback_as_one_line(
