@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 
+from outbox_migrate.db import one_line
 from outbox_migrate.errors import OutboxMigrateError
 from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.cdc.rejections import RejectionLedger
@@ -125,7 +126,7 @@ class Delivery:
         try:
             self.ledger.count(self.marks.session(), {m.id: reason for m in todo})
         except (psycopg.Error, OutboxMigrateError) as failed:
-            log.warning("relay.attempts_not_counted %s", failed)
+            log.warning("relay.attempts_not_counted %s", one_line(str(failed)))
 
     def _dead_letter(self, messages: list[Message]) -> None:
         known = self.ledger.known

@@ -151,7 +151,7 @@ class CdcRelay:
                 except SinkUnavailable as exc:
                     self.stats.add(sink_failures=1)
                     self.observer.failed("sink")
-                    log.warning("relay.sink_unavailable %s", exc)
+                    log.warning("relay.sink_unavailable %s", " ".join(str(exc).split()))
                     self.delivery.close()
                 except _RETRYABLE as exc:
                     self.stats.add(reconnects=1)

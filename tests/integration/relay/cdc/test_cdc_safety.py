@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from outbox_migrate.relay.cdc.relay import running
-from outbox_migrate.relay.errors import MessagesRejected, RelayError
+from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message
 from outbox_migrate.testing.schema import insert_rows
 from tests.integration.relay.conftest import SPEC, Collected, ids_in
@@ -276,3 +276,25 @@ def test_cdc_mode_logs_a_broker_librarys_traceback_as_one_line(
     ]
     assert routed and all("\n" not in m for m in routed)
     assert "ConnectionResetError: Connection reset by peer" in routed[0]
+
+
+def test_cdc_mode_logs_a_multi_line_broker_error_as_one_line(
+    dsn: str, cdc_outbox: psycopg.Connection, collected: Collected,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """A broker client's error text can span lines (a server's reply quoted whole): the
+    relay's own `relay.sink_unavailable` line carried it as it came."""
+    insert_rows(cdc_outbox, "outbox_new", 2, spec=SPEC)
+    failed: list[int] = []
+
+    def once(batch: Sequence[Message]) -> None:
+        if not failed:
+            failed.append(1)
+            raise SinkUnavailable("collect", "NOT_FOUND - no queue 'orders'\n  in vhost '/'")
+
+    caplog.set_level(logging.INFO, logger="outbox_migrate.relay")
+    cdc_relay(dsn, collected.factory(once), until_caught_up=True).run()
+    assert sorted(set(collected.ids)) == ids_in(cdc_outbox, "outbox_new")
+    lines = [r.getMessage() for r in caplog.records if r.name == "outbox_migrate.relay"]
+    assert any("relay.sink_unavailable" in m and "in vhost '/'" in m for m in lines), lines
+    assert all("\n" not in m for m in lines), lines
