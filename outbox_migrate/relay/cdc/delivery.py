@@ -25,6 +25,8 @@ from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.sinks import Sink, SinkFactory
 
 log = logging.getLogger("outbox_migrate.relay")
+KILLED_REASON = "the relay stopped without a trace while publishing it"
+"""The last error of an attempt counted before a careful publish, until the sink says more."""
 
 
 class Interrupted(OutboxMigrateError):
@@ -54,20 +56,23 @@ class Delivery:
         self.backoff = backoff
         self._sink: Sink | None = None
 
-    def deliver(self, batch: list[Message]) -> None:
+    def deliver(self, batch: list[Message], *, careful: bool = False) -> None:
         """Publish until every message is acknowledged or dead-lettered; `SinkUnavailable`
         propagates (the caller drops the stream: nothing of this batch is confirmed), and so
-        does any other exception of the sink, once it is counted against the batch."""
+        does any other exception of the sink, once it is counted against the batch.
+
+        `careful` (after a run that died without a trace, `crash_guard`): each attempt is
+        counted before the publish, so that dying during it counts too."""
         if self._sink is None:
             self._sink = self.sink_factory()
         ledger = self.ledger
         if ledger.known and any(ledger.suspect(m.id) for m in batch):
             for part in _isolate(batch, ledger.suspect):
-                self._deliver(self._sink, part)
+                self._deliver(self._sink, part, careful)
         else:
-            self._deliver(self._sink, batch)
+            self._deliver(self._sink, batch, careful)
 
-    def _deliver(self, sink: Sink, todo: list[Message]) -> None:
+    def _deliver(self, sink: Sink, todo: list[Message], careful: bool) -> None:
         ledger = self.ledger
         while todo:
             exhausted = ledger.exhausted(todo)
@@ -76,29 +81,37 @@ class Delivery:
                 gone = {m.id for m in exhausted}
                 todo = [m for m in todo if m.id not in gone]
                 continue
+            if careful:
+                ledger.count(self.marks.session(), {m.id: KILLED_REASON for m in todo})
             try:
                 sink.publish(todo)
             except MessagesRejected as exc:
-                todo = self._rejected(todo, exc)
+                todo = self._rejected(todo, exc, counted=careful)
             except SinkError:
+                if careful:  # the broker's fault, not the messages'
+                    ledger.uncount(self.marks.session(), [m.id for m in todo])
                 raise  # unavailable: nothing of the batch counts as delivered
             except Exception as exc:
-                self._count_crash(todo, exc)
+                self._count_crash(todo, exc, counted=careful)
                 raise
             else:
                 self._forget([m.id for m in todo])
                 return
 
-    def _rejected(self, todo: list[Message], exc: MessagesRejected) -> list[Message]:
-        """Count the refused messages' attempts, dead-letter those at the limit, back off;
-        returns the ones to publish again."""
+    def _rejected(
+        self, todo: list[Message], exc: MessagesRejected, *, counted: bool
+    ) -> list[Message]:
+        """Count the refused messages' attempts (unless `counted` already), dead-letter those
+        at the limit, back off; returns the ones to publish again."""
         ledger = self.ledger
         self.observer.failed("rejected", len(exc.rejected))
         refused = [m for m in todo if m.id in exc.rejected]
         self._forget([m.id for m in todo if m.id not in exc.rejected])
         if not refused:
             return []
-        attempts = ledger.count(self.marks.session(), {m.id: exc.rejected[m.id] for m in refused})
+        reasons = {m.id: exc.rejected[m.id] for m in refused}
+        conn = self.marks.session()
+        attempts = ledger.note(conn, reasons) if counted else ledger.count(conn, reasons)
         dead = [m for m in refused if attempts[m.id] >= ledger.max_attempts]
         retry = [m for m in refused if attempts[m.id] < ledger.max_attempts]
         log.warning("relay.rejected count=%d dead_lettered=%d", len(refused), len(dead))
@@ -118,13 +131,18 @@ class Delivery:
         if ids:
             self.ledger.forget(self.marks.session(), ids)
 
-    def _count_crash(self, todo: list[Message], exc: Exception) -> None:
+    def _count_crash(self, todo: list[Message], exc: Exception, *, counted: bool) -> None:
         """The sink raised something it should not: the relay stops, and the attempt counts
         against the messages it held, so a message that crashes the relay every time reaches
         the dead-letter table after `max_attempts` restarts."""
         reason = f"{type(exc).__name__}: {exc}"
+        reasons = {m.id: reason for m in todo}
         try:
-            self.ledger.count(self.marks.session(), {m.id: reason for m in todo})
+            conn = self.marks.session()
+            if counted:  # counted before the publish: only the reason is new
+                self.ledger.note(conn, reasons)
+            else:
+                self.ledger.count(conn, reasons)
         except (psycopg.Error, OutboxMigrateError) as failed:
             log.warning("relay.attempts_not_counted %s", one_line(str(failed)))
 

@@ -115,6 +115,43 @@ class RejectionLedger:
             self.known[i] = (counted[i], text)
         return counted
 
+    def note(self, conn: Any, errors: Mapping[MessageId, str]) -> dict[MessageId, int]:
+        """The reason of attempts counted beforehand (`count` before a careful publish);
+        returns each id's attempts so far."""
+        ids = list(errors)
+        texts = [errors[i][:ERROR_TEXT_MAX] for i in ids]
+        conn.execute(
+            sql.SQL(
+                "UPDATE {} AS a SET last_error = r.error, updated_at = now() "
+                "FROM unnest(%(ids)s::int8[], %(errors)s::text[]) AS r(id, error) "
+                "WHERE a.source_table = %(source)s AND a.id = r.id"
+            ).format(sql.Identifier(self.schema, self.attempts_table)),
+            {"source": self.source, "ids": ids, "errors": texts},
+        )
+        for i, text in zip(ids, texts, strict=True):
+            self.known[i] = (self.known.get(i, (1, ""))[0], text)
+        return {i: self.known[i][0] for i in ids}
+
+    def uncount(self, conn: Any, ids: Sequence[MessageId]) -> None:
+        """Take back attempts counted beforehand that never reached the message (the broker
+        was unavailable: not the message's fault)."""
+        table = sql.Identifier(self.schema, self.attempts_table)
+        with conn.transaction():
+            rows = conn.execute(
+                sql.SQL(
+                    "UPDATE {} SET attempts = attempts - 1 WHERE source_table = %(source)s "
+                    "AND id = ANY(%(ids)s::int8[]) RETURNING id, attempts"
+                ).format(table),
+                {"source": self.source, "ids": list(ids)},
+            ).fetchall()
+            gone = [int(r[0]) for r in rows if int(r[1]) <= 0]
+            if gone:
+                self._forget(conn, list(gone))
+        for r in rows:
+            i = int(r[0])
+            if i in self.known and int(r[1]) > 0:
+                self.known[i] = (int(r[1]), self.known[i][1])
+
     def dead_letter(self, conn: Any, messages: Sequence[Message]) -> None:
         """Keep the messages in the dead-letter table and drop their counters, together."""
         insert = queries.insert_dead_letter(self.schema, self.dead_letter_table)

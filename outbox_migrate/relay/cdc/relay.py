@@ -39,6 +39,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -52,6 +53,7 @@ from outbox_migrate.relay.backoff import backoff_s
 from outbox_migrate.relay.cdc import pgoutput, slot
 from outbox_migrate.relay.cdc.backlog import Backlog, snapshot_ids
 from outbox_migrate.relay.cdc.columns import MessageBuilder
+from outbox_migrate.relay.cdc.crash_guard import RunMarker
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
 from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.cdc.options import CdcOptions
@@ -104,6 +106,9 @@ class CdcRelay:
             self.options.max_attempts,
         )  # fmt: skip
         self._delivery: Delivery | None = None
+        self.run_marker = RunMarker(self.spec.schema, self.ledger.attempts_table, self.options.slot)
+        self.careful_until = 0
+        """Set when the last run died without a trace (`crash_guard`)."""
         self.target_lsn = 0
         self._server_version = 0
         self.unconfirmed = Unconfirmed()
@@ -138,6 +143,7 @@ class CdcRelay:
             sampler.start()
         failures = 0
         progress = -1
+        clean = False
         try:
             while not self._stop.is_set():
                 if self.stats.published != progress:
@@ -160,10 +166,13 @@ class CdcRelay:
                     self.marks.close()
                 self._stop.wait(self._backoff(failures))
                 failures += 1
+            clean = True
         finally:
             self._stop.set()
             self.delivery.close()
             self.marks.close()
+            if clean:
+                self._end_run()
             if sampler is not None:
                 sampler.join(timeout=2.0)
         log.info("relay.stopped %s", " ".join(f"{k}={v}" for k, v in self.stats.as_dict().items()))
@@ -178,6 +187,16 @@ class CdcRelay:
                 observer=self.observer, stop=self._stop, backoff=self._backoff,
             )  # fmt: skip
         return self._delivery
+
+    def _end_run(self) -> None:
+        """Stopped cleanly: the next start need not count before publishing."""
+        if not self.ledger.available:
+            return
+        try:
+            with self._connect() as conn:
+                self.run_marker.end(conn)
+        except (psycopg.Error, ConnectError) as exc:  # the next start is careful, no more
+            log.warning("relay.cdc_run_not_closed %s", one_line(str(exc)))
 
     def _backoff(self, failures: int) -> float:
         return backoff_s(
@@ -228,9 +247,17 @@ class CdcRelay:
                 conn, self.options.publication, spec.schema, spec.unpublished_partition
             )
             self.ledger.prepare(conn)
+            row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+            start_lsn = pgoutput.parse_lsn(str(row[0])) if row else 0
             if self.options.until_caught_up:
-                row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
-                self.target_lsn = pgoutput.parse_lsn(str(row[0])) if row else 0
+                self.target_lsn = start_lsn
+            if self.ledger.available and self.run_marker.begin(conn):
+                # The last run died without a trace: what it was publishing may have killed it.
+                log.warning(
+                    "relay.cdc_unclean_stop slot=%s: counting attempts before each publish "
+                    "until the stream passes %s", self.options.slot, pgoutput.lsn_text(start_lsn),
+                )  # fmt: skip
+                self.careful_until = start_lsn
 
     # -- the stream ------------------------------------------------------------------------
 
@@ -269,14 +296,15 @@ class CdcRelay:
                         conn, self.spec, sorted(self._present), self.builder,
                         stats=self.stats, observer=self.observer, stop=self._stop,
                     )  # fmt: skip
-                    backlog.publish(runs, options.batch_size, self.delivery.deliver,
-                                    self.marks.mark)  # fmt: skip
+                    deliver = partial(self.delivery.deliver, careful=self.careful_until > 0)
+                    backlog.publish(runs, options.batch_size, deliver, self.marks.mark)
                     self._set_backlog_done(conn)
             stream.start(options.slot, options.publication)
             StreamSession(
                 stream, options, builder=self.builder, delivery=self.delivery,
                 marks=self.marks, stats=self.stats, observer=self.observer, stop=self._stop,
                 target_lsn=self.target_lsn, unconfirmed=self.unconfirmed,
+                careful_until=self.careful_until,
             ).run()  # fmt: skip
         finally:
             stream.close()

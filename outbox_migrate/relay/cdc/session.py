@@ -77,6 +77,7 @@ class StreamSession:
         stop: threading.Event,
         target_lsn: int,
         unconfirmed: Unconfirmed,
+        careful_until: int = 0,
     ) -> None:
         self.stream = stream
         self.options = options
@@ -88,6 +89,9 @@ class StreamSession:
         self.stop = stop
         self.target_lsn = target_lsn
         self.unconfirmed = unconfirmed
+        self.careful_until = careful_until
+        """After a run that died without a trace: batches that may hold what it was
+        publishing (before this position) count their attempts first (`crash_guard`)."""
         self.relations: dict[int, Columns | None] = {}
         spec = builder.spec
         self.partition = (spec.schema, spec.unpublished_partition)
@@ -295,7 +299,7 @@ class StreamSession:
         """Publish the pending transactions and wait for the broker's acknowledgement."""
         messages, observer = self.pending, self.observer
         if messages:
-            self.delivery.deliver(messages)
+            self.delivery.deliver(messages, careful=self.acked_end < self.careful_until)
             self.acked += [m.id for m in messages]
             stats = self.stats
             stats.published += len(messages)  # this thread is the only writer

@@ -183,6 +183,63 @@ def test_a_message_that_crashes_the_relay_is_dead_lettered_after_max_attempts(
     assert poison not in collected.ids
 
 
+def test_a_message_that_kills_the_relay_process_is_dead_lettered_after_max_attempts(
+    dsn: str, cdc_outbox: psycopg.Connection, collected: Collected
+) -> None:
+    """SIGKILL while publishing one row of a three-row transaction (a crash in a broker
+    library's C code, the OOM killer): nothing could be counted in the dying process, so the
+    relay was killed at every restart, for ever. Now a start that finds the last run never
+    stopped counts each attempt before publishing until it has caught up: killed once
+    uncounted, then twice counted (--max-attempts 2), then the row is dead-lettered and the
+    others go through."""
+    cdc_relay(dsn, collected.factory(), until_caught_up=True).run()  # the slot; a clean stop
+    with cdc_outbox.transaction():
+        for payload in ('{"n": 1}', '{"poison": true}', '{"n": 3}'):
+            cdc_outbox.execute("INSERT INTO outbox_new (payload) VALUES (%s)", (payload,))
+    poison = ids_in(cdc_outbox, "outbox_new")[1]
+    sink = "tests.integration.relay.cdc.killing_sink:KillOnPoison"
+    codes = []
+    for _ in range(6):
+        ran = _cli("--mode", "cdc", "--sink", sink, "--until-empty", "--max-attempts", "2",
+                   "--dsn", dsn)  # fmt: skip
+        codes.append(ran.returncode)
+        if ran.returncode == 0:
+            break
+    assert codes == [-9, -9, -9, 0], ran.stderr
+    assert "relay.cdc_unclean_stop" in ran.stderr
+    assert _dead(cdc_outbox) == [
+        (poison, 2, "the relay stopped without a trace while publishing it")
+    ]
+    assert _attempts(cdc_outbox) == []
+    assert ids_in(cdc_outbox, "outbox_unpublished") == []
+    runs = cdc_outbox.execute("SELECT count(*) FROM outbox_dead_letter_attempts").fetchone()
+    assert runs == (0,)  # the last run stopped cleanly: its row is gone too
+
+
+def test_a_careful_start_takes_back_the_count_when_the_broker_is_down(
+    dsn: str, cdc_outbox: psycopg.Connection, collected: Collected
+) -> None:
+    """After an unclean stop attempts are counted before publishing; a broker outage is not
+    the messages' fault, so those counts are taken back (else an outage during recovery
+    would dead-letter healthy messages)."""
+    cdc_relay(dsn, collected.factory(), until_caught_up=True).run()  # the slot and tables
+    cdc_outbox.execute(  # what a killed run leaves behind
+        "INSERT INTO outbox_dead_letter_attempts (source_table, id, attempts, last_error) "
+        "VALUES ('cdc-run:outbox_migrate_cdc', 0, 1, 'a relay is running on this slot')"
+    )
+    insert_rows(cdc_outbox, "outbox_new", 3, spec=SPEC)
+
+    def down(batch: Sequence[Message]) -> None:
+        raise SinkUnavailable("collect", "broker down (test)")
+
+    relay = cdc_relay(dsn, collected.factory(down), backoff_cap_s=0.05, max_attempts=2)
+    with running(relay):
+        wait_for(lambda: relay.stats.sink_failures >= 3, what="publishes while down")
+    assert relay.careful_until > 0
+    assert _attempts(cdc_outbox) == []  # nothing counted against the messages; run row gone
+    assert _dead(cdc_outbox) == []
+
+
 def test_a_role_without_create_starts_with_pre_created_dead_letter_tables(
     cdc_role: str, cdc_outbox: psycopg.Connection, collected: Collected,
     caplog: pytest.LogCaptureFixture,
