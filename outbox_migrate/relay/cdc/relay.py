@@ -109,6 +109,7 @@ class CdcRelay:
         self.run_marker = RunMarker(self.spec.schema, self.ledger.attempts_table, self.options.slot)
         self.careful_until = 0
         """Set when the last run died without a trace (`crash_guard`)."""
+        self._run_recorded = False
         self.target_lsn = 0
         self._server_version = 0
         self.unconfirmed = Unconfirmed()
@@ -188,9 +189,20 @@ class CdcRelay:
             )  # fmt: skip
         return self._delivery
 
+    def _begin_run(self, conn: Any) -> bool:
+        """Record this run (`crash_guard`); True when the last one died without a trace. A
+        role that may not write the attempts table runs without the guard."""
+        try:
+            unclean = self.run_marker.begin(conn)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            log.warning("relay.cdc_run_unrecorded %s", one_line(str(exc)))
+            return False
+        self._run_recorded = True
+        return unclean
+
     def _end_run(self) -> None:
         """Stopped cleanly: the next start need not count before publishing."""
-        if not self.ledger.available:
+        if not self._run_recorded:
             return
         try:
             with self._connect() as conn:
@@ -251,7 +263,7 @@ class CdcRelay:
             start_lsn = pgoutput.parse_lsn(str(row[0])) if row else 0
             if self.options.until_caught_up:
                 self.target_lsn = start_lsn
-            if self.ledger.available and self.run_marker.begin(conn):
+            if self.ledger.available and self._begin_run(conn):
                 # The last run died without a trace: what it was publishing may have killed it.
                 log.warning(
                     "relay.cdc_unclean_stop slot=%s: counting attempts before each publish "

@@ -299,7 +299,8 @@ class StreamSession:
         """Publish the pending transactions and wait for the broker's acknowledgement."""
         messages, observer = self.pending, self.observer
         if messages:
-            self.delivery.deliver(messages, careful=self.acked_end < self.careful_until)
+            careful = max(self.acked_end, self.confirmed) < self.careful_until
+            self.delivery.deliver(messages, careful=careful)
             self.acked += [m.id for m in messages]
             stats = self.stats
             stats.published += len(messages)  # this thread is the only writer
