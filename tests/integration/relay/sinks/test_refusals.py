@@ -1,0 +1,101 @@
+"""A message the broker refuses is a bad message, never an outage (issue 26), on real brokers:
+the sink names it (or finds it by re-sending its batch in halves), it reaches the dead-letter
+table, and the other messages of its batch are delivered; a message over the size limit is
+rejected before it is sent."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from outbox_migrate.relay.options import RelayOptions
+from outbox_migrate.relay.sinks import SinkConfig, factory
+from outbox_migrate.relay.worker import Relay
+from outbox_migrate.testing.schema import insert_rows
+from tests.integration.relay.conftest import SPEC, ids_in
+from tests.integration.relay.sinks.test_brokers import DEFAULTS, assert_exactly
+
+pytestmark = pytest.mark.newest_pg_only
+COUNT = 100
+FAST = {"backoff_base_s": 0.01, "backoff_cap_s": 0.05, "max_attempts": 2}
+BOUND_S = 60.0
+"""Time a relay with --until-empty gets; the old sinks retried the refused batch for ever."""
+
+
+def relay_bounded(dsn: str, sink: str, config: SinkConfig, **options: object) -> Relay:
+    """Run a relay until empty, in a thread; fail (after stopping it) if it does not end."""
+    relay = Relay(
+        dsn, factory(sink, config), spec=SPEC,
+        options=RelayOptions(**{**DEFAULTS, **FAST, **options}),  # type: ignore[arg-type]
+    )  # fmt: skip
+    runner = threading.Thread(target=relay.run, daemon=True)
+    runner.start()
+    runner.join(BOUND_S)
+    if runner.is_alive():
+        relay.stop()
+        runner.join(30)
+        pytest.fail(
+            f"the relay still retries after {BOUND_S:g} s: "
+            f"{relay.stats.sink_failures} sink failure(s), {relay.stats.published} published"
+        )
+    return relay
+
+
+def assert_dead_lettered_alone(conn: psycopg.Connection, victim: int, error: str) -> None:
+    rows = conn.execute("SELECT id, attempts, last_error FROM outbox_dead_letter").fetchall()
+    assert [(r[0], r[1]) for r in rows] == [(victim, 2)], rows
+    assert error in rows[0][2], rows[0][2]
+    assert ids_in(conn, "outbox_unpublished") == []
+
+
+def kafka_ids(bootstrap: str, topic: str, count: int) -> list[int]:
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"om-{topic}-{time.time()}"})
+    received: list[int] = []
+    try:
+        consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        deadline = time.monotonic() + 30
+        while len(received) < count and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and not msg.error():
+                received.append(int(dict(msg.headers())["outbox-id"]))
+    finally:
+        consumer.close()
+    return received
+
+
+@pytest.mark.broker("kafka")
+def test_kafka_a_record_the_broker_refuses_is_named_and_its_batch_mates_delivered(
+    dsn: str, partitioned: psycopg.Connection, kafka_validating_bootstrap: str
+) -> None:
+    """The broker validates records against the topic's schema and fails the whole record
+    batch with INVALID_RECORD for the one record without `n`. The failed reports carried no
+    headers, so the old sink could not name the message: "sink unavailable" for ever, nothing
+    dead-lettered, and the 99 good messages of the batch stuck behind it."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from tests.integration.relay.sinks.conftest import VALIDATED_TOPIC
+
+    bootstrap = kafka_validating_bootstrap
+    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
+    victim = ids_in(partitioned, "outbox_new")[41]
+    partitioned.execute(
+        "UPDATE outbox_new SET payload = '{\"poison\": true}' WHERE id = %s", (victim,)
+    )
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    topic = VALIDATED_TOPIC
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(30)
+    # One batch: the refused record and its 99 batch-mates go out in the same produce request.
+    relay = relay_bounded(
+        dsn, "kafka", SinkConfig(url=bootstrap, target=topic, timeout_s=30), batch_size=COUNT
+    )
+    expected = [i for i in ids_in(partitioned, "outbox_new") if i != victim]
+    assert_exactly(kafka_ids(bootstrap, topic, COUNT), expected)
+    assert relay.stats.published == COUNT - 1 and relay.stats.dead_lettered == 1
+    assert relay.stats.sink_failures == 0  # never an outage
+    assert_dead_lettered_alone(partitioned, victim, "INVALID_RECORD")
