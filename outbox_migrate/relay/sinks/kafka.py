@@ -35,8 +35,12 @@ from typing import Any
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import SinkConfig
-from outbox_migrate.relay.sinks.bodies import NotRepresentable, content_type, payload_bytes
-from outbox_migrate.relay.sinks.bodies import require_text
+from outbox_migrate.relay.sinks.bodies import (
+    NotRepresentable,
+    content_type,
+    payload_bytes,
+    require_text,
+)
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
 from outbox_migrate.relay.sinks.isolation import isolate
 from outbox_migrate.relay.sinks.limits import too_large
@@ -153,8 +157,28 @@ class KafkaSink:
             else:
                 retryable.append(f"{err.name()}: {err.str()}")
 
+        refused_before = self._produce_all(batch, report, rejected)
+        remaining = self.producer.flush(max(0.0, deadline - time.monotonic()))
+        if not remaining and (len(rejected) > refused_before or _fenced(retryable)):
+            # The broker refused a batch: the idempotent producer's sequence has a gap now.
+            self.producer = self._new_producer()
+        if remaining or retryable:
+            detail = (
+                retryable[0] if retryable else f"{remaining} message(s) not acknowledged in time"
+            )
+            raise SinkUnavailable(self.name, detail)
+        if delivered + len(rejected) != len(batch):
+            missing = len(batch) - delivered - len(rejected)
+            raise SinkUnavailable(self.name, f"{missing} delivery report(s) missing")
+        return rejected, batch_wide
+
+    def _produce_all(
+        self, batch: Sequence[Message], report: Any, rejected: dict[MessageId, str]
+    ) -> int:
+        """Queue every message of `batch`; the ones refused before queuing go to `rejected`
+        (their number is returned) and get no report."""
         produce, raw, limit = self.producer.produce, self.envelope is Envelope.raw, self.limit
-        refused_before = 0
+        refused = 0
         for message in batch:
             if raw:  # the hot path: no envelope to build
                 value, headers = payload_bytes(message), list(message.headers().items())
@@ -163,11 +187,11 @@ class KafkaSink:
                     value, headers = self._body_and_headers(message)
                 except NotRepresentable as exc:
                     rejected[message.id] = f"kafka {exc}"
-                    refused_before += 1
+                    refused += 1
                     continue
             if limit is not None and len(value) > limit:
-                rejected[message.id] = too_large(len(value), limit, self.config, "")
-                refused_before += 1
+                rejected[message.id] = too_large(len(value), limit, self.config, "kafka")
+                refused += 1
                 continue
             while True:
                 try:
@@ -186,21 +210,9 @@ class KafkaSink:
                     if not is_permanent(error):
                         raise SinkUnavailable(self.name, f"{error.name()}: {error.str()}") from None
                     rejected[message.id] = f"kafka {error.name()}: {error.str()}"
-                    refused_before += 1
+                    refused += 1
                     break
-        remaining = self.producer.flush(max(0.0, deadline - time.monotonic()))
-        if not remaining and (len(rejected) > refused_before or _fenced(retryable)):
-            # The broker refused a batch: the idempotent producer's sequence has a gap now.
-            self.producer = self._new_producer()
-        if remaining or retryable:
-            detail = (
-                retryable[0] if retryable else f"{remaining} message(s) not acknowledged in time"
-            )
-            raise SinkUnavailable(self.name, detail)
-        if delivered + len(rejected) != len(batch):
-            missing = len(batch) - delivered - len(rejected)
-            raise SinkUnavailable(self.name, f"{missing} delivery report(s) missing")
-        return rejected, batch_wide
+        return refused
 
     def close(self) -> None:
         self.producer.flush(1.0)
