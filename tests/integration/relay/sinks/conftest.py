@@ -90,6 +90,44 @@ def redis_url() -> str:
     return f"redis://127.0.0.1:{ensure_service('redis')}/0"
 
 
+SMALL_REDIS_MAX_BULK_BYTES = 1024 * 1024
+"""`proto-max-bulk-len` of the test's own Redis (the smallest Redis accepts)."""
+NO_CONFIG_USER = "relay-no-config"
+"""A user of that Redis who may not run CONFIG, as on managed Redis services."""
+
+
+@pytest.fixture(scope="session")
+def small_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis of the test's own with a 1 MiB `proto-max-bulk-len` (a larger bulk makes it
+    drop the connection), and the user `NO_CONFIG_USER`. The machine's shared Redis is not
+    reconfigured: this one runs on a free port, without persistence, for the session."""
+    redis = client("redis", "redis")
+    binary = shutil.which("redis-server")
+    if binary is None:
+        unavailable("redis-server is not installed")
+        raise AssertionError("unreachable")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir), "--proto-max-bulk-len", str(SMALL_REDIS_MAX_BULK_BYTES)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        if not wait_port(port, START_TIMEOUT_S):
+            unavailable(f"the test's own redis-server did not listen on port {port}")
+        admin = redis.Redis.from_url(url)
+        admin.execute_command(
+            "ACL", "SETUSER", NO_CONFIG_USER, "on", "nopass", "~*", "&*", "+@all", "-config"
+        )
+        admin.close()
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
 @pytest.fixture(scope="session")
 def rabbitmq_url() -> str:
     client("pika", "rabbitmq")
