@@ -12,6 +12,12 @@ are retried `extra["retries"]` times (default 3) with backoff, then the whole ba
 which leads to the dead-letter table after the relay's max attempts). Each request may take
 `timeout_s`.
 
+Refused before sending (`MessagesRejected`, no request made): a body over
+`--max-message-bytes` when it is given (the HTTP sink has no limit of its own), and a payload
+that is bytes rather than text with `envelope=json` or `batch=true` (a JSON envelope cannot
+carry it; with `raw` or `cloudevents` the bytes are the body, Content-Type
+`application/octet-stream`).
+
 Concurrency: the batch is split into groups (`posting_groups`); a group is posted one message
 after the other, in batch (id) order, each only once the previous one was answered; up to
 `extra["concurrency"]` groups (default 16) are in flight at once. Which order a group keeps
@@ -49,7 +55,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 from outbox_migrate.dsn import mask
@@ -58,7 +64,9 @@ from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavai
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import Ordering
 from outbox_migrate.relay.sinks import SinkConfig
+from outbox_migrate.relay.sinks.bodies import NotRepresentable, content_type, require_text
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks.limits import text_size_over, too_large
 from outbox_migrate.relay.sinks.urls import require_scheme
 
 RETRYABLE_STATUS = frozenset({408, 429})
@@ -80,7 +88,7 @@ def header_value(value: str) -> str:
 def request_headers(message: Message, envelope: Envelope, ce: CloudEvents) -> dict[str, str]:
     """The headers of one message's POST (see the module docstring)."""
     out = {
-        "Content-Type": "application/json",
+        "Content-Type": "application/json" if envelope is Envelope.json else content_type(message),
         "Idempotency-Key": str(message.id),
         "X-Outbox-Id": str(message.id),
         "X-Event-Type": message.event_type or "",
@@ -152,6 +160,12 @@ class _Lanes:
             self.rejected[outbox_id] = reason
 
 
+class Refusal(NamedTuple):
+    """Why a message is refused without a request."""
+
+    reason: str
+
+
 class HttpSink:
     name = "http"
 
@@ -171,6 +185,8 @@ class HttpSink:
         self.retries = _int_option(config.extra, "retries", DEFAULT_RETRIES, 0)
         self.concurrency = _int_option(config.extra, "concurrency", DEFAULT_CONCURRENCY, 1)
         self.batch_mode = _bool_option(config.extra, "batch")
+        self.config = config
+        self.limit = config.max_message_bytes
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._clients: list[Any] = []
@@ -186,7 +202,9 @@ class HttpSink:
                 self._clients.append(client)
         return client
 
-    def _post(self, body: str, headers: dict[str, str], stop: threading.Event) -> int | None:
+    def _post(
+        self, body: str | bytes, headers: dict[str, str], stop: threading.Event
+    ) -> int | None:
         """POST with retries: the final status, None when the batch stopped meanwhile, or
         SinkUnavailable when the retries are exhausted."""
         reason = ""
@@ -214,8 +232,11 @@ class HttpSink:
                 for message in group:
                     if lanes.stop.is_set():
                         return
+                    body = self._body(message)
+                    if isinstance(body, Refusal):
+                        lanes.reject(message.id, body.reason)
+                        continue
                     headers = request_headers(message, self.envelope, self.cloudevents)
-                    body = message.envelope() if self.envelope is Envelope.json else message.payload
                     status = self._post(body, headers, lanes.stop)
                     if status is None:
                         return
@@ -224,6 +245,27 @@ class HttpSink:
         except BaseException:
             lanes.stop.set()
             raise
+
+    def _body(self, message: Message, *, structured: bool = False) -> str | bytes | Refusal:
+        """The body of one message's POST (`structured`: its element of a batch array), or
+        why it is refused without a request."""
+        try:
+            if structured and self.envelope is Envelope.cloudevents:
+                require_text(message)
+                body: str | bytes = self.cloudevents.structured(message)
+            elif structured or self.envelope is Envelope.json:
+                require_text(message)
+                body = message.envelope()
+            else:
+                body = message.payload  # text or bytes; httpx sends text as UTF-8
+        except NotRepresentable as exc:
+            return Refusal(f"http {exc}")
+        limit = self.limit
+        if limit is not None:
+            size = len(body) if isinstance(body, bytes) else text_size_over(body, limit)
+            if size is not None and size > limit:
+                return Refusal(too_large(size, limit, self.config, "http"))
+        return body
 
     def _publish_each(self, batch: Sequence[Message]) -> dict[MessageId, str]:
         groups = posting_groups(batch, self.ordering)
@@ -242,19 +284,27 @@ class HttpSink:
         return lanes.rejected
 
     def _publish_batch(self, batch: Sequence[Message]) -> dict[MessageId, str]:
-        if not batch:
-            return {}
+        refused: dict[MessageId, str] = {}
+        elements: list[str] = []
+        sent: list[Message] = []
+        for message in batch:
+            element = self._body(message, structured=True)
+            if isinstance(element, Refusal):
+                refused[message.id] = element.reason
+            elif isinstance(element, str):
+                elements.append(element)
+                sent.append(message)
+        if not sent:
+            return refused
         if self.envelope is Envelope.cloudevents:
-            body = "[" + ",".join(map(self.cloudevents.structured, batch)) + "]"
-            content_type = "application/cloudevents-batch+json; charset=utf-8"
+            mime = "application/cloudevents-batch+json; charset=utf-8"
         else:
-            body = "[" + ",".join(message.envelope() for message in batch) + "]"
-            content_type = "application/json"
-        headers = {"Content-Type": content_type, "X-Outbox-Count": str(len(batch))}
-        status = self._post(body, headers, threading.Event())
+            mime = "application/json"
+        headers = {"Content-Type": mime, "X-Outbox-Count": str(len(sent))}
+        status = self._post("[" + ",".join(elements) + "]", headers, threading.Event())
         if status is not None and status >= 300:
-            return {message.id: f"HTTP {status}" for message in batch}
-        return {}
+            refused.update({message.id: f"HTTP {status}" for message in sent})
+        return refused
 
     def publish(self, batch: Sequence[Message]) -> None:
         publish = self._publish_batch if self.batch_mode else self._publish_each

@@ -14,6 +14,10 @@ Failures, per message (the batch's publishes run concurrently, each has its own 
   (`MaxPayloadError`, raised by the client before sending), no stream listening on the
   subject (`NoStreamResponseError`), or a JetStream API error 400 (e.g. over the stream's
   `max_msg_size`, a header it cannot take) — `MessagesRejected` under its id;
+* over `--max-message-bytes` when it is given (checked before publishing; without it the
+  server's announced `max_payload` is the limit, checked by nats-py), or a payload that is
+  bytes with `envelope=json` (no JSON envelope can carry it; `raw` and `cloudevents` send the
+  bytes as they are): `MessagesRejected` under its id, never sent;
 * anything else (not connected, a timeout, JetStream 503 while a leader is elected):
   `SinkUnavailable` for the whole batch.
 
@@ -34,7 +38,14 @@ from typing import Any
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import SinkConfig
+from outbox_migrate.relay.sinks.bodies import (
+    NotRepresentable,
+    content_type,
+    payload_bytes,
+    require_text,
+)
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks.limits import too_large
 from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -123,30 +134,48 @@ class NatsSink:
     def _body_and_headers(self, message: Message) -> tuple[bytes, dict[str, str]]:
         if self.envelope is Envelope.cloudevents:
             headers = self.cloudevents.binary_headers(message, "ce-")
-            body = message.payload_bytes
+            headers["ce-datacontenttype"] = content_type(message)
+            body = payload_bytes(message)
+        elif self.envelope is Envelope.json:
+            require_text(message)
+            headers, body = message.headers(), message.envelope().encode()
         else:
-            headers = message.headers()
-            json = self.envelope is Envelope.json
-            body = message.envelope().encode() if json else message.payload_bytes
+            headers, body = message.headers(), payload_bytes(message)
         headers["Nats-Msg-Id"] = str(message.id)
         return body, headers
 
-    async def _publish(self, batch: Sequence[Message]) -> list[Any]:
-        js = await self._connect()
-        pending = []
+    def _prepare(
+        self, batch: Sequence[Message]
+    ) -> tuple[dict[MessageId, str], list[tuple[Message, bytes, dict[str, str]]]]:
+        """Each message's body and headers; those refused before sending, with the reason."""
+        refused: dict[MessageId, str] = {}
+        ready: list[tuple[Message, bytes, dict[str, str]]] = []
+        limit = self.config.max_message_bytes  # None: nats-py checks the server's max_payload
         for message in batch:
-            body, headers = self._body_and_headers(message)
-            pending.append(js.publish(self.subject, body, headers=headers))
+            try:
+                body, headers = self._body_and_headers(message)
+            except NotRepresentable as exc:
+                refused[message.id] = f"nats {exc}"
+                continue
+            if limit is not None and len(body) > limit:
+                refused[message.id] = f"nats {too_large(len(body), limit, self.config, 'nats')}"
+                continue
+            ready.append((message, body, headers))
+        return refused, ready
+
+    async def _publish(self, ready: Sequence[tuple[Message, bytes, dict[str, str]]]) -> list[Any]:
+        js = await self._connect()
+        pending = [js.publish(self.subject, body, headers=headers) for _, body, headers in ready]
         return list(await asyncio.gather(*pending, return_exceptions=True))
 
     def publish(self, batch: Sequence[Message]) -> None:
+        rejected, ready = self._prepare(batch)
         try:
-            outcomes = self._loop.run_until_complete(self._publish(batch))
+            outcomes = self._loop.run_until_complete(self._publish(ready))
         except Exception as exc:  # noqa: BLE001 - nats-py raises many types; all mean "not acked"
             self._disconnect()
             raise SinkUnavailable(self.name, _describe(exc)) from None
-        rejected: dict[MessageId, str] = {}
-        for message, outcome in zip(batch, outcomes, strict=True):
+        for (message, _, _), outcome in zip(ready, outcomes, strict=True):
             if not isinstance(outcome, BaseException):
                 self.duplicates += bool(getattr(outcome, "duplicate", False))
             elif is_permanent(outcome):
