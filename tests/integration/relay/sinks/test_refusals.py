@@ -5,6 +5,7 @@ rejected before it is sent."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -160,3 +161,84 @@ def test_redis_without_config_a_dropped_connection_is_traced_to_its_message(
     assert sorted(set(redis_ids(small_redis_url, stream))) == expected
     assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
     assert_dead_lettered_alone(partitioned, victim, "dropped the connection")
+
+
+LIMIT_BYTES = 2000
+"""--max-message-bytes of the next test: far below every broker's own limit, so each broker
+would take the victim's 5 KB body; only the relay's option refuses it."""
+
+
+def _publish_with_limit(
+    sink: str, request: pytest.FixtureRequest, dsn: str
+) -> tuple[Relay, list[int]]:
+    """Run the relay with --max-message-bytes to `sink`'s real broker; the ids it received."""
+    import uuid
+
+    name = f"om-limit-{uuid.uuid4().hex[:8]}"
+    options = {"max_message_bytes": LIMIT_BYTES}
+    if sink == "kafka":
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        bootstrap = request.getfixturevalue("kafka_bootstrap")
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        admin.create_topics([NewTopic(name, num_partitions=1, replication_factor=1)])[name].result(
+            30
+        )
+        config = SinkConfig(url=bootstrap, target=name, max_message_bytes=LIMIT_BYTES)
+        relay = relay_bounded(dsn, sink, config, **options)
+        return relay, kafka_ids(bootstrap, name, COUNT - 1)
+    if sink == "rabbitmq":
+        from tests.integration.relay.sinks.test_brokers import read_queue
+
+        url = request.getfixturevalue("rabbitmq_url")
+        config = SinkConfig(url=url, target=name, max_message_bytes=LIMIT_BYTES)
+        relay = relay_bounded(dsn, sink, config, **options)
+        return relay, [i for i, _ in read_queue(url, name)]
+    if sink == "nats":
+        from tests.integration.relay.sinks.test_poison import _nats_ids
+
+        url = request.getfixturevalue("nats_url")
+        stream = name.replace("-", "_").upper()
+        config = SinkConfig(
+            url=url, target=name.replace("-", "."), extra={"stream": stream},
+            max_message_bytes=LIMIT_BYTES,
+        )  # fmt: skip
+        relay = relay_bounded(dsn, sink, config, **options)
+        return relay, _nats_ids(url, stream)
+    if sink == "redis":
+        url = request.getfixturevalue("redis_url")
+        config = SinkConfig(url=url, target=name, max_message_bytes=LIMIT_BYTES)
+        relay = relay_bounded(dsn, sink, config, **options)
+        return relay, redis_ids(url, name)
+    if sink == "http":
+        from tests.support.webhook import Webhook
+
+        with Webhook() as hook:
+            config = SinkConfig(url=hook.url, max_message_bytes=LIMIT_BYTES)
+            relay = relay_bounded(dsn, sink, config, **options)
+        return relay, hook.accepted
+    capsys = request.getfixturevalue("capsys")
+    relay = relay_bounded(dsn, sink, SinkConfig(max_message_bytes=LIMIT_BYTES), **options)
+    lines = capsys.readouterr().out.splitlines()
+    return relay, [json.loads(line)["id"] for line in lines]
+
+
+@pytest.mark.parametrize(
+    "sink",
+    [
+        pytest.param(name, marks=pytest.mark.broker(name))
+        for name in ("kafka", "rabbitmq", "nats", "redis", "http", "stdout")
+    ],
+)
+def test_max_message_bytes_rejects_a_larger_message_before_sending(
+    sink: str, request: pytest.FixtureRequest, dsn: str, partitioned: psycopg.Connection
+) -> None:
+    """The broker would take the 5 KB message; `--max-message-bytes 2000` refuses it before
+    it is sent (the broker never sees it), and the other 99 are published."""
+    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
+    victim = big_victim(partitioned, 5000)
+    relay, received = _publish_with_limit(sink, request, dsn)
+    expected = [i for i in ids_in(partitioned, "outbox_new") if i != victim]
+    assert sorted(received) == expected
+    assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
+    assert_dead_lettered_alone(partitioned, victim, f"of {LIMIT_BYTES} (--max-message-bytes)")
