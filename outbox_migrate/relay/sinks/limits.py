@@ -15,19 +15,16 @@ from __future__ import annotations
 from outbox_migrate.relay.sinks import SinkConfig
 
 MIB = 1024 * 1024
-USUAL_LIMIT_BYTES: dict[str, int | None] = {
-    "kafka": 1_000_000,
+USUAL_LIMIT_BYTES: dict[str, int] = {
     "rabbitmq": 128 * MIB,
-    "nats": 1 * MIB,
     "redis": 512 * MIB,
-    "http": None,
 }
-"""The broker's default, when `--max-message-bytes` is not given. Kafka: librdkafka's
-`message.max.bytes` (the client checks it itself before queuing); RabbitMQ: the node's
-`max_message_size` on 3.8-3.13 (4.x: 16 MiB, learned from the first channel close); NATS: the
-server's `max_payload` (the sink uses the value the server announces); Redis:
-`proto-max-bulk-len` (the sink reads the server's value where CONFIG GET is allowed); HTTP:
-no limit of its own."""
+"""The broker's default, where the sink itself checks it when `--max-message-bytes` is not
+given. RabbitMQ: the node's `max_message_size` on 3.8-3.13 (4.x: 16 MiB, learned from the
+first channel close); Redis: `proto-max-bulk-len` (the sink reads the server's value where
+CONFIG GET is allowed). Kafka and NATS need no entry: their client libraries check the limit
+before sending (librdkafka its `message.max.bytes`, 1,000,000 by default; nats-py the
+`max_payload` the server announces, 1 MiB by default). HTTP and stdout have none."""
 
 
 def max_bytes(config: SinkConfig, sink: str) -> int | None:

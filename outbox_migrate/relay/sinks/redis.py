@@ -102,8 +102,9 @@ class RedisSink:
         except self._redis.RedisError:  # not reachable now: ask again with the next batch
             return
         self._server_limit_read = True
-        if value is not None and str(value).isdigit():
-            self.limit = smaller(self.limit, int(value))
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        if text.isdigit():
+            self.limit = smaller(self.limit, int(text))
 
     def _stream_of(self, message: Message) -> str:
         if not self.routed:
