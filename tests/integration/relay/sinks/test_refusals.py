@@ -52,6 +52,11 @@ def assert_dead_lettered_alone(conn: psycopg.Connection, victim: int, error: str
     assert ids_in(conn, "outbox_unpublished") == []
 
 
+def last_error(conn: psycopg.Connection) -> str:
+    row = conn.execute("SELECT last_error FROM outbox_dead_letter").fetchone()
+    return "" if row is None else str(row[0])
+
+
 def kafka_ids(bootstrap: str, topic: str, count: int) -> list[int]:
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
@@ -160,7 +165,10 @@ def test_redis_without_config_a_dropped_connection_is_traced_to_its_message(
     # XADDs that ran before a drop are added again when their half is re-sent (at least once).
     assert sorted(set(redis_ids(small_redis_url, stream))) == expected
     assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
-    assert_dead_lettered_alone(partitioned, victim, "dropped the connection")
+    # Redis drops the connection after the bulk's length; whether its "-ERR Protocol error"
+    # reply is read before the drop is a race, and either names the message.
+    reason = "dropped the connection" if "dropped" in last_error(partitioned) else "Protocol error"
+    assert_dead_lettered_alone(partitioned, victim, reason)
 
 
 LIMIT_BYTES = 2000
