@@ -37,7 +37,10 @@ requests is still in flight, and the relay's re-send cannot overtake one of them
 id order (no `Idempotency-Key`: de-duplicate on each envelope's `id`; with
 `envelope=cloudevents`, the binding's batched mode, an `application/cloudevents-batch+json`
 array of structured events); a 2xx acknowledges them all, a non-retryable 4xx refuses them
-all, retries as above.
+all, retries as above. A refusal that can be about what the array holds (400, 413, 422)
+is not pinned on every message of it: the sink posts the refused messages again in halves
+(isolation.py) until the one refused alone is found, so its batch-mates are delivered; any
+other 4xx (401, 403, 404: the endpoint, not the content) still refuses the whole array.
 
 Why a thread per lane, each with its own httpx.Client, rather than httpx.AsyncClient on a
 private loop: the client's CPU is the limit (about 1 ms per request on a 2-core machine), and
@@ -53,6 +56,7 @@ waits, so they overlap PostgreSQL's work too. The lanes live in a small pool own
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, NamedTuple
@@ -66,10 +70,13 @@ from outbox_migrate.relay.options import Ordering
 from outbox_migrate.relay.sinks import SinkConfig
 from outbox_migrate.relay.sinks.bodies import NotRepresentable, content_type, require_text
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks.isolation import isolate
 from outbox_migrate.relay.sinks.limits import text_size_over, too_large
 from outbox_migrate.relay.sinks.urls import require_scheme
 
 RETRYABLE_STATUS = frozenset({408, 429})
+CONTENT_STATUS = frozenset({400, 413, 422})
+"""Refusals of a batch array that may be about one element of it (or its size): isolated."""
 DEFAULT_RETRIES = 3
 DEFAULT_CONCURRENCY = 16
 RETRY_BASE_S = 0.1
@@ -284,27 +291,47 @@ class HttpSink:
         return lanes.rejected
 
     def _publish_batch(self, batch: Sequence[Message]) -> dict[MessageId, str]:
+        deadline = time.monotonic() + self.timeout_s
         refused: dict[MessageId, str] = {}
-        elements: list[str] = []
+        elements: dict[MessageId, str] = {}
         sent: list[Message] = []
         for message in batch:
             element = self._body(message, structured=True)
             if isinstance(element, Refusal):
                 refused[message.id] = element.reason
             elif isinstance(element, str):
-                elements.append(element)
+                elements[message.id] = element
                 sent.append(message)
-        if not sent:
+        status = self._post_array(sent, elements)
+        if status is None:
             return refused
+        if status in CONTENT_STATUS and len(sent) > 1:
+
+            def send_group(group: Sequence[Message]) -> dict[MessageId, str]:
+                again = self._post_array(group, elements)
+                if again is None:
+                    return {}
+                return {message.id: f"HTTP {again}" for message in group}
+
+            refused.update(isolate(sent, send_group, deadline, self.name))
+        else:
+            refused.update({message.id: f"HTTP {status}" for message in sent})
+        return refused
+
+    def _post_array(
+        self, group: Sequence[Message], elements: Mapping[MessageId, str]
+    ) -> int | None:
+        """POST `group` as one array: None when it was accepted, else the refusing status."""
+        if not group:
+            return None
         if self.envelope is Envelope.cloudevents:
             mime = "application/cloudevents-batch+json; charset=utf-8"
         else:
             mime = "application/json"
-        headers = {"Content-Type": mime, "X-Outbox-Count": str(len(sent))}
-        status = self._post("[" + ",".join(elements) + "]", headers, threading.Event())
-        if status is not None and status >= 300:
-            refused.update({message.id: f"HTTP {status}" for message in sent})
-        return refused
+        headers = {"Content-Type": mime, "X-Outbox-Count": str(len(group))}
+        body = "[" + ",".join(elements[message.id] for message in group) + "]"
+        status = self._post(body, headers, threading.Event())
+        return status if status is not None and status >= 300 else None
 
     def publish(self, batch: Sequence[Message]) -> None:
         publish = self._publish_batch if self.batch_mode else self._publish_each

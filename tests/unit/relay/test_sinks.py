@@ -245,6 +245,29 @@ def test_batch_mode_refusal_rejects_the_whole_batch(http_sink) -> None:
     assert info.value.rejected == {1: "HTTP 400", 2: "HTTP 400", 3: "HTTP 400"}
 
 
+def test_batch_mode_a_refused_array_is_halved_until_the_refused_message_is_found(
+    http_sink,
+) -> None:
+    """A 422 for an array holding id 7 used to refuse all 20 (and dead-letter them together);
+    the halves without 7 are accepted, 7 alone is refused."""
+
+    def respond(body: list[dict[str, int]]) -> tuple[int, float]:
+        return (422 if any(e["id"] == 7 for e in body) else 204), 0.0
+
+    with Webhook(respond) as hook, pytest.raises(MessagesRejected) as info:
+        http_sink(hook.url, Ordering.none, batch="true").publish(batch(20))
+    assert info.value.rejected == {7: "HTTP 422"}
+    assert sorted(hook.accepted) == [i for i in range(1, 21) if i != 7]
+    assert len(hook.bodies) <= 2 * 5 + 1  # about 2·log2(20) arrays, not one per message
+
+
+def test_batch_mode_an_endpoint_refusal_is_not_halved(http_sink) -> None:
+    with Webhook(lambda body: (401, 0.0)) as hook, pytest.raises(MessagesRejected) as info:
+        http_sink(hook.url, batch="true").publish(batch(4))
+    assert info.value.rejected == dict.fromkeys(range(1, 5), "HTTP 401")
+    assert len(hook.bodies) == 1
+
+
 @pytest.mark.parametrize(
     "extra", [{"concurrency": "0"}, {"concurrency": "many"}, {"retries": "-1"}, {"batch": "maybe"}]
 )
