@@ -20,7 +20,8 @@ A broker refuses a whole record batch for one bad record (`BATCH_WIDE_CODES`): w
 messages come back refused that way, the sink finds the refused one(s) by sending them again
 in halves (isolation.py), so their good batch-mates are delivered, not dead-lettered. After
 any refusal by the broker the idempotent producer is replaced: its sequence numbers now have a
-gap, and a broker may fence it (Tansu answers every later batch with `PRODUCER_FENCED`).
+gap, and a broker may fence it (Tansu answers every later batch with `PRODUCER_FENCED`). So is
+a producer that reported a fatal error or was fenced: it would fail every later batch.
 With `--max-message-bytes` a value over it is rejected before `produce`; without, librdkafka
 checks its own `message.max.bytes` (1,000,000 by default) before queuing.
 """
@@ -144,9 +145,10 @@ class KafkaSink:
         batch_wide: set[MessageId] = set()
         retryable: list[str] = []
         delivered = 0
+        broken = False
 
         def report(outbox_id: MessageId, err: Any, _msg: Any) -> None:
-            nonlocal delivered
+            nonlocal delivered, broken
             if err is None:
                 delivered += 1
             elif is_permanent(err):
@@ -156,12 +158,12 @@ class KafkaSink:
                     batch_wide.add(outbox_id)
             else:
                 retryable.append(f"{err.name()}: {err.str()}")
+                broken = broken or bool(err.fatal()) or err.name() == FENCED
 
         refused_before = self._produce_all(batch, report, rejected)
         remaining = self.producer.flush(max(0.0, deadline - time.monotonic()))
-        if not remaining and (len(rejected) > refused_before or _fenced(retryable)):
-            # The broker refused a batch: the idempotent producer's sequence has a gap now.
-            self.producer = self._new_producer()
+        # A refusal by the broker leaves a gap in the idempotent producer's sequence numbers.
+        self._replace_producer_if(broken or (not remaining and len(rejected) > refused_before))
         if remaining or retryable:
             detail = (
                 retryable[0] if retryable else f"{remaining} message(s) not acknowledged in time"
@@ -171,6 +173,13 @@ class KafkaSink:
             missing = len(batch) - delivered - len(rejected)
             raise SinkUnavailable(self.name, f"{missing} delivery report(s) missing")
         return rejected, batch_wide
+
+    def _replace_producer_if(self, needed: bool) -> None:
+        """A fresh producer (new producer id, sequence from 0) for the next round; what the old
+        one still holds is dropped — its batch is re-sent or has been reported."""
+        if needed:
+            old, self.producer = self.producer, self._new_producer()
+            old.purge()
 
     def _produce_all(
         self, batch: Sequence[Message], report: Any, rejected: dict[MessageId, str]
@@ -208,6 +217,7 @@ class KafkaSink:
                 except self._kafka.KafkaException as exc:  # refused before it was queued
                     error = exc.args[0]
                     if not is_permanent(error):
+                        self._replace_producer_if(bool(error.fatal()))
                         raise SinkUnavailable(self.name, f"{error.name()}: {error.str()}") from None
                     rejected[message.id] = f"kafka {error.name()}: {error.str()}"
                     refused += 1
@@ -216,10 +226,6 @@ class KafkaSink:
 
     def close(self) -> None:
         self.producer.flush(1.0)
-
-
-def _fenced(retryable: list[str]) -> bool:
-    return any(reason.startswith(FENCED) for reason in retryable)
 
 
 def _library_logger() -> Any:
