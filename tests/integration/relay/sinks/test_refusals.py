@@ -250,3 +250,49 @@ def test_max_message_bytes_rejects_a_larger_message_before_sending(
     assert sorted(received) == expected
     assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
     assert_dead_lettered_alone(partitioned, victim, f"of {LIMIT_BYTES} (--max-message-bytes)")
+
+
+def server_max_payload(nats_url: str) -> int:
+    import asyncio
+
+    import nats
+
+    async def read() -> int:
+        nc = await nats.connect(nats_url)
+        try:
+            return int(nc.max_payload)
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+@pytest.mark.broker("nats")
+def test_nats_body_and_headers_over_max_payload_is_rejected_before_sending(
+    dsn: str, partitioned: psycopg.Connection, nats_url: str
+) -> None:
+    """A body just under the server's max_payload passes nats-py's own check (the body alone),
+    but the server counts the headers too: it closed the connection, every publish of the
+    batch timed out, and the old sink retried the batch for ever."""
+    from tests.integration.relay.sinks.test_poison import _nats_ids
+
+    limit = server_max_payload(nats_url)
+    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
+    victim = big_victim(partitioned, limit)
+    # Make the stored JSON text exactly 10 bytes under the limit, whatever the column renders.
+    size = partitioned.execute(
+        "SELECT octet_length(payload::text) FROM outbox_new WHERE id = %s", (victim,)
+    ).fetchone()[0]
+    big_victim(partitioned, limit - (size - limit) - 10)
+    size = partitioned.execute(
+        "SELECT octet_length(payload::text) FROM outbox_new WHERE id = %s", (victim,)
+    ).fetchone()[0]
+    assert size == limit - 10
+    name = f"om.maxpayload.{time.time_ns()}"
+    stream = name.replace(".", "_").upper()
+    config = SinkConfig(url=nats_url, target=name, extra={"stream": stream}, timeout_s=5)
+    relay = relay_bounded(dsn, "nats", config)
+    expected = [i for i in ids_in(partitioned, "outbox_new") if i != victim]
+    assert_exactly(_nats_ids(nats_url, stream), expected)
+    assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
+    assert_dead_lettered_alone(partitioned, victim, "max_payload, headers included")
