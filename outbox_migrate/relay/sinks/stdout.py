@@ -75,4 +75,7 @@ class StdoutSink:
 
 
 def _payload(message: Message) -> str:
-    return message.payload
+    payload: str | bytes = message.payload
+    if isinstance(payload, bytes):  # `publish` rejects these before: never written as b'…'
+        raise TypeError(NOT_TEXT)
+    return payload
