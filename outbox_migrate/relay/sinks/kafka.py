@@ -56,8 +56,7 @@ PERMANENT_CODES = frozenset({
 })  # fmt: skip
 """librdkafka error names that refuse one message for good; anything else is retryable."""
 BATCH_WIDE_CODES = frozenset({
-    "INVALID_RECORD", "INVALID_MSG", "CORRUPT_MESSAGE", "MSG_SIZE_TOO_LARGE",
-    "RECORD_LIST_TOO_LARGE",
+    "INVALID_RECORD", "INVALID_MSG", "MSG_SIZE_TOO_LARGE", "RECORD_LIST_TOO_LARGE",
 })  # fmt: skip
 """Refusals a broker gives every record of a record batch for one record in it."""
 FENCED = "PRODUCER_FENCED"

@@ -19,7 +19,7 @@ batch are acknowledged. A lost connection, a timeout, or a refusal about the ser
 (OOM under `maxmemory`, LOADING, BUSY, READONLY replica, MISCONF, TRYAGAIN, CLUSTERDOWN,
 MASTERDOWN) is `SinkUnavailable`: nothing of the batch is marked and the relay backs off.
 
-Size. Redis does not answer a bulk over its `proto-max-bulk-len` (512 MB by default) with an
+Size. Redis does not answer a bulk over its `proto-max-bulk-len` (512 MiB by default) with an
 error: it drops the connection, which loses the replies of the whole pipeline and, retried,
 would fail the same way for ever. So the sink reads the server's limit once (`CONFIG GET`,
 where the ACL allows it) and rejects a payload over it — or over `--max-message-bytes` —
@@ -191,6 +191,7 @@ class RedisSink:
         try:
             replies = pipe.execute(raise_on_error=False)
         except self._redis.ConnectionError as exc:
+            # A timeout is never taken for a drop (a slow Redis is an outage, not a bad message).
             if not isinstance(exc, self._redis.TimeoutError) and self._answers_ping():
                 raise _Dropped from None
             raise SinkUnavailable(self.name, mask_url(str(exc))) from None
