@@ -28,6 +28,9 @@ confirmed every delivery tag — one round trip per batch, not per message. Outc
   channel within the same call. Later batches are checked against M before sending, so a
   poisonous message no longer closes the channel at all. Before the broker said so, bodies are
   checked against `--max-message-bytes`, or 128 MiB (the node default on 3.8-3.13; limits.py);
+* an event type, a text outbox id or a header name longer than AMQP's 255-byte short string:
+  rejected before sending (pika cannot encode it; it used to fail the whole batch as an
+  outage, again on every retry);
 * a payload that is bytes, not text, with `envelope=json`: rejected (no JSON envelope can
   carry it); with `raw` or `cloudevents` it is the body as is, content_type
   `application/octet-stream`;
@@ -70,6 +73,9 @@ DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 CLOSE_TIMEOUT_S = 2.0
 """How long closing a connection may wait for the broker's Close-Ok before it is dropped."""
 PRECONDITION_FAILED = 406
+SHORT_STRING_BYTES = 255
+"""AMQP 0-9-1 `shortstr`: the message_id and type properties and header table names."""
+CLOUDEVENTS_PREFIX = "cloudEvents:"
 TOO_LARGE = re.compile(r"larger than configured max size (\d+)")
 """RabbitMQ's channel-close text for a body over `max_message_size` (3.8 and later)."""
 
@@ -127,6 +133,26 @@ class _Closed(Exception):
         super().__init__(reason)
         self.max_size = max_size
         """Set when the broker closed the channel for a body over this many bytes."""
+
+
+def short_string_refusal(message: Message) -> str | None:
+    """Why AMQP cannot carry this message's properties, or None.
+
+    The event type (`type`), the outbox id (`message_id`) and every header name are AMQP short
+    strings, at most 255 bytes; pika raises ShortStringTooLong while encoding a longer one.
+    A character is at most 4 bytes, so short texts are judged without encoding them."""
+    fields = [("event type", message.event_type), ("outbox id", str(message.id))]
+    fields += [("header name", name) for name, _ in message.extra_headers]
+    for what, text in fields:
+        if text is None or len(text) * 4 <= SHORT_STRING_BYTES:
+            continue
+        size = len(text.encode())
+        if size > SHORT_STRING_BYTES:
+            return (
+                f"rabbitmq {what} of {size} bytes: AMQP carries at most {SHORT_STRING_BYTES} "
+                f"(a short string); not sent: {text[:40]!r}…"
+            )
+    return None
 
 
 def too_large_limit(reply_code: object, reply_text: object) -> int | None:
@@ -309,7 +335,7 @@ class RabbitMQSink:
 
     def _headers(self, message: Message) -> Any:
         if self.envelope is Envelope.cloudevents:
-            return self.cloudevents.binary_headers(message, "cloudEvents:", content_type=False)
+            return self.cloudevents.binary_headers(message, CLOUDEVENTS_PREFIX, content_type=False)
         return message.headers()
 
     def _oversized(self, batch: Sequence[tuple[Message, bytes]]) -> dict[MessageId, str]:
@@ -332,10 +358,14 @@ class RabbitMQSink:
     def _bodies(
         self, batch: Sequence[Message]
     ) -> tuple[dict[MessageId, str], list[tuple[Message, bytes]]]:
-        """Each message's body, built once; those no body can be built for are refused."""
+        """Each message's body, built once; those AMQP cannot carry are refused."""
         refused: dict[MessageId, str] = {}
         bodies: list[tuple[Message, bytes]] = []
         for message in batch:
+            reason = short_string_refusal(message)
+            if reason is not None:
+                refused[message.id] = reason
+                continue
             try:
                 bodies.append((message, self._body(message)))
             except NotRepresentable as exc:

@@ -296,3 +296,24 @@ def test_nats_body_and_headers_over_max_payload_is_rejected_before_sending(
     assert_exactly(_nats_ids(nats_url, stream), expected)
     assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
     assert_dead_lettered_alone(partitioned, victim, "max_payload, headers included")
+
+
+@pytest.mark.broker("rabbitmq")
+def test_rabbitmq_an_event_type_amqp_cannot_carry_is_rejected_not_an_outage(
+    dsn: str, partitioned: psycopg.Connection, rabbitmq_url: str
+) -> None:
+    """AMQP's `type` property is a short string (255 bytes): pika raised ShortStringTooLong
+    while encoding the batch, and the old sink called that an outage and retried for ever."""
+    from tests.integration.relay.sinks.test_brokers import read_queue
+
+    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
+    victim = ids_in(partitioned, "outbox_new")[41]
+    partitioned.execute(
+        "UPDATE outbox_new SET event_type = repeat('é', 200) WHERE id = %s", (victim,)
+    )  # 200 characters, 400 bytes
+    queue = f"om-shortstr-{time.time_ns()}"
+    relay = relay_bounded(dsn, "rabbitmq", SinkConfig(url=rabbitmq_url, target=queue))
+    expected = [i for i in ids_in(partitioned, "outbox_new") if i != victim]
+    assert sorted(i for i, _ in read_queue(rabbitmq_url, queue)) == expected
+    assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
+    assert_dead_lettered_alone(partitioned, victim, "event type of 400 bytes")
