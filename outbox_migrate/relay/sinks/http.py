@@ -4,13 +4,14 @@ Body per the `envelope` option: the relay's JSON envelope (`json`, the default),
 as stored (`raw`), or CloudEvents 1.0 binary content mode (`cloudevents`: the payload as body,
 the attributes as `ce-` headers). Headers: `Idempotency-Key` and `X-Outbox-Id` = outbox id,
 `X-Event-Type`, then `Message.headers()` (outbox-id, outbox-table, event-type and the row's
-extra headers such as `traceparent`, unchanged); a value that is not printable ASCII is
-percent-encoded, as the CloudEvents HTTP binding does, since HTTP headers cannot carry it
-raw. Any 2xx is an acknowledgement. Connection errors, timeouts, 408, 429 and 5xx
-are retried `extra["retries"]` times (default 3) with backoff, then the whole batch is
-`SinkUnavailable`; any other 4xx is a permanent refusal of that message (`MessagesRejected`,
-which leads to the dead-letter table after the relay's max attempts). Each request may take
-`timeout_s`.
+extra headers such as `traceparent`, unchanged); a value that is not printable ASCII
+(`X-Event-Type` included) is percent-encoded, as the CloudEvents HTTP binding does, since
+HTTP headers cannot carry it raw, and a message with a header name that is not an HTTP token
+is rejected without a request. Any 2xx is an acknowledgement. Connection errors, timeouts,
+408, 429 and 5xx are retried `extra["retries"]` times (default 3) with backoff, then the
+whole batch is `SinkUnavailable`; any other 4xx is a permanent refusal of that message
+(`MessagesRejected`, which leads to the dead-letter table after the relay's max attempts).
+Each request may take `timeout_s`.
 
 Refused before sending (`MessagesRejected`, no request made): a body over
 `--max-message-bytes` when it is given (the HTTP sink has no limit of its own), and a payload
@@ -55,6 +56,7 @@ waits, so they overlap PostgreSQL's work too. The lanes live in a small pool own
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -82,6 +84,8 @@ DEFAULT_CONCURRENCY = 16
 RETRY_BASE_S = 0.1
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""An HTTP header name (RFC 9110 `token`)."""
 _HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) not in '%"')
 
 
@@ -98,7 +102,7 @@ def request_headers(message: Message, envelope: Envelope, ce: CloudEvents) -> di
         "Content-Type": "application/json" if envelope is Envelope.json else content_type(message),
         "Idempotency-Key": str(message.id),
         "X-Outbox-Id": str(message.id),
-        "X-Event-Type": message.event_type or "",
+        "X-Event-Type": header_value(message.event_type or ""),
     }
     if envelope is Envelope.cloudevents:
         more = ce.binary_headers(message, "ce-", content_type=False)
@@ -109,6 +113,16 @@ def request_headers(message: Message, envelope: Envelope, ce: CloudEvents) -> di
         if name.lower() not in taken:
             out[name] = header_value(value)
     return out
+
+
+def bad_header_name(headers: Mapping[str, str]) -> str | None:
+    """Why these headers cannot be sent, or None: a name that is not an HTTP token (a space,
+    a colon, a non-ASCII letter — from a row's own headers or metadata columns). httpx refuses
+    it before sending, which the sink must not take for an outage (it would never pass)."""
+    for name in headers:
+        if not _TOKEN.fullmatch(name):
+            return f"http header name {name[:60]!r} is not an HTTP token; not sent"
+    return None
 
 
 def posting_groups(batch: Sequence[Message], ordering: Ordering | None) -> list[list[Message]]:
@@ -244,6 +258,10 @@ class HttpSink:
                         lanes.reject(message.id, body.reason)
                         continue
                     headers = request_headers(message, self.envelope, self.cloudevents)
+                    bad = bad_header_name(headers)
+                    if bad is not None:
+                        lanes.reject(message.id, bad)
+                        continue
                     status = self._post(body, headers, lanes.stop)
                     if status is None:
                         return

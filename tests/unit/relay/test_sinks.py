@@ -292,3 +292,22 @@ def test_rabbitmq_confirms_remember_what_was_acked_in_the_batch() -> None:
     assert confirms.acked == [7, 8] and not confirms.settled
     confirms.start_batch()
     assert confirms.acked == []
+
+
+def test_header_names_and_values_http_cannot_carry_are_not_an_outage(http_sink) -> None:
+    """A non-ASCII event type made httpx raise UnicodeEncodeError out of the sink, a newline
+    one was retried as a "connection error" for ever, and so was a row's header whose name is
+    not an HTTP token: now the value is percent-encoded, the message with the bad name refused."""
+    odd = [
+        Message(2, "public.outbox", "é", None, "{}", NOW),
+        Message(3, "public.outbox", "a\nb", None, "{}", NOW),
+        Message(4, "public.outbox", "e", None, "{}", NOW, (("bad name", "v"),)),
+        Message(5, "public.outbox", "e", None, "{}", NOW, (("nämé", "v"),)),
+    ]
+    with Webhook() as hook, pytest.raises(MessagesRejected) as info:
+        http_sink(hook.url, retries="0").publish([message(1), *odd])
+    assert sorted(info.value.rejected) == [4, 5]
+    assert "not an HTTP token" in info.value.rejected[4]
+    assert sorted(hook.accepted) == [1, 2, 3]
+    sent = {h["X-Outbox-Id"]: h["X-Event-Type"] for h in hook.headers}
+    assert (sent["2"], sent["3"]) == ("%C3%A9", "a%0Ab")
