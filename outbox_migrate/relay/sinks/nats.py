@@ -180,7 +180,8 @@ class NatsSink:
             if limit is not None and len(body) > limit:
                 refused[message.id] = f"nats {too_large(len(body), limit, self.config, 'nats')}"
                 continue
-            size = wire_size(body, headers, max_payload)
+            # A body alone over it is nats-py's to refuse (MaxPayloadError, before sending).
+            size = wire_size(body, headers, max_payload) if len(body) <= max_payload else None
             if size is not None:
                 what = "the server's max_payload, headers included"
                 refused[message.id] = f"nats {too_large(size, max_payload, self.config, what)}"
