@@ -58,6 +58,7 @@ from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.message import Message, MessageId, TextIdMessage
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
+from outbox_migrate.relay.outage_wait import back_off_keeping_session
 from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
 from outbox_migrate.relay.sinks import Sink, SinkFactory
@@ -344,13 +345,16 @@ class Relay:
         source: queries.Source,
         batch: list[Message],
         bad: list[claimed.BadRow],
-    ) -> tuple[list[MessageId], list[MessageId], list[MessageId], float]:
-        """Publish; returns (acknowledged ids to mark, dead-lettered ids, ids to claim again,
-        how long the worker pauses once this batch's transaction has ended: a backoff by the
-        most attempts any message the sink refused has had — the worker then claims again
-        from the lowest of them; without a pause it claims them by id). With `--ordering key`
-        a failure parks its key instead (parking.py): no rewind, no pause, later messages of
-        that key wait while the others flow.
+        after: MessageId = 0,
+    ) -> tuple[list[MessageId], list[MessageId], list[MessageId], float, MessageId | None]:
+        """Publish; returns (acknowledged ids to mark, dead-lettered ids, bad rows to try again
+        by id, how long the worker pauses once this batch's transaction has ended, the id to
+        claim again from). The pause is a backoff by the most attempts any message the sink
+        refused has had; the worker then claims again from the lowest message to retry. With
+        `--ordering key` a failure parks its key instead (parking.py): no pause, later messages
+        of that key wait while the others flow; a released key's held-back messages lie below
+        the cursor, which claims again from the lowest of them (`after`: where the claim
+        started).
 
         `bad`: rows of the batch that could not become a message (relay/claimed.py); they and
         messages the sink cannot represent count attempts like a rejection, without the
@@ -360,14 +364,16 @@ class Relay:
         inside its transaction is "idle in transaction" on the claimed rows' locks, and the
         migration runner does not queue a step's lock behind such a session."""
         parking, label = self._parking, source.label
+        claim = sorted(batch + [b.message for b in bad], key=_BY_ID) if bad else batch
+        last = claim[-1].id if claim else None
         if parking:  # only ever non-empty with key ordering
-            now = time.monotonic()
-            batch = parking.withhold(label, batch, now=now)[0]
-            if bad:
-                free = {m.id for m in parking.withhold(label, [b.message for b in bad], now=now)[0]}
+            send = parking.withhold(label, claim, now=time.monotonic(), after=after)[0]
+            if not send:  # every message waits for its key; others would have been sent
+                return [], [], [], PARKED_BATCH_WAIT_S, None  # no busy loop of rescans meanwhile
+            if len(send) < len(claim):
+                free = {m.id for m in send}
+                batch = [m for m in batch if m.id in free]
                 bad = [b for b in bad if b.message.id in free]
-            if not batch and not bad:  # every message waits for its key
-                return [], [], [], PARKED_BATCH_WAIT_S  # no busy loop of rescans meanwhile
         rejected, unrepresentable = publishing.publish(sink, batch)
         failures = self.failures
         if not (rejected or unrepresentable or bad):
@@ -375,9 +381,10 @@ class Relay:
             # A message that failed before went through this time: its counter goes.
             self._forget(conn, label, acked)
             if parking:
-                parking.settle(label, batch, {}, acked, now=time.monotonic(),
-                               backoff=self._backoff)  # fmt: skip
-            return acked, [], [], 0.0
+                settled = parking.settle(label, batch, {}, now=time.monotonic(),
+                                         backoff=self._backoff, last=last)  # fmt: skip
+                return acked, [], [], 0.0, settled.claim_again_from
+            return acked, [], [], 0.0, None
         reasons = {b.message.id: b.reason for b in bad}
         reasons.update(unrepresentable)
         reasons.update(rejected)
@@ -391,18 +398,20 @@ class Relay:
                     len(rejected), len(reasons) - len(rejected), len(verdict.dead))  # fmt: skip
         dead_ids = [m.id for m in verdict.dead]
         if self.options.ordering is Ordering.key:
-            order = sorted(batch + [b.message for b in bad], key=_BY_ID)
-            held = parking.settle(
-                label, order, {i: verdict.attempts[i] for i in verdict.retry},
-                set(acked) | set(dead_ids), now=time.monotonic(), backoff=self._backoff,
+            settled = parking.settle(
+                label, sorted(batch + [b.message for b in bad], key=_BY_ID),
+                {i: verdict.attempts[i] for i in verdict.retry},
+                now=time.monotonic(), backoff=self._backoff, last=last,
             )  # fmt: skip
-            return [i for i in acked if i not in held], dead_ids, [], 0.0
+            held = settled.held
+            return [i for i in acked if i not in held], dead_ids, [], 0.0, settled.claim_again_from
         most = max((verdict.attempts[i] for i in verdict.retry if i in rejected), default=0)
         # Rejected messages are claimed again after a backoff that grows with their attempts,
         # not at once: a transient refusal gets time to clear before the message counts
-        # towards the dead-letter table. A bad row is tried again at once.
+        # towards the dead-letter table. A bad row is tried again without waiting.
         pause = self._backoff(most - 1) if most else 0.0
-        return acked, dead_ids, verdict.retry, pause
+        rewind = min(verdict.retry) if pause else None
+        return acked, dead_ids, verdict.retry, pause, rewind
 
     def _count_failures(self, rejected: int, bad: int, dead: int = 0) -> None:
         self.stats.add(rejected=rejected, bad_rows=bad, dead_lettered=dead)
@@ -606,7 +615,7 @@ class _Worker:
             relay._close_sink(self.sink)
             self.sink = None
             self._step_out()
-            self._back_off()
+            self._back_off(keep_session=True)
         except IntegrityError as exc:
             # The mark of a published batch broke a constraint (a duplicate id moving into
             # the published partition): find the rows at fault, mark the rest.
@@ -622,10 +631,7 @@ class _Worker:
             relay.stats.add(connection_retries=1)
             relay.observer.failed("connection")
             log.warning("relay.connection_lost worker=%d %s", self.index, _one_line(exc))
-            relay._close_conn(self.index, self.conn)
-            self._close_listener()
-            self.conn = None
-            self.lease.lost()
+            self._forget_session()
             self._back_off()
         return False
 
@@ -662,9 +668,26 @@ class _Worker:
         except _connection_errors():  # the session is gone: so are its locks
             log.debug("relay.step_out_failed", exc_info=True)
 
-    def _back_off(self) -> None:
-        self.relay._stop.wait(self.relay._backoff(self.failures))
+    def _forget_session(self) -> None:
+        """Drop a lost session (its shard locks died with it): `_step` opens a new one."""
+        self.relay._close_conn(self.index, self.conn)
+        self._close_listener()
+        self.conn = None
+        self.lease.lost()
+
+    def _back_off(self, *, keep_session: bool = False) -> None:
+        """`keep_session` (the broker is away, PostgreSQL is not): the session is kept alive
+        through the wait, or dropped before the wake-up when it was lost anyway, so that the
+        wake-up tries the broker instead of failing on a dead session (relay/outage_wait.py)."""
+        delay = self.relay._backoff(self.failures)
         self.failures += 1
+        conn = self.conn
+        if keep_session and conn is not None and not conn.closed:
+            if not back_off_keeping_session(self.relay._stop, delay, conn):
+                log.info("relay.session_reopened worker=%d (ended during the backoff)", self.index)
+                self._forget_session()
+            return
+        self.relay._stop.wait(delay)
 
     def _step(self) -> bool:  # noqa: PLR0911 - one return per reason the loop ends or waits
         relay, options, lease = self.relay, self.relay.options, self.lease
@@ -1227,8 +1250,8 @@ class _Worker:
         batch, bad = claimed.messages(rows, relay._message, relay._columns[source.label])
         self.fence.check(time.monotonic())
         assert self.sink is not None
-        acked, dead, retry, pause = relay._publish(
-            wire.direct(conn, pipe), self.sink, source, batch, bad
+        acked, dead, retry, pause, rewind = relay._publish(
+            wire.direct(conn, pipe), self.sink, source, batch, bad, after
         )
         if relay._suspects and acked:
             acked, again = self._mark_suspects(conn, pipe, source, rows, batch, acked)
@@ -1237,11 +1260,11 @@ class _Worker:
             raise _Abandoned
         now = time.monotonic()
         cursor.claimed(after, [r[0] for r in rows], now)
-        # After a rejection's pause: claim again from the lowest (the read-ahead batch, if
-        # any, is dropped). Bad rows, tried again at once: by id with the next claim.
-        self.rewound = bool(pause and retry)
-        if self.rewound:
-            cursor.retry_from(min(retry))
+        # After a rejection's pause, or for a released key: claim again from `rewind` (the
+        # read-ahead batch, if any, is dropped). Bad rows: by id, once the backlog is drained.
+        self.rewound = rewind is not None
+        if rewind is not None:
+            cursor.retry_from(rewind)
         elif retry:
             self.later += retry
             if len(rows) < relay.options.batch_size:
