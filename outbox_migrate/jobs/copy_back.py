@@ -36,8 +36,8 @@ from outbox_migrate.errors import ExitCode, OutboxMigrateError, SchemaError, Usa
 from outbox_migrate.jobs import common
 from outbox_migrate.jobs.common import Relation
 from outbox_migrate.jobs.throttle import Impact, LatencyProbe, Throttle, ThrottlePolicy
+from outbox_migrate.lock_budget import LockBudget, run_with_lock_budget
 from outbox_migrate.patterns.model import LockMode
-from outbox_migrate.runner.locks import LockBudget, run_with_lock_budget
 
 DEFAULT_BATCH_ROWS = 10_000
 """Rows per batch: large enough to amortise the round trip, small enough for short locks."""

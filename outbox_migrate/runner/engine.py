@@ -22,6 +22,13 @@ from psycopg.pq import TransactionStatus
 from outbox_migrate.config import Settings
 from outbox_migrate.db import connect, one_line
 from outbox_migrate.errors import ConnectionLost, SchemaError, UsageError
+from outbox_migrate.lock_budget import (
+    AttemptLog,
+    LockBudget,
+    lock_declared,
+    long_transactions,
+    run_with_lock_budget,
+)
 from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.patterns.model import (
     Condition,
@@ -58,13 +65,6 @@ from outbox_migrate.runner.errors import (
 )
 from outbox_migrate.runner.events import RunnerEvents, SilentEvents
 from outbox_migrate.runner.executors import executor_for
-from outbox_migrate.runner.locks import (
-    AttemptLog,
-    LockBudget,
-    lock_declared,
-    long_transactions,
-    run_with_lock_budget,
-)
 
 RUNNER_LOCK_CLASS = 0x6F6D7275  # "omru": first key of the per-table session advisory lock
 FAULT_ENV = "OUTBOX_MIGRATE_FAULT"

@@ -16,12 +16,12 @@ import psycopg
 
 from outbox_migrate.db import one_line
 from outbox_migrate.errors import ConnectionLost
+from outbox_migrate.lock_budget import LockBudget, run_with_lock_budget
 from outbox_migrate.patterns.model import LockMode, Step
 from outbox_migrate.runner import ledger, ownership
 from outbox_migrate.runner.checks import check_conditions
 from outbox_migrate.runner.decide import completed_phase, phase_index, steps_to_reverse
 from outbox_migrate.runner.errors import OutOfOrder, PreconditionFailed, StepFailed
-from outbox_migrate.runner.locks import LockBudget, run_with_lock_budget
 
 if TYPE_CHECKING:
     from outbox_migrate.runner.engine import Runner
