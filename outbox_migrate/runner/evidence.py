@@ -20,6 +20,7 @@ from outbox_migrate.patterns.model import Condition, Step
 PRESENCE = frozenset(
     {
         "all-rows-present",
+        "all-rows-present-by-order",
         "autovacuum-tuned",
         "check-exists",
         "check-validated",
