@@ -18,7 +18,7 @@ from psycopg import sql
 from outbox_migrate.config import Settings
 from outbox_migrate.errors import SchemaError, UsageError
 from outbox_migrate.patterns.model import Pattern, Step
-from outbox_migrate.runner import ledger
+from outbox_migrate.runner import ledger, ownership
 from outbox_migrate.runner.admission import admit, ledger_exists
 from outbox_migrate.runner.apply import (
     FAULT_ENV,
@@ -265,14 +265,15 @@ class Runner:
         SQL) is adopted when its postcondition holds (or a later step evidently undid it),
         and an earlier deploy gate is checked again. Decided in full before anything is
         written (`decide.plan_execute_step`): a refusal leaves the ledger as it was."""
-        self.step(step_id)
+        self.step(step_id)  # an unknown step is refused before the lock is taken
         self.acquire()
         rows = self._admit()
         facts = self._facts_now()
-        step = self.step(step_id)
+        step = self.step(step_id)  # as the live pattern has it
         steps = self.pattern.steps()
         holds = facts.holding(steps[: steps.index(step)], rows)
         plan = plan_execute_step(self.pattern, rows, step.id, holds)
+        self._check_adoptions([s for s, action in plan.actions if action is Action.ADOPT])
         migration = self._record()
         rows = self._rows(migration)
         applier = self._applier(migration.id)
@@ -283,6 +284,16 @@ class Runner:
                 continue
             applier.execute(planned, rows.get(planned.id), self._holds(planned, rows), result)
         return self._finish(migration, result, step.phase)
+
+    def _check_adoptions(self, steps: list[Step]) -> None:
+        """Adopting refuses an object another live migration owns: asked (read-only) before
+        the plan writes anything, so that refusal too leaves the ledger as it was."""
+        if not steps or not ledger_exists(self.conn):
+            return
+        latest = self._latest()
+        own = latest.id if latest is not None else 0  # 0: no migration id, nothing of ours
+        for step in steps:
+            ownership.check_adoptable(self.conn, own, step, self.spec)
 
     def reverse_step(self, step_id: str) -> bool:
         """Undo one step (its `reverse`), newest first like `rollback`. False when it was

@@ -1,4 +1,4 @@
-"""Who carries a step out. The engine looks the executor up by `Step.executor` and never
+"""Who carries a step out. The applier looks the executor up by `Step.executor` and never
 branches on step kinds: SQL steps (transactional or not) and job steps (the copy-back) share
 one small protocol — prove it is done, apply it.
 
