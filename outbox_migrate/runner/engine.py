@@ -135,7 +135,9 @@ class Runner:
         return f"{self.spec.schema}.{self.spec.table}"
 
     def _read_facts(self) -> LiveFacts:
-        """The live facts, read once per command (and again after it changed the schema)."""
+        """The live facts, read once when the `with` block opens: the identity kind and the
+        publications are recorded when the migration starts, so they do not change under
+        it; what holds is asked on demand."""
         self._facts = LiveFacts(self.conn, self.settings, self._pattern_name,
                                 self._include_optional)  # fmt: skip
         self.pattern = self._facts.pattern
@@ -170,7 +172,7 @@ class Runner:
             f"{self.pattern.name} admission", [self.spec.table],
             lambda conn: admit(conn, self.spec, self.pattern.name),
         )  # fmt: skip
-        facts = self._read_facts()
+        facts = self._facts_now()
         rows = self._existing_rows()
         check_definitions(facts.pattern, {i: (r.state, r.checksum) for i, r in rows.items()})
         return rows
