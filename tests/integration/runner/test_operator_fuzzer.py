@@ -592,7 +592,8 @@ def test_operator_fuzzer(
                 deadline=None,
                 database=None,
                 # Shrinking on: a failure is reported as the shortest sequence hypothesis
-                # can find that still fails (it replays draws on a fresh database each time).
+                # can find that still fails (it replays draws on a fresh database each time;
+                # hypothesis stops shrinking after 5 minutes, then reports the shortest yet).
                 phases=(Phase.explicit, Phase.generate, Phase.shrink),
                 suppress_health_check=list(HealthCheck),
             ),
