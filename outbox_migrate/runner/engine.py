@@ -181,7 +181,7 @@ class Runner:
         """The command is admitted: find or start the migration record, list its steps."""
         if not self.session.borrowed:
             ledger.ensure_schema(self.conn)
-        facts = self._facts or self._read_facts()
+        facts = self._facts_now()
         migration = ledger.open_migration(
             self.conn,
             self.pattern,
@@ -223,7 +223,7 @@ class Runner:
     def run(self, to_phase: str) -> RunResult:
         """Run every pending step through the end of `to_phase`, then stop at that boundary."""
         self.acquire()
-        pending = steps_to_run(self.pattern, self._admit(), to_phase)  # refuses, writes nothing
+        steps_to_run(self.pattern, self._admit(), to_phase)  # decided before anything is written
         migration = self._record()
         rows = self._rows(migration)
         pending = steps_to_run(self.pattern, rows, to_phase)
