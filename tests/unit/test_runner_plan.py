@@ -151,3 +151,25 @@ def test_undoers_are_classified_as_the_rule_needs() -> None:
     steps = {s.kind: s for s in HOPER.steps()}
     assert asserts_presence(steps["swap-default"])
     assert not asserts_presence(steps["drop-check"])
+
+
+@pytest.mark.parametrize("name", PATTERN_NAMES)
+def test_an_absence_never_adopts_a_step_not_yet_applied(name: str) -> None:
+    """The fuzzer's finding, for every step some later step undoes: everything before it is
+    done, it is not, and every absence-only postcondition holds (nothing after it created
+    anything) while every presence fails. Asking for any step after its undoer is refused,
+    naming it — the undoer's absence is no evidence that it was ever applied."""
+    pattern = build_pattern(name, None, BuildOptions(include_optional=True))
+    steps = pattern.steps()
+    holds = {s.id: not asserts_presence(s) for s in steps if s.postcondition}
+    checked = 0
+    for index, undone in enumerate(steps):
+        undoers = [i for i, s in enumerate(steps) if i > index and s.kind in undone.undone_by]
+        if not undoers:
+            continue
+        rows = done(*(s.id for s in steps[:index]))
+        for target in steps[undoers[0] + 1 :]:
+            with pytest.raises(OutOfOrder, match=f"needs {undone.id} first"):
+                plan_execute_step(pattern, rows, target.id, holds)
+            checked += 1
+    assert checked or name in ("cop", "hop")  # these two have no undoer in their own steps
