@@ -369,3 +369,19 @@ SELECT format('publication %I lists %s but not %s: its consumer would miss every
 FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass({rel_reg})
 WHERE NOT EXISTS (
     SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid AND u.prrelid = to_regclass({unpublished_reg}))
+
+-- name: no-row-security
+-- The table has no row-level security: its policies are not carried to the partitioned table.
+SELECT format('%s has row-level security (%s, %s policies); outbox-migrate does not carry policies to %s and its partitions — disable it for the migration (ALTER TABLE %s DISABLE ROW LEVEL SECURITY) and re-create the policies on the partitioned table yourself, or migrate by hand',
+              c.oid::regclass, CASE WHEN c.relrowsecurity THEN 'enabled' ELSE 'disabled' END,
+              (SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid), {parent_reg}, c.oid::regclass)
+FROM pg_class c
+WHERE c.oid = to_regclass({rel_reg})
+  AND (c.relrowsecurity OR EXISTS (SELECT 1 FROM pg_policy p WHERE p.polrelid = c.oid))
+
+-- name: may-give-to-owner
+-- The migration's role may give the new tables to the old table's owner (it is that role, a member of it, or a superuser).
+SELECT format('the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it creates could not be given to that owner; run it as the owner (or a member of the owner role)',
+              current_user, c.relowner::regrole, c.oid::regclass)
+FROM pg_class c
+WHERE c.oid = to_regclass({rel_reg}) AND NOT pg_has_role(current_user, c.relowner, 'MEMBER')
