@@ -305,9 +305,7 @@ def no_enabled_user_triggers(n: Names, relation: str) -> Condition:
 
 
 def no_row_security(n: Names) -> Condition:
-    return condition(
-        "no-row-security", n.table, rel_reg=n.reg(n.table), parent_reg=n.reg(n.parent)
-    )
+    return condition("no-row-security", n.table, rel_reg=n.reg(n.table), parent_reg=n.reg(n.parent))
 
 
 def may_give_to_owner(n: Names) -> Condition:
