@@ -34,5 +34,5 @@ class RateLimitedLog:
         if last is not None and now - last < self.interval_s:
             return False
         self._last[key] = now
-        self.logger.warning(message, *args)
+        self.logger.warning(message, *args, stacklevel=2)
         return True

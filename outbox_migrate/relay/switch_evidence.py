@@ -53,9 +53,9 @@ class QuietWindow:
     """
 
     def __init__(
-        self, window_s: float = QUIET_WINDOW_S, clock: Callable[[], float] = time.monotonic
+        self, window_s: float | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.window_s = window_s
+        self.window_s = QUIET_WINDOW_S if window_s is None else window_s
         self.clock = clock
         self._count: int | None = None
         self._since = 0.0
