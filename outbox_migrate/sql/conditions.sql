@@ -61,7 +61,7 @@ WHERE NOT EXISTS (
 
 -- name: old-table-drained
 -- No unpublished rows remain in the table.
-SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
               count(*), {rel_reg}, {phase})
 FROM {rel_q} WHERE {column_q} IS NULL
 HAVING count(*) > 0

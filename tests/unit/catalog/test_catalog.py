@@ -351,6 +351,16 @@ def test_offline_assertion_raises_the_violation_with_the_step_and_condition() ->
     assert "precondition of copra.v3.gate-old-table-retired [old-table-drained:outbox]" in block
 
 
+def test_the_drained_gate_names_the_way_out_for_stranded_rows() -> None:
+    """Rows a writer added after the switching relay left the old table are published by
+    nobody: the V3 gate's refusal says how to publish them, not only that they are there."""
+    for name in ("hop", "hoper", "hopia"):
+        gate = build_pattern(name).phase("V3").steps[0]
+        drained = next(c for c in gate.preconditions if c.name.startswith("old-table-drained"))
+        assert "outbox-migrate relay --mode flat --until-empty" in drained.sql_text()
+        assert "run this phase again" in drained.sql_text()
+
+
 def test_transactional_step_sql_takes_locks_then_checks_then_acts() -> None:
     """The offline SQL follows the runner's commit-time rule: timeouts, the declared locks
     (parent first), every precondition as an assertion, the DDL — in one transaction."""
