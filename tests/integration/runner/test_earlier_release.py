@@ -43,6 +43,8 @@ BEFORE_PRIVILEGES = {
     "hopia.v2.create-partitioned-table": "92acf259965ef751",
     "hopia.v2.create-unpublished-partition": "284a806e63c34b71",
     "hopia.v2.create-published-partition": "d40908d07c19a427",
+    # HOPIA's copy function before it ran with its installer's rights.
+    "hopia.v2.install-copy-trigger": "d27058953fe556e3",
 }
 
 
