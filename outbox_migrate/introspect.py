@@ -263,7 +263,7 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
             )
     judge(facts, spec, pattern)
     seen = read_table_privileges(conn, spec)  # what travels to the new tables (plan shows it)
-    facts.objects += [ObjectFact(*o) for o in seen.objects(spec, pattern)]
+    facts.objects[:0] = [ObjectFact(*o) for o in seen.objects(spec, pattern)]
     facts.blockers += [Finding(*b) for b in seen.blockers(spec)]
     return facts
 
