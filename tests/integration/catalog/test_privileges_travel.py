@@ -169,6 +169,8 @@ def test_a_migration_role_that_cannot_give_the_tables_away_is_refused(
         sql.Identifier(conn.info.dbname), ident))  # fmt: skip
     conn.execute(sql.SQL("GRANT CREATE, USAGE ON SCHEMA public TO {}").format(ident))
     conn.execute(sql.SQL("GRANT SELECT ON outbox TO {}").format(ident))
+    # Before PostgreSQL 18, reading the id sequence's position needs a privilege on it.
+    conn.execute(sql.SQL("GRANT SELECT ON SEQUENCE outbox_id_seq TO {}").format(ident))
     try:
         settings = load_settings({"gate_window_s": 0.1}, environ={})
         with (
