@@ -61,7 +61,7 @@ def test_the_01_definition_is_a_known_former_one(pattern: str) -> None:
 def test_the_definitions_before_privileges_travelled_are_known_former_ones(step_id: str) -> None:
     """A migration past V2's creating steps when the tool was upgraded is adopted (the grants
     of tables created before are the operator's, as they were)."""
-    pattern = build_pattern(step_id.split(".")[0], OutboxSpec())
+    pattern = build_pattern(step_id.split(".", maxsplit=1)[0], OutboxSpec())
     (step,) = [s for s in pattern.steps() if s.id == step_id]
     assert step.checksum() != BEFORE_PRIVILEGES[step_id]
     assert BEFORE_PRIVILEGES[step_id] in step.former_checksums
