@@ -385,3 +385,12 @@ SELECT format('the migration runs as %I, which is neither %s (the owner of %s) n
               current_user, c.relowner::regrole, c.oid::regclass)
 FROM pg_class c
 WHERE c.oid = to_regclass({rel_reg}) AND NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+
+-- name: no-trigger-name-clash
+-- No trigger on the table has the name of a row trigger of the parent (ATTACH clones the parent's row triggers onto the partition and refuses a name already taken).
+SELECT format('trigger %I on %s has the name of row trigger %I on %s, which ATTACH clones onto %s and refuses ("trigger already exists"); rename the one on %s (ALTER TRIGGER %I ON %s RENAME TO …) or the one on %s, then run this step again',
+              o.tgname, o.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass, p.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass)
+FROM pg_trigger o
+JOIN pg_trigger p ON p.tgname = o.tgname
+WHERE o.tgrelid = to_regclass({rel_reg}) AND p.tgrelid = to_regclass({parent_reg})
+  AND (p.tgtype & 1) = 1 AND NOT p.tgisinternal AND o.tgparentid <> p.oid
