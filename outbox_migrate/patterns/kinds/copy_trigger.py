@@ -27,13 +27,25 @@ from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds import BuildContext, kind, make_step
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND
 from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
-
-SECURITY = sql.SQL("SECURITY DEFINER SET search_path = pg_catalog ")
-"""Copy with the installer's rights, not the relay's (see the module docstring)."""
+from outbox_migrate.patterns.names import Names
 
 
-def create_trigger_sql(ctx: BuildContext, security: sql.SQL = SECURITY) -> tuple[sql.Composed, ...]:
+def definer_rights(n: Names) -> sql.Composed:
+    """Copy with the installer's rights, not the relay's (see the module docstring). The
+    search_path is pinned (pg_catalog first, so a caller cannot shadow a built-in) and ends
+    with the outbox's schema, where the old table's own triggers, which fire inside the copy,
+    found their unqualified names before."""
+    return sql.SQL("SECURITY DEFINER SET search_path = pg_catalog, {} ").format(
+        sql.Identifier(n.spec.schema)
+    )
+
+
+def create_trigger_sql(
+    ctx: BuildContext, security: sql.Composable | None = None
+) -> tuple[sql.Composed, ...]:
     n = ctx.names
+    if security is None:
+        security = definer_rights(n)
     if n.spec.id_kind == "application":
         # The gate sequence's trigger on the old table must not count this copy as a writer
         # (kinds/gate_sequence.py): the flag is raised around the INSERT only.

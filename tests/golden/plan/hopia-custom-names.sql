@@ -370,7 +370,7 @@ WHERE to_regclass('"billing"."events_done"') IS NOT NULL AND EXISTS (SELECT 1 FR
     END LOOP;
 END
 $om_assert$;
-CREATE OR REPLACE FUNCTION "billing"."events_done_insert_trigger"() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $om$
+CREATE OR REPLACE FUNCTION "billing"."events_done_insert_trigger"() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, "billing" AS $om$
 BEGIN
     INSERT INTO "billing"."Events" OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;
     RETURN NULL;

@@ -370,7 +370,7 @@ WHERE to_regclass('"public"."outbox_published"') IS NOT NULL AND EXISTS (SELECT 
     END LOOP;
 END
 $om_assert$;
-CREATE OR REPLACE FUNCTION "public"."outbox_published_insert_trigger"() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $om$
+CREATE OR REPLACE FUNCTION "public"."outbox_published_insert_trigger"() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, "public" AS $om$
 BEGIN
     INSERT INTO "public"."outbox" OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;
     RETURN NULL;
