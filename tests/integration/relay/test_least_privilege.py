@@ -4,7 +4,8 @@ The application's role has SELECT, INSERT and UPDATE on the old table (and USAGE
 sequence) and nothing else; nobody writes a GRANT by hand during the migration. The runner,
 as the owner, creates the partitioned outbox; V1 and V2 writers and the switching relay run as
 the application's role through the switch (after the operator's REVOKE INSERT, the default
-gate's signal), and every message is published. HOPIA's copy trigger fires in the relay's
+gate's signal), and every message is published; then V3's partitioned relay and writer, as
+the same role, across V4's swap. HOPIA's copy trigger fires in the relay's
 session after the switch and must not need the INSERT the relay's role no longer has.
 """
 
@@ -21,6 +22,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from outbox_migrate.config import load_settings
+from outbox_migrate.patterns import build_pattern
 from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.relay.writer import WritePhase
@@ -144,3 +146,23 @@ def test_least_privilege_app_runs_through_the_switch_with_no_hand_written_grant(
     assert collected.duplicates() == 0
     with Runner(roles.owner_dsn, settings(), pattern) as runner:
         assert runner.run("V3").phase == "V3"  # the V3 gate: nothing left behind
+    # V3 on: the partitioned relay and a writer as the application's role, across V4's swap
+    # of the old table in as the DEFAULT partition (where the pattern has one).
+    steady, v3 = Collected(), Writers()
+    relay = Relay(
+        roles.app_dsn, steady.factory(), spec=SPEC,
+        options=RelayOptions(mode=Mode.partitioned, listen=False, poll_interval_s=0.02),
+    )  # fmt: skip
+    try:
+        with running(relay):
+            v3.start(roles.app_dsn, WritePhase.partitioned, count=1, application_name="orders-v3")
+            wait_for(lambda: len(steady.ids) >= 20, what="the partitioned relay publishing")
+            if "V4" in [phase.name for phase in build_pattern(pattern).phases]:
+                with Runner(roles.owner_dsn, settings(), pattern) as runner:
+                    assert runner.run("V4").phase == "V4"
+            v3.finish()
+            wait_for(lambda: not ids(dsn, "outbox_unpublished"), what="the V3 backlog")
+    finally:
+        v3.finish()
+    assert {i for _, i in v3.inserted} <= set(steady.ids)
+    assert steady.duplicates() == 0
