@@ -52,7 +52,8 @@ class TablePrivileges:
         for grantee, grants in groupby(self.grants, key=lambda g: g.grantee):
             held = list(grants)
             claim = [g.text() for g in held if g.privilege in RELAY_CLAIM_PRIVILEGES]
-            fate = f"granted on {parent} when it is created"
+            held_text = ", ".join(g.text() for g in held)
+            fate = f"{held_text}: granted on {parent} when it is created"
             if claim:
                 fate += f"; {', '.join(claim)} also on {unpublished}, which the relay claims from"
             if pattern in SWITCHING_PATTERNS and any(
@@ -63,7 +64,7 @@ class TablePrivileges:
                     f"it: after V1 is gone, as {self.owner}: REVOKE INSERT ON {spec.table} "
                     f"FROM {grantee}"
                 )
-            found.append(("grant", grantee, ", ".join(g.text() for g in held), fate))
+            found.append(("grant", grantee, held_text, fate))
         return found
 
     def blockers(self, spec: OutboxSpec) -> list[tuple[str, str, str]]:

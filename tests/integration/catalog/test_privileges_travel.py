@@ -132,6 +132,7 @@ def test_plan_shows_the_grants_and_the_revoke_the_switch_waits_for(
     assert shown[("owner", roles.owner)].fate.startswith("owns outbox_new and its partitions")
     app = shown[("grant", roles.app)]
     assert app.definition == "INSERT, SELECT, UPDATE"
+    assert app.fate.startswith("INSERT, SELECT, UPDATE: granted on outbox_new")
     assert "SELECT, UPDATE also on outbox_unpublished" in app.fate
     assert f"REVOKE INSERT ON outbox FROM {roles.app}" in app.fate
     assert shown[("grant", roles.reader)].definition == "SELECT (id), SELECT (payload)"
