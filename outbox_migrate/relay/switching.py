@@ -104,10 +104,10 @@ def _without_privilege_proof(
         )
     kind, why = _old_sessions(conn, old_app)
     if kind:
-        return ("bypassing-sessions", f"{nothing}; waiting: {why}")
+        return ("bypassing-sessions+old-sessions", f"{nothing}; waiting: {why}")
     still = quiet.not_quiet(conn, _regclass(source)) if quiet is not None else ""
     if still:
-        return ("bypassing-sessions", f"{nothing}; the old version is gone, waiting: {still}")
+        return ("bypassing-sessions+quiet", f"{nothing}; the old version is gone, waiting: {still}")
     return HOLDS
 
 
