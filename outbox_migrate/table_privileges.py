@@ -56,9 +56,8 @@ class TablePrivileges:
             fate = f"{held_text}: granted on {parent} when it is created"
             if claim:
                 fate += f"; {', '.join(claim)} also on {unpublished}, which the relay claims from"
-            if pattern in SWITCHING_PATTERNS and any(
-                g.privilege == "INSERT" and g.column is None for g in held
-            ):
+            # REVOKE INSERT ON the table also takes back INSERT granted on columns.
+            if pattern in SWITCHING_PATTERNS and any(g.privilege == "INSERT" for g in held):
                 fate += (
                     f"; V2's switching relay leaves {spec.table} once nobody can insert into "
                     f"it: after V1 is gone, as {self.owner}: REVOKE INSERT ON {spec.table} "

@@ -469,13 +469,14 @@ def roles_that_can_insert() -> sql.SQL:
 
     Superusers, the owner and members of the owner role are left out: a REVOKE does not stop
     them for good (the owner grants itself back), so their *sessions* are the gate's business
-    instead (relay/switch_evidence.py).
+    instead (relay/switch_evidence.py). INSERT granted on some columns only counts too
+    (`has_any_column_privilege`; `has_table_privilege` sees table-level grants only).
     """
     return sql.SQL(
         "SELECT rolname FROM pg_roles WHERE rolcanlogin AND NOT rolsuper "
         "AND NOT pg_has_role(oid, (SELECT relowner FROM pg_class "
         "WHERE oid = %(relation)s::regclass), 'MEMBER') "
-        "AND has_table_privilege(oid, %(relation)s::regclass, 'INSERT') ORDER BY rolname"
+        "AND has_any_column_privilege(oid, %(relation)s::regclass, 'INSERT') ORDER BY rolname"
     )
 
 

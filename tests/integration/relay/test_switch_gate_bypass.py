@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from outbox_migrate.relay import switch_evidence
 from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
@@ -112,3 +114,29 @@ def test_with_old_app_name_it_waits_for_the_old_sessions_and_a_quiet_table(
     assert {i for _, i in v1.inserted} <= set(collected.ids)
     quiet = [r.getMessage() for r in caplog.records if "insert counter" in r.getMessage()]
     assert len(quiet) == 1 and "psql" in quiet[0]  # the DBA's session is named
+
+
+def test_a_column_level_insert_grant_keeps_the_gate_shut(tables: str, collected: Collected) -> None:
+    """INSERT granted on columns only (`GRANT INSERT (payload) …`) is INSERT all the same:
+    the gate waits for it, and `REVOKE INSERT ON outbox` (the advice it prints) ends it."""
+    dsn = tables
+    role = f"app_cols_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(role)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(ident))
+        admin.execute(sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(ident))
+        admin.execute(sql.SQL("GRANT SELECT, INSERT (payload) ON outbox TO {}").format(ident))
+    relay = switching_relay(dsn, collected)
+    try:
+        with running(relay):
+            wait_for(lambda: relay.state.blocked_checks >= 3, what="blocked switch checks")
+            time.sleep(HELD_S)
+            assert not relay.state.switched, "switched while a role may still insert"
+            assert f"REVOKE INSERT ON public.outbox FROM {role}" in relay.state.last_blocked_reason
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                admin.execute(sql.SQL("REVOKE INSERT ON outbox FROM {}").format(ident))
+            wait_for(lambda: relay.state.switched, what="the switch after the REVOKE")
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
+            admin.execute(sql.SQL("DROP ROLE {}").format(ident))
