@@ -380,11 +380,18 @@ WHERE c.oid = to_regclass({rel_reg})
   AND (c.relrowsecurity OR EXISTS (SELECT 1 FROM pg_policy p WHERE p.polrelid = c.oid))
 
 -- name: may-give-to-owner
--- The migration's role may give the new tables to the old table's owner (it is that role, a member of it, or a superuser).
-SELECT format('the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it creates could not be given to that owner; run it as the owner (or a member of the owner role)',
-              current_user, c.relowner::regrole, c.oid::regclass)
+-- The migration's role may give the new tables to the old table's owner: it is that owner or a superuser, or a member of the owner role, which may create in the schema (what ALTER TABLE … OWNER TO checks).
+SELECT CASE WHEN NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+            THEN format('the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it creates could not be given to that owner; run it as the owner (or a member of the owner role)',
+                        current_user, c.relowner::regrole, c.oid::regclass)
+            ELSE format('%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
+                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole, c.relnamespace::regnamespace, c.relowner::regrole) END
 FROM pg_class c
-WHERE c.oid = to_regclass({rel_reg}) AND NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+WHERE c.oid = to_regclass({rel_reg})
+  AND c.relowner <> (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)
+  AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user)
+  AND (NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+       OR NOT has_schema_privilege(c.relowner, c.relnamespace, 'CREATE'))
 
 -- name: no-trigger-name-clash
 -- No trigger on the table has the name of a row trigger of the parent (ATTACH clones the parent's row triggers onto the partition and refuses a name already taken).

@@ -81,10 +81,17 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it creates could not be given to that owner; run it as the owner (or a member of the owner role)',
-              current_user, c.relowner::regrole, c.oid::regclass)
+    FOR violation IN SELECT CASE WHEN NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+            THEN format('the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it creates could not be given to that owner; run it as the owner (or a member of the owner role)',
+                        current_user, c.relowner::regrole, c.oid::regclass)
+            ELSE format('%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
+                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole, c.relnamespace::regnamespace, c.relowner::regrole) END
 FROM pg_class c
-WHERE c.oid = to_regclass('"public"."outbox"') AND NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+WHERE c.oid = to_regclass('"public"."outbox"')
+  AND c.relowner <> (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)
+  AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user)
+  AND (NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+       OR NOT has_schema_privilege(c.relowner, c.relnamespace, 'CREATE'))
     LOOP
         RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-partitioned-table [may-give-to-owner:outbox] failed: %', violation;
     END LOOP;

@@ -187,3 +187,34 @@ def test_a_migration_role_that_cannot_give_the_tables_away_is_refused(
         )
         conn.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(ident))
         conn.execute(sql.SQL("DROP ROLE {}").format(ident))
+
+
+def test_an_owner_that_may_not_create_in_the_schema_is_refused_up_front(
+    dsn: str, conn: psycopg.Connection, roles: Roles
+) -> None:
+    """The migration runs as a member of the owner role, but the owner may not create in the
+    schema (ALTER TABLE … OWNER TO demands it): refused before anything is created, with the
+    GRANT that fixes it, instead of failing inside the step."""
+    member = f"om_member_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(member)
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(ident, roles.ident()))
+    conn.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(
+        sql.Identifier(conn.info.dbname), ident))  # fmt: skip
+    conn.execute(sql.SQL("GRANT CREATE, USAGE ON SCHEMA public TO {}").format(ident))
+    conn.execute(sql.SQL("REVOKE CREATE ON SCHEMA public FROM {}").format(roles.ident()))
+    try:
+        settings = load_settings({"gate_window_s": 0.1}, environ={})
+        with (
+            Runner(psycopg.conninfo.make_conninfo(dsn, user=member), settings, "hop") as runner,
+            pytest.raises(PreconditionFailed) as refused,
+        ):
+            runner.run("V2")
+        assert "may-give-to-owner" in refused.value.condition
+        assert f"GRANT CREATE ON SCHEMA public TO {roles.owner}" in refused.value.observed
+        assert conn.execute("SELECT to_regclass('outbox_new')").fetchone() == (None,)
+    finally:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (member,)
+        )
+        conn.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(ident))
+        conn.execute(sql.SQL("DROP ROLE {}").format(ident))
