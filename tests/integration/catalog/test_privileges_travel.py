@@ -202,6 +202,7 @@ def test_an_owner_that_may_not_create_in_the_schema_is_refused_up_front(
         sql.Identifier(conn.info.dbname), ident))  # fmt: skip
     conn.execute(sql.SQL("GRANT CREATE, USAGE ON SCHEMA public TO {}").format(ident))
     conn.execute(sql.SQL("REVOKE CREATE ON SCHEMA public FROM {}").format(roles.ident()))
+    conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")  # granted before PostgreSQL 15
     try:
         settings = load_settings({"gate_window_s": 0.1}, environ={})
         with (
