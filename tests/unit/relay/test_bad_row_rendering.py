@@ -72,13 +72,37 @@ def test_a_raw_payload_has_no_envelope() -> None:
     assert raised.value.message_id == 9 and "not UTF-8" in raised.value.reason
 
 
+class EnvelopeLines:
+    """A sink that renders the whole batch with `Message.envelope()` before writing any of it,
+    as the contract lets a sink do: an unrepresentable message stops the rendering."""
+
+    name = "envelope-lines"
+
+    def __init__(self) -> None:
+        self.stream = io.StringIO()
+
+    def publish(self, batch: Sequence[Message]) -> None:
+        self.stream.write("".join(m.envelope() + "\n" for m in batch))
+
+    def close(self) -> None:
+        return None
+
+
 def test_publish_sets_aside_the_unrepresentable_message_and_sends_the_rest() -> None:
-    stream = io.StringIO()
+    sink = EnvelopeLines()
     batch = [Message(i, "public.outbox", None, None, PICKLE if i == 2 else "{}", NOW)
              for i in range(1, 5)]  # fmt: skip
-    rejected, unrepresentable = publishing.publish(StdoutSink(stream=stream), batch)
+    rejected, unrepresentable = publishing.publish(sink, batch)
     assert rejected == {} and list(unrepresentable) == [2]
-    assert [json.loads(line)["id"] for line in stream.getvalue().splitlines()] == [1, 3, 4]
+    assert [json.loads(line)["id"] for line in sink.stream.getvalue().splitlines()] == [1, 3, 4]
+
+
+def test_the_stdout_sink_rejects_a_raw_payload_by_id() -> None:
+    stream = io.StringIO()
+    batch = [Message(i, "t", None, None, PICKLE if i == 2 else "{}", NOW) for i in range(1, 4)]
+    rejected, unrepresentable = publishing.publish(StdoutSink(stream=stream), batch)
+    assert list(rejected) == [2] and unrepresentable == {}
+    assert [json.loads(line)["id"] for line in stream.getvalue().splitlines()] == [1, 3]
 
 
 def test_publish_reports_what_the_broker_rejected_after_setting_aside() -> None:
