@@ -66,9 +66,15 @@ def resolve(
             f"{source.label}.{spec.payload_column} is {payload_type}; the payload must be "
             f"one of {', '.join(PAYLOAD_TYPES)}"
         )
+    key = optional(key_column, spec.key_column, defaults.key_column)
+    if ordering is Ordering.key and key is None:
+        raise RelayError(
+            f"--ordering key needs a key column; {source.label} has no message_key "
+            "(name yours with --key-column)"
+        )
     return queries.Columns(
         event_type=optional(event_type_column, spec.event_type_column, defaults.event_type_column),
-        key=optional(key_column, spec.key_column, defaults.key_column),
+        key=key,
         payload=spec.payload_column,
         created_at=spec.created_column or None,
         payload_type=payload_type,

@@ -53,7 +53,7 @@ from outbox_migrate.relay.backoff import backoff_s, jitter_s
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.columns import resolve as resolve_columns
 from outbox_migrate.relay.cursor import Cursor, NoCursor
-from outbox_migrate.relay.errors import RelayError, RelayFailed, SinkUnavailable
+from outbox_migrate.relay.errors import RelayFailed, SinkUnavailable
 from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.message import Message, MessageId, TextIdMessage
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
@@ -284,15 +284,17 @@ class Relay:
             sources = [self.state.current]
             if self.options.mode is Mode.switching:
                 sources = [self.state.flat, self.state.partitioned]
+            options = self.options
             for source in sources:
-                columns = self._resolve_columns(conn, source)
-                if self.options.ordering is Ordering.key and columns.key is None:
-                    raise RelayError(
-                        f"--ordering key needs a key column; {source.label} has no message_key "
-                        "(name yours with --key-column)"
-                    )
-                self._columns[source.label] = columns
-            self._prepare_rejections(conn, sources)
+                self._columns[source.label] = resolve_columns(conn, source, self.spec,
+                    options.key_column, options.event_type_column, options.ordering)  # fmt: skip
+            # The dead-letter and attempts tables, created up front (relay/bad_rows.py).
+            if not self.failures.prepare(conn, [source.label for source in sources]):
+                log.warning(
+                    "relay.dead_letter_unavailable: create %s and %s as in docs/relay.md; "
+                    "until then a rejected message stops the relay",
+                    options.dead_letter_table, options.attempts_table,
+                )  # fmt: skip
             if self.options.listen and self.options.mode is not Mode.flat:
                 self._check_trigger_key(conn)
 
@@ -305,20 +307,6 @@ class Relay:
                 "another table name (renamed since?); reinstall it with relay --install-notify",
                 notify.label(self.spec),
             )
-
-    def _prepare_rejections(self, conn: Any, sources: list[queries.Source]) -> None:
-        """The dead-letter and attempts tables, created up front (relay/bad_rows.py)."""
-        if not self.failures.prepare(conn, [source.label for source in sources]):
-            log.warning(
-                "relay.dead_letter_unavailable: create %s and %s as in docs/relay.md; "
-                "until then a rejected message stops the relay",
-                self.options.dead_letter_table, self.options.attempts_table,
-            )  # fmt: skip
-
-    def _resolve_columns(self, conn: Any, source: queries.Source) -> queries.Columns:
-        options = self.options
-        return resolve_columns(conn, source, self.spec, options.key_column,
-                               options.event_type_column, options.ordering)  # fmt: skip
 
     # -- the worker loop -------------------------------------------------------------------
 
@@ -561,6 +549,8 @@ class _Worker:
         """Bad rows to try again once the backlog is drained (`_retry_bad_rows`)."""
         self.unmarked: list[_Commit] = []
         """Batches of the last failed run whose mark did not commit (`_repair_marks`)."""
+        self.mark_failure: IntegrityError | None = None
+        """The constraint a mark broke: the next step repairs `unmarked` first."""
         self.read_ahead = read_ahead.ReadAhead(
             read_ahead.open_session(
                 lambda: _connect_worker(relay), options.dead_session_s, options.poll_interval_s
@@ -604,6 +594,8 @@ class _Worker:
 
         relay = self.relay
         try:
+            if self.mark_failure is not None:
+                self._repair_marks()
             return self._step()
         except LeaseUnproven as exc:
             relay.observer.failed("fenced")
@@ -618,8 +610,10 @@ class _Worker:
             self._back_off(keep_session=True)
         except IntegrityError as exc:
             # The mark of a published batch broke a constraint (a duplicate id moving into
-            # the published partition): find the rows at fault, mark the rest.
-            self._repair_marks(exc)
+            # the published partition): the next step finds the rows at fault, marks the rest.
+            if not self.unmarked:
+                raise  # no batch to repair: not a mark's failure
+            self.mark_failure = exc
         except _serialization_errors():
             # Another claimer moved a row we were about to lock (see queries.py). Checked
             # before connection errors: SerializationFailure is an OperationalError too, but
@@ -635,20 +629,28 @@ class _Worker:
             self._back_off()
         return False
 
-    def _repair_marks(self, exc: IntegrityError) -> None:
+    def _repair_marks(self) -> None:
         """After a mark failed on a constraint: mark the acknowledged rows of the batches it
-        took down one by one in halves (relay/mark_repair.py); a row that cannot be marked is
-        a bad row — counted, claimed again, dead-lettered and removed after `max_attempts`.
-        A failure that no repair can place (no batch to repair) is raised."""
-        relay, unmarked, self.unmarked = self.relay, self.unmarked, []
-        if not unmarked or self.conn is None:
-            raise exc
-        for commit in unmarked:
+        took down (relay/mark_repair.py); a row that cannot be marked is a bad row — counted,
+        claimed again, dead-lettered and removed after `max_attempts`. Run as a step of its
+        own, so a lost session or a 40001 meanwhile is handled as anywhere else (the repair
+        is one transaction per batch; without a session, the rows are claimed and sent again)."""
+        relay, exc = self.relay, self.mark_failure
+        assert exc is not None
+        if self.conn is None or self.conn.closed:
+            self.unmarked, self.mark_failure = [], None
+            return
+        while self.unmarked:
+            commit = self.unmarked[0]
             assert commit.unmarked is not None
             source, rows, batch, acked = commit.unmarked
-            done = mark_repair.repair(
-                self.conn, source, relay.failures, relay._suspects, rows, batch, acked, exc
-            )
+            try:
+                done = mark_repair.repair(
+                    self.conn, source, relay.failures, relay._suspects, rows, batch, acked, exc
+                )
+            except IntegrityError as failed:  # the repair itself broke one: no loop of repairs
+                raise RelayFailed(f"repairing a failed mark: {_one_line(failed)}") from failed
+            self.unmarked.pop(0)
             relay.stats.batch(done.marked)
             relay._count_failures(0, len(done.bad), dead=len(done.dead))
             relay.observer.published(done.marked)
@@ -657,6 +659,7 @@ class _Worker:
                 "relay.mark_repaired worker=%d marked=%d bad_rows=%d dead_lettered=%d %s",
                 self.index, done.marked, len(done.bad), len(done.dead), _one_line(exc),
             )  # fmt: skip
+        self.mark_failure = None
 
     def _step_out(self) -> None:
         """The broker is out of reach: let the other relays serve this worker's shards while
