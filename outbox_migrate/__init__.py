@@ -1,14 +1,29 @@
 """outbox-migrate: move a live PostgreSQL outbox to a LIST-partitioned table, then run it.
 
-Importing the package must stay cheap: `outbox-migrate --help` loads it, so nothing here may
-import psycopg, rich or SQLAlchemy.
+Importing the package must stay cheap: the CLI loads it before it can install its signal
+handlers, so nothing here may import psycopg, rich, SQLAlchemy — or even importlib.metadata
+(~60 ms): `__version__` is looked up on first use.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from __future__ import annotations
 
-try:
-    __version__ = version("outbox-migrate")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
-    __version__ = "0.0.0+unknown"
+from functools import cache
 
 __all__ = ["__version__"]
+
+
+@cache
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("outbox-migrate")
+    except PackageNotFoundError:  # pragma: no cover - a source tree without install
+        return "0.0.0+unknown"
+
+
+def __getattr__(name: str) -> str:
+    """`outbox_migrate.__version__`, resolved lazily (see the module docstring)."""
+    if name == "__version__":
+        return _installed_version()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
