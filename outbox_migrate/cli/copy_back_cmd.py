@@ -7,6 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from outbox_migrate.cli.options import (
+    RUNNER_SETTINGS,
     DsnOption,
     FormatOption,
     OutputFormat,
@@ -53,7 +54,7 @@ def register(app: typer.Typer) -> None:
         "checksums, then drop the source. A failed verification keeps the source and names the "
         "id ranges that differ.\n\n"
         "Example: outbox-migrate copy-back --dsn $DATABASE_URL --rate 50000",
-    )(with_names(copy_back))
+    )(with_names(copy_back, settings=RUNNER_SETTINGS))
 
 
 def copy_back(

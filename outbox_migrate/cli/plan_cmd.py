@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from outbox_migrate.cli.options import (
+    RUNNER_SETTINGS,
     DsnOption,
     settings_from,
     with_names,
@@ -44,7 +45,7 @@ def register(app: typer.Typer) -> None:
         "estimated durations and blockers.\n\n"
         "Example: outbox-migrate plan --pattern hoper --dsn $DATABASE_URL "
         "--format sql > hoper.sql",
-    )(with_names(plan))
+    )(with_names(plan, settings=RUNNER_SETTINGS))
 
 
 def plan(
