@@ -279,9 +279,13 @@ def render_status(doc: dict[str, Any]) -> None:
         for s in doc["steps"]
     ]  # fmt: skip
     table(None, ["step", "state", "tries", "ms", "lock wait ms"], rows, keep=["step"])
+    from outbox_migrate.cli.wording import without_prefix
+
     for s in doc["steps"]:  # errors below the table: they wrap, the ids above never do
         if s.get("last_error"):
-            console.print(f"{s['id']}: {s['last_error']}", markup=False)
+            # The error itself often starts with the step id: say it once.
+            error = without_prefix(str(s["last_error"]), s["id"])
+            console.print(f"{s['id']}: {error}", markup=False)
 
 
 @contextmanager

@@ -186,8 +186,10 @@ def _through_the_runner(dsn: str, settings: Any, options: Any, no_drop: bool, hu
             result = runner.execute_step("hoper.copy-back.copy-back")
         else:
             result = runner.run("copy-back")
+    from outbox_migrate.cli.wording import count
+
     line = (
-        f"HOPER copy-back through the migration's ledger: ran {len(result.ran)} steps, "
+        f"HOPER copy-back through the migration's ledger: ran {count(len(result.ran), 'step')}, "
         f"adopted {len(result.adopted)}; "
         + ("migration complete" if result.completed else f"at the end of {result.phase}")
     )

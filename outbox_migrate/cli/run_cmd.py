@@ -120,9 +120,10 @@ def _report(result: Any, output: OutputFormat, runner: Runner | None = None) -> 
         print_json_line({"event": "result", **asdict(result), "next": following})
         return
     from outbox_migrate.cli.console import text
+    from outbox_migrate.cli.wording import count
 
     state = "migration complete" if result.completed else f"stopped at the end of {result.phase}"
-    text(f"{result.pattern.upper()}: ran {len(result.ran)} steps, adopted "
+    text(f"{result.pattern.upper()}: ran {count(len(result.ran), 'step')}, adopted "
          f"{len(result.adopted)}, {state}")  # fmt: skip
     if following:
         text(f"Next: {following}")
@@ -278,8 +279,9 @@ def rollback(
         print_json({"rolled_back": undone, "phase": to.value})
     else:
         from outbox_migrate.cli.console import text
+        from outbox_migrate.cli.wording import count
 
-        text(f"rolled back {len(undone)} steps; now at the end of {to.value}")
+        text(f"rolled back {count(len(undone), 'step')}; now at the end of {to.value}")
 
 
 def reset(
