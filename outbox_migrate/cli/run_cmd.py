@@ -126,7 +126,9 @@ def _report(result: Any, output: OutputFormat, runner: Runner | None = None) -> 
     text(f"{result.pattern.upper()}: ran {count(len(result.ran), 'step')}, adopted "
          f"{len(result.adopted)}, {state}")  # fmt: skip
     if following:
-        text(f"Next: {following}")
+        from outbox_migrate.cli.console import advice
+
+        advice(following)
 
 
 def _what_next(result: Any, runner: Runner) -> str | None:
