@@ -375,6 +375,8 @@ def demo_live(pattern: str) -> Iterator[Callable[[Any], None]]:
             live.update(view(snapshot))
 
         yield update
+    if not err().is_terminal:  # the last frame ends without a newline off a terminal
+        err().line()
 
 
 def render_demo_report(report: dict[str, Any]) -> None:
