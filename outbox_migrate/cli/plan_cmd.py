@@ -80,7 +80,13 @@ def plan(
         publications=tuple(facts.publication_details) if facts else (),
     )
     if output is PlanFormat.sql:
-        typer.echo(render_sql(built, settings.spec, settings.lock_timeout_ms), nl=False)
+        import shutil
+
+        from outbox_migrate.sql_layout import layout
+
+        sql_text = render_sql(built, settings.spec, settings.lock_timeout_ms)
+        # Laid out to the terminal's width, 80 when redirected to a file (COLUMNS wins).
+        typer.echo(layout(sql_text, shutil.get_terminal_size((80, 24)).columns), nl=False)
     elif output is PlanFormat.markdown:
         typer.echo(render_markdown(built, settings.spec, facts), nl=False)
     elif output is PlanFormat.json:

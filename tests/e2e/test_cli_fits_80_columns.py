@@ -3,9 +3,9 @@
 folded table names mid-word, the demo's step table split "outco/me").
 
 The commands run as a user runs them, at COLUMNS=80, on one database, in an operator's order,
-with long names (the widest realistic case). Machine formats (`--format json|sql|markdown`)
-and data a sink prints are not for people and are not checked here; error lines are one line
-by contract (docs/cli.md) and none is expected.
+with long names (the widest realistic case). `plan --format sql` is laid out to the width too.
+Machine formats (`--format json|markdown`) and data a sink prints are not for people and are
+not checked here; error lines are one line by contract (docs/cli.md) and none is expected.
 """
 
 from __future__ import annotations
@@ -88,6 +88,13 @@ def test_output_without_a_database_fits() -> None:
             assert step.id in out.split(), step.id  # whole, on a line of its own
     for out, err in outputs:
         assert too_wide(out) == [] and too_wide(err) == []
+
+
+@pytest.mark.parametrize("pattern", PATTERN_NAMES)
+def test_plan_sql_is_laid_out_to_fit(pattern: str) -> None:
+    """psql runs it as laid out at 80 columns: tests/e2e/test_plan_sql_with_psql.py."""
+    out, _ = cli("plan", "-p", pattern, "--with-optional", "--format", "sql", env=NAMES)
+    assert too_wide(out) == []
 
 
 @pytest.mark.newest_pg_only

@@ -58,3 +58,22 @@ def test_status_names_the_step_once_in_its_footer(
     assert f"{step}: {step}" not in printed
     assert printed.count(step) == 2  # the table's row and the footer's line
     assert "could not take its locks" in printed
+
+
+def test_a_long_command_splits_where_the_shell_joins_it() -> None:
+    import shlex
+
+    from outbox_migrate.cli.wording import command_lines, wrap_text
+
+    command = (
+        "outbox-migrate plan --pattern hop --schema billing --table event_outbox "
+        "--dsn 'host=db.example.com user=app password=**** dbname=app' --with-optional"
+    )
+    lines = command_lines(command, 72)
+    assert len(lines) > 1 and all(len(line) <= 72 for line in lines)
+    assert all(line.endswith(" \\") for line in lines[:-1])
+    rejoined = " ".join(line.removesuffix("\\").strip() for line in lines)
+    assert shlex.split(rejoined) == shlex.split(command)
+    wrapped = wrap_text("  - " + "hoper.v2.create-partitioned-table " * 4, 40)
+    assert all(line.startswith("    ") for line in wrapped[1:])
+    assert all("hoper.v2.create-partitioned-table" in line for line in wrapped)
