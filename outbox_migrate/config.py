@@ -66,6 +66,11 @@ class OutboxSpec:
     """The relay's claim order for application ids: "" = the id itself (right for uuidv7 and
     ULID, which sort by time); random uuids (v4) need a creation timestamp or a bigint column
     here. Database ids are always claimed by id and refuse this setting."""
+    accept_lost_unique: tuple[str, ...] = ()
+    """Unique indexes or constraints (by name) whose rule the operator accepts to lose: a
+    partitioned table cannot enforce uniqueness without its partition key, so any other
+    unique key of the old table (a MessageId used for deduplication) is a blocker until it
+    is named here, deliberately, after the rule has moved elsewhere."""
 
     @property
     def check_name(self) -> str:
@@ -187,6 +192,15 @@ def _identifiers(value: Any) -> tuple[str, ...]:
     return tuple(_identifier(item) for item in value)
 
 
+def _relation_names(value: Any) -> tuple[str, ...]:
+    """Index or constraint names: a TOML list, or comma-separated (environment, flags)."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, list | tuple):
+        raise ValueError("must be a list of index or constraint names")
+    return tuple(_identifier(item) for item in value)
+
+
 ID_KINDS = ("database", "application")
 
 
@@ -219,6 +233,7 @@ _SPEC_KEYS: dict[str, Callable[[Any], Any]] = {
     "metadata_columns": _identifiers,
     "id_kind": _id_kind,
     "order_column": _optional_identifier,
+    "accept_lost_unique": _relation_names,
 }
 _SETTINGS_KEYS: dict[str, Callable[[Any], Any]] = {
     "lock_timeout_ms": _lock_timeout_ms,

@@ -12,9 +12,11 @@ from typing import Any
 
 from psycopg import Connection, sql
 
+from outbox_migrate import lost_semantics as lost_rules
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
+from outbox_migrate.findings import Finding
 from outbox_migrate.patterns.model import PublicationFact
 from outbox_migrate.patterns.names import Names
 
@@ -41,15 +43,6 @@ class ColumnFact:
     identity: str
     """'a' GENERATED ALWAYS, 'd' BY DEFAULT, '' none."""
     generated: str
-
-
-@dataclass(frozen=True)
-class Finding:
-    """A blocker or warning: what was found and what to do."""
-
-    code: str
-    message: str
-    remedy: str
 
 
 @dataclass(frozen=True)
@@ -102,6 +95,7 @@ class TableFacts:
     """(name, definition, validated, no inherit) of each CHECK constraint."""
     trigger_details: list[tuple[str, str, str]] = field(default_factory=list)
     """(name, definition, enabled: O/D/R/A) of each user trigger."""
+    unique_keys: list[lost_rules.UniqueKey] = field(default_factory=list)
     blockers: list[Finding] = field(default_factory=list)
     warnings: list[Finding] = field(default_factory=list)
     notes: list[Finding] = field(default_factory=list)
@@ -230,6 +224,7 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
     for name, definition, enabled, _type in _rows(conn, "triggers", **rel):
         facts.triggers.append((name, definition))
         facts.trigger_details.append((name, definition, enabled))
+    facts.unique_keys = lost_rules.read_unique_keys(conn, spec)
     id_col = facts.column(spec.id_column)
     pub_col = facts.column(spec.published_column)
     if id_col is not None and id_col.type in ID_TYPES:
@@ -300,10 +295,7 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
             "is not the spec's\"",
         ))  # fmt: skip
     elif pub_col is None:
-        block.append(Finding(
-            "published-missing", f"{table} has no column {spec.published_column!r}",
-            "set published_column to the publication timestamp column",
-        ))  # fmt: skip
+        block.append(lost_rules.missing_marker(facts, spec, table))
     elif pub_col.type not in PUBLISHED_TYPES:
         block.append(Finding(
             "published-type",
@@ -324,6 +316,7 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
         ))  # fmt: skip
     _warnings(facts, table)
     _judge_objects(facts, spec, table, pattern)
+    lost_rules.judge_lost_semantics(facts, spec, table)
 
 
 def _judge_id(facts: TableFacts, spec: OutboxSpec, table: str) -> None:
@@ -496,6 +489,7 @@ def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str
         f"partition key ({published}), so it could not guard the same columns there"
     )
     unique_id = False
+    lost = {key.name for key in lost_rules.lost_unique_keys(facts, spec)}
     for name, definition, primary, unique, valid in facts.index_details:
         if primary or unique:
             columns = definition[definition.rfind("(") + 1 : definition.rfind(")")]
@@ -503,7 +497,9 @@ def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str
             if columns in (spec.id_column, quoted) and valid and " WHERE " not in definition:
                 unique_id = True
             ids = (
-                "ids stay unique by construction (the new identity starts above the old ids)"
+                f"nothing enforces it on {parent} (lost-unique)"
+                if name in lost
+                else "ids stay unique by construction (the new identity starts above the old ids)"
                 if spec.id_kind == "database"
                 else "the application must keep ids unique across both tables"
             )
@@ -586,9 +582,10 @@ def _trigger_fate(definition: str, enabled: str, spec: OutboxSpec) -> str:
         fires.append(f"retention deletes on {table} fire it")
     return (
         "; ".join(fires)
-        + f". It is not carried to {parent}: re-create it there if the application relies on "
-        "it, and disable it on the old table at the swap if its effects must not repeat "
-        "(optional step disable-old-triggers)"
+        + f". It is not carried to {parent}: if the application relies on it, re-create it "
+        "there under another name (the swap's ATTACH clones the parent's row triggers onto "
+        f"{table} and refuses a name {table} already uses), and disable it on the old table "
+        "at the swap so it does not fire twice (optional step disable-old-triggers)"
     )
 
 

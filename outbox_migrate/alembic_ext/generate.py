@@ -75,7 +75,12 @@ def current_head(config: Any) -> str | None:
 
 
 def _spec_of(settings: Settings) -> dict[str, Any]:
-    return asdict(settings.spec)
+    spec = asdict(settings.spec)
+    # Accepting a lost unique key is pinned only when it was made at generation: pinned
+    # empty, it would override the acceptance in the configuration the revision runs with.
+    if not spec["accept_lost_unique"]:
+        del spec["accept_lost_unique"]
+    return spec
 
 
 def generate(

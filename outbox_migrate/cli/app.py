@@ -21,6 +21,7 @@ from outbox_migrate.cli import (
     maintain_cmd,
     ping_cmd,
     plan_cmd,
+    rehearse_cmd,
     relay_cmd,
     run_cmd,
     wizard_cmd,
@@ -91,6 +92,7 @@ def root(
 
 
 demo_cmd.register(app)
+rehearse_cmd.register(app)
 wizard_cmd.register(app)
 plan_cmd.register(app)
 run_cmd.register(app)

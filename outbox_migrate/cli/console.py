@@ -429,3 +429,46 @@ def render_demo_report(report: dict[str, Any]) -> None:
     for kind, path in files.items():
         if path:
             _say(console, f"{kind}: {path}")
+
+
+def render_rehearsal_report(report: dict[str, Any]) -> None:
+    """The demo's report for the scratch run, then what was read from the source and what the
+    size-bound steps would take there."""
+    source, scratch = report["source"], report["scratch"]
+    render_demo_report(report)
+    table(
+        "source (read only)",
+        ["measure", "value"],
+        [
+            ("table", source["table"]),
+            ("server", source["server_version"]),
+            ("rows (estimate)", f"{source['row_estimate']:,}"),
+            ("unpublished", f"{source['unpublished']:,}"),
+            ("heap", f"{source['heap_bytes']:,} bytes"),
+            (
+                f"rates over {source['measured_over_s']} s",
+                f"{source['inserts_per_s']} ins/s, {source['updates_per_s']} upd/s, "
+                f"{source['deletes_per_s']} del/s",
+            ),
+            ("copy", f"{scratch['rows']:,} rows at {scratch['rate_per_s']} inserts/s"),
+        ],
+    )
+    estimates = []
+    for item in report.get("extrapolated", []):
+        if "estimated_s" in item:
+            estimates.append(
+                (item["step"], f"{item['scratch_s']} s", f"~{item['estimated_s']} s "
+                 f"(x{item['scale']}, {item['basis']})")
+            )  # fmt: skip
+        else:
+            per_hour = item["estimated_s_per_hour_between_v2_and_swap"]
+            estimates.append(
+                (item["step"], f"{item['scratch_s']} s for {item['scratch_rows']:,} rows",
+                 f"{item['rows_per_s']} rows/s; ~{per_hour} s per hour between V2 and the "
+                 "swap" if per_hour is not None else f"{item['rows_per_s']} rows/s")
+            )  # fmt: skip
+    if estimates:
+        table("at the real size", ["step", "scratch", "source (estimate)"], estimates,
+              keep=["step"])  # fmt: skip
+    for skipped in scratch["skipped"]:
+        _say(out(), f"not carried to the copy: {skipped}")

@@ -44,6 +44,8 @@ NAME_HELP: dict[str, str] = {
     "metadata_columns": "Further columns sent as headers, comma-separated",
     "id_kind": f"Where ids come from: {' or '.join(ID_KINDS)}",
     "order_column": "Claim order for application ids ('' = the id)",
+    "accept_lost_unique": "A unique index or constraint whose rule may be lost (see `plan`), "
+    "repeatable",
 }
 """Help for the spec's fields; a field without an entry still gets an option."""
 
@@ -77,13 +79,22 @@ def _name_parameter(field_name: str, field_type: str, default: Any) -> inspect.P
     described = NAME_HELP.get(field_name) or SETTING_HELP.get(field_name)
     base = described or field_name.replace("_", " ").capitalize()
     help_text = f"{base} [{_default_text(default)}]."
-    python_type: Any = _PYTHON_TYPES.get(field_type, str)
+    # A list setting takes the flag repeatedly (or one comma-separated value).
+    python_type: Any = _PYTHON_TYPES.get(field_type, list[str] if "tuple" in field_type else str)
     annotation = Annotated[
         python_type | None, typer.Option(flag, help=help_text, show_default=False)
     ]
     return inspect.Parameter(
         field_name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation
     )
+
+
+def _given(value: Any) -> Any:
+    """A flag's value as `load_settings` takes it; None when the flag was not passed (a
+    repeatable flag not passed arrives as an empty list, which must not override env/file)."""
+    if isinstance(value, list | tuple):
+        return ",".join(value) or None
+    return value
 
 
 def name_fields() -> list[str]:
@@ -115,7 +126,8 @@ def with_names(command: _F, *, settings: tuple[str, ...] = ()) -> _F:
     @wraps(command)
     def wrapper(**kwargs: Any) -> Any:
         # In the spec's field order, so advice built from them reads the same every time.
-        names = {p.name: kwargs[p.name] for p in added if kwargs.get(p.name) is not None}
+        given = {p.name: _given(kwargs.get(p.name)) for p in added}
+        names = {name: value for name, value in given.items() if value is not None}
         for k in generated:
             kwargs.pop(k, None)
         return command(**kwargs, **{NAMES_PARAMETER: names})

@@ -54,6 +54,8 @@ def drop_slot(dsn: str, spec: OutboxSpec, args: CdcArgs, *, yes: bool) -> None:
             text(f"no replication slot {args.slot}; dropping publication {args.publication}")
             slot.drop_publication(conn, args.publication)
             return
+        # Refused before the question: the slot of another database is not ours to drop.
+        slot.check_database(state, conn.info.dbname, "run --drop-slot against that database")
         row = conn.execute(
             sql.SQL("SELECT count(*) FROM {}").format(
                 sql.Identifier(spec.schema, spec.unpublished_partition)

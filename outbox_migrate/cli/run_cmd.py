@@ -60,7 +60,10 @@ def register(app: typer.Typer) -> None:
     )(with_names(next_step, settings=RUNNER_SETTINGS))  # fmt: skip
     app.command(
         "status",
-        help="Show the migration's phase and every step's state, attempts and timings.\n\n"
+        help="Show the migration's phase and every step's state, attempts and timings. "
+        "With --watch, refresh every --interval seconds with what only the live server knows: "
+        "the runner at work, who holds a lock the next step needs, which of its checks fail "
+        "now (a gate's 'not yet'), the relay's backlog, copy-back and VALIDATE progress.\n\n"
         "Example: outbox-migrate status --format json",
     )(with_names(status, settings=PATTERN_SETTINGS))
     app.command(
@@ -205,6 +208,14 @@ def status(
     dsn: DsnOption = None,
     output: FormatOption = OutputFormat.text,
     with_optional: OptionalOption = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Refresh until Ctrl-C, with live locks and gates.")
+    ] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between --watch frames.", min=0.1)] = 2.0,
+    count: Annotated[
+        int | None,
+        typer.Option(help="Stop --watch after this many frames.", min=1, show_default=False),
+    ] = None,
     *,
     names: dict[str, Any],
 ) -> None:
@@ -212,6 +223,18 @@ def status(
 
     settings = settings_from(**names)
     name = pattern.value if pattern else None
+    if watch:
+        from outbox_migrate import watch as live
+        from outbox_migrate.cli.status_watch import watch as show
+
+        target = _dsn(dsn)
+        show(
+            lambda: live.frame(target, settings, name),
+            interval_s=interval,
+            count=count,
+            json_lines=output is OutputFormat.json,
+        )
+        return
     document = inspect.status(_dsn(dsn), settings, name, include_optional=with_optional)
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json

@@ -287,6 +287,13 @@ def no_id_clash(n: Names) -> Condition:
     )
 
 
+def no_trigger_name_clash(n: Names) -> Condition:
+    """ATTACH clones the parent's row triggers onto the old table and fails on a name it
+    already uses. Checked under the step's locks, which keep CREATE TRIGGER out until commit
+    (SHARE ROW EXCLUSIVE conflicts with both ACCESS EXCLUSIVE and SHARE UPDATE EXCLUSIVE)."""
+    return condition("no-trigger-name-clash", rel_reg=n.reg(n.table), parent_reg=n.reg(n.parent))
+
+
 def relation_empty(n: Names, relation: str) -> Condition:
     return condition("relation-empty", relation, rel_reg=n.reg(relation), rel_q=n.q(relation))
 

@@ -26,12 +26,17 @@ def simulate(
     *,
     on_snapshot: Callable[[Snapshot], None] | None = None,
     output_dir: Path | None = None,
+    prepare: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the scenario and return its report; write PNG and HTML plots to `output_dir`."""
+    """Run the scenario and return its report; write PNG and HTML plots to `output_dir`.
+
+    `prepare(dsn)` builds and fills the outbox instead of the demo's spec table."""
     from outbox_migrate.sim import report
     from outbox_migrate.sim.choreographer import Choreographer
 
-    data = Choreographer(dsn, recording_dsn, scenario, on_snapshot=on_snapshot).run()
+    data = Choreographer(
+        dsn, recording_dsn, scenario, on_snapshot=on_snapshot, prepare=prepare
+    ).run()
     result = report.build(data)
     if output_dir is not None:
         output_dir.mkdir(parents=True, exist_ok=True)

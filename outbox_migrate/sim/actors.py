@@ -39,9 +39,13 @@ class WriterResult:
 
 def writer_main(
     dsn: str, table: str, version: str, instance: int, rate_per_s: float,
-    stop: Any, results: Any, ready: Any = None,
+    stop: Any, results: Any, ready: Any = None, schema: str = "public", insert_sql: str = "",
+    identity: str = "key",
 ) -> None:  # fmt: skip
-    """Insert one message at a time at `rate_per_s`, each with a unique key, until `stop`."""
+    """Insert one message at a time at `rate_per_s`, each with a unique key, until `stop`.
+
+    `insert_sql` (see `Scenario.insert_sql`) replaces the demo's INSERT; with `identity="id"`
+    what is recorded as written is the id the INSERT returned, not the key."""
     _ignore_interrupts()
     import psycopg
     from psycopg import sql
@@ -49,7 +53,12 @@ def writer_main(
     from outbox_migrate.sim.scenario import app_name
 
     result = WriterResult(version, instance)
-    statement = sql.SQL(WRITE_STATEMENT.replace("{table}", "{}")).format(sql.Identifier(table))
+    if insert_sql:
+        statement = sql.SQL(insert_sql).format(table=sql.Identifier(schema, table))
+    else:
+        statement = sql.SQL(
+            WRITE_STATEMENT.replace("{table}", "{}").replace("%s", "%(key)s")
+        ).format(sql.Identifier(table))
     interval = 1.0 / rate_per_s
     with psycopg.connect(
         dsn, autocommit=True, application_name=app_name(version, "writer", instance)
@@ -63,13 +72,14 @@ def writer_main(
             sequence += 1
             started = time.perf_counter()
             try:
-                conn.execute(statement, (key,))
+                returned = conn.execute(statement, {"key": key}).fetchone() if identity == "id" \
+                    else conn.execute(statement, {"key": key})  # fmt: skip
             except psycopg.Error as exc:
                 result.failed += 1
                 if len(result.errors) < 5:
                     result.errors.append(str(exc).splitlines()[0])
             else:
-                result.written.append(key)
+                result.written.append(str(returned[0]) if isinstance(returned, tuple) else key)
             result.samples.append((time.time(), time.perf_counter() - started))
             due += interval
             pause = due - time.monotonic()
@@ -91,8 +101,12 @@ class RelayResult:
 def relay_main(
     dsn: str, recording_dsn: str, version: str, instance: int, mode: str,
     old_app_pattern: str, batch_size: int, stop: Any, results: Any, ready: Any = None,
+    spec: Any = None, identity: str = "key",
 ) -> None:  # fmt: skip
-    """Run a `Relay` of this version until `stop`, publishing into the recording sink."""
+    """Run a `Relay` of this version until `stop`, publishing into the recording sink.
+
+    `spec` (an `OutboxSpec`) names the outbox; `identity` what the sink records a delivery
+    under (see `Scenario.identity`)."""
     _ignore_interrupts()
     from outbox_migrate.config import OutboxSpec
     from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
@@ -112,7 +126,8 @@ def relay_main(
         shutdown_timeout_s=5.0,
     )
     relay = Relay(
-        dsn, lambda: RecordingSink(recording_dsn, name), spec=OutboxSpec(), options=options,
+        dsn, lambda: RecordingSink(recording_dsn, name, identity=identity),
+        spec=spec or OutboxSpec(), options=options,
         application_name=name,
     )  # fmt: skip
     result = RelayResult(version, instance)

@@ -16,12 +16,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
 
-from outbox_migrate.config import load_settings
+from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.patterns.model import Phase, PhaseKind, Step, Table
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner.errors import PreconditionFailed
@@ -131,8 +131,12 @@ class Choreographer:
         scenario: Scenario,
         *,
         on_snapshot: Callable[[Snapshot], None] | None = None,
+        prepare: Callable[[str], None] | None = None,
     ) -> None:
+        """`prepare(dsn)` builds and fills the outbox before the run; by default the spec's
+        table with 2,000 published rows (`rehearse` passes a copy of the user's table)."""
         self.dsn = dsn
+        self._prepare = prepare
         self.recording_dsn = recording_dsn
         self.scenario = scenario
         self.on_snapshot = on_snapshot
@@ -144,6 +148,7 @@ class Choreographer:
             },
             environ={},
         )
+        self.settings = replace(self.settings, spec=scenario.spec)
         self.data = RunData(scenario, time.time())
         self.current_phase = "V1"
         self.current_step = ""
@@ -174,7 +179,8 @@ class Choreographer:
 
     def _start_version(self, phase: Phase) -> None:
         s = self.scenario
-        table = "outbox" if phase.app.inserts_into is Table.OLD else "outbox_new"
+        spec = s.spec
+        table = spec.table if phase.app.inserts_into is Table.OLD else spec.partitioned_table
         procs: list[tuple[str, Any, Any]] = []
         ready: list[Any] = []
         for index in range(s.writers):
@@ -183,7 +189,7 @@ class Choreographer:
             proc = self._ctx.Process(
                 target=writer_main,
                 args=(self.dsn, table, phase.name, index, s.rate_per_s / s.writers, stop,
-                      self._results, ready[-1]),
+                      self._results, ready[-1], spec.schema, s.insert_sql, s.identity),
                 daemon=True,
             )  # fmt: skip
             procs.append(("writer", proc, stop))
@@ -196,7 +202,7 @@ class Choreographer:
                     target=relay_main,
                     args=(self.dsn, self.recording_dsn, phase.name, index, mode[0].value,
                           f"{APP_NAME_PREFIX}/V1/%", s.batch_size, stop, self._results,
-                          ready[-1]),
+                          ready[-1], spec, s.identity),
                     daemon=True,
                 )  # fmt: skip
                 procs.append(("relay", proc, stop))
@@ -211,7 +217,7 @@ class Choreographer:
         # old and new really overlap before the old ones are stopped.
         for event in ready:
             event.wait(READY_TIMEOUT_S)
-        self.mark("deploy", phase.name, phase.app.describe("outbox", "outbox_new"))
+        self.mark("deploy", phase.name, phase.app.describe(spec.table, spec.partitioned_table))
 
     def _stop(self, version: str, role: str, *, keep: int | None = None) -> None:
         chosen = [
@@ -277,7 +283,7 @@ class Choreographer:
         with psycopg.connect(self.dsn, autocommit=True, application_name="demo-monitor") as db, \
                 psycopg.connect(self.recording_dsn, autocommit=True) as rec:  # fmt: skip
             while not self._done.wait(MONITOR_INTERVAL_S):
-                backlog = _backlog(db)
+                backlog = _backlog(db, self.scenario.spec)
                 row = rec.execute(
                     f"SELECT count(*), coalesce(extract(epoch FROM max(received_at - created_at) "
                     f"FILTER (WHERE received_at > now() - interval '2 s')), 0) "
@@ -305,6 +311,10 @@ class Choreographer:
     # -- the run -----------------------------------------------------------------------------
 
     def prepare(self) -> None:
+        if self._prepare is not None:
+            self._prepare(self.dsn)
+            recording.create(self.recording_dsn)
+            return
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             create_flat_outbox(conn)
             insert_rows(conn, "outbox", 2_000, published=True)
@@ -438,18 +448,20 @@ class Choreographer:
 
     def _backlog(self) -> int:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
-            return _backlog(conn)
+            return _backlog(conn, self.scenario.spec)
 
 
-def _backlog(conn: psycopg.Connection[Any]) -> int:
+def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> int:
     """Unpublished rows in the old and the new outbox (whichever exist)."""
     total = 0
-    for table in ("outbox", "outbox_new"):
-        exists = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
+    for table in (spec.table, spec.partitioned_table):
+        name = psycopg.sql.Identifier(spec.schema, table).as_string(conn)
+        exists = conn.execute("SELECT to_regclass(%s)", (name,)).fetchone()
         if exists and exists[0] is not None:
             row = conn.execute(
-                psycopg.sql.SQL("SELECT count(*) FROM {} WHERE published_at IS NULL").format(
-                    psycopg.sql.Identifier(table)
+                psycopg.sql.SQL("SELECT count(*) FROM {} WHERE {} IS NULL").format(
+                    psycopg.sql.Identifier(spec.schema, table),
+                    psycopg.sql.Identifier(spec.published_column),
                 )
             ).fetchone()
             total += int(row[0]) if row else 0

@@ -22,7 +22,7 @@ def create(dsn: str) -> None:
         conn.execute(f"DROP TABLE IF EXISTS {TABLE}")
         conn.execute(
             f"CREATE TABLE {TABLE} (delivery bigint GENERATED ALWAYS AS IDENTITY, "
-            "message_key text NOT NULL, outbox_id bigint NOT NULL, source text NOT NULL, "
+            "message_key text NOT NULL, outbox_id text NOT NULL, source text NOT NULL, "
             "relay text NOT NULL, created_at timestamptz NOT NULL, "
             "received_at timestamptz NOT NULL DEFAULT clock_timestamp())"
         )
@@ -31,8 +31,10 @@ def create(dsn: str) -> None:
 class RecordingSink:
     name = "recording"
 
-    def __init__(self, dsn: str, relay: str) -> None:
+    def __init__(self, dsn: str, relay: str, *, identity: str = "key") -> None:
         self.relay = relay
+        self.by_id = identity == "id"
+        """Record a delivery under the outbox id (as text) instead of the message key."""
         self.conn = psycopg.connect(dsn, autocommit=True, application_name="demo-recorder")
 
     def publish(self, batch: Sequence[Message]) -> None:
@@ -43,9 +45,8 @@ class RecordingSink:
             ) as copy,
         ):
             for message in batch:
-                copy.write_row(
-                    (message.key or "", message.id, message.table, self.relay, message.created_at)
-                )
+                key = str(message.id) if self.by_id else (message.key or "")
+                copy.write_row((key, str(message.id), message.table, self.relay, message.created))
 
     def close(self) -> None:
         self.conn.close()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns.model import Phase, Table
 from outbox_migrate.relay.options import Mode
 
@@ -28,6 +29,16 @@ class Scenario:
     lock_timeout_ms: int = 200
     gate_window_s: float = 0.5
     batch_size: int = 200
+    spec: OutboxSpec = field(default_factory=OutboxSpec)
+    """The outbox's names. The demo uses the spec's table; `rehearse` a copy of the user's."""
+    insert_sql: str = ""
+    """The application's INSERT, `{table}` standing for the table it writes to and `%(key)s`
+    for the instance's unique message key; empty: the spec table's demo INSERT. With
+    `identity="id"` it must end with `RETURNING <id>`."""
+    identity: str = "key"
+    """How a delivery is matched to what a writer committed: by the message key column
+    ("key", the demo's), or by the outbox id the INSERT returned ("id", for tables whose key
+    column is missing or not text)."""
 
     @property
     def segment_s(self) -> float:

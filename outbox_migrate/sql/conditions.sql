@@ -369,3 +369,12 @@ SELECT format('publication %I lists %s but not %s: its consumer would miss every
 FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass({rel_reg})
 WHERE NOT EXISTS (
     SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid AND u.prrelid = to_regclass({unpublished_reg}))
+
+-- name: no-trigger-name-clash
+-- No trigger on the table has the name of a row trigger of the parent (ATTACH clones the parent's row triggers onto the partition and refuses a name already taken).
+SELECT format('trigger %I on %s has the name of row trigger %I on %s, which ATTACH clones onto %s and refuses ("trigger already exists"); rename the one on %s (ALTER TRIGGER %I ON %s RENAME TO …) or the one on %s, then run this step again',
+              o.tgname, o.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass, p.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass)
+FROM pg_trigger o
+JOIN pg_trigger p ON p.tgname = o.tgname
+WHERE o.tgrelid = to_regclass({rel_reg}) AND p.tgrelid = to_regclass({parent_reg})
+  AND (p.tgtype & 1) = 1 AND NOT p.tgisinternal AND o.tgparentid <> p.oid

@@ -26,7 +26,7 @@ WHERE c.oid = to_regclass({rel_reg})
 -- Highest id, the identity/serial sequence and its last value.
 SELECT (SELECT max({id_q}) FROM {rel_q}) AS max_id,
        coalesce(pg_get_serial_sequence({rel_reg}, {id_name}), {rel_seq}::text) AS sequence,
-       pg_sequence_last_value({rel_seq}) AS last_value,
+       CASE WHEN has_sequence_privilege({rel_seq}, 'SELECT,USAGE') THEN pg_sequence_last_value({rel_seq}) END AS last_value,
        pg_get_serial_sequence({rel_reg}, {id_name}) IS NOT NULL AS owned
 
 -- name: unpublished

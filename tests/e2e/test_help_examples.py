@@ -27,7 +27,10 @@ STORY = [
     "next", "relay", "rollback", "maintain", "copy-back", "reset", "alembic",
 ]  # fmt: skip
 """Where each example runs, by the words after `outbox-migrate` it starts with."""
-NOT_RUN = {"demo": "a minute of live load each; test_demo_under_load runs the demo"}
+NOT_RUN = {
+    "demo": "a minute of live load each; test_demo_under_load runs the demo",
+    "rehearse": "live load on a scratch copy; tests/e2e/test_rehearse.py runs it",
+}
 BEFORE = {"copy-back": ("run", "--pattern", "hoper", "--to", "V4")}
 """What the migration needs before a stage's examples make sense (not an example itself)."""
 

@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.cli import error_line, run_cli
 
@@ -108,7 +109,7 @@ def test_dsn_gives_concrete_values_in_every_format(dsn: str) -> None:
     assert facts["total_bytes"] > 0 and facts["estimated_validate_s"] >= 0
     assert facts["publications"] == ["outbox_cdc"]
     assert facts["blockers"] == []
-    assert [w["code"] for w in facts["warnings"]] == ["cdc-publication"]
+    assert [w["code"] for w in facts["warnings"]] == ["cdc-publication", *LAYOUT_WARNINGS]
     assert [p["name"] for p in doc["phases"]] == ["V1", "V2", "V3", "V4", "copy-back"]
 
     markdown = plan("--pattern", "hoper", "--dsn", dsn, "--format", "markdown").stdout

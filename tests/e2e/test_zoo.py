@@ -18,6 +18,7 @@ from psycopg import sql
 
 from outbox_migrate.config import Settings
 from outbox_migrate.introspect import introspect
+from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.runner.errors import PreconditionFailed
 from tests.support.zoo import ZooTable, check_delivery, migrate_under_load
 
@@ -150,6 +151,8 @@ CHECKED = ZooTable(
         "partitioned_table": "outbox_ct_new",
         "unpublished_partition": "outbox_ct_unpublished",
         "published_partition": "outbox_ct_published",
+        # a unique key without the id cannot be kept on the partitioned table: accepted
+        "accept_lost_unique": "outbox_ct_key_created",
     },
     insert="INSERT INTO {table} (payload, message_key, headers) VALUES "
     "(jsonb_build_object('n', %(n)s), 'k' || %(n)s, jsonb_build_object('n', %(n)s)) RETURNING id",
@@ -214,6 +217,8 @@ UUIDV7 = ZooTable(
         "payload_column": "body",
         "created_column": "",
         "metadata_columns": "topic",
+        # the application supplies the ids and only the primary key refused a duplicate
+        "accept_lost_unique": "outbox_v7_pkey",
     },
     insert="INSERT INTO {table} (event_id, topic, body) VALUES "
     f"({UUIDV7_SQL}, 'topic-' || %(n)s, jsonb_build_object('n', %(n)s)) RETURNING event_id",
@@ -267,6 +272,8 @@ def test_zoo_table_plans_without_blockers(dsn: str, zoo: ZooTable) -> None:
     assert facts.blockers == []
     if zoo in APPLICATION_IDS:
         assert [n.code for n in facts.notes] == ["id-application"]
+    if zoo in (CHECKED, UUIDV7):
+        assert "lost-unique-accepted" in [w.code for w in facts.warnings]
     objects = {(o.kind, o.name) for o in facts.objects}
     if zoo is CHECKED:
         assert {("check", "payload_small"), ("trigger", "outbox_ct_inserted"),
@@ -387,8 +394,8 @@ def test_hoper_without_a_unique_id_index_is_refused_in_v2(dsn: str) -> None:
         assert [b.code for b in facts.blockers] == ["no-unique-id"]
         assert "CREATE UNIQUE INDEX CONCURRENTLY ON outbox_bs (id)" in facts.blockers[0].remedy
         assert [w.code for w in introspect(conn, settings.spec, "hopia").warnings] == [
-            "no-unique-id"
-        ]
+            "no-unique-id", *LAYOUT_WARNINGS,
+        ]  # fmt: skip
         # The admission check refuses it with plan's line, before anything is written (the
         # V2 step's own precondition stays as the guard at commit).
         with Runner(dsn, settings, "hoper") as runner, pytest.raises(SchemaError) as info:

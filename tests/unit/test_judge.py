@@ -9,6 +9,7 @@ import pytest
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
 from outbox_migrate.introspect import ColumnFact, TableFacts, judge, raise_for_blockers
+from outbox_migrate.lost_semantics import LAYOUT_WARNINGS, UniqueKey
 from outbox_migrate.patterns.model import PublicationFact
 
 ID = ColumnFact("id", "bigint", None, True, None, "a", "")
@@ -41,7 +42,8 @@ def judged(spec: OutboxSpec | str | None = None, **changes: object) -> TableFact
 
 def test_a_sound_outbox_has_nothing_to_report() -> None:
     found = judged()
-    assert found.blockers == [] and found.warnings == []
+    assert found.blockers == []
+    assert [w.code for w in found.warnings] == list(LAYOUT_WARNINGS)
     assert found.id_top == 12 and found.identity_start(1_000_000) == 1_000_012
     raise_for_blockers(found)
 
@@ -54,9 +56,12 @@ def test_a_partition_is_already_migrated() -> None:
 
 
 def test_missing_publication_column() -> None:
-    found = judged(columns=[ID, PAYLOAD])
+    """A nullable timestamp named like a marker is a setting to fix, and `plan` names it."""
+    sent = dataclasses.replace(PUBLISHED, name="sent_at")
+    found = judged(columns=[ID, PAYLOAD, sent])
     assert [b.code for b in found.blockers] == ["published-missing"]
     assert found.blockers[0].message == "outbox has no column 'published_at'"
+    assert found.blockers[0].remedy.endswith("(here perhaps: sent_at)")
 
 
 def test_timestamp_without_time_zone_is_accepted() -> None:
@@ -80,7 +85,7 @@ def test_names_outside_public_are_qualified_in_messages() -> None:
 
 def test_several_blockers_are_one_line_with_a_count() -> None:
     found = judged(columns=[dataclasses.replace(ID, type="uuid", identity=""), PAYLOAD])
-    assert [b.code for b in found.blockers] == ["id-application", "published-missing"]
+    assert [b.code for b in found.blockers] == ["id-application", "delete-on-delivery"]
     with pytest.raises(SchemaError) as raised:
         raise_for_blockers(found)
     assert str(raised.value).startswith(
@@ -101,7 +106,7 @@ def test_warnings_in_a_stable_order() -> None:
     )
     assert found.blockers == []
     assert [w.code for w in found.warnings] == [
-        "cdc-publication", "generated-column", "fk-out", "no-unique-id",
+        "cdc-publication", "generated-column", "fk-out", "no-unique-id", *LAYOUT_WARNINGS,
     ]  # fmt: skip
     assert (
         found.warnings[2].message == "outbox has foreign keys to other tables (tenant_fk, user_fk)"
@@ -179,6 +184,7 @@ def test_objects_and_what_happens_to_them() -> None:
                        ("lazy", "CHECK ((id > 0)) NOT VALID", False, False)],
         trigger_details=[("audit", "CREATE TRIGGER audit AFTER INSERT ON public.outbox FOR "
                           "EACH ROW EXECUTE FUNCTION audit()", "O")],
+        unique_keys=[UniqueKey("by_key", "unique index", ("message_key",), False, "")],
     )  # fmt: skip
     kinds = [(o.kind, o.name) for o in found.objects]
     assert kinds == [("index", "outbox_unpublished"), ("unique index", "by_key"),
@@ -188,8 +194,10 @@ def test_objects_and_what_happens_to_them() -> None:
     assert "must include the partition key (published_at)" in fates["by_key"]
     assert "copied to outbox_new in V2" in fates["small"]
     assert "HOPIA's copy trigger" in fates["audit"] and "fires it" in fates["audit"]
-    # no unique index on id alone: HOPER's copy-back needs one, so for HOPER it blocks
-    assert [b.code for b in found.blockers] == ["check-not-valid", "no-unique-id"]
+    # no unique index on id alone: HOPER's copy-back needs one, so for HOPER it blocks; the
+    # unique message_key is a rule the partitioned table cannot keep
+    assert [b.code for b in found.blockers] == ["check-not-valid", "no-unique-id", "lost-unique"]
+    assert "nothing enforces it on outbox_new (lost-unique)" in fates["by_key"]
 
 
 def test_status_column_outboxes_are_refused_with_a_clear_line() -> None:

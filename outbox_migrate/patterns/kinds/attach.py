@@ -42,6 +42,7 @@ def scan_guard(ctx: BuildContext) -> tuple[Condition, ...]:
         c.columns_match(n, n.table),
         c.no_identity(n, n.table),
         c.no_fk_references(n, n.table),
+        c.no_trigger_name_clash(n),
         *ids_above,
         c.drained(n, n.table, ctx.phase),
     )

@@ -8,7 +8,13 @@ stays small) and only then confirms the slot position. Pieces:
 * `pgoutput` — a small decoder of the pgoutput messages the relay needs (pure, no I/O);
 * `stream` — the replication protocol over psycopg 3's libpq layer (no extra dependency);
 * `slot` — publication, slot, lag and decommissioning statements over a normal session;
-* `relay` — the loop that ties them together (`CdcRelay`).
+* `session` — one replication connection's stream loop (given its collaborators);
+* `marks` — the second session: marks sent behind the stream, one at a time;
+* `delivery` and `rejections` — the sink's retries, failed attempts counted in the database,
+  dead letters;
+* `backlog` — the first start's rows, picked by the slot's snapshot, published in batches;
+* `columns`, `stats` — rows as messages; counters;
+* `relay` — wires them together (`CdcRelay`): preparation, slot ownership, reconnects.
 
 See docs/relay.md, "CDC mode", for the design and the measurements behind it.
 """

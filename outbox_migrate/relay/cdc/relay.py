@@ -26,19 +26,20 @@ and does not hold back WAL written for other tables.
 First start (the slot does not exist yet): the slot is created with an exported snapshot;
 the rows that snapshot shows in the unpublished partition (committed before the slot's
 consistent point, e.g. left by a polling relay) are published and marked first, then the
-stream starts — nothing falls in between. Completion is recorded in the publication's comment,
-so a first start that dies half-way is detected and redone on the next start.
+stream starts — nothing falls in between (`backlog`: the snapshot only picks the ids, in one
+short transaction). Completion is recorded in the publication's comment, so a first start that
+dies half-way is detected and redone on the next start. A slot of another database is never
+dropped or streamed (`slot.check_owned`, asked before anything else).
 """
 
 from __future__ import annotations
 
 import logging
-import select
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -46,67 +47,32 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME, one_line
-from outbox_migrate.errors import ConnectError, OutboxMigrateError
-from outbox_migrate.relay import queries
+from outbox_migrate.errors import ConnectError
+from outbox_migrate.relay import library_logs, queries
 from outbox_migrate.relay.backoff import backoff_s
 from outbox_migrate.relay.cdc import pgoutput, slot
+from outbox_migrate.relay.cdc.backlog import Backlog, snapshot_ids
+from outbox_migrate.relay.cdc.columns import MessageBuilder
+from outbox_migrate.relay.cdc.crash_guard import RunMarker
+from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
+from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.cdc.options import CdcOptions
+from outbox_migrate.relay.cdc.rejections import RejectionLedger
 from outbox_migrate.relay.cdc.session import StreamSession
+from outbox_migrate.relay.cdc.stats import CdcStats, Unconfirmed
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost
-from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
-from outbox_migrate.relay.message import Message, MessageId
+from outbox_migrate.relay.errors import RelayError, SinkUnavailable
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
-from outbox_migrate.relay.sinks import Sink, SinkFactory
+from outbox_migrate.relay.sinks import SinkFactory
+
+__all__ = ["CdcRelay", "CdcStats", "running"]
 
 log = logging.getLogger("outbox_migrate.relay")
 _RETRYABLE = (StreamLost, ConnectError, psycopg.OperationalError, psycopg.InterfaceError)
 
 CDC_APPLICATION_NAME = f"{APPLICATION_NAME} relay cdc"
-MARK_STATEMENT = b"outbox_migrate_cdc_mark"
 READY_COMMENT = "outbox-migrate cdc: backlog of slot {slot} published"
 """Written on the publication once the first start's backlog is out (see the module doc)."""
-
-
-@dataclass
-class CdcStats:
-    """What a run did; read it after `run()` returns (or live, for tests)."""
-
-    published: int = 0
-    batches: int = 0
-    transactions: int = 0
-    backlog: int = 0
-    """Rows published from the exported snapshot at the slot's creation."""
-    marked: int = 0
-    marks: int = 0
-    """Mark statements sent (one per mark interval under steady load)."""
-    dead_lettered: int = 0
-    sink_failures: int = 0
-    reconnects: int = 0
-    idle_confirms: int = 0
-    confirmed_lsn: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                setattr(self, name, getattr(self, name) + value)
-
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
-
-
-@dataclass
-class _Columns:
-    """Positions of the columns a message needs in the partition's Relation message."""
-
-    id: int
-    payload: int
-    created_at: int | None
-    event_type: int | None
-    key: int | None
-    headers: int | None
-    metadata: tuple[tuple[str, int], ...]
 
 
 class CdcRelay:
@@ -131,16 +97,24 @@ class CdcRelay:
         self.label = f"{self.spec.schema}.{self.spec.partitioned_table}"
         self.stats = CdcStats()
         self._stop = threading.Event()
-        self._mark_conn: Any = None
-        self._mark_sql: bytes | None = None
-        self._mark_in_flight = False
-        self._sink: Sink | None = None
+        self.builder = MessageBuilder(self.spec, self.options)
+        self.marks = MarkSession(
+            self._connect, self.spec, enabled=self.options.mark, stats=self.stats
+        )
+        self.ledger = RejectionLedger(
+            self.spec.schema, self.options.dead_letter_table, self.label,
+            self.options.max_attempts,
+        )  # fmt: skip
+        self._delivery: Delivery | None = None
+        self.run_marker = RunMarker(self.spec.schema, self.ledger.attempts_table, self.options.slot)
+        self.careful_until = 0
+        """Set when the last run died without a trace (`crash_guard`)."""
+        self._run_recorded = False
         self.target_lsn = 0
         self._server_version = 0
-        self.oldest_unconfirmed: int | None = None
+        self.unconfirmed = Unconfirmed()
         """Commit time of the oldest outbox transaction received and not yet confirmed."""
         self._present: set[str] = set()
-        self._option_names = self._column_names()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -158,6 +132,7 @@ class CdcRelay:
 
     def run(self) -> CdcStats:
         """Stream until `stop()` (or, with `until_caught_up`, until caught up)."""
+        library_logs.route()  # a broker library's traceback becomes one log line
         self._prepare()
         log.info(
             "relay.started mode=cdc slot=%s publication=%s batch=%d",
@@ -169,6 +144,7 @@ class CdcRelay:
             sampler.start()
         failures = 0
         progress = -1
+        clean = False
         try:
             while not self._stop.is_set():
                 if self.stats.published != progress:
@@ -177,54 +153,81 @@ class CdcRelay:
                 try:
                     self._stream_once()  # returns when stopped or caught up
                     break
-                except _Interrupted:
+                except Interrupted:
                     break
                 except SinkUnavailable as exc:
                     self.stats.add(sink_failures=1)
                     self.observer.failed("sink")
-                    log.warning("relay.sink_unavailable %s", exc)
-                    self._close_sink()
+                    log.warning("relay.sink_unavailable %s", " ".join(str(exc).split()))
+                    self.delivery.close()
                 except _RETRYABLE as exc:
                     self.stats.add(reconnects=1)
                     self.observer.failed("connection")
                     log.warning("relay.connection_lost %s", one_line(str(exc)))
-                    self._close_mark_conn()
+                    self.marks.close()
                 self._stop.wait(self._backoff(failures))
                 failures += 1
+            clean = True
         finally:
             self._stop.set()
-            self._close_sink()
-            self._close_mark_conn()
+            self.delivery.close()
+            self.marks.close()
+            if clean:
+                self._end_run()
             if sampler is not None:
                 sampler.join(timeout=2.0)
         log.info("relay.stopped %s", " ".join(f"{k}={v}" for k, v in self.stats.as_dict().items()))
         return self.stats
+
+    @property
+    def delivery(self) -> Delivery:
+        """Built on first use: tests may swap the observer after construction."""
+        if self._delivery is None:
+            self._delivery = Delivery(
+                self.sink_factory, self.ledger, self.marks, stats=self.stats,
+                observer=self.observer, stop=self._stop, backoff=self._backoff,
+            )  # fmt: skip
+        return self._delivery
+
+    def _begin_run(self, conn: Any) -> bool:
+        """Record this run (`crash_guard`); True when the last one died without a trace. A
+        role that may not write the attempts table runs without the guard."""
+        try:
+            unclean = self.run_marker.begin(conn)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            log.warning("relay.cdc_run_unrecorded %s", one_line(str(exc)))
+            return False
+        self._run_recorded = True
+        return unclean
+
+    def _end_run(self) -> None:
+        """Stopped cleanly: the next start need not count before publishing."""
+        if not self._run_recorded:
+            return
+        try:
+            with self._connect() as conn:
+                self.run_marker.end(conn)
+        except (psycopg.Error, ConnectError) as exc:  # the next start is careful, no more
+            log.warning("relay.cdc_run_not_closed %s", one_line(str(exc)))
 
     def _backoff(self, failures: int) -> float:
         return backoff_s(
             failures, base_s=self.options.backoff_base_s, cap_s=self.options.backoff_cap_s
         )
 
-    # -- preparation -----------------------------------------------------------------------
-
-    def _column_names(self) -> dict[str, str | None]:
-        """The optional columns' names: the option when given, else the spec's role."""
-        spec = self.spec
-        return {
-            "event_type": self.options.event_type_column or spec.event_type_column or None,
-            "key": self.options.key_column or spec.key_column or None,
-            "headers": spec.headers_column or None,
-        }
-
-    def _prepare(self) -> None:
-        """Check the server and tables, create the publication; the slot comes with the
-        first stream (it needs the replication connection for its exported snapshot)."""
-        import psycopg
-
+    def _connect(self) -> Any:
         from outbox_migrate.db import connect
 
+        return connect(self.dsn, application_name=self.application_name)
+
+    # -- preparation -----------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        """Check the server and tables, create the publication and, when missing, the
+        dead-letter tables; the slot comes with the first stream (it needs the replication
+        connection for its exported snapshot)."""
         spec = self.spec
-        with connect(self.dsn, application_name=self.application_name) as conn:
+        with self._connect() as conn:
             slot.check_wal_level(conn)
             self._server_version = conn.info.server_version
             present = {
@@ -248,52 +251,41 @@ class CdcRelay:
                 if column not in present:
                     raise RelayError(f"{self.label} has no column {column!r}")
             self._present = present
+            # Refused before anything is written: the slot's name is taken in another database.
+            state = slot.slot_state(conn, self.options.slot)
+            if state is not None:
+                slot.check_owned(state, conn.info.dbname)
             slot.ensure_publication(
                 conn, self.options.publication, spec.schema, spec.unpublished_partition
             )
-            for create in (
-                queries.create_dead_letter(spec.schema, self.options.dead_letter_table),
-            ):
-                try:
-                    conn.execute(create)
-                except psycopg.Error as exc:  # created concurrently, or no privilege
-                    log.warning("relay.dead_letter_unavailable %s", one_line(str(exc)))
+            self.ledger.prepare(conn)
+            row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+            start_lsn = pgoutput.parse_lsn(str(row[0])) if row else 0
             if self.options.until_caught_up:
-                row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
-                self.target_lsn = pgoutput.parse_lsn(str(row[0])) if row else 0
-
-    def columns_for(self, relation: pgoutput.Relation) -> _Columns:
-        names = {name: i for i, name in enumerate(relation.columns)}
-        spec = self.spec
-        optional = self._option_names
-        try:
-            return _Columns(
-                id=names[spec.id_column],
-                payload=names[spec.payload_column],
-                created_at=names[spec.created_column] if spec.created_column else None,
-                event_type=names.get(optional["event_type"] or ""),
-                key=names.get(optional["key"] or ""),
-                headers=names.get(optional["headers"] or ""),
-                metadata=tuple((c, names[c]) for c in spec.metadata_columns),
-            )
-        except KeyError as exc:
-            raise RelayError(f"{self.label} has no column {exc.args[0]}") from None
+                self.target_lsn = start_lsn
+            if self.ledger.available and self._begin_run(conn):
+                # The last run died without a trace: what it was publishing may have killed it.
+                log.warning(
+                    "relay.cdc_unclean_stop slot=%s: counting attempts before each publish "
+                    "until the stream passes %s", self.options.slot, pgoutput.lsn_text(start_lsn),
+                )  # fmt: skip
+                self.careful_until = start_lsn
 
     # -- the stream ------------------------------------------------------------------------
 
     def _stream_once(self) -> None:
         """One replication connection's life: (first start: create the slot and publish
         its backlog), then stream until stopped or the connection breaks."""
-        from outbox_migrate.db import connect
-
         options = self.options
         stream = ReplicationStream(self.dsn, self.application_name)
         try:
-            with connect(self.dsn, application_name=self.application_name) as conn:
-                database = conn.info.dbname
+            with self._connect() as conn:
+                # Whose slot is it? Asked before anything may drop or reuse it: a slot of
+                # another database (the default --slot, a second outbox) is never touched.
                 state = slot.slot_state(conn, options.slot)
-                ready = self._backlog_done(conn)
-                if state is not None and not ready:
+                if state is not None:
+                    slot.check_owned(state, conn.info.dbname)
+                if state is not None and not self._backlog_done(conn):
                     # A first start died before its backlog was out: start over (the rows it
                     # did publish were marked, so they are not published again).
                     log.warning("relay.cdc_backlog_redo slot=%s", options.slot)
@@ -310,15 +302,22 @@ class CdcRelay:
                         "relay.cdc_slot_created slot=%s at=%s failover=%s",
                         options.slot, pgoutput.lsn_text(point), failover,
                     )  # fmt: skip
-                    self._publish_backlog(conn, snapshot)
+                    runs = snapshot_ids(conn, snapshot, self.spec)
+                    stream.release_snapshot()  # the walsender's xmin goes with it
+                    backlog = Backlog(
+                        conn, self.spec, sorted(self._present), self.builder,
+                        stats=self.stats, observer=self.observer, stop=self._stop,
+                    )  # fmt: skip
+                    deliver = partial(self.delivery.deliver, careful=self.careful_until > 0)
+                    backlog.publish(runs, options.batch_size, deliver, self.marks.mark)
                     self._set_backlog_done(conn)
-                elif state.plugin != "pgoutput" or state.database != database:
-                    raise RelayError(
-                        f"replication slot {options.slot} is not a pgoutput slot of database "
-                        f"{database}: choose another --slot"
-                    )
             stream.start(options.slot, options.publication)
-            StreamSession(self, stream).run()
+            StreamSession(
+                stream, options, builder=self.builder, delivery=self.delivery,
+                marks=self.marks, stats=self.stats, observer=self.observer, stop=self._stop,
+                target_lsn=self.target_lsn, unconfirmed=self.unconfirmed,
+                careful_until=self.careful_until,
+            ).run()  # fmt: skip
         finally:
             stream.close()
 
@@ -337,224 +336,15 @@ class CdcRelay:
             )
         )
 
-    def _publish_backlog(self, conn: Any, snapshot: str) -> None:
-        """Publish the rows the slot's exported snapshot shows in the unpublished partition."""
-        spec = self.spec
-        names = sorted(self._present)
-        columns = self.columns_for(pgoutput.Relation(0, spec.schema, "", tuple(names)))
-        select = sql.SQL("SELECT {} FROM {} ORDER BY {}").format(
-            sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(n)) for n in names),
-            sql.Identifier(spec.schema, spec.unpublished_partition),
-            sql.Identifier(spec.id_column),
-        )
-        with conn.transaction():
-            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
-            with conn.cursor(name="outbox_cdc_backlog") as cursor:
-                cursor.execute(select)
-                while not self._stop.is_set():
-                    rows = cursor.fetchmany(self.options.batch_size)
-                    if not rows:
-                        break
-                    batch = [self.message(columns, tuple(r)) for r in rows]
-                    self.deliver(batch)
-                    self.mark([m.id for m in batch])
-                    self.stats.add(backlog=len(batch), published=len(batch), batches=1)
-                    self.observer.published(len(batch))
-        if self._stop.is_set():
-            raise _Interrupted
-
-    def message(self, columns: _Columns, values: Sequence[str | None]) -> Message:
-        created = values[columns.created_at] if columns.created_at is not None else None
-        # pgoutput's text ("2026-01-02 03:04:05.6+00") as RFC 3339, like the polling claim's
-        created_at = datetime.fromisoformat(created) if created else datetime.now(UTC)
-        extra: tuple[tuple[str, str], ...] = ()
-        if columns.headers is not None or columns.metadata:
-            extra = _extra_headers(columns, values)
-        return Message(
-            int(values[columns.id] or 0),
-            self.label,
-            values[columns.event_type] if columns.event_type is not None else None,
-            values[columns.key] if columns.key is not None else None,
-            values[columns.payload] or "null",
-            created_at.isoformat(),
-            extra,
-        )
-
-    # -- broker and marks ------------------------------------------------------------------
-
-    def deliver(self, batch: list[Message]) -> None:
-        """Publish until every message is acknowledged or dead-lettered; `SinkUnavailable`
-        propagates (the caller drops the stream: nothing of this batch is confirmed)."""
-        if self._sink is None:
-            self._sink = self.sink_factory()
-        todo = batch
-        for attempt in range(1, self.options.max_attempts + 1):
-            try:
-                self._sink.publish(todo)
-                return
-            except MessagesRejected as exc:
-                self.observer.failed("rejected", len(exc.rejected))
-                refused = [m for m in todo if m.id in exc.rejected]
-                if attempt == self.options.max_attempts:
-                    self._dead_letter(refused, attempt, exc.rejected)
-                    return
-                log.warning("relay.rejected count=%d attempt=%d", len(refused), attempt)
-                todo = refused
-                if self._stop.wait(self._backoff(attempt - 1)):
-                    raise _Interrupted from None
-
-    def _dead_letter(
-        self, messages: list[Message], attempts: int, errors: Mapping[MessageId, str]
-    ) -> None:
-        self.wait_mark()  # the marks session carries one statement at a time
-        conn = self._marks()
-        statement = queries.insert_dead_letter(self.spec.schema, self.options.dead_letter_table)
-        with conn.transaction():
-            for m in messages:
-                conn.execute(
-                    statement,
-                    {"source": m.table, "id": m.id, "event_type": m.event_type, "key": m.key,
-                     "payload": m.payload, "created_at": m.created_at, "attempts": attempts,
-                     "error": errors.get(m.id, "")[:2000]},
-                )  # fmt: skip
-        self.stats.add(dead_lettered=len(messages))
-        log.warning("relay.dead_lettered count=%d attempts=%d", len(messages), attempts)
-
-    def mark(self, ids: Sequence[MessageId]) -> None:
-        """Mark and wait (the first start's backlog; the stream sends its marks without
-        waiting, see `send_mark`)."""
-        if self.send_mark(ids):
-            self.wait_mark()
-
-    def send_mark(self, ids: Sequence[MessageId]) -> bool:
-        """Send one statement for `ids` without waiting for it (the rows leave the
-        unpublished partition); False when there is nothing to send. At most one mark is in
-        flight: `mark_done`/`wait_mark` collect its result before the next is sent."""
-        if not self.options.mark or not ids:
-            return False
-        if self._mark_in_flight:
-            raise RuntimeError("a mark is already in flight")  # a bug, not an input error
-        conn = self._marks()
-        pgconn = conn.pgconn
-        if self._mark_sql is None:
-            # Prepared once and run through libpq directly: composing and adapting through
-            # the cursor API cost ~300 µs of CPU per batch, more than the rest of the loop
-            # (measured at one batch per transaction, the steady state at 1,000 msg/s).
-            spec = self.spec
-            self._mark_sql = (
-                sql.SQL("UPDATE {} SET {} = now() WHERE {} = ANY($1::int8[]) AND {} IS NULL")
-                .format(
-                    sql.Identifier(spec.schema, spec.partitioned_table),
-                    sql.Identifier(spec.published_column),
-                    sql.Identifier(spec.id_column),
-                    sql.Identifier(spec.published_column),
-                )
-                .as_bytes(conn)
-            )
-            self._check(pgconn.prepare(MARK_STATEMENT, self._mark_sql), pgconn)
-        # The ids as one int8[] literal: no per-element adaptation.
-        literal = ("{" + ",".join(map(str, ids)) + "}").encode()
-        try:
-            pgconn.send_query_prepared(MARK_STATEMENT, [literal])
-            while pgconn.flush() == 1:  # the statement did not fit the socket buffer
-                select.select([pgconn.socket], [pgconn.socket], [], 1.0)
-        except psycopg.Error as exc:
-            raise psycopg.OperationalError(one_line(str(exc))) from None
-        self._mark_in_flight = True
-        self.stats.add(marks=1)
-        return True
-
-    @property
-    def mark_in_flight(self) -> bool:
-        return self._mark_in_flight
-
-    def mark_socket(self) -> int | None:
-        """The marks session's socket while a mark is in flight (the stream loop also
-        waits on it, so a mark's result is collected as soon as it arrives)."""
-        if not self._mark_in_flight or self._mark_conn is None:
-            return None
-        fd: int = self._mark_conn.pgconn.socket
-        return fd
-
-    def mark_done(self) -> bool:
-        """Collect the mark in flight if its result has arrived (never blocks)."""
-        if not self._mark_in_flight:
-            return True
-        pgconn = self._mark_conn.pgconn
-        try:
-            pgconn.consume_input()
-        except psycopg.Error as exc:
-            raise psycopg.OperationalError(one_line(str(exc))) from None
-        if pgconn.is_busy():
-            return False
-        self._collect_mark(pgconn)
-        return True
-
-    def wait_mark(self) -> None:
-        """Block until the mark in flight has committed."""
-        while not self.mark_done():
-            select.select([self._mark_conn.pgconn.socket], [], [], 1.0)
-
-    def _collect_mark(self, pgconn: Any) -> None:
-        self._mark_in_flight = False
-        result = pgconn.get_result()
-        while pgconn.get_result() is not None:  # drain to the end of the statement
-            pass
-        if result is None:
-            raise psycopg.OperationalError(
-                pgconn.error_message.decode(errors="replace").strip() or "mark: no result"
-            )
-        result = self._check(result, pgconn)
-        self.stats.add(marked=max(result.command_tuples or 0, 0))
-
-    @staticmethod
-    def _check(result: Any, pgconn: Any) -> Any:
-        from psycopg import pq
-
-        if result.status != pq.ExecStatus.COMMAND_OK:
-            message = (result.error_message or pgconn.error_message).decode(errors="replace")
-            if pgconn.status != pq.ConnStatus.OK:
-                raise psycopg.OperationalError(message.strip())
-            raise RelayError(f"cannot mark published rows: {message.strip()}")
-        return result
-
-    def _marks(self) -> Any:
-        if self._mark_conn is None or self._mark_conn.closed:
-            from outbox_migrate.db import connect
-
-            self._mark_conn = connect(self.dsn, application_name=self.application_name)
-        return self._mark_conn
-
-    def _close_mark_conn(self) -> None:
-        if self._mark_conn is not None:
-            try:
-                self._mark_conn.close()
-            except Exception:  # closing a broken connection may fail too
-                log.debug("relay.close_failed", exc_info=True)
-            self._mark_conn = None
-            self._mark_sql = None
-            self._mark_in_flight = False
-
-    def _close_sink(self) -> None:
-        if self._sink is not None:
-            try:
-                self._sink.close()
-            except Exception:  # a broken sink is replaced, not fatal
-                log.debug("relay.sink_close_failed", exc_info=True)
-            self._sink = None
-
     # -- slot lag --------------------------------------------------------------------------
 
     def _sample(self) -> None:
         """Slot lag (bytes behind the server, seconds since the oldest unconfirmed commit)
         and activity, for the metrics, readiness and a warning log line."""
-        from outbox_migrate.db import connect
-
         warned = False
         while not self._stop.is_set():
             try:
-                with connect(self.dsn, application_name=self.application_name) as conn:
+                with self._connect() as conn:
                     while not self._stop.is_set():
                         state = slot.slot_state(conn, self.options.slot)
                         if state is not None:
@@ -571,37 +361,13 @@ class CdcRelay:
 
     def _report_lag(self, state: slot.SlotState) -> bool:
         report = getattr(self.observer, "slot", None)
-        oldest = self.oldest_unconfirmed
+        oldest = self.unconfirmed.commit_time
         lag_s = 0.0
         if oldest is not None:
             lag_s = (datetime.now(UTC) - pgoutput.pg_time(oldest)).total_seconds()
         if report is not None:
             report(state.lag_bytes, lag_s, state.active)
         return state.lag_bytes > self.options.lag_warn_bytes or lag_s > self.options.lag_warn_s
-
-
-def _extra_headers(columns: _Columns, values: Sequence[str | None]) -> tuple[tuple[str, str], ...]:
-    """The headers column's entries (a JSON object), then the metadata columns, as the
-    polling relay sends them."""
-    import json
-
-    out: dict[str, str] = {}
-    raw = values[columns.headers] if columns.headers is not None else None
-    if raw:
-        parsed = json.loads(raw)
-        if isinstance(parsed, dict):
-            for key, value in parsed.items():
-                if value is not None:
-                    out[str(key)] = value if isinstance(value, str) else json.dumps(value)
-    for name, index in columns.metadata:  # a metadata column wins over a same-named entry
-        value = values[index]
-        if value is not None:
-            out[name] = value
-    return tuple(out.items())
-
-
-class _Interrupted(OutboxMigrateError):
-    """Stopped while waiting inside a batch: leave without confirming it."""
 
 
 @contextmanager

@@ -1,6 +1,8 @@
 """One replication connection's stream loop: transactions in, batches out, positions back.
 
-The state machine behind `CdcRelay` (see its module doc for the guarantees):
+The state machine behind `CdcRelay` (see its module doc for the guarantees). It is handed
+its collaborators — the message builder, the delivery, the marks session, counters, the stop
+event — and imports nothing of the relay that owns it:
 
 * per wake-up, every frame libpq has received is taken in one call (`stream.drain`) and acted
   on in one call (`_frames`, decoding in place); each transaction's outbox inserts are kept
@@ -35,32 +37,64 @@ The state machine behind `CdcRelay` (see its module doc for the guarantees):
 from __future__ import annotations
 
 import struct
+import threading
 import time
-from typing import TYPE_CHECKING
 
-from outbox_migrate.errors import OutboxMigrateError
 from outbox_migrate.relay.cdc import pgoutput
-from outbox_migrate.relay.cdc.options import IDLE_TICK_S, MARK_MAX_IDS, STATUS_INTERVAL_S
+from outbox_migrate.relay.cdc.columns import Columns, MessageBuilder
+from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
+from outbox_migrate.relay.cdc.marks import MarkSession
+from outbox_migrate.relay.cdc.options import (
+    IDLE_TICK_S,
+    MARK_MAX_IDS,
+    STATUS_INTERVAL_S,
+    CdcOptions,
+)
+from outbox_migrate.relay.cdc.stats import CdcStats, Unconfirmed
+from outbox_migrate.relay.cdc.stream import ReplicationStream
 from outbox_migrate.relay.errors import SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
+from outbox_migrate.relay.metrics import Observer
 
 _I64 = struct.Struct("!q")
 _U64 = struct.Struct("!Q")
 _KEEPALIVE = struct.Struct("!Qq?")
 
-if TYPE_CHECKING:
-    from outbox_migrate.relay.cdc.relay import CdcRelay, _Columns
-    from outbox_migrate.relay.cdc.stream import ReplicationStream
-
 
 class StreamSession:
     """Reads one stream until the relay stops (or, `until_caught_up`, catches up)."""
 
-    def __init__(self, relay: CdcRelay, stream: ReplicationStream) -> None:
-        self.relay = relay
+    def __init__(
+        self,
+        stream: ReplicationStream,
+        options: CdcOptions,
+        *,
+        builder: MessageBuilder,
+        delivery: Delivery,
+        marks: MarkSession,
+        stats: CdcStats,
+        observer: Observer,
+        stop: threading.Event,
+        target_lsn: int,
+        unconfirmed: Unconfirmed,
+        careful_until: int = 0,
+    ) -> None:
         self.stream = stream
-        self.relations: dict[int, _Columns | None] = {}
-        self.partition = (relay.spec.schema, relay.spec.unpublished_partition)
+        self.options = options
+        self.builder = builder
+        self.delivery = delivery
+        self.mark_session = marks
+        self.stats = stats
+        self.observer = observer
+        self.stop = stop
+        self.target_lsn = target_lsn
+        self.unconfirmed = unconfirmed
+        self.careful_until = careful_until
+        """After a run that died without a trace: batches that may hold what it was
+        publishing (before this position) count their attempts first (`crash_guard`)."""
+        self.relations: dict[int, Columns | None] = {}
+        spec = builder.spec
+        self.partition = (spec.schema, spec.unpublished_partition)
         self.txn: list[Message] | None = None
         self.txn_commit = 0
         self.pending: list[Message] = []
@@ -96,11 +130,11 @@ class StreamSession:
         )
 
     def run(self) -> None:
-        relay, stream = self.relay, self.stream
-        stopping = relay.stop_event.is_set
+        stream = self.stream
+        stopping = self.stop.is_set
         drain, wait, frames = stream.drain, stream.wait, self._frames
-        linger = relay.options.linger_s
-        until_caught_up = relay.options.until_caught_up
+        linger = self.options.linger_s
+        until_caught_up = self.options.until_caught_up
         try:
             while not stopping():
                 # Per wake-up: every frame libpq holds in one call, acted on in one call.
@@ -128,7 +162,7 @@ class StreamSession:
                 if busy:
                     self._sleep_while_busy(linger)
                     continue
-                if not wait(self._timeout(), relay.mark_socket()):
+                if not wait(self._timeout(), self.mark_session.socket()):
                     self._idle()
             self.flush()  # stopped: what the broker acknowledged is marked and confirmed
         except SinkUnavailable:
@@ -136,11 +170,8 @@ class StreamSession:
             # what the broker did acknowledge, so it is not sent again.
             self.flush()
             raise
-        except OutboxMigrateError as exc:
-            from outbox_migrate.relay.cdc.relay import _Interrupted
-
-            if isinstance(exc, _Interrupted):  # stopped inside a batch's retries
-                self.flush()
+        except Interrupted:  # stopped inside a batch's retries
+            self.flush()
             raise
 
     def _linger(self, until: float) -> list[bytes] | None:
@@ -171,7 +202,7 @@ class StreamSession:
 
     def _timeout(self) -> float:
         if self.acked_end > self.confirmed and self.marking_end is None:
-            wait = self.relay.options.mark_interval_s - (time.monotonic() - self.last_mark)
+            wait = self.options.mark_interval_s - (time.monotonic() - self.last_mark)
             return max(0.0, min(wait, IDLE_TICK_S))
         return IDLE_TICK_S
 
@@ -179,12 +210,12 @@ class StreamSession:
         return (
             self.txn is None
             and not self.pending
-            and max(self.confirmed, self.acked_end) >= self.relay.target_lsn
+            and max(self.confirmed, self.acked_end) >= self.target_lsn
         )
 
     def _idle(self) -> None:
         """Nothing arrived for a while: ping the server now and then."""
-        self.relay.observer.heartbeat(0)  # the loop is alive (liveness, /healthz)
+        self.observer.heartbeat(0)  # the loop is alive (liveness, /healthz)
         if time.monotonic() - self.last_status >= STATUS_INTERVAL_S:
             self._status(self.confirmed, reply=True)
 
@@ -194,7 +225,7 @@ class StreamSession:
         keepalives. Decoded in place (pgoutput's layouts), the common messages first: this
         runs for every message the stream carries."""
         relations = self.relations
-        build = self.relay.message
+        build = self.builder.message
         keepalive = reply = False
         now = time.monotonic()  # when this wake-up's frames arrived, for the linger
         try:
@@ -233,19 +264,19 @@ class StreamSession:
     def _relation(self, relation: pgoutput.Decoded) -> None:
         if type(relation) is pgoutput.Relation:
             ours = (relation.namespace, relation.name) == self.partition
-            self.relations[relation.oid] = self.relay.columns_for(relation) if ours else None
+            self.relations[relation.oid] = self.builder.columns_for(relation) if ours else None
 
     def _commit(self, end_lsn: int) -> None:
         txn = self.txn
         if txn:
             self.pending += txn
             self.pending_transactions += 1
-            if self.relay.oldest_unconfirmed is None:
-                self.relay.oldest_unconfirmed = self.txn_commit
+            if self.unconfirmed.commit_time is None:
+                self.unconfirmed.commit_time = self.txn_commit
         self.pending_end = max(self.pending_end, end_lsn)
         self.received = max(self.received, end_lsn)
         self.txn = None
-        if len(self.pending) >= self.relay.options.batch_size:
+        if len(self.pending) >= self.options.batch_size:
             self.publish()
             self.marks()
 
@@ -259,26 +290,27 @@ class StreamSession:
         if not self.in_flight and self.received > self.confirmed:
             self.confirmed = self.received
             self._status(self.confirmed)
-            self.relay.stats.add(idle_confirms=1)
-            self.relay.stats.confirmed_lsn = self.confirmed
+            self.stats.add(idle_confirms=1)
+            self.stats.confirmed_lsn = self.confirmed
         elif reply:
             self._status(self.confirmed)
 
     def publish(self) -> None:
         """Publish the pending transactions and wait for the broker's acknowledgement."""
-        relay, messages = self.relay, self.pending
+        messages, observer = self.pending, self.observer
         if messages:
-            relay.deliver(messages)
+            careful = max(self.acked_end, self.confirmed) < self.careful_until
+            self.delivery.deliver(messages, careful=careful)
             self.acked += [m.id for m in messages]
-            stats = relay.stats
+            stats = self.stats
             stats.published += len(messages)  # this thread is the only writer
             stats.batches += 1
             stats.transactions += self.pending_transactions
-            relay.observer.published(len(messages))
+            observer.published(len(messages))
             # From the batch's first frame (or the open transaction's) to the acknowledgement.
             started = self.linger_from
-            relay.observer.batch_seconds(time.monotonic() - started if started else 0.0)
-            relay.observer.heartbeat(0)
+            observer.batch_seconds(time.monotonic() - started if started else 0.0)
+            observer.heartbeat(0)
             self.pending = []
             self.pending_transactions = 0
         self.acked_end = max(self.acked_end, self.pending_end)
@@ -290,25 +322,25 @@ class StreamSession:
         when due. Never waits, except when `MARK_MAX_IDS` ids pile up behind a mark in
         flight (the server is slower than the stream: the stream waits rather than let the
         re-sent-after-a-crash window grow without bound)."""
-        relay = self.relay
+        marks, options = self.mark_session, self.options
         if self.marking_end is not None:
-            if not relay.mark_done():
+            if not marks.done():
                 if len(self.acked) < MARK_MAX_IDS:
                     return
-                relay.wait_mark()
+                marks.wait()
             self._confirm(self.marking_end)
             self.marking_end = None
         if self.acked_end <= self.confirmed:
             return
         now = time.monotonic()
         if (
-            relay.options.mark
-            and now - self.last_mark < relay.options.mark_interval_s
+            options.mark
+            and now - self.last_mark < options.mark_interval_s
             and len(self.acked) < MARK_MAX_IDS
         ):
             return
         self.last_mark = now
-        if relay.send_mark(self.acked):
+        if marks.send(self.acked):
             self.marking_end = self.acked_end
             self.acked = []
         else:  # nothing to mark (--no-mark, or transactions without outbox rows)
@@ -317,13 +349,13 @@ class StreamSession:
 
     def flush(self) -> None:
         """Mark everything acknowledged and confirm it, waiting for the server."""
+        marks = self.mark_session
         if self.marking_end is not None:
-            self.relay.wait_mark()
+            marks.wait()
             self._confirm(self.marking_end)
             self.marking_end = None
         if self.acked_end > self.confirmed:
-            if self.relay.send_mark(self.acked):
-                self.relay.wait_mark()
+            marks.mark(self.acked)
             self.acked = []
             self._confirm(self.acked_end)
 
@@ -332,9 +364,9 @@ class StreamSession:
             return
         self.confirmed = lsn
         self._status(lsn)
-        self.relay.stats.confirmed_lsn = lsn
-        self.relay.oldest_unconfirmed = None
-        self.relay.observer.heartbeat(0)
+        self.stats.confirmed_lsn = lsn
+        self.unconfirmed.commit_time = None
+        self.observer.heartbeat(0)
 
     def _status(self, lsn: int, *, reply: bool = False) -> None:
         self.stream.confirm(lsn, reply=reply, received=self.received)

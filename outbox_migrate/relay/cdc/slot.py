@@ -107,30 +107,35 @@ def create_slot(conn: Any, slot: str, *, failover: bool) -> bool:
     return use_failover
 
 
-def ensure_slot(conn: Any, slot: str, database: str, *, failover: bool) -> tuple[bool, SlotState]:
-    """The relay's slot: created when missing (True), else checked to be a pgoutput slot of
-    this database (another plugin or database would stream the wrong thing)."""
-    state = slot_state(conn, slot)
-    created = False
-    if state is None:
-        create_slot(conn, slot, failover=failover)
-        created = True
-        state = slot_state(conn, slot)
-        assert state is not None
-    if state.plugin != "pgoutput" or state.database != database:
+def check_database(state: SlotState, database: str, advice: str) -> None:
+    """Slot names are server-wide: the slot of another database (the default `--slot` of a
+    relay on a second outbox) belongs to someone else and is never dropped or streamed."""
+    if state.database is None:
+        raise RelayError(f"replication slot {state.name} is a physical slot: {advice}")
+    if state.database != database:
         raise RelayError(
-            f"replication slot {slot} exists but is not a pgoutput slot of database "
-            f"{database} (plugin {state.plugin}, database {state.database}): choose another "
-            "--slot"
+            f"replication slot {state.name} belongs to database {state.database}, not "
+            f"{database}: {advice}"
         )
-    return created, state
+
+
+def check_owned(state: SlotState, database: str) -> None:
+    """The relay's slot must be a pgoutput slot of `database` (see `check_database`)."""
+    check_database(state, database, "give this relay its own --slot")
+    if state.plugin != "pgoutput":
+        raise RelayError(
+            f"replication slot {state.name} uses plugin {state.plugin}, not pgoutput: give "
+            "this relay its own --slot"
+        )
 
 
 def drop_slot(conn: Any, slot: str) -> bool:
-    """Drop the slot if it exists and nobody streams from it; True when dropped."""
+    """Drop the slot if it exists, belongs to this database and nobody streams from it; True
+    when dropped."""
     state = slot_state(conn, slot)
     if state is None:
         return False
+    check_database(state, conn.info.dbname, "drop it from a session of that database")
     if state.active:
         raise RelayError(f"replication slot {slot} is in use by a running relay: stop it first")
     conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))

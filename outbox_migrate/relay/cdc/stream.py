@@ -77,6 +77,12 @@ class ReplicationStream:
         snapshot = result.get_value(0, 2) or b""
         return pgoutput.parse_lsn(point.decode()), snapshot.decode()
 
+    def release_snapshot(self) -> None:
+        """End the snapshot `create_slot` exported: the walsender holds it, and with it an
+        xmin that keeps VACUUM from removing any row deleted since, until its next command
+        (here one that changes nothing)."""
+        self._command(b"IDENTIFY_SYSTEM", pq.ExecStatus.TUPLES_OK)
+
     def _command(self, command: bytes, expect: pq.ExecStatus) -> PGresult:
         self._conn.send_query(command)
         self._flush()

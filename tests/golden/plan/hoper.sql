@@ -859,6 +859,26 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
+    FOR violation IN SELECT
+        format(
+        'trigger %I on %s has the name of row trigger %I on %s, which ATTACH clones onto %s and refuses ("trigger '
+        'already exists"); rename the one on %s (ALTER TRIGGER %I ON %s RENAME TO …) or the one on %s, then run this '
+        'step again',
+              o.tgname, o.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass, p.tgrelid::regclass,
+                  p.tgname, p.tgrelid::regclass, o.tgrelid::regclass)
+FROM pg_trigger o
+JOIN pg_trigger p ON p.tgname = o.tgname
+WHERE o.tgrelid = to_regclass('"public"."outbox"') AND p.tgrelid = to_regclass('"public"."outbox_new"')
+  AND (p.tgtype & 1) = 1 AND NOT p.tgisinternal AND o.tgparentid <> p.oid
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [no-trigger-name-clash] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
     FOR violation IN WITH new_seq AS (
     SELECT s.seqstart, s.seqincrement, pg_sequence_last_value(s.seqrelid) AS last
     FROM pg_sequence s

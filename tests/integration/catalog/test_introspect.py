@@ -13,6 +13,7 @@ import pytest
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
 from outbox_migrate.introspect import TableFacts, introspect, raise_for_blockers
+from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from outbox_migrate.testing.server import Server
 
@@ -60,7 +61,7 @@ def test_facts_of_a_flat_outbox(conn: psycopg.Connection, pg_server: Server) -> 
     assert facts.foreign_keys_in == [] and facts.triggers == [] and facts.publications == []
     assert facts.new_table_state == {}
     assert facts.blockers == []
-    assert codes(facts.warnings) == ["fk-out"]
+    assert codes(facts.warnings) == ["fk-out", *LAYOUT_WARNINGS]
     raise_for_blockers(facts)  # nothing to raise
 
 
@@ -202,7 +203,7 @@ def test_cdc_publications_and_triggers_are_warnings(conn: psycopg.Connection) ->
     facts = introspect(conn, SPEC)
     assert facts.blockers == []
     assert facts.publications == ["everything", "only_outbox"]
-    assert codes(facts.warnings) == ["cdc-publication", "cdc-publication"]
+    assert codes(facts.warnings) == ["cdc-publication", "cdc-publication", *LAYOUT_WARNINGS]
     assert "covers the partitions by itself" in facts.warnings[0].remedy  # everything
     assert "adds the unpublished partition" in facts.warnings[1].remedy  # only_outbox
     assert [(p.name, p.explicit, p.all_tables) for p in facts.publication_details] == [
@@ -227,7 +228,7 @@ def test_generated_column_is_a_warning(conn: psycopg.Connection) -> None:
     conn.execute(GENERATED_OUTBOX)
     facts = introspect(conn, SPEC)
     assert facts.blockers == []
-    assert codes(facts.warnings) == ["generated-column"]
+    assert codes(facts.warnings) == ["generated-column", *LAYOUT_WARNINGS]
     assert facts.warnings[0].message == "outbox.payload_bytes is a generated column"
     assert "HOPIA" in facts.warnings[0].remedy and "COP, COPRA or HOP" in facts.warnings[0].remedy
 

@@ -1,0 +1,194 @@
+"""What a flat outbox means that the partitioned layout cannot keep, judged for `plan` (and
+so for `run`'s admission, which refuses what `plan` calls a blocker).
+
+Frameworks hang meaning on their outbox table that no column role describes: a unique
+MessageId for deduplication, `ctid` in their cleanup, row locks in their own publisher, a
+status column beside the timestamp. Partitioned by the publication marker, the table keeps
+the rows but not these rules, and nothing fails until a duplicate commits or a cleanup
+deletes undelivered rows. This module names each loss; it reads one catalog query and
+otherwise judges `TableFacts` without I/O. It must not decide anything about ids, CHECKs or
+triggers (introspect.py does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from psycopg import Connection
+
+from outbox_migrate import sql as queries
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.findings import Finding
+from outbox_migrate.patterns.names import Names
+
+if TYPE_CHECKING:
+    from outbox_migrate.introspect import ColumnFact, TableFacts
+
+MARKER_STEMS = (
+    "publish", "dispatch", "sent", "deliver", "process", "relay", "complet", "handled", "emit",
+)  # fmt: skip
+"""Name fragments of a column that records delivery (`published_at`, `Dispatched`,
+`ProcessedDate`, `completion_date`): what tells a misnamed marker from no marker at all."""
+STATUS_NAMES = ("status", "state")
+"""A column named so, or ending `_status`/`_state`, is read as a message's status."""
+TIMESTAMP_TYPES = frozenset({"timestamp with time zone", "timestamp without time zone"})
+KINDS = {"p": "primary key", "u": "unique constraint", "": "unique index"}
+LAYOUT_WARNINGS = ("ctid-per-partition", "mark-moves-row")
+"""Warnings every table gets, last: what changes for any code that touches the rows."""
+
+
+@dataclass(frozen=True)
+class UniqueKey:
+    """A valid unique index of the old table (a primary key or UNIQUE constraint included)."""
+
+    name: str
+    kind: str
+    """`primary key`, `unique constraint` or `unique index`."""
+    columns: tuple[str | None, ...]
+    """Key columns in order; None for an expression."""
+    partial: bool
+    definition: str
+
+    def shown(self) -> str:
+        return ", ".join(c if c is not None else "(expression)" for c in self.columns)
+
+
+def read_unique_keys(conn: Connection[Any], spec: OutboxSpec) -> list[UniqueKey]:
+    rows = conn.execute(
+        queries.query("semantics", "unique-keys").compose(rel_reg=Names(spec).reg(spec.table))
+    ).fetchall()
+    return [
+        UniqueKey(str(name), "primary key" if primary else KINDS.get(contype, "unique index"),
+                  tuple(columns), bool(partial), str(definition))
+        for name, primary, contype, columns, partial, definition in rows
+    ]  # fmt: skip
+
+
+def id_unique_by_construction(facts: TableFacts, spec: OutboxSpec) -> bool:
+    """Ids the database generates (an identity, a sequence, a uuid default) stay unique
+    without an index: the new identity starts above the old ids. Ids the application
+    supplies without a default were kept unique by the index alone — which is how a
+    framework deduplicates (NServiceBus's primary key on MessageId). With database ids that
+    are not generated, the id's own blocker already says what to do."""
+    if spec.id_kind != "application":
+        return True
+    column = facts.column(spec.id_column)
+    return column is not None and column.default is not None
+
+
+def lost_unique_keys(facts: TableFacts, spec: OutboxSpec) -> list[UniqueKey]:
+    """Unique keys whose rule the partitioned table cannot enforce: their columns include
+    neither the partition key (then it could be re-created on the parent) nor an id that is
+    unique by construction."""
+    keep = {spec.published_column}
+    if id_unique_by_construction(facts, spec):
+        keep.add(spec.id_column)
+    return [key for key in facts.unique_keys if not keep.intersection(key.columns)]
+
+
+def judge_lost_semantics(facts: TableFacts, spec: OutboxSpec, table: str) -> None:
+    """Blockers for rules that would silently stop holding; warnings for behaviour that
+    changes for code outside outbox-migrate. A table without its publication column is
+    refused for that alone (`missing_marker`): it will not be partitioned, so nothing is lost."""
+    if facts.column(spec.published_column) is None:
+        return
+    parent, published = spec.partitioned_table, spec.published_column
+    for key in lost_unique_keys(facts, spec):
+        enforced = (
+            f"{key.kind} {key.name} on {table} ({key.shown()}"
+            + (", partial" if key.partial else "")
+            + f") keeps two rows from sharing {key.shown()}"
+        )
+        lost = (
+            f"; {parent} cannot: a unique index on a partitioned table must include the "
+            f"partition key ({published}), so after the migration a duplicate commits"
+        )
+        if key.name in spec.accept_lost_unique:
+            facts.warnings.append(Finding(
+                "lost-unique-accepted", enforced + lost,
+                "accepted (accept_lost_unique): the rule must now be kept elsewhere, e.g. a "
+                "deduplication table the application writes in the same transaction",
+            ))  # fmt: skip
+            continue
+        facts.blockers.append(Finding(
+            "lost-unique", enforced + lost,
+            "if the application relies on it (deduplication), keep the rule in a table of "
+            "its own with that key, written in the same transaction as the outbox row "
+            "(docs/patterns.md, \"Your table is not the spec's\"); then accept the loss: "
+            f'accept_lost_unique = ["{key.name}"] (--accept-lost-unique {key.name})',
+        ))  # fmt: skip
+    status = status_beside_timestamp(facts, spec)
+    if status is not None:
+        facts.warnings.append(Finding(
+            "status-column-beside",
+            f"{table}.{status.name} ({status.type}) looks like a status column beside the "
+            f"publication timestamp {published}",
+            f"the relay sets only {published}, so {status.name} keeps the value the "
+            "application wrote, and a framework that reads it re-submits every relayed "
+            f"message; keep publishing with the framework's own publisher, or keep "
+            f"{status.name} in step yourself (outbox-migrate's relay cannot set it yet)",
+        ))  # fmt: skip
+    facts.warnings.append(Finding(
+        "ctid-per-partition",
+        f"ctid is unique only within one partition of {parent}",
+        f"a statement that selects ctids and then deletes or updates `WHERE ctid IN (…)` on "
+        f"{parent} (a framework's batched cleanup) also hits rows of the other partition "
+        f"that have the same ctid, unpublished ones included: select by "
+        f"{spec.id_column} instead, or run it on one partition",
+    ))  # fmt: skip
+    facts.warnings.append(Finding(
+        "mark-moves-row",
+        f"marking a row published moves it to another partition of {parent}",
+        "a second session that locks or updates the row meanwhile (SELECT … FOR UPDATE, an "
+        "application's own publisher marking the same row) no longer waits for it: it gets "
+        "SQLSTATE 40001 (serialization_failure: \"tuple to be locked was already moved to "
+        "another partition due to concurrent update\"); retry that transaction on 40001 "
+        "(outbox-migrate's relay does)",
+    ))  # fmt: skip
+
+
+def status_beside_timestamp(facts: TableFacts, spec: OutboxSpec) -> ColumnFact | None:
+    """The first column that looks like a message status next to the publication timestamp:
+    named `status`/`state` (or `…_status`/`…_state`), or a boolean named like a delivery
+    marker (NServiceBus's `Dispatched`). A guess by name, stated as one in the warning."""
+    for column in facts.columns:
+        if column.name in (spec.id_column, spec.published_column):
+            continue
+        if column.type in TIMESTAMP_TYPES:
+            continue
+        lowered = column.name.lower()
+        named = lowered in STATUS_NAMES or lowered.endswith(tuple(f"_{s}" for s in STATUS_NAMES))
+        flag = column.type == "boolean" and any(stem in lowered for stem in MARKER_STEMS)
+        if named or flag:
+            return column
+    return None
+
+
+def missing_marker(facts: TableFacts, spec: OutboxSpec, table: str) -> Finding:
+    """The refusal when the publication column is absent: a misnamed marker (a nullable
+    timestamp named like one exists) is a setting to fix; no marker at all is an outbox that
+    deletes what it delivered (MassTransit's OutboxMessage, Debezium's example), where
+    "set published_column" would invite a wrong fix."""
+    candidates = [
+        c.name
+        for c in facts.columns
+        if c.type in TIMESTAMP_TYPES
+        and not c.not_null
+        and any(stem in c.name.lower() for stem in MARKER_STEMS)
+    ]
+    if candidates:
+        return Finding(
+            "published-missing",
+            f"{table} has no column {spec.published_column!r}",
+            f"set published_column to the publication timestamp column (here perhaps: "
+            f"{', '.join(candidates)})",
+        )
+    return Finding(
+        "delete-on-delivery",
+        f"{table} has no publication marker: no column {spec.published_column!r} and no "
+        "nullable timestamp named like published/dispatched/sent/processed",
+        "this outbox deletes delivered rows: there is nothing to partition (it holds only "
+        "undelivered messages and stays small by itself); if a column does record "
+        "publication, set published_column to it",
+    )

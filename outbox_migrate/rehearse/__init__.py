@@ -1,0 +1,195 @@
+"""`rehearse`: the whole migration on a copy of the user's outbox before it meets production.
+
+The live table's shape and load are read (read-only sessions; see `source`), the same table is
+rebuilt and filled in a scratch database (`scratch`), and the demo's harness runs the pattern
+there — writers and relays of every application version at the measured insert rate, the
+runner's steps between rolling deploys — with the same report. On top: the source's size and
+rates, and how long the steps that scan or copy the table would take at the real size,
+extrapolated from the scratch run. Must never write to the source; the scratch database is
+created fresh on each run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.rehearse.scratch import Rebuilt
+
+DEFAULT_ROWS = 100_000
+DEFAULT_SECONDS = 40.0
+RATE_FLOOR_PER_S = 20
+RATE_CEILING_PER_S = 1_000
+"""The scratch load's insert rate is the measured one, kept within these bounds: below the
+floor a short rehearsal sees too few rows per phase, above the ceiling one machine's
+writers and relays measure themselves more than the migration."""
+SCAN_STEPS = ("validate-check",)
+"""Steps whose time grows with the old table's size (a full scan under SHARE UPDATE
+EXCLUSIVE): extrapolated by the ratio of heap sizes."""
+
+
+@dataclass(frozen=True)
+class RehearsalRequest:
+    pattern: str
+    source_dsn: str
+    scratch_dsn: str
+    recording_dsn: str
+    spec: OutboxSpec
+    rows: int = DEFAULT_ROWS
+    seconds: float = DEFAULT_SECONDS
+    measure_s: float = 5.0
+    sample: bool = False
+
+
+def rehearse(
+    request: RehearsalRequest,
+    *,
+    on_snapshot: Callable[[Any], None] | None = None,
+    output_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Read, rebuild, run; the demo's report plus `source`, `scratch` and `extrapolated`."""
+    from outbox_migrate.introspect import raise_for_blockers
+    from outbox_migrate.rehearse import scratch
+    from outbox_migrate.rehearse.source import measure_rates, read_only_connect, read_shape
+    from outbox_migrate.sim import simulate
+    from outbox_migrate.sim.scenario import Scenario
+
+    spec = request.spec
+    shape = read_shape(request.source_dsn, spec, request.pattern)
+    raise_for_blockers(shape.facts)
+    shape.rates = measure_rates(request.source_dsn, spec, request.measure_s)
+    insert_sql, identity = scratch.insert_statement(shape, spec)
+    rate = round(min(max(shape.rates.inserts_per_s, RATE_FLOOR_PER_S), RATE_CEILING_PER_S))
+    rebuilt = Rebuilt()
+    scratch_bytes: list[int] = []
+
+    def prepare(dsn: str) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            done = scratch.rebuild(conn, shape, spec)
+            rebuilt.skipped.extend(done.skipped)
+            if request.sample:
+                with read_only_connect(request.source_dsn) as source:
+                    rebuilt.rows = scratch.fill_sample(source, conn, shape, spec, request.rows)
+            else:
+                rebuilt.rows = scratch.fill_synthetic(conn, shape, spec, request.rows)
+        scratch_bytes.append(_heap_bytes(dsn, spec))
+
+    scenario = Scenario(
+        request.pattern,
+        rate_per_s=rate,
+        duration_s=request.seconds,
+        spec=spec,
+        insert_sql=insert_sql,
+        identity=identity,
+    )
+    report = simulate(
+        request.scratch_dsn,
+        request.recording_dsn,
+        scenario,
+        on_snapshot=on_snapshot,
+        output_dir=output_dir,
+        prepare=prepare,
+    )
+    facts = shape.facts
+    report["source"] = {
+        "table": f"{spec.schema}.{spec.table}",
+        "server_version": facts.server_version_text,
+        "row_estimate": facts.row_estimate,
+        "unpublished": facts.unpublished,
+        "heap_bytes": facts.heap_bytes,
+        "total_bytes": facts.total_bytes,
+        "measured_over_s": shape.rates.seconds,
+        "inserts_per_s": shape.rates.inserts_per_s,
+        "updates_per_s": shape.rates.updates_per_s,
+        "deletes_per_s": shape.rates.deletes_per_s,
+    }
+    report["scratch"] = {
+        "rows": rebuilt.rows,
+        "rate_per_s": rate,
+        "identity": identity,
+        "skipped": rebuilt.skipped,
+        "heap_bytes": scratch_bytes[0] if scratch_bytes else 0,
+    }
+    report["extrapolated"] = extrapolate(report, request.scratch_dsn)
+    return report
+
+
+def _heap_bytes(dsn: str, spec: OutboxSpec) -> int:
+    """The old table's heap in the scratch database once filled, before the run: what the
+    scan steps of the run read (plus the few seconds of rows the writers add)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT coalesce(pg_relation_size(to_regclass(%s)), 0)",
+            (sql.Identifier(spec.schema, spec.table).as_string(conn),),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def extrapolate(report: dict[str, Any], scratch_dsn: str) -> list[dict[str, Any]]:
+    """How long the size-bound steps would take on the source, scaled linearly from the
+    scratch run: scans by heap bytes, copy-back by its measured copy rate.
+
+    Linear is the honest first-order model for a sequential scan or a keyset copy on the
+    same hardware; it ignores cache effects and a busier production server — say so."""
+    source, copy = report["source"], report["scratch"]
+    out: list[dict[str, Any]] = []
+    scratch_bytes = max(int(copy["heap_bytes"]), 1)
+    for step in report.get("steps", []):
+        if not any(step["step"].endswith(kind) for kind in SCAN_STEPS):
+            continue
+        seconds = max(step["duration_ms"] - step["lock_wait_ms"], 0) / 1000
+        factor = max(int(source["heap_bytes"]), 0) / scratch_bytes
+        out.append(
+            {
+                "step": step["step"],
+                "scratch_s": round(seconds, 3),
+                "scale": round(factor, 2),
+                "estimated_s": round(seconds * factor, 1),
+                "basis": "heap bytes, linear",
+            }
+        )
+    copied = _copy_back_rate(scratch_dsn)
+    if copied is not None:
+        rows, seconds = copied
+        rate = rows / seconds if seconds > 0 else 0.0
+        per_hour = float(source["updates_per_s"]) * 3600
+        out.append(
+            {
+                "step": "copy-back",
+                "scratch_rows": rows,
+                "scratch_s": round(seconds, 3),
+                "rows_per_s": round(rate, 1),
+                "estimated_s_per_hour_between_v2_and_swap": (
+                    round(per_hour / rate, 1) if rate > 0 else None
+                ),
+                "basis": "rows published per hour at the measured update rate, copied at "
+                "the scratch rate",
+            }
+        )
+    return out
+
+
+def _copy_back_rate(dsn: str) -> tuple[int, float] | None:
+    """Rows copy-back inserted and the seconds it took, from its progress table (HOPER)."""
+    from outbox_migrate.jobs.common import STATE_SCHEMA
+    from outbox_migrate.jobs.copy_back import PROGRESS_TABLE
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        name = sql.Identifier(STATE_SCHEMA, PROGRESS_TABLE)
+        if conn.execute("SELECT to_regclass(%s)", (name.as_string(conn),)).fetchone() == (None,):
+            return None
+        row = conn.execute(
+            sql.SQL(
+                "SELECT sum(rows_inserted), extract(epoch FROM max(coalesce(copied_at, "
+                "updated_at)) - min(started_at)) FROM {}"
+            ).format(name)
+        ).fetchone()
+    if row is None or row[0] is None:
+        return None
+    return int(row[0]), float(row[1] or 0.0)

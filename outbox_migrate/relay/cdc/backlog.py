@@ -1,0 +1,139 @@
+"""The first start's backlog: the rows the new slot's exported snapshot shows unpublished.
+
+The snapshot defines *which* rows are the backlog (committed before the slot's consistent
+point; everything after it comes through the stream): no gap and no overlap. It is used for
+that alone, in one short transaction that reads the backlog's ids (kept as runs of consecutive
+ids, so a dense backlog costs a few bytes), after which the replication connection's next
+command ends the exported snapshot and with it the xmin the walsender held for it. The rows
+are then read by id, one batch per statement, each its own transaction, and published and
+marked with no transaction open: nobody waits on the broker while holding back VACUUM.
+A row marked meanwhile is simply not found again (it left the unpublished partition).
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from psycopg import sql
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.relay.cdc import pgoutput
+from outbox_migrate.relay.cdc.columns import MessageBuilder
+from outbox_migrate.relay.cdc.delivery import Interrupted
+from outbox_migrate.relay.cdc.stats import CdcStats
+from outbox_migrate.relay.message import Message, MessageId
+from outbox_migrate.relay.metrics import Observer
+
+ID_FETCH_ROWS = 10_000
+"""Ids fetched per round trip while the snapshot is imported."""
+
+
+class IdRuns:
+    """The backlog's ids as runs of consecutive ids, ascending: two int64 arrays (16 bytes a
+    run), so a dense backlog of millions of rows costs a few bytes and a sparse one 16 per id."""
+
+    def __init__(self) -> None:
+        self.firsts = array("q")
+        self.lasts = array("q")
+
+    def add(self, i: int) -> None:
+        """Append an id (ascending); a repeated id is one message."""
+        lasts = self.lasts
+        if lasts and lasts[-1] + 1 == i:
+            lasts[-1] = i
+        elif not lasts or lasts[-1] != i:
+            self.firsts.append(i)
+            lasts.append(i)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return zip(self.firsts, self.lasts, strict=True)
+
+    def __len__(self) -> int:
+        return len(self.firsts)
+
+
+def snapshot_ids(conn: Any, snapshot: str, spec: OutboxSpec) -> IdRuns:
+    """The ids the exported snapshot shows in the unpublished partition (one transaction,
+    no broker in it)."""
+    runs = IdRuns()
+    select = sql.SQL("SELECT {} FROM {} ORDER BY 1").format(
+        sql.Identifier(spec.id_column), sql.Identifier(spec.schema, spec.unpublished_partition)
+    )
+    with conn.transaction():
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+        with conn.cursor(name="outbox_cdc_backlog_ids") as cursor:
+            cursor.itersize = ID_FETCH_ROWS
+            cursor.execute(select)
+            for (value,) in cursor:
+                runs.add(int(value))
+    return runs
+
+
+def chunks(runs: Iterable[tuple[int, int]], size: int) -> Iterator[list[int]]:
+    """The ids of `runs` in order, `size` at a time."""
+    chunk: list[int] = []
+    for first, last in runs:
+        i = first
+        while i <= last:
+            take = min(last, i + size - len(chunk) - 1)
+            chunk.extend(range(i, take + 1))
+            i = take + 1
+            if len(chunk) == size:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
+class Backlog:
+    """Publishes and marks the backlog, batch by batch, each read in its own statement."""
+
+    def __init__(
+        self,
+        conn: Any,
+        spec: OutboxSpec,
+        columns: list[str],
+        builder: MessageBuilder,
+        *,
+        stats: CdcStats,
+        observer: Observer,
+        stop: threading.Event,
+    ) -> None:
+        self.conn = conn
+        names = sorted(columns)
+        self.columns = builder.columns_for(pgoutput.Relation(0, spec.schema, "", tuple(names)))
+        self.builder = builder
+        self.select = sql.SQL("SELECT {} FROM {} WHERE {} = ANY(%s::int8[]) ORDER BY {}").format(
+            sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(n)) for n in names),
+            sql.Identifier(spec.schema, spec.unpublished_partition),
+            sql.Identifier(spec.id_column),
+            sql.Identifier(spec.id_column),
+        )
+        self.stats = stats
+        self.observer = observer
+        self.stop = stop
+
+    def publish(
+        self,
+        runs: IdRuns,
+        batch_size: int,
+        deliver: Callable[[list[Message]], None],
+        mark: Callable[[list[MessageId]], None],
+    ) -> None:
+        for ids in chunks(runs, batch_size):
+            if self.stop.is_set():
+                raise Interrupted
+            rows = self.conn.execute(self.select, (ids,)).fetchall()  # autocommit: its own
+            if not rows:
+                continue
+            batch = [self.builder.message(self.columns, tuple(r)) for r in rows]
+            deliver(batch)
+            mark([m.id for m in batch])
+            self.stats.add(backlog=len(batch), published=len(batch), batches=1)
+            self.observer.published(len(batch))
+        if self.stop.is_set():
+            raise Interrupted

@@ -1,0 +1,97 @@
+"""Rows of the unpublished partition (pgoutput's text values) as `Message`s.
+
+Pure: no I/O. Shared by the stream (Insert messages) and the first start's backlog (rows read
+as text), so both build exactly the same messages.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.relay.cdc import pgoutput
+from outbox_migrate.relay.cdc.options import CdcOptions
+from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.relay.message import Message
+
+
+@dataclass
+class Columns:
+    """Positions of the columns a message needs in the partition's Relation message."""
+
+    id: int
+    payload: int
+    created_at: int | None
+    event_type: int | None
+    key: int | None
+    headers: int | None
+    metadata: tuple[tuple[str, int], ...]
+
+
+class MessageBuilder:
+    """Finds the message's columns in a relation and builds messages from its rows."""
+
+    def __init__(self, spec: OutboxSpec, options: CdcOptions) -> None:
+        self.spec = spec
+        self.label = f"{spec.schema}.{spec.partitioned_table}"
+        # The optional columns' names: the option when given, else the spec's role.
+        self.optional: dict[str, str | None] = {
+            "event_type": options.event_type_column or spec.event_type_column or None,
+            "key": options.key_column or spec.key_column or None,
+            "headers": spec.headers_column or None,
+        }
+
+    def columns_for(self, relation: pgoutput.Relation) -> Columns:
+        names = {name: i for i, name in enumerate(relation.columns)}
+        spec = self.spec
+        optional = self.optional
+        try:
+            return Columns(
+                id=names[spec.id_column],
+                payload=names[spec.payload_column],
+                created_at=names[spec.created_column] if spec.created_column else None,
+                event_type=names.get(optional["event_type"] or ""),
+                key=names.get(optional["key"] or ""),
+                headers=names.get(optional["headers"] or ""),
+                metadata=tuple((c, names[c]) for c in spec.metadata_columns),
+            )
+        except KeyError as exc:
+            raise RelayError(f"{self.label} has no column {exc.args[0]}") from None
+
+    def message(self, columns: Columns, values: Sequence[str | None]) -> Message:
+        created = values[columns.created_at] if columns.created_at is not None else None
+        # pgoutput's text ("2026-01-02 03:04:05.6+00") as RFC 3339, like the polling claim's
+        created_at = datetime.fromisoformat(created) if created else datetime.now(UTC)
+        extra: tuple[tuple[str, str], ...] = ()
+        if columns.headers is not None or columns.metadata:
+            extra = _extra_headers(columns, values)
+        return Message(
+            int(values[columns.id] or 0),
+            self.label,
+            values[columns.event_type] if columns.event_type is not None else None,
+            values[columns.key] if columns.key is not None else None,
+            values[columns.payload] or "null",
+            created_at.isoformat(),
+            extra,
+        )
+
+
+def _extra_headers(columns: Columns, values: Sequence[str | None]) -> tuple[tuple[str, str], ...]:
+    """The headers column's entries (a JSON object), then the metadata columns, as the
+    polling relay sends them."""
+    out: dict[str, str] = {}
+    raw = values[columns.headers] if columns.headers is not None else None
+    if raw:
+        parsed = json.loads(raw)
+        if isinstance(parsed, dict):
+            for key, value in parsed.items():
+                if value is not None:
+                    out[str(key)] = value if isinstance(value, str) else json.dumps(value)
+    for name, index in columns.metadata:  # a metadata column wins over a same-named entry
+        value = values[index]
+        if value is not None:
+            out[name] = value
+    return tuple(out.items())

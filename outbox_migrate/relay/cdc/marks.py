@@ -1,0 +1,165 @@
+"""The CDC relay's second session: the marks (and the short bad-row transactions between them).
+
+A mark moves acknowledged rows to the published partition with one prepared `UPDATE … WHERE
+id = ANY(…)` sent without waiting (libpq's asynchronous send), so the stream loop keeps reading
+and publishing while the server works; its result is collected later. This module never waits
+for the broker and never leaves a transaction open: each statement is its own transaction
+(autocommit), and `session()` hands the connection out only once no mark is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.db import one_line
+from outbox_migrate.relay.cdc.stats import CdcStats
+from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.relay.message import MessageId
+
+log = logging.getLogger("outbox_migrate.relay")
+MARK_STATEMENT = b"outbox_migrate_cdc_mark"
+
+
+class MarkSession:
+    """One normal session of the relay: marks, one at a time, and bad-row bookkeeping."""
+
+    def __init__(
+        self,
+        connect: Callable[[], Any],
+        spec: OutboxSpec,
+        *,
+        enabled: bool,
+        stats: CdcStats,
+    ) -> None:
+        self._connect = connect
+        self._spec = spec
+        self.enabled = enabled
+        """False with `--no-mark`: `send` sends nothing and the caller confirms at once."""
+        self._stats = stats
+        self._conn: Any = None
+        self._sql: bytes | None = None
+        self._in_flight = False
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight
+
+    def session(self) -> Any:
+        """The connection, with no mark in flight (it carries one statement at a time)."""
+        self.wait()
+        return self._open()
+
+    def mark(self, ids: Sequence[MessageId]) -> None:
+        """Mark and wait (the first start's backlog; the stream uses `send`)."""
+        if self.send(ids):
+            self.wait()
+
+    def send(self, ids: Sequence[MessageId]) -> bool:
+        """Send one statement for `ids` without waiting for it (the rows leave the
+        unpublished partition); False when there is nothing to send. At most one mark is in
+        flight: `done`/`wait` collect its result before the next is sent."""
+        if not self.enabled or not ids:
+            return False
+        if self._in_flight:
+            raise RuntimeError("a mark is already in flight")  # a bug, not an input error
+        conn = self._open()
+        pgconn = conn.pgconn
+        if self._sql is None:
+            # Prepared once and run through libpq directly: composing and adapting through
+            # the cursor API cost ~300 µs of CPU per batch, more than the rest of the loop
+            # (measured at one batch per transaction, the steady state at 1,000 msg/s).
+            spec = self._spec
+            self._sql = (
+                sql.SQL("UPDATE {} SET {} = now() WHERE {} = ANY($1::int8[]) AND {} IS NULL")
+                .format(
+                    sql.Identifier(spec.schema, spec.partitioned_table),
+                    sql.Identifier(spec.published_column),
+                    sql.Identifier(spec.id_column),
+                    sql.Identifier(spec.published_column),
+                )
+                .as_bytes(conn)
+            )
+            _check(pgconn.prepare(MARK_STATEMENT, self._sql), pgconn)
+        # The ids as one int8[] literal: no per-element adaptation.
+        literal = ("{" + ",".join(map(str, ids)) + "}").encode()
+        try:
+            pgconn.send_query_prepared(MARK_STATEMENT, [literal])
+            while pgconn.flush() == 1:  # the statement did not fit the socket buffer
+                select.select([pgconn.socket], [pgconn.socket], [], 1.0)
+        except psycopg.Error as exc:
+            raise psycopg.OperationalError(one_line(str(exc))) from None
+        self._in_flight = True
+        self._stats.add(marks=1)
+        return True
+
+    def socket(self) -> int | None:
+        """The session's socket while a mark is in flight (the stream loop also waits on it,
+        so a mark's result is collected as soon as it arrives)."""
+        if not self._in_flight or self._conn is None:
+            return None
+        fd: int = self._conn.pgconn.socket
+        return fd
+
+    def done(self) -> bool:
+        """Collect the mark in flight if its result has arrived (never blocks)."""
+        if not self._in_flight:
+            return True
+        pgconn = self._conn.pgconn
+        try:
+            pgconn.consume_input()
+        except psycopg.Error as exc:
+            raise psycopg.OperationalError(one_line(str(exc))) from None
+        if pgconn.is_busy():
+            return False
+        self._collect(pgconn)
+        return True
+
+    def wait(self) -> None:
+        """Block until the mark in flight has committed."""
+        while not self.done():
+            select.select([self._conn.pgconn.socket], [], [], 1.0)
+
+    def _collect(self, pgconn: Any) -> None:
+        self._in_flight = False
+        result = pgconn.get_result()
+        while pgconn.get_result() is not None:  # drain to the end of the statement
+            pass
+        if result is None:
+            raise psycopg.OperationalError(
+                pgconn.error_message.decode(errors="replace").strip() or "mark: no result"
+            )
+        result = _check(result, pgconn)
+        self._stats.add(marked=max(result.command_tuples or 0, 0))
+
+    def _open(self) -> Any:
+        if self._conn is None or self._conn.closed:
+            self._conn = self._connect()
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # closing a broken connection may fail too
+                log.debug("relay.close_failed", exc_info=True)
+            self._conn = None
+            self._sql = None
+            self._in_flight = False
+
+
+def _check(result: Any, pgconn: Any) -> Any:
+    from psycopg import pq
+
+    if result.status != pq.ExecStatus.COMMAND_OK:
+        message = (result.error_message or pgconn.error_message).decode(errors="replace")
+        if pgconn.status != pq.ConnStatus.OK:
+            raise psycopg.OperationalError(message.strip())
+        raise RelayError(f"cannot mark published rows: {message.strip()}")
+    return result
