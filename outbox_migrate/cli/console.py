@@ -326,7 +326,13 @@ def runner_events(*, json_lines: bool) -> Any:
     return _JsonRunnerEvents() if json_lines else _TextRunnerEvents()
 
 
-def render_status(doc: dict[str, Any]) -> None:
+def render_status(doc: dict[str, Any], latest: dict[str, dict[str, Any]] | None = None) -> None:
+    """`status` for people: the table of steps, then one line per step that has something to
+    say — its latest lock attempt when that is newer than its recorded error (`latest`, from
+    `attempt_log.latest_attempts`), else the error."""
+    from outbox_migrate.attempt_log import newer_than_error
+    from outbox_migrate.cli.wording import without_prefix
+
     console = out()
     _say(console,
         f"{doc['pattern'].upper()} migration of {doc['table']}: {doc['state']}, completed "
@@ -340,13 +346,27 @@ def render_status(doc: dict[str, Any]) -> None:
         for s in doc["steps"]
     ]  # fmt: skip
     table(None, ["step", "state", "tries", "ms", "lock wait ms"], rows, keep=["step"])
-    from outbox_migrate.cli.wording import without_prefix
-
-    for s in doc["steps"]:  # errors below the table: they wrap, the ids above never do
-        if s.get("last_error"):
+    for s in doc["steps"]:  # below the table: these lines wrap, the ids above never do
+        attempt = (latest or {}).get(s["id"])
+        if attempt is not None and newer_than_error(attempt, s):
+            _say(console, f"{s['id']}: {_attempt_line(attempt)}")
+        elif s.get("last_error"):
             # The error itself often starts with the step id: say it once.
-            error = without_prefix(str(s["last_error"]), s["id"])
-            _say(console, f"{s['id']}: {error}")
+            _say(console, f"{s['id']}: {without_prefix(str(s['last_error']), s['id'])}")
+
+
+def _attempt_line(attempt: dict[str, Any]) -> str:
+    at = attempt["at"]
+    when = at.strftime("%Y-%m-%d %H:%M:%S %Z") if hasattr(at, "strftime") else str(at)
+    held = ", ".join(
+        f"pid {b.get('pid')}" + (f" ({b['application_name']})" if b.get("application_name") else "")
+        for b in attempt["blockers"][:3]
+    )  # fmt: skip
+    said = {"lock_timeout": "lock not granted within the timeout",
+            "waiting": "waiting for its locks"}  # fmt: skip
+    outcome = said.get(attempt["outcome"], attempt["outcome"])
+    return (f"latest attempt {attempt['attempt']} at {when}: {outcome} "
+            f"({attempt['waited_ms']:.0f} ms)" + (f"; held by {held}" if held else ""))  # fmt: skip
 
 
 @contextmanager

@@ -246,9 +246,10 @@ def status(
 
         text(inspect.not_recorded_message(settings, name, document.get("active_pattern")))
         return
+    from outbox_migrate.attempt_log import latest_attempts
     from outbox_migrate.cli.console import render_status
 
-    render_status(document)
+    render_status(document, latest_attempts(_dsn(dsn), settings.spec, document["pattern"]))
 
 
 def verify(
