@@ -39,6 +39,8 @@ WRONG_CHOREOGRAPHY_PATIENCE_S = 6.0
 DRAIN_TIMEOUT_S = 60.0
 MONITOR_INTERVAL_S = 0.5
 READY_TIMEOUT_S = 60.0
+COLLECT_POLL_S = 0.02
+"""How often a stop checks whether its instances have exited (while reading their results)."""
 RESULTS_TIMEOUT_S = 5.0
 """How long the end of a run waits for stopped instances' results (normally milliseconds)."""
 
@@ -225,6 +227,10 @@ class Choreographer:
             for index, (kind, proc, stop) in enumerate(self._instances.get(version, []))
             if kind == role and index != keep
         ]
+        self._stop_and_wait(chosen)
+        self.mark("stop", f"{version} {role}s")
+
+    def _stop_and_wait(self, chosen: list[tuple[Any, Any]]) -> None:
         for _, stop in chosen:
             if not stop.is_set():
                 stop.set()
@@ -233,10 +239,9 @@ class Choreographer:
         # while waiting, or join() would wait for ever on a full pipe.
         deadline = time.monotonic() + 60
         while any(proc.is_alive() for proc, _ in chosen) and time.monotonic() < deadline:
-            self._collect(timeout_s=0.1)
+            self._collect(timeout_s=COLLECT_POLL_S)
         for proc, _ in chosen:
             proc.join(5)
-        self.mark("stop", f"{version} {role}s")
 
     def _retire(self, version: str) -> None:
         """An old instance goes away whole: its writer stops, then its relay finishes the
@@ -425,15 +430,23 @@ class Choreographer:
         writers: list[WriterResult] = []
         deadline = time.monotonic() + RESULTS_TIMEOUT_S
         while self._collected < self._stopped and time.monotonic() < deadline:
-            writers += self._collect(timeout_s=0.05)
+            writers += self._collect(timeout_s=COLLECT_POLL_S)
         return writers
 
     def _shutdown(self, *, drain: bool = True) -> None:
-        """Stop writers, let the relays drain what is left (unless interrupted: then what is
-        left is counted as backlog), then stop them."""
+        """Stop writers, let the relays drain what is left, then stop them. Interrupted:
+        every instance is stopped at once and what is left is counted as backlog."""
+        if not drain:
+            everyone = [(proc, stop) for procs in self._instances.values()
+                        for _, proc, stop in procs]  # fmt: skip
+            self._stop_and_wait(everyone)
+            self.mark("stop", "every instance")
+            self.data.backlog_left = self._backlog()
+            self._drain_results()
+            return
         for version in list(self._instances):
             self._stop(version, "writer")
-        deadline = time.monotonic() + (DRAIN_TIMEOUT_S if drain else 0)
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
         self.data.backlog_left = self._backlog()
         while time.monotonic() < deadline:
             self.data.backlog_left = self._backlog()
@@ -442,8 +455,6 @@ class Choreographer:
             time.sleep(0.2)
         for version in list(self._instances):
             self._stop(version, "relay")
-        if not drain:
-            self.data.backlog_left = self._backlog()  # after the relays' last batch
         self._drain_results()
 
     def _backlog(self) -> int:
