@@ -2,8 +2,9 @@
 
 Every command returns through `cli.app.main`, which hands whatever ended the command (a
 return, an error, an interrupt) to `classify` and exits with the code it gives. Nothing else
-in the CLI calls `sys.exit`, so a script can trust the code: `run --to V3 && deploy-v3` never
-deploys after a failure, a Ctrl-C or a lost connection.
+in the CLI decides an exit code (`cli.launch` passes it on, and after an interrupt leaves at
+once), so a script can trust the code: `run --to V3 && deploy-v3` never deploys after a
+failure, a Ctrl-C or a lost connection.
 
 Signals (`cli.signals`, installed by the launcher before anything heavy is imported): SIGINT
 raises `KeyboardInterrupt` and SIGTERM raises `Terminated` (a subclass) at
