@@ -41,6 +41,9 @@ class Repaired:
     bad: dict[MessageId, str] = field(default_factory=dict)
     dead: list[Message] = field(default_factory=list)
     retry: list[MessageId] = field(default_factory=list)
+    attempts: dict[MessageId, int] = field(default_factory=dict)
+    held: set[MessageId] = field(default_factory=set)
+    """With key ordering: rows after a bad row of its key, left unmarked (sent again later)."""
 
 
 class Suspects:
@@ -73,9 +76,12 @@ def repair(
     batch: Sequence[Message],
     acked: Sequence[MessageId],
     error: psycopg.Error | None = None,
+    *,
+    by_key: bool = False,
 ) -> Repaired:
     """Mark the acknowledged rows of a batch whose mark failed (`error`, when known); count
-    the rows at fault."""
+    the rows at fault. `by_key` (key ordering): rows after a bad row of the same key are not
+    marked either — they go out again after it, as after a rejection (relay/parking.py)."""
     wanted = set(acked)
     by_id = {m.id: m for m in batch}
     tids = {r[queries.CLAIM_CTID_COLUMN]: r[0] for r in rows if r[0] in wanted}
@@ -89,16 +95,37 @@ def repair(
         # Same ctid and id, still unpublished: the row the batch claimed (in claim order).
         same = {tid for tid, ident in locked if tids.get(tid) == _id_of(source, ident)}
         todo = [tid for tid in tids if tid in same]
+        conn.execute(_OUTER)
         failed = _mark_named_first(conn, source, todo, tids, _named_id(error, source))
         if failed is None:
             # The whole batch failed already: `_mark_in_halves` starts with its halves.
             failed = _mark_in_halves(conn, source, todo)
+        if by_key and failed:
+            done.held = _behind_bad_keys(batch, {tids[tid] for tid in failed})
+            if done.held:
+                # Marked already: undo, and mark the rest without them.
+                conn.execute(_ROLLBACK_TO_OUTER)
+                todo = [tid for tid in todo if tid not in failed and tids[tid] not in done.held]
+                failed.update(_mark_in_halves(conn, source, todo))
+                todo += [tid for tid in failed if tid not in todo]
         done.marked = len(todo) - len(failed)
         marked = [tids[tid] for tid in todo if tid not in failed]
         failures.forget(conn, source.label, failures.seen_before(source.label, marked))
         if failed:
             _count(conn, source, failures, suspects, failed, tids, by_id, done)
     return done
+
+
+def _behind_bad_keys(batch: Sequence[Message], bad: set[MessageId]) -> set[MessageId]:
+    """Ids of the batch that follow (claim order) a bad row of their key."""
+    first: dict[str | None, MessageId] = {}
+    held: set[MessageId] = set()
+    for message in batch:  # claim order
+        if message.key in first:
+            held.add(message.id)
+        elif message.id in bad:
+            first[message.key] = message.id
+    return held - bad
 
 
 def mark_suspects(
@@ -143,7 +170,7 @@ def _count(
     """One attempt for each row that could not be marked; at the last, dead-letter it."""
     done.bad = {tids[tid]: reason for tid, reason in failed.items()}
     verdict = failures.record(conn, source.label, [by_id[i] for i in done.bad], done.bad)
-    done.dead, done.retry = verdict.dead, verdict.retry
+    done.dead, done.retry, done.attempts = verdict.dead, verdict.retry, verdict.attempts
     dead = {m.id for m in verdict.dead}
     suspects.update(source.label, verdict.retry, list(dead))
     gone = [tid for tid in failed if tids[tid] in dead]
@@ -223,6 +250,8 @@ def _mark_in_halves(conn: Any, source: queries.Source, tids: list[str]) -> dict[
 
 
 _ROLLBACK_TO = sql.SQL("ROLLBACK TO SAVEPOINT om_relay_mark")
+_OUTER = sql.SQL("SAVEPOINT om_relay_repair")
+_ROLLBACK_TO_OUTER = sql.SQL("ROLLBACK TO SAVEPOINT om_relay_repair")
 
 
 def _marked_in_savepoint(source: queries.Source, tids: Sequence[str]) -> sql.Composed:

@@ -329,6 +329,29 @@ def test_two_unpublished_rows_with_one_id_the_first_is_marked_the_second_dead_le
     assert sorted((d[0], json.loads(d[3]).get("copy")) for d in dead) == [(13, None), (20, 2)]
 
 
+def test_with_key_ordering_a_duplicate_id_parks_only_its_key(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """The repair leaves the rows after the bad one of its key unmarked (they go out again
+    after it) and parks the key; the other keys are delivered once, in order."""
+    duplicate = _swapped_with_duplicate(conn)
+    conn.execute(
+        "UPDATE outbox_new SET message_key = (ARRAY['A', 'B', 'C'])[1 + id % 3] "
+        "WHERE published_at IS NULL"
+    )
+    conn.commit()
+    bad_key = "ABC"[duplicate % 3]
+    relay = _relay(dsn, collected.factory(), SWAPPED, ordering=Ordering.key, batch_size=10)
+    relay.run()
+    assert [(d[0], d[1]) for d in _dead(conn)] == [(duplicate, 2)]
+    assert ids_in(conn, "outbox_unpublished") == []
+    others = [m.id for m in collected.messages if m.key != bad_key]
+    held = [m.id for m in collected.messages if m.key == bad_key and m.id > duplicate]
+    assert len(others) == len(set(others)) == 20 and others == sorted(others)
+    assert len(held) > len(set(held))  # sent in the failed batch, then again after it
+    assert sorted(set(held)) == [i for i in range(duplicate + 3, 31, 3)]
+
+
 def test_attempts_of_a_bad_row_survive_a_restart(
     dsn: str, conn: psycopg.Connection, collected: Collected
 ) -> None:
