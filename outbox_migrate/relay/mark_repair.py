@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ from psycopg import sql
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.message import Message, MessageId
+from outbox_migrate.relay.parking import Parking
 
 
 @dataclass
@@ -114,6 +116,26 @@ def repair(
         if failed:
             _count(conn, source, failures, suspects, failed, tids, by_id, done)
     return done
+
+
+def park(
+    parking: Parking,
+    label: str,
+    batch: Sequence[Message],
+    done: Repaired,
+    backoff: Callable[[int], float],
+    *,
+    by_key: bool,
+) -> set[MessageId]:
+    """With key ordering, rows whose mark failed park their keys as a rejection does;
+    returns the ids of the batch that follow them in their key (not to mark)."""
+    if not (by_key and done.retry and batch):
+        return set()
+    settled = parking.settle(
+        label, sorted(batch, key=lambda m: m.id), {i: done.attempts[i] for i in done.retry},
+        now=time.monotonic(), backoff=backoff, last=max(m.id for m in batch),
+    )  # fmt: skip
+    return settled.held
 
 
 def _behind_bad_keys(batch: Sequence[Message], bad: set[MessageId]) -> set[MessageId]:

@@ -651,7 +651,8 @@ class _Worker:
             except IntegrityError as failed:  # the repair itself broke one: no loop of repairs
                 raise RelayFailed(f"repairing a failed mark: {_one_line(failed)}") from failed
             self.unmarked.pop(0)
-            self._park_bad_rows(source, batch, done)
+            mark_repair.park(relay._parking, source.label, batch, done, relay._backoff,
+                             by_key=by_key)  # fmt: skip
             relay.stats.batch(done.marked)
             relay._count_failures(0, len(done.bad), dead=len(done.dead))
             relay.observer.published(done.marked)
@@ -1303,22 +1304,9 @@ class _Worker:
             wire.direct(conn, pipe), source, relay.failures, relay._suspects, rows, batch, acked
         )
         relay._count_failures(0, len(done.bad), dead=len(done.dead))
-        held = self._park_bad_rows(source, batch, done)
+        held = mark_repair.park(relay._parking, source.label, batch, done, relay._backoff,
+                                by_key=relay.options.ordering is Ordering.key)  # fmt: skip
         return [i for i in acked if i not in done.bad and i not in held], done.retry
-
-    def _park_bad_rows(
-        self, source: queries.Source, batch: list[Message], done: mark_repair.Repaired
-    ) -> set[MessageId]:
-        """With key ordering, rows whose mark failed park their keys as a rejection does;
-        returns the ids of the batch that follow them in their key (not to mark)."""
-        relay = self.relay
-        if relay.options.ordering is not Ordering.key or not done.retry or not batch:
-            return set()
-        settled = relay._parking.settle(
-            source.label, sorted(batch, key=_BY_ID), {i: done.attempts[i] for i in done.retry},
-            now=time.monotonic(), backoff=relay._backoff, last=max(m.id for m in batch),
-        )  # fmt: skip
-        return settled.held
 
     @staticmethod
     def _take_ahead(ahead: read_ahead.Pending, cur: wire.Wire, *, keep: bool) -> bool:
