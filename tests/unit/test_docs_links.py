@@ -76,12 +76,13 @@ def relative_links(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def broken_links(path: Path) -> list[str]:
+def broken_links(path: Path, root: Path = ROOT) -> list[str]:
+    """One line per link of `path` that does not resolve, named relative to `root`."""
     problems = []
     for number, target in relative_links(path):
         file_part, _, anchor = target.partition("#")
         resolved = (path.parent / file_part).resolve() if file_part else path
-        where = f"{path.relative_to(ROOT)}:{number}: {target}"
+        where = f"{path.relative_to(root)}:{number}: {target}"
         if not resolved.exists():
             problems.append(f"{where} -> no such file")
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
@@ -114,13 +115,7 @@ def test_a_missing_file_and_a_missing_heading_are_both_reported(tmp_path: Path) 
         "```sh\n[in code](nowhere.md)\n# not a heading\n```\n[self](#not-a-heading)\n",
         encoding="utf-8",
     )
-    global ROOT
-    saved, ROOT = ROOT, tmp_path
-    try:
-        problems = broken_links(doc)
-    finally:
-        ROOT = saved
-    assert problems == [
+    assert broken_links(doc, root=tmp_path) == [
         "doc.md:2: missing.md -> no such file",
         "doc.md:3: other.md#absent -> no heading #absent",
         "doc.md:8: #not-a-heading -> no heading #not-a-heading",
