@@ -14,10 +14,12 @@ from typing import Any
 from psycopg import sql
 
 from outbox_migrate.patterns import conditions as c
+from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.kinds import CREATE_TIMEOUT_MS, BuildContext, kind, make_step
 from outbox_migrate.patterns.model import Condition, Created, Lock, LockMode, Step, TxMode
 
-NULL_BOUND = "FOR VALUES IN (NULL)"
+NULL_BOUND = marker.NULL_BOUND
+"""The unpublished partition's bound as steps name it (a flag marker's value stands for NULL)."""
 DEFAULT_BOUND = "DEFAULT"
 
 
@@ -168,7 +170,9 @@ def _create_partition(
         summary=summary,
         statements=(
             sql.SQL("CREATE TABLE {} PARTITION OF {} {}").format(
-                n.q(relation), n.q(n.parent), sql.SQL(bound)
+                n.q(relation),
+                n.q(n.parent),
+                marker.bound(n.spec) if bound == NULL_BOUND else sql.SQL(bound),
             ),
         ),
         tx=TxMode.TRANSACTION,
@@ -195,7 +199,7 @@ def create_unpublished_partition(ctx: BuildContext, params: Mapping[str, Any]) -
         "create-unpublished-partition",
         n.unpublished,
         NULL_BOUND,
-        f"Create {n.unpublished} as the partition FOR VALUES IN (NULL)",
+        f"Create {n.unpublished} as the partition {marker.bound_text(n.spec)}",
     )
 
 
