@@ -13,10 +13,12 @@ from typing import Any
 from psycopg import Connection, sql
 
 from outbox_migrate import lost_semantics as lost_rules
+from outbox_migrate import marker_catalog
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
 from outbox_migrate.findings import Finding
+from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import PublicationFact
 from outbox_migrate.patterns.names import Names
 
@@ -226,7 +228,6 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
         facts.trigger_details.append((name, definition, enabled))
     facts.unique_keys = lost_rules.read_unique_keys(conn, spec)
     id_col = facts.column(spec.id_column)
-    pub_col = facts.column(spec.published_column)
     if id_col is not None and id_col.type in ID_TYPES:
         ids = _rows(
             conn,
@@ -242,10 +243,17 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
         facts.random_uuid_ids = bool(
             _rows(conn, "uuid-random", rel_q=n.q(spec.table), id_q=n.id_q)[0][0]
         )
-    if pub_col is not None:
+    resolved = marker_spec(facts, spec)
+    value_problem = ""
+    if resolved is not None:
+        value_problem = marker_catalog.check_values(conn, resolved, spec.table, _shown(spec))
+    if resolved is not None and not value_problem:
         facts.unpublished = int(
-            _rows(conn, "unpublished", rel_q=n.q(spec.table), published_q=n.published_at_q)[0][0]
+            _rows(
+                conn, "unpublished", rel_q=n.q(spec.table), unpublished=marker.unpublished(resolved)
+            )[0][0]
         )
+        spec = resolved
     for relation in (spec.partitioned_table, spec.unpublished_partition, spec.published_partition):
         found = _rows(conn, "relation-kind", rel_reg=n.reg(relation))
         if found:
@@ -256,7 +264,32 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
                 else {"p": "partitioned table"}.get(kind, "table")
             )
     judge(facts, spec, pattern)
+    if value_problem:
+        facts.blockers.append(Finding("published-value", value_problem, "fix the setting"))
     return facts
+
+
+def _shown(spec: OutboxSpec) -> str:
+    return spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
+
+
+def _marker_column(facts: TableFacts, spec: OutboxSpec) -> marker_catalog.MarkerColumn | None:
+    column = facts.column(spec.published_column)
+    if column is None:
+        return None
+    checks = {f"CHECK (({name} IS NOT NULL))" for name in (column.name, f'"{column.name}"')}
+    by_check = any(d in checks and valid for _n, d, valid, _ni in facts.check_details)
+    return marker_catalog.MarkerColumn(column.type, column.default, column.not_null, by_check)
+
+
+def marker_spec(facts: TableFacts, spec: OutboxSpec) -> OutboxSpec | None:
+    """The spec with its marker resolved from the column (a flag's values), or None when the
+    column cannot be a marker (`judge` says why)."""
+    column = _marker_column(facts, spec)
+    if column is None:
+        return None
+    decided = marker_catalog.decide(spec, column, _shown(spec))
+    return None if isinstance(decided, marker_catalog.Refusal) else decided
 
 
 def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
@@ -296,17 +329,21 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
         ))  # fmt: skip
     elif pub_col is None:
         block.append(lost_rules.missing_marker(facts, spec, table))
-    elif pub_col.type not in PUBLISHED_TYPES:
-        block.append(Finding(
-            "published-type",
-            f"{table}.{spec.published_column} is {pub_col.type}, not a timestamp",
-            "the partition key must be the nullable publication timestamp",
-        ))  # fmt: skip
-    elif pub_col.not_null:
-        block.append(Finding(
-            "published-not-null", f"{table}.{spec.published_column} is NOT NULL",
-            "unpublished rows need NULL there; this is not an outbox the patterns apply to",
-        ))  # fmt: skip
+    else:
+        column = _marker_column(facts, spec)
+        decided = marker_catalog.decide(spec, column, table) if column is not None else spec
+        if isinstance(decided, marker_catalog.Refusal):
+            block.append(Finding(decided.code, decided.message, decided.remedy))
+        elif decided.unpublished_value:
+            facts.notes.append(Finding(
+                "flag-marker",
+                f"{table}.{spec.published_column} is a flag: "
+                f"{marker.describe_unpublished(decided)} is unpublished, the relay sets "
+                f"{decided.published_value}",
+                f"the unpublished partition is {marker.bound_text(decided)}; pin the values with "
+                "unpublished_value and published_value if the DEFAULT may change",
+            ))  # fmt: skip
+            spec = decided
     for name, referrer in facts.foreign_keys_in:
         block.append(Finding(
             "fk-into-outbox",
@@ -469,15 +506,7 @@ def _judge_application_id(
     ))  # fmt: skip
 
 
-def not_null_recipe(table: str, column: str) -> str:
-    """SET NOT NULL without holding ACCESS EXCLUSIVE through a scan: PostgreSQL 12+ proves it
-    from a validated CHECK, and VALIDATE reads the table under SHARE UPDATE EXCLUSIVE."""
-    check = f"{table}_{column}_not_null"
-    return (
-        f"ALTER TABLE {table} ADD CONSTRAINT {check} CHECK ({column} IS NOT NULL) NOT VALID; "
-        f"ALTER TABLE {table} VALIDATE CONSTRAINT {check}; ALTER TABLE {table} ALTER COLUMN "
-        f"{column} SET NOT NULL; ALTER TABLE {table} DROP CONSTRAINT {check}"
-    )
+not_null_recipe = marker_catalog.not_null_recipe
 
 
 def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg import Connection, sql
 
-from outbox_migrate.config import OutboxSpec
+from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.errors import SchemaError
 
 TIMESTAMP_TYPES = frozenset({"timestamp with time zone", "timestamp without time zone"})
@@ -55,55 +55,115 @@ def constant_default(default: str | None) -> str | None:
     return None
 
 
-def decide(spec: OutboxSpec, column: MarkerColumn, table: str) -> OutboxSpec | str:
-    """The spec with the marker's values filled in, or why the column cannot be a marker
-    (one line with what to set or run)."""
+@dataclass(frozen=True)
+class Refusal:
+    """Why a column cannot be the marker as configured: a `plan` blocker, or one line."""
+
+    code: str
+    message: str
+    remedy: str
+
+    def line(self) -> str:
+        return f"{self.message}: {self.remedy}"
+
+
+def decide(spec: OutboxSpec, column: MarkerColumn, table: str) -> OutboxSpec | Refusal:
+    """The spec with the marker's values filled in, or why the column cannot be a marker."""
     name = f"{table}.{spec.published_column}"
     if column.type in TIMESTAMP_TYPES:
-        if spec.unpublished_value or spec.published_value:
-            return (
-                f"{name} is a timestamp (NULL = unpublished, the relay sets now()); "
-                "unset unpublished_value and published_value"
-            )
-        if column.not_null:
-            return (
-                f"{name} is NOT NULL: unpublished rows need NULL in a timestamp marker; "
-                "this is not an outbox the patterns apply to"
-            )
-        return spec
+        return _decide_timestamp(spec, column, name)
     if column.type.endswith("[]") or column.type.startswith(NOT_A_FLAG):
-        return (
-            f"{name} is {column.type}: the publication marker must be a nullable timestamp "
-            "or a flag (smallint, integer, boolean, a text or enum status)"
+        return Refusal(
+            "published-type",
+            f"{name} is {column.type}, neither a timestamp nor a flag",
+            "the partition key must be the nullable publication timestamp or a flag "
+            "(smallint, integer, boolean, a text or enum status)",
         )
-    unpublished = spec.unpublished_value or constant_default(column.default) or ""
+    return _decide_flag(spec, column, table)
+
+
+def _decide_timestamp(spec: OutboxSpec, column: MarkerColumn, name: str) -> OutboxSpec | Refusal:
+    if spec.unpublished_value or spec.published_value:
+        return Refusal(
+            "published-value",
+            f"{name} is a timestamp (NULL = unpublished, the relay sets now())",
+            "unset unpublished_value and published_value",
+        )
+    if column.not_null:
+        return Refusal(
+            "published-not-null",
+            f"{name} is NOT NULL",
+            "unpublished rows need NULL there; this is not an outbox the patterns apply to",
+        )
+    return spec
+
+
+def _decide_flag(spec: OutboxSpec, column: MarkerColumn, table: str) -> OutboxSpec | Refusal:
+    """A flag needs an unpublished value, NOT NULL (a NULL row would sit in the DEFAULT =
+    published partition, never relayed) and a published value different from it."""
+    name = f"{table}.{spec.published_column}"
+    unpublished = _canonical(
+        column.type, spec.unpublished_value or constant_default(column.default) or ""
+    )
     if not unpublished:
-        return (
-            f"{name} is {column.type} with no constant DEFAULT: set unpublished_value to the "
-            "value a new (unpublished) row has"
+        return Refusal(
+            "published-flag-value",
+            f"{name} is a {column.type} flag with no constant DEFAULT",
+            "set unpublished_value to the value a new (unpublished) row has",
         )
     if not (column.not_null or column.not_null_check):
-        return (
-            f"{name} is a nullable flag: a NULL row would land in the published partition "
-            f"and never be relayed; make it NOT NULL first ({spec.published_column} = "
-            f"{unpublished} is unpublished)"
+        return Refusal(
+            "published-flag-nullable",
+            f"{name} is a nullable flag: a NULL row would land in the published (DEFAULT) "
+            "partition and never be relayed",
+            f"make it NOT NULL first (unpublished is {unpublished}): "
+            + not_null_recipe(table, spec.published_column),
         )
-    published = spec.published_value or _obvious_published(column.type, unpublished)
+    published = _canonical(
+        column.type, spec.published_value or _obvious_published(column.type, unpublished)
+    )
     if not published:
-        return (
-            f"{name} is {column.type}: set published_value to the value the relay sets on "
-            f"publish (unpublished is {unpublished})"
+        return Refusal(
+            "published-flag-value",
+            f"{name} is a {column.type} flag (unpublished is {unpublished})",
+            "set published_value to the value the relay sets on publish",
         )
     if published == unpublished:
-        return f"published_value and unpublished_value of {name} are both {published!r}"
+        return Refusal(
+            "published-flag-value",
+            f"published_value and unpublished_value of {name} are both {published!r}",
+            "the relay must set a value other than the unpublished one",
+        )
     return replace(spec, unpublished_value=unpublished, published_value=published)
+
+
+def not_null_recipe(table: str, column: str) -> str:
+    """SET NOT NULL without holding ACCESS EXCLUSIVE through a scan: PostgreSQL 12+ proves it
+    from a validated CHECK, and VALIDATE reads the table under SHARE UPDATE EXCLUSIVE."""
+    check = f"{table}_{column}_not_null"
+    return (
+        f"ALTER TABLE {table} ADD CONSTRAINT {check} CHECK ({column} IS NOT NULL) NOT VALID; "
+        f"ALTER TABLE {table} VALIDATE CONSTRAINT {check}; ALTER TABLE {table} ALTER COLUMN "
+        f"{column} SET NOT NULL; ALTER TABLE {table} DROP CONSTRAINT {check}"
+    )
+
+
+def _canonical(column_type: str, value: str) -> str:
+    """A boolean's value as PostgreSQL prints it (`f`, `no`, `0` → `false`), so the partition
+    bound the catalog shows compares equal to the value."""
+    if column_type != "boolean" or not value:
+        return value
+    lowered = value.strip().lower()
+    if lowered in ("t", "true", "y", "yes", "on", "1"):
+        return "true"
+    if lowered in ("f", "false", "n", "no", "off", "0"):
+        return "false"
+    return value
 
 
 def _obvious_published(column_type: str, unpublished: str) -> str:
     if column_type == "boolean":
-        return {"false": "true", "f": "true", "true": "false", "t": "false"}.get(
-            unpublished.lower(), ""
-        )
+        return {"false": "true", "true": "false"}.get(unpublished, "")
     if column_type in INTEGER_TYPES and unpublished == "0":
         return "1"
     return ""
@@ -140,9 +200,11 @@ def check_values(conn: Connection[Any], spec: OutboxSpec, relation: str, table: 
     """ "" when the server reads every configured value as the column's type, else why not.
     Parsing alone decides (`LIMIT 0` reads no row); a savepoint keeps a caller's
     transaction usable after a refusal."""
-    values = [(spec.published_column, spec.unpublished_value, "unpublished_value"),
-              (spec.published_column, spec.published_value, "published_value"),
-              (spec.status_column, spec.status_published_value, "status_published_value")]  # fmt: skip
+    values = [
+        (spec.published_column, spec.unpublished_value, "unpublished_value"),
+        (spec.published_column, spec.published_value, "published_value"),
+        (spec.status_column, spec.status_published_value, "status_published_value"),
+    ]
     for column, value, key in values:
         if not column or not value:
             continue
@@ -172,9 +234,17 @@ def resolve(conn: Connection[Any], spec: OutboxSpec) -> OutboxSpec:
     relation, column = found
     table = spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
     decided = decide(spec, column, table)
-    if isinstance(decided, str):
-        raise SchemaError(decided)
+    if isinstance(decided, Refusal):
+        raise SchemaError(decided.line())
     problem = check_values(conn, decided, relation, table)
     if problem:
         raise SchemaError(problem)
     return decided
+
+
+def resolve_settings(dsn: str, settings: Settings) -> Settings:
+    """`resolve` on a connection of its own, for a command that builds steps offline."""
+    from outbox_migrate.db import connect
+
+    with connect(dsn) as conn:
+        return replace(settings, spec=resolve(conn, settings.spec))

@@ -20,7 +20,6 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 
-
 NULL_BOUND = "FOR VALUES IN (NULL)"
 """The unpublished partition's bound as steps name it; a flag's value replaces NULL."""
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from psycopg import OperationalError, pq
 
+from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
 from outbox_migrate.errors import OutboxMigrateError
@@ -261,6 +262,7 @@ class Relay:
         from outbox_migrate.db import connect
 
         with connect(self.dsn, application_name=self.application_name) as conn:
+            self._resolve_marker(conn)
             sources = [self.state.current]
             if self.options.mode is Mode.switching:
                 sources = [self.state.flat, self.state.partitioned]
@@ -275,6 +277,17 @@ class Relay:
             self._prepare_rejections(conn, sources)
             if self.options.listen and self.options.mode is not Mode.flat:
                 self._check_trigger_key(conn)
+
+    def _resolve_marker(self, conn: Any) -> None:
+        """A flag marker's values come from the settings or the column's DEFAULT (see
+        marker_catalog.py): the sources are rebuilt with them before any worker claims."""
+        resolved = marker_catalog.resolve(conn, self.spec)
+        if resolved != self.spec:
+            self.spec = resolved
+            options = self.options
+            self.state = SourceState(
+                resolved, options.mode, options.switch_gate, options.old_app_name
+            )
 
     def _check_trigger_key(self, conn: Any) -> None:
         """A wake-up trigger installed under the table's old name uses another idle lock key:
@@ -336,6 +349,7 @@ class Relay:
         spec, defaults = self.spec, OutboxSpec()
         required = [source.id_column, source.published_column, spec.payload_column]
         required += [spec.created_column] if spec.created_column else []
+        required += [spec.status_column] if spec.status_column else []
         required += list(spec.metadata_columns)
         missing = [c for c in required if c not in types]
         if missing:

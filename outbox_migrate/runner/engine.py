@@ -11,7 +11,7 @@ import os
 import signal
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -178,17 +178,27 @@ class Runner:
             # The ledger schema is created by the first command that writes to it, after the
             # admission check (`_open`): refused input leaves the database exactly as it was.
             self._conn = connect(self.dsn)
-        self._adopt_publications()
+        try:
+            self._adopt_publications()
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def _adopt_publications(self) -> None:
         """Every command (run, status, reverse, Alembic's ops) sees the same steps: the CDC
         step exists only when a publication covers the old table, which only the live
-        database knows."""
+        database knows; so does a flag marker's unpublished value (its DEFAULT)."""
+        from outbox_migrate import marker_catalog
         from outbox_migrate.introspect import migration_publications
 
+        resolved = marker_catalog.resolve(self.conn, self.spec)
+        flag = resolved != self.spec
+        if flag:
+            self.spec = resolved
+            self.settings = replace(self.settings, spec=resolved)
         publications = migration_publications(self.conn, self.spec)
-        if publications:
+        if publications or flag:
             self._publications = publications
             self.pattern = build_pattern(
                 self._pattern_name,
