@@ -38,6 +38,8 @@ SPEC = OutboxSpec()
 SHARDS = 8
 BALANCE_WAIT_S = 3.0
 """Time for a freshly started fleet to settle on fair shares (rebalance every 1 s)."""
+POLL_S = 0.002
+"""The relay processes' poll interval, and their linger (which may not exceed it)."""
 ACK_S = 0.005
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -61,10 +63,13 @@ def _relay(dsn: str, batch: int, ack_s: float, ready: Any, stop: Any) -> None:
             dsn,
             lambda: AckSink(devnull, ack_s),
             spec=SPEC,
+            # The linger must fit in the poll interval (RelayOptions refuses it otherwise):
+            # the default 5 ms linger with a 2 ms poll made every child fail at start.
             options=RelayOptions(
-                batch_size=batch, shards=SHARDS, listen=False, poll_interval_s=0.002
+                batch_size=batch, shards=SHARDS, listen=False,
+                poll_interval_s=POLL_S, linger_s=POLL_S,
             ),
-        )
+        )  # fmt: skip
         with running(relay):
             ready.set()
             stop.wait()
@@ -109,8 +114,14 @@ def run_once(
     for child in children:
         child.start()
     try:
-        for ready in readies:
-            ready.wait(60)
+        deadline = time.monotonic() + 60
+        while not all(ready.is_set() for ready in readies):
+            # A child that died at start (its traceback is on stderr) would leave the drain
+            # loop below waiting for ever.
+            dead = [c.exitcode for c in children if not c.is_alive()]
+            if dead or time.monotonic() > deadline:
+                raise SystemExit(f"relay processes did not start: exit codes {dead}")
+            time.sleep(0.05)
         time.sleep(BALANCE_WAIT_S)
         insert_rows(conn, "outbox_new", rows, spec=SPEC)
         relay_pids = [c.pid for c in children if c.pid is not None]

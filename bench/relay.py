@@ -38,7 +38,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -364,6 +364,10 @@ PROCESS_SHARDS = 8
 """Shards every relay process of the process-scaling run is told (`--shards`), as a
 deployment of several relay processes on one outbox must."""
 BALANCE_WAIT_S = 2.5
+PROCESS_POLL_S = 0.002
+READY_TIMEOUT_S = 60.0
+DRAIN_STALL_S = 60.0
+"""No row published for this long: the relay processes are stuck, stop the section."""
 
 
 def _relay_process(dsn: str, batch: int, ready: Any, stop: Any) -> None:
@@ -373,19 +377,50 @@ def _relay_process(dsn: str, batch: int, ready: Any, stop: Any) -> None:
             dsn,
             lambda: StdoutSink(stream=devnull),
             spec=SPEC,
+            # The linger must fit in the poll interval (RelayOptions refuses it otherwise):
+            # the default 5 ms linger with a 2 ms poll made every child fail at start.
             options=RelayOptions(
-                batch_size=batch, shards=PROCESS_SHARDS, listen=False, poll_interval_s=0.002
+                batch_size=batch, shards=PROCESS_SHARDS, listen=False,
+                poll_interval_s=PROCESS_POLL_S, linger_s=PROCESS_POLL_S,
             ),
-        )
+        )  # fmt: skip
         with running(relay):
             ready.set()
             stop.wait()
 
 
-def wait_drained(conn: psycopg.Connection) -> None:
+def wait_drained(conn: psycopg.Connection, children: Sequence[Any] = ()) -> None:
+    """Until the unpublished partition is empty; fails (instead of waiting for ever) when a
+    relay process of `children` died or no row was published for DRAIN_STALL_S. The stall
+    check counts rows once a second only: the 2 ms emptiness probe stays as cheap as before."""
     query = "SELECT 1 FROM outbox_unpublished ORDER BY id LIMIT 1"
+    count = "SELECT count(*) FROM outbox_unpublished"
+    last, moved = -1, time.monotonic()
+    next_check = moved + 1.0
     while conn.execute(query).fetchone() is not None:
+        now = time.monotonic()
+        if now >= next_check:
+            next_check = now + 1.0
+            left = conn.execute(count).fetchone()[0]
+            if left != last:
+                last, moved = left, now
+            dead = [c.exitcode for c in children if not c.is_alive()]
+            if dead or now - moved > DRAIN_STALL_S:
+                raise SystemExit(
+                    f"relay processes stalled: {left} rows left, exit codes of the dead: {dead}"
+                )
         time.sleep(0.002)
+
+
+def wait_ready(children: Sequence[Any], readies: Sequence[Any]) -> None:
+    """Until every relay process has started; a process that exited first is an error (its
+    traceback is on stderr), not a 60-second wait per process and then a hang."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not all(ready.is_set() for ready in readies):
+        dead = [c.exitcode for c in children if not c.is_alive()]
+        if dead or time.monotonic() > deadline:
+            raise SystemExit(f"relay processes did not start: exit codes {dead}")
+        time.sleep(0.05)
 
 
 def processes_rate(
@@ -406,12 +441,11 @@ def processes_rate(
         for child in children:
             child.start()
         try:
-            for ready in readies:
-                ready.wait(60)
+            wait_ready(children, readies)
             time.sleep(BALANCE_WAIT_S)  # rebalancing: each process settles on its fair share
             fill(conn, "outbox_new", rows)
             started = time.perf_counter()
-            wait_drained(conn)
+            wait_drained(conn, children)
             secs = time.perf_counter() - started
         finally:
             stop.set()

@@ -35,6 +35,14 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import ExitCode, OutboxMigrateError, SchemaError, UsageError
 from outbox_migrate.jobs import common
 from outbox_migrate.jobs.common import Relation
+from outbox_migrate.jobs.copy_back_ids import CopyIds, IdValue
+from outbox_migrate.jobs.copy_back_state import PROGRESS_TABLE, ProgressTable, finished_and_dropped
+from outbox_migrate.jobs.copy_back_verify import (
+    RangeCheck,
+    Verification,
+    VerificationFailed,
+    verify_ranges,
+)
 from outbox_migrate.jobs.throttle import Impact, LatencyProbe, Throttle, ThrottlePolicy
 from outbox_migrate.patterns.model import LockMode
 from outbox_migrate.runner.locks import LockBudget, run_with_lock_budget
@@ -53,10 +61,11 @@ tool's one lock-budget primitive: a known holder is watched, not queued behind).
 RATE_WINDOW_S = 5.0
 """Window over which the reported rows/s (and so the ETA) is measured."""
 
-PROGRESS_TABLE = "copy_back_progress"
-
-IdValue = int | str
-"""An id as copy-back handles it: an integer, or an application id (uuid, ULID) as text."""
+__all__ = [
+    "PROGRESS_TABLE", "CopyBack", "CopyBackBusy", "CopyBackError", "CopyBackOptions",
+    "CopyPlan", "CopyProgress", "CopyResult", "IdValue", "RangeCheck", "Verification",
+    "VerificationFailed", "copy_back", "finished_and_dropped",
+]  # fmt: skip
 
 
 class CopyBackError(OutboxMigrateError):
@@ -67,19 +76,6 @@ class CopyBackBusy(OutboxMigrateError):
     """Another process is already copying this source into this target."""
 
     exit_code = ExitCode.BUSY
-
-
-class VerificationFailed(OutboxMigrateError):
-    """The target does not hold every source row identically; the drop is refused."""
-
-    def __init__(self, source: str, target: str, ranges: list[RangeCheck]) -> None:
-        self.ranges = ranges
-        shown = ", ".join(r.describe() for r in ranges[:5])
-        more = f" and {len(ranges) - 5} more" if len(ranges) > 5 else ""
-        super().__init__(
-            f"verification of {target} against {source} failed in {len(ranges)} id "
-            f"range(s): {shown}{more}; {source} was not dropped"
-        )
 
 
 @dataclass(frozen=True)
@@ -149,45 +145,6 @@ class CopyResult:
         return total / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class RangeCheck:
-    low: IdValue
-    high: IdValue | None
-    """Exclusive upper bound (None: the last range of application ids, unbounded)."""
-    source_rows: int
-    target_rows: int
-    source_md5: str
-    target_md5: str
-
-    @property
-    def ok(self) -> bool:
-        return self.source_rows == self.target_rows and self.source_md5 == self.target_md5
-
-    def describe(self) -> str:
-        what = (
-            f"{self.target_rows} of {self.source_rows} rows present"
-            if self.source_rows != self.target_rows
-            else "rows differ"
-        )
-        high = "" if self.high is None else self.high
-        return f"ids [{self.low}, {high}) ({what})"
-
-
-@dataclass(frozen=True)
-class Verification:
-    source: str
-    target: str
-    source_rows: int
-    matched_rows: int
-    ranges_checked: int
-    differing: tuple[RangeCheck, ...]
-    source_max_id: IdValue | None
-
-    @property
-    def passed(self) -> bool:
-        return not self.differing and self.source_rows == self.matched_rows
-
-
 ProgressCallback = Callable[[CopyProgress], None]
 
 
@@ -231,103 +188,17 @@ class CopyBack:
         self.dsn = dsn
         self.source = Relation(spec.schema, spec.published_partition)
         self.target = Relation(spec.schema, spec.table)
-        self.progress_rel = Relation(common.STATE_SCHEMA, PROGRESS_TABLE)
+        self.progress = ProgressTable(conn, self.source, self.target)
         self.index_name = common.fit_identifier(spec.published_partition, "_copy_back_id_idx")
-        self._id = sql.Identifier(spec.id_column)
-        self._text_ids = spec.id_kind == "application"
-        """Application ids (uuid, ULID): keyset batches and verification ranges by the id's
-        own order, carried as text (uuid has no min()/max(), and no arithmetic for ranges)."""
-        self._id_type_sql: sql.Composable | None = None
-
-    # -- state -----------------------------------------------------------------------------
+        self.ids = CopyIds(conn, spec, self.source)
+        """Integer and application ids alike: carried as text, cast back to the id's type."""
 
     def _key(self) -> tuple[str, str, str, str]:
-        return (self.source.schema, self.source.name, self.target.schema, self.target.name)
+        return self.progress.key
 
     def ensure_state_table(self) -> None:
-        """The progress table (ours; the runner owns the schema's other tables)."""
-        common.ensure_state_schema(self.conn)
-        self.conn.execute(
-            sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {t} ("
-                " source_schema text NOT NULL, source_table text NOT NULL,"
-                " target_schema text NOT NULL, target_table text NOT NULL,"
-                " high_water bigint,"
-                " rows_inserted bigint NOT NULL DEFAULT 0,"
-                " rows_present bigint NOT NULL DEFAULT 0,"
-                " batches bigint NOT NULL DEFAULT 0,"
-                " total_rows bigint,"
-                " started_at timestamptz NOT NULL DEFAULT now(),"
-                " updated_at timestamptz NOT NULL DEFAULT now(),"
-                " copied_at timestamptz, verified_at timestamptz, dropped_at timestamptz,"
-                " PRIMARY KEY (source_schema, source_table, target_schema, target_table))"
-            ).format(t=self.progress_rel.ident)
-        )
-        self._ensure_text_high_water()
-
-    def _ensure_text_high_water(self) -> None:
-        """Application ids keep their high-water mark as text, in a column of its own (added
-        to a progress table an integer copy-back created before)."""
-        if self._text_ids:
-            self.conn.execute(
-                sql.SQL("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS high_water_id text").format(
-                    t=self.progress_rel.ident
-                )
-            )
-
-    @property
-    def _high_water_column(self) -> sql.Identifier:
-        return sql.Identifier("high_water_id" if self._text_ids else "high_water")
-
-    def _id_type(self) -> sql.Composable:
-        """The id's SQL type (from the catalog), to cast text bounds back to it."""
-        if self._id_type_sql is None:
-            row = self.conn.execute(
-                "SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
-                "WHERE a.attrelid = to_regclass(%s) AND a.attname = %s",
-                (self.source.ident.as_string(self.conn), self.spec.id_column),
-            ).fetchone()
-            self._id_type_sql = sql.SQL(str(row[0]) if row and row[0] else "text")
-        return self._id_type_sql
-
-    def _bound(self, name: str) -> sql.Composed:
-        """A bound parameter compared with the id: as is for integers, cast for text ids."""
-        if not self._text_ids:
-            return sql.SQL("{}").format(sql.Placeholder(name))
-        return sql.SQL("{}::{}").format(sql.Placeholder(name), self._id_type())
-
-    def _id_out(self, alias: str = "") -> sql.Composed:
-        """The id as selected: as is, or as text for application ids."""
-        ident = sql.Identifier(alias, self.spec.id_column) if alias else self._id
-        return sql.SQL("{}::text" if self._text_ids else "{}").format(ident)
-
-    def _ends(self) -> sql.Composed:
-        """`count(*), lowest id, highest id` of the source (ORDER BY … LIMIT 1 for text ids:
-        uuid has no min()/max())."""
-        if not self._text_ids:
-            return sql.SQL("count(*), min({id}), max({id})").format(id=self._id)
-        return sql.SQL(
-            "count(*), (SELECT {out} FROM {s} ORDER BY {id} LIMIT 1), "
-            "(SELECT {out} FROM {s} ORDER BY {id} DESC LIMIT 1)"
-        ).format(out=self._id_out(), s=self.source.ident, id=self._id)
-
-    def _state_row(self) -> dict[str, Any] | None:
-        if not common.exists(self.conn, self.progress_rel):
-            return None
-        self._ensure_text_high_water()
-        cur = self.conn.execute(
-            sql.SQL(
-                "SELECT {hw} AS high_water, rows_inserted, rows_present, batches, total_rows,"
-                " copied_at, verified_at, dropped_at FROM {t} WHERE source_schema = %s"
-                " AND source_table = %s AND target_schema = %s AND target_table = %s"
-            ).format(t=self.progress_rel.ident, hw=self._high_water_column),
-            self._key(),
-        )
-        row = cur.fetchone()
-        if row is None:
-            return None
-        names = [d.name for d in cur.description or []]
-        return dict(zip(names, row, strict=True))
+        """The progress table, created or upgraded once, at the job's start."""
+        self.progress.ensure()
 
     # -- plan ------------------------------------------------------------------------------
 
@@ -360,28 +231,28 @@ class CopyBack:
         return tuple(c for c in target_cols if c in source_cols)
 
     def plan(self) -> CopyPlan:
-        state = self._state_row()
+        state = self.progress.read()
         if not common.exists(self.conn, self.source):
             if state is not None and state["dropped_at"] is not None:
                 return CopyPlan(str(self.source), str(self.target), (), 0, None, None,
-                                state["high_water"], 0, False, "done")  # fmt: skip
+                                self.ids.value(state["high_water"]), 0, False, "done")  # fmt: skip
             raise SchemaError(
                 f"copy-back source {self.source} does not exist and no finished copy-back "
                 "of it is recorded"
             )
         cols = self._check_shape()
         row = self.conn.execute(
-            sql.SQL("SELECT {ends} FROM {s}").format(ends=self._ends(), s=self.source.ident)
+            sql.SQL("SELECT {ends} FROM {s}").format(ends=self.ids.ends(), s=self.source.ident)
         ).fetchone()
         assert row is not None
-        total, lo, hi = int(row[0]), row[1], row[2]
+        total, lo, hi = int(row[0]), self.ids.value(row[1]), self.ids.value(row[2])
         high_water = state["high_water"] if state and state["dropped_at"] is None else None
         if high_water is None:
             remaining = total
         else:
             rem = self.conn.execute(
                 sql.SQL("SELECT count(*) FROM {s} WHERE {id} > {after}").format(
-                    id=self._id, s=self.source.ident, after=self._bound("after")
+                    id=self.ids.column, s=self.source.ident, after=self.ids.bound("after")
                 ),
                 {"after": high_water},
             ).fetchone()
@@ -394,7 +265,7 @@ class CopyBack:
             source_rows=total,
             source_min_id=lo,
             source_max_id=hi,
-            high_water=high_water,
+            high_water=self.ids.value(high_water),
             remaining_rows=remaining,
             needs_index=not common.has_btree_leading(self.conn, self.source, self.spec.id_column),
             state="verify" if copied and remaining == 0 else "copy",
@@ -413,7 +284,7 @@ class CopyBack:
         if common.has_btree_leading(self.conn, self.source, self.spec.id_column):
             return
         statement = sql.SQL("CREATE INDEX IF NOT EXISTS {i} ON {s} ({id})").format(
-            i=sql.Identifier(self.index_name), s=self.source.ident, id=self._id
+            i=sql.Identifier(self.index_name), s=self.source.ident, id=self.ids.column
         )
         run_with_lock_budget(
             self.conn, "copy-back.source-index",
@@ -422,66 +293,17 @@ class CopyBack:
             schema=self.source.schema,
         )  # fmt: skip
 
-    def _start_state(self, total_rows: int) -> dict[str, Any]:
-        state = self._state_row()
-        if state is not None and state["dropped_at"] is not None:
-            # A source with these names was copied and dropped before; this one is new.
-            self.conn.execute(
-                sql.SQL(
-                    "DELETE FROM {t} WHERE source_schema = %s AND source_table = %s"
-                    " AND target_schema = %s AND target_table = %s"
-                ).format(t=self.progress_rel.ident),
-                self._key(),
-            )
-            state = None
-        if state is None:
-            self.conn.execute(
-                sql.SQL(
-                    "INSERT INTO {t} (source_schema, source_table, target_schema, target_table,"
-                    " total_rows) VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING"
-                ).format(t=self.progress_rel.ident),
-                (*self._key(), total_rows),
-            )
-            state = self._state_row()
-        assert state is not None
-        return state
-
     def _batch_statement(self, cols: tuple[str, ...], *, first: bool = False) -> sql.Composed:
-        # One statement = one transaction: the rows and the high-water mark that covers them
-        # commit together, so a kill at any point leaves a mark that is exact.
-        if self._text_ids:
-            return self._text_batch_statement(cols, first=first)
-        return sql.SQL(
-            "WITH batch AS MATERIALIZED ("
-            " SELECT {cols} FROM {source} WHERE {id} > %(after)s ORDER BY {id} LIMIT %(limit)s"
-            "), copied AS ("
-            " INSERT INTO {target} ({cols}) OVERRIDING SYSTEM VALUE"
-            " SELECT {cols} FROM batch ORDER BY {id} ON CONFLICT ({id}) DO NOTHING RETURNING 1"
-            "), summary AS ("
-            " SELECT count(*) AS n, max({id}) AS hw, (SELECT count(*) FROM copied) AS ins"
-            " FROM batch"
-            "), mark AS ("
-            " UPDATE {progress} p SET high_water = s.hw, rows_inserted = p.rows_inserted + s.ins,"
-            " rows_present = p.rows_present + s.n - s.ins, batches = p.batches + 1,"
-            " updated_at = now() FROM summary s WHERE s.n > 0 AND p.source_schema = %(ss)s"
-            " AND p.source_table = %(st)s AND p.target_schema = %(ts)s AND p.target_table = %(tt)s"
-            ") SELECT n, hw, ins FROM summary"
-        ).format(
-            cols=common.column_list(cols),
-            source=self.source.ident,
-            target=self.target.ident,
-            id=self._id,
-            progress=self.progress_rel.ident,
-        )
-
-    def _text_batch_statement(self, cols: tuple[str, ...], *, first: bool) -> sql.Composed:
-        """`_batch_statement` for application ids: the first batch has no lower bound (there is
-        no id below every uuid to start after, and `$1 IS NULL OR id > $1` would defeat the
-        index), the mark is the batch's last id as text."""
+        """One keyset batch and its high-water mark, as one statement (one transaction): the
+        rows and the mark that covers them commit together, so a kill at any point leaves a
+        mark that is exact. The first batch has no lower bound (no id lies below every uuid,
+        and `$1 IS NULL OR id > $1` would defeat the index); the mark is the batch's last id
+        as text."""
+        ids = self.ids
         after = (
             sql.SQL("")
             if first
-            else sql.SQL(" WHERE {id} > {after}").format(id=self._id, after=self._bound("after"))
+            else sql.SQL(" WHERE {id} > {after}").format(id=ids.column, after=ids.bound("after"))
         )
         return sql.SQL(
             "WITH batch AS MATERIALIZED ("
@@ -494,7 +316,7 @@ class CopyBack:
             " (SELECT {out} FROM batch ORDER BY {id} DESC LIMIT 1) AS hw,"
             " (SELECT count(*) FROM copied) AS ins"
             "), mark AS ("
-            " UPDATE {progress} p SET high_water_id = s.hw,"
+            " UPDATE {progress} p SET high_water_id = s.hw, high_water = {integer_mark},"
             " rows_inserted = p.rows_inserted + s.ins,"
             " rows_present = p.rows_present + s.n - s.ins, batches = p.batches + 1,"
             " updated_at = now() FROM summary s WHERE s.n > 0 AND p.source_schema = %(ss)s"
@@ -505,9 +327,10 @@ class CopyBack:
             source=self.source.ident,
             after=after,
             target=self.target.ident,
-            id=self._id,
-            out=self._id_out(),
-            progress=self.progress_rel.ident,
+            id=ids.column,
+            out=ids.out(),
+            integer_mark=ids.integer_mark("s.hw"),
+            progress=self.progress.rel.ident,
         )
 
     def _start_probe(self) -> LatencyProbe | None:
@@ -516,7 +339,7 @@ class CopyBack:
         probe = LatencyProbe(
             self.dsn,
             sql.Identifier(self.spec.schema, self.spec.unpublished_partition),
-            self._id,
+            self.ids.column,
         )
         try:
             probe.start()
@@ -524,19 +347,6 @@ class CopyBack:
             probe.stop()
             return None  # nothing to probe (no unpublished partition): the rate still holds
         return probe
-
-    def _mark(self, column: str) -> None:
-        """Stamp `copied_at`, `verified_at` or `dropped_at` on the progress row."""
-        if not common.exists(self.conn, self.progress_rel):
-            return
-        self.conn.execute(
-            sql.SQL(
-                "UPDATE {t} SET {c} = now(), updated_at = now()"
-                " WHERE source_schema = %s AND source_table = %s AND target_schema = %s"
-                " AND target_table = %s"
-            ).format(t=self.progress_rel.ident, c=sql.Identifier(column)),
-            self._key(),
-        )
 
     def run(
         self,
@@ -582,8 +392,8 @@ class CopyBack:
     ) -> CopyResult:
         self.ensure_state_table()
         self.ensure_source_index()
-        state = self._start_state(plan.source_rows)
-        high_water: IdValue | None = None if from_start else state["high_water"]
+        state = self.progress.start(plan.source_rows)
+        high_water: str | None = None if from_start else state["high_water"]
         resumed_from = high_water
         already = 0 if from_start else int(state["rows_inserted"]) + int(state["rows_present"])
         remaining = plan.source_rows if from_start else plan.remaining_rows
@@ -598,11 +408,7 @@ class CopyBack:
         meter = RateMeter(started)
         inserted = present = batches = 0
         stopped = False
-        # Start below every id: ids are int8 and the source may hold negative ones. Text ids
-        # have no such value: their first batch is a statement without the lower bound.
-        after: IdValue | None = high_water
-        if after is None and not self._text_ids:
-            after = -(2**63)
+        after = high_water  # None: the first batch, without a lower bound
         try:
             while True:
                 if stop is not None and stop.is_set():
@@ -619,7 +425,7 @@ class CopyBack:
                 batches += 1
                 inserted += batch_inserted
                 present += count - batch_inserted
-                after = high_water = str(batch_high) if self._text_ids else int(batch_high)
+                after = high_water = str(batch_high)
                 done = inserted + present
                 pause = throttle.wait(done, stop)
                 if progress is not None:
@@ -629,7 +435,7 @@ class CopyBack:
                         CopyProgress(
                             copied_rows=already + done,
                             total_rows=total,
-                            high_water=high_water,
+                            high_water=self.ids.value(high_water),
                             rows_per_s=rate,
                             eta_s=left / rate if rate > 0 else None,
                             pause_s=pause,
@@ -640,138 +446,31 @@ class CopyBack:
             if probe is not None:
                 probe.stop()
         if not stopped:
-            self._mark("copied_at")
+            self.progress.stamp("copied_at")
         return CopyResult(
             inserted_rows=inserted,
             present_rows=present,
             batches=batches,
             elapsed_s=time.monotonic() - started,
             paused_s=throttle.paused_s,
-            high_water=high_water,
-            resumed_from=resumed_from,
+            high_water=self.ids.value(high_water),
+            resumed_from=self.ids.value(resumed_from),
             stopped=stopped,
         )
 
     # -- verify ----------------------------------------------------------------------------
 
-    def _range_statement(self, cols: tuple[str, ...], *, bounded: bool = True) -> sql.Composed:
-        # Rows the target gained on its own (published after V4 through the partitioned
-        # table) share the id space, so the target side is restricted to source ids by the
-        # join; a missing target row shows up in the count, a changed one in the checksum.
-        # The range repeated on the target side is implied by the join, but spelling it out
-        # keeps each query to one range of both tables: without it the planner may hash the
-        # whole target for every range once the tables are large.
-        low, high = self._bound("low"), self._bound("high")
-        upper_t = sql.SQL(" AND t.{id} < {high}" if bounded else "").format(id=self._id, high=high)
-        upper_s = sql.SQL(" AND s.{id} < {high}" if bounded else "").format(id=self._id, high=high)
-        return sql.SQL(
-            "SELECT count(*), count(t.{id}),"
-            " coalesce(md5(string_agg(ROW({s_cols})::text, E'\\n' ORDER BY s.{id})), ''),"
-            " coalesce(md5(string_agg(ROW({t_cols})::text, E'\\n' ORDER BY s.{id})"
-            "   FILTER (WHERE t.{id} IS NOT NULL)), '')"
-            " FROM {source} s LEFT JOIN {target} t ON t.{id} = s.{id}"
-            "   AND t.{id} >= {low}{upper_t}"
-            " WHERE s.{id} >= {low}{upper_s}"
-        ).format(
-            low=low,
-            upper_t=upper_t,
-            upper_s=upper_s,
-            id=self._id,
-            s_cols=common.column_list(cols, "s"),
-            t_cols=common.column_list(cols, "t"),
-            source=self.source.ident,
-            target=self.target.ident,
-        )
-
     def verify(self) -> Verification:
-        """Compare every source row with the target, one bounded id range per query.
-
-        Each range is its own short statement, so verification of a large source never holds
-        a snapshot for long (which would stop vacuum from cleaning the unpublished partition).
-        """
+        """Compare every source row with the target, one bounded range per query
+        (copy_back_verify.py); stamps `verified_at` when every row matched."""
         if not common.exists(self.conn, self.source):
             raise CopyBackError(f"{self.source} does not exist: nothing to verify")
         cols = self._check_shape()
-        if self._text_ids:
-            return self._verify_by_rows(cols)
-        statement = self._range_statement(cols)
-        next_low = sql.SQL("SELECT min({id}) FROM {s} WHERE {id} >= %s").format(
-            id=self._id, s=self.source.ident
-        )
-        width = self.options.verify_range_ids
-        first = self.conn.execute(
-            sql.SQL("SELECT min({id}), max({id}) FROM {s}").format(id=self._id, s=self.source.ident)
-        ).fetchone()
-        assert first is not None
-        low, max_id = first[0], first[1]
-        source_rows = matched = checked = 0
-        differing: list[RangeCheck] = []
-        while low is not None:
-            high = int(low) + width
-            row = self.conn.execute(statement, {"low": low, "high": high}).fetchone()
-            assert row is not None
-            check = RangeCheck(int(low), high, int(row[0]), int(row[1]), row[2], row[3])
-            checked += 1
-            source_rows += check.source_rows
-            matched += check.target_rows
-            if not check.ok:
-                differing.append(check)
-            nxt = self.conn.execute(next_low, (high,)).fetchone()
-            low = nxt[0] if nxt else None
-        result = Verification(
-            source=str(self.source),
-            target=str(self.target),
-            source_rows=source_rows,
-            matched_rows=matched,
-            ranges_checked=checked,
-            differing=tuple(differing),
-            source_max_id=max_id,
+        result = verify_ranges(
+            self.conn, self.ids, self.source, self.target, cols, self.options.verify_range_ids
         )
         if result.passed:
-            self._mark("verified_at")
-        return result
-
-    def _verify_by_rows(self, cols: tuple[str, ...]) -> Verification:
-        """`verify` for application ids: ranges of `verify_range_ids` rows in id order (a uuid
-        has no arithmetic to make ranges of ids), the last one unbounded above."""
-        bounded = self._range_statement(cols)
-        last = self._range_statement(cols, bounded=False)
-        next_high = sql.SQL(
-            "SELECT {out} FROM {s} WHERE {id} >= {low} ORDER BY {id} OFFSET %(width)s LIMIT 1"
-        ).format(out=self._id_out(), s=self.source.ident, id=self._id, low=self._bound("low"))
-        ends = self.conn.execute(
-            sql.SQL("SELECT {ends} FROM {s}").format(ends=self._ends(), s=self.source.ident)
-        ).fetchone()
-        assert ends is not None
-        low: IdValue | None = ends[1]
-        source_rows = matched = checked = 0
-        differing: list[RangeCheck] = []
-        while low is not None:
-            found = self.conn.execute(
-                next_high, {"low": low, "width": self.options.verify_range_ids}
-            ).fetchone()
-            high: IdValue | None = found[0] if found else None
-            statement = bounded if high is not None else last
-            row = self.conn.execute(statement, {"low": low, "high": high}).fetchone()
-            assert row is not None
-            check = RangeCheck(low, high, int(row[0]), int(row[1]), row[2], row[3])
-            checked += 1
-            source_rows += check.source_rows
-            matched += check.target_rows
-            if not check.ok:
-                differing.append(check)
-            low = high
-        result = Verification(
-            source=str(self.source),
-            target=str(self.target),
-            source_rows=source_rows,
-            matched_rows=matched,
-            ranges_checked=checked,
-            differing=tuple(differing),
-            source_max_id=ends[2],
-        )
-        if result.passed:
-            self._mark("verified_at")
+            self.progress.stamp("verified_at")
         return result
 
     # -- drop ------------------------------------------------------------------------------
@@ -793,17 +492,18 @@ class CopyBack:
                 sql.SQL("LOCK TABLE {s} IN ACCESS EXCLUSIVE MODE").format(s=self.source.ident)
             )
             row = conn.execute(
-                sql.SQL("SELECT {ends} FROM {s}").format(ends=self._ends(), s=self.source.ident)
+                sql.SQL("SELECT {ends} FROM {s}").format(ends=self.ids.ends(), s=self.source.ident)
             ).fetchone()
             assert row is not None
-            if int(row[0]) != verification.source_rows or row[2] != verification.source_max_id:
+            max_id = self.ids.value(row[2])
+            if int(row[0]) != verification.source_rows or max_id != verification.source_max_id:
                 raise CopyBackError(
                     f"{self.source} changed since verification ({verification.source_rows} "
                     f"rows then, {row[0]} now); run copy-back again"
                 )
             conn.execute(sql.SQL("DROP TABLE {s}").format(s=self.source.ident))
             # Same transaction as the DROP: "dropped" is recorded if and only if it happened.
-            self._mark("dropped_at")
+            self.progress.stamp("dropped_at")
 
         run_with_lock_budget(
             self.conn, "copy-back.drop",
@@ -811,27 +511,6 @@ class CopyBack:
             lock_check_drop, relations=((self.source.name, LockMode.ACCESS_EXCLUSIVE),),
             schema=self.source.schema,
         )  # fmt: skip
-
-
-def finished_and_dropped(conn: psycopg.Connection[Any], spec: OutboxSpec) -> bool:
-    """True when a copy-back of `spec`'s published partition ran to its end — copied,
-    verified, source dropped, as its progress table records — and the source is gone.
-
-    The runner's copy-back step counts this as proven, whoever ran the job (`outbox-migrate
-    copy-back` or `run --to copy-back`)."""
-    source = Relation(spec.schema, spec.published_partition)
-    progress = Relation(common.STATE_SCHEMA, PROGRESS_TABLE)
-    if common.exists(conn, source) or not common.exists(conn, progress):
-        return False
-    row = conn.execute(
-        sql.SQL(
-            "SELECT dropped_at IS NOT NULL AND verified_at IS NOT NULL FROM {t} "
-            "WHERE source_schema = %s AND source_table = %s AND target_schema = %s "
-            "AND target_table = %s"
-        ).format(t=progress.ident),
-        (spec.schema, spec.published_partition, spec.schema, spec.table),
-    ).fetchone()
-    return bool(row and row[0])
 
 
 def copy_back(

@@ -95,14 +95,18 @@ def configure_session(
 ) -> None:
     """Apply `server_settings` to a worker session (autocommit, before any transaction).
 
-    `idle_session=False` leaves out `idle_session_timeout`: it exists to free the shards of a
+    `idle_session=False` turns `idle_session_timeout` off: it exists to free the shards of a
     silent relay, and a session that holds none (the read-ahead session) would only be cut
-    between backlogs for nothing."""
+    between backlogs for nothing. Off explicitly, not merely left unset: a timeout set for the
+    server, database or role would otherwise apply, and the worker found its read-ahead
+    session dead after every quiet spell or broker outage longer than it — "connection lost",
+    and a full backoff before it published again."""
     from outbox_migrate.db import server_version
 
-    settings = server_settings(timeout_s, poll_interval_s, server_version(conn))
-    if not idle_session:
-        settings.pop("idle_session_timeout", None)
+    major = server_version(conn)
+    settings = server_settings(timeout_s, poll_interval_s, major)
+    if not idle_session and major >= 14:
+        settings["idle_session_timeout"] = "0"
     if not settings:
         return
     statement = sql.SQL("SELECT {}").format(

@@ -47,6 +47,7 @@ from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.message import Message, MessageId, TextIdMessage
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
+from outbox_migrate.relay.outage_wait import back_off_keeping_session
 from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
 from outbox_migrate.relay.sinks import Sink, SinkFactory
@@ -436,20 +437,22 @@ class Relay:
         return not (row and row[0])
 
     def _publish(
-        self, conn: Any, sink: Sink, source: queries.Source, batch: list[Message]
+        self, conn: Any, sink: Sink, source: queries.Source, batch: list[Message], after: int = 0
     ) -> tuple[list[MessageId], list[MessageId], MessageId | None, float]:
         """Publish; returns (acknowledged ids to mark, dead-lettered ids, lowest id to claim
         again, how long the worker pauses once this batch's transaction has ended: a backoff
         by the most attempts any message to claim again has had). With `--ordering key` a
         rejection parks its key instead (parking.py): no rewind, no pause, later messages of
-        that key wait while the others flow.
+        that key wait while the others flow; a released key's held-back messages lie below the
+        cursor, which claims again from the lowest of them (`after`: where the claim started).
 
         The pause is the worker's to take after its COMMIT, never here: a session that waits
         inside its transaction is "idle in transaction" on the claimed rows' locks, and the
         migration runner does not queue a step's lock behind such a session."""
         parking = self._parking
+        last = batch[-1].id if batch else None
         if parking:  # only ever non-empty with key ordering
-            batch = parking.withhold(source.label, batch, now=time.monotonic())[0]
+            batch = parking.withhold(source.label, batch, now=time.monotonic(), after=after)[0]
             if not batch:  # every message waits for its key; others would have been sent
                 return [], [], None, PARKED_BATCH_WAIT_S  # no busy loop of rescans meanwhile
         try:
@@ -464,8 +467,9 @@ class Relay:
                 self._forget_attempts(conn, source, again)
             acked = [m.id for m in batch]
             if parking:
-                parking.settle(source.label, batch, {}, acked, now=time.monotonic(),
-                               backoff=self._backoff)  # fmt: skip
+                return acked, [], parking.settle(
+                    source.label, batch, {}, now=time.monotonic(), backoff=self._backoff, last=last
+                ).claim_again_from, 0.0  # fmt: skip
             return acked, [], None, 0.0
         self.stats.add(rejected=len(rejected))
         self.observer.failed("rejected", len(rejected))
@@ -489,11 +493,12 @@ class Relay:
         log.warning("relay.rejected count=%d dead_lettered=%d", len(rejected), len(dead))
         dead_ids = [m.id for m in dead]
         if options.ordering is Ordering.key:
-            held = parking.settle(
-                source.label, batch, {i: attempts[i] for i in retry}, set(acked) | set(dead_ids),
-                now=time.monotonic(), backoff=self._backoff,
+            settled = parking.settle(
+                source.label, batch, {i: attempts[i] for i in retry},
+                now=time.monotonic(), backoff=self._backoff, last=last,
             )  # fmt: skip
-            return [i for i in acked if i not in held], dead_ids, None, 0.0
+            held = settled.held
+            return [i for i in acked if i not in held], dead_ids, settled.claim_again_from, 0.0
         most = max((attempts[i] for i in retry), default=0)
         # Rejected messages are claimed again after a backoff that grows with their attempts,
         # not at once: a transient refusal gets time to clear before the message counts
@@ -709,7 +714,7 @@ class _Worker:
             relay._close_sink(self.sink)
             self.sink = None
             self._step_out()
-            self._back_off()
+            self._back_off(keep_session=True)
         except _serialization_errors():
             # Another claimer moved a row we were about to lock (see queries.py). Checked
             # before connection errors: SerializationFailure is an OperationalError too, but
@@ -721,10 +726,7 @@ class _Worker:
             relay.stats.add(connection_retries=1)
             relay.observer.failed("connection")
             log.warning("relay.connection_lost worker=%d %s", self.index, _one_line(exc))
-            relay._close_conn(self.index, self.conn)
-            self._close_listener()
-            self.conn = None
-            self.lease.lost()
+            self._forget_session()
             self._back_off()
         return False
 
@@ -738,9 +740,26 @@ class _Worker:
         except _connection_errors():  # the session is gone: so are its locks
             log.debug("relay.step_out_failed", exc_info=True)
 
-    def _back_off(self) -> None:
-        self.relay._stop.wait(self.relay._backoff(self.failures))
+    def _forget_session(self) -> None:
+        """Drop a lost session (its shard locks died with it): `_step` opens a new one."""
+        self.relay._close_conn(self.index, self.conn)
+        self._close_listener()
+        self.conn = None
+        self.lease.lost()
+
+    def _back_off(self, *, keep_session: bool = False) -> None:
+        """`keep_session` (the broker is away, PostgreSQL is not): the session is kept alive
+        through the wait, or dropped before the wake-up when it was lost anyway, so that the
+        wake-up tries the broker instead of failing on a dead session (relay/outage_wait.py)."""
+        delay = self.relay._backoff(self.failures)
         self.failures += 1
+        conn = self.conn
+        if keep_session and conn is not None and not conn.closed:
+            if not back_off_keeping_session(self.relay._stop, delay, conn):
+                log.info("relay.session_reopened worker=%d (ended during the backoff)", self.index)
+                self._forget_session()
+            return
+        self.relay._stop.wait(delay)
 
     def _step(self) -> bool:  # noqa: PLR0911 - one return per reason the loop ends or waits
         relay, options, lease = self.relay, self.relay.options, self.lease
@@ -1299,7 +1318,7 @@ class _Worker:
         self.fence.check(time.monotonic())
         assert self.sink is not None
         acked, dead, retry_from, pause = relay._publish(
-            wire.direct(conn, pipe), self.sink, source, batch
+            wire.direct(conn, pipe), self.sink, source, batch, after
         )
         if relay._abandon.is_set():
             raise _Abandoned
