@@ -93,6 +93,16 @@ def relay(
         str, typer.Option(help="Topic / routing key / subject / stream name.")
     ] = "outbox",
     sink_timeout: Annotated[float, typer.Option(help="Seconds to wait for acks (> 0).")] = 10.0,
+    max_message_bytes: Annotated[
+        int | None,
+        typer.Option(
+            help="Reject a message whose body is larger, before sending it (dead-letter table "
+            "after --max-attempts) [the broker's usual limit: kafka 1000000, rabbitmq 128 MiB, "
+            "nats the server's max_payload, redis its proto-max-bulk-len; http, stdout: none].",
+            min=1,
+            show_default=False,
+        ),
+    ] = None,
     sink_option: Annotated[
         list[str] | None,
         typer.Option(
@@ -253,6 +263,7 @@ def relay(
         shutdown_timeout_s=shutdown_timeout,
         sink_timeout_s=sink_timeout,
         session_timeout_s=session_timeout,
+        max_message_bytes=max_message_bytes,
         max_attempts=max_attempts,
         dead_letter_table=dead_letter_table,
         key_column=key_column,
@@ -268,8 +279,9 @@ def relay(
         extra[key] = value
     # The sink is told the ordering so a concurrent one (http) keeps exactly what it promises.
     config = sinks.SinkConfig(
-        url=sink_url, target=target, timeout_s=sink_timeout, extra=extra, ordering=options.ordering
-    )
+        url=sink_url, target=target, timeout_s=sink_timeout, extra=extra,
+        ordering=options.ordering, max_message_bytes=options.max_message_bytes,
+    )  # fmt: skip
     observer: relay_metrics.Observer | None = None
     server = None
     if metrics_port is not None:
@@ -325,8 +337,9 @@ def _cdc(given: dict[str, object], dsn: str) -> None:
         raise UsageError("--sink is required: where should the relay publish?")
     extra = dict(item.partition("=")[::2] for item in a["sink_option"] or [])
     config = sinks.SinkConfig(
-        url=a["sink_url"], target=a["target"], timeout_s=a["sink_timeout"], extra=extra
-    )
+        url=a["sink_url"], target=a["target"], timeout_s=a["sink_timeout"], extra=extra,
+        max_message_bytes=a["max_message_bytes"],
+    )  # fmt: skip
     metrics = (a["metrics_host"], a["metrics_port"]) if a["metrics_port"] is not None else None
     relay_cdc.run(
         dsn, a["settings"].spec, args, sink_factory=sinks.factory(a["sink"], config),

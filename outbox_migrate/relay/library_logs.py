@@ -6,13 +6,17 @@ own `relay.sink_unavailable` event, so the libraries' lines only add noise, and 
 an operator's log reads as a crash. `route()` gives each library logger one handler that
 re-emits the record on the relay's logger as `relay.sink_library logger=<name> <message>` —
 the exception, if any, reduced to `Type: message` — and stops it propagating to the root
-logger. Errors and warnings of a library become warnings of the relay (the relay decides what
-is an error); the rest become debug lines.
+logger. A traceback a library formats into the message text itself (pika: "_consume()
+failed, aborting connection: …; Caller's stack:" and the whole traceback, on a reset
+connection) is reduced the same way: the text before it, then its last line. Errors and
+warnings of a library become warnings of the relay (the relay decides what is an error); the
+rest become debug lines.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 from outbox_migrate.relay.sinks.urls import mask_url
 
@@ -23,6 +27,10 @@ LIBRARY_LOGGERS = (
 """`outbox_migrate.relay.sink.*`: where the sinks send what their libraries report through a
 callback (librdkafka's log, nats-py's error callback)."""
 EVENT = "relay.sink_library"
+MAX_LINE_CHARS = 500
+_EMBEDDED_TRACEBACK = re.compile(
+    r"(?:\s*Caller's stack:)?\s*(?:Traceback|Stack) \(most recent call last\):.*", re.DOTALL
+)
 _relay_log = logging.getLogger("outbox_migrate.relay")
 
 
@@ -37,10 +45,23 @@ class _OneLine(logging.Handler):
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]
             text = f"{text}: {type(exc).__name__}: {exc}"
-        text = mask_url(" ".join(text.split()))[:500]
+        text = mask_url(" ".join(_without_traceback(text).split()))[:MAX_LINE_CHARS]
         level = logging.WARNING if record.levelno >= logging.WARNING else logging.DEBUG
         if _relay_log.isEnabledFor(level):
             _relay_log.log(level, "%s logger=%s %s", EVENT, record.name, text)
+
+
+def _without_traceback(text: str) -> str:
+    """`text` with a formatted traceback in it replaced by that traceback's last line."""
+    found = _EMBEDDED_TRACEBACK.search(text)
+    if found is None:
+        return text
+    lines = [line for line in found.group(0).splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else ""
+    if last.startswith(("File ", "Traceback", "Stack")):  # cut short: no exception line
+        last = ""
+    head = text[: found.start()].rstrip(" :.")
+    return f"{head}: {last}" if last else head
 
 
 _HANDLER = _OneLine()

@@ -104,6 +104,10 @@ class RelayOptions:
     session_timeout_s: float | None = None
     """Dead-session bound T (relay/keepalive.py): None = max(12 s, sink timeout + 2 s);
     0 = the operating system's defaults and no fencing."""
+    max_message_bytes: int | None = None
+    """A message whose body is larger is rejected by the sink before it is sent (it could never
+    be delivered); None = each broker's usual limit (docs/sinks.md). Passed to the sink as
+    `SinkConfig.max_message_bytes`."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
@@ -124,6 +128,8 @@ class RelayOptions:
                 f"({self.sink_timeout_s:g} s) by {SESSION_TIMEOUT_HEADROOM_S:g} s: a publish must "
                 "end before the shard lease can move to another relay"
             )
+        if self.max_message_bytes is not None and self.max_message_bytes < 1:
+            raise RelayError(f"max message bytes must be >= 1, got {self.max_message_bytes}")
         if not 0 <= self.linger_s <= self.poll_interval_s:
             raise RelayError(f"linger must be 0..poll interval seconds, got {self.linger_s}")
         if (

@@ -1,7 +1,9 @@
 """A loopback TCP proxy a test can cut and restore: a broker outage without stopping the broker.
 
 `cut()` drops every proxied connection and refuses new ones (the port is closed), which is what
-a client sees when its broker dies; `restore()` listens again on the same port. The broker
+a client sees when its broker dies (`cut(reset=True)`: with a TCP reset, as when the broker's
+host drops the connection, rather than a clean close); `restore()` listens again on the same
+port. The broker
 itself — a machine-wide service other tests share — is never touched.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 from types import TracebackType
 
@@ -66,15 +69,18 @@ class TcpProxy:
         finally:
             self._drop(src, dst)
 
-    def _drop(self, *socks: socket.socket) -> None:
+    def _drop(self, *socks: socket.socket, reset: bool = False) -> None:
         for sock in socks:
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+                if reset:  # linger 0: close() sends RST instead of FIN
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                else:
+                    sock.shutdown(socket.SHUT_RDWR)
             sock.close()
             with self._lock:
                 self._sockets.discard(sock)
 
-    def cut(self) -> None:
+    def cut(self, *, reset: bool = False) -> None:
         """Drop every connection and stop listening (new connections are refused)."""
         self._stop.set()
         if self._listener is not None:
@@ -82,7 +88,7 @@ class TcpProxy:
             self._listener = None
         with self._lock:
             socks = list(self._sockets)
-        self._drop(*socks)
+        self._drop(*socks, reset=reset)
 
     def restore(self) -> None:
         self._listen(self.port)

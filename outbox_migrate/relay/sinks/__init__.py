@@ -50,6 +50,9 @@ class SinkConfig:
     """The relay's `--ordering`, for sinks that publish a batch concurrently (http). None = not
     told (a library caller that built the config itself): such sinks then keep strict id order,
     the strongest promise, rather than guess."""
+    max_message_bytes: int | None = None
+    """The relay's `--max-message-bytes`: a body larger than this is rejected before it is sent.
+    None = the broker's usual limit, where the sink knows one (sinks/limits.py)."""
 
 
 BUILTIN: dict[str, str] = {

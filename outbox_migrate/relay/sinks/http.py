@@ -4,13 +4,20 @@ Body per the `envelope` option: the relay's JSON envelope (`json`, the default),
 as stored (`raw`), or CloudEvents 1.0 binary content mode (`cloudevents`: the payload as body,
 the attributes as `ce-` headers). Headers: `Idempotency-Key` and `X-Outbox-Id` = outbox id,
 `X-Event-Type`, then `Message.headers()` (outbox-id, outbox-table, event-type and the row's
-extra headers such as `traceparent`, unchanged); a value that is not printable ASCII is
-percent-encoded, as the CloudEvents HTTP binding does, since HTTP headers cannot carry it
-raw. Any 2xx is an acknowledgement. Connection errors, timeouts, 408, 429 and 5xx
-are retried `extra["retries"]` times (default 3) with backoff, then the whole batch is
-`SinkUnavailable`; any other 4xx is a permanent refusal of that message (`MessagesRejected`,
-which leads to the dead-letter table after the relay's max attempts). Each request may take
-`timeout_s`.
+extra headers such as `traceparent`, unchanged); a value that is not printable ASCII
+(`X-Event-Type` included) is percent-encoded, as the CloudEvents HTTP binding does, since
+HTTP headers cannot carry it raw, and a message with a header name that is not an HTTP token
+is rejected without a request. Any 2xx is an acknowledgement. Connection errors, timeouts,
+408, 429 and 5xx are retried `extra["retries"]` times (default 3) with backoff, then the
+whole batch is `SinkUnavailable`; any other 4xx is a permanent refusal of that message
+(`MessagesRejected`, which leads to the dead-letter table after the relay's max attempts).
+Each request may take `timeout_s`.
+
+Refused before sending (`MessagesRejected`, no request made): a body over
+`--max-message-bytes` when it is given (the HTTP sink has no limit of its own), and a payload
+that is bytes rather than text with `envelope=json` or `batch=true` (a JSON envelope cannot
+carry it; with `raw` or `cloudevents` the bytes are the body, Content-Type
+`application/octet-stream`).
 
 Concurrency: the batch is split into groups (`posting_groups`); a group is posted one message
 after the other, in batch (id) order, each only once the previous one was answered; up to
@@ -31,7 +38,10 @@ requests is still in flight, and the relay's re-send cannot overtake one of them
 id order (no `Idempotency-Key`: de-duplicate on each envelope's `id`; with
 `envelope=cloudevents`, the binding's batched mode, an `application/cloudevents-batch+json`
 array of structured events); a 2xx acknowledges them all, a non-retryable 4xx refuses them
-all, retries as above.
+all, retries as above. A refusal that can be about what the array holds (400, 413, 422)
+is not pinned on every message of it: the sink posts the refused messages again in halves
+(isolation.py) until the one refused alone is found, so its batch-mates are delivered; any
+other 4xx (401, 403, 404: the endpoint, not the content) still refuses the whole array.
 
 Why a thread per lane, each with its own httpx.Client, rather than httpx.AsyncClient on a
 private loop: the client's CPU is the limit (about 1 ms per request on a 2-core machine), and
@@ -46,10 +56,12 @@ waits, so they overlap PostgreSQL's work too. The lanes live in a small pool own
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 from outbox_migrate.dsn import mask
@@ -58,15 +70,22 @@ from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavai
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import Ordering
 from outbox_migrate.relay.sinks import SinkConfig
+from outbox_migrate.relay.sinks.bodies import NotRepresentable, content_type, require_text
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks.isolation import isolate
+from outbox_migrate.relay.sinks.limits import text_size_over, too_large
 from outbox_migrate.relay.sinks.urls import require_scheme
 
 RETRYABLE_STATUS = frozenset({408, 429})
+CONTENT_STATUS = frozenset({400, 413, 422})
+"""Refusals of a batch array that may be about one element of it (or its size): isolated."""
 DEFAULT_RETRIES = 3
 DEFAULT_CONCURRENCY = 16
 RETRY_BASE_S = 0.1
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""An HTTP header name (RFC 9110 `token`)."""
 _HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) not in '%"')
 
 
@@ -80,10 +99,10 @@ def header_value(value: str) -> str:
 def request_headers(message: Message, envelope: Envelope, ce: CloudEvents) -> dict[str, str]:
     """The headers of one message's POST (see the module docstring)."""
     out = {
-        "Content-Type": "application/json",
+        "Content-Type": "application/json" if envelope is Envelope.json else content_type(message),
         "Idempotency-Key": str(message.id),
         "X-Outbox-Id": str(message.id),
-        "X-Event-Type": message.event_type or "",
+        "X-Event-Type": header_value(message.event_type or ""),
     }
     if envelope is Envelope.cloudevents:
         more = ce.binary_headers(message, "ce-", content_type=False)
@@ -94,6 +113,16 @@ def request_headers(message: Message, envelope: Envelope, ce: CloudEvents) -> di
         if name.lower() not in taken:
             out[name] = header_value(value)
     return out
+
+
+def bad_header_name(headers: Mapping[str, str]) -> str | None:
+    """Why these headers cannot be sent, or None: a name that is not an HTTP token (a space,
+    a colon, a non-ASCII letter — from a row's own headers or metadata columns). httpx refuses
+    it before sending, which the sink must not take for an outage (it would never pass)."""
+    for name in headers:
+        if not _TOKEN.fullmatch(name):
+            return f"http header name {name[:60]!r} is not an HTTP token; not sent"
+    return None
 
 
 def posting_groups(batch: Sequence[Message], ordering: Ordering | None) -> list[list[Message]]:
@@ -152,6 +181,12 @@ class _Lanes:
             self.rejected[outbox_id] = reason
 
 
+class Refusal(NamedTuple):
+    """Why a message is refused without a request."""
+
+    reason: str
+
+
 class HttpSink:
     name = "http"
 
@@ -171,6 +206,8 @@ class HttpSink:
         self.retries = _int_option(config.extra, "retries", DEFAULT_RETRIES, 0)
         self.concurrency = _int_option(config.extra, "concurrency", DEFAULT_CONCURRENCY, 1)
         self.batch_mode = _bool_option(config.extra, "batch")
+        self.config = config
+        self.limit = config.max_message_bytes
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._clients: list[Any] = []
@@ -186,7 +223,9 @@ class HttpSink:
                 self._clients.append(client)
         return client
 
-    def _post(self, body: str, headers: dict[str, str], stop: threading.Event) -> int | None:
+    def _post(
+        self, body: str | bytes, headers: dict[str, str], stop: threading.Event
+    ) -> int | None:
         """POST with retries: the final status, None when the batch stopped meanwhile, or
         SinkUnavailable when the retries are exhausted."""
         reason = ""
@@ -214,8 +253,15 @@ class HttpSink:
                 for message in group:
                     if lanes.stop.is_set():
                         return
+                    body = self._body(message)
+                    if isinstance(body, Refusal):
+                        lanes.reject(message.id, body.reason)
+                        continue
                     headers = request_headers(message, self.envelope, self.cloudevents)
-                    body = message.envelope() if self.envelope is Envelope.json else message.payload
+                    bad = bad_header_name(headers)
+                    if bad is not None:
+                        lanes.reject(message.id, bad)
+                        continue
                     status = self._post(body, headers, lanes.stop)
                     if status is None:
                         return
@@ -224,6 +270,27 @@ class HttpSink:
         except BaseException:
             lanes.stop.set()
             raise
+
+    def _body(self, message: Message, *, structured: bool = False) -> str | bytes | Refusal:
+        """The body of one message's POST (`structured`: its element of a batch array), or
+        why it is refused without a request."""
+        try:
+            if structured and self.envelope is Envelope.cloudevents:
+                require_text(message)
+                body: str | bytes = self.cloudevents.structured(message)
+            elif structured or self.envelope is Envelope.json:
+                require_text(message)
+                body = message.envelope()
+            else:
+                body = message.payload  # text or bytes; httpx sends text as UTF-8
+        except NotRepresentable as exc:
+            return Refusal(f"http {exc}")
+        limit = self.limit
+        if limit is not None:
+            size = len(body) if isinstance(body, bytes) else text_size_over(body, limit)
+            if size is not None and size > limit:
+                return Refusal(too_large(size, limit, self.config, "http"))
+        return body
 
     def _publish_each(self, batch: Sequence[Message]) -> dict[MessageId, str]:
         groups = posting_groups(batch, self.ordering)
@@ -242,19 +309,47 @@ class HttpSink:
         return lanes.rejected
 
     def _publish_batch(self, batch: Sequence[Message]) -> dict[MessageId, str]:
-        if not batch:
-            return {}
-        if self.envelope is Envelope.cloudevents:
-            body = "[" + ",".join(map(self.cloudevents.structured, batch)) + "]"
-            content_type = "application/cloudevents-batch+json; charset=utf-8"
+        deadline = time.monotonic() + self.timeout_s
+        refused: dict[MessageId, str] = {}
+        elements: dict[MessageId, str] = {}
+        sent: list[Message] = []
+        for message in batch:
+            element = self._body(message, structured=True)
+            if isinstance(element, Refusal):
+                refused[message.id] = element.reason
+            elif isinstance(element, str):
+                elements[message.id] = element
+                sent.append(message)
+        status = self._post_array(sent, elements)
+        if status is None:
+            return refused
+        if status in CONTENT_STATUS and len(sent) > 1:
+
+            def send_group(group: Sequence[Message]) -> dict[MessageId, str]:
+                again = self._post_array(group, elements)
+                if again is None:
+                    return {}
+                return {message.id: f"HTTP {again}" for message in group}
+
+            refused.update(isolate(sent, send_group, deadline, self.name))
         else:
-            body = "[" + ",".join(message.envelope() for message in batch) + "]"
-            content_type = "application/json"
-        headers = {"Content-Type": content_type, "X-Outbox-Count": str(len(batch))}
+            refused.update({message.id: f"HTTP {status}" for message in sent})
+        return refused
+
+    def _post_array(
+        self, group: Sequence[Message], elements: Mapping[MessageId, str]
+    ) -> int | None:
+        """POST `group` as one array: None when it was accepted, else the refusing status."""
+        if not group:
+            return None
+        if self.envelope is Envelope.cloudevents:
+            mime = "application/cloudevents-batch+json; charset=utf-8"
+        else:
+            mime = "application/json"
+        headers = {"Content-Type": mime, "X-Outbox-Count": str(len(group))}
+        body = "[" + ",".join(elements[message.id] for message in group) + "]"
         status = self._post(body, headers, threading.Event())
-        if status is not None and status >= 300:
-            return {message.id: f"HTTP {status}" for message in batch}
-        return {}
+        return status if status is not None and status >= 300 else None
 
     def publish(self, batch: Sequence[Message]) -> None:
         publish = self._publish_batch if self.batch_mode else self._publish_each

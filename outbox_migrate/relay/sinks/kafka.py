@@ -13,17 +13,38 @@ not write, a topic that does not exist when auto-create is off — is `MessagesR
 its id (attempts → dead-letter table), and the rest of the batch is still acknowledged. A
 flush that times out or any other delivery error (broker down, leader moving) is
 `SinkUnavailable`: the batch is re-sent later, consumers de-duplicate on `outbox-id`.
+
+Each message's delivery callback carries its outbox id: a failed report may come without the
+headers it was sent with (seen with `INVALID_RECORD`), so the id cannot be read back from it.
+A broker refuses a whole record batch for one bad record (`BATCH_WIDE_CODES`): when several
+messages come back refused that way, the sink finds the refused one(s) by sending them again
+in halves (isolation.py), so their good batch-mates are delivered, not dead-lettered. After
+any refusal by the broker the idempotent producer is replaced: its sequence numbers now have a
+gap, and a broker may fence it (Tansu answers every later batch with `PRODUCER_FENCED`). So is
+a producer that reported a fatal error or was fenced: it would fail every later batch.
+With `--max-message-bytes` a value over it is rejected before `produce`; without, librdkafka
+checks its own `message.max.bytes` (1,000,000 by default) before queuing.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import SinkConfig
+from outbox_migrate.relay.sinks.bodies import (
+    NotRepresentable,
+    content_type,
+    payload_bytes,
+    require_text,
+)
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks.isolation import isolate
+from outbox_migrate.relay.sinks.limits import too_large
 from outbox_migrate.relay.sinks.urls import require_scheme
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
@@ -34,6 +55,11 @@ PERMANENT_CODES = frozenset({
     "_KEY_SERIALIZATION", "_VALUE_SERIALIZATION",
 })  # fmt: skip
 """librdkafka error names that refuse one message for good; anything else is retryable."""
+BATCH_WIDE_CODES = frozenset({
+    "INVALID_RECORD", "INVALID_MSG", "MSG_SIZE_TOO_LARGE", "RECORD_LIST_TOO_LARGE",
+})  # fmt: skip
+"""Refusals a broker gives every record of a record batch for one record in it."""
+FENCED = "PRODUCER_FENCED"
 
 
 def is_permanent(error: Any) -> bool:
@@ -74,58 +100,69 @@ class KafkaSink:
             "logger": _library_logger(),
         }
         settings.update({k: v for k, v in config.extra.items() if "." in k})
+        self._settings = settings
+        self.limit = config.max_message_bytes
+        """None: librdkafka checks its own message.max.bytes before queuing."""
+        self.producer: Any = self._new_producer()
+
+    def _new_producer(self) -> Any:
         try:
-            self.producer: Any = confluent_kafka.Producer(settings)
-        except confluent_kafka.KafkaException as exc:
+            return self._kafka.Producer(self._settings)
+        except self._kafka.KafkaException as exc:
             raise RelayError(f"sink kafka: {exc.args[0].str()}") from None
 
     def _body_and_headers(self, message: Message) -> tuple[bytes, list[tuple[str, str]]]:
         if self.envelope is Envelope.cloudevents:
             headers = self.cloudevents.binary_headers(message, "ce_", content_type=False)
-            headers["content-type"] = "application/json"
-            return message.payload_bytes, list(headers.items())
-        body = message.envelope().encode() if self.envelope is Envelope.json else None
-        return body or message.payload_bytes, list(message.headers().items())
+            headers["content-type"] = content_type(message)
+            return payload_bytes(message), list(headers.items())
+        if self.envelope is Envelope.json:
+            require_text(message)
+            return message.envelope().encode(), list(message.headers().items())
+        return payload_bytes(message), list(message.headers().items())
 
     def publish(self, batch: Sequence[Message]) -> None:
+        deadline = time.monotonic() + self.config.timeout_s
+        rejected, batch_wide = self._round(batch, deadline)
+        if len(batch_wide) > 1:
+            # Refused together: maybe for one record among them. Find it; deliver the rest.
+            for outbox_id in batch_wide:
+                del rejected[outbox_id]
+            suspects = [m for m in batch if m.id in batch_wide]
+            rejected.update(
+                isolate(suspects, lambda g: self._round(g, deadline)[0], deadline, self.name)
+            )
+        if rejected:
+            raise MessagesRejected(self.name, rejected)
+
+    def _round(
+        self, batch: Sequence[Message], deadline: float
+    ) -> tuple[dict[MessageId, str], set[MessageId]]:
+        """Produce `batch` and wait for every report: the ids refused (with the reason) and,
+        among them, those the broker refused with a batch-wide error. An outage raises."""
         rejected: dict[MessageId, str] = {}
+        batch_wide: set[MessageId] = set()
         retryable: list[str] = []
         delivered = 0
+        broken = False
 
-        def report(err: Any, msg: Any) -> None:
-            nonlocal delivered
+        def report(outbox_id: MessageId, err: Any, _msg: Any) -> None:
+            nonlocal delivered, broken
             if err is None:
                 delivered += 1
             elif is_permanent(err):
-                rejected[_outbox_id(msg)] = f"kafka {err.name()}: {err.str()}"
+                name = str(err.name())
+                rejected[outbox_id] = f"kafka {name}: {err.str()}"
+                if name in BATCH_WIDE_CODES:
+                    batch_wide.add(outbox_id)
             else:
                 retryable.append(f"{err.name()}: {err.str()}")
+                broken = broken or bool(err.fatal()) or err.name() == FENCED
 
-        produce, raw = self.producer.produce, self.envelope is Envelope.raw
-        for message in batch:
-            if raw:  # the hot path: no envelope to build
-                value, headers = message.payload_bytes, list(message.headers().items())
-            else:
-                value, headers = self._body_and_headers(message)
-            while True:
-                try:
-                    produce(
-                        self.topic,
-                        value=value,
-                        key=message.key.encode() if message.key is not None else None,
-                        headers=headers,
-                        on_delivery=report,
-                    )
-                    break
-                except BufferError:  # local queue full: let deliveries drain first
-                    self.producer.poll(0.05)
-                except self._kafka.KafkaException as exc:  # refused before it was queued
-                    error = exc.args[0]
-                    if not is_permanent(error):
-                        raise SinkUnavailable(self.name, f"{error.name()}: {error.str()}") from None
-                    rejected[message.id] = f"kafka {error.name()}: {error.str()}"
-                    break
-        remaining = self.producer.flush(self.config.timeout_s)
+        refused_before = self._produce_all(batch, report, rejected)
+        remaining = self.producer.flush(max(0.0, deadline - time.monotonic()))
+        # A refusal by the broker leaves a gap in the idempotent producer's sequence numbers.
+        self._replace_producer_if(broken or (not remaining and len(rejected) > refused_before))
         if remaining or retryable:
             detail = (
                 retryable[0] if retryable else f"{remaining} message(s) not acknowledged in time"
@@ -134,22 +171,60 @@ class KafkaSink:
         if delivered + len(rejected) != len(batch):
             missing = len(batch) - delivered - len(rejected)
             raise SinkUnavailable(self.name, f"{missing} delivery report(s) missing")
-        if rejected:
-            raise MessagesRejected(self.name, rejected)
+        return rejected, batch_wide
+
+    def _replace_producer_if(self, needed: bool) -> None:
+        """A fresh producer (new producer id, sequence from 0) for the next round; what the old
+        one still holds is dropped — its batch is re-sent or has been reported."""
+        if needed:
+            old, self.producer = self.producer, self._new_producer()
+            old.purge()
+
+    def _produce_all(
+        self, batch: Sequence[Message], report: Any, rejected: dict[MessageId, str]
+    ) -> int:
+        """Queue every message of `batch`; the ones refused before queuing go to `rejected`
+        (their number is returned) and get no report."""
+        produce, raw, limit = self.producer.produce, self.envelope is Envelope.raw, self.limit
+        refused = 0
+        for message in batch:
+            if raw:  # the hot path: no envelope to build
+                value, headers = payload_bytes(message), list(message.headers().items())
+            else:
+                try:
+                    value, headers = self._body_and_headers(message)
+                except NotRepresentable as exc:
+                    rejected[message.id] = f"kafka {exc}"
+                    refused += 1
+                    continue
+            if limit is not None and len(value) > limit:
+                rejected[message.id] = too_large(len(value), limit, self.config, "kafka")
+                refused += 1
+                continue
+            while True:
+                try:
+                    produce(
+                        self.topic,
+                        value=value,
+                        key=message.key.encode() if message.key is not None else None,
+                        headers=headers,
+                        on_delivery=partial(report, message.id),
+                    )
+                    break
+                except BufferError:  # local queue full: let deliveries drain first
+                    self.producer.poll(0.05)
+                except self._kafka.KafkaException as exc:  # refused before it was queued
+                    error = exc.args[0]
+                    if not is_permanent(error):
+                        self._replace_producer_if(bool(error.fatal()))
+                        raise SinkUnavailable(self.name, f"{error.name()}: {error.str()}") from None
+                    rejected[message.id] = f"kafka {error.name()}: {error.str()}"
+                    refused += 1
+                    break
+        return refused
 
     def close(self) -> None:
         self.producer.flush(1.0)
-
-
-def _outbox_id(msg: Any) -> int:
-    """The outbox id of a reported message, from its `outbox-id` header.
-
-    Read only for failed reports, so the hot path needs no per-message callback closure.
-    """
-    for name, value in msg.headers() or ():
-        if name == "outbox-id":
-            return int(value)
-    raise SinkUnavailable("kafka", "a failed delivery report without an outbox-id header")
 
 
 def _library_logger() -> Any:

@@ -14,6 +14,12 @@ Failures, per message (the batch's publishes run concurrently, each has its own 
   (`MaxPayloadError`, raised by the client before sending), no stream listening on the
   subject (`NoStreamResponseError`), or a JetStream API error 400 (e.g. over the stream's
   `max_msg_size`, a header it cannot take) — `MessagesRejected` under its id;
+* over `--max-message-bytes` when it is given, or body and headers together over the
+  `max_payload` the server announced (checked before publishing: nats-py checks the body
+  alone, and the server answers a larger message by closing the connection, which failed
+  the whole batch as an outage, again on every retry), or a payload that is
+  bytes with `envelope=json` (no JSON envelope can carry it; `raw` and `cloudevents` send the
+  bytes as they are): `MessagesRejected` under its id, never sent;
 * anything else (not connected, a timeout, JetStream 503 while a leader is elected):
   `SinkUnavailable` for the whole batch.
 
@@ -34,12 +40,20 @@ from typing import Any
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import SinkConfig
+from outbox_migrate.relay.sinks.bodies import (
+    NotRepresentable,
+    content_type,
+    payload_bytes,
+    require_text,
+)
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks.limits import too_large
 from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 SCHEMES = ("nats", "tls", "ws", "wss")
 _FALSE = frozenset({"0", "false", "no", "off"})
+HEADER_BLOCK_BYTES = len(b"NATS/1.0\r\n\r\n")
 log = logging.getLogger("outbox_migrate.relay.sink.nats")
 
 
@@ -56,6 +70,23 @@ def is_permanent(exc: BaseException) -> bool:
     if isinstance(exc, MaxPayloadError | NoStreamResponseError | BadHeaderError | BadSubjectError):
         return True
     return isinstance(exc, APIError) and exc.code == 400
+
+
+def wire_size(body: bytes, headers: dict[str, str], max_payload: int) -> int | None:
+    """The size the server counts against `max_payload` — body and header block — when it is
+    over, else None.
+
+    nats-py checks the body alone; the server counts the headers too, and answers a larger
+    message with `-ERR 'Maximum Payload Violation'` and a closed connection: every publish of
+    the batch then fails, again on every retry. The header block is `NATS/1.0\\r\\n`, a
+    `name: value\\r\\n` line per header, `\\r\\n`. Characters bound bytes (4 per character
+    in UTF-8), so most messages are judged without encoding a header."""
+    chars = sum(len(name) + len(value) + 4 for name, value in headers.items())
+    if len(body) + HEADER_BLOCK_BYTES + 4 * chars <= max_payload:
+        return None
+    size = len(body) + HEADER_BLOCK_BYTES
+    size += sum(len(name.encode()) + len(value.encode()) + 4 for name, value in headers.items())
+    return size if size > max_payload else None
 
 
 def _describe(exc: BaseException) -> str:
@@ -123,30 +154,57 @@ class NatsSink:
     def _body_and_headers(self, message: Message) -> tuple[bytes, dict[str, str]]:
         if self.envelope is Envelope.cloudevents:
             headers = self.cloudevents.binary_headers(message, "ce-")
-            body = message.payload_bytes
+            headers["ce-datacontenttype"] = content_type(message)
+            body = payload_bytes(message)
+        elif self.envelope is Envelope.json:
+            require_text(message)
+            headers, body = message.headers(), message.envelope().encode()
         else:
-            headers = message.headers()
-            json = self.envelope is Envelope.json
-            body = message.envelope().encode() if json else message.payload_bytes
+            headers, body = message.headers(), payload_bytes(message)
         headers["Nats-Msg-Id"] = str(message.id)
         return body, headers
 
-    async def _publish(self, batch: Sequence[Message]) -> list[Any]:
-        js = await self._connect()
-        pending = []
+    def _prepare(
+        self, batch: Sequence[Message], max_payload: int
+    ) -> tuple[dict[MessageId, str], list[tuple[Message, bytes, dict[str, str]]]]:
+        """Each message's body and headers; those refused before sending, with the reason."""
+        refused: dict[MessageId, str] = {}
+        ready: list[tuple[Message, bytes, dict[str, str]]] = []
+        limit = self.config.max_message_bytes
         for message in batch:
-            body, headers = self._body_and_headers(message)
-            pending.append(js.publish(self.subject, body, headers=headers))
-        return list(await asyncio.gather(*pending, return_exceptions=True))
+            try:
+                body, headers = self._body_and_headers(message)
+            except NotRepresentable as exc:
+                refused[message.id] = f"nats {exc}"
+                continue
+            if limit is not None and len(body) > limit:
+                refused[message.id] = f"nats {too_large(len(body), limit, self.config, 'nats')}"
+                continue
+            # A body alone over it is nats-py's to refuse (MaxPayloadError, before sending).
+            size = wire_size(body, headers, max_payload) if len(body) <= max_payload else None
+            if size is not None:
+                what = "the server's max_payload, headers included"
+                refused[message.id] = f"nats {too_large(size, max_payload, self.config, what)}"
+                continue
+            ready.append((message, body, headers))
+        return refused, ready
+
+    async def _publish(
+        self, batch: Sequence[Message]
+    ) -> tuple[dict[MessageId, str], list[Message], list[Any]]:
+        js = await self._connect()
+        refused, ready = self._prepare(batch, int(self._nc.max_payload))
+        pending = [js.publish(self.subject, body, headers=headers) for _, body, headers in ready]
+        outcomes = list(await asyncio.gather(*pending, return_exceptions=True))
+        return refused, [message for message, _, _ in ready], outcomes
 
     def publish(self, batch: Sequence[Message]) -> None:
         try:
-            outcomes = self._loop.run_until_complete(self._publish(batch))
+            rejected, ready, outcomes = self._loop.run_until_complete(self._publish(batch))
         except Exception as exc:  # noqa: BLE001 - nats-py raises many types; all mean "not acked"
             self._disconnect()
             raise SinkUnavailable(self.name, _describe(exc)) from None
-        rejected: dict[MessageId, str] = {}
-        for message, outcome in zip(batch, outcomes, strict=True):
+        for message, outcome in zip(ready, outcomes, strict=True):
             if not isinstance(outcome, BaseException):
                 self.duplicates += bool(getattr(outcome, "duplicate", False))
             elif is_permanent(outcome):

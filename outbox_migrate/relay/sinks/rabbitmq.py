@@ -26,7 +26,14 @@ confirmed every delivery tag — one round trip per batch, not per message. Outc
   of the batch whose body exceeds it in `MessagesRejected` (→ dead letters after the relay's
   max attempts: the message can never be delivered), and sends the rest again on a fresh
   channel within the same call. Later batches are checked against M before sending, so a
-  poisonous message no longer closes the channel at all;
+  poisonous message no longer closes the channel at all. Before the broker said so, bodies are
+  checked against `--max-message-bytes`, or 128 MiB (the node default on 3.8-3.13; limits.py);
+* an event type, a text outbox id or a header name longer than AMQP's 255-byte short string:
+  rejected before sending (pika cannot encode it; it used to fail the whole batch as an
+  outage, again on every retry);
+* a payload that is bytes, not text, with `envelope=json`: rejected (no JSON envelope can
+  carry it); with `raw` or `cloudevents` it is the body as is, content_type
+  `application/octet-stream`;
 * the connection or channel closes otherwise, or the confirms do not arrive in `timeout_s`:
   `SinkUnavailable` (the connection is dropped; the next publish reconnects).
 
@@ -52,13 +59,23 @@ from outbox_migrate.dsn import mask
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import SinkConfig
+from outbox_migrate.relay.sinks.bodies import (
+    NotRepresentable,
+    content_type,
+    payload_bytes,
+    require_text,
+)
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks.limits import max_bytes, smaller, too_large
 from outbox_migrate.relay.sinks.urls import require_scheme
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 CLOSE_TIMEOUT_S = 2.0
 """How long closing a connection may wait for the broker's Close-Ok before it is dropped."""
 PRECONDITION_FAILED = 406
+SHORT_STRING_BYTES = 255
+"""AMQP 0-9-1 `shortstr`: the message_id and type properties and header table names."""
+CLOUDEVENTS_PREFIX = "cloudEvents:"
 TOO_LARGE = re.compile(r"larger than configured max size (\d+)")
 """RabbitMQ's channel-close text for a body over `max_message_size` (3.8 and later)."""
 
@@ -118,6 +135,26 @@ class _Closed(Exception):
         """Set when the broker closed the channel for a body over this many bytes."""
 
 
+def short_string_refusal(message: Message) -> str | None:
+    """Why AMQP cannot carry this message's properties, or None.
+
+    The event type (`type`), the outbox id (`message_id`) and every header name are AMQP short
+    strings, at most 255 bytes; pika raises ShortStringTooLong while encoding a longer one.
+    A character is at most 4 bytes, so short texts are judged without encoding them."""
+    fields = [("event type", message.event_type), ("outbox id", str(message.id))]
+    fields += [("header name", name) for name, _ in message.extra_headers]
+    for what, text in fields:
+        if text is None or len(text) * 4 <= SHORT_STRING_BYTES:
+            continue
+        size = len(text.encode())
+        if size > SHORT_STRING_BYTES:
+            return (
+                f"rabbitmq {what} of {size} bytes: AMQP carries at most {SHORT_STRING_BYTES} "
+                f"(a short string); not sent: {text[:40]!r}…"
+            )
+    return None
+
+
 def too_large_limit(reply_code: object, reply_text: object) -> int | None:
     """The broker's `max_message_size` when a channel close says a body exceeded it."""
     if reply_code != PRECONDITION_FAILED or not isinstance(reply_text, str):
@@ -155,6 +192,7 @@ class RabbitMQSink:
         """What the sink awaits now; a close callback fails it (callbacks cannot raise)."""
         self._max_size: int | None = None
         """The broker's max_message_size, once a channel close told it (see the module doc)."""
+        self.limit = max_bytes(config, self.name)
 
     def _parameters(self) -> Any:
         url = self.url
@@ -258,7 +296,7 @@ class RabbitMQSink:
 
     # -- publishing ------------------------------------------------------------------------
 
-    async def _publish(self, batch: Sequence[Message]) -> None:
+    async def _publish(self, batch: Sequence[tuple[Message, bytes]]) -> None:
         async with asyncio.timeout(self.config.timeout_s):
             channel = await self._open()
         confirms = self._confirms
@@ -267,8 +305,7 @@ class RabbitMQSink:
         exchange, routing_key = self.exchange, self.routing_key
 
         def publish_all(done: Callable[..., None]) -> None:
-            for message in batch:
-                body, headers = self._body(message), self._headers(message)
+            for message, body in batch:
                 channel.basic_publish(
                     exchange,
                     routing_key,
@@ -276,9 +313,9 @@ class RabbitMQSink:
                     properties(
                         message_id=str(message.id),
                         type=message.event_type,
-                        content_type="application/json",
+                        content_type=content_type(message),
                         delivery_mode=2,
-                        headers=headers,
+                        headers=self._headers(message),
                     ),
                     mandatory=True,
                 )
@@ -292,28 +329,53 @@ class RabbitMQSink:
 
     def _body(self, message: Message) -> bytes:
         if self.envelope is Envelope.json:
+            require_text(message)
             return message.envelope().encode()
-        return message.payload_bytes
+        return payload_bytes(message)
 
     def _headers(self, message: Message) -> Any:
         if self.envelope is Envelope.cloudevents:
-            return self.cloudevents.binary_headers(message, "cloudEvents:", content_type=False)
+            return self.cloudevents.binary_headers(message, CLOUDEVENTS_PREFIX, content_type=False)
         return message.headers()
 
-    def _oversized(self, batch: Sequence[Message]) -> dict[MessageId, str]:
-        """Messages whose body the broker refuses for good (over its max_message_size)."""
-        limit = self._max_size
+    def _oversized(self, batch: Sequence[tuple[Message, bytes]]) -> dict[MessageId, str]:
+        """Messages whose body the broker refuses for good: over the limit in force (see the
+        module docstring)."""
+        limit = smaller(self.limit, self._max_size)
         if limit is None:
             return {}
+        told = limit == self._max_size
         return {
-            m.id: f"message too large: {size} bytes over the broker's max_message_size {limit}"
-            for m in batch
-            if (size := len(self._body(m))) > limit
+            m.id: (
+                f"message too large: {size} bytes over the broker's max_message_size {limit}"
+                if told
+                else too_large(size, limit, self.config, "rabbitmq's default max_message_size")
+            )
+            for m, body in batch
+            if (size := len(body)) > limit
         }
 
+    def _bodies(
+        self, batch: Sequence[Message]
+    ) -> tuple[dict[MessageId, str], list[tuple[Message, bytes]]]:
+        """Each message's body, built once; those AMQP cannot carry are refused."""
+        refused: dict[MessageId, str] = {}
+        bodies: list[tuple[Message, bytes]] = []
+        for message in batch:
+            reason = short_string_refusal(message)
+            if reason is not None:
+                refused[message.id] = reason
+                continue
+            try:
+                bodies.append((message, self._body(message)))
+            except NotRepresentable as exc:
+                refused[message.id] = f"rabbitmq {exc}"
+        return refused, bodies
+
     def publish(self, batch: Sequence[Message]) -> None:
-        refused = self._oversized(batch)
-        sending = [m for m in batch if m.id not in refused] if refused else list(batch)
+        refused, bodies = self._bodies(batch)
+        refused.update(self._oversized(bodies))
+        sending = [mb for mb in bodies if mb[0].id not in refused] if refused else bodies
         try:
             try:
                 self._send(sending)
@@ -332,7 +394,9 @@ class RabbitMQSink:
                 done = set(self._confirms.acked)
                 refused.update(too_large)
                 refused.update(self._confirms.returned)
-                sending = [m for m in sending if m.id not in too_large and m.id not in done]
+                sending = [
+                    (m, body) for m, body in sending if m.id not in too_large and m.id not in done
+                ]
                 self._send(sending)
         except Exception as exc:  # noqa: BLE001 - pika, asyncio and OS errors all mean "not acked"
             self._disconnect()
@@ -352,7 +416,7 @@ class RabbitMQSink:
         if confirms.returned or refused:
             raise MessagesRejected(self.name, {**confirms.returned, **refused})
 
-    def _send(self, batch: Sequence[Message]) -> None:
+    def _send(self, batch: Sequence[tuple[Message, bytes]]) -> None:
         if batch:
             self._loop.run_until_complete(self._publish(batch))
         else:

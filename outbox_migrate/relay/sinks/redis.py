@@ -18,17 +18,32 @@ entry id Redis refuses) — is `MessagesRejected` under its id, and the other me
 batch are acknowledged. A lost connection, a timeout, or a refusal about the server's state
 (OOM under `maxmemory`, LOADING, BUSY, READONLY replica, MISCONF, TRYAGAIN, CLUSTERDOWN,
 MASTERDOWN) is `SinkUnavailable`: nothing of the batch is marked and the relay backs off.
+
+Size. Redis does not answer a bulk over its `proto-max-bulk-len` (512 MiB by default) with an
+error: it drops the connection, which loses the replies of the whole pipeline and, retried,
+would fail the same way for ever. So the sink reads the server's limit once (`CONFIG GET`,
+where the ACL allows it) and rejects a payload over it — or over `--max-message-bytes` —
+before sending (limits.py). Where CONFIG is refused and a pipeline still drops the
+connection, the sink asks the server for a PING: when it answers, the connection was dropped
+for what the batch holds, not because Redis is away, and the batch is sent again in halves
+(isolation.py) to find the message that drops it (rejected; its batch-mates are added —
+those XADDs that ran before the drop once more, at least once as after any retry). When the
+PING fails it is an outage.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import SinkConfig
+from outbox_migrate.relay.sinks.bodies import NotRepresentable, require_text
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks.isolation import isolate
+from outbox_migrate.relay.sinks.limits import max_bytes, smaller, text_size_over, too_large
 from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -39,6 +54,8 @@ RETRYABLE_PREFIXES = (
 )  # fmt: skip
 """Error replies about the server's state, not the message: back off and retry."""
 BUILT_IN_FIELDS = frozenset({"id", "table", "event_type", "key", "created_at", "payload"})
+LIMIT_SETTING = "proto-max-bulk-len"
+DROPPED = "redis dropped the connection on this message (larger than its proto-max-bulk-len?)"
 
 
 def is_permanent_reply(error: BaseException) -> bool:
@@ -67,11 +84,27 @@ class RedisSink:
         self.maxlen = int(maxlen) if maxlen is not None else None
         self.envelope = envelope_option(config.extra, self.name, Envelope.raw)
         self.cloudevents = CloudEvents(config.extra)
+        self.config = config
         self.client: Any = redis.Redis.from_url(
             url,
             socket_timeout=config.timeout_s,
             socket_connect_timeout=config.timeout_s,
         )
+        self.limit = max_bytes(config, self.name)
+        self._server_limit_read = False
+
+    def _read_server_limit(self) -> None:
+        """Lower `limit` to the server's proto-max-bulk-len, once, when CONFIG GET is allowed."""
+        try:
+            value = self.client.config_get(LIMIT_SETTING).get(LIMIT_SETTING)
+        except self._redis.ResponseError:  # NOPERM, CONFIG renamed away: keep the usual one
+            value = None
+        except self._redis.RedisError:  # not reachable now: ask again with the next batch
+            return
+        self._server_limit_read = True
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        if text.isdigit():
+            self.limit = smaller(self.limit, int(text))
 
     def _stream_of(self, message: Message) -> str:
         if not self.routed:
@@ -92,28 +125,82 @@ class RedisSink:
             if name not in BUILT_IN_FIELDS:
                 fields.setdefault(name, value)
         if self.envelope is Envelope.cloudevents:
+            require_text(message)
             fields["payload"] = self.cloudevents.structured(message)
         elif self.envelope is Envelope.json:
+            require_text(message)
             fields["payload"] = message.envelope()
         else:
-            fields["payload"] = message.payload
+            fields["payload"] = message.payload  # text or bytes: redis-py sends either
         return fields
 
+    def _too_large(self, payload: str | bytes) -> str | None:
+        limit = self.limit
+        if limit is None:
+            return None
+        size = len(payload) if isinstance(payload, bytes) else text_size_over(payload, limit)
+        if size is None or size <= limit:
+            return None
+        return too_large(size, limit, self.config, f"redis {LIMIT_SETTING}")
+
     def publish(self, batch: Sequence[Message]) -> None:
-        pipe = self.client.pipeline(transaction=False)
+        deadline = time.monotonic() + self.config.timeout_s
+        if not self._server_limit_read:
+            self._read_server_limit()
+        rejected: dict[MessageId, str] = {}
+        sending: list[tuple[Message, dict[str, Any]]] = []
         for message in batch:
+            try:
+                fields = self._fields(message)
+            except NotRepresentable as exc:
+                rejected[message.id] = f"redis {exc}"
+                continue
+            reason = self._too_large(fields["payload"])
+            if reason is not None:
+                rejected[message.id] = f"redis {reason}"
+            else:
+                sending.append((message, fields))
+        try:
+            rejected.update(self._send(sending))
+        except _Dropped:
+            # Redis is up but dropped the connection on something this batch holds.
+            by_id = {message.id: (message, fields) for message, fields in sending}
+
+            def send_group(group: Sequence[Message]) -> dict[MessageId, str]:
+                try:
+                    return self._send([by_id[m.id] for m in group])
+                except _Dropped:
+                    return dict.fromkeys((m.id for m in group), DROPPED)
+
+            suspects = [message for message, _ in sending]
+            rejected.update(isolate(suspects, send_group, deadline, self.name))
+        if rejected:
+            raise MessagesRejected(self.name, rejected)
+
+    def _send(self, sending: Sequence[tuple[Message, dict[str, Any]]]) -> dict[MessageId, str]:
+        """XADD each message in one pipeline: the ids Redis refused, with the reply. Raises
+        `_Dropped` when Redis dropped the connection yet answers a PING, else
+        `SinkUnavailable` for an outage."""
+        if not sending:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for message, fields in sending:
             pipe.xadd(
-                self._stream_of(message), self._fields(message),
-                maxlen=self.maxlen, approximate=True,
+                self._stream_of(message), fields, maxlen=self.maxlen, approximate=True,
             )  # fmt: skip
         try:
             replies = pipe.execute(raise_on_error=False)
+        except self._redis.ConnectionError as exc:
+            # A timeout is never taken for a drop (a slow Redis is an outage, not a bad message).
+            if not isinstance(exc, self._redis.TimeoutError) and self._answers_ping():
+                raise _Dropped from None
+            raise SinkUnavailable(self.name, mask_url(str(exc))) from None
         except self._redis.RedisError as exc:
             raise SinkUnavailable(self.name, mask_url(str(exc))) from None
-        if len(replies) != len(batch):
+        if len(replies) != len(sending):
             raise SinkUnavailable(self.name, "not every XADD was answered")
         rejected: dict[MessageId, str] = {}
-        for message, reply in zip(batch, replies, strict=True):
+        for (message, _), reply in zip(sending, replies, strict=True):
             if isinstance(reply, BaseException):
                 if not isinstance(reply, self._redis.ResponseError) or not is_permanent_reply(
                     reply
@@ -122,8 +209,17 @@ class RedisSink:
                 rejected[message.id] = f"redis {mask_url(str(reply))}"
             elif not reply:
                 raise SinkUnavailable(self.name, "an XADD returned no entry id")
-        if rejected:
-            raise MessagesRejected(self.name, rejected)
+        return rejected
+
+    def _answers_ping(self) -> bool:
+        try:
+            return bool(self.client.ping())
+        except self._redis.RedisError:
+            return False
 
     def close(self) -> None:
         self.client.close()
+
+
+class _Dropped(Exception):
+    """Redis dropped the connection during a pipeline, yet answers a PING."""

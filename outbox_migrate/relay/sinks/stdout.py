@@ -7,6 +7,10 @@ default (`envelope=json`); `envelope=cloudevents` writes CloudEvents 1.0 structu
 line for `json`/`raw`; use `cloudevents` or another sink when consumers need them.
 
 "Acknowledged" means written and flushed. Workers share one lock so lines never interleave.
+A payload that is bytes, not text, cannot be a line of text in any envelope, and a line over
+`--max-message-bytes` (when given; stdout has no limit of its own) is not written: both are
+`MessagesRejected` under their ids (→ attempts → dead-letter table), the other lines are
+written.
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
-from outbox_migrate.relay.errors import SinkUnavailable
-from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.errors import MessagesRejected, SinkUnavailable
+from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import SinkConfig
+from outbox_migrate.relay.sinks.bodies import is_binary
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks.limits import text_size_over, too_large
+
+NOT_TEXT = "stdout: payload is not text (non-UTF-8 bytes): it cannot be written as a line"
 
 _WRITE_LOCK = threading.Lock()
 
@@ -29,7 +37,8 @@ class StdoutSink:
 
     def __init__(self, config: SinkConfig | None = None, stream: TextIO | None = None) -> None:
         self._stream = stream
-        extra = config.extra if config is not None else {}
+        self.config = config or SinkConfig()
+        extra = self.config.extra
         envelope = envelope_option(extra, self.name, Envelope.json)
         self._line: Callable[[Message], str] = Message.envelope
         if envelope is Envelope.cloudevents:
@@ -39,17 +48,34 @@ class StdoutSink:
 
     def publish(self, batch: Sequence[Message]) -> None:
         stream = self._stream or sys.stdout
-        text = "\n".join(map(self._line, batch)) + "\n" if batch else ""
+        rejected: dict[MessageId, str] = {}
+        limit = self.config.max_message_bytes
+        lines: list[str] = []
+        for message in batch:
+            if is_binary(message):
+                rejected[message.id] = NOT_TEXT
+                continue
+            line = self._line(message)
+            if limit is not None and (size := text_size_over(line, limit)) is not None:
+                rejected[message.id] = f"stdout {too_large(size, limit, self.config, 'stdout')}"
+                continue
+            lines.append(line)
+        text = "\n".join(lines) + "\n" if lines else ""
         try:
             with _WRITE_LOCK:
                 stream.write(text)
                 stream.flush()
         except (OSError, ValueError) as exc:  # closed pipe or closed file
             raise SinkUnavailable(self.name, str(exc)) from None
+        if rejected:
+            raise MessagesRejected(self.name, rejected)
 
     def close(self) -> None:
         return None
 
 
 def _payload(message: Message) -> str:
-    return message.payload
+    payload: str | bytes = message.payload
+    if isinstance(payload, bytes):  # `publish` rejects these before: never written as b'…'
+        raise TypeError(NOT_TEXT)
+    return payload

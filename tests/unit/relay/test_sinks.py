@@ -245,6 +245,29 @@ def test_batch_mode_refusal_rejects_the_whole_batch(http_sink) -> None:
     assert info.value.rejected == {1: "HTTP 400", 2: "HTTP 400", 3: "HTTP 400"}
 
 
+def test_batch_mode_a_refused_array_is_halved_until_the_refused_message_is_found(
+    http_sink,
+) -> None:
+    """A 422 for an array holding id 7 used to refuse all 20 (and dead-letter them together);
+    the halves without 7 are accepted, 7 alone is refused."""
+
+    def respond(body: list[dict[str, int]]) -> tuple[int, float]:
+        return (422 if any(e["id"] == 7 for e in body) else 204), 0.0
+
+    with Webhook(respond) as hook, pytest.raises(MessagesRejected) as info:
+        http_sink(hook.url, Ordering.none, batch="true").publish(batch(20))
+    assert info.value.rejected == {7: "HTTP 422"}
+    assert sorted(hook.accepted) == [i for i in range(1, 21) if i != 7]
+    assert len(hook.bodies) <= 2 * 5 + 1  # about 2·log2(20) arrays, not one per message
+
+
+def test_batch_mode_an_endpoint_refusal_is_not_halved(http_sink) -> None:
+    with Webhook(lambda body: (401, 0.0)) as hook, pytest.raises(MessagesRejected) as info:
+        http_sink(hook.url, batch="true").publish(batch(4))
+    assert info.value.rejected == dict.fromkeys(range(1, 5), "HTTP 401")
+    assert len(hook.bodies) == 1
+
+
 @pytest.mark.parametrize(
     "extra", [{"concurrency": "0"}, {"concurrency": "many"}, {"retries": "-1"}, {"batch": "maybe"}]
 )
@@ -269,3 +292,22 @@ def test_rabbitmq_confirms_remember_what_was_acked_in_the_batch() -> None:
     assert confirms.acked == [7, 8] and not confirms.settled
     confirms.start_batch()
     assert confirms.acked == []
+
+
+def test_header_names_and_values_http_cannot_carry_are_not_an_outage(http_sink) -> None:
+    """A non-ASCII event type made httpx raise UnicodeEncodeError out of the sink, a newline
+    one was retried as a "connection error" for ever, and so was a row's header whose name is
+    not an HTTP token: now the value is percent-encoded, the message with the bad name refused."""
+    odd = [
+        Message(2, "public.outbox", "é", None, "{}", NOW),
+        Message(3, "public.outbox", "a\nb", None, "{}", NOW),
+        Message(4, "public.outbox", "e", None, "{}", NOW, (("bad name", "v"),)),
+        Message(5, "public.outbox", "e", None, "{}", NOW, (("nämé", "v"),)),
+    ]
+    with Webhook() as hook, pytest.raises(MessagesRejected) as info:
+        http_sink(hook.url, retries="0").publish([message(1), *odd])
+    assert sorted(info.value.rejected) == [4, 5]
+    assert "not an HTTP token" in info.value.rejected[4]
+    assert sorted(hook.accepted) == [1, 2, 3]
+    sent = {h["X-Outbox-Id"]: h["X-Event-Type"] for h in hook.headers}
+    assert (sent["2"], sent["3"]) == ("%C3%A9", "a%0Ab")

