@@ -78,6 +78,27 @@ def partition_bound(n: Names, relation: str, bound: str) -> Condition:
     )
 
 
+def marker_kind(n: Names, relation: str) -> Condition:
+    """Steps built without a database (Alembic revisions, `plan` offline) take the marker
+    from the settings alone: a flag table built as a timestamp one would get a NULL partition
+    its rows never enter, so the partition's creation checks the column first."""
+    flag = marker.of(n.spec).is_flag
+    return condition(
+        "marker-kind",
+        relation,
+        rel_reg=n.reg(relation),
+        column_name=sql.Literal(n.spec.published_column),
+        is_timestamp=sql.Literal(not flag),
+        kind=sql.Literal("flag" if flag else "timestamp (NULL = unpublished)"),
+        remedy=sql.Literal(
+            "set published_column to the timestamp"
+            if flag
+            else "set unpublished_value and published_value (or build the steps with a "
+            "database, which reads the flag's DEFAULT)"
+        ),
+    )
+
+
 def not_a_partition(n: Names, relation: str) -> Condition:
     return condition(
         "not-a-partition-of", relation, rel_reg=n.reg(relation), parent_reg=n.reg(n.parent)

@@ -34,6 +34,14 @@ WHERE NOT EXISTS (
     WHERE pt.partrelid = to_regclass({rel_reg}) AND pt.partstrat = 'l' AND pt.partnatts = 1
       AND a.attname = {column_name})
 
+-- name: marker-kind
+-- The publication column is a timestamp when the steps take NULL as unpublished, and is none when they name a flag's value (revisions built without a database).
+SELECT format('%s.%I is %s, but these steps were built for a %s marker: %s',
+              {rel_reg}, a.attname, format_type(a.atttypid, a.atttypmod), {kind}, {remedy})
+FROM pg_attribute a
+WHERE a.attrelid = to_regclass({rel_reg}) AND a.attname = {column_name} AND NOT a.attisdropped
+  AND (format_type(a.atttypid, a.atttypmod) LIKE 'timestamp%') <> {is_timestamp}
+
 -- name: partition-bound-value
 -- The relation is attached to the parent FOR VALUES IN the flag's unpublished value (quotes aside: '0' and 0 are one bound).
 SELECT format('%s is not attached to %s %s (found: %s)', {rel_reg}, {parent_reg}, {bound},

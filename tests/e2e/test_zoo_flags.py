@@ -17,8 +17,11 @@ import pytest
 from outbox_migrate.config import load_settings
 from outbox_migrate.introspect import introspect
 from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
+from outbox_migrate.patterns.conditions import marker_kind
+from outbox_migrate.patterns.names import Names
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.worker import Relay
+from tests.support.cli import error_line, run_cli
 from tests.support.zoo import Collector, ZooTable, check_delivery, migrate_under_load
 
 EVENTUATE_DDL = """
@@ -246,3 +249,42 @@ def test_the_relay_sets_the_status_beside_the_timestamp_on_a_flat_outbox(dsn: st
         ).fetchall()
     assert len(collector.messages) == 5
     assert rows == [("COMPLETED", True, 5)]
+
+
+@pytest.mark.newest_pg_only
+def test_plan_cli_shows_the_flags_bound_and_check_and_refuses_a_nullable_flag(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SENT_FLAG.ddl)
+        conn.execute(EVENTUATE_DDL)
+    names = ["--table", "outbox_sent", "--published-column", "sent"]
+    shown = run_cli("plan", "--pattern", "hoper", "--format", "sql", *names, "--dsn", dsn)
+    assert shown.returncode == 0, shown.stderr
+    assert (
+        'CREATE TABLE "public"."outbox_unpublished" PARTITION OF "public"."outbox_new" '
+        "FOR VALUES IN ('false')" in shown.stdout
+    )
+    assert 'CHECK ("sent" IS NOT NULL AND "sent" <> \'false\') NOT VALID' in shown.stdout
+    assert 'SET "published_at"' not in shown.stdout
+    refused = run_cli("plan", "--pattern", "hoper", "--table", "message", "--published-column",
+                      "published", "--id-kind", "application", "--dsn", dsn)  # fmt: skip
+    line = error_line(refused, 2)
+    assert "message.published is a nullable flag" in line, line
+
+
+@pytest.mark.newest_pg_only
+def test_steps_built_for_a_timestamp_refuse_a_flag_table_before_partitioning(dsn: str) -> None:
+    """Revisions built without a database take the marker from the settings: unpinned on a
+    flag table they would create a NULL partition no row enters. The partition's creation
+    checks the column's kind first (online, and as a DO assertion offline)."""
+    unpinned = SENT_FLAG.spec_settings().spec
+    pinned = SENT_FLAG.spec_settings(unpublished_value="false", published_value="true").spec
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SENT_FLAG.ddl)
+        wrong = conn.execute(marker_kind(Names(unpinned), unpinned.table).query).fetchall()
+        right = conn.execute(marker_kind(Names(pinned), pinned.table).query).fetchall()
+    assert right == []
+    assert len(wrong) == 1
+    assert wrong[0][0].startswith(
+        '"public"."outbox_sent".sent is boolean, but these steps were built for a timestamp (NULL = '
+        "unpublished) marker: set unpublished_value and published_value"
+    )

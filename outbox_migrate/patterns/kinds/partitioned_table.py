@@ -180,7 +180,11 @@ def _create_partition(
             Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),
             Lock(relation, LockMode.ACCESS_EXCLUSIVE),
         ),
-        preconditions=(c.relation_exists(n, n.parent), c.relation_absent(n, relation)),
+        preconditions=(
+            c.relation_exists(n, n.parent),
+            c.relation_absent(n, relation),
+            *((c.marker_kind(n, n.table),) if bound == NULL_BOUND else ()),
+        ),
         postcondition=(c.partition_bound(n, relation, bound),),
         reverse=(sql.SQL("DROP TABLE {}").format(n.q(relation)),),
         reverse_note=f"drop {relation}; refused once it holds rows",
