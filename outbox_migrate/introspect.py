@@ -13,7 +13,7 @@ from typing import Any
 from psycopg import Connection, sql
 
 from outbox_migrate import lost_semantics as lost_rules
-from outbox_migrate import marker_catalog
+from outbox_migrate import marker_catalog, marker_judge
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
@@ -243,10 +243,12 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
         facts.random_uuid_ids = bool(
             _rows(conn, "uuid-random", rel_q=n.q(spec.table), id_q=n.id_q)[0][0]
         )
-    resolved = marker_spec(facts, spec)
+    resolved = marker_judge.marker_spec(facts, spec)
     value_problem = ""
     if resolved is not None:
-        value_problem = marker_catalog.check_values(conn, resolved, spec.table, _shown(spec))
+        value_problem = marker_catalog.check_values(
+            conn, resolved, spec.table, marker_judge.shown(spec)
+        )
     if resolved is not None and not value_problem:
         facts.unpublished = int(
             _rows(
@@ -267,29 +269,6 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
     if value_problem:
         facts.blockers.append(Finding("published-value", value_problem, "fix the setting"))
     return facts
-
-
-def _shown(spec: OutboxSpec) -> str:
-    return spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
-
-
-def _marker_column(facts: TableFacts, spec: OutboxSpec) -> marker_catalog.MarkerColumn | None:
-    column = facts.column(spec.published_column)
-    if column is None:
-        return None
-    checks = {f"CHECK (({name} IS NOT NULL))" for name in (column.name, f'"{column.name}"')}
-    by_check = any(d in checks and valid for _n, d, valid, _ni in facts.check_details)
-    return marker_catalog.MarkerColumn(column.type, column.default, column.not_null, by_check)
-
-
-def marker_spec(facts: TableFacts, spec: OutboxSpec) -> OutboxSpec | None:
-    """The spec with its marker resolved from the column (a flag's values), or None when the
-    column cannot be a marker (`judge` says why)."""
-    column = _marker_column(facts, spec)
-    if column is None:
-        return None
-    decided = marker_catalog.decide(spec, column, _shown(spec))
-    return None if isinstance(decided, marker_catalog.Refusal) else decided
 
 
 def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
@@ -322,28 +301,15 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
             "status-column",
             f"{table} keeps its state in a status column ({status.name}) and has no "
             f"publication timestamp {spec.published_column!r}",
-            "status-column outboxes (PENDING/DELIVERED/DEAD) are not supported: a dead "
-            "message never gets a publication time, so it would stay in the hot partition, "
-            "and the relay would leave the status stale; see docs/patterns.md, \"Your table "
-            "is not the spec's\"",
+            f"partition by the status itself: published_column = \"{status.name}\" and "
+            "published_value = the value the relay sets (the unpublished one is the column's "
+            "DEFAULT, or unpublished_value); see docs/patterns.md, \"Your table is not the "
+            "spec's\"",
         ))  # fmt: skip
     elif pub_col is None:
         block.append(lost_rules.missing_marker(facts, spec, table))
     else:
-        column = _marker_column(facts, spec)
-        decided = marker_catalog.decide(spec, column, table) if column is not None else spec
-        if isinstance(decided, marker_catalog.Refusal):
-            block.append(Finding(decided.code, decided.message, decided.remedy))
-        elif decided.unpublished_value:
-            facts.notes.append(Finding(
-                "flag-marker",
-                f"{table}.{spec.published_column} is a flag: "
-                f"{marker.describe_unpublished(decided)} is unpublished, the relay sets "
-                f"{decided.published_value}",
-                f"the unpublished partition is {marker.bound_text(decided)}; pin the values with "
-                "unpublished_value and published_value if the DEFAULT may change",
-            ))  # fmt: skip
-            spec = decided
+        spec = marker_judge.judge_marker(facts, spec, table)
     for name, referrer in facts.foreign_keys_in:
         block.append(Finding(
             "fk-into-outbox",
@@ -537,7 +503,7 @@ def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str
                 ObjectFact("primary key" if primary else "unique index", name, definition, fate)
             )
             continue
-        if f"({published} IS NULL)" in definition:
+        if marker_judge.serves_the_relay(definition, spec):
             fate = (
                 f"serves the relay on {table} until it is drained; after a swap {table} holds "
                 f"published rows only and the index stays empty: DROP INDEX CONCURRENTLY {name}"
