@@ -30,7 +30,7 @@ from outbox_migrate.patterns.model import CheckPoint, LockMode, Step
 WATCH_STATEMENT_TIMEOUT_MS = 2_000
 """A check slower than this is reported as such, not waited for: the frame must come."""
 RUNNER_LOCK_CLASS = 0x6F6D7275
-"""First key of the runner's per-table session advisory lock (runner/engine.py), the second
+"""First key of the runner's per-table session advisory lock (runner/session.py), the second
 being the CRC-32 of the table's label: a session holding it is a runner at work."""
 ASSUMED_SCAN_BYTES_PER_S = 200 * 1024 * 1024
 """VALIDATE reports no progress of its own: its ETA assumes this sequential read rate (the
@@ -120,7 +120,7 @@ def holders(conn: psycopg.Connection[Any], step: Step, schema: str) -> list[Hold
 
     The runner does not queue behind them (it watches them go), so they are found from
     pg_locks' granted locks, not from a wait."""
-    from outbox_migrate.runner.locks import conflicts_with
+    from outbox_migrate.lock_budget import conflicts_with
 
     found: list[Holder] = []
     for lock in step.locks:

@@ -10,7 +10,7 @@ from psycopg import sql
 from outbox_migrate import sql as queries
 from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import CheckPoint, Condition
-from outbox_migrate.patterns.names import Names
+from outbox_migrate.patterns.names import Names, gate_lock_keys
 
 
 def condition(name: str, label: str = "", /, **parts: sql.Composable) -> Condition:
@@ -159,9 +159,7 @@ def no_new_rows_since_sample(n: Names, relation: str, phase: str) -> Condition:
 
 
 def _gate_parts(n: Names, relation: str, phase: str) -> dict[str, sql.Composable]:
-    from outbox_migrate.patterns.kinds.gate_sequence import lock_keys
-
-    key1, key2 = lock_keys(n)
+    key1, key2 = gate_lock_keys(n)
     return {
         "rel_reg": n.reg(relation),
         "seq_reg": n.reg(n.spec.gate_sequence),

@@ -65,8 +65,7 @@ def _regclass(source: queries.Source) -> str:
 def check_switch(conn: Any, source: queries.Source, gate: SwitchGate, old_app: str) -> str:
     """Why the relay may not leave `source` yet ("" = it may). `conn` is autocommit."""
 
-    from outbox_migrate.runner.errors import LockBudgetExceeded
-    from outbox_migrate.runner.locks import LockBudget, run_with_lock_budget
+    from outbox_migrate.lock_budget import LockBudget, LockBudgetExceeded, run_with_lock_budget
 
     blocked = writers_remaining(conn, source, gate, old_app)
     if blocked:
