@@ -279,9 +279,12 @@ def fill_synthetic(
     published: sql.Composable = sql.SQL("now() - ({} - g) * interval '1 ms'").format(
         sql.Literal(rows)
     )
-    if flag.is_flag:
-        published = sql.SQL("{} ELSE {}").format(
-            sql.Literal(flag.published_value), sql.Literal(flag.unpublished_value)
+    marker_column = facts.column(spec.published_column)
+    if flag.is_flag and marker_column is not None:
+        # In a CASE an untyped literal would be text: cast to the column type (as value_sql).
+        kind = sql.SQL(marker_column.type)
+        published = sql.SQL("{}::{t} ELSE {}::{t}").format(
+            sql.Literal(flag.published_value), sql.Literal(flag.unpublished_value), t=kind
         )
     values: list[sql.Composable] = [
         sql.SQL("CASE WHEN g <= {} THEN {} END").format(sql.Literal(rows - unpublished), published)

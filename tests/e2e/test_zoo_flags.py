@@ -19,6 +19,8 @@ from outbox_migrate.introspect import introspect
 from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.patterns.conditions import marker_kind
 from outbox_migrate.patterns.names import Names
+from outbox_migrate.rehearse.scratch import fill_synthetic, rebuild
+from outbox_migrate.rehearse.source import read_shape
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.worker import Relay
 from tests.support.cli import error_line, run_cli
@@ -288,3 +290,27 @@ def test_steps_built_for_a_timestamp_refuse_a_flag_table_before_partitioning(dsn
         '"public"."outbox_sent".sent is boolean, but these steps were built for a timestamp (NULL = '
         "unpublished) marker: set unpublished_value and published_value"
     )
+
+
+@pytest.mark.newest_pg_only
+def test_rehearse_fills_a_flag_outbox_with_published_and_unpublished_values(dsn: str) -> None:
+    """The scratch fill wrote a timestamp (or NULL) into the marker: a flag column refused it."""
+    spec = STATUS_ENUM.spec_settings().spec
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(STATUS_ENUM.ddl)
+        conn.execute(
+            "INSERT INTO outbox_st (payload, state) SELECT json_build_object('n', g), "
+            "CASE WHEN g <= 6 THEN 'PUBLISHED' ELSE 'PENDING' END::outbox_state "
+            "FROM generate_series(1, 8) g"
+        )
+        conn.execute("ANALYZE outbox_st")
+    shape = read_shape(dsn, spec, "hoper")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE outbox_st; DROP TYPE outbox_state")
+        rebuild(conn, shape, spec)
+        filled = fill_synthetic(conn, shape, spec, 100)
+        states = conn.execute(
+            "SELECT state::text, count(*) FROM outbox_st GROUP BY 1 ORDER BY 1"
+        ).fetchall()
+    assert filled == 100
+    assert states == [("PENDING", 2), ("PUBLISHED", 98)]
