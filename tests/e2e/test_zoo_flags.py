@@ -9,6 +9,7 @@ and a status beside the timestamp kept the value the application wrote.
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -16,6 +17,7 @@ import pytest
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.introspect import introspect
+from outbox_migrate.jobs.maintain import MaintenanceOptions, maintain_once
 from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.patterns.conditions import marker_kind
 from outbox_migrate.patterns.names import Names
@@ -23,6 +25,7 @@ from outbox_migrate.rehearse.scratch import fill_synthetic, rebuild
 from outbox_migrate.rehearse.source import read_shape
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.worker import Relay
+from outbox_migrate.watch import _backlog as watch_backlog
 from tests.support.cli import error_line, run_cli
 from tests.support.zoo import Collector, ZooTable, check_delivery, migrate_under_load
 
@@ -314,3 +317,49 @@ def test_rehearse_fills_a_flag_outbox_with_published_and_unpublished_values(dsn:
         ).fetchall()
     assert filled == 100
     assert states == [("PENDING", 2), ("PUBLISHED", 98)]
+
+
+PARTITIONED_SENT = """
+    CREATE TABLE outbox_sent_new (LIKE outbox_sent INCLUDING DEFAULTS) PARTITION BY LIST (sent);
+    CREATE TABLE outbox_sent_unpublished PARTITION OF outbox_sent_new FOR VALUES IN (false);
+    CREATE TABLE outbox_sent_published PARTITION OF outbox_sent_new DEFAULT;
+    INSERT INTO outbox_sent_new (id, topic, payload, created_at, sent)
+    SELECT g, 't', '{}', now() - interval '30 days' * (g % 2), g <= 6
+    FROM generate_series(1, 10) g
+"""
+
+
+@pytest.mark.newest_pg_only
+def test_maintenance_and_the_watch_backlog_of_a_flag_outbox(dsn: str) -> None:
+    """Maintenance found the unpublished partition by `FOR VALUES IN (NULL)` only and aged
+    rows by the marker; the watch counted `sent IS NULL`."""
+    spec = SENT_FLAG.spec_settings().spec
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SENT_FLAG.ddl)
+        conn.execute(PARTITIONED_SENT)
+        backlog = watch_backlog(conn, spec)
+        report = maintain_once(conn, spec, MaintenanceOptions(retention=timedelta(days=7)))
+        left = conn.execute(
+            "SELECT sent, count(*) FROM outbox_sent_new GROUP BY 1 ORDER BY 1"
+        ).fetchall()
+        # eventuate's creation_time is epoch milliseconds: no age to measure, said so
+        conn.execute(EVENTUATE.ddl)
+        conn.execute(
+            "CREATE TABLE message_new (LIKE message INCLUDING DEFAULTS) "
+            "PARTITION BY LIST (published); "
+            "CREATE TABLE message_unpublished PARTITION OF message_new FOR VALUES IN (0); "
+            "CREATE TABLE message_published PARTITION OF message_new DEFAULT"
+        )
+        eventuate = maintain_once(conn, EVENTUATE.spec_settings().spec,
+                                  MaintenanceOptions(retention=timedelta(days=7)))  # fmt: skip
+    assert [(b["table"], b["unpublished"]) for b in backlog] == [
+        ("outbox_sent", 0), ("outbox_sent_new", 4)
+    ]  # fmt: skip
+    assert report.unpublished == "public.outbox_sent_unpublished"
+    assert report.retention is not None and report.retention.deleted_rows == 3  # old published rows
+    assert left == [(False, 4), (True, 3)]
+    assert eventuate.unpublished == "public.message_unpublished"
+    assert eventuate.retention is not None
+    assert eventuate.retention.skipped == (
+        "the publication marker is a flag and created_column is unset: no age to measure"
+    )
