@@ -347,3 +347,11 @@ def unique_id_index(n: Names, relation: str) -> Condition:
 
 def no_enabled_user_triggers(n: Names, relation: str) -> Condition:
     return condition("no-enabled-user-triggers", relation, rel_reg=n.reg(relation))
+
+
+def no_row_security(n: Names) -> Condition:
+    return condition("no-row-security", n.table, rel_reg=n.reg(n.table), parent_reg=n.reg(n.parent))
+
+
+def may_give_to_owner(n: Names) -> Condition:
+    return condition("may-give-to-owner", n.table, rel_reg=n.reg(n.table))

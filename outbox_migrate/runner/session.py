@@ -19,6 +19,12 @@ from outbox_migrate.runner.errors import RunnerBusy
 RUNNER_LOCK_CLASS = 0x6F6D7275  # "omru": first key of the per-table session advisory lock
 
 
+def runner_lock_key(table_label: str) -> tuple[int, int]:
+    """The two keys of the advisory lock a runner of `table_label` holds for its session
+    (`status --watch` looks for its holder)."""
+    return RUNNER_LOCK_CLASS, zlib.crc32(table_label.encode()) & 0x7FFFFFFF
+
+
 class Session:
     """One connection and whether it holds the table's runner lock."""
 
@@ -60,7 +66,7 @@ class Session:
         return self._conn is not None and not self._conn.closed
 
     def lock_key(self) -> tuple[int, int]:
-        return RUNNER_LOCK_CLASS, zlib.crc32(self.table_label.encode()) & 0x7FFFFFFF
+        return runner_lock_key(self.table_label)
 
     def acquire(self) -> None:
         """The session advisory lock that admits one runner per table."""
