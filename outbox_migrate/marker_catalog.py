@@ -67,8 +67,12 @@ class Refusal:
         return f"{self.message}: {self.remedy}"
 
 
-def decide(spec: OutboxSpec, column: MarkerColumn, table: str) -> OutboxSpec | Refusal:
-    """The spec with the marker's values filled in, or why the column cannot be a marker."""
+def decide(
+    spec: OutboxSpec, column: MarkerColumn, table: str, *, to_partition: bool = True
+) -> OutboxSpec | Refusal:
+    """The spec with the marker's values filled in, or why the column cannot be a marker.
+    `to_partition=False` (a relay or a reader of the flat table) accepts a nullable flag:
+    only partitioning needs NOT NULL (a NULL row would land in the published partition)."""
     name = f"{table}.{spec.published_column}"
     if column.type in TIMESTAMP_TYPES:
         return _decide_timestamp(spec, column, name)
@@ -79,7 +83,7 @@ def decide(spec: OutboxSpec, column: MarkerColumn, table: str) -> OutboxSpec | R
             "the partition key must be the nullable publication timestamp or a flag "
             "(smallint, integer, boolean, a text or enum status)",
         )
-    return _decide_flag(spec, column, table)
+    return _decide_flag(spec, column, table, to_partition)
 
 
 def _decide_timestamp(spec: OutboxSpec, column: MarkerColumn, name: str) -> OutboxSpec | Refusal:
@@ -98,7 +102,9 @@ def _decide_timestamp(spec: OutboxSpec, column: MarkerColumn, name: str) -> Outb
     return spec
 
 
-def _decide_flag(spec: OutboxSpec, column: MarkerColumn, table: str) -> OutboxSpec | Refusal:
+def _decide_flag(
+    spec: OutboxSpec, column: MarkerColumn, table: str, to_partition: bool
+) -> OutboxSpec | Refusal:
     """A flag needs an unpublished value, NOT NULL (a NULL row would sit in the DEFAULT =
     published partition, never relayed) and a published value different from it."""
     name = f"{table}.{spec.published_column}"
@@ -111,7 +117,7 @@ def _decide_flag(spec: OutboxSpec, column: MarkerColumn, table: str) -> OutboxSp
             f"{name} is a {column.type} flag with no constant DEFAULT",
             "set unpublished_value to the value a new (unpublished) row has",
         )
-    if not (column.not_null or column.not_null_check):
+    if to_partition and not (column.not_null or column.not_null_check):
         return Refusal(
             "published-flag-nullable",
             f"{name} is a nullable flag: a NULL row would land in the published (DEFAULT) "
@@ -224,7 +230,7 @@ def check_values(conn: Connection[Any], spec: OutboxSpec, relation: str, table: 
     return ""
 
 
-def resolve(conn: Connection[Any], spec: OutboxSpec) -> OutboxSpec:
+def resolve(conn: Connection[Any], spec: OutboxSpec, *, to_partition: bool = True) -> OutboxSpec:
     """The spec with its marker resolved against `spec.table`; raises `SchemaError` (one
     line) when the column cannot be a marker. A missing table or column is left to the
     callers' own checks (they name it better)."""
@@ -233,7 +239,7 @@ def resolve(conn: Connection[Any], spec: OutboxSpec) -> OutboxSpec:
         return spec
     relation, column = found
     table = spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
-    decided = decide(spec, column, table)
+    decided = decide(spec, column, table, to_partition=to_partition)
     if isinstance(decided, Refusal):
         raise SchemaError(decided.line())
     problem = check_values(conn, decided, relation, table)

@@ -167,7 +167,9 @@ def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> list[dict[str, 
     index on unpublished ids makes both cheap)."""
     out: list[dict[str, Any]] = []
     try:
-        spec = marker_catalog.resolve(conn, spec)  # a flag marker: its unpublished value
+        spec = marker_catalog.resolve(
+            conn, spec, to_partition=False
+        )  # a flag marker: its unpublished value
     except SchemaError as exc:
         return [{"table": spec.table, "error": str(exc)}]
     for table in dict.fromkeys((spec.table, spec.partitioned_table)):

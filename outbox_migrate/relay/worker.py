@@ -282,7 +282,7 @@ class Relay:
     def _resolve_marker(self, conn: Any) -> None:
         """A flag marker's values come from the settings or the column's DEFAULT (see
         marker_catalog.py): the sources are rebuilt with them before any worker claims."""
-        resolved = marker_catalog.resolve(conn, self.spec)
+        resolved = marker_catalog.resolve(conn, self.spec, to_partition=False)
         if resolved != self.spec:
             self.spec = resolved
             options = self.options

@@ -363,3 +363,26 @@ def test_maintenance_and_the_watch_backlog_of_a_flag_outbox(dsn: str) -> None:
     assert eventuate.retention.skipped == (
         "the publication marker is a flag and created_column is unset: no age to measure"
     )
+
+
+@pytest.mark.newest_pg_only
+def test_the_relay_publishes_eventuates_table_as_published_before_the_migration(
+    dsn: str,
+) -> None:
+    """Only partitioning needs the flag NOT NULL: the relay of the flat table (V1) takes
+    eventuate's table as it is, claims `published = 0` and sets 1 (its headers are another
+    test's subject)."""
+    settings = EVENTUATE.spec_settings(headers_column="")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(EVENTUATE_DDL)
+        for n in range(1, 6):
+            conn.execute(psycopg.sql.SQL(EVENTUATE.insert).format(
+                table=psycopg.sql.Identifier("message")), {"n": n})  # fmt: skip
+    collector = Collector()
+    relay = Relay(dsn, collector.factory(), spec=settings.spec,
+                  options=RelayOptions(mode=Mode.flat, until_empty=True))  # fmt: skip
+    relay.run()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        states = conn.execute("SELECT published, count(*) FROM message GROUP BY 1").fetchall()
+    assert sorted(json.loads(m.payload)["n"] for m in collector.messages) == [1, 2, 3, 4, 5]
+    assert states == [(1, 5)]
