@@ -270,6 +270,11 @@ def test_plan_cli_shows_the_flags_bound_and_check_and_refuses_a_nullable_flag(ds
     )
     assert 'CHECK ("sent" IS NOT NULL AND "sent" <> \'false\') NOT VALID' in shown.stdout
     assert 'SET "published_at"' not in shown.stdout
+    document = run_cli("plan", "--pattern", "hoper", "--format", "json", *names, "--dsn", dsn)
+    spec = json.loads(document.stdout)["spec"]
+    assert (spec["published_column"], spec["unpublished_value"], spec["published_value"]) == (
+        "sent", "false", "true"
+    )  # fmt: skip
     refused = run_cli("plan", "--pattern", "hoper", "--table", "message", "--published-column",
                       "published", "--id-kind", "application", "--dsn", dsn)  # fmt: skip
     line = error_line(refused, 2)

@@ -101,6 +101,10 @@ def test_a_flag_that_could_be_null_is_refused_with_the_recipe() -> None:
     # a validated CHECK (published IS NOT NULL) is as good as NOT NULL
     checked = MarkerColumn("smallint", "0", not_null=False, not_null_check=True)
     assert isinstance(decide(spec, checked, "message"), OutboxSpec)
+    # a relay of the flat table does not partition: it takes the nullable flag as it is
+    relayed = decide(spec, MarkerColumn("smallint", "0", not_null=False), "message",
+                     to_partition=False)  # fmt: skip
+    assert isinstance(relayed, OutboxSpec) and relayed.unpublished_value == "0"
 
 
 @pytest.mark.parametrize(
