@@ -239,6 +239,10 @@ def resolve(conn: Connection[Any], spec: OutboxSpec, *, to_partition: bool = Tru
         return spec
     relation, column = found
     table = spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
+    if column.type in TIMESTAMP_TYPES:
+        # A NOT NULL timestamp is plan's blocker, not ours: HOPER's optional set-not-null
+        # step makes the old table's marker NOT NULL, and the runner must go on after it.
+        column = replace(column, not_null=False)
     decided = decide(spec, column, table, to_partition=to_partition)
     if isinstance(decided, Refusal):
         raise SchemaError(decided.line())
