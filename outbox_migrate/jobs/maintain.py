@@ -283,7 +283,7 @@ def maintain_once(
     if not conn.autocommit:
         raise MaintenanceError("maintenance needs an autocommit connection")
     started = time.monotonic()
-    spec = marker_catalog.resolve(conn, spec)  # a flag marker's unpublished value
+    spec = marker_catalog.resolve(conn, spec, to_partition=False)  # a flag marker's values
     parts = find_partitions(conn, spec)
     report = MaintenanceReport(
         started_at=datetime.now(UTC).isoformat(timespec="seconds"),
