@@ -186,9 +186,14 @@ class Runner:
         step exists only when a publication covers the old table, which only the live
         database knows."""
         from outbox_migrate.introspect import migration_publications
+        from outbox_migrate.runner.recorded_optional import optional_recorded
 
         publications = migration_publications(self.conn, self.spec)
-        if publications:
+        recorded = not self._include_optional and optional_recorded(
+            self.conn, self.spec, self._pattern_name
+        )
+        self._include_optional = self._include_optional or recorded
+        if publications or recorded:
             self._publications = publications
             self.pattern = build_pattern(
                 self._pattern_name,

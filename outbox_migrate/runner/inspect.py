@@ -121,8 +121,13 @@ def active_pattern(dsn: str, settings: Settings) -> str | None:
 def _pattern(
     conn: psycopg.Connection[Any], settings: Settings, name: str, include_optional: bool
 ) -> Pattern:
-    """The pattern as the runner builds it, including the identity kind it recorded."""
+    """The pattern as the runner builds it, including the identity kind it recorded (and the
+    optional steps it recorded: after the rename they describe the catalog)."""
+    from outbox_migrate.runner.recorded_optional import optional_recorded
+
     spec = settings.spec
+    if not include_optional and _ledger_readable(conn):
+        include_optional = optional_recorded(conn, spec, name)
     live = conn.execute(
         "SELECT a.attidentity FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
         "WHERE a.attrelid = to_regclass(%s) AND a.attname = %s AND NOT c.relispartition",
