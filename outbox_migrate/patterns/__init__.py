@@ -78,7 +78,11 @@ def build_pattern(
             # An optional phase (the original name) is left out whole: without it the
             # pattern, its plan and its golden files are exactly what they were.
             continue
-        app = AppBehaviour(Table(raw_phase["inserts_into"]), Table(raw_phase["publishes_from"]))
+        app = AppBehaviour(
+            Table(raw_phase["inserts_into"]),
+            Table(raw_phase["publishes_from"]),
+            renamed=raw_phase.get("renamed", False),
+        )
         running = previous or app
         running_name = previous_name or raw_phase["name"]
         running_text = running.describe(spec.table, spec.partitioned_table)

@@ -83,8 +83,13 @@ class AppBehaviour:
 
     inserts_into: Table
     publishes_from: Table
+    renamed: bool = False
+    """The partitioned table goes by the flat table's original name (the optional last
+    phases): `new` is then called what `old` was."""
 
     def describe(self, old: str, new: str) -> str:
+        if self.renamed:
+            new = old
         names = {Table.OLD: old, Table.NEW: new, Table.NONE: "nothing"}
         target = names.get(self.inserts_into, self.inserts_into.value)
         if self.publishes_from is Table.OLD_THEN_NEW:
