@@ -177,3 +177,34 @@ def test_rename_refused_while_the_published_name_is_taken(dsn: str) -> None:
         ):
             runner.run("original-name")
         assert relkinds(conn) == before
+
+
+def test_view_is_dropped_only_once_nobody_uses_it(dsn: str) -> None:
+    """The drop's gate: a session of the previous version that used the view (here: its
+    transaction is still open) refuses the drop, which changes nothing; once it is gone the
+    view is dropped. With old_app_name set, a connected session of it refuses too."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        run_through_base(conn, dsn, "copra")
+        with Runner(dsn, settings(), "copra", include_optional=True) as runner:
+            runner.run("original-name")
+        with psycopg.connect(dsn) as previous:  # not autocommit: the transaction stays open
+            insert_one(previous, "outbox_new")
+            with (
+                Runner(dsn, settings(), "copra", include_optional=True) as runner,
+                pytest.raises(PreconditionFailed, match=r"outbox_new.*still used by other"),
+            ):
+                runner.run("drop-view")
+            previous.rollback()
+        assert relkinds(conn)["outbox_new"] == "v"
+        old_app = settings(old_app_name="previous-version/%")
+        with psycopg.connect(dsn, application_name="previous-version/1"):
+            with (
+                Runner(dsn, old_app, "copra", include_optional=True) as runner,
+                pytest.raises(PreconditionFailed, match=r"previous-version"),
+            ):
+                runner.run("drop-view")
+        assert relkinds(conn)["outbox_new"] == "v"
+        with Runner(dsn, old_app, "copra", include_optional=True) as runner:
+            assert runner.run("drop-view").completed
+        assert relkinds(conn)["outbox_new"] is None
