@@ -198,13 +198,34 @@ def test_view_is_dropped_only_once_nobody_uses_it(dsn: str) -> None:
             previous.rollback()
         assert relkinds(conn)["outbox_new"] == "v"
         old_app = settings(old_app_name="previous-version/%")
-        with psycopg.connect(dsn, application_name="previous-version/1"):
-            with (
-                Runner(dsn, old_app, "copra", include_optional=True) as runner,
-                pytest.raises(PreconditionFailed, match=r"previous-version"),
-            ):
-                runner.run("drop-view")
+        with (
+            psycopg.connect(dsn, application_name="previous-version/1"),
+            Runner(dsn, old_app, "copra", include_optional=True) as runner,
+            pytest.raises(PreconditionFailed, match=r"previous-version"),
+        ):
+            runner.run("drop-view")
         assert relkinds(conn)["outbox_new"] == "v"
         with Runner(dsn, old_app, "copra", include_optional=True) as runner:
             assert runner.run("drop-view").completed
         assert relkinds(conn)["outbox_new"] is None
+
+
+def test_status_and_verify_find_the_renamed_migration_by_either_name(dsn: str) -> None:
+    """After the rename an operator may name the outbox as it now is: the former partitioned
+    name (the view) as --table, or the original name as --partitioned-table (as its relays
+    do). Both find the migration recorded under the flat table's name, and verify checks the
+    renamed end state."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        run_through_base(conn, dsn, "copra")
+        with Runner(dsn, settings(), "copra", include_optional=True) as runner:
+            runner.run("original-name")
+    for names in (
+        {"table": "outbox_new", "partitioned_table": "outbox_new_p"},
+        {"table": "outbox_retired", "partitioned_table": "outbox"},
+    ):
+        cfg = settings(**names)
+        document = read_only.status(dsn, cfg)
+        assert document["recorded"], names
+        assert (document["table"], document["phase"]) == ("public.outbox", "original-name")
+        assert read_only.verify(dsn, cfg) == "original-name"
