@@ -134,6 +134,7 @@ def build_pattern(
                 app=app,
                 instructions=tuple(raw_phase.get("instructions", ())),
                 steps=tuple(steps),
+                optional=raw_phase.get("optional", False),
             )
         )
         previous, previous_name = app, raw_phase["name"]

@@ -271,6 +271,9 @@ class Phase:
     app: AppBehaviour
     instructions: tuple[str, ...]
     steps: tuple[Step, ...]
+    optional: bool = False
+    """Only with --with-optional (the original-name phases): the migration is complete
+    without it."""
 
 
 @dataclass(frozen=True)
@@ -297,6 +300,10 @@ class Pattern:
 
     def phase_names(self) -> list[str]:
         return [phase.name for phase in self.phases]
+
+    def last_required_phase(self) -> str:
+        """Reaching it completes the migration; optional phases may still follow."""
+        return [phase for phase in self.phases if not phase.optional][-1].name
 
     def steps_through(self, phase: str) -> list[Step]:
         """Every step up to and including `phase`."""
