@@ -75,9 +75,9 @@ from psycopg.pq import TransactionStatus
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.jobs.copy_back import CopyBackOptions
 from outbox_migrate.jobs.throttle import ThrottlePolicy
+from outbox_migrate.lock_budget import AttemptLog
 from outbox_migrate.patterns.model import Step
 from outbox_migrate.runner import Runner
-from outbox_migrate.runner.locks import AttemptLog
 from outbox_migrate.testing import server as pgserver
 from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned_outbox, insert_rows
 

@@ -70,13 +70,13 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.config import load_settings
+from outbox_migrate.lock_budget import AttemptLog
 from outbox_migrate.patterns.model import Step
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.runner import Runner
-from outbox_migrate.runner.locks import AttemptLog
 from outbox_migrate.testing import server as pgserver
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 

@@ -19,6 +19,7 @@ from outbox_migrate.errors import SchemaError
 from outbox_migrate.findings import Finding
 from outbox_migrate.patterns.model import PublicationFact
 from outbox_migrate.patterns.names import Names
+from outbox_migrate.table_privileges import read_table_privileges
 
 ID_TYPES = frozenset({"bigint", "integer"})
 """Types of database-generated ids (identity, serial, nextval default)."""
@@ -256,6 +257,9 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
                 else {"p": "partitioned table"}.get(kind, "table")
             )
     judge(facts, spec, pattern)
+    seen = read_table_privileges(conn, spec)  # what travels to the new tables (plan shows it)
+    facts.objects[:0] = [ObjectFact(*o) for o in seen.objects(spec, pattern)]
+    facts.blockers += [Finding(*b) for b in seen.blockers(spec)]
     return facts
 
 

@@ -14,7 +14,6 @@ a migration waits for.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +22,10 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.patterns.model import CheckPoint, LockMode, Step
+from outbox_migrate.runner.session import runner_lock_key
 
 WATCH_STATEMENT_TIMEOUT_MS = 2_000
 """A check slower than this is reported as such, not waited for: the frame must come."""
-RUNNER_LOCK_CLASS = 0x6F6D7275
-"""First key of the runner's per-table session advisory lock (runner/engine.py), the second
-being the CRC-32 of the table's label: a session holding it is a runner at work."""
 ASSUMED_SCAN_BYTES_PER_S = 200 * 1024 * 1024
 """VALIDATE reports no progress of its own: its ETA assumes this sequential read rate (the
 figure `plan` estimates with), and says so."""
@@ -96,7 +93,7 @@ def _runner_session(conn: psycopg.Connection[Any], label: str) -> dict[str, Any]
         "pg_blocking_pids(a.pid) "
         "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
         "WHERE l.locktype = 'advisory' AND l.classid = %s AND l.objid = %s AND l.granted",
-        (RUNNER_LOCK_CLASS, zlib.crc32(label.encode()) & 0x7FFFFFFF),
+        runner_lock_key(label),
     ).fetchone()
     if row is None:
         return None
@@ -117,7 +114,7 @@ def holders(conn: psycopg.Connection[Any], step: Step, schema: str) -> list[Hold
 
     The runner does not queue behind them (it watches them go), so they are found from
     pg_locks' granted locks, not from a wait."""
-    from outbox_migrate.runner.locks import conflicts_with
+    from outbox_migrate.lock_budget import conflicts_with
 
     found: list[Holder] = []
     for lock in step.locks:

@@ -163,7 +163,16 @@ def _what_next(result: Any, runner: Runner) -> str | None:
     )
     if reached.kind.value == "deploy" and index > 0:
         app = reached.app.describe(spec.table, spec.partitioned_table)
-        return f"deploy application version {reached.name} ({app}), {then}".rstrip(", ")
+        deploy = f"deploy application version {reached.name} ({app})"
+        if reached.app.publishes_from.value == "old-then-new":
+            # The switching relay's default gate waits for this; nothing else tells them.
+            previous = pattern.phases[index - 1].name
+            old = spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
+            deploy += (
+                f"; once {previous} is gone, as the owner of {old}: REVOKE INSERT ON {old} "
+                f"FROM <the application's role> (the switching relay leaves {old} only then)"
+            )
+        return f"{deploy}, {then}".rstrip(", ")
     return then.removeprefix("then ") or None
 
 

@@ -9,7 +9,7 @@ from psycopg import sql
 
 from outbox_migrate import sql as queries
 from outbox_migrate.patterns.model import CheckPoint, Condition
-from outbox_migrate.patterns.names import Names
+from outbox_migrate.patterns.names import Names, gate_lock_keys
 
 
 def condition(name: str, label: str = "", /, **parts: sql.Composable) -> Condition:
@@ -127,9 +127,7 @@ def no_new_rows_since_sample(n: Names, relation: str, phase: str) -> Condition:
 
 
 def _gate_parts(n: Names, relation: str, phase: str) -> dict[str, sql.Composable]:
-    from outbox_migrate.patterns.kinds.gate_sequence import lock_keys
-
-    key1, key2 = lock_keys(n)
+    key1, key2 = gate_lock_keys(n)
     return {
         "rel_reg": n.reg(relation),
         "seq_reg": n.reg(n.spec.gate_sequence),
@@ -309,3 +307,11 @@ def unique_id_index(n: Names, relation: str) -> Condition:
 
 def no_enabled_user_triggers(n: Names, relation: str) -> Condition:
     return condition("no-enabled-user-triggers", relation, rel_reg=n.reg(relation))
+
+
+def no_row_security(n: Names) -> Condition:
+    return condition("no-row-security", n.table, rel_reg=n.reg(n.table), parent_reg=n.reg(n.parent))
+
+
+def may_give_to_owner(n: Names) -> Condition:
+    return condition("may-give-to-owner", n.table, rel_reg=n.reg(n.table))

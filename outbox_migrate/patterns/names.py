@@ -13,6 +13,19 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 
+GATE_LOCK_NAMESPACE = "outbox-migrate.gate"
+"""First key of the writers' shared advisory lock (kinds/gate_sequence.py); the second is the
+old table's name. Here, below both the kind that takes the lock and the conditions that look
+for it (sql/conditions.sql's `key1`, `key2`), so neither imports the other."""
+
+
+def gate_lock_keys(n: Names) -> tuple[sql.Composable, sql.Composable]:
+    """The two int4 keys of the writers' advisory lock, as SQL expressions."""
+    return (
+        sql.SQL("hashtext({})").format(sql.Literal(GATE_LOCK_NAMESPACE)),
+        sql.SQL("hashtext({})").format(n.reg(n.table)),
+    )
+
 
 def _reg(*parts: str) -> sql.Literal:
     return sql.Literal(sql.Identifier(*parts).as_string(None))

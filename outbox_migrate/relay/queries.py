@@ -465,14 +465,18 @@ def lock_for_switch(source: Source) -> sql.Composed:
 
 
 def roles_that_can_insert() -> sql.SQL:
-    """Non-superuser login roles that may INSERT into the table (params: qualified name).
+    """Login roles a REVOKE can stop that may still INSERT into the table (params: relation).
 
-    Superusers bypass privileges, so no revocation can stop them; the gate ignores them and
-    docs/relay.md says so (an application must not write its outbox as a superuser).
+    Superusers, the owner and members of the owner role are left out: a REVOKE does not stop
+    them for good (the owner grants itself back), so their *sessions* are the gate's business
+    instead (relay/switch_evidence.py). INSERT granted on some columns only counts too
+    (`has_any_column_privilege`; `has_table_privilege` sees table-level grants only).
     """
     return sql.SQL(
         "SELECT rolname FROM pg_roles WHERE rolcanlogin AND NOT rolsuper "
-        "AND has_table_privilege(oid, %(relation)s::regclass, 'INSERT') ORDER BY rolname"
+        "AND NOT pg_has_role(oid, (SELECT relowner FROM pg_class "
+        "WHERE oid = %(relation)s::regclass), 'MEMBER') "
+        "AND has_any_column_privilege(oid, %(relation)s::regclass, 'INSERT') ORDER BY rolname"
     )
 
 

@@ -12,12 +12,17 @@ SHARE conflicts with it, so once the lock is granted every transaction that ever
 has committed or rolled back — (2) then sees all their rows. The gate makes sure no *later*
 transaction can insert:
 
-* `privilege` (default): no non-superuser login role holds INSERT on the table. PostgreSQL
-  enforces it; an INSERT that queued behind our lock re-reads privileges after acquiring its
-  lock and fails. The operator's signal is `REVOKE INSERT ON outbox FROM app_v1` once V1 is
-  gone (superusers bypass privileges: the application must not write as one).
+* `privilege` (default): no login role that a REVOKE can stop holds INSERT on the table.
+  PostgreSQL enforces it; an INSERT that queued behind our lock re-reads privileges after
+  acquiring its lock and fails. The operator's signal is `REVOKE INSERT ON outbox FROM app_v1`
+  (as the table's owner) once V1 is gone. Superusers, the owner and members of the owner role
+  insert whatever is revoked: while a session of theirs (other than the tool's own) is
+  connected the privilege proves nothing, and the gate waits instead for the old version's
+  sessions to be gone and the table's insert counter to stand still (relay/switch_evidence.py).
 * `sessions`: no session whose application_name matches the old version's pattern is
   connected. This trusts the deploy: a V1 instance that reconnects later is not stopped.
+
+Every "not yet" is logged at WARNING, at most once a minute per kind of reason.
 
 Both conditions only ever move from false to true during a migration, so once switched the
 relay never needs to look back; a restarted relay re-proves the rule and switches at once.
@@ -34,23 +39,84 @@ from typing import Any
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.options import Mode, SwitchGate
+from outbox_migrate.relay.rate_limited_log import RateLimitedLog
+from outbox_migrate.relay.switch_evidence import QuietWindow, Session, bypassing_sessions
 
 log = logging.getLogger("outbox_migrate.relay")
 
 SWITCH_LOCK_TIMEOUT_MS = 100
+MAX_SESSIONS_NAMED = 5
+"""How many bypassing sessions a reason names (the rest are counted)."""
+
+NotYet = tuple[str, str]
+"""(kind, reason) of a gate that does not hold yet; ("", "") when it holds. The kind is the
+stable key the WARNING is rate-limited by; the reason is the text for the operator."""
+HOLDS: NotYet = ("", "")
 
 
-def writers_remaining(conn: Any, source: queries.Source, gate: SwitchGate, old_app: str) -> str:
-    """Who can still insert into `source` ("" when nobody can)."""
-    if gate is SwitchGate.privilege:
-        rows = conn.execute(
-            queries.roles_that_can_insert(), {"relation": _regclass(source)}
-        ).fetchall()
-        names = [str(r[0]) for r in rows]
-        return f"roles with INSERT: {', '.join(names)}" if names else ""
+def writers_remaining(
+    conn: Any,
+    source: queries.Source,
+    gate: SwitchGate,
+    old_app: str,
+    quiet: QuietWindow | None = None,
+) -> NotYet:
+    """Who can still insert into `source`, and what to do about it (HOLDS when nobody can)."""
+    if gate is SwitchGate.sessions:
+        return _old_sessions(conn, old_app)
+    relation = _regclass(source)
+    rows = conn.execute(queries.roles_that_can_insert(), {"relation": relation}).fetchall()
+    names = [str(r[0]) for r in rows]
+    if names:
+        return (
+            "insert-privilege",
+            f"roles with INSERT: {', '.join(names)}; once the old version is gone, as the "
+            f"table's owner: REVOKE INSERT ON {source.label} FROM {', '.join(names)}",
+        )
+    bypass = bypassing_sessions(conn, relation)
+    if not bypass:
+        return HOLDS
+    return _without_privilege_proof(conn, source, bypass, old_app, quiet)
+
+
+def _without_privilege_proof(
+    conn: Any,
+    source: queries.Source,
+    bypass: list[Session],
+    old_app: str,
+    quiet: QuietWindow | None,
+) -> NotYet:
+    """Sessions a REVOKE cannot stop are connected: wait for the old version's sessions to be
+    gone and the table to stay quiet (without `old_app`, for those sessions to go)."""
+    who = ", ".join(s.describe() for s in bypass[:MAX_SESSIONS_NAMED])
+    if len(bypass) > MAX_SESSIONS_NAMED:
+        who += f" and {len(bypass) - MAX_SESSIONS_NAMED} more"
+    nothing = (
+        f"sessions of superusers or of {source.label}'s owner are connected ({who}): a REVOKE "
+        "does not stop them, so the privilege gate proves nothing while they are"
+    )
+    if not old_app:
+        return (
+            "bypassing-sessions",
+            f"{nothing}; the application must not write as a superuser or the table's owner: "
+            "disconnect them, or give --old-app-name so the relay waits for the old "
+            "version's sessions instead",
+        )
+    kind, why = _old_sessions(conn, old_app)
+    if kind:
+        return ("bypassing-sessions+old-sessions", f"{nothing}; waiting: {why}")
+    still = quiet.not_quiet(conn, _regclass(source)) if quiet is not None else ""
+    if still:
+        return ("bypassing-sessions+quiet", f"{nothing}; the old version is gone, waiting: {still}")
+    return HOLDS
+
+
+def _old_sessions(conn: Any, old_app: str) -> NotYet:
     row = conn.execute(queries.old_app_sessions(), {"pattern": old_app}).fetchone()
     count = int(row[0]) if row else 0
-    return f"{count} session(s) of {old_app!r} connected" if count else ""
+    if not count:
+        return HOLDS
+    return ("old-sessions", f"{count} session(s) of {old_app!r} connected")
 
 
 def _regclass(source: queries.Source) -> str:
@@ -62,24 +128,30 @@ def _regclass(source: queries.Source) -> str:
     return f"{quote(source.schema)}.{quote(source.mark_table)}"
 
 
-def check_switch(conn: Any, source: queries.Source, gate: SwitchGate, old_app: str) -> str:
-    """Why the relay may not leave `source` yet ("" = it may). `conn` is autocommit."""
+def check_switch(
+    conn: Any,
+    source: queries.Source,
+    gate: SwitchGate,
+    old_app: str,
+    quiet: QuietWindow | None = None,
+) -> NotYet:
+    """Why the relay may not leave `source` yet (HOLDS = it may). `conn` is autocommit."""
 
-    from outbox_migrate.runner.errors import LockBudgetExceeded
-    from outbox_migrate.runner.locks import LockBudget, run_with_lock_budget
+    from outbox_migrate.lock_budget import LockBudget, LockBudgetExceeded, run_with_lock_budget
 
-    blocked = writers_remaining(conn, source, gate, old_app)
-    if blocked:
+    blocked = writers_remaining(conn, source, gate, old_app, quiet)
+    if blocked[0]:
         return blocked
-    reason = ""
+    verdict = HOLDS
 
     def under_share_lock(c: Any) -> None:
-        nonlocal reason
+        nonlocal verdict
         c.execute(queries.lock_for_switch(source))
-        reason = writers_remaining(c, source, gate, old_app)
-        if not reason:
+        verdict = writers_remaining(c, source, gate, old_app, quiet)
+        if not verdict[0]:
             row = c.execute(queries.has_unpublished(source)).fetchone()
-            reason = "unpublished rows remain" if row and row[0] else ""
+            if row and row[0]:
+                verdict = ("unpublished", "unpublished rows remain")
 
     # One attempt (budget 0) through the tool's lock-budget primitive: the relay tries again
     # after its next empty claim, so it never waits here, and never watches a holder.
@@ -90,8 +162,8 @@ def check_switch(conn: Any, source: queries.Source, gate: SwitchGate, old_app: s
             schema=source.schema, watch_blockers=False,
         )  # fmt: skip
     except LockBudgetExceeded:
-        return "a transaction is still writing the table"
-    return reason
+        return ("writing", "a transaction is still writing the table")
+    return verdict
 
 
 class SourceState:
@@ -110,6 +182,8 @@ class SourceState:
         """Times the flat table was found drained (or nearly) but the rule said "not yet"."""
         self.last_blocked_reason = ""
         self.switched_at: float | None = None
+        self.quiet = QuietWindow()
+        self.warn = RateLimitedLog(log)
 
     @property
     def current(self) -> queries.Source:
@@ -126,11 +200,12 @@ class SourceState:
         with self._lock:  # one check at a time; the first that passes switches for all
             if self.switched:
                 return True
-            reason = check_switch(conn, self.flat, self.gate, self.old_app)
-            if reason:
+            kind, reason = check_switch(conn, self.flat, self.gate, self.old_app, self.quiet)
+            if kind:
                 self.blocked_checks += 1
-                if reason != self.last_blocked_reason:
-                    log.info("relay.switch_blocked table=%s reason=%s", self.flat.label, reason)
+                self.warn.warning(
+                    kind, "relay.switch_blocked table=%s reason=%s", self.flat.label, reason
+                )
                 self.last_blocked_reason = reason
                 return False
             self._current = self.partitioned

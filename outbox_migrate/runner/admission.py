@@ -3,7 +3,9 @@ operations and the jobs too, before anything is written — the ledger included.
 
 A migration already under way (this table, this pattern, not abandoned) was admitted when it
 started; its own later states (the old table attached as a partition, say) are not blockers.
-Another pattern's migration that completed on the table is: the table is migrated.
+Another pattern's migration that completed on the table is: the table is migrated. After a
+`reset` (an abandoned record) a new run gets exactly `plan`'s check: the exception for
+offline SQL below is for a table no ledger has ever recorded.
 """
 
 from __future__ import annotations
@@ -26,14 +28,17 @@ def admit(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> None:
     """Raise (exit 2) when this pattern may not start on the table; return quietly when it
     may, or when its migration is already under way."""
     table = f"{spec.schema}.{spec.table}"
+    ever_recorded = False
     if ledger_exists(conn):
         rows = conn.execute(
             "SELECT id, pattern, state, current_phase FROM outbox_migrate.migration "
-            "WHERE table_schema = %s AND table_name = %s AND state <> 'abandoned' "
-            "ORDER BY id",
+            "WHERE table_schema = %s AND table_name = %s ORDER BY id",
             (spec.schema, spec.table),
         ).fetchall()
+        ever_recorded = bool(rows)
         for migration_id, other, state, phase in rows:
+            if state == "abandoned":
+                continue
             if other == pattern:
                 return
             if state == "active":
@@ -47,12 +52,15 @@ def admit(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> None:
                 f"#{migration_id}, completed); nothing to migrate — its objects are left "
                 "untouched"
             )
-    if _partition_of_our_parent(conn, spec):
+    if not ever_recorded and _partition_of_our_parent(conn, spec):
         # The old table is already a partition of the partitioned table this migration is
-        # named for: the pattern's own steps did that (applied as offline SQL, then resumed
-        # online). The blockers describe a flat table (on PostgreSQL <= 16 an attached table
-        # also shows no identity), so they do not apply; every step still proves its state,
-        # and objects found this way are adopted as `found`, never dropped by a rollback.
+        # named for, and no ledger ever recorded a migration of it: the pattern's own steps
+        # did that (applied as offline SQL, then resumed online). The blockers describe a
+        # flat table (on PostgreSQL <= 16 an attached table also shows no identity), so they
+        # do not apply; every step still proves its state, and objects found this way are
+        # adopted as `found`, never dropped by a rollback. After a `reset --force` the same
+        # layout is another migration's leftovers: `reset --force` abandoned a swapped HOPER
+        # migration and a HOP run then adopted its objects and stuck half-way.
         return
     raise_for_blockers(introspect(conn, spec, pattern))
 

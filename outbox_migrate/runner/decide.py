@@ -1,17 +1,41 @@
 """What happens next: pure functions of (pattern, ledger rows, observed facts). No I/O.
 
-The engine asks these questions and then acts; keeping them pure lets the unit tests walk
-every combination of ledger state and postcondition outcome.
+The runner gathers the facts, asks these questions, and writes nothing until the whole
+command is admitted (plan → validate → apply); keeping them pure lets the unit tests walk
+every combination of ledger state and postcondition outcome. A ledger row is anything with a
+`state` (`StepRow`, or `Assumed` for "as the plan will leave it").
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
-from outbox_migrate.patterns.model import Pattern, Step
-from outbox_migrate.runner.errors import OutOfOrder
-from outbox_migrate.runner.ledger import StepRow
+from outbox_migrate.patterns.model import Pattern, Step, TxMode
+from outbox_migrate.runner.errors import OutOfOrder, PreconditionFailed, StepChanged
+from outbox_migrate.runner.evidence import asserts_presence
+
+
+class HasState(Protocol):
+    @property
+    def state(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Assumed:
+    """A ledger row as an admitted plan will leave it (to check the rule that follows)."""
+
+    state: str
+
+
+Rows = Mapping[str, HasState]
+
+
+def _done(rows: Rows, step_id: str) -> bool:
+    row = rows.get(step_id)
+    return row is not None and row.state == "done"
 
 
 class Action(StrEnum):
@@ -21,9 +45,14 @@ class Action(StrEnum):
     """Not recorded as done, but the postcondition holds (a crash after COMMIT of a
     non-transactional step, or work applied by hand): record it as done, run nothing."""
     RUN = "run"
+    """Hand the step to its executor (which still adopts it if its postcondition holds by
+    the time it runs)."""
+    UNDONE = "undone"
+    """Applied, then undone on purpose by a later step that is evidenced: record it done and
+    adopt no object (its objects are gone)."""
 
 
-def action_for(step: Step, row: StepRow | None, postcondition_holds: bool | None) -> Action:
+def action_for(step: Step, row: HasState | None, postcondition_holds: bool | None) -> Action:
     """`postcondition_holds` is None when it was not evaluated (the ledger already says done)."""
     if row is not None and row.state == "done":
         return Action.ALREADY_DONE
@@ -32,11 +61,11 @@ def action_for(step: Step, row: StepRow | None, postcondition_holds: bool | None
     return Action.RUN
 
 
-def completed_phase(pattern: Pattern, rows: Mapping[str, StepRow]) -> str:
+def completed_phase(pattern: Pattern, rows: Rows) -> str:
     """The last phase whose steps (and all earlier ones) are done in the ledger."""
     reached = pattern.phases[0].name
     for phase in pattern.phases:
-        if all(rows.get(s.id) is not None and rows[s.id].state == "done" for s in phase.steps):
+        if all(_done(rows, s.id) for s in phase.steps):
             reached = phase.name
         else:
             break
@@ -53,7 +82,7 @@ def phase_index(pattern: Pattern, name: str) -> int:
     )
 
 
-def steps_to_run(pattern: Pattern, rows: Mapping[str, StepRow], target: str) -> list[Step]:
+def steps_to_run(pattern: Pattern, rows: Rows, target: str) -> list[Step]:
     """Steps from the first unfinished one through the end of `target`.
 
     Refuses to cross more than one deploy boundary: the steps of phase N+1 assume phase N's
@@ -61,11 +90,7 @@ def steps_to_run(pattern: Pattern, rows: Mapping[str, StepRow], target: str) -> 
     """
     goal = phase_index(pattern, target)
     done = phase_index(pattern, completed_phase(pattern, rows))
-    later_done = any(
-        rows.get(s.id) is not None and rows[s.id].state == "done"
-        for phase in pattern.phases[goal + 1 :]
-        for s in phase.steps
-    )
+    later_done = any(_done(rows, s.id) for phase in pattern.phases[goal + 1 :] for s in phase.steps)
     if goal < done and later_done:
         raise OutOfOrder(
             f"phase {pattern.phases[goal].name} is already behind (completed through "
@@ -80,14 +105,153 @@ def steps_to_run(pattern: Pattern, rows: Mapping[str, StepRow], target: str) -> 
         )
     pending: list[Step] = []
     for phase in pattern.phases[: goal + 1]:
-        pending.extend(
-            s for s in phase.steps if rows.get(s.id) is None or rows[s.id].state != "done"
-        )
+        pending.extend(s for s in phase.steps if not _done(rows, s.id))
     return pending
 
 
-def steps_to_reverse(pattern: Pattern, rows: Mapping[str, StepRow], target: str) -> list[Step]:
+def steps_to_reverse(pattern: Pattern, rows: Rows, target: str) -> list[Step]:
     """Done steps after `target`, newest first (the order their inverses must run)."""
     goal = phase_index(pattern, target)
     later = [s for phase in pattern.phases[goal + 1 :] for s in phase.steps]
-    return [s for s in reversed(later) if rows.get(s.id) is not None and rows[s.id].state == "done"]
+    return [s for s in reversed(later) if _done(rows, s.id)]
+
+
+def reached_phase(pattern: Pattern, recorded: str, rows: Rows) -> str:
+    """The phase the ledger records as reached, never beyond what its steps prove."""
+    proven = phase_index(pattern, completed_phase(pattern, rows))
+    try:
+        index = phase_index(pattern, recorded)
+    except OutOfOrder:
+        index = proven
+    return pattern.phases[min(proven, index)].name
+
+
+def check_definitions(pattern: Pattern, checksums: Mapping[str, tuple[str, str]]) -> None:
+    """Refuse (before anything is written) a step applied with a definition it no longer has.
+
+    `checksums`: step id → (recorded state, recorded checksum). A done or running step whose
+    checksum changed may no longer be described by its postcondition; an earlier release's
+    definition with the same postcondition (`former_checksums`) is the one exception."""
+    for step in pattern.steps():
+        if step.id not in checksums:
+            continue
+        state, recorded = checksums[step.id]
+        current = step.checksum()
+        if recorded == current or state not in ("done", "running"):
+            continue
+        if state == "done" and recorded in step.former_checksums:
+            continue
+        raise StepChanged(step.id, recorded, current)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What `execute_step` would do, decided before anything is written: the earlier steps
+    it adopts (postcondition holds), records as undone on purpose, or runs (deploy gates),
+    then the target. `actions` is in pattern order, the target last."""
+
+    target: Step
+    actions: tuple[tuple[Step, Action], ...]
+
+    def ids(self, action: Action) -> list[str]:
+        return [step.id for step, chosen in self.actions if chosen is action]
+
+
+def plan_execute_step(
+    pattern: Pattern, rows: Rows, target_id: str, holds: Mapping[str, bool]
+) -> StepPlan:
+    """Decide `execute_step(target_id)` from the ledger and the live facts, or refuse.
+
+    `holds`: step id → its postcondition holds now, for the steps not done in the ledger.
+    Every earlier step must be done, proven by its postcondition, evidenced as undone on
+    purpose by a later step (`undone_on_purpose`), or a step without SQL to run again (a
+    deploy gate: checked live). Anything else refuses (`OutOfOrder`) with nothing written —
+    a refused `copy-back` once marked steps done on its way to refusing. Then `run`'s
+    deploy-boundary rule must hold for the ledger as the plan would leave it."""
+    steps = pattern.steps()
+    by_id = {step.id: step for step in steps}
+    target = by_id[target_id]
+    if _done(rows, target.id):
+        return StepPlan(target, ((target, Action.ALREADY_DONE),))
+    before = steps[: steps.index(target)]
+    actions: list[tuple[Step, Action]] = []
+    for index, earlier in enumerate(before):
+        if _done(rows, earlier.id):
+            continue
+        if earlier.postcondition and holds.get(earlier.id, False):
+            actions.append((earlier, Action.ADOPT))
+        elif undone_on_purpose(before, index, rows, holds):
+            actions.append((earlier, Action.UNDONE))
+        elif earlier.tx is TxMode.NONE:
+            actions.append((earlier, Action.RUN))
+        else:
+            raise OutOfOrder(
+                f"{target.id} needs {earlier.id} first, and it is not done "
+                "(apply the revisions in order)"
+            )
+    assumed: dict[str, HasState] = dict(rows)
+    assumed.update((step.id, Assumed("done")) for step, _ in actions)
+    steps_to_run(pattern, assumed, target.phase)  # the deploy-boundary rule of `run`
+    return StepPlan(target, (*actions, (target, Action.RUN)))
+
+
+def _evidenced(step: Step, rows: Rows, holds: Mapping[str, bool]) -> bool:
+    """Done in the ledger, or a presence postcondition holds: the step was applied."""
+    if _done(rows, step.id):
+        return True
+    return bool(step.postcondition) and holds.get(step.id, False) and asserts_presence(step)
+
+
+def undone_on_purpose(
+    before: list[Step], index: int, rows: Rows, holds: Mapping[str, bool]
+) -> bool:
+    """Whether a later step in `before` deliberately undid `before[index]` (so its own
+    postcondition no longer holds although it was applied).
+
+    The undoer must be evidenced: done in the ledger, or its postcondition holds and
+    asserts a presence (swap-default: the old table *is* the DEFAULT partition) — its own
+    evidence. An undoer whose postcondition is only absences (drop-check: the CHECK is gone)
+    holds just as well before the undone step ever ran, so it counts only when a step between
+    the two is evidenced: that one could only be applied after the undone step was."""
+    earlier = before[index]
+    for position in range(index + 1, len(before)):
+        undoer = before[position]
+        if undoer.kind not in earlier.undone_by:
+            continue
+        if _done(rows, undoer.id):
+            return True
+        if not (undoer.postcondition and holds.get(undoer.id, False)):
+            continue
+        if asserts_presence(undoer):
+            return True
+        if any(_evidenced(step, rows, holds) for step in before[index + 1 : position]):
+            return True
+    return False
+
+
+def check_reset(
+    pattern: Pattern, active_pattern: str, rows: Rows, *, force: bool, table: str
+) -> None:
+    """Refuse a `reset` that would lose what only the record knows, before it writes.
+
+    A pattern that is not the active migration's is refused even with `--force`: `reset
+    --pattern cop --force` once abandoned an active HOPER migration, and a HOP run then
+    adopted HOPER's objects half-way. `--force` only skips the "nothing applied" rule."""
+    if active_pattern != pattern.name:
+        raise OutOfOrder(
+            f"the active migration of {table} is a {active_pattern.upper()} one, not "
+            f"{pattern.acronym}: reset --pattern {active_pattern}"
+        )
+    if force:
+        return
+    applied = steps_to_reverse(pattern, rows, pattern.phases[0].name)
+    if applied:
+        first = pattern.phases[0].name
+        raise PreconditionFailed(
+            "reset",
+            "nothing-applied",
+            f"{len(applied)} step(s) of this migration are applied (latest {applied[0].id}) "
+            f"and only its record can undo them: run `outbox-migrate rollback --pattern "
+            f"{pattern.name} --to {first}` first, or `reset --force` to abandon it with the "
+            "schema as it is",
+        )

@@ -1,27 +1,24 @@
-"""Runner errors: each carries the facts the operator needs and maps to one exit code."""
+"""Runner errors: each carries the facts the operator needs and maps to one exit code.
+
+The lock budget's own errors (`Blocker`, `LockBudgetExceeded`) live with the primitive in
+`outbox_migrate.lock_budget` and are re-exported here for the runner's callers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from outbox_migrate.errors import ExitCode, OutboxMigrateError, UsageError
+from outbox_migrate.lock_budget import Blocker, LockBudgetExceeded
 
-
-@dataclass(frozen=True)
-class Blocker:
-    """A session holding a lock our step needs (from pg_locks + pg_stat_activity)."""
-
-    pid: int
-    application_name: str
-    state: str
-    xact_age_s: float | None
-    mode: str
-    relation: str
-
-    def describe(self) -> str:
-        age = f", transaction open {self.xact_age_s:.1f} s" if self.xact_age_s is not None else ""
-        app = self.application_name or "(no application_name)"
-        return f"pid {self.pid} ({app}, {self.state}{age}, {self.mode} on {self.relation})"
+__all__ = [
+    "Blocker",
+    "LockBudgetExceeded",
+    "LongTransactionsPresent",
+    "OutOfOrder",
+    "PreconditionFailed",
+    "RunnerBusy",
+    "StepChanged",
+    "StepFailed",
+    "VerifyFailed",
+]
 
 
 class PreconditionFailed(OutboxMigrateError):
@@ -32,23 +29,6 @@ class PreconditionFailed(OutboxMigrateError):
         self.condition = condition
         self.observed = observed
         super().__init__(f"{step_id}: precondition {condition} failed: {observed}")
-
-
-class LockBudgetExceeded(OutboxMigrateError):
-    exit_code = ExitCode.LOCK_BUDGET
-
-    def __init__(
-        self, step_id: str, attempts: int, waited_s: float, blockers: list[Blocker]
-    ) -> None:
-        self.step_id = step_id
-        self.attempts = attempts
-        self.waited_s = waited_s
-        self.blockers = blockers
-        who = "; blocked by " + ", ".join(b.describe() for b in blockers[:3]) if blockers else ""
-        super().__init__(
-            f"{step_id}: could not take its locks in {attempts} attempts over {waited_s:.1f} s"
-            f"{who}; nothing was applied — retry when they finish"
-        )
 
 
 class LongTransactionsPresent(OutboxMigrateError):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from outbox_migrate.lock_budget import AttemptLog
 from outbox_migrate.patterns.model import Step
-from outbox_migrate.runner.locks import AttemptLog
 
 
 class RunnerEvents(Protocol):

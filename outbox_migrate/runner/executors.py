@@ -1,4 +1,4 @@
-"""Who carries a step out. The engine looks the executor up by `Step.executor` and never
+"""Who carries a step out. The applier looks the executor up by `Step.executor` and never
 branches on step kinds: SQL steps (transactional or not) and job steps (the copy-back) share
 one small protocol — prove it is done, apply it.
 
@@ -11,73 +11,103 @@ either entry point finishes what the other started.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any, Protocol
 
-from outbox_migrate.patterns.model import Step, TxMode
+from psycopg import Connection
 
-if TYPE_CHECKING:
-    from outbox_migrate.runner.engine import Runner
-    from outbox_migrate.runner.ledger import MigrationRow
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.patterns.model import Condition, Step, TxMode
+from outbox_migrate.runner.events import RunnerEvents
+
+
+class ProofHost(Protocol):
+    """What proving a step needs: a connection and the table's names. Read-only."""
+
+    conn: Connection[Any]
+    spec: OutboxSpec
+
+    def violations(self, conditions: Iterable[Condition]) -> list[str]: ...
+
+
+class ApplyHost(ProofHost, Protocol):
+    """What applying a step needs besides (`runner.apply.StepApplier` is the one host; a
+    protocol here keeps executors from importing the applier that imports them)."""
+
+    events: RunnerEvents
+    copy_back_options: Any
+    job_dsn: str | None
+
+    def apply_in_transaction(self, step: Step) -> float: ...
+
+    def apply_autocommit(self, step: Step) -> float: ...
+
+    def prove_done(self, step: Step) -> None: ...
+
+    def transition(
+        self, step: Step, target: str, *, started: bool = False,
+        started_at: datetime | None = None,
+    ) -> None: ...  # fmt: skip
 
 
 class StepExecutor(Protocol):
-    def proven(self, runner: Runner, step: Step) -> bool:
+    def proven(self, host: ProofHost, step: Step) -> bool:
         """True when the step's effect is in place (its postcondition holds)."""
 
-    def apply(self, runner: Runner, migration: MigrationRow, step: Step) -> float:
+    def apply(self, host: ApplyHost, step: Step) -> float:
         """Do the step and record it done; return milliseconds lost waiting for locks."""
 
 
 class SqlExecutor:
-    def proven(self, runner: Runner, step: Step) -> bool:
-        return bool(step.postcondition) and not runner._violations(step.postcondition)
+    def proven(self, host: ProofHost, step: Step) -> bool:
+        return bool(step.postcondition) and not host.violations(step.postcondition)
 
-    def apply(self, runner: Runner, migration: MigrationRow, step: Step) -> float:
+    def apply(self, host: ApplyHost, step: Step) -> float:
         if step.tx is TxMode.AUTOCOMMIT:
-            return runner.apply_autocommit(migration, step)
-        return runner.apply_in_transaction(migration, step)
+            return host.apply_autocommit(step)
+        return host.apply_in_transaction(step)
 
 
 class CopyBackExecutor:
     """HOPER's copy-back: the job in `outbox_migrate.jobs.copy_back`, resumable from its own
     high-water mark whoever started it."""
 
-    def _source_dropped_after_copy(self, runner: Runner) -> bool:
+    def _source_dropped_after_copy(self, host: ProofHost) -> bool:
         from outbox_migrate.jobs.copy_back import finished_and_dropped
 
-        return finished_and_dropped(runner.conn, runner.spec)
+        return finished_and_dropped(host.conn, host.spec)
 
-    def proven(self, runner: Runner, step: Step) -> bool:
-        if self._source_dropped_after_copy(runner):
+    def proven(self, host: ProofHost, step: Step) -> bool:
+        if self._source_dropped_after_copy(host):
             return True
         from outbox_migrate.jobs import common
         from outbox_migrate.jobs.common import Relation
 
-        source = Relation(runner.spec.schema, runner.spec.published_partition)
-        if not common.exists(runner.conn, source):
+        source = Relation(host.spec.schema, host.spec.published_partition)
+        if not common.exists(host.conn, source):
             return False
-        return not runner._violations(step.postcondition)
+        return not host.violations(step.postcondition)
 
-    def apply(self, runner: Runner, migration: MigrationRow, step: Step) -> float:
+    def apply(self, host: ApplyHost, step: Step) -> float:
         from outbox_migrate.jobs.copy_back import copy_back
-        from outbox_migrate.runner import ledger
 
-        ledger.mark(runner.conn, migration.id, step.id, "running", started=True)
+        host.transition(step, "running", started=True)
 
         def progress(update: Any) -> None:
-            runner.events.progress(
+            host.events.progress(
                 step, int(getattr(update, "copied", 0)), int(getattr(update, "total", 0)),
                 float(getattr(update, "rows_per_s", 0.0)),
             )  # fmt: skip
 
         copy_back(
-            runner.conn, runner.spec, runner.copy_back_options, dsn=runner.job_dsn,
+            host.conn, host.spec, host.copy_back_options, dsn=host.job_dsn,
             drop=False, progress=progress,
         )  # fmt: skip
-        if self._source_dropped_after_copy(runner):
-            ledger.mark(runner.conn, migration.id, step.id, "done")
+        if self._source_dropped_after_copy(host):
+            host.transition(step, "done")
             return 0.0
-        runner.prove_done(migration, step)
+        host.prove_done(step)
         return 0.0
 
 

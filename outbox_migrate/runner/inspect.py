@@ -17,14 +17,15 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_migrate.config import OutboxSpec, Settings
+from outbox_migrate.config import Settings
 from outbox_migrate.db import connect
 from outbox_migrate.errors import NothingRecorded, SchemaError, UsageError
-from outbox_migrate.patterns import BuildOptions, build_pattern
-from outbox_migrate.patterns.model import Pattern, PublicationFact
+from outbox_migrate.patterns.model import Pattern
 from outbox_migrate.runner import ledger
-from outbox_migrate.runner.decide import completed_phase, phase_index
-from outbox_migrate.runner.errors import OutOfOrder, VerifyFailed
+from outbox_migrate.runner.decide import reached_phase
+from outbox_migrate.runner.errors import VerifyFailed
+from outbox_migrate.runner.facts import live_pattern
+from outbox_migrate.runner.status import recorded_document, unrecorded_document
 
 
 @dataclass(frozen=True)
@@ -129,52 +130,9 @@ def active_pattern(dsn: str, settings: Settings) -> str | None:
 def _pattern(
     conn: psycopg.Connection[Any], settings: Settings, name: str, include_optional: bool
 ) -> Pattern:
-    """The pattern as the runner builds it, including the identity kind it recorded (and the
-    optional steps it recorded: after the rename they describe the catalog)."""
-    from outbox_migrate.runner.recorded_optional import optional_recorded
-
-    spec = settings.spec
-    if not include_optional and _ledger_readable(conn):
-        include_optional = optional_recorded(conn, spec, name)
-    live = conn.execute(
-        "SELECT a.attidentity FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
-        "WHERE a.attrelid = to_regclass(%s) AND a.attname = %s AND NOT c.relispartition",
-        (sql.Identifier(spec.schema, spec.table).as_string(None), spec.id_column),
-    ).fetchone()
-    if live and live[0] in ("a", "d"):
-        generation = "ALWAYS" if live[0] == "a" else "BY DEFAULT"
-    elif _ledger_readable(conn):
-        generation = ledger.recorded_identity_generation(conn, spec) or "ALWAYS"
-    else:
-        generation = "ALWAYS"
-    return build_pattern(
-        name,
-        spec,
-        BuildOptions(
-            sample_window_s=settings.gate_window_s,
-            old_app_name=settings.old_app_name,
-            include_optional=include_optional,
-            identity_generation=generation,
-            publications=_publications(conn, spec),
-        ),
-    )
-
-
-def _publications(conn: psycopg.Connection[Any], spec: OutboxSpec) -> tuple[PublicationFact, ...]:
-    """The old table's publications (none when it is gone): the conditional CDC step."""
-    from outbox_migrate.introspect import migration_publications
-
-    return migration_publications(conn, spec)
-
-
-def _phase(pattern: Pattern, migration: ledger.MigrationRow, rows: dict[str, Any]) -> str:
-    """The phase the ledger records as reached, never beyond what its steps prove."""
-    proven = phase_index(pattern, completed_phase(pattern, rows))
-    try:
-        recorded_index = phase_index(pattern, migration.current_phase)
-    except OutOfOrder:
-        recorded_index = proven
-    return pattern.phases[min(proven, recorded_index)].name
+    """The pattern as the runner builds it, including the identity kind it recorded."""
+    readable = _ledger_readable(conn)
+    return live_pattern(conn, settings, name, include_optional, ledger_readable=readable)[0]
 
 
 def status(
@@ -186,44 +144,13 @@ def status(
         found = recorded(conn, settings, pattern)
         if found.migration is None:
             require_table(conn, settings)
-            document: dict[str, Any] = {
-                "table": table_label(settings),
-                "pattern": pattern.lower() if pattern else None,
-                "recorded": False,
-                "state": "not started",
-                "phase": None,
-                "next_phase": None,
-                "steps": [],
-            }
-            if found.other is not None:
-                document["active_pattern"] = found.other.pattern
-            return document
+            return unrecorded_document(
+                table_label(settings), pattern.lower() if pattern else None, first_phase=None,
+                active_pattern=found.other.pattern if found.other is not None else None,
+            )  # fmt: skip
         migration = found.migration
         built = _pattern(conn, settings, migration.pattern, include_optional)
-    reached = _phase(built, migration, found.steps)
-    index = phase_index(built, reached)
-    following = built.phases[index + 1].name if index + 1 < len(built.phases) else None
-    return {
-        "table": table_label(settings),
-        "pattern": built.name,
-        "recorded": True,
-        "state": migration.state,
-        "phase": reached,
-        "next_phase": following,
-        "steps": [
-            {
-                "id": step.id,
-                "phase": step.phase,
-                "summary": step.summary,
-                **(
-                    found.steps[step.id].to_json()
-                    if step.id in found.steps
-                    else {"state": "pending"}
-                ),
-            }
-            for step in built.steps()
-        ],
-    }
+    return recorded_document(table_label(settings), built, migration, found.steps)
 
 
 def not_recorded_message(settings: Settings, pattern: str | None, other: str | None) -> str:
@@ -248,7 +175,7 @@ def verify(
                 + "; nothing to verify — start it with `outbox-migrate run`"
             )
         built = _pattern(conn, settings, found.migration.pattern, include_optional)
-        phase = _phase(built, found.migration, found.steps)
+        phase = reached_phase(built, found.migration.current_phase, found.steps)
         violations: list[str] = []
         done = frozenset(i for i, row in found.steps.items() if row.state == "done")
         for _, condition in built.invariants(phase, done):

@@ -1,9 +1,9 @@
 """The ledger: the runner's progress, stored in the target database beside the work.
 
 A transactional step updates its ledger row inside the step's own transaction, so the DDL and
-the record of it commit together. The schema is created and upgraded by the tool (numbered
-upgrades in `sql/ledger.sql`), under a transaction-level advisory lock so two first runs do
-not race.
+the record of it commit together; a step's state is written only by `transition.transition`.
+The schema is created and upgraded by the tool (numbered upgrades in `sql/ledger.sql`), under
+a transaction-level advisory lock so two first runs do not race.
 """
 
 from __future__ import annotations
@@ -200,38 +200,13 @@ def steps(conn: Connection[Any], migration_id: int) -> list[StepRow]:
     return [StepRow(**{k: r[k] for k in StepRow.__dataclass_fields__}) for r in rows]
 
 
-def mark(
-    conn: Connection[Any],
-    migration_id: int,
-    step_id: str,
-    state: str,
-    *,
-    error: str | None = None,
-    lock_wait_ms: float = 0.0,
-    started: bool = False,
-    started_at: datetime | None = None,
-) -> None:
-    """Record a step's state. Call inside the step's transaction to commit them together.
-
-    `started` stamps the start now; `started_at` gives it (a transactional step records its
-    whole life — checks, lock waits, DDL — in the one row it commits at the end)."""
+def record_lock_wait(conn: Connection[Any], migration_id: int, step_id: str, ms: float) -> None:
+    """Record the time a step's successful run lost waiting for its locks (not its state:
+    see `transition`)."""
     conn.execute(
-        "UPDATE outbox_migrate.step SET state = %s, "
-        "last_error = CASE WHEN %s::text IS NULL AND %s = 'done' THEN NULL "
-        "                  ELSE coalesce(%s, last_error) END, "
-        "lock_wait_ms = lock_wait_ms + %s, "
-        "started_at = CASE WHEN %s THEN clock_timestamp() "
-        "                  ELSE coalesce(%s::timestamptz, started_at) END, "
-        "finished_at = CASE WHEN %s IN ('done', 'failed', 'rolled_back') "
-        "                   THEN clock_timestamp() END, "
-        "duration_ms = CASE WHEN %s IN ('done', 'failed', 'rolled_back') "
-        "AND coalesce(%s::timestamptz, started_at) IS NOT NULL THEN 1000 * extract(epoch FROM "
-        "clock_timestamp() - coalesce(%s::timestamptz, started_at)) END, "
-        "operator = current_user, host = %s "
-        "WHERE migration_id = %s AND step_id = %s",
-        (state, error, state, error, lock_wait_ms, started, started_at, state, state,
-         started_at, started_at, HOST, migration_id, step_id),
-    )  # fmt: skip
+        "UPDATE outbox_migrate.step SET lock_wait_ms = %s WHERE migration_id = %s AND step_id = %s",
+        (ms, migration_id, step_id),
+    )
 
 
 def record_attempt(

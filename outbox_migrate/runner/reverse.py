@@ -10,37 +10,40 @@ under the lock budget.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import psycopg
 
 from outbox_migrate.db import one_line
 from outbox_migrate.errors import ConnectionLost
-from outbox_migrate.patterns.model import LockMode, Step
+from outbox_migrate.patterns.model import Pattern, Step
 from outbox_migrate.runner import ledger, ownership
+from outbox_migrate.runner.apply import StepApplier, connection_lost
 from outbox_migrate.runner.checks import check_conditions
-from outbox_migrate.runner.decide import completed_phase, phase_index, steps_to_reverse
+from outbox_migrate.runner.decide import (
+    completed_phase,
+    phase_index,
+    reached_phase,
+    steps_to_reverse,
+)
 from outbox_migrate.runner.errors import OutOfOrder, PreconditionFailed, StepFailed
-from outbox_migrate.runner.locks import LockBudget, run_with_lock_budget
-
-if TYPE_CHECKING:
-    from outbox_migrate.runner.engine import Runner
+from outbox_migrate.runner.transition import transition
 
 
-def run_inverse(runner: Runner, migration_id: int | None, step: Step) -> None:
+def run_inverse(applier: StepApplier, step: Step) -> None:
     """A step's inverse in one transaction, under the same lock budget as forward steps
     (no statement_timeout: undoing the swap validates a CHECK on the detached table)."""
-    from outbox_migrate.runner.engine import connection_lost
-
     statements = step.reverse or ()
     label = f"{step.id} (reverse)"
+    migration_id = applier.migration_id
 
     def body(conn: psycopg.Connection[Any]) -> None:
         check_conditions(conn, label, step.reverse_preconditions)
         if statements:
-            ownership.check_droppable(conn, migration_id, step, runner.spec)
+            ownership.check_droppable(conn, migration_id, step, applier.spec)
         if migration_id is not None:
-            ledger.mark(conn, migration_id, step.id, "rolled_back")
+            transition(conn, migration_id, step.id, "rolled_back")
             conn.execute(
                 "DELETE FROM outbox_migrate.owned_object WHERE migration_id = %s AND step_id = %s",
                 (migration_id, step.id),
@@ -49,59 +52,59 @@ def run_inverse(runner: Runner, migration_id: int | None, step: Step) -> None:
             conn.execute(statement)
         if migration_id is not None and step.reverse_creates:
             ownership.record(
-                conn, migration_id, step, runner.spec, "created", objects=step.reverse_creates
+                conn, migration_id, step, applier.spec, "created", objects=step.reverse_creates
             )
 
-    budget = LockBudget(runner.settings.lock_timeout_ms, runner.settings.lock_budget_s, None)
     try:
-        runner.in_step_transaction(step, label, budget, body)
+        applier.in_step_transaction(step, label, applier.budget(), body)
     except psycopg.Error as exc:
-        if connection_lost(exc, runner.conn if not runner.conn.closed else None):
-            raise ConnectionLost(
-                f"the inverse of {step.id}", one_line(str(exc), runner.dsn)
-            ) from None
-        raise StepFailed(label, one_line(str(exc), runner.dsn)) from None
+        conn = applier.conn
+        dsn = applier.options.dsn
+        if connection_lost(exc, conn if not conn.closed else None):
+            raise ConnectionLost(f"the inverse of {step.id}", one_line(str(exc), dsn)) from None
+        raise StepFailed(label, one_line(str(exc), dsn)) from None
 
 
-def reverse_one(runner: Runner, step_id: str) -> bool:
+def reverse_one(
+    applier: StepApplier,
+    pattern: Pattern,
+    migration: ledger.MigrationRow | None,
+    rows: Mapping[str, ledger.StepRow],
+    step: Step,
+) -> bool:
     """Undo one step (Alembic downgrade). False when it was never applied."""
-    step = runner.step(step_id)
     if step.reverse is None:
         raise OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
-    runner.acquire()
-    migration = runner._latest()
-    rows = runner._rows(migration) if migration is not None else {}
-    steps = runner.pattern.steps()
+    steps = pattern.steps()
     later = steps[steps.index(step) + 1 :]
     ahead = [s.id for s in later if s.id in rows and rows[s.id].state == "done"]
     if ahead:
         raise OutOfOrder(f"roll back {ahead[-1]} before {step.id}")
     recorded = step.id in rows and rows[step.id].state == "done"
-    if not recorded and not (step.postcondition and not runner._violations(step.postcondition)):
+    if not recorded and not (step.postcondition and not applier.violations(step.postcondition)):
         return False
-    runner.events.step_started(step, "reverse")
+    applier.events.step_started(step, "reverse")
     started = time.monotonic()
-    run_inverse(runner, migration.id if migration is not None else None, step)
+    run_inverse(applier, step)
     if migration is not None:
-        reached = completed_phase(runner.pattern, runner._rows(migration))
-        ledger.set_phase(runner.conn, migration.id, reached, "active")
-    runner.events.step_finished(step, "rolled back", time.monotonic() - started)
+        reached = completed_phase(pattern, _rows(applier, migration))
+        ledger.set_phase(applier.conn, migration.id, reached, "active")
+    applier.events.step_finished(step, "rolled back", time.monotonic() - started)
     return True
 
 
-def rollback(runner: Runner, to_phase: str) -> list[str]:
+def _rows(applier: StepApplier, migration: ledger.MigrationRow) -> dict[str, ledger.StepRow]:
+    return {row.step_id: row for row in ledger.steps(applier.conn, migration.id)}
+
+
+def rollback(
+    applier: StepApplier, pattern: Pattern, migration: ledger.MigrationRow, to_phase: str
+) -> list[str]:
     """Undo, newest first, every done step after `to_phase`; refuse past an irreversible
     step (the pattern's point of no return) and refuse a phase that is ahead, not behind."""
-    runner.acquire()
-    pattern = runner.pattern
-    goal = phase_index(pattern, to_phase)  # an unknown phase is refused before anything else
-    migration = runner._latest()
-    if migration is None:
-        raise OutOfOrder(f"no {pattern.acronym} migration of {runner.table_label} to roll back")
-    runner._adopt_identity_generation()
-    pattern = runner.pattern
-    rows = runner._rows(migration)
-    current = runner._current_phase(migration, rows)
+    goal = phase_index(pattern, to_phase)
+    rows = _rows(applier, migration)
+    current = reached_phase(pattern, migration.current_phase, rows)
     if goal > phase_index(pattern, current):
         raise OutOfOrder(
             f"{pattern.phases[goal].name} is ahead of the current phase {current}: rollback "
@@ -117,8 +120,6 @@ def rollback(runner: Runner, to_phase: str) -> list[str]:
     # and no inverse before it removes rows, so its emptiness check can be made now. Without
     # this, HOPIA's rollback to V1 removed the copy trigger, then refused at the published
     # partition — leaving V2 publishing without the trigger and V2 unable to re-apply.
-    # These reads wait for nobody: under the lock budget, like a step (a session holding
-    # ACCESS EXCLUSIVE on a table is watched and named, never queued behind for ever).
     def check_emptiness(conn: psycopg.Connection[Any]) -> None:
         for step in undo:
             check_conditions(
@@ -128,25 +129,20 @@ def rollback(runner: Runner, to_phase: str) -> list[str]:
             )
 
     relations = sorted({lock.relation for step in undo for lock in step.locks})
-    run_with_lock_budget(
-        runner.conn, f"{pattern.name} rollback",
-        LockBudget(runner.settings.lock_timeout_ms, runner.settings.lock_budget_s, None),
-        check_emptiness, relations=[(r, LockMode.ACCESS_SHARE) for r in relations],
-        schema=runner.spec.schema, watch_blockers=runner.watch_blockers,
-    )  # fmt: skip
+    applier.read_under_budget(f"{pattern.name} rollback", relations, check_emptiness)
     reversed_ids: list[str] = []
     for step in undo:
-        runner.events.step_started(step, "reverse")
+        applier.events.step_started(step, "reverse")
         started = time.monotonic()
         try:
-            run_inverse(runner, migration.id, step)
+            run_inverse(applier, step)
         except PreconditionFailed:
             # Whatever was undone so far stays undone and recorded; the ledger's phase says
             # where the migration now stands.
-            reached = completed_phase(pattern, runner._rows(migration))
-            ledger.set_phase(runner.conn, migration.id, reached, "active")
+            reached = completed_phase(pattern, _rows(applier, migration))
+            ledger.set_phase(applier.conn, migration.id, reached, "active")
             raise
         reversed_ids.append(step.id)
-        runner.events.step_finished(step, "rolled back", time.monotonic() - started)
-    ledger.set_phase(runner.conn, migration.id, to_phase, "active")
+        applier.events.step_finished(step, "rolled back", time.monotonic() - started)
+    ledger.set_phase(applier.conn, migration.id, to_phase, "active")
     return reversed_ids

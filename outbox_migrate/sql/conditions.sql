@@ -61,7 +61,7 @@ WHERE NOT EXISTS (
 
 -- name: old-table-drained
 -- No unpublished rows remain in the table.
-SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
               count(*), {rel_reg}, {phase})
 FROM {rel_q} WHERE {column_q} IS NULL
 HAVING count(*) > 0
@@ -369,6 +369,29 @@ SELECT format('publication %I lists %s but not %s: its consumer would miss every
 FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass({rel_reg})
 WHERE NOT EXISTS (
     SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid AND u.prrelid = to_regclass({unpublished_reg}))
+
+-- name: no-row-security
+-- The table has no row-level security: its policies are not carried to the partitioned table.
+SELECT format('%s has row-level security (%s, %s policies); outbox-migrate does not carry policies to %s and its partitions — disable it for the migration (ALTER TABLE %s DISABLE ROW LEVEL SECURITY) and re-create the policies on the partitioned table yourself, or migrate by hand',
+              c.oid::regclass, CASE WHEN c.relrowsecurity THEN 'enabled' ELSE 'disabled' END,
+              (SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid), {parent_reg}, c.oid::regclass)
+FROM pg_class c
+WHERE c.oid = to_regclass({rel_reg})
+  AND (c.relrowsecurity OR EXISTS (SELECT 1 FROM pg_policy p WHERE p.polrelid = c.oid))
+
+-- name: may-give-to-owner
+-- The migration's role may give the new tables to the old table's owner: it is that owner or a superuser, or a member of the owner role, which may create in the schema (what ALTER TABLE … OWNER TO checks).
+SELECT CASE WHEN NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+            THEN format('the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it creates could not be given to that owner; run it as the owner (or a member of the owner role)',
+                        current_user, c.relowner::regrole, c.oid::regclass)
+            ELSE format('%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
+                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole, c.relnamespace::regnamespace, c.relowner::regrole) END
+FROM pg_class c
+WHERE c.oid = to_regclass({rel_reg})
+  AND c.relowner <> (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)
+  AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user)
+  AND (NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+       OR NOT has_schema_privilege(c.relowner, c.relnamespace, 'CREATE'))
 
 -- name: no-trigger-name-clash
 -- No trigger on the table has the name of a row trigger of the parent (ATTACH clones the parent's row triggers onto the partition and refuses a name already taken).

@@ -38,23 +38,3 @@ SELECT format('%s is still used by other sessions (pids %s) during the %s s wind
 FROM samples
 WHERE samples.pids IS NOT NULL
 HAVING count(*) > 0
-
--- name: carry-grants-to-view
--- Give the view the table's owner and table-level grants (the view runs with its owner's rights on the table).
-DO $om$
-DECLARE
-    g record;
-    owner regrole := (SELECT relowner::regrole FROM pg_class WHERE oid = {table_reg}::regclass);
-BEGIN
-    FOR g IN SELECT a.grantee, a.privilege_type, a.is_grantable
-             FROM pg_class t, aclexplode(t.relacl) a
-             WHERE t.oid = {table_reg}::regclass AND a.grantee <> t.relowner LOOP
-        EXECUTE format('GRANT %s ON %s TO %s%s', g.privilege_type, {view_reg},
-                       CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
-                       CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
-    END LOOP;
-    IF owner::oid <> (SELECT relowner FROM pg_class WHERE oid = {view_reg}::regclass) THEN
-        EXECUTE format('ALTER VIEW %s OWNER TO %s', {view_reg}, owner);
-    END IF;
-END
-$om$

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from outbox_migrate.runner.errors import Blocker
-from outbox_migrate.runner.locks import lasting
+from outbox_migrate.lock_budget import Blocker, lasting
 
 
 def holder(state: str, age: float | None, pid: int = 1) -> Blocker:

@@ -76,3 +76,11 @@ def test_patterns_that_copy_whole_rows_warn_about_generated_columns() -> None:
     for name in PATTERN_NAMES:
         warned = "must have no generated column" in render_playbook(name)
         assert warned is (name in ("hoper", "hopia")), name
+
+
+@pytest.mark.parametrize("name", ["hop", "hoper", "hopia"])
+def test_switching_playbooks_name_the_revoke_the_gate_waits_for(name: str) -> None:
+    """The switching relay's default gate waits for a REVOKE that no runbook mentioned."""
+    text = render_playbook(name)
+    assert "REVOKE INSERT ON the old table FROM the application's role" in text
+    assert "A REVOKE does not stop a superuser or the table's owner" in text

@@ -8,11 +8,17 @@ row-level AFTER INSERT triggers on the destination partition.
 The spec's trigger inserts explicit ids; while the old table still has its identity (until
 V4) that needs `OVERRIDING SYSTEM VALUE`, otherwise GENERATED ALWAYS rejects the insert and the
 relay's UPDATE fails. `ON CONFLICT DO NOTHING` keeps the copy idempotent.
+
+The function is SECURITY DEFINER (search_path pinned): the trigger fires in the relay's
+session, and the relay's role has had INSERT on the old table revoked for the switch gate, so
+the copy runs with the rights of the role that installed it (the table's owner, as the runner
+asks), not the relay's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from psycopg import sql
@@ -21,10 +27,25 @@ from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds import BuildContext, kind, make_step
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND
 from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.names import Names
 
 
-def create_trigger_sql(ctx: BuildContext) -> tuple[sql.Composed, ...]:
+def definer_rights(n: Names) -> sql.Composed:
+    """Copy with the installer's rights, not the relay's (see the module docstring). The
+    search_path is pinned (pg_catalog first, so a caller cannot shadow a built-in) and ends
+    with the outbox's schema, where the old table's own triggers, which fire inside the copy,
+    found their unqualified names before."""
+    return sql.SQL("SECURITY DEFINER SET search_path = pg_catalog, {} ").format(
+        sql.Identifier(n.spec.schema)
+    )
+
+
+def create_trigger_sql(
+    ctx: BuildContext, security: sql.Composable | None = None
+) -> tuple[sql.Composed, ...]:
     n = ctx.names
+    if security is None:
+        security = definer_rights(n)
     if n.spec.id_kind == "application":
         # The gate sequence's trigger on the old table must not count this copy as a writer
         # (kinds/gate_sequence.py): the flag is raised around the INSERT only.
@@ -32,7 +53,8 @@ def create_trigger_sql(ctx: BuildContext) -> tuple[sql.Composed, ...]:
 
         flag = sql.Literal(COPYING_FLAG)
         function = sql.SQL(
-            "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $om$\n"
+            "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql "
+            "{security}AS $om$\n"
             "BEGIN\n"
             "    PERFORM set_config({flag}, 'on', true);\n"
             "    INSERT INTO {old} OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;\n"
@@ -40,16 +62,17 @@ def create_trigger_sql(ctx: BuildContext) -> tuple[sql.Composed, ...]:
             "    RETURN NULL;\n"
             "END\n"
             "$om$"
-        ).format(function=n.function_q, old=n.q(n.table), flag=flag)
+        ).format(function=n.function_q, old=n.q(n.table), flag=flag, security=security)
         return (function, _trigger(ctx))
     function = sql.SQL(
-        "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $om$\n"
+        "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql "
+        "{security}AS $om$\n"
         "BEGIN\n"
         "    INSERT INTO {old} OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;\n"
         "    RETURN NULL;\n"
         "END\n"
         "$om$"
-    ).format(function=n.function_q, old=n.q(n.table))
+    ).format(function=n.function_q, old=n.q(n.table), security=security)
     return (function, _trigger(ctx))
 
 
@@ -72,7 +95,7 @@ def drop_trigger_sql(ctx: BuildContext) -> tuple[sql.Composed, ...]:
 @kind("install-copy-trigger")
 def install_copy_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     n = ctx.names
-    return make_step(
+    step = make_step(
         ctx,
         "install-copy-trigger",
         summary=f"AFTER INSERT trigger on {n.published} copying each published row to {n.table}",
@@ -93,6 +116,9 @@ def install_copy_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             Created("trigger", n.spec.copy_trigger, on=n.published),
         ),
     )
+    # Earlier releases installed the function with the invoker's rights: adopted as done.
+    earlier = create_trigger_sql(ctx, security=sql.SQL(""))
+    return replace(step, former_checksums=(replace(step, statements=earlier).checksum(),))
 
 
 @kind("remove-copy-trigger")

@@ -27,20 +27,11 @@ from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds import BuildContext, kind, make_step
 from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
 from outbox_migrate.patterns.names import Names
+from outbox_migrate.patterns.names import gate_lock_keys as lock_keys
 
 COPYING_FLAG = "outbox_migrate.copying"
 """Transaction-local setting HOPIA's copy trigger raises (application ids) while it inserts a
 published row into the old table: that insert is the migration's, not a writer's."""
-GATE_LOCK_NAMESPACE = "outbox-migrate.gate"
-"""First key of the writers' shared advisory lock; the second is the old table's name."""
-
-
-def lock_keys(n: Names) -> tuple[sql.Composable, sql.Composable]:
-    """The two int4 keys of the writers' advisory lock, as SQL expressions."""
-    return (
-        sql.SQL("hashtext({})").format(sql.Literal(GATE_LOCK_NAMESPACE)),
-        sql.SQL("hashtext({})").format(n.reg(n.table)),
-    )
 
 
 def _created(n: Names) -> tuple[Created, ...]:

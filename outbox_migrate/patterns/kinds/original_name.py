@@ -36,6 +36,7 @@ from outbox_migrate.patterns.model import (
     TxMode,
 )
 from outbox_migrate.patterns.names import Names
+from outbox_migrate.patterns.privileges import EVERY_PRIVILEGE, carry_privileges
 
 VIEW_SAMPLE_INTERVAL_S = 0.1
 """How often the drop gate looks at pg_locks for sessions using the view."""
@@ -96,13 +97,11 @@ def create_view_sql(n: Names) -> sql.Composed:
 
 
 def carry_grants_sql(n: Names) -> sql.Composed:
-    """Give the view the renamed table's owner and table-level grants.
-
-    The view runs with its owner's rights on the table, so the previous version's role needs
-    the same grants on the view that it had on the table. Grantees are printed by `regrole`,
-    the server's own quoting; the owner is set last (grants are made by the creating role)."""
-    named = queries.query("original_name", "carry-grants-to-view")
-    return named.compose(table_reg=n.reg(n.table), view_reg=n.reg(n.parent))
+    """Give the view the renamed table's owner and every table and column grant
+    (patterns/privileges.py): the view runs with its owner's rights on the table, so the
+    previous version's role needs on the view what it had on the table. At this point of the
+    step `n.table` names the renamed partitioned table, which carries the old table's grants."""
+    return carry_privileges(n, n.parent, EVERY_PRIVILEGE)
 
 
 @kind("take-original-name")

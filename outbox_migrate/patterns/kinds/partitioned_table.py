@@ -16,6 +16,12 @@ from psycopg import sql
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds import CREATE_TIMEOUT_MS, BuildContext, kind, make_step
 from outbox_migrate.patterns.model import Condition, Created, Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.privileges import (
+    EVERY_PRIVILEGE,
+    NO_PRIVILEGE,
+    RELAY_CLAIM_PRIVILEGES,
+    carry_privileges,
+)
 
 NULL_BOUND = "FOR VALUES IN (NULL)"
 DEFAULT_BOUND = "DEFAULT"
@@ -85,6 +91,12 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
             "Ids come from the application (id_kind = application): no identity and no "
             "headroom; the application must keep them unique across both tables.",
         )
+    notes.append(
+        f"{n.parent} gets {n.table}'s owner and every table and column grant, in this "
+        "transaction: V2 inserts, reads and marks through it with the privileges V1 had."
+    )
+    before_privileges = statements
+    statements += (carry_privileges(n, n.parent, EVERY_PRIVILEGE),)
     step = make_step(
         ctx,
         "create-partitioned-table",
@@ -100,6 +112,8 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
             c.is_plain_table(n, n.table),
             c.no_fk_references(n, n.table),
             c.relation_absent(n, n.parent),
+            c.no_row_security(n),
+            c.may_give_to_owner(n),
             *_unique_id_needed(ctx, params),
         ),
         postcondition=(c.relation_exists(n, n.parent), c.partitioned_by_list(n)),
@@ -110,9 +124,12 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
         creates=(Created("relation", n.parent),),
         notes=tuple(notes),
     )
-    if n.spec.id_kind != "database":
-        return step
-    return replace(step, former_checksums=(replace(step, statements=_release_01(ctx)).checksum(),))
+    # Earlier releases created the parent without carrying privileges (and release 0.1 also
+    # without CHECKs): a migration they started is adopted, its grants are the operator's.
+    former = [replace(step, statements=before_privileges).checksum()]
+    if n.spec.id_kind == "database":
+        former.insert(0, replace(step, statements=_release_01(ctx)).checksum())
+    return replace(step, former_checksums=tuple(former))
 
 
 def _release_01(ctx: BuildContext) -> tuple[sql.Composed, ...]:
@@ -157,20 +174,21 @@ def _create_partition(
     relation: str,
     bound: str,
     summary: str,
+    privileges: tuple[str, ...],
     undone_by: tuple[str, ...] = (),
 ) -> Step:
     """CREATE TABLE … PARTITION OF the new parent: an empty table, dropped again on rollback
-    only while it still holds no rows."""
+    only while it still holds no rows. It gets the old table's owner and `privileges` of its
+    grants in the same transaction (a partition inherits neither from its parent)."""
     n = ctx.names
-    return make_step(
+    create = sql.SQL("CREATE TABLE {} PARTITION OF {} {}").format(
+        n.q(relation), n.q(n.parent), sql.SQL(bound)
+    )
+    step = make_step(
         ctx,
         kind_name,
         summary=summary,
-        statements=(
-            sql.SQL("CREATE TABLE {} PARTITION OF {} {}").format(
-                n.q(relation), n.q(n.parent), sql.SQL(bound)
-            ),
-        ),
+        statements=(create, carry_privileges(n, relation, privileges)),
         tx=TxMode.TRANSACTION,
         locks=(
             Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),
@@ -184,6 +202,21 @@ def _create_partition(
         statement_timeout_ms=CREATE_TIMEOUT_MS,
         undone_by=undone_by,
         creates=(Created("relation", relation),),
+        notes=(_partition_privileges_note(n.table, privileges),),
+    )
+    # Earlier releases created the partition without carrying privileges: adopted as done.
+    return replace(step, former_checksums=(replace(step, statements=(create,)).checksum(),))
+
+
+def _partition_privileges_note(old: str, privileges: tuple[str, ...]) -> str:
+    if not privileges:
+        return (
+            f"Owned by {old}'s owner; no grant: the application reaches it only through the "
+            "parent, where PostgreSQL checks the parent's privileges."
+        )
+    return (
+        f"Owned by {old}'s owner, with the {' and '.join(privileges)} grants of {old}: the "
+        "relay claims from this partition directly (SELECT … FOR UPDATE SKIP LOCKED)."
     )
 
 
@@ -196,6 +229,7 @@ def create_unpublished_partition(ctx: BuildContext, params: Mapping[str, Any]) -
         n.unpublished,
         NULL_BOUND,
         f"Create {n.unpublished} as the partition FOR VALUES IN (NULL)",
+        RELAY_CLAIM_PRIVILEGES,
     )
 
 
@@ -243,5 +277,6 @@ def create_published_partition(ctx: BuildContext, params: Mapping[str, Any]) -> 
         n.published,
         DEFAULT_BOUND,
         f"Create {n.published} as the DEFAULT partition (every published row)",
+        NO_PRIVILEGE,
         undone_by=("swap-default",),
     )

@@ -10,6 +10,7 @@
 -- Run this phase's steps before deploying V2: the partitioned table's identity starts above the old ids.
 -- V2 inserts into the partitioned table.
 -- V2's relay runs in switching mode: old table until drained and no writer is left, then the partitioned table (outbox-migrate relay --mode switching).
+-- Once no V1 instance is left, as the old table's owner: REVOKE INSERT ON the old table FROM the application's role. The switching relay's default gate (--switch-gate privilege) waits for it. A REVOKE does not stop a superuser or the table's owner: while a session of theirs is connected the relay waits instead for V1's sessions to be gone (--old-app-name) and the old table to stay quiet (docs/relay.md).
 
 -- step: hoper.v2.create-partitioned-table: Create outbox_new PARTITION BY LIST (published_at), its own identity starting 1,000,000 above the old table's highest id
 BEGIN;
@@ -66,6 +67,39 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
+    FOR violation IN SELECT format('%s has row-level security (%s, %s policies); outbox-migrate does not carry policies to %s and its partitions — disable it for the migration (ALTER TABLE %s DISABLE ROW LEVEL SECURITY) and re-create the policies on the partitioned table yourself, or migrate by hand',
+              c.oid::regclass, CASE WHEN c.relrowsecurity THEN 'enabled' ELSE 'disabled' END,
+              (SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid), '"public"."outbox_new"', c.oid::regclass)
+FROM pg_class c
+WHERE c.oid = to_regclass('"public"."outbox"')
+  AND (c.relrowsecurity OR EXISTS (SELECT 1 FROM pg_policy p WHERE p.polrelid = c.oid))
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-partitioned-table [no-row-security:outbox] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT CASE WHEN NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+            THEN format('the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it creates could not be given to that owner; run it as the owner (or a member of the owner role)',
+                        current_user, c.relowner::regrole, c.oid::regclass)
+            ELSE format('%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
+                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole, c.relnamespace::regnamespace, c.relowner::regrole) END
+FROM pg_class c
+WHERE c.oid = to_regclass('"public"."outbox"')
+  AND c.relowner <> (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)
+  AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user)
+  AND (NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+       OR NOT has_schema_privilege(c.relowner, c.relnamespace, 'CREATE'))
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-partitioned-table [may-give-to-owner:outbox] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
     FOR violation IN SELECT format('%s has no unique index on %I alone; HOPER''s copy-back needs one to skip rows already copied. Create it first: CREATE UNIQUE INDEX CONCURRENTLY ON %s (%I)',
               '"public"."outbox"', 'id', '"public"."outbox"', 'id')
 WHERE NOT EXISTS (
@@ -82,6 +116,36 @@ ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" DROP IDENTITY IF EXISTS;
 ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" DROP DEFAULT;
 ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" ADD GENERATED ALWAYS AS IDENTITY;
 SELECT setval(seq, greatest((SELECT max("id") FROM "public"."outbox"), pg_sequence_last_value(coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1))), 0) + 1000000) FROM (SELECT pg_get_serial_sequence('"public"."outbox_new"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
+DO $om$
+DECLARE
+    old_rel regclass := '"public"."outbox"'::regclass;
+    new_rel regclass := '"public"."outbox_new"'::regclass;
+    wanted text[] := NULL::text[];
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"public"."outbox"'::regclass);
+    g record;
+BEGIN
+    FOR g IN
+        SELECT NULL::name AS col, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+        UNION ALL
+        SELECT t.attname, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_attribute t, aclexplode(t.attacl) a
+        WHERE t.attrelid = old_rel AND t.attnum > 0 AND NOT t.attisdropped
+          AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+    LOOP
+        EXECUTE format('GRANT %s%s ON TABLE %s TO %s%s', g.privilege_type,
+            CASE WHEN g.col IS NULL THEN '' ELSE format(' (%I)', g.col) END, new_rel,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    IF old_owner <> (SELECT relowner FROM pg_class WHERE oid = new_rel) THEN
+        EXECUTE format('ALTER TABLE %s OWNER TO %s', new_rel, old_owner::regrole);
+    END IF;
+END
+$om$;
 COMMIT;
 
 -- step: hoper.v2.create-unpublished-partition: Create outbox_unpublished as the partition FOR VALUES IN (NULL)
@@ -110,6 +174,36 @@ WHERE to_regclass('"public"."outbox_unpublished"') IS NOT NULL
 END
 $om_assert$;
 CREATE TABLE "public"."outbox_unpublished" PARTITION OF "public"."outbox_new" FOR VALUES IN (NULL);
+DO $om$
+DECLARE
+    old_rel regclass := '"public"."outbox"'::regclass;
+    new_rel regclass := '"public"."outbox_unpublished"'::regclass;
+    wanted text[] := ARRAY['SELECT', 'UPDATE']::text[];
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"public"."outbox"'::regclass);
+    g record;
+BEGIN
+    FOR g IN
+        SELECT NULL::name AS col, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+        UNION ALL
+        SELECT t.attname, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_attribute t, aclexplode(t.attacl) a
+        WHERE t.attrelid = old_rel AND t.attnum > 0 AND NOT t.attisdropped
+          AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+    LOOP
+        EXECUTE format('GRANT %s%s ON TABLE %s TO %s%s', g.privilege_type,
+            CASE WHEN g.col IS NULL THEN '' ELSE format(' (%I)', g.col) END, new_rel,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    IF old_owner <> (SELECT relowner FROM pg_class WHERE oid = new_rel) THEN
+        EXECUTE format('ALTER TABLE %s OWNER TO %s', new_rel, old_owner::regrole);
+    END IF;
+END
+$om$;
 COMMIT;
 
 -- step: hoper.v2.create-unpublished-index: Index outbox_unpublished (id) for the relay's claim
@@ -206,6 +300,36 @@ WHERE to_regclass('"public"."outbox_published"') IS NOT NULL
 END
 $om_assert$;
 CREATE TABLE "public"."outbox_published" PARTITION OF "public"."outbox_new" DEFAULT;
+DO $om$
+DECLARE
+    old_rel regclass := '"public"."outbox"'::regclass;
+    new_rel regclass := '"public"."outbox_published"'::regclass;
+    wanted text[] := ARRAY[]::text[];
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"public"."outbox"'::regclass);
+    g record;
+BEGIN
+    FOR g IN
+        SELECT NULL::name AS col, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+        UNION ALL
+        SELECT t.attname, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_attribute t, aclexplode(t.attacl) a
+        WHERE t.attrelid = old_rel AND t.attnum > 0 AND NOT t.attisdropped
+          AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+    LOOP
+        EXECUTE format('GRANT %s%s ON TABLE %s TO %s%s', g.privilege_type,
+            CASE WHEN g.col IS NULL THEN '' ELSE format(' (%I)', g.col) END, new_rel,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    IF old_owner <> (SELECT relowner FROM pg_class WHERE oid = new_rel) THEN
+        EXECUTE format('ALTER TABLE %s OWNER TO %s', new_rel, old_owner::regrole);
+    END IF;
+END
+$om$;
 COMMIT;
 
 -- step: hoper.v2.tune-autovacuum: Insert-only autovacuum settings on outbox_published (every 100 k inserts)
@@ -316,7 +440,7 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V3')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -493,7 +617,7 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V4')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -525,7 +649,7 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V4')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -706,7 +830,7 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V4')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0

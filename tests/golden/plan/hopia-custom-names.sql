@@ -10,6 +10,7 @@
 -- Run this phase's steps before deploying V2: identity above the old ids, and the AFTER INSERT trigger that copies every published row into the old table.
 -- V2 inserts into the partitioned table.
 -- V2's relay runs in switching mode: old table until drained and no writer is left, then the partitioned table (outbox-migrate relay --mode switching).
+-- Once no V1 instance is left, as the old table's owner: REVOKE INSERT ON the old table FROM the application's role. The switching relay's default gate (--switch-gate privilege) waits for it. A REVOKE does not stop a superuser or the table's owner: while a session of theirs is connected the relay waits instead for V1's sessions to be gone (--old-app-name) and the old table to stay quiet (docs/relay.md).
 
 -- step: hopia.v2.create-partitioned-table: Create events_p PARTITION BY LIST (published_at), its own identity starting 1,000,000 above the old table's highest id
 BEGIN;
@@ -63,11 +64,74 @@ WHERE to_regclass('"billing"."events_p"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s has row-level security (%s, %s policies); outbox-migrate does not carry policies to %s and its partitions — disable it for the migration (ALTER TABLE %s DISABLE ROW LEVEL SECURITY) and re-create the policies on the partitioned table yourself, or migrate by hand',
+              c.oid::regclass, CASE WHEN c.relrowsecurity THEN 'enabled' ELSE 'disabled' END,
+              (SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid), '"billing"."events_p"', c.oid::regclass)
+FROM pg_class c
+WHERE c.oid = to_regclass('"billing"."Events"')
+  AND (c.relrowsecurity OR EXISTS (SELECT 1 FROM pg_policy p WHERE p.polrelid = c.oid))
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-partitioned-table [no-row-security:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT CASE WHEN NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+            THEN format('the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it creates could not be given to that owner; run it as the owner (or a member of the owner role)',
+                        current_user, c.relowner::regrole, c.oid::regclass)
+            ELSE format('%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
+                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole, c.relnamespace::regnamespace, c.relowner::regrole) END
+FROM pg_class c
+WHERE c.oid = to_regclass('"billing"."Events"')
+  AND c.relowner <> (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)
+  AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user)
+  AND (NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+       OR NOT has_schema_privilege(c.relowner, c.relnamespace, 'CREATE'))
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-partitioned-table [may-give-to-owner:Events] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
 CREATE TABLE "billing"."events_p" (LIKE "billing"."Events" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING CONSTRAINTS INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
 ALTER TABLE "billing"."events_p" ALTER COLUMN "id" DROP IDENTITY IF EXISTS;
 ALTER TABLE "billing"."events_p" ALTER COLUMN "id" DROP DEFAULT;
 ALTER TABLE "billing"."events_p" ALTER COLUMN "id" ADD GENERATED ALWAYS AS IDENTITY;
 SELECT setval(seq, greatest((SELECT max("id") FROM "billing"."Events"), pg_sequence_last_value(coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1))), 0) + 1000000) FROM (SELECT pg_get_serial_sequence('"billing"."events_p"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
+DO $om$
+DECLARE
+    old_rel regclass := '"billing"."Events"'::regclass;
+    new_rel regclass := '"billing"."events_p"'::regclass;
+    wanted text[] := NULL::text[];
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"billing"."Events"'::regclass);
+    g record;
+BEGIN
+    FOR g IN
+        SELECT NULL::name AS col, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+        UNION ALL
+        SELECT t.attname, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_attribute t, aclexplode(t.attacl) a
+        WHERE t.attrelid = old_rel AND t.attnum > 0 AND NOT t.attisdropped
+          AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+    LOOP
+        EXECUTE format('GRANT %s%s ON TABLE %s TO %s%s', g.privilege_type,
+            CASE WHEN g.col IS NULL THEN '' ELSE format(' (%I)', g.col) END, new_rel,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    IF old_owner <> (SELECT relowner FROM pg_class WHERE oid = new_rel) THEN
+        EXECUTE format('ALTER TABLE %s OWNER TO %s', new_rel, old_owner::regrole);
+    END IF;
+END
+$om$;
 COMMIT;
 
 -- step: hopia.v2.create-unpublished-partition: Create events_todo as the partition FOR VALUES IN (NULL)
@@ -96,6 +160,36 @@ WHERE to_regclass('"billing"."events_todo"') IS NOT NULL
 END
 $om_assert$;
 CREATE TABLE "billing"."events_todo" PARTITION OF "billing"."events_p" FOR VALUES IN (NULL);
+DO $om$
+DECLARE
+    old_rel regclass := '"billing"."Events"'::regclass;
+    new_rel regclass := '"billing"."events_todo"'::regclass;
+    wanted text[] := ARRAY['SELECT', 'UPDATE']::text[];
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"billing"."Events"'::regclass);
+    g record;
+BEGIN
+    FOR g IN
+        SELECT NULL::name AS col, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+        UNION ALL
+        SELECT t.attname, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_attribute t, aclexplode(t.attacl) a
+        WHERE t.attrelid = old_rel AND t.attnum > 0 AND NOT t.attisdropped
+          AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+    LOOP
+        EXECUTE format('GRANT %s%s ON TABLE %s TO %s%s', g.privilege_type,
+            CASE WHEN g.col IS NULL THEN '' ELSE format(' (%I)', g.col) END, new_rel,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    IF old_owner <> (SELECT relowner FROM pg_class WHERE oid = new_rel) THEN
+        EXECUTE format('ALTER TABLE %s OWNER TO %s', new_rel, old_owner::regrole);
+    END IF;
+END
+$om$;
 COMMIT;
 
 -- step: hopia.v2.create-unpublished-index: Index events_todo (id) for the relay's claim
@@ -192,6 +286,36 @@ WHERE to_regclass('"billing"."events_done"') IS NOT NULL
 END
 $om_assert$;
 CREATE TABLE "billing"."events_done" PARTITION OF "billing"."events_p" DEFAULT;
+DO $om$
+DECLARE
+    old_rel regclass := '"billing"."Events"'::regclass;
+    new_rel regclass := '"billing"."events_done"'::regclass;
+    wanted text[] := ARRAY[]::text[];
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"billing"."Events"'::regclass);
+    g record;
+BEGIN
+    FOR g IN
+        SELECT NULL::name AS col, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+        UNION ALL
+        SELECT t.attname, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_attribute t, aclexplode(t.attacl) a
+        WHERE t.attrelid = old_rel AND t.attnum > 0 AND NOT t.attisdropped
+          AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+    LOOP
+        EXECUTE format('GRANT %s%s ON TABLE %s TO %s%s', g.privilege_type,
+            CASE WHEN g.col IS NULL THEN '' ELSE format(' (%I)', g.col) END, new_rel,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    IF old_owner <> (SELECT relowner FROM pg_class WHERE oid = new_rel) THEN
+        EXECUTE format('ALTER TABLE %s OWNER TO %s', new_rel, old_owner::regrole);
+    END IF;
+END
+$om$;
 COMMIT;
 
 -- step: hopia.v2.tune-autovacuum: Insert-only autovacuum settings on events_done (every 100 k inserts)
@@ -253,7 +377,7 @@ WHERE to_regclass('"billing"."events_done"') IS NOT NULL AND EXISTS (SELECT 1 FR
     END LOOP;
 END
 $om_assert$;
-CREATE OR REPLACE FUNCTION "billing"."events_done_insert_trigger"() RETURNS trigger LANGUAGE plpgsql AS $om$
+CREATE OR REPLACE FUNCTION "billing"."events_done_insert_trigger"() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, "billing" AS $om$
 BEGIN
     INSERT INTO "billing"."Events" OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;
     RETURN NULL;
@@ -352,7 +476,7 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
               count(*), '"billing"."Events"', 'V3')
 FROM "billing"."Events" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -530,7 +654,7 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
               count(*), '"billing"."Events"', 'V4')
 FROM "billing"."Events" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -562,7 +686,7 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
               count(*), '"billing"."Events"', 'V4')
 FROM "billing"."Events" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -805,7 +929,7 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — is an instance of the old version still publishing from it?',
+    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
               count(*), '"billing"."Events"', 'V4')
 FROM "billing"."Events" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -1006,18 +1130,31 @@ ALTER TABLE "billing"."events_p" RENAME TO "Events";
 CREATE VIEW "billing"."events_p" AS SELECT *, ctid FROM "billing"."Events";
 DO $om$
 DECLARE
+    old_rel regclass := '"billing"."Events"'::regclass;
+    new_rel regclass := '"billing"."events_p"'::regclass;
+    wanted text[] := NULL::text[];
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"billing"."Events"'::regclass);
     g record;
-    owner regrole := (SELECT relowner::regrole FROM pg_class WHERE oid = '"billing"."Events"'::regclass);
 BEGIN
-    FOR g IN SELECT a.grantee, a.privilege_type, a.is_grantable
-             FROM pg_class t, aclexplode(t.relacl) a
-             WHERE t.oid = '"billing"."Events"'::regclass AND a.grantee <> t.relowner LOOP
-        EXECUTE format('GRANT %s ON %s TO %s%s', g.privilege_type, '"billing"."events_p"',
-                       CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
-                       CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    FOR g IN
+        SELECT NULL::name AS col, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+        UNION ALL
+        SELECT t.attname, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_attribute t, aclexplode(t.attacl) a
+        WHERE t.attrelid = old_rel AND t.attnum > 0 AND NOT t.attisdropped
+          AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+    LOOP
+        EXECUTE format('GRANT %s%s ON TABLE %s TO %s%s', g.privilege_type,
+            CASE WHEN g.col IS NULL THEN '' ELSE format(' (%I)', g.col) END, new_rel,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
     END LOOP;
-    IF owner::oid <> (SELECT relowner FROM pg_class WHERE oid = '"billing"."events_p"'::regclass) THEN
-        EXECUTE format('ALTER VIEW %s OWNER TO %s', '"billing"."events_p"', owner);
+    IF old_owner <> (SELECT relowner FROM pg_class WHERE oid = new_rel) THEN
+        EXECUTE format('ALTER TABLE %s OWNER TO %s', new_rel, old_owner::regrole);
     END IF;
 END
 $om$;

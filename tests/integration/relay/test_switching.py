@@ -16,6 +16,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from outbox_migrate.relay import switch_evidence
 from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.relay.writer import WritePhase, insert_message
@@ -24,6 +25,15 @@ from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned
 from .conftest import PARTITIONED_START, SPEC, Collected, ids_in
 
 WRITER_PAUSE_S = 0.003
+QUIET_WINDOW_S = 0.3
+
+
+@pytest.fixture(autouse=True)
+def _short_quiet_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests keep a superuser session open (`both`): the privilege gate then proves
+    nothing and waits for the old version's sessions to leave and the flat table to stay
+    quiet for a window, shortened here so the tests stay fast."""
+    monkeypatch.setattr(switch_evidence, "QUIET_WINDOW_S", QUIET_WINDOW_S)
 
 
 @pytest.fixture
@@ -164,10 +174,20 @@ def test_an_open_v1_transaction_holds_the_switch_until_it_commits(
         both.execute(sql.SQL("REVOKE INSERT ON outbox FROM {}").format(sql.Identifier(v1_role)))
         relay = Relay(
             dsn, collected.factory(), spec=SPEC,
-            options=RelayOptions(mode=Mode.switching, listen=False, poll_interval_s=0.02),
+            options=RelayOptions(
+                mode=Mode.switching, listen=False, poll_interval_s=0.02,
+                old_app_name="orders-v1%",
+            ),
         )  # fmt: skip
         with running(relay):
-            wait_for(lambda: relay.state.blocked_checks >= 3, what="blocked switch checks")
+            wait_for(
+                lambda: (
+                    relay.state.last_blocked_reason == "a transaction is still writing the table"
+                ),
+                what="the switch blocked by the open transaction",
+            )
+            checks = relay.state.blocked_checks
+            wait_for(lambda: relay.state.blocked_checks >= checks + 3, what="more blocked checks")
             assert not relay.state.switched
             assert relay.state.last_blocked_reason == "a transaction is still writing the table"
             assert collected.ids == []
@@ -186,10 +206,15 @@ def test_switching_until_empty_exits_when_both_tables_are_empty(
     insert_rows(both, "outbox_new", 30, spec=SPEC)
     relay = Relay(
         dsn, collected.factory(), spec=SPEC,
-        options=RelayOptions(mode=Mode.switching, until_empty=True, listen=False, batch_size=7),
+        options=RelayOptions(
+            mode=Mode.switching, until_empty=True, listen=False, batch_size=7,
+            old_app_name="orders-v1%",
+        ),
     )  # fmt: skip
     relay.run()
-    assert relay.state.switches == 1  # no non-superuser role can insert: the gate holds
+    # No role a REVOKE stops can insert; the test's superuser session is answered by the old
+    # version's sessions being gone and the quiet window.
+    assert relay.state.switches == 1
     assert collected.ids == ids_in(both, "outbox") + ids_in(both, "outbox_new")
 
 

@@ -22,7 +22,7 @@ from psycopg import sql
 from outbox_migrate.config import load_settings
 from outbox_migrate.patterns.model import Pattern, TxMode
 from outbox_migrate.runner import Runner
-from outbox_migrate.runner.engine import FAULT_ENV
+from outbox_migrate.runner.apply import FAULT_ENV
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from outbox_migrate.testing.server import Server
 from tests.support.app import act_as, publish_all

@@ -26,6 +26,26 @@ RELEASE_01 = {
     "hopia": "805f19bd469a8382",
 }
 STEP = "{}.v2.create-partitioned-table"
+BEFORE_PRIVILEGES = {
+    # The tables' creating steps before they carried the old table's owner and grants
+    # (computed by the previous release's code for the spec's table).
+    "cop.v2.create-partitioned-table": "1acad6a76bbbf235",
+    "cop.v2.create-unpublished-partition": "ef8e12043182c1ec",
+    "cop.v2.create-published-partition": "aa07f7c7f5fc6618",
+    "copra.v2.create-partitioned-table": "d081f28d8c6e54bf",
+    "copra.v2.create-unpublished-partition": "971b3872a6221e40",
+    "hop.v2.create-partitioned-table": "0fde441338a5292f",
+    "hop.v2.create-unpublished-partition": "9c9186526ada49fc",
+    "hop.v2.create-published-partition": "0b4307940d09419c",
+    "hoper.v2.create-partitioned-table": "a7b55c72bea16da2",
+    "hoper.v2.create-unpublished-partition": "d7a7e4ce341184a2",
+    "hoper.v2.create-published-partition": "f69e8bfe5f97e22b",
+    "hopia.v2.create-partitioned-table": "92acf259965ef751",
+    "hopia.v2.create-unpublished-partition": "284a806e63c34b71",
+    "hopia.v2.create-published-partition": "d40908d07c19a427",
+    # HOPIA's copy function before it ran with its installer's rights.
+    "hopia.v2.install-copy-trigger": "d27058953fe556e3",
+}
 
 
 @pytest.mark.parametrize("pattern", sorted(RELEASE_01))
@@ -34,7 +54,17 @@ def test_the_01_definition_is_a_known_former_one(pattern: str) -> None:
         s for s in build_pattern(pattern, OutboxSpec()).steps() if s.id == STEP.format(pattern)
     ]
     assert step.checksum() != RELEASE_01[pattern]
-    assert step.former_checksums == (RELEASE_01[pattern],)
+    assert step.former_checksums == (RELEASE_01[pattern], BEFORE_PRIVILEGES[step.id])
+
+
+@pytest.mark.parametrize("step_id", sorted(BEFORE_PRIVILEGES))
+def test_the_definitions_before_privileges_travelled_are_known_former_ones(step_id: str) -> None:
+    """A migration past V2's creating steps when the tool was upgraded is adopted (the grants
+    of tables created before are the operator's, as they were)."""
+    pattern = build_pattern(step_id.split(".", maxsplit=1)[0], OutboxSpec())
+    (step,) = [s for s in pattern.steps() if s.id == step_id]
+    assert step.checksum() != BEFORE_PRIVILEGES[step_id]
+    assert BEFORE_PRIVILEGES[step_id] in step.former_checksums
 
 
 def _ledger_after_01(conn: psycopg.Connection, recorded: str) -> ledger.MigrationRow:

@@ -258,11 +258,6 @@ def test_reset_force_abandons_an_applied_migration(
     assert conn.execute("SELECT to_regclass('outbox_new') IS NOT NULL").fetchone() == (True,)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed yet: requiring the undoer's predecessor broke offline-then-online "
-    "adoption (swap-default applied by psql); see the stop-23 note",
-)
 def test_copy_back_does_not_adopt_steps_whose_undoer_merely_finds_nothing(
     operator: tuple[str, psycopg.Connection[tuple[object, ...]]],
 ) -> None:

@@ -309,8 +309,25 @@ def test_identity_starts_above_old_max_in_every_pattern() -> None:
     for pattern in every_pattern():
         create = pattern.steps()[0]
         assert create.kind == "create-partitioned-table"
-        start = create.sql_texts()[-1]
+        start = create.sql_texts()[-2]  # the last one carries the old table's privileges
         assert "setval" in start and 'max("id")' in start and "1000000" in start
+
+
+def test_every_created_table_carries_the_old_tables_privileges() -> None:
+    """The parent gets every grant, the unpublished partition the relay's SELECT and UPDATE,
+    the published partition only the owner — each in its creating transaction."""
+    wanted = {
+        "create-partitioned-table": "wanted text[] := NULL::text[]",
+        "create-unpublished-partition": "wanted text[] := ARRAY['SELECT', 'UPDATE']::text[]",
+        "create-published-partition": "wanted text[] := ARRAY[]::text[]",
+    }
+    for pattern in every_pattern():
+        for step in pattern.steps():
+            if step.kind in wanted:
+                carry = step.sql_texts()[-1]
+                assert carry.startswith("DO $om$") and wanted[step.kind] in carry, step.id
+                assert "OWNER TO" in carry and step.tx.value == "transaction"
+                assert step.former_checksums, step.id
 
 
 def test_hopia_trigger_overrides_the_old_identity() -> None:
@@ -369,6 +386,16 @@ def test_offline_assertion_raises_the_violation_with_the_step_and_condition() ->
     assert block.startswith("DO $om_assert$") and block.endswith("$om_assert$;")
     assert drained.sql_text() in block
     assert "precondition of copra.v3.gate-old-table-retired [old-table-drained:outbox]" in block
+
+
+def test_the_drained_gate_names_the_way_out_for_stranded_rows() -> None:
+    """Rows a writer added after the switching relay left the old table are published by
+    nobody: the V3 gate's refusal says how to publish them, not only that they are there."""
+    for name in ("hop", "hoper", "hopia"):
+        gate = build_pattern(name).phase("V3").steps[0]
+        drained = next(c for c in gate.preconditions if c.name.startswith("old-table-drained"))
+        assert "outbox-migrate relay --mode flat --until-empty" in drained.sql_text()
+        assert "run this phase again" in drained.sql_text()
 
 
 def test_transactional_step_sql_takes_locks_then_checks_then_acts() -> None:

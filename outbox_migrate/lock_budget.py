@@ -14,7 +14,9 @@ pg_locks, and while one is visible we only watch it (a cheap catalog read every
 which a new holder appears between the look and the attempt.
 
 This module is the one lock-budget primitive: the runner's steps and inverses, the jobs and
-the relay's switch all go through `run_with_lock_budget`.
+the relay's switch all go through `run_with_lock_budget`. It sits below all of them (it
+imports only the lock modes and the shared backoff), so the relay does not reach up into the
+runner for it; it must not import the runner, the jobs or the relay.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from typing import Any
 from psycopg import Connection, errors, sql
 
 from outbox_migrate.backoff import backoff_s as shared_backoff_s
+from outbox_migrate.errors import ExitCode, OutboxMigrateError
 from outbox_migrate.patterns.model import LockMode
-from outbox_migrate.runner.errors import Blocker, LockBudgetExceeded
 
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
@@ -60,6 +62,40 @@ _CONFLICTS: dict[LockMode, frozenset[LockMode]] = {
     LockMode.EXCLUSIVE: frozenset(set(LockMode) - {LockMode.ACCESS_SHARE}),
     LockMode.ACCESS_EXCLUSIVE: frozenset(LockMode),
 }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Blocker:
+    """A session holding a lock our step needs (from pg_locks + pg_stat_activity)."""
+
+    pid: int
+    application_name: str
+    state: str
+    xact_age_s: float | None
+    mode: str
+    relation: str
+
+    def describe(self) -> str:
+        age = f", transaction open {self.xact_age_s:.1f} s" if self.xact_age_s is not None else ""
+        app = self.application_name or "(no application_name)"
+        return f"pid {self.pid} ({app}, {self.state}{age}, {self.mode} on {self.relation})"
+
+
+class LockBudgetExceeded(OutboxMigrateError):
+    exit_code = ExitCode.LOCK_BUDGET
+
+    def __init__(
+        self, step_id: str, attempts: int, waited_s: float, blockers: list[Blocker]
+    ) -> None:
+        self.step_id = step_id
+        self.attempts = attempts
+        self.waited_s = waited_s
+        self.blockers = blockers
+        who = "; blocked by " + ", ".join(b.describe() for b in blockers[:3]) if blockers else ""
+        super().__init__(
+            f"{step_id}: could not take its locks in {attempts} attempts over {waited_s:.1f} s"
+            f"{who}; nothing was applied — retry when they finish"
+        )
 
 
 def conflicts_with(requested: LockMode) -> frozenset[LockMode]:

@@ -1,0 +1,331 @@
+"""Applying an admitted plan, one step at a time: checks, lock budget, DDL, ledger row.
+
+Nothing here decides whether a command may run — that was settled, with nothing written, by
+the pure decisions in `decide.py`. The applier carries a step out the one way every step is
+carried out (locks first, then the checks that must hold at commit, then the work and its
+ledger row, in one transaction), records every state through `transition`, and reports
+through `RunnerEvents`. It never prints or exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from psycopg import errors, sql
+from psycopg.pq import TransactionStatus
+
+from outbox_migrate.config import Settings
+from outbox_migrate.db import one_line
+from outbox_migrate.errors import ConnectionLost
+from outbox_migrate.lock_budget import (
+    AttemptLog,
+    LockBudget,
+    LockBudgetExceeded,
+    lock_declared,
+    long_transactions,
+    run_with_lock_budget,
+)
+from outbox_migrate.patterns.model import Condition, LockMode, Step
+from outbox_migrate.runner import ledger, ownership
+from outbox_migrate.runner.checks import (
+    before_transaction,
+    check_conditions,
+    under_lock,
+    violations,
+)
+from outbox_migrate.runner.decide import Action, action_for
+from outbox_migrate.runner.errors import LongTransactionsPresent, PreconditionFailed, StepFailed
+from outbox_migrate.runner.events import RunnerEvents
+from outbox_migrate.runner.executors import executor_for
+from outbox_migrate.runner.transition import transition
+
+FAULT_ENV = "OUTBOX_MIGRATE_FAULT"
+"""Test hook: `<step-id>@<point>` SIGKILLs the runner at that point (before, after-ddl,
+after-commit) so crash recovery can be tested at every instant. Unset in production."""
+
+CONNECTION_SQLSTATES = ("08", "57P01", "57P02", "57P03")
+"""Connection exceptions and server shutdowns: the session is gone, not the statement."""
+
+
+def fault(step_id: str, point: str) -> None:
+    wanted = os.environ.get(FAULT_ENV)
+    if wanted and wanted == f"{step_id}@{point}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def connection_lost(exc: BaseException, conn: psycopg.Connection[Any] | None) -> bool:
+    """True when `exc` means the session is gone (server restart, terminated backend,
+    network), as opposed to the statement failing on a live session."""
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = getattr(exc, "sqlstate", None) or ""
+    if state.startswith(CONNECTION_SQLSTATES):
+        return True
+    return conn is not None and conn.closed
+
+
+@dataclass
+class RunResult:
+    pattern: str
+    phase: str
+    ran: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    completed: bool = False
+
+
+@dataclass
+class ApplyOptions:
+    """How steps are applied: the operator's choices for one command."""
+
+    settings: Settings
+    dsn: str
+    events: RunnerEvents
+    on_long_tx: str = "wait"
+    watch_blockers: bool = True
+    copy_back_options: Any = None
+    job_dsn: str | None = None
+
+
+class StepApplier:
+    """Carries out steps for one migration (`migration_id` None: an inverse of a step applied
+    outside any ledger). The executors' `ApplyHost`."""
+
+    def __init__(
+        self, conn: psycopg.Connection[Any], options: ApplyOptions, migration_id: int | None
+    ) -> None:
+        self.conn = conn
+        self.options = options
+        self.spec = options.settings.spec
+        self.events = options.events
+        self.copy_back_options = options.copy_back_options
+        self.job_dsn = options.job_dsn
+        self.migration_id = migration_id
+        self._started_at: datetime | None = None
+
+    # -- the ApplyHost protocol -------------------------------------------------------------
+
+    def violations(self, conditions: Iterable[Condition]) -> list[str]:
+        return violations(self.conn, conditions)
+
+    def transition(
+        self, step: Step, target: str, *, error: str | None = None, started: bool = False,
+        started_at: datetime | None = None,
+    ) -> None:  # fmt: skip
+        if self.migration_id is None:
+            raise RuntimeError(f"{step.id}: no migration to record it in")
+        transition(
+            self.conn, self.migration_id, step.id, target, error=error, started=started,
+            started_at=started_at,
+        )  # fmt: skip
+
+    def apply_in_transaction(self, step: Step) -> float:
+        """Locks, then the checks that must hold at commit, then the DDL, the ledger row and
+        the ownership records — one transaction; milliseconds lost waiting for locks."""
+        migration_id = self._recording()
+
+        def body(conn: psycopg.Connection[Any]) -> None:
+            check_conditions(conn, step.id, under_lock(step))
+            for statement in step.statements:
+                conn.execute(statement)
+            # The locks were taken first, so the order of these last writes does not
+            # lengthen any lock hold; the ledger row commits with the DDL.
+            transition(conn, migration_id, step.id, "done", started_at=self._started_at)
+            ownership.record(conn, migration_id, step, self.spec, "created")
+            fault(step.id, "after-ddl")
+
+        return self.in_step_transaction(
+            step, step.id, self.budget(step), body,
+            on_attempt=lambda log: self._attempt(step, log),
+        )  # fmt: skip
+
+    def apply_autocommit(self, step: Step) -> float:
+        """Statements that refuse a transaction block: run, then re-prove at the end — the
+        postcondition, and every LOCKED precondition again — before recording done."""
+        self.transition(step, "running", started=True)
+        lock_timeout = f"{self.options.settings.lock_timeout_ms}ms"
+        self.conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(lock_timeout)))
+        try:
+            for statement in step.statements:
+                self.conn.execute(statement)
+        finally:
+            self.conn.execute("RESET lock_timeout")
+        self.prove_done(step)
+        return 0.0
+
+    def prove_done(self, step: Step) -> None:
+        problems = self.violations(step.postcondition)
+        if problems:
+            raise StepFailed(step.id, f"finished but not proven done: {problems[0]}")
+        with self.conn.transaction():
+            ownership.record(self.conn, self._recording(), step, self.spec, "created")
+            self.transition(step, "done")
+
+    # -- one step of an admitted plan -------------------------------------------------------
+
+    def record_undone(self, step: Step, result: RunResult) -> None:
+        """A step applied and then deliberately undone by a later one (decided by
+        `decide.undone_on_purpose`): done, with no object to adopt — they are gone."""
+        self.events.step_started(step, Action.UNDONE.value)
+        self.transition(step, "done")
+        result.adopted.append(step.id)
+        self.events.step_finished(step, "adopted", 0.0)
+
+    def execute(self, step: Step, row: ledger.StepRow | None, holds: bool | None,
+                result: RunResult) -> None:  # fmt: skip
+        """Skip, adopt or run one step whose turn it is. `holds`: its postcondition, read
+        just now (None when the ledger already says done)."""
+        action = action_for(step, row, holds)
+        self.events.step_started(step, action.value)
+        started = time.monotonic()
+        if action is Action.ALREADY_DONE:
+            result.skipped.append(step.id)
+            return
+        if action is Action.ADOPT:
+            # Adopting is the one way a migration takes an object it did not create in this
+            # run: only when no live migration owns it (recorded by OID).
+            with self.conn.transaction():
+                migration_id = self._recording()
+                origin = ownership.check_adoptable(self.conn, migration_id, step, self.spec)
+                ownership.record(self.conn, migration_id, step, self.spec, origin)
+                self.transition(step, "done")
+            result.adopted.append(step.id)
+            self.events.step_finished(step, "adopted", time.monotonic() - started)
+            return
+        self._run(step)
+        fault(step.id, "after-commit")
+        result.ran.append(step.id)
+        self.events.step_finished(step, "done", time.monotonic() - started)
+
+    def _run(self, step: Step) -> None:
+        self._started_at = datetime.now(UTC)
+        try:
+            check_conditions(self.conn, step.id, before_transaction(step))
+            self._preflight(step)
+            fault(step.id, "before")
+            waited_ms = executor_for(step).apply(self, step)
+        except PreconditionFailed as exc:
+            self._record_refusal(step, str(exc))
+            raise
+        except StepFailed:
+            raise
+        except (LockBudgetExceeded, LongTransactionsPresent) as exc:
+            self.transition(step, "failed", error=str(exc))
+            raise
+        except psycopg.Error as exc:
+            if connection_lost(exc, self.conn):
+                raise ConnectionLost(
+                    f"step {step.id}", one_line(str(exc), self.options.dsn)
+                ) from None
+            message = one_line(str(exc), self.options.dsn)
+            if isinstance(exc, errors.QueryCanceled) and step.catalog_only:
+                message += (
+                    f" (statement_timeout {step.statement_timeout_ms} ms: the step was "
+                    "expected to be catalog-only; a table scan was stopped)"
+                )
+            self.transition(step, "failed", error=message)
+            raise StepFailed(step.id, message) from None
+        except Exception as exc:
+            if not self.conn.closed:
+                self.transition(step, "failed", error=str(exc))
+            raise
+        if waited_ms:
+            ledger.record_lock_wait(self.conn, self._recording(), step.id, waited_ms)
+
+    def _record_refusal(self, step: Step, message: str) -> None:
+        """A step refused at run time stays pending (it did nothing), with the reason for
+        `status`. The command was admitted; this is what its step found when its turn came."""
+        if self.conn.closed:
+            return
+        if self.conn.info.transaction_status is TransactionStatus.INERROR:
+            return  # inside a borrowed (Alembic) transaction that is aborting anyway
+        self.transition(step, "pending", error=message)
+
+    def _preflight(self, step: Step) -> None:
+        """Before ACCESS EXCLUSIVE: report (or refuse on) long or idle-in-transaction
+        sessions holding locks on the step's relations — our queued request would make every
+        writer wait behind them."""
+        if step.strongest_lock is not LockMode.ACCESS_EXCLUSIVE:
+            return
+        relations = [lock.relation for lock in step.locks]
+        longs = long_transactions(self.conn, relations, self.spec.schema)
+        if not longs:
+            return
+        if self.options.on_long_tx == "refuse":
+            raise LongTransactionsPresent(step.id, longs)
+        for blocker in longs:
+            self.events.warning(
+                step, f"long transaction holds a lock it needs: {blocker.describe()}; "
+                "waiting for it to end without queueing (writers are not stalled meanwhile)",
+            )  # fmt: skip
+
+    # -- the shape of every transaction -----------------------------------------------------
+
+    def budget(self, step: Step | None = None) -> LockBudget:
+        settings = self.options.settings
+        return LockBudget(
+            lock_timeout_ms=settings.lock_timeout_ms,
+            budget_s=settings.lock_budget_s,
+            statement_timeout_ms=step.statement_timeout_ms if step is not None else None,
+        )
+
+    def in_step_transaction(
+        self,
+        step: Step,
+        label: str,
+        budget: LockBudget,
+        body: Callable[[psycopg.Connection[Any]], None],
+        on_attempt: Callable[[AttemptLog], None] | None = None,
+    ) -> float:
+        """The shape of every transactional step and inverse: take the declared locks, then
+        `body` (its checks and its work), all in one transaction, retried under the budget."""
+
+        def locked_body(conn: psycopg.Connection[Any]) -> None:
+            lock_declared(
+                conn,
+                [(lock.relation, lock.mode) for lock in step.locks],
+                self.spec.schema,
+                self.spec.partitioned_table,
+            )
+            body(conn)
+
+        return run_with_lock_budget(
+            self.conn,
+            label,
+            budget,
+            locked_body,
+            relations=[(lock.relation, lock.mode) for lock in step.locks],
+            schema=self.spec.schema,
+            on_attempt=on_attempt,
+            watch_blockers=self.options.watch_blockers,
+        )
+
+    def read_under_budget(
+        self, label: str, relations: list[str], body: Callable[[psycopg.Connection[Any]], None]
+    ) -> None:
+        """Reads that wait for nobody: under the lock budget like a step, so a session
+        holding ACCESS EXCLUSIVE on a table is watched and named, never queued behind."""
+        run_with_lock_budget(
+            self.conn, label, self.budget(), body,
+            relations=[(relation, LockMode.ACCESS_SHARE) for relation in relations],
+            schema=self.spec.schema, watch_blockers=self.options.watch_blockers,
+        )  # fmt: skip
+
+    def _attempt(self, step: Step, log: AttemptLog) -> None:
+        ledger.record_attempt(
+            self.conn, self._recording(), step.id, log.attempt, log.outcome, log.waited_ms,
+            [vars(b) for b in log.blockers],
+        )  # fmt: skip
+        self.events.attempt(step, log)
+
+    def _recording(self) -> int:
+        if self.migration_id is None:
+            raise RuntimeError("a step applied outside a migration record")
+        return self.migration_id

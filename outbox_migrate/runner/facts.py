@@ -1,0 +1,115 @@
+"""The live facts a command decides from, read once: the pattern as this database needs it,
+and which steps' postconditions hold. Read-only — it creates nothing, not even the ledger.
+
+The pattern depends on the database: reversing DROP IDENTITY must restore the old id's own
+kind (ALWAYS or BY DEFAULT: read live while the identity exists, afterwards from what the
+ledger recorded), and the CDC step exists only when a publication covers the old table. It
+used to be rebuilt in three places (the runner's start, its admission, `status`); every
+command now builds it here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from psycopg import Connection, sql
+
+from outbox_migrate.config import OutboxSpec, Settings
+from outbox_migrate.patterns import BuildOptions, build_pattern
+from outbox_migrate.patterns.model import Condition, Pattern, PublicationFact, Step
+from outbox_migrate.runner import ledger
+from outbox_migrate.runner.admission import ledger_exists
+from outbox_migrate.runner.checks import violations
+from outbox_migrate.runner.decide import HasState
+from outbox_migrate.runner.executors import executor_for
+
+
+def identity_generation(conn: Connection[Any], spec: OutboxSpec, *, ledger_readable: bool) -> str:
+    """ALWAYS or BY DEFAULT: how the old table's id is (or was) generated."""
+    row = conn.execute(
+        "SELECT a.attidentity FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
+        "WHERE a.attrelid = to_regclass(%s) AND a.attname = %s AND NOT c.relispartition",
+        (sql.Identifier(spec.schema, spec.table).as_string(None), spec.id_column),
+    ).fetchone()
+    if row and row[0] in ("a", "d"):
+        return "ALWAYS" if row[0] == "a" else "BY DEFAULT"
+    if ledger_readable:
+        return ledger.recorded_identity_generation(conn, spec) or "ALWAYS"
+    return "ALWAYS"
+
+
+def offline_pattern(settings: Settings, name: str, include_optional: bool) -> Pattern:
+    """The pattern before any database is looked at (names, phases, `--help`)."""
+    return build_pattern(
+        name,
+        settings.spec,
+        BuildOptions(
+            sample_window_s=settings.gate_window_s,
+            old_app_name=settings.old_app_name,
+            include_optional=include_optional,
+        ),
+    )
+
+
+def live_pattern(
+    conn: Connection[Any],
+    settings: Settings,
+    name: str,
+    include_optional: bool,
+    *,
+    ledger_readable: bool | None = None,
+) -> tuple[Pattern, str, tuple[PublicationFact, ...]]:
+    """The pattern as this database needs it, with the identity kind and publications it
+    was built from (recorded when the migration starts)."""
+    from outbox_migrate.introspect import migration_publications
+    from outbox_migrate.runner.recorded_optional import optional_recorded
+
+    readable = ledger_exists(conn) if ledger_readable is None else ledger_readable
+    if readable and not include_optional:
+        # Optional steps the ledger recorded (the original name) describe the catalog now.
+        include_optional = optional_recorded(conn, settings.spec, name)
+    generation = identity_generation(conn, settings.spec, ledger_readable=readable)
+    publications = migration_publications(conn, settings.spec)  # recorded, else live
+    pattern = build_pattern(
+        name,
+        settings.spec,
+        BuildOptions(
+            sample_window_s=settings.gate_window_s,
+            old_app_name=settings.old_app_name,
+            include_optional=include_optional,
+            identity_generation=generation,
+            publications=publications,
+        ),
+    )
+    return pattern, generation, publications
+
+
+class LiveFacts:
+    """One command's view of the database: the live pattern, and proofs on demand.
+
+    It is the `ProofHost` the executors prove a step with; it never writes."""
+
+    def __init__(self, conn: Connection[Any], settings: Settings, name: str, optional: bool):
+        self.conn = conn
+        self.spec = settings.spec
+        self.pattern, self.identity_generation, self.publications = live_pattern(
+            conn, settings, name, optional
+        )
+
+    def violations(self, conditions: Iterable[Condition]) -> list[str]:
+        return violations(self.conn, conditions)
+
+    def holds(self, step: Step) -> bool:
+        """The step's effect is in place (its executor's proof)."""
+        return executor_for(step).proven(self, step)
+
+    def holding(self, steps: Iterable[Step], rows: Mapping[str, HasState]) -> dict[str, bool]:
+        """Whose postcondition holds, for the steps the ledger does not record as done (the
+        ledger's done needs no catalog query)."""
+        found: dict[str, bool] = {}
+        for step in steps:
+            row = rows.get(step.id)
+            if step.postcondition and (row is None or row.state != "done"):
+                found[step.id] = self.holds(step)
+        return found

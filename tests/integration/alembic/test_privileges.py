@@ -1,0 +1,53 @@
+"""Alembic revisions carry the old table's grants to the tables they create, online and with
+`--sql` applied by psql: the same step SQL reads the ACL when it runs."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import psycopg
+from alembic import command
+from psycopg import sql
+
+from outbox_migrate.alembic_ext.generate import generate
+from outbox_migrate.config import load_settings
+from outbox_migrate.testing.schema import create_flat_outbox
+from outbox_migrate.testing.server import Server
+from tests.integration.alembic.conftest import APP_REVISION
+from tests.integration.catalog.test_privileges_travel import acl
+from tests.support.alembic_project import config_for, offline_sql, psql
+
+
+def test_revisions_carry_the_grants_online_and_offline(
+    project: Path, pg_server: Server, dsn: str, other_dsn: str
+) -> None:
+    app = f"om_app_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(app)
+    targets = generate("hop", load_settings({}, environ={}), project.parent, tag="p1")
+    v2 = targets.phase_targets["V2"]
+    with (
+        psycopg.connect(dsn, autocommit=True) as online,
+        psycopg.connect(other_dsn, autocommit=True) as offline,
+    ):
+        online.execute(sql.SQL("CREATE ROLE {}").format(ident))
+        try:
+            for conn in (online, offline):
+                create_flat_outbox(conn)
+                conn.execute(sql.SQL("GRANT SELECT, INSERT, UPDATE ON outbox TO {}").format(ident))
+            config = config_for(project, dsn)
+            command.upgrade(config, APP_REVISION)
+            command.upgrade(config, v2)
+            applied = psql(pg_server, other_dsn, offline_sql(project, other_dsn, None, v2))
+            assert applied.returncode == 0, applied.stderr
+            for conn in (online, offline):
+                assert acl(conn, "outbox_new") == {
+                    (app, "SELECT", None), (app, "INSERT", None), (app, "UPDATE", None)
+                }  # fmt: skip
+                assert acl(conn, "outbox_unpublished") == {
+                    (app, "SELECT", None), (app, "UPDATE", None)
+                }  # fmt: skip
+        finally:
+            for conn in (online, offline):
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(ident))
+            online.execute(sql.SQL("DROP ROLE {}").format(ident))

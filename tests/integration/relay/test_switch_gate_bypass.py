@@ -1,0 +1,142 @@
+"""The privilege switch gate and writers no REVOKE stops (superusers, the table's owner).
+
+Found in the field: an application writing as a superuser passed the gate at once — the relay
+switched 70 ms after it started while a V1 writer still inserted, and the rows that writer
+added afterwards were stranded. Now such a session keeps the gate shut, says why at WARNING
+(once, not at every check), and the relay switches only on evidence that holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_migrate.relay import switch_evidence
+from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
+from outbox_migrate.relay.worker import Relay, running
+from outbox_migrate.relay.writer import WritePhase
+from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned_outbox, insert_rows
+
+from .conftest import PARTITIONED_START, SPEC, Collected, ids_in
+from .test_switching import Writers, wait_for
+
+HELD_S = 1.5
+"""How long the gate must keep the relay on the flat table while the superuser writes."""
+
+
+@pytest.fixture
+def tables(dsn: str) -> str:
+    """Both outboxes, set up by a superuser session that is closed again (a superuser session
+    left open would itself keep the gate shut)."""
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        create_flat_outbox(admin, SPEC)
+        create_partitioned_outbox(admin, SPEC, start=PARTITIONED_START)
+        insert_rows(admin, "outbox", 100, spec=SPEC)
+    return dsn
+
+
+def unpublished_flat(dsn: str) -> list[int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return ids_in(conn, "outbox", published=False)
+
+
+def switching_relay(dsn: str, collected: Collected, old_app: str = "") -> Relay:
+    return Relay(
+        dsn, collected.factory(), spec=SPEC,
+        options=RelayOptions(
+            mode=Mode.switching, batch_size=50, listen=False, poll_interval_s=0.02,
+            switch_gate=SwitchGate.privilege, old_app_name=old_app,
+        ),
+    )  # fmt: skip
+
+
+def test_a_superuser_writer_does_not_get_past_the_switch_gate(
+    tables: str, collected: Collected, caplog: pytest.LogCaptureFixture
+) -> None:
+    dsn = tables
+    v1 = Writers()  # the superuser the test server runs as: no role holds INSERT otherwise
+    v1.start(dsn, WritePhase.flat, count=1, application_name="orders-v1")
+    relay = switching_relay(dsn, collected)
+    try:
+        with caplog.at_level(logging.INFO, logger="outbox_migrate.relay"), running(relay):
+            wait_for(lambda: relay.state.blocked_checks >= 3, what="blocked switch checks")
+            time.sleep(HELD_S)
+            assert not relay.state.switched, "switched while a superuser still inserts"
+            assert "privilege gate proves nothing" in relay.state.last_blocked_reason
+            assert "--old-app-name" in relay.state.last_blocked_reason
+            checks = relay.state.blocked_checks
+            v1.finish()
+            wait_for(lambda: relay.state.switched, what="the switch once the writer is gone")
+            wait_for(lambda: not unpublished_flat(dsn), 10, "no stranded V1 row")
+    finally:
+        v1.finish()
+    assert checks > 3
+    said = [r for r in caplog.records if "privilege gate proves nothing" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING]  # many checks, one WARNING
+    assert {i for _, i in v1.inserted} <= set(collected.ids)
+
+
+def test_with_old_app_name_it_waits_for_the_old_sessions_and_a_quiet_table(
+    tables: str,
+    collected: Collected,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A superuser's idle session stays (a DBA's psql): once V1's sessions are gone the gate
+    still wants the flat table's insert counter to stand still for the window."""
+    monkeypatch.setattr(switch_evidence, "QUIET_WINDOW_S", 1.0)
+    dsn = tables
+    v1 = Writers()
+    v1.start(dsn, WritePhase.flat, count=1, application_name="orders-v1")
+    relay = switching_relay(dsn, collected, old_app="orders-v1%")
+    try:
+        with (
+            caplog.at_level(logging.INFO, logger="outbox_migrate.relay"),
+            psycopg.connect(dsn, autocommit=True, application_name="psql"),
+            running(relay),
+        ):
+            wait_for(lambda: relay.state.blocked_checks >= 3, what="blocked switch checks")
+            time.sleep(HELD_S)
+            assert not relay.state.switched
+            assert "session(s) of 'orders-v1%' connected" in relay.state.last_blocked_reason
+            v1.finish()
+            gone = time.monotonic()
+            wait_for(lambda: relay.state.switched, what="the switch")
+            assert time.monotonic() - gone >= 1.0  # the quiet window, after the last insert
+            wait_for(lambda: not unpublished_flat(dsn), 10, "no stranded V1 row")
+    finally:
+        v1.finish()
+    assert {i for _, i in v1.inserted} <= set(collected.ids)
+    quiet = [r.getMessage() for r in caplog.records if "insert counter" in r.getMessage()]
+    assert len(quiet) == 1 and "psql" in quiet[0]  # the DBA's session is named
+
+
+def test_a_column_level_insert_grant_keeps_the_gate_shut(tables: str, collected: Collected) -> None:
+    """INSERT granted on columns only (`GRANT INSERT (payload) …`) is INSERT all the same:
+    the gate waits for it, and `REVOKE INSERT ON outbox` (the advice it prints) ends it."""
+    dsn = tables
+    role = f"app_cols_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(role)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(ident))
+        admin.execute(sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(ident))
+        admin.execute(sql.SQL("GRANT SELECT, INSERT (payload) ON outbox TO {}").format(ident))
+    relay = switching_relay(dsn, collected)
+    try:
+        with running(relay):
+            wait_for(lambda: relay.state.blocked_checks >= 3, what="blocked switch checks")
+            time.sleep(HELD_S)
+            assert not relay.state.switched, "switched while a role may still insert"
+            assert f"REVOKE INSERT ON public.outbox FROM {role}" in relay.state.last_blocked_reason
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                admin.execute(sql.SQL("REVOKE INSERT ON outbox FROM {}").format(ident))
+            wait_for(lambda: relay.state.switched, what="the switch after the REVOKE")
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
+            admin.execute(sql.SQL("DROP ROLE {}").format(ident))
