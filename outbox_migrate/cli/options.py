@@ -142,6 +142,10 @@ class Phase(StrEnum):
     V3 = "V3"
     V4 = "V4"
     copy_back = "copy-back"
+    original_name = "original-name"
+    """Optional (--with-optional): the partitioned table takes the flat table's name."""
+    drop_view = "drop-view"
+    """Optional (--with-optional): the view under the former name goes."""
 
 
 def require_positive(flag: str, value: float | None) -> None:
