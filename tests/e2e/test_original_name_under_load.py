@@ -10,23 +10,33 @@ import dataclasses
 
 import psycopg
 import pytest
+from psycopg import sql
 
-from tests.e2e.test_zoo import SPEC_TABLE
-from tests.support.zoo import check_delivery, migrate_under_load
+from tests.e2e.test_zoo import DEBEZIUM, QUOTED, SPEC_TABLE
+from tests.support.zoo import ZooTable, check_delivery, migrate_under_load
 
-RENAMED = dataclasses.replace(SPEC_TABLE, include_optional=True, original_name=True)
+TABLES = [
+    dataclasses.replace(table, include_optional=True, original_name=True)
+    for table in (SPEC_TABLE, QUOTED, DEBEZIUM)
+]
 
 
+@pytest.mark.parametrize("zoo", TABLES, ids=lambda t: t.name)
 @pytest.mark.parametrize("pattern", ["hoper", "hopia"])
-def test_original_name_under_load(pattern: str, dsn: str) -> None:
-    outcome, _ = migrate_under_load(dsn, RENAMED, pattern)
-    check_delivery(outcome, RENAMED)
+def test_original_name_under_load(pattern: str, zoo: ZooTable, dsn: str) -> None:
+    outcome, _ = migrate_under_load(dsn, zoo, pattern)
+    check_delivery(outcome, zoo)
     assert outcome.writer_errors == []
+    spec = zoo.spec_settings().spec
     with psycopg.connect(dsn, autocommit=True) as conn:
         kinds = conn.execute(
-            "SELECT (SELECT relkind::text FROM pg_class WHERE oid = to_regclass('outbox')), "
-            "to_regclass('outbox_new'), "
+            "SELECT (SELECT relkind::text FROM pg_class WHERE oid = to_regclass(%s)), "
+            "to_regclass(%s), "
             "(SELECT count(*) FROM outbox_migrate.step WHERE step_id LIKE %s AND state = 'done')",
-            (f"{pattern}.%original-name%",),
+            (
+                sql.Identifier(spec.schema, spec.table).as_string(None),
+                sql.Identifier(spec.schema, spec.partitioned_table).as_string(None),
+                f"{pattern}.%original-name%",
+            ),
         ).fetchone()
     assert kinds == ("p", None, 1)

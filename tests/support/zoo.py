@@ -253,6 +253,7 @@ def _choreograph(dsn: str, zoo: ZooTable, pattern: str, settings: Settings,
         # The previous version (V2's writer, V3's relay, both on the former name) runs on
         # across the rename; the next one uses the original name; then the view goes.
         run_phase(dsn, settings, pattern, "original-name", zoo.include_optional)
+        through_view = len(v2_writer.written)
         # The relay of the next version names the partitioned table by its original name;
         # `table` (the flat table, unused in partitioned mode) must be some other name.
         renamed = zoo.spec_settings(partitioned_table=spec.table, table=spec.retired_table)
@@ -261,6 +262,8 @@ def _choreograph(dsn: str, zoo: ZooTable, pattern: str, settings: Settings,
         relays.append(next_relay)
         time.sleep(0.5)  # both versions side by side on both names
         v2_writer.finish()
+        # The previous version really wrote through the view (its INSERTs did not fail).
+        assert len(v2_writer.written) > through_view, "no insert through the view"
         v3_relay.finish()
         run_phase(dsn, settings, pattern, "drop-view", zoo.include_optional)
         time.sleep(0.3)
