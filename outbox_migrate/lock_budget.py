@@ -93,7 +93,8 @@ class LockBudgetExceeded(OutboxMigrateError):
         self.blockers = blockers
         who = "; blocked by " + ", ".join(b.describe() for b in blockers[:3]) if blockers else ""
         super().__init__(
-            f"{step_id}: could not take its locks in {attempts} attempts over {waited_s:.1f} s"
+            f"{step_id}: could not take its locks in {attempts} "
+            f"attempt{'' if attempts == 1 else 's'} over {waited_s:.1f} s"
             f"{who}; nothing was applied — retry when they finish"
         )
 

@@ -91,9 +91,10 @@ def generate(
         return
     from outbox_migrate.cli.console import table as print_table
     from outbox_migrate.cli.console import text
+    from outbox_migrate.cli.wording import count
 
     print_table(
-        f"{len(result.revisions)} revisions written to {result.script_location}/versions "
+        f"{count(len(result.revisions), 'revision')} written to {result.script_location}/versions "
         f"(after {result.down_revision or 'base'})",
         ["revision", "phase", "step", "reversible"],
         [

@@ -31,22 +31,34 @@ from outbox_migrate.errors import ExitCode
 HELP = """Move a live PostgreSQL outbox to a LIST-partitioned table, with zero downtime.
 
 \b
-Examples:
-  outbox-migrate demo --pattern hoper        # a whole migration under live load, embedded PG
-  outbox-migrate wizard                      # three questions -> the pattern for you, and why
-  outbox-migrate plan --pattern hoper --dsn $DATABASE_URL   # steps, SQL, locks for your schema
-  outbox-migrate run --pattern hoper --to V2 --dsn $DATABASE_URL   # one deploy's steps
-  outbox-migrate status --dsn $DATABASE_URL --format json   # where the migration stands
-  outbox-migrate config --format json        # the names and settings in force
-  outbox-migrate ping --dsn embedded         # start the embedded PostgreSQL and connect
-  outbox-migrate relay --sink stdout --until-empty --dsn $DATABASE_URL   # publish, then exit
-  outbox-migrate copy-back --rate 50000 --dsn $DATABASE_URL   # HOPER: copy back, verify, drop
-  outbox-migrate maintain --once --dsn $DATABASE_URL   # autovacuum, index bloat, retention
-  outbox-migrate alembic generate --pattern hoper --dir .   # the steps as Alembic revisions
+Examples (each followed by what it does):
+  outbox-migrate demo --pattern hoper
+      a whole migration under live load, on an embedded PostgreSQL
+  outbox-migrate wizard
+      three questions -> the pattern for you, and why
+  outbox-migrate plan --pattern hoper --dsn $DATABASE_URL
+      the steps, their SQL and locks for your schema
+  outbox-migrate run --pattern hoper --to V2 --dsn $DATABASE_URL
+      one deploy's steps
+  outbox-migrate status --dsn $DATABASE_URL --format json
+      where the migration stands
+  outbox-migrate config --format json
+      the names and settings in force
+  outbox-migrate ping --dsn embedded
+      start the embedded PostgreSQL and connect
+  outbox-migrate relay --sink stdout --until-empty --dsn $DATABASE_URL
+      publish what is there, then exit
+  outbox-migrate copy-back --rate 50000 --dsn $DATABASE_URL
+      HOPER: copy back, verify, drop
+  outbox-migrate maintain --once --dsn $DATABASE_URL
+      autovacuum, index bloat, retention
+  outbox-migrate alembic generate --pattern hoper --dir .
+      the steps as Alembic revisions
 
 \b
-Exit codes: 0 ok, 1 failed, 2 bad input, 3 busy, 4 lock budget, 5 precondition,
-6 connection lost, 130 interrupted, 143 terminated (docs/cli.md).
+Exit codes: 0 ok, 1 failed, 2 bad input, 3 busy, 4 lock budget,
+5 precondition, 6 connection lost, 130 interrupted, 143 terminated
+(docs/cli.md).
 """
 
 app = typer.Typer(

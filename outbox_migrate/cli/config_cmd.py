@@ -7,6 +7,7 @@ from typing import Any
 import typer
 
 from outbox_migrate.cli.options import (
+    RUNNER_SETTINGS,
     FormatOption,
     OutputFormat,
     settings_from,
@@ -19,7 +20,7 @@ def register(app: typer.Typer) -> None:
         "config",
         help="Show the configuration in force and where each value came from.\n\n"
         "Example: outbox-migrate config --table events_outbox --format json",
-    )(with_names(config))
+    )(with_names(config, settings=RUNNER_SETTINGS))
 
 
 def config(

@@ -15,6 +15,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+# Lines are wrapped here (`_say`, `table`), to the terminal's width — 80 when it is not a
+# terminal — so rich's own soft wrapping stays off: it would cut words it cannot place.
+
 
 @cache
 def out() -> Console:
@@ -44,26 +47,95 @@ def table(
     rows: Sequence[Sequence[Any]],
     *,
     keep: Sequence[str] = (),
+    lines: bool = False,
+    console: Console | None = None,
 ) -> None:
-    """A table for people. Columns in `keep` (identifiers such as step ids) are never wrapped
-    or truncated; the others wrap at word boundaries, so the table fits 80 columns."""
+    """A table for people that fits the terminal. Columns in `keep` (identifiers such as step
+    ids) never wrap; the others wrap at spaces, never inside a word (a table name, a header).
+    When even that cannot fit, each row is printed as a block instead (`_records`)."""
     from rich import box
 
+    console = console or out()
     cells = [["" if cell is None else str(cell) for cell in row] for row in rows]
-    grid = Table(title=title, show_lines=False, box=box.SIMPLE_HEAD if keep else box.HEAVY_HEAD)
-    for index, column in enumerate(columns):
-        if column in keep:
-            widest = max([len(column), *(len(row[index]) for row in cells)])
-            grid.add_column(column, no_wrap=True, min_width=widest)
-        else:
-            grid.add_column(column, overflow="fold")
+    narrowest = [
+        _narrowest(column, [row[index] for row in cells], whole=column in keep)
+        for index, column in enumerate(columns)
+    ]
+    # Each column pads one space either side and the box draws a rule between and around
+    # them: 3 per column + 1. Rich would squeeze a table that does not fit by cutting words.
+    if sum(narrowest) + 3 * len(columns) + 1 > console.width:
+        _records(console, title, columns, cells)
+        return
+    grid = Table(title=title, show_lines=lines,
+                 box=box.SIMPLE_HEAD if keep else box.HEAVY_HEAD)  # fmt: skip
+    for column, least in zip(columns, narrowest, strict=True):
+        grid.add_column(column, no_wrap=column in keep, min_width=least)
     for row in cells:
         grid.add_row(*row)
-    out().print(grid)
+    console.print(grid)
+
+
+def _narrowest(header: str, values: Sequence[str], *, whole: bool) -> int:
+    """The least width a column needs without cutting a word (or, `whole`, a line)."""
+    pieces = [header, *values]
+    if whole:
+        return max(len(line) for piece in pieces for line in piece.splitlines() or [""])
+    return max((len(word) for piece in pieces for word in piece.split()), default=1)
+
+
+def _records(
+    console: Console, title: str | None, columns: Sequence[str], cells: Sequence[Sequence[str]]
+) -> None:
+    """A table too wide for the terminal, one block per row: the first cell on a line of its
+    own (a step id stays whole), then `column: value` lines, wrapped with a hanging indent."""
+    from outbox_migrate.cli.wording import wrap_text
+
+    if title:
+        _say(console, title)
+    for row in cells:
+        head, *rest = row[0].split("\n") if row else [""]
+        lines = [(head, 0), *((f"  {line}", 2) for line in rest)]
+        for column, value in zip(columns[1:], row[1:], strict=True):
+            shown = "; ".join(value.splitlines()) or "-"
+            lines.append((f"  {column}: {shown}", len(column) + 4))
+        console.print()
+        for line, hang in lines:
+            for wrapped in wrap_text(line, console.width, hang=hang):
+                console.print(wrapped, markup=False, highlight=False)
+
+
+def _say(console: Console, message: str, *, style: str | None = None, bold: str = "") -> None:
+    """`message` wrapped to the console's width (words never cut; an indented or bulleted
+    line continues under its text); `bold` is a prefix of the first line to embolden."""
+    from rich.text import Text
+
+    from outbox_migrate.cli.wording import wrap_text
+
+    for index, line in enumerate(wrap_text(bold + message, console.width)):
+        shown = Text(line, style=style or "")
+        if index == 0 and bold:
+            shown.stylize("bold", 0, len(bold))
+        console.print(shown)
 
 
 def text(message: str = "", *, style: str | None = None) -> None:
-    out().print(message, style=style, markup=False)
+    _say(out(), message, style=style)
+
+
+def advice(following: str, label: str = "Next:") -> None:
+    """A `Next:` line: its prose wraps, the commands it names follow on lines of their own
+    (long ones split with ` \\` continuations, so a copy and paste still runs)."""
+    from outbox_migrate.cli.wording import command_lines, split_advice
+
+    console = out()
+    prose, commands = split_advice(following)
+    if not prose and len(commands) == 1 and len(f"{label} {commands[0]}") <= console.width:
+        console.print(f"{label} {commands[0]}", markup=False, highlight=False)
+        return
+    _say(console, f"{label} {prose}".rstrip())
+    for command in commands:
+        for line in command_lines(command, console.width):
+            console.print(line, markup=False, highlight=False)
 
 
 def markup(message: str) -> None:
@@ -134,10 +206,11 @@ def confirm(question: str) -> bool:
 
 
 def render_plan(doc: dict[str, Any]) -> None:
-    """The terminal view of `plan`: one table per phase, steps with locks and rollback."""
+    """The terminal view of `plan`: one table per phase, steps with locks and rollback (a
+    block per step where the table cannot fit the terminal)."""
     console = out()
-    console.print(f"[bold]{doc['acronym']}[/bold]: {doc['title']}")
-    console.print(doc["summary"], markup=False)
+    _say(console, f": {doc['title']}", bold=doc["acronym"])
+    _say(console, doc["summary"])
     facts = doc.get("facts")
     if facts:
         ids = (
@@ -146,56 +219,51 @@ def render_plan(doc: dict[str, Any]) -> None:
             if facts.get("id_kind") == "application"
             else f"max id {facts['max_id']}, new identity starts at {facts['identity_start']:,}"
         )
-        console.print(
+        outbox = (
             f"Your outbox: PostgreSQL {facts['server_version']}, {facts['table']}, "
-            f"~{facts['row_estimate']:,} rows, {facts['unpublished']:,} unpublished, {ids}",
-            markup=False,
+            f"~{facts['row_estimate']:,} rows, {facts['unpublished']:,} unpublished"
         )
+        _say(console, f"{outbox}, {ids}")
         for warning in facts["warnings"]:
-            console.print(f"warning: {warning['message']} — {warning['remedy']}", markup=False)
+            _say(console, f"warning: {warning['message']} — {warning['remedy']}")
         for note in facts.get("notes", ()):
-            console.print(f"note: {note['message']} — {note['remedy']}", markup=False)
+            _say(console, f"note: {note['message']} — {note['remedy']}")
         for obj in facts.get("objects", ()):
-            console.print(f"{obj['kind']} {obj['name']}: {obj['fate']}", markup=False)
+            _say(console, f"{obj['kind']} {obj['name']}: {obj['fate']}")
     for phase in doc["phases"]:
         console.print()
-        console.print(f"[bold]{phase['name']}[/bold] ({phase['kind']}): {phase['title']}")
-        console.print(f"  application: {phase['application']}", markup=False)
+        _say(console, f" ({phase['kind']}): {phase['title']}", bold=phase["name"])
+        _say(console, f"  application: {phase['application']}")
         for line in phase["instructions"]:
-            console.print(f"  - {line}", markup=False)
+            _say(console, f"  - {line}")
         for line in phase.get("cdc_text", ()):
-            console.print(f"  {line}", markup=False)
+            _say(console, f"  {line}")
         if not phase["steps"]:
             continue
-        grid = Table(show_lines=True)
-        widest = max(len(step["id"]) for step in phase["steps"])
-        grid.add_column("step", min_width=widest)  # ids never wrap; summaries wrap at spaces
-        for column in ("locks", "scan", "checks", "rollback"):
-            grid.add_column(column, overflow="fold")
+        rows = []
         for step in phase["steps"]:
             locks = "\n".join(f"{lock['mode']} {lock['relation']}" for lock in step["locks"])
-            grid.add_row(
+            rows.append((
                 f"{step['id']}\n{step['summary']}",
                 (locks or "none") + ("\n(catalog-only)" if step["catalog_only"] else ""),
                 step["scan"],
                 str(len(step["preconditions"])),
                 step["reverse_note"] if step["reversible"] else "no: " + step["reverse_note"],
-            )
-        console.print(grid)
+            ))  # fmt: skip
+        table(None, ["step", "locks", "scan", "checks", "rollback"], rows, lines=True)
 
 
 def render_recommendation(doc: dict[str, Any]) -> None:
     console = out()
     console.print(f"Recommended pattern: [bold]{doc['pattern'].upper()}[/bold]")
     for reason in doc["reasons"]:
-        console.print(f"  - {reason}", markup=False)
+        _say(console, f"  - {reason}")
     console.print("Not chosen:")
     for name, why in doc["rejected"].items():
-        console.print(f"  - {name.upper()}: {why}", markup=False)
+        _say(console, f"  - {name.upper()}: {why}")
     for note in doc.get("notes", []):
-        console.print(f"  * {note}", markup=False)
-    following = doc.get("next") or f"outbox-migrate plan --pattern {doc['pattern']}"
-    console.print(f"Next: {following}", markup=False)
+        _say(console, f"  * {note}")
+    advice(doc.get("next") or f"outbox-migrate plan --pattern {doc['pattern']}")
 
 
 class _TextRunnerEvents:
@@ -204,33 +272,27 @@ class _TextRunnerEvents:
     def step_started(self, step: Any, action: str) -> None:
         if action == "already-done":
             return
-        err().print(f"[bold]{step.id}[/bold] {step.summary}", highlight=False)
+        _say(err(), f" {step.summary}", bold=step.id)
 
     def attempt(self, step: Any, log: Any) -> None:
         if log.outcome == "done":
             return
         blockers = ", ".join(b.describe() for b in log.blockers) or "unknown session"
         if log.outcome == "waiting":
-            err().print(
-                f"  attempt {log.attempt}: waiting, without queueing, for the lock held by "
-                f"{blockers}",
-                markup=False,
-            )
+            _say(err(), f"  attempt {log.attempt}: waiting, without queueing, for the lock "
+                 f"held by {blockers}")  # fmt: skip
             return
-        err().print(
-            f"  attempt {log.attempt}: lock not granted within the timeout "
-            f"({log.waited_ms:.0f} ms); held by {blockers}; retrying",
-            markup=False,
-        )
+        _say(err(), f"  attempt {log.attempt}: lock not granted within the timeout "
+             f"({log.waited_ms:.0f} ms); held by {blockers}; retrying")  # fmt: skip
 
     def step_finished(self, step: Any, outcome: str, elapsed_s: float) -> None:
-        err().print(f"  {outcome} in {elapsed_s * 1000:.0f} ms", markup=False)
+        _say(err(), f"  {outcome} in {elapsed_s * 1000:.0f} ms")
 
     def warning(self, step: Any, message: str) -> None:
-        err().print(f"  warning: {message}", markup=False)
+        _say(err(), f"  warning: {message}")
 
     def progress(self, step: Any, done: int, total: int, rate_per_s: float) -> None:
-        err().print(f"  {done:,}/{total:,} rows ({rate_per_s:,.0f} rows/s)", markup=False)
+        _say(err(), f"  {done:,}/{total:,} rows ({rate_per_s:,.0f} rows/s)")
 
 
 class _JsonRunnerEvents:
@@ -264,14 +326,19 @@ def runner_events(*, json_lines: bool) -> Any:
     return _JsonRunnerEvents() if json_lines else _TextRunnerEvents()
 
 
-def render_status(doc: dict[str, Any]) -> None:
+def render_status(doc: dict[str, Any], latest: dict[str, dict[str, Any]] | None = None) -> None:
+    """`status` for people: the table of steps, then one line per step that has something to
+    say — its latest lock attempt when that is newer than its recorded error (`latest`, from
+    `attempt_log.latest_attempts`), else the error."""
+    from outbox_migrate.attempt_log import newer_than_error
+    from outbox_migrate.cli.wording import without_prefix
+
     console = out()
-    console.print(
+    _say(console,
         f"{doc['pattern'].upper()} migration of {doc['table']}: {doc['state']}, completed "
         f"through {doc['phase']}"
         + (f", next {doc['next_phase']}" if doc.get("next_phase") else ""),
-        markup=False,
-    )
+    )  # fmt: skip
     rows = [
         (s["id"], s["state"], s.get("attempts", 0),
          f"{s['duration_ms']:.0f}" if s.get("duration_ms") is not None else "",
@@ -279,9 +346,27 @@ def render_status(doc: dict[str, Any]) -> None:
         for s in doc["steps"]
     ]  # fmt: skip
     table(None, ["step", "state", "tries", "ms", "lock wait ms"], rows, keep=["step"])
-    for s in doc["steps"]:  # errors below the table: they wrap, the ids above never do
-        if s.get("last_error"):
-            console.print(f"{s['id']}: {s['last_error']}", markup=False)
+    for s in doc["steps"]:  # below the table: these lines wrap, the ids above never do
+        attempt = (latest or {}).get(s["id"])
+        if attempt is not None and newer_than_error(attempt, s):
+            _say(console, f"{s['id']}: {_attempt_line(attempt)}")
+        elif s.get("last_error"):
+            # The error itself often starts with the step id: say it once.
+            _say(console, f"{s['id']}: {without_prefix(str(s['last_error']), s['id'])}")
+
+
+def _attempt_line(attempt: dict[str, Any]) -> str:
+    at = attempt["at"]
+    when = at.strftime("%Y-%m-%d %H:%M:%S %Z") if hasattr(at, "strftime") else str(at)
+    held = ", ".join(
+        f"pid {b.get('pid')}" + (f" ({b['application_name']})" if b.get("application_name") else "")
+        for b in attempt["blockers"][:3]
+    )  # fmt: skip
+    said = {"lock_timeout": "lock not granted within the timeout",
+            "waiting": "waiting for its locks"}  # fmt: skip
+    outcome = said.get(attempt["outcome"], attempt["outcome"])
+    return (f"latest attempt {attempt['attempt']} at {when}: {outcome} "
+            f"({attempt['waited_ms']:.0f} ms)" + (f"; held by {held}" if held else ""))  # fmt: skip
 
 
 @contextmanager
@@ -310,17 +395,20 @@ def demo_live(pattern: str) -> Iterator[Callable[[Any], None]]:
             live.update(view(snapshot))
 
         yield update
+    if not err().is_terminal:  # the last frame ends without a newline off a terminal
+        err().line()
 
 
 def render_demo_report(report: dict[str, Any]) -> None:
     console = out()
     lost = report["lost"]
-    verdict = "[green]nothing lost[/green]" if lost == 0 else "[red]LOST MESSAGES[/red]"
+    verdict = "nothing lost" if lost == 0 else "LOST MESSAGES"
+    console.print()
+    _say(console, f" at {report['rate_per_s']} inserts/s: {verdict}",
+         bold=report["pattern"].upper(), style="green" if lost == 0 else "red")  # fmt: skip
     if report.get("interrupted"):
         left = report["backlog_left"]
-        verdict += f" [yellow](interrupted: a partial run, {left:,} left unpublished)[/yellow]"
-    title = f"{report['pattern'].upper()}[/bold] at {report['rate_per_s']} inserts/s"
-    console.print(f"\n[bold]{title}: {verdict}")
+        _say(console, f"interrupted: a partial run, {left:,} left unpublished", style="yellow")
     summary = [
         ("produced", f"{report['produced']:,}"),
         ("published", f"{report['published']:,}"),
@@ -351,18 +439,16 @@ def render_demo_report(report: dict[str, Any]) -> None:
     refusal = report.get("refusal")
     if refusal:
         strand = refusal.get("would_strand", {})
-        console.print(
-            f"[bold red]refused[/bold red] {refusal.get('step')}: {refusal.get('observed')}",
-        )
-        console.print(
+        _say(console, f" {refusal.get('step')}: {refusal.get('observed')}", bold="refused",
+             style="red")  # fmt: skip
+        _say(console,
             f"rows that would have been stranded: {strand.get('count', 0)} "
             f"(ids {strand.get('first_ids', [])[:10]}…, keys {strand.get('first_keys', [])[:5]}…)",
-            markup=False,
-        )
+        )  # fmt: skip
     files = report.get("files") or {}
     for kind, path in files.items():
         if path:
-            console.print(f"{kind}: {path}", markup=False)
+            _say(console, f"{kind}: {path}")
 
 
 def render_rehearsal_report(report: dict[str, Any]) -> None:
@@ -405,4 +491,4 @@ def render_rehearsal_report(report: dict[str, Any]) -> None:
         table("at the real size", ["step", "scratch", "source (estimate)"], estimates,
               keep=["step"])  # fmt: skip
     for skipped in scratch["skipped"]:
-        out().print(f"not carried to the copy: {skipped}", markup=False)
+        _say(out(), f"not carried to the copy: {skipped}")

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from outbox_migrate.cli.options import (
+    RUNNER_SETTINGS,
     DsnOption,
     FormatOption,
     OutputFormat,
@@ -53,7 +54,7 @@ def register(app: typer.Typer) -> None:
         "checksums, then drop the source. A failed verification keeps the source and names the "
         "id ranges that differ.\n\n"
         "Example: outbox-migrate copy-back --dsn $DATABASE_URL --rate 50000",
-    )(with_names(copy_back))
+    )(with_names(copy_back, settings=RUNNER_SETTINGS))
 
 
 def copy_back(
@@ -185,8 +186,10 @@ def _through_the_runner(dsn: str, settings: Any, options: Any, no_drop: bool, hu
             result = runner.execute_step("hoper.copy-back.copy-back")
         else:
             result = runner.run("copy-back")
+    from outbox_migrate.cli.wording import count
+
     line = (
-        f"HOPER copy-back through the migration's ledger: ran {len(result.ran)} steps, "
+        f"HOPER copy-back through the migration's ledger: ran {count(len(result.ran), 'step')}, "
         f"adopted {len(result.adopted)}; "
         + ("migration complete" if result.completed else f"at the end of {result.phase}")
     )

@@ -80,10 +80,11 @@ def demo(
         set_interrupt_note(f"writers and relays stopped, partial report: {where}")
         raise KeyboardInterrupt
     if result["lost"]:
+        from outbox_migrate.cli.wording import count
         from outbox_migrate.errors import OutboxMigrateError
 
         raise OutboxMigrateError(
-            f"the demo lost {result['lost']} messages (see the report above); a correct "
+            f"the demo lost {count(result['lost'], 'message')} (see the report above); a correct "
             "choreography loses none"
         )
 

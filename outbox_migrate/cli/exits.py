@@ -2,10 +2,12 @@
 
 Every command returns through `cli.app.main`, which hands whatever ended the command (a
 return, an error, an interrupt) to `classify` and exits with the code it gives. Nothing else
-in the CLI calls `sys.exit`, so a script can trust the code: `run --to V3 && deploy-v3` never
-deploys after a failure, a Ctrl-C or a lost connection.
+in the CLI decides an exit code (`cli.launch` passes it on, and after an interrupt leaves at
+once), so a script can trust the code: `run --to V3 && deploy-v3` never deploys after a
+failure, a Ctrl-C or a lost connection.
 
-Signals: SIGINT raises `KeyboardInterrupt` and SIGTERM raises `Terminated` (a subclass) at
+Signals (`cli.signals`, installed by the launcher before anything heavy is imported): SIGINT
+raises `KeyboardInterrupt` and SIGTERM raises `Terminated` (a subclass) at
 the point the main thread is at, so `with` blocks unwind and an open transaction is rolled
 back (psycopg cancels the running query first) before the process exits with 130 or 143.
 Commands that run as services (`relay`, `maintain` without `--once`) install their own
@@ -17,12 +19,11 @@ Imports stay light: no rich, and psycopg only if a command already loaded it.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
+from outbox_migrate.cli import signals
 from outbox_migrate.errors import (
     ConfigError,
     ConnectError,
@@ -39,10 +40,6 @@ _CLOSED_MESSAGES = ("connection is closed", "connection is lost", "server closed
                     "closed", "terminating connection")  # fmt: skip
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the main thread is so cleanup runs as for Ctrl-C."""
-
-
 class Declined(OutboxMigrateError):
     """The user answered no to a confirmation: nothing was done, but the command did not do
     what was asked, so a script must not carry on as if it had."""
@@ -54,7 +51,6 @@ class Declined(OutboxMigrateError):
 class _State:
     command: str = "outbox-migrate"
     activity: str | None = None
-    signal: int | None = None
     note: str | None = None
 
 
@@ -91,29 +87,18 @@ def doing() -> str:
     return f"{_state.activity} of {command}" if _state.activity else command
 
 
-def _on_signal(signum: int, _frame: FrameType | None) -> None:
-    _state.signal = signum
-    if signum == signal.SIGTERM:
-        raise Terminated()
-    raise KeyboardInterrupt()
-
-
 def install_signal_handlers() -> None:
-    """SIGINT → KeyboardInterrupt, SIGTERM → Terminated, both remembered for the exit code.
-
-    A second signal while the first unwinds raises again, which is what a user pressing
-    Ctrl-C twice expects."""
-    _state.signal = None
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    """SIGINT → KeyboardInterrupt, SIGTERM → Terminated (see `cli.signals`; the launcher
+    installed them already, this covers `main` called in-process)."""
+    signals.install()
 
 
 def interrupt_code() -> int:
-    return int(ExitCode.TERMINATED if _state.signal == signal.SIGTERM else ExitCode.INTERRUPTED)
+    return signals.exit_code()
 
 
 def interrupt_message() -> str:
-    name = "terminated (SIGTERM)" if _state.signal == signal.SIGTERM else "interrupted"
+    name = signals.name()
     if _state.note:
         return f"{name} during {doing()}; {_state.note}"
     if _state.activity and _state.activity.startswith("step "):

@@ -162,6 +162,7 @@ def _show(report: MaintenanceReport, as_json: bool, *, compact: bool = False) ->
             print_json(_as_dict(report))
         return
     from outbox_migrate.cli.console import table, text
+    from outbox_migrate.cli.wording import count
 
     text(f"maintenance pass at {report.started_at} ({report.seconds:.1f}s)")
     for av in report.autovacuum:
@@ -180,7 +181,8 @@ def _show(report: MaintenanceReport, as_json: bool, *, compact: bool = False) ->
           ["index", "method", "bytes", "bloat %", "after %", "status", "note"], rows)  # fmt: skip
     if report.retention is not None:
         r = report.retention
-        done = f"deleted {r.deleted_rows:,} rows in {r.batches} batches ({r.seconds:.1f}s)"
+        done = (f"deleted {count(r.deleted_rows, 'row')} in {count(r.batches, 'batch', 'batches')}"
+                f" ({r.seconds:.1f}s)")  # fmt: skip
         text(f"  retention on {r.table}: " + (f"skipped ({r.skipped})" if r.skipped else done))
     for note in report.notes:
         text(f"  note: {note}")

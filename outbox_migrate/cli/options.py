@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, Field, fields
 from enum import StrEnum
 from functools import wraps
 from typing import Annotated, Any, TypeVar
@@ -49,6 +49,21 @@ NAME_HELP: dict[str, str] = {
 }
 """Help for the spec's fields; a field without an entry still gets an option."""
 
+SETTING_HELP: dict[str, str] = {
+    "lock_timeout_ms": "lock_timeout of each lock attempt, ms",
+    "lock_budget_s": "Total time a step may retry for its locks, s",
+    "old_app_name": "application_name (SQL LIKE) of the outgoing app version",
+    "gate_window_s": "How long a deploy gate watches the old table for new ids, s",
+}
+"""The settings beyond the names, each an option of the commands that read it."""
+
+RUNNER_SETTINGS = ("lock_timeout_ms", "lock_budget_s", "old_app_name", "gate_window_s")
+"""Commands that build the pattern and run or undo its steps (`run`, `next`, `rollback`,
+`reset`, `copy-back`), `plan` (its SQL sets the lock timeout) and `config` read all four."""
+
+PATTERN_SETTINGS = ("old_app_name", "gate_window_s")
+"""`status` and `verify` build the pattern's checks, which these two shape."""
+
 
 def _default_text(value: Any) -> str:
     if isinstance(value, tuple):
@@ -56,12 +71,16 @@ def _default_text(value: Any) -> str:
     return "''" if value == "" else str(value)
 
 
+_PYTHON_TYPES: dict[str, Any] = {"int": int, "float": float}
+
+
 def _name_parameter(field_name: str, field_type: str, default: Any) -> inspect.Parameter:
     flag = "--" + field_name.replace("_", "-")
-    base = NAME_HELP.get(field_name, field_name.replace("_", " ").capitalize())
+    described = NAME_HELP.get(field_name) or SETTING_HELP.get(field_name)
+    base = described or field_name.replace("_", " ").capitalize()
     help_text = f"{base} [{_default_text(default)}]."
     # A list setting takes the flag repeatedly (or one comma-separated value).
-    python_type: Any = {"int": int}.get(field_type, list[str] if "tuple" in field_type else str)
+    python_type: Any = _PYTHON_TYPES.get(field_type, list[str] if "tuple" in field_type else str)
     annotation = Annotated[
         python_type | None, typer.Option(flag, help=help_text, show_default=False)
     ]
@@ -82,15 +101,24 @@ def name_fields() -> list[str]:
     return [f.name for f in fields(OutboxSpec)]
 
 
-def with_names(command: _F) -> _F:
-    """Give `command` one option per `OutboxSpec` field; it receives those the user passed as
+def _generated_fields(settings: tuple[str, ...]) -> list[Field[Any]]:
+    chosen = [f for f in fields(Settings) if f.name in settings]
+    unknown = set(settings) - {f.name for f in chosen}
+    if unknown:
+        raise ValueError(f"not settings: {sorted(unknown)}")
+    return [*fields(OutboxSpec), *chosen]
+
+
+def with_names(command: _F, *, settings: tuple[str, ...] = ()) -> _F:
+    """Give `command` one option per `OutboxSpec` field, and one per `Settings` key named in
+    `settings` (the commands that read them); it receives those the user passed as
     `names: dict[str, Any]` (pass it on to `settings_from(**names)`)."""
     signature = inspect.signature(command, eval_str=True)
     own = [p for p in signature.parameters.values() if p.name != NAMES_PARAMETER]
     taken = {p.name for p in own}
     added = [
         _name_parameter(f.name, str(f.type), f.default if f.default is not MISSING else None)
-        for f in fields(OutboxSpec)
+        for f in _generated_fields(settings)
         if f.name not in taken
     ]
     generated = {p.name for p in added}
@@ -146,6 +174,25 @@ class Phase(StrEnum):
     """Optional (--with-optional): the partitioned table takes the flat table's name."""
     drop_view = "drop-view"
     """Optional (--with-optional): the view under the former name goes."""
+
+
+def parse_phase(value: str) -> Phase:
+    """`--to v2` and `--to V2` alike; shown and refused in the docs' spelling (V2, copy-back)."""
+    for phase in Phase:
+        if phase.value.lower() == value.strip().lower():
+            return phase
+    raise typer.BadParameter(f"{value!r} is not one of {', '.join(p.value for p in Phase)}")
+
+
+ToOption = Annotated[
+    Phase,
+    typer.Option(
+        "--to",
+        parser=parse_phase,
+        metavar="|".join(p.value for p in Phase),
+        help="Phase to reach (V2, V3, V4, copy-back; any case).",
+    ),
+]
 
 
 def require_positive(flag: str, value: float | None) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from outbox_migrate.cli.options import (
+    RUNNER_SETTINGS,
     DsnOption,
     settings_from,
     with_names,
@@ -44,7 +45,7 @@ def register(app: typer.Typer) -> None:
         "estimated durations and blockers.\n\n"
         "Example: outbox-migrate plan --pattern hoper --dsn $DATABASE_URL "
         "--format sql > hoper.sql",
-    )(with_names(plan))
+    )(with_names(plan, settings=RUNNER_SETTINGS))
 
 
 def plan(
@@ -79,7 +80,13 @@ def plan(
         publications=tuple(facts.publication_details) if facts else (),
     )
     if output is PlanFormat.sql:
-        typer.echo(render_sql(built, settings.spec, settings.lock_timeout_ms), nl=False)
+        import shutil
+
+        from outbox_migrate.sql_layout import layout
+
+        sql_text = render_sql(built, settings.spec, settings.lock_timeout_ms)
+        # Laid out to the terminal's width, 80 when redirected to a file (COLUMNS wins).
+        typer.echo(layout(sql_text, shutil.get_terminal_size((80, 24)).columns), nl=False)
     elif output is PlanFormat.markdown:
         typer.echo(render_markdown(built, settings.spec, facts), nl=False)
     elif output is PlanFormat.json:

@@ -72,7 +72,12 @@ def relay(
     ] = ModeChoice.partitioned,
     dsn: DsnOption = None,
     until_empty: Annotated[
-        bool, typer.Option("--until-empty", help="Exit 0 once nothing is left to publish.")
+        bool,
+        typer.Option(
+            "--until-empty",
+            "--once",
+            help="Exit 0 once nothing is left to publish (--once, as for maintain, is the same).",
+        ),
     ] = False,
     batch_size: Annotated[int, typer.Option(help="Rows per claim.", min=1)] = 500,
     workers: Annotated[int, typer.Option(help="Concurrent claimers in this process.", min=1)] = 1,

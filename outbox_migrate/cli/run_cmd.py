@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from outbox_migrate.cli.options import (
+    PATTERN_SETTINGS,
+    RUNNER_SETTINGS,
     DsnOption,
     FormatOption,
     OutputFormat,
-    Phase,
+    ToOption,
     settings_from,
     with_names,
 )
@@ -19,11 +21,6 @@ from outbox_migrate.cli.plan_cmd import PatternName, PatternOption
 
 if TYPE_CHECKING:
     from outbox_migrate.runner import Runner
-
-ToOption = Annotated[
-    Phase,
-    typer.Option("--to", case_sensitive=False, help="Phase to reach (V2, V3, V4, copy-back)."),
-]
 
 
 class LongTx(StrEnum):
@@ -42,10 +39,6 @@ LongTxOption = Annotated[
         "tables: 'wait' (retry within the lock budget) or 'refuse'.",
     ),
 ]
-LockTimeoutOption = Annotated[
-    int | None,
-    typer.Option(help="lock_timeout per attempt, ms [200].", show_default=False),
-]
 ActivePatternOption = Annotated[
     PatternName | None,
     typer.Option(
@@ -53,9 +46,6 @@ ActivePatternOption = Annotated[
         help="Migration pattern [the table's active migration, from the ledger].",
     ),
 ]  # fmt: skip
-BudgetOption = Annotated[
-    float | None, typer.Option(help="Lock retry budget per step, s [60].", show_default=False)
-]
 
 
 def register(app: typer.Typer) -> None:
@@ -63,11 +53,11 @@ def register(app: typer.Typer) -> None:
         "run",
         help="Run the steps of a pattern up to the end of a phase, then stop at that deploy "
         "boundary.\n\nExample: outbox-migrate run --pattern hoper --to V2 --dsn $DATABASE_URL",
-    )(with_names(run))
+    )(with_names(run, settings=RUNNER_SETTINGS))
     app.command(
         "next", help="Run exactly one pending step.\n\n"
         "Example: outbox-migrate next --pattern hoper --dsn $DATABASE_URL",
-    )(with_names(next_step))  # fmt: skip
+    )(with_names(next_step, settings=RUNNER_SETTINGS))  # fmt: skip
     app.command(
         "status",
         help="Show the migration's phase and every step's state, attempts and timings. "
@@ -75,22 +65,22 @@ def register(app: typer.Typer) -> None:
         "the runner at work, who holds a lock the next step needs, which of its checks fail "
         "now (a gate's 'not yet'), the relay's backlog, copy-back and VALIDATE progress.\n\n"
         "Example: outbox-migrate status --format json",
-    )(with_names(status))
+    )(with_names(status, settings=PATTERN_SETTINGS))
     app.command(
         "verify",
         help="Check that the invariants of the current phase hold on the live database.\n\n"
         "Example: outbox-migrate verify --dsn $DATABASE_URL",
-    )(with_names(verify))
+    )(with_names(verify, settings=PATTERN_SETTINGS))
     app.command(
         "rollback",
         help="Undo the steps after a phase, newest first (up to the point of no return).\n\n"
         "Example: outbox-migrate rollback --pattern hoper --to V3 --dsn $DATABASE_URL",
-    )(with_names(rollback))
+    )(with_names(rollback, settings=RUNNER_SETTINGS))
     app.command(
         "reset",
         help="Abandon a stuck migration record (schema objects are left as they are).\n\n"
         "Example: outbox-migrate reset --yes",
-    )(with_names(reset))
+    )(with_names(reset, settings=RUNNER_SETTINGS))
 
 
 def _runner(
@@ -101,14 +91,12 @@ def _runner(
     names: dict[str, Any],
     with_optional: bool = False,
     on_long_tx: str = "wait",
-    lock_timeout_ms: int | None = None,
-    lock_budget_s: float | None = None,
 ) -> Runner:
     from outbox_migrate.dsn import resolve
     from outbox_migrate.errors import UsageError
     from outbox_migrate.runner import Runner
 
-    settings = settings_from(**names, lock_timeout_ms=lock_timeout_ms, lock_budget_s=lock_budget_s)
+    settings = settings_from(**names)
     resolved = resolve(dsn)
     if resolved is None:
         raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
@@ -135,12 +123,15 @@ def _report(result: Any, output: OutputFormat, runner: Runner | None = None) -> 
         print_json_line({"event": "result", **asdict(result), "next": following})
         return
     from outbox_migrate.cli.console import text
+    from outbox_migrate.cli.wording import count
 
     state = "migration complete" if result.completed else f"stopped at the end of {result.phase}"
-    text(f"{result.pattern.upper()}: ran {len(result.ran)} steps, adopted "
+    text(f"{result.pattern.upper()}: ran {count(len(result.ran), 'step')}, adopted "
          f"{len(result.adopted)}, {state}")  # fmt: skip
     if following:
-        text(f"Next: {following}")
+        from outbox_migrate.cli.console import advice
+
+        advice(following)
 
 
 def _what_next(result: Any, runner: Runner) -> str | None:
@@ -183,14 +174,12 @@ def run(
     output: FormatOption = OutputFormat.text,
     with_optional: OptionalOption = False,
     on_long_tx: LongTxOption = LongTx.wait,
-    lock_timeout_ms: LockTimeoutOption = None,
-    lock_budget_s: BudgetOption = None,
     *,
     names: dict[str, Any],
 ) -> None:
     runner = _runner(
         pattern.value, dsn, output, names=names, with_optional=with_optional,
-        on_long_tx=on_long_tx.value, lock_timeout_ms=lock_timeout_ms, lock_budget_s=lock_budget_s,
+        on_long_tx=on_long_tx.value,
     )  # fmt: skip
     with runner:
         result = runner.run(to.value)
@@ -202,11 +191,12 @@ def next_step(
     dsn: DsnOption = None,
     output: FormatOption = OutputFormat.text,
     with_optional: OptionalOption = False,
+    on_long_tx: LongTxOption = LongTx.wait,
     *,
     names: dict[str, Any],
 ) -> None:
-    runner = _runner(pattern.value, dsn, output, names=names,
-                     with_optional=with_optional)  # fmt: skip
+    runner = _runner(pattern.value, dsn, output, names=names, with_optional=with_optional,
+                     on_long_tx=on_long_tx.value)  # fmt: skip
     with runner:
         result = runner.next()
     _report(result, output, runner)
@@ -265,9 +255,10 @@ def status(
 
         text(inspect.not_recorded_message(settings, name, document.get("active_pattern")))
         return
+    from outbox_migrate.attempt_log import latest_attempts
     from outbox_migrate.cli.console import render_status
 
-    render_status(document)
+    render_status(document, latest_attempts(_dsn(dsn), settings.spec, document["pattern"]))
 
 
 def verify(
@@ -299,6 +290,7 @@ def rollback(
     dsn: DsnOption = None,
     output: FormatOption = OutputFormat.text,
     with_optional: OptionalOption = False,
+    on_long_tx: LongTxOption = LongTx.wait,
     *,
     names: dict[str, Any],
 ) -> None:
@@ -312,8 +304,8 @@ def rollback(
         if name is None:
             raise UsageError(f"no migration recorded for {inspect.table_label(settings)} to "
                              "roll back")  # fmt: skip
-    runner = _runner(name, dsn, output, names=names,
-                     with_optional=with_optional)  # fmt: skip
+    runner = _runner(name, dsn, output, names=names, with_optional=with_optional,
+                     on_long_tx=on_long_tx.value)  # fmt: skip
     with runner:
         undone = runner.rollback(to.value)
     if output is OutputFormat.json:
@@ -322,8 +314,9 @@ def rollback(
         print_json({"rolled_back": undone, "phase": to.value})
     else:
         from outbox_migrate.cli.console import text
+        from outbox_migrate.cli.wording import count
 
-        text(f"rolled back {len(undone)} steps; now at the end of {to.value}")
+        text(f"rolled back {count(len(undone), 'step')}; now at the end of {to.value}")
 
 
 def reset(

@@ -41,7 +41,9 @@ def simulate(
     if output_dir is not None:
         output_dir.mkdir(parents=True, exist_ok=True)
         png = output_dir / f"{scenario.pattern}-timeline.png"
-        drawn = report.plot_png(data, png)
+        # Interrupted: the partial report is written without the timeline, whose plotting
+        # library alone takes longer to load than an interrupt may take (docs/demo.md).
+        drawn = False if data.interrupted else report.plot_png(data, png)
         html = output_dir / f"{scenario.pattern}-report.html"
         report.write_html(result, png if drawn else None, html)
         result["files"] = {"png": str(png) if drawn else None, "html": str(html)}

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,6 +39,10 @@ WRONG_CHOREOGRAPHY_PATIENCE_S = 6.0
 DRAIN_TIMEOUT_S = 60.0
 MONITOR_INTERVAL_S = 0.5
 READY_TIMEOUT_S = 60.0
+COLLECT_POLL_S = 0.02
+"""How often a stop checks whether its instances have exited (while reading their results)."""
+RESULTS_TIMEOUT_S = 5.0
+"""How long the end of a run waits for stopped instances' results (normally milliseconds)."""
 
 
 @dataclass
@@ -153,14 +159,18 @@ class Choreographer:
         # everything per process (and nothing leaks from this, possibly threaded, process).
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(
-            ["psycopg", "outbox_migrate.sim.actors", "outbox_migrate.relay.worker"]
-        )
+            ["outbox_migrate.sim.instance_signals", "psycopg", "outbox_migrate.sim.actors",
+             "outbox_migrate.relay.worker"]
+        )  # fmt: skip
         self._results: Any = self._ctx.Queue()
         self._instances: dict[str, list[tuple[str, Any, Any]]] = {}
         self._done = threading.Event()
         self._stray_since = 0
-        self._running = "V1"
-        self._phase_started: float | None = None
+        self._window: tuple[str, float] | None = None
+        """The phase window in progress: the version whose deploy opened it, and when."""
+        self._stopped = 0
+        self._collected = 0
+        """Instances told to stop, and results received: each stopped instance sends one."""
 
     # -- timeline ----------------------------------------------------------------------------
 
@@ -198,13 +208,17 @@ class Choreographer:
                     daemon=True,
                 )  # fmt: skip
                 procs.append(("relay", proc, stop))
-        for _, proc, _ in procs:
-            proc.start()
+        # Registered as each one starts, so an interrupt during the rollout still stops
+        # (and counts) every instance that exists.
+        started = self._instances.setdefault(phase.name, [])
+        for instance in procs:
+            with _signals_deferred():  # never half-way through the forkserver's protocol
+                instance[1].start()
+                started.append(instance)
         # A rollout counts an instance as deployed once it is up: wait for every one, so
         # old and new really overlap before the old ones are stopped.
         for event in ready:
             event.wait(READY_TIMEOUT_S)
-        self._instances[phase.name] = procs
         self.mark("deploy", phase.name, phase.app.describe(spec.table, spec.partitioned_table))
 
     def _stop(self, version: str, role: str, *, keep: int | None = None) -> None:
@@ -213,16 +227,21 @@ class Choreographer:
             for index, (kind, proc, stop) in enumerate(self._instances.get(version, []))
             if kind == role and index != keep
         ]
+        self._stop_and_wait(chosen)
+        self.mark("stop", f"{version} {role}s")
+
+    def _stop_and_wait(self, chosen: list[tuple[Any, Any]]) -> None:
         for _, stop in chosen:
-            stop.set()
+            if not stop.is_set():
+                stop.set()
+                self._stopped += 1
         # A child cannot exit while its result is still in the queue's pipe: collect results
         # while waiting, or join() would wait for ever on a full pipe.
         deadline = time.monotonic() + 60
         while any(proc.is_alive() for proc, _ in chosen) and time.monotonic() < deadline:
-            self._collect(timeout_s=0.1)
+            self._collect(timeout_s=COLLECT_POLL_S)
         for proc, _ in chosen:
             proc.join(5)
-        self.mark("stop", f"{version} {role}s")
 
     def _retire(self, version: str) -> None:
         """An old instance goes away whole: its writer stops, then its relay finishes the
@@ -319,8 +338,8 @@ class Choreographer:
             # so the partial report is written; the caller re-raises the interrupt.
             self.data.interrupted = True
             self.mark("interrupted", self.current_step or self.current_phase)
-            if self._phase_started is not None:
-                self.data.phase_windows.append((self._running, self._phase_started, time.time()))
+            if self._window is not None:  # labelled with the version whose deploy opened it
+                self.data.phase_windows.append((*self._window, time.time()))
         finally:
             self._shutdown(drain=not self.data.interrupted)
             self._done.set()
@@ -331,10 +350,9 @@ class Choreographer:
 
     def _walk(self, phases: tuple[Phase, ...]) -> None:
         s = self.scenario
-        phase_started = self._phase_started = time.time()
+        self._window = (phases[0].name, time.time())
         self._start_version(phases[0])
         time.sleep(s.segment_s)
-        running = self._running = phases[0].name
         for phase in phases[1:]:
             if phase.kind is PhaseKind.JOB:
                 self.current_phase = phase.name
@@ -345,17 +363,17 @@ class Choreographer:
                 self._wrong_v3(phase)
             if not self._run_phase(phase):
                 return
-            self.data.phase_windows.append((running, phase_started, time.time()))
-            phase_started = self._phase_started = time.time()
+            previous, opened = self._window or (phases[0].name, self.data.started)
+            self.data.phase_windows.append((previous, opened, time.time()))
+            self._window = (phase.name, time.time())
             self.current_phase = phase.name
-            previous = running
             self._start_version(phase)
             time.sleep(s.coexist_s)
             self._retire(previous)
-            running = self._running = phase.name
             time.sleep(s.segment_s)
-        self.data.phase_windows.append((running, phase_started, time.time()))
-        self._phase_started = None
+        if self._window is not None:
+            self.data.phase_windows.append((*self._window, time.time()))
+            self._window = None
 
     def _max_old_id(self) -> int:
         with psycopg.connect(self.dsn) as conn:
@@ -395,9 +413,11 @@ class Choreographer:
         writers: list[WriterResult] = []
         while True:
             try:
-                kind, result = self._results.get(timeout=timeout_s)
+                with _signals_deferred():  # an interrupt mid-message would corrupt the pipe
+                    kind, result = self._results.get(timeout=timeout_s)
             except queue.Empty:
                 return writers
+            self._collected += 1
             if kind == "writer":
                 self.data.writers.append(result)
                 writers.append(result)
@@ -405,14 +425,28 @@ class Choreographer:
                 self.data.relays.append(result)
 
     def _drain_results(self) -> list[WriterResult]:
-        return self._collect(timeout_s=0.5)
+        """Every stopped instance's result: wait for exactly those (not a fixed time), so
+        the report counts every message written and an interrupt ends promptly."""
+        writers: list[WriterResult] = []
+        deadline = time.monotonic() + RESULTS_TIMEOUT_S
+        while self._collected < self._stopped and time.monotonic() < deadline:
+            writers += self._collect(timeout_s=COLLECT_POLL_S)
+        return writers
 
     def _shutdown(self, *, drain: bool = True) -> None:
-        """Stop writers, let the relays drain what is left (unless interrupted: then what is
-        left is counted as backlog), then stop them."""
+        """Stop writers, let the relays drain what is left, then stop them. Interrupted:
+        every instance is stopped at once and what is left is counted as backlog."""
+        if not drain:
+            everyone = [(proc, stop) for procs in self._instances.values()
+                        for _, proc, stop in procs]  # fmt: skip
+            self._stop_and_wait(everyone)
+            self.mark("stop", "every instance")
+            self.data.backlog_left = self._backlog()
+            self._drain_results()
+            return
         for version in list(self._instances):
             self._stop(version, "writer")
-        deadline = time.monotonic() + (DRAIN_TIMEOUT_S if drain else 0)
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
         self.data.backlog_left = self._backlog()
         while time.monotonic() < deadline:
             self.data.backlog_left = self._backlog()
@@ -421,8 +455,6 @@ class Choreographer:
             time.sleep(0.2)
         for version in list(self._instances):
             self._stop(version, "relay")
-        if not drain:
-            self.data.backlog_left = self._backlog()  # after the relays' last batch
         self._drain_results()
 
     def _backlog(self) -> int:
@@ -445,3 +477,19 @@ def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> int:
             ).fetchone()
             total += int(row[0]) if row else 0
     return total
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT/SIGTERM held back (delivered, and raised, on leaving) while the main thread is
+    inside multiprocessing plumbing that an exception half-way through would leave broken: a
+    queue message half read, a process half started."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

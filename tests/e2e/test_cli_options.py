@@ -72,6 +72,12 @@ BAD_INPUT = [
     (["relay", "--sink", "stdout", "--workers", "4", "--shards", "2"], {}, "--shards"),
     (["relay", "--sink", "stdout", "--log-level", "loud"], {}, "--log-level"),
     (["wizard", "--no-pause", "--table", ""], {}, "table"),
+    # Every command that reads a setting takes it (these were "No such option"):
+    (["next", "-p", "hoper", "--lock-budget-s", "inf"], {}, "--lock-budget-s"),
+    (["rollback", "-p", "hoper", "--to", "V1", "--lock-timeout-ms", "99999999999"], {}, "--lock-timeout-ms"),
+    (["run", "-p", "hoper", "--to", "V2", "--gate-window-s", "0"], {}, "--gate-window-s"),
+    (["verify", "--gate-window-s", "-1"], {}, "--gate-window-s"),
+    (["copy-back", "--lock-budget-s", "nan"], {}, "--lock-budget-s"),
 ]  # fmt: skip
 
 
@@ -84,3 +90,29 @@ def test_bad_values_are_refused_before_any_work(
     result = run_cli(*args, "--dsn", "host=127.0.0.1 port=1 dbname=none", env=env)
     line = error_line(result, ExitCode.USAGE, only=True)
     assert named in line and "connect" not in line
+    assert "no such option" not in line.lower()  # refused for its value, not unknown
+
+
+def test_settings_are_options_of_the_commands_that_read_them() -> None:
+    result = run_cli(
+        "config", "--format", "json", "--old-app-name", "billing-v1%", "--gate-window-s", "5",
+        "--lock-budget-s", "30",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["old_app_name"] == {"value": "billing-v1%", "source": "--old-app-name"}
+    assert doc["gate_window_s"] == {"value": 5.0, "source": "--gate-window-s"}
+    assert doc["lock_budget_s"] == {"value": 30.0, "source": "--lock-budget-s"}
+
+
+def test_to_takes_the_phase_as_the_docs_write_it_in_any_case() -> None:
+    """`--to` listed its choices in lower case (`'V9' is not one of 'v1', …`) while every doc
+    writes V2; input is case-insensitive, help and errors use the docs' spelling."""
+    refused = run_cli("run", "-p", "hoper", "--to", "V9", "--dsn", "host=127.0.0.1 port=1")
+    line = error_line(refused, ExitCode.USAGE, only=True)
+    assert "V1, V2, V3, V4, copy-back" in line and "'v1'" not in line
+    helped = run_cli("rollback", "--help")
+    assert "V1|V2|V3|V4|copy-back" in helped.stdout
+    # Lower case is accepted: the command gets as far as the (unreachable) database.
+    lower = run_cli("run", "-p", "hoper", "--to", "v2", "--dsn", "host=127.0.0.1 port=1 dbname=x")
+    assert "--to" not in error_line(lower, ExitCode.USAGE)

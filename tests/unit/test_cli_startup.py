@@ -59,3 +59,37 @@ def test_version() -> None:
     )
     assert result.returncode == 0
     assert result.stdout.strip() == f"outbox-migrate {__version__}"
+
+
+LAUNCH_PROBE = """
+import signal, sys, json
+from outbox_migrate.cli import launch
+handled = signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+launch.signals.install()
+heavy = %r
+print(json.dumps([handled, sorted(m for m in sys.modules if m.split(".")[0] in heavy
+                                  or m == "importlib.metadata")]))
+"""
+
+
+def test_the_launcher_imports_nothing_heavy_and_changes_no_handler_on_import() -> None:
+    """Handlers go in before typer is imported; importing the launcher (as tests and
+    Alembic import CLI modules in-process) does not touch the host's handlers."""
+    heavy = (*HEAVY, "typer", "click")
+    result = subprocess.run(
+        [sys.executable, "-c", LAUNCH_PROBE % (heavy,)], capture_output=True, text=True, check=True
+    )
+    handled, loaded = json.loads(result.stdout)
+    assert handled is False
+    assert loaded == []
+
+
+def test_both_entry_points_start_in_the_launcher() -> None:
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["outbox-migrate"] == "outbox_migrate.cli.launch:main"
+    main_module = (root / "outbox_migrate" / "__main__.py").read_text()
+    assert "from outbox_migrate.cli.launch import main" in main_module

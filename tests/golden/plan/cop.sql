@@ -9,10 +9,12 @@
 -- phase: V2
 -- Run this phase's steps before deploying V2 (they create the partitioned outbox).
 -- V2 inserts every new message into the partitioned table.
--- V2 keeps publishing from the old table only, until it is empty; messages in the new table wait (publication is paused for them).
+-- V2 keeps publishing from the old table only, until it is empty; messages in the new table wait (publication is paused
+--   for them).
 -- V1 and V2 coexist during the rollout; let the rollout finish.
 
--- step: cop.v2.create-partitioned-table: Create outbox_new PARTITION BY LIST (published_at), its own identity starting 1,000,000 above the old table's highest id
+-- step: cop.v2.create-partitioned-table: Create outbox_new PARTITION BY LIST (published_at), its own identity starting
+--   1,000,000 above the old table's highest id
 BEGIN;
 SET LOCAL lock_timeout = '200ms';
 SET LOCAL statement_timeout = '10000ms';
@@ -20,10 +22,13 @@ LOCK TABLE ONLY "public"."outbox" IN ACCESS SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
 WHERE to_regclass('"public"."outbox"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.create-partitioned-table [relation-exists:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.create-partitioned-table [relation-exists:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -38,7 +43,9 @@ BEGIN
 FROM pg_class c
 WHERE c.oid = to_regclass('"public"."outbox"') AND (c.relkind <> 'r' OR c.relispartition)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.create-partitioned-table [is-plain-table:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.create-partitioned-table [is-plain-table:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -50,31 +57,43 @@ BEGIN
 FROM pg_constraint
 WHERE contype = 'f' AND confrelid = to_regclass('"public"."outbox"')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.create-partitioned-table [no-fk-references:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.create-partitioned-table [no-fk-references:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"public"."outbox_new"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"public"."outbox_new"')
 WHERE to_regclass('"public"."outbox_new"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.create-partitioned-table [relation-absent:outbox_new] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.create-partitioned-table [relation-absent:outbox_new] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s has row-level security (%s, %s policies); outbox-migrate does not carry policies to %s and its partitions — disable it for the migration (ALTER TABLE %s DISABLE ROW LEVEL SECURITY) and re-create the policies on the partitioned table yourself, or migrate by hand',
+    FOR violation IN SELECT
+        format(
+        '%s has row-level security (%s, %s policies); outbox-migrate does not carry policies to %s and its partitions '
+        '— disable it for the migration (ALTER TABLE %s DISABLE ROW LEVEL SECURITY) and re-create the policies on the '
+        'partitioned table yourself, or migrate by hand',
               c.oid::regclass, CASE WHEN c.relrowsecurity THEN 'enabled' ELSE 'disabled' END,
               (SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid), '"public"."outbox_new"', c.oid::regclass)
 FROM pg_class c
 WHERE c.oid = to_regclass('"public"."outbox"')
   AND (c.relrowsecurity OR EXISTS (SELECT 1 FROM pg_policy p WHERE p.polrelid = c.oid))
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.create-partitioned-table [no-row-security:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.create-partitioned-table [no-row-security:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -82,10 +101,17 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN SELECT CASE WHEN NOT pg_has_role(current_user, c.relowner, 'MEMBER')
-            THEN format('the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it creates could not be given to that owner; run it as the owner (or a member of the owner role)',
+            THEN
+                format(
+                'the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it '
+                'creates could not be given to that owner; run it as the owner (or a member of the owner role)',
                         current_user, c.relowner::regrole, c.oid::regclass)
-            ELSE format('%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
-                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole, c.relnamespace::regnamespace, c.relowner::regrole) END
+            ELSE
+                format(
+                '%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be '
+                'given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
+                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole,
+                            c.relnamespace::regnamespace, c.relowner::regrole) END
 FROM pg_class c
 WHERE c.oid = to_regclass('"public"."outbox"')
   AND c.relowner <> (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)
@@ -93,15 +119,28 @@ WHERE c.oid = to_regclass('"public"."outbox"')
   AND (NOT pg_has_role(current_user, c.relowner, 'MEMBER')
        OR NOT has_schema_privilege(c.relowner, c.relnamespace, 'CREATE'))
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.create-partitioned-table [may-give-to-owner:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.create-partitioned-table [may-give-to-owner:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
-CREATE TABLE "public"."outbox_new" (LIKE "public"."outbox" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING CONSTRAINTS INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
+CREATE TABLE "public"."outbox_new"
+    (LIKE "public"."outbox" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING CONSTRAINTS
+    INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
 ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" DROP IDENTITY IF EXISTS;
 ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" DROP DEFAULT;
 ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" ADD GENERATED ALWAYS AS IDENTITY;
-SELECT setval(seq, greatest((SELECT max("id") FROM "public"."outbox"), pg_sequence_last_value(coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1))), 0) + 1000000) FROM (SELECT pg_get_serial_sequence('"public"."outbox_new"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
+SELECT
+    setval(seq,
+    greatest((SELECT max("id") FROM "public"."outbox"),
+    pg_sequence_last_value(
+    coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
+    (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+    AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+    AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+    WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1))), 0) + 1000000)
+    FROM (SELECT pg_get_serial_sequence('"public"."outbox_new"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
 DO $om$
 DECLARE
     old_rel regclass := '"public"."outbox"'::regclass;
@@ -142,20 +181,27 @@ LOCK TABLE ONLY "public"."outbox_new" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox_new"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox_new"')
 WHERE to_regclass('"public"."outbox_new"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.create-unpublished-partition [relation-exists:outbox_new] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.create-unpublished-partition [relation-exists:outbox_new] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"public"."outbox_unpublished"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"public"."outbox_unpublished"')
 WHERE to_regclass('"public"."outbox_unpublished"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.create-unpublished-partition [relation-absent:outbox_unpublished] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.create-unpublished-partition [relation-absent:outbox_unpublished] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -200,7 +246,9 @@ LOCK TABLE ONLY "public"."outbox_unpublished" IN SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"public"."outbox_unpublished"', '"public"."outbox_new"', 'FOR VALUES IN (NULL)',
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"public"."outbox_unpublished"', '"public"."outbox_new"',
+        'FOR VALUES IN (NULL)',
               coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
                         FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
                         WHERE c.oid = to_regclass('"public"."outbox_unpublished"')), 'not a partition'))
@@ -209,17 +257,23 @@ WHERE NOT EXISTS (
     WHERE c.oid = to_regclass('"public"."outbox_unpublished"') AND i.inhparent = to_regclass('"public"."outbox_new"')
       AND pg_get_expr(c.relpartbound, c.oid) = 'FOR VALUES IN (NULL)')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.create-unpublished-index [partition-bound:outbox_unpublished] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.create-unpublished-index [partition-bound:outbox_unpublished] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"public"."outbox_new_unpublished_id_idx"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"public"."outbox_new_unpublished_id_idx"')
 WHERE to_regclass('"public"."outbox_new_unpublished_id_idx"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.create-unpublished-index [relation-absent:outbox_new_unpublished_id_idx] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.create-unpublished-index '
+            '[relation-absent:outbox_new_unpublished_id_idx] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -242,7 +296,9 @@ WHERE NOT EXISTS (
     WHERE pt.partrelid = to_regclass('"public"."outbox_new"') AND pt.partstrat = 'l' AND pt.partnatts = 1
       AND a.attname = 'published_at')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.install-notify-trigger [partitioned-by-list:outbox_new] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.install-notify-trigger [partitioned-by-list:outbox_new] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -257,7 +313,8 @@ BEGIN
     RETURN NULL;
 END
 $om$;
-CREATE TRIGGER "relay_notify" AFTER INSERT ON "public"."outbox_new" REFERENCING NEW TABLE AS "new_rows" FOR EACH STATEMENT EXECUTE FUNCTION "public"."outbox_new_relay_notify"('outbox_migrate_relay');
+CREATE TRIGGER "relay_notify" AFTER INSERT ON "public"."outbox_new" REFERENCING NEW TABLE AS "new_rows"
+    FOR EACH STATEMENT EXECUTE FUNCTION "public"."outbox_new_relay_notify"('outbox_migrate_relay');
 COMMIT;
 
 -- step: cop.v2.create-published-partition: Create outbox_published as the DEFAULT partition (every published row)
@@ -268,20 +325,27 @@ LOCK TABLE ONLY "public"."outbox_new" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox_new"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox_new"')
 WHERE to_regclass('"public"."outbox_new"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.create-published-partition [relation-exists:outbox_new] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.create-published-partition [relation-exists:outbox_new] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"public"."outbox_published"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"public"."outbox_published"')
 WHERE to_regclass('"public"."outbox_published"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.create-published-partition [relation-absent:outbox_published] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.create-published-partition [relation-absent:outbox_published] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -326,26 +390,39 @@ LOCK TABLE ONLY "public"."outbox_published" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox_published"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)',
+        '"public"."outbox_published"')
 WHERE to_regclass('"public"."outbox_published"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.tune-autovacuum [relation-exists:outbox_published] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v2.tune-autovacuum [relation-exists:outbox_published] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
-ALTER TABLE "public"."outbox_published" SET (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000, autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
+ALTER TABLE "public"."outbox_published" SET
+    (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000,
+    autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
 COMMIT;
 
 -- check: no publication lists outbox without outbox_unpublished (CDC consumers)
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD TABLE %s) before deploying V2', p.pubname, '"public"."outbox"', '"public"."outbox_unpublished"', p.pubname, '"public"."outbox_unpublished"')
+    FOR violation IN SELECT
+        format(
+        'publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step '
+        'publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD '
+        'TABLE %s) before deploying V2', p.pubname, '"public"."outbox"', '"public"."outbox_unpublished"', p.pubname,
+        '"public"."outbox_unpublished"')
 FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass('"public"."outbox"')
 WHERE NOT EXISTS (
-    SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid AND u.prrelid = to_regclass('"public"."outbox_unpublished"'))
+    SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid
+        AND u.prrelid = to_regclass('"public"."outbox_unpublished"'))
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.tune-autovacuum (CDC) [publications-carried] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.tune-autovacuum (CDC) [publications-carried] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -362,7 +439,12 @@ BEGIN
     FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
 -- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
 WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), before AS MATERIALIZED (
     SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
 ), pause AS MATERIALIZED (
@@ -378,22 +460,29 @@ WITH seq AS MATERIALIZED (
                       false) AS saved
     FROM after_
 )
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+SELECT
+    format(
+    '%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the '
+    'rollout of the previous version finished?',
               '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V3')
 FROM before, after
 WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v3.gate-old-table-retired [no-new-ids:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v3.gate-old-table-retired [no-new-ids:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
 WHERE to_regclass('"public"."outbox"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v3.gate-old-table-retired [relation-exists:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v3.gate-old-table-retired [relation-exists:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -401,10 +490,17 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), saved AS MATERIALIZED (
-    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint AS seq_last,
-           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint AS top,
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint
+        AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint
+               AS top,
            coalesce(current_setting('outbox_migrate.gate_69376700', true), '') <> '' AS sampled
 ), now_ AS MATERIALIZED (
     SELECT pg_sequence_last_value(seq.oid) AS seq_last,
@@ -412,27 +508,42 @@ BEGIN
     FROM seq, saved WHERE seq.oid IS NOT NULL
 )
 SELECT CASE WHEN NOT saved.sampled
-            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"public"."outbox"', 'V3')
-            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+            THEN
+                format(
+                '%s: the gate did not sample this table in this session; phase %s needs its sampling window first',
+                '"public"."outbox"', 'V3')
+            ELSE
+                format(
+                '%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; '
+                'newest old id %s, was %s); phase %s needs every writer of the old version gone',
                         '"public"."outbox"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V3') END
 FROM now_, saved
 WHERE NOT saved.sampled
    OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
    OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v3.gate-old-table-retired [no-new-rows-since-sample:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v3.gate-old-table-retired [no-new-rows-since-sample:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
+    FOR violation IN SELECT
+        format(
+        '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
+        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
+        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
+        'the old table)',
               count(*), '"public"."outbox"', 'V3')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v3.gate-old-table-retired [old-table-drained:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of cop.v3.gate-old-table-retired [old-table-drained:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;

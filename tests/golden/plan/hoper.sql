@@ -9,10 +9,15 @@
 -- phase: V2
 -- Run this phase's steps before deploying V2: the partitioned table's identity starts above the old ids.
 -- V2 inserts into the partitioned table.
--- V2's relay runs in switching mode: old table until drained and no writer is left, then the partitioned table (outbox-migrate relay --mode switching).
--- Once no V1 instance is left, as the old table's owner: REVOKE INSERT ON the old table FROM the application's role. The switching relay's default gate (--switch-gate privilege) waits for it. A REVOKE does not stop a superuser or the table's owner: while a session of theirs is connected the relay waits instead for V1's sessions to be gone (--old-app-name) and the old table to stay quiet (docs/relay.md).
+-- V2's relay runs in switching mode: old table until drained and no writer is left, then the partitioned table
+--   (outbox-migrate relay --mode switching).
+-- Once no V1 instance is left, as the old table's owner: REVOKE INSERT ON the old table FROM the application's role.
+--   The switching relay's default gate (--switch-gate privilege) waits for it. A REVOKE does not stop a superuser or
+--   the table's owner: while a session of theirs is connected the relay waits instead for V1's sessions to be gone
+--   (--old-app-name) and the old table to stay quiet (docs/relay.md).
 
--- step: hoper.v2.create-partitioned-table: Create outbox_new PARTITION BY LIST (published_at), its own identity starting 1,000,000 above the old table's highest id
+-- step: hoper.v2.create-partitioned-table: Create outbox_new PARTITION BY LIST (published_at), its own identity
+--   starting 1,000,000 above the old table's highest id
 BEGIN;
 SET LOCAL lock_timeout = '200ms';
 SET LOCAL statement_timeout = '10000ms';
@@ -20,10 +25,13 @@ LOCK TABLE ONLY "public"."outbox" IN ACCESS SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
 WHERE to_regclass('"public"."outbox"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-partitioned-table [relation-exists:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-partitioned-table [relation-exists:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -38,7 +46,9 @@ BEGIN
 FROM pg_class c
 WHERE c.oid = to_regclass('"public"."outbox"') AND (c.relkind <> 'r' OR c.relispartition)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-partitioned-table [is-plain-table:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-partitioned-table [is-plain-table:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -50,31 +60,43 @@ BEGIN
 FROM pg_constraint
 WHERE contype = 'f' AND confrelid = to_regclass('"public"."outbox"')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-partitioned-table [no-fk-references:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-partitioned-table [no-fk-references:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"public"."outbox_new"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"public"."outbox_new"')
 WHERE to_regclass('"public"."outbox_new"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-partitioned-table [relation-absent:outbox_new] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-partitioned-table [relation-absent:outbox_new] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s has row-level security (%s, %s policies); outbox-migrate does not carry policies to %s and its partitions — disable it for the migration (ALTER TABLE %s DISABLE ROW LEVEL SECURITY) and re-create the policies on the partitioned table yourself, or migrate by hand',
+    FOR violation IN SELECT
+        format(
+        '%s has row-level security (%s, %s policies); outbox-migrate does not carry policies to %s and its partitions '
+        '— disable it for the migration (ALTER TABLE %s DISABLE ROW LEVEL SECURITY) and re-create the policies on the '
+        'partitioned table yourself, or migrate by hand',
               c.oid::regclass, CASE WHEN c.relrowsecurity THEN 'enabled' ELSE 'disabled' END,
               (SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid), '"public"."outbox_new"', c.oid::regclass)
 FROM pg_class c
 WHERE c.oid = to_regclass('"public"."outbox"')
   AND (c.relrowsecurity OR EXISTS (SELECT 1 FROM pg_policy p WHERE p.polrelid = c.oid))
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-partitioned-table [no-row-security:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-partitioned-table [no-row-security:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -82,10 +104,17 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN SELECT CASE WHEN NOT pg_has_role(current_user, c.relowner, 'MEMBER')
-            THEN format('the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it creates could not be given to that owner; run it as the owner (or a member of the owner role)',
+            THEN
+                format(
+                'the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it '
+                'creates could not be given to that owner; run it as the owner (or a member of the owner role)',
                         current_user, c.relowner::regrole, c.oid::regclass)
-            ELSE format('%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
-                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole, c.relnamespace::regnamespace, c.relowner::regrole) END
+            ELSE
+                format(
+                '%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be '
+                'given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
+                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole,
+                            c.relnamespace::regnamespace, c.relowner::regrole) END
 FROM pg_class c
 WHERE c.oid = to_regclass('"public"."outbox"')
   AND c.relowner <> (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)
@@ -93,29 +122,47 @@ WHERE c.oid = to_regclass('"public"."outbox"')
   AND (NOT pg_has_role(current_user, c.relowner, 'MEMBER')
        OR NOT has_schema_privilege(c.relowner, c.relnamespace, 'CREATE'))
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-partitioned-table [may-give-to-owner:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-partitioned-table [may-give-to-owner:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s has no unique index on %I alone; HOPER''s copy-back needs one to skip rows already copied. Create it first: CREATE UNIQUE INDEX CONCURRENTLY ON %s (%I)',
+    FOR violation IN SELECT
+        format(
+        '%s has no unique index on %I alone; HOPER''s copy-back needs one to skip rows already copied. Create it '
+        'first: CREATE UNIQUE INDEX CONCURRENTLY ON %s (%I)',
               '"public"."outbox"', 'id', '"public"."outbox"', 'id')
 WHERE NOT EXISTS (
     SELECT 1 FROM pg_index x JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = x.indkey[0]
     WHERE x.indrelid = to_regclass('"public"."outbox"') AND x.indisunique AND x.indisvalid
       AND x.indnkeyatts = 1 AND x.indpred IS NULL AND a.attname = 'id')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-partitioned-table [unique-id-index:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-partitioned-table [unique-id-index:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
-CREATE TABLE "public"."outbox_new" (LIKE "public"."outbox" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING CONSTRAINTS INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
+CREATE TABLE "public"."outbox_new"
+    (LIKE "public"."outbox" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING CONSTRAINTS
+    INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
 ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" DROP IDENTITY IF EXISTS;
 ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" DROP DEFAULT;
 ALTER TABLE "public"."outbox_new" ALTER COLUMN "id" ADD GENERATED ALWAYS AS IDENTITY;
-SELECT setval(seq, greatest((SELECT max("id") FROM "public"."outbox"), pg_sequence_last_value(coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1))), 0) + 1000000) FROM (SELECT pg_get_serial_sequence('"public"."outbox_new"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
+SELECT
+    setval(seq,
+    greatest((SELECT max("id") FROM "public"."outbox"),
+    pg_sequence_last_value(
+    coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
+    (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+    AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+    AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+    WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1))), 0) + 1000000)
+    FROM (SELECT pg_get_serial_sequence('"public"."outbox_new"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
 DO $om$
 DECLARE
     old_rel regclass := '"public"."outbox"'::regclass;
@@ -156,20 +203,27 @@ LOCK TABLE ONLY "public"."outbox_new" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox_new"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox_new"')
 WHERE to_regclass('"public"."outbox_new"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-unpublished-partition [relation-exists:outbox_new] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-unpublished-partition [relation-exists:outbox_new] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"public"."outbox_unpublished"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"public"."outbox_unpublished"')
 WHERE to_regclass('"public"."outbox_unpublished"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-unpublished-partition [relation-absent:outbox_unpublished] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-unpublished-partition '
+            '[relation-absent:outbox_unpublished] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -214,7 +268,9 @@ LOCK TABLE ONLY "public"."outbox_unpublished" IN SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"public"."outbox_unpublished"', '"public"."outbox_new"', 'FOR VALUES IN (NULL)',
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"public"."outbox_unpublished"', '"public"."outbox_new"',
+        'FOR VALUES IN (NULL)',
               coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
                         FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
                         WHERE c.oid = to_regclass('"public"."outbox_unpublished"')), 'not a partition'))
@@ -223,17 +279,23 @@ WHERE NOT EXISTS (
     WHERE c.oid = to_regclass('"public"."outbox_unpublished"') AND i.inhparent = to_regclass('"public"."outbox_new"')
       AND pg_get_expr(c.relpartbound, c.oid) = 'FOR VALUES IN (NULL)')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-unpublished-index [partition-bound:outbox_unpublished] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-unpublished-index [partition-bound:outbox_unpublished] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"public"."outbox_new_unpublished_id_idx"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"public"."outbox_new_unpublished_id_idx"')
 WHERE to_regclass('"public"."outbox_new_unpublished_id_idx"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-unpublished-index [relation-absent:outbox_new_unpublished_id_idx] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-unpublished-index '
+            '[relation-absent:outbox_new_unpublished_id_idx] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -256,7 +318,9 @@ WHERE NOT EXISTS (
     WHERE pt.partrelid = to_regclass('"public"."outbox_new"') AND pt.partstrat = 'l' AND pt.partnatts = 1
       AND a.attname = 'published_at')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.install-notify-trigger [partitioned-by-list:outbox_new] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.install-notify-trigger [partitioned-by-list:outbox_new] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -271,7 +335,8 @@ BEGIN
     RETURN NULL;
 END
 $om$;
-CREATE TRIGGER "relay_notify" AFTER INSERT ON "public"."outbox_new" REFERENCING NEW TABLE AS "new_rows" FOR EACH STATEMENT EXECUTE FUNCTION "public"."outbox_new_relay_notify"('outbox_migrate_relay');
+CREATE TRIGGER "relay_notify" AFTER INSERT ON "public"."outbox_new" REFERENCING NEW TABLE AS "new_rows"
+    FOR EACH STATEMENT EXECUTE FUNCTION "public"."outbox_new_relay_notify"('outbox_migrate_relay');
 COMMIT;
 
 -- step: hoper.v2.create-published-partition: Create outbox_published as the DEFAULT partition (every published row)
@@ -282,20 +347,27 @@ LOCK TABLE ONLY "public"."outbox_new" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox_new"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox_new"')
 WHERE to_regclass('"public"."outbox_new"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-published-partition [relation-exists:outbox_new] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-published-partition [relation-exists:outbox_new] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"public"."outbox_published"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"public"."outbox_published"')
 WHERE to_regclass('"public"."outbox_published"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.create-published-partition [relation-absent:outbox_published] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-published-partition [relation-absent:outbox_published] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -340,26 +412,40 @@ LOCK TABLE ONLY "public"."outbox_published" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox_published"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)',
+        '"public"."outbox_published"')
 WHERE to_regclass('"public"."outbox_published"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.tune-autovacuum [relation-exists:outbox_published] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.tune-autovacuum [relation-exists:outbox_published] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
-ALTER TABLE "public"."outbox_published" SET (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000, autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
+ALTER TABLE "public"."outbox_published" SET
+    (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000,
+    autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
 COMMIT;
 
 -- check: no publication lists outbox without outbox_unpublished (CDC consumers)
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD TABLE %s) before deploying V2', p.pubname, '"public"."outbox"', '"public"."outbox_unpublished"', p.pubname, '"public"."outbox_unpublished"')
+    FOR violation IN SELECT
+        format(
+        'publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step '
+        'publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD '
+        'TABLE %s) before deploying V2', p.pubname, '"public"."outbox"', '"public"."outbox_unpublished"', p.pubname,
+        '"public"."outbox_unpublished"')
 FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass('"public"."outbox"')
 WHERE NOT EXISTS (
-    SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid AND u.prrelid = to_regclass('"public"."outbox_unpublished"'))
+    SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid
+        AND u.prrelid = to_regclass('"public"."outbox_unpublished"'))
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v2.tune-autovacuum (CDC) [publications-carried] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.tune-autovacuum (CDC) [publications-carried] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -375,7 +461,12 @@ BEGIN
     FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
 -- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
 WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), before AS MATERIALIZED (
     SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
 ), pause AS MATERIALIZED (
@@ -391,22 +482,29 @@ WITH seq AS MATERIALIZED (
                       false) AS saved
     FROM after_
 )
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+SELECT
+    format(
+    '%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the '
+    'rollout of the previous version finished?',
               '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V3')
 FROM before, after
 WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v3.gate-old-table-retired [no-new-ids:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v3.gate-old-table-retired [no-new-ids:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
 WHERE to_regclass('"public"."outbox"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v3.gate-old-table-retired [relation-exists:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v3.gate-old-table-retired [relation-exists:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -414,10 +512,17 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), saved AS MATERIALIZED (
-    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint AS seq_last,
-           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint AS top,
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint
+        AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint
+               AS top,
            coalesce(current_setting('outbox_migrate.gate_69376700', true), '') <> '' AS sampled
 ), now_ AS MATERIALIZED (
     SELECT pg_sequence_last_value(seq.oid) AS seq_last,
@@ -425,34 +530,50 @@ BEGIN
     FROM seq, saved WHERE seq.oid IS NOT NULL
 )
 SELECT CASE WHEN NOT saved.sampled
-            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"public"."outbox"', 'V3')
-            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+            THEN
+                format(
+                '%s: the gate did not sample this table in this session; phase %s needs its sampling window first',
+                '"public"."outbox"', 'V3')
+            ELSE
+                format(
+                '%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; '
+                'newest old id %s, was %s); phase %s needs every writer of the old version gone',
                         '"public"."outbox"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V3') END
 FROM now_, saved
 WHERE NOT saved.sampled
    OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
    OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v3.gate-old-table-retired [no-new-rows-since-sample:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v3.gate-old-table-retired [no-new-rows-since-sample:outbox] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
+    FOR violation IN SELECT
+        format(
+        '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
+        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
+        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
+        'the old table)',
               count(*), '"public"."outbox"', 'V3')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v3.gate-old-table-retired [old-table-drained:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v3.gate-old-table-retired [old-table-drained:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 
 -- phase: V4
 -- Run this phase's steps once V3 is fully rolled out; V4 behaves like V3.
--- The swap detaches the published partition and attaches the old table as DEFAULT in one short catalog-only transaction; publishing goes on.
+-- The swap detaches the published partition and attaches the old table as DEFAULT in one short catalog-only
+--   transaction; publishing goes on.
 
 -- step: hoper.v4.drop-identity: Drop IDENTITY from outbox.id (a partition may not have one)
 DO $om_assert$
@@ -461,7 +582,12 @@ BEGIN
     FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
 -- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
 WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), before AS MATERIALIZED (
     SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
 ), pause AS MATERIALIZED (
@@ -477,12 +603,16 @@ WITH seq AS MATERIALIZED (
                       false) AS saved
     FROM after_
 )
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+SELECT
+    format(
+    '%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the '
+    'rollout of the previous version finished?',
               '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V4')
 FROM before, after
 WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.drop-identity [no-new-ids:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.drop-identity [no-new-ids:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -493,10 +623,12 @@ LOCK TABLE ONLY "public"."outbox" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
 WHERE to_regclass('"public"."outbox"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.drop-identity [relation-exists:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.drop-identity [relation-exists:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -504,10 +636,17 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), saved AS MATERIALIZED (
-    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint AS seq_last,
-           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint AS top,
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint
+        AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint
+               AS top,
            coalesce(current_setting('outbox_migrate.gate_69376700', true), '') <> '' AS sampled
 ), now_ AS MATERIALIZED (
     SELECT pg_sequence_last_value(seq.oid) AS seq_last,
@@ -515,15 +654,23 @@ BEGIN
     FROM seq, saved WHERE seq.oid IS NOT NULL
 )
 SELECT CASE WHEN NOT saved.sampled
-            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"public"."outbox"', 'V4')
-            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+            THEN
+                format(
+                '%s: the gate did not sample this table in this session; phase %s needs its sampling window first',
+                '"public"."outbox"', 'V4')
+            ELSE
+                format(
+                '%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; '
+                'newest old id %s, was %s); phase %s needs every writer of the old version gone',
                         '"public"."outbox"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V4') END
 FROM now_, saved
 WHERE NOT saved.sampled
    OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
    OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.drop-identity [no-new-rows-since-sample:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v4.drop-identity [no-new-rows-since-sample:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -537,14 +684,20 @@ BEGIN
 ), old_top AS (
     SELECT greatest(
         (SELECT max("id") FROM "public"."outbox"),
-        pg_sequence_last_value(coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)))) AS top
+        pg_sequence_last_value(
+            coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
+            (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+            AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+            AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+            WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)))) AS top
 )
 SELECT format('the identity of %s will issue id %s but %s already reaches id %s; raise the START (id_headroom)',
               '"public"."outbox_new"', coalesce(n.last + n.seqincrement, n.seqstart), '"public"."outbox"', o.top)
 FROM new_seq n, old_top o
 WHERE o.top IS NOT NULL AND coalesce(n.last + n.seqincrement, n.seqstart) <= o.top
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.drop-identity [new-ids-above-old] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.drop-identity [new-ids-above-old] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -558,7 +711,12 @@ BEGIN
     FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
 -- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
 WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), before AS MATERIALIZED (
     SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
 ), pause AS MATERIALIZED (
@@ -574,12 +732,16 @@ WITH seq AS MATERIALIZED (
                       false) AS saved
     FROM after_
 )
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+SELECT
+    format(
+    '%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the '
+    'rollout of the previous version finished?',
               '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V4')
 FROM before, after
 WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.add-not-valid-check [no-new-ids:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.add-not-valid-check [no-new-ids:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -591,10 +753,17 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), saved AS MATERIALIZED (
-    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint AS seq_last,
-           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint AS top,
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint
+        AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint
+               AS top,
            coalesce(current_setting('outbox_migrate.gate_69376700', true), '') <> '' AS sampled
 ), now_ AS MATERIALIZED (
     SELECT pg_sequence_last_value(seq.oid) AS seq_last,
@@ -602,27 +771,42 @@ BEGIN
     FROM seq, saved WHERE seq.oid IS NOT NULL
 )
 SELECT CASE WHEN NOT saved.sampled
-            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"public"."outbox"', 'V4')
-            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+            THEN
+                format(
+                '%s: the gate did not sample this table in this session; phase %s needs its sampling window first',
+                '"public"."outbox"', 'V4')
+            ELSE
+                format(
+                '%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; '
+                'newest old id %s, was %s); phase %s needs every writer of the old version gone',
                         '"public"."outbox"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V4') END
 FROM now_, saved
 WHERE NOT saved.sampled
    OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
    OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.add-not-valid-check [no-new-rows-since-sample:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v4.add-not-valid-check [no-new-rows-since-sample:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
+    FOR violation IN SELECT
+        format(
+        '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
+        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
+        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
+        'the old table)',
               count(*), '"public"."outbox"', 'V4')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.add-not-valid-check [old-table-drained:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v4.add-not-valid-check [old-table-drained:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -637,7 +821,8 @@ LOCK TABLE ONLY "public"."outbox" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('CHECK constraint %I is missing on %s', 'outbox_published_check', '"public"."outbox"')
+    FOR violation IN SELECT
+        format('CHECK constraint %I is missing on %s', 'outbox_published_check', '"public"."outbox"')
 WHERE NOT EXISTS (
     SELECT 1 FROM pg_constraint
     WHERE conrelid = to_regclass('"public"."outbox"') AND conname = 'outbox_published_check' AND contype = 'c')
@@ -649,12 +834,18 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
+    FOR violation IN SELECT
+        format(
+        '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
+        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
+        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
+        'the old table)',
               count(*), '"public"."outbox"', 'V4')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.validate-check [old-table-drained:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.validate-check [old-table-drained:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -671,7 +862,9 @@ LOCK TABLE ONLY "public"."outbox" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"public"."outbox_published"', '"public"."outbox_new"', 'DEFAULT',
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"public"."outbox_published"', '"public"."outbox_new"',
+        'DEFAULT',
               coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
                         FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
                         WHERE c.oid = to_regclass('"public"."outbox_published"')), 'not a partition'))
@@ -680,17 +873,21 @@ WHERE NOT EXISTS (
     WHERE c.oid = to_regclass('"public"."outbox_published"') AND i.inhparent = to_regclass('"public"."outbox_new"')
       AND pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [partition-bound:outbox_published] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v4.swap-default [partition-bound:outbox_published] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox_new"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox_new"')
 WHERE to_regclass('"public"."outbox_new"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [relation-exists:outbox_new] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [relation-exists:outbox_new] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -705,14 +902,16 @@ BEGIN
 FROM pg_class c
 WHERE c.oid = to_regclass('"public"."outbox"') AND (c.relkind <> 'r' OR c.relispartition)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [is-plain-table:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [is-plain-table:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('CHECK constraint %I is missing on %s', 'outbox_published_check', '"public"."outbox"')
+    FOR violation IN SELECT
+        format('CHECK constraint %I is missing on %s', 'outbox_published_check', '"public"."outbox"')
 WHERE NOT EXISTS (
     SELECT 1 FROM pg_constraint
     WHERE conrelid = to_regclass('"public"."outbox"') AND conname = 'outbox_published_check' AND contype = 'c')
@@ -724,7 +923,9 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('CHECK constraint %I on %s is NOT VALID; run its VALIDATE step first', 'outbox_published_check', '"public"."outbox"')
+    FOR violation IN SELECT
+        format('CHECK constraint %I on %s is NOT VALID; run its VALIDATE step first', 'outbox_published_check',
+        '"public"."outbox"')
 FROM pg_constraint
 WHERE conrelid = to_regclass('"public"."outbox"') AND conname = 'outbox_published_check' AND NOT convalidated
     LOOP
@@ -735,14 +936,17 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('CHECK constraint %I on %s is %s, which does not prove %I IS NOT NULL; ATTACH would scan the table',
+    FOR violation IN SELECT
+        format('CHECK constraint %I on %s is %s, which does not prove %I IS NOT NULL; ATTACH would scan the table',
               conname, '"public"."outbox"', pg_get_constraintdef(oid), 'published_at')
 FROM pg_constraint
 WHERE conrelid = to_regclass('"public"."outbox"') AND conname = 'outbox_published_check'
   AND pg_get_constraintdef(oid) <> format('CHECK ((%I IS NOT NULL))', 'published_at')
   AND pg_get_constraintdef(oid) <> format('CHECK ((%I IS NOT NULL)) NOT VALID', 'published_at')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [check-implies-partition-constraint] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v4.swap-default [check-implies-partition-constraint] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -757,26 +961,33 @@ BEGIN
     FROM pg_attribute WHERE attrelid = to_regclass('"public"."outbox"') AND attnum > 0 AND NOT attisdropped
 )
 SELECT format('column %I differs: %s has %s, %s has %s', coalesce(p.attname, c.attname),
-              '"public"."outbox_new"', coalesce(format_type(p.atttypid, p.atttypmod) || CASE WHEN p.attnotnull THEN ' NOT NULL' ELSE '' END, 'no such column'),
-              '"public"."outbox"', coalesce(format_type(c.atttypid, c.atttypmod) || CASE WHEN c.attnotnull THEN ' NOT NULL' ELSE '' END, 'no such column'))
+              '"public"."outbox_new"',
+                  coalesce(format_type(p.atttypid, p.atttypmod) || CASE WHEN p.attnotnull THEN ' NOT NULL' ELSE '' END,
+                  'no such column'),
+              '"public"."outbox"',
+                  coalesce(format_type(c.atttypid, c.atttypmod) || CASE WHEN c.attnotnull THEN ' NOT NULL' ELSE '' END,
+                  'no such column'))
 FROM parent p FULL JOIN child c ON c.attname = p.attname
 WHERE p.attname IS NULL OR c.attname IS NULL
    OR p.atttypid <> c.atttypid OR p.atttypmod <> c.atttypmod OR p.attcollation <> c.attcollation
    OR (p.attnotnull AND NOT c.attnotnull)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [columns-match:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [columns-match:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s.%I is still an identity column; a partition may not have one', '"public"."outbox"', 'id')
+    FOR violation IN SELECT
+        format('%s.%I is still an identity column; a partition may not have one', '"public"."outbox"', 'id')
 FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
 WHERE a.attrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' AND a.attidentity <> ''
   AND NOT c.relispartition
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [no-identity:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [no-identity:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -788,21 +999,28 @@ BEGIN
 FROM pg_constraint
 WHERE contype = 'f' AND confrelid = to_regclass('"public"."outbox"')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [no-fk-references:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [no-fk-references:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('trigger %I on %s has the name of row trigger %I on %s, which ATTACH clones onto %s and refuses ("trigger already exists"); rename the one on %s (ALTER TRIGGER %I ON %s RENAME TO …) or the one on %s, then run this step again',
-              o.tgname, o.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass, p.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass)
+    FOR violation IN SELECT
+        format(
+        'trigger %I on %s has the name of row trigger %I on %s, which ATTACH clones onto %s and refuses ("trigger '
+        'already exists"); rename the one on %s (ALTER TRIGGER %I ON %s RENAME TO …) or the one on %s, then run this '
+        'step again',
+              o.tgname, o.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass, p.tgrelid::regclass,
+                  p.tgname, p.tgrelid::regclass, o.tgrelid::regclass)
 FROM pg_trigger o
 JOIN pg_trigger p ON p.tgname = o.tgname
 WHERE o.tgrelid = to_regclass('"public"."outbox"') AND p.tgrelid = to_regclass('"public"."outbox_new"')
   AND (p.tgtype & 1) = 1 AND NOT p.tgisinternal AND o.tgparentid <> p.oid
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [no-trigger-name-clash] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [no-trigger-name-clash] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -816,26 +1034,38 @@ BEGIN
 ), old_top AS (
     SELECT greatest(
         (SELECT max("id") FROM "public"."outbox"),
-        pg_sequence_last_value(coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)))) AS top
+        pg_sequence_last_value(
+            coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
+            (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+            AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+            AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+            WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)))) AS top
 )
 SELECT format('the identity of %s will issue id %s but %s already reaches id %s; raise the START (id_headroom)',
               '"public"."outbox_new"', coalesce(n.last + n.seqincrement, n.seqstart), '"public"."outbox"', o.top)
 FROM new_seq n, old_top o
 WHERE o.top IS NOT NULL AND coalesce(n.last + n.seqincrement, n.seqstart) <= o.top
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [new-ids-above-old] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [new-ids-above-old] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
+    FOR violation IN SELECT
+        format(
+        '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
+        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
+        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
+        'the old table)',
               count(*), '"public"."outbox"', 'V4')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [old-table-drained:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default [old-table-drained:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -851,7 +1081,8 @@ LOCK TABLE ONLY "public"."outbox" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"public"."outbox"', '"public"."outbox_new"', 'DEFAULT',
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"public"."outbox"', '"public"."outbox_new"', 'DEFAULT',
               coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
                         FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
                         WHERE c.oid = to_regclass('"public"."outbox"')), 'not a partition'))
@@ -860,7 +1091,8 @@ WHERE NOT EXISTS (
     WHERE c.oid = to_regclass('"public"."outbox"') AND i.inhparent = to_regclass('"public"."outbox_new"')
       AND pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.drop-check [partition-bound:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.drop-check [partition-bound:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -875,35 +1107,46 @@ LOCK TABLE ONLY "public"."outbox" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
 WHERE to_regclass('"public"."outbox"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.tune-autovacuum-old [relation-exists:outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v4.tune-autovacuum-old [relation-exists:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
-ALTER TABLE "public"."outbox" SET (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000, autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
+ALTER TABLE "public"."outbox" SET
+    (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000,
+    autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
 COMMIT;
 
 -- phase: copy-back
--- Run `outbox-migrate copy-back` (or `run --to copy-back`): rows published between V2 and the swap are copied into the old table in throttled keyset batches, verified, and only then is the detached table dropped.
+-- Run `outbox-migrate copy-back` (or `run --to copy-back`): rows published between V2 and the swap are copied into the
+--   old table in throttled keyset batches, verified, and only then is the detached table dropped.
 
--- step: hoper.copy-back.copy-back: Copy every row of the detached outbox_published into outbox in keyset batches (resumable, throttled, verified)
+-- step: hoper.copy-back.copy-back: Copy every row of the detached outbox_published into outbox in keyset batches
+--   (resumable, throttled, verified)
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is still a partition of %s', '"public"."outbox_published"', '"public"."outbox_new"')
+    FOR violation IN SELECT
+        format('%s is still a partition of %s', '"public"."outbox_published"', '"public"."outbox_new"')
 FROM pg_inherits i
 WHERE i.inhrelid = to_regclass('"public"."outbox_published"') AND i.inhparent = to_regclass('"public"."outbox_new"')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.copy-back.copy-back [not-a-partition-of:outbox_published] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.copy-back.copy-back [not-a-partition-of:outbox_published] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"public"."outbox"', '"public"."outbox_new"', 'DEFAULT',
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"public"."outbox"', '"public"."outbox_new"', 'DEFAULT',
               coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
                         FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
                         WHERE c.oid = to_regclass('"public"."outbox"')), 'not a partition'))
@@ -912,7 +1155,8 @@ WHERE NOT EXISTS (
     WHERE c.oid = to_regclass('"public"."outbox"') AND i.inhparent = to_regclass('"public"."outbox_new"')
       AND pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.copy-back.copy-back [partition-bound:outbox] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.copy-back.copy-back [partition-bound:outbox] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -922,7 +1166,8 @@ DECLARE last_id bigint := -9223372036854775808; batch_max bigint;
 BEGIN
     LOOP
         WITH batch AS (SELECT * FROM "public"."outbox_published" WHERE "id" > last_id ORDER BY "id" LIMIT 10000),
-             copied AS (INSERT INTO "public"."outbox" OVERRIDING SYSTEM VALUE SELECT * FROM batch ON CONFLICT DO NOTHING)
+             copied AS
+                 (INSERT INTO "public"."outbox" OVERRIDING SYSTEM VALUE SELECT * FROM batch ON CONFLICT DO NOTHING)
         SELECT max("id") INTO batch_max FROM batch;
         EXIT WHEN batch_max IS NULL;
         last_id := batch_max;
@@ -936,13 +1181,16 @@ RESET lock_timeout;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
+    FOR violation IN SELECT
+        format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
               count(*), '"public"."outbox_published"', '"public"."outbox"', min(s."id"), max(s."id"))
 FROM "public"."outbox_published" s
 WHERE NOT EXISTS (SELECT 1 FROM "public"."outbox" t WHERE t."id" = s."id")
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.copy-back.drop-published [all-rows-present:outbox_published->outbox] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.copy-back.drop-published '
+            '[all-rows-present:outbox_published->outbox] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -953,11 +1201,14 @@ LOCK TABLE ONLY "public"."outbox_published" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is still a partition of %s', '"public"."outbox_published"', '"public"."outbox_new"')
+    FOR violation IN SELECT
+        format('%s is still a partition of %s', '"public"."outbox_published"', '"public"."outbox_new"')
 FROM pg_inherits i
 WHERE i.inhrelid = to_regclass('"public"."outbox_published"') AND i.inhparent = to_regclass('"public"."outbox_new"')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hoper.copy-back.drop-published [not-a-partition-of:outbox_published] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.copy-back.drop-published [not-a-partition-of:outbox_published] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;

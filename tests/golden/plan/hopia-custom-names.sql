@@ -7,12 +7,18 @@
 -- (no database steps in this phase)
 
 -- phase: V2
--- Run this phase's steps before deploying V2: identity above the old ids, and the AFTER INSERT trigger that copies every published row into the old table.
+-- Run this phase's steps before deploying V2: identity above the old ids, and the AFTER INSERT trigger that copies
+--   every published row into the old table.
 -- V2 inserts into the partitioned table.
--- V2's relay runs in switching mode: old table until drained and no writer is left, then the partitioned table (outbox-migrate relay --mode switching).
--- Once no V1 instance is left, as the old table's owner: REVOKE INSERT ON the old table FROM the application's role. The switching relay's default gate (--switch-gate privilege) waits for it. A REVOKE does not stop a superuser or the table's owner: while a session of theirs is connected the relay waits instead for V1's sessions to be gone (--old-app-name) and the old table to stay quiet (docs/relay.md).
+-- V2's relay runs in switching mode: old table until drained and no writer is left, then the partitioned table
+--   (outbox-migrate relay --mode switching).
+-- Once no V1 instance is left, as the old table's owner: REVOKE INSERT ON the old table FROM the application's role.
+--   The switching relay's default gate (--switch-gate privilege) waits for it. A REVOKE does not stop a superuser or
+--   the table's owner: while a session of theirs is connected the relay waits instead for V1's sessions to be gone
+--   (--old-app-name) and the old table to stay quiet (docs/relay.md).
 
--- step: hopia.v2.create-partitioned-table: Create events_p PARTITION BY LIST (published_at), its own identity starting 1,000,000 above the old table's highest id
+-- step: hopia.v2.create-partitioned-table: Create events_p PARTITION BY LIST (published_at), its own identity starting
+--   1,000,000 above the old table's highest id
 BEGIN;
 SET LOCAL lock_timeout = '200ms';
 SET LOCAL statement_timeout = '10000ms';
@@ -20,10 +26,13 @@ LOCK TABLE ONLY "billing"."Events" IN ACCESS SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
 WHERE to_regclass('"billing"."Events"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-partitioned-table [relation-exists:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-partitioned-table [relation-exists:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -38,7 +47,9 @@ BEGIN
 FROM pg_class c
 WHERE c.oid = to_regclass('"billing"."Events"') AND (c.relkind <> 'r' OR c.relispartition)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-partitioned-table [is-plain-table:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-partitioned-table [is-plain-table:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -50,31 +61,43 @@ BEGIN
 FROM pg_constraint
 WHERE contype = 'f' AND confrelid = to_regclass('"billing"."Events"')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-partitioned-table [no-fk-references:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-partitioned-table [no-fk-references:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"billing"."events_p"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"billing"."events_p"')
 WHERE to_regclass('"billing"."events_p"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-partitioned-table [relation-absent:events_p] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-partitioned-table [relation-absent:events_p] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s has row-level security (%s, %s policies); outbox-migrate does not carry policies to %s and its partitions — disable it for the migration (ALTER TABLE %s DISABLE ROW LEVEL SECURITY) and re-create the policies on the partitioned table yourself, or migrate by hand',
+    FOR violation IN SELECT
+        format(
+        '%s has row-level security (%s, %s policies); outbox-migrate does not carry policies to %s and its partitions '
+        '— disable it for the migration (ALTER TABLE %s DISABLE ROW LEVEL SECURITY) and re-create the policies on the '
+        'partitioned table yourself, or migrate by hand',
               c.oid::regclass, CASE WHEN c.relrowsecurity THEN 'enabled' ELSE 'disabled' END,
               (SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid), '"billing"."events_p"', c.oid::regclass)
 FROM pg_class c
 WHERE c.oid = to_regclass('"billing"."Events"')
   AND (c.relrowsecurity OR EXISTS (SELECT 1 FROM pg_policy p WHERE p.polrelid = c.oid))
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-partitioned-table [no-row-security:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-partitioned-table [no-row-security:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -82,10 +105,17 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN SELECT CASE WHEN NOT pg_has_role(current_user, c.relowner, 'MEMBER')
-            THEN format('the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it creates could not be given to that owner; run it as the owner (or a member of the owner role)',
+            THEN
+                format(
+                'the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it '
+                'creates could not be given to that owner; run it as the owner (or a member of the owner role)',
                         current_user, c.relowner::regrole, c.oid::regclass)
-            ELSE format('%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
-                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole, c.relnamespace::regnamespace, c.relowner::regrole) END
+            ELSE
+                format(
+                '%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be '
+                'given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
+                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole,
+                            c.relnamespace::regnamespace, c.relowner::regrole) END
 FROM pg_class c
 WHERE c.oid = to_regclass('"billing"."Events"')
   AND c.relowner <> (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)
@@ -93,15 +123,28 @@ WHERE c.oid = to_regclass('"billing"."Events"')
   AND (NOT pg_has_role(current_user, c.relowner, 'MEMBER')
        OR NOT has_schema_privilege(c.relowner, c.relnamespace, 'CREATE'))
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-partitioned-table [may-give-to-owner:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-partitioned-table [may-give-to-owner:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
-CREATE TABLE "billing"."events_p" (LIKE "billing"."Events" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING CONSTRAINTS INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
+CREATE TABLE "billing"."events_p"
+    (LIKE "billing"."Events" INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING GENERATED INCLUDING CONSTRAINTS
+    INCLUDING STORAGE INCLUDING COMMENTS) PARTITION BY LIST ("published_at");
 ALTER TABLE "billing"."events_p" ALTER COLUMN "id" DROP IDENTITY IF EXISTS;
 ALTER TABLE "billing"."events_p" ALTER COLUMN "id" DROP DEFAULT;
 ALTER TABLE "billing"."events_p" ALTER COLUMN "id" ADD GENERATED ALWAYS AS IDENTITY;
-SELECT setval(seq, greatest((SELECT max("id") FROM "billing"."Events"), pg_sequence_last_value(coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1))), 0) + 1000000) FROM (SELECT pg_get_serial_sequence('"billing"."events_p"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
+SELECT
+    setval(seq,
+    greatest((SELECT max("id") FROM "billing"."Events"),
+    pg_sequence_last_value(
+    coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass,
+    (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+    AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+    AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+    WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1))), 0) + 1000000)
+    FROM (SELECT pg_get_serial_sequence('"billing"."events_p"', 'id')::regclass AS seq) s WHERE seq IS NOT NULL;
 DO $om$
 DECLARE
     old_rel regclass := '"billing"."Events"'::regclass;
@@ -142,20 +185,27 @@ LOCK TABLE ONLY "billing"."events_p" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_p"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_p"')
 WHERE to_regclass('"billing"."events_p"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-unpublished-partition [relation-exists:events_p] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-unpublished-partition [relation-exists:events_p] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"billing"."events_todo"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"billing"."events_todo"')
 WHERE to_regclass('"billing"."events_todo"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-unpublished-partition [relation-absent:events_todo] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-unpublished-partition [relation-absent:events_todo] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -200,7 +250,9 @@ LOCK TABLE ONLY "billing"."events_todo" IN SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"billing"."events_todo"', '"billing"."events_p"', 'FOR VALUES IN (NULL)',
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"billing"."events_todo"', '"billing"."events_p"',
+        'FOR VALUES IN (NULL)',
               coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
                         FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
                         WHERE c.oid = to_regclass('"billing"."events_todo"')), 'not a partition'))
@@ -209,17 +261,23 @@ WHERE NOT EXISTS (
     WHERE c.oid = to_regclass('"billing"."events_todo"') AND i.inhparent = to_regclass('"billing"."events_p"')
       AND pg_get_expr(c.relpartbound, c.oid) = 'FOR VALUES IN (NULL)')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-unpublished-index [partition-bound:events_todo] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-unpublished-index [partition-bound:events_todo] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"billing"."events_p_unpublished_id_idx"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"billing"."events_p_unpublished_id_idx"')
 WHERE to_regclass('"billing"."events_p_unpublished_id_idx"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-unpublished-index [relation-absent:events_p_unpublished_id_idx] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-unpublished-index '
+            '[relation-absent:events_p_unpublished_id_idx] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -242,7 +300,9 @@ WHERE NOT EXISTS (
     WHERE pt.partrelid = to_regclass('"billing"."events_p"') AND pt.partstrat = 'l' AND pt.partnatts = 1
       AND a.attname = 'published_at')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.install-notify-trigger [partitioned-by-list:events_p] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.install-notify-trigger [partitioned-by-list:events_p] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -257,7 +317,8 @@ BEGIN
     RETURN NULL;
 END
 $om$;
-CREATE TRIGGER "relay_notify" AFTER INSERT ON "billing"."events_p" REFERENCING NEW TABLE AS "new_rows" FOR EACH STATEMENT EXECUTE FUNCTION "billing"."events_p_relay_notify"('outbox_migrate_relay');
+CREATE TRIGGER "relay_notify" AFTER INSERT ON "billing"."events_p" REFERENCING NEW TABLE AS "new_rows"
+    FOR EACH STATEMENT EXECUTE FUNCTION "billing"."events_p_relay_notify"('outbox_migrate_relay');
 COMMIT;
 
 -- step: hopia.v2.create-published-partition: Create events_done as the DEFAULT partition (every published row)
@@ -268,20 +329,27 @@ LOCK TABLE ONLY "billing"."events_p" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_p"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_p"')
 WHERE to_regclass('"billing"."events_p"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-published-partition [relation-exists:events_p] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-published-partition [relation-exists:events_p] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"billing"."events_done"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"billing"."events_done"')
 WHERE to_regclass('"billing"."events_done"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.create-published-partition [relation-absent:events_done] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-published-partition [relation-absent:events_done] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
@@ -326,14 +394,19 @@ LOCK TABLE ONLY "billing"."events_done" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_done"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_done"')
 WHERE to_regclass('"billing"."events_done"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.tune-autovacuum [relation-exists:events_done] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.tune-autovacuum [relation-exists:events_done] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
-ALTER TABLE "billing"."events_done" SET (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000, autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
+ALTER TABLE "billing"."events_done" SET
+    (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000,
+    autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
 COMMIT;
 
 -- step: hopia.v2.install-copy-trigger: AFTER INSERT trigger on events_done copying each published row to Events
@@ -344,7 +417,8 @@ LOCK TABLE ONLY "billing"."events_done" IN SHARE ROW EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"billing"."events_done"', '"billing"."events_p"', 'DEFAULT',
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"billing"."events_done"', '"billing"."events_p"', 'DEFAULT',
               coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
                         FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
                         WHERE c.oid = to_regclass('"billing"."events_done"')), 'not a partition'))
@@ -353,49 +427,66 @@ WHERE NOT EXISTS (
     WHERE c.oid = to_regclass('"billing"."events_done"') AND i.inhparent = to_regclass('"billing"."events_p"')
       AND pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.install-copy-trigger [partition-bound:events_done] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.install-copy-trigger [partition-bound:events_done] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
 WHERE to_regclass('"billing"."Events"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.install-copy-trigger [relation-exists:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.install-copy-trigger [relation-exists:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s holds rows; dropping it would lose them — move or publish them first', '"billing"."events_done"')
+    FOR violation IN SELECT
+        format('%s holds rows; dropping it would lose them — move or publish them first', '"billing"."events_done"')
 WHERE to_regclass('"billing"."events_done"') IS NOT NULL AND EXISTS (SELECT 1 FROM "billing"."events_done")
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.install-copy-trigger [relation-empty:events_done] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.install-copy-trigger [relation-empty:events_done] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
-CREATE OR REPLACE FUNCTION "billing"."events_done_insert_trigger"() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, "billing" AS $om$
+CREATE OR REPLACE FUNCTION "billing"."events_done_insert_trigger"() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path = pg_catalog, "billing" AS $om$
 BEGIN
     INSERT INTO "billing"."Events" OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;
     RETURN NULL;
 END
 $om$;
-CREATE TRIGGER "events_done_insert" AFTER INSERT ON "billing"."events_done" FOR EACH ROW EXECUTE FUNCTION "billing"."events_done_insert_trigger"();
+CREATE TRIGGER "events_done_insert" AFTER INSERT ON "billing"."events_done"
+    FOR EACH ROW EXECUTE FUNCTION "billing"."events_done_insert_trigger"();
 COMMIT;
 
 -- check: no publication lists Events without events_todo (CDC consumers)
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD TABLE %s) before deploying V2', p.pubname, '"billing"."Events"', '"billing"."events_todo"', p.pubname, '"billing"."events_todo"')
+    FOR violation IN SELECT
+        format(
+        'publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step '
+        'publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD '
+        'TABLE %s) before deploying V2', p.pubname, '"billing"."Events"', '"billing"."events_todo"', p.pubname,
+        '"billing"."events_todo"')
 FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass('"billing"."Events"')
 WHERE NOT EXISTS (
     SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid AND u.prrelid = to_regclass('"billing"."events_todo"'))
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.install-copy-trigger (CDC) [publications-carried] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.install-copy-trigger (CDC) [publications-carried] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -411,7 +502,12 @@ BEGIN
     FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
 -- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
 WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), before AS MATERIALIZED (
     SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
 ), pause AS MATERIALIZED (
@@ -427,22 +523,29 @@ WITH seq AS MATERIALIZED (
                       false) AS saved
     FROM after_
 )
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+SELECT
+    format(
+    '%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the '
+    'rollout of the previous version finished?',
               '"billing"."Events"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V3')
 FROM before, after
 WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [no-new-ids:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [no-new-ids:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
 WHERE to_regclass('"billing"."Events"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [relation-exists:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [relation-exists:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -450,10 +553,17 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), saved AS MATERIALIZED (
-    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 1), '')::bigint AS seq_last,
-           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 2), '')::bigint AS top,
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 1), '')::bigint
+        AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 2), '')::bigint
+               AS top,
            coalesce(current_setting('outbox_migrate.gate_46223f3c', true), '') <> '' AS sampled
 ), now_ AS MATERIALIZED (
     SELECT pg_sequence_last_value(seq.oid) AS seq_last,
@@ -461,34 +571,50 @@ BEGIN
     FROM seq, saved WHERE seq.oid IS NOT NULL
 )
 SELECT CASE WHEN NOT saved.sampled
-            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"billing"."Events"', 'V3')
-            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+            THEN
+                format(
+                '%s: the gate did not sample this table in this session; phase %s needs its sampling window first',
+                '"billing"."Events"', 'V3')
+            ELSE
+                format(
+                '%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; '
+                'newest old id %s, was %s); phase %s needs every writer of the old version gone',
                         '"billing"."Events"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V3') END
 FROM now_, saved
 WHERE NOT saved.sampled
    OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
    OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [no-new-rows-since-sample:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [no-new-rows-since-sample:Events] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
+    FOR violation IN SELECT
+        format(
+        '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
+        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
+        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
+        'the old table)',
               count(*), '"billing"."Events"', 'V3')
 FROM "billing"."Events" WHERE "published_at" IS NULL
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [old-table-drained:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v3.gate-old-table-retired [old-table-drained:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 
 -- phase: V4
 -- Run this phase's steps once V3 is fully rolled out; V4 behaves like V3.
--- The swap is one short catalog-only transaction; every published row was already in the old table, so nothing disappears from view.
+-- The swap is one short catalog-only transaction; every published row was already in the old table, so nothing
+--   disappears from view.
 -- Optionally drop the detached published partition afterwards: all its rows are in the old table.
 
 -- step: hopia.v4.drop-identity: Drop IDENTITY from Events.id (a partition may not have one)
@@ -498,7 +624,12 @@ BEGIN
     FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
 -- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
 WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), before AS MATERIALIZED (
     SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
 ), pause AS MATERIALIZED (
@@ -514,12 +645,16 @@ WITH seq AS MATERIALIZED (
                       false) AS saved
     FROM after_
 )
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+SELECT
+    format(
+    '%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the '
+    'rollout of the previous version finished?',
               '"billing"."Events"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V4')
 FROM before, after
 WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [no-new-ids:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [no-new-ids:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -530,10 +665,12 @@ LOCK TABLE ONLY "billing"."Events" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
 WHERE to_regclass('"billing"."Events"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [relation-exists:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [relation-exists:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -541,10 +678,17 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), saved AS MATERIALIZED (
-    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 1), '')::bigint AS seq_last,
-           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 2), '')::bigint AS top,
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 1), '')::bigint
+        AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 2), '')::bigint
+               AS top,
            coalesce(current_setting('outbox_migrate.gate_46223f3c', true), '') <> '' AS sampled
 ), now_ AS MATERIALIZED (
     SELECT pg_sequence_last_value(seq.oid) AS seq_last,
@@ -552,15 +696,23 @@ BEGIN
     FROM seq, saved WHERE seq.oid IS NOT NULL
 )
 SELECT CASE WHEN NOT saved.sampled
-            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"billing"."Events"', 'V4')
-            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+            THEN
+                format(
+                '%s: the gate did not sample this table in this session; phase %s needs its sampling window first',
+                '"billing"."Events"', 'V4')
+            ELSE
+                format(
+                '%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; '
+                'newest old id %s, was %s); phase %s needs every writer of the old version gone',
                         '"billing"."Events"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V4') END
 FROM now_, saved
 WHERE NOT saved.sampled
    OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
    OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [no-new-rows-since-sample:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v4.drop-identity [no-new-rows-since-sample:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -574,14 +726,20 @@ BEGIN
 ), old_top AS (
     SELECT greatest(
         (SELECT max("id") FROM "billing"."Events"),
-        pg_sequence_last_value(coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)))) AS top
+        pg_sequence_last_value(
+            coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass,
+            (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+            AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+            AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+            WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)))) AS top
 )
 SELECT format('the identity of %s will issue id %s but %s already reaches id %s; raise the START (id_headroom)',
               '"billing"."events_p"', coalesce(n.last + n.seqincrement, n.seqstart), '"billing"."Events"', o.top)
 FROM new_seq n, old_top o
 WHERE o.top IS NOT NULL AND coalesce(n.last + n.seqincrement, n.seqstart) <= o.top
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [new-ids-above-old] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-identity [new-ids-above-old] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -595,7 +753,12 @@ BEGIN
     FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
 -- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
 WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), before AS MATERIALIZED (
     SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
 ), pause AS MATERIALIZED (
@@ -611,12 +774,16 @@ WITH seq AS MATERIALIZED (
                       false) AS saved
     FROM after_
 )
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
+SELECT
+    format(
+    '%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the '
+    'rollout of the previous version finished?',
               '"billing"."Events"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V4')
 FROM before, after
 WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.add-not-valid-check [no-new-ids:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.add-not-valid-check [no-new-ids:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -628,10 +795,17 @@ DO $om_assert$
 DECLARE violation text;
 BEGIN
     FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
+    SELECT
+        coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass,
+        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+        WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)) AS oid
 ), saved AS MATERIALIZED (
-    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 1), '')::bigint AS seq_last,
-           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 2), '')::bigint AS top,
+    SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 1), '')::bigint
+        AS seq_last,
+           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_46223f3c', true), ''), ':', 2), '')::bigint
+               AS top,
            coalesce(current_setting('outbox_migrate.gate_46223f3c', true), '') <> '' AS sampled
 ), now_ AS MATERIALIZED (
     SELECT pg_sequence_last_value(seq.oid) AS seq_last,
@@ -639,27 +813,42 @@ BEGIN
     FROM seq, saved WHERE seq.oid IS NOT NULL
 )
 SELECT CASE WHEN NOT saved.sampled
-            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', '"billing"."Events"', 'V4')
-            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
+            THEN
+                format(
+                '%s: the gate did not sample this table in this session; phase %s needs its sampling window first',
+                '"billing"."Events"', 'V4')
+            ELSE
+                format(
+                '%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; '
+                'newest old id %s, was %s); phase %s needs every writer of the old version gone',
                         '"billing"."Events"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V4') END
 FROM now_, saved
 WHERE NOT saved.sampled
    OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
    OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.add-not-valid-check [no-new-rows-since-sample:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v4.add-not-valid-check [no-new-rows-since-sample:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
+    FOR violation IN SELECT
+        format(
+        '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
+        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
+        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
+        'the old table)',
               count(*), '"billing"."Events"', 'V4')
 FROM "billing"."Events" WHERE "published_at" IS NULL
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.add-not-valid-check [old-table-drained:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v4.add-not-valid-check [old-table-drained:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -674,7 +863,8 @@ LOCK TABLE ONLY "billing"."Events" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('CHECK constraint %I is missing on %s', 'Events_published_check', '"billing"."Events"')
+    FOR violation IN SELECT
+        format('CHECK constraint %I is missing on %s', 'Events_published_check', '"billing"."Events"')
 WHERE NOT EXISTS (
     SELECT 1 FROM pg_constraint
     WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_published_check' AND contype = 'c')
@@ -686,12 +876,18 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
+    FOR violation IN SELECT
+        format(
+        '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
+        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
+        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
+        'the old table)',
               count(*), '"billing"."Events"', 'V4')
 FROM "billing"."Events" WHERE "published_at" IS NULL
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.validate-check [old-table-drained:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.validate-check [old-table-drained:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -706,7 +902,8 @@ LOCK TABLE ONLY "billing"."Events" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('CHECK constraint %I is missing on %s', 'Events_published_check', '"billing"."Events"')
+    FOR violation IN SELECT
+        format('CHECK constraint %I is missing on %s', 'Events_published_check', '"billing"."Events"')
 WHERE NOT EXISTS (
     SELECT 1 FROM pg_constraint
     WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_published_check' AND contype = 'c')
@@ -718,7 +915,9 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('CHECK constraint %I on %s is NOT VALID; run its VALIDATE step first', 'Events_published_check', '"billing"."Events"')
+    FOR violation IN SELECT
+        format('CHECK constraint %I on %s is NOT VALID; run its VALIDATE step first', 'Events_published_check',
+        '"billing"."Events"')
 FROM pg_constraint
 WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_published_check' AND NOT convalidated
     LOOP
@@ -729,7 +928,8 @@ $om_assert$;
 ALTER TABLE "billing"."Events" ALTER COLUMN "published_at" SET NOT NULL;
 COMMIT;
 
--- step: hopia.v4.disable-old-triggers: Optional: disable the user triggers of Events before it becomes a partition (they would fire on every publish)
+-- step: hopia.v4.disable-old-triggers: Optional: disable the user triggers of Events before it becomes a partition
+--   (they would fire on every publish)
 BEGIN;
 SET LOCAL lock_timeout = '200ms';
 SET LOCAL statement_timeout = '2000ms';
@@ -737,10 +937,13 @@ LOCK TABLE ONLY "billing"."Events" IN SHARE ROW EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
 WHERE to_regclass('"billing"."Events"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.disable-old-triggers [relation-exists:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v4.disable-old-triggers [relation-exists:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -751,13 +954,16 @@ COMMIT;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
+    FOR violation IN SELECT
+        format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
               count(*), '"billing"."events_done"', '"billing"."Events"', min(s."id"), max(s."id"))
 FROM "billing"."events_done" s
 WHERE NOT EXISTS (SELECT 1 FROM "billing"."Events" t WHERE t."id" = s."id")
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [all-rows-present:events_done->Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v4.swap-default [all-rows-present:events_done->Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -770,7 +976,8 @@ LOCK TABLE ONLY "billing"."Events" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"billing"."events_done"', '"billing"."events_p"', 'DEFAULT',
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"billing"."events_done"', '"billing"."events_p"', 'DEFAULT',
               coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
                         FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
                         WHERE c.oid = to_regclass('"billing"."events_done"')), 'not a partition'))
@@ -779,17 +986,20 @@ WHERE NOT EXISTS (
     WHERE c.oid = to_regclass('"billing"."events_done"') AND i.inhparent = to_regclass('"billing"."events_p"')
       AND pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [partition-bound:events_done] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [partition-bound:events_done] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_p"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_p"')
 WHERE to_regclass('"billing"."events_p"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [relation-exists:events_p] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [relation-exists:events_p] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -804,14 +1014,16 @@ BEGIN
 FROM pg_class c
 WHERE c.oid = to_regclass('"billing"."Events"') AND (c.relkind <> 'r' OR c.relispartition)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [is-plain-table:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [is-plain-table:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('CHECK constraint %I is missing on %s', 'Events_published_check', '"billing"."Events"')
+    FOR violation IN SELECT
+        format('CHECK constraint %I is missing on %s', 'Events_published_check', '"billing"."Events"')
 WHERE NOT EXISTS (
     SELECT 1 FROM pg_constraint
     WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_published_check' AND contype = 'c')
@@ -823,7 +1035,9 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('CHECK constraint %I on %s is NOT VALID; run its VALIDATE step first', 'Events_published_check', '"billing"."Events"')
+    FOR violation IN SELECT
+        format('CHECK constraint %I on %s is NOT VALID; run its VALIDATE step first', 'Events_published_check',
+        '"billing"."Events"')
 FROM pg_constraint
 WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_published_check' AND NOT convalidated
     LOOP
@@ -834,14 +1048,17 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('CHECK constraint %I on %s is %s, which does not prove %I IS NOT NULL; ATTACH would scan the table',
+    FOR violation IN SELECT
+        format('CHECK constraint %I on %s is %s, which does not prove %I IS NOT NULL; ATTACH would scan the table',
               conname, '"billing"."Events"', pg_get_constraintdef(oid), 'published_at')
 FROM pg_constraint
 WHERE conrelid = to_regclass('"billing"."Events"') AND conname = 'Events_published_check'
   AND pg_get_constraintdef(oid) <> format('CHECK ((%I IS NOT NULL))', 'published_at')
   AND pg_get_constraintdef(oid) <> format('CHECK ((%I IS NOT NULL)) NOT VALID', 'published_at')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [check-implies-partition-constraint] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v4.swap-default [check-implies-partition-constraint] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -856,26 +1073,33 @@ BEGIN
     FROM pg_attribute WHERE attrelid = to_regclass('"billing"."Events"') AND attnum > 0 AND NOT attisdropped
 )
 SELECT format('column %I differs: %s has %s, %s has %s', coalesce(p.attname, c.attname),
-              '"billing"."events_p"', coalesce(format_type(p.atttypid, p.atttypmod) || CASE WHEN p.attnotnull THEN ' NOT NULL' ELSE '' END, 'no such column'),
-              '"billing"."Events"', coalesce(format_type(c.atttypid, c.atttypmod) || CASE WHEN c.attnotnull THEN ' NOT NULL' ELSE '' END, 'no such column'))
+              '"billing"."events_p"',
+                  coalesce(format_type(p.atttypid, p.atttypmod) || CASE WHEN p.attnotnull THEN ' NOT NULL' ELSE '' END,
+                  'no such column'),
+              '"billing"."Events"',
+                  coalesce(format_type(c.atttypid, c.atttypmod) || CASE WHEN c.attnotnull THEN ' NOT NULL' ELSE '' END,
+                  'no such column'))
 FROM parent p FULL JOIN child c ON c.attname = p.attname
 WHERE p.attname IS NULL OR c.attname IS NULL
    OR p.atttypid <> c.atttypid OR p.atttypmod <> c.atttypmod OR p.attcollation <> c.attcollation
    OR (p.attnotnull AND NOT c.attnotnull)
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [columns-match:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [columns-match:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s.%I is still an identity column; a partition may not have one', '"billing"."Events"', 'id')
+    FOR violation IN SELECT
+        format('%s.%I is still an identity column; a partition may not have one', '"billing"."Events"', 'id')
 FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
 WHERE a.attrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' AND a.attidentity <> ''
   AND NOT c.relispartition
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [no-identity:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [no-identity:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -887,21 +1111,28 @@ BEGIN
 FROM pg_constraint
 WHERE contype = 'f' AND confrelid = to_regclass('"billing"."Events"')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [no-fk-references:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [no-fk-references:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('trigger %I on %s has the name of row trigger %I on %s, which ATTACH clones onto %s and refuses ("trigger already exists"); rename the one on %s (ALTER TRIGGER %I ON %s RENAME TO …) or the one on %s, then run this step again',
-              o.tgname, o.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass, p.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass)
+    FOR violation IN SELECT
+        format(
+        'trigger %I on %s has the name of row trigger %I on %s, which ATTACH clones onto %s and refuses ("trigger '
+        'already exists"); rename the one on %s (ALTER TRIGGER %I ON %s RENAME TO …) or the one on %s, then run this '
+        'step again',
+              o.tgname, o.tgrelid::regclass, p.tgname, p.tgrelid::regclass, o.tgrelid::regclass, p.tgrelid::regclass,
+                  p.tgname, p.tgrelid::regclass, o.tgrelid::regclass)
 FROM pg_trigger o
 JOIN pg_trigger p ON p.tgname = o.tgname
 WHERE o.tgrelid = to_regclass('"billing"."Events"') AND p.tgrelid = to_regclass('"billing"."events_p"')
   AND (p.tgtype & 1) = 1 AND NOT p.tgisinternal AND o.tgparentid <> p.oid
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [no-trigger-name-clash] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [no-trigger-name-clash] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -915,33 +1146,46 @@ BEGIN
 ), old_top AS (
     SELECT greatest(
         (SELECT max("id") FROM "billing"."Events"),
-        pg_sequence_last_value(coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass, (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)))) AS top
+        pg_sequence_last_value(
+            coalesce(pg_get_serial_sequence('"billing"."Events"', 'id')::regclass,
+            (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
+            AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
+            AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+            WHERE ad.adrelid = to_regclass('"billing"."Events"') AND a.attname = 'id' LIMIT 1)))) AS top
 )
 SELECT format('the identity of %s will issue id %s but %s already reaches id %s; raise the START (id_headroom)',
               '"billing"."events_p"', coalesce(n.last + n.seqincrement, n.seqstart), '"billing"."Events"', o.top)
 FROM new_seq n, old_top o
 WHERE o.top IS NOT NULL AND coalesce(n.last + n.seqincrement, n.seqstart) <= o.top
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [new-ids-above-old] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [new-ids-above-old] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
+    FOR violation IN SELECT
+        format(
+        '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
+        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
+        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
+        'the old table)',
               count(*), '"billing"."Events"', 'V4')
 FROM "billing"."Events" WHERE "published_at" IS NULL
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [old-table-drained:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.swap-default [old-table-drained:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('trigger %I on %s is missing or disabled', 'events_done_insert', '"billing"."events_done"')
+    FOR violation IN SELECT
+        format('trigger %I on %s is missing or disabled', 'events_done_insert', '"billing"."events_done"')
 WHERE NOT EXISTS (
     SELECT 1 FROM pg_trigger
     WHERE tgrelid = to_regclass('"billing"."events_done"') AND tgname = 'events_done_insert' AND tgenabled <> 'D')
@@ -962,7 +1206,8 @@ LOCK TABLE ONLY "billing"."Events" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"billing"."Events"', '"billing"."events_p"', 'DEFAULT',
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"billing"."Events"', '"billing"."events_p"', 'DEFAULT',
               coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
                         FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
                         WHERE c.oid = to_regclass('"billing"."Events"')), 'not a partition'))
@@ -971,7 +1216,8 @@ WHERE NOT EXISTS (
     WHERE c.oid = to_regclass('"billing"."Events"') AND i.inhparent = to_regclass('"billing"."events_p"')
       AND pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-check [partition-bound:Events] failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-check [partition-bound:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -990,7 +1236,9 @@ BEGIN
 FROM pg_inherits i
 WHERE i.inhrelid = to_regclass('"billing"."events_done"') AND i.inhparent = to_regclass('"billing"."events_p"')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.remove-copy-trigger [not-a-partition-of:events_done] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v4.remove-copy-trigger [not-a-partition-of:events_done] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -1006,27 +1254,35 @@ LOCK TABLE ONLY "billing"."Events" IN SHARE UPDATE EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."Events"')
 WHERE to_regclass('"billing"."Events"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.tune-autovacuum-old [relation-exists:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v4.tune-autovacuum-old [relation-exists:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
-ALTER TABLE "billing"."Events" SET (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000, autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
+ALTER TABLE "billing"."Events" SET
+    (autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 100000,
+    autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
 COMMIT;
 
 -- step: hopia.v4.drop-detached-published: Drop the detached events_done: every row of it is in Events
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
+    FOR violation IN SELECT
+        format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
               count(*), '"billing"."events_done"', '"billing"."Events"', min(s."id"), max(s."id"))
 FROM "billing"."events_done" s
 WHERE NOT EXISTS (SELECT 1 FROM "billing"."Events" t WHERE t."id" = s."id")
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-detached-published [all-rows-present:events_done->Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v4.drop-detached-published [all-rows-present:events_done->Events] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -1041,7 +1297,9 @@ BEGIN
 FROM pg_inherits i
 WHERE i.inhrelid = to_regclass('"billing"."events_done"') AND i.inhparent = to_regclass('"billing"."events_p"')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v4.drop-detached-published [not-a-partition-of:events_done] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v4.drop-detached-published [not-a-partition-of:events_done] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
@@ -1050,10 +1308,14 @@ COMMIT;
 
 -- phase: original-name
 -- Optional (plan/run --with-optional): for frameworks with a fixed outbox table name.
--- Run this phase's step while the previous version runs: in one short catalog-only transaction the old table, now the DEFAULT partition, takes the published partition's name, the partitioned table takes the original name, and a view under its former name keeps the previous version's inserts (and a relay started with the former name) working.
--- Then deploy the version that inserts into and publishes from the original name (relay: --partitioned-table with the original name).
+-- Run this phase's step while the previous version runs: in one short catalog-only transaction the old table, now the
+--   DEFAULT partition, takes the published partition's name, the partitioned table takes the original name, and a view
+--   under its former name keeps the previous version's inserts (and a relay started with the former name) working.
+-- Then deploy the version that inserts into and publishes from the original name (relay: --partitioned-table with the
+--   original name).
 
--- step: hopia.original-name.take-original-name: In one transaction: Events (the DEFAULT partition) becomes events_done, events_p becomes Events, and a view events_p over it keeps the previous version's inserts working
+-- step: hopia.original-name.take-original-name: In one transaction: Events (the DEFAULT partition) becomes events_done,
+--   events_p becomes Events, and a view events_p over it keeps the previous version's inserts working
 BEGIN;
 SET LOCAL lock_timeout = '200ms';
 SET LOCAL statement_timeout = '2000ms';
@@ -1061,10 +1323,13 @@ LOCK TABLE ONLY "billing"."Events" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_p"')
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_p"')
 WHERE to_regclass('"billing"."events_p"') IS NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.original-name.take-original-name [relation-exists:events_p] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.original-name.take-original-name [relation-exists:events_p] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
@@ -1079,14 +1344,18 @@ WHERE NOT EXISTS (
     WHERE pt.partrelid = to_regclass('"billing"."events_p"') AND pt.partstrat = 'l' AND pt.partnatts = 1
       AND a.attname = 'published_at')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.original-name.take-original-name [partitioned-by-list:events_p] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.original-name.take-original-name [partitioned-by-list:events_p] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"billing"."events_todo"', '"billing"."events_p"', 'FOR VALUES IN (NULL)',
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"billing"."events_todo"', '"billing"."events_p"',
+        'FOR VALUES IN (NULL)',
               coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
                         FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
                         WHERE c.oid = to_regclass('"billing"."events_todo"')), 'not a partition'))
@@ -1095,24 +1364,31 @@ WHERE NOT EXISTS (
     WHERE c.oid = to_regclass('"billing"."events_todo"') AND i.inhparent = to_regclass('"billing"."events_p"')
       AND pg_get_expr(c.relpartbound, c.oid) = 'FOR VALUES IN (NULL)')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.original-name.take-original-name [partition-bound:events_todo] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.original-name.take-original-name [partition-bound:events_todo] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s already exists; was this step applied by hand? inspect it, or reset the ledger', '"billing"."events_done"')
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"billing"."events_done"')
 WHERE to_regclass('"billing"."events_done"') IS NOT NULL
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.original-name.take-original-name [relation-absent:events_done] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.original-name.take-original-name [relation-absent:events_done] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is not attached to %s %s (found: %s)', '"billing"."Events"', '"billing"."events_p"', 'DEFAULT',
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"billing"."Events"', '"billing"."events_p"', 'DEFAULT',
               coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
                         FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
                         WHERE c.oid = to_regclass('"billing"."Events"')), 'not a partition'))
@@ -1121,7 +1397,9 @@ WHERE NOT EXISTS (
     WHERE c.oid = to_regclass('"billing"."Events"') AND i.inhparent = to_regclass('"billing"."events_p"')
       AND pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.original-name.take-original-name [partition-bound:Events] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.original-name.take-original-name [partition-bound:Events] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -1161,7 +1439,8 @@ $om$;
 COMMIT;
 
 -- phase: drop-view
--- Run this phase once the version that uses the original name is fully rolled out: its gate watches the view for sessions still using it (and, with --old-app-name, for sessions of the previous version), then drops it.
+-- Run this phase once the version that uses the original name is fully rolled out: its gate watches the view for
+--   sessions still using it (and, with --old-app-name, for sessions of the previous version), then drops it.
 
 -- step: hopia.drop-view.drop-compat-view: Gate and drop: no session uses the view events_p any more; drop it
 DO $om_assert$
@@ -1179,13 +1458,18 @@ BEGIN
           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
     ) u
 )
-SELECT format('%s is still used by other sessions (pids %s) during the %s s window; phase %s needs every instance of the previous version (which writes to %s) gone — finish the rollout, then run this phase again',
+SELECT
+    format(
+    '%s is still used by other sessions (pids %s) during the %s s window; phase %s needs every instance of the '
+    'previous version (which writes to %s) gone — finish the rollout, then run this phase again',
               '"billing"."events_p"', string_agg(DISTINCT samples.pids, ','), 2.0, 'drop-view', '"billing"."events_p"')
 FROM samples
 WHERE samples.pids IS NOT NULL
 HAVING count(*) > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.drop-view.drop-compat-view [no-view-users:events_p] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.drop-view.drop-compat-view [no-view-users:events_p] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -1196,7 +1480,10 @@ LOCK TABLE ONLY "billing"."events_p" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('%s is not a view over %s (found: %s); the original-name step did not run, or the name was taken by hand — inspect it',
+    FOR violation IN SELECT
+        format(
+        '%s is not a view over %s (found: %s); the original-name step did not run, or the name was taken by hand — '
+        'inspect it',
               '"billing"."events_p"', '"billing"."Events"',
               coalesce((SELECT CASE c.relkind WHEN 'v' THEN 'a view over other relations'
                                                WHEN 'p' THEN 'a partitioned table'
@@ -1211,7 +1498,9 @@ WHERE NOT EXISTS (
     WHERE v.oid = to_regclass('"billing"."events_p"') AND v.relkind = 'v'
       AND d.refobjid = to_regclass('"billing"."Events"'))
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.drop-view.drop-compat-view [view-over:events_p] failed: %', violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.drop-view.drop-compat-view [view-over:events_p] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;

@@ -1,0 +1,109 @@
+"""SIGINT and SIGTERM handling, in place before anything heavy is imported.
+
+The CLI's entry points (`cli.launch.main`, `python -m outbox_migrate`) call `defer()` as
+their first statement: from then on a signal is recorded, never lost and never a traceback.
+While the CLI's modules load, a signal is only recorded — an exception raised in the middle
+of an import can land where Python ignores it (a module lock's weakref callback prints
+"Exception ignored" and carries on) or leave a module half built. Once the imports are done,
+`install()` raises a recorded signal at once, and from then on SIGINT raises
+`KeyboardInterrupt` and SIGTERM `Terminated` where the main thread is, so `with` blocks
+unwind and transactions roll back.
+
+Only the C `_signal` module is used: the `signal` module imports `enum` (8 ms), time in which
+Python's own default handler would still turn a Ctrl-C into a traceback. Nothing happens at
+import: importing this module must not change a host process's handlers (tests and Alembic
+import the CLI's modules in-process).
+"""
+
+from __future__ import annotations
+
+import _signal  # type: ignore[import-not-found]  # the C module: see the docstring
+import sys
+
+TYPE_CHECKING = False  # not typing's: importing typing costs ~30 ms before the handlers
+if TYPE_CHECKING:
+    from types import FrameType
+    from typing import Any
+
+SIGINT: int = _signal.SIGINT
+SIGTERM: int = _signal.SIGTERM
+INTERRUPTED_EXIT = 130  # errors.ExitCode.INTERRUPTED; not imported, to stay import-free
+TERMINATED_EXIT = 143  # errors.ExitCode.TERMINATED
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is so cleanup runs as for Ctrl-C."""
+
+
+_received: list[int] = []
+_raising = [True]
+"""False while `defer()` is in force: the handler records and returns."""
+
+
+def _on_signal(signum: int, _frame: FrameType | None) -> None:
+    _received.append(signum)
+    if _raising[0]:
+        _raise(signum)
+
+
+def _raise(signum: int) -> None:
+    if signum == SIGTERM:
+        raise Terminated()
+    raise KeyboardInterrupt()
+
+
+def _handle(handler: Any) -> None:
+    _signal.signal(SIGINT, handler)
+    _signal.signal(SIGTERM, handler)
+
+
+def defer() -> None:
+    """Record SIGINT/SIGTERM without raising (see the module docstring): the first thing a
+    CLI process does."""
+    _raising[0] = False
+    _received.clear()
+    _handle(_on_signal)
+
+
+def install() -> None:
+    """SIGINT → KeyboardInterrupt, SIGTERM → Terminated, both remembered for the exit code;
+    a signal recorded under `defer()` is raised now.
+
+    A second signal while the first unwinds raises again, which is what a user pressing
+    Ctrl-C twice expects."""
+    pending = None if _raising[0] else last()
+    if _raising[0]:
+        _received.clear()  # a new command in this process (tests call the CLI in-process)
+    _raising[0] = True
+    _handle(_on_signal)
+    if pending is not None:
+        _raise(pending)
+
+
+def last() -> int | None:
+    """The last signal received since `defer()`/`install()`, if any."""
+    return _received[-1] if _received else None
+
+
+def exit_code() -> int:
+    return TERMINATED_EXIT if last() == SIGTERM else INTERRUPTED_EXIT
+
+
+def name() -> str:
+    """How the last signal is named in the one-line message."""
+    return "terminated (SIGTERM)" if last() == SIGTERM else "interrupted"
+
+
+def ignore() -> None:
+    """Ignore SIGINT and SIGTERM from now on: the process is leaving with its exit code
+    decided, and a late signal must not raise inside the interpreter's shutdown."""
+    _handle(_signal.SIG_IGN)
+
+
+def say_interrupted(message: str) -> int:
+    """Ignore further signals, write the one line, and return the exit code to leave with:
+    for the moments the CLI's error boundary (`cli.app.main`) is not running."""
+    ignore()
+    sys.stderr.write(f"outbox-migrate: error: {message}\n")
+    sys.stderr.flush()
+    return exit_code()

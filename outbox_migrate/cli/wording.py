@@ -1,0 +1,98 @@
+"""Small words for people-facing lines: counts with the right plural ("1 step", "2 steps"),
+prose wrapped to the terminal without cutting a word, commands split where the shell joins.
+
+Plain text only: kept apart from console.py (the one module that imports rich) so commands
+and tests can use it without loading rich.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import textwrap
+
+
+def count(number: int, noun: str, plural: str | None = None) -> str:
+    """`count(1, "step")` → "1 step"; `count(3, "step")` → "3 steps"."""
+    word = noun if number == 1 else (plural or noun + "s")
+    return f"{number:,} {word}"
+
+
+def without_prefix(message: str, prefix: str) -> str:
+    """`message` without a leading `prefix: ` (a step id the line already names)."""
+    lead = prefix + ": "
+    return message[len(lead) :] if message.startswith(lead) else message
+
+
+_BULLET = re.compile(r"^(\s*(?:[-*] |\d+\. )?)")
+_NBSP = "\u00a0"  # textwrap splits on ASCII whitespace only: a no-break space holds words
+
+
+def wrap_text(message: str, width: int, *, hang: int | None = None) -> list[str]:
+    """`message` wrapped to `width` at spaces, each line on its own: a line's leading indent
+    and bullet ("  - ") become the hanging indent of its continuation (or `hang` spaces).
+    Words are never cut — a step id or a path longer than the terminal stays whole on a line
+    of its own."""
+    out: list[str] = []
+    for line in message.split("\n"):
+        if len(line) <= width or not line.strip():
+            out.append(line)
+            continue
+        lead = len(_BULLET.match(line).group(1)) if hang is None else hang  # type: ignore[union-attr]
+        indent = " " * lead
+        out += textwrap.wrap(
+            line, width, subsequent_indent=indent, break_long_words=False,
+            break_on_hyphens=False, replace_whitespace=False,
+        ) or [line]  # fmt: skip
+    return [line.replace(_NBSP, " ") for line in out]
+
+
+def command_lines(command: str, width: int, indent: str = "  ") -> list[str]:
+    """A shell command to copy and paste, on as many lines as it needs, each but the last
+    ending in ` \\` (the shell joins them); arguments are never split, and an option stays
+    with its value where it can."""
+    words = shlex.split(command)
+    units: list[str] = []
+    for word in words:
+        quoted = word if word == shlex.quote(word) or _is_variable(word) else shlex.quote(word)
+        takes_value = units and units[-1].startswith("-") and " " not in units[-1]
+        if takes_value and not word.startswith("-"):
+            units[-1] += " " + quoted
+        else:
+            units.append(quoted)
+    lines: list[str] = []
+    current = indent
+    for unit in units:
+        candidate = f"{current} {unit}" if current.strip() else current + unit
+        if current.strip() and len(candidate) + 2 > width:
+            lines.append(current + " \\")
+            current = indent + "  " + unit
+        else:
+            current = candidate
+    lines.append(current)
+    return lines
+
+
+def _is_variable(word: str) -> bool:
+    """`$DATABASE_URL` as written in advice: left for the shell to expand."""
+    return re.fullmatch(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", word) is not None
+
+
+_ADVISED = re.compile(r"`(outbox-migrate [^`]+)`")
+
+
+def split_advice(advice: str) -> tuple[str, list[str]]:
+    """A `Next:` advice as prose and the commands it names, so the commands can be printed on
+    lines of their own (copied whole) while the prose wraps: "deploy V2 (…), then
+    `outbox-migrate run …`" → ("deploy V2 (…), then run:", ["outbox-migrate run …"])."""
+    if advice.startswith("outbox-migrate "):
+        return "", [advice]
+    commands = _ADVISED.findall(advice)
+    if not commands:
+        return advice, []
+    prose = _ADVISED.sub("", advice).strip().rstrip(",").strip()
+    if prose.endswith(" then") or prose == "then":
+        prose += " run:"
+    elif prose:
+        prose += ":"
+    return prose, commands
