@@ -154,7 +154,8 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         postcondition=(*end_state(n), view_over(n)),
         reverse=reverse,
         reverse_note=f"drop the view {n.parent}, give {n.table} its name {n.parent} back and "
-        f"{target} the name {n.table}",
+        f"{target} the name {n.table} — only once no instance of the version that uses "
+        f"{n.table} runs (its inserts would reach the old table instead)",
         reverse_preconditions=(view_over(n),),
         creates=(Created("relation", n.parent),),
         restates_end_state=True,

@@ -5,6 +5,7 @@ the rename and of the view's drop, and forward again."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any
 
@@ -15,8 +16,10 @@ from outbox_migrate.config import load_settings
 from outbox_migrate.patterns import PATTERN_NAMES
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner import inspect as read_only
+from outbox_migrate.runner.apply import FAULT_ENV
 from outbox_migrate.runner.errors import PreconditionFailed
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
+from tests.integration.runner.test_crash_recovery import terminate_runner_backends
 from tests.support.app import act_as, count, publish_all
 
 FAST = {"gate_window_s": 0.2, "lock_budget_s": 10.0}
@@ -233,3 +236,41 @@ def test_status_and_verify_find_the_renamed_migration_by_either_name(dsn: str) -
         assert document["recorded"], names
         assert (document["table"], document["phase"]) == ("public.outbox", "original-name")
         assert read_only.verify(dsn, cfg) == "original-name"
+
+
+def killed_rename(dsn: str, fault: str) -> None:
+    """Fork a runner that SIGKILLs itself at `fault` while running the rename."""
+    pid = os.fork()
+    if pid == 0:
+        os.environ[FAULT_ENV] = fault
+        code = 0
+        try:
+            with Runner(dsn, settings(), "copra", include_optional=True) as runner:
+                runner.run("original-name")
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status), f"{fault}: the runner was not killed"
+    terminate_runner_backends(dsn)
+
+
+def test_rename_survives_a_crash_at_every_point(dsn: str) -> None:
+    """The rename is one transaction: killed before it or after its DDL nothing is renamed,
+    killed after COMMIT everything is; a normal run then finishes (or adopts) it."""
+    step = "copra.original-name.take-original-name"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        run_through_base(conn, dsn, "copra")
+        before = relkinds(conn)
+        for point in ("before", "after-ddl"):
+            killed_rename(dsn, f"{step}@{point}")
+            assert relkinds(conn) == before, point
+        killed_rename(dsn, f"{step}@after-commit")
+        renamed = relkinds(conn)
+        assert (renamed["outbox"], renamed["outbox_new"]) == ("p", "v")
+        with Runner(dsn, settings(), "copra", include_optional=True) as runner:
+            result = runner.run("original-name")
+            assert step not in result.ran
+            assert runner.verify() == []
+        assert relkinds(conn) == renamed
