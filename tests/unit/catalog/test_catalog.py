@@ -432,3 +432,22 @@ def test_unknown_pattern_is_a_usage_error() -> None:
 def test_every_registered_kind_is_used_by_some_pattern() -> None:
     used = {s.kind.removesuffix("-old") for _, s in every_step()}
     assert used == set(load_all())
+
+
+@pytest.mark.parametrize("name", PATTERN_NAMES)
+def test_the_rename_restates_the_end_state(name: str) -> None:
+    """After the rename every earlier postcondition names relations by their former names:
+    the invariants are the renaming step's own (then the view's drop's), under the new names."""
+    pattern = build_pattern(name, options=ALL)
+    rename = pattern.phase("original-name").steps[0]
+    drop = pattern.phase("drop-view").steps[0]
+    assert [s for s, _ in pattern.invariants("original-name")] == [rename] * len(
+        rename.postcondition
+    )
+    assert [c.name for _, c in pattern.invariants("drop-view")] == [
+        c.name for c in drop.postcondition
+    ]
+    assert "partitioned-by-list:outbox" in [c.name for c in rename.postcondition]
+    # The drop done ahead of a phase the ledger still records: its end state is what holds.
+    ahead = pattern.invariants("original-name", frozenset({drop.id}))
+    assert [c.name for _, c in ahead] == [c.name for c in drop.postcondition]
