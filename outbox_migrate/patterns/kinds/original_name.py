@@ -37,6 +37,8 @@ from outbox_migrate.patterns.model import (
 )
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.patterns.privileges import EVERY_PRIVILEGE, carry_privileges
+from outbox_migrate.relay import notify
+from outbox_migrate.relay.options import DEFAULT_CHANNEL
 
 VIEW_SAMPLE_INTERVAL_S = 0.1
 """How often the drop gate looks at pg_locks for sessions using the view."""
@@ -96,6 +98,26 @@ def create_view_sql(n: Names) -> sql.Composed:
     )
 
 
+def rekey_wake_up_sql(n: Names, key_names: Names) -> sql.Composed:
+    """Re-create the wake-up trigger's function (same name, same OID: it stays the migration's
+    own) with the idle lock key of `key_names`' partitioned table, if the function exists.
+    Relays compute the key from the name they are given; keyed to the original name, the
+    next version's relays are woken and those still on the former name poll until stopped."""
+    body = notify.create_sql(n.spec, DEFAULT_CHANNEL, key_spec=key_names.spec)[0]
+    return sql.SQL(
+        "DO $rekey$\nBEGIN\n"
+        "    IF to_regprocedure({function}) IS NOT NULL THEN\n"
+        "        EXECUTE {body};\n"
+        "    END IF;\n"
+        "END\n$rekey$"
+    ).format(
+        function=sql.Literal(
+            sql.Identifier(n.spec.schema, notify.function_name(n.spec)).as_string(None) + "()"
+        ),
+        body=sql.Literal(body.as_string(None)),
+    )
+
+
 def carry_grants_sql(n: Names) -> sql.Composed:
     """Give the view the renamed table's owner and every table and column grant
     (patterns/privileges.py): the view runs with its owner's rights on the table, so the
@@ -126,11 +148,13 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         rename_sql(n, n.parent, n.table),
         create_view_sql(n),
         carry_grants_sql(n),
+        rekey_wake_up_sql(n, renamed(n)),
     )
     reverse = (
         sql.SQL("DROP VIEW {}").format(n.q(n.parent)),
         rename_sql(n, n.table, n.parent),
         rename_sql(n, target, n.table, if_exists=retired),
+        rekey_wake_up_sql(n, n),
     )
     return make_step(
         ctx,

@@ -1436,6 +1436,23 @@ BEGIN
     END IF;
 END
 $om$;
+DO $rekey$
+BEGIN
+    IF to_regprocedure('"billing"."events_p_relay_notify"()') IS NOT NULL THEN
+        EXECUTE 'CREATE OR REPLACE FUNCTION "billing"."events_p_relay_notify"() RETURNS trigger LANGUAGE plpgsql AS $om$
+BEGIN
+    -- an idle relay holds this lock exclusively: only then is a NOTIFY worth its
+    -- commit-time cost; the key stands for this table''s name (idle_lock_key in
+    -- outbox_migrate/relay/notify.py)
+    IF NOT pg_try_advisory_xact_lock_shared(-2022672750, 0) THEN
+        PERFORM pg_notify(TG_ARGV[0], (SELECT min("id")::text FROM "new_rows"));
+    END IF;
+    RETURN NULL;
+END
+$om$';
+    END IF;
+END
+$rekey$;
 COMMIT;
 
 -- phase: drop-view

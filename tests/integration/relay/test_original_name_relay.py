@@ -91,3 +91,31 @@ def test_relay_started_before_the_rename_publishes_through_the_view(
         )
         assert after.run().published == 10
         assert unpublished(conn) == 0
+
+
+def test_relay_with_the_original_name_is_woken_after_the_rename(
+    dsn: str, collected: Collected
+) -> None:
+    """The rename re-keys the wake-up trigger to the original name: a relay started with it
+    is woken by a plain INSERT instead of waiting for its (here 60 s) poll."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        for phase in ("V2", "V3", "original-name"):
+            with Runner(dsn, SETTINGS, "cop", include_optional=True) as runner:
+                runner.run(phase)
+        relay = Relay(
+            dsn,
+            collected.factory(),
+            spec=OutboxSpec(table="outbox_retired", partitioned_table="outbox"),
+            options=RelayOptions(mode=Mode.partitioned, listen=True, poll_interval_s=60.0),
+        )
+        thread = threading.Thread(target=relay.run, daemon=True)
+        thread.start()
+        try:
+            time.sleep(1.5)  # the relay found nothing and waits: idle, listening
+            insert_rows(conn, "outbox", 5)
+            wait_drained(conn, timeout_s=10.0)
+        finally:
+            relay.stop()
+            thread.join(timeout=30)
+        assert relay.stats.published == 5

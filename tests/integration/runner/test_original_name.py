@@ -12,8 +12,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox_migrate.config import load_settings
+from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.patterns import PATTERN_NAMES
+from outbox_migrate.relay import notify
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner import inspect as read_only
 from outbox_migrate.runner.apply import FAULT_ENV
@@ -138,6 +139,26 @@ def test_pattern_takes_the_original_name(name: str, dsn: str) -> None:
             assert count(conn, "outbox") + count(conn, "outbox_retired") == written
 
 
+def wake_up_key(conn: psycopg.Connection) -> int | None:
+    """Which name's idle lock key the wake-up trigger's function uses (by the relay's own
+    computation for the former and the original name)."""
+    row = conn.execute(
+        "SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure('outbox_new_relay_notify()')"
+    ).fetchone()
+    assert row is not None
+    for spec in (OutboxSpec(), OutboxSpec(table="outbox_retired", partitioned_table="outbox")):
+        key = notify.idle_lock_key(notify.label(spec))
+        if f"pg_try_advisory_xact_lock_shared({key}, 0)" in row[0]:
+            return key
+    return None
+
+
+FORMER_KEY = notify.idle_lock_key(notify.label(OutboxSpec()))
+ORIGINAL_KEY = notify.idle_lock_key(
+    notify.label(OutboxSpec(table="outbox_retired", partitioned_table="outbox"))
+)
+
+
 @pytest.mark.parametrize("name", ["hoper", "cop"])
 def test_rename_rolls_back_and_forward_again(name: str, dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -145,8 +166,11 @@ def test_rename_rolls_back_and_forward_again(name: str, dsn: str) -> None:
         pattern, _ = run_through_base(conn, dsn, name)
         last_base = pattern.phases[-3].name
         before = relkinds(conn)
+        assert wake_up_key(conn) == FORMER_KEY
         with Runner(dsn, settings(), name, include_optional=True) as runner:
             runner.run("original-name")
+        # Relays started with the original name are the ones the wake-up trigger wakes now.
+        assert wake_up_key(conn) == ORIGINAL_KEY
         with Runner(dsn, settings(), name, include_optional=True) as runner:
             runner.run("drop-view")
 
@@ -158,6 +182,7 @@ def test_rename_rolls_back_and_forward_again(name: str, dsn: str) -> None:
             f"{name}.original-name.take-original-name",
         ]
         assert relkinds(conn) == before
+        assert wake_up_key(conn) == FORMER_KEY
         assert read_only.verify(dsn, settings()) == last_base
         insert_one(conn, "outbox_new")
 
