@@ -176,6 +176,10 @@ class Phase(StrEnum):
     """Optional (--with-optional): the view under the former name goes."""
 
 
+OPTIONAL_PHASES = frozenset({Phase.original_name, Phase.drop_view})
+"""Phases that exist only with --with-optional."""
+
+
 def parse_phase(value: str) -> Phase:
     """`--to v2` and `--to V2` alike; shown and refused in the docs' spelling (V2, copy-back)."""
     for phase in Phase:
