@@ -40,3 +40,25 @@ def test_original_name_under_load(pattern: str, zoo: ZooTable, dsn: str) -> None
             ),
         ).fetchone()
     assert kinds == ("p", None, 1)
+
+
+@pytest.mark.parametrize("pattern", ["hoper", "hopia"])
+def test_rename_rolled_back_and_applied_again_under_load(pattern: str, dsn: str) -> None:
+    """The way back is as quiet as the way forward: the previous version keeps writing and
+    publishing while the rename is undone and done again."""
+    zoo = dataclasses.replace(TABLES[0], roll_back_rename=True)
+    outcome, _ = migrate_under_load(dsn, zoo, pattern)
+    check_delivery(outcome, zoo)
+    assert outcome.writer_errors == []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        states = conn.execute(
+            "SELECT state FROM outbox_migrate.step WHERE step_id LIKE %s",
+            (f"{pattern}.original-name.%",),
+        ).fetchall()
+        attempts = conn.execute(
+            "SELECT count(*) FROM outbox_migrate.attempt WHERE step_id LIKE %s "
+            "AND outcome = 'done'",
+            (f"{pattern}.original-name.%",),
+        ).fetchone()
+    assert states == [("done",)]
+    assert attempts == (2,)  # applied, undone, applied again

@@ -57,6 +57,9 @@ class ZooTable:
     """Go on through the optional original-name phases: the rename with the previous version
     writing through the view and its relay marking through it, the next version on the
     original name, then the view's drop (needs `include_optional`)."""
+    roll_back_rename: bool = False
+    """With `original_name`: roll the rename back and apply it again while the previous
+    version writes and publishes, before the next version starts."""
 
     def spec_settings(self, **extra: Any) -> Settings:
         values = {"gate_window_s": 0.2, "lock_budget_s": 30.0, "old_app_name": f"{APP}/V1/%"}
@@ -253,6 +256,12 @@ def _choreograph(dsn: str, zoo: ZooTable, pattern: str, settings: Settings,
         # The previous version (V2's writer, V3's relay, both on the former name) runs on
         # across the rename; the next one uses the original name; then the view goes.
         run_phase(dsn, settings, pattern, "original-name", zoo.include_optional)
+        if zoo.roll_back_rename:
+            time.sleep(0.3)
+            with Runner(dsn, settings, pattern, include_optional=True) as runner:
+                runner.rollback("copy-back" if pattern == "hoper" else "V4")
+            time.sleep(0.3)
+            run_phase(dsn, settings, pattern, "original-name", zoo.include_optional)
         through_view = len(v2_writer.written)
         # The relay of the next version names the partitioned table by its original name;
         # `table` (the flat table, unused in partitioned mode) must be some other name.
