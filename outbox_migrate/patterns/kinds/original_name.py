@@ -196,6 +196,10 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
 
 @kind("drop-compat-view")
 def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    """The gate watches `pg_locks` for the view, not a ticking sequence like the gate
+    sequence's: a statement trigger on an auto-updatable view never fires (the INSERT is
+    rewritten onto the table, whose triggers fire instead — checked on PostgreSQL 18), but
+    every statement through the view locks it for its transaction."""
     n = ctx.names
     samples = max(1, round(ctx.sample_window_s / VIEW_SAMPLE_INTERVAL_S))
     unused = _condition(
