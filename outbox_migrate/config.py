@@ -54,7 +54,8 @@ class OutboxSpec:
     event_type_column: str = "event_type"
     """Sent as the event-type header; used only when the table has it, unless set."""
     headers_column: str = "headers"
-    """A jsonb object whose entries become broker headers; used only when the table has it."""
+    """A JSON object (jsonb, json, or text holding one) whose entries become broker headers;
+    used only when the table has it. A row whose value is not an object is a bad row."""
     metadata_columns: tuple[str, ...] = ()
     """Further columns sent as broker headers (`trace_id`, `tenant_id`), name = value."""
     id_kind: str = "database"

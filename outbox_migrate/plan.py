@@ -92,6 +92,25 @@ def facts_document(facts: TableFacts, spec: OutboxSpec) -> dict[str, Any]:
     }
 
 
+def duplicate_ids_text(pattern: Pattern, spec: OutboxSpec) -> str:
+    """What an INSERT of an id already used does once the partitioned table is in use: the
+    parent can have no primary key on the id alone, so only a DEFAULT partition that is the
+    old table still carries one — and there it meets the relay's mark, not the INSERT."""
+    if pattern.keep_old_rows:
+        return (
+            f"Duplicate ids: {spec.table} becomes the DEFAULT (published) partition and keeps "
+            f"its primary key, but {spec.unpublished_partition} has none, so an INSERT of an id "
+            "already used is no longer refused; the relay publishes that row, cannot move it "
+            "into the published partition (unique violation), and after --max-attempts keeps "
+            "it in the dead-letter table and deletes it from the outbox."
+        )
+    return (
+        f"Duplicate ids: {spec.partitioned_table} has no primary key (none is possible on the "
+        "id alone), so an INSERT of an id already used is not refused; the relay publishes "
+        "both rows, and consumers that de-duplicate on outbox-id drop the second."
+    )
+
+
 def plan_document(
     pattern: Pattern, spec: OutboxSpec, facts: TableFacts | None = None
 ) -> dict[str, Any]:
@@ -125,6 +144,7 @@ def plan_document(
             "metadata_columns": list(spec.metadata_columns),
         },
         "point_of_no_return": pattern.point_of_no_return or None,
+        "duplicate_ids": duplicate_ids_text(pattern, spec),
         "facts": facts_document(facts, spec) if facts is not None else None,
         "phases": [
             {
@@ -266,6 +286,7 @@ def render_markdown(
 ) -> str:
     h = "#" * heading
     lines = [f"{h} {pattern.acronym}: {pattern.title}", "", pattern.summary, ""]
+    lines += [duplicate_ids_text(pattern, spec), ""]
     if facts is not None:
         doc = facts_document(facts, spec)
         lines += [

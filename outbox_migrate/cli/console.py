@@ -211,6 +211,8 @@ def render_plan(doc: dict[str, Any]) -> None:
     console = out()
     _say(console, f": {doc['title']}", bold=doc["acronym"])
     _say(console, doc["summary"])
+    if doc.get("duplicate_ids"):
+        _say(console, doc["duplicate_ids"])
     facts = doc.get("facts")
     if facts:
         ids = (

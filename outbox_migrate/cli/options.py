@@ -40,7 +40,7 @@ NAME_HELP: dict[str, str] = {
     "payload_column": "Message body column",
     "key_column": "Broker key column ('' if none)",
     "event_type_column": "Column sent as the event-type header ('' if none)",
-    "headers_column": "jsonb column whose entries become headers ('' if none)",
+    "headers_column": "Column of JSON objects (jsonb, json, text) sent as headers ('' if none)",
     "metadata_columns": "Further columns sent as headers, comma-separated",
     "id_kind": f"Where ids come from: {' or '.join(ID_KINDS)}",
     "order_column": "Claim order for application ids ('' = the id)",

@@ -298,6 +298,15 @@ class Cursor:
         """Messages from `lowest` on must be claimed again (the sink rejected them)."""
         self.frontier = min(self.frontier, lowest - 1)
 
+    def retry_ids(self, ids: Sequence[Any], now: float) -> None:
+        """These rows (bad rows, tried again at once) are claimed by id with the next claim,
+        as gaps are: no rewind of the frontier, so the rows after them, and a batch claimed
+        ahead, need not be claimed again."""
+        for row_id in ids:
+            self.pending.setdefault(row_id, now)
+        if ids:
+            self._next_probe = 0.0
+
     def _remember_gaps(self, low: int, high: int, now: float) -> None:
         """Ids strictly between low and high that belong to this worker's shards."""
         n = self.shards
@@ -341,6 +350,9 @@ class NoCursor(Cursor):
 
     def retry_from(self, lowest: Any) -> None:
         return None
+
+    def retry_ids(self, ids: Sequence[Any], now: float) -> None:
+        return None  # every claim starts at the beginning already
 
     def force_full_rescan(self) -> None:
         return None  # every claim starts at the beginning already

@@ -3,20 +3,32 @@
 `SinkUnavailable` means "nothing in this batch can be trusted as delivered; retry later with
 backoff" (broker down, timeout). `MessagesRejected` means "these ids were refused, the rest
 were acknowledged": the relay marks the acknowledged ones and counts attempts for the others.
+`UnrepresentableMessage` means "this one message cannot be put in the form the sink sends"
+(a raw bytes payload in a JSON envelope): a rejection of that message, never an outage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from outbox_migrate.errors import ExitCode, OutboxMigrateError
-from outbox_migrate.relay.message import MessageId
+
+if TYPE_CHECKING:  # message.py raises UnrepresentableMessage: no import at run time
+    from outbox_migrate.relay.message import MessageId
 
 
 class RelayError(OutboxMigrateError):
     """The relay cannot run as configured (bad sink options, missing table or column)."""
 
     exit_code = ExitCode.USAGE
+
+
+class RelayFailed(OutboxMigrateError):
+    """The relay stopped on a fault met while running (exit 1): not bad input, which is
+    refused before any work starts (`RelayError`, exit 2)."""
+
+    exit_code = ExitCode.FAILED
 
 
 class SinkError(OutboxMigrateError):
@@ -44,3 +56,18 @@ class MessagesRejected(SinkError):
         super().__init__(
             f"sink {sink} rejected {len(self.rejected)} message(s), e.g. id {first[0]}: {first[1]}"
         )
+
+
+class UnrepresentableMessage(SinkError):
+    """A message cannot be rendered the way the sink sends it: its payload is raw bytes (a
+    bytea payload that is not UTF-8) and the sink needs text (a JSON envelope).
+
+    Retrying cannot change the row, so the relay treats it as a rejection of this message
+    alone (counted, then dead-lettered with `reason`); the rest of the batch flows. Raised by
+    `Message.envelope()`, which fills `message_id`; a sink may raise it itself."""
+
+    def __init__(self, reason: str, message_id: MessageId | None = None) -> None:
+        self.reason = reason
+        self.message_id = message_id
+        where = "" if message_id is None else f" (id {message_id})"
+        super().__init__(f"message cannot be represented{where}: {reason}")

@@ -1,7 +1,10 @@
 """One outbox row as the relay hands it to a sink. Pure data; no I/O.
 
 The payload stays the JSON text PostgreSQL returned (`payload::text`): sinks send bytes, so
-parsing and re-serialising every payload would only cost CPU in the hot loop.
+parsing and re-serialising every payload would only cost CPU in the hot loop. The one
+exception is a bytea payload that is not UTF-8 (a pickle, say): it stays `bytes`, sent as it
+is by sinks that send a body, and refused (`UnrepresentableMessage`) where a JSON envelope
+would have to embed it.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 from datetime import datetime
 from json.encoder import encode_basestring  # C-accelerated: quotes and escapes one string
 from typing import NamedTuple
+
+from outbox_migrate.relay.errors import UnrepresentableMessage
 
 
 def _json_text(value: str | None) -> str:
@@ -24,11 +29,13 @@ class Message(NamedTuple):
 
     Fields: `id`; `table`, the relation it was claimed from (flat table or partitioned
     parent); `event_type` and `key` (None when the outbox has no such column); `payload`, the
-    JSON text exactly as stored; `created`, the creation time as RFC 3339 text (the
-    `created_at` property gives it as a datetime); `extra_headers`, metadata the outbox carries
-    for the broker (a headers column, chosen metadata columns) as (name, value) pairs, in the
-    order they are to be sent. Last and defaulted so a claim that selects no metadata builds
-    a `Message` from its first six columns unchanged.
+    JSON text exactly as stored (raw `bytes` only for a bytea payload that is not UTF-8 —
+    everything else stays `str`, so the hot loop's types never change); `created`, the
+    creation time as RFC 3339 text (the `created_at` property gives it as a datetime);
+    `extra_headers`, metadata the outbox carries for the broker (a headers column, chosen
+    metadata columns) as (name, value) pairs, in the order they are to be sent. Last and
+    defaulted so a claim that selects no metadata builds a `Message` from its first six
+    columns unchanged.
 
     A NamedTuple rather than a frozen dataclass: the relay builds one per row in its hot loop,
     straight from the claim's result tuple (`Message(*row)`: the claim selects the columns in
@@ -41,7 +48,7 @@ class Message(NamedTuple):
     table: str
     event_type: str | None
     key: str | None
-    payload: str
+    payload: str | bytes
     created: str
     """RFC 3339, as the server rendered it (queries.created_text_expression): sinks send text,
     and formatting a datetime per message cost more than any other field of the envelope."""
@@ -54,7 +61,21 @@ class Message(NamedTuple):
 
     @property
     def payload_bytes(self) -> bytes:
-        return self.payload.encode()
+        """The body as bytes: the UTF-8 encoding of a text payload, a raw payload as is."""
+        payload = self.payload
+        return payload if type(payload) is bytes else payload.encode()  # type: ignore[union-attr]
+
+    def payload_text(self) -> str:
+        """The payload as text, for a sink whose format needs text (a JSON envelope, a text
+        stream); `UnrepresentableMessage` for a raw bytes payload, which has no faithful text
+        form (the relay dead-letters that message rather than guess an encoding)."""
+        payload = self.payload
+        if type(payload) is bytes:
+            raise UnrepresentableMessage(
+                "the payload is not UTF-8 text (a bytea payload) and this sink sends text",
+                self.id,
+            )
+        return payload  # type: ignore[return-value]  # str: the only other type
 
     def envelope(self) -> str:
         """One JSON object (no newline): id, table, event_type, key, created_at, payload.
@@ -62,13 +83,14 @@ class Message(NamedTuple):
         Assembled by hand because it runs once per message in the hot loop (json.dumps of a
         dict costs several times more); every string goes through the json module's own
         escaping. The payload is embedded verbatim: it is already valid JSON from PostgreSQL.
+        Raises `UnrepresentableMessage` for a raw bytes payload (`payload_text`).
         """
         event_type, key = self.event_type, self.key
         return (
             f'{{"id":{self.id},"table":{encode_basestring(self.table)},"event_type":'
             f'{"null" if event_type is None else encode_basestring(event_type)},"key":'
             f"{'null' if key is None else encode_basestring(key)},"
-            f'"created_at":"{self.created}","payload":{self.payload}}}'
+            f'"created_at":"{self.created}","payload":{self.payload_text()}}}'
         )
 
     def headers(self) -> dict[str, str]:

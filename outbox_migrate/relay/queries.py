@@ -25,7 +25,11 @@ CLAIM_CTID_COLUMN = 6
 """Position of `ctid` in a claimed row; the columns before it are a `Message`."""
 CLAIM_HEADERS_COLUMN = 7
 """Position of the extra headers ([name, value] pairs), present only when the outbox has a
-headers column or metadata columns (`Columns.carries_headers`)."""
+headers column or metadata columns (`Columns.carries_headers`); NULL when the row's json
+headers are not a JSON object (a bad row, relay/claimed.py)."""
+CLAIM_TEXT_HEADERS_COLUMN = 8
+"""Position of a headers column that is not json/jsonb, as text: parsed per row by the relay
+(a cast in SQL would fail the whole claim on one row that is not JSON)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ def id_sql_type(text_ids: bool) -> sql.SQL:
 @dataclass(frozen=True)
 class Columns:
     """The columns the relay reads besides the id, resolved against the live table from the
-    `OutboxSpec`'s column roles (see `worker.Relay._resolve_columns`)."""
+    `OutboxSpec`'s column roles (see `columns.resolve`)."""
 
     event_type: str | None
     key: str | None
@@ -112,7 +116,10 @@ class Columns:
     """None: the outbox has no creation timestamp; the claim's time stands in for it."""
     payload_type: str = "jsonb"
     headers: str | None = None
-    """A jsonb object column whose entries become broker headers."""
+    """A column holding a JSON object whose entries become broker headers."""
+    headers_type: str = "jsonb"
+    """Its type: json/jsonb are read by the server; any other (text, varchar) is parsed per
+    row by the relay."""
     metadata: tuple[str, ...] = ()
     """Columns sent as broker headers, named after the column."""
 
@@ -120,17 +127,25 @@ class Columns:
     def carries_headers(self) -> bool:
         return bool(self.headers or self.metadata)
 
+    @property
+    def text_headers(self) -> bool:
+        """The headers column is parsed by the relay (not json/jsonb)."""
+        return bool(self.headers) and self.headers_type not in ("json", "jsonb")
+
 
 def _optional(column: str | None) -> sql.Composable:
-    return sql.Identifier(column) if column else sql.SQL("NULL::text")
+    """A key or event-type column of any type (uuid, bigint, an enum) as text: the claim
+    hands strings to the sinks, and a cast cannot fail on a row."""
+    return sql.SQL("{}::text").format(sql.Identifier(column)) if column else sql.SQL("NULL::text")
 
 
 def payload_expression(columns: Columns) -> sql.Composable:
-    """The payload as text: json/jsonb/text as stored; bytea decoded as UTF-8 (a body that is
-    not UTF-8 fails the claim with PostgreSQL's own message rather than being mangled)."""
+    """The payload: json/jsonb/text as text; bytea as stored (bytes), decoded by the relay
+    (relay/claimed.py) — `convert_from` in the claim failed the whole batch on one body that
+    is not UTF-8 (a pickle), and the relay sends such a body as bytes instead."""
     payload = sql.Identifier(columns.payload)
     if columns.payload_type == "bytea":
-        return sql.SQL("convert_from({}, 'UTF8')").format(payload)
+        return payload
     return sql.SQL("{}::text").format(payload)
 
 
@@ -163,22 +178,31 @@ def extra_headers_expression(columns: Columns) -> sql.Composable:
     [name, value] pairs; NULL values are left out. Selected only when configured, so the hot
     loop pays nothing for outboxes without metadata."""
     parts: list[sql.Composable] = []
-    if columns.headers:
-        parts.append(
-            sql.SQL("CASE WHEN jsonb_typeof({h}::jsonb) = 'object' THEN {h}::jsonb "
-                    "ELSE '{{}}'::jsonb END").format(h=sql.Identifier(columns.headers))
-        )  # fmt: skip
+    json_headers = None if columns.text_headers else columns.headers
+    if json_headers:
+        parts.append(_headers_object(json_headers))
     if columns.metadata:
         pairs = sql.SQL(", ").join(
             sql.SQL("{}, {}::text").format(sql.Literal(name), sql.Identifier(name))
             for name in columns.metadata
         )
         parts.append(sql.SQL("jsonb_build_object({})").format(pairs))
-    merged = sql.SQL(" || ").join(parts)
-    return sql.SQL(
+    merged = sql.SQL(" || ").join(parts) if parts else sql.SQL("'{}'::jsonb")
+    pairs = sql.SQL(
         "ARRAY(SELECT ARRAY[e.key, e.value] FROM jsonb_each_text({}) AS e "
         "WHERE e.value IS NOT NULL)"
     ).format(merged)
+    if not json_headers:
+        return pairs
+    # NULL (not an empty array) marks a row whose headers are not an object: a bad row.
+    return sql.SQL("CASE WHEN jsonb_typeof({h}) = 'object' THEN {pairs} END").format(
+        h=_headers_object(json_headers), pairs=pairs
+    )
+
+
+def _headers_object(column: str) -> sql.Composable:
+    """The headers as jsonb; SQL NULL and JSON null both mean "no headers"."""
+    return sql.SQL("coalesce(nullif({}::jsonb, 'null'), '{{}}')").format(sql.Identifier(column))
 
 
 def shard_expression(source: Source, columns: Columns, *, by_key: bool) -> sql.Composable:
@@ -263,10 +287,18 @@ def claimed_columns(source: Source, columns: Columns) -> sql.Composed:
         key=_optional(columns.key),
         payload=payload_expression(columns),
         created_at=created_text_expression(columns),
-        headers=sql.SQL(", {}").format(extra_headers_expression(columns))
-        if columns.carries_headers
-        else sql.SQL(""),
+        headers=_headers_columns(columns),
     )
+
+
+def _headers_columns(columns: Columns) -> sql.Composable:
+    if not columns.carries_headers:
+        return sql.SQL("")
+    pairs = sql.SQL(", {}").format(extra_headers_expression(columns))
+    if not columns.text_headers:
+        return pairs
+    assert columns.headers is not None
+    return sql.SQL("{}, {}::text").format(pairs, sql.Identifier(columns.headers))
 
 
 def probe(source: Source, columns: Columns) -> sql.Composed:
@@ -489,11 +521,13 @@ def old_app_sessions() -> sql.SQL:
 
 
 def create_dead_letter(schema: str, table: str, text_ids: bool = False) -> sql.Composed:
-    """Where messages go after the sink refused them `max_attempts` times; nothing is lost."""
+    """Where messages go after failing `max_attempts` times; nothing is lost. A payload that
+    is not UTF-8 (bytea) is kept in `payload_bytes`, `payload` then holding its hex text."""
     return sql.SQL(
         "CREATE TABLE IF NOT EXISTS {table} ("
         "source_table text NOT NULL, id {id_type} NOT NULL, event_type text, message_key text, "
-        "payload text NOT NULL, created_at timestamptz NOT NULL, attempts int NOT NULL, "
+        "payload text NOT NULL, payload_bytes bytea, created_at timestamptz NOT NULL, "
+        "attempts int NOT NULL, "
         "last_error text NOT NULL, dead_at timestamptz NOT NULL DEFAULT now(), "
         "PRIMARY KEY (source_table, id))"
     ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids))

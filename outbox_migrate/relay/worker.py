@@ -34,14 +34,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from psycopg import OperationalError, pq
+from psycopg.errors import IntegrityError
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
-from outbox_migrate.errors import OutboxMigrateError
-from outbox_migrate.relay import keepalive, library_logs, notify, queries, read_ahead, wire
+from outbox_migrate.relay import (
+    claimed,
+    keepalive,
+    library_logs,
+    mark_repair,
+    notify,
+    publishing,
+    queries,
+    read_ahead,
+    wire,
+)
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
+from outbox_migrate.relay.bad_rows import FailedMessages
+from outbox_migrate.relay.columns import resolve as resolve_columns
 from outbox_migrate.relay.cursor import Cursor, NoCursor
-from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
+from outbox_migrate.relay.errors import RelayFailed, SinkUnavailable
 from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.message import Message, MessageId, TextIdMessage
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
@@ -51,9 +63,6 @@ from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
 from outbox_migrate.relay.sinks import Sink, SinkFactory
 from outbox_migrate.relay.switching import SourceState
-
-PAYLOAD_TYPES = ("jsonb", "json", "text", "bytea")
-"""Payload column types the relay sends as they are (bytea as UTF-8 text)."""
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -94,6 +103,9 @@ class RelayStats:
     connection_retries: int = 0
     sink_failures: int = 0
     rejected: int = 0
+    bad_rows: int = 0
+    """Failures of a row itself (relay/claimed.py, an unrepresentable message, a mark that
+    violates a constraint): counted like rejections, without the backoff."""
     dead_lettered: int = 0
     switches: int = 0
     abandoned_workers: int = 0
@@ -156,9 +168,14 @@ class Relay:
         """Application ids (uuid, ULID) travel as text: claimed in order, no id cursor."""
         self._id: Callable[[Any], MessageId] = str if self._text_ids else int
         self._message: type[Message] = TextIdMessage if self._text_ids else Message
-        self._attempted: set[tuple[str, MessageId]] = set()
-        """(source, id) of messages with a rejection counter in the attempts table."""
-        self._attempts_lock = threading.Lock()
+        options = self.options
+        self.failures = FailedMessages(
+            self.spec.schema, options.dead_letter_table, options.attempts_table,
+            options.max_attempts, self._text_ids,
+        )  # fmt: skip
+        """Attempts counted in the database, dead letters (relay/bad_rows.py)."""
+        self._suspects = mark_repair.Suspects()
+        """Rows whose mark failed, marked alone when they come back (mark_repair.py)."""
         self._parking = Parking()
         """Keys waiting for a rejected message (`--ordering key` only; see parking.py)."""
         self._conns: dict[int, Any] = {}
@@ -213,9 +230,11 @@ class Relay:
             self._close_wake_pipe()
         self.stats.switches = self.state.switches
         if self._fatal is not None:
-            if isinstance(self._fatal, OutboxMigrateError):
+            # A fault met while running is a failure (exit 1), not bad input (exit 2): what
+            # could be refused before work started was refused by `_prepare`.
+            if isinstance(self._fatal, RelayFailed):
                 raise self._fatal
-            raise RelayError(f"relay worker failed: {_one_line(self._fatal)}") from self._fatal
+            raise RelayFailed(f"relay worker failed: {_one_line(self._fatal)}") from self._fatal
         log.info("relay.stopped %s", " ".join(f"{k}={v}" for k, v in self.stats.as_dict().items()))
         return self.stats
 
@@ -265,15 +284,17 @@ class Relay:
             sources = [self.state.current]
             if self.options.mode is Mode.switching:
                 sources = [self.state.flat, self.state.partitioned]
+            options = self.options
             for source in sources:
-                columns = self._resolve_columns(conn, source)
-                if self.options.ordering is Ordering.key and columns.key is None:
-                    raise RelayError(
-                        f"--ordering key needs a key column; {source.label} has no message_key "
-                        "(name yours with --key-column)"
-                    )
-                self._columns[source.label] = columns
-            self._prepare_rejections(conn, sources)
+                self._columns[source.label] = resolve_columns(conn, source, self.spec,
+                    options.key_column, options.event_type_column, options.ordering)  # fmt: skip
+            # The dead-letter and attempts tables, created up front (relay/bad_rows.py).
+            if not self.failures.prepare(conn, [source.label for source in sources]):
+                log.warning(
+                    "relay.dead_letter_unavailable: create %s and %s as in docs/relay.md; "
+                    "until then a rejected message stops the relay",
+                    options.dead_letter_table, options.attempts_table,
+                )  # fmt: skip
             if self.options.listen and self.options.mode is not Mode.flat:
                 self._check_trigger_key(conn)
 
@@ -285,123 +306,6 @@ class Relay:
                 "relay.notify_trigger_stale table=%s: the wake-up trigger was installed for "
                 "another table name (renamed since?); reinstall it with relay --install-notify",
                 notify.label(self.spec),
-            )
-
-    def _prepare_rejections(self, conn: Any, sources: list[queries.Source]) -> None:
-        """Create the dead-letter and attempts tables up front (not inside a batch, where two
-        relay processes racing on CREATE TABLE IF NOT EXISTS would fail one batch), and read
-        the rejection counters a previous run left."""
-        import psycopg
-
-        schema, options = self.spec.schema, self.options
-        for table, create in (
-            (options.dead_letter_table, queries.create_dead_letter),
-            (options.attempts_table, queries.create_attempts),
-        ):
-            # Pre-created tables need no CREATE right: `CREATE TABLE IF NOT EXISTS` checks the
-            # privilege before it looks whether the table exists, so look first.
-            exists = conn.execute(queries.table_exists(), {"schema": schema, "table": table})
-            if exists.fetchone()[0]:
-                continue
-            try:
-                conn.execute(create(schema, table, self._text_ids))
-            except (
-                psycopg.errors.UniqueViolation,
-                psycopg.errors.DuplicateTable,
-                psycopg.errors.DuplicateObject,  # the table's row type, on some versions
-            ):
-                pass  # another relay process created it at the same moment
-            except psycopg.errors.InsufficientPrivilege as exc:
-                log.warning(
-                    "relay.dead_letter_unavailable %s: create %s and %s as in docs/relay.md; "
-                    "until then a rejected message stops the relay",
-                    _one_line(exc), options.dead_letter_table, options.attempts_table,
-                )  # fmt: skip
-                return
-        for source in sources:
-            rows = conn.execute(
-                queries.attempted_ids(schema, options.attempts_table), {"source": source.label}
-            ).fetchall()
-            self._attempted.update((source.label, self._id(r[0])) for r in rows)
-
-    def _resolve_columns(self, conn: Any, source: queries.Source) -> queries.Columns:
-        """The spec's column roles checked against the live table. A role left at its default
-        (`message_key`, `event_type`, `headers`) is used when the table has that column; one
-        configured by name must exist."""
-        rows = conn.execute(
-            queries.table_columns(), {"schema": source.schema, "table": source.mark_table}
-        ).fetchall()
-        types = {str(r[0]): str(r[1]) for r in rows}
-        if not types:
-            raise RelayError(f"table {source.label} does not exist")
-        spec, defaults = self.spec, OutboxSpec()
-        required = [source.id_column, source.published_column, spec.payload_column]
-        required += [spec.created_column] if spec.created_column else []
-        required += list(spec.metadata_columns)
-        missing = [c for c in required if c not in types]
-        if missing:
-            raise RelayError(
-                f"table {source.label} has no column(s) {', '.join(missing)}; name the "
-                "outbox's columns with the column-role settings (docs/configuration.md)"
-            )
-
-        self._check_ids(source, types)
-
-        def optional(given: str | None, configured: str, default: str) -> str | None:
-            name = given if given is not None else configured
-            if not name:
-                return None
-            if name in types:
-                return name
-            if given is None and name == default:
-                return None
-            raise RelayError(f"table {source.label} has no column {name!r}")
-
-        headers = optional(None, spec.headers_column, defaults.headers_column)
-        if headers is not None and types[headers] not in ("jsonb", "json"):
-            raise RelayError(
-                f"{source.label}.{headers} is {types[headers]}; the headers column must be a "
-                'json or jsonb object (set headers_column = "" to ignore it)'
-            )
-        payload_type = types[spec.payload_column]
-        if payload_type not in PAYLOAD_TYPES:
-            raise RelayError(
-                f"{source.label}.{spec.payload_column} is {payload_type}; the payload must be "
-                f"one of {', '.join(PAYLOAD_TYPES)}"
-            )
-        return queries.Columns(
-            event_type=optional(
-                self.options.event_type_column, spec.event_type_column, defaults.event_type_column
-            ),
-            key=optional(self.options.key_column, spec.key_column, defaults.key_column),
-            payload=spec.payload_column,
-            created_at=spec.created_column or None,
-            payload_type=payload_type,
-            headers=headers,
-            metadata=spec.metadata_columns,
-        )
-
-    def _check_ids(self, source: queries.Source, types: dict[str, str]) -> None:
-        """The id kind configured must match the table's id column: integers are claimed by a
-        cursor over the id, application ids (uuid, ULID) as text in `order_column` order."""
-        id_type = types[source.id_column]
-        integer = id_type in ("bigint", "integer", "smallint")
-        if integer and self._text_ids:
-            raise RelayError(
-                f"{source.label}.{source.id_column} is {id_type} but id_kind = application; "
-                "remove id_kind (database ids are claimed by id)"
-            )
-        if not integer and not self._text_ids:
-            raise RelayError(
-                f"{source.label}.{source.id_column} is {id_type}: set id_kind = application "
-                "(and order_column, unless the ids sort by time as uuidv7 and ULID do)"
-            )
-        if source.order_column and source.order_column not in types:
-            raise RelayError(f"table {source.label} has no column {source.order_column!r}")
-        if source.order_column and self.options.ordering is Ordering.key:
-            raise RelayError(
-                "--ordering key with application ids needs them claimed by id (order_column "
-                "unset: uuidv7, ULID); a parked key compares ids"
             )
 
     # -- the worker loop -------------------------------------------------------------------
@@ -423,101 +327,94 @@ class Relay:
         return not (row and row[0])
 
     def _publish(
-        self, conn: Any, sink: Sink, source: queries.Source, batch: list[Message], after: int = 0
-    ) -> tuple[list[MessageId], list[MessageId], MessageId | None, float]:
-        """Publish; returns (acknowledged ids to mark, dead-lettered ids, lowest id to claim
-        again, how long the worker pauses once this batch's transaction has ended: a backoff
-        by the most attempts any message to claim again has had). With `--ordering key` a
-        rejection parks its key instead (parking.py): no rewind, no pause, later messages of
-        that key wait while the others flow; a released key's held-back messages lie below the
-        cursor, which claims again from the lowest of them (`after`: where the claim started).
+        self,
+        conn: Any,
+        sink: Sink,
+        source: queries.Source,
+        batch: list[Message],
+        bad: list[claimed.BadRow],
+        after: MessageId = 0,
+    ) -> tuple[list[MessageId], list[MessageId], list[MessageId], float, MessageId | None]:
+        """Publish; returns (acknowledged ids to mark, dead-lettered ids, bad rows to try again
+        by id, how long the worker pauses once this batch's transaction has ended, the id to
+        claim again from). The pause is a backoff by the most attempts any message the sink
+        refused has had; the worker then claims again from the lowest message to retry. With
+        `--ordering key` a failure parks its key instead (parking.py): no pause, later messages
+        of that key wait while the others flow; a released key's held-back messages lie below
+        the cursor, which claims again from the lowest of them (`after`: where the claim
+        started).
+
+        `bad`: rows of the batch that could not become a message (relay/claimed.py); they and
+        messages the sink cannot represent count attempts like a rejection, without the
+        backoff — the row itself is at fault, waiting changes nothing.
 
         The pause is the worker's to take after its COMMIT, never here: a session that waits
         inside its transaction is "idle in transaction" on the claimed rows' locks, and the
         migration runner does not queue a step's lock behind such a session."""
-        parking = self._parking
-        last = batch[-1].id if batch else None
+        parking, label = self._parking, source.label
+        claim = sorted(batch + [b.message for b in bad], key=_BY_ID) if bad else batch
+        last = claim[-1].id if claim else None
         if parking:  # only ever non-empty with key ordering
-            batch = parking.withhold(source.label, batch, now=time.monotonic(), after=after)[0]
-            if not batch:  # every message waits for its key; others would have been sent
-                return [], [], None, PARKED_BATCH_WAIT_S  # no busy loop of rescans meanwhile
-        try:
-            sink.publish(batch)
-        except MessagesRejected as exc:
-            rejected = exc.rejected
-        else:
-            if self._attempted:  # a message rejected before went through this time
-                label = source.label
-                with self._attempts_lock:
-                    again = [m.id for m in batch if (label, m.id) in self._attempted]
-                self._forget_attempts(conn, source, again)
+            send = parking.withhold(label, claim, now=time.monotonic(), after=after)[0]
+            if not send:  # every message waits for its key; others would have been sent
+                return [], [], [], PARKED_BATCH_WAIT_S, None  # no busy loop of rescans meanwhile
+            if len(send) < len(claim):
+                free = {m.id for m in send}
+                batch = [m for m in batch if m.id in free]
+                bad = [b for b in bad if b.message.id in free]
+        rejected, unrepresentable = publishing.publish(sink, batch)
+        failures = self.failures
+        if not (rejected or unrepresentable or bad):
             acked = [m.id for m in batch]
+            # A message that failed before went through this time: its counter goes.
+            self._forget(conn, label, acked)
             if parking:
-                return acked, [], parking.settle(
-                    source.label, batch, {}, now=time.monotonic(), backoff=self._backoff, last=last
-                ).claim_again_from, 0.0  # fmt: skip
-            return acked, [], None, 0.0
-        self.stats.add(rejected=len(rejected))
-        self.observer.failed("rejected", len(rejected))
-        schema, options = self.spec.schema, self.options
-        refused = [m for m in batch if m.id in rejected]
-        counted = conn.execute(
-            queries.count_attempts(schema, options.attempts_table, self._text_ids),
-            {"source": source.label, "ids": [m.id for m in refused],
-             "errors": [rejected[m.id][:2000] for m in refused]},
-        ).fetchall()  # fmt: skip
-        attempts = {self._id(r[0]): int(r[1]) for r in counted}
-        dead = [m for m in refused if attempts[m.id] >= options.max_attempts]
-        for message in dead:
-            self._dead_letter(conn, source, message, attempts[message.id], rejected[message.id])
-        retry = [m.id for m in refused if attempts[m.id] < options.max_attempts]
-        acked = [m.id for m in batch if m.id not in rejected]
-        with self._attempts_lock:
-            again = [i for i in acked if (source.label, i) in self._attempted]
-            self._attempted.update((source.label, i) for i in retry)
-        self._forget_attempts(conn, source, [m.id for m in dead] + again)
-        log.warning("relay.rejected count=%d dead_lettered=%d", len(rejected), len(dead))
-        dead_ids = [m.id for m in dead]
-        if options.ordering is Ordering.key:
+                settled = parking.settle(label, batch, {}, now=time.monotonic(),
+                                         backoff=self._backoff, last=last)  # fmt: skip
+                return acked, [], [], 0.0, settled.claim_again_from
+            return acked, [], [], 0.0, None
+        reasons = {b.message.id: b.reason for b in bad}
+        reasons.update(unrepresentable)
+        reasons.update(rejected)
+        refused = [m for m in batch if m.id in reasons] + [b.message for b in bad]
+        self._count_failures(len(rejected), len(reasons) - len(rejected))
+        verdict = failures.record(conn, label, refused, reasons)
+        self.stats.add(dead_lettered=len(verdict.dead))
+        acked = [m.id for m in batch if m.id not in reasons]
+        self._forget(conn, label, acked)
+        log.warning("relay.rejected count=%d bad_rows=%d dead_lettered=%d",
+                    len(rejected), len(reasons) - len(rejected), len(verdict.dead))  # fmt: skip
+        dead_ids = [m.id for m in verdict.dead]
+        if self.options.ordering is Ordering.key:
             settled = parking.settle(
-                source.label, batch, {i: attempts[i] for i in retry},
+                label, sorted(batch + [b.message for b in bad], key=_BY_ID),
+                {i: verdict.attempts[i] for i in verdict.retry},
                 now=time.monotonic(), backoff=self._backoff, last=last,
             )  # fmt: skip
             held = settled.held
-            return [i for i in acked if i not in held], dead_ids, settled.claim_again_from, 0.0
-        most = max((attempts[i] for i in retry), default=0)
+            return [i for i in acked if i not in held], dead_ids, [], 0.0, settled.claim_again_from
+        most = max((verdict.attempts[i] for i in verdict.retry if i in rejected), default=0)
         # Rejected messages are claimed again after a backoff that grows with their attempts,
         # not at once: a transient refusal gets time to clear before the message counts
-        # towards the dead-letter table.
+        # towards the dead-letter table. A bad row is tried again without waiting.
         pause = self._backoff(most - 1) if most else 0.0
-        return acked, dead_ids, (min(retry) if retry else None), pause
+        rewind = min(verdict.retry) if pause else None
+        return acked, dead_ids, verdict.retry, pause, rewind
 
-    def _forget_attempts(self, conn: Any, source: queries.Source, ids: list[MessageId]) -> None:
-        """Published or dead-lettered: their rejection counters go, in the same transaction."""
-        if not ids:
-            return
-        with self._attempts_lock:
-            for i in ids:
-                self._attempted.discard((source.label, i))
-        conn.execute(
-            queries.forget_attempts(self.spec.schema, self.options.attempts_table, self._text_ids),
-            {"source": source.label, "ids": ids},
-        )
+    def _count_failures(self, rejected: int, bad: int, dead: int = 0) -> None:
+        self.stats.add(rejected=rejected, bad_rows=bad, dead_lettered=dead)
+        for reason, count in (("rejected", rejected), ("bad_row", bad)):
+            if count:
+                self.observer.failed(reason, count)
 
-    def _dead_letter(
-        self, conn: Any, source: queries.Source, message: Message, attempts: int, error: str
-    ) -> None:
-        """Keep the message in the dead-letter table; its mark commits in the same transaction."""
-        conn.execute(
-            queries.insert_dead_letter(self.spec.schema, self.options.dead_letter_table),
-            {
-                "source": source.label, "id": message.id, "event_type": message.event_type,
-                "key": message.key, "payload": message.payload,
-                "created_at": message.created_at, "attempts": attempts, "error": error[:2000],
-            },
-        )  # fmt: skip
-        self.stats.add(dead_lettered=1)
-        log.warning("relay.dead_lettered id=%s attempts=%d", message.id, attempts)
+    def _forget(self, conn: Any, label: str, acked: list[MessageId]) -> None:
+        """A message that failed before went through: its counter goes — unless its mark
+        failed before, which is yet to be tried (`_Worker._mark_suspects`)."""
+        seen = self.failures.seen_before(label, acked)
+        if seen and self._suspects:
+            pending = self._suspects.among(label, seen)
+            seen = [i for i in seen if i not in pending]
+        self.failures.forget(conn, label, seen)
 
     # -- helpers threads ------------------------------------------------------------------
 
@@ -646,6 +543,14 @@ class _Worker:
         """The last idle wait blocked before it returned (`_poll_listener`)."""
         self.flag_tried = False
         """The last claim went out with the flag up, or with an attempt to raise it."""
+        self.rewound = False
+        """The last batch set the cursor back to a row to try again (no read-ahead then)."""
+        self.later: list[MessageId] = []
+        """Bad rows to try again once the backlog is drained (`_retry_bad_rows`)."""
+        self.unmarked: list[_Commit] = []
+        """Batches of the last failed run whose mark did not commit (`_repair_marks`)."""
+        self.mark_failure: IntegrityError | None = None
+        """The constraint a mark broke: the next step repairs `unmarked` first."""
         self.read_ahead = read_ahead.ReadAhead(
             read_ahead.open_session(
                 lambda: _connect_worker(relay), options.dead_session_s, options.poll_interval_s
@@ -689,6 +594,8 @@ class _Worker:
 
         relay = self.relay
         try:
+            if self.mark_failure is not None:
+                self._repair_marks()
             return self._step()
         except LeaseUnproven as exc:
             relay.observer.failed("fenced")
@@ -701,6 +608,12 @@ class _Worker:
             self.sink = None
             self._step_out()
             self._back_off(keep_session=True)
+        except IntegrityError as exc:
+            # The mark of a published batch broke a constraint (a duplicate id moving into
+            # the published partition): the next step finds the rows at fault, marks the rest.
+            if not self.unmarked:
+                raise  # no batch to repair: not a mark's failure
+            self.mark_failure = exc
         except _serialization_errors():
             # Another claimer moved a row we were about to lock (see queries.py). Checked
             # before connection errors: SerializationFailure is an OperationalError too, but
@@ -715,6 +628,40 @@ class _Worker:
             self._forget_session()
             self._back_off()
         return False
+
+    def _repair_marks(self) -> None:
+        """After a mark failed on a constraint: mark the acknowledged rows of the batches it
+        took down (relay/mark_repair.py); a row that cannot be marked is a bad row — counted,
+        claimed again, dead-lettered and removed after `max_attempts`. Run as a step of its
+        own, so a lost session or a 40001 meanwhile is handled as anywhere else (the repair
+        is one transaction per batch; without a session, the rows are claimed and sent again)."""
+        relay, exc = self.relay, self.mark_failure
+        assert exc is not None
+        if self.conn is None or self.conn.closed:
+            self.unmarked, self.mark_failure = [], None
+            return
+        while self.unmarked:
+            commit = self.unmarked[0]
+            assert commit.unmarked is not None
+            source, rows, batch, acked = commit.unmarked
+            by_key = relay.options.ordering is Ordering.key
+            try:
+                done = mark_repair.repair(self.conn, source, relay.failures, relay._suspects,
+                                          rows, batch, acked, exc, by_key=by_key)  # fmt: skip
+            except IntegrityError as failed:  # the repair itself broke one: no loop of repairs
+                raise RelayFailed(f"repairing a failed mark: {_one_line(failed)}") from failed
+            self.unmarked.pop(0)
+            mark_repair.park(relay._parking, source.label, batch, done, relay._backoff,
+                             by_key=by_key)  # fmt: skip
+            relay.stats.batch(done.marked)
+            relay._count_failures(0, len(done.bad), dead=len(done.dead))
+            relay.observer.published(done.marked)
+            self.later += done.retry
+            log.warning(
+                "relay.mark_repaired worker=%d marked=%d bad_rows=%d dead_lettered=%d %s",
+                self.index, done.marked, len(done.bad), len(done.dead), _one_line(exc),
+            )  # fmt: skip
+        self.mark_failure = None
 
     def _step_out(self) -> None:
         """The broker is out of reach: let the other relays serve this worker's shards while
@@ -791,6 +738,9 @@ class _Worker:
         source = relay.state.current
         empty_after = self._publish_run(source)
         self.failures = 0
+        if self.later:
+            self._retry_bad_rows()  # the backlog is gone: their turn, before any idle wait
+            return False
         if empty_after is None:
             self.busy_polls = 0
             return False  # stopped, rebalance due or source switched: back to the top
@@ -1156,7 +1106,7 @@ class _Worker:
                         relay.stopping or self.lease.due(now) or relay.state.current is not source
                     )
                     if ahead is not None and self._take_ahead(
-                        ahead, cur, keep=not (pause or stop_run)
+                        ahead, cur, keep=not (pause or stop_run or self.rewound)
                     ):
                         started = time.perf_counter()
                         rows, after, ranged = self._receive_ahead(ahead)
@@ -1270,11 +1220,13 @@ class _Worker:
 
     def _abort_run(self, pending: list[_Commit]) -> None:
         """A run failed: roll back both sessions, count what did commit (a COMMIT of the
-        read-ahead session still in flight is read first, so a batch marked is counted)."""
+        read-ahead session still in flight is read first, so a batch marked is counted), and
+        keep the published batches whose mark did not commit for `_repair_marks`."""
         self.read_ahead.abandon()
         for commit in pending:
             if commit.succeeded:
                 self._count(commit)
+        self.unmarked = [c for c in pending if not c.succeeded and c.unmarked is not None]
         self._end_transaction()
 
     def _receive_ahead(self, ahead: read_ahead.Pending) -> tuple[list[Any], int, int]:
@@ -1292,29 +1244,69 @@ class _Worker:
         conn: Any,
         pipe: wire.Wire,
         source: queries.Source,
-        claimed: tuple[bytes, list[Any], int, float],
+        work: tuple[bytes, list[Any], int, float],
         pending: list[_Commit],
     ) -> tuple[float, float]:
         """Publish the claimed rows and queue their mark and COMMIT on their session. Returns
         the pause the worker takes once the transaction has ended (0: none; see
         `Relay._publish`) and the time after."""
         relay, cursor = self.relay, self.cursor
-        mark, rows, after, started = claimed
-        batch = _messages(rows, relay._message)
+        mark, rows, after, started = work
+        batch, bad = claimed.messages(rows, relay._message, relay._columns[source.label])
         self.fence.check(time.monotonic())
         assert self.sink is not None
-        acked, dead, retry_from, pause = relay._publish(
-            wire.direct(conn, pipe), self.sink, source, batch, after
+        acked, dead, retry, pause, rewind = relay._publish(
+            wire.direct(conn, pipe), self.sink, source, batch, bad, after
         )
+        if relay._suspects and acked:
+            acked, again = self._mark_suspects(conn, pipe, source, rows, batch, acked)
+            retry += again
         if relay._abandon.is_set():
             raise _Abandoned
         now = time.monotonic()
-        cursor.claimed(after, [m.id for m in batch], now)
-        if retry_from is not None:
-            cursor.retry_from(retry_from)
-        pending.append(self._mark_and_commit(pipe, mark, rows, acked, dead, started))
+        cursor.claimed(after, [r[0] for r in rows], now)
+        # After a rejection's pause, or for a released key: claim again from `rewind` (the
+        # read-ahead batch, if any, is dropped). Bad rows: by id, once the backlog is drained.
+        self.rewound = rewind is not None
+        if rewind is not None:
+            cursor.retry_from(rewind)
+        elif retry:
+            self.later += retry
+            if len(rows) < relay.options.batch_size:
+                self._retry_bad_rows()
+        commit = self._mark_and_commit(pipe, mark, rows, acked, dead, started)
+        commit.unmarked = (source, rows, batch, acked)
+        pending.append(commit)
         relay.observer.heartbeat(self.index)
         return pause, now
+
+    def _retry_bad_rows(self) -> None:
+        """Bad rows to try again are claimed by id with the next claim on the lease session
+        (`Cursor.retry_ids`) — once claims no longer come back full: a claim with a probe is
+        not read ahead, and trying each bad row again in the very next batch cost a fifth of
+        the drain rate at one bad row per 10,000 (bench/bad_rows.py)."""
+        self.cursor.retry_ids(self.later, time.monotonic())
+        self.later = []
+
+    def _mark_suspects(
+        self,
+        conn: Any,
+        pipe: wire.Wire,
+        source: queries.Source,
+        rows: list[Any],
+        batch: list[Message],
+        acked: list[MessageId],
+    ) -> tuple[list[MessageId], list[MessageId]]:
+        """Rows whose mark failed before are marked alone first (mark_repair.py); returns the
+        acknowledged ids left for the batch's mark and the ids to claim again."""
+        relay = self.relay
+        done = mark_repair.mark_suspects(
+            wire.direct(conn, pipe), source, relay.failures, relay._suspects, rows, batch, acked
+        )
+        relay._count_failures(0, len(done.bad), dead=len(done.dead))
+        held = mark_repair.park(relay._parking, source.label, batch, done, relay._backoff,
+                                by_key=relay.options.ordering is Ordering.key)  # fmt: skip
+        return [i for i in acked if i not in done.bad and i not in held], done.retry
 
     @staticmethod
     def _take_ahead(ahead: read_ahead.Pending, cur: wire.Wire, *, keep: bool) -> bool:
@@ -1452,22 +1444,8 @@ _HORIZON = queries.horizon().as_string().encode()
 _IDLE_UNLOCK = queries.idle_unlock().as_string().encode()
 _TRY_IDLE_LOCK = queries.try_idle_lock().as_string().encode()
 _ID = operator.itemgetter(0)
-
-
-def _messages(rows: list[Any], message: type[Message] = Message) -> list[Message]:
-    """The claimed rows as `Message`s; the extra headers (a text[][] of [name, value]) only
-    when the claim selected them, so an outbox without metadata pays nothing for them.
-
-    Built with `tuple.__new__` from the row's first six columns: the NamedTuple's own
-    `__new__` is a Python function, and this runs once per message (0.26 → 0.16 µs a row)."""
-    new = tuple.__new__
-    if len(rows[0]) <= queries.CLAIM_HEADERS_COLUMN:
-        return [new(message, (r[0], r[1], r[2], r[3], r[4], r[5], ())) for r in rows]
-    at = queries.CLAIM_HEADERS_COLUMN
-    return [
-        new(message, (r[0], r[1], r[2], r[3], r[4], r[5], tuple((k, v) for k, v in r[at] or ())))
-        for r in rows
-    ]
+_BY_ID = operator.attrgetter("id")
+"""Claim order with key ordering: by id (application ids are then claimed by id too)."""
 
 
 def _tids_to_mark(rows: list[Any], acked: list[MessageId], dead: list[MessageId]) -> list[str]:
@@ -1489,6 +1467,9 @@ class _Commit:
     sent: float = 0.0
     """When it started to linger or sleep (its mark and COMMIT sent, their result read with
     the next claim's); 0: no linger. The batch's time ends there."""
+    unmarked: tuple[queries.Source, list[Any], list[Message], list[MessageId]] | None = None
+    """(source, claimed rows, messages, acknowledged ids): what a repair needs if the mark
+    fails (`_Worker._repair_marks`)."""
 
     @property
     def succeeded(self) -> bool:

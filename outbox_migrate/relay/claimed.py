@@ -1,0 +1,110 @@
+"""Claimed rows → `Message`s, and the rows that cannot become one (bad rows, with a reason).
+
+Pure: no I/O. The claim renders every column the server can render without failing on a row
+(keys, event types and metadata of any type as text; json headers checked for being an object,
+relay/queries.py), and leaves to this module what only fails row by row: a bytea payload that
+is not UTF-8 (kept as raw bytes — a message all the same, `Message.payload`), a text headers
+column whose value is not a JSON object (a bad row). Finding such a row here instead of
+failing the claim is what lets one row never stop the relay: the rest of its batch flows.
+
+The plain outbox (no bytea payload, no headers) takes the same path as before: one tuple per
+row, no per-row checks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from outbox_migrate.relay import queries
+from outbox_migrate.relay.message import Message, MessageId
+
+HEADERS_NOT_OBJECT = "the headers column does not hold a JSON object"
+
+
+class BadRow(NamedTuple):
+    """A claimed row the relay cannot send: the message as far as it could be built (for the
+    dead-letter table) and why."""
+
+    message: Message
+    reason: str
+
+
+class Claimed(NamedTuple):
+    messages: list[Message]
+    bad: list[BadRow]
+
+
+def messages(rows: Sequence[Any], message: type[Message], columns: queries.Columns) -> Claimed:
+    """The claimed rows as messages, in claim order, and the bad rows apart.
+
+    Built with `tuple.__new__` from the row's first six columns: the NamedTuple's own
+    `__new__` is a Python function, and this runs once per message (0.26 → 0.16 µs a row)."""
+    new = tuple.__new__
+    raw = columns.payload_type == "bytea"
+    if not columns.carries_headers and not raw:
+        return Claimed([new(message, (r[0], r[1], r[2], r[3], r[4], r[5], ())) for r in rows], [])
+    at = queries.CLAIM_HEADERS_COLUMN
+    text_at = queries.CLAIM_TEXT_HEADERS_COLUMN if columns.text_headers else 0
+    checked = bool(columns.headers)
+    out: list[Message] = []
+    bad: list[BadRow] = []
+    for r in rows:
+        payload = _payload(r[4]) if raw else r[4]
+        reason = ""
+        extra: tuple[tuple[str, str], ...] = ()
+        if len(r) > at:
+            pairs = r[at]
+            if text_at:
+                parsed = _text_headers(r[text_at])
+                if parsed is None:
+                    reason = HEADERS_NOT_OBJECT
+                else:
+                    # The metadata columns win over a same-named entry, as in the claim.
+                    names = {k for k, _ in pairs}
+                    extra = tuple(p for p in parsed if p[0] not in names) + tuple(
+                        (k, v) for k, v in pairs
+                    )
+            elif pairs is None and checked:
+                reason = HEADERS_NOT_OBJECT
+            else:
+                extra = tuple((k, v) for k, v in pairs or ())
+        built = new(message, (r[0], r[1], r[2], r[3], payload, r[5], extra))
+        if reason:
+            bad.append(BadRow(built, reason))
+        else:
+            out.append(built)
+    return Claimed(out, bad)
+
+
+def _payload(body: bytes) -> str | bytes:
+    """A bytea body as text when it is UTF-8 (as before), else the bytes themselves."""
+    try:
+        return body.decode()
+    except UnicodeDecodeError:
+        return bytes(body)
+
+
+def _text_headers(text: str | None) -> list[tuple[str, str]] | None:
+    """A text headers value parsed as the server's `jsonb_each_text` would render it: string
+    values as they are, others as JSON text, nulls left out; None if it is not an object."""
+    if text is None:
+        return []
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        return None
+    return [
+        (str(k), v if isinstance(v, str) else json.dumps(v))
+        for k, v in value.items()
+        if v is not None
+    ]
+
+
+def ids(bad: Sequence[BadRow]) -> list[MessageId]:
+    return [b.message.id for b in bad]

@@ -1,0 +1,319 @@
+"""Find the rows whose mark breaks a constraint, mark the rest: one bad row, not a crash loop.
+
+A batch's mark is one UPDATE of all its rows. When one row cannot be marked — after the swap,
+a row whose application id is already in the published partition, which carries the old
+table's primary key; a CHECK or trigger that refuses the move — the UPDATE fails for all of
+them, the batch rolls back after it was published, and every run would re-send and fail the
+same batch. Here the rows are marked again in halves (bisection), each half in a savepoint:
+a half that fails is split until the failing rows stand alone. Those are bad rows
+(relay/bad_rows.py): counted in the database, claimed again, and at `max_attempts` kept in the
+dead-letter table with the constraint's message and removed from the outbox — they cannot be
+marked, and nothing is lost. Cost: about 2·log2(batch) statements per bad row, paid only by
+the batch that holds it.
+
+A row that failed is a *suspect* until it is marked or dead-lettered: when it comes back in a
+later batch it is marked alone, in a savepoint, before that batch's mark (`mark_suspects`), so
+its next attempts cost one statement each instead of a failed batch and another bisection.
+
+Runs in its own transaction on the worker's session (no pipeline), never waits on a lock
+(`SKIP LOCKED`: a row another relay holds is its business now).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox_migrate.relay import queries
+from outbox_migrate.relay.bad_rows import FailedMessages
+from outbox_migrate.relay.message import Message, MessageId
+from outbox_migrate.relay.parking import Parking
+
+
+@dataclass
+class Repaired:
+    marked: int = 0
+    bad: dict[MessageId, str] = field(default_factory=dict)
+    dead: list[Message] = field(default_factory=list)
+    retry: list[MessageId] = field(default_factory=list)
+    attempts: dict[MessageId, int] = field(default_factory=dict)
+    held: set[MessageId] = field(default_factory=set)
+    """With key ordering: rows after a bad row of its key, left unmarked (sent again later)."""
+
+
+class Suspects:
+    """(source, id) of rows whose mark failed and that will be tried again; thread-safe (the
+    workers of one relay share it)."""
+
+    def __init__(self) -> None:
+        self._ids: set[tuple[str, MessageId]] = set()
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)
+
+    def among(self, label: str, ids: Sequence[MessageId]) -> set[MessageId]:
+        with self._lock:
+            return {i for i in ids if (label, i) in self._ids}
+
+    def update(self, label: str, add: Sequence[MessageId], drop: Sequence[MessageId]) -> None:
+        with self._lock:
+            self._ids.update((label, i) for i in add)
+            self._ids.difference_update((label, i) for i in drop)
+
+
+def repair(
+    conn: Any,
+    source: queries.Source,
+    failures: FailedMessages,
+    suspects: Suspects,
+    rows: Sequence[Any],
+    batch: Sequence[Message],
+    acked: Sequence[MessageId],
+    error: psycopg.Error | None = None,
+    *,
+    by_key: bool = False,
+) -> Repaired:
+    """Mark the acknowledged rows of a batch whose mark failed (`error`, when known); count
+    the rows at fault. `by_key` (key ordering): rows after a bad row of the same key are not
+    marked either — they go out again after it, as after a rejection (relay/parking.py)."""
+    wanted = set(acked)
+    by_id = {m.id: m for m in batch}
+    tids = {r[queries.CLAIM_CTID_COLUMN]: r[0] for r in rows if r[0] in wanted}
+    done = Repaired()
+    if not tids:
+        return done
+    with conn.transaction():
+        # A deferred constraint would fail at COMMIT, for all rows again: check at each mark.
+        conn.execute("SET CONSTRAINTS ALL IMMEDIATE")
+        locked = conn.execute(_lock(source), {"tids": _tid_array(list(tids))}).fetchall()
+        # Same ctid and id, still unpublished: the row the batch claimed (in claim order).
+        same = {tid for tid, ident in locked if tids.get(tid) == _id_of(source, ident)}
+        todo = [tid for tid in tids if tid in same]
+        conn.execute(_OUTER)
+        failed = _mark_named_first(conn, source, todo, tids, _named_id(error, source))
+        if failed is None:
+            # The whole batch failed already: `_mark_in_halves` starts with its halves.
+            failed = _mark_in_halves(conn, source, todo)
+        if by_key and failed:
+            done.held = _behind_bad_keys(batch, {tids[tid] for tid in failed})
+            if done.held:
+                # Marked already: undo, and mark the rest without them.
+                conn.execute(_ROLLBACK_TO_OUTER)
+                todo = [tid for tid in todo if tid not in failed and tids[tid] not in done.held]
+                failed.update(_mark_in_halves(conn, source, todo))
+                todo += [tid for tid in failed if tid not in todo]
+        done.marked = len(todo) - len(failed)
+        marked = [tids[tid] for tid in todo if tid not in failed]
+        failures.forget(conn, source.label, failures.seen_before(source.label, marked))
+        if failed:
+            _count(conn, source, failures, suspects, failed, tids, by_id, done)
+    return done
+
+
+def park(
+    parking: Parking,
+    label: str,
+    batch: Sequence[Message],
+    done: Repaired,
+    backoff: Callable[[int], float],
+    *,
+    by_key: bool,
+) -> set[MessageId]:
+    """With key ordering, rows whose mark failed park their keys as a rejection does;
+    returns the ids of the batch that follow them in their key (not to mark)."""
+    if not (by_key and done.retry and batch):
+        return set()
+    settled = parking.settle(
+        label, sorted(batch, key=lambda m: m.id), {i: done.attempts[i] for i in done.retry},
+        now=time.monotonic(), backoff=backoff, last=max(m.id for m in batch),
+    )  # fmt: skip
+    return settled.held
+
+
+def _behind_bad_keys(batch: Sequence[Message], bad: set[MessageId]) -> set[MessageId]:
+    """Ids of the batch that follow (claim order) a bad row of their key."""
+    first: dict[str | None, MessageId] = {}
+    held: set[MessageId] = set()
+    for message in batch:  # claim order
+        if message.key in first:
+            held.add(message.id)
+        elif message.id in bad:
+            first[message.key] = message.id
+    return held - bad
+
+
+def mark_suspects(
+    conn: Any,
+    source: queries.Source,
+    failures: FailedMessages,
+    suspects: Suspects,
+    rows: Sequence[Any],
+    batch: Sequence[Message],
+    acked: Sequence[MessageId],
+) -> Repaired:
+    """In the batch's transaction, before its mark: mark each acknowledged suspect alone, in a
+    savepoint. One that fails again counts an attempt (dead-lettered and removed at the
+    last); the caller leaves the returned `bad` ids out of the batch's mark."""
+    again = suspects.among(source.label, acked)
+    tids = {r[queries.CLAIM_CTID_COLUMN]: r[0] for r in rows if r[0] in again}
+    done = Repaired()
+    if not tids:
+        return done
+    failed: dict[str, str] = {}
+    for tid in tids:
+        failed.update(_mark_in_halves(conn, source, [tid]))
+    marked = [tids[tid] for tid in tids if tid not in failed]
+    done.marked = len(marked)
+    suspects.update(source.label, [], marked)
+    failures.forget(conn, source.label, marked)
+    if failed:
+        _count(conn, source, failures, suspects, failed, tids, {m.id: m for m in batch}, done)
+    return done
+
+
+def _count(
+    conn: Any,
+    source: queries.Source,
+    failures: FailedMessages,
+    suspects: Suspects,
+    failed: dict[str, str],
+    tids: dict[str, MessageId],
+    by_id: dict[MessageId, Message],
+    done: Repaired,
+) -> None:
+    """One attempt for each row that could not be marked; at the last, dead-letter it."""
+    done.bad = {tids[tid]: reason for tid, reason in failed.items()}
+    verdict = failures.record(conn, source.label, [by_id[i] for i in done.bad], done.bad)
+    done.dead, done.retry, done.attempts = verdict.dead, verdict.retry, verdict.attempts
+    dead = {m.id for m in verdict.dead}
+    suspects.update(source.label, verdict.retry, list(dead))
+    gone = [tid for tid in failed if tids[tid] in dead]
+    if gone:
+        # Dead-lettered rows cannot be marked: they leave the outbox (the dead-letter table
+        # holds them) so they are not claimed again.
+        conn.execute(_delete(source), {"tids": _tid_array(gone)})
+
+
+_DUPLICATE_KEY = re.compile(r"Key \((?P<columns>[^)]*)\)=\((?P<value>.*)\) already exists\.")
+
+
+def _named_id(error: psycopg.Error | None, source: queries.Source) -> str | None:
+    """The id a unique violation on the id alone names in its detail ("Key (id)=(13) already
+    exists."), as text; None for any other error, or a server whose messages are not in
+    English (the repair then bisects)."""
+    if error is None or error.sqlstate != "23505":
+        return None
+    found = _DUPLICATE_KEY.fullmatch(error.diag.message_detail or "")
+    if found is None or found["columns"] not in (source.id_column, f'"{source.id_column}"'):
+        return None
+    return found["value"]
+
+
+def _mark_named_first(
+    conn: Any,
+    source: queries.Source,
+    todo: list[str],
+    tids: dict[str, MessageId],
+    named: str | None,
+) -> dict[str, str] | None:
+    """A guess from the error, then proof: mark every row but those with the id the error
+    named (one statement), then each of those alone — of two rows with that id in the batch,
+    the first is marked. None: no guess, or the rest failed too (the caller bisects; what
+    this marked stays rolled back)."""
+    if named is None:
+        return None
+    suspects = [tid for tid in todo if str(tids[tid]) == named]
+    rest = [tid for tid in todo if str(tids[tid]) != named]
+    if not suspects:
+        return None
+    try:
+        if rest:
+            conn.execute(_marked_in_savepoint(source, rest))
+    except psycopg.errors.IntegrityError:
+        conn.execute(_ROLLBACK_TO)
+        return None
+    failed: dict[str, str] = {}
+    for tid in suspects:
+        failed.update(_mark_in_halves(conn, source, [tid]))
+    return failed
+
+
+def _mark_in_halves(conn: Any, source: queries.Source, tids: list[str]) -> dict[str, str]:
+    """Mark `tids`, each part in a savepoint; a part that breaks a constraint is split until
+    the rows at fault stand alone. Returns tid → reason for those. Parts are marked in claim
+    order, so of two rows with one id the first is marked and the second is the bad one."""
+    failed: dict[str, str] = {}
+    half = len(tids) // 2
+    stack = [tids[half:], tids[:half]] if half else [tids] if tids else []
+    while stack:
+        part = stack.pop()
+        # One round trip per part: savepoint, mark, release as one simple query (the tids as
+        # a literal), and a ROLLBACK TO only for a part that failed. Savepoints by name, not
+        # `conn.transaction()`: this also runs through the worker's paused pipeline
+        # (`wire.direct`), which only executes statements.
+        try:
+            conn.execute(_marked_in_savepoint(source, part))
+        except psycopg.errors.IntegrityError as exc:
+            conn.execute(_ROLLBACK_TO)
+            if len(part) == 1:
+                failed[part[0]] = _reason(exc)
+            else:
+                half = len(part) // 2
+                stack += [part[half:], part[:half]]
+    return failed
+
+
+_ROLLBACK_TO = sql.SQL("ROLLBACK TO SAVEPOINT om_relay_mark")
+_OUTER = sql.SQL("SAVEPOINT om_relay_repair")
+_ROLLBACK_TO_OUTER = sql.SQL("ROLLBACK TO SAVEPOINT om_relay_repair")
+
+
+def _marked_in_savepoint(source: queries.Source, tids: Sequence[str]) -> sql.Composed:
+    """`queries.mark` for these rows, between a savepoint and its release."""
+    return sql.SQL(
+        "SAVEPOINT om_relay_mark; UPDATE {table} SET {published} = now() "
+        "WHERE {published} IS NULL AND ctid = ANY({tids}::tid[]); "
+        "RELEASE SAVEPOINT om_relay_mark"
+    ).format(
+        table=source.mark_ident,
+        published=sql.Identifier(source.published_column),
+        tids=sql.Literal(_tid_array(tids)),
+    )
+
+
+def _reason(exc: psycopg.Error) -> str:
+    detail = exc.diag.message_detail
+    text = str(exc.diag.message_primary or exc).strip()
+    return f"SQLSTATE {exc.sqlstate}: {text}" + (f" ({detail})" if detail else "")
+
+
+def _tid_array(tids: Sequence[str]) -> str:
+    return '{"' + '","'.join(tids) + '"}'
+
+
+def _id_of(source: queries.Source, ident: Any) -> MessageId:
+    return str(ident) if source.text_ids else int(ident)
+
+
+def _lock(source: queries.Source) -> sql.Composed:
+    ident = sql.Identifier(source.id_column)
+    return sql.SQL(
+        "SELECT ctid::text, {id} FROM {table} WHERE {unpublished} "
+        "AND ctid = ANY(%(tids)s::tid[]) FOR UPDATE SKIP LOCKED"
+    ).format(
+        id=sql.SQL("{}::text").format(ident) if source.text_ids else ident,
+        table=source.claim_ident,
+        unpublished=source.unpublished_filter(),
+    )
+
+
+def _delete(source: queries.Source) -> sql.Composed:
+    return sql.SQL("DELETE FROM {} WHERE ctid = ANY(%(tids)s::tid[])").format(source.claim_ident)

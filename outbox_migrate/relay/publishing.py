@@ -1,0 +1,50 @@
+"""One publish of a batch through a sink, with the refusals sorted per message.
+
+A sink reports that it refused some messages (`MessagesRejected`, the rest acknowledged) or
+that it cannot put one message in the form it sends (`UnrepresentableMessage`, a raw bytes
+payload in a JSON envelope). The second is raised while the batch is being rendered, before
+or while it is sent, so nothing of the batch can be trusted as acknowledged: the message is
+set aside and the rest published again — a message sent twice is de-duplicated downstream on
+its outbox id, as after any at-least-once retry. No waiting here (the caller holds a
+transaction open on the batch's rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from outbox_migrate.relay.errors import MessagesRejected, UnrepresentableMessage
+from outbox_migrate.relay.message import Message, MessageId
+from outbox_migrate.relay.sinks import Sink
+
+
+def publish(
+    sink: Sink, batch: Sequence[Message]
+) -> tuple[dict[MessageId, str], dict[MessageId, str]]:
+    """Publish `batch`; returns (rejected by the broker, unrepresentable) as id → reason.
+    Every other message was acknowledged. `SinkUnavailable` propagates."""
+    unrepresentable: dict[MessageId, str] = {}
+    todo = list(batch)
+    while todo:
+        try:
+            sink.publish(todo)
+        except MessagesRejected as exc:
+            return exc.rejected, unrepresentable
+        except UnrepresentableMessage as exc:
+            culprits = _culprits(todo, exc)
+            unrepresentable.update((m.id, exc.reason) for m in culprits)
+            todo = [m for m in todo if m.id not in unrepresentable]
+            continue
+        break
+    return {}, unrepresentable
+
+
+def _culprits(todo: Sequence[Message], exc: UnrepresentableMessage) -> list[Message]:
+    """The message the error names; a sink that named none refused every raw payload (the one
+    kind of message a sink cannot represent). Naming nothing that is here is a bug: raised."""
+    named = [m for m in todo if m.id == exc.message_id] if exc.message_id is not None else []
+    if not named and exc.message_id is None:
+        named = [m for m in todo if type(m.payload) is bytes]
+    if not named:
+        raise exc
+    return named

@@ -1,0 +1,451 @@
+"""One bad row never stops the polling relay: it goes to the dead letters with its reason after
+`max_attempts`, every other row flows, and the relay keeps running (or exits 0 with
+`--until-empty`).
+
+Each kind below stopped the whole relay before (a failed claim or mark for the whole batch, a
+`RelayError`, the same on every restart): a bytea payload that is not UTF-8 (django-jaiminho
+stores pickles), key and event-type columns that are not text (`message_key uuid`, an int
+event type), a text headers column and headers that are not a JSON object, and after the swap
+a duplicate id whose move into the published partition breaks the old primary key.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
+from outbox_migrate.relay.sinks.stdout import StdoutSink
+from outbox_migrate.relay.worker import Relay, running
+from outbox_migrate.testing.schema import insert_rows
+
+from .conftest import PARTITIONED_START, SPEC, Collected, ids_in
+
+PICKLE = pickle.dumps({"order": 7}, protocol=4)
+"""A pickled payload as django-jaiminho stores it: starts with 0x80, never UTF-8."""
+
+
+def _relay(dsn: str, factory: Any, spec: OutboxSpec, **options: Any) -> Relay:
+    defaults: dict[str, Any] = {"until_empty": True, "listen": False, "batch_size": 7,
+                                "max_attempts": 2, "poll_interval_s": 0.02}  # fmt: skip
+    defaults.update(options)
+    return Relay(dsn, factory, spec=spec, options=RelayOptions(**defaults))
+
+
+def _stdout(stream: io.StringIO) -> Any:
+    """The stdout sink with its JSON envelope, writing to `stream`: the envelope is where a
+    raw payload or a key that is not a string used to fail."""
+    return lambda: StdoutSink(stream=stream)
+
+
+def _dead(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
+    return conn.execute(
+        "SELECT id, attempts, last_error, payload, payload_bytes FROM outbox_dead_letter "
+        "ORDER BY id"
+    ).fetchall()
+
+
+# -- a bytea payload that is not UTF-8 (django-jaiminho) -------------------------------------
+
+
+def _jaiminho(conn: psycopg.Connection) -> OutboxSpec:
+    """Shaped like django-jaiminho's event table: a pickled `message` (bytea), `type`,
+    `sent_at` as the publication time."""
+    conn.execute(
+        "CREATE TABLE jaiminho_event (id bigserial PRIMARY KEY, type varchar(255), "
+        "action varchar(64) NOT NULL DEFAULT '', message bytea NOT NULL, function bytea, "
+        "strategy varchar(32), stream varchar(128), "
+        "created_at timestamptz NOT NULL DEFAULT now(), sent_at timestamptz)"
+    )
+    conn.execute(
+        "INSERT INTO jaiminho_event (type, message) SELECT 'OrderCreated', "
+        "convert_to('{\"n\": ' || i || '}', 'UTF8') FROM generate_series(1, 20) i"
+    )
+    conn.execute("UPDATE jaiminho_event SET message = %s WHERE id = 9", (PICKLE,))
+    conn.commit()
+    return OutboxSpec(
+        table="jaiminho_event",
+        payload_column="message",
+        published_column="sent_at",
+        event_type_column="type",
+    )
+
+
+def test_a_pickled_bytea_payload_is_sent_as_bytes(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """A sink that sends a body gets the pickle byte for byte; the batch around it flows."""
+    spec = _jaiminho(conn)
+    _relay(dsn, collected.factory(), spec, mode=Mode.flat).run()
+    assert sorted(collected.ids) == list(range(1, 21))
+    by_id = {m.id: m for m in collected.messages}
+    assert by_id[9].payload == PICKLE and by_id[9].payload_bytes == PICKLE
+    assert by_id[8].payload == '{"n": 8}'  # UTF-8 bodies stay text
+    assert conn.execute("SELECT count(*) FROM jaiminho_event WHERE sent_at IS NULL").fetchone() == (
+        0,
+    )
+
+
+def test_a_pickled_payload_in_a_json_envelope_is_dead_lettered_with_its_bytes(
+    dsn: str, conn: psycopg.Connection
+) -> None:
+    """The JSON envelope cannot carry raw bytes: that message alone is dead-lettered (its
+    bytes kept), the 19 others are written."""
+    spec = _jaiminho(conn)
+    stream = io.StringIO()
+    relay = _relay(dsn, _stdout(stream), spec, mode=Mode.flat)
+    relay.run()
+    written = [json.loads(line)["id"] for line in stream.getvalue().splitlines()]
+    assert sorted(set(written)) == [i for i in range(1, 21) if i != 9]
+    dead = _dead(conn)
+    assert [(d[0], d[1]) for d in dead] == [(9, 2)]
+    assert "UTF-8" in dead[0][2]  # the sink's reason
+    assert bytes(dead[0][4]) == PICKLE and dead[0][3] == "\\x" + PICKLE.hex()
+    assert relay.stats.dead_lettered == 1
+    assert conn.execute("SELECT count(*) FROM jaiminho_event WHERE sent_at IS NULL").fetchone() == (
+        0,
+    )
+
+
+def test_an_existing_dead_letter_table_keeps_working_for_raw_payloads(
+    dsn: str, conn: psycopg.Connection
+) -> None:
+    """A dead-letter table created by an earlier version (payload text NOT NULL, no bytes
+    column) is given the `payload_bytes` column when the relay's role owns it."""
+    conn.execute(
+        "CREATE TABLE outbox_dead_letter (source_table text NOT NULL, id int8 NOT NULL, "
+        "event_type text, message_key text, payload text NOT NULL, created_at timestamptz NOT "
+        "NULL, attempts int NOT NULL, last_error text NOT NULL, dead_at timestamptz NOT NULL "
+        "DEFAULT now(), PRIMARY KEY (source_table, id))"
+    )
+    spec = _jaiminho(conn)
+    _relay(dsn, _stdout(io.StringIO()), spec, mode=Mode.flat).run()
+    dead = _dead(conn)
+    assert [d[0] for d in dead] == [9] and bytes(dead[0][4]) == PICKLE
+
+
+# -- key and event-type columns that are not text ------------------------------------------
+
+
+def test_uuid_keys_and_integer_event_types_are_sent_as_text(
+    dsn: str, conn: psycopg.Connection
+) -> None:
+    """`message_key uuid` is picked up by default; it and an int event type used to fail
+    every batch ("first argument must be a string, not UUID")."""
+    conn.execute(
+        "CREATE TABLE outbox (id bigserial PRIMARY KEY, event_type int NOT NULL, "
+        "message_key uuid, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT "
+        "now(), published_at timestamptz)"
+    )
+    keys = [uuid.uuid4() for _ in range(10)]
+    for i, key in enumerate(keys):
+        conn.execute(
+            "INSERT INTO outbox (event_type, message_key, payload) VALUES (%s, %s, %s)",
+            (i, key, json.dumps({"n": i})),
+        )
+    conn.commit()
+    stream = io.StringIO()
+    _relay(dsn, _stdout(stream), OutboxSpec(table="outbox"), mode=Mode.flat).run()
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [o["key"] for o in lines] == [str(k) for k in keys]
+    assert [o["event_type"] for o in lines] == [str(i) for i in range(10)]
+    assert ids_in(conn, "outbox", published=False) == []
+
+
+def test_key_ordering_shards_on_a_uuid_key(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    conn.execute(
+        "CREATE TABLE outbox (id bigserial PRIMARY KEY, event_type text, message_key uuid, "
+        "payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), "
+        "published_at timestamptz)"
+    )
+    conn.execute(
+        "INSERT INTO outbox (message_key, payload) SELECT gen_random_uuid(), '{}' "
+        "FROM generate_series(1, 30)"
+    )
+    conn.commit()
+    _relay(dsn, collected.factory(), OutboxSpec(table="outbox"), mode=Mode.flat,
+           ordering=Ordering.key, workers=2).run()  # fmt: skip
+    assert sorted(collected.ids) == list(range(1, 31))
+    assert all(isinstance(m.key, str) for m in collected.messages)
+
+
+# -- headers that are not a JSON object ------------------------------------------------------
+
+
+def test_text_headers_are_parsed_per_row_and_a_non_object_is_a_bad_row(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """A text headers column is accepted; a value that is not a JSON object (invalid JSON, an
+    array) is that row's problem: dead-lettered with the reason, the others published with
+    their headers."""
+    conn.execute(
+        "CREATE TABLE outbox (id bigserial PRIMARY KEY, payload jsonb NOT NULL, headers text, "
+        "created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz)"
+    )
+    conn.execute(
+        "INSERT INTO outbox (payload, headers) SELECT jsonb_build_object('n', i), "
+        "CASE i WHEN 4 THEN 'not json {' WHEN 11 THEN '[1, 2]' WHEN 12 THEN NULL "
+        "ELSE json_build_object('traceparent', 'tp-' || i, 'v', i)::text END "
+        "FROM generate_series(1, 15) i"
+    )
+    conn.commit()
+    relay = _relay(dsn, collected.factory(), OutboxSpec(table="outbox"), mode=Mode.flat)
+    relay.run()
+    assert sorted(collected.ids) == [i for i in range(1, 16) if i not in (4, 11)]
+    by_id = {m.id: m for m in collected.messages}
+    assert by_id[5].headers()["traceparent"] == "tp-5" and by_id[5].headers()["v"] == "5"
+    assert by_id[12].extra_headers == ()  # NULL: no headers, not a bad row
+    dead = _dead(conn)
+    assert [(d[0], d[1]) for d in dead] == [(4, 2), (11, 2)]
+    assert all("not hold a JSON object" in d[2] for d in dead)
+    assert ids_in(conn, "outbox", published=False) == []
+    assert relay.stats.bad_rows == 4  # two rows, two attempts each
+
+
+def test_jsonb_headers_that_are_not_an_object_are_a_bad_row(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    """On the partitioned outbox too: a jsonb array or string in the headers column was
+    silently sent without headers; now it is dead-lettered and its batch flows."""
+    partitioned.execute("ALTER TABLE outbox_new ADD COLUMN headers jsonb")
+    insert_rows(partitioned, "outbox_new", 20, spec=SPEC)
+    bad = PARTITIONED_START + 6
+    partitioned.execute('UPDATE outbox_new SET headers = \'{"a": "b"}\'')
+    partitioned.execute("UPDATE outbox_new SET headers = '\"oops\"' WHERE id = %s", (bad,))
+    _relay(dsn, collected.factory(), SPEC).run()
+    assert sorted(collected.ids) == [
+        i for i in range(PARTITIONED_START, PARTITIONED_START + 20) if i != bad
+    ]
+    assert all(m.headers()["a"] == "b" for m in collected.messages)
+    assert [(d[0], d[1]) for d in _dead(partitioned)] == [(bad, 2)]
+    assert ids_in(partitioned, "outbox_unpublished") == []
+
+
+def test_with_key_ordering_a_bad_row_parks_only_its_key(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """Key A's bad row parks key A: A's later messages are not marked before it is
+    dead-lettered (each is delivered last after it); keys B and C flow meanwhile."""
+    conn.execute(
+        "CREATE TABLE outbox (id bigserial PRIMARY KEY, message_key text NOT NULL, "
+        "payload jsonb NOT NULL, headers text, created_at timestamptz NOT NULL DEFAULT now(), "
+        "published_at timestamptz)"
+    )
+    conn.execute(
+        "INSERT INTO outbox (message_key, payload, headers) SELECT "
+        "(ARRAY['A', 'B', 'C'])[1 + i % 3], jsonb_build_object('n', i), "
+        "CASE WHEN i = 4 THEN 'oops' ELSE '{}' END FROM generate_series(1, 30) i"
+    )
+    conn.commit()
+    bad_key = conn.execute("SELECT message_key FROM outbox WHERE id = 4").fetchone()[0]
+    relay = _relay(dsn, collected.factory(), OutboxSpec(table="outbox"), mode=Mode.flat,
+                   ordering=Ordering.key, batch_size=10)  # fmt: skip
+    relay.run()
+    assert [(d[0], d[1]) for d in _dead(conn)] == [(4, 2)]
+    assert ids_in(conn, "outbox", published=False) == []
+    assert sorted(set(collected.ids)) == [i for i in range(1, 31) if i != 4]
+    others = [m.id for m in collected.messages if m.key != bad_key]
+    held = [m.id for m in collected.messages if m.key == bad_key and m.id > 4]
+    # Other keys were delivered once each, in id order: nothing of theirs waited or was sent
+    # again. The bad key's later messages were held until the bad row was dead-lettered.
+    assert len(others) == len(set(others)) and others == sorted(others)
+    assert len(held) > len(set(held))
+    assert relay.stats.bad_rows == 2
+
+
+# -- a duplicate id after the swap ------------------------------------------------------------
+
+
+def _swapped_with_duplicate(conn: psycopg.Connection) -> int:
+    """After the swap: the old table is the DEFAULT partition and keeps its primary key; the
+    application inserts an id that is already published (the old key would have refused it)."""
+    conn.execute(
+        "CREATE TABLE outbox_new (id bigint NOT NULL, event_type text, message_key text, "
+        "payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), "
+        "published_at timestamptz) PARTITION BY LIST (published_at)"
+    )
+    conn.execute("CREATE TABLE outbox_unpublished PARTITION OF outbox_new FOR VALUES IN (NULL)")
+    conn.execute("CREATE INDEX ON outbox_unpublished (id)")
+    conn.execute(
+        "CREATE TABLE outbox (LIKE outbox_new INCLUDING DEFAULTS, CONSTRAINT outbox_pkey "
+        "PRIMARY KEY (id))"
+    )
+    conn.execute("INSERT INTO outbox (id, payload, published_at) VALUES (13, '{}', now())")
+    conn.execute("ALTER TABLE outbox_new ATTACH PARTITION outbox DEFAULT")
+    conn.execute(
+        "INSERT INTO outbox_new (id, payload) SELECT i, jsonb_build_object('n', i) "
+        "FROM generate_series(1, 30) i"
+    )
+    conn.commit()
+    return 13
+
+
+SWAPPED = SPEC
+
+
+def test_a_duplicate_id_after_the_swap_is_dead_lettered_not_a_crash_loop(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    duplicate = _swapped_with_duplicate(conn)
+    relay = _relay(dsn, collected.factory(), SWAPPED, batch_size=10)
+    relay.run()
+    assert ids_in(conn, "outbox_unpublished") == []
+    published = ids_in(conn, "outbox")
+    assert published.count(duplicate) == 1  # the original; the duplicate was never moved
+    assert sorted(set(published)) == list(range(1, 31))
+    dead = _dead(conn)
+    assert [(d[0], d[1]) for d in dead] == [(duplicate, 2)]
+    assert "23505" in dead[0][2] and "outbox_pkey" in dead[0][2]
+    assert json.loads(dead[0][3]) == {"n": duplicate}
+    assert relay.stats.dead_lettered == 1
+
+
+def test_two_unpublished_rows_with_one_id_the_first_is_marked_the_second_dead_lettered(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """Both copies in one batch, none published yet: the batch's mark moves the first and
+    fails on the second; the repair marks the first (claim order) and dead-letters the
+    second, removed from the outbox."""
+    _swapped_with_duplicate(conn)
+    conn.execute("INSERT INTO outbox_new (id, payload) VALUES (20, '{\"copy\": 2}')")
+    conn.commit()
+    _relay(dsn, collected.factory(), SWAPPED, batch_size=50).run()
+    assert ids_in(conn, "outbox_unpublished") == []
+    assert ids_in(conn, "outbox").count(20) == 1
+    assert conn.execute("SELECT payload FROM outbox WHERE id = 20").fetchone() == ({"n": 20},)
+    dead = _dead(conn)
+    assert sorted((d[0], json.loads(d[3]).get("copy")) for d in dead) == [(13, None), (20, 2)]
+
+
+def test_with_key_ordering_a_duplicate_id_parks_only_its_key(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """The repair leaves the rows after the bad one of its key unmarked (they go out again
+    after it) and parks the key; the other keys are delivered once, in order."""
+    duplicate = _swapped_with_duplicate(conn)
+    conn.execute(
+        "UPDATE outbox_new SET message_key = (ARRAY['A', 'B', 'C'])[1 + id % 3] "
+        "WHERE published_at IS NULL"
+    )
+    conn.commit()
+    bad_key = "ABC"[duplicate % 3]
+    relay = _relay(dsn, collected.factory(), SWAPPED, ordering=Ordering.key, batch_size=10)
+    relay.run()
+    assert [(d[0], d[1]) for d in _dead(conn)] == [(duplicate, 2)]
+    assert ids_in(conn, "outbox_unpublished") == []
+    others = [m.id for m in collected.messages if m.key != bad_key]
+    held = [m.id for m in collected.messages if m.key == bad_key and m.id > duplicate]
+    assert len(others) == len(set(others)) == 20 and others == sorted(others)
+    assert len(held) > len(set(held))  # sent in the failed batch, then again after it
+    assert sorted(set(held)) == [i for i in range(duplicate + 3, 31, 3)]
+
+
+def test_attempts_of_a_bad_row_survive_a_restart(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """The attempts of a row whose mark fails are counted in the database in the repair's
+    transaction: a restarted relay goes on from the count, it does not start again."""
+    duplicate = _swapped_with_duplicate(conn)
+
+    def attempts() -> int:
+        try:
+            row = conn.execute(
+                "SELECT attempts FROM outbox_dead_letter_attempts WHERE id = %s", (duplicate,)
+            ).fetchone()
+        except psycopg.errors.UndefinedTable:
+            conn.rollback()
+            return 0
+        conn.rollback()
+        return int(row[0]) if row else 0
+
+    first = _relay(dsn, collected.factory(), SWAPPED, until_empty=False, max_attempts=1000,
+                   batch_size=10)  # fmt: skip
+    with running(first):
+        deadline = time.monotonic() + 30
+        while attempts() < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    counted = attempts()
+    assert counted >= 2 and not _dead(conn)
+    second = _relay(dsn, collected.factory(), SWAPPED, max_attempts=counted + 1, batch_size=10)
+    second.run()
+    dead = _dead(conn)
+    assert [(d[0], d[1]) for d in dead] == [(duplicate, counted + 1)]
+    assert second.stats.bad_rows == 1  # one attempt more, not max_attempts more
+    assert ids_in(conn, "outbox_unpublished") == []
+
+
+@pytest.mark.parametrize("mode", [Mode.flat, Mode.partitioned])
+def test_a_row_whose_mark_a_check_refuses_is_dead_lettered(
+    dsn: str, conn: psycopg.Connection, collected: Collected, mode: Mode
+) -> None:
+    """Any constraint the mark breaks (here a CHECK on the published rows) is the row's."""
+    if mode is Mode.flat:
+        conn.execute(
+            "CREATE TABLE outbox (id bigserial PRIMARY KEY, payload jsonb NOT NULL, "
+            "created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz, "
+            "CONSTRAINT no_publishing_7 CHECK (published_at IS NULL OR id <> 7))"
+        )
+        spec, table = OutboxSpec(table="outbox"), "outbox"
+    else:
+        conn.execute(
+            "CREATE TABLE outbox_new (id bigserial, payload jsonb NOT NULL, created_at "
+            "timestamptz NOT NULL DEFAULT now(), published_at timestamptz) "
+            "PARTITION BY LIST (published_at)"
+        )
+        conn.execute("CREATE TABLE outbox_unpublished PARTITION OF outbox_new FOR VALUES IN (NULL)")
+        conn.execute(
+            "CREATE TABLE outbox_published PARTITION OF outbox_new "
+            "(CONSTRAINT no_publishing_7 CHECK (id <> 7)) DEFAULT"
+        )
+        spec, table = OutboxSpec(), "outbox_new"
+    conn.execute(f"INSERT INTO {table} (payload) SELECT '{{}}' FROM generate_series(1, 25)")
+    conn.commit()
+    _relay(dsn, collected.factory(), spec, mode=mode, batch_size=10).run()
+    dead = _dead(conn)
+    assert [(d[0], d[1]) for d in dead] == [(7, 2)]
+    assert "23514" in dead[0][2] and "no_publishing_7" in dead[0][2]
+    remaining = conn.execute(f"SELECT count(*) FROM {table} WHERE published_at IS NULL")
+    assert remaining.fetchone() == (0,)
+    assert conn.execute(f"SELECT count(*) FROM {table}").fetchone() == (24,)
+
+
+# -- exit codes -------------------------------------------------------------------------------
+
+
+def test_a_relay_that_stops_on_a_runtime_fault_exits_1(
+    dsn: str, partitioned: psycopg.Connection
+) -> None:
+    """A fault met while running (here a trigger that refuses every mark, not a constraint a
+    row breaks) is a failure, exit 1 — not "bad input" (2), which is refused before work."""
+    partitioned.execute(
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$BEGIN RAISE EXCEPTION 'marks are frozen'; END$$"
+    )
+    partitioned.execute(
+        "CREATE TRIGGER refuse BEFORE UPDATE ON outbox_unpublished "
+        "FOR EACH ROW EXECUTE FUNCTION refuse()"
+    )
+    insert_rows(partitioned, "outbox_new", 3, spec=SPEC)
+    partitioned.commit()
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_migrate", "relay", "--sink", "stdout", "--until-empty",
+         "--no-listen", "--dsn", dsn],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("outbox-migrate: error: relay worker failed: marks are frozen"), last
+    assert "Traceback" not in result.stderr
+    assert len(ids_in(partitioned, "outbox_unpublished")) == 3  # nothing lost
