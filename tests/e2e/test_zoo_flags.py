@@ -190,11 +190,16 @@ def test_a_flag_outbox_plans_without_blockers(dsn: str, zoo: ZooTable) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(zoo.ddl)
         facts = introspect(conn, settings.spec, "hoper")
+        unset = zoo.spec_settings(status_column="", status_published_value="").spec
+        without = introspect(conn, unset, "hoper")
     assert facts.blockers == []
     flag_notes = [n.message for n in facts.notes if n.code == "flag-marker"]
     if zoo is STATUS_BESIDE:
         assert flag_notes == []
         assert "status-column-beside" not in [w.code for w in facts.warnings]
+        # without the setting the warning says it
+        beside = next(w for w in without.warnings if w.code == "status-column-beside")
+        assert 'status_column = "status" and status_published_value' in beside.remedy
         return
     expected = {EVENTUATE.name: "message.published is a flag: published = 0 is unpublished, the "
                 "relay sets 1",
