@@ -155,8 +155,10 @@ def not_null_recipe(table: str, column: str) -> str:
 
 
 def _canonical(column_type: str, value: str) -> str:
-    """A boolean's value as PostgreSQL prints it (`f`, `no`, `0` → `false`), so the partition
-    bound the catalog shows compares equal to the value."""
+    """A boolean's or an integer's value as PostgreSQL prints it (`f`, `no`, `0` → `false`;
+    `+01` → `1`), so the partition bound the catalog shows compares equal to the value."""
+    if column_type in INTEGER_TYPES and re.fullmatch(r"\s*[-+]?\d+\s*", value):
+        return str(int(value))
     if column_type != "boolean" or not value:
         return value
     lowered = value.strip().lower()

@@ -89,6 +89,11 @@ def test_a_flags_values_come_from_its_default_and_the_obvious_published_value() 
     decided = decide(pinned, MarkerColumn("boolean", "true", not_null=True), "outbox")
     assert isinstance(decided, OutboxSpec)
     assert (decided.unpublished_value, decided.published_value) == ("false", "true")
+    # an integer as PostgreSQL prints it in the partition bound
+    padded = dataclasses.replace(spec, unpublished_value="00", published_value="+1")
+    decided = decide(padded, MarkerColumn("smallint", None, not_null=True), "message")
+    assert isinstance(decided, OutboxSpec)
+    assert (decided.unpublished_value, decided.published_value) == ("0", "1")
 
 
 def test_a_flag_that_could_be_null_is_refused_with_the_recipe() -> None:
