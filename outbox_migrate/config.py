@@ -98,6 +98,11 @@ class OutboxSpec:
         return self.order_column or self.id_column
 
     @property
+    def retired_table(self) -> str:
+        """COP/HOP's flat table once the partitioned table takes its name (`outbox_retired`)."""
+        return _fit(f"{self.table}_retired")
+
+    @property
     def gate_sequence(self) -> str:
         """Application ids: the sequence the old table's inserts tick, for the deploy gates."""
         return _fit(f"{self.table}_gate_seq")

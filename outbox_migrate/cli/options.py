@@ -170,6 +170,14 @@ class Phase(StrEnum):
     V3 = "V3"
     V4 = "V4"
     copy_back = "copy-back"
+    original_name = "original-name"
+    """Optional (--with-optional): the partitioned table takes the flat table's name."""
+    drop_view = "drop-view"
+    """Optional (--with-optional): the view under the former name goes."""
+
+
+OPTIONAL_PHASES = frozenset({Phase.original_name, Phase.drop_view})
+"""Phases that exist only with --with-optional."""
 
 
 def parse_phase(value: str) -> Phase:

@@ -318,8 +318,9 @@ class Runner:
             phase_index(self.pattern, target),
         )
         reached = self.pattern.phases[reached_index].name
-        last = self.pattern.phases[-1].name
-        result.completed = reached == last
+        # Optional phases (the original name) may follow a completed migration.
+        last = phase_index(self.pattern, self.pattern.last_required_phase())
+        result.completed = reached_index >= last
         result.phase = reached
         ledger.set_phase(
             self.conn, migration.id, reached, "completed" if result.completed else "active"

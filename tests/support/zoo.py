@@ -53,6 +53,13 @@ class ZooTable:
     after_seed: Callable[[psycopg.Connection[Any]], None] | None = None
     """Runs (autocommit) once the table is created and seeded, before any writer starts: e.g.
     a CDC consumer's publication and slot."""
+    original_name: bool = False
+    """Go on through the optional original-name phases: the rename with the previous version
+    writing through the view and its relay marking through it, the next version on the
+    original name, then the view's drop (needs `include_optional`)."""
+    roll_back_rename: bool = False
+    """With `original_name`: roll the rename back and apply it again while the previous
+    version writes and publishes, before the next version starts."""
 
     def spec_settings(self, **extra: Any) -> Settings:
         values = {"gate_window_s": 0.2, "lock_budget_s": 30.0, "old_app_name": f"{APP}/V1/%"}
@@ -245,7 +252,34 @@ def _choreograph(dsn: str, zoo: ZooTable, pattern: str, settings: Settings,
     time.sleep(0.3)
     if pattern == "hoper":
         run_phase(dsn, settings, pattern, "copy-back", zoo.include_optional)
-    v2_writer.finish()
+    if zoo.original_name:
+        # The previous version (V2's writer, V3's relay, both on the former name) runs on
+        # across the rename; the next one uses the original name; then the view goes.
+        run_phase(dsn, settings, pattern, "original-name", zoo.include_optional)
+        if zoo.roll_back_rename:
+            time.sleep(0.3)
+            with Runner(dsn, settings, pattern, include_optional=True) as runner:
+                runner.rollback("copy-back" if pattern == "hoper" else "V4")
+            time.sleep(0.3)
+            run_phase(dsn, settings, pattern, "original-name", zoo.include_optional)
+        through_view = len(v2_writer.written)
+        # The relay of the next version names the partitioned table by its original name;
+        # `table` (the flat table, unused in partitioned mode) must be some other name.
+        renamed = zoo.spec_settings(partitioned_table=spec.table, table=spec.retired_table)
+        next_writer = writer(old, "V5")
+        next_relay = RelayThread(dsn, renamed, factory, Mode.partitioned, "V5")
+        relays.append(next_relay)
+        time.sleep(0.5)  # both versions side by side on both names
+        v2_writer.finish()
+        # The previous version really wrote through the view (its INSERTs did not fail).
+        assert len(v2_writer.written) > through_view, "no insert through the view"
+        v3_relay.finish()
+        run_phase(dsn, settings, pattern, "drop-view", zoo.include_optional)
+        time.sleep(0.3)
+        next_writer.finish()
+        v3_relay, new = next_relay, old
+    else:
+        v2_writer.finish()
 
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     with psycopg.connect(dsn, autocommit=True) as conn:
