@@ -194,6 +194,18 @@ def _nsb_queries(conn: psycopg.Connection[Any], zoo: ZooTable) -> None:
     def run(statement: str, **params: Any) -> psycopg.Cursor[Any]:
         return conn.execute(sql.SQL(statement).format(table=table), params)  # type: ignore[arg-type]
 
+    # A record our relay published during the migration, as NServiceBus sees it.
+    relayed = conn.execute(
+        sql.SQL(
+            'SELECT "MessageId" FROM {} WHERE "DispatchedAt" IS NOT NULL '
+            "AND \"Operations\" <> '[]' LIMIT 1"
+        ).format(table)
+    ).fetchone()
+    assert relayed is not None
+    relayed_seen = run(NSB_GET, message_id=relayed[0]).fetchall()
+    # plan's status-column-beside warning: the relay sets DispatchedAt only, so NServiceBus
+    # still reads "not dispatched" and would dispatch the operations again on a retry
+    assert [r[0] for r in relayed_seen] == [False]
     message_id = run(NSB_STORE, n=10**6).fetchone()[0]  # type: ignore[index]
     got = run(NSB_GET, message_id=message_id).fetchall()
     assert len(got) == 1 and got[0][0] is False and got[0][1][0]["Headers"] == {"n": "1000000"}
@@ -205,6 +217,8 @@ def _nsb_queries(conn: psycopg.Connection[Any], zoo: ZooTable) -> None:
     run(NSB_CLEANUP, before="infinity")
     assert run(NSB_GET, message_id=message_id).fetchall() == []
     assert [r[0] for r in run(NSB_GET, message_id=pending).fetchall()] == [False]
+    # ... and its cleanup, which selects by "Dispatched", never deletes what the relay sent
+    assert len(run(NSB_GET, message_id=relayed[0]).fetchall()) == 1
 
 
 def _nsb_number(message: Message) -> int:
