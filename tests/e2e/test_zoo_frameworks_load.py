@@ -5,18 +5,18 @@ cleanup statements run against the migrated table and must still mean what they 
 
 What a real team does, and what this plays: during the migration our relay publishes (the
 framework's dispatcher is switched off); the optional original-name phases then give the
-partitioned table the framework's table name, which the framework's configuration (NServiceBus's
-prefix, jaiminho's Django model) cannot easily change, and the framework's statements run on
-that name. The INSERTs are the framework's own, with only
-`RETURNING <id>` appended so that the test knows what it wrote (the framework ignores the
-result; what is stored is the same). Values the framework binds from the application (a new
+partitioned table the framework's table name, which the framework's configuration
+(NServiceBus's prefix, jaiminho's Django model) cannot easily change, and the framework's
+statements run on that name. The INSERTs are the framework's own, with only `RETURNING <id>`
+appended so that the test knows what it wrote (the framework ignores the result; what is
+stored is the same). Values the framework binds from the application (a new
 uuid, the send time) are produced by the server here.
 
 Delete-on-delivery outboxes (MassTransit's EF Core outbox, the Debezium example) have nothing
 to partition: for them the test asserts that `run` refuses with its own line and writes
 nothing. Flag markers (eventuate-tram's `published smallint`, django-outbox-pattern's status)
-and Spring Modulith's status column are not in this file yet: they need the flag-marker
-support that is being built on another branch.
+and status columns beside the timestamp (Spring Modulith, NServiceBus's `Dispatched` kept in
+step) are in `test_zoo_frameworks_flags_load.py`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class FrameworkUnderLoad:
     """The framework's own read / mark / cleanup statements on the migrated table."""
 
 
-def _partition_of(conn: psycopg.Connection[Any], table: sql.Identifier, column: str,
+def partition_of(conn: psycopg.Connection[Any], table: sql.Identifier, column: str,
                   value: Any) -> str | None:  # fmt: skip
     """The bound of the partition that holds the row (`DEFAULT` = the published one)."""
     row = conn.execute(
@@ -115,7 +115,7 @@ def _brighter_queries(conn: psycopg.Connection[Any], zoo: ZooTable) -> None:
     assert run(BRIGHTER_MARK, message_id=message_id).rowcount == 1
     assert run(BRIGHTER_OUTSTANDING).fetchall() == []
     # marked, the row moved to the published partition: the old table, now the DEFAULT
-    assert _partition_of(conn, table, "messageid", message_id) == "DEFAULT"
+    assert partition_of(conn, table, "messageid", message_id) == "DEFAULT"
     # every message published during the migration is found by its MessageId, once
     first = conn.execute(
         sql.SQL("SELECT MessageId FROM {} ORDER BY Id LIMIT 1").format(table)
@@ -151,8 +151,10 @@ BRIGHTER_LOAD = FrameworkUnderLoad(
         include_optional=True,
         original_name=True,
     ),
-    source=BRIGHTER.source + "; statements: PostgreSqlQueries.cs (AddCommand, "
-    "PagedOutstandingCommand, MarkDispatchedCommand, GetMessageCommand, DeleteMessagesCommand)",
+    source=BRIGHTER.source + " at commit 14a62813e94d; statements: "
+    "src/Paramore.Brighter.Outbox.PostgreSql/PostgreSqlQueries.cs at commit 18b01b1b6da8 "
+    "(AddCommand, PagedOutstandingCommand, MarkDispatchedCommand, GetMessageCommand, "
+    "DeleteMessagesCommand)",
     answers=Answers(pause=False, keep_old_rows=True, immediate_access=True),
     why="Brighter's GetMessage and its dispatched pages read published messages at any time",
     number_of=lambda m: int(json.loads(m.payload)["n"]),
@@ -211,7 +213,7 @@ def _nsb_queries(conn: psycopg.Connection[Any], zoo: ZooTable) -> None:
     assert len(got) == 1 and got[0][0] is False and got[0][1][0]["Headers"] == {"n": "1000000"}
     assert run(NSB_SET_AS_DISPATCHED, message_id=message_id).rowcount == 1
     assert run(NSB_GET, message_id=message_id).fetchall() == [(True, [])]
-    assert _partition_of(conn, table, "MessageId", message_id) == "DEFAULT"
+    assert partition_of(conn, table, "MessageId", message_id) == "DEFAULT"
     # the cleanup deletes that dispatched record and nothing not yet dispatched
     pending = run(NSB_STORE, n=10**6 + 1).fetchone()[0]  # type: ignore[index]
     run(NSB_CLEANUP, before="infinity")
@@ -251,8 +253,9 @@ NSERVICEBUS_LOAD = FrameworkUnderLoad(
         include_optional=True,
         original_name=True,
     ),
-    source=NSERVICEBUS.source + "; statements: src/SqlPersistence/Outbox/"
-    "SqlDialect_PostgreSql.cs (store, get, set-as-dispatched, cleanup)",
+    source=NSERVICEBUS.source + " at commit 88b0f5101492; statements: src/SqlPersistence/"
+    "Outbox/SqlDialect_PostgreSql.cs at commit 22b04183e16e (store, get, set-as-dispatched, "
+    "cleanup)",
     answers=Answers(pause=False, keep_old_rows=True, immediate_access=True),
     why="every incoming message reads its outbox record: a dispatched record missing from "
     "the table for a while would have the message's operations dispatched again",
@@ -314,7 +317,7 @@ def _jaiminho_queries(conn: psycopg.Connection[Any], zoo: ZooTable) -> None:
     assert run(JAIMINHO_UNSENT, stream="orders").fetchall() == [(new_id,)]
     assert run(JAIMINHO_MARK, id=new_id).rowcount == 1
     assert run(JAIMINHO_UNSENT, stream="orders").fetchall() == []
-    assert _partition_of(conn, table, "id", new_id) == "DEFAULT"
+    assert partition_of(conn, table, "id", new_id) == "DEFAULT"
     before = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()
     pending = run(JAIMINHO_INSERT, n=10**6 + 1).fetchone()[0]  # type: ignore[index]
     deleted = run(JAIMINHO_CLEANER, threshold="infinity").rowcount
@@ -350,9 +353,9 @@ JAIMINHO_LOAD = FrameworkUnderLoad(
         include_optional=True,
         original_name=True,
     ),
-    source="loadsmart/django-jaiminho, jaiminho/models.py and jaiminho/migrations/0001-0008 "
-    "(the DDL); jaiminho/relayer.py (read, mark_as_sent) and "
-    "jaiminho/management/commands/event_cleaner.py (cleanup)",
+    source="loadsmart/django-jaiminho, jaiminho/migrations/0001-0008 (the DDL; 0008 at "
+    "commit 25e4a53da648); jaiminho/relayer.py at commit 0314e88f1cfe (read, mark_as_sent) "
+    "and jaiminho/management/commands/event_cleaner.py at commit 411b088da4cc (cleanup)",
     answers=Answers(pause=False, keep_old_rows=True, immediate_access=False),
     why="the old sent events must join so that the cleaner still deletes them; nothing but "
     "the cleaner reads sent events, so a copy window is fine",
