@@ -13,10 +13,12 @@ from typing import Any
 from psycopg import Connection, sql
 
 from outbox_migrate import lost_semantics as lost_rules
+from outbox_migrate import marker_catalog, marker_judge
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
 from outbox_migrate.findings import Finding
+from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import PublicationFact
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.table_privileges import read_table_privileges
@@ -227,7 +229,6 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
         facts.trigger_details.append((name, definition, enabled))
     facts.unique_keys = lost_rules.read_unique_keys(conn, spec)
     id_col = facts.column(spec.id_column)
-    pub_col = facts.column(spec.published_column)
     if id_col is not None and id_col.type in ID_TYPES:
         ids = _rows(
             conn,
@@ -243,10 +244,19 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
         facts.random_uuid_ids = bool(
             _rows(conn, "uuid-random", rel_q=n.q(spec.table), id_q=n.id_q)[0][0]
         )
-    if pub_col is not None:
-        facts.unpublished = int(
-            _rows(conn, "unpublished", rel_q=n.q(spec.table), published_q=n.published_at_q)[0][0]
+    resolved = marker_judge.marker_spec(facts, spec)
+    value_problem = ""
+    if resolved is not None:
+        value_problem = marker_catalog.check_values(
+            conn, resolved, spec.table, marker_judge.shown(spec)
         )
+    if resolved is not None and not value_problem:
+        facts.unpublished = int(
+            _rows(
+                conn, "unpublished", rel_q=n.q(spec.table), unpublished=marker.unpublished(resolved)
+            )[0][0]
+        )
+        spec = resolved
     for relation in (spec.partitioned_table, spec.unpublished_partition, spec.published_partition):
         found = _rows(conn, "relation-kind", rel_reg=n.reg(relation))
         if found:
@@ -260,6 +270,8 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
     seen = read_table_privileges(conn, spec)  # what travels to the new tables (plan shows it)
     facts.objects[:0] = [ObjectFact(*o) for o in seen.objects(spec, pattern)]
     facts.blockers += [Finding(*b) for b in seen.blockers(spec)]
+    if value_problem:
+        facts.blockers.append(Finding("published-value", value_problem, "fix the setting"))
     return facts
 
 
@@ -293,24 +305,15 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
             "status-column",
             f"{table} keeps its state in a status column ({status.name}) and has no "
             f"publication timestamp {spec.published_column!r}",
-            "status-column outboxes (PENDING/DELIVERED/DEAD) are not supported: a dead "
-            "message never gets a publication time, so it would stay in the hot partition, "
-            "and the relay would leave the status stale; see docs/patterns.md, \"Your table "
-            "is not the spec's\"",
+            f"partition by the status itself: published_column = \"{status.name}\" and "
+            "published_value = the value the relay sets (the unpublished one is the column's "
+            "DEFAULT, or unpublished_value); see docs/patterns.md, \"Your table is not the "
+            "spec's\"",
         ))  # fmt: skip
     elif pub_col is None:
         block.append(lost_rules.missing_marker(facts, spec, table))
-    elif pub_col.type not in PUBLISHED_TYPES:
-        block.append(Finding(
-            "published-type",
-            f"{table}.{spec.published_column} is {pub_col.type}, not a timestamp",
-            "the partition key must be the nullable publication timestamp",
-        ))  # fmt: skip
-    elif pub_col.not_null:
-        block.append(Finding(
-            "published-not-null", f"{table}.{spec.published_column} is NOT NULL",
-            "unpublished rows need NULL there; this is not an outbox the patterns apply to",
-        ))  # fmt: skip
+    else:
+        spec = marker_judge.judge_marker(facts, spec, table)
     for name, referrer in facts.foreign_keys_in:
         block.append(Finding(
             "fk-into-outbox",
@@ -473,15 +476,7 @@ def _judge_application_id(
     ))  # fmt: skip
 
 
-def not_null_recipe(table: str, column: str) -> str:
-    """SET NOT NULL without holding ACCESS EXCLUSIVE through a scan: PostgreSQL 12+ proves it
-    from a validated CHECK, and VALIDATE reads the table under SHARE UPDATE EXCLUSIVE."""
-    check = f"{table}_{column}_not_null"
-    return (
-        f"ALTER TABLE {table} ADD CONSTRAINT {check} CHECK ({column} IS NOT NULL) NOT VALID; "
-        f"ALTER TABLE {table} VALIDATE CONSTRAINT {check}; ALTER TABLE {table} ALTER COLUMN "
-        f"{column} SET NOT NULL; ALTER TABLE {table} DROP CONSTRAINT {check}"
-    )
+not_null_recipe = marker_catalog.not_null_recipe
 
 
 def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str) -> None:
@@ -512,7 +507,7 @@ def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str
                 ObjectFact("primary key" if primary else "unique index", name, definition, fate)
             )
             continue
-        if f"({published} IS NULL)" in definition:
+        if marker_judge.serves_the_relay(definition, spec):
             fate = (
                 f"serves the relay on {table} until it is drained; after a swap {table} holds "
                 f"published rows only and the index stays empty: DROP INDEX CONCURRENTLY {name}"

@@ -43,6 +43,7 @@ from outbox_migrate.relay import (
     keepalive,
     library_logs,
     mark_repair,
+    marker_source,
     notify,
     publishing,
     queries,
@@ -281,6 +282,7 @@ class Relay:
         from outbox_migrate.db import connect
 
         with connect(self.dsn, application_name=self.application_name) as conn:
+            self.spec, self.state = marker_source.resolved(conn, self.spec, self.state)
             sources = [self.state.current]
             if self.options.mode is Mode.switching:
                 sources = [self.state.flat, self.state.partitioned]

@@ -111,7 +111,13 @@ class Runner:
         # The ledger schema is created by the first command that writes to it, after the
         # command is admitted: refused input leaves the database exactly as it was.
         self.session.open()
-        self._read_facts()
+        try:
+            self._read_facts()
+        except BaseException:
+            # `with` calls no __exit__ when __enter__ raises: a refused marker or a lost
+            # connection while reading the facts must not leave the session open.
+            self.session.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,7 +21,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_migrate.config import Settings, load_settings
+from outbox_migrate import marker_catalog
+from outbox_migrate.config import OutboxSpec, Settings, load_settings
+from outbox_migrate.patterns import marker
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
 from outbox_migrate.relay.sinks import Sink
@@ -213,8 +215,9 @@ class Outcome:
 
 def _choreograph(dsn: str, zoo: ZooTable, pattern: str, settings: Settings,
                  factory: Callable[[], Sink], counter: Callable[[], int],
-                 writers: list[Writer], relays: list[RelayThread]) -> tuple[Any, list[str]]:  # fmt: skip
-    spec = settings.spec
+                 writers: list[Writer], relays: list[RelayThread],
+                 resolved: OutboxSpec) -> tuple[Any, list[str]]:  # fmt: skip
+    spec = resolved
     old = sql.Identifier(spec.schema, spec.table)
     new = sql.Identifier(spec.schema, spec.partitioned_table)
 
@@ -285,8 +288,8 @@ def _choreograph(dsn: str, zoo: ZooTable, pattern: str, settings: Settings,
     with psycopg.connect(dsn, autocommit=True) as conn:
         while True:
             row = conn.execute(
-                sql.SQL("SELECT count(*) FILTER (WHERE {p} IS NULL), count(*) FROM {t}").format(
-                    p=sql.Identifier(spec.published_column), t=new
+                sql.SQL("SELECT count(*) FILTER (WHERE {p}), count(*) FROM {t}").format(
+                    p=marker.unpublished(spec), t=new
                 )
             ).fetchone()
             assert row is not None
@@ -318,11 +321,14 @@ def migrate_under_load(
     factory = sink or collector.factory()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(zoo.ddl)
+        # a flag marker's values (its DEFAULT) for the harness's own SQL; the runner and the
+        # relays resolve them by themselves
+        resolved = marker_catalog.resolve(conn, spec)
         seeded = _seed(conn, zoo, old, counter)
         # the first rows are "already published" by V1's relay before the story starts
         conn.execute(
-            sql.SQL("UPDATE {t} SET {p} = now() WHERE {i} = ANY(%s)").format(
-                t=old, p=sql.Identifier(spec.published_column), i=sql.Identifier(spec.id_column)
+            sql.SQL("UPDATE {t} SET {p} WHERE {i} = ANY(%s)").format(
+                t=old, p=marker.mark(resolved), i=sql.Identifier(spec.id_column)
             ),
             (seeded[:SEEDED_PUBLISHED],),
         )
@@ -333,7 +339,7 @@ def migrate_under_load(
     relays: list[RelayThread] = []
     try:
         row, violations = _choreograph(dsn, zoo, pattern, settings, factory, counter, writers,
-                                       relays)  # fmt: skip
+                                       relays, resolved)  # fmt: skip
     finally:
         for actor in [*writers, *relays]:
             actor.stop_quietly()

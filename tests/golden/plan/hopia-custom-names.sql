@@ -209,6 +209,23 @@ WHERE to_regclass('"billing"."events_todo"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s.%I is %s, but these steps were built for a %s marker: %s',
+              '"billing"."Events"', a.attname, format_type(a.atttypid, a.atttypmod), 'timestamp (NULL = unpublished)',
+                  'set unpublished_value and published_value (or build the steps with a database, which reads the '
+                  'flag''s DEFAULT)')
+FROM pg_attribute a
+WHERE a.attrelid = to_regclass('"billing"."Events"') AND a.attname = 'published_at' AND NOT a.attisdropped
+  AND (format_type(a.atttypid, a.atttypmod) LIKE 'timestamp%') <> true
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-unpublished-partition [marker-kind:Events] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
 CREATE TABLE "billing"."events_todo" PARTITION OF "billing"."events_p" FOR VALUES IN (NULL);
 DO $om$
 DECLARE
