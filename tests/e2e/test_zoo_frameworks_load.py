@@ -141,9 +141,10 @@ BRIGHTER_LOAD = FrameworkUnderLoad(
             "published_partition": "brighter_outbox_published",
             "headers_column": "headerbag",
             # Brighter deduplicates by MessageId; PostgreSQL cannot keep that UNIQUE on a
-            # table partitioned by Dispatched. Accepted here because MessageId is a fresh
-            # uuid per message; the alternative is to keep the key unique in the
-            # application (or an inbox on the consumer side), as docs/plan.md describes.
+            # table partitioned by Dispatched. Accepted here (every MessageId is a fresh
+            # uuid); the alternative is a deduplication table written in the same
+            # transaction (docs/patterns.md, "Unique keys the partitioned table cannot
+            # keep are blockers").
             "accept_lost_unique": ["brighter_outbox_messageid_key"],
         },
         insert=BRIGHTER_INSERT,
@@ -243,9 +244,10 @@ NSERVICEBUS_LOAD = FrameworkUnderLoad(
             "partitioned_table": "sales_outboxdata_new",
             "unpublished_partition": "sales_outboxdata_unpublished",
             "published_partition": "sales_outboxdata_published",
-            # the primary key on MessageId is NServiceBus's deduplication of incoming
-            # messages; accepted here (the incoming id is unique per message), the
-            # alternative being a unique key the application keeps, see docs/plan.md
+            # the primary key on MessageId is what makes two concurrent handlings of one
+            # incoming message fail; accepted here (no MessageId is stored twice), the
+            # alternative being a deduplication table written in the same transaction
+            # (docs/patterns.md, "Unique keys the partitioned table cannot keep")
             "accept_lost_unique": ["sales_outboxdata_pkey"],
         },
         insert=NSB_STORE,
