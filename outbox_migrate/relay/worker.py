@@ -63,13 +63,11 @@ from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
 from outbox_migrate.relay.sinks import Sink, SinkFactory
 from outbox_migrate.relay.switching import SourceState
+from outbox_migrate.relay.waits import Session, Waits
 
 log = logging.getLogger("outbox_migrate.relay")
 
 RELAY_APPLICATION_NAME = f"{APPLICATION_NAME} relay"
-LINGER_SLEEP_MAX_S = 0.05
-"""Lingers up to this long are a plain sleep (a stop waits for it); longer ones wait on the
-stop event."""
 BUSY_POLL_CAP_S = 0.05
 """An idle worker that could not raise the idle flag (a writer that saw the relay busy has not
 committed yet) looks again after linger, doubling up to this: the late-row bound."""
@@ -557,6 +555,11 @@ class _Worker:
             )
         )
         """The worker's second session, claiming the next batch while one is published."""
+        # Every wait of this worker goes through it: none with a session in a transaction.
+        self.waits = Waits(relay._stop, self._sessions)
+
+    def _sessions(self) -> tuple[Session, Session]:
+        return (self.conn, self.wire), (self.read_ahead.conn, self.read_ahead.pipe)
 
     def run(self) -> None:
         relay = self.relay
@@ -620,7 +623,7 @@ class _Worker:
             # the session is fine.
             relay.stats.add(serialization_retries=1)
             relay.observer.failed("serialization")
-            relay._stop.wait(jitter_s())
+            self.waits.wait(jitter_s())
         except _connection_errors(ConnectError) as exc:
             relay.stats.add(connection_retries=1)
             relay.observer.failed("connection")
@@ -688,11 +691,11 @@ class _Worker:
         self.failures += 1
         conn = self.conn
         if keep_session and conn is not None and not conn.closed:
-            if not back_off_keeping_session(self.relay._stop, delay, conn):
+            if not back_off_keeping_session(self.waits.wait, delay, conn):
                 log.info("relay.session_reopened worker=%d (ended during the backoff)", self.index)
                 self._forget_session()
             return
-        self.relay._stop.wait(delay)
+        self.waits.wait(delay)
 
     def _step(self) -> bool:  # noqa: PLR0911 - one return per reason the loop ends or waits
         relay, options, lease = self.relay, self.relay.options, self.lease
@@ -733,7 +736,7 @@ class _Worker:
             return False
         if self.pause_s:
             pause, self.pause_s = self.pause_s, 0.0
-            relay._stop.wait(pause)
+            self.waits.wait(pause)
             return False
         source = relay.state.current
         empty_after = self._publish_run(source)
@@ -868,7 +871,7 @@ class _Worker:
             return True
         if self.poller is None or self.listener is None:
             self.blocked = True
-            return relay._stop.wait(timeout)
+            return self.waits.wait(timeout)
         return self._poll_listener(timeout)  # reads what libpq and the socket hold first
 
     def _relisten(self) -> bool:
@@ -894,7 +897,7 @@ class _Worker:
         while (left := deadline - time.monotonic()) > 0:
             if not ready:
                 self.blocked = True
-                if not poller.poll(math.ceil(left * 1000)):
+                if not self.waits.poll(poller, math.ceil(left * 1000)):
                     return False
             ready = False
             if relay.stopping:
@@ -1398,13 +1401,7 @@ class _Worker:
         self.wire.send_sync()
         if pending:
             pending[-1].sent = time.perf_counter()
-        wait = until - time.monotonic()
-        if wait > LINGER_SLEEP_MAX_S:
-            self.relay._stop.wait(wait)
-        elif wait > 0:
-            # A plain sleep: `Event.wait` allocates and queues a lock per call, which this
-            # path pays once per batch; a stop waits at most this long.
-            time.sleep(wait)
+        self.waits.sleep(until - time.monotonic())  # a plain sleep when short (waits.py)
         return self.relay.stopping
 
     def _count_committed(self, pending: list[_Commit]) -> None:

@@ -59,10 +59,11 @@ def wait_for(collected: Collected, wanted: int, timeout_s: float = 10.0) -> floa
 
 def relay_blocking(dsn: str, samples: int) -> int:
     """How many of `samples` looks, 10 ms apart, the migration runner's own blocker check
-    (runner/locks.py) found a relay session it would not queue a step's lock behind, for an
+    (outbox_migrate/lock_budget.py) found a relay session it would not queue a step's lock
+    behind, for an
     ACCESS EXCLUSIVE lock on the unpublished partition."""
+    from outbox_migrate import lock_budget as locks
     from outbox_migrate.patterns.model import LockMode
-    from outbox_migrate.runner import locks
 
     blocked = 0
     with psycopg.connect(dsn, autocommit=True) as runner:
