@@ -60,8 +60,7 @@ def wait_for(collected: Collected, wanted: int, timeout_s: float = 10.0) -> floa
 def relay_blocking(dsn: str, samples: int) -> int:
     """How many of `samples` looks, 10 ms apart, the migration runner's own blocker check
     (outbox_migrate/lock_budget.py) found a relay session it would not queue a step's lock
-    behind, for an
-    ACCESS EXCLUSIVE lock on the unpublished partition."""
+    behind, for an ACCESS EXCLUSIVE lock on the unpublished partition."""
     from outbox_migrate import lock_budget as locks
     from outbox_migrate.patterns.model import LockMode
 
