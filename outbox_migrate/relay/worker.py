@@ -55,6 +55,7 @@ from outbox_migrate.relay.columns import resolve as resolve_columns
 from outbox_migrate.relay.cursor import Cursor, NoCursor
 from outbox_migrate.relay.errors import RelayFailed, SinkUnavailable
 from outbox_migrate.relay.fencing import Fence, LeaseUnproven
+from outbox_migrate.relay.idle_flag import SPARSE_ROWS, Idle, IdleFlag
 from outbox_migrate.relay.message import Message, MessageId, TextIdMessage
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
@@ -68,21 +69,8 @@ from outbox_migrate.relay.waits import Session, Waits
 log = logging.getLogger("outbox_migrate.relay")
 
 RELAY_APPLICATION_NAME = f"{APPLICATION_NAME} relay"
-BUSY_POLL_CAP_S = 0.05
-"""An idle worker that could not raise the idle flag (a writer that saw the relay busy has not
-committed yet) looks again after linger, doubling up to this: the late-row bound."""
 ABANDON_GRACE_S = 2.0
 """After the shutdown timeout: how long abandoned workers get to roll back and exit."""
-SPARSE_ROWS = 8
-"""A claim made with the idle flag up that returned at most this many rows is a trickle: rows
-arrive a few at a time and each would wake an idle relay anyway, so the flag stays up and the
-worker sleeps right after publishing (relay/notify.py). More rows than this, and the flag comes
-down: writers of dense traffic commit without NOTIFY."""
-AWAKE_WAITS = 2
-"""Idle waits in a row that found a notification already there (the worker never had to
-sleep): the traffic is continuous, not a trickle, and the flag comes down — otherwise every
-writer would keep paying a NOTIFY at its commit, which at tens of thousands of commits a second
-slows them down until the relay's claims look like a trickle for good (bench section 7)."""
 HOLD_S = 0.05
 """How long an idle worker leaves its last COMMIT's result unread for the next claim to read
 with its own; then it reads it (see `_Worker._hold`)."""
@@ -523,24 +511,10 @@ class _Worker:
                 now=time.monotonic(),
             )
         )
-        self.idle_key: int | None = None
-        """The idle flag this session holds (see relay/notify.py), or None."""
-        self.idle_sleeping = False
-        """The flag was raised and the confirming claim came back empty: the worker sleeps."""
-        self.busy_polls = 0
-        self.uses_flag = options.listen and not options.until_empty
-        self.flag_key = 0
-        """The idle lock's key for the source of the current run (`notify.idle_lock_key`)."""
-        self.sparse = False
-        """The last claim returned at most `_flag_rows` rows: a held flag may stay up."""
-        self.empty = False
-        """The last claim returned nothing: the next one raises the flag."""
-        self.awake = 0
-        """Idle waits in a row that did not have to block (see AWAKE_WAITS)."""
+        self.flag = IdleFlag(options.listen and not options.until_empty, options.linger_s)
+        """The idle flag's state (relay/idle_flag.py; the lock itself: relay/notify.py)."""
         self.blocked = False
         """The last idle wait blocked before it returned (`_poll_listener`)."""
-        self.flag_tried = False
-        """The last claim went out with the flag up, or with an attempt to raise it."""
         self.rewound = False
         """The last batch set the cursor back to a row to try again (no read-ahead then)."""
         self.later: list[MessageId] = []
@@ -718,7 +692,7 @@ class _Worker:
             self._listen()
             relay._conns[self.index] = self.conn
             lease.lost()
-            self.idle_key, self.idle_sleeping = None, False  # session locks die with it
+            self.flag.session_lost()
         if self.sink is None:
             self.sink = relay.sink_factory()
         now = time.monotonic()
@@ -745,7 +719,7 @@ class _Worker:
             self._retry_bad_rows()  # the backlog is gone: their turn, before any idle wait
             return False
         if empty_after is None:
-            self.busy_polls = 0
+            self.flag.looked_up()
             return False  # stopped, rebalance due or source switched: back to the top
         after = empty_after
         switching_from_flat = relay.state.mode is Mode.switching and source is relay.state.flat
@@ -767,26 +741,18 @@ class _Worker:
         flag up, so the wake-up trigger notifies (relay/notify.py)."""
         if self.cursor.due():
             return  # a claim below the cursor is due (a late row may be visible): no sleep
-        if self.uses_flag and not self.idle_sleeping:
-            if self.idle_key is not None:
-                # The flag is up and the claim after raising it found nothing: now sleep.
-                self.idle_sleeping = True
-            elif self._raise_idle_flag(source):
+        if self.flag.idle() is Idle.RAISE:
+            if self._raise_idle_flag(source):
                 return  # claim once more with the flag up, then sleep
-            else:
-                # A writer that saw the relay busy has not committed yet (it holds the flag's
-                # lock shared and will not notify), or another worker holds the flag: look
-                # again soon rather than at the poll interval.
-                self.busy_polls += 1
-                self._sleep(self._busy_poll_s())
-                return
+            self._sleep(self.flag.not_raised())  # soon rather than at the poll interval
+            return
         self._sleep()
 
     def _raise_idle_flag(self, source: queries.Source) -> bool:
         key = notify.idle_lock_key(source.label)
         row = self.conn.execute(queries.try_idle_lock(), {"key": key}).fetchone()
         if row and row[0]:
-            self.idle_key, self.idle_sleeping, self.busy_polls = key, False, 0
+            self.flag.raised(key)
             # Every writer that saw the relay busy has committed (they held the lock shared):
             # the confirming claim must reach their rows below the cursor too (cursor.confirm).
             self.cursor.confirm()
@@ -795,14 +761,10 @@ class _Worker:
 
     def _lower_idle_flag(self) -> None:
         """Queue the flag's release (pipeline): a claiming relay needs no notifications."""
-        if self.idle_key is not None:
+        key = self.flag.lower()
+        if key is not None:
             assert self.wire is not None
-            self.wire.send(_IDLE_UNLOCK, {"key": self.idle_key})
-            self.idle_key, self.idle_sleeping = None, False
-
-    def _busy_poll_s(self) -> float:
-        linger = max(self.relay.options.linger_s, 0.001)
-        return float(min(linger * 2 ** min(self.busy_polls, 16), BUSY_POLL_CAP_S))
+            self.wire.send(_IDLE_UNLOCK, {"key": key})
 
     # -- notifications: a LISTEN session per worker, waited on by the worker itself ---------
 
@@ -821,7 +783,7 @@ class _Worker:
         from psycopg import sql
 
         self._close_listener()
-        if not self.uses_flag:
+        if not self.flag.enabled:
             return
         relay = self.relay
         conn = _connect_worker(relay)
@@ -867,7 +829,12 @@ class _Worker:
         if relay.stopping:
             return True
         timeout = relay.options.poll_interval_s if timeout_s is None else timeout_s
-        if self.listener is None and self.uses_flag and self.conn is not None and self._relisten():
+        if (
+            self.listener is None
+            and self.flag.enabled
+            and self.conn is not None
+            and self._relisten()
+        ):
             return True
         if self.poller is None or self.listener is None:
             self.blocked = True
@@ -973,19 +940,16 @@ class _Worker:
         relay, cursor, pipe = self.relay, self.cursor, self.wire
         assert pipe is not None
         self._take_notifications()
+        flag = self.flag
+        unlock, try_raise = flag.before_claim(flag_rows)
+        if unlock is not None:
+            pipe.send(_IDLE_UNLOCK, {"key": unlock})
         raising = None
-        if flag_rows < 0:
-            if self.idle_sleeping:
-                self._lower_idle_flag()  # woken: claiming now, writers need not notify
-        elif self.idle_key is not None:
-            if not self.sparse or self.awake >= AWAKE_WAITS:
-                self._lower_idle_flag()
-        elif self.empty:
+        if try_raise:
             # Writers that saw the relay busy hold the lock shared until they commit: once it
             # is ours, their rows are visible to this claim — below the cursor too (confirm).
-            raising = pipe.send(_TRY_IDLE_LOCK, {"key": self.flag_key})
+            raising = pipe.send(_TRY_IDLE_LOCK, {"key": flag.run_key})
             cursor.confirm()
-        self.flag_tried = self.idle_key is not None or raising is not None
         now = time.monotonic()
         after = cursor.start(now)
         gaps = cursor.probe(now) if after >= cursor.frontier else None
@@ -1005,7 +969,7 @@ class _Worker:
         if raising is not None:
             got = pipe.rows(raising)
             if got and got[0][0]:
-                self.idle_key, self.idle_sleeping, self.busy_polls = self.flag_key, False, 0
+                flag.raised(flag.run_key)
         rows: list[Any] = pipe.rows(claimed)
         self.fence.proven(started)
         ranged = len(rows)
@@ -1020,7 +984,7 @@ class _Worker:
         if horizon is not None:
             xmin, xmax = pipe.rows(horizon)[0]
             cursor.horizon(int(xmin), int(xmax), time.monotonic())
-        self.sparse, self.empty = len(rows) <= flag_rows, not rows
+        flag.claimed(len(rows), flag_rows)
         return rows, after, ranged
 
     def _publish_run(self, source: queries.Source) -> int | None:  # noqa: PLR0912, PLR0915
@@ -1061,7 +1025,7 @@ class _Worker:
         batch_size, linger = relay.options.batch_size, self._linger_s(source)
         ahead_ok = self._read_ahead_allowed(source)
         flag_rows = self._flag_rows(source, linger)
-        self.flag_key = notify.idle_lock_key(source.label)
+        self.flag.run_key = notify.idle_lock_key(source.label)
         # Batches whose COMMIT was queued and not yet seen to succeed (at most one per session).
         pending: list[_Commit] = []
         empty_after: int | None = None
@@ -1127,7 +1091,7 @@ class _Worker:
                         cur.sync()
                         conn, cur = self.conn, pipe
                     if (
-                        self.idle_key is not None
+                        self.flag.held
                         and ranged < batch_size
                         and self._wait_in_run(pipe, source, pending)
                     ):
@@ -1152,7 +1116,7 @@ class _Worker:
         Only where an empty claim means "sleep until notified": with notifications, and not
         while the switching relay drains the flat table (its empty claim starts the switch)."""
         state = self.relay.state
-        if not self.uses_flag or (state.mode is Mode.switching and source is state.flat):
+        if not self.flag.enabled or (state.mode is Mode.switching and source is state.flat):
             return -1
         return SPARSE_ROWS
 
@@ -1164,29 +1128,26 @@ class _Worker:
         source switch).
 
         The flag was up while the last claim's snapshot was taken, or this waits briefly
-        (`_busy_poll_s`) and the next claim raises it: an idle worker costs one round trip
+        (`IdleFlag.busy_poll_s`) and the next claim raises it: an idle worker costs one round trip
         per wake-up, where leaving the run, raising the flag on its own and confirming cost
         six.
         """
-        if self.cursor.due() or (self.idle_key is None and not self.flag_tried):
-            # A claim below the cursor is due (a late row may be visible), or the last claim
-            # did not try to raise the flag: claim again now (what is queued goes with it).
-            pass
-        elif self.idle_key is not None:
-            self.idle_sleeping = True
+        # CLAIM: a claim below the cursor is due (a late row may be visible), or the last
+        # claim did not try to raise the flag: claim again now (what is queued goes with it).
+        action = self.flag.in_run(self.cursor.due())
+        if action is Idle.SLEEP:
             linger = self._linger_s(source)
             woken = self._hold(pipe, pending, None)
-            self.awake = 0 if self.blocked else self.awake + 1
+            self.flag.slept(blocked=self.blocked)
             if woken and linger > 0:
                 # Woken by a row's notification: give it `linger` for company, as a batch
                 # that did not fill waits before the next claim — a trickle then costs one
                 # claim per linger period, not one per row.
                 self._linger([], time.monotonic() + linger)
-        else:
+        elif action is Idle.BUSY_POLL:
             # A writer that saw the relay busy has not committed yet (it holds the flag's lock
             # shared and will not notify), or another worker holds the flag: look again soon.
-            self.busy_polls += 1
-            self._hold(pipe, pending, self._busy_poll_s())
+            self._hold(pipe, pending, self.flag.busy_poll_s())
         relay = self.relay
         relay.observer.heartbeat(self.index)
         return (
@@ -1238,7 +1199,7 @@ class _Worker:
         rows = self.read_ahead.receive(ahead)
         if ahead.pipe is self.wire:
             self.fence.proven(ahead.sent)
-        self.sparse = self.empty = not rows  # claimed with the flag down, after a full batch
+        self.flag.claimed_ahead(len(rows))
         self.relay.stats.add(read_ahead=1)
         return rows, ahead.after, len(rows)
 
