@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import operator
 import os
-import select
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +31,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from psycopg import OperationalError, pq
 from psycopg.errors import IntegrityError
 
 from outbox_migrate.config import OutboxSpec
@@ -56,6 +53,7 @@ from outbox_migrate.relay.cursor import Cursor, NoCursor
 from outbox_migrate.relay.errors import RelayFailed, SinkUnavailable
 from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.idle_flag import SPARSE_ROWS, Idle, IdleFlag
+from outbox_migrate.relay.listener import Listener
 from outbox_migrate.relay.message import Message, MessageId, TextIdMessage
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
@@ -491,10 +489,6 @@ class _Worker:
         """Claim and mark statements rendered for this session (see `_statements`)."""
         self.wire: wire.Wire | None = None
         """The session's libpq-level pipeline of prepared statements (relay/wire.py)."""
-        self.listener: Any = None
-        """The worker's LISTEN session (see `_listen`), None without notifications."""
-        self.poller: Any = None
-        """Polls the LISTEN session's socket and the relay's stop pipe (`_sleep`)."""
         self.sink: Sink | None = None
         self.failures = 0
         self.pause_s = 0.0
@@ -514,7 +508,7 @@ class _Worker:
         self.flag = IdleFlag(options.listen and not options.until_empty, options.linger_s)
         """The idle flag's state (relay/idle_flag.py; the lock itself: relay/notify.py)."""
         self.blocked = False
-        """The last idle wait blocked before it returned (`_poll_listener`)."""
+        """The last idle wait blocked before it returned (`Listener.poll`)."""
         self.rewound = False
         """The last batch set the cursor back to a row to try again (no read-ahead then)."""
         self.later: list[MessageId] = []
@@ -531,6 +525,9 @@ class _Worker:
         """The worker's second session, claiming the next batch while one is published."""
         # Every wait of this worker goes through it: none with a session in a transaction.
         self.waits = Waits(relay._stop, self._sessions)
+        self.listener = Listener(lambda: _connect_worker(relay), options.channel,
+                                 relay.wake_fd, self.waits, self.cursor.notified_payloads,
+                                 index)  # fmt: skip
 
     def _sessions(self) -> tuple[Session, Session]:
         return (self.conn, self.wire), (self.read_ahead.conn, self.read_ahead.pipe)
@@ -561,7 +558,7 @@ class _Worker:
                 except Exception:  # the session is closing anyway
                     log.debug("relay.release_failed", exc_info=True)
             relay._close_conn(self.index, self.conn)
-            self._close_listener()
+            self.listener.close()
             relay._conns.pop(_ahead_key(self.index), None)
             self.read_ahead.close()
 
@@ -653,7 +650,7 @@ class _Worker:
     def _forget_session(self) -> None:
         """Drop a lost session (its shard locks died with it): `_step` opens a new one."""
         self.relay._close_conn(self.index, self.conn)
-        self._close_listener()
+        self.listener.close()
         self.conn = None
         self.lease.lost()
 
@@ -766,60 +763,14 @@ class _Worker:
             assert self.wire is not None
             self.wire.send(_IDLE_UNLOCK, {"key": key})
 
-    # -- notifications: a LISTEN session per worker, waited on by the worker itself ---------
+    # -- notifications: a LISTEN session per worker (relay/listener.py) --------------------
 
     def _listen(self) -> None:
         """Open the worker's LISTEN session (when notifications are on), after its claim
-        session was (re)opened; idle waits (`_sleep`) poll its socket and the stop pipe.
-
-        Why a session per worker, polled by the worker thread: a listener thread handing
-        wake-ups over through a lock cost a GIL hand-off and ~40 µs of CPU per wake-up at
-        1,000 msg/s (docs/relay.md). Why not LISTEN on the claim session itself: the server
-        delivers notifications to a session only between its transactions, and a worker that
-        published a trickle sleeps with that batch's mark and COMMIT still queued
-        (`_wait_in_run`), its transaction open, so that they leave with the next claim in one
-        network write. The LISTEN session is never in a transaction.
-        """
-        from psycopg import sql
-
-        self._close_listener()
-        if not self.flag.enabled:
-            return
-        relay = self.relay
-        conn = _connect_worker(relay)
-        try:
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(relay.options.channel)))
-        except BaseException:
-            conn.close()
-            raise
-        self.listener = conn
-        self.poller = select.poll()
-        self.poller.register(conn.pgconn.socket, _POLL_IN)
-        stop = relay.wake_fd()
-        if stop is not None:
-            self.poller.register(stop, _POLL_IN)
-
-    def _close_listener(self) -> None:
-        listener, self.listener, self.poller = self.listener, None, None
-        if listener is not None:
-            try:
-                listener.close()
-            except Exception:  # closing a broken connection may fail too
-                log.debug("relay.close_failed", exc_info=True)
-
-    def _take_notifications(self) -> bool:
-        """Read the notifications libpq holds for the LISTEN session; True when one calls for
-        a claim (`Cursor.notified`: not when it only reports rows the worker claimed already,
-        the usual case for a notification that arrives right after the claim that found its
-        row). The lowest notified id goes to the cursor."""
-        listener = self.listener
-        if listener is None:
-            return False
-        pg = listener.pgconn
-        payloads = []
-        while (note := pg.notifies()) is not None:
-            payloads.append(note.extra)
-        return bool(payloads) and self.cursor.notified_payloads(payloads)
+        session was (re)opened; idle waits (`_sleep`) poll its socket and the stop pipe."""
+        self.listener.close()
+        if self.flag.enabled:
+            self.listener.open()
 
     def _sleep(self, timeout_s: float | None = None) -> bool:
         """Wait until a notification calls for a claim, a stop, or `timeout_s` (default: the
@@ -829,20 +780,19 @@ class _Worker:
         if relay.stopping:
             return True
         timeout = relay.options.poll_interval_s if timeout_s is None else timeout_s
-        if (
-            self.listener is None
-            and self.flag.enabled
-            and self.conn is not None
-            and self._relisten()
-        ):
+        listener = self.listener
+        relisten = not listener.listening and self.flag.enabled and self.conn is not None
+        if relisten and self._relisten():
             return True
-        if self.poller is None or self.listener is None:
+        if not listener.listening:
             self.blocked = True
             return self.waits.wait(timeout)
-        return self._poll_listener(timeout)  # reads what libpq and the socket hold first
+        woken = listener.poll(timeout)  # reads what libpq and the socket hold first
+        self.blocked = listener.blocked
+        return woken
 
     def _relisten(self) -> bool:
-        """The LISTEN session was lost (`_poll_listener`): listen again. True when it worked:
+        """The LISTEN session was lost (`Listener.poll`): listen again. True when it worked:
         then claim once — a row committed while nobody listened notified no one."""
         from outbox_migrate.errors import ConnectError
 
@@ -852,37 +802,6 @@ class _Worker:
             log.debug("relay.listen_failed worker=%d %s", self.index, _one_line(exc))
             return False
         return True
-
-    def _poll_listener(self, timeout_s: float) -> bool:
-        """`_sleep` on the LISTEN session's socket. Reads what already arrived before it
-        blocks: the notifications of rows the last claim found usually have (their commits
-        came first), and one read then replaces a wake-up for each."""
-        relay, poller, pg = self.relay, self.poller, self.listener.pgconn
-        deadline = time.monotonic() + timeout_s
-        ready = True  # a non-blocking read first
-        self.blocked = False
-        while (left := deadline - time.monotonic()) > 0:
-            if not ready:
-                self.blocked = True
-                if not self.waits.poll(poller, math.ceil(left * 1000)):
-                    return False
-            ready = False
-            if relay.stopping:
-                return True
-            try:
-                pg.consume_input()
-                lost = pg.status == pq.ConnStatus.BAD
-            except OperationalError:
-                lost = True
-            if lost:
-                # The claim session may be fine, and may hold a batch's COMMIT: wake up, and
-                # listen again at the next idle wait (meanwhile wait on the stop event).
-                log.warning("relay.listen_lost worker=%d", self.index)
-                self._close_listener()
-                return True
-            if self._take_notifications():
-                return True
-        return False
 
     # -- the hot path: batches back to back, one round trip each ------------------------
 
@@ -939,7 +858,7 @@ class _Worker:
         """
         relay, cursor, pipe = self.relay, self.cursor, self.wire
         assert pipe is not None
-        self._take_notifications()
+        self.listener.take()
         flag = self.flag
         unlock, try_raise = flag.before_claim(flag_rows)
         if unlock is not None:
@@ -1308,7 +1227,7 @@ class _Worker:
             or self.pause_s
             or self.lease.due(now)
             or relay.state.current is not source
-            or self._take_notifications()
+            or self.listener.take()
             or not self.cursor.plain(now)
         )
 
@@ -1397,7 +1316,6 @@ def _ahead_key(index: int) -> int:
     return -1 - index
 
 
-_POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
 _HORIZON = queries.horizon().as_string().encode()
 _IDLE_UNLOCK = queries.idle_unlock().as_string().encode()
 _TRY_IDLE_LOCK = queries.try_idle_lock().as_string().encode()
