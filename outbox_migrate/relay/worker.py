@@ -48,6 +48,7 @@ from outbox_migrate.relay import (
 )
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
 from outbox_migrate.relay.bad_rows import FailedMessages
+from outbox_migrate.relay.batch import Batch, Commit, mark_and_commit
 from outbox_migrate.relay.columns import resolve as resolve_columns
 from outbox_migrate.relay.cursor import Cursor, NoCursor
 from outbox_migrate.relay.errors import RelayFailed, SinkUnavailable
@@ -513,7 +514,7 @@ class _Worker:
         """The last batch set the cursor back to a row to try again (no read-ahead then)."""
         self.later: list[MessageId] = []
         """Bad rows to try again once the backlog is drained (`_retry_bad_rows`)."""
-        self.unmarked: list[_Commit] = []
+        self.unmarked: list[Commit] = []
         """Batches of the last failed run whose mark did not commit (`_repair_marks`)."""
         self.mark_failure: IntegrityError | None = None
         """The constraint a mark broke: the next step repairs `unmarked` first."""
@@ -615,9 +616,8 @@ class _Worker:
             self.unmarked, self.mark_failure = [], None
             return
         while self.unmarked:
-            commit = self.unmarked[0]
-            assert commit.unmarked is not None
-            source, rows, batch, acked = commit.unmarked
+            claim = self.unmarked[0].batch
+            source, rows, batch, acked = claim.source, claim.rows, claim.messages, claim.acked
             by_key = relay.options.ordering is Ordering.key
             try:
                 done = mark_repair.repair(self.conn, source, relay.failures, relay._suspects,
@@ -946,7 +946,7 @@ class _Worker:
         flag_rows = self._flag_rows(source, linger)
         self.flag.run_key = notify.idle_lock_key(source.label)
         # Batches whose COMMIT was queued and not yet seen to succeed (at most one per session).
-        pending: list[_Commit] = []
+        pending: list[Commit] = []
         empty_after: int | None = None
         try:
             with pipe.pipeline():
@@ -986,7 +986,7 @@ class _Worker:
                             cur, claim, mark, sharded, max(cursor.frontier, rows[-1][0])
                         )
                     pause, now = self._publish_batch(
-                        conn, cur, source, (mark, rows, after, started), pending
+                        conn, cur, Batch(source, mark, rows, after, started), pending
                     )
                     stop_run = (
                         relay.stopping or self.lease.due(now) or relay.state.current is not source
@@ -1039,7 +1039,7 @@ class _Worker:
             return -1
         return SPARSE_ROWS
 
-    def _wait_in_run(self, pipe: wire.Wire, source: queries.Source, pending: list[_Commit]) -> bool:
+    def _wait_in_run(self, pipe: wire.Wire, source: queries.Source, pending: list[Commit]) -> bool:
         """Nothing more to claim now: wait — until a notification or the poll interval with
         the idle flag up, shortly without it — staying in the run (no pipeline exit, no
         statements of its own), the last COMMIT or ROLLBACK queued for the next claim to take
@@ -1076,7 +1076,7 @@ class _Worker:
             or relay.state.current is not source
         )
 
-    def _hold(self, pipe: wire.Wire, pending: list[_Commit], timeout_s: float | None) -> bool:
+    def _hold(self, pipe: wire.Wire, pending: list[Commit], timeout_s: float | None) -> bool:
         """Sleep (`_sleep`) once the last batch's mark and COMMIT (or the empty claim's
         ROLLBACK) went out, without waiting for their results: the next claim reads them with
         its own, so a wake-up costs one wait for the server, not two. Not sent with that
@@ -1101,7 +1101,7 @@ class _Worker:
         self.blocked = True  # it slept HOLD_S already
         return woken
 
-    def _abort_run(self, pending: list[_Commit]) -> None:
+    def _abort_run(self, pending: list[Commit]) -> None:
         """A run failed: roll back both sessions, count what did commit (a COMMIT of the
         read-ahead session still in flight is read first, so a batch marked is counted), and
         keep the published batches whose mark did not commit for `_repair_marks`."""
@@ -1109,7 +1109,7 @@ class _Worker:
         for commit in pending:
             if commit.succeeded:
                 self._count(commit)
-        self.unmarked = [c for c in pending if not c.succeeded and c.unmarked is not None]
+        self.unmarked = [c for c in pending if not c.succeeded]
         self._end_transaction()
 
     def _receive_ahead(self, ahead: read_ahead.Pending) -> tuple[list[Any], int, int]:
@@ -1126,24 +1126,25 @@ class _Worker:
         self,
         conn: Any,
         pipe: wire.Wire,
-        source: queries.Source,
-        work: tuple[bytes, list[Any], int, float],
-        pending: list[_Commit],
+        claim: Batch,
+        pending: list[Commit],
     ) -> tuple[float, float]:
         """Publish the claimed rows and queue their mark and COMMIT on their session. Returns
         the pause the worker takes once the transaction has ended (0: none; see
         `Relay._publish`) and the time after."""
         relay, cursor = self.relay, self.cursor
-        mark, rows, after, started = work
+        source, rows, after = claim.source, claim.rows, claim.after
         batch, bad = claimed.messages(rows, relay._message, relay._columns[source.label])
+        claim.messages, claim.bad = batch, bad
         self.fence.check(time.monotonic())
         assert self.sink is not None
-        acked, dead, retry, pause, rewind = relay._publish(
+        acked, claim.dead, retry, pause, rewind = relay._publish(
             wire.direct(conn, pipe), self.sink, source, batch, bad, after
         )
         if relay._suspects and acked:
             acked, again = self._mark_suspects(conn, pipe, source, rows, batch, acked)
             retry += again
+        claim.acked, claim.retry, claim.pause, claim.rewind = acked, retry, pause, rewind
         if relay._abandon.is_set():
             raise _Abandoned
         now = time.monotonic()
@@ -1157,9 +1158,7 @@ class _Worker:
             self.later += retry
             if len(rows) < relay.options.batch_size:
                 self._retry_bad_rows()
-        commit = self._mark_and_commit(pipe, mark, rows, acked, dead, started)
-        commit.unmarked = (source, rows, batch, acked)
-        pending.append(commit)
+        pending.append(mark_and_commit(pipe, claim))
         relay.observer.heartbeat(self.index)
         return pause, now
 
@@ -1253,24 +1252,7 @@ class _Worker:
             return 0.0
         return relay.options.linger_s
 
-    def _mark_and_commit(
-        self,
-        pipe: wire.Wire,
-        mark: bytes,
-        rows: list[Any],
-        acked: list[MessageId],
-        dead: list[MessageId],
-        started: float,
-    ) -> _Commit:
-        """Queue the mark of the acknowledged and dead-lettered rows, and the COMMIT, on the
-        session that claimed them."""
-        tids = _tids_to_mark(rows, acked, dead)
-        if tids:
-            # An array literal: a list dumper would cost more than the mark.
-            pipe.send(mark, {"tids": '{"' + '","'.join(tids) + '"}'})
-        return _Commit(len(acked), started, pipe.send_plain(b"COMMIT"))
-
-    def _linger(self, pending: list[_Commit], until: float) -> bool:
+    def _linger(self, pending: list[Commit], until: float) -> bool:
         """Send the batch's mark and COMMIT, then wait until `until` (or a stop: True); their
         results are read with the next claim's, or at the pipeline's final sync on a stop (the
         batch is counted then, as after a batch without linger; its time excludes the wait)."""
@@ -1284,14 +1266,14 @@ class _Worker:
         self.waits.sleep(until - time.monotonic())  # a plain sleep when short (waits.py)
         return self.relay.stopping
 
-    def _count_committed(self, pending: list[_Commit]) -> None:
+    def _count_committed(self, pending: list[Commit]) -> None:
         """Count the batches whose COMMIT result came back (a failed one raised already)."""
         done = [c for c in pending if c.commit.result is not None]
         for commit in done:
             self._count(commit)
             pending.remove(commit)
 
-    def _count(self, commit: _Commit) -> None:
+    def _count(self, commit: Commit) -> None:
         relay = self.relay
         relay.stats.batch(commit.published)
         relay.observer.published(commit.published)
@@ -1322,34 +1304,6 @@ _TRY_IDLE_LOCK = queries.try_idle_lock().as_string().encode()
 _ID = operator.itemgetter(0)
 _BY_ID = operator.attrgetter("id")
 """Claim order with key ordering: by id (application ids are then claimed by id too)."""
-
-
-def _tids_to_mark(rows: list[Any], acked: list[MessageId], dead: list[MessageId]) -> list[str]:
-    """The ctids of the claimed rows that are acknowledged or dead-lettered."""
-    at = queries.CLAIM_CTID_COLUMN
-    if len(acked) == len(rows):
-        return [r[at] for r in rows]
-    wanted = set(acked) | set(dead)
-    return [r[at] for r in rows if r[0] in wanted]
-
-
-@dataclass
-class _Commit:
-    """A batch whose mark and COMMIT were queued; it counts once the COMMIT succeeded."""
-
-    published: int
-    started: float
-    commit: wire.Slot
-    sent: float = 0.0
-    """When it started to linger or sleep (its mark and COMMIT sent, their result read with
-    the next claim's); 0: no linger. The batch's time ends there."""
-    unmarked: tuple[queries.Source, list[Any], list[Message], list[MessageId]] | None = None
-    """(source, claimed rows, messages, acknowledged ids): what a repair needs if the mark
-    fails (`_Worker._repair_marks`)."""
-
-    @property
-    def succeeded(self) -> bool:
-        return self.commit.succeeded
 
 
 @contextmanager
