@@ -64,13 +64,20 @@ def test_a_slow_broker_leaves_room_for_a_migration_steps_lock(
             with Runner(dsn, settings, "hoper") as runner:
                 result = runner.run("V4")
             elapsed = time.monotonic() - started
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                backlog = conn.execute("SELECT count(*) FROM outbox_unpublished").fetchone()
+            deadline = time.monotonic() + 10
+            while collected.batches < before + 8 and time.monotonic() < deadline:
+                time.sleep(0.02)
         finally:
             writer.stop.set()
             writer.join(10)
         during = collected.batches - before
     assert result.phase == "V4"
-    # The workers were publishing (slowly) throughout: four at 200 ms each, a few per second.
-    assert during >= 4, during
+    # The workers had work throughout (a backlog left when the step was done) and kept
+    # publishing, four at 200 ms a batch, after it.
+    assert backlog is not None and backlog[0] > 0, backlog
+    assert during >= 8, during
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
             "SELECT state, lock_wait_ms FROM outbox_migrate.step "

@@ -11,9 +11,10 @@ import psycopg
 import pytest
 
 from outbox_migrate.relay import wire
+from outbox_migrate.relay.driver import Worker
 from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.waits import WaitInTransaction, Waits, check_outside_transaction
-from outbox_migrate.relay.worker import Relay, _Worker
+from outbox_migrate.relay.worker import Relay
 
 from .conftest import SPEC, Collected
 
@@ -72,7 +73,7 @@ def test_a_worker_refuses_to_sleep_inside_a_transaction(
     """The worker's idle sleep (and through it every other wait) raises instead of sleeping
     when its claim session is in a transaction; before the one wait primitive it slept."""
     relay = Relay(dsn, collected.factory(), spec=SPEC, options=RelayOptions(listen=False))
-    worker = _Worker(relay, 0)
+    worker = Worker(relay.shared, 0)
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
             worker.conn = conn
