@@ -87,4 +87,4 @@ def test_a_worker_refuses_to_sleep_inside_a_transaction(
             conn.execute("ROLLBACK")
     finally:
         worker.conn = None
-        worker.read_ahead.close()
+        worker.loop.read_ahead.close()

@@ -380,7 +380,7 @@ def test_a_trickled_row_is_marked_soon_without_more_traffic(
 ) -> None:
     """The COMMIT that waits for the next claim waits HOLD_S at most, not the poll interval:
     the row leaves the unpublished partition, its lock and transaction end."""
-    from outbox_migrate.relay.driver import HOLD_S
+    from outbox_migrate.relay.batch_loop import HOLD_S
 
     relay = Relay(dsn, collected.factory(), spec=SPEC, options=RelayOptions(poll_interval_s=30))
     with running(relay):
