@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import Pattern, PhaseKind, PublicationFact, Table
 
 ATTACH_KINDS = frozenset({"swap-default", "attach-old-as-default"})
@@ -132,7 +133,7 @@ def _advice(pub: PublicationFact, spec: OutboxSpec, messages: list[str], also: l
         )
     if any(seen.event == "INSERT" for seen in also):
         parts.append(
-            f"emit an INSERT only when {spec.published_column} IS NULL: the other INSERTs are "
+            f"emit an INSERT only when {marker.describe_unpublished(spec)}: the other INSERTs are "
             "rows moved or copied after publishing"
         )
     if not parts:

@@ -42,6 +42,16 @@ class OutboxSpec:
     published_partition: str = "outbox_published"
     id_column: str = "id"
     published_column: str = "published_at"
+    unpublished_value: str = ""
+    """A flag marker's unpublished value (`0`, `false`, `PENDING`); "" = inferred from the
+    column's constant DEFAULT when the marker is not a timestamp (NULL = unpublished)."""
+    published_value: str = ""
+    """What the relay sets on a flag marker (`1`, `true`, `PUBLISHED`); "" = `1` for an
+    integer, `true` for a boolean. A timestamp marker is set to `now()`."""
+    status_column: str = ""
+    """A status column beside the marker that the relay's mark sets too ("" = none)."""
+    status_published_value: str = ""
+    """What the relay sets `status_column` to on publish (e.g. `COMPLETED`)."""
     id_headroom: int = 1_000_000
     """Gap left between the old table's max(id) and the new identity's START."""
     # -- column roles: what each column of the outbox means to the relay, jobs and steps --
@@ -96,6 +106,11 @@ class OutboxSpec:
     def claim_order(self) -> str:
         """The column the relay claims by, oldest first: `order_column`, else the id."""
         return self.order_column or self.id_column
+
+    @property
+    def retired_table(self) -> str:
+        """COP/HOP's flat table once the partitioned table takes its name (`outbox_retired`)."""
+        return _fit(f"{self.table}_retired")
 
     @property
     def gate_sequence(self) -> str:
@@ -225,6 +240,10 @@ _SPEC_KEYS: dict[str, Callable[[Any], Any]] = {
     "published_partition": _identifier,
     "id_column": _identifier,
     "published_column": _identifier,
+    "unpublished_value": _text,
+    "published_value": _text,
+    "status_column": _optional_identifier,
+    "status_published_value": _text,
     "id_headroom": _positive_int,
     "created_column": _optional_identifier,
     "payload_column": _identifier,
@@ -353,6 +372,20 @@ def _check_distinct(spec: OutboxSpec, sources: Mapping[str, str]) -> None:
             "published_column",
             sources.get("published_column", "defaults"),
             "must differ from id_column",
+        )
+    if bool(spec.status_column) != bool(spec.status_published_value):
+        key = "status_published_value" if spec.status_column else "status_column"
+        raise ConfigError(
+            key,
+            sources.get(key, "defaults"),
+            "status_column and status_published_value go together: the relay sets the "
+            "column to the value on publish",
+        )
+    if spec.status_column in (spec.published_column, spec.id_column):
+        raise ConfigError(
+            "status_column",
+            sources.get("status_column", "defaults"),
+            "must differ from published_column and id_column",
         )
     if spec.order_column and spec.id_kind == "database":
         raise ConfigError(

@@ -12,22 +12,21 @@ from typing import Any
 
 from psycopg import Connection, sql
 
+from outbox_migrate import id_judge, marker_catalog, marker_judge
 from outbox_migrate import lost_semantics as lost_rules
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
 from outbox_migrate.findings import Finding
+from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import PublicationFact
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.table_privileges import read_table_privileges
 
 ID_TYPES = frozenset({"bigint", "integer"})
 """Types of database-generated ids (identity, serial, nextval default)."""
-ID_LIMITS = {"bigint": 2**63 - 1, "integer": 2**31 - 1}
 STATUS_COLUMNS = frozenset({"status", "state"})
 """Names of the state column of status-driven outboxes (PENDING/DELIVERED/DEAD)."""
-ID_SAFETY_FACTOR = 2
-"""The new identity's START must stay below limit / factor: room to keep issuing ids."""
 
 PUBLISHED_TYPES = frozenset({"timestamp with time zone", "timestamp without time zone"})
 ASSUMED_SCAN_BYTES_PER_S = 200 * 1024 * 1024
@@ -227,7 +226,6 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
         facts.trigger_details.append((name, definition, enabled))
     facts.unique_keys = lost_rules.read_unique_keys(conn, spec)
     id_col = facts.column(spec.id_column)
-    pub_col = facts.column(spec.published_column)
     if id_col is not None and id_col.type in ID_TYPES:
         ids = _rows(
             conn,
@@ -243,10 +241,19 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
         facts.random_uuid_ids = bool(
             _rows(conn, "uuid-random", rel_q=n.q(spec.table), id_q=n.id_q)[0][0]
         )
-    if pub_col is not None:
-        facts.unpublished = int(
-            _rows(conn, "unpublished", rel_q=n.q(spec.table), published_q=n.published_at_q)[0][0]
+    resolved = marker_judge.marker_spec(facts, spec)
+    value_problem = ""
+    if resolved is not None:
+        value_problem = marker_catalog.check_values(
+            conn, resolved, spec.table, marker_judge.shown(spec)
         )
+    if resolved is not None and not value_problem:
+        facts.unpublished = int(
+            _rows(
+                conn, "unpublished", rel_q=n.q(spec.table), unpublished=marker.unpublished(resolved)
+            )[0][0]
+        )
+        spec = resolved
     for relation in (spec.partitioned_table, spec.unpublished_partition, spec.published_partition):
         found = _rows(conn, "relation-kind", rel_reg=n.reg(relation))
         if found:
@@ -260,6 +267,8 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
     seen = read_table_privileges(conn, spec)  # what travels to the new tables (plan shows it)
     facts.objects[:0] = [ObjectFact(*o) for o in seen.objects(spec, pattern)]
     facts.blockers += [Finding(*b) for b in seen.blockers(spec)]
+    if value_problem:
+        facts.blockers.append(Finding("published-value", value_problem, "fix the setting"))
     return facts
 
 
@@ -275,7 +284,7 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
             f"{table} is already {already}",
             "nothing to migrate, or point --table at the flat outbox",
         ))  # fmt: skip
-    _judge_id(facts, spec, table)
+    id_judge.judge_id(facts, spec, table)
     for pub in facts.publication_details:
         if pub.columns and pub.publishes_changes and pub.explicit and not pub.covers_new_tables:
             block.append(Finding(
@@ -293,24 +302,15 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
             "status-column",
             f"{table} keeps its state in a status column ({status.name}) and has no "
             f"publication timestamp {spec.published_column!r}",
-            "status-column outboxes (PENDING/DELIVERED/DEAD) are not supported: a dead "
-            "message never gets a publication time, so it would stay in the hot partition, "
-            "and the relay would leave the status stale; see docs/patterns.md, \"Your table "
-            "is not the spec's\"",
+            f"partition by the status itself: published_column = \"{status.name}\" and "
+            "published_value = the value the relay sets (the unpublished one is the column's "
+            "DEFAULT, or unpublished_value); see docs/patterns.md, \"Your table is not the "
+            "spec's\"",
         ))  # fmt: skip
     elif pub_col is None:
         block.append(lost_rules.missing_marker(facts, spec, table))
-    elif pub_col.type not in PUBLISHED_TYPES:
-        block.append(Finding(
-            "published-type",
-            f"{table}.{spec.published_column} is {pub_col.type}, not a timestamp",
-            "the partition key must be the nullable publication timestamp",
-        ))  # fmt: skip
-    elif pub_col.not_null:
-        block.append(Finding(
-            "published-not-null", f"{table}.{spec.published_column} is NOT NULL",
-            "unpublished rows need NULL there; this is not an outbox the patterns apply to",
-        ))  # fmt: skip
+    else:
+        spec = marker_judge.judge_marker(facts, spec, table)
     for name, referrer in facts.foreign_keys_in:
         block.append(Finding(
             "fk-into-outbox",
@@ -321,167 +321,6 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
     _warnings(facts, table)
     _judge_objects(facts, spec, table, pattern)
     lost_rules.judge_lost_semantics(facts, spec, table)
-
-
-def _judge_id(facts: TableFacts, spec: OutboxSpec, table: str) -> None:
-    """The id kind: identity and sequence defaults are database ids (the new parent gets an
-    identity of its own above them); anything else is an application id, which needs
-    `id_kind = application`. Every refusal says what to run or set."""
-    block, note = facts.blockers, facts.notes
-    id_col = facts.column(spec.id_column)
-    col = f"{table}.{spec.id_column}"
-    kind = facts.id_kind(spec)
-    if id_col is None:
-        block.append(Finding("id-missing", f"{table} has no column {spec.id_column!r}",
-                             "set id_column to the outbox's id column"))  # fmt: skip
-        return
-    if id_col.type == "smallint":
-        block.append(Finding(
-            "id-type", f"{col} is smallint",
-            f"widen it first (rewrites the table under ACCESS EXCLUSIVE; plan a window): "
-            f"ALTER TABLE {table} ALTER COLUMN {spec.id_column} TYPE bigint",
-        ))  # fmt: skip
-        return
-    if spec.id_kind == "application" and kind in ("identity", "sequence"):
-        block.append(Finding(
-            "id-kind-mismatch",
-            f"{col} is generated by the database ({kind}) but id_kind = application",
-            "remove id_kind (the default, database) so the new table gets an identity "
-            "above the old ids",
-        ))  # fmt: skip
-        return
-    if kind == "application":
-        _judge_application_id(facts, spec, table, id_col)
-        return
-    if spec.id_kind == "application":
-        block.append(Finding(
-            "id-kind-mismatch",
-            f"{col} is {id_col.type} with no generator but id_kind = application",
-            "application ids that are integers cannot be told from a writer's: give the "
-            "column a sequence (plan without id_kind says how)",
-        ))  # fmt: skip
-        return
-    if kind == "none":
-        seq = f"{spec.table}_{spec.id_column}_seq"
-        block.append(Finding(
-            "id-no-generator",
-            f"{col} has neither an identity nor a sequence default",
-            f"give it a sequence (catalog-only, no rewrite): CREATE SEQUENCE {seq} OWNED BY "
-            f"{col}; SELECT setval('{seq}', (SELECT coalesce(max({spec.id_column}), 0) + 1 "
-            f"FROM {table}), false); ALTER TABLE {table} ALTER COLUMN {spec.id_column} SET "
-            f"DEFAULT nextval('{seq}') — or, if the application supplies the ids, set id_kind "
-            "= \"application\"",
-        ))  # fmt: skip
-        return
-    if not id_col.not_null:
-        block.append(Finding(
-            "id-nullable",
-            f"{col} is nullable",
-            "the new table's identity needs NOT NULL, and so does the swap (a partition must "
-            f"carry the parent's NOT NULL): {not_null_recipe(table, spec.id_column)}",
-        ))  # fmt: skip
-    if kind == "sequence":
-        how = (
-            "serial: the column owns it"
-            if facts.sequence_owned
-            else "a nextval default on a sequence the column does not own"
-        )
-        note.append(Finding(
-            "id-sequence",
-            f"{col} takes its ids from sequence {facts.sequence} ({how})",
-            f"the new table gets an identity of its own starting at "
-            f"{facts.identity_start(spec.id_headroom):,}; {table} keeps its default while old "
-            "writers may still use it, and the deploy gates watch that sequence",
-        ))  # fmt: skip
-    limit = ID_LIMITS.get(id_col.type, ID_LIMITS["bigint"])
-    if facts.identity_start(spec.id_headroom) > limit // ID_SAFETY_FACTOR:
-        block.append(Finding(
-            "id-overflow",
-            f"identity START {facts.identity_start(spec.id_headroom):,} would approach the "
-            f"{id_col.type} limit",
-            "lower id_headroom"
-            + (f", or first ALTER {col} TYPE bigint" if id_col.type == "integer" else ""),
-        ))  # fmt: skip
-
-
-APPLICATION_ID_TYPES = frozenset({"uuid", "text", "character varying", "character"})
-"""Types of application-supplied ids the relay and the jobs handle (uuid, ULID as text)."""
-ORDER_TYPES = (
-    frozenset({"timestamp with time zone", "timestamp without time zone", "bigint", "integer"})
-    | APPLICATION_ID_TYPES
-)
-
-
-def _judge_application_id(
-    facts: TableFacts, spec: OutboxSpec, table: str, id_col: ColumnFact
-) -> None:
-    """Application ids (uuid, ULID): no headroom; the gates watch the sequence the migration
-    installs; the claim order must be a column that sorts by time."""
-    block, note = facts.blockers, facts.notes
-    col = f"{table}.{spec.id_column}"
-    if spec.id_kind != "application":
-        block.append(Finding(
-            "id-application",
-            f"{col} is {id_col.type}: the application supplies the ids",
-            'set id_kind = "application" (and order_column = "created_at" unless the ids '
-            "sort by time, as uuidv7 and ULID do); see docs/patterns.md, \"Your table is not "
-            "the spec's\"",
-        ))  # fmt: skip
-        return
-    if id_col.type.split("(")[0] not in APPLICATION_ID_TYPES:
-        block.append(Finding(
-            "id-type", f"{col} is {id_col.type}",
-            f"application ids must be one of {', '.join(sorted(APPLICATION_ID_TYPES))}: "
-            f"ALTER TABLE {table} ALTER COLUMN {spec.id_column} TYPE text (rewrites the "
-            "table) or add a sequence column and migrate by it",
-        ))  # fmt: skip
-        return
-    if not id_col.not_null:
-        block.append(Finding(
-            "id-nullable", f"{col} is nullable",
-            f"a NULL id cannot be claimed or copied: {not_null_recipe(table, spec.id_column)}",
-        ))  # fmt: skip
-    order = spec.claim_order
-    order_col = facts.column(order)
-    if order_col is None:
-        block.append(Finding(
-            "order-missing", f"{table} has no column {order!r} (order_column)",
-            "set order_column to a creation timestamp or a bigint column",
-        ))  # fmt: skip
-        return
-    if order_col.type.split("(")[0] not in ORDER_TYPES:
-        block.append(Finding(
-            "order-type", f"{table}.{order} is {order_col.type}",
-            "order_column must be a timestamp, a bigint/integer or the id itself",
-        ))  # fmt: skip
-        return
-    if not spec.order_column and facts.random_uuid_ids:
-        block.append(Finding(
-            "order-random-uuid",
-            f"{col} holds random (version 4) uuids: claiming by id would publish in random "
-            "order",
-            'set order_column = "created_at" (or another creation timestamp or bigint column; '
-            "index it WHERE the publication column IS NULL for the relay)",
-        ))  # fmt: skip
-        return
-    note.append(Finding(
-        "id-application",
-        f"{col} is {id_col.type}, supplied by the application; the relay claims by {order}",
-        f"no identity and no headroom: the application keeps ids unique. The deploy gates "
-        f"watch sequence {spec.gate_sequence}, ticked by a statement trigger on {table} that "
-        f"V2's first step installs (and the step after the last gate removes)",
-    ))  # fmt: skip
-
-
-def not_null_recipe(table: str, column: str) -> str:
-    """SET NOT NULL without holding ACCESS EXCLUSIVE through a scan: PostgreSQL 12+ proves it
-    from a validated CHECK, and VALIDATE reads the table under SHARE UPDATE EXCLUSIVE."""
-    check = f"{table}_{column}_not_null"
-    return (
-        f"ALTER TABLE {table} ADD CONSTRAINT {check} CHECK ({column} IS NOT NULL) NOT VALID; "
-        f"ALTER TABLE {table} VALIDATE CONSTRAINT {check}; ALTER TABLE {table} ALTER COLUMN "
-        f"{column} SET NOT NULL; ALTER TABLE {table} DROP CONSTRAINT {check}"
-    )
 
 
 def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str) -> None:
@@ -512,7 +351,7 @@ def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str
                 ObjectFact("primary key" if primary else "unique index", name, definition, fate)
             )
             continue
-        if f"({published} IS NULL)" in definition:
+        if marker_judge.serves_the_relay(definition, spec):
             fate = (
                 f"serves the relay on {table} until it is drained; after a swap {table} holds "
                 f"published rows only and the index stays empty: DROP INDEX CONCURRENTLY {name}"

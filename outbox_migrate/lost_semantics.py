@@ -119,15 +119,17 @@ def judge_lost_semantics(facts: TableFacts, spec: OutboxSpec, table: str) -> Non
             f'accept_lost_unique = ["{key.name}"] (--accept-lost-unique {key.name})',
         ))  # fmt: skip
     status = status_beside_timestamp(facts, spec)
-    if status is not None:
+    if status is not None and not spec.status_column:
         facts.warnings.append(Finding(
             "status-column-beside",
             f"{table}.{status.name} ({status.type}) looks like a status column beside the "
             f"publication timestamp {published}",
             f"the relay sets only {published}, so {status.name} keeps the value the "
             "application wrote, and a framework that reads it re-submits every relayed "
-            f"message; keep publishing with the framework's own publisher, or keep "
-            f"{status.name} in step yourself (outbox-migrate's relay cannot set it yet)",
+            f"message; have the relay set it too: status_column = \"{status.name}\" and "
+            "status_published_value = the framework's published value (e.g. "
+            f"--status-column {status.name} --status-published-value COMPLETED), or keep "
+            "publishing with the framework's own publisher",
         ))  # fmt: skip
     facts.warnings.append(Finding(
         "ctid-per-partition",
@@ -153,7 +155,7 @@ def status_beside_timestamp(facts: TableFacts, spec: OutboxSpec) -> ColumnFact |
     named `status`/`state` (or `…_status`/`…_state`), or a boolean named like a delivery
     marker (NServiceBus's `Dispatched`). A guess by name, stated as one in the warning."""
     for column in facts.columns:
-        if column.name in (spec.id_column, spec.published_column):
+        if column.name in (spec.id_column, spec.published_column, spec.status_column):
             continue
         if column.type in TIMESTAMP_TYPES:
             continue

@@ -17,6 +17,8 @@ from outbox_migrate.offline import cdc_guard, step_sql
 from outbox_migrate.patterns.model import Pattern, Phase, Step
 
 PHASE_MARKER = "-- phase: "
+MARKER_KEYS = ("unpublished_value", "published_value", "status_column", "status_published_value")
+"""Spec keys `plan` shows only when set: a flag marker's values and a status column."""
 
 
 def step_document(step: Step) -> dict[str, Any]:
@@ -134,6 +136,8 @@ def plan_document(
             "published_partition": spec.published_partition,
             "id_column": spec.id_column,
             "published_column": spec.published_column,
+            # a flag marker's values and a status column, only when there are any
+            **{key: getattr(spec, key) for key in MARKER_KEYS if getattr(spec, key)},
             "id_headroom": spec.id_headroom,
             "id_kind": spec.id_kind,
             "created_column": spec.created_column,

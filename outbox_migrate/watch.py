@@ -20,7 +20,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec, Settings
+from outbox_migrate.errors import SchemaError
+from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import CheckPoint, LockMode, Step
 from outbox_migrate.runner.session import runner_lock_key
 
@@ -163,6 +166,12 @@ def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> list[dict[str, 
     """Unpublished rows and the oldest one's age, per outbox table that exists (the partial
     index on unpublished ids makes both cheap)."""
     out: list[dict[str, Any]] = []
+    try:
+        spec = marker_catalog.resolve(
+            conn, spec, to_partition=False
+        )  # a flag marker: its unpublished value
+    except SchemaError as exc:
+        return [{"table": spec.table, "error": str(exc)}]
     for table in dict.fromkeys((spec.table, spec.partitioned_table)):
         name = sql.Identifier(spec.schema, table)
         found = conn.execute("SELECT to_regclass(%s)", (name.as_string(conn),)).fetchone()
@@ -172,11 +181,11 @@ def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> list[dict[str, 
             row = conn.execute(
                 sql.SQL(
                     "SELECT count(*), extract(epoch FROM now() - min({created})) FROM {t} "
-                    "WHERE {published} IS NULL"
+                    "WHERE {unpublished}"
                 ).format(
                     t=name,
                     created=sql.Identifier(spec.created_column),
-                    published=sql.Identifier(spec.published_column),
+                    unpublished=marker.unpublished(spec),
                 )
             ).fetchone()
         except psycopg.Error as exc:

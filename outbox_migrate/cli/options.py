@@ -31,10 +31,14 @@ NAME_HELP: dict[str, str] = {
     "schema": "Schema of the outbox tables",
     "table": "The flat outbox table",
     "partitioned_table": "The new partitioned table",
-    "unpublished_partition": "Partition FOR VALUES IN (NULL)",
+    "unpublished_partition": "Partition of the unpublished rows (FOR VALUES IN (NULL))",
     "published_partition": "The DEFAULT partition",
     "id_column": "Identity column",
-    "published_column": "Publication timestamp column",
+    "published_column": "Publication marker column (a timestamp or a flag)",
+    "unpublished_value": "A flag marker's unpublished value ('' = its DEFAULT)",
+    "published_value": "The value the relay sets on a flag marker ('' = 1 or true)",
+    "status_column": "A status column the relay sets on publish too ('' if none)",
+    "status_published_value": "The value the relay sets status_column to",
     "id_headroom": "Gap between the old max(id) and the new identity START",
     "created_column": "Creation timestamp column ('' if none)",
     "payload_column": "Message body column",
@@ -170,6 +174,14 @@ class Phase(StrEnum):
     V3 = "V3"
     V4 = "V4"
     copy_back = "copy-back"
+    original_name = "original-name"
+    """Optional (--with-optional): the partitioned table takes the flat table's name."""
+    drop_view = "drop-view"
+    """Optional (--with-optional): the view under the former name goes."""
+
+
+OPTIONAL_PHASES = frozenset({Phase.original_name, Phase.drop_view})
+"""Phases that exist only with --with-optional."""
 
 
 def parse_phase(value: str) -> Phase:

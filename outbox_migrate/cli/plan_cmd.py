@@ -72,6 +72,9 @@ def plan(
 
         facts = inspect(resolved.dsn, settings.spec, pattern.value)
         raise_for_blockers(facts)
+        from outbox_migrate.marker_catalog import resolve_settings
+
+        settings = resolve_settings(resolved.dsn, settings)  # a flag marker's values
     built = build_from_settings(
         pattern.value,
         settings,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from outbox_migrate.cli.options import (
+    OPTIONAL_PHASES,
     PATTERN_SETTINGS,
     RUNNER_SETTINGS,
     DsnOption,
@@ -177,6 +178,15 @@ def run(
     *,
     names: dict[str, Any],
 ) -> None:
+    if to in OPTIONAL_PHASES and not with_optional:
+        from outbox_migrate.errors import UsageError
+
+        # Not implied: --with-optional also brings the other optional steps (an irreversible
+        # drop among them), which the operator must have chosen.
+        raise UsageError(
+            f"{to.value} is an optional phase: run it with --with-optional (`plan "
+            "--with-optional` lists every optional step that flag includes)"
+        )
     runner = _runner(
         pattern.value, dsn, output, names=names, with_optional=with_optional,
         on_long_tx=on_long_tx.value,

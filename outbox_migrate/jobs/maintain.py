@@ -28,6 +28,7 @@ from typing import Any, Literal
 import psycopg
 from psycopg import sql
 
+from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import OutboxMigrateError
 from outbox_migrate.jobs import autovacuum, bloat, common, reindex, retention, time_partitions
@@ -36,6 +37,7 @@ from outbox_migrate.jobs.common import Relation
 from outbox_migrate.jobs.errors import MaintenanceError, ReindexFailed, ReindexRefused
 from outbox_migrate.jobs.reindex import DEFAULT_MAX_XACT_AGE_S, DEFAULT_REINDEX_LOCK_TIMEOUT_MS
 from outbox_migrate.jobs.retention import DEFAULT_BATCH_BLOCKS, DEFAULT_MAX_ROWS_PER_S
+from outbox_migrate.patterns import marker
 
 DEFAULT_BLOAT_THRESHOLD_PCT = 50.0
 """Rebuild the unpublished index once more than this share of it is bloat."""
@@ -136,14 +138,24 @@ def find_partitions(conn: psycopg.Connection[Any], spec: OutboxSpec) -> Partitio
     for schema, name, bound, is_default in rows:
         if is_default:
             published = Relation(str(schema), str(name))
-        elif str(bound).replace(" ", "").upper() == "FORVALUESIN(NULL)":
+        elif _unpublished_bound(str(bound), spec):
             unpublished = Relation(str(schema), str(name))
     if unpublished is None:
         raise MaintenanceError(
-            f"{spec.schema}.{spec.partitioned_table} has no FOR VALUES IN (NULL) partition "
+            f"{spec.schema}.{spec.partitioned_table} has no {marker.bound_text(spec)} partition "
             "(is it the partitioned outbox, and is it created yet?)"
         )
     return Partitions(unpublished, published)
+
+
+def _unpublished_bound(bound: str, spec: OutboxSpec) -> bool:
+    """The unpublished partition's bound, `FOR VALUES IN (NULL)` or a flag's value (the
+    catalog quotes `'0'` by type: compared without quotes or spaces)."""
+
+    def bare(text: str) -> str:
+        return text.replace(" ", "").replace("'", "").upper()
+
+    return bare(bound) == bare(marker.bound_text(spec))
 
 
 def _btree_indexes(conn: psycopg.Connection[Any], table: Relation) -> list[tuple[int, str]]:
@@ -271,6 +283,7 @@ def maintain_once(
     if not conn.autocommit:
         raise MaintenanceError("maintenance needs an autocommit connection")
     started = time.monotonic()
+    spec = marker_catalog.resolve(conn, spec, to_partition=False)  # a flag marker's values
     parts = find_partitions(conn, spec)
     report = MaintenanceReport(
         started_at=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -306,7 +319,7 @@ def maintain_once(
         report.retention = retention.delete_published_before(
             conn,
             parts.published,
-            spec.published_column,
+            retention.age_column(spec),
             options.retention,
             batch_blocks=options.retention_batch_blocks,
             max_rows_per_s=options.retention_max_rows_per_s,

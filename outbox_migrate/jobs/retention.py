@@ -23,8 +23,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.config import OutboxSpec
 from outbox_migrate.jobs import common
 from outbox_migrate.jobs.common import Relation
+from outbox_migrate.patterns import marker
 
 DEFAULT_BATCH_BLOCKS = 1_000
 """Heap blocks per delete batch (8 MB with 8 kB blocks)."""
@@ -55,6 +57,12 @@ def copy_back_pending(conn: psycopg.Connection[Any], table: Relation) -> bool:
     return row is not None
 
 
+def age_column(spec: OutboxSpec) -> str:
+    """The column retention measures age by: the publication time, or for a flag marker
+    (which records no time) the creation time ("" when the outbox has none)."""
+    return spec.created_column if marker.of(spec).is_flag else spec.published_column
+
+
 def delete_published_before(
     conn: psycopg.Connection[Any],
     table: Relation,
@@ -73,6 +81,9 @@ def delete_published_before(
     oid = common.oid_of(conn, table)
     if oid is None:
         return RetentionResult(str(table), age_s, 0, 0, 0.0, skipped="table does not exist")
+    unusable = _not_a_time(conn, oid, published_column)
+    if unusable:
+        return RetentionResult(str(table), age_s, 0, 0, 0.0, skipped=unusable)
     row = conn.execute(
         "SELECT pg_relation_size(%s::oid) / current_setting('block_size')::int8,"
         " now() - make_interval(secs => %s)",
@@ -101,3 +112,20 @@ def delete_published_before(
             else:
                 time.sleep(owed)
     return RetentionResult(str(table), age_s, deleted, batches, time.monotonic() - started)
+
+
+def _not_a_time(conn: psycopg.Connection[Any], oid: int, column: str) -> str:
+    """Why `column` cannot measure age ("" when it can): a flag marker records no publication
+    time, and its outbox's creation column may be missing or not a timestamp (epoch
+    milliseconds in a bigint)."""
+    if not column:
+        return "the publication marker is a flag and created_column is unset: no age to measure"
+    row = conn.execute(
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
+        "WHERE attrelid = %s AND attname = %s AND NOT attisdropped",
+        (oid, column),
+    ).fetchone()
+    if row is None or not str(row[0]).startswith("timestamp"):
+        shown = "missing" if row is None else str(row[0])
+        return f"column {column} ({shown}) is not a timestamp: no age to measure"
+    return ""

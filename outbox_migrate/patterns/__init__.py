@@ -74,7 +74,15 @@ def build_pattern(
     previous: AppBehaviour | None = None
     previous_name = ""
     for raw_phase in raw["phase"]:
-        app = AppBehaviour(Table(raw_phase["inserts_into"]), Table(raw_phase["publishes_from"]))
+        if raw_phase.get("optional", False) and not options.include_optional:
+            # An optional phase (the original name) is left out whole: without it the
+            # pattern, its plan and its golden files are exactly what they were.
+            continue
+        app = AppBehaviour(
+            Table(raw_phase["inserts_into"]),
+            Table(raw_phase["publishes_from"]),
+            renamed=raw_phase.get("renamed", False),
+        )
         running = previous or app
         running_name = previous_name or raw_phase["name"]
         running_text = running.describe(spec.table, spec.partitioned_table)
@@ -126,6 +134,7 @@ def build_pattern(
                 app=app,
                 instructions=tuple(raw_phase.get("instructions", ())),
                 steps=tuple(steps),
+                optional=raw_phase.get("optional", False),
             )
         )
         previous, previous_name = app, raw_phase["name"]

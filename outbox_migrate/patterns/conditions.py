@@ -8,6 +8,7 @@ from dataclasses import replace
 from psycopg import sql
 
 from outbox_migrate import sql as queries
+from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import CheckPoint, Condition
 from outbox_migrate.patterns.names import Names, gate_lock_keys
 
@@ -58,12 +59,43 @@ def partitioned_by_list(n: Names) -> Condition:
 
 
 def partition_bound(n: Names, relation: str, bound: str) -> Condition:
+    if bound == marker.NULL_BOUND and marker.of(n.spec).is_flag:
+        # A flag's bound holds its value; its text depends on the column's type (`'0'`,
+        # `false`), so it is compared without quotes by a query of its own.
+        return condition(
+            "partition-bound-value",
+            relation,
+            rel_reg=n.reg(relation),
+            parent_reg=n.reg(n.parent),
+            bound=sql.Literal(marker.bound_text(n.spec)),
+        )
     return condition(
         "partition-bound",
         relation,
         rel_reg=n.reg(relation),
         parent_reg=n.reg(n.parent),
         bound=sql.Literal(bound),
+    )
+
+
+def marker_kind(n: Names, relation: str) -> Condition:
+    """Steps built without a database (Alembic revisions, `plan` offline) take the marker
+    from the settings alone: a flag table built as a timestamp one would get a NULL partition
+    its rows never enter, so the partition's creation checks the column first."""
+    flag = marker.of(n.spec).is_flag
+    return condition(
+        "marker-kind",
+        relation,
+        rel_reg=n.reg(relation),
+        column_name=sql.Literal(n.spec.published_column),
+        is_timestamp=sql.Literal(not flag),
+        kind=sql.Literal("flag" if flag else "timestamp (NULL = unpublished)"),
+        remedy=sql.Literal(
+            "set published_column to the timestamp"
+            if flag
+            else "set unpublished_value and published_value (or build the steps with a "
+            "database, which reads the flag's DEFAULT)"
+        ),
     )
 
 
@@ -88,7 +120,7 @@ def drained(n: Names, relation: str, phase: str) -> Condition:
         relation,
         rel_reg=n.reg(relation),
         rel_q=n.q(relation),
-        column_q=n.published_at_q,
+        unpublished=marker.unpublished(n.spec),
         phase=sql.Literal(phase),
     )
 
@@ -173,6 +205,14 @@ def check_validated(n: Names) -> Condition:
 
 
 def check_implies_partition_constraint(n: Names) -> Condition:
+    flag = marker.of(n.spec)
+    if flag.is_flag:
+        return condition(
+            "check-implies-partition-constraint-flag",
+            column_name=sql.Literal(n.spec.published_column),
+            value=sql.Literal(flag.unpublished_value),
+            **_check_parts(n),
+        )
     return condition(
         "check-implies-partition-constraint",
         column_name=sql.Literal(n.spec.published_column),

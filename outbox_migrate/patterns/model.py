@@ -83,8 +83,13 @@ class AppBehaviour:
 
     inserts_into: Table
     publishes_from: Table
+    renamed: bool = False
+    """The partitioned table goes by the flat table's original name (the optional last
+    phases): `new` is then called what `old` was."""
 
     def describe(self, old: str, new: str) -> str:
+        if self.renamed:
+            new = old
         names = {Table.OLD: old, Table.NEW: new, Table.NONE: "nothing"}
         target = names.get(self.inserts_into, self.inserts_into.value)
         if self.publishes_from is Table.OLD_THEN_NEW:
@@ -220,6 +225,10 @@ class Step:
     executor: str = "sql"
     """Who carries the step out: `sql` (its statements, by the runner) or a job's name
     (`copy-back`); the runner looks the executor up instead of branching on kinds."""
+    restates_end_state: bool = False
+    """Its postcondition states the migration's whole end state under new names (the rename to
+    the original name): earlier steps' postconditions name relations that no longer carry
+    those names, so they stop being invariants once this step is reached."""
     former_checksums: tuple[str, ...] = field(default_factory=tuple)
     """Checksums of earlier releases' definitions of this step whose effect the current one's
     postcondition still describes: a migration started with such a release and past this
@@ -262,6 +271,9 @@ class Phase:
     app: AppBehaviour
     instructions: tuple[str, ...]
     steps: tuple[Step, ...]
+    optional: bool = False
+    """Only with --with-optional (the original-name phases): the migration is complete
+    without it."""
 
 
 @dataclass(frozen=True)
@@ -289,6 +301,10 @@ class Pattern:
     def phase_names(self) -> list[str]:
         return [phase.name for phase in self.phases]
 
+    def last_required_phase(self) -> str:
+        """Reaching it completes the migration; optional phases may still follow."""
+        return [phase for phase in self.phases if not phase.optional][-1].name
+
     def steps_through(self, phase: str) -> list[Step]:
         """Every step up to and including `phase`."""
         steps: list[Step] = []
@@ -306,9 +322,18 @@ class Pattern:
         of the next phase already `done` (ids from the ledger: between two steps of a phase,
         the swap has undone the published partition's attachment on purpose)."""
         steps = self.steps_through(phase)
-        ahead = {s.kind for s in self.steps()[len(steps) :] if s.id in done}
+        ahead_steps = [s for s in self.steps()[len(steps) :] if s.id in done]
+        ahead = {s.kind for s in ahead_steps}
+        # A step that restates the end state under new names supersedes every earlier one.
+        restating_ahead = [s for s in ahead_steps if s.restates_end_state]
+        if restating_ahead:
+            return [(restating_ahead[-1], c) for c in restating_ahead[-1].postcondition]
+        restating = [i for i, s in enumerate(steps) if s.restates_end_state]
+        first = restating[-1] if restating else 0
         held: list[tuple[Step, Condition]] = []
         for index, step in enumerate(steps):
+            if index < first:
+                continue
             later = {other.kind for other in steps[index + 1 :]} | ahead
             if later.intersection(step.undone_by):
                 continue

@@ -17,9 +17,11 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import OutboxMigrateError
 from outbox_migrate.introspect import ColumnFact
+from outbox_migrate.patterns import marker
 from outbox_migrate.rehearse.source import SourceShape
 
 UNPUBLISHED_ROWS_MAX = 500
@@ -272,11 +274,20 @@ def fill_synthetic(
     share = facts.unpublished / facts.row_estimate if facts.row_estimate > 0 else 0.0
     unpublished = min(UNPUBLISHED_ROWS_MAX, round(rows * share), facts.unpublished)
     names: list[sql.Composable] = [sql.Identifier(spec.published_column)]
-    values: list[sql.Composable] = [
-        # The newest `unpublished` rows are the backlog; the others published, oldest first.
-        sql.SQL("CASE WHEN g <= {} THEN now() - ({} - g) * interval '1 ms' END").format(
-            sql.Literal(rows - unpublished), sql.Literal(rows)
+    flag = marker.of(marker_catalog.resolve(conn, spec))
+    # The newest `unpublished` rows are the backlog; the others published, oldest first.
+    published: sql.Composable = sql.SQL("now() - ({} - g) * interval '1 ms'").format(
+        sql.Literal(rows)
+    )
+    marker_column = facts.column(spec.published_column)
+    if flag.is_flag and marker_column is not None:
+        # In a CASE an untyped literal would be text: cast to the column type (as value_sql).
+        kind = sql.SQL(marker_column.type)
+        published = sql.SQL("{}::{t} ELSE {}::{t}").format(
+            sql.Literal(flag.published_value), sql.Literal(flag.unpublished_value), t=kind
         )
+    values: list[sql.Composable] = [
+        sql.SQL("CASE WHEN g <= {} THEN {} END").format(sql.Literal(rows - unpublished), published)
     ]
     for column in _filled_columns(shape, spec):
         value = value_sql(column, shape, spec, n="g", pad_bytes=_pad_bytes(shape))

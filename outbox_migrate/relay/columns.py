@@ -37,6 +37,7 @@ def resolve(
     defaults = OutboxSpec()
     required = [source.id_column, source.published_column, spec.payload_column]
     required += [spec.created_column] if spec.created_column else []
+    required += [spec.status_column] if spec.status_column else []
     required += list(spec.metadata_columns)
     missing = [c for c in required if c not in types]
     if missing:

@@ -31,6 +31,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.patterns import marker
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.message import Message, MessageId
@@ -279,12 +280,13 @@ _ROLLBACK_TO_OUTER = sql.SQL("ROLLBACK TO SAVEPOINT om_relay_repair")
 def _marked_in_savepoint(source: queries.Source, tids: Sequence[str]) -> sql.Composed:
     """`queries.mark` for these rows, between a savepoint and its release."""
     return sql.SQL(
-        "SAVEPOINT om_relay_mark; UPDATE {table} SET {published} = now() "
-        "WHERE {published} IS NULL AND ctid = ANY({tids}::tid[]); "
+        "SAVEPOINT om_relay_mark; UPDATE {table} SET {mark} "
+        "WHERE {unpublished} AND ctid = ANY({tids}::tid[]); "
         "RELEASE SAVEPOINT om_relay_mark"
     ).format(
         table=source.mark_ident,
-        published=sql.Identifier(source.published_column),
+        mark=marker.mark(source.marker),
+        unpublished=marker.unpublished(source.marker),
         tids=sql.Literal(_tid_array(tids)),
     )
 

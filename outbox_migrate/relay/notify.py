@@ -80,8 +80,14 @@ def label(spec: OutboxSpec) -> str:
     return f"{spec.schema}.{spec.partitioned_table}"
 
 
-def create_sql(spec: OutboxSpec, channel: str) -> tuple[sql.Composed, ...]:
-    """The trigger function and the statement-level trigger on the partitioned parent."""
+def create_sql(
+    spec: OutboxSpec, channel: str, *, key_spec: OutboxSpec | None = None
+) -> tuple[sql.Composed, ...]:
+    """The trigger function and the statement-level trigger on the partitioned parent.
+
+    `key_spec`: the names whose idle lock key the function uses, when they differ from the
+    ones it is installed under (the rename to the original name re-keys the function in
+    place, so relays started with the new name are woken)."""
     function = sql.Identifier(spec.schema, function_name(spec))
     body = sql.SQL(
         "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $om$\n"
@@ -97,7 +103,7 @@ def create_sql(spec: OutboxSpec, channel: str) -> tuple[sql.Composed, ...]:
         "$om$"
     ).format(
         function=function,
-        key=sql.SQL(_lock_call(spec)),
+        key=sql.SQL(_lock_call(key_spec or spec)),
         payload=_payload(spec),
     )
     trigger = sql.SQL(

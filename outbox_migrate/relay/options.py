@@ -98,7 +98,10 @@ class RelayOptions:
     old_app_name: str = ""
     """SQL LIKE pattern of the old application's `application_name` (the sessions gate)."""
     backoff_base_s: float = 0.1
-    backoff_cap_s: float = 30.0
+    backoff_cap_s: float = 8.0
+    """The longest pause between tries of a broker that is down (and of a rejected message):
+    publishing resumes at most this long after the broker returns, so a short up-window
+    between outages is not slept through."""
     sink_timeout_s: float = 10.0
     """How long one publish may take (the sink's timeout): what the fence must leave room for."""
     session_timeout_s: float | None = None

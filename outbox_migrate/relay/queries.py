@@ -19,6 +19,7 @@ from typing import Any
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.patterns import marker
 
 ADVISORY_NAMESPACE = "outbox-migrate.relay"
 CLAIM_CTID_COLUMN = 6
@@ -50,6 +51,12 @@ class Source:
     """Application ids (uuid, ULID): claimed as text in `order_column` order, no id cursor."""
     order_column: str = ""
     """The claim order of application ids ("" = the id itself)."""
+    flag: marker.Marker | None = None
+    """A flag marker (and status column) from the spec; None = a timestamp marker."""
+
+    @property
+    def marker(self) -> marker.Marker:
+        return self.flag or marker.Marker(self.published_column, "", "")
 
     @property
     def claim_ident(self) -> sql.Identifier:
@@ -60,10 +67,11 @@ class Source:
         return sql.Identifier(self.schema, self.mark_table)
 
     def unpublished_filter(self) -> sql.Composable:
-        """The flat table needs `published_at IS NULL`; the NULL partition holds nothing else."""
+        """The flat table needs `published_at IS NULL` (`published = 0`); the unpublished
+        partition holds nothing else."""
         if self.partitioned:
             return sql.SQL("true")
-        return sql.SQL("{} IS NULL").format(sql.Identifier(self.published_column))
+        return marker.unpublished(self.marker)
 
 
 def flat_source(spec: OutboxSpec) -> Source:
@@ -75,6 +83,7 @@ def flat_source(spec: OutboxSpec) -> Source:
         id_column=spec.id_column,
         published_column=spec.published_column,
         partitioned=False,
+        flag=marker.of(spec),
         **_id_handling(spec),
     )
 
@@ -88,6 +97,7 @@ def partitioned_source(spec: OutboxSpec) -> Source:
         id_column=spec.id_column,
         published_column=spec.published_column,
         partitioned=True,
+        flag=marker.of(spec),
         **_id_handling(spec),
     )
 
@@ -351,11 +361,11 @@ def mark(source: Source) -> sql.Composed:
     and keeps a re-run from touching a row twice.
     """
     return sql.SQL(
-        "UPDATE {table} SET {published} = now() "
-        "WHERE {published} IS NULL AND ctid = ANY(%(tids)s::tid[])"
+        "UPDATE {table} SET {mark} WHERE {unpublished} AND ctid = ANY(%(tids)s::tid[])"
     ).format(
         table=source.mark_ident,
-        published=sql.Identifier(source.published_column),
+        mark=marker.mark(source.marker),
+        unpublished=marker.unpublished(source.marker),
     )
 
 
@@ -371,14 +381,15 @@ def claim_and_mark(source: Source, *, sharded: bool) -> sql.Composed:
     return sql.SQL(
         "WITH batch AS (SELECT {id} FROM {claim} WHERE {unpublished}{shard} "
         "ORDER BY {id} LIMIT %(limit)s FOR UPDATE SKIP LOCKED) "
-        "UPDATE {mark} AS o SET {published} = now() FROM batch "
-        "WHERE o.{published} IS NULL AND o.{id} = batch.{id}"
+        "UPDATE {mark} AS o SET {set} FROM batch "
+        "WHERE {marked} AND o.{id} = batch.{id}"
     ).format(
         id=sql.Identifier(source.id_column),
         claim=source.claim_ident,
         mark=source.mark_ident,
         unpublished=source.unpublished_filter(),
-        published=sql.Identifier(source.published_column),
+        set=marker.mark(source.marker),
+        marked=marker.unpublished(source.marker, "o"),
         shard=shard,
     )
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
-from outbox_migrate.relay import library_logs, notify, queries
+from outbox_migrate.relay import library_logs, marker_source, notify, queries
 from outbox_migrate.relay.backoff import backoff_s
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.columns import resolve as resolve_columns
@@ -205,6 +205,8 @@ class Relay:
         from outbox_migrate.db import connect
 
         with connect(self.dsn, application_name=self.application_name) as conn:
+            self.spec, self.state = marker_source.resolved(conn, self.spec, self.state)
+            self.shared.state = self.state  # what the workers see (relay/shared.py)
             sources = [self.state.current]
             if self.options.mode is Mode.switching:
                 sources = [self.state.flat, self.state.partitioned]

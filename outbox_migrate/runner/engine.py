@@ -111,7 +111,13 @@ class Runner:
         # The ledger schema is created by the first command that writes to it, after the
         # command is admitted: refused input leaves the database exactly as it was.
         self.session.open()
-        self._read_facts()
+        try:
+            self._read_facts()
+        except BaseException:
+            # `with` calls no __exit__ when __enter__ raises: a refused marker or a lost
+            # connection while reading the facts must not leave the session open.
+            self.session.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -318,8 +324,9 @@ class Runner:
             phase_index(self.pattern, target),
         )
         reached = self.pattern.phases[reached_index].name
-        last = self.pattern.phases[-1].name
-        result.completed = reached == last
+        # Optional phases (the original name) may follow a completed migration.
+        last = phase_index(self.pattern, self.pattern.last_required_phase())
+        result.completed = reached_index >= last
         result.phase = reached
         ledger.set_phase(
             self.conn, migration.id, reached, "completed" if result.completed else "active"

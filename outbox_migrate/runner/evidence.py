@@ -32,6 +32,7 @@ PRESENCE = frozenset(
         "relation-exists",
         "replica-identity-full",
         "trigger-exists",
+        "view-over",
     }
 )
 """Conditions false until the step that establishes them ran."""

@@ -62,14 +62,20 @@ def live_pattern(
 ) -> tuple[Pattern, str, tuple[PublicationFact, ...]]:
     """The pattern as this database needs it, with the identity kind and publications it
     was built from (recorded when the migration starts)."""
+    from outbox_migrate import marker_catalog
     from outbox_migrate.introspect import migration_publications
+    from outbox_migrate.runner.recorded_optional import optional_recorded
 
     readable = ledger_exists(conn) if ledger_readable is None else ledger_readable
+    if readable and not include_optional:
+        # Optional steps the ledger recorded (the original name) describe the catalog now.
+        include_optional = optional_recorded(conn, settings.spec, name)
     generation = identity_generation(conn, settings.spec, ledger_readable=readable)
     publications = migration_publications(conn, settings.spec)  # recorded, else live
+    spec = marker_catalog.resolve(conn, settings.spec)  # a flag marker's values (its DEFAULT)
     pattern = build_pattern(
         name,
-        settings.spec,
+        spec,
         BuildOptions(
             sample_window_s=settings.gate_window_s,
             old_app_name=settings.old_app_name,

@@ -48,6 +48,14 @@ def table_label(settings: Settings) -> str:
     return f"{settings.spec.schema}.{settings.spec.table}"
 
 
+def _by_either_name(conn: psycopg.Connection[Any], settings: Settings) -> Settings:
+    """After the rename to the original name, the migration's recorded configuration when the
+    given names are the outbox's new ones (runner/renamed_lookup.py)."""
+    from outbox_migrate.runner.renamed_lookup import recorded_settings
+
+    return recorded_settings(conn, settings) if _ledger_readable(conn) else settings
+
+
 def _ledger_readable(conn: psycopg.Connection[Any]) -> bool:
     """False when the ledger schema does not exist yet; raise when it exists but this role
     may not read it."""
@@ -132,6 +140,7 @@ def status(
 ) -> dict[str, Any]:
     """Where the table's migration stands; `recorded` is False when the ledger has none."""
     with open_read_only(dsn) as conn:
+        settings = _by_either_name(conn, settings)
         found = recorded(conn, settings, pattern)
         if found.migration is None:
             require_table(conn, settings)
@@ -156,6 +165,7 @@ def verify(
     """Check the invariants of the recorded phase; return the phase, or raise `VerifyFailed`
     (a violation), `NothingRecorded` (no migration to verify) or `SchemaError` (no table)."""
     with open_read_only(dsn) as conn:
+        settings = _by_either_name(conn, settings)
         require_table(conn, settings)
         found = recorded(conn, settings, pattern)
         if found.migration is None:

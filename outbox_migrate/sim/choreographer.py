@@ -23,6 +23,7 @@ import psycopg
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.lock_budget import AttemptLog
+from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import Phase, PhaseKind, Step, Table
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner.errors import PreconditionFailed
@@ -470,9 +471,9 @@ def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> int:
         exists = conn.execute("SELECT to_regclass(%s)", (name,)).fetchone()
         if exists and exists[0] is not None:
             row = conn.execute(
-                psycopg.sql.SQL("SELECT count(*) FROM {} WHERE {} IS NULL").format(
+                psycopg.sql.SQL("SELECT count(*) FROM {} WHERE {}").format(
                     psycopg.sql.Identifier(spec.schema, table),
-                    psycopg.sql.Identifier(spec.published_column),
+                    marker.unpublished(spec),
                 )
             ).fetchone()
             total += int(row[0]) if row else 0

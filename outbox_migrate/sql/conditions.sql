@@ -34,6 +34,25 @@ WHERE NOT EXISTS (
     WHERE pt.partrelid = to_regclass({rel_reg}) AND pt.partstrat = 'l' AND pt.partnatts = 1
       AND a.attname = {column_name})
 
+-- name: marker-kind
+-- The publication column is a timestamp when the steps take NULL as unpublished, and is none when they name a flag's value (revisions built without a database).
+SELECT format('%s.%I is %s, but these steps were built for a %s marker: %s',
+              {rel_reg}, a.attname, format_type(a.atttypid, a.atttypmod), {kind}, {remedy})
+FROM pg_attribute a
+WHERE a.attrelid = to_regclass({rel_reg}) AND a.attname = {column_name} AND NOT a.attisdropped
+  AND (format_type(a.atttypid, a.atttypmod) LIKE 'timestamp%') <> {is_timestamp}
+
+-- name: partition-bound-value
+-- The relation is attached to the parent FOR VALUES IN the flag's unpublished value (quotes aside: '0' and 0 are one bound).
+SELECT format('%s is not attached to %s %s (found: %s)', {rel_reg}, {parent_reg}, {bound},
+              coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
+                        FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+                        WHERE c.oid = to_regclass({rel_reg})), 'not a partition'))
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+    WHERE c.oid = to_regclass({rel_reg}) AND i.inhparent = to_regclass({parent_reg})
+      AND replace(pg_get_expr(c.relpartbound, c.oid), '''', '') = replace({bound}, '''', ''))
+
 -- name: partition-bound
 -- The relation is attached to the parent with the expected bound.
 SELECT format('%s is not attached to %s %s (found: %s)', {rel_reg}, {parent_reg}, {bound},
@@ -63,7 +82,7 @@ WHERE NOT EXISTS (
 -- No unpublished rows remain in the table.
 SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in the old table)',
               count(*), {rel_reg}, {phase})
-FROM {rel_q} WHERE {column_q} IS NULL
+FROM {rel_q} WHERE {unpublished}
 HAVING count(*) > 0
 
 -- name: no-new-ids
@@ -149,6 +168,14 @@ FROM pg_constraint
 WHERE conrelid = to_regclass({rel_reg}) AND conname = {check_name}
   AND pg_get_constraintdef(oid) <> format('CHECK ((%I IS NOT NULL))', {column_name})
   AND pg_get_constraintdef(oid) <> format('CHECK ((%I IS NOT NULL)) NOT VALID', {column_name})
+
+-- name: check-implies-partition-constraint-flag
+-- The CHECK is "<marker> IS NOT NULL AND <marker> <> <unpublished>", which implies the DEFAULT partition's constraint.
+SELECT format('CHECK constraint %I on %s is %s, which does not prove %I IS NOT NULL AND %I <> %s; ATTACH would scan the table',
+              conname, {rel_reg}, pg_get_constraintdef(oid), {column_name}, {column_name}, {value})
+FROM pg_constraint
+WHERE conrelid = to_regclass({rel_reg}) AND conname = {check_name}
+  AND pg_get_constraintdef(oid) NOT LIKE format('CHECK (((%I IS NOT NULL) AND %%<>%%', {column_name})
 
 -- name: check-absent
 -- The CHECK constraint is gone.

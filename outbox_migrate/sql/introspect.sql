@@ -31,7 +31,7 @@ SELECT (SELECT max({id_q}) FROM {rel_q}) AS max_id,
 
 -- name: unpublished
 -- Exact count of unpublished rows (the relay's partial index makes it cheap).
-SELECT count(*) FROM {rel_q} WHERE {published_q} IS NULL
+SELECT count(*) FROM {rel_q} WHERE {unpublished}
 
 -- name: indexes
 -- Indexes on the table.

@@ -13,6 +13,7 @@ from typing import Any
 from psycopg import Connection, sql
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.patterns import marker
 from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned_outbox, insert_rows
 
 
@@ -31,7 +32,7 @@ def build_after_v4(
     table = ident(spec.schema, spec.table)
     parent = ident(spec.schema, spec.partitioned_table)
     published = ident(spec.schema, spec.published_partition)
-    id_col, pub_col = ident(spec.id_column), ident(spec.published_column)
+    id_col = ident(spec.id_column)
     create_flat_outbox(conn, spec)
     insert_rows(conn, spec.table, old_rows, spec=spec, published=True)
     row = conn.execute(sql.SQL("SELECT coalesce(max({}), 0) FROM {}").format(id_col, table))
@@ -43,11 +44,12 @@ def build_after_v4(
     every = max(1, (published_rows + late_rows) // max(late_rows, 1))
     conn.execute(
         sql.SQL(
-            "UPDATE {p} SET {pub} = now() WHERE {pub} IS NULL AND {id} NOT IN ("
+            "UPDATE {p} SET {mark} WHERE {unpublished} AND {id} NOT IN ("
             " SELECT {id} FROM (SELECT {id}, row_number() OVER (ORDER BY {id}) AS rn FROM {p}) x"
             " WHERE rn % {every} = 0 ORDER BY {id} LIMIT {late})"
         ).format(
-            p=parent, pub=pub_col, id=id_col, every=sql.Literal(every),
+            p=parent, mark=marker.mark(spec), unpublished=marker.unpublished(spec), id=id_col,
+            every=sql.Literal(every),
             late=sql.Literal(late_rows),
         )
     )  # fmt: skip
@@ -55,8 +57,8 @@ def build_after_v4(
     check = ident(spec.check_name)
     conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP IDENTITY").format(table, id_col))
     conn.execute(
-        sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} CHECK ({} IS NOT NULL) NOT VALID").format(
-            table, check, pub_col
+        sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} CHECK ({}) NOT VALID").format(
+            table, check, marker.published(spec)
         )
     )
     conn.execute(sql.SQL("ALTER TABLE {} VALIDATE CONSTRAINT {}").format(table, check))
@@ -66,6 +68,8 @@ def build_after_v4(
     conn.execute(sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(table, check))
     # Late rows are published after V4: they move into the old table, now the DEFAULT.
     conn.execute(
-        sql.SQL("UPDATE {p} SET {pub} = now() WHERE {pub} IS NULL").format(p=parent, pub=pub_col)
+        sql.SQL("UPDATE {p} SET {mark} WHERE {unpublished}").format(
+            p=parent, mark=marker.mark(spec), unpublished=marker.unpublished(spec)
+        )
     )
     return spec

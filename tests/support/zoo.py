@@ -21,7 +21,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_migrate.config import Settings, load_settings
+from outbox_migrate import marker_catalog
+from outbox_migrate.config import OutboxSpec, Settings, load_settings
+from outbox_migrate.patterns import marker
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
 from outbox_migrate.relay.sinks import Sink
@@ -53,6 +55,13 @@ class ZooTable:
     after_seed: Callable[[psycopg.Connection[Any]], None] | None = None
     """Runs (autocommit) once the table is created and seeded, before any writer starts: e.g.
     a CDC consumer's publication and slot."""
+    original_name: bool = False
+    """Go on through the optional original-name phases: the rename with the previous version
+    writing through the view and its relay marking through it, the next version on the
+    original name, then the view's drop (needs `include_optional`)."""
+    roll_back_rename: bool = False
+    """With `original_name`: roll the rename back and apply it again while the previous
+    version writes and publishes, before the next version starts."""
 
     def spec_settings(self, **extra: Any) -> Settings:
         values = {"gate_window_s": 0.2, "lock_budget_s": 30.0, "old_app_name": f"{APP}/V1/%"}
@@ -206,8 +215,9 @@ class Outcome:
 
 def _choreograph(dsn: str, zoo: ZooTable, pattern: str, settings: Settings,
                  factory: Callable[[], Sink], counter: Callable[[], int],
-                 writers: list[Writer], relays: list[RelayThread]) -> tuple[Any, list[str]]:  # fmt: skip
-    spec = settings.spec
+                 writers: list[Writer], relays: list[RelayThread],
+                 resolved: OutboxSpec) -> tuple[Any, list[str]]:  # fmt: skip
+    spec = resolved
     old = sql.Identifier(spec.schema, spec.table)
     new = sql.Identifier(spec.schema, spec.partitioned_table)
 
@@ -245,14 +255,41 @@ def _choreograph(dsn: str, zoo: ZooTable, pattern: str, settings: Settings,
     time.sleep(0.3)
     if pattern == "hoper":
         run_phase(dsn, settings, pattern, "copy-back", zoo.include_optional)
-    v2_writer.finish()
+    if zoo.original_name:
+        # The previous version (V2's writer, V3's relay, both on the former name) runs on
+        # across the rename; the next one uses the original name; then the view goes.
+        run_phase(dsn, settings, pattern, "original-name", zoo.include_optional)
+        if zoo.roll_back_rename:
+            time.sleep(0.3)
+            with Runner(dsn, settings, pattern, include_optional=True) as runner:
+                runner.rollback("copy-back" if pattern == "hoper" else "V4")
+            time.sleep(0.3)
+            run_phase(dsn, settings, pattern, "original-name", zoo.include_optional)
+        through_view = len(v2_writer.written)
+        # The relay of the next version names the partitioned table by its original name;
+        # `table` (the flat table, unused in partitioned mode) must be some other name.
+        renamed = zoo.spec_settings(partitioned_table=spec.table, table=spec.retired_table)
+        next_writer = writer(old, "V5")
+        next_relay = RelayThread(dsn, renamed, factory, Mode.partitioned, "V5")
+        relays.append(next_relay)
+        time.sleep(0.5)  # both versions side by side on both names
+        v2_writer.finish()
+        # The previous version really wrote through the view (its INSERTs did not fail).
+        assert len(v2_writer.written) > through_view, "no insert through the view"
+        v3_relay.finish()
+        run_phase(dsn, settings, pattern, "drop-view", zoo.include_optional)
+        time.sleep(0.3)
+        next_writer.finish()
+        v3_relay, new = next_relay, old
+    else:
+        v2_writer.finish()
 
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     with psycopg.connect(dsn, autocommit=True) as conn:
         while True:
             row = conn.execute(
-                sql.SQL("SELECT count(*) FILTER (WHERE {p} IS NULL), count(*) FROM {t}").format(
-                    p=sql.Identifier(spec.published_column), t=new
+                sql.SQL("SELECT count(*) FILTER (WHERE {p}), count(*) FROM {t}").format(
+                    p=marker.unpublished(spec), t=new
                 )
             ).fetchone()
             assert row is not None
@@ -284,11 +321,14 @@ def migrate_under_load(
     factory = sink or collector.factory()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(zoo.ddl)
+        # a flag marker's values (its DEFAULT) for the harness's own SQL; the runner and the
+        # relays resolve them by themselves
+        resolved = marker_catalog.resolve(conn, spec)
         seeded = _seed(conn, zoo, old, counter)
         # the first rows are "already published" by V1's relay before the story starts
         conn.execute(
-            sql.SQL("UPDATE {t} SET {p} = now() WHERE {i} = ANY(%s)").format(
-                t=old, p=sql.Identifier(spec.published_column), i=sql.Identifier(spec.id_column)
+            sql.SQL("UPDATE {t} SET {p} WHERE {i} = ANY(%s)").format(
+                t=old, p=marker.mark(resolved), i=sql.Identifier(spec.id_column)
             ),
             (seeded[:SEEDED_PUBLISHED],),
         )
@@ -299,7 +339,7 @@ def migrate_under_load(
     relays: list[RelayThread] = []
     try:
         row, violations = _choreograph(dsn, zoo, pattern, settings, factory, counter, writers,
-                                       relays)  # fmt: skip
+                                       relays, resolved)  # fmt: skip
     finally:
         for actor in [*writers, *relays]:
             actor.stop_quietly()

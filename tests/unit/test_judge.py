@@ -200,14 +200,20 @@ def test_objects_and_what_happens_to_them() -> None:
     assert "nothing enforces it on outbox_new (lost-unique)" in fates["by_key"]
 
 
-def test_status_column_outboxes_are_refused_with_a_clear_line() -> None:
-    """Open Outbox Relay's layout: a status column and delivered_at, no published_at."""
+def test_status_column_outboxes_are_refused_with_the_settings_that_partition_by_it() -> None:
+    """Open Outbox Relay's layout: a status column and delivered_at, no published_at. The
+    status itself can be the marker (its DEFAULT is the unpublished value)."""
     status = ColumnFact("status", "text", "'PENDING'::text", True, None, "", "")
     delivered = dataclasses.replace(PUBLISHED, name="delivered_at")
     found = judged(columns=[ID, PAYLOAD, status, delivered])
     assert [b.code for b in found.blockers] == ["status-column"]
-    assert "PENDING/DELIVERED/DEAD" in found.blockers[0].remedy
-    assert "are not supported" in found.blockers[0].remedy
+    assert 'published_column = "status" and published_value' in found.blockers[0].remedy
+    by_status = OutboxSpec(published_column="status", published_value="DELIVERED")
+    found = judged(by_status, columns=[ID, PAYLOAD, status, delivered])
+    assert found.blockers == []
+    assert [n.message for n in found.notes if n.code == "flag-marker"] == [
+        "outbox.status is a flag: status = PENDING is unpublished, the relay sets DELIVERED"
+    ]
 
 
 def test_a_column_list_on_a_publication_of_changes_is_a_blocker() -> None:

@@ -107,6 +107,7 @@ def make_step(
     creates: tuple[Created, ...] = (),
     reverse_creates: tuple[Created, ...] = (),
     executor: str = "sql",
+    restates_end_state: bool = False,
 ) -> Step:
     return Step(
         id=ctx.step_id(kind_name),
@@ -132,6 +133,7 @@ def make_step(
         creates=creates,
         reverse_creates=reverse_creates,
         executor=executor,
+        restates_end_state=restates_end_state,
     )
 
 
@@ -147,6 +149,7 @@ def load_all() -> Mapping[str, StepBuilder]:
         jobs,
         notify,
         old_triggers,
+        original_name,
         partitioned_table,
         publication,
         tuning,

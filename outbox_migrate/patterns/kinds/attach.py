@@ -1,7 +1,8 @@
 """Making the old table the DEFAULT partition: COPRA's attach and HOPER/HOPIA's swap.
 
 ATTACH validates that every row of the attached table satisfies the partition constraint
-(for the DEFAULT partition here: `published_at IS NOT NULL`) while holding ACCESS EXCLUSIVE on
+(for the DEFAULT partition here: `published_at IS NOT NULL`; for a flag marker
+`NOT (published IS NOT NULL AND published = 0)`) while holding ACCESS EXCLUSIVE on
 it — a full scan — unless a *validated* CHECK already implies that constraint. The scan guard
 (these steps' preconditions) proves the CHECK exists, is validated and implies the bound, that
 the columns match and that no identity is left; the statement then runs under a tight
@@ -19,6 +20,7 @@ from typing import Any
 from psycopg import sql
 
 from outbox_migrate.patterns import conditions as c
+from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.kinds import (
     SCAN_GUARD_TIMEOUT_MS,
     BuildContext,
@@ -107,8 +109,8 @@ def swap_default(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     reverse = (
         # Validated CHECK on the detached table (scans it, but nobody writes to it any more
         # and the parent is not locked yet) so the re-ATTACH below is catalog-only.
-        sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} CHECK ({} IS NOT NULL)").format(
-            n.q(n.published), published_check, n.published_at_q
+        sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} CHECK ({})").format(
+            n.q(n.published), published_check, marker.published(n.spec)
         ),
         detach_sql(ctx, n.table),
         sql.SQL("ALTER TABLE {} ATTACH PARTITION {} DEFAULT").format(

@@ -1,4 +1,5 @@
-"""The CHECK (published_at IS NOT NULL) sequence that lets ATTACH skip its scan.
+"""The CHECK (published_at IS NOT NULL) sequence that lets ATTACH skip its scan (for a flag
+marker: CHECK (published IS NOT NULL AND published <> 0), see patterns/marker.py).
 
 NOT VALID first (a catalog change under a brief ACCESS EXCLUSIVE), VALIDATE in its own
 transaction (scans, but under SHARE UPDATE EXCLUSIVE, which blocks neither reads nor writes),
@@ -14,6 +15,7 @@ from typing import Any
 from psycopg import sql
 
 from outbox_migrate.patterns import conditions as c
+from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.kinds import (
     SCAN_GUARD_TIMEOUT_MS,
     BuildContext,
@@ -26,8 +28,8 @@ from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
 
 def add_check_sql(ctx: BuildContext) -> sql.Composed:
     n = ctx.names
-    return sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} CHECK ({} IS NOT NULL) NOT VALID").format(
-        n.q(n.table), n.check_q, n.published_at_q
+    return sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} CHECK ({}) NOT VALID").format(
+        n.q(n.table), n.check_q, marker.published(n.spec)
     )
 
 
@@ -44,7 +46,7 @@ def add_not_valid_check(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     return make_step(
         ctx,
         "add-not-valid-check",
-        summary=f"Add CHECK ({n.spec.published_column} IS NOT NULL) NOT VALID to {n.table}",
+        summary=f"Add CHECK ({marker.describe_published(n.spec)}) NOT VALID to {n.table}",
         statements=(add_check_sql(ctx),),
         tx=TxMode.TRANSACTION,
         locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),

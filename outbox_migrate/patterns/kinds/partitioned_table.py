@@ -14,6 +14,7 @@ from typing import Any
 from psycopg import sql
 
 from outbox_migrate.patterns import conditions as c
+from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.kinds import CREATE_TIMEOUT_MS, BuildContext, kind, make_step
 from outbox_migrate.patterns.model import Condition, Created, Lock, LockMode, Step, TxMode
 from outbox_migrate.patterns.privileges import (
@@ -23,7 +24,8 @@ from outbox_migrate.patterns.privileges import (
     carry_privileges,
 )
 
-NULL_BOUND = "FOR VALUES IN (NULL)"
+NULL_BOUND = marker.NULL_BOUND
+"""The unpublished partition's bound as steps name it (a flag marker's value stands for NULL)."""
 DEFAULT_BOUND = "DEFAULT"
 
 
@@ -182,7 +184,9 @@ def _create_partition(
     grants in the same transaction (a partition inherits neither from its parent)."""
     n = ctx.names
     create = sql.SQL("CREATE TABLE {} PARTITION OF {} {}").format(
-        n.q(relation), n.q(n.parent), sql.SQL(bound)
+        n.q(relation),
+        n.q(n.parent),
+        marker.bound(n.spec) if bound == NULL_BOUND else sql.SQL(bound),
     )
     step = make_step(
         ctx,
@@ -194,7 +198,11 @@ def _create_partition(
             Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),
             Lock(relation, LockMode.ACCESS_EXCLUSIVE),
         ),
-        preconditions=(c.relation_exists(n, n.parent), c.relation_absent(n, relation)),
+        preconditions=(
+            c.relation_exists(n, n.parent),
+            c.relation_absent(n, relation),
+            *((c.marker_kind(n, n.table),) if bound == NULL_BOUND else ()),
+        ),
         postcondition=(c.partition_bound(n, relation, bound),),
         reverse=(sql.SQL("DROP TABLE {}").format(n.q(relation)),),
         reverse_note=f"drop {relation}; refused once it holds rows",
@@ -228,7 +236,7 @@ def create_unpublished_partition(ctx: BuildContext, params: Mapping[str, Any]) -
         "create-unpublished-partition",
         n.unpublished,
         NULL_BOUND,
-        f"Create {n.unpublished} as the partition FOR VALUES IN (NULL)",
+        f"Create {n.unpublished} as the partition {marker.bound_text(n.spec)}",
         RELAY_CLAIM_PRIVILEGES,
     )
 

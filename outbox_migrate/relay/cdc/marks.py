@@ -19,6 +19,7 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import one_line
+from outbox_migrate.patterns import marker
 from outbox_migrate.relay.cdc.stats import CdcStats
 from outbox_migrate.relay.errors import RelayError
 from outbox_migrate.relay.message import MessageId
@@ -46,6 +47,11 @@ class MarkSession:
         self._conn: Any = None
         self._sql: bytes | None = None
         self._in_flight = False
+
+    def use_spec(self, spec: OutboxSpec) -> None:
+        """The spec with its marker resolved (a flag's values), before the first mark."""
+        self._spec = spec
+        self._sql = None
 
     @property
     def in_flight(self) -> bool:
@@ -77,12 +83,12 @@ class MarkSession:
             # (measured at one batch per transaction, the steady state at 1,000 msg/s).
             spec = self._spec
             self._sql = (
-                sql.SQL("UPDATE {} SET {} = now() WHERE {} = ANY($1::int8[]) AND {} IS NULL")
+                sql.SQL("UPDATE {} SET {} WHERE {} = ANY($1::int8[]) AND {}")
                 .format(
                     sql.Identifier(spec.schema, spec.partitioned_table),
-                    sql.Identifier(spec.published_column),
+                    marker.mark(spec),
                     sql.Identifier(spec.id_column),
-                    sql.Identifier(spec.published_column),
+                    marker.unpublished(spec),
                 )
                 .as_bytes(conn)
             )

@@ -64,7 +64,10 @@ class CdcOptions:
     key_column: str | None = None
     event_type_column: str | None = None
     backoff_base_s: float = 0.1
-    backoff_cap_s: float = 30.0
+    backoff_cap_s: float = 8.0
+    """The longest pause between tries of a broker that is down (and of a rejected message):
+    publishing resumes at most this long after the broker returns, so a short up-window
+    between outages is not slept through."""
 
     def __post_init__(self) -> None:
         check_name("slot", self.slot)

@@ -45,6 +45,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME, one_line
 from outbox_migrate.errors import ConnectError
@@ -226,8 +227,10 @@ class CdcRelay:
         """Check the server and tables, create the publication and, when missing, the
         dead-letter tables; the slot comes with the first stream (it needs the replication
         connection for its exported snapshot)."""
-        spec = self.spec
         with self._connect() as conn:
+            # A flag marker's values come from the settings or the column's DEFAULT.
+            spec = self.spec = marker_catalog.resolve(conn, self.spec)
+            self.marks.use_spec(spec)
             slot.check_wal_level(conn)
             self._server_version = conn.info.server_version
             present = {

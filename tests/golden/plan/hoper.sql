@@ -227,6 +227,23 @@ WHERE to_regclass('"public"."outbox_unpublished"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s.%I is %s, but these steps were built for a %s marker: %s',
+              '"public"."outbox"', a.attname, format_type(a.atttypid, a.atttypmod), 'timestamp (NULL = unpublished)',
+                  'set unpublished_value and published_value (or build the steps with a database, which reads the '
+                  'flag''s DEFAULT)')
+FROM pg_attribute a
+WHERE a.attrelid = to_regclass('"public"."outbox"') AND a.attname = 'published_at' AND NOT a.attisdropped
+  AND (format_type(a.atttypid, a.atttypmod) LIKE 'timestamp%') <> true
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.create-unpublished-partition [marker-kind:outbox] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
 CREATE TABLE "public"."outbox_unpublished" PARTITION OF "public"."outbox_new" FOR VALUES IN (NULL);
 DO $om$
 DECLARE

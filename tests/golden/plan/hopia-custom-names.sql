@@ -209,6 +209,23 @@ WHERE to_regclass('"billing"."events_todo"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s.%I is %s, but these steps were built for a %s marker: %s',
+              '"billing"."Events"', a.attname, format_type(a.atttypid, a.atttypmod), 'timestamp (NULL = unpublished)',
+                  'set unpublished_value and published_value (or build the steps with a database, which reads the '
+                  'flag''s DEFAULT)')
+FROM pg_attribute a
+WHERE a.attrelid = to_regclass('"billing"."Events"') AND a.attname = 'published_at' AND NOT a.attisdropped
+  AND (format_type(a.atttypid, a.atttypmod) LIKE 'timestamp%') <> true
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.create-unpublished-partition [marker-kind:Events] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
 CREATE TABLE "billing"."events_todo" PARTITION OF "billing"."events_p" FOR VALUES IN (NULL);
 DO $om$
 DECLARE
@@ -1304,4 +1321,222 @@ WHERE i.inhrelid = to_regclass('"billing"."events_done"') AND i.inhparent = to_r
 END
 $om_assert$;
 DROP TABLE "billing"."events_done";
+COMMIT;
+
+-- phase: original-name
+-- Optional (plan/run --with-optional): for frameworks with a fixed outbox table name.
+-- Run this phase's step while the previous version runs: in one short catalog-only transaction the old table, now the
+--   DEFAULT partition, takes the published partition's name, the partitioned table takes the original name, and a view
+--   under its former name keeps the previous version's inserts (and a relay started with the former name) working.
+-- Then deploy the version that inserts into and publishes from the original name (relay: --partitioned-table with the
+--   original name).
+
+-- step: hopia.original-name.take-original-name: In one transaction: Events (the DEFAULT partition) becomes events_done,
+--   events_p becomes Events, and a view events_p over it keeps the previous version's inserts working
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."Events" IN ACCESS EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"billing"."events_p"')
+WHERE to_regclass('"billing"."events_p"') IS NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.original-name.take-original-name [relation-exists:events_p] failed: '
+            '%', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('%s is not partitioned by LIST (%s)', '"billing"."events_p"', 'published_at')
+WHERE NOT EXISTS (
+    SELECT 1
+    FROM pg_partitioned_table pt
+    JOIN pg_attribute a ON a.attrelid = pt.partrelid AND a.attnum = pt.partattrs[0]
+    WHERE pt.partrelid = to_regclass('"billing"."events_p"') AND pt.partstrat = 'l' AND pt.partnatts = 1
+      AND a.attname = 'published_at')
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.original-name.take-original-name [partitioned-by-list:events_p] '
+            'failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"billing"."events_todo"', '"billing"."events_p"',
+        'FOR VALUES IN (NULL)',
+              coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
+                        FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+                        WHERE c.oid = to_regclass('"billing"."events_todo"')), 'not a partition'))
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+    WHERE c.oid = to_regclass('"billing"."events_todo"') AND i.inhparent = to_regclass('"billing"."events_p"')
+      AND pg_get_expr(c.relpartbound, c.oid) = 'FOR VALUES IN (NULL)')
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.original-name.take-original-name [partition-bound:events_todo] '
+            'failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"billing"."events_done"')
+WHERE to_regclass('"billing"."events_done"') IS NOT NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.original-name.take-original-name [relation-absent:events_done] '
+            'failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"billing"."Events"', '"billing"."events_p"', 'DEFAULT',
+              coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
+                        FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+                        WHERE c.oid = to_regclass('"billing"."Events"')), 'not a partition'))
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+    WHERE c.oid = to_regclass('"billing"."Events"') AND i.inhparent = to_regclass('"billing"."events_p"')
+      AND pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.original-name.take-original-name [partition-bound:Events] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+ALTER TABLE "billing"."Events" RENAME TO "events_done";
+ALTER TABLE "billing"."events_p" RENAME TO "Events";
+CREATE VIEW "billing"."events_p" AS SELECT *, ctid FROM "billing"."Events";
+DO $om$
+DECLARE
+    old_rel regclass := '"billing"."Events"'::regclass;
+    new_rel regclass := '"billing"."events_p"'::regclass;
+    wanted text[] := NULL::text[];
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"billing"."Events"'::regclass);
+    g record;
+BEGIN
+    FOR g IN
+        SELECT NULL::name AS col, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+        UNION ALL
+        SELECT t.attname, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_attribute t, aclexplode(t.attacl) a
+        WHERE t.attrelid = old_rel AND t.attnum > 0 AND NOT t.attisdropped
+          AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+    LOOP
+        EXECUTE format('GRANT %s%s ON TABLE %s TO %s%s', g.privilege_type,
+            CASE WHEN g.col IS NULL THEN '' ELSE format(' (%I)', g.col) END, new_rel,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    IF old_owner <> (SELECT relowner FROM pg_class WHERE oid = new_rel) THEN
+        EXECUTE format('ALTER TABLE %s OWNER TO %s', new_rel, old_owner::regrole);
+    END IF;
+END
+$om$;
+DO $rekey$
+BEGIN
+    IF to_regprocedure('"billing"."events_p_relay_notify"()') IS NOT NULL THEN
+        EXECUTE 'CREATE OR REPLACE FUNCTION "billing"."events_p_relay_notify"() RETURNS trigger LANGUAGE plpgsql AS $om$
+BEGIN
+    -- an idle relay holds this lock exclusively: only then is a NOTIFY worth its
+    -- commit-time cost; the key stands for this table''s name (idle_lock_key in
+    -- outbox_migrate/relay/notify.py)
+    IF NOT pg_try_advisory_xact_lock_shared(-2022672750, 0) THEN
+        PERFORM pg_notify(TG_ARGV[0], (SELECT min("id")::text FROM "new_rows"));
+    END IF;
+    RETURN NULL;
+END
+$om$';
+    END IF;
+END
+$rekey$;
+COMMIT;
+
+-- phase: drop-view
+-- Run this phase once the version that uses the original name is fully rolled out: its gate watches the view for
+--   sessions still using it (and, with --old-app-name, for sessions of the previous version), then drops it.
+
+-- step: hopia.drop-view.drop-compat-view: Gate and drop: no session uses the view events_p any more; drop it
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN WITH samples AS MATERIALIZED (
+    SELECT g, u.pids
+    FROM generate_series(1, 20) g
+    CROSS JOIN LATERAL (SELECT pg_sleep(0.1) WHERE g > 0) pause
+    CROSS JOIN LATERAL (
+        SELECT string_agg(DISTINCT l.pid::text, ',') AS pids
+        FROM pg_locks l
+        WHERE l.locktype = 'relation' AND l.relation = to_regclass('"billing"."events_p"')
+          AND l.pid <> pg_backend_pid() AND g > 0
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    ) u
+)
+SELECT
+    format(
+    '%s is still used by other sessions (pids %s) during the %s s window; phase %s needs every instance of the '
+    'previous version (which writes to %s) gone — finish the rollout, then run this phase again',
+              '"billing"."events_p"', string_agg(DISTINCT samples.pids, ','), 2.0, 'drop-view', '"billing"."events_p"')
+FROM samples
+WHERE samples.pids IS NOT NULL
+HAVING count(*) > 0
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.drop-view.drop-compat-view [no-view-users:events_p] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."events_p" IN ACCESS EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format(
+        '%s is not a view over %s (found: %s); the original-name step did not run, or the name was taken by hand — '
+        'inspect it',
+              '"billing"."events_p"', '"billing"."Events"',
+              coalesce((SELECT CASE c.relkind WHEN 'v' THEN 'a view over other relations'
+                                               WHEN 'p' THEN 'a partitioned table'
+                                               WHEN 'r' THEN 'a table'
+                                               ELSE 'relkind ' || c.relkind::text END
+                        FROM pg_class c WHERE c.oid = to_regclass('"billing"."events_p"')), 'nothing'))
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_class v
+    JOIN pg_rewrite r ON r.ev_class = v.oid
+    JOIN pg_depend d ON d.classid = 'pg_rewrite'::regclass AND d.objid = r.oid
+                    AND d.refclassid = 'pg_class'::regclass
+    WHERE v.oid = to_regclass('"billing"."events_p"') AND v.relkind = 'v'
+      AND d.refobjid = to_regclass('"billing"."Events"'))
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.drop-view.drop-compat-view [view-over:events_p] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DROP VIEW "billing"."events_p";
 COMMIT;

@@ -123,9 +123,17 @@ OUTBOX_COLUMNS = "payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT
         (
             f"CREATE TABLE outbox (id int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
             f"{OUTBOX_COLUMNS}, published_at boolean)",
+            # a flag may be the marker, but this one has no unpublished value to partition by
+            "published-flag-value",
+            "outbox.published_at is a boolean flag with no constant DEFAULT",
+            "set unpublished_value",
+        ),
+        (
+            f"CREATE TABLE outbox (id int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+            f"{OUTBOX_COLUMNS}, published_at jsonb)",
             "published-type",
-            "outbox.published_at is boolean, not a timestamp",
-            "nullable publication timestamp",
+            "outbox.published_at is jsonb, neither a timestamp nor a flag",
+            "nullable publication timestamp or a flag",
         ),
         (
             f"CREATE TABLE outbox (id int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
@@ -154,6 +162,7 @@ OUTBOX_COLUMNS = "payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT
         "smallint-id",
         "no-generator",
         "published-boolean",
+        "published-jsonb",
         "published-not-null",
         "no-id",
         "partitioned",

@@ -76,16 +76,17 @@ def in_one_transaction(step: Step) -> list[str]:
 
 
 ROWS_READ = """
-SELECT relname, coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
+SELECT relid::int8, coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
 FROM pg_stat_xact_user_tables
 WHERE schemaname = 'public' AND relname = ANY (%s)
 """
 
 
-def rows_read(conn: psycopg.Connection) -> dict[str, int]:
-    """Table rows this transaction has read so far, per relation (0s left out)."""
+def rows_read(conn: psycopg.Connection) -> dict[int, int]:
+    """Table rows this transaction has read so far, per relation oid (0s left out). By oid:
+    the original-name step renames relations, and a name would then count another table."""
     found = conn.execute(ROWS_READ, (list(OURS),)).fetchall()
-    return {relname: int(read) for relname, read in found if read}
+    return {int(relid): int(read) for relid, read in found if read}
 
 
 def run_step(conn: psycopg.Connection, step: Step) -> tuple[dict[str, LockMode], dict[str, int]]:
@@ -99,8 +100,14 @@ def run_step(conn: psycopg.Connection, step: Step) -> tuple[dict[str, LockMode],
         for text in in_one_transaction(step):
             conn.execute(text)  # type: ignore[call-overload]
         after = rows_read(conn)
-        names.update(our_relations(conn))  # relations the step created
-        read = {rel: n - before.get(rel, 0) for rel, n in after.items() if n > before.get(rel, 0)}
+        # Relations the step created; a relation it renamed keeps the name it had before,
+        # the name the step declares its lock by.
+        names.update({o: n for o, n in our_relations(conn).items() if o not in names})
+        read = {
+            names[rel]: n - before.get(rel, 0)
+            for rel, n in after.items()
+            if n > before.get(rel, 0) and rel in names
+        }
         return strongest_locks(conn, names), read
 
 

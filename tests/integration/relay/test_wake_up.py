@@ -517,7 +517,7 @@ def test_a_relay_leaves_room_for_a_migration_steps_lock(
     dsn: str, triggered: psycopg.Connection, collected: Collected, linger_s: float, pause_s: float
 ) -> None:
     """The runner takes a step's lock only when no session holding a conflicting lock is idle
-    in transaction (runner/locks.py: queueing behind one could stall the application). An idle
+    in transaction (outbox_migrate/lock_budget.py: queueing behind one could stall the application). An idle
     worker that slept inside its transaction, its last COMMIT queued for the next claim, was
     such a session nearly all the time under a trickle: the demo's COPRA run under load gave
     up after 60 s ("blocked by relay-0, idle in transaction"). A busy worker lingering between

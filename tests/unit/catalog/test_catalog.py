@@ -27,19 +27,35 @@ from outbox_migrate.wizard import Answers, recommend
 ALL = BuildOptions(include_optional=True)
 OLD, NEW, SWITCH = Table.OLD, Table.NEW, Table.OLD_THEN_NEW
 
+# The optional last phases of every pattern: the partitioned table takes the original name.
+ORIGINAL_NAME = [("original-name", NEW, NEW), ("drop-view", NEW, NEW)]
+OPTIONAL_PHASES = {"original-name", "drop-view"}
 # (phase, inserts into, publishes from) exactly as the spec lists the deploys of each pattern.
 SPEC_PHASES = {
-    "cop": [("V1", OLD, OLD), ("V2", NEW, OLD), ("V3", NEW, NEW)],
-    "copra": [("V1", OLD, OLD), ("V2", NEW, OLD), ("V3", NEW, OLD), ("V4", NEW, NEW)],
-    "hop": [("V1", OLD, OLD), ("V2", NEW, SWITCH), ("V3", NEW, NEW)],
+    "cop": [("V1", OLD, OLD), ("V2", NEW, OLD), ("V3", NEW, NEW), *ORIGINAL_NAME],
+    "copra": [
+        ("V1", OLD, OLD),
+        ("V2", NEW, OLD),
+        ("V3", NEW, OLD),
+        ("V4", NEW, NEW),
+        *ORIGINAL_NAME,
+    ],
+    "hop": [("V1", OLD, OLD), ("V2", NEW, SWITCH), ("V3", NEW, NEW), *ORIGINAL_NAME],
     "hoper": [
         ("V1", OLD, OLD),
         ("V2", NEW, SWITCH),
         ("V3", NEW, NEW),
         ("V4", NEW, NEW),
         ("copy-back", NEW, NEW),
+        *ORIGINAL_NAME,
     ],
-    "hopia": [("V1", OLD, OLD), ("V2", NEW, SWITCH), ("V3", NEW, NEW), ("V4", NEW, NEW)],
+    "hopia": [
+        ("V1", OLD, OLD),
+        ("V2", NEW, SWITCH),
+        ("V3", NEW, NEW),
+        ("V4", NEW, NEW),
+        *ORIGINAL_NAME,
+    ],
 }
 
 CREATE = [
@@ -50,10 +66,11 @@ CREATE = [
     "create-published-partition",
     "tune-autovacuum",
 ]
+ORIGINAL_NAME_KINDS = {"original-name": ["take-original-name"], "drop-view": ["drop-compat-view"]}
 CHECK_SEQUENCE = ["drop-identity", "add-not-valid-check", "validate-check", "set-not-null"]
 # The kinds of each phase, with optional steps included.
 SPEC_KINDS = {
-    "cop": {"V1": [], "V2": CREATE, "V3": ["gate-old-table-retired"]},
+    "cop": {"V1": [], "V2": CREATE, "V3": ["gate-old-table-retired"], **ORIGINAL_NAME_KINDS},
     "copra": {
         "V1": [],
         # No published partition: the old table becomes it in V3.
@@ -67,8 +84,9 @@ SPEC_KINDS = {
             "tune-autovacuum-old",
         ],
         "V4": [],
+        **ORIGINAL_NAME_KINDS,
     },
-    "hop": {"V1": [], "V2": CREATE, "V3": ["gate-old-table-retired"]},
+    "hop": {"V1": [], "V2": CREATE, "V3": ["gate-old-table-retired"], **ORIGINAL_NAME_KINDS},
     "hoper": {
         "V1": [],
         "V2": CREATE,
@@ -81,6 +99,7 @@ SPEC_KINDS = {
             "tune-autovacuum-old",
         ],
         "copy-back": ["copy-back", "drop-published"],
+        **ORIGINAL_NAME_KINDS,
     },
     "hopia": {
         "V1": [],
@@ -95,6 +114,7 @@ SPEC_KINDS = {
             "tune-autovacuum-old",
             "drop-detached-published",
         ],
+        **ORIGINAL_NAME_KINDS,
     },
 }
 
@@ -127,7 +147,8 @@ def test_phases_and_application_behaviour_follow_the_spec(name: str) -> None:
     observed = [(p.name, p.app.inserts_into, p.app.publishes_from) for p in pattern.phases]
     assert observed == SPEC_PHASES[name]
     kinds = [p.kind for p in pattern.phases]
-    expected = [PhaseKind.JOB if p == "copy-back" else PhaseKind.DEPLOY for p, *_ in observed]
+    jobs = ("copy-back", "drop-view")
+    expected = [PhaseKind.JOB if p in jobs else PhaseKind.DEPLOY for p, *_ in observed]
     assert kinds == expected
 
 
@@ -150,7 +171,21 @@ def test_optional_steps_are_left_out_by_default() -> None:
         "copra.v3.disable-old-triggers",
         "hoper.v4.disable-old-triggers",
         "hopia.v4.disable-old-triggers",
+        *(f"{name}.original-name.take-original-name" for name in PATTERN_NAMES),
+        *(f"{name}.drop-view.drop-compat-view" for name in PATTERN_NAMES),
     }
+
+
+def test_original_name_phases_are_left_out_whole_by_default() -> None:
+    """Without --with-optional the pattern is what it was: no empty optional phase either
+    (plans, playbooks and Alembic revisions of existing migrations stay unchanged)."""
+    for full, default in zip(every_pattern(), every_pattern(BuildOptions()), strict=True):
+        assert [p.name for p in full.phases if p.name in OPTIONAL_PHASES] == [
+            "original-name",
+            "drop-view",
+        ]
+        assert OPTIONAL_PHASES.isdisjoint(default.phase_names())
+        assert default.phase_names() == [p for p in full.phase_names() if p not in OPTIONAL_PHASES]
 
 
 def test_step_ids_are_pattern_phase_kind_and_unique() -> None:
@@ -198,8 +233,10 @@ def test_point_of_no_return_is_the_only_irreversible_step(name: str) -> None:
     irreversible = [s.id for s in pattern.steps() if not s.reversible]
     assert irreversible == ([pattern.point_of_no_return] if pattern.point_of_no_return else [])
     if pattern.point_of_no_return:
-        # Nothing after the point of no return: it is the pattern's very last step.
-        assert pattern.steps()[-1].id == pattern.point_of_no_return
+        # Nothing after the point of no return but the optional original-name phases,
+        # which reverse (their rename and view are undone before anything earlier).
+        base = [s for s in pattern.steps() if s.phase not in OPTIONAL_PHASES]
+        assert base[-1].id == pattern.point_of_no_return
 
 
 def test_steps_that_scan_never_block_writers() -> None:
@@ -395,3 +432,22 @@ def test_unknown_pattern_is_a_usage_error() -> None:
 def test_every_registered_kind_is_used_by_some_pattern() -> None:
     used = {s.kind.removesuffix("-old") for _, s in every_step()}
     assert used == set(load_all())
+
+
+@pytest.mark.parametrize("name", PATTERN_NAMES)
+def test_the_rename_restates_the_end_state(name: str) -> None:
+    """After the rename every earlier postcondition names relations by their former names:
+    the invariants are the renaming step's own (then the view's drop's), under the new names."""
+    pattern = build_pattern(name, options=ALL)
+    rename = pattern.phase("original-name").steps[0]
+    drop = pattern.phase("drop-view").steps[0]
+    assert [s for s, _ in pattern.invariants("original-name")] == [rename] * len(
+        rename.postcondition
+    )
+    assert [c.name for _, c in pattern.invariants("drop-view")] == [
+        c.name for c in drop.postcondition
+    ]
+    assert "partitioned-by-list:outbox" in [c.name for c in rename.postcondition]
+    # The drop done ahead of a phase the ledger still records: its end state is what holds.
+    ahead = pattern.invariants("original-name", frozenset({drop.id}))
+    assert [c.name for _, c in ahead] == [c.name for c in drop.postcondition]

@@ -1,0 +1,240 @@
+"""The optional last phases: the partitioned outbox takes the flat table's original name.
+
+Frameworks with a fixed (or prefix-derived) table name cannot follow the migration to
+`outbox_new`. `take-original-name` renames, in one short catalog-only transaction, the relation
+that holds the old name out of the way (the old table: the DEFAULT partition in COPRA, HOPER
+and HOPIA, a retired standalone table in COP and HOP), the parent to the old name, and leaves a
+view under the parent's former name so the previous application version keeps inserting
+through it (a simple view is auto-updatable; an INSERT through it takes the base table's
+defaults and identity). `drop-compat-view` drops that view once no session uses it.
+
+The view also exposes the base rows' `ctid`: a relay started before the rename marks published
+rows through the partitioned table's former name *by ctid*, and a view has no system columns.
+Both kinds restate the whole end state in their postcondition, under the new names: the
+earlier steps' postconditions name relations that no longer carry those names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from psycopg import sql
+
+from outbox_migrate import sql as queries
+from outbox_migrate.patterns import conditions as c
+from outbox_migrate.patterns.kinds import BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND, NULL_BOUND
+from outbox_migrate.patterns.model import (
+    CheckPoint,
+    Condition,
+    Created,
+    Lock,
+    LockMode,
+    Step,
+    TxMode,
+)
+from outbox_migrate.patterns.names import Names
+from outbox_migrate.patterns.privileges import EVERY_PRIVILEGE, carry_privileges
+from outbox_migrate.relay import notify
+from outbox_migrate.relay.options import DEFAULT_CHANNEL
+
+VIEW_SAMPLE_INTERVAL_S = 0.1
+"""How often the drop gate looks at pg_locks for sessions using the view."""
+OLD_TABLE_BECOMES = ("published", "retired")
+"""`published`: the old table is the DEFAULT partition and takes the published partition's
+name; `retired`: it stands alone (COP, HOP) and takes `<table>_retired` (if it still exists)."""
+
+
+def _condition(name: str, label: str, **parts: sql.Composable) -> Condition:
+    named = queries.query("original_name", name)
+    return Condition(
+        name=f"{name}:{label}", description=named.description, query=named.compose(**parts)
+    )
+
+
+def renamed(n: Names) -> Names:
+    """The names after the rename: the parent is called what the flat table was."""
+    return Names(replace(n.spec, partitioned_table=n.spec.table))
+
+
+def view_over(n: Names) -> Condition:
+    """The parent's former name is a view over the renamed parent."""
+    return _condition("view-over", n.parent, view_reg=n.reg(n.parent), rel_reg=n.reg(n.table))
+
+
+def end_state(n: Names) -> tuple[Condition, ...]:
+    """The partitioned outbox under the original name, with both of its partitions."""
+    after = renamed(n)
+    return (
+        c.partitioned_by_list(after),
+        c.partition_bound(after, after.unpublished, NULL_BOUND),
+        c.partition_bound(after, after.published, DEFAULT_BOUND),
+    )
+
+
+def _old_table_target(n: Names, becomes: str) -> str:
+    if becomes not in OLD_TABLE_BECOMES:
+        raise ValueError(
+            f"take-original-name: old_table_becomes must be one of {OLD_TABLE_BECOMES}"
+        )
+    return n.published if becomes == "published" else n.spec.retired_table
+
+
+def rename_sql(n: Names, relation: str, to: str, *, if_exists: bool = False) -> sql.Composed:
+    return sql.SQL("ALTER TABLE {if_exists}{rel} RENAME TO {to}").format(
+        if_exists=sql.SQL("IF EXISTS " if if_exists else ""),
+        rel=n.q(relation),
+        to=sql.Identifier(to),
+    )
+
+
+def create_view_sql(n: Names) -> sql.Composed:
+    # `ctid` by name: a view has no system columns, and a relay started with the former name
+    # marks rows by ctid (relay/queries.py `mark`).
+    return sql.SQL("CREATE VIEW {view} AS SELECT *, ctid FROM {table}").format(
+        view=n.q(n.parent), table=n.q(n.table)
+    )
+
+
+def rekey_wake_up_sql(n: Names, key_names: Names) -> sql.Composed:
+    """Re-create the wake-up trigger's function (same name, same OID: it stays the migration's
+    own) with the idle lock key of `key_names`' partitioned table, if the function exists.
+    Relays compute the key from the name they are given; keyed to the original name, the
+    next version's relays are woken and those still on the former name poll until stopped."""
+    body = notify.create_sql(n.spec, DEFAULT_CHANNEL, key_spec=key_names.spec)[0]
+    return sql.SQL(
+        "DO $rekey$\nBEGIN\n"
+        "    IF to_regprocedure({function}) IS NOT NULL THEN\n"
+        "        EXECUTE {body};\n"
+        "    END IF;\n"
+        "END\n$rekey$"
+    ).format(
+        function=sql.Literal(
+            sql.Identifier(n.spec.schema, notify.function_name(n.spec)).as_string(None) + "()"
+        ),
+        body=sql.Literal(body.as_string(None)),
+    )
+
+
+def carry_grants_sql(n: Names) -> sql.Composed:
+    """Give the view the renamed table's owner and every table and column grant
+    (patterns/privileges.py): the view runs with its owner's rights on the table, so the
+    previous version's role needs on the view what it had on the table. At this point of the
+    step `n.table` names the renamed partitioned table, which carries the old table's grants."""
+    return carry_privileges(n, n.parent, EVERY_PRIVILEGE)
+
+
+@kind("take-original-name")
+def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    n = ctx.names
+    becomes = str(params.get("old_table_becomes", "published"))
+    target = _old_table_target(n, becomes)
+    retired = becomes == "retired"
+    if retired:
+        # COP/HOP: the old table stands alone (or was dropped by the operator already).
+        old_table_checks: tuple[Condition, ...] = (
+            c.partition_bound(n, n.published, DEFAULT_BOUND),
+            c.is_plain_table(n, n.table),
+            c.not_a_partition(n, n.table),
+        )
+        moved = f"{n.table} (the retired flat table, if it is still there) becomes {target}"
+    else:
+        old_table_checks = (c.partition_bound(n, n.table, DEFAULT_BOUND),)
+        moved = f"{n.table} (the DEFAULT partition) becomes {target}"
+    forward = (
+        rename_sql(n, n.table, target, if_exists=retired),
+        rename_sql(n, n.parent, n.table),
+        create_view_sql(n),
+        carry_grants_sql(n),
+        rekey_wake_up_sql(n, renamed(n)),
+    )
+    reverse = (
+        sql.SQL("DROP VIEW {}").format(n.q(n.parent)),
+        rename_sql(n, n.table, n.parent),
+        rename_sql(n, target, n.table, if_exists=retired),
+        rekey_wake_up_sql(n, n),
+    )
+    return make_step(
+        ctx,
+        "take-original-name",
+        summary=f"In one transaction: {moved}, {n.parent} becomes {n.table}, and a view "
+        f"{n.parent} over it keeps the previous version's inserts working",
+        statements=forward,
+        tx=TxMode.TRANSACTION,
+        # The parent first, as the writers lock it (lock_declared orders it first too); RENAME
+        # is catalog-only, so ACCESS EXCLUSIVE is held for milliseconds.
+        locks=(Lock(n.parent, LockMode.ACCESS_EXCLUSIVE), Lock(n.table, LockMode.ACCESS_EXCLUSIVE)),
+        catalog_only=True,
+        optional=True,
+        preconditions=(
+            c.relation_exists(n, n.parent),
+            c.partitioned_by_list(n),
+            c.partition_bound(n, n.unpublished, NULL_BOUND),
+            c.relation_absent(n, target),
+            *old_table_checks,
+        ),
+        postcondition=(*end_state(n), view_over(n)),
+        reverse=reverse,
+        reverse_note=f"drop the view {n.parent}, give {n.table} its name {n.parent} back and "
+        f"{target} the name {n.table} — only once no instance of the version that uses "
+        f"{n.table} runs (its inserts would reach the old table instead)",
+        reverse_preconditions=(view_over(n),),
+        creates=(Created("relation", n.parent),),
+        restates_end_state=True,
+        notes=(
+            f"The previous version keeps inserting into {n.parent} (now a view: INSERTs take "
+            f"{n.table}'s defaults and identity); deploy the version that uses {n.table}, then "
+            "run the next phase to drop the view.",
+            f"A relay started with --partitioned-table {n.parent} keeps publishing (the view "
+            f"exposes ctid for its marks); start new relays with --partitioned-table {n.table}.",
+            f"SELECT * through the view {n.parent} returns one more column, ctid.",
+        ),
+    )
+
+
+@kind("drop-compat-view")
+def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    """The gate watches `pg_locks` for the view, not a ticking sequence like the gate
+    sequence's: a statement trigger on an auto-updatable view never fires (the INSERT is
+    rewritten onto the table, whose triggers fire instead — checked on PostgreSQL 18), but
+    every statement through the view locks it for its transaction."""
+    n = ctx.names
+    samples = max(1, round(ctx.sample_window_s / VIEW_SAMPLE_INTERVAL_S))
+    unused = _condition(
+        "no-view-users",
+        n.parent,
+        view_reg=n.reg(n.parent),
+        samples=sql.Literal(samples),
+        interval_s=sql.Literal(VIEW_SAMPLE_INTERVAL_S),
+        window_s=sql.Literal(ctx.sample_window_s),
+        phase=sql.Literal(ctx.phase),
+    )
+    sampled = c.before_lock(
+        unused,
+        CheckPoint.SAMPLED,
+        "no-old-app-sessions (under the lock) when old_app_name is set; otherwise the sampled "
+        "window only: a writer of the previous version that comes back gets an error",
+    )
+    gate: list[Condition] = [view_over(n), sampled]
+    if ctx.old_app_name:
+        gate.append(c.no_old_app_sessions(ctx.old_app_name, ctx.phase))
+    recreate = (create_view_sql(n), carry_grants_sql(n))
+    return make_step(
+        ctx,
+        "drop-compat-view",
+        summary=f"Gate and drop: no session uses the view {n.parent} any more; drop it",
+        statements=(sql.SQL("DROP VIEW {}").format(n.q(n.parent)),),
+        tx=TxMode.TRANSACTION,
+        locks=(Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),),
+        catalog_only=True,
+        optional=True,
+        preconditions=tuple(gate),
+        postcondition=(*end_state(n), c.relation_absent(n, n.parent)),
+        reverse=recreate,
+        reverse_note=f"re-create the view {n.parent} over {n.table} with its grants",
+        reverse_preconditions=(c.relation_absent(n, n.parent),),
+        reverse_creates=(Created("relation", n.parent),),
+        restates_end_state=True,
+    )
