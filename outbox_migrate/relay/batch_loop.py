@@ -390,7 +390,8 @@ class BatchLoop:
     def _abort_run(self, pending: list[Commit]) -> None:
         """A run failed: roll back both sessions, count what did commit (a COMMIT of the
         read-ahead session still in flight is read first, so a batch marked is counted), and
-        keep the published batches whose mark did not commit for `_repair_marks`."""
+        keep the published batches whose mark did not commit for the worker's repair
+        (`Worker._repair_marks`)."""
         self.read_ahead.abandon()
         for commit in pending:
             if commit.succeeded:

@@ -110,7 +110,7 @@ class IdleFlag:
         self.busy_polls += 1
         return self.busy_poll_s()
 
-    # -- inside a run of batches (the worker's `_claim` and `_wait_in_run`) ---------------
+    # -- inside a run of batches (`BatchLoop._claim` and `_wait_in_run`) -----------------
 
     def before_claim(self, flag_rows: int) -> tuple[int | None, bool]:
         """A claim is about to go out: (the key to unlock with it or None, whether to try

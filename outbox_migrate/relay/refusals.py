@@ -136,7 +136,7 @@ class Refusals:
 
     def forget(self, conn: Any, label: str, acked: list[MessageId]) -> None:
         """A message that failed before went through: its counter goes — unless its mark
-        failed before, which is yet to be tried (`Worker._mark_suspects`, relay/driver.py)."""
+        failed before, which is yet to be tried (`BatchLoop._mark_suspects`)."""
         seen = self.failures.seen_before(label, acked)
         if seen and self.suspects:
             pending = self.suspects.among(label, seen)
