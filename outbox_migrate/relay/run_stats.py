@@ -1,7 +1,10 @@
-"""What a polling relay run did, counted by its workers (`Relay.stats`, the `relay.stopped` line).
+"""What a relay run did, counted by its threads (`Relay.stats`, the `relay.stopped` line).
 
-Its own module so that every part of the relay that counts (the workers, the rejection policy
-in relay/refusals.py) can without importing the relay's lifecycle (relay/worker.py).
+One way to count for both relays: `Counters` (thread-safe `add`, `as_dict` for the log line
+and the CLI) is the base of the polling relay's `RelayStats` here and of the CDC relay's
+`CdcStats` (relay/cdc/stats.py), which keep only their own counters. Its own module so that
+every part of the relay that counts (the workers, the rejection policy in relay/refusals.py)
+can without importing the relay's lifecycle (relay/worker.py).
 """
 
 from __future__ import annotations
@@ -11,8 +14,24 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class RelayStats:
-    """What a run did; read it after `run()` returns (or live, for tests)."""
+class Counters:
+    """A run's counters, added to by several threads; every public field is an int."""
+
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+
+@dataclass
+class RelayStats(Counters):
+    """What a polling run did; read it after `run()` returns (or live, for tests)."""
 
     published: int = 0
     batches: int = 0
@@ -28,19 +47,9 @@ class RelayStats:
     abandoned_workers: int = 0
     read_ahead: int = 0
     """Batches claimed on a worker's read-ahead session while the one before was published."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                setattr(self, name, getattr(self, name) + value)
 
     def batch(self, published: int) -> None:
         """One batch committed (the per-batch path: no keyword dispatch)."""
         with self._lock:
             self.published += published
             self.batches += 1
-
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
