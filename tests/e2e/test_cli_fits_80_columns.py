@@ -110,8 +110,8 @@ def test_output_of_a_whole_migration_fits(dsn: str, tmp_path: Path) -> None:
         ("ping",), ("plan", "-p", "hoper"), ("run", "-p", "hoper", "--to", "V2"), ("status",),
         ("verify",), ("rollback", "--to", "V1"), ("reset", "--yes"),
         ("run", "-p", "hoper", "--to", "V2"), ("next", "-p", "hoper"),
-        ("run", "-p", "hoper", "--to", "V4"), ("status",), ("copy-back",), ("status",),
-        ("maintain", "--once"),
+        ("run", "-p", "hoper", "--to", "V4"), ("status",), ("status", "--watch", "--count", "1"),
+        ("copy-back",), ("status",), ("maintain", "--once"),
     ]  # fmt: skip
     for args in sequence:
         out, err = cli(*args, env=env)
@@ -150,3 +150,39 @@ def test_demo_report_keeps_every_word_whole(
         assert any(whole in word for word in words), whole
     for line in printed.splitlines():
         assert "outco" not in line or "outcome" in line
+
+
+def test_rehearsal_report_fits(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`rehearse` runs a whole pattern (tests/e2e/test_rehearse.py); the part of its report the
+    demo's lacks — the source and the estimates at the real size — is rendered here at 80."""
+    from outbox_migrate.cli import console
+
+    monkeypatch.setenv("COLUMNS", str(WIDTH))
+    console.out.cache_clear()
+    report = {
+        "pattern": "hoper", "rate_per_s": 20, "produced": 10, "published": 10, "lost": 0,
+        "duplicated": 0, "max_insert_latency_ms": 12.5, "lock_timeout_ms": 200,
+        "p99_insert_latency_ms": 3.1, "max_publish_gap_ms": 250.0, "max_publish_lag_ms": 300.0,
+        "phases": [], "steps": [], "files": {},
+        "source": {"table": "a_rather_long_schema_name.a_rather_long_outbox_table_name",
+                   "server_version": "18.1 (Debian 18.1-1.pgdg120+1)", "row_estimate": 123456789,
+                   "unpublished": 12, "heap_bytes": 98765432100, "measured_over_s": 5.0,
+                   "inserts_per_s": 1234.5, "updates_per_s": 1230.1, "deletes_per_s": 0.0},
+        "scratch": {"rows": 100000, "rate_per_s": 1000, "identity": "id",
+                    "skipped": ["foreign key outbox_tenant_fkey (its target is not copied)"]},
+        "extrapolated": [
+            {"step": "hoper.v4.validate-check", "scratch_s": 0.058, "scale": 9.99,
+             "estimated_s": 0.6, "basis": "heap bytes, linear"},
+            {"step": "copy-back", "scratch_rows": 207, "scratch_s": 0.255, "rows_per_s": 811.0,
+             "estimated_s_per_hour_between_v2_and_swap": 5464.2, "basis": "rate"},
+        ],
+    }  # fmt: skip
+    try:
+        console.render_rehearsal_report(report)
+    finally:
+        console.out.cache_clear()
+    printed = capsys.readouterr().out
+    assert too_wide(printed) == []
+    assert "hoper.v4.validate-check" in printed.split()

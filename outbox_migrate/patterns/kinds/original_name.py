@@ -114,7 +114,16 @@ def rekey_wake_up_sql(n: Names, key_names: Names) -> sql.Composed:
         function=sql.Literal(
             sql.Identifier(n.spec.schema, notify.function_name(n.spec)).as_string(None) + "()"
         ),
-        body=sql.Literal(body.as_string(None)),
+        body=_text_expression(body.as_string(None)),
+    )
+
+
+def _text_expression(text: str) -> sql.Composed:
+    """`text` as a PL/pgSQL text expression of one constant per line joined by newlines: a
+    multi-line constant cannot be laid out to the width of `plan --format sql` (its lines
+    start inside the string), one line per constant can (sql_layout splits a long one)."""
+    return sql.SQL(" || chr(10)\n            || ").join(
+        sql.Literal(line) for line in text.split("\n")
     )
 
 

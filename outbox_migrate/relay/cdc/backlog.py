@@ -105,7 +105,21 @@ class Backlog:
     ) -> None:
         self.conn = conn
         names = sorted(columns)
-        self.columns = builder.columns_for(pgoutput.Relation(0, spec.schema, "", tuple(names)))
+        # Each column is read as text, as the stream sends it; its type says how to read it
+        # back (a bytea's text is hex).
+        partition = sql.Identifier(spec.schema, spec.unpublished_partition).as_string(conn)
+        types = dict(
+            conn.execute(
+                "SELECT attname, atttypid::int8 FROM pg_attribute "
+                "WHERE attrelid = to_regclass(%s) AND attname = ANY(%s)",
+                (partition, names),
+            ).fetchall()
+        )
+        self.columns = builder.columns_for(
+            pgoutput.Relation(
+                0, spec.schema, "", tuple(names), tuple(int(types.get(n, 0)) for n in names)
+            )
+        )
         self.builder = builder
         self.select = sql.SQL("SELECT {} FROM {} WHERE {} = ANY(%s::int8[]) ORDER BY {}").format(
             sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(n)) for n in names),

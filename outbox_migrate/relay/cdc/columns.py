@@ -10,6 +10,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay.cdc import pgoutput
@@ -29,6 +30,8 @@ class Columns:
     key: int | None
     headers: int | None
     metadata: tuple[tuple[str, int], ...]
+    payload_bytea: bool = False
+    """The payload column is bytea: its stream text is hex, decoded to the bytes it holds."""
 
 
 class MessageBuilder:
@@ -57,11 +60,13 @@ class MessageBuilder:
                 key=names.get(optional["key"] or ""),
                 headers=names.get(optional["headers"] or ""),
                 metadata=tuple((c, names[c]) for c in spec.metadata_columns),
+                payload_bytea=_type_of(relation, names[spec.payload_column]) == BYTEA_OID,
             )
         except KeyError as exc:
             raise RelayError(f"{self.label} has no column {exc.args[0]}") from None
 
-    def message(self, columns: Columns, values: Sequence[str | None]) -> Message:
+    def message(self, columns: Columns, values: Sequence[Any]) -> Message:
+        """`values`: the stream's text per column, or the backlog SELECT's row."""
         created = values[columns.created_at] if columns.created_at is not None else None
         # pgoutput's text ("2026-01-02 03:04:05.6+00") as RFC 3339, like the polling claim's
         created_at = datetime.fromisoformat(created) if created else datetime.now(UTC)
@@ -73,10 +78,34 @@ class MessageBuilder:
             self.label,
             values[columns.event_type] if columns.event_type is not None else None,
             values[columns.key] if columns.key is not None else None,
-            values[columns.payload] or "null",
+            _payload(values[columns.payload], columns.payload_bytea),
             created_at.isoformat(),
             extra,
         )
+
+
+BYTEA_OID = 17
+
+
+def _type_of(relation: pgoutput.Relation, index: int) -> int:
+    return relation.types[index] if index < len(relation.types) else 0
+
+
+def _payload(value: str | bytes | None, bytea: bool) -> str | bytes:
+    """The payload as the polling relay's claim renders it: text, or — from a bytea column —
+    the bytes it holds, as text when they are UTF-8 and raw bytes otherwise (a pickle, a
+    protobuf: sinks that carry bytes send them as they are; JSON envelopes refuse them as
+    bad rows). The stream sends a bytea as `\\x` hex text, the backlog's SELECT as bytes."""
+    if value is None:
+        return "null"
+    if bytea and isinstance(value, str) and value.startswith("\\x"):
+        value = bytes.fromhex(value[2:])
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return value
+    return value
 
 
 def _extra_headers(columns: Columns, values: Sequence[str | None]) -> tuple[tuple[str, str], ...]:

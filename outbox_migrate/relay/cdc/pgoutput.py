@@ -73,6 +73,8 @@ class Relation(NamedTuple):
     namespace: str
     name: str
     columns: tuple[str, ...]
+    types: tuple[int, ...] = ()
+    """Each column's type OID (pgoutput sends values as text: a bytea arrives as `\\x…` hex)."""
 
 
 class Insert(NamedTuple):
@@ -144,11 +146,13 @@ def _relation(buf: bytes, at: int) -> Relation:
     (count,) = _I16.unpack_from(buf, pos)
     pos += 2
     columns: list[str] = []
+    types: list[int] = []
     for _ in range(count):
         column, pos = _cstring(buf, pos + 1)  # flags byte, then the name
+        types.append(_U32.unpack_from(buf, pos)[0])
         pos += 8  # type oid, type modifier
         columns.append(column)
-    return Relation(oid, namespace or "pg_catalog", name, tuple(columns))
+    return Relation(oid, namespace or "pg_catalog", name, tuple(columns), tuple(types))
 
 
 def _insert(buf: bytes, at: int) -> Insert:

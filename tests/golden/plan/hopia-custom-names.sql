@@ -1456,17 +1456,19 @@ $om$;
 DO $rekey$
 BEGIN
     IF to_regprocedure('"billing"."events_p_relay_notify"()') IS NOT NULL THEN
-        EXECUTE 'CREATE OR REPLACE FUNCTION "billing"."events_p_relay_notify"() RETURNS trigger LANGUAGE plpgsql AS $om$
-BEGIN
-    -- an idle relay holds this lock exclusively: only then is a NOTIFY worth its
-    -- commit-time cost; the key stands for this table''s name (idle_lock_key in
-    -- outbox_migrate/relay/notify.py)
-    IF NOT pg_try_advisory_xact_lock_shared(-2022672750, 0) THEN
-        PERFORM pg_notify(TG_ARGV[0], (SELECT min("id")::text FROM "new_rows"));
-    END IF;
-    RETURN NULL;
-END
-$om$';
+        EXECUTE
+            'CREATE OR REPLACE FUNCTION "billing"."events_p_relay_notify"() RETURNS trigger LANGUAGE plpgsql AS $om$' ||
+            chr(10)
+            || 'BEGIN' || chr(10)
+            || '    -- an idle relay holds this lock exclusively: only then is a NOTIFY worth its' || chr(10)
+            || '    -- commit-time cost; the key stands for this table''s name (idle_lock_key in' || chr(10)
+            || '    -- outbox_migrate/relay/notify.py)' || chr(10)
+            || '    IF NOT pg_try_advisory_xact_lock_shared(-2022672750, 0) THEN' || chr(10)
+            || '        PERFORM pg_notify(TG_ARGV[0], (SELECT min("id")::text FROM "new_rows"));' || chr(10)
+            || '    END IF;' || chr(10)
+            || '    RETURN NULL;' || chr(10)
+            || 'END' || chr(10)
+            || '$om$';
     END IF;
 END
 $rekey$;

@@ -34,7 +34,7 @@ def test_begin_commit_relation_insert() -> None:
         + b"".join(b"\x01" + c + b"\0" + struct.pack("!Ii", 20, -1) for c in columns)
     )  # fmt: skip
     assert pgoutput.decode(relation) == pgoutput.Relation(
-        16400, "public", "outbox_unpublished", ("id", "payload", "created_at")
+        16400, "public", "outbox_unpublished", ("id", "payload", "created_at"), (20, 20, 20)
     )
     values = ["1000001", '{"ä": 1}', None]
     insert = b"I" + struct.pack("!I", 16400) + b"N" + struct.pack("!h", 3)
