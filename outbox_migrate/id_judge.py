@@ -13,7 +13,7 @@ from outbox_migrate.findings import Finding
 from outbox_migrate.marker_catalog import not_null_recipe
 
 if TYPE_CHECKING:
-    from outbox_migrate.introspect import ColumnFact, TableFacts
+    from outbox_migrate.table_facts import ColumnFact, TableFacts
 
 ID_LIMITS = {"bigint": 2**63 - 1, "integer": 2**31 - 1}
 ID_SAFETY_FACTOR = 2

@@ -7,7 +7,6 @@ with what to do; warnings are facts the operator must know but that do not stop 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from psycopg import Connection, sql
@@ -21,120 +20,19 @@ from outbox_migrate.findings import Finding
 from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import PublicationFact
 from outbox_migrate.patterns.names import Names
+from outbox_migrate.table_facts import (
+    ASSUMED_SCAN_BYTES_PER_S,
+    ID_TYPES,
+    ColumnFact,
+    ObjectFact,
+    TableFacts,
+)
 from outbox_migrate.table_privileges import read_table_privileges
 
-ID_TYPES = frozenset({"bigint", "integer"})
-"""Types of database-generated ids (identity, serial, nextval default)."""
 STATUS_COLUMNS = frozenset({"status", "state"})
 """Names of the state column of status-driven outboxes (PENDING/DELIVERED/DEAD)."""
 
 PUBLISHED_TYPES = frozenset({"timestamp with time zone", "timestamp without time zone"})
-ASSUMED_SCAN_BYTES_PER_S = 200 * 1024 * 1024
-"""Sequential-read rate used only to *estimate* VALIDATE/copy durations in plans."""
-
-
-@dataclass(frozen=True)
-class ColumnFact:
-    name: str
-    type: str
-    default: str | None
-    not_null: bool
-    collation: str | None
-    identity: str
-    """'a' GENERATED ALWAYS, 'd' BY DEFAULT, '' none."""
-    generated: str
-
-
-@dataclass(frozen=True)
-class ObjectFact:
-    """An object on the old table (primary key, index, CHECK, trigger) and what the migration
-    does with it, so `plan` can say it for every one."""
-
-    kind: str
-    name: str
-    definition: str
-    fate: str
-
-
-@dataclass
-class TableFacts:
-    """Everything the plan, the wizard and the runner need to know about the live outbox."""
-
-    schema: str
-    table: str
-    server_version: int
-    server_version_text: str
-    relkind: str
-    is_partition: bool
-    columns: list[ColumnFact]
-    max_id: int | None
-    sequence: str | None
-    sequence_last_value: int | None
-    row_estimate: int
-    unpublished: int
-    total_bytes: int
-    heap_bytes: int
-    inserts: int
-    indexes: list[tuple[str, str]]
-    constraints: list[tuple[str, str, bool]]
-    triggers: list[tuple[str, str]]
-    foreign_keys_in: list[tuple[str, str]]
-    foreign_keys_out: list[tuple[str, str]]
-    publications: list[str]
-    publication_details: list[PublicationFact] = field(default_factory=list)
-    """Each publication covering the table, with what the catalog must carry (CDC users)."""
-    new_table_state: dict[str, str] = field(default_factory=dict)
-    random_uuid_ids: bool = False
-    """The newest rows' uuid ids are version 4 (random): they do not sort by time."""
-    sequence_owned: bool = False
-    """The id's sequence is owned by the column (serial/bigserial), not just named by its
-    `nextval` default."""
-    index_details: list[tuple[str, str, bool, bool, bool]] = field(default_factory=list)
-    """(name, definition, primary, unique, valid) of each index."""
-    check_details: list[tuple[str, str, bool, bool]] = field(default_factory=list)
-    """(name, definition, validated, no inherit) of each CHECK constraint."""
-    trigger_details: list[tuple[str, str, str]] = field(default_factory=list)
-    """(name, definition, enabled: O/D/R/A) of each user trigger."""
-    unique_keys: list[lost_rules.UniqueKey] = field(default_factory=list)
-    blockers: list[Finding] = field(default_factory=list)
-    warnings: list[Finding] = field(default_factory=list)
-    notes: list[Finding] = field(default_factory=list)
-    """How the plan handles what is unusual about this table (id kind, …); nothing to do."""
-    objects: list[ObjectFact] = field(default_factory=list)
-
-    def column(self, name: str) -> ColumnFact | None:
-        return next((c for c in self.columns if c.name == name), None)
-
-    @property
-    def id_top(self) -> int:
-        """The highest id the old table holds or its sequence has handed out."""
-        return max(self.max_id or 0, self.sequence_last_value or 0)
-
-    def identity_generation(self, spec: OutboxSpec) -> str:
-        """`BY DEFAULT` or `ALWAYS`: how the old id is generated, for reversing DROP IDENTITY."""
-        column = self.column(spec.id_column)
-        return "BY DEFAULT" if column is not None and column.identity == "d" else "ALWAYS"
-
-    def identity_start(self, headroom: int) -> int:
-        return self.id_top + headroom
-
-    def id_kind(self, spec: OutboxSpec) -> str:
-        """`identity`, `sequence`, `none` (an integer with no generator), `application`
-        (a non-integer id, e.g. uuid) or `missing`."""
-        column = self.column(spec.id_column)
-        if column is None:
-            return "missing"
-        if column.type not in ID_TYPES and column.type != "smallint":
-            return "application"
-        if column.identity:
-            return "identity"
-        return "sequence" if self.sequence else "none"
-
-    def estimated_scan_s(self) -> float:
-        return self.heap_bytes / ASSUMED_SCAN_BYTES_PER_S
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _rows(conn: Connection[Any], name: str, **parts: sql.Composable) -> list[tuple[Any, ...]]:
@@ -482,3 +380,18 @@ def raise_for_blockers(facts: TableFacts) -> None:
         first = facts.blockers[0]
         more = f" (+{len(facts.blockers) - 1} more blockers)" if len(facts.blockers) > 1 else ""
         raise SchemaError(f"{first.message}: {first.remedy}{more}")
+
+
+__all__ = [
+    "ASSUMED_SCAN_BYTES_PER_S",
+    "ID_TYPES",
+    "ColumnFact",
+    "ObjectFact",
+    "TableFacts",
+    "inspect",
+    "introspect",
+    "judge",
+    "migration_publications",
+    "publication_facts",
+    "raise_for_blockers",
+]

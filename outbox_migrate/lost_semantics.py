@@ -12,7 +12,6 @@ triggers (introspect.py does).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from psycopg import Connection
@@ -21,9 +20,10 @@ from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.findings import Finding
 from outbox_migrate.patterns.names import Names
+from outbox_migrate.table_facts import UniqueKey
 
 if TYPE_CHECKING:
-    from outbox_migrate.introspect import ColumnFact, TableFacts
+    from outbox_migrate.table_facts import ColumnFact, TableFacts
 
 MARKER_STEMS = (
     "publish", "dispatch", "sent", "deliver", "process", "relay", "complet", "handled", "emit",
@@ -36,22 +36,6 @@ TIMESTAMP_TYPES = frozenset({"timestamp with time zone", "timestamp without time
 KINDS = {"p": "primary key", "u": "unique constraint", "": "unique index"}
 LAYOUT_WARNINGS = ("ctid-per-partition", "mark-moves-row")
 """Warnings every table gets, last: what changes for any code that touches the rows."""
-
-
-@dataclass(frozen=True)
-class UniqueKey:
-    """A valid unique index of the old table (a primary key or UNIQUE constraint included)."""
-
-    name: str
-    kind: str
-    """`primary key`, `unique constraint` or `unique index`."""
-    columns: tuple[str | None, ...]
-    """Key columns in order; None for an expression."""
-    partial: bool
-    definition: str
-
-    def shown(self) -> str:
-        return ", ".join(c if c is not None else "(expression)" for c in self.columns)
 
 
 def read_unique_keys(conn: Connection[Any], spec: OutboxSpec) -> list[UniqueKey]:

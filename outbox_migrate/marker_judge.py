@@ -14,7 +14,7 @@ from outbox_migrate.findings import Finding
 from outbox_migrate.patterns import marker
 
 if TYPE_CHECKING:
-    from outbox_migrate.introspect import TableFacts
+    from outbox_migrate.table_facts import TableFacts
 
 
 def shown(spec: OutboxSpec) -> str:

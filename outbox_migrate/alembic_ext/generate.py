@@ -80,7 +80,16 @@ def _spec_of(settings: Settings) -> dict[str, Any]:
     # empty, it would override the acceptance in the configuration the revision runs with.
     if not spec["accept_lost_unique"]:
         del spec["accept_lost_unique"]
+    # Likewise the marker's values: unset, they are read from the column's DEFAULT (online)
+    # or from the configuration the revision runs with; pinned empty they would override it.
+    # (Revisions generated before these settings existed stay byte-for-byte the same.)
+    for key in MARKER_KEYS:
+        if spec.get(key) == "":
+            del spec[key]
     return spec
+
+
+MARKER_KEYS = ("unpublished_value", "published_value", "status_column", "status_published_value")
 
 
 def generate(

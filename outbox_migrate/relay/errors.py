@@ -10,12 +10,9 @@ were acknowledged": the relay marks the acknowledged ones and counts attempts fo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from outbox_migrate.errors import ExitCode, OutboxMigrateError
-
-if TYPE_CHECKING:  # message.py raises UnrepresentableMessage: no import at run time
-    from outbox_migrate.relay.message import MessageId
+from outbox_migrate.relay.ids import MessageId
 
 
 class RelayError(OutboxMigrateError):

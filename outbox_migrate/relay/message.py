@@ -14,14 +14,11 @@ from json.encoder import encode_basestring  # C-accelerated: quotes and escapes 
 from typing import NamedTuple
 
 from outbox_migrate.relay.errors import UnrepresentableMessage
+from outbox_migrate.relay.ids import MessageId
 
 
 def _json_text(value: str | None) -> str:
     return "null" if value is None else encode_basestring(value)
-
-
-MessageId = int | str
-"""A database id (int), or an application id (uuid, ULID) as text."""
 
 
 class Message(NamedTuple):
@@ -120,3 +117,6 @@ class TextIdMessage(Message):
         text = super().envelope()
         number = f'{{"id":{self.id},'
         return f'{{"id":{_json_text(str(self.id))},' + text[len(number) :]
+
+
+__all__ = ["Message", "MessageId", "TextIdMessage"]

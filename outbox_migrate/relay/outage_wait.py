@@ -17,8 +17,8 @@ It must not: hold a transaction or a lock, publish, or decide the backoff (the w
 
 from __future__ import annotations
 
-import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 PING_SHARE = 3
@@ -43,8 +43,10 @@ def ping_interval_s(timeout_s: float) -> float | None:
     return max(MIN_PING_S, timeout_s / PING_SHARE)
 
 
-def back_off_keeping_session(stop: threading.Event, seconds: float, conn: Any) -> bool:
-    """Wait `seconds` (or until `stop` is set), keeping `conn` from being ended as idle.
+def back_off_keeping_session(wait: Callable[[float], bool], seconds: float, conn: Any) -> bool:
+    """Wait `seconds` (or until `wait` reports a stop), keeping `conn` from being ended as idle;
+    `wait(s)` waits up to `s` seconds, True when stopping (the worker's `Waits.wait`, which
+    refuses to wait with a session in a transaction).
 
     True: the session is still usable (it answered a ping at the end of the wait); False: it
     was lost meanwhile — the wait still runs its full length (the broker gets its backoff),
@@ -56,10 +58,10 @@ def back_off_keeping_session(stop: threading.Event, seconds: float, conn: Any) -
     try:
         every = ping_interval_s(idle_timeout_s(conn))
         while (left := deadline - time.monotonic()) > 0:
-            if stop.wait(left if every is None else min(left, every)):
+            if wait(left if every is None else min(left, every)):
                 return True  # stopping: the worker's shutdown closes the session anyway
             conn.execute(b"SELECT")
     except (psycopg.OperationalError, psycopg.InterfaceError):
-        stop.wait(max(0.0, deadline - time.monotonic()))
+        wait(max(0.0, deadline - time.monotonic()))
         return False
     return True

@@ -11,7 +11,7 @@ the next claim hides behind that wait too.
 
 Batches alternate between the worker's lease session (the one holding its shard locks) and
 this one, each batch in a transaction of the session that claimed it; the worker keeps
-everything else on the lease session (relay/worker.py, `_publish_run`).
+everything else on the lease session (relay/batch_loop.py, `_publish_run`).
 
 Why it is safe:
 

@@ -41,6 +41,7 @@ _NAMES = itertools.count()
 """Statement names, unique in the process: a new `Wire` on a session that had one before
 must not collide with the statements that one prepared."""
 _PLACEHOLDER = re.compile(rb"%\((\w+)\)s|%%")
+_ENDS_BLOCK = (b"COMMIT", b"ROLLBACK")
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 _POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
 
@@ -111,6 +112,8 @@ class Wire:
         self._sent = 0
         """How many of `_slots` went out before the last Sync."""
         self._active = False
+        self._in_block = False
+        """A BEGIN was queued after the last COMMIT or ROLLBACK (see `ends_transactions`)."""
         self._poll = select.poll()
         self._poll.register(self.pg.socket, _POLL_IN)
 
@@ -151,6 +154,10 @@ class Wire:
 
     def send_plain(self, command: bytes) -> Slot:
         """Queue a parameterless command (BEGIN, COMMIT, ROLLBACK)."""
+        if command == b"BEGIN":
+            self._in_block = True
+        elif command in _ENDS_BLOCK:
+            self._in_block = False
         self._enter()
         self.pg.send_query_params(command, None)
         slot = Slot()
@@ -164,6 +171,15 @@ class Wire:
             return []
         self.tx.set_pgresult(result)
         return self.tx.load_rows(0, result.ntuples, tuple)
+
+    @property
+    def ends_transactions(self) -> bool:
+        """Whether the session is outside any transaction block once the server has run what
+        was sent, its results read or not: no BEGIN queued after the last COMMIT or ROLLBACK,
+        and everything queued went out with a Sync (which ends an implicit transaction). In
+        pipeline mode libpq reports the session "active" until the results are read, so this
+        is what tells a wait after `send_sync` (relay/waits.py) that it holds no lock."""
+        return not self._in_block and self._sent >= len(self._slots)
 
     # -- the round trip -------------------------------------------------------------------
 

@@ -16,122 +16,46 @@ flight (at-least-once). Failures are sorted, never swallowed:
 `Relay.stop()` (SIGTERM in the CLI) lets every worker finish its in-flight batch; after
 `shutdown_timeout_s` the rest are abandoned before their mark (their rows are re-sent later).
 Log lines start with stable event names (`relay.started`, `relay.switched`, …).
+
+This module is the lifecycle (start, stop, the workers' threads, the shutdown timeout, the
+metrics sampler); a worker is relay/driver.py, and what the workers share relay/shared.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import operator
 import os
-import select
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
-
-from psycopg import OperationalError, pq
-from psycopg.errors import IntegrityError
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
-from outbox_migrate.relay import (
-    claimed,
-    keepalive,
-    library_logs,
-    mark_repair,
-    marker_source,
-    notify,
-    publishing,
-    queries,
-    read_ahead,
-    wire,
-)
-from outbox_migrate.relay.backoff import backoff_s, jitter_s
+from outbox_migrate.relay import library_logs, marker_source, notify, queries
+from outbox_migrate.relay.backoff import backoff_s
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.columns import resolve as resolve_columns
-from outbox_migrate.relay.cursor import Cursor, NoCursor
-from outbox_migrate.relay.errors import RelayFailed, SinkUnavailable
-from outbox_migrate.relay.fencing import Fence, LeaseUnproven
-from outbox_migrate.relay.message import Message, MessageId, TextIdMessage
+from outbox_migrate.relay.driver import Worker
+from outbox_migrate.relay.errors import RelayFailed
+from outbox_migrate.relay.message import Message, TextIdMessage
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
-from outbox_migrate.relay.outage_wait import back_off_keeping_session
-from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
-from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
-from outbox_migrate.relay.sinks import Sink, SinkFactory
+from outbox_migrate.relay.refusals import Refusals
+from outbox_migrate.relay.run_stats import RelayStats
+from outbox_migrate.relay.shared import Shared, close_sink, connection_errors, one_line
+from outbox_migrate.relay.sinks import SinkFactory
 from outbox_migrate.relay.switching import SourceState
 
 log = logging.getLogger("outbox_migrate.relay")
 
 RELAY_APPLICATION_NAME = f"{APPLICATION_NAME} relay"
-LINGER_SLEEP_MAX_S = 0.05
-"""Lingers up to this long are a plain sleep (a stop waits for it); longer ones wait on the
-stop event."""
-BUSY_POLL_CAP_S = 0.05
-"""An idle worker that could not raise the idle flag (a writer that saw the relay busy has not
-committed yet) looks again after linger, doubling up to this: the late-row bound."""
 ABANDON_GRACE_S = 2.0
 """After the shutdown timeout: how long abandoned workers get to roll back and exit."""
-SPARSE_ROWS = 8
-"""A claim made with the idle flag up that returned at most this many rows is a trickle: rows
-arrive a few at a time and each would wake an idle relay anyway, so the flag stays up and the
-worker sleeps right after publishing (relay/notify.py). More rows than this, and the flag comes
-down: writers of dense traffic commit without NOTIFY."""
-AWAKE_WAITS = 2
-"""Idle waits in a row that found a notification already there (the worker never had to
-sleep): the traffic is continuous, not a trickle, and the flag comes down — otherwise every
-writer would keep paying a NOTIFY at its commit, which at tens of thousands of commits a second
-slows them down until the relay's claims look like a trickle for good (bench section 7)."""
-HOLD_S = 0.05
-"""How long an idle worker leaves its last COMMIT's result unread for the next claim to read
-with its own; then it reads it (see `_Worker._hold`)."""
-REAP_MARGIN_S = 0.5
-"""Past the server's own idle-session bound (session timeout + poll interval) before the
-survivors end a silent shard holder themselves (`ShardLease.reap`)."""
 
-
-@dataclass
-class RelayStats:
-    """What a run did; read it after `run()` returns (or live, for tests)."""
-
-    published: int = 0
-    batches: int = 0
-    serialization_retries: int = 0
-    connection_retries: int = 0
-    sink_failures: int = 0
-    rejected: int = 0
-    bad_rows: int = 0
-    """Failures of a row itself (relay/claimed.py, an unrepresentable message, a mark that
-    violates a constraint): counted like rejections, without the backoff."""
-    dead_lettered: int = 0
-    switches: int = 0
-    abandoned_workers: int = 0
-    read_ahead: int = 0
-    """Batches claimed on a worker's read-ahead session while the one before was published."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                setattr(self, name, getattr(self, name) + value)
-
-    def batch(self, published: int) -> None:
-        """One batch committed (the per-batch path: no keyword dispatch)."""
-        with self._lock:
-            self.published += published
-            self.batches += 1
-
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
-
-
-class _Abandoned(Exception):
-    """Raised inside a worker's transaction after the shutdown timeout: roll back, exit."""
+__all__ = ["RELAY_APPLICATION_NAME", "Relay", "RelayStats", "running"]
 
 
 class Relay:
@@ -149,38 +73,36 @@ class Relay:
     ) -> None:
         self.dsn = dsn
         self.spec = spec or OutboxSpec()
-        self.options = options or RelayOptions()
+        self.options = options = options or RelayOptions()
         self.sink_factory = sink_factory
         self.observer = observer or Observer()
         self.application_name = application_name
-        self.state = SourceState(
-            self.spec, self.options.mode, self.options.switch_gate, self.options.old_app_name
-        )
+        self.state = SourceState(self.spec, options.mode, options.switch_gate, options.old_app_name)
         self.stats = RelayStats()
         self._stop = threading.Event()
-        self._abandon = threading.Event()
         self._wake_fds: tuple[int, int] | None = None
         """A pipe a stop writes to: idle workers wait on it beside their own session."""
         self._wake_lock = threading.RLock()
         """Guards the pipe's closing; re-entrant, as a signal handler may call `stop` on the
         thread that holds it."""
-        self._columns: dict[str, queries.Columns] = {}
-        self._text_ids = self.spec.id_kind == "application"
-        """Application ids (uuid, ULID) travel as text: claimed in order, no id cursor."""
-        self._id: Callable[[Any], MessageId] = str if self._text_ids else int
-        self._message: type[Message] = TextIdMessage if self._text_ids else Message
-        options = self.options
+        text_ids = self.spec.id_kind == "application"
         self.failures = FailedMessages(
             self.spec.schema, options.dead_letter_table, options.attempts_table,
-            options.max_attempts, self._text_ids,
+            options.max_attempts, text_ids,
         )  # fmt: skip
         """Attempts counted in the database, dead letters (relay/bad_rows.py)."""
-        self._suspects = mark_repair.Suspects()
-        """Rows whose mark failed, marked alone when they come back (mark_repair.py)."""
-        self._parking = Parking()
-        """Keys waiting for a rejected message (`--ordering key` only; see parking.py)."""
-        self._conns: dict[int, Any] = {}
-        self._fatal: BaseException | None = None
+        self.shared = Shared(
+            dsn=dsn, application_name=application_name, options=options, state=self.state,
+            stats=self.stats, observer=self.observer, sink_factory=sink_factory,
+            refusals=Refusals(
+                self.failures, self.stats, self.observer,
+                lambda n: backoff_s(n, base_s=options.backoff_base_s, cap_s=options.backoff_cap_s),
+                by_key=options.ordering is Ordering.key,
+            ),
+            text_ids=text_ids, message=TextIdMessage if text_ids else Message,
+            stopped=self._stop, request_stop=self.stop, wake_fd=self.wake_fd,
+        )  # fmt: skip
+        """What the workers see of this relay (relay/shared.py)."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -230,12 +152,13 @@ class Relay:
                 helper.join(timeout=2.0)
             self._close_wake_pipe()
         self.stats.switches = self.state.switches
-        if self._fatal is not None:
+        fatal = self.shared.fatal
+        if fatal is not None:
             # A fault met while running is a failure (exit 1), not bad input (exit 2): what
             # could be refused before work started was refused by `_prepare`.
-            if isinstance(self._fatal, RelayFailed):
-                raise self._fatal
-            raise RelayFailed(f"relay worker failed: {_one_line(self._fatal)}") from self._fatal
+            if isinstance(fatal, RelayFailed):
+                raise fatal
+            raise RelayFailed(f"relay worker failed: {one_line(fatal)}") from fatal
         log.info("relay.stopped %s", " ".join(f"{k}={v}" for k, v in self.stats.as_dict().items()))
         return self.stats
 
@@ -260,10 +183,10 @@ class Relay:
             return
         # The in-flight batch did not finish in time: abandon it before its mark. A running
         # query is cancelled; a worker waiting on the broker rolls back when the call returns.
-        self._abandon.set()
+        self.shared.abandon.set()
         self.stats.add(abandoned_workers=len(late))
         log.warning("relay.shutdown_timeout workers=%d", len(late))
-        for conn in list(self._conns.values()):
+        for conn in list(self.shared.conns.values()):
             try:
                 conn.cancel_safe(timeout=1.0)
             except Exception:  # best effort: the connection is in use elsewhere
@@ -275,7 +198,7 @@ class Relay:
         """Build one sink and close it: a configuration error (bad URL scheme, an option the
         sink refuses, a missing client library) is a `RelayError` here, at start — one line,
         exit 2 — rather than a worker failure, or an "outage" retried for ever, later."""
-        self._close_sink(self.sink_factory())
+        close_sink(self.sink_factory())
 
     def _prepare(self) -> None:
         """Check the tables and resolve optional columns once, before any worker starts."""
@@ -283,12 +206,13 @@ class Relay:
 
         with connect(self.dsn, application_name=self.application_name) as conn:
             self.spec, self.state = marker_source.resolved(conn, self.spec, self.state)
+            self.shared.state = self.state  # what the workers see (relay/shared.py)
             sources = [self.state.current]
             if self.options.mode is Mode.switching:
                 sources = [self.state.flat, self.state.partitioned]
             options = self.options
             for source in sources:
-                self._columns[source.label] = resolve_columns(conn, source, self.spec,
+                self.shared.columns[source.label] = resolve_columns(conn, source, self.spec,
                     options.key_column, options.event_type_column, options.ordering)  # fmt: skip
             # The dead-letter and attempts tables, created up front (relay/bad_rows.py).
             if not self.failures.prepare(conn, [source.label for source in sources]):
@@ -310,113 +234,8 @@ class Relay:
                 notify.label(self.spec),
             )
 
-    # -- the worker loop -------------------------------------------------------------------
-
     def _worker(self, index: int) -> None:
-        _Worker(self, index).run()
-
-    def _backoff(self, failures: int) -> float:
-        return backoff_s(
-            failures, base_s=self.options.backoff_base_s, cap_s=self.options.backoff_cap_s
-        )
-
-    def _nothing_left(self, conn: Any) -> bool:
-        """`until_empty`: this worker's table is empty; in switching mode, wait for the switch
-        unless the partitioned table is empty too (nothing to publish either way)."""
-        if self.state.mode is not Mode.switching or self.state.switched:
-            return True
-        row = conn.execute(queries.has_unpublished(self.state.partitioned)).fetchone()
-        return not (row and row[0])
-
-    def _publish(
-        self,
-        conn: Any,
-        sink: Sink,
-        source: queries.Source,
-        batch: list[Message],
-        bad: list[claimed.BadRow],
-        after: MessageId = 0,
-    ) -> tuple[list[MessageId], list[MessageId], list[MessageId], float, MessageId | None]:
-        """Publish; returns (acknowledged ids to mark, dead-lettered ids, bad rows to try again
-        by id, how long the worker pauses once this batch's transaction has ended, the id to
-        claim again from). The pause is a backoff by the most attempts any message the sink
-        refused has had; the worker then claims again from the lowest message to retry. With
-        `--ordering key` a failure parks its key instead (parking.py): no pause, later messages
-        of that key wait while the others flow; a released key's held-back messages lie below
-        the cursor, which claims again from the lowest of them (`after`: where the claim
-        started).
-
-        `bad`: rows of the batch that could not become a message (relay/claimed.py); they and
-        messages the sink cannot represent count attempts like a rejection, without the
-        backoff — the row itself is at fault, waiting changes nothing.
-
-        The pause is the worker's to take after its COMMIT, never here: a session that waits
-        inside its transaction is "idle in transaction" on the claimed rows' locks, and the
-        migration runner does not queue a step's lock behind such a session."""
-        parking, label = self._parking, source.label
-        claim = sorted(batch + [b.message for b in bad], key=_BY_ID) if bad else batch
-        last = claim[-1].id if claim else None
-        if parking:  # only ever non-empty with key ordering
-            send = parking.withhold(label, claim, now=time.monotonic(), after=after)[0]
-            if not send:  # every message waits for its key; others would have been sent
-                return [], [], [], PARKED_BATCH_WAIT_S, None  # no busy loop of rescans meanwhile
-            if len(send) < len(claim):
-                free = {m.id for m in send}
-                batch = [m for m in batch if m.id in free]
-                bad = [b for b in bad if b.message.id in free]
-        rejected, unrepresentable = publishing.publish(sink, batch)
-        failures = self.failures
-        if not (rejected or unrepresentable or bad):
-            acked = [m.id for m in batch]
-            # A message that failed before went through this time: its counter goes.
-            self._forget(conn, label, acked)
-            if parking:
-                settled = parking.settle(label, batch, {}, now=time.monotonic(),
-                                         backoff=self._backoff, last=last)  # fmt: skip
-                return acked, [], [], 0.0, settled.claim_again_from
-            return acked, [], [], 0.0, None
-        reasons = {b.message.id: b.reason for b in bad}
-        reasons.update(unrepresentable)
-        reasons.update(rejected)
-        refused = [m for m in batch if m.id in reasons] + [b.message for b in bad]
-        self._count_failures(len(rejected), len(reasons) - len(rejected))
-        verdict = failures.record(conn, label, refused, reasons)
-        self.stats.add(dead_lettered=len(verdict.dead))
-        acked = [m.id for m in batch if m.id not in reasons]
-        self._forget(conn, label, acked)
-        log.warning("relay.rejected count=%d bad_rows=%d dead_lettered=%d",
-                    len(rejected), len(reasons) - len(rejected), len(verdict.dead))  # fmt: skip
-        dead_ids = [m.id for m in verdict.dead]
-        if self.options.ordering is Ordering.key:
-            settled = parking.settle(
-                label, sorted(batch + [b.message for b in bad], key=_BY_ID),
-                {i: verdict.attempts[i] for i in verdict.retry},
-                now=time.monotonic(), backoff=self._backoff, last=last,
-            )  # fmt: skip
-            held = settled.held
-            return [i for i in acked if i not in held], dead_ids, [], 0.0, settled.claim_again_from
-        most = max((verdict.attempts[i] for i in verdict.retry if i in rejected), default=0)
-        # Rejected messages are claimed again after a backoff that grows with their attempts,
-        # not at once: a transient refusal gets time to clear before the message counts
-        # towards the dead-letter table. A bad row is tried again without waiting.
-        pause = self._backoff(most - 1) if most else 0.0
-        rewind = min(verdict.retry) if pause else None
-        return acked, dead_ids, verdict.retry, pause, rewind
-
-    def _count_failures(self, rejected: int, bad: int, dead: int = 0) -> None:
-        self.stats.add(rejected=rejected, bad_rows=bad, dead_lettered=dead)
-        for reason, count in (("rejected", rejected), ("bad_row", bad)):
-            if count:
-                self.observer.failed(reason, count)
-
-    def _forget(self, conn: Any, label: str, acked: list[MessageId]) -> None:
-        """A message that failed before went through: its counter goes — unless its mark
-        failed before, which is yet to be tried (`_Worker._mark_suspects`)."""
-        seen = self.failures.seen_before(label, acked)
-        if seen and self._suspects:
-            pending = self._suspects.among(label, seen)
-            seen = [i for i in seen if i not in pending]
-        self.failures.forget(conn, label, seen)
+        Worker(self.shared, index).run()
 
     # -- helpers threads ------------------------------------------------------------------
 
@@ -431,1051 +250,13 @@ class Relay:
                     while not self._stop.is_set():
                         source = self.state.current
                         row = conn.execute(
-                            queries.backlog(source, self._columns[source.label])
+                            queries.backlog(source, self.shared.columns[source.label])
                         ).fetchone()
                         if row:
                             self.observer.backlog(int(row[0]), float(row[1]))
                         self._stop.wait(METRICS_INTERVAL_S)
-            except _connection_errors(ConnectError):
+            except connection_errors(ConnectError):
                 self._stop.wait(METRICS_INTERVAL_S)
-
-    def _close_sink(self, sink: Sink | None) -> None:
-        if sink is not None:
-            try:
-                sink.close()
-            except Exception:  # a broken sink is replaced, not fatal
-                log.debug("relay.sink_close_failed", exc_info=True)
-
-    def _close_conn(self, index: int, conn: Any) -> None:
-        self._conns.pop(index, None)
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:  # closing a broken connection may fail too
-                log.debug("relay.close_failed", exc_info=True)
-
-
-def _connection_errors(*more: type[BaseException]) -> tuple[type[BaseException], ...]:
-    import psycopg
-
-    return (psycopg.OperationalError, psycopg.InterfaceError, *more)
-
-
-def _connect_worker(relay: Relay) -> Any:
-    """A worker session: the relay's application name, keepalives for its session timeout."""
-    from outbox_migrate.db import connect
-
-    return connect(
-        relay.dsn,
-        application_name=relay.application_name,
-        params=keepalive.libpq_params(relay.options.dead_session_s),
-    )
-
-
-def _serialization_errors() -> type[BaseException]:
-    import psycopg
-
-    return psycopg.errors.SerializationFailure
-
-
-def _one_line(exc: BaseException) -> str:
-    from outbox_migrate.db import one_line
-
-    return one_line(str(exc))
-
-
-class _Worker:
-    """One worker thread's state: its session, sink, shards and id cursor."""
-
-    def __init__(self, relay: Relay, index: int) -> None:
-        options = relay.options
-        table = relay.state.flat if options.mode is Mode.flat else relay.state.partitioned
-        self.relay = relay
-        self.index = index
-        self.lease = ShardLease(
-            key=f"{queries.ADVISORY_NAMESPACE}:{table.label}",
-            shards=options.shard_count,
-            home=home_shards(index, options.workers, options.shard_count),
-            reap_after_s=(
-                options.dead_session_s + options.poll_interval_s + REAP_MARGIN_S
-                if options.dead_session_s > 0
-                else None
-            ),
-        )
-        self.conn: Any = None
-        self.rendered: dict[tuple[str, bool], tuple[bytes, bytes, bytes]] = {}
-        """Claim and mark statements rendered for this session (see `_statements`)."""
-        self.wire: wire.Wire | None = None
-        """The session's libpq-level pipeline of prepared statements (relay/wire.py)."""
-        self.listener: Any = None
-        """The worker's LISTEN session (see `_listen`), None without notifications."""
-        self.poller: Any = None
-        """Polls the LISTEN session's socket and the relay's stop pipe (`_sleep`)."""
-        self.sink: Sink | None = None
-        self.failures = 0
-        self.pause_s = 0.0
-        """Wait before the next claim: the sink rejected messages that are to be retried."""
-        self.fence = Fence(options.dead_session_s, options.sink_timeout_s)
-        """Whether a batch may still be handed to the sink (relay/fencing.py)."""
-        self.cursor: Cursor = (
-            NoCursor(now=time.monotonic())
-            if relay._text_ids
-            else Cursor(
-                shards=options.shard_count,
-                mine=[],
-                track_gaps=options.ordering is not Ordering.key,
-                now=time.monotonic(),
-            )
-        )
-        self.idle_key: int | None = None
-        """The idle flag this session holds (see relay/notify.py), or None."""
-        self.idle_sleeping = False
-        """The flag was raised and the confirming claim came back empty: the worker sleeps."""
-        self.busy_polls = 0
-        self.uses_flag = options.listen and not options.until_empty
-        self.flag_key = 0
-        """The idle lock's key for the source of the current run (`notify.idle_lock_key`)."""
-        self.sparse = False
-        """The last claim returned at most `_flag_rows` rows: a held flag may stay up."""
-        self.empty = False
-        """The last claim returned nothing: the next one raises the flag."""
-        self.awake = 0
-        """Idle waits in a row that did not have to block (see AWAKE_WAITS)."""
-        self.blocked = False
-        """The last idle wait blocked before it returned (`_poll_listener`)."""
-        self.flag_tried = False
-        """The last claim went out with the flag up, or with an attempt to raise it."""
-        self.rewound = False
-        """The last batch set the cursor back to a row to try again (no read-ahead then)."""
-        self.later: list[MessageId] = []
-        """Bad rows to try again once the backlog is drained (`_retry_bad_rows`)."""
-        self.unmarked: list[_Commit] = []
-        """Batches of the last failed run whose mark did not commit (`_repair_marks`)."""
-        self.mark_failure: IntegrityError | None = None
-        """The constraint a mark broke: the next step repairs `unmarked` first."""
-        self.read_ahead = read_ahead.ReadAhead(
-            read_ahead.open_session(
-                lambda: _connect_worker(relay), options.dead_session_s, options.poll_interval_s
-            )
-        )
-        """The worker's second session, claiming the next batch while one is published."""
-
-    def run(self) -> None:
-        relay = self.relay
-        try:
-            while not relay.stopping:
-                relay.observer.heartbeat(self.index)
-                if self._step_guarded():
-                    return
-        except _Abandoned:
-            log.warning("relay.batch_abandoned worker=%d", self.index)
-        except Exception as exc:
-            # Not a failure the loop knows how to retry (a sink that cannot be built, a bug):
-            # stop the whole relay and let run() report it, rather than die silently.
-            log.error("relay.worker_failed worker=%d %s", self.index, exc,
-                      exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
-            if relay._fatal is None:
-                relay._fatal = exc
-            relay.stop()
-        finally:
-            relay.observer.worker_done(self.index)
-            relay._close_sink(self.sink)
-            if self.conn is not None and not self.conn.closed:
-                try:
-                    self.lease.release_all(self.conn)
-                except Exception:  # the session is closing anyway
-                    log.debug("relay.release_failed", exc_info=True)
-            relay._close_conn(self.index, self.conn)
-            self._close_listener()
-            relay._conns.pop(_ahead_key(self.index), None)
-            self.read_ahead.close()
-
-    def _step_guarded(self) -> bool:
-        """One loop iteration with its failures sorted. True = this worker is done."""
-        from outbox_migrate.errors import ConnectError
-
-        relay = self.relay
-        try:
-            if self.mark_failure is not None:
-                self._repair_marks()
-            return self._step()
-        except LeaseUnproven as exc:
-            relay.observer.failed("fenced")
-            log.warning("relay.fenced worker=%d %s", self.index, exc)
-        except SinkUnavailable as exc:
-            relay.stats.add(sink_failures=1)
-            relay.observer.failed("sink")
-            log.warning("relay.sink_unavailable worker=%d %s", self.index, exc)
-            relay._close_sink(self.sink)
-            self.sink = None
-            self._step_out()
-            self._back_off(keep_session=True)
-        except IntegrityError as exc:
-            # The mark of a published batch broke a constraint (a duplicate id moving into
-            # the published partition): the next step finds the rows at fault, marks the rest.
-            if not self.unmarked:
-                raise  # no batch to repair: not a mark's failure
-            self.mark_failure = exc
-        except _serialization_errors():
-            # Another claimer moved a row we were about to lock (see queries.py). Checked
-            # before connection errors: SerializationFailure is an OperationalError too, but
-            # the session is fine.
-            relay.stats.add(serialization_retries=1)
-            relay.observer.failed("serialization")
-            relay._stop.wait(jitter_s())
-        except _connection_errors(ConnectError) as exc:
-            relay.stats.add(connection_retries=1)
-            relay.observer.failed("connection")
-            log.warning("relay.connection_lost worker=%d %s", self.index, _one_line(exc))
-            self._forget_session()
-            self._back_off()
-        return False
-
-    def _repair_marks(self) -> None:
-        """After a mark failed on a constraint: mark the acknowledged rows of the batches it
-        took down (relay/mark_repair.py); a row that cannot be marked is a bad row — counted,
-        claimed again, dead-lettered and removed after `max_attempts`. Run as a step of its
-        own, so a lost session or a 40001 meanwhile is handled as anywhere else (the repair
-        is one transaction per batch; without a session, the rows are claimed and sent again)."""
-        relay, exc = self.relay, self.mark_failure
-        assert exc is not None
-        if self.conn is None or self.conn.closed:
-            self.unmarked, self.mark_failure = [], None
-            return
-        while self.unmarked:
-            commit = self.unmarked[0]
-            assert commit.unmarked is not None
-            source, rows, batch, acked = commit.unmarked
-            by_key = relay.options.ordering is Ordering.key
-            try:
-                done = mark_repair.repair(self.conn, source, relay.failures, relay._suspects,
-                                          rows, batch, acked, exc, by_key=by_key)  # fmt: skip
-            except IntegrityError as failed:  # the repair itself broke one: no loop of repairs
-                raise RelayFailed(f"repairing a failed mark: {_one_line(failed)}") from failed
-            self.unmarked.pop(0)
-            mark_repair.park(relay._parking, source.label, batch, done, relay._backoff,
-                             by_key=by_key)  # fmt: skip
-            relay.stats.batch(done.marked)
-            relay._count_failures(0, len(done.bad), dead=len(done.dead))
-            relay.observer.published(done.marked)
-            self.later += done.retry
-            log.warning(
-                "relay.mark_repaired worker=%d marked=%d bad_rows=%d dead_lettered=%d %s",
-                self.index, done.marked, len(done.bad), len(done.dead), _one_line(exc),
-            )  # fmt: skip
-        self.mark_failure = None
-
-    def _step_out(self) -> None:
-        """The broker is out of reach: let the other relays serve this worker's shards while
-        it backs off (it rejoins at its next lease check)."""
-        if self.conn is None or self.conn.closed:
-            return
-        try:
-            self.lease.step_out(self.conn)
-        except _connection_errors():  # the session is gone: so are its locks
-            log.debug("relay.step_out_failed", exc_info=True)
-
-    def _forget_session(self) -> None:
-        """Drop a lost session (its shard locks died with it): `_step` opens a new one."""
-        self.relay._close_conn(self.index, self.conn)
-        self._close_listener()
-        self.conn = None
-        self.lease.lost()
-
-    def _back_off(self, *, keep_session: bool = False) -> None:
-        """`keep_session` (the broker is away, PostgreSQL is not): the session is kept alive
-        through the wait, or dropped before the wake-up when it was lost anyway, so that the
-        wake-up tries the broker instead of failing on a dead session (relay/outage_wait.py)."""
-        delay = self.relay._backoff(self.failures)
-        self.failures += 1
-        conn = self.conn
-        if keep_session and conn is not None and not conn.closed:
-            if not back_off_keeping_session(self.relay._stop, delay, conn):
-                log.info("relay.session_reopened worker=%d (ended during the backoff)", self.index)
-                self._forget_session()
-            return
-        self.relay._stop.wait(delay)
-
-    def _step(self) -> bool:  # noqa: PLR0911 - one return per reason the loop ends or waits
-        relay, options, lease = self.relay, self.relay.options, self.lease
-        if self.conn is None:
-            timeout_s = options.dead_session_s
-            self.conn = _connect_worker(relay)
-            keepalive.configure_session(self.conn, timeout_s, options.poll_interval_s)
-            self.fence.lost()
-            # The planner cannot know that `mod(id, n) = ANY(mine)` keeps 1/n of the rows; it
-            # guesses 0.5 % and picks "scan the whole partition, then sort" over walking the
-            # id index — 40 ms instead of 0.5 ms per claim at 100k rows. Every statement of
-            # this session wants index order, so sorting is ruled out for the session.
-            self.conn.execute(queries.claim_session_settings())
-            self.rendered.clear()
-            # The hot path prepares its own statements (relay/wire.py). psycopg's automatic
-            # preparing stays off on this session: with statements of its own prepared, a
-            # ROLLBACK through psycopg makes it send DEALLOCATE ALL, which would take ours too.
-            self.conn.prepare_threshold = None
-            self.wire = wire.Wire(self.conn)
-            self._listen()
-            relay._conns[self.index] = self.conn
-            lease.lost()
-            self.idle_key, self.idle_sleeping = None, False  # session locks die with it
-        if self.sink is None:
-            self.sink = relay.sink_factory()
-        now = time.monotonic()
-        checks = lease.checks
-        if lease.maintain(self.conn, now=now):
-            self.cursor.reset(lease.mine(), now)
-        if lease.checks != checks:
-            relay.observer.lease_checked(self.index, len(lease.owned))
-        if not lease.owned:
-            if options.until_empty and (
-                not lease.home or lease.checks >= UNTIL_EMPTY_PATIENCE_CHECKS
-            ):
-                return True  # every shard belongs to another live session
-            self._sleep()
-            return False
-        if self.pause_s:
-            pause, self.pause_s = self.pause_s, 0.0
-            relay._stop.wait(pause)
-            return False
-        source = relay.state.current
-        empty_after = self._publish_run(source)
-        self.failures = 0
-        if self.later:
-            self._retry_bad_rows()  # the backlog is gone: their turn, before any idle wait
-            return False
-        if empty_after is None:
-            self.busy_polls = 0
-            return False  # stopped, rebalance due or source switched: back to the top
-        after = empty_after
-        switching_from_flat = relay.state.mode is Mode.switching and source is relay.state.flat
-        drained_proof_needed = options.until_empty or switching_from_flat
-        if after > 0 and drained_proof_needed:
-            # Empty above the frontier is not empty: prove it with a claim from id 0.
-            self.cursor.force_full_rescan()
-            return False
-        if source is relay.state.flat and relay.state.try_switch(self.conn):
-            return False
-        if options.until_empty and relay._nothing_left(self.conn):
-            return True
-        keepalive.arm_idle_timeout(self.conn)
-        self._idle(source)
-        return False
-
-    def _idle(self, source: queries.Source) -> None:
-        """Nothing to claim: sleep until a notification or the poll interval — with the idle
-        flag up, so the wake-up trigger notifies (relay/notify.py)."""
-        if self.cursor.due():
-            return  # a claim below the cursor is due (a late row may be visible): no sleep
-        if self.uses_flag and not self.idle_sleeping:
-            if self.idle_key is not None:
-                # The flag is up and the claim after raising it found nothing: now sleep.
-                self.idle_sleeping = True
-            elif self._raise_idle_flag(source):
-                return  # claim once more with the flag up, then sleep
-            else:
-                # A writer that saw the relay busy has not committed yet (it holds the flag's
-                # lock shared and will not notify), or another worker holds the flag: look
-                # again soon rather than at the poll interval.
-                self.busy_polls += 1
-                self._sleep(self._busy_poll_s())
-                return
-        self._sleep()
-
-    def _raise_idle_flag(self, source: queries.Source) -> bool:
-        key = notify.idle_lock_key(source.label)
-        row = self.conn.execute(queries.try_idle_lock(), {"key": key}).fetchone()
-        if row and row[0]:
-            self.idle_key, self.idle_sleeping, self.busy_polls = key, False, 0
-            # Every writer that saw the relay busy has committed (they held the lock shared):
-            # the confirming claim must reach their rows below the cursor too (cursor.confirm).
-            self.cursor.confirm()
-            return True
-        return False
-
-    def _lower_idle_flag(self) -> None:
-        """Queue the flag's release (pipeline): a claiming relay needs no notifications."""
-        if self.idle_key is not None:
-            assert self.wire is not None
-            self.wire.send(_IDLE_UNLOCK, {"key": self.idle_key})
-            self.idle_key, self.idle_sleeping = None, False
-
-    def _busy_poll_s(self) -> float:
-        linger = max(self.relay.options.linger_s, 0.001)
-        return float(min(linger * 2 ** min(self.busy_polls, 16), BUSY_POLL_CAP_S))
-
-    # -- notifications: a LISTEN session per worker, waited on by the worker itself ---------
-
-    def _listen(self) -> None:
-        """Open the worker's LISTEN session (when notifications are on), after its claim
-        session was (re)opened; idle waits (`_sleep`) poll its socket and the stop pipe.
-
-        Why a session per worker, polled by the worker thread: a listener thread handing
-        wake-ups over through a lock cost a GIL hand-off and ~40 µs of CPU per wake-up at
-        1,000 msg/s (docs/relay.md). Why not LISTEN on the claim session itself: the server
-        delivers notifications to a session only between its transactions, and a worker that
-        published a trickle sleeps with that batch's mark and COMMIT still queued
-        (`_wait_in_run`), its transaction open, so that they leave with the next claim in one
-        network write. The LISTEN session is never in a transaction.
-        """
-        from psycopg import sql
-
-        self._close_listener()
-        if not self.uses_flag:
-            return
-        relay = self.relay
-        conn = _connect_worker(relay)
-        try:
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(relay.options.channel)))
-        except BaseException:
-            conn.close()
-            raise
-        self.listener = conn
-        self.poller = select.poll()
-        self.poller.register(conn.pgconn.socket, _POLL_IN)
-        stop = relay.wake_fd()
-        if stop is not None:
-            self.poller.register(stop, _POLL_IN)
-
-    def _close_listener(self) -> None:
-        listener, self.listener, self.poller = self.listener, None, None
-        if listener is not None:
-            try:
-                listener.close()
-            except Exception:  # closing a broken connection may fail too
-                log.debug("relay.close_failed", exc_info=True)
-
-    def _take_notifications(self) -> bool:
-        """Read the notifications libpq holds for the LISTEN session; True when one calls for
-        a claim (`Cursor.notified`: not when it only reports rows the worker claimed already,
-        the usual case for a notification that arrives right after the claim that found its
-        row). The lowest notified id goes to the cursor."""
-        listener = self.listener
-        if listener is None:
-            return False
-        pg = listener.pgconn
-        payloads = []
-        while (note := pg.notifies()) is not None:
-            payloads.append(note.extra)
-        return bool(payloads) and self.cursor.notified_payloads(payloads)
-
-    def _sleep(self, timeout_s: float | None = None) -> bool:
-        """Wait until a notification calls for a claim, a stop, or `timeout_s` (default: the
-        poll interval). True: woken (or stopping), False: timed out. Returns at once when a
-        notification read meanwhile calls for a claim."""
-        relay = self.relay
-        if relay.stopping:
-            return True
-        timeout = relay.options.poll_interval_s if timeout_s is None else timeout_s
-        if self.listener is None and self.uses_flag and self.conn is not None and self._relisten():
-            return True
-        if self.poller is None or self.listener is None:
-            self.blocked = True
-            return relay._stop.wait(timeout)
-        return self._poll_listener(timeout)  # reads what libpq and the socket hold first
-
-    def _relisten(self) -> bool:
-        """The LISTEN session was lost (`_poll_listener`): listen again. True when it worked:
-        then claim once — a row committed while nobody listened notified no one."""
-        from outbox_migrate.errors import ConnectError
-
-        try:
-            self._listen()
-        except _connection_errors(ConnectError) as exc:
-            log.debug("relay.listen_failed worker=%d %s", self.index, _one_line(exc))
-            return False
-        return True
-
-    def _poll_listener(self, timeout_s: float) -> bool:
-        """`_sleep` on the LISTEN session's socket. Reads what already arrived before it
-        blocks: the notifications of rows the last claim found usually have (their commits
-        came first), and one read then replaces a wake-up for each."""
-        relay, poller, pg = self.relay, self.poller, self.listener.pgconn
-        deadline = time.monotonic() + timeout_s
-        ready = True  # a non-blocking read first
-        self.blocked = False
-        while (left := deadline - time.monotonic()) > 0:
-            if not ready:
-                self.blocked = True
-                if not poller.poll(math.ceil(left * 1000)):
-                    return False
-            ready = False
-            if relay.stopping:
-                return True
-            try:
-                pg.consume_input()
-                lost = pg.status == pq.ConnStatus.BAD
-            except OperationalError:
-                lost = True
-            if lost:
-                # The claim session may be fine, and may hold a batch's COMMIT: wake up, and
-                # listen again at the next idle wait (meanwhile wait on the stop event).
-                log.warning("relay.listen_lost worker=%d", self.index)
-                self._close_listener()
-                return True
-            if self._take_notifications():
-                return True
-        return False
-
-    # -- the hot path: batches back to back, one round trip each ------------------------
-
-    def _statements(self, source: queries.Source) -> tuple[bytes, bytes, bytes, bool]:
-        """Claim and mark of `source`, rendered once per session and shard layout.
-
-        A worker that owns every shard (the usual single worker) claims without the shard
-        filter: nobody else can claim here, and `mod(id, n) = ANY(all)` only costs.
-        """
-        relay = self.relay
-        sharded = self.lease.sharded and not self.lease.owns_all
-        key = (source.label, sharded)
-        rendered = self.rendered.get(key)
-        if rendered is None:
-            claim = queries.claim(
-                source,
-                relay._columns[source.label],
-                sharded=sharded,
-                by_key=relay.options.ordering is Ordering.key,
-            )
-            rendered = (
-                claim.as_bytes(self.conn),
-                queries.probe(source, relay._columns[source.label]).as_bytes(self.conn),
-                queries.mark(source).as_bytes(self.conn),
-            )
-            self.rendered[key] = rendered
-            assert self.wire is not None
-            # Prepared before the pipeline starts (PQprepare is synchronous); the gap probe
-            # and the horizon only where the cursor uses them (integer ids).
-            used = [rendered[0], rendered[2], _IDLE_UNLOCK, _TRY_IDLE_LOCK]
-            if not relay._text_ids:
-                used += [rendered[1], _HORIZON]
-            for statement in used:
-                self.wire.prepare(statement)
-        return rendered[0], rendered[1], rendered[2], sharded
-
-    def _claim(
-        self, claim: bytes, probe: bytes, sharded: bool, flag_rows: int = -1
-    ) -> tuple[list[Any], int, int]:
-        """Queue BEGIN and the claim, send everything queued, return the claimed rows, the
-        `after` the range claim started from and how many rows that range claim returned.
-
-        When the cursor's gap probe is due, the remembered gaps are claimed by id in the same
-        transaction and round trip, ahead of the range claim (they are all below it).
-
-        The idle flag (`flag_rows` >= 0, see `_publish_run`): after a claim that found nothing
-        the flag goes up with this claim — `pg_try_advisory_lock` in the same network write,
-        ahead of BEGIN — so that if this claim finds nothing (or a trickle), the worker may
-        sleep at once: its snapshot is taken with the flag up, and every row it cannot see
-        will notify. A raised flag stays up through claims of a trickle (SPARSE_ROWS) while
-        the worker sleeps between them, and comes down in the same way (`pg_advisory_unlock`
-        in the claim's write) after a bigger claim, or once the traffic no longer lets the
-        worker sleep (AWAKE_WAITS).
-        """
-        relay, cursor, pipe = self.relay, self.cursor, self.wire
-        assert pipe is not None
-        self._take_notifications()
-        raising = None
-        if flag_rows < 0:
-            if self.idle_sleeping:
-                self._lower_idle_flag()  # woken: claiming now, writers need not notify
-        elif self.idle_key is not None:
-            if not self.sparse or self.awake >= AWAKE_WAITS:
-                self._lower_idle_flag()
-        elif self.empty:
-            # Writers that saw the relay busy hold the lock shared until they commit: once it
-            # is ours, their rows are visible to this claim — below the cursor too (confirm).
-            raising = pipe.send(_TRY_IDLE_LOCK, {"key": self.flag_key})
-            cursor.confirm()
-        self.flag_tried = self.idle_key is not None or raising is not None
-        now = time.monotonic()
-        after = cursor.start(now)
-        gaps = cursor.probe(now) if after >= cursor.frontier else None
-        params: dict[str, Any] = {"after": after, "limit": relay.options.batch_size}
-        if sharded:
-            params.update(shards=self.lease.count, mine=self.lease.mine())
-        started = time.monotonic()
-        pipe.send_plain(b"BEGIN")
-        late = pipe.send(probe, {"ids": gaps}) if gaps else None
-        claimed = pipe.send(claim, params)
-        # While ids below the cursor are unaccounted for, read the horizon after the claim.
-        horizon = pipe.send(_HORIZON) if cursor.wants_horizon() else None
-        # A Sync after the claim: the server only starts its idle-in-transaction timer after
-        # a Sync, so without one a relay paused mid-batch would keep its session (and shards)
-        # for good. It travels in the same network write as the claim.
-        pipe.sync()
-        if raising is not None:
-            got = pipe.rows(raising)
-            if got and got[0][0]:
-                self.idle_key, self.idle_sleeping, self.busy_polls = self.flag_key, False, 0
-        rows: list[Any] = pipe.rows(claimed)
-        self.fence.proven(started)
-        ranged = len(rows)
-        if late is not None:
-            found = pipe.rows(late)
-            if found:
-                found.sort(key=_ID)
-                rows = found + rows
-        if after == 0:
-            now = time.monotonic()
-            cursor.rescanned(now - started, now)
-        if horizon is not None:
-            xmin, xmax = pipe.rows(horizon)[0]
-            cursor.horizon(int(xmin), int(xmax), time.monotonic())
-        self.sparse, self.empty = len(rows) <= flag_rows, not rows
-        return rows, after, ranged
-
-    def _publish_run(self, source: queries.Source) -> int | None:  # noqa: PLR0912, PLR0915
-        # One loop on purpose: the batch in hand moves between two sessions, and its mark and
-        # COMMIT leave with whatever the loop sends next; split up, that state would be shared.
-        """Claim → publish → mark, batch after batch, until a claim comes back empty (returns
-        the `after` it started from) or the worker must look up (stop, rebalance, switch:
-        returns None).
-
-        One batch is still one transaction, but the session runs in pipeline mode (prepared
-        statements sent through libpq directly: relay/wire.py) with explicit BEGIN/COMMIT, so
-        a batch's mark and COMMIT travel with the next batch's BEGIN and claim:
-        one round trip per batch instead of four (BEGIN, claim, mark, COMMIT). At batch 100
-        the round trips were as costly as the SQL itself (bench/relay.py). A batch counts as
-        published once its COMMIT is known to have succeeded: when a later result of its
-        session arrives (results come back in order), or at the final sync. When the next
-        claim fails (SQLSTATE 40001, a lost connection), the COMMIT before it already
-        happened or not — its own result says which.
-
-        Read-ahead (relay/read_ahead.py): while claims come back full, the next batch is
-        claimed on the worker's other session before this one is published, so the server
-        claims (and marks) while the relay publishes; batches alternate between the sessions.
-
-        Linger: after a claim that did not fill a batch, the next claim waits until
-        `linger_s` after the previous one was sent. Steady traffic then costs one batch and
-        one wake-up of the relay per linger period instead of one per message. The batch's
-        mark and COMMIT are sent before the wait, their results read with the next claim's
-        (one wait for the server per batch, as without a linger). They used to wait with the
-        batch for the next claim, saving a network write and a wake-up of the server backend
-        per batch, but the session then sat "idle in transaction" on its row locks through
-        nearly every linger under steady traffic — and the migration runner does not queue a
-        step's lock behind such a session, so a step could not find a moment to take it
-        (tests/integration/relay/test_wake_up.py).
-        """
-        relay, cursor, pipe = self.relay, self.cursor, self.wire
-        assert self.sink is not None and pipe is not None  # built by _step before any claim
-        claim, probe, mark, sharded = self._statements(source)
-        batch_size, linger = relay.options.batch_size, self._linger_s(source)
-        ahead_ok = self._read_ahead_allowed(source)
-        flag_rows = self._flag_rows(source, linger)
-        self.flag_key = notify.idle_lock_key(source.label)
-        # Batches whose COMMIT was queued and not yet seen to succeed (at most one per session).
-        pending: list[_Commit] = []
-        empty_after: int | None = None
-        try:
-            with pipe.pipeline():
-                started = time.perf_counter()
-                sent = time.monotonic()
-                rows, after, ranged = self._claim(claim, probe, sharded, flag_rows)
-                conn, cur = self.conn, pipe  # the session holding the batch in hand
-                while True:
-                    if pending:
-                        self._count_committed(pending)
-                    if not rows:
-                        cur.send_plain(b"ROLLBACK")
-                        if flag_rows < 0:
-                            empty_after = after
-                            break
-                        if cur is not pipe:  # the read-ahead claim came back empty
-                            cur.sync()
-                            conn, cur = self.conn, pipe
-                        if self._wait_in_run(pipe, source, pending):
-                            break
-                        started = time.perf_counter()
-                        sent = time.monotonic()
-                        rows, after, ranged = self._claim(claim, probe, sharded, flag_rows)
-                        continue
-                    if len(rows) > flag_rows:
-                        # The claim after raising the flag found rows, or more than a sparse
-                        # trickle: writers need not notify while the worker claims.
-                        self._lower_idle_flag()
-                    ahead = None
-                    if (
-                        ahead_ok
-                        and ranged == batch_size
-                        and self._may_read_ahead(source, time.monotonic())
-                    ):
-                        # From the last id in hand: the rows come in ascending id order.
-                        ahead = self._send_ahead(
-                            cur, claim, mark, sharded, max(cursor.frontier, rows[-1][0])
-                        )
-                    pause, now = self._publish_batch(
-                        conn, cur, source, (mark, rows, after, started), pending
-                    )
-                    stop_run = (
-                        relay.stopping or self.lease.due(now) or relay.state.current is not source
-                    )
-                    if ahead is not None and self._take_ahead(
-                        ahead, cur, keep=not (pause or stop_run or self.rewound)
-                    ):
-                        started = time.perf_counter()
-                        rows, after, ranged = self._receive_ahead(ahead)
-                        conn, cur = ahead.conn, ahead.pipe
-                        continue
-                    if pause:  # a rejection's backoff, or a claim of parked keys only
-                        self.pause_s = pause  # taken in `_step`, after the COMMIT
-                        break
-                    if stop_run:
-                        break
-                    if cur is not pipe:
-                        # The batch is the read-ahead session's: its mark and COMMIT complete
-                        # before the lease session claims again (a claim from id 0 must not
-                        # meet rows that move under it).
-                        cur.sync()
-                        conn, cur = self.conn, pipe
-                    if (
-                        self.idle_key is not None
-                        and ranged < batch_size
-                        and self._wait_in_run(pipe, source, pending)
-                    ):
-                        break  # a sparse row published with the flag up: slept until woken
-                    if ranged < batch_size and linger > 0 and self._linger(pending, sent + linger):
-                        break
-                    started = time.perf_counter()
-                    sent = time.monotonic()
-                    rows, after, ranged = self._claim(claim, probe, sharded, flag_rows)
-            self.read_ahead.settle()
-        except BaseException:
-            self._abort_run(pending)
-            raise
-        self._count_committed(pending)
-        return empty_after
-
-    def _flag_rows(self, source: queries.Source, linger: float) -> int:
-        """How many rows a claim made with the idle flag up may return for the flag to stay
-        up, the worker then sleeping inside the run (`_wait_in_run`); -1: the flag is only
-        raised after the run, by `_idle`.
-
-        Only where an empty claim means "sleep until notified": with notifications, and not
-        while the switching relay drains the flat table (its empty claim starts the switch)."""
-        state = self.relay.state
-        if not self.uses_flag or (state.mode is Mode.switching and source is state.flat):
-            return -1
-        return SPARSE_ROWS
-
-    def _wait_in_run(self, pipe: wire.Wire, source: queries.Source, pending: list[_Commit]) -> bool:
-        """Nothing more to claim now: wait — until a notification or the poll interval with
-        the idle flag up, shortly without it — staying in the run (no pipeline exit, no
-        statements of its own), the last COMMIT or ROLLBACK queued for the next claim to take
-        along (`_hold`). True: the worker must go back to `_step` first (stop, lease check,
-        source switch).
-
-        The flag was up while the last claim's snapshot was taken, or this waits briefly
-        (`_busy_poll_s`) and the next claim raises it: an idle worker costs one round trip
-        per wake-up, where leaving the run, raising the flag on its own and confirming cost
-        six.
-        """
-        if self.cursor.due() or (self.idle_key is None and not self.flag_tried):
-            # A claim below the cursor is due (a late row may be visible), or the last claim
-            # did not try to raise the flag: claim again now (what is queued goes with it).
-            pass
-        elif self.idle_key is not None:
-            self.idle_sleeping = True
-            linger = self._linger_s(source)
-            woken = self._hold(pipe, pending, None)
-            self.awake = 0 if self.blocked else self.awake + 1
-            if woken and linger > 0:
-                # Woken by a row's notification: give it `linger` for company, as a batch
-                # that did not fill waits before the next claim — a trickle then costs one
-                # claim per linger period, not one per row.
-                self._linger([], time.monotonic() + linger)
-        else:
-            # A writer that saw the relay busy has not committed yet (it holds the flag's lock
-            # shared and will not notify), or another worker holds the flag: look again soon.
-            self.busy_polls += 1
-            self._hold(pipe, pending, self._busy_poll_s())
-        relay = self.relay
-        relay.observer.heartbeat(self.index)
-        return (
-            relay.stopping
-            or bool(self.pause_s)
-            or self.lease.due(time.monotonic())
-            or relay.state.current is not source
-        )
-
-    def _hold(self, pipe: wire.Wire, pending: list[_Commit], timeout_s: float | None) -> bool:
-        """Sleep (`_sleep`) once the last batch's mark and COMMIT (or the empty claim's
-        ROLLBACK) went out, without waiting for their results: the next claim reads them with
-        its own, so a wake-up costs one wait for the server, not two. Not sent with that
-        claim instead (it would save a write): the session would sleep inside its transaction,
-        holding its lock on the outbox — under steady traffic nearly all the time, which kept
-        a migration step's DDL from ever finding a moment to take its lock (the demo's COPRA
-        run under load: "blocked by relay-0, idle in transaction"). Results not read within
-        HOLD_S are read then (the batch is counted).
-        True: woken (a notification, or a stop) before the timeout."""
-        relay = self.relay
-        pipe.send_sync()
-        if pending:
-            pending[-1].sent = time.perf_counter()
-        timeout = relay.options.poll_interval_s if timeout_s is None else timeout_s
-        if timeout <= HOLD_S:
-            return self._sleep(timeout)
-        if self._sleep(HOLD_S):
-            return True
-        pipe.sync()
-        self._count_committed(pending)
-        woken = self._sleep(timeout - HOLD_S)
-        self.blocked = True  # it slept HOLD_S already
-        return woken
-
-    def _abort_run(self, pending: list[_Commit]) -> None:
-        """A run failed: roll back both sessions, count what did commit (a COMMIT of the
-        read-ahead session still in flight is read first, so a batch marked is counted), and
-        keep the published batches whose mark did not commit for `_repair_marks`."""
-        self.read_ahead.abandon()
-        for commit in pending:
-            if commit.succeeded:
-                self._count(commit)
-        self.unmarked = [c for c in pending if not c.succeeded and c.unmarked is not None]
-        self._end_transaction()
-
-    def _receive_ahead(self, ahead: read_ahead.Pending) -> tuple[list[Any], int, int]:
-        """The rows claimed ahead, as `_claim` returns them (rows, after, rows of the range
-        claim); a claim on the lease session proves the lease too."""
-        rows = self.read_ahead.receive(ahead)
-        if ahead.pipe is self.wire:
-            self.fence.proven(ahead.sent)
-        self.sparse = self.empty = not rows  # claimed with the flag down, after a full batch
-        self.relay.stats.add(read_ahead=1)
-        return rows, ahead.after, len(rows)
-
-    def _publish_batch(
-        self,
-        conn: Any,
-        pipe: wire.Wire,
-        source: queries.Source,
-        work: tuple[bytes, list[Any], int, float],
-        pending: list[_Commit],
-    ) -> tuple[float, float]:
-        """Publish the claimed rows and queue their mark and COMMIT on their session. Returns
-        the pause the worker takes once the transaction has ended (0: none; see
-        `Relay._publish`) and the time after."""
-        relay, cursor = self.relay, self.cursor
-        mark, rows, after, started = work
-        batch, bad = claimed.messages(rows, relay._message, relay._columns[source.label])
-        self.fence.check(time.monotonic())
-        assert self.sink is not None
-        acked, dead, retry, pause, rewind = relay._publish(
-            wire.direct(conn, pipe), self.sink, source, batch, bad, after
-        )
-        if relay._suspects and acked:
-            acked, again = self._mark_suspects(conn, pipe, source, rows, batch, acked)
-            retry += again
-        if relay._abandon.is_set():
-            raise _Abandoned
-        now = time.monotonic()
-        cursor.claimed(after, [r[0] for r in rows], now)
-        # After a rejection's pause, or for a released key: claim again from `rewind` (the
-        # read-ahead batch, if any, is dropped). Bad rows: by id, once the backlog is drained.
-        self.rewound = rewind is not None
-        if rewind is not None:
-            cursor.retry_from(rewind)
-        elif retry:
-            self.later += retry
-            if len(rows) < relay.options.batch_size:
-                self._retry_bad_rows()
-        commit = self._mark_and_commit(pipe, mark, rows, acked, dead, started)
-        commit.unmarked = (source, rows, batch, acked)
-        pending.append(commit)
-        relay.observer.heartbeat(self.index)
-        return pause, now
-
-    def _retry_bad_rows(self) -> None:
-        """Bad rows to try again are claimed by id with the next claim on the lease session
-        (`Cursor.retry_ids`) — once claims no longer come back full: a claim with a probe is
-        not read ahead, and trying each bad row again in the very next batch cost a fifth of
-        the drain rate at one bad row per 10,000 (bench/bad_rows.py)."""
-        self.cursor.retry_ids(self.later, time.monotonic())
-        self.later = []
-
-    def _mark_suspects(
-        self,
-        conn: Any,
-        pipe: wire.Wire,
-        source: queries.Source,
-        rows: list[Any],
-        batch: list[Message],
-        acked: list[MessageId],
-    ) -> tuple[list[MessageId], list[MessageId]]:
-        """Rows whose mark failed before are marked alone first (mark_repair.py); returns the
-        acknowledged ids left for the batch's mark and the ids to claim again."""
-        relay = self.relay
-        done = mark_repair.mark_suspects(
-            wire.direct(conn, pipe), source, relay.failures, relay._suspects, rows, batch, acked
-        )
-        relay._count_failures(0, len(done.bad), dead=len(done.dead))
-        held = mark_repair.park(relay._parking, source.label, batch, done, relay._backoff,
-                                by_key=relay.options.ordering is Ordering.key)  # fmt: skip
-        return [i for i in acked if i not in done.bad and i not in held], done.retry
-
-    @staticmethod
-    def _take_ahead(ahead: read_ahead.Pending, cur: wire.Wire, *, keep: bool) -> bool:
-        """After a batch was published: send its mark and COMMIT and take the batch claimed
-        ahead (True), or — the publish was refused in part, or the worker must look up — roll
-        the read-ahead back unpublished (its rows are claimed again later)."""
-        if keep:
-            cur.send_sync()
-            return True
-        ahead.pipe.send_plain(b"ROLLBACK")
-        ahead.pipe.send_sync()
-        return False
-
-    def _read_ahead_allowed(self, source: queries.Source) -> bool:
-        """Read-ahead keeps publishing one batch at a time in id order, but a rejection would
-        meet a batch already claimed behind it: with key or global ordering (parking, strict
-        order) and application ids (no cursor to claim after) it is not used."""
-        relay = self.relay
-        options = relay.options
-        return (
-            options.read_ahead
-            and options.ordering is Ordering.none
-            and not relay._text_ids
-            # Not while the switching relay drains the flat table to leave it: that run must
-            # end with a claim that comes back empty, and it is short.
-            and not (relay.state.mode is Mode.switching and source is relay.state.flat)
-        )
-
-    def _may_read_ahead(self, source: queries.Source, now: float) -> bool:
-        """Whether the next claim may be a plain range claim from the frontier, claimed now on
-        the other session: nothing the lease session must do first (relay/read_ahead.py)."""
-        relay = self.relay
-        return not (
-            relay.stopping
-            or self.pause_s
-            or self.lease.due(now)
-            or relay.state.current is not source
-            or self._take_notifications()
-            or not self.cursor.plain(now)
-        )
-
-    def _send_ahead(
-        self, cur: wire.Wire, claim: bytes, mark: bytes, sharded: bool, after: int
-    ) -> read_ahead.Pending:
-        """Send the next batch's claim, from `after`, on the session not holding `cur`."""
-        params: dict[str, Any] = {"limit": self.relay.options.batch_size}
-        if sharded:
-            params.update(shards=self.lease.count, mine=self.lease.mine())
-        if cur is not self.wire:
-            assert self.wire is not None
-            return self.read_ahead.send(self.wire, self.conn, claim, params, after)
-        conn, pipe = self.read_ahead.session((claim, mark))
-        self.relay._conns[_ahead_key(self.index)] = conn
-        return self.read_ahead.send(pipe, conn, claim, params, after)
-
-    def _linger_s(self, source: queries.Source) -> float:
-        relay = self.relay
-        if relay.state.mode is Mode.switching and source is relay.state.flat:
-            # The flat table is drained to be left: the switch needs an empty claim, and a
-            # linger would let steady V1 traffic fill every claim so none ever comes back empty.
-            return 0.0
-        return relay.options.linger_s
-
-    def _mark_and_commit(
-        self,
-        pipe: wire.Wire,
-        mark: bytes,
-        rows: list[Any],
-        acked: list[MessageId],
-        dead: list[MessageId],
-        started: float,
-    ) -> _Commit:
-        """Queue the mark of the acknowledged and dead-lettered rows, and the COMMIT, on the
-        session that claimed them."""
-        tids = _tids_to_mark(rows, acked, dead)
-        if tids:
-            # An array literal: a list dumper would cost more than the mark.
-            pipe.send(mark, {"tids": '{"' + '","'.join(tids) + '"}'})
-        return _Commit(len(acked), started, pipe.send_plain(b"COMMIT"))
-
-    def _linger(self, pending: list[_Commit], until: float) -> bool:
-        """Send the batch's mark and COMMIT, then wait until `until` (or a stop: True); their
-        results are read with the next claim's, or at the pipeline's final sync on a stop (the
-        batch is counted then, as after a batch without linger; its time excludes the wait)."""
-        # The mark and COMMIT leave now (a no-op when `_hold` sent them): lingering inside the
-        # transaction would hold its row locks and show the session "idle in transaction"
-        # through every linger, which the migration runner will not queue behind.
-        assert self.wire is not None
-        self.wire.send_sync()
-        if pending:
-            pending[-1].sent = time.perf_counter()
-        wait = until - time.monotonic()
-        if wait > LINGER_SLEEP_MAX_S:
-            self.relay._stop.wait(wait)
-        elif wait > 0:
-            # A plain sleep: `Event.wait` allocates and queues a lock per call, which this
-            # path pays once per batch; a stop waits at most this long.
-            time.sleep(wait)
-        return self.relay.stopping
-
-    def _count_committed(self, pending: list[_Commit]) -> None:
-        """Count the batches whose COMMIT result came back (a failed one raised already)."""
-        done = [c for c in pending if c.commit.result is not None]
-        for commit in done:
-            self._count(commit)
-            pending.remove(commit)
-
-    def _count(self, commit: _Commit) -> None:
-        relay = self.relay
-        relay.stats.batch(commit.published)
-        relay.observer.published(commit.published)
-        relay.observer.batch_seconds((commit.sent or time.perf_counter()) - commit.started)
-
-    def _end_transaction(self) -> None:
-        """After a failed run: roll back whatever transaction the session is still in."""
-        import psycopg
-
-        conn = self.conn
-        if conn is None or conn.closed:
-            return
-        try:
-            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                conn.execute(b"ROLLBACK")
-        except Exception:  # a broken session: the caller's error handling replaces it
-            log.debug("relay.rollback_failed", exc_info=True)
-
-
-def _ahead_key(index: int) -> int:
-    """The read-ahead session's key in `Relay._conns` (cancelled at the shutdown timeout)."""
-    return -1 - index
-
-
-_POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
-_HORIZON = queries.horizon().as_string().encode()
-_IDLE_UNLOCK = queries.idle_unlock().as_string().encode()
-_TRY_IDLE_LOCK = queries.try_idle_lock().as_string().encode()
-_ID = operator.itemgetter(0)
-_BY_ID = operator.attrgetter("id")
-"""Claim order with key ordering: by id (application ids are then claimed by id too)."""
-
-
-def _tids_to_mark(rows: list[Any], acked: list[MessageId], dead: list[MessageId]) -> list[str]:
-    """The ctids of the claimed rows that are acknowledged or dead-lettered."""
-    at = queries.CLAIM_CTID_COLUMN
-    if len(acked) == len(rows):
-        return [r[at] for r in rows]
-    wanted = set(acked) | set(dead)
-    return [r[at] for r in rows if r[0] in wanted]
-
-
-@dataclass
-class _Commit:
-    """A batch whose mark and COMMIT were queued; it counts once the COMMIT succeeded."""
-
-    published: int
-    started: float
-    commit: wire.Slot
-    sent: float = 0.0
-    """When it started to linger or sleep (its mark and COMMIT sent, their result read with
-    the next claim's); 0: no linger. The batch's time ends there."""
-    unmarked: tuple[queries.Source, list[Any], list[Message], list[MessageId]] | None = None
-    """(source, claimed rows, messages, acknowledged ids): what a repair needs if the mark
-    fails (`_Worker._repair_marks`)."""
-
-    @property
-    def succeeded(self) -> bool:
-        return self.commit.succeeded
 
 
 @contextmanager

@@ -9,8 +9,9 @@ import pytest
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
 from outbox_migrate.introspect import ColumnFact, TableFacts, judge, raise_for_blockers
-from outbox_migrate.lost_semantics import LAYOUT_WARNINGS, UniqueKey
+from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.patterns.model import PublicationFact
+from outbox_migrate.table_facts import UniqueKey
 
 ID = ColumnFact("id", "bigint", None, True, None, "a", "")
 PUBLISHED = ColumnFact("published_at", "timestamp with time zone", None, False, None, "", "")

@@ -21,7 +21,7 @@ from psycopg import sql
 
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns import marker
-from outbox_migrate.patterns.kinds import (
+from outbox_migrate.patterns.kinds.base import (
     SCAN_GUARD_TIMEOUT_MS,
     BuildContext,
     kind,

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns.kinds import BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
 from outbox_migrate.patterns.model import Condition, Step, TxMode
 
 

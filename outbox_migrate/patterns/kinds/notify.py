@@ -14,7 +14,7 @@ from typing import Any
 from psycopg import sql
 
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns.kinds import BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
 from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
 from outbox_migrate.relay import notify
 from outbox_migrate.relay.options import DEFAULT_CHANNEL

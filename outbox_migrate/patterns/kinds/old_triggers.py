@@ -16,7 +16,7 @@ from typing import Any
 from psycopg import sql
 
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns.kinds import BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
 from outbox_migrate.patterns.model import Lock, LockMode, Step, TxMode
 
 

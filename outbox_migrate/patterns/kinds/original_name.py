@@ -24,7 +24,7 @@ from psycopg import sql
 
 from outbox_migrate import sql as queries
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns.kinds import BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND, NULL_BOUND
 from outbox_migrate.patterns.model import (
     CheckPoint,

@@ -15,7 +15,7 @@ from psycopg import sql
 
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns import marker
-from outbox_migrate.patterns.kinds import CREATE_TIMEOUT_MS, BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.base import CREATE_TIMEOUT_MS, BuildContext, kind, make_step
 from outbox_migrate.patterns.model import Condition, Created, Lock, LockMode, Step, TxMode
 from outbox_migrate.patterns.privileges import (
     EVERY_PRIVILEGE,

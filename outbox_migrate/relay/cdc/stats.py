@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from outbox_migrate.relay.run_stats import Counters
 
 
 @dataclass
-class CdcStats:
-    """What a run did; read it after `run()` returns (or live, for tests)."""
+class CdcStats(Counters):
+    """What a CDC run did; read it after `run()` returns (or live, for tests)."""
 
     published: int = 0
     batches: int = 0
@@ -23,16 +24,6 @@ class CdcStats:
     reconnects: int = 0
     idle_confirms: int = 0
     confirmed_lsn: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                setattr(self, name, getattr(self, name) + value)
-
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
 
 @dataclass

@@ -29,11 +29,12 @@ import psycopg
 import pytest
 
 from outbox_migrate.relay import keepalive
+from outbox_migrate.relay.driver import REAP_MARGIN_S
 from outbox_migrate.relay.errors import SinkUnavailable
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.options import RelayOptions
-from outbox_migrate.relay.worker import REAP_MARGIN_S, Relay, running
+from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.testing.schema import insert_rows
 
 from .conftest import SPEC, Collected, ids_in

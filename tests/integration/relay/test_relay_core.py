@@ -437,10 +437,10 @@ def test_a_claim_failing_after_the_previous_commit_loses_nothing(
     fails — here SQLSTATE 40001 on the 3rd claim, raised once its rows were already fetched
     and locked — the batch before it is committed and counted, the failed claim's transaction
     is rolled back (its rows are claimed again, not lost and not published twice)."""
-    from outbox_migrate.relay import worker
+    from outbox_migrate.relay import batch_loop
 
     insert_rows(partitioned, "outbox_new", 1000, spec=SPEC)
-    original = worker._Worker._claim
+    original = batch_loop.BatchLoop._claim
     calls = {"n": 0}
 
     def flaky_claim(self, *args):  # type: ignore[no-untyped-def]
@@ -450,7 +450,7 @@ def test_a_claim_failing_after_the_previous_commit_loses_nothing(
             raise psycopg.errors.SerializationFailure("injected: row moved")
         return rows
 
-    monkeypatch.setattr(worker._Worker, "_claim", flaky_claim)
+    monkeypatch.setattr(batch_loop.BatchLoop, "_claim", flaky_claim)
     relay = run_until_empty(dsn, collected, batch_size=100)
     expected = ids_in(partitioned, "outbox_new")
     assert relay.stats.serialization_retries == 1

@@ -59,8 +59,8 @@ def wait_for(collected: Collected, wanted: int, timeout_s: float = 10.0) -> floa
 
 def relay_blocking(dsn: str, samples: int) -> int:
     """How many of `samples` looks, 10 ms apart, the migration runner's own blocker check
-    (outbox_migrate/lock_budget.py) found a relay session it would not queue a step's lock behind, for an
-    ACCESS EXCLUSIVE lock on the unpublished partition."""
+    (outbox_migrate/lock_budget.py) found a relay session it would not queue a step's lock
+    behind, for an ACCESS EXCLUSIVE lock on the unpublished partition."""
     from outbox_migrate import lock_budget as locks
     from outbox_migrate.patterns.model import LockMode
 
@@ -380,7 +380,7 @@ def test_a_trickled_row_is_marked_soon_without_more_traffic(
 ) -> None:
     """The COMMIT that waits for the next claim waits HOLD_S at most, not the poll interval:
     the row leaves the unpublished partition, its lock and transaction end."""
-    from outbox_migrate.relay.worker import HOLD_S
+    from outbox_migrate.relay.batch_loop import HOLD_S
 
     relay = Relay(dsn, collected.factory(), spec=SPEC, options=RelayOptions(poll_interval_s=30))
     with running(relay):

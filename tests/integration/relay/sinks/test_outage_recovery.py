@@ -149,13 +149,13 @@ def test_a_session_ended_during_the_backoff_is_reopened_without_a_second_backoff
         kill()
         insert_rows(partitioned, "outbox_new", 100, spec=SPEC)
         wait_for(lambda: stats.sink_failures >= 1, 30, "a failed attempt")
-        pid = relay._conns[0].info.backend_pid
+        pid = relay.shared.conns[0].info.backend_pid
         partitioned.execute("SELECT pg_terminate_backend(%s)", (pid,))
         start()
         back = time.monotonic()
         wait_for(lambda: not ids_in(partitioned, "outbox_unpublished"), 60, "publishing resumed")
         resumed_s = time.monotonic() - back
-        reopened = relay._conns[0].info.backend_pid
+        reopened = relay.shared.conns[0].info.backend_pid
     assert reopened != pid
     assert stats.connection_retries == 0
     assert resumed_s <= RESUME_BOUND_S, resumed_s

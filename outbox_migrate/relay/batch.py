@@ -1,0 +1,86 @@
+"""One batch of the relay's hot loop, as data: what was claimed, what became a message, what
+the broker acknowledged, what was refused or dead-lettered, what is marked — and its COMMIT.
+
+Why an object: the worker's batch used to live in a 4-tuple, a 5-tuple returned by the
+publish, and a 4-tuple kept on the COMMIT for a mark repair, each unpacked where needed;
+passing one `Batch` from claim to mark (and on to `mark_repair` if the mark fails) says what a
+batch is in one place. `Commit` is a batch whose mark and COMMIT were queued on its session.
+
+It must not: publish, wait, or read results (the worker and relay/wire.py do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from outbox_migrate.relay import claimed, queries, wire
+from outbox_migrate.relay.message import Message, MessageId
+
+
+@dataclass(slots=True)
+class Batch:
+    """Rows claimed by one claim, through publish to mark."""
+
+    source: queries.Source
+    mark: bytes
+    """The mark statement (rendered for the claiming session)."""
+    rows: list[Any]
+    """The claimed rows, as the claim returned them (id first, ctid at CLAIM_CTID_COLUMN)."""
+    after: int
+    """The id the range claim started after."""
+    started: float
+    """perf_counter when the claim was sent: the batch's time starts there."""
+    messages: list[Message] = field(default_factory=list)
+    bad: list[claimed.BadRow] = field(default_factory=list)
+    """Rows that could not become a message (relay/claimed.py)."""
+    acked: list[MessageId] = field(default_factory=list)
+    """Acknowledged by the broker, to be marked."""
+    dead: list[MessageId] = field(default_factory=list)
+    """Dead-lettered in this transaction, to be marked."""
+    retry: list[MessageId] = field(default_factory=list)
+    """Bad rows to claim again by id."""
+    pause: float = 0.0
+    """The worker's pause once this batch's transaction has ended (a rejection's backoff, a
+    claim of parked keys only); 0: none."""
+    rewind: MessageId | None = None
+    """Claim again from this id (after a rejection's pause, for a released key)."""
+
+    def to_mark(self) -> list[str]:
+        """The ctids of the claimed rows that are acknowledged or dead-lettered."""
+        at = queries.CLAIM_CTID_COLUMN
+        rows, acked = self.rows, self.acked
+        if len(acked) == len(rows):
+            return [r[at] for r in rows]
+        wanted = set(acked) | set(self.dead)
+        return [r[at] for r in rows if r[0] in wanted]
+
+
+@dataclass(slots=True)
+class Commit:
+    """A batch whose mark and COMMIT were queued; it counts once the COMMIT succeeded."""
+
+    batch: Batch
+    commit: wire.Slot
+    published: int
+    sent: float = 0.0
+    """When it started to linger or sleep (its mark and COMMIT sent, their result read with
+    the next claim's); 0: no linger. The batch's time ends there."""
+
+    @property
+    def succeeded(self) -> bool:
+        return self.commit.succeeded
+
+    @property
+    def started(self) -> float:
+        return self.batch.started
+
+
+def mark_and_commit(pipe: wire.Wire, batch: Batch) -> Commit:
+    """Queue the mark of the acknowledged and dead-lettered rows, and the COMMIT, on the
+    session that claimed them."""
+    tids = batch.to_mark()
+    if tids:
+        # An array literal: a list dumper would cost more than the mark.
+        pipe.send(batch.mark, {"tids": '{"' + '","'.join(tids) + '"}'})
+    return Commit(batch, pipe.send_plain(b"COMMIT"), len(batch.acked))

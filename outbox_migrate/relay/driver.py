@@ -1,0 +1,382 @@
+"""One polling relay worker: claim → publish → mark, batch after batch, with its failures sorted.
+
+Each worker is a thread with its own claim session (and a read-ahead session, and a LISTEN
+session), its own sink, shards and id cursor; it sees its relay only through `Shared`
+(relay/shared.py). One batch is one transaction (relay/batch.py); nothing is marked before the
+broker acknowledged it. Its parts, each with its own state: the idle flag (relay/idle_flag.py,
+a pure state machine), the LISTEN session (relay/listener.py), every wait (relay/waits.py:
+never inside a transaction), the rejection policy (relay/refusals.py, shared). Failures:
+
+* SQLSTATE 40001 (row moved to another partition by a concurrent mark): retried at once
+  after a short jitter — the shard scheme makes it rare, the retry makes it harmless;
+* a lost connection: reconnect with exponential backoff (shards are re-acquired);
+* the sink unavailable: the batch rolls back, the worker backs off and retries, forever;
+* messages the sink rejects: attempts are counted; after `max_attempts` the row goes to the
+  dead-letter table and is marked in the same transaction (nothing lost).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from psycopg.errors import IntegrityError
+
+from outbox_migrate.relay import (
+    keepalive,
+    mark_repair,
+    notify,
+    queries,
+    wire,
+)
+from outbox_migrate.relay.backoff import jitter_s
+from outbox_migrate.relay.batch_loop import Abandoned, BatchLoop, ahead_key
+from outbox_migrate.relay.cursor import Cursor, NoCursor
+from outbox_migrate.relay.errors import RelayFailed, SinkUnavailable
+from outbox_migrate.relay.fencing import Fence, LeaseUnproven
+from outbox_migrate.relay.idle_flag import Idle, IdleFlag
+from outbox_migrate.relay.listener import Listener
+from outbox_migrate.relay.options import Mode, Ordering
+from outbox_migrate.relay.outage_wait import back_off_keeping_session
+from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
+from outbox_migrate.relay.shared import (
+    Shared,
+    close_sink,
+    connection_errors,
+    one_line,
+    serialization_errors,
+)
+from outbox_migrate.relay.sinks import Sink
+from outbox_migrate.relay.waits import Session, Waits
+
+log = logging.getLogger("outbox_migrate.relay")
+
+REAP_MARGIN_S = 0.5
+"""Past the server's own idle-session bound (session timeout + poll interval) before the
+survivors end a silent shard holder themselves (`ShardLease.reap`)."""
+
+
+class Worker:
+    """One worker thread's state: its session, sink, shards and id cursor."""
+
+    def __init__(self, relay: Shared, index: int) -> None:
+        options = relay.options
+        table = relay.state.flat if options.mode is Mode.flat else relay.state.partitioned
+        self.relay = relay
+        self.index = index
+        self.lease = ShardLease(
+            key=f"{queries.ADVISORY_NAMESPACE}:{table.label}",
+            shards=options.shard_count,
+            home=home_shards(index, options.workers, options.shard_count),
+            reap_after_s=(
+                options.dead_session_s + options.poll_interval_s + REAP_MARGIN_S
+                if options.dead_session_s > 0
+                else None
+            ),
+        )
+        self.conn: Any = None
+        self.wire: wire.Wire | None = None
+        """The session's libpq-level pipeline of prepared statements (relay/wire.py)."""
+        self.sink: Sink | None = None
+        self.failures = 0
+        self.fence = Fence(options.dead_session_s, options.sink_timeout_s)
+        """Whether a batch may still be handed to the sink (relay/fencing.py)."""
+        self.cursor: Cursor = (
+            NoCursor(now=time.monotonic())
+            if relay.text_ids
+            else Cursor(
+                shards=options.shard_count,
+                mine=[],
+                track_gaps=options.ordering is not Ordering.key,
+                now=time.monotonic(),
+            )
+        )
+        self.flag = IdleFlag(options.listen and not options.until_empty, options.linger_s)
+        """The idle flag's state (relay/idle_flag.py; the lock itself: relay/notify.py)."""
+        self.blocked = False
+        """The last idle wait blocked before it returned (`Listener.poll`)."""
+        self.mark_failure: IntegrityError | None = None
+        """The constraint a mark broke: the next step repairs `unmarked` first."""
+        # Every wait of this worker goes through it: none with a session in a transaction.
+        self.waits = Waits(relay.stopped, self._sessions)
+        self.listener = Listener(relay.connect_worker, options.channel,
+                                 relay.wake_fd, self.waits, self.cursor.notified_payloads,
+                                 index)  # fmt: skip
+        self.loop = BatchLoop(relay, index, lease=self.lease, cursor=self.cursor,
+                              flag=self.flag, fence=self.fence, listener=self.listener,
+                              waits=self.waits, sleep=self._idle_sleep)  # fmt: skip
+        """Its runs of batches (relay/batch_loop.py)."""
+
+    def _sessions(self) -> tuple[Session, Session]:
+        ahead = self.loop.read_ahead
+        return (self.conn, self.wire), (ahead.conn, ahead.pipe)
+
+    def run(self) -> None:
+        relay = self.relay
+        try:
+            while not relay.stopping:
+                relay.observer.heartbeat(self.index)
+                if self._step_guarded():
+                    return
+        except Abandoned:
+            log.warning("relay.batch_abandoned worker=%d", self.index)
+        except Exception as exc:
+            # Not a failure the loop knows how to retry (a sink that cannot be built, a bug):
+            # stop the whole relay and let run() report it, rather than die silently.
+            log.error("relay.worker_failed worker=%d %s", self.index, exc,
+                      exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
+            relay.fail(exc)
+        finally:
+            relay.observer.worker_done(self.index)
+            close_sink(self.sink)
+            if self.conn is not None and not self.conn.closed:
+                try:
+                    self.lease.release_all(self.conn)
+                except Exception:  # the session is closing anyway
+                    log.debug("relay.release_failed", exc_info=True)
+            relay.close_conn(self.index, self.conn)
+            self.listener.close()
+            relay.conns.pop(ahead_key(self.index), None)
+            self.loop.read_ahead.close()
+
+    def _step_guarded(self) -> bool:
+        """One loop iteration with its failures sorted. True = this worker is done."""
+        from outbox_migrate.errors import ConnectError
+
+        relay = self.relay
+        try:
+            if self.mark_failure is not None:
+                self._repair_marks()
+            return self._step()
+        except LeaseUnproven as exc:
+            relay.observer.failed("fenced")
+            log.warning("relay.fenced worker=%d %s", self.index, exc)
+        except SinkUnavailable as exc:
+            relay.stats.add(sink_failures=1)
+            relay.observer.failed("sink")
+            log.warning("relay.sink_unavailable worker=%d %s", self.index, exc)
+            close_sink(self.sink)
+            self.sink = None
+            self._step_out()
+            self._back_off(keep_session=True)
+        except IntegrityError as exc:
+            # The mark of a published batch broke a constraint (a duplicate id moving into
+            # the published partition): the next step finds the rows at fault, marks the rest.
+            if not self.loop.unmarked:
+                raise  # no batch to repair: not a mark's failure
+            self.mark_failure = exc
+        except serialization_errors():
+            # Another claimer moved a row we were about to lock (see queries.py). Checked
+            # before connection errors: SerializationFailure is an OperationalError too, but
+            # the session is fine.
+            relay.stats.add(serialization_retries=1)
+            relay.observer.failed("serialization")
+            self.waits.wait(jitter_s())
+        except connection_errors(ConnectError) as exc:
+            relay.stats.add(connection_retries=1)
+            relay.observer.failed("connection")
+            log.warning("relay.connection_lost worker=%d %s", self.index, one_line(exc))
+            self._forget_session()
+            self._back_off()
+        return False
+
+    def _repair_marks(self) -> None:
+        """After a mark failed on a constraint: mark the acknowledged rows of the batches it
+        took down (relay/mark_repair.py); a row that cannot be marked is a bad row — counted,
+        claimed again, dead-lettered and removed after `max_attempts`. Run as a step of its
+        own, so a lost session or a 40001 meanwhile is handled as anywhere else (the repair
+        is one transaction per batch; without a session, the rows are claimed and sent again)."""
+        relay, exc = self.relay, self.mark_failure
+        refusals = relay.refusals
+        assert exc is not None
+        if self.conn is None or self.conn.closed:
+            self.loop.unmarked, self.mark_failure = [], None
+            return
+        while self.loop.unmarked:
+            claim = self.loop.unmarked[0].batch
+            source, rows, batch, acked = claim.source, claim.rows, claim.messages, claim.acked
+            by_key = relay.options.ordering is Ordering.key
+            try:
+                done = mark_repair.repair(self.conn, source, refusals.failures,
+                                          refusals.suspects, rows, batch, acked, exc,
+                                          by_key=by_key)  # fmt: skip
+            except IntegrityError as failed:  # the repair itself broke one: no loop of repairs
+                raise RelayFailed(f"repairing a failed mark: {one_line(failed)}") from failed
+            self.loop.unmarked.pop(0)
+            mark_repair.park(relay.refusals.parking, source.label, batch, done, relay.backoff,
+                             by_key=by_key)  # fmt: skip
+            relay.stats.batch(done.marked)
+            relay.refusals.count_failures(0, len(done.bad), dead=len(done.dead))
+            relay.observer.published(done.marked)
+            self.loop.later += done.retry
+            log.warning(
+                "relay.mark_repaired worker=%d marked=%d bad_rows=%d dead_lettered=%d %s",
+                self.index, done.marked, len(done.bad), len(done.dead), one_line(exc),
+            )  # fmt: skip
+        self.mark_failure = None
+
+    def _step_out(self) -> None:
+        """The broker is out of reach: let the other relays serve this worker's shards while
+        it backs off (it rejoins at its next lease check)."""
+        if self.conn is None or self.conn.closed:
+            return
+        try:
+            self.lease.step_out(self.conn)
+        except connection_errors():  # the session is gone: so are its locks
+            log.debug("relay.step_out_failed", exc_info=True)
+
+    def _forget_session(self) -> None:
+        """Drop a lost session (its shard locks died with it): `_step` opens a new one."""
+        self.relay.close_conn(self.index, self.conn)
+        self.listener.close()
+        self.conn = None
+        self.lease.lost()
+
+    def _back_off(self, *, keep_session: bool = False) -> None:
+        """`keep_session` (the broker is away, PostgreSQL is not): the session is kept alive
+        through the wait, or dropped before the wake-up when it was lost anyway, so that the
+        wake-up tries the broker instead of failing on a dead session (relay/outage_wait.py)."""
+        delay = self.relay.backoff(self.failures)
+        self.failures += 1
+        conn = self.conn
+        if keep_session and conn is not None and not conn.closed:
+            if not back_off_keeping_session(self.waits.wait, delay, conn):
+                log.info("relay.session_reopened worker=%d (ended during the backoff)", self.index)
+                self._forget_session()
+            return
+        self.waits.wait(delay)
+
+    def _step(self) -> bool:  # noqa: PLR0911 - one return per reason the loop ends or waits
+        relay, options, lease = self.relay, self.relay.options, self.lease
+        if self.conn is None:
+            timeout_s = options.dead_session_s
+            self.conn = relay.connect_worker()
+            keepalive.configure_session(self.conn, timeout_s, options.poll_interval_s)
+            self.fence.lost()
+            # The planner cannot know that `mod(id, n) = ANY(mine)` keeps 1/n of the rows; it
+            # guesses 0.5 % and picks "scan the whole partition, then sort" over walking the
+            # id index — 40 ms instead of 0.5 ms per claim at 100k rows. Every statement of
+            # this session wants index order, so sorting is ruled out for the session.
+            self.conn.execute(queries.claim_session_settings())
+            # The hot path prepares its own statements (relay/wire.py). psycopg's automatic
+            # preparing stays off on this session: with statements of its own prepared, a
+            # ROLLBACK through psycopg makes it send DEALLOCATE ALL, which would take ours too.
+            self.conn.prepare_threshold = None
+            self.wire = wire.Wire(self.conn)
+            self.loop.new_session(self.conn, self.wire)
+            self._listen()
+            relay.conns[self.index] = self.conn
+            lease.lost()
+            self.flag.session_lost()
+        if self.sink is None:
+            self.sink = relay.sink_factory()
+        now = time.monotonic()
+        checks = lease.checks
+        if lease.maintain(self.conn, now=now):
+            self.cursor.reset(lease.mine(), now)
+        if lease.checks != checks:
+            relay.observer.lease_checked(self.index, len(lease.owned))
+        if not lease.owned:
+            if options.until_empty and (
+                not lease.home or lease.checks >= UNTIL_EMPTY_PATIENCE_CHECKS
+            ):
+                return True  # every shard belongs to another live session
+            self._sleep()
+            return False
+        loop = self.loop
+        if loop.pause_s:
+            pause, loop.pause_s = loop.pause_s, 0.0
+            self.waits.wait(pause)
+            return False
+        source = relay.state.current
+        empty_after = loop.run(source, self.sink)
+        self.failures = 0
+        if loop.later:
+            loop.retry_bad_rows()  # the backlog is gone: their turn, before any idle wait
+            return False
+        if empty_after is None:
+            self.flag.looked_up()
+            return False  # stopped, rebalance due or source switched: back to the top
+        after = empty_after
+        switching_from_flat = relay.state.mode is Mode.switching and source is relay.state.flat
+        drained_proof_needed = options.until_empty or switching_from_flat
+        if after > 0 and drained_proof_needed:
+            # Empty above the frontier is not empty: prove it with a claim from id 0.
+            self.cursor.force_full_rescan()
+            return False
+        if source is relay.state.flat and relay.state.try_switch(self.conn):
+            return False
+        if options.until_empty and relay.nothing_left(self.conn):
+            return True
+        keepalive.arm_idle_timeout(self.conn)
+        self._idle(source)
+        return False
+
+    def _idle(self, source: queries.Source) -> None:
+        """Nothing to claim: sleep until a notification or the poll interval — with the idle
+        flag up, so the wake-up trigger notifies (relay/notify.py)."""
+        if self.cursor.due():
+            return  # a claim below the cursor is due (a late row may be visible): no sleep
+        if self.flag.idle() is Idle.RAISE:
+            if self._raise_idle_flag(source):
+                return  # claim once more with the flag up, then sleep
+            self._sleep(self.flag.not_raised())  # soon rather than at the poll interval
+            return
+        self._sleep()
+
+    def _raise_idle_flag(self, source: queries.Source) -> bool:
+        key = notify.idle_lock_key(source.label)
+        row = self.conn.execute(queries.try_idle_lock(), {"key": key}).fetchone()
+        if row and row[0]:
+            self.flag.raised(key)
+            # Every writer that saw the relay busy has committed (they held the lock shared):
+            # the confirming claim must reach their rows below the cursor too (cursor.confirm).
+            self.cursor.confirm()
+            return True
+        return False
+
+    # -- notifications: a LISTEN session per worker (relay/listener.py) --------------------
+
+    def _listen(self) -> None:
+        """Open the worker's LISTEN session (when notifications are on), after its claim
+        session was (re)opened; idle waits (`_sleep`) poll its socket and the stop pipe."""
+        self.listener.close()
+        if self.flag.enabled:
+            self.listener.open()
+
+    def _sleep(self, timeout_s: float | None = None) -> bool:
+        """Wait until a notification calls for a claim, a stop, or `timeout_s` (default: the
+        poll interval). True: woken (or stopping), False: timed out. Returns at once when a
+        notification read meanwhile calls for a claim."""
+        relay = self.relay
+        if relay.stopping:
+            return True
+        timeout = relay.options.poll_interval_s if timeout_s is None else timeout_s
+        listener = self.listener
+        relisten = not listener.listening and self.flag.enabled and self.conn is not None
+        if relisten and self._relisten():
+            return True
+        if not listener.listening:
+            self.blocked = True
+            return self.waits.wait(timeout)
+        woken = listener.poll(timeout)  # reads what libpq and the socket hold first
+        self.blocked = listener.blocked
+        return woken
+
+    def _idle_sleep(self, timeout_s: float | None) -> tuple[bool, bool]:
+        """`_sleep` for a run of batches: (woken, whether the wait blocked)."""
+        woken = self._sleep(timeout_s)
+        return woken, self.blocked
+
+    def _relisten(self) -> bool:
+        """The LISTEN session was lost (`Listener.poll`): listen again. True when it worked:
+        then claim once — a row committed while nobody listened notified no one."""
+        from outbox_migrate.errors import ConnectError
+
+        try:
+            self._listen()
+        except connection_errors(ConnectError) as exc:
+            log.debug("relay.listen_failed worker=%d %s", self.index, one_line(exc))
+            return False
+        return True

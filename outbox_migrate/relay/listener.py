@@ -1,0 +1,131 @@
+"""A worker's LISTEN session, waited on by the worker itself: notifications wake an idle worker.
+
+Why a session per worker, polled by the worker thread: a listener thread handing wake-ups over
+through a lock cost a GIL hand-off and ~40 µs of CPU per wake-up at 1,000 msg/s
+(docs/relay.md). Why not LISTEN on the claim session itself: the server delivers notifications
+to a session only between its transactions, and a worker that published a trickle sleeps with
+that batch's mark and COMMIT sent but their results unread (pipeline mode: they are read with
+the next claim's, in one wake-up). The LISTEN session is never in a transaction.
+
+It owns the session and its poller (its socket and the relay's stop pipe); the notified ids go
+to the worker's cursor through `notified`, which says whether they call for a claim. Every
+blocking poll goes through the worker's `Waits` (relay/waits.py). It must not claim, publish
+or decide when the worker sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import select
+import time
+from collections.abc import Callable
+from typing import Any
+
+from psycopg import OperationalError, pq
+
+from outbox_migrate.relay.waits import Waits
+
+log = logging.getLogger("outbox_migrate.relay")
+
+_POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
+
+
+class Listener:
+    """One worker's LISTEN session (None until `open`, and again once lost or closed)."""
+
+    def __init__(
+        self,
+        connect: Callable[[], Any],
+        channel: str,
+        stop_fd: Callable[[], int | None],
+        waits: Waits,
+        notified: Callable[[list[bytes]], bool],
+        index: int,
+    ) -> None:
+        self._connect = connect
+        self._channel = channel
+        self._stop_fd = stop_fd
+        self._waits = waits
+        self._notified = notified
+        self._index = index
+        self.conn: Any = None
+        self._poller: Any = None
+        self.blocked = False
+        """The last `poll` blocked before it returned (the idle flag's AWAKE_WAITS)."""
+
+    @property
+    def listening(self) -> bool:
+        return self.conn is not None
+
+    def open(self) -> None:
+        """(Re)open the session and LISTEN (after the claim session was (re)opened)."""
+        from psycopg import sql
+
+        self.close()
+        conn = self._connect()
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+        except BaseException:
+            conn.close()
+            raise
+        self.conn = conn
+        self._poller = select.poll()
+        self._poller.register(conn.pgconn.socket, _POLL_IN)
+        stop = self._stop_fd()
+        if stop is not None:
+            self._poller.register(stop, _POLL_IN)
+
+    def close(self) -> None:
+        conn, self.conn, self._poller = self.conn, None, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # closing a broken connection may fail too
+                log.debug("relay.close_failed", exc_info=True)
+
+    def take(self) -> bool:
+        """Read the notifications libpq holds; True when one calls for a claim (`notified`:
+        not when it only reports rows the worker claimed already, the usual case for a
+        notification that arrives right after the claim that found its row)."""
+        conn = self.conn
+        if conn is None:
+            return False
+        pg = conn.pgconn
+        payloads: list[bytes] = []
+        while (note := pg.notifies()) is not None:
+            payloads.append(note.extra)
+        return bool(payloads) and self._notified(payloads)
+
+    def poll(self, timeout_s: float) -> bool:
+        """Wait on the session's socket and the stop pipe until a notification calls for a
+        claim or a stop (True), or `timeout_s` (False). Reads what already arrived before it
+        blocks: the notifications of rows the last claim found usually have (their commits
+        came first), and one read then replaces a wake-up for each. A lost session wakes the
+        worker (True) and is closed: `listening` is False until the next `open`."""
+        poller, pg, stop = self._poller, self.conn.pgconn, self._waits.stop
+        deadline = time.monotonic() + timeout_s
+        ready = True  # a non-blocking read first
+        self.blocked = False
+        while (left := deadline - time.monotonic()) > 0:
+            if not ready:
+                self.blocked = True
+                if not self._waits.poll(poller, math.ceil(left * 1000)):
+                    return False
+            ready = False
+            if stop.is_set():
+                return True
+            try:
+                pg.consume_input()
+                lost = pg.status == pq.ConnStatus.BAD
+            except OperationalError:
+                lost = True
+            if lost:
+                # The claim session may be fine, and may hold a batch's COMMIT: wake up, and
+                # listen again at the next idle wait (meanwhile wait on the stop event).
+                log.warning("relay.listen_lost worker=%d", self._index)
+                self.close()
+                return True
+            if self.take():
+                return True
+        return False

@@ -1,0 +1,144 @@
+"""The polling relay's rejection policy: what a batch the broker refused in part becomes.
+
+One object shared by a relay's workers, owning what outlives a batch: the attempts counted in
+the database and the dead-letter table (relay/bad_rows.py `FailedMessages`), the rows whose
+mark failed (relay/mark_repair.py `Suspects`) and, with `--ordering key`, the parked keys
+(relay/parking.py). `publish` hands a batch to the sink and says what to mark, what was
+dead-lettered, what to claim again and how long the worker pauses after its COMMIT — it
+never waits itself (relay/waits.py: no wait inside a transaction).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from collections.abc import Callable
+from typing import Any
+
+from outbox_migrate.relay import claimed, mark_repair, publishing, queries
+from outbox_migrate.relay.bad_rows import FailedMessages
+from outbox_migrate.relay.message import Message, MessageId
+from outbox_migrate.relay.metrics import Observer
+from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
+from outbox_migrate.relay.run_stats import RelayStats
+from outbox_migrate.relay.sinks import Sink
+
+log = logging.getLogger("outbox_migrate.relay")
+
+_BY_ID = operator.attrgetter("id")
+"""Claim order with key ordering: by id (application ids are then claimed by id too)."""
+
+
+class Refusals:
+    """Publishes a batch and settles its refusals (one per relay, shared by its workers)."""
+
+    def __init__(
+        self,
+        failures: FailedMessages,
+        stats: RelayStats,
+        observer: Observer,
+        backoff: Callable[[int], float],
+        *,
+        by_key: bool,
+    ) -> None:
+        self.failures = failures
+        """Attempts counted in the database, dead letters (relay/bad_rows.py)."""
+        self.suspects = mark_repair.Suspects()
+        """Rows whose mark failed, marked alone when they come back (mark_repair.py)."""
+        self.parking = Parking()
+        """Keys waiting for a rejected message (`--ordering key` only; see parking.py)."""
+        self.stats = stats
+        self.observer = observer
+        self.backoff = backoff
+        self.by_key = by_key
+
+    def publish(
+        self,
+        conn: Any,
+        sink: Sink,
+        source: queries.Source,
+        batch: list[Message],
+        bad: list[claimed.BadRow],
+        after: MessageId = 0,
+    ) -> tuple[list[MessageId], list[MessageId], list[MessageId], float, MessageId | None]:
+        """Publish; returns (acknowledged ids to mark, dead-lettered ids, bad rows to try again
+        by id, how long the worker pauses once this batch's transaction has ended, the id to
+        claim again from). The pause is a backoff by the most attempts any message the sink
+        refused has had; the worker then claims again from the lowest message to retry. With
+        `--ordering key` a failure parks its key instead (parking.py): no pause, later messages
+        of that key wait while the others flow; a released key's held-back messages lie below
+        the cursor, which claims again from the lowest of them (`after`: where the claim
+        started).
+
+        `bad`: rows of the batch that could not become a message (relay/claimed.py); they and
+        messages the sink cannot represent count attempts like a rejection, without the
+        backoff — the row itself is at fault, waiting changes nothing.
+
+        The pause is the worker's to take after its COMMIT, never here: a session that waits
+        inside its transaction is "idle in transaction" on the claimed rows' locks, and the
+        migration runner does not queue a step's lock behind such a session."""
+        parking, label = self.parking, source.label
+        claim = sorted(batch + [b.message for b in bad], key=_BY_ID) if bad else batch
+        last = claim[-1].id if claim else None
+        if parking:  # only ever non-empty with key ordering
+            send = parking.withhold(label, claim, now=time.monotonic(), after=after)[0]
+            if not send:  # every message waits for its key; others would have been sent
+                return [], [], [], PARKED_BATCH_WAIT_S, None  # no busy loop of rescans meanwhile
+            if len(send) < len(claim):
+                free = {m.id for m in send}
+                batch = [m for m in batch if m.id in free]
+                bad = [b for b in bad if b.message.id in free]
+        rejected, unrepresentable = publishing.publish(sink, batch)
+        failures = self.failures
+        if not (rejected or unrepresentable or bad):
+            acked = [m.id for m in batch]
+            # A message that failed before went through this time: its counter goes.
+            self.forget(conn, label, acked)
+            if parking:
+                settled = parking.settle(label, batch, {}, now=time.monotonic(),
+                                         backoff=self.backoff, last=last)  # fmt: skip
+                return acked, [], [], 0.0, settled.claim_again_from
+            return acked, [], [], 0.0, None
+        reasons = {b.message.id: b.reason for b in bad}
+        reasons.update(unrepresentable)
+        reasons.update(rejected)
+        refused = [m for m in batch if m.id in reasons] + [b.message for b in bad]
+        self.count_failures(len(rejected), len(reasons) - len(rejected))
+        verdict = failures.record(conn, label, refused, reasons)
+        self.stats.add(dead_lettered=len(verdict.dead))
+        acked = [m.id for m in batch if m.id not in reasons]
+        self.forget(conn, label, acked)
+        log.warning("relay.rejected count=%d bad_rows=%d dead_lettered=%d",
+                    len(rejected), len(reasons) - len(rejected), len(verdict.dead))  # fmt: skip
+        dead_ids = [m.id for m in verdict.dead]
+        if self.by_key:
+            settled = parking.settle(
+                label, sorted(batch + [b.message for b in bad], key=_BY_ID),
+                {i: verdict.attempts[i] for i in verdict.retry},
+                now=time.monotonic(), backoff=self.backoff, last=last,
+            )  # fmt: skip
+            held = settled.held
+            return [i for i in acked if i not in held], dead_ids, [], 0.0, settled.claim_again_from
+        most = max((verdict.attempts[i] for i in verdict.retry if i in rejected), default=0)
+        # Rejected messages are claimed again after a backoff that grows with their attempts,
+        # not at once: a transient refusal gets time to clear before the message counts
+        # towards the dead-letter table. A bad row is tried again without waiting.
+        pause = self.backoff(most - 1) if most else 0.0
+        rewind = min(verdict.retry) if pause else None
+        return acked, dead_ids, verdict.retry, pause, rewind
+
+    def count_failures(self, rejected: int, bad: int, dead: int = 0) -> None:
+        self.stats.add(rejected=rejected, bad_rows=bad, dead_lettered=dead)
+        for reason, count in (("rejected", rejected), ("bad_row", bad)):
+            if count:
+                self.observer.failed(reason, count)
+
+    def forget(self, conn: Any, label: str, acked: list[MessageId]) -> None:
+        """A message that failed before went through: its counter goes — unless its mark
+        failed before, which is yet to be tried (`BatchLoop._mark_suspects`)."""
+        seen = self.failures.seen_before(label, acked)
+        if seen and self.suspects:
+            pending = self.suspects.among(label, seen)
+            seen = [i for i in seen if i not in pending]
+        self.failures.forget(conn, label, seen)

@@ -1,0 +1,127 @@
+"""What the workers of one polling relay share, and the one way they reach it.
+
+The relay's lifecycle (relay/worker.py `Relay`) builds one `Shared` and starts its workers
+(relay/driver.py) with it; a worker never sees the `Relay` itself. Why: the workers used to
+reach into the relay's private fields and methods, and the relay into theirs — one module,
+one circle. Here is everything a worker may use: the run's options and source state, the
+counters, the stop and abandon events, the sessions to cancel at a shutdown timeout, the
+resolved columns, the rejection policy (relay/refusals.py), and a way to report a fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from outbox_migrate.relay import keepalive, queries
+from outbox_migrate.relay.backoff import backoff_s
+from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.metrics import Observer
+from outbox_migrate.relay.options import Mode, RelayOptions
+from outbox_migrate.relay.refusals import Refusals
+from outbox_migrate.relay.run_stats import RelayStats
+from outbox_migrate.relay.sinks import Sink, SinkFactory
+from outbox_migrate.relay.switching import SourceState
+
+log = logging.getLogger("outbox_migrate.relay")
+
+
+@dataclass(eq=False)
+class Shared:
+    """One relay run's shared state (built by `Relay`, used by its workers)."""
+
+    dsn: str
+    application_name: str
+    options: RelayOptions
+    state: SourceState
+    stats: RelayStats
+    observer: Observer
+    sink_factory: SinkFactory
+    refusals: Refusals
+    text_ids: bool
+    """Application ids (uuid, ULID) travel as text: claimed in order, no id cursor."""
+    message: type[Message]
+    stopped: threading.Event
+    request_stop: Callable[[], None]
+    """`Relay.stop`: sets `stopped` and wakes idle workers through the stop pipe."""
+    wake_fd: Callable[[], int | None]
+    """The read end of the stop pipe while running (`Relay.wake_fd`)."""
+    columns: dict[str, queries.Columns] = field(default_factory=dict)
+    """Resolved once per source before any worker starts (`Relay._prepare`)."""
+    conns: dict[int, Any] = field(default_factory=dict)
+    """Every worker session by key, cancelled at the shutdown timeout."""
+    abandon: threading.Event = field(default_factory=threading.Event)
+    """Set after the shutdown timeout: in-flight batches roll back before their mark."""
+    fatal: BaseException | None = None
+    """The first fault a worker could not handle; the relay reports it."""
+
+    @property
+    def stopping(self) -> bool:
+        return self.stopped.is_set()
+
+    def fail(self, exc: BaseException) -> None:
+        """A worker met a fault it cannot retry: stop the whole relay and report the first."""
+        if self.fatal is None:
+            self.fatal = exc
+        self.request_stop()
+
+    def backoff(self, failures: int) -> float:
+        return backoff_s(
+            failures, base_s=self.options.backoff_base_s, cap_s=self.options.backoff_cap_s
+        )
+
+    def nothing_left(self, conn: Any) -> bool:
+        """`until_empty`: this worker's table is empty; in switching mode, wait for the switch
+        unless the partitioned table is empty too (nothing to publish either way)."""
+        if self.state.mode is not Mode.switching or self.state.switched:
+            return True
+        row = conn.execute(queries.has_unpublished(self.state.partitioned)).fetchone()
+        return not (row and row[0])
+
+    def connect_worker(self) -> Any:
+        """A worker session: the relay's application name, keepalives for its session
+        timeout."""
+        from outbox_migrate.db import connect
+
+        return connect(
+            self.dsn,
+            application_name=self.application_name,
+            params=keepalive.libpq_params(self.options.dead_session_s),
+        )
+
+    def close_conn(self, key: int, conn: Any) -> None:
+        self.conns.pop(key, None)
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # closing a broken connection may fail too
+                log.debug("relay.close_failed", exc_info=True)
+
+
+def close_sink(sink: Sink | None) -> None:
+    if sink is not None:
+        try:
+            sink.close()
+        except Exception:  # a broken sink is replaced, not fatal
+            log.debug("relay.sink_close_failed", exc_info=True)
+
+
+def connection_errors(*more: type[BaseException]) -> tuple[type[BaseException], ...]:
+    import psycopg
+
+    return (psycopg.OperationalError, psycopg.InterfaceError, *more)
+
+
+def serialization_errors() -> type[BaseException]:
+    import psycopg
+
+    return psycopg.errors.SerializationFailure
+
+
+def one_line(exc: BaseException) -> str:
+    from outbox_migrate.db import one_line as db_one_line
+
+    return db_one_line(str(exc))

@@ -1,0 +1,93 @@
+"""The one way a relay worker waits: never while one of its sessions is in a transaction.
+
+Why one primitive: a session that waits inside its transaction is "idle in transaction" on the
+claimed rows' locks (and, after a mark, on the outbox's parent), and the migration runner does
+not queue a step's lock behind such a session (runner/locks.py) — under steady traffic a
+worker that did so nearly all the time kept a step from ever finding its moment. That was
+fixed at four places by convention (linger, idle sleep, parked key, held COMMIT); here every
+wait of a worker (linger, idle sleep, backoff, pause, listener poll, outage wait) first checks
+its sessions and raises `WaitInTransaction`, a programming error, rather than wait.
+
+A session passes when libpq reports it outside a transaction, or — in pipeline mode, where
+libpq reports "active" until the results are read — when everything queued went out with a
+Sync and the last transaction statement queued was a COMMIT or ROLLBACK (`Wire.ends_transactions`):
+the server ends the transaction on its own, whether or not the worker has read the results yet
+(so the batch's mark and COMMIT still travel before the wait and are read with the next claim).
+
+It must not: decide how long to wait (the worker does), or touch a session (it only looks).
+"""
+
+from __future__ import annotations
+
+import select
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from psycopg import pq
+
+from outbox_migrate.relay.wire import Wire
+
+PLAIN_SLEEP_MAX_S = 0.05
+"""Waits up to this long are a plain sleep (`Event.wait` allocates and queues a lock per call,
+which the linger pays once per batch); a stop waits at most this long for them."""
+
+Session = tuple[Any, Wire | None]
+"""A connection and its pipeline (None: the session is not pipelined)."""
+
+
+class WaitInTransaction(RuntimeError):
+    """A worker was about to wait with a session inside a transaction: a bug, never retried."""
+
+
+def check_outside_transaction(sessions: Iterable[Session]) -> None:
+    """Raise `WaitInTransaction` if one of `sessions` is, or will stay, in a transaction.
+
+    A closed or broken session holds nothing (the server rolled it back), and passes."""
+    for conn, pipe in sessions:
+        if conn is None or conn.closed:
+            continue
+        pg = conn.pgconn
+        if pg.status != pq.ConnStatus.OK:
+            continue
+        status = pg.transaction_status
+        if status == pq.TransactionStatus.IDLE:
+            continue
+        if status == pq.TransactionStatus.ACTIVE and pipe is not None and pipe.ends_transactions:
+            continue
+        raise WaitInTransaction(
+            f"relay session pid {pg.backend_pid} would wait in transaction state "
+            f"{pq.TransactionStatus(status).name}: end the transaction before waiting"
+        )
+
+
+class Waits:
+    """A worker's waits. `sessions` returns the sessions that must not be in a transaction
+    when one starts (the claim session and the read-ahead session)."""
+
+    def __init__(self, stop: threading.Event, sessions: Callable[[], Iterable[Session]]) -> None:
+        self.stop = stop
+        self._sessions = sessions
+
+    def check(self) -> None:
+        check_outside_transaction(self._sessions())
+
+    def wait(self, seconds: float) -> bool:
+        """Wait `seconds` or until a stop; True: stopping."""
+        self.check()
+        return self.stop.wait(seconds)
+
+    def sleep(self, seconds: float) -> bool:
+        """`wait`, as a plain sleep when short (a linger: see PLAIN_SLEEP_MAX_S)."""
+        self.check()
+        if seconds > PLAIN_SLEEP_MAX_S:
+            return self.stop.wait(seconds)
+        if seconds > 0:
+            time.sleep(seconds)
+        return self.stop.is_set()
+
+    def poll(self, poller: select.poll, timeout_ms: int) -> list[tuple[int, int]]:
+        """`poller.poll(timeout_ms)` (the LISTEN session's socket and the stop pipe)."""
+        self.check()
+        return poller.poll(timeout_ms)
