@@ -16,6 +16,7 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay.cdc import pgoutput
 from outbox_migrate.relay.cdc.options import CdcOptions
 from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.relay.ids import MessageId
 from outbox_migrate.relay.message import Message
 
 
@@ -40,6 +41,9 @@ class MessageBuilder:
     def __init__(self, spec: OutboxSpec, options: CdcOptions) -> None:
         self.spec = spec
         self.label = f"{spec.schema}.{spec.partitioned_table}"
+        self.bad: dict[MessageId, str] = {}
+        """Messages built from a row that cannot be sent as it is (headers that are not a
+        JSON object), with the reason: delivery dead-letters them instead of publishing."""
         # The optional columns' names: the option when given, else the spec's role.
         self.optional: dict[str, str | None] = {
             "event_type": options.event_type_column or spec.event_type_column or None,
@@ -72,9 +76,12 @@ class MessageBuilder:
         created_at = datetime.fromisoformat(created) if created else datetime.now(UTC)
         extra: tuple[tuple[str, str], ...] = ()
         if columns.headers is not None or columns.metadata:
-            extra = _extra_headers(columns, values)
+            try:
+                extra = _extra_headers(columns, values)
+            except ValueError as exc:  # one row's problem, never the stream's
+                self.bad[_id(values[columns.id])] = f"headers: {exc}"
         return Message(
-            int(values[columns.id] or 0),
+            _id(values[columns.id]),
             self.label,
             values[columns.event_type] if columns.event_type is not None else None,
             values[columns.key] if columns.key is not None else None,
@@ -85,6 +92,10 @@ class MessageBuilder:
 
 
 BYTEA_OID = 17
+
+
+def _id(value: Any) -> int:
+    return int(value or 0)
 
 
 def _type_of(relation: pgoutput.Relation, index: int) -> int:
@@ -114,11 +125,12 @@ def _extra_headers(columns: Columns, values: Sequence[str | None]) -> tuple[tupl
     out: dict[str, str] = {}
     raw = values[columns.headers] if columns.headers is not None else None
     if raw:
-        parsed = json.loads(raw)
-        if isinstance(parsed, dict):
-            for key, value in parsed.items():
-                if value is not None:
-                    out[str(key)] = value if isinstance(value, str) else json.dumps(value)
+        parsed = json.loads(raw)  # a JSONDecodeError is a ValueError: the row is bad
+        if not isinstance(parsed, dict):
+            raise ValueError(f"not a JSON object but {type(parsed).__name__}: {raw[:80]}")
+        for key, value in parsed.items():
+            if value is not None:
+                out[str(key)] = value if isinstance(value, str) else json.dumps(value)
     for name, index in columns.metadata:  # a metadata column wins over a same-named entry
         value = values[index]
         if value is not None:

@@ -46,8 +46,13 @@ class Delivery:
         observer: Observer,
         stop: threading.Event,
         backoff: Callable[[int], float],
+        bad: dict[MessageId, str] | None = None,
     ) -> None:
         self.sink_factory = sink_factory
+        self.bad: dict[MessageId, str] = {} if bad is None else bad
+        """Rows the builder could not turn into a message as they are (the builder's own
+        dict): dead-lettered with their reason at once — the stream cannot offer them again,
+        and the same row would fail the same way every time."""
         self.ledger = ledger
         self.marks = marks
         self.stats = stats
@@ -63,6 +68,10 @@ class Delivery:
 
         `careful` (after a run that died without a trace, `crash_guard`): each attempt is
         counted before the publish, so that dying during it counts too."""
+        if self.bad:
+            batch = self._set_aside(batch)
+            if not batch:
+                return
         if self._sink is None:
             self._sink = self.sink_factory()
         ledger = self.ledger
@@ -145,6 +154,18 @@ class Delivery:
                 self.ledger.count(conn, reasons)
         except (psycopg.Error, OutboxMigrateError) as failed:
             log.warning("relay.attempts_not_counted %s", one_line(str(failed)))
+
+    def _set_aside(self, batch: list[Message]) -> list[Message]:
+        """Dead-letter the batch's bad rows with their reason; the rest go on. (The caller
+        marks the whole batch afterwards, as for any dead-lettered message.)"""
+        bad = [m for m in batch if m.id in self.bad]
+        if not bad:
+            return batch
+        reasons = {m.id: self.bad.pop(m.id) for m in bad}
+        self.ledger.count(self.marks.session(), reasons)
+        self.observer.failed("bad_row", len(bad))
+        self._dead_letter(bad)
+        return [m for m in batch if m.id not in reasons]
 
     def _dead_letter(self, messages: list[Message]) -> None:
         known = self.ledger.known

@@ -187,6 +187,7 @@ class CdcRelay:
             self._delivery = Delivery(
                 self.sink_factory, self.ledger, self.marks, stats=self.stats,
                 observer=self.observer, stop=self._stop, backoff=self._backoff,
+                bad=self.builder.bad,
             )  # fmt: skip
         return self._delivery
 
