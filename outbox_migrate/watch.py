@@ -116,27 +116,16 @@ def holders(conn: psycopg.Connection[Any], step: Step, schema: str) -> list[Hold
     """Sessions holding a lock that conflicts with one the step needs: what it waits for.
 
     The runner does not queue behind them (it watches them go), so they are found from
-    pg_locks' granted locks, not from a wait."""
-    from outbox_migrate.lock_budget import conflicts_with
+    pg_locks' granted locks with the runner's own look (`lock_budget.find_blockers`)."""
+    from outbox_migrate.lock_budget import find_blockers
 
-    found: list[Holder] = []
-    for lock in step.locks:
-        modes = [mode.value for mode in conflicts_with(lock.mode)]
-        rows = conn.execute(
-            "SELECT l.pid, coalesce(a.application_name, ''), coalesce(a.state, ''), "
-            "extract(epoch FROM now() - coalesce(a.xact_start, a.state_change)), l.mode "
-            "FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() "
-            "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-            "AND l.relation = to_regclass(%s) AND l.mode = ANY(%s) ORDER BY l.pid",
-            (sql.Identifier(schema, lock.relation).as_string(conn), modes),
-        ).fetchall()
-        found += [
-            Holder(int(pid), str(app), str(state), round(float(age), 1) if age else None,
-                   LockMode(mode).sql_name, lock.relation)
-            for pid, app, state, age, mode in rows
-        ]  # fmt: skip
-    return found
+    found = find_blockers(conn, [(lock.relation, lock.mode) for lock in step.locks], schema)
+    return [
+        Holder(b.pid, b.application_name, b.state,
+               round(b.xact_age_s, 1) if b.xact_age_s is not None else None,
+               LockMode(b.mode).sql_name, b.relation)
+        for b in found
+    ]  # fmt: skip
 
 
 def failing_checks(conn: psycopg.Connection[Any], step: Step) -> list[dict[str, str]]:

@@ -89,8 +89,10 @@ def demo(
         )
 
 
-def prepare_databases(dsn: str) -> tuple[str, str]:
-    """Fresh demo and recording databases on the chosen server; their DSNs."""
+def prepare_databases(
+    dsn: str, names: tuple[str, str] = (DEMO_DB, RECORDING_DB)
+) -> tuple[str, str]:
+    """Fresh run and recording databases (`names`) on the chosen server; their DSNs."""
     from psycopg import sql
     from psycopg.conninfo import make_conninfo
 
@@ -98,8 +100,8 @@ def prepare_databases(dsn: str) -> tuple[str, str]:
 
     base = resolve_embedded(dsn)
     with connect(base) as conn:
-        for name in (DEMO_DB, RECORDING_DB):
+        for name in names:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
                 sql.Identifier(name)))  # fmt: skip
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return make_conninfo(base, dbname=DEMO_DB), make_conninfo(base, dbname=RECORDING_DB)
+    return make_conninfo(base, dbname=names[0]), make_conninfo(base, dbname=names[1])

@@ -112,10 +112,10 @@ def rehearse(
 def _scratch_databases(scratch_dsn: str, source_dsn: str) -> tuple[str, str]:
     """Fresh scratch and recording databases on the scratch server; refused when either
     would be the source's own database (they are dropped and re-created)."""
-    from psycopg import sql
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+    from psycopg.conninfo import conninfo_to_dict
 
-    from outbox_migrate.db import connect, resolve_embedded
+    from outbox_migrate.cli.demo_cmd import prepare_databases
+    from outbox_migrate.db import resolve_embedded
     from outbox_migrate.errors import UsageError
 
     base = resolve_embedded(scratch_dsn)
@@ -126,10 +126,4 @@ def _scratch_databases(scratch_dsn: str, source_dsn: str) -> tuple[str, str]:
             f"the source database is {src.get('dbname')!r}, which rehearse would replace; "
             "rename it or use another --scratch-dsn"
         )
-    with connect(base) as conn:
-        for name in (SCRATCH_DB, RECORDING_DB):
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return make_conninfo(base, dbname=SCRATCH_DB), make_conninfo(base, dbname=RECORDING_DB)
+    return prepare_databases(base, (SCRATCH_DB, RECORDING_DB))
