@@ -64,22 +64,26 @@ def rehearse(
     *,
     names: dict[str, Any],
 ) -> None:
+    from outbox_migrate.cli.demo_cmd import prepare_databases
     from outbox_migrate.cli.options import settings_from
     from outbox_migrate.dsn import resolve
     from outbox_migrate.errors import OutboxMigrateError, UsageError
-    from outbox_migrate.rehearse import RehearsalRequest
+    from outbox_migrate.rehearse import RehearsalRequest, check_source
     from outbox_migrate.rehearse import rehearse as run_rehearsal
 
     source = resolve(dsn)
     if source is None:
         raise UsageError("rehearse needs the live database: --dsn or $OUTBOX_MIGRATE_DSN")
-    scratch, recording = _scratch_databases(scratch_dsn, source.dsn)
+    spec = settings_from(**names).spec
+    base = _scratch_server(scratch_dsn, source.dsn)
+    shape = check_source(source.dsn, spec, pattern.value)  # before the scratch is replaced
+    scratch, recording = prepare_databases(base, (SCRATCH_DB, RECORDING_DB))
     request = RehearsalRequest(
         pattern=pattern.value,
         source_dsn=source.dsn,
         scratch_dsn=scratch,
         recording_dsn=recording,
-        spec=settings_from(**names).spec,
+        spec=spec,
         rows=rows,
         seconds=seconds,
         measure_s=measure_seconds,
@@ -88,14 +92,16 @@ def rehearse(
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json
 
-        result = run_rehearsal(request, output_dir=output_dir)
+        result = run_rehearsal(request, output_dir=output_dir, shape=shape)
         result.pop("markers", None)
         print_json(result)
     else:
         from outbox_migrate.cli.console import demo_live, render_rehearsal_report
 
         with demo_live(pattern.value) as on_snapshot:
-            result = run_rehearsal(request, on_snapshot=on_snapshot, output_dir=output_dir)
+            result = run_rehearsal(
+                request, on_snapshot=on_snapshot, output_dir=output_dir, shape=shape
+            )
         render_rehearsal_report(result)
     if result.get("interrupted"):
         from outbox_migrate.cli.exits import set_interrupt_note
@@ -109,12 +115,11 @@ def rehearse(
         )
 
 
-def _scratch_databases(scratch_dsn: str, source_dsn: str) -> tuple[str, str]:
-    """Fresh scratch and recording databases on the scratch server; refused when either
-    would be the source's own database (they are dropped and re-created)."""
+def _scratch_server(scratch_dsn: str, source_dsn: str) -> str:
+    """The scratch server's DSN (the embedded one started if asked); refused when one of the
+    databases rehearse replaces would be the source's own."""
     from psycopg.conninfo import conninfo_to_dict
 
-    from outbox_migrate.cli.demo_cmd import prepare_databases
     from outbox_migrate.db import resolve_embedded
     from outbox_migrate.errors import UsageError
 
@@ -126,4 +131,4 @@ def _scratch_databases(scratch_dsn: str, source_dsn: str) -> tuple[str, str]:
             f"the source database is {src.get('dbname')!r}, which rehearse would replace; "
             "rename it or use another --scratch-dsn"
         )
-    return prepare_databases(base, (SCRATCH_DB, RECORDING_DB))
+    return base

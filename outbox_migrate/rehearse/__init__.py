@@ -21,6 +21,7 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.rehearse.scratch import Rebuilt
+from outbox_migrate.rehearse.source import SourceShape
 
 DEFAULT_ROWS = 100_000
 DEFAULT_SECONDS = 40.0
@@ -52,17 +53,19 @@ def rehearse(
     *,
     on_snapshot: Callable[[Any], None] | None = None,
     output_dir: Path | None = None,
+    shape: SourceShape | None = None,
 ) -> dict[str, Any]:
-    """Read, rebuild, run; the demo's report plus `source`, `scratch` and `extrapolated`."""
-    from outbox_migrate.introspect import raise_for_blockers
+    """Read, rebuild, run; the demo's report plus `source`, `scratch` and `extrapolated`.
+
+    `shape`: the source as `check_source` already read it (the CLI reads it before it
+    replaces the scratch databases, so a refused source leaves the scratch server alone)."""
     from outbox_migrate.rehearse import scratch
-    from outbox_migrate.rehearse.source import measure_rates, read_only_connect, read_shape
+    from outbox_migrate.rehearse.source import measure_rates, read_only_connect
     from outbox_migrate.sim import simulate
     from outbox_migrate.sim.scenario import Scenario
 
     spec = request.spec
-    shape = read_shape(request.source_dsn, spec, request.pattern)
-    raise_for_blockers(shape.facts)
+    shape = shape or check_source(request.source_dsn, spec, request.pattern)
     shape.rates = measure_rates(request.source_dsn, spec, request.measure_s)
     insert_sql, identity = scratch.insert_statement(shape, spec)
     rate = round(min(max(shape.rates.inserts_per_s, RATE_FLOOR_PER_S), RATE_CEILING_PER_S))
@@ -118,6 +121,16 @@ def rehearse(
     }
     report["extrapolated"] = extrapolate(report, request.scratch_dsn)
     return report
+
+
+def check_source(source_dsn: str, spec: OutboxSpec, pattern: str) -> SourceShape:
+    """The source's shape, read only; refused (`SchemaError`, blockers) as `plan` would."""
+    from outbox_migrate.introspect import raise_for_blockers
+    from outbox_migrate.rehearse.source import read_shape
+
+    shape = read_shape(source_dsn, spec, pattern)
+    raise_for_blockers(shape.facts)
+    return shape
 
 
 def _heap_bytes(dsn: str, spec: OutboxSpec) -> int:

@@ -158,3 +158,26 @@ def test_rehearse_refuses_a_scratch_that_is_the_source() -> None:
     assert result.returncode == 2, result.stderr
     assert "rehearse would replace" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_refused_source_leaves_the_scratch_server_alone(pg_server: Server, dsn: str) -> None:
+    """The source is read and judged before the scratch databases are replaced: a wrong
+    table name is one line, exit 2, and yesterday's rehearsal database is still there."""
+    scratch = make_conninfo(pg_server.dsn(), dbname="outbox_rehearsal")
+    with psycopg.connect(pg_server.dsn(), autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS outbox_rehearsal WITH (FORCE)")
+        conn.execute("CREATE DATABASE outbox_rehearsal")
+    try:
+        with psycopg.connect(scratch, autocommit=True) as conn:
+            conn.execute("CREATE TABLE kept (n int)")
+        result = run_cli(
+            "rehearse", "--pattern", "hoper", "--dsn", dsn, "--table", "no_such_outbox",
+            "--scratch-dsn", pg_server.dsn(),
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert "no_such_outbox does not exist" in result.stderr
+        with psycopg.connect(scratch) as conn:
+            assert conn.execute("SELECT to_regclass('kept')").fetchone() == ("kept",)
+    finally:
+        with psycopg.connect(pg_server.dsn(), autocommit=True) as conn:
+            conn.execute("DROP DATABASE IF EXISTS outbox_rehearsal WITH (FORCE)")
