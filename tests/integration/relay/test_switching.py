@@ -199,6 +199,45 @@ def test_an_open_v1_transaction_holds_the_switch_until_it_commits(
     assert relay.state.switches == 1
 
 
+def test_a_v1_transaction_open_at_the_switch_holds_it_under_the_sessions_gate(
+    dsn: str, both: psycopg.Connection, collected: Collected
+) -> None:
+    """A V1 transaction open while the relay would switch, one that has not inserted yet (no
+    lock on the flat table shows it), keeps the relay on the flat table: under the `sessions`
+    gate its session is what the gate sees. It inserts and commits late; the row is published
+    from the flat table, first, and only then does the relay switch. The rows the operator
+    fuzzer once found left in the flat table came from a V1 session opened after every V1
+    session was gone (a reconnect, which this gate does not see by design), not from this."""
+    insert_rows(both, "outbox_new", 5, spec=SPEC)
+    v1 = psycopg.connect(dsn, application_name="orders-v1")  # not autocommit
+    try:
+        v1.execute("SELECT 1")  # the transaction is open; nothing inserted yet
+        relay = Relay(
+            dsn, collected.factory(), spec=SPEC,
+            options=RelayOptions(
+                mode=Mode.switching, listen=False, poll_interval_s=0.02,
+                switch_gate=SwitchGate.sessions, old_app_name="orders-v1%",
+            ),
+        )  # fmt: skip
+        with running(relay):
+            wait_for(lambda: relay.state.blocked_checks >= 3, what="blocked switch checks")
+            assert not relay.state.switched
+            assert "'orders-v1%'" in relay.state.last_blocked_reason
+            late_id = insert_message(v1, {"late": True}, phase=WritePhase.flat, notify=None)
+            v1.commit()
+            time.sleep(0.2)
+            assert not relay.state.switched  # the session is still connected
+            v1.close()
+            wait_for(lambda: relay.state.switched, what="the switch")
+            wait_for(lambda: len(collected.ids) == 6, what="all messages")
+    finally:
+        v1.close()
+    assert collected.ids[0] == late_id
+    assert not ids_in(both, "outbox", published=False)
+    assert_order_across_switch(collected)
+    assert relay.state.switches == 1
+
+
 def test_switching_until_empty_exits_when_both_tables_are_empty(
     dsn: str, both: psycopg.Connection, collected: Collected
 ) -> None:

@@ -85,6 +85,13 @@ ENV = {
 }
 DONE = ("done", "adopted")
 FORBIDDEN_IN_STDERR = ("Traceback", "internal error")
+LAST_REQUEST = st.sampled_from([0.0, 0.0, 0.3, 1.0])
+"""A deploy's replaced version may have one request in flight (seconds it still holds its
+transaction open, 0 = none). It begins while that version still runs, as in a real rolling
+deploy: drawn after the deploy instead (a fresh session of a version whose sessions were all
+gone), it was an old instance reconnecting, which HOP's V2 relay under the `sessions` gate does
+not see by design (docs/relay.md); it switched in the gap, the row stayed in the old table and
+the V3 gate refused for ever. See `App` in tests/support/operator_fuzz.py."""
 KNOWN_HOPIA_STRAND_BUG = False
 """HOPIA: a `rollback --to V1` refused at the published partition has already removed the copy
 trigger, and `run --to V2` then refuses to reinstall it while V2 publishes — stuck both ways:
@@ -161,8 +168,6 @@ class OperatorFuzzer(RuleBasedStateMachine):
         self.pattern: Pattern | None = None
         self.name = ""
         self.app_index = 0
-        self.replaced: int | None = None
-        """The version a deploy just replaced (its last request may still be in flight)."""
         self.state = "not started"
         self.mid_phase = False
         self.killed = False
@@ -201,7 +206,6 @@ class OperatorFuzzer(RuleBasedStateMachine):
         self, before: dict[int, str], results: list[CliResult], also: Set[int] = frozenset()
     ) -> None:
         self.killed = False
-        self.replaced = None  # the replaced version's last request is over by now
         self.app.settle()
         for result in results:
             self.stats.commands += 1
@@ -294,8 +298,8 @@ class OperatorFuzzer(RuleBasedStateMachine):
             self.expect(reached == target, f"run --to {target} -> 0 but the ledger is at {reached}")
         return result
 
-    @rule()
-    def follow_playbook(self) -> None:
+    @rule(last_request=LAST_REQUEST)
+    def follow_playbook(self, last_request: float) -> None:
         """What the playbook says next: deploy the version the ledger reached, else run to the
         next phase. Without it random sequences seldom get past V2's gates; with it they
         reach V4 and the copy-back, where the wrong commands are tried too."""
@@ -303,7 +307,7 @@ class OperatorFuzzer(RuleBasedStateMachine):
             return
         following = self.next_deploy()
         if following is not None:
-            self.ship(following)
+            self.ship(following, last_request)
             return
         last = len(self.p.phases) - 1
         self.run_phase(self.names()[min(self.ledger_index + 1, last)])
@@ -412,37 +416,37 @@ class OperatorFuzzer(RuleBasedStateMachine):
     def status(self) -> None:
         self.command("status", "--pattern", self.name)
 
-    @rule()
-    def deploy_next(self) -> None:
+    @rule(last_request=LAST_REQUEST)
+    def deploy_next(self, last_request: float) -> None:
         """Ship the next application version: only once the ledger reached its phase."""
         target = self.next_deploy()
         if target is not None:
-            self.ship(target)
+            self.ship(target, last_request)
 
-    def ship(self, target: int) -> None:
-        self.replaced = self.app_index
+    def ship(self, target: int, last_request: float = 0.0, back: bool = False) -> None:
+        """Deploy version `target`; with `last_request`, the replaced version's last request
+        is still in flight (begun before it stopped, committed during the next command)."""
+        replaced = self.names()[self.app_index]
         self.app_index = target
-        self.log.append(f"deploy {self.names()[target]}")
-        self.app.deploy(self.p.phases[target])
+        still = f" ({replaced}'s last request in flight, {last_request} s)" if last_request else ""
+        self.log.append(f"deploy {'back to ' if back else ''}{self.names()[target]}{still}")
+        self.app.deploy(self.p.phases[target], last_request)
 
-    @rule(really=st.integers(0, 2))
-    def deploy_previous(self, really: int) -> None:
+    @rule(really=st.integers(0, 2), last_request=LAST_REQUEST)
+    def deploy_previous(self, really: int, last_request: float) -> None:
         """Roll the application back one version (schema one ahead of the app is fine).
         Drawn one time in three, or deploy/deploy-back pairs crowd out the commands."""
         if really or not (self.app_index > 0 and self.app_index >= self.ledger_index):
             return
         target = max(i for i in self.deploy_indexes() if i < self.app_index)
-        self.app_index = target
-        self.log.append(f"deploy back to {self.names()[target]}")
-        self.app.deploy(self.p.phases[target])
+        self.ship(target, last_request, back=True)
 
-    @rule(previous=st.booleans(), hold=st.sampled_from([0.3, 1.0]))
-    def slow_request(self, previous: bool, hold: float) -> None:
-        """A request that holds its INSERT open across the operator's next command: of the
-        deployed version, or right after a deploy, of the version it replaced."""
-        index = self.replaced if previous and self.replaced is not None else self.app_index
-        self.log.append(f"slow request of {self.names()[index]} ({hold} s)")
-        self.app.straggle(self.p.phases[index], hold)
+    @rule(hold=st.sampled_from([0.3, 1.0]))
+    def slow_request(self, hold: float) -> None:
+        """A request of the deployed version that holds its INSERT open across the operator's
+        next command. (The replaced version's is drawn with the deploy: see `LAST_REQUEST`.)"""
+        self.log.append(f"slow request of {self.names()[self.app_index]} ({hold} s)")
+        self.app.straggle(self.p.phases[self.app_index], hold)
 
     @rule(seconds=st.sampled_from([0.1, 0.5]))
     def wait(self, seconds: float) -> None:
