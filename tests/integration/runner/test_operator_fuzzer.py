@@ -585,12 +585,8 @@ class OperatorFuzzer(RuleBasedStateMachine):
         )
 
 
-@pytest.mark.newest_pg_only
-@pytest.mark.slow
-def test_operator_fuzzer(
-    pg_server: pgserver.Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
-    capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+def fuzzer_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Only the fuzzer's settings reach the CLI: none of the developer's."""
     for key in [k for k in os.environ if k.startswith("OUTBOX_MIGRATE_") and k not in (
         "OUTBOX_MIGRATE_TEST_PG", "OUTBOX_MIGRATE_TEST_DSN", "OUTBOX_MIGRATE_PG_CACHE",
         "OUTBOX_MIGRATE_EMBEDDED_DIR",
@@ -599,6 +595,52 @@ def test_operator_fuzzer(
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)  # no outbox-migrate.toml of the developer's
+
+
+@pytest.mark.newest_pg_only
+def test_the_replaced_versions_last_request_is_seen_by_the_switch(
+    dsn: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """HOP, V2 rolled out while V1's last request still holds its transaction open: the V2
+    relay (switching, `sessions` gate) sees that V1 session, publishes the request's row from
+    the flat table, and V3's gate passes with no recovery. The fuzzer used to open that request
+    only after V1 had stopped (a reconnect, which the gate does not see by design): the relay
+    switched in the gap and the V3 gate refused for ever on the row left behind."""
+    fuzzer_environment(monkeypatch, tmp_path)
+    pattern = build_pattern("hop", load_settings({}, environ={}).spec, BuildOptions())
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        create_recording(dsn)
+        app = App(dsn)
+        try:
+            app.deploy(pattern.phases[0])
+            assert cli("run", "--pattern", "hop", "--to", "V2", "--dsn", dsn).code == 0
+            app.deploy(pattern.phases[1], last_request_s=1.0)
+            [last] = app.stragglers  # V1's row is inserted, not committed yet
+            app.settle()
+            assert not last.error and last.version == "V1"
+            late = [k for k in app.committed_so_far() if k.startswith("V1-straggler-")]
+            assert late
+            deadline = time.monotonic() + 30
+            while (result := cli("run", "--pattern", "hop", "--to", "V3", "--dsn", dsn)).code:
+                assert result.code in (4, 5) and time.monotonic() < deadline, result.line(dsn)
+                time.sleep(0.3)  # the gate waits for the relay to drain the flat table
+            assert set(late) <= published_keys(conn)
+            assert app.publisher is not None
+            while not app.publisher.relay_switched():  # once, after the flat table
+                assert time.monotonic() < deadline, "the V2 relay never switched"
+                time.sleep(0.1)
+        finally:
+            app.stop()
+
+
+@pytest.mark.newest_pg_only
+@pytest.mark.slow
+def test_operator_fuzzer(
+    pg_server: pgserver.Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    fuzzer_environment(monkeypatch, tmp_path)
     stats = FuzzStats()
     OperatorFuzzer.server = pg_server
     OperatorFuzzer.stats = stats
