@@ -308,6 +308,10 @@ class Publisher:
             if len(self.errors) < 5:
                 self.errors.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
 
+    def relay_switched(self) -> bool:
+        """Whether this relay (switching mode) has left the flat table."""
+        return self._relay is not None and bool(self._relay.state.switched)
+
     def keep_alive(self) -> None:
         """Restart a relay that stopped on an error (the error is kept for the report)."""
         if self._thread is not None and not self._thread.is_alive():
