@@ -12,7 +12,9 @@ never inside a transaction), the rejection policy (relay/refusals.py, shared). F
 * a lost connection: reconnect with exponential backoff (shards are re-acquired);
 * the sink unavailable: the batch rolls back, the worker backs off and retries, forever;
 * messages the sink rejects: attempts are counted; after `max_attempts` the row goes to the
-  dead-letter table and is marked in the same transaction (nothing lost).
+  dead-letter table and is marked in the same transaction (nothing lost);
+* the sink raising outside its protocol (`SinkCrashed`): once the batch rolled back, one
+  attempt is counted against the messages it held, then the relay stops (relay/bad_rows.py).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from outbox_migrate.relay import (
 from outbox_migrate.relay.backoff import jitter_s
 from outbox_migrate.relay.batch_loop import Abandoned, BatchLoop, ahead_key
 from outbox_migrate.relay.cursor import Cursor, NoCursor
-from outbox_migrate.relay.errors import RelayFailed, SinkUnavailable
+from outbox_migrate.relay.errors import RelayFailed, SinkCrashed, SinkUnavailable
 from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.idle_flag import Idle, IdleFlag
 from outbox_migrate.relay.listener import Listener
@@ -124,6 +126,8 @@ class Worker:
         except Exception as exc:
             # Not a failure the loop knows how to retry (a sink that cannot be built, a bug):
             # stop the whole relay and let run() report it, rather than die silently.
+            if isinstance(exc, SinkCrashed):
+                self._count_crash(exc)
             log.error("relay.worker_failed worker=%d %s", self.index, exc,
                       exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
             relay.fail(exc)
@@ -139,6 +143,19 @@ class Worker:
             self.listener.close()
             relay.conns.pop(ahead_key(self.index), None)
             self.loop.read_ahead.close()
+
+    def _count_crash(self, crashed: SinkCrashed) -> None:
+        """The batch rolled back (batch_loop's `_abort_run`): count the attempt against the
+        messages the sink held, on the worker's session, in a transaction of its own."""
+        import psycopg
+
+        conn = self.conn
+        if conn is None or conn.closed:
+            return
+        try:
+            self.relay.refusals.count_crash(conn, crashed)
+        except (psycopg.Error, RelayFailed) as failed:
+            log.warning("relay.attempts_not_counted worker=%d %s", self.index, one_line(failed))
 
     def _step_guarded(self) -> bool:
         """One loop iteration with its failures sorted. True = this worker is done."""

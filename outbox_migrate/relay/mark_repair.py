@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,13 +191,24 @@ def _count(
     by_id: dict[MessageId, Message],
     done: Repaired,
 ) -> None:
-    """One attempt for each row that could not be marked; at the last, dead-letter it."""
+    """One attempt for each row that could not be marked; at the last, dead-letter it.
+
+    Copies of one id (two unpublished rows with it) share one attempt, and `by_id` holds one
+    message per id: the last copy in claim order, as `tids` is. Only that copy can be
+    dead-lettered with its own content here; another copy that failed keeps the counter
+    (`keep`) and is dead-lettered, with its own content, when it is next claimed
+    (`Refusals.publish`: out of attempts) — deleting it now would lose it."""
     done.bad = {tids[tid]: reason for tid, reason in failed.items()}
-    verdict = failures.record(conn, source.label, [by_id[i] for i in done.bad], done.bad)
-    done.dead, done.retry, done.attempts = verdict.dead, verdict.retry, verdict.attempts
+    last = {ident: tid for tid, ident in tids.items()}  # claim order: the last copy's tid
+    held = {i: by_id[i] for i in done.bad if last[i] in failed}
+    copies = Counter(tids[tid] for tid in failed)
+    others = {i for i in done.bad if copies[i] > (1 if i in held else 0)}
+    verdict = failures.record(conn, source.label, list(held.values()), done.bad, keep=others)
     dead = {m.id for m in verdict.dead}
-    suspects.update(source.label, verdict.retry, list(dead))
-    gone = [tid for tid in failed if tids[tid] in dead]
+    done.dead, done.attempts = verdict.dead, verdict.attempts
+    done.retry = verdict.retry + [i for i in others if i not in verdict.retry]
+    suspects.update(source.label, done.retry, [i for i in dead if i not in others])
+    gone = [last[i] for i in dead]
     if gone:
         # Dead-lettered rows cannot be marked: they leave the outbox (the dead-letter table
         # holds them) so they are not claimed again.

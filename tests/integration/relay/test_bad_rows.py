@@ -24,6 +24,7 @@ import psycopg
 import pytest
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.relay.errors import MessagesRejected
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
@@ -449,3 +450,59 @@ def test_a_relay_that_stops_on_a_runtime_fault_exits_1(
     assert last.startswith("outbox-migrate: error: relay worker failed: marks are frozen"), last
     assert "Traceback" not in result.stderr
     assert len(ids_in(partitioned, "outbox_unpublished")) == 3  # nothing lost
+
+
+def test_two_unpublished_copies_of_a_published_id_in_one_batch_are_both_kept(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """Both copies of id 13 fail their mark (13 is already published). Before, the repair
+    dead-lettered one message under (source, 13) and deleted both rows: the other copy was
+    lost. Now each copy ends in the dead-letter table with its own payload (the second under
+    a copy label), nothing stays unpublished, and the relay ran to the end."""
+    duplicate = _swapped_with_duplicate(conn)
+    conn.execute("INSERT INTO outbox_new (id, payload) VALUES (%s, '{\"copy\": 2}')", (duplicate,))
+    conn.commit()
+    relay = _relay(dsn, collected.factory(), SWAPPED, batch_size=50)
+    relay.run()
+    assert ids_in(conn, "outbox_unpublished") == []
+    assert ids_in(conn, "outbox").count(duplicate) == 1  # the published original
+    dead = conn.execute(
+        "SELECT source_table, id, payload FROM outbox_dead_letter ORDER BY source_table"
+    ).fetchall()
+    assert sorted(json.loads(d[2]).get("copy", 1) for d in dead) == [1, 2], dead
+    assert {d[1] for d in dead} == {duplicate}
+    assert len({d[0] for d in dead}) == 2, dead  # the second copy has its own label
+    assert relay.stats.dead_lettered == 2
+
+
+def test_two_copies_the_sink_refuses_in_one_batch_are_counted_once_and_both_kept(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    """Two unpublished rows with one id, both refused by the sink in one batch: counting
+    their attempts sent the id twice to one upsert (SQLSTATE 21000: "ON CONFLICT DO UPDATE
+    command cannot affect row a second time") and the relay stopped. Now the id counts one
+    attempt per try and both copies reach the dead-letter table."""
+    insert_rows(partitioned, "outbox_new", 5, spec=SPEC)
+    twin = PARTITIONED_START + 2
+    partitioned.execute(
+        "INSERT INTO outbox_new (id, payload) OVERRIDING SYSTEM VALUE "
+        "VALUES (%s, '{\"copy\": 2}')",
+        (twin,),
+    )
+    partitioned.commit()
+
+    def refuse(batch: list[Any]) -> None:
+        if any(m.id == twin for m in batch):
+            collected.add([m for m in batch if m.id != twin])
+            raise MessagesRejected("collect", {twin: "refused (test)"})
+
+    relay = _relay(dsn, collected.factory(refuse), SPEC, max_attempts=2, backoff_base_s=0.01,
+                   backoff_cap_s=0.02)  # fmt: skip
+    relay.run()
+    dead = partitioned.execute(
+        "SELECT id, attempts, payload FROM outbox_dead_letter ORDER BY source_table"
+    ).fetchall()
+    assert [(d[0], d[1]) for d in dead] == [(twin, 2), (twin, 2)], dead
+    assert sorted(json.loads(d[2]).get("copy", 1) for d in dead) == [1, 2]
+    assert ids_in(partitioned, "outbox_unpublished") == []
+    assert twin not in collected.ids
