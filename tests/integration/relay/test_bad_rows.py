@@ -506,3 +506,44 @@ def test_two_copies_the_sink_refuses_in_one_batch_are_counted_once_and_both_kept
     assert sorted(json.loads(d[2]).get("copy", 1) for d in dead) == [1, 2]
     assert ids_in(partitioned, "outbox_unpublished") == []
     assert twin not in collected.ids
+
+
+# -- a sink that raises outside its protocol ---------------------------------------------------
+
+
+def test_a_message_that_crashes_the_sink_is_dead_lettered_after_max_attempts(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    """The sink raises something unexpected on one row of five: the relay stopped, and
+    stopped again on every restart, for ever (the attempt was never counted). Now, as in CDC
+    mode, the crash counts against the batch the sink held, a row with a failure on record is
+    published alone (the next crash counts against it only), and at max_attempts it is
+    dead-lettered without being published again; the relay still stops on each crash."""
+    from outbox_migrate.relay.errors import RelayFailed
+
+    insert_rows(partitioned, "outbox_new", 5, spec=SPEC)
+    ids = ids_in(partitioned, "outbox_new")
+    poison = ids[2]
+
+    def crash(batch: list[Any]) -> None:
+        if any(m.id == poison for m in batch):
+            raise RuntimeError("serializer blew up")
+
+    crashes = 0
+    for _ in range(5):
+        try:
+            _relay(dsn, collected.factory(crash), SPEC, max_attempts=2).run()
+            break
+        except RelayFailed as exc:
+            assert "serializer blew up" in str(exc)
+            crashes += 1
+    assert crashes == 2
+    dead = partitioned.execute(
+        "SELECT id, attempts, last_error FROM outbox_dead_letter"
+    ).fetchall()
+    assert dead == [(poison, 2, "RuntimeError: serializer blew up")]
+    assert partitioned.execute("SELECT count(*) FROM outbox_dead_letter_attempts").fetchone() == (
+        0,
+    )
+    assert ids_in(partitioned, "outbox_unpublished") == []
+    assert sorted(set(collected.ids)) == [i for i in ids if i != poison]
