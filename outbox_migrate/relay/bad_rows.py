@@ -191,7 +191,9 @@ class FailedMessages:
 
     # -- in the caller's transaction -------------------------------------------------------
 
-    def count(self, conn: Any, label: str, reasons: Mapping[MessageId, str]) -> dict[MessageId, int]:
+    def count(
+        self, conn: Any, label: str, reasons: Mapping[MessageId, str]
+    ) -> dict[MessageId, int]:
         """Add one attempt per id (copies of an id share one); returns each id's attempts."""
         if not reasons:
             return {}
@@ -317,10 +319,10 @@ class FailedMessages:
         insert = attempts_sql.insert_dead_letter(
             self.schema, self.dead_letter_table, raw=raw is not None and self.payload_bytes
         )
-        kept = label if conn.execute(insert, params).fetchone() else self._as_copy(conn, insert,
-                                                                                   params)  # fmt: skip
-        log.warning("relay.dead_lettered id=%s attempts=%d%s", message.id, attempts,
-                    "" if kept == label else f" as={kept!r}")  # fmt: skip
+        written = conn.execute(insert, params).fetchone()
+        kept = label if written else self._as_copy(conn, insert, params)
+        copy = "" if kept == label else f" as={kept!r}"
+        log.warning("relay.dead_lettered id=%s attempts=%d%s", message.id, attempts, copy)
         return kept
 
     def _as_copy(self, conn: Any, insert: sql.Composed, params: dict[str, Any]) -> str:

@@ -485,8 +485,7 @@ def test_two_copies_the_sink_refuses_in_one_batch_are_counted_once_and_both_kept
     insert_rows(partitioned, "outbox_new", 5, spec=SPEC)
     twin = PARTITIONED_START + 2
     partitioned.execute(
-        "INSERT INTO outbox_new (id, payload) OVERRIDING SYSTEM VALUE "
-        "VALUES (%s, '{\"copy\": 2}')",
+        "INSERT INTO outbox_new (id, payload) OVERRIDING SYSTEM VALUE VALUES (%s, '{\"copy\": 2}')",
         (twin,),
     )
     partitioned.commit()
@@ -538,9 +537,7 @@ def test_a_message_that_crashes_the_sink_is_dead_lettered_after_max_attempts(
             assert "serializer blew up" in str(exc)
             crashes += 1
     assert crashes == 2
-    dead = partitioned.execute(
-        "SELECT id, attempts, last_error FROM outbox_dead_letter"
-    ).fetchall()
+    dead = partitioned.execute("SELECT id, attempts, last_error FROM outbox_dead_letter").fetchall()
     assert dead == [(poison, 2, "RuntimeError: serializer blew up")]
     assert partitioned.execute("SELECT count(*) FROM outbox_dead_letter_attempts").fetchone() == (
         0,
