@@ -12,9 +12,9 @@ import psycopg
 import pytest
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.cdc.options import CdcOptions
 from outbox_migrate.relay.cdc.relay import CdcRelay, running
+from outbox_migrate.relay.message import Message
 from tests.integration.relay.conftest import Collected
 
 from .conftest import drop_slots, wait_for
@@ -79,8 +79,7 @@ def test_a_raw_payload_a_json_sink_cannot_carry_is_dead_lettered_with_its_bytes(
     with running(relay):
         _insert(bytea_outbox, TEXT, PICKLED, TEXT)
         wait_for(
-            lambda: bytea_outbox.execute("SELECT count(*) FROM jm_unpublished").fetchone()
-            == (0,),
+            lambda: bytea_outbox.execute("SELECT count(*) FROM jm_unpublished").fetchone() == (0,),
             what="every row settled",
         )
     written = [json.loads(line)["id"] for line in stream.getvalue().splitlines()]
@@ -91,7 +90,8 @@ def test_a_raw_payload_a_json_sink_cannot_carry_is_dead_lettered_with_its_bytes(
     assert bytes(dead[0][3]) == PICKLED and dead[0][2] == "\\x" + PICKLED.hex()
     assert "UTF-8" in dead[0][4]
     assert sorted(set(written)) == sorted(
-        i for (i,) in bytea_outbox.execute("SELECT id FROM jm_published").fetchall()
+        i
+        for (i,) in bytea_outbox.execute("SELECT id FROM jm_published").fetchall()
         if i != dead[0][0]
     )
     assert relay.stats.rejected == 2 and relay.stats.dead_lettered == 1
@@ -114,8 +114,7 @@ def test_a_message_the_sink_cannot_represent_is_a_bad_row_not_a_crash(
     with running(relay):
         _insert(bytea_outbox, TEXT, PICKLED, TEXT)
         wait_for(
-            lambda: bytea_outbox.execute("SELECT count(*) FROM jm_unpublished").fetchone()
-            == (0,),
+            lambda: bytea_outbox.execute("SELECT count(*) FROM jm_unpublished").fetchone() == (0,),
             timeout_s=10.0,  # no backoff between its attempts (a rejection's would be 30 s)
             what="every row settled",
         )

@@ -391,8 +391,7 @@ def test_two_copies_of_one_id_refused_together_are_both_dead_lettered(
         insert_rows(cdc_outbox, "outbox_new", 2, spec=SPEC)
         for copy in (1, 2):
             cdc_outbox.execute(
-                "INSERT INTO outbox_new (id, payload) OVERRIDING SYSTEM VALUE "
-                "VALUES (%s, %s)",
+                "INSERT INTO outbox_new (id, payload) OVERRIDING SYSTEM VALUE VALUES (%s, %s)",
                 (twin, f'{{"copy": {copy}}}'),
             )
     sink = _Refusing(collected, {twin})
