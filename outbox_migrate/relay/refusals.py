@@ -177,7 +177,6 @@ class Refusals:
         no session waits inside it)."""
         with conn.transaction():
             self.failures.count(conn, crashed.label, dict.fromkeys(crashed.ids, crashed.reason))
-        self.count_failures(0, len(crashed.ids))
 
     def count_failures(self, rejected: int, bad: int, dead: int = 0) -> None:
         self.stats.add(rejected=rejected, bad_rows=bad, dead_lettered=dead)
