@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import select
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,14 +87,14 @@ class MarkSession:
         if self.send(ids):
             self.wait()
 
-    def settle(self) -> None:
+    def settle(self, stop: threading.Event) -> None:
         """Wait for the mark in flight, then try the rows whose mark failed until each is
-        marked or dead-lettered — one attempt a round, so at most `max_attempts` rounds (a
-        row another session holds locked may stay: `unresolved`)."""
+        marked or dead-lettered — one attempt a round, so at most `max_attempts` rounds, or
+        until `stop` (a row another session holds locked may stay too: `unresolved`)."""
         self.wait()
         repair = self._repair
         for _ in range(repair.failures.max_attempts + 1 if repair is not None else 0):
-            if not self.unresolved:
+            if not self.unresolved or stop.is_set():
                 return
             repair.retry(self._open())  # type: ignore[union-attr]
 

@@ -325,9 +325,16 @@ class CdcRelay:
                     )  # fmt: skip
                     deliver = partial(self.delivery.deliver, careful=self.careful_until > 0)
                     backlog.publish(runs, options.batch_size, deliver, self.marks.mark)
-                    self.marks.settle()  # rows whose mark failed: marked or dead-lettered
-                    if self.marks.unresolved:  # locked by another session: redo next start
-                        raise RelayFailed("backlog rows locked by another session stay unmarked")
+                    # Rows whose mark failed are marked or dead-lettered before the backlog
+                    # counts as done; else the next start redoes it (they are still there).
+                    self.marks.settle(self._stop)
+                    if self._stop.is_set():
+                        raise Interrupted
+                    if self.marks.unresolved:
+                        raise RelayFailed(
+                            "rows of the backlog are locked by another session and cannot be "
+                            "marked; the next start publishes the rest of the backlog again"
+                        )
                     self._set_backlog_done(conn)
             stream.start(options.slot, options.publication)
             StreamSession(

@@ -157,7 +157,7 @@ class StreamSession:
                     self.linger_from = None
                 self.marks()
                 if until_caught_up and self._caught_up():
-                    self.flush()
+                    self.flush(settle=True)
                     return
                 if busy:
                     self._sleep_while_busy(linger)
@@ -346,8 +346,10 @@ class StreamSession:
         else:  # nothing to mark (--no-mark, or transactions without outbox rows)
             self._confirm_marked(self.acked_end)
 
-    def flush(self) -> None:
-        """Mark everything acknowledged and confirm it, waiting for the server."""
+    def flush(self, *, settle: bool = False) -> None:
+        """Mark everything acknowledged and confirm it, waiting for the server. `settle`
+        (caught up): first try each row whose mark failed until it is marked or
+        dead-lettered; a stop leaves it unconfirmed instead (re-streamed at the next start)."""
         marks = self.mark_session
         if self.marking_end is not None:
             marks.wait()
@@ -356,7 +358,8 @@ class StreamSession:
         if self.acked_end > self.confirmed:
             marks.mark(self.acked)
             self.acked = []
-            marks.settle()  # rows whose mark failed: marked or dead-lettered, if they can be
+            if settle:
+                marks.settle(self.stop)
             self._confirm_marked(self.acked_end)
 
     def _confirm_marked(self, lsn: int) -> None:
