@@ -27,7 +27,6 @@ from psycopg.errors import IntegrityError
 
 from outbox_migrate.relay import (
     keepalive,
-    mark_repair,
     notify,
     queries,
     wire,
@@ -99,7 +98,8 @@ class Worker:
         self.blocked = False
         """The last idle wait blocked before it returned (`Listener.poll`)."""
         self.mark_failure: IntegrityError | None = None
-        """The constraint a mark broke: the next step repairs `unmarked` first."""
+        """The constraint a COMMIT broke (deferred): the next step repairs `unmarked` first
+        (a failed mark carries its own error: `Commit.mark`)."""
         # Every wait of this worker goes through it: none with a session in a transaction.
         self.waits = Waits(relay.stopped, self._sessions)
         self.listener = Listener(relay.connect_worker, options.channel,
@@ -163,7 +163,7 @@ class Worker:
 
         relay = self.relay
         try:
-            if self.mark_failure is not None:
+            if self.mark_failure is not None or self.loop.unmarked:
                 self._repair_marks()
             return self._step()
         except LeaseUnproven as exc:
@@ -199,39 +199,15 @@ class Worker:
         return False
 
     def _repair_marks(self) -> None:
-        """After a mark failed on a constraint: mark the acknowledged rows of the batches it
-        took down (relay/mark_repair.py); a row that cannot be marked is a bad row — counted,
-        claimed again, dead-lettered and removed after `max_attempts`. Run as a step of its
+        """Batches of the last run whose mark did not commit (`BatchLoop.unmarked`): repaired
+        on the worker's session before its next run (`BatchLoop.repair`). Run as a step of its
         own, so a lost session or a 40001 meanwhile is handled as anywhere else (the repair
         is one transaction per batch; without a session, the rows are claimed and sent again)."""
-        relay, exc = self.relay, self.mark_failure
-        refusals = relay.refusals
-        assert exc is not None
+        exc, self.mark_failure = self.mark_failure, None
         if self.conn is None or self.conn.closed:
-            self.loop.unmarked, self.mark_failure = [], None
+            self.loop.unmarked = []
             return
-        while self.loop.unmarked:
-            claim = self.loop.unmarked[0].batch
-            source, rows, batch, acked = claim.source, claim.rows, claim.messages, claim.acked
-            by_key = relay.options.ordering is Ordering.key
-            try:
-                done = mark_repair.repair(self.conn, source, refusals.failures,
-                                          refusals.suspects, rows, batch, acked, exc,
-                                          by_key=by_key)  # fmt: skip
-            except IntegrityError as failed:  # the repair itself broke one: no loop of repairs
-                raise RelayFailed(f"repairing a failed mark: {one_line(failed)}") from failed
-            self.loop.unmarked.pop(0)
-            mark_repair.park(relay.refusals.parking, source.label, batch, done, relay.backoff,
-                             by_key=by_key)  # fmt: skip
-            relay.stats.batch(done.marked)
-            relay.refusals.count_failures(0, len(done.bad), dead=len(done.dead))
-            relay.observer.published(done.marked)
-            self.loop.later += done.retry
-            log.warning(
-                "relay.mark_repaired worker=%d marked=%d bad_rows=%d dead_lettered=%d %s",
-                self.index, done.marked, len(done.bad), len(done.dead), one_line(exc),
-            )  # fmt: skip
-        self.mark_failure = None
+        self.loop.repair(self.conn, exc)
 
     def _step_out(self) -> None:
         """The broker is out of reach: let the other relays serve this worker's shards while
@@ -309,8 +285,10 @@ class Worker:
         source = relay.state.current
         empty_after = loop.run(source, self.sink)
         self.failures = 0
-        if loop.later:
-            loop.retry_bad_rows()  # the backlog is gone: their turn, before any idle wait
+        if loop.later or loop.unmarked:
+            # Bad rows: the backlog is gone, their turn before any idle wait. A mark that
+            # failed as the run ended: repaired first (`_step_guarded`).
+            loop.retry_bad_rows()
             return False
         if empty_after is None:
             self.flag.looked_up()

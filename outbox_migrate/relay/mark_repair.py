@@ -62,8 +62,18 @@ class Suspects:
         return bool(self._ids)
 
     def among(self, label: str, ids: Sequence[MessageId]) -> set[MessageId]:
+        """The suspects among `ids`. Asked for every batch while any suspect is known, so it
+        walks the suspects (a handful), not the batch: looking up each of a batch's 500 ids
+        cost a tenth of the drain rate at one bad row per 10,000 (bench/bad_rows.py)."""
         with self._lock:
-            return {i for i in ids if (label, i) in self._ids}
+            mine = [i for source, i in self._ids if source == label]
+        if not mine:
+            return set()
+        if len(mine) * 8 < len(ids):
+            batch = frozenset(ids)
+            return {i for i in mine if i in batch}
+        wanted = set(mine)
+        return {i for i in ids if i in wanted}
 
     def update(self, label: str, add: Sequence[MessageId], drop: Sequence[MessageId]) -> None:
         with self._lock:

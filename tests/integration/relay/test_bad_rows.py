@@ -544,3 +544,44 @@ def test_a_message_that_crashes_the_sink_is_dead_lettered_after_max_attempts(
     )
     assert ids_in(partitioned, "outbox_unpublished") == []
     assert sorted(set(collected.ids)) == [i for i in ids if i != poison]
+
+
+def test_a_failed_mark_costs_its_batch_not_the_run(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """A draining relay reads ahead (a second session claims the next batch while one is
+    published). A mark that breaks the primary key rolls back its own batch only: it is
+    repaired on the other session and the run goes on — every batch after the bad ones
+    still comes from the read-ahead, none is claimed twice. Bad rows in two batches in a row
+    (one per session) are both repaired. Ending the run instead rolled back the batch
+    claimed ahead and claimed it again without overlap (bench/bad_rows.py)."""
+    conn.execute(
+        "CREATE TABLE outbox_new (id bigint NOT NULL, event_type text, message_key text, "
+        "payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), "
+        "published_at timestamptz) PARTITION BY LIST (published_at)"
+    )
+    conn.execute("CREATE TABLE outbox_unpublished PARTITION OF outbox_new FOR VALUES IN (NULL)")
+    conn.execute("CREATE INDEX ON outbox_unpublished (id)")
+    conn.execute("CREATE TABLE outbox (LIKE outbox_new INCLUDING DEFAULTS, PRIMARY KEY (id))")
+    bad = [15, 25, 75]  # batches 2 and 3 (one per session), and batch 8
+    conn.execute(
+        "INSERT INTO outbox (id, payload, published_at) SELECT unnest(%s::int8[]), '{}', now()",
+        (bad,),
+    )
+    conn.execute("ALTER TABLE outbox_new ATTACH PARTITION outbox DEFAULT")
+    conn.execute(
+        "INSERT INTO outbox_new (id, payload) SELECT i, jsonb_build_object('n', i) "
+        "FROM generate_series(1, 200) i"
+    )
+    conn.commit()
+    relay = _relay(dsn, collected.factory(), SWAPPED, batch_size=10, max_attempts=3)
+    relay.run()
+    assert ids_in(conn, "outbox_unpublished") == []
+    assert sorted(d[0] for d in _dead(conn)) == bad
+    good = [m.id for m in collected.messages if m.id not in bad]
+    assert sorted(good) == [i for i in range(1, 201) if i not in bad]
+    assert len(good) == len(set(good))  # no batch was published twice
+    # 20 batches and the empty claim after them: only the first is claimed on the lease
+    # session, all the others ahead (ending the run at a failed mark: 18).
+    assert relay.stats.read_ahead == 20, relay.stats.as_dict()
+    assert relay.stats.published == 197 and relay.stats.bad_rows == 9
