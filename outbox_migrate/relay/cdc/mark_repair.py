@@ -93,7 +93,7 @@ class MarkRepair:
         before the mark re-streams them, and the count must still be there."""
         failures = self.failures
         if failures.known:
-            seen = [i for i in failures.seen_before(self.label, ids) if i not in self.pending]
+            seen = [i for i in failures.seen_before(self.label, list(ids)) if i not in self.pending]
             if seen:
                 failures.forget(conn, self.label, seen)
 
