@@ -15,7 +15,7 @@ reason. Every other message flows. What counts as an attempt, in both modes:
   against the messages the sink held. Why counted: which messages it held is all the evidence
   there is, and uncounted, one message that breaks a sink stops the whole outbox on every
   restart for ever — one bad row would be every row's problem. A message with a failure on
-  record is then published alone (`publishing.isolate`), so the next crash counts against it
+  record is then published alone (`publishing.split_suspects`), so the next crash counts against it
   only and its neighbours go through after one attempt; at `max_attempts` it is dead-lettered
   when next met, without being published again (`exhausted`). A fault that is not the
   messages' costs at most one attempt per restart, and a dead letter loses nothing;

@@ -8,8 +8,8 @@ set aside and the rest published again — a message sent twice is de-duplicated
 its outbox id, as after any at-least-once retry. No waiting here (the caller holds a
 transaction open on the batch's rows).
 
-Shared by both relays, as is `isolate`: a message with a failure on record is published on
-its own (relay/bad_rows.py), so that a sink crash it causes again counts against it only.
+Shared by both relays, as is `split_suspects`: a message with a failure on record is published
+on its own (relay/bad_rows.py), so that a sink crash it causes again counts against it only.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def publish(
     return {}, unrepresentable
 
 
-def isolate(
+def split_suspects(
     batch: Sequence[Message], suspect: Callable[[MessageId], bool]
 ) -> Iterator[list[Message]]:
     """The batch in order, each suspect alone, the messages between them together (the order

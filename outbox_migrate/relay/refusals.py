@@ -138,7 +138,7 @@ class Refusals:
     def _send(
         self, sink: Sink, label: str, batch: list[Message]
     ) -> tuple[dict[MessageId, str], dict[MessageId, str]]:
-        """Publish, a message with a failure on record alone (`publishing.isolate`); returns
+        """Publish, a message with a failure on record alone (`publishing.split_suspects`); returns
         (rejected, unrepresentable) as id → reason. An exception of the sink outside its
         protocol becomes `SinkCrashed` naming the messages the sink held: the worker counts
         that attempt once the batch has rolled back (`count_crash`), and the relay stops."""
@@ -146,7 +146,7 @@ class Refusals:
         if self.failures.known:
             seen = set(self.failures.seen_before(label, [m.id for m in batch]))
             if seen:
-                parts = list(publishing.isolate(batch, seen.__contains__))
+                parts = list(publishing.split_suspects(batch, seen.__contains__))
         rejected: dict[MessageId, str] = {}
         unrepresentable: dict[MessageId, str] = {}
         for part in parts:

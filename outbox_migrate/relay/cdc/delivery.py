@@ -4,7 +4,7 @@ The policy is the polling relay's, through the same object (relay/bad_rows.py
 `FailedMessages`): the same attempts table and dead letters, the same rule for what counts as
 an attempt (a refusal, a message the sink cannot represent, a crash of the sink while it held
 the message — never a broker outage), a message with a failure on record published alone
-(`publishing.isolate`), one out of attempts dead-lettered without being sent again. What is
+(`publishing.split_suspects`), one out of attempts dead-lettered without being sent again. What is
 CDC's own: the stream cannot offer a message again, so retries happen here, and each count
 is its own short transaction on the marks session, between publishes — the sink is the only
 thing that waits on the broker, and no transaction is open while it does.
@@ -89,7 +89,7 @@ class Delivery:
             self._sink = self.sink_factory()
         failures, label = self.failures, self.label
         if failures.known and any(failures.suspect(label, m.id) for m in batch):
-            for part in publishing.isolate(batch, lambda i: failures.suspect(label, i)):
+            for part in publishing.split_suspects(batch, lambda i: failures.suspect(label, i)):
                 self._deliver(self._sink, part, careful)
         else:
             self._deliver(self._sink, batch, careful)
