@@ -4,16 +4,18 @@ A batch's mark is one UPDATE of all its rows. When one row cannot be marked — 
 a row whose application id is already in the published partition, which carries the old
 table's primary key; a CHECK or trigger that refuses the move — the UPDATE fails for all of
 them, the batch rolls back after it was published, and every run would re-send and fail the
-same batch. Here the rows are marked again in halves (bisection), each half in a savepoint:
-a half that fails is split until the failing rows stand alone. Those are bad rows
-(relay/bad_rows.py): counted in the database, claimed again, and at `max_attempts` kept in the
-dead-letter table with the constraint's message and removed from the outbox — they cannot be
-marked, and nothing is lost. Cost: about 2·log2(batch) statements per bad row, paid only by
-the batch that holds it.
+same batch. Here the rows are marked again. When the error names a unique key on the id alone
+(relay/conflict_key.py), the rows whose id that key holds already are found with the lock, in
+one round trip: the rest is marked in one statement and each of those alone. Otherwise the rows
+are marked in halves (bisection), each half in a savepoint, until the failing rows stand alone
+(about 2·log2(batch) statements per bad row, paid only by the batch that holds it). Failing
+rows are bad rows (relay/bad_rows.py): counted in the database, claimed again, and at
+`max_attempts` kept in the dead-letter table with the constraint's message and removed from
+the outbox — they cannot be marked, and nothing is lost.
 
 A row that failed is a *suspect* until it is marked or dead-lettered: when it comes back in a
-later batch it is marked alone, in a savepoint, before that batch's mark (`mark_suspects`), so
-its next attempts cost one statement each instead of a failed batch and another bisection.
+later batch it is tried before that batch's mark (`mark_suspects`): with the key known, one
+lookup for all the batch's suspects; otherwise alone, in a savepoint.
 
 Runs in its own transaction on the worker's session (no pipeline), never waits on a lock
 (`SKIP LOCKED`: a row another relay holds is its business now).
@@ -21,7 +23,6 @@ Runs in its own transaction on the worker's session (no pipeline), never waits o
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import Counter
@@ -33,8 +34,9 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.patterns import marker
-from outbox_migrate.relay import queries
+from outbox_migrate.relay import conflict_key, queries
 from outbox_migrate.relay.bad_rows import FailedMessages
+from outbox_migrate.relay.conflict_key import ConflictKey
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.parking import Parking
 
@@ -57,6 +59,14 @@ class Suspects:
     def __init__(self) -> None:
         self._ids: set[tuple[str, MessageId]] = set()
         self._lock = threading.Lock()
+        self._keys: dict[str, ConflictKey] = {}
+        """Per source: the unique key on the id its marks broke (relay/conflict_key.py)."""
+
+    def key(self, label: str) -> ConflictKey | None:
+        return self._keys.get(label)
+
+    def learn(self, label: str, key: ConflictKey) -> None:
+        self._keys[label] = key  # one assignment: atomic under the GIL
 
     def __bool__(self) -> bool:
         return bool(self._ids)
@@ -103,14 +113,20 @@ def repair(
     if not tids:
         return done
     with conn.transaction():
-        # A deferred constraint would fail at COMMIT, for all rows again: check at each mark.
-        conn.execute("SET CONSTRAINTS ALL IMMEDIATE")
-        locked = conn.execute(_lock(source), {"tids": _tid_array(list(tids))}).fetchall()
+        key = suspects.key(source.label)
+        if key is None:
+            key = conflict_key.of_error(conn, error, source.id_column)
+            if key is not None:
+                suspects.learn(source.label, key)
+        # One round trip: lock the rows (with the key known: which of them it holds already),
+        # check deferred constraints at each mark (at COMMIT they would fail all rows again),
+        # and the savepoint a key-ordered repair goes back to.
+        locked = conn.execute(_lock(source, list(tids), key)).fetchall()
         # Same ctid and id, still unpublished: the row the batch claimed (in claim order).
-        same = {tid for tid, ident in locked if tids.get(tid) == _id_of(source, ident)}
+        same = {r[0] for r in locked if tids.get(r[0]) == _id_of(source, r[1])}
         todo = [tid for tid in tids if tid in same]
-        conn.execute(_OUTER)
-        failed = _mark_named_first(conn, source, todo, tids, _named_id(error, source))
+        taken = {r[0] for r in locked if r[0] in same and r[2]} if key is not None else None
+        failed = _mark_named_first(conn, source, todo, taken)
         if failed is None:
             # The whole batch failed already: `_mark_in_halves` starts with its halves.
             failed = _mark_in_halves(conn, source, todo)
@@ -180,7 +196,15 @@ def mark_suspects(
     if not tids:
         return done
     failed: dict[str, str] = {}
-    for tid in tids:
+    todo = list(tids)
+    key = suspects.key(source.label)
+    if key is not None:
+        # Those whose id the published partition holds: failed again, without a statement
+        # each (two per row, one of them failing, cost more than the row's batch).
+        taken = key.taken(conn, [tids[tid] for tid in todo], source.text_ids)
+        failed = {tid: key.reason(tids[tid]) for tid in todo if tids[tid] in taken}
+        todo = [tid for tid in todo if tid not in failed]
+    for tid in todo:
         failed.update(_mark_in_halves(conn, source, [tid]))
     marked = [tids[tid] for tid in tids if tid not in failed]
     done.marked = len(marked)
@@ -225,38 +249,16 @@ def _count(
         conn.execute(_delete(source), {"tids": _tid_array(gone)})
 
 
-_DUPLICATE_KEY = re.compile(r"Key \((?P<columns>[^)]*)\)=\((?P<value>.*)\) already exists\.")
-
-
-def _named_id(error: psycopg.Error | None, source: queries.Source) -> str | None:
-    """The id a unique violation on the id alone names in its detail ("Key (id)=(13) already
-    exists."), as text; None for any other error, or a server whose messages are not in
-    English (the repair then bisects)."""
-    if error is None or error.sqlstate != "23505":
-        return None
-    found = _DUPLICATE_KEY.fullmatch(error.diag.message_detail or "")
-    if found is None or found["columns"] not in (source.id_column, f'"{source.id_column}"'):
-        return None
-    return found["value"]
-
-
 def _mark_named_first(
-    conn: Any,
-    source: queries.Source,
-    todo: list[str],
-    tids: dict[str, MessageId],
-    named: str | None,
+    conn: Any, source: queries.Source, todo: list[str], taken: set[str] | None
 ) -> dict[str, str] | None:
-    """A guess from the error, then proof: mark every row but those with the id the error
-    named (one statement), then each of those alone — of two rows with that id in the batch,
-    the first is marked. None: no guess, or the rest failed too (the caller bisects; what
-    this marked stays rolled back)."""
-    if named is None:
+    """With the rows whose id the key holds already (`taken`): mark every other row (one
+    statement), then each of those alone — of two rows with one id in the batch, the first
+    is marked. None: no key known, or the rest failed too (another constraint, two unpublished
+    copies of one id: the caller bisects; what this marked stays rolled back)."""
+    if not taken:
         return None
-    suspects = [tid for tid in todo if str(tids[tid]) == named]
-    rest = [tid for tid in todo if str(tids[tid]) != named]
-    if not suspects:
-        return None
+    rest = [tid for tid in todo if tid not in taken]
     try:
         if rest:
             conn.execute(_marked_in_savepoint(source, rest))
@@ -264,8 +266,9 @@ def _mark_named_first(
         conn.execute(_ROLLBACK_TO)
         return None
     failed: dict[str, str] = {}
-    for tid in suspects:
-        failed.update(_mark_in_halves(conn, source, [tid]))
+    for tid in todo:
+        if tid in taken:
+            failed.update(_mark_in_halves(conn, source, [tid]))
     return failed
 
 
@@ -295,7 +298,6 @@ def _mark_in_halves(conn: Any, source: queries.Source, tids: list[str]) -> dict[
 
 
 _ROLLBACK_TO = sql.SQL("ROLLBACK TO SAVEPOINT om_relay_mark")
-_OUTER = sql.SQL("SAVEPOINT om_relay_repair")
 _ROLLBACK_TO_OUTER = sql.SQL("ROLLBACK TO SAVEPOINT om_relay_repair")
 
 
@@ -327,15 +329,21 @@ def _id_of(source: queries.Source, ident: Any) -> MessageId:
     return str(ident) if source.text_ids else int(ident)
 
 
-def _lock(source: queries.Source) -> sql.Composed:
+def _lock(source: queries.Source, tids: list[str], key: ConflictKey | None) -> sql.Composed:
+    """Lock the claimed rows still unpublished (`SKIP LOCKED`: never wait), with their id and
+    whether `key`'s table holds that id; then deferred constraints immediate and the outer
+    savepoint, in the same round trip (the tids as a literal: a simple query)."""
     ident = sql.Identifier(source.id_column)
     return sql.SQL(
-        "SELECT ctid::text, {id} FROM {table} WHERE {unpublished} "
-        "AND ctid = ANY(%(tids)s::tid[]) FOR UPDATE SKIP LOCKED"
+        "SELECT ctid::text, {id}, {taken} FROM {table} u WHERE {unpublished} "
+        "AND ctid = ANY({tids}::tid[]) FOR UPDATE SKIP LOCKED; "
+        "SET CONSTRAINTS ALL IMMEDIATE; SAVEPOINT om_relay_repair"
     ).format(
         id=sql.SQL("{}::text").format(ident) if source.text_ids else ident,
+        taken=key.holds(sql.SQL("u.{}").format(ident)) if key is not None else sql.SQL("false"),
         table=source.claim_ident,
         unpublished=source.unpublished_filter(),
+        tids=sql.Literal(_tid_array(tids)),
     )
 
 
