@@ -6,7 +6,8 @@ table's primary key; a CHECK or trigger that refuses the move — the UPDATE fai
 them, the batch rolls back after it was published, and every run would re-send and fail the
 same batch. Here the rows are marked again. When the error names a unique key on the id alone
 (relay/conflict_key.py), the rows whose id that key holds already are found with the lock, in
-one round trip: the rest is marked in one statement and each of those alone. Otherwise the rows
+one round trip: the rest is marked in one statement, and those rows, which cannot move, fail
+without a statement of their own. Otherwise the rows
 are marked in halves (bisection), each half in a savepoint, until the failing rows stand alone
 (about 2·log2(batch) statements per bad row, paid only by the batch that holds it). Failing
 rows are bad rows (relay/bad_rows.py): counted in the database, claimed again, and at
@@ -121,12 +122,16 @@ def repair(
         # One round trip: lock the rows (with the key known: which of them it holds already),
         # check deferred constraints at each mark (at COMMIT they would fail all rows again),
         # and the savepoint a key-ordered repair goes back to.
-        locked = conn.execute(_lock(source, list(tids), key)).fetchall()
+        cursor = conn.execute(_lock(source, tids, key))
+        locked = cursor.fetchall()
         # Same ctid and id, still unpublished: the row the batch claimed (in claim order).
-        same = {r[0] for r in locked if tids.get(r[0]) == _id_of(source, r[1])}
+        same = {tid for tid, ident in locked if tids.get(tid) == _id_of(source, ident)}
         todo = [tid for tid in tids if tid in same]
-        taken = {r[0] for r in locked if r[0] in same and r[2]} if key is not None else None
-        failed = _mark_named_first(conn, source, todo, taken)
+        taken = None
+        if key is not None:
+            ids = conflict_key.taken_rows(cursor)
+            taken = {tid for tid in todo if tids[tid] in ids}
+        failed = _mark_named_first(conn, source, todo, tids, taken, key)
         if failed is None:
             # The whole batch failed already: `_mark_in_halves` starts with its halves.
             failed = _mark_in_halves(conn, source, todo)
@@ -250,13 +255,18 @@ def _count(
 
 
 def _mark_named_first(
-    conn: Any, source: queries.Source, todo: list[str], taken: set[str] | None
+    conn: Any,
+    source: queries.Source,
+    todo: list[str],
+    tids: dict[str, MessageId],
+    taken: set[str] | None,
+    key: ConflictKey | None,
 ) -> dict[str, str] | None:
-    """With the rows whose id the key holds already (`taken`): mark every other row (one
-    statement), then each of those alone — of two rows with one id in the batch, the first
-    is marked. None: no key known, or the rest failed too (another constraint, two unpublished
-    copies of one id: the caller bisects; what this marked stays rolled back)."""
-    if not taken:
+    """With the rows whose id the key's table holds already (`taken`): mark every other row
+    in one statement; those rows cannot move (all copies of such an id). None: no key known,
+    or the rest failed too (another constraint, two unpublished copies of one id: the caller
+    bisects, and of two copies the first is marked; what this marked stays rolled back)."""
+    if not taken or key is None:
         return None
     rest = [tid for tid in todo if tid not in taken]
     try:
@@ -265,11 +275,7 @@ def _mark_named_first(
     except psycopg.errors.IntegrityError:
         conn.execute(_ROLLBACK_TO)
         return None
-    failed: dict[str, str] = {}
-    for tid in todo:
-        if tid in taken:
-            failed.update(_mark_in_halves(conn, source, [tid]))
-    return failed
+    return {tid: key.reason(tids[tid]) for tid in todo if tid in taken}
 
 
 def _mark_in_halves(conn: Any, source: queries.Source, tids: list[str]) -> dict[str, str]:
@@ -329,21 +335,25 @@ def _id_of(source: queries.Source, ident: Any) -> MessageId:
     return str(ident) if source.text_ids else int(ident)
 
 
-def _lock(source: queries.Source, tids: list[str], key: ConflictKey | None) -> sql.Composed:
-    """Lock the claimed rows still unpublished (`SKIP LOCKED`: never wait), with their id and
-    whether `key`'s table holds that id; then deferred constraints immediate and the outer
-    savepoint, in the same round trip (the tids as a literal: a simple query)."""
+def _lock(
+    source: queries.Source, tids: dict[str, MessageId], key: ConflictKey | None
+) -> sql.Composed:
+    """Lock the claimed rows still unpublished (`SKIP LOCKED`: never wait), with their id;
+    with `key`, which of the batch's ids its table holds already (`ConflictKey.lookup`); then
+    deferred constraints immediate and the outer savepoint — one round trip (the tids as a
+    literal: a simple query). The lock's rows are the first result."""
     ident = sql.Identifier(source.id_column)
+    lookup = key.lookup(list(set(tids.values())), source.text_ids) if key else sql.SQL("")
     return sql.SQL(
-        "SELECT ctid::text, {id}, {taken} FROM {table} u WHERE {unpublished} "
-        "AND ctid = ANY({tids}::tid[]) FOR UPDATE SKIP LOCKED; "
+        "SELECT ctid::text, {id} FROM {table} WHERE {unpublished} "
+        "AND ctid = ANY({tids}::tid[]) FOR UPDATE SKIP LOCKED; {lookup}; "
         "SET CONSTRAINTS ALL IMMEDIATE; SAVEPOINT om_relay_repair"
     ).format(
         id=sql.SQL("{}::text").format(ident) if source.text_ids else ident,
-        taken=key.holds(sql.SQL("u.{}").format(ident)) if key is not None else sql.SQL("false"),
         table=source.claim_ident,
         unpublished=source.unpublished_filter(),
-        tids=sql.Literal(_tid_array(tids)),
+        tids=sql.Literal(_tid_array(list(tids))),
+        lookup=lookup,
     )
 
 
