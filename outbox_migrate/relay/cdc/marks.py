@@ -28,7 +28,7 @@ from outbox_migrate.db import one_line
 from outbox_migrate.patterns import marker
 from outbox_migrate.relay.cdc.mark_repair import MarkRepair
 from outbox_migrate.relay.cdc.stats import CdcStats
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.relay.errors import RelayFailed
 from outbox_migrate.relay.message import MessageId
 
 log = logging.getLogger("outbox_migrate.relay")
@@ -219,7 +219,8 @@ def _check(result: Any, pgconn: Any) -> Any:
         message = _error(result, pgconn)
         if pgconn.status != pq.ConnStatus.OK:
             raise psycopg.OperationalError(message)
-        raise RelayError(f"cannot mark published rows: {message}")
+        # A runtime fault, not bad input (exit 1): a constraint is repaired before this.
+        raise RelayFailed(f"cannot mark published rows: {message}")
     return result
 
 

@@ -170,3 +170,29 @@ def test_a_kill_while_a_row_cannot_be_marked_loses_nothing(
     assert sorted(published) == [1, 2, 3, DUPLICATE]
     confirmed = slot_row(conn)
     assert confirmed is not None and confirmed[0] >= after  # settled: the slot moved on
+
+
+def test_a_mark_that_fails_for_another_reason_stops_the_relay_with_exit_1(
+    dsn: str, swapped: psycopg.Connection
+) -> None:
+    """Not a constraint (a trigger on the published partition raises): not a bad row, a
+    runtime fault — the relay stops with exit 1 (2 is for bad input found before work
+    starts), the row stays unpublished and the slot unconfirmed past it."""
+    conn = swapped
+    conn.execute(
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$BEGIN RAISE EXCEPTION 'the archive is read-only today'; END$$"
+    )
+    conn.execute(
+        "CREATE TRIGGER refuse BEFORE INSERT ON outbox FOR EACH ROW EXECUTE FUNCTION refuse()"
+    )
+    _insert(conn, (1, '{"n": 1}'))
+    ran = subprocess.run(
+        [sys.executable, "-m", "outbox_migrate", "relay", "--mode", "cdc", "--sink", "stdout",
+         "--dsn", dsn, "--until-empty"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert ran.returncode == 1, (ran.returncode, ran.stderr)
+    assert "the archive is read-only today" in ran.stderr
+    assert "Traceback" not in ran.stderr
+    assert ids_in(conn, "outbox_unpublished") == [1]
