@@ -1,41 +1,70 @@
 """Failed messages, counted in the database until they are published or dead-lettered.
 
-One policy for every way a single message can fail: the sink refused it, the relay could not
-turn its row into a message (headers that are not a JSON object), the sink could not represent
-it (`UnrepresentableMessage`), or the row could not be marked (a duplicate id after the swap).
-Each failure adds one attempt in `<dead_letter_table>_attempts`, in the caller's transaction,
-so a crash or a restart cannot reset the count and a message that makes every run fail still
-reaches the dead-letter table after `max_attempts`. Shared by the polling relay and, after
-merge, the CDC relay: it takes a connection and plain values, never a worker.
+One policy for both relays — polling (relay/refusals.py, relay/mark_repair.py) and CDC
+(relay/cdc/delivery.py, relay/cdc/mark_repair.py) — over the same two tables: each failure of
+a message adds one attempt in `<dead_letter_table>_attempts`, so a crash or a restart cannot
+reset the count, and at `max_attempts` the message goes to the dead-letter table with its last
+reason. Every other message flows. What counts as an attempt, in both modes:
 
-It runs statements inside the caller's transaction and must never commit, wait or sleep.
+* the sink refused it (`MessagesRejected`): then a backoff, a refusal may be transient;
+* the row cannot become a message, the sink cannot represent it (`UnrepresentableMessage`),
+  or its mark breaks a constraint (a duplicate id after the swap): no backoff, waiting does
+  not change a row;
+* the sink raised something outside its protocol (a serializer's bug, a client library's
+  assertion) while it held the message: the relay stops (exit 1), and the attempt counts
+  against the messages the sink held. Why counted: which messages it held is all the evidence
+  there is, and uncounted, one message that breaks a sink stops the whole outbox on every
+  restart for ever — one bad row would be every row's problem. A message with a failure on
+  record is then published alone (`publishing.split_suspects`), so the next crash counts against it
+  only and its neighbours go through after one attempt; at `max_attempts` it is dead-lettered
+  when next met, without being published again (`exhausted`). A fault that is not the
+  messages' costs at most one attempt per restart, and a dead letter loses nothing;
+* never a `SinkUnavailable`: the broker's fault, not the message's — counting it would
+  dead-letter healthy messages during an outage.
+
+Two unpublished rows can share an id (after the swap the unpublished partition has no
+primary key). Their counter is shared — one attempt per id per failure: an upsert cannot touch
+one row twice — and each copy is dead-lettered with its own content: the dead-letter table's
+key is (source_table, id), so a copy whose key is taken by a *different* message is kept
+under `<source> copy 2` (3, …). Before, its INSERT did nothing and the row was then marked or
+deleted: lost. A message identical in every kept field to the one there is that message
+(dead-lettered again after a crash, or by a second path) and is not kept twice.
+
+Statements run inside the caller's transaction (relay/attempts_sql.py); nothing here commits,
+waits or sleeps. Takes a connection and plain values, never a worker.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from psycopg import sql
 
-from outbox_migrate.relay import queries
+from outbox_migrate.db import one_line
+from outbox_migrate.relay import attempts_sql, queries
+from outbox_migrate.relay.attempts_sql import PAYLOAD_BYTES_COLUMN
+from outbox_migrate.relay.errors import RelayFailed
 from outbox_migrate.relay.message import Message, MessageId
 
 log = logging.getLogger("outbox_migrate.relay")
 
 ERROR_CHARS = 2000
 """A stored reason is cut to this length (a constraint's message can quote a whole row)."""
-PAYLOAD_BYTES_COLUMN = "payload_bytes"
-"""Dead-letter column for a raw (non-UTF-8 bytea) payload; `payload` then holds its hex text."""
+COPY_LABEL = "{source} copy {n}"
+"""`source_table` of a second (third, …) copy of an id whose dead letter is taken."""
+MAX_COPIES = 1000
+
+__all__ = ["PAYLOAD_BYTES_COLUMN", "FailedMessages", "Verdict"]
 
 
 @dataclass(frozen=True)
 class Verdict:
     """What one round of failures led to: attempts so far per id, the messages that went to
-    the dead-letter table now, the ids to try again."""
+    the dead-letter table now (every copy), the ids to try again."""
 
     attempts: dict[MessageId, int]
     dead: list[Message]
@@ -46,8 +75,9 @@ class Verdict:
 class FailedMessages:
     """Attempts and dead letters of one outbox (`schema`), shared by a relay's workers.
 
-    `known` mirrors the ids that have a counter, so the hot path asks the database to forget
-    counters only when a message that failed before went through."""
+    `known` mirrors the counters on record (attempts, last reason), so the hot path asks the
+    database to forget counters only when a message that failed before went through, and
+    finds a message that is out of attempts without a statement."""
 
     schema: str
     dead_letter_table: str
@@ -56,7 +86,9 @@ class FailedMessages:
     text_ids: bool
     payload_bytes: bool = False
     """The dead-letter table has a `payload_bytes` column (see `prepare`)."""
-    known: set[tuple[str, MessageId]] = field(default_factory=set)
+    available: bool = True
+    """False when the tables are missing and this role may not create them."""
+    known: dict[tuple[str, MessageId], tuple[int, str]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- start --------------------------------------------------------------------------
@@ -64,13 +96,13 @@ class FailedMessages:
     def prepare(self, conn: Any, sources: Iterable[str]) -> bool:
         """Create the two tables if missing (outside any batch: two relays racing on CREATE
         would otherwise fail a batch), give an existing dead-letter table a `payload_bytes`
-        column when the role may, and load the ids with a counter. False: the tables cannot
-        be created (no privilege) — the caller warns; a failure then stops the relay."""
+        column when the role may, and load the counters on record. False (and a warning):
+        the tables cannot be created (no privilege); a failure then stops the relay."""
         import psycopg
 
         for table, create in (
-            (self.dead_letter_table, queries.create_dead_letter),
-            (self.attempts_table, queries.create_attempts),
+            (self.dead_letter_table, attempts_sql.create_dead_letter),
+            (self.attempts_table, attempts_sql.create_attempts),
         ):
             # Pre-created tables need no CREATE right: `CREATE TABLE IF NOT EXISTS` checks the
             # privilege before it looks whether the table exists, so look first.
@@ -84,15 +116,21 @@ class FailedMessages:
                 psycopg.errors.DuplicateObject,  # the table's row type, on some versions
             ):
                 pass  # another relay process created it at the same moment
-            except psycopg.errors.InsufficientPrivilege:
+            except psycopg.errors.InsufficientPrivilege as exc:
+                self.available = False
+                log.warning(
+                    "relay.dead_letter_unavailable %s: create %s and %s as in docs/relay.md; "
+                    "until then a failed message stops the relay",
+                    one_line(str(exc)), self.dead_letter_table, self.attempts_table,
+                )  # fmt: skip
                 return False
         self.payload_bytes = self._payload_bytes_column(conn)
-        id_of = str if self.text_ids else int
+        id_of = self._id_of
         for label in sources:
             rows = conn.execute(
-                queries.attempted_ids(self.schema, self.attempts_table), {"source": label}
+                attempts_sql.attempted(self.schema, self.attempts_table), {"source": label}
             ).fetchall()
-            self.known.update((label, id_of(r[0])) for r in rows)
+            self.known.update(((label, id_of(r[0])), (int(r[1]), str(r[2]))) for r in rows)
         return True
 
     def _payload_bytes_column(self, conn: Any) -> bool:
@@ -127,35 +165,137 @@ class FailedMessages:
             return False
         return True
 
-    # -- in a batch's transaction ---------------------------------------------------------
+    # -- in memory (the hot path) ---------------------------------------------------------
 
-    def seen_before(self, label: str, ids: Iterable[MessageId]) -> list[MessageId]:
-        """The ids among `ids` that have a counter (cheap: an in-memory set)."""
+    def seen_before(self, label: str, ids: Sequence[MessageId]) -> list[MessageId]:
+        """The ids among `ids` that have a counter. Asked for every batch while any counter
+        is on record, so it walks the counters (a handful) rather than the batch when they
+        are far fewer, as `mark_repair.Suspects.among` does."""
         if not self.known:
             return []
         with self._lock:
-            return [i for i in ids if (label, i) in self.known]
+            mine = [i for source, i in self.known if source == label]
+        return _among(mine, ids)
+
+    def suspect(self, label: str, message_id: MessageId) -> bool:
+        """Failed before: published alone, so a crash it causes counts against it only."""
+        return (label, message_id) in self.known
+
+    def exhausted(self, label: str, messages: Sequence[Message]) -> list[Message]:
+        """Messages whose counter is at `max_attempts` already (a crash counted their last
+        attempt, or `max_attempts` was lowered): dead-letter them (`dead_letter_exhausted`)
+        rather than publish them again. Walks the counters, not the batch."""
+        if not self.known:
+            return []
+        most = self.max_attempts
+        with self._lock:
+            worn = [
+                i for (source, i), (n, _) in self.known.items() if source == label and n >= most
+            ]
+        if not worn:
+            return []
+        found = set(_among(worn, [m.id for m in messages]))
+        return [m for m in messages if m.id in found]
+
+    # -- in the caller's transaction -------------------------------------------------------
+
+    def count(
+        self, conn: Any, label: str, reasons: Mapping[MessageId, str]
+    ) -> dict[MessageId, int]:
+        """Add one attempt per id (copies of an id share one); returns each id's attempts."""
+        if not reasons:
+            return {}
+        if not self.available:
+            raise RelayFailed(
+                f"{len(reasons)} message(s) failed and {self.attempts_table} does not exist: "
+                f"create it and {self.dead_letter_table} as in docs/relay.md"
+            )
+        ids = list(reasons)
+        errors = [reasons[i][:ERROR_CHARS] for i in ids]
+        rows = conn.execute(
+            attempts_sql.count_attempts(self.schema, self.attempts_table, self.text_ids),
+            {"source": label, "ids": ids, "errors": errors},
+        ).fetchall()
+        return self._counted(label, rows, dict(zip(ids, errors, strict=True)))
+
+    def note(self, conn: Any, label: str, reasons: Mapping[MessageId, str]) -> dict[MessageId, int]:
+        """The reason of attempts counted beforehand (the CDC relay's careful publish); an id
+        with no counter is counted now. Returns each id's attempts."""
+        ids = list(reasons)
+        errors = [reasons[i][:ERROR_CHARS] for i in ids]
+        rows = conn.execute(
+            attempts_sql.note_attempts(self.schema, self.attempts_table, self.text_ids),
+            {"source": label, "ids": ids, "errors": errors},
+        ).fetchall()
+        attempts = self._counted(label, rows, dict(zip(ids, errors, strict=True)))
+        missing = {i: reasons[i] for i in ids if i not in attempts}
+        if missing:
+            attempts.update(self.count(conn, label, missing))
+        return attempts
+
+    def uncount(self, conn: Any, label: str, ids: Sequence[MessageId]) -> None:
+        """Take back attempts counted beforehand that never reached the messages (the broker
+        was unavailable: not the messages' fault); a counter back at zero goes."""
+        rows = conn.execute(
+            attempts_sql.uncount_attempts(self.schema, self.attempts_table, self.text_ids),
+            {"source": label, "ids": list(ids)},
+        ).fetchall()
+        id_of = self._id_of
+        gone = [id_of(r[0]) for r in rows if int(r[1]) <= 0]
+        with self._lock:
+            for r in rows:
+                key = (label, id_of(r[0]))
+                if key in self.known and int(r[1]) > 0:
+                    self.known[key] = (int(r[1]), self.known[key][1])
+        self.forget(conn, label, gone)
 
     def record(
-        self, conn: Any, label: str, failed: Sequence[Message], reasons: Mapping[MessageId, str]
+        self,
+        conn: Any,
+        label: str,
+        failed: Sequence[Message],
+        reasons: Mapping[MessageId, str],
+        *,
+        counted: bool = False,
+        keep: Collection[MessageId] = (),
     ) -> Verdict:
-        """Add one attempt per failed message; dead-letter those at `max_attempts` (in the
-        same transaction, so their mark or removal commits with them)."""
-        counted = conn.execute(
-            queries.count_attempts(self.schema, self.attempts_table, self.text_ids),
-            {"source": label, "ids": [m.id for m in failed],
-             "errors": [reasons[m.id][:ERROR_CHARS] for m in failed]},
-        ).fetchall()  # fmt: skip
-        id_of = str if self.text_ids else int
-        attempts = {id_of(r[0]): int(r[1]) for r in counted}
-        dead = [m for m in failed if attempts[m.id] >= self.max_attempts]
+        """Add one attempt per failed id (`counted`: added beforehand, only the reason is
+        new); dead-letter every failed message (each copy) at `max_attempts`, in the same
+        transaction, so their mark or removal commits with them. `keep`: ids whose counter
+        stays although dead-lettered — another copy of theirs is yet to be settled."""
+        attempts = (self.note if counted else self.count)(conn, label, reasons)
+        most = self.max_attempts
+        dead = [m for m in failed if attempts[m.id] >= most]
         for message in dead:
             self.dead_letter(conn, label, message, attempts[message.id], reasons[message.id])
-        retry = [m.id for m in failed if attempts[m.id] < self.max_attempts]
-        with self._lock:
-            self.known.update((label, i) for i in retry)
-        self.forget(conn, label, [m.id for m in dead])
+        retry = [i for i in attempts if attempts[i] < most]
+        self.forget(conn, label, [i for i in {m.id: 0 for m in dead} if i not in keep])
         return Verdict(attempts, dead, retry)
+
+    def dead_letter_exhausted(
+        self, conn: Any, label: str, messages: Sequence[Message]
+    ) -> list[Message]:
+        """Dead-letter the messages `exhausted` found, with their last reason, if the database
+        agrees that they are out of attempts (another process may have settled them since);
+        returns those dead-lettered."""
+        ids = list({m.id: 0 for m in messages})
+        rows = conn.execute(
+            attempts_sql.attempts_of(self.schema, self.attempts_table, self.text_ids),
+            {"source": label, "ids": ids},
+        ).fetchall()
+        on_record = {self._id_of(r[0]): (int(r[1]), str(r[2])) for r in rows}
+        with self._lock:
+            for i in ids:
+                if i in on_record:
+                    self.known[(label, i)] = on_record[i]
+                else:
+                    self.known.pop((label, i), None)
+        dead = [m for m in messages if on_record.get(m.id, (0, ""))[0] >= self.max_attempts]
+        for message in dead:
+            attempts, error = on_record[message.id]
+            self.dead_letter(conn, label, message, attempts, error)
+        self.forget(conn, label, list({m.id: 0 for m in dead}))
+        return dead
 
     def forget(self, conn: Any, label: str, ids: Sequence[MessageId]) -> None:
         """Published or dead-lettered: their counters go, in the same transaction."""
@@ -163,17 +303,19 @@ class FailedMessages:
             return
         with self._lock:
             for i in ids:
-                self.known.discard((label, i))
+                self.known.pop((label, i), None)
         conn.execute(
-            queries.forget_attempts(self.schema, self.attempts_table, self.text_ids),
+            attempts_sql.forget_attempts(self.schema, self.attempts_table, self.text_ids),
             {"source": label, "ids": list(ids)},
         )
 
     def dead_letter(
         self, conn: Any, label: str, message: Message, attempts: int, error: str
-    ) -> None:
-        """Keep the message in the dead-letter table. A raw payload goes in as bytes (and as
-        hex text in `payload`, which is NOT NULL in tables of earlier versions)."""
+    ) -> str:
+        """Keep the message in the dead-letter table; returns the `source_table` it is kept
+        under. A raw payload goes in as bytes (and as hex text in `payload`, which is NOT NULL
+        in tables of earlier versions). Never a silent no-op: a key taken by another message
+        moves this one to a copy label (module doc)."""
         payload = message.payload
         raw = payload if type(payload) is bytes else None
         params = {
@@ -182,21 +324,58 @@ class FailedMessages:
             "created_at": message.created_at, "attempts": attempts,
             "error": error[:ERROR_CHARS], "raw": raw,
         }  # fmt: skip
-        conn.execute(self._insert(raw is not None), params)
-        log.warning("relay.dead_lettered id=%s attempts=%d", message.id, attempts)
-
-    def _insert(self, raw: bool) -> sql.Composed:
-        if not (raw and self.payload_bytes):
-            return queries.insert_dead_letter(self.schema, self.dead_letter_table)
-        return sql.SQL(
-            "INSERT INTO {table} (source_table, id, event_type, message_key, payload, {raw}, "
-            "created_at, attempts, last_error) VALUES (%(source)s, %(id)s, %(event_type)s, "
-            "%(key)s, %(payload)s, %(raw)s, %(created_at)s, %(attempts)s, %(error)s) "
-            "ON CONFLICT (source_table, id) DO NOTHING"
-        ).format(
-            table=sql.Identifier(self.schema, self.dead_letter_table),
-            raw=sql.Identifier(PAYLOAD_BYTES_COLUMN),
+        insert = attempts_sql.insert_dead_letter(
+            self.schema, self.dead_letter_table, raw=raw is not None and self.payload_bytes
         )
+        written = conn.execute(insert, params).fetchone()
+        kept = label if written else self._as_copy(conn, insert, params)
+        copy = "" if kept == label else f" as={kept!r}"
+        log.warning("relay.dead_lettered id=%s attempts=%d%s", message.id, attempts, copy)
+        return kept
+
+    def _as_copy(self, conn: Any, insert: sql.Composed, params: dict[str, Any]) -> str:
+        """(source, id) holds a dead letter already: this very message (return its label), or
+        another copy of the id (keep this one under the first free copy label)."""
+        label = params["source"]
+        prefix = COPY_LABEL.format(source=label, n="")
+        rows = conn.execute(
+            attempts_sql.dead_letters_of(self.schema, self.dead_letter_table),
+            {**params, "copies": prefix},
+        ).fetchall()
+        same = [str(r[0]) for r in rows if r[1]]
+        if same:
+            return same[0]
+        taken = {str(r[0]) for r in rows}
+        for n in range(2, MAX_COPIES):
+            copy = COPY_LABEL.format(source=label, n=n)
+            if copy not in taken and conn.execute(insert, {**params, "source": copy}).fetchone():
+                return copy
+        raise RelayFailed(f"{MAX_COPIES} dead letters of id {params['id']} in {label}: no room")
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _id_of(self, value: Any) -> MessageId:
+        return str(value) if self.text_ids else int(value)
+
+    def _counted(
+        self, label: str, rows: Sequence[Any], errors: Mapping[MessageId, str]
+    ) -> dict[MessageId, int]:
+        id_of = self._id_of
+        attempts = {id_of(r[0]): int(r[1]) for r in rows}
+        with self._lock:
+            self.known.update(((label, i), (n, errors[i])) for i, n in attempts.items())
+        return attempts
+
+
+def _among(few: list[MessageId], ids: Sequence[MessageId]) -> list[MessageId]:
+    """The ids of `few` that are in `ids`, looked up from the smaller side."""
+    if not few:
+        return []
+    if len(few) * 8 < len(ids):
+        batch = frozenset(ids)
+        return [i for i in few if i in batch]
+    wanted = set(few)
+    return [i for i in ids if i in wanted]
 
 
 def _exists(conn: Any, schema: str, table: str) -> bool:

@@ -58,18 +58,25 @@ class Batch:
 
 @dataclass(slots=True)
 class Commit:
-    """A batch whose mark and COMMIT were queued; it counts once the COMMIT succeeded."""
+    """A batch whose mark and COMMIT were queued; it counts once both succeeded."""
 
     batch: Batch
     commit: wire.Slot
     published: int
+    mark: wire.Slot | None = None
+    """The mark's result (None: nothing to mark). When it failed, the COMMIT rolled the
+    batch's transaction back: its rows are published and unmarked (`BatchLoop.repair`)."""
     sent: float = 0.0
     """When it started to linger or sleep (its mark and COMMIT sent, their result read with
     the next claim's); 0: no linger. The batch's time ends there."""
 
     @property
     def succeeded(self) -> bool:
-        return self.commit.succeeded
+        return self.commit.succeeded and not self.mark_failed
+
+    @property
+    def mark_failed(self) -> bool:
+        return self.mark is not None and self.mark.failed
 
     @property
     def started(self) -> float:
@@ -78,9 +85,12 @@ class Commit:
 
 def mark_and_commit(pipe: wire.Wire, batch: Batch) -> Commit:
     """Queue the mark of the acknowledged and dead-lettered rows, and the COMMIT, on the
-    session that claimed them."""
+    session that claimed them. The mark is tolerated (`Wire.send`): a row that breaks a
+    constraint as it moves (a duplicate id after the swap) rolls back this batch only, and
+    whatever the session has queued after it — the next claim — runs as usual."""
     tids = batch.to_mark()
+    mark = None
     if tids:
         # An array literal: a list dumper would cost more than the mark.
-        pipe.send(batch.mark, {"tids": '{"' + '","'.join(tids) + '"}'})
-    return Commit(batch, pipe.send_plain(b"COMMIT"), len(batch.acked))
+        mark = pipe.send(batch.mark, {"tids": '{"' + '","'.join(tids) + '"}'}, tolerate=True)
+    return Commit(batch, pipe.send_plain(b"COMMIT"), len(batch.acked), mark)

@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from outbox_migrate.relay import claimed, mark_repair, notify, queries, read_ahead, wire
+from outbox_migrate.relay import claimed, notify, queries, read_ahead, unmarked, wire
 from outbox_migrate.relay.batch import Batch, Commit, mark_and_commit
 from outbox_migrate.relay.cursor import Cursor
 from outbox_migrate.relay.fencing import Fence
 from outbox_migrate.relay.idle_flag import SPARSE_ROWS, Idle, IdleFlag
 from outbox_migrate.relay.listener import Listener
-from outbox_migrate.relay.message import Message, MessageId
+from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.options import Mode, Ordering
 from outbox_migrate.relay.shards import ShardLease
 from outbox_migrate.relay.shared import Shared
@@ -214,16 +214,13 @@ class BatchLoop:
         claims (and marks) while the relay publishes; batches alternate between the sessions.
 
         Linger: after a claim that did not fill a batch, the next claim waits until
-        `linger_s` after the previous one was sent. Steady traffic then costs one batch and
-        one wake-up of the relay per linger period instead of one per message. The batch's
-        mark and COMMIT are sent before the wait, their results read with the next claim's
-        (one wait for the server per batch, as without a linger). They used to wait with the
-        batch for the next claim, saving a network write and a wake-up of the server backend
-        per batch, but the session then sat "idle in transaction" on its row locks through
-        nearly every linger under steady traffic — and the migration runner does not queue a
-        step's lock behind such a session, so a step could not find a moment to take it
+        `linger_s` after the previous one was sent: steady traffic then costs one batch and
+        one wake-up per linger period instead of one per message. The batch's mark and COMMIT
+        leave before the wait (their results read with the next claim's): waiting with them
+        queued kept the session "idle in transaction" on its row locks through nearly every
+        linger, and the migration runner does not queue a step's lock behind such a session
         (tests/integration/relay/test_wake_up.py).
-        """
+        A failed mark rolls back its batch only (`_repair_in_run`)."""
         relay, cursor, pipe = self.relay, self.cursor, self.wire
         assert self.sink is not None and pipe is not None  # built by _step before any claim
         claim, probe, mark, sharded = self._statements(source)
@@ -243,6 +240,9 @@ class BatchLoop:
                 while True:
                     if pending:
                         self._count_committed(pending)
+                    if self.unmarked and not self._repair_in_run(cur, pending, ahead_ok, mark):
+                        cur.send_plain(b"ROLLBACK")  # the batch in hand goes out again later
+                        break
                     if not rows:
                         cur.send_plain(b"ROLLBACK")
                         if flag_rows < 0:
@@ -364,14 +364,12 @@ class BatchLoop:
 
     def _hold(self, pipe: wire.Wire, pending: list[Commit], timeout_s: float | None) -> bool:
         """Sleep (`_sleep`) once the last batch's mark and COMMIT (or the empty claim's
-        ROLLBACK) went out, without waiting for their results: the next claim reads them with
-        its own, so a wake-up costs one wait for the server, not two. Not sent with that
-        claim instead (it would save a write): the session would sleep inside its transaction,
-        holding its lock on the outbox — under steady traffic nearly all the time, which kept
-        a migration step's DDL from ever finding a moment to take its lock (the demo's COPRA
-        run under load: "blocked by relay-0, idle in transaction"). Results not read within
-        HOLD_S are read then (the batch is counted).
-        True: woken (a notification, or a stop) before the timeout."""
+        ROLLBACK) went out, their results read with the next claim's: one wait for the server
+        per wake-up, not two. Not sent with that claim instead: the session would sleep in its
+        transaction on its locks, and a migration step's DDL would never find a moment for its
+        lock ("blocked by relay-0, idle in transaction"). Results not read within HOLD_S are
+        read then (the batch is counted). True: woken (a notification, a stop, a failed mark).
+        """
         relay = self.relay
         pipe.send_sync()
         if pending:
@@ -383,6 +381,8 @@ class BatchLoop:
             return True
         pipe.sync()
         self._count_committed(pending)
+        if self.unmarked:
+            return True  # a mark failed: repaired with the next claim, not after a sleep
         woken = self._sleep(timeout - HOLD_S)
         self.blocked = True  # it slept HOLD_S already
         return woken
@@ -396,7 +396,7 @@ class BatchLoop:
         for commit in pending:
             if commit.succeeded:
                 self._count(commit)
-        self.unmarked = [c for c in pending if not c.succeeded]
+        self.unmarked += [c for c in pending if not c.succeeded]
         self._end_transaction()
 
     def _receive_ahead(self, ahead: read_ahead.Pending) -> tuple[list[Any], int, int]:
@@ -429,7 +429,7 @@ class BatchLoop:
             wire.direct(conn, pipe), self.sink, source, batch, bad, after
         )
         if relay.refusals.suspects and acked:
-            acked, again = self._mark_suspects(conn, pipe, source, rows, batch, acked)
+            acked, again = unmarked.mark_suspects(relay, wire.direct(conn, pipe), claim, acked)
             retry += again
         claim.acked, claim.retry, claim.pause, claim.rewind = acked, retry, pause, rewind
         if relay.abandon.is_set():
@@ -454,34 +454,10 @@ class BatchLoop:
         (`Cursor.retry_ids`) — once claims no longer come back full: a claim with a probe is
         not read ahead, and trying each bad row again in the very next batch cost a fifth of
         the drain rate at one bad row per 10,000 (bench/bad_rows.py)."""
+        if not self.later:
+            return
         self.cursor.retry_ids(self.later, time.monotonic())
         self.later = []
-
-    def _mark_suspects(
-        self,
-        conn: Any,
-        pipe: wire.Wire,
-        source: queries.Source,
-        rows: list[Any],
-        batch: list[Message],
-        acked: list[MessageId],
-    ) -> tuple[list[MessageId], list[MessageId]]:
-        """Rows whose mark failed before are marked alone first (mark_repair.py); returns the
-        acknowledged ids left for the batch's mark and the ids to claim again."""
-        relay = self.relay
-        done = mark_repair.mark_suspects(
-            wire.direct(conn, pipe),
-            source,
-            relay.refusals.failures,
-            relay.refusals.suspects,
-            rows,
-            batch,
-            acked,
-        )
-        relay.refusals.count_failures(0, len(done.bad), dead=len(done.dead))
-        held = mark_repair.park(relay.refusals.parking, source.label, batch, done, relay.backoff,
-                                by_key=relay.options.ordering is Ordering.key)  # fmt: skip
-        return [i for i in acked if i not in done.bad and i not in held], done.retry
 
     @staticmethod
     def _take_ahead(ahead: read_ahead.Pending, cur: wire.Wire, *, keep: bool) -> bool:
@@ -560,11 +536,41 @@ class BatchLoop:
         return self.relay.stopping
 
     def _count_committed(self, pending: list[Commit]) -> None:
-        """Count the batches whose COMMIT result came back (a failed one raised already)."""
+        """Count the batches whose COMMIT came back; one whose mark failed goes to `unmarked`."""
         done = [c for c in pending if c.commit.result is not None]
         for commit in done:
-            self._count(commit)
             pending.remove(commit)
+            if commit.mark_failed:
+                self.unmarked.append(commit)
+            else:
+                self._count(commit)
+
+    def _repair_in_run(
+        self, cur: wire.Wire, pending: list[Commit], ahead_ok: bool, mark: bytes
+    ) -> bool:
+        """A batch's mark failed and its COMMIT rolled it back (`mark_and_commit`): repair it
+        now on the session not holding the batch in hand, and go on. Ending the run instead
+        dropped the batch claimed ahead and claimed it again without overlap: a bad row cost
+        three batches' time (bench/bad_rows.py). False (no read-ahead here): the run ends,
+        the worker repairs."""
+        if not ahead_ok:
+            return False
+        while self.unmarked:
+            if cur is self.wire:
+                conn, pipe = self.read_ahead.session((mark,))
+                self.relay.conns[ahead_key(self.index)] = conn
+            else:
+                conn, lease_pipe = self.conn, self.wire
+                assert lease_pipe is not None
+                pipe = lease_pipe
+            pipe.pause()  # its last COMMIT read (that batch may need a repair too)
+            self._count_committed(pending)
+            self.repair(conn)
+        return True
+
+    def repair(self, conn: Any, error: Exception | None = None) -> None:
+        """Repair the `unmarked` batches on `conn` (relay/unmarked.py)."""
+        self.later += unmarked.repair(self.relay, self.index, conn, self.unmarked, error)
 
     def _count(self, commit: Commit) -> None:
         relay = self.relay

@@ -12,7 +12,9 @@ never inside a transaction), the rejection policy (relay/refusals.py, shared). F
 * a lost connection: reconnect with exponential backoff (shards are re-acquired);
 * the sink unavailable: the batch rolls back, the worker backs off and retries, forever;
 * messages the sink rejects: attempts are counted; after `max_attempts` the row goes to the
-  dead-letter table and is marked in the same transaction (nothing lost).
+  dead-letter table and is marked in the same transaction (nothing lost);
+* the sink raising outside its protocol (`SinkCrashed`): once the batch rolled back, one
+  attempt is counted against the messages it held, then the relay stops (relay/bad_rows.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from psycopg.errors import IntegrityError
 
 from outbox_migrate.relay import (
     keepalive,
-    mark_repair,
     notify,
     queries,
     wire,
@@ -33,7 +34,7 @@ from outbox_migrate.relay import (
 from outbox_migrate.relay.backoff import jitter_s
 from outbox_migrate.relay.batch_loop import Abandoned, BatchLoop, ahead_key
 from outbox_migrate.relay.cursor import Cursor, NoCursor
-from outbox_migrate.relay.errors import RelayFailed, SinkUnavailable
+from outbox_migrate.relay.errors import RelayFailed, SinkCrashed, SinkUnavailable
 from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.idle_flag import Idle, IdleFlag
 from outbox_migrate.relay.listener import Listener
@@ -97,7 +98,8 @@ class Worker:
         self.blocked = False
         """The last idle wait blocked before it returned (`Listener.poll`)."""
         self.mark_failure: IntegrityError | None = None
-        """The constraint a mark broke: the next step repairs `unmarked` first."""
+        """The constraint a COMMIT broke (deferred): the next step repairs `unmarked` first
+        (a failed mark carries its own error: `Commit.mark`)."""
         # Every wait of this worker goes through it: none with a session in a transaction.
         self.waits = Waits(relay.stopped, self._sessions)
         self.listener = Listener(relay.connect_worker, options.channel,
@@ -124,6 +126,8 @@ class Worker:
         except Exception as exc:
             # Not a failure the loop knows how to retry (a sink that cannot be built, a bug):
             # stop the whole relay and let run() report it, rather than die silently.
+            if isinstance(exc, SinkCrashed):
+                self._count_crash(exc)
             log.error("relay.worker_failed worker=%d %s", self.index, exc,
                       exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
             relay.fail(exc)
@@ -140,13 +144,26 @@ class Worker:
             relay.conns.pop(ahead_key(self.index), None)
             self.loop.read_ahead.close()
 
+    def _count_crash(self, crashed: SinkCrashed) -> None:
+        """The batch rolled back (batch_loop's `_abort_run`): count the attempt against the
+        messages the sink held, on the worker's session, in a transaction of its own."""
+        import psycopg
+
+        conn = self.conn
+        if conn is None or conn.closed:
+            return
+        try:
+            self.relay.refusals.count_crash(conn, crashed)
+        except (psycopg.Error, RelayFailed) as failed:
+            log.warning("relay.attempts_not_counted worker=%d %s", self.index, one_line(failed))
+
     def _step_guarded(self) -> bool:
         """One loop iteration with its failures sorted. True = this worker is done."""
         from outbox_migrate.errors import ConnectError
 
         relay = self.relay
         try:
-            if self.mark_failure is not None:
+            if self.mark_failure is not None or self.loop.unmarked:
                 self._repair_marks()
             return self._step()
         except LeaseUnproven as exc:
@@ -182,39 +199,15 @@ class Worker:
         return False
 
     def _repair_marks(self) -> None:
-        """After a mark failed on a constraint: mark the acknowledged rows of the batches it
-        took down (relay/mark_repair.py); a row that cannot be marked is a bad row — counted,
-        claimed again, dead-lettered and removed after `max_attempts`. Run as a step of its
+        """Batches of the last run whose mark did not commit (`BatchLoop.unmarked`): repaired
+        on the worker's session before its next run (`BatchLoop.repair`). Run as a step of its
         own, so a lost session or a 40001 meanwhile is handled as anywhere else (the repair
         is one transaction per batch; without a session, the rows are claimed and sent again)."""
-        relay, exc = self.relay, self.mark_failure
-        refusals = relay.refusals
-        assert exc is not None
+        exc, self.mark_failure = self.mark_failure, None
         if self.conn is None or self.conn.closed:
-            self.loop.unmarked, self.mark_failure = [], None
+            self.loop.unmarked = []
             return
-        while self.loop.unmarked:
-            claim = self.loop.unmarked[0].batch
-            source, rows, batch, acked = claim.source, claim.rows, claim.messages, claim.acked
-            by_key = relay.options.ordering is Ordering.key
-            try:
-                done = mark_repair.repair(self.conn, source, refusals.failures,
-                                          refusals.suspects, rows, batch, acked, exc,
-                                          by_key=by_key)  # fmt: skip
-            except IntegrityError as failed:  # the repair itself broke one: no loop of repairs
-                raise RelayFailed(f"repairing a failed mark: {one_line(failed)}") from failed
-            self.loop.unmarked.pop(0)
-            mark_repair.park(relay.refusals.parking, source.label, batch, done, relay.backoff,
-                             by_key=by_key)  # fmt: skip
-            relay.stats.batch(done.marked)
-            relay.refusals.count_failures(0, len(done.bad), dead=len(done.dead))
-            relay.observer.published(done.marked)
-            self.loop.later += done.retry
-            log.warning(
-                "relay.mark_repaired worker=%d marked=%d bad_rows=%d dead_lettered=%d %s",
-                self.index, done.marked, len(done.bad), len(done.dead), one_line(exc),
-            )  # fmt: skip
-        self.mark_failure = None
+        self.loop.repair(self.conn, exc)
 
     def _step_out(self) -> None:
         """The broker is out of reach: let the other relays serve this worker's shards while
@@ -292,8 +285,10 @@ class Worker:
         source = relay.state.current
         empty_after = loop.run(source, self.sink)
         self.failures = 0
-        if loop.later:
-            loop.retry_bad_rows()  # the backlog is gone: their turn, before any idle wait
+        if loop.later or loop.unmarked:
+            # Bad rows: the backlog is gone, their turn before any idle wait. A mark that
+            # failed as the run ended: repaired first (`_step_guarded`).
+            loop.retry_bad_rows()
             return False
         if empty_after is None:
             self.flag.looked_up()

@@ -9,7 +9,7 @@ were acknowledged": the relay marks the acknowledged ones and counts attempts fo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from outbox_migrate.errors import ExitCode, OutboxMigrateError
 from outbox_migrate.relay.ids import MessageId
@@ -26,6 +26,26 @@ class RelayFailed(OutboxMigrateError):
     refused before any work starts (`RelayError`, exit 2)."""
 
     exit_code = ExitCode.FAILED
+
+
+class SinkCrashed(RelayFailed):
+    """The sink raised something outside its protocol (not a `SinkError`: a serializer's bug,
+    a client library's assertion) while it held the messages `ids` of source `label`. The
+    relay stops (exit 1) and the attempt counts against those messages (relay/bad_rows.py
+    says why), so one message that breaks a sink does not stop the outbox for ever."""
+
+    def __init__(
+        self, sink: str, label: str, ids: Sequence[MessageId], cause: BaseException
+    ) -> None:
+        self.label = label
+        self.ids = list(ids)
+        self.reason = crash_reason(cause)
+        super().__init__(f"sink {sink} failed: {self.reason}")
+
+
+def crash_reason(exc: BaseException) -> str:
+    """How a sink's unexpected exception is kept as a message's last error."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
 class SinkError(OutboxMigrateError):

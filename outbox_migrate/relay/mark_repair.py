@@ -4,16 +4,19 @@ A batch's mark is one UPDATE of all its rows. When one row cannot be marked — 
 a row whose application id is already in the published partition, which carries the old
 table's primary key; a CHECK or trigger that refuses the move — the UPDATE fails for all of
 them, the batch rolls back after it was published, and every run would re-send and fail the
-same batch. Here the rows are marked again in halves (bisection), each half in a savepoint:
-a half that fails is split until the failing rows stand alone. Those are bad rows
-(relay/bad_rows.py): counted in the database, claimed again, and at `max_attempts` kept in the
-dead-letter table with the constraint's message and removed from the outbox — they cannot be
-marked, and nothing is lost. Cost: about 2·log2(batch) statements per bad row, paid only by
-the batch that holds it.
+same batch. Here the rows are marked again. When the error names a unique key on the id alone
+(relay/conflict_key.py), the rows whose id that key holds already are found with the lock, in
+one round trip: the rest is marked in one statement, and those rows, which cannot move, fail
+without a statement of their own. Otherwise the rows
+are marked in halves (bisection), each half in a savepoint, until the failing rows stand alone
+(about 2·log2(batch) statements per bad row, paid only by the batch that holds it). Failing
+rows are bad rows (relay/bad_rows.py): counted in the database, claimed again, and at
+`max_attempts` kept in the dead-letter table with the constraint's message and removed from
+the outbox — they cannot be marked, and nothing is lost.
 
 A row that failed is a *suspect* until it is marked or dead-lettered: when it comes back in a
-later batch it is marked alone, in a savepoint, before that batch's mark (`mark_suspects`), so
-its next attempts cost one statement each instead of a failed batch and another bisection.
+later batch it is tried before that batch's mark (`mark_suspects`): with the key known, one
+lookup for all the batch's suspects; otherwise alone, in a savepoint.
 
 Runs in its own transaction on the worker's session (no pipeline), never waits on a lock
 (`SKIP LOCKED`: a row another relay holds is its business now).
@@ -21,9 +24,9 @@ Runs in its own transaction on the worker's session (no pipeline), never waits o
 
 from __future__ import annotations
 
-import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +35,9 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.patterns import marker
-from outbox_migrate.relay import queries
+from outbox_migrate.relay import conflict_key, queries
 from outbox_migrate.relay.bad_rows import FailedMessages
+from outbox_migrate.relay.conflict_key import ConflictKey
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.parking import Parking
 
@@ -56,13 +60,31 @@ class Suspects:
     def __init__(self) -> None:
         self._ids: set[tuple[str, MessageId]] = set()
         self._lock = threading.Lock()
+        self._keys: dict[str, ConflictKey] = {}
+        """Per source: the unique key on the id its marks broke (relay/conflict_key.py)."""
+
+    def key(self, label: str) -> ConflictKey | None:
+        return self._keys.get(label)
+
+    def learn(self, label: str, key: ConflictKey) -> None:
+        self._keys[label] = key  # one assignment: atomic under the GIL
 
     def __bool__(self) -> bool:
         return bool(self._ids)
 
     def among(self, label: str, ids: Sequence[MessageId]) -> set[MessageId]:
+        """The suspects among `ids`. Asked for every batch while any suspect is known, so it
+        walks the suspects (a handful), not the batch: looking up each of a batch's 500 ids
+        cost a tenth of the drain rate at one bad row per 10,000 (bench/bad_rows.py)."""
         with self._lock:
-            return {i for i in ids if (label, i) in self._ids}
+            mine = [i for source, i in self._ids if source == label]
+        if not mine:
+            return set()
+        if len(mine) * 8 < len(ids):
+            batch = frozenset(ids)
+            return {i for i in mine if i in batch}
+        wanted = set(mine)
+        return {i for i in ids if i in wanted}
 
     def update(self, label: str, add: Sequence[MessageId], drop: Sequence[MessageId]) -> None:
         with self._lock:
@@ -92,14 +114,24 @@ def repair(
     if not tids:
         return done
     with conn.transaction():
-        # A deferred constraint would fail at COMMIT, for all rows again: check at each mark.
-        conn.execute("SET CONSTRAINTS ALL IMMEDIATE")
-        locked = conn.execute(_lock(source), {"tids": _tid_array(list(tids))}).fetchall()
+        key = suspects.key(source.label)
+        if key is None:
+            key = conflict_key.of_error(conn, error, source.id_column)
+            if key is not None:
+                suspects.learn(source.label, key)
+        # One round trip: lock the rows (with the key known: which of them it holds already),
+        # check deferred constraints at each mark (at COMMIT they would fail all rows again),
+        # and the savepoint a key-ordered repair goes back to.
+        cursor = conn.execute(_lock(source, tids, key))
+        locked = cursor.fetchall()
         # Same ctid and id, still unpublished: the row the batch claimed (in claim order).
         same = {tid for tid, ident in locked if tids.get(tid) == _id_of(source, ident)}
         todo = [tid for tid in tids if tid in same]
-        conn.execute(_OUTER)
-        failed = _mark_named_first(conn, source, todo, tids, _named_id(error, source))
+        taken = None
+        if key is not None:
+            ids = conflict_key.taken_rows(cursor)
+            taken = {tid for tid in todo if tids[tid] in ids}
+        failed = _mark_named_first(conn, source, todo, tids, taken, key)
         if failed is None:
             # The whole batch failed already: `_mark_in_halves` starts with its halves.
             failed = _mark_in_halves(conn, source, todo)
@@ -169,7 +201,15 @@ def mark_suspects(
     if not tids:
         return done
     failed: dict[str, str] = {}
-    for tid in tids:
+    todo = list(tids)
+    key = suspects.key(source.label)
+    if key is not None:
+        # Those whose id the published partition holds: failed again, without a statement
+        # each (two per row, one of them failing, cost more than the row's batch).
+        taken = key.taken(conn, [tids[tid] for tid in todo], source.text_ids)
+        failed = {tid: key.reason(tids[tid]) for tid in todo if tids[tid] in taken}
+        todo = [tid for tid in todo if tid not in failed]
+    for tid in todo:
         failed.update(_mark_in_halves(conn, source, [tid]))
     marked = [tids[tid] for tid in tids if tid not in failed]
     done.marked = len(marked)
@@ -190,32 +230,28 @@ def _count(
     by_id: dict[MessageId, Message],
     done: Repaired,
 ) -> None:
-    """One attempt for each row that could not be marked; at the last, dead-letter it."""
+    """One attempt for each row that could not be marked; at the last, dead-letter it.
+
+    Copies of one id (two unpublished rows with it) share one attempt, and `by_id` holds one
+    message per id: the last copy in claim order, as `tids` is. Only that copy can be
+    dead-lettered with its own content here; another copy that failed keeps the counter
+    (`keep`) and is dead-lettered, with its own content, when it is next claimed
+    (`Refusals.publish`: out of attempts) — deleting it now would lose it."""
     done.bad = {tids[tid]: reason for tid, reason in failed.items()}
-    verdict = failures.record(conn, source.label, [by_id[i] for i in done.bad], done.bad)
-    done.dead, done.retry, done.attempts = verdict.dead, verdict.retry, verdict.attempts
+    last = {ident: tid for tid, ident in tids.items()}  # claim order: the last copy's tid
+    held = {i: by_id[i] for i in done.bad if last[i] in failed}
+    copies = Counter(tids[tid] for tid in failed)
+    others = {i for i in done.bad if copies[i] > (1 if i in held else 0)}
+    verdict = failures.record(conn, source.label, list(held.values()), done.bad, keep=others)
     dead = {m.id for m in verdict.dead}
-    suspects.update(source.label, verdict.retry, list(dead))
-    gone = [tid for tid in failed if tids[tid] in dead]
+    done.dead, done.attempts = verdict.dead, verdict.attempts
+    done.retry = verdict.retry + [i for i in others if i not in verdict.retry]
+    suspects.update(source.label, done.retry, [i for i in dead if i not in others])
+    gone = [last[i] for i in dead]
     if gone:
         # Dead-lettered rows cannot be marked: they leave the outbox (the dead-letter table
         # holds them) so they are not claimed again.
         conn.execute(_delete(source), {"tids": _tid_array(gone)})
-
-
-_DUPLICATE_KEY = re.compile(r"Key \((?P<columns>[^)]*)\)=\((?P<value>.*)\) already exists\.")
-
-
-def _named_id(error: psycopg.Error | None, source: queries.Source) -> str | None:
-    """The id a unique violation on the id alone names in its detail ("Key (id)=(13) already
-    exists."), as text; None for any other error, or a server whose messages are not in
-    English (the repair then bisects)."""
-    if error is None or error.sqlstate != "23505":
-        return None
-    found = _DUPLICATE_KEY.fullmatch(error.diag.message_detail or "")
-    if found is None or found["columns"] not in (source.id_column, f'"{source.id_column}"'):
-        return None
-    return found["value"]
 
 
 def _mark_named_first(
@@ -223,28 +259,23 @@ def _mark_named_first(
     source: queries.Source,
     todo: list[str],
     tids: dict[str, MessageId],
-    named: str | None,
+    taken: set[str] | None,
+    key: ConflictKey | None,
 ) -> dict[str, str] | None:
-    """A guess from the error, then proof: mark every row but those with the id the error
-    named (one statement), then each of those alone — of two rows with that id in the batch,
-    the first is marked. None: no guess, or the rest failed too (the caller bisects; what
-    this marked stays rolled back)."""
-    if named is None:
+    """With the rows whose id the key's table holds already (`taken`): mark every other row
+    in one statement; those rows cannot move (all copies of such an id). None: no key known,
+    or the rest failed too (another constraint, two unpublished copies of one id: the caller
+    bisects, and of two copies the first is marked; what this marked stays rolled back)."""
+    if not taken or key is None:
         return None
-    suspects = [tid for tid in todo if str(tids[tid]) == named]
-    rest = [tid for tid in todo if str(tids[tid]) != named]
-    if not suspects:
-        return None
+    rest = [tid for tid in todo if tid not in taken]
     try:
         if rest:
             conn.execute(_marked_in_savepoint(source, rest))
     except psycopg.errors.IntegrityError:
         conn.execute(_ROLLBACK_TO)
         return None
-    failed: dict[str, str] = {}
-    for tid in suspects:
-        failed.update(_mark_in_halves(conn, source, [tid]))
-    return failed
+    return {tid: key.reason(tids[tid]) for tid in todo if tid in taken}
 
 
 def _mark_in_halves(conn: Any, source: queries.Source, tids: list[str]) -> dict[str, str]:
@@ -273,7 +304,6 @@ def _mark_in_halves(conn: Any, source: queries.Source, tids: list[str]) -> dict[
 
 
 _ROLLBACK_TO = sql.SQL("ROLLBACK TO SAVEPOINT om_relay_mark")
-_OUTER = sql.SQL("SAVEPOINT om_relay_repair")
 _ROLLBACK_TO_OUTER = sql.SQL("ROLLBACK TO SAVEPOINT om_relay_repair")
 
 
@@ -305,15 +335,25 @@ def _id_of(source: queries.Source, ident: Any) -> MessageId:
     return str(ident) if source.text_ids else int(ident)
 
 
-def _lock(source: queries.Source) -> sql.Composed:
+def _lock(
+    source: queries.Source, tids: dict[str, MessageId], key: ConflictKey | None
+) -> sql.Composed:
+    """Lock the claimed rows still unpublished (`SKIP LOCKED`: never wait), with their id;
+    with `key`, which of the batch's ids its table holds already (`ConflictKey.lookup`); then
+    deferred constraints immediate and the outer savepoint — one round trip (the tids as a
+    literal: a simple query). The lock's rows are the first result."""
     ident = sql.Identifier(source.id_column)
+    lookup = key.lookup(list(set(tids.values())), source.text_ids) if key else sql.SQL("")
     return sql.SQL(
         "SELECT ctid::text, {id} FROM {table} WHERE {unpublished} "
-        "AND ctid = ANY(%(tids)s::tid[]) FOR UPDATE SKIP LOCKED"
+        "AND ctid = ANY({tids}::tid[]) FOR UPDATE SKIP LOCKED; {lookup}; "
+        "SET CONSTRAINTS ALL IMMEDIATE; SAVEPOINT om_relay_repair"
     ).format(
         id=sql.SQL("{}::text").format(ident) if source.text_ids else ident,
         table=source.claim_ident,
         unpublished=source.unpublished_filter(),
+        tids=sql.Literal(_tid_array(list(tids))),
+        lookup=lookup,
     )
 
 

@@ -7,11 +7,14 @@ or while it is sent, so nothing of the batch can be trusted as acknowledged: the
 set aside and the rest published again — a message sent twice is de-duplicated downstream on
 its outbox id, as after any at-least-once retry. No waiting here (the caller holds a
 transaction open on the batch's rows).
+
+Shared by both relays, as is `split_suspects`: a message with a failure on record is published
+on its own (relay/bad_rows.py), so that a sink crash it causes again counts against it only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from outbox_migrate.relay.errors import MessagesRejected, UnrepresentableMessage
 from outbox_migrate.relay.message import Message, MessageId
@@ -37,6 +40,24 @@ def publish(
             continue
         break
     return {}, unrepresentable
+
+
+def split_suspects(
+    batch: Sequence[Message], suspect: Callable[[MessageId], bool]
+) -> Iterator[list[Message]]:
+    """The batch in order, each suspect alone, the messages between them together (the order
+    within a key is kept)."""
+    run: list[Message] = []
+    for m in batch:
+        if suspect(m.id):
+            if run:
+                yield run
+                run = []
+            yield [m]
+        else:
+            run.append(m)
+    if run:
+        yield run
 
 
 def _culprits(todo: Sequence[Message], exc: UnrepresentableMessage) -> list[Message]:

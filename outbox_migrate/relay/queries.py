@@ -109,11 +109,6 @@ def _id_handling(spec: OutboxSpec) -> dict[str, Any]:
     return {"text_ids": True, "order_column": order}
 
 
-def id_sql_type(text_ids: bool) -> sql.SQL:
-    """How ids are stored in the attempts and dead-letter tables."""
-    return sql.SQL("text" if text_ids else "int8")
-
-
 @dataclass(frozen=True)
 class Columns:
     """The columns the relay reads besides the id, resolved against the live table from the
@@ -528,66 +523,4 @@ def old_app_sessions() -> sql.SQL:
     return sql.SQL(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
         "AND application_name LIKE %(pattern)s AND pid <> pg_backend_pid()"
-    )
-
-
-def create_dead_letter(schema: str, table: str, text_ids: bool = False) -> sql.Composed:
-    """Where messages go after failing `max_attempts` times; nothing is lost. A payload that
-    is not UTF-8 (bytea) is kept in `payload_bytes`, `payload` then holding its hex text."""
-    return sql.SQL(
-        "CREATE TABLE IF NOT EXISTS {table} ("
-        "source_table text NOT NULL, id {id_type} NOT NULL, event_type text, message_key text, "
-        "payload text NOT NULL, payload_bytes bytea, created_at timestamptz NOT NULL, "
-        "attempts int NOT NULL, "
-        "last_error text NOT NULL, dead_at timestamptz NOT NULL DEFAULT now(), "
-        "PRIMARY KEY (source_table, id))"
-    ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids))
-
-
-def insert_dead_letter(schema: str, table: str) -> sql.Composed:
-    """The payload goes in as an untyped parameter: the table keeps it as text, whatever the
-    outbox's payload type (json, jsonb, text, bytea as UTF-8); a table created as json by an
-    earlier version still takes JSON payloads."""
-    return sql.SQL(
-        "INSERT INTO {table} (source_table, id, event_type, message_key, payload, created_at, "
-        "attempts, last_error) VALUES (%(source)s, %(id)s, %(event_type)s, %(key)s, "
-        "%(payload)s, %(created_at)s, %(attempts)s, %(error)s) "
-        "ON CONFLICT (source_table, id) DO NOTHING"
-    ).format(table=sql.Identifier(schema, table))
-
-
-def create_attempts(schema: str, table: str, text_ids: bool = False) -> sql.Composed:
-    """Rejections so far of messages not yet dead-lettered: survives relay restarts, so a
-    message that makes the relay crash-loop still reaches the dead-letter table."""
-    return sql.SQL(
-        "CREATE TABLE IF NOT EXISTS {table} ("
-        "source_table text NOT NULL, id {id_type} NOT NULL, attempts int NOT NULL, "
-        "last_error text NOT NULL, updated_at timestamptz NOT NULL DEFAULT now(), "
-        "PRIMARY KEY (source_table, id))"
-    ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids))
-
-
-def count_attempts(schema: str, table: str, text_ids: bool = False) -> sql.Composed:
-    """Add one rejection per id (params: source, ids int8[], errors text[]); returns each id's
-    attempts so far."""
-    return sql.SQL(
-        "INSERT INTO {table} AS a (source_table, id, attempts, last_error) "
-        "SELECT %(source)s, r.id, 1, r.error "
-        "FROM unnest(%(ids)s::{id_type}[], %(errors)s::text[]) AS r(id, error) "
-        "ON CONFLICT (source_table, id) DO UPDATE SET attempts = a.attempts + 1, "
-        "last_error = excluded.last_error, updated_at = now() RETURNING a.id, a.attempts"
-    ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids))
-
-
-def forget_attempts(schema: str, table: str, text_ids: bool = False) -> sql.Composed:
-    """Drop the counters of ids that were published or dead-lettered (params: source, ids)."""
-    return sql.SQL(
-        "DELETE FROM {table} WHERE source_table = %(source)s AND id = ANY(%(ids)s::{id_type}[])"
-    ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids))
-
-
-def attempted_ids(schema: str, table: str) -> sql.Composed:
-    """Ids with a rejection on record (param: source), read when a relay starts."""
-    return sql.SQL("SELECT id FROM {table} WHERE source_table = %(source)s").format(
-        table=sql.Identifier(schema, table)
     )

@@ -18,6 +18,7 @@ from typing import Any
 
 from outbox_migrate.relay import claimed, mark_repair, publishing, queries
 from outbox_migrate.relay.bad_rows import FailedMessages
+from outbox_migrate.relay.errors import SinkCrashed, SinkError
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
@@ -89,9 +90,13 @@ class Refusals:
                 free = {m.id for m in send}
                 batch = [m for m in batch if m.id in free]
                 bad = [b for b in bad if b.message.id in free]
-        rejected, unrepresentable = publishing.publish(sink, batch)
         failures = self.failures
-        if not (rejected or unrepresentable or bad):
+        worn: list[Message] = []
+        if failures.known:  # a crash counted the last attempt of some: dead-letter, not send
+            worn = self._dead_letter_exhausted(conn, label, batch)
+        sent = [m for m in batch if m not in worn] if worn else batch
+        rejected, unrepresentable = self._send(sink, label, sent)
+        if not (rejected or unrepresentable or bad or worn):
             acked = [m.id for m in batch]
             # A message that failed before went through this time: its counter goes.
             self.forget(conn, label, acked)
@@ -103,15 +108,17 @@ class Refusals:
         reasons = {b.message.id: b.reason for b in bad}
         reasons.update(unrepresentable)
         reasons.update(rejected)
-        refused = [m for m in batch if m.id in reasons] + [b.message for b in bad]
+        refused = [m for m in sent if m.id in reasons] + [b.message for b in bad]
         self.count_failures(len(rejected), len(reasons) - len(rejected))
         verdict = failures.record(conn, label, refused, reasons)
-        self.stats.add(dead_lettered=len(verdict.dead))
-        acked = [m.id for m in batch if m.id not in reasons]
+        dead = verdict.dead + worn
+        self.stats.add(dead_lettered=len(dead))
+        acked = [m.id for m in sent if m.id not in reasons]
         self.forget(conn, label, acked)
-        log.warning("relay.rejected count=%d bad_rows=%d dead_lettered=%d",
-                    len(rejected), len(reasons) - len(rejected), len(verdict.dead))  # fmt: skip
-        dead_ids = [m.id for m in verdict.dead]
+        if reasons:
+            log.warning("relay.rejected count=%d bad_rows=%d dead_lettered=%d",
+                        len(rejected), len(reasons) - len(rejected), len(dead))  # fmt: skip
+        dead_ids = [m.id for m in dead]
         if self.by_key:
             settled = parking.settle(
                 label, sorted(batch + [b.message for b in bad], key=_BY_ID),
@@ -127,6 +134,49 @@ class Refusals:
         pause = self.backoff(most - 1) if most else 0.0
         rewind = min(verdict.retry) if pause else None
         return acked, dead_ids, verdict.retry, pause, rewind
+
+    def _send(
+        self, sink: Sink, label: str, batch: list[Message]
+    ) -> tuple[dict[MessageId, str], dict[MessageId, str]]:
+        """Publish, a message with a failure on record alone (`publishing.split_suspects`); returns
+        (rejected, unrepresentable) as id → reason. An exception of the sink outside its
+        protocol becomes `SinkCrashed` naming the messages the sink held: the worker counts
+        that attempt once the batch has rolled back (`count_crash`), and the relay stops."""
+        parts = [batch]
+        if self.failures.known:
+            seen = set(self.failures.seen_before(label, [m.id for m in batch]))
+            if seen:
+                parts = list(publishing.split_suspects(batch, seen.__contains__))
+        rejected: dict[MessageId, str] = {}
+        unrepresentable: dict[MessageId, str] = {}
+        for part in parts:
+            try:
+                refused, unfit = publishing.publish(sink, part)
+            except SinkError:
+                raise  # unavailable (retried), or a sink naming nothing here (a bug)
+            except Exception as exc:
+                name = str(getattr(sink, "name", type(sink).__name__))
+                raise SinkCrashed(name, label, [m.id for m in part], exc) from exc
+            rejected.update(refused)
+            unrepresentable.update(unfit)
+        return rejected, unrepresentable
+
+    def _dead_letter_exhausted(self, conn: Any, label: str, batch: list[Message]) -> list[Message]:
+        """Messages out of attempts, dead-lettered in the batch's transaction (and marked with
+        it). Not a row whose mark failed (a suspect): it would fail the batch's mark again;
+        it is sent and marked alone (`mark_repair.mark_suspects`), which deletes it instead."""
+        worn = self.failures.exhausted(label, batch)
+        if worn and self.suspects:
+            pending = self.suspects.among(label, [m.id for m in worn])
+            worn = [m for m in worn if m.id not in pending]
+        return self.failures.dead_letter_exhausted(conn, label, worn) if worn else []
+
+    def count_crash(self, conn: Any, crashed: SinkCrashed) -> None:
+        """After the batch rolled back: one attempt against each message the sink held when
+        it raised, in a transaction of its own on the worker's session (the batch's is gone;
+        no session waits inside it)."""
+        with conn.transaction():
+            self.failures.count(conn, crashed.label, dict.fromkeys(crashed.ids, crashed.reason))
 
     def count_failures(self, rejected: int, bad: int, dead: int = 0) -> None:
         self.stats.add(rejected=rejected, bad_rows=bad, dead_lettered=dead)

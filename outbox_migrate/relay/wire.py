@@ -85,15 +85,29 @@ def dump(value: Any, encoding: str) -> bytes | None:
 class Slot:
     """Where one statement's result lands when the pipeline is read."""
 
-    __slots__ = ("result",)
+    __slots__ = ("result", "tolerated")
 
-    def __init__(self) -> None:
+    def __init__(self, tolerated: bool = False) -> None:
         self.result: pq.abc.PGresult | None = None
+        self.tolerated = tolerated
+        """Its error is the caller's to read (`error`), not raised by `sync` (see `send`)."""
 
     @property
     def succeeded(self) -> bool:
         result = self.result
         return result is not None and result.status in _OK
+
+    @property
+    def failed(self) -> bool:
+        result = self.result
+        return result is not None and result.status == pq.ExecStatus.FATAL_ERROR
+
+    def error(self, encoding: str) -> pg_errors.Error | None:
+        """The statement's error, as psycopg would raise it (None: it did not fail)."""
+        result = self.result
+        if result is None or result.status != pq.ExecStatus.FATAL_ERROR:
+            return None
+        return pg_errors.error_from_result(result, encoding=encoding)
 
 
 class Wire:
@@ -138,8 +152,17 @@ class Wire:
         self._prepared[rendered] = (name, statement.names)
         return name
 
-    def send(self, rendered: bytes, params: dict[str, Any] | None = None) -> Slot:
-        """Queue a prepared statement (prepared on first use) in the pipeline."""
+    def send(
+        self, rendered: bytes, params: dict[str, Any] | None = None, *, tolerate: bool = False
+    ) -> Slot:
+        """Queue a prepared statement (prepared on first use) in the pipeline.
+
+        `tolerate`: the statement is followed by a Sync of its own (sent here), so its error
+        ends there and aborts nothing queued after it; `sync` leaves that error in the slot
+        for the caller instead of raising it. Inside a transaction block the block is then
+        aborted, and a COMMIT queued next rolls it back (the server answers "ROLLBACK", not an
+        error): the batch's mark uses this, so a row that cannot be marked costs its own
+        batch's transaction, not the run (relay/batch_loop.py)."""
         known = self._prepared.get(rendered)
         if known is None:
             self.prepare(rendered)
@@ -148,8 +171,13 @@ class Wire:
         values = [dump(params[n], self.encoding) for n in names] if names and params else None
         self._enter()
         self.pg.send_query_prepared(name, values)
-        slot = Slot()
+        slot = Slot(tolerate)
         self._slots.append(slot)
+        if tolerate:
+            self.pg.pipeline_sync()  # the statement leaves now, its Sync with it
+            self._flush()
+            self._syncs += 1
+            self._sent = len(self._slots)
         return slot
 
     def send_plain(self, command: bytes) -> Slot:
@@ -211,9 +239,11 @@ class Wire:
             if status == pq.ExecStatus.PIPELINE_SYNC:
                 self._syncs -= 1
                 continue
+            tolerated = False
             if slots:
                 slots[0].result = result
-            if status == pq.ExecStatus.FATAL_ERROR and error is None:
+                tolerated = slots[0].tolerated
+            if status == pq.ExecStatus.FATAL_ERROR and error is None and not tolerated:
                 error = result
         slots.clear()
         self._sent = 0

@@ -214,13 +214,9 @@ class Relay:
             for source in sources:
                 self.shared.columns[source.label] = resolve_columns(conn, source, self.spec,
                     options.key_column, options.event_type_column, options.ordering)  # fmt: skip
-            # The dead-letter and attempts tables, created up front (relay/bad_rows.py).
-            if not self.failures.prepare(conn, [source.label for source in sources]):
-                log.warning(
-                    "relay.dead_letter_unavailable: create %s and %s as in docs/relay.md; "
-                    "until then a rejected message stops the relay",
-                    options.dead_letter_table, options.attempts_table,
-                )  # fmt: skip
+            # The dead-letter and attempts tables, created up front (relay/bad_rows.py; a
+            # role that may not create them is warned there).
+            self.failures.prepare(conn, [source.label for source in sources])
             if self.options.listen and self.options.mode is not Mode.flat:
                 self._check_trigger_key(conn)
 

@@ -10,10 +10,11 @@ stays small) and only then confirms the slot position. Pieces:
 * `slot` — publication, slot, lag and decommissioning statements over a normal session;
 * `session` — one replication connection's stream loop (given its collaborators);
 * `marks` — the second session: marks sent behind the stream, one at a time;
-* `delivery` and `rejections` — the sink's retries, failed attempts counted in the database,
-  dead letters;
+* `mark_repair` — a mark that breaks a constraint: the rest marked, the failing rows counted;
+* `delivery` — the sink's retries; attempts and dead letters go through the polling relay's
+  policy (relay/bad_rows.py), one for both styles;
 * `backlog` — the first start's rows, picked by the slot's snapshot, published in batches;
-* `columns`, `stats` — rows as messages; counters;
+* `columns`, `rows`, `stats` — rows as messages (from the stream, or read back); counters;
 * `relay` — wires them together (`CdcRelay`): preparation, slot ownership, reconnects.
 
 See docs/relay.md, "CDC mode", for the design and the measurements behind it.

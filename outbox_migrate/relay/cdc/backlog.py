@@ -20,9 +20,8 @@ from typing import Any
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.relay.cdc import pgoutput
-from outbox_migrate.relay.cdc.columns import MessageBuilder
 from outbox_migrate.relay.cdc.delivery import Interrupted
+from outbox_migrate.relay.cdc.rows import RowReader
 from outbox_migrate.relay.cdc.stats import CdcStats
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
@@ -95,38 +94,14 @@ class Backlog:
     def __init__(
         self,
         conn: Any,
-        spec: OutboxSpec,
-        columns: list[str],
-        builder: MessageBuilder,
+        reader: RowReader,
         *,
         stats: CdcStats,
         observer: Observer,
         stop: threading.Event,
     ) -> None:
         self.conn = conn
-        names = sorted(columns)
-        # Each column is read as text, as the stream sends it; its type says how to read it
-        # back (a bytea's text is hex).
-        partition = sql.Identifier(spec.schema, spec.unpublished_partition).as_string(conn)
-        types = dict(
-            conn.execute(
-                "SELECT attname, atttypid::int8 FROM pg_attribute "
-                "WHERE attrelid = to_regclass(%s) AND attname = ANY(%s)",
-                (partition, names),
-            ).fetchall()
-        )
-        self.columns = builder.columns_for(
-            pgoutput.Relation(
-                0, spec.schema, "", tuple(names), tuple(int(types.get(n, 0)) for n in names)
-            )
-        )
-        self.builder = builder
-        self.select = sql.SQL("SELECT {} FROM {} WHERE {} = ANY(%s::int8[]) ORDER BY {}").format(
-            sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(n)) for n in names),
-            sql.Identifier(spec.schema, spec.unpublished_partition),
-            sql.Identifier(spec.id_column),
-            sql.Identifier(spec.id_column),
-        )
+        self.reader = reader
         self.stats = stats
         self.observer = observer
         self.stop = stop
@@ -141,10 +116,9 @@ class Backlog:
         for ids in chunks(runs, batch_size):
             if self.stop.is_set():
                 raise Interrupted
-            rows = self.conn.execute(self.select, (ids,)).fetchall()  # autocommit: its own
-            if not rows:
+            batch = self.reader.by_ids(self.conn, ids)  # autocommit: its own transaction
+            if not batch:
                 continue
-            batch = [self.builder.message(self.columns, tuple(r)) for r in rows]
             deliver(batch)
             mark([m.id for m in batch])
             self.stats.add(backlog=len(batch), published=len(batch), batches=1)

@@ -1,25 +1,32 @@
 """Hand a batch to the sink until every message is acknowledged or dead-lettered.
 
-The sink is the only thing here that waits on the broker, and nothing here holds a database
-transaction while it does: failed attempts are counted (`rejections`) in their own short
-statements on the marks session, between publishes. A message with a failure on record is
-published on its own, so that a crash it causes again is counted against it, not its batch.
+The policy is the polling relay's, through the same object (relay/bad_rows.py
+`FailedMessages`): the same attempts table and dead letters, the same rule for what counts as
+an attempt (a refusal, a message the sink cannot represent, a crash of the sink while it held
+the message — never a broker outage), a message with a failure on record published alone
+(`publishing.split_suspects`), one out of attempts dead-lettered without being sent again. What is
+CDC's own: the stream cannot offer a message again, so retries happen here, and each count
+is its own short transaction on the marks session, between publishes — the sink is the only
+thing that waits on the broker, and no transaction is open while it does.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
 import psycopg
 
 from outbox_migrate.db import one_line
 from outbox_migrate.errors import OutboxMigrateError
+from outbox_migrate.relay import publishing
+from outbox_migrate.relay.bad_rows import FailedMessages, Verdict
 from outbox_migrate.relay.cdc.marks import MarkSession
-from outbox_migrate.relay.cdc.rejections import RejectionLedger
 from outbox_migrate.relay.cdc.stats import CdcStats
-from outbox_migrate.relay.errors import MessagesRejected, SinkError
+from outbox_migrate.relay.errors import SinkError, crash_reason
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.sinks import Sink, SinkFactory
@@ -39,7 +46,8 @@ class Delivery:
     def __init__(
         self,
         sink_factory: SinkFactory,
-        ledger: RejectionLedger,
+        failures: FailedMessages,
+        label: str,
         marks: MarkSession,
         *,
         stats: CdcStats,
@@ -53,7 +61,8 @@ class Delivery:
         """Rows the builder could not turn into a message as they are (the builder's own
         dict): dead-lettered with their reason at once — the stream cannot offer them again,
         and the same row would fail the same way every time."""
-        self.ledger = ledger
+        self.failures = failures
+        self.label = label
         self.marks = marks
         self.stats = stats
         self.observer = observer
@@ -64,116 +73,147 @@ class Delivery:
     def deliver(self, batch: list[Message], *, careful: bool = False) -> None:
         """Publish until every message is acknowledged or dead-lettered; `SinkUnavailable`
         propagates (the caller drops the stream: nothing of this batch is confirmed), and so
-        does any other exception of the sink, once it is counted against the batch.
+        does any other exception of the sink, once it is counted against the messages the
+        sink held. The counters of acknowledged messages go once they are marked
+        (`MarkRepair.forget_marked`): a crash before the mark re-streams them, and a count
+        of a failed mark must still be there.
 
         `careful` (after a run that died without a trace, `crash_guard`): each attempt is
-        counted before the publish, so that dying during it counts too."""
+        counted before the publish, so that dying during it counts too, and taken back when
+        the broker acknowledged the message (or was unavailable)."""
         if self.bad:
             batch = self._set_aside(batch)
             if not batch:
                 return
         if self._sink is None:
             self._sink = self.sink_factory()
-        ledger = self.ledger
-        if ledger.known and any(ledger.suspect(m.id) for m in batch):
-            for part in _isolate(batch, ledger.suspect):
+        failures, label = self.failures, self.label
+        if failures.known and any(failures.suspect(label, m.id) for m in batch):
+            for part in publishing.split_suspects(batch, lambda i: failures.suspect(label, i)):
                 self._deliver(self._sink, part, careful)
         else:
             self._deliver(self._sink, batch, careful)
 
     def _deliver(self, sink: Sink, todo: list[Message], careful: bool) -> None:
-        ledger = self.ledger
+        failures, label = self.failures, self.label
         while todo:
-            exhausted = ledger.exhausted(todo)
+            exhausted = failures.exhausted(label, todo)
             if exhausted:  # the relay went down during their last attempt
-                self._dead_letter(exhausted)
-                gone = {m.id for m in exhausted}
+                dead = self._dead_letter_exhausted(exhausted)
+                gone = {m.id for m in dead}
                 todo = [m for m in todo if m.id not in gone]
-                continue
+                if dead:
+                    continue
             if careful:
-                ledger.count(self.marks.session(), {m.id: KILLED_REASON for m in todo})
+                self._count({m.id: KILLED_REASON for m in todo})
             try:
-                sink.publish(todo)
-            except MessagesRejected as exc:
-                todo = self._rejected(todo, exc, counted=careful)
+                rejected, unrepresentable = publishing.publish(sink, todo)
             except SinkError:
                 if careful:  # the broker's fault, not the messages'
-                    ledger.uncount(self.marks.session(), [m.id for m in todo])
+                    self._uncount([m.id for m in todo])
                 raise  # unavailable: nothing of the batch counts as delivered
             except Exception as exc:
                 self._count_crash(todo, exc, counted=careful)
                 raise
-            else:
-                self._forget([m.id for m in todo])
+            if careful:  # went through: take back the attempt counted in case it killed us
+                self._uncount([m.id for m in todo if m.id not in rejected
+                               and m.id not in unrepresentable])  # fmt: skip
+            if not (rejected or unrepresentable):
                 return
+            todo = self._refused(todo, rejected, unrepresentable, counted=careful)
 
-    def _rejected(
-        self, todo: list[Message], exc: MessagesRejected, *, counted: bool
+    def _refused(
+        self,
+        todo: list[Message],
+        rejected: Mapping[MessageId, str],
+        unrepresentable: Mapping[MessageId, str],
+        *,
+        counted: bool,
     ) -> list[Message]:
-        """Count the refused messages' attempts (unless `counted` already), dead-letter those
-        at the limit, back off; returns the ones to publish again."""
-        ledger = self.ledger
-        self.observer.failed("rejected", len(exc.rejected))
-        refused = [m for m in todo if m.id in exc.rejected]
-        self._forget([m.id for m in todo if m.id not in exc.rejected])
-        if not refused:
-            return []
-        reasons = {m.id: exc.rejected[m.id] for m in refused}
-        conn = self.marks.session()
-        attempts = ledger.note(conn, reasons) if counted else ledger.count(conn, reasons)
-        dead = [m for m in refused if attempts[m.id] >= ledger.max_attempts]
-        retry = [m for m in refused if attempts[m.id] < ledger.max_attempts]
-        log.warning("relay.rejected count=%d dead_lettered=%d", len(refused), len(dead))
-        if dead:
-            self._dead_letter(dead)
-        if retry:
-            # A transient refusal gets time to clear before it counts again.
-            most = max(attempts[m.id] for m in retry)
-            if self.stop.wait(self.backoff(most - 1)):
-                raise Interrupted from None
+        """Count the refused messages' attempts (only their reason when `counted` already),
+        dead-letter those at the limit, back off after a rejection (not for a message the
+        sink cannot represent: waiting changes nothing); returns the ones to publish again."""
+        for reason, count in (("rejected", len(rejected)), ("bad_row", len(unrepresentable))):
+            if count:
+                self.observer.failed(reason, count)
+        self.stats.add(rejected=len(rejected), bad_rows=len(unrepresentable))
+        reasons = {**unrepresentable, **rejected}
+        refused = [m for m in todo if m.id in reasons]
+        verdict = self._record(refused, reasons, counted=counted)
+        retry = [m for m in refused if m.id in verdict.retry]
+        log.warning("relay.rejected count=%d bad_rows=%d dead_lettered=%d",
+                    len(rejected), len(unrepresentable), len(verdict.dead))  # fmt: skip
+        most = max((verdict.attempts[m.id] for m in retry if m.id in rejected), default=0)
+        # A transient refusal gets time to clear before it counts again.
+        if most and self.stop.wait(self.backoff(most - 1)):
+            raise Interrupted from None
         return retry
 
-    def _forget(self, acked: list[MessageId]) -> None:
-        """Counters of messages that went through after all. The marks session is asked for
-        only when there is one: it waits for the mark in flight."""
-        ids = [i for i in acked if self.ledger.suspect(i)] if self.ledger.known else []
+    def _record(
+        self, failed: list[Message], reasons: Mapping[MessageId, str], *, counted: bool = False
+    ) -> Verdict:
+        with self._session() as conn:
+            verdict = self.failures.record(conn, self.label, failed, reasons, counted=counted)
+        self.stats.add(dead_lettered=len(verdict.dead))
+        return verdict
+
+    def _uncount(self, ids: list[MessageId]) -> None:
         if ids:
-            self.ledger.forget(self.marks.session(), ids)
+            with self._session() as conn:
+                self.failures.uncount(conn, self.label, ids)
+
+    def _count(self, reasons: Mapping[MessageId, str]) -> None:
+        with self._session() as conn:
+            self.failures.count(conn, self.label, reasons)
 
     def _count_crash(self, todo: list[Message], exc: Exception, *, counted: bool) -> None:
-        """The sink raised something it should not: the relay stops, and the attempt counts
-        against the messages it held, so a message that crashes the relay every time reaches
-        the dead-letter table after `max_attempts` restarts."""
-        reason = f"{type(exc).__name__}: {exc}"
-        reasons = {m.id: reason for m in todo}
+        """The sink raised something outside its protocol: the relay stops, and the attempt
+        counts against the messages it held (relay/bad_rows.py says why), so a message that
+        crashes the relay every time reaches the dead-letter table after `max_attempts`
+        restarts."""
+        reasons = dict.fromkeys((m.id for m in todo), crash_reason(exc))
         try:
-            conn = self.marks.session()
-            if counted:  # counted before the publish: only the reason is new
-                self.ledger.note(conn, reasons)
-            else:
-                self.ledger.count(conn, reasons)
+            with self._session() as conn:
+                if counted:  # counted before the publish: only the reason is new
+                    self.failures.note(conn, self.label, reasons)
+                else:
+                    self.failures.count(conn, self.label, reasons)
         except (psycopg.Error, OutboxMigrateError) as failed:
             log.warning("relay.attempts_not_counted %s", one_line(str(failed)))
 
     def _set_aside(self, batch: list[Message]) -> list[Message]:
         """Dead-letter the batch's bad rows with their reason; the rest go on. (The caller
-        marks the whole batch afterwards, as for any dead-lettered message.)"""
+        marks the whole batch afterwards, as for any dead-lettered message.) At once, whatever
+        `max_attempts`: the stream cannot offer the row again, and it would fail the same
+        way every time."""
         bad = [m for m in batch if m.id in self.bad]
         if not bad:
             return batch
         reasons = {m.id: self.bad.pop(m.id) for m in bad}
-        self.ledger.count(self.marks.session(), reasons)
         self.observer.failed("bad_row", len(bad))
-        self._dead_letter(bad)
+        self.stats.add(bad_rows=len(bad))
+        with self._session() as conn:
+            attempts = self.failures.count(conn, self.label, reasons)
+            for message in bad:
+                self.failures.dead_letter(
+                    conn, self.label, message, attempts[message.id], reasons[message.id]
+                )
+            self.failures.forget(conn, self.label, list(reasons))
+        self.stats.add(dead_lettered=len(bad))
         return [m for m in batch if m.id not in reasons]
 
-    def _dead_letter(self, messages: list[Message]) -> None:
-        known = self.ledger.known
-        attempts = [(m.id, known.get(m.id, (0, ""))[0]) for m in messages]
-        self.ledger.dead_letter(self.marks.session(), messages)
-        self.stats.add(dead_lettered=len(messages))
-        for message_id, count in attempts:
-            log.warning("relay.dead_lettered id=%s attempts=%d", message_id, count)
+    def _dead_letter_exhausted(self, messages: list[Message]) -> list[Message]:
+        with self._session() as conn:
+            dead = self.failures.dead_letter_exhausted(conn, self.label, messages)
+        self.stats.add(dead_lettered=len(dead))
+        return dead
+
+    @contextmanager
+    def _session(self) -> Iterator[Any]:
+        """The marks session (no mark in flight), in a short transaction of its own."""
+        conn = self.marks.session()
+        with conn.transaction():
+            yield conn
 
     def close(self) -> None:
         if self._sink is not None:
@@ -182,18 +222,3 @@ class Delivery:
             except Exception:  # a broken sink is replaced, not fatal
                 log.debug("relay.sink_close_failed", exc_info=True)
             self._sink = None
-
-
-def _isolate(batch: list[Message], suspect: Callable[[MessageId], bool]) -> Iterator[list[Message]]:
-    """The batch in order, each suspect alone, the messages between them together."""
-    run: list[Message] = []
-    for m in batch:
-        if suspect(m.id):
-            if run:
-                yield run
-                run = []
-            yield [m]
-        else:
-            run.append(m)
-    if run:
-        yield run

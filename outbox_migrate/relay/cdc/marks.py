@@ -5,12 +5,18 @@ id = ANY(…)` sent without waiting (libpq's asynchronous send), so the stream l
 and publishing while the server works; its result is collected later. This module never waits
 for the broker and never leaves a transaction open: each statement is its own transaction
 (autocommit), and `session()` hands the connection out only once no mark is in flight.
+
+A mark that breaks a constraint (a duplicate id after the swap) is repaired on this session
+(relay/cdc/mark_repair.py): the rest are marked, the failing rows counted and retried alone
+before each later mark until marked or dead-lettered; `unresolved` tells the stream session
+not to confirm the slot meanwhile. Any other failure stops the relay, as before.
 """
 
 from __future__ import annotations
 
 import logging
 import select
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,8 +26,9 @@ from psycopg import sql
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import one_line
 from outbox_migrate.patterns import marker
+from outbox_migrate.relay.cdc.mark_repair import MarkRepair
 from outbox_migrate.relay.cdc.stats import CdcStats
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.relay.errors import RelayFailed
 from outbox_migrate.relay.message import MessageId
 
 log = logging.getLogger("outbox_migrate.relay")
@@ -38,9 +45,14 @@ class MarkSession:
         *,
         enabled: bool,
         stats: CdcStats,
+        repair: MarkRepair | None = None,
     ) -> None:
         self._connect = connect
         self._spec = spec
+        self._repair = repair
+        """Rows whose mark breaks a constraint (None: such a mark stops the relay)."""
+        self._sent: list[MessageId] = []
+        """The ids of the mark in flight (repaired if it fails on a constraint)."""
         self.enabled = enabled
         """False with `--no-mark`: `send` sends nothing and the caller confirms at once."""
         self._stats = stats
@@ -52,10 +64,18 @@ class MarkSession:
         """The spec with its marker resolved (a flag's values), before the first mark."""
         self._spec = spec
         self._sql = None
+        if self._repair is not None:
+            self._repair.use_spec(spec)
 
     @property
     def in_flight(self) -> bool:
         return self._in_flight
+
+    @property
+    def unresolved(self) -> bool:
+        """Some row of an earlier mark is neither marked nor dead-lettered yet: the slot must
+        not be confirmed past it."""
+        return bool(self._repair is not None and self._repair.pending)
 
     def session(self) -> Any:
         """The connection, with no mark in flight (it carries one statement at a time)."""
@@ -67,14 +87,37 @@ class MarkSession:
         if self.send(ids):
             self.wait()
 
+    def settle(self, stop: threading.Event) -> None:
+        """Wait for the mark in flight, then try the rows whose mark failed until each is
+        marked or dead-lettered — one attempt a round, so at most `max_attempts` rounds, or
+        until `stop` (a row another session holds locked may stay too: `unresolved`)."""
+        self.wait()
+        repair = self._repair
+        for _ in range(repair.failures.max_attempts + 1 if repair is not None else 0):
+            if not self.unresolved or stop.is_set():
+                return
+            repair.retry(self._open())  # type: ignore[union-attr]
+
     def send(self, ids: Sequence[MessageId]) -> bool:
         """Send one statement for `ids` without waiting for it (the rows leave the
         unpublished partition); False when there is nothing to send. At most one mark is in
-        flight: `done`/`wait` collect its result before the next is sent."""
-        if not self.enabled or not ids:
+        flight: `done`/`wait` collect its result before the next is sent. Rows whose mark
+        failed before are tried first, alone (`MarkRepair.retry`), and left out of it.
+        `--no-mark`: nothing is sent; the counters of failed attempts of these acknowledged
+        messages go now (no mark will)."""
+        if not self.enabled:
+            if self._repair is not None and ids and self._repair.failures.known:
+                self._repair.forget_marked(self.session(), ids)
             return False
         if self._in_flight:
             raise RuntimeError("a mark is already in flight")  # a bug, not an input error
+        repair = self._repair
+        if repair is not None and repair.pending:
+            retried = set(repair.pending)
+            repair.retry(self._open())
+            ids = [i for i in ids if i not in retried]
+        if not ids:
+            return False
         conn = self._open()
         pgconn = conn.pgconn
         if self._sql is None:
@@ -102,6 +145,7 @@ class MarkSession:
         except psycopg.Error as exc:
             raise psycopg.OperationalError(one_line(str(exc))) from None
         self._in_flight = True
+        self._sent = list(ids)
         self._stats.add(marks=1)
         return True
 
@@ -141,8 +185,15 @@ class MarkSession:
             raise psycopg.OperationalError(
                 pgconn.error_message.decode(errors="replace").strip() or "mark: no result"
             )
+        sent, self._sent = self._sent, []
+        repair = self._repair
+        if repair is not None and repair.available and _broke_a_constraint(result, pgconn):
+            repair.after_failure(self._open(), sent, _error(result, pgconn))
+            return
         result = _check(result, pgconn)
         self._stats.add(marked=max(result.command_tuples or 0, 0))
+        if repair is not None and repair.failures.known:
+            repair.forget_marked(self._open(), sent)
 
     def _open(self) -> Any:
         if self._conn is None or self._conn.closed:
@@ -158,14 +209,31 @@ class MarkSession:
             self._conn = None
             self._sql = None
             self._in_flight = False
+            self._sent = []
 
 
 def _check(result: Any, pgconn: Any) -> Any:
     from psycopg import pq
 
     if result.status != pq.ExecStatus.COMMAND_OK:
-        message = (result.error_message or pgconn.error_message).decode(errors="replace")
+        message = _error(result, pgconn)
         if pgconn.status != pq.ConnStatus.OK:
-            raise psycopg.OperationalError(message.strip())
-        raise RelayError(f"cannot mark published rows: {message.strip()}")
+            raise psycopg.OperationalError(message)
+        # A runtime fault, not bad input (exit 1): a constraint is repaired before this.
+        raise RelayFailed(f"cannot mark published rows: {message}")
     return result
+
+
+def _error(result: Any, pgconn: Any) -> str:
+    return one_line((result.error_message or pgconn.error_message).decode(errors="replace"))
+
+
+def _broke_a_constraint(result: Any, pgconn: Any) -> bool:
+    """An integrity constraint violation (SQLSTATE class 23) on a healthy session: a row's
+    problem, repaired; anything else (a trigger that raises, a lost connection) is not."""
+    from psycopg import pq
+
+    if result.status == pq.ExecStatus.COMMAND_OK or pgconn.status != pq.ConnStatus.OK:
+        return False
+    state = result.error_field(pq.DiagnosticField.SQLSTATE) or b""
+    return bool(state.startswith(b"23"))

@@ -51,19 +51,22 @@ from outbox_migrate.db import APPLICATION_NAME, one_line
 from outbox_migrate.errors import ConnectError
 from outbox_migrate.relay import library_logs, queries
 from outbox_migrate.relay.backoff import backoff_s
+from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.cdc import pgoutput, slot
 from outbox_migrate.relay.cdc.backlog import Backlog, snapshot_ids
 from outbox_migrate.relay.cdc.columns import MessageBuilder
 from outbox_migrate.relay.cdc.crash_guard import RunMarker
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
+from outbox_migrate.relay.cdc.mark_repair import MarkRepair
 from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.cdc.options import CdcOptions
-from outbox_migrate.relay.cdc.rejections import RejectionLedger
+from outbox_migrate.relay.cdc.rows import RowReader
 from outbox_migrate.relay.cdc.session import StreamSession
 from outbox_migrate.relay.cdc.stats import CdcStats, Unconfirmed
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost
-from outbox_migrate.relay.errors import RelayError, SinkUnavailable
+from outbox_migrate.relay.errors import RelayError, RelayFailed, SinkUnavailable
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
+from outbox_migrate.relay.options import ATTEMPTS_TABLE_SUFFIX
 from outbox_migrate.relay.sinks import SinkFactory
 
 __all__ = ["CdcRelay", "CdcStats", "running"]
@@ -99,15 +102,23 @@ class CdcRelay:
         self.stats = CdcStats()
         self._stop = threading.Event()
         self.builder = MessageBuilder(self.spec, self.options)
-        self.marks = MarkSession(
-            self._connect, self.spec, enabled=self.options.mark, stats=self.stats
-        )
-        self.ledger = RejectionLedger(
-            self.spec.schema, self.options.dead_letter_table, self.label,
-            self.options.max_attempts,
+        options = self.options
+        self.failures = FailedMessages(
+            self.spec.schema, options.dead_letter_table,
+            options.dead_letter_table + ATTEMPTS_TABLE_SUFFIX, options.max_attempts,
+            text_ids=False,  # --mode cdc takes database-generated bigint ids only
         )  # fmt: skip
+        """Attempts and dead letters: the polling relay's policy and tables
+        (relay/bad_rows.py)."""
+        self.repair = MarkRepair(
+            self.failures, self.label, self._row_reader, stats=self.stats,
+            observer=self.observer,
+        )  # fmt: skip
+        self.marks = MarkSession(
+            self._connect, self.spec, enabled=options.mark, stats=self.stats, repair=self.repair
+        )
         self._delivery: Delivery | None = None
-        self.run_marker = RunMarker(self.spec.schema, self.ledger.attempts_table, self.options.slot)
+        self.run_marker = RunMarker(self.spec.schema, self.failures.attempts_table, options.slot)
         self.careful_until = 0
         """Set when the last run died without a trace (`crash_guard`)."""
         self._run_recorded = False
@@ -185,7 +196,7 @@ class CdcRelay:
         """Built on first use: tests may swap the observer after construction."""
         if self._delivery is None:
             self._delivery = Delivery(
-                self.sink_factory, self.ledger, self.marks, stats=self.stats,
+                self.sink_factory, self.failures, self.label, self.marks, stats=self.stats,
                 observer=self.observer, stop=self._stop, backoff=self._backoff,
                 bad=self.builder.bad,
             )  # fmt: skip
@@ -262,12 +273,12 @@ class CdcRelay:
             slot.ensure_publication(
                 conn, self.options.publication, spec.schema, spec.unpublished_partition
             )
-            self.ledger.prepare(conn)
+            self.failures.prepare(conn, [self.label])
             row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
             start_lsn = pgoutput.parse_lsn(str(row[0])) if row else 0
             if self.options.until_caught_up:
                 self.target_lsn = start_lsn
-            if self.ledger.available and self._begin_run(conn):
+            if self.failures.available and self._begin_run(conn):
                 # The last run died without a trace: what it was publishing may have killed it.
                 log.warning(
                     "relay.cdc_unclean_stop slot=%s: counting attempts before each publish "
@@ -309,11 +320,21 @@ class CdcRelay:
                     runs = snapshot_ids(conn, snapshot, self.spec)
                     stream.release_snapshot()  # the walsender's xmin goes with it
                     backlog = Backlog(
-                        conn, self.spec, sorted(self._present), self.builder,
-                        stats=self.stats, observer=self.observer, stop=self._stop,
+                        conn, self._row_reader(conn), stats=self.stats,
+                        observer=self.observer, stop=self._stop,
                     )  # fmt: skip
                     deliver = partial(self.delivery.deliver, careful=self.careful_until > 0)
                     backlog.publish(runs, options.batch_size, deliver, self.marks.mark)
+                    # Rows whose mark failed are marked or dead-lettered before the backlog
+                    # counts as done; else the next start redoes it (they are still there).
+                    self.marks.settle(self._stop)
+                    if self._stop.is_set():
+                        raise Interrupted
+                    if self.marks.unresolved:
+                        raise RelayFailed(
+                            "rows of the backlog are locked by another session and cannot be "
+                            "marked; the next start publishes the rest of the backlog again"
+                        )
                     self._set_backlog_done(conn)
             stream.start(options.slot, options.publication)
             StreamSession(
@@ -324,6 +345,11 @@ class CdcRelay:
             ).run()  # fmt: skip
         finally:
             stream.close()
+
+    def _row_reader(self, conn: Any) -> RowReader:
+        """Rows of the unpublished partition as the stream sends them (the backlog, and the
+        content of a row whose mark failed)."""
+        return RowReader(conn, self.spec, sorted(self._present), self.builder)
 
     def _backlog_done(self, conn: Any) -> bool:
         row = conn.execute(

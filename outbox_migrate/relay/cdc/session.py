@@ -157,7 +157,7 @@ class StreamSession:
                     self.linger_from = None
                 self.marks()
                 if until_caught_up and self._caught_up():
-                    self.flush()
+                    self.flush(settle=True)
                     return
                 if busy:
                     self._sleep_while_busy(linger)
@@ -328,7 +328,7 @@ class StreamSession:
                 if len(self.acked) < MARK_MAX_IDS:
                     return
                 marks.wait()
-            self._confirm(self.marking_end)
+            self._confirm_marked(self.marking_end)
             self.marking_end = None
         if self.acked_end <= self.confirmed:
             return
@@ -340,24 +340,35 @@ class StreamSession:
         ):
             return
         self.last_mark = now
-        if marks.send(self.acked):
+        acked, self.acked = self.acked, []
+        if marks.send(acked):  # rows whose mark failed before are tried first
             self.marking_end = self.acked_end
-            self.acked = []
         else:  # nothing to mark (--no-mark, or transactions without outbox rows)
-            self.acked = []
-            self._confirm(self.acked_end)
+            self._confirm_marked(self.acked_end)
 
-    def flush(self) -> None:
-        """Mark everything acknowledged and confirm it, waiting for the server."""
+    def flush(self, *, settle: bool = False) -> None:
+        """Mark everything acknowledged and confirm it, waiting for the server. `settle`
+        (caught up): first try each row whose mark failed until it is marked or
+        dead-lettered; a stop leaves it unconfirmed instead (re-streamed at the next start)."""
         marks = self.mark_session
         if self.marking_end is not None:
             marks.wait()
-            self._confirm(self.marking_end)
+            self._confirm_marked(self.marking_end)
             self.marking_end = None
         if self.acked_end > self.confirmed:
             marks.mark(self.acked)
             self.acked = []
-            self._confirm(self.acked_end)
+            if settle:
+                marks.settle(self.stop)
+            self._confirm_marked(self.acked_end)
+
+    def _confirm_marked(self, lsn: int) -> None:
+        """Confirm up to `lsn`, everything before it being marked — unless a row of an
+        earlier mark is neither marked nor dead-lettered yet (relay/cdc/mark_repair.py): then
+        the slot stays where it is, and a crash re-streams that row. The rows after it are
+        marked meanwhile; the position moves on once it is settled."""
+        if not self.mark_session.unresolved:
+            self._confirm(lsn)
 
     def _confirm(self, lsn: int) -> None:
         if lsn <= self.confirmed:

@@ -19,6 +19,10 @@ class CdcStats(Counters):
     marked: int = 0
     marks: int = 0
     """Mark statements sent (one per mark interval under steady load)."""
+    rejected: int = 0
+    bad_rows: int = 0
+    """Failures of a row itself (headers that are not an object, a message the sink cannot
+    represent, a mark that breaks a constraint): counted like rejections, without backoff."""
     dead_lettered: int = 0
     sink_failures: int = 0
     reconnects: int = 0

@@ -24,6 +24,7 @@ import psycopg
 import pytest
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.relay.errors import MessagesRejected
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
@@ -449,3 +450,138 @@ def test_a_relay_that_stops_on_a_runtime_fault_exits_1(
     assert last.startswith("outbox-migrate: error: relay worker failed: marks are frozen"), last
     assert "Traceback" not in result.stderr
     assert len(ids_in(partitioned, "outbox_unpublished")) == 3  # nothing lost
+
+
+def test_two_unpublished_copies_of_a_published_id_in_one_batch_are_both_kept(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """Both copies of id 13 fail their mark (13 is already published). Before, the repair
+    dead-lettered one message under (source, 13) and deleted both rows: the other copy was
+    lost. Now each copy ends in the dead-letter table with its own payload (the second under
+    a copy label), nothing stays unpublished, and the relay ran to the end."""
+    duplicate = _swapped_with_duplicate(conn)
+    conn.execute("INSERT INTO outbox_new (id, payload) VALUES (%s, '{\"copy\": 2}')", (duplicate,))
+    conn.commit()
+    relay = _relay(dsn, collected.factory(), SWAPPED, batch_size=50)
+    relay.run()
+    assert ids_in(conn, "outbox_unpublished") == []
+    assert ids_in(conn, "outbox").count(duplicate) == 1  # the published original
+    dead = conn.execute(
+        "SELECT source_table, id, payload FROM outbox_dead_letter ORDER BY source_table"
+    ).fetchall()
+    assert sorted(json.loads(d[2]).get("copy", 1) for d in dead) == [1, 2], dead
+    assert {d[1] for d in dead} == {duplicate}
+    assert len({d[0] for d in dead}) == 2, dead  # the second copy has its own label
+    assert relay.stats.dead_lettered == 2
+
+
+def test_two_copies_the_sink_refuses_in_one_batch_are_counted_once_and_both_kept(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    """Two unpublished rows with one id, both refused by the sink in one batch: counting
+    their attempts sent the id twice to one upsert (SQLSTATE 21000: "ON CONFLICT DO UPDATE
+    command cannot affect row a second time") and the relay stopped. Now the id counts one
+    attempt per try and both copies reach the dead-letter table."""
+    insert_rows(partitioned, "outbox_new", 5, spec=SPEC)
+    twin = PARTITIONED_START + 2
+    partitioned.execute(
+        "INSERT INTO outbox_new (id, payload) OVERRIDING SYSTEM VALUE VALUES (%s, '{\"copy\": 2}')",
+        (twin,),
+    )
+    partitioned.commit()
+
+    def refuse(batch: list[Any]) -> None:
+        if any(m.id == twin for m in batch):
+            collected.add([m for m in batch if m.id != twin])
+            raise MessagesRejected("collect", {twin: "refused (test)"})
+
+    relay = _relay(dsn, collected.factory(refuse), SPEC, max_attempts=2, backoff_base_s=0.01,
+                   backoff_cap_s=0.02)  # fmt: skip
+    relay.run()
+    dead = partitioned.execute(
+        "SELECT id, attempts, payload FROM outbox_dead_letter ORDER BY source_table"
+    ).fetchall()
+    assert [(d[0], d[1]) for d in dead] == [(twin, 2), (twin, 2)], dead
+    assert sorted(json.loads(d[2]).get("copy", 1) for d in dead) == [1, 2]
+    assert ids_in(partitioned, "outbox_unpublished") == []
+    assert twin not in collected.ids
+
+
+# -- a sink that raises outside its protocol ---------------------------------------------------
+
+
+def test_a_message_that_crashes_the_sink_is_dead_lettered_after_max_attempts(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    """The sink raises something unexpected on one row of five: the relay stopped, and
+    stopped again on every restart, for ever (the attempt was never counted). Now, as in CDC
+    mode, the crash counts against the batch the sink held, a row with a failure on record is
+    published alone (the next crash counts against it only), and at max_attempts it is
+    dead-lettered without being published again; the relay still stops on each crash."""
+    from outbox_migrate.relay.errors import RelayFailed
+
+    insert_rows(partitioned, "outbox_new", 5, spec=SPEC)
+    ids = ids_in(partitioned, "outbox_new")
+    poison = ids[2]
+
+    def crash(batch: list[Any]) -> None:
+        if any(m.id == poison for m in batch):
+            raise RuntimeError("serializer blew up")
+
+    crashes = 0
+    for _ in range(5):
+        try:
+            _relay(dsn, collected.factory(crash), SPEC, max_attempts=2).run()
+            break
+        except RelayFailed as exc:
+            assert "serializer blew up" in str(exc)
+            crashes += 1
+    assert crashes == 2
+    dead = partitioned.execute("SELECT id, attempts, last_error FROM outbox_dead_letter").fetchall()
+    assert dead == [(poison, 2, "RuntimeError: serializer blew up")]
+    assert partitioned.execute("SELECT count(*) FROM outbox_dead_letter_attempts").fetchone() == (
+        0,
+    )
+    assert ids_in(partitioned, "outbox_unpublished") == []
+    assert sorted(set(collected.ids)) == [i for i in ids if i != poison]
+
+
+def test_a_failed_mark_costs_its_batch_not_the_run(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """A draining relay reads ahead (a second session claims the next batch while one is
+    published). A mark that breaks the primary key rolls back its own batch only: it is
+    repaired on the other session and the run goes on — every batch after the bad ones
+    still comes from the read-ahead, none is claimed twice. Bad rows in two batches in a row
+    (one per session) are both repaired. Ending the run instead rolled back the batch
+    claimed ahead and claimed it again without overlap (bench/bad_rows.py)."""
+    conn.execute(
+        "CREATE TABLE outbox_new (id bigint NOT NULL, event_type text, message_key text, "
+        "payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), "
+        "published_at timestamptz) PARTITION BY LIST (published_at)"
+    )
+    conn.execute("CREATE TABLE outbox_unpublished PARTITION OF outbox_new FOR VALUES IN (NULL)")
+    conn.execute("CREATE INDEX ON outbox_unpublished (id)")
+    conn.execute("CREATE TABLE outbox (LIKE outbox_new INCLUDING DEFAULTS, PRIMARY KEY (id))")
+    bad = [15, 25, 75]  # batches 2 and 3 (one per session), and batch 8
+    conn.execute(
+        "INSERT INTO outbox (id, payload, published_at) SELECT unnest(%s::int8[]), '{}', now()",
+        (bad,),
+    )
+    conn.execute("ALTER TABLE outbox_new ATTACH PARTITION outbox DEFAULT")
+    conn.execute(
+        "INSERT INTO outbox_new (id, payload) SELECT i, jsonb_build_object('n', i) "
+        "FROM generate_series(1, 200) i"
+    )
+    conn.commit()
+    relay = _relay(dsn, collected.factory(), SWAPPED, batch_size=10, max_attempts=3)
+    relay.run()
+    assert ids_in(conn, "outbox_unpublished") == []
+    assert sorted(d[0] for d in _dead(conn)) == bad
+    good = [m.id for m in collected.messages if m.id not in bad]
+    assert sorted(good) == [i for i in range(1, 201) if i not in bad]
+    assert len(good) == len(set(good))  # no batch was published twice
+    # 20 batches and the empty claim after them: only the first is claimed on the lease
+    # session, all the others ahead (ending the run at a failed mark: 18).
+    assert relay.stats.read_ahead == 20, relay.stats.as_dict()
+    assert relay.stats.published == 197 and relay.stats.bad_rows == 9

@@ -56,6 +56,30 @@ def test_the_first_error_is_raised_as_psycopg_would_and_the_rest_is_aborted(
     assert conn.execute("SELECT v FROM w ORDER BY v").fetchall() == [(1,)]
 
 
+def test_a_tolerated_statement_fails_its_transaction_only(
+    wire: Wire, conn: psycopg.Connection
+) -> None:
+    """The batch's mark (batch.py): its error is left in its slot, not raised; the COMMIT
+    after it rolls its transaction back (the server answers ROLLBACK), and the next
+    transaction queued behind it — the next claim — runs as if nothing happened."""
+    conn.execute("INSERT INTO w VALUES (1)")
+    with wire.pipeline():
+        wire.send_plain(b"BEGIN")
+        wire.send(INSERT, {"v": 2})
+        mark = wire.send(INSERT, {"v": 1}, tolerate=True)  # fails
+        commit = wire.send_plain(b"COMMIT")
+        wire.send_plain(b"BEGIN")
+        wire.send(INSERT, {"v": 3})
+        rows = wire.send(SELECT_AFTER, {"n": 5, "after": 3})
+        wire.send_plain(b"COMMIT")
+        wire.sync()
+        assert mark.failed and not mark.succeeded
+        assert isinstance(mark.error(conn.info.encoding), pg_errors.UniqueViolation)
+        assert commit.result is not None and commit.result.command_status == b"ROLLBACK"
+        assert wire.rows(rows) == [(4,), (5,)]
+    assert conn.execute("SELECT v FROM w ORDER BY v").fetchall() == [(1,), (3,)]
+
+
 def test_a_commit_that_succeeded_before_a_failing_claim_is_known(
     wire: Wire, conn: psycopg.Connection
 ) -> None:

@@ -29,3 +29,14 @@ def test_extra_headers_follow_the_built_in_ones_in_order_and_pass_unchanged() ->
 def test_an_extra_header_cannot_override_the_outbox_id() -> None:
     message = Message(7, "public.outbox", None, None, "{}", NOW, (("outbox-id", "1"),))
     assert message.headers()["outbox-id"] == "7"
+
+
+def test_split_suspects_sends_each_suspect_alone_in_claim_order() -> None:
+    """A message with a failure on record is published alone (relay/bad_rows.py), and the
+    order of the batch is kept: the messages between suspects go together."""
+    from outbox_migrate.relay.publishing import split_suspects
+
+    batch = [Message(i, "public.outbox", None, None, "{}", "2026-01-01T00:00:00+00:00")
+             for i in range(1, 8)]  # fmt: skip
+    parts = [[m.id for m in part] for part in split_suspects(batch, {2, 3, 7}.__contains__)]
+    assert parts == [[1], [2], [3], [4, 5, 6], [7]]

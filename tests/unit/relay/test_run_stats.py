@@ -35,8 +35,9 @@ def test_each_reports_its_own_counters_in_order() -> None:
         "abandoned_workers", "read_ahead",
     ]  # fmt: skip
     assert list(CdcStats().as_dict()) == [
-        "published", "batches", "transactions", "backlog", "marked", "marks",
-        "dead_lettered", "sink_failures", "reconnects", "idle_confirms", "confirmed_lsn",
+        "published", "batches", "transactions", "backlog", "marked", "marks", "rejected",
+        "bad_rows", "dead_lettered", "sink_failures", "reconnects", "idle_confirms",
+        "confirmed_lsn",
     ]  # fmt: skip
     stats = RelayStats()
     stats.batch(7)

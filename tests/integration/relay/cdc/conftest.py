@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_migrate.relay import library_logs, queries
+from outbox_migrate.relay import attempts_sql, library_logs
 from outbox_migrate.relay.cdc.options import CdcOptions
 from outbox_migrate.relay.cdc.relay import CdcRelay
 from outbox_migrate.relay.sinks import SinkFactory
@@ -113,8 +113,8 @@ def cdc_role(dsn: str, cdc_outbox: psycopg.Connection) -> Iterator[str]:
     conn = cdc_outbox
     conn.execute(sql.SQL("CREATE ROLE {} LOGIN REPLICATION").format(ident))
     conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
-    for create in (queries.create_dead_letter, queries.create_attempts):
-        suffix = "_attempts" if create is queries.create_attempts else ""
+    for create in (attempts_sql.create_dead_letter, attempts_sql.create_attempts):
+        suffix = "_attempts" if create is attempts_sql.create_attempts else ""
         conn.execute(create(SPEC.schema, "outbox_dead_letter" + suffix))
     conn.execute(
         sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {}")

@@ -377,3 +377,32 @@ def test_cdc_mode_logs_a_multi_line_broker_error_as_one_line(
     lines = [r.getMessage() for r in caplog.records if r.name == "outbox_migrate.relay"]
     assert any("relay.sink_unavailable" in m and "in vhost '/'" in m for m in lines), lines
     assert all("\n" not in m for m in lines), lines
+
+
+def test_two_copies_of_one_id_refused_together_are_both_dead_lettered(
+    dsn: str, cdc_outbox: psycopg.Connection, collected: Collected
+) -> None:
+    """Two unpublished rows with one id in one transaction, both refused: the second copy's
+    dead letter hit the (source_table, id) key and was dropped (ON CONFLICT DO NOTHING), and
+    the row was then marked — lost. Now each copy is kept with its own payload."""
+    cdc_relay(dsn, collected.factory(), until_caught_up=True).run()  # the slot and tables
+    twin = 5_000_000
+    with cdc_outbox.transaction():
+        insert_rows(cdc_outbox, "outbox_new", 2, spec=SPEC)
+        for copy in (1, 2):
+            cdc_outbox.execute(
+                "INSERT INTO outbox_new (id, payload) OVERRIDING SYSTEM VALUE VALUES (%s, %s)",
+                (twin, f'{{"copy": {copy}}}'),
+            )
+    sink = _Refusing(collected, {twin})
+    relay = cdc_relay(dsn, lambda: sink, max_attempts=1, until_caught_up=True)
+    relay.run()
+    dead = cdc_outbox.execute(
+        "SELECT source_table, id, attempts, payload FROM outbox_dead_letter ORDER BY 1"
+    ).fetchall()
+    assert [(d[0], d[1], d[2], d[3]) for d in dead] == [
+        ("public.outbox_new", twin, 1, '{"copy": 1}'),
+        ("public.outbox_new copy 2", twin, 1, '{"copy": 2}'),
+    ], dead
+    assert ids_in(cdc_outbox, "outbox_unpublished") == []
+    assert relay.stats.dead_lettered == 2
