@@ -269,9 +269,9 @@ def test_with_key_ordering_a_bad_row_parks_only_its_key(
 # -- a duplicate id after the swap ------------------------------------------------------------
 
 
-def _swapped_with_duplicate(conn: psycopg.Connection) -> int:
-    """After the swap: the old table is the DEFAULT partition and keeps its primary key; the
-    application inserts an id that is already published (the old key would have refused it)."""
+def _swapped(conn: psycopg.Connection, published: list[int], unpublished: int) -> None:
+    """After the swap: the old table is the DEFAULT partition and keeps its primary key,
+    holding `published`; rows 1..`unpublished` wait in the unpublished partition."""
     conn.execute(
         "CREATE TABLE outbox_new (id bigint NOT NULL, event_type text, message_key text, "
         "payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), "
@@ -283,13 +283,23 @@ def _swapped_with_duplicate(conn: psycopg.Connection) -> int:
         "CREATE TABLE outbox (LIKE outbox_new INCLUDING DEFAULTS, CONSTRAINT outbox_pkey "
         "PRIMARY KEY (id))"
     )
-    conn.execute("INSERT INTO outbox (id, payload, published_at) VALUES (13, '{}', now())")
+    conn.execute(
+        "INSERT INTO outbox (id, payload, published_at) SELECT unnest(%s::int8[]), '{}', now()",
+        (published,),
+    )
     conn.execute("ALTER TABLE outbox_new ATTACH PARTITION outbox DEFAULT")
     conn.execute(
         "INSERT INTO outbox_new (id, payload) SELECT i, jsonb_build_object('n', i) "
-        "FROM generate_series(1, 30) i"
+        "FROM generate_series(1, %s) i",
+        (unpublished,),
     )
     conn.commit()
+
+
+def _swapped_with_duplicate(conn: psycopg.Connection) -> int:
+    """The application inserts an id that is already published (the old key would have
+    refused it)."""
+    _swapped(conn, [13], 30)
     return 13
 
 
@@ -555,25 +565,8 @@ def test_a_failed_mark_costs_its_batch_not_the_run(
     still comes from the read-ahead, none is claimed twice. Bad rows in two batches in a row
     (one per session) are both repaired. Ending the run instead rolled back the batch
     claimed ahead and claimed it again without overlap (bench/bad_rows.py)."""
-    conn.execute(
-        "CREATE TABLE outbox_new (id bigint NOT NULL, event_type text, message_key text, "
-        "payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), "
-        "published_at timestamptz) PARTITION BY LIST (published_at)"
-    )
-    conn.execute("CREATE TABLE outbox_unpublished PARTITION OF outbox_new FOR VALUES IN (NULL)")
-    conn.execute("CREATE INDEX ON outbox_unpublished (id)")
-    conn.execute("CREATE TABLE outbox (LIKE outbox_new INCLUDING DEFAULTS, PRIMARY KEY (id))")
     bad = [15, 25, 75]  # batches 2 and 3 (one per session), and batch 8
-    conn.execute(
-        "INSERT INTO outbox (id, payload, published_at) SELECT unnest(%s::int8[]), '{}', now()",
-        (bad,),
-    )
-    conn.execute("ALTER TABLE outbox_new ATTACH PARTITION outbox DEFAULT")
-    conn.execute(
-        "INSERT INTO outbox_new (id, payload) SELECT i, jsonb_build_object('n', i) "
-        "FROM generate_series(1, 200) i"
-    )
-    conn.commit()
+    _swapped(conn, bad, 200)
     relay = _relay(dsn, collected.factory(), SWAPPED, batch_size=10, max_attempts=3)
     relay.run()
     assert ids_in(conn, "outbox_unpublished") == []
