@@ -96,3 +96,30 @@ def thread_errors() -> Iterator[list[BaseException]]:
     errors: list[BaseException] = []
     yield errors
     assert not errors, errors
+
+
+def swapped_outbox(conn: psycopg.Connection, published: list[int], unpublished: int) -> None:
+    """After the swap: the old table is the DEFAULT partition and keeps its primary key,
+    holding `published`; rows 1..`unpublished` wait in the unpublished partition."""
+    conn.execute(
+        "CREATE TABLE outbox_new (id bigint NOT NULL, event_type text, message_key text, "
+        "payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), "
+        "published_at timestamptz) PARTITION BY LIST (published_at)"
+    )
+    conn.execute("CREATE TABLE outbox_unpublished PARTITION OF outbox_new FOR VALUES IN (NULL)")
+    conn.execute("CREATE INDEX ON outbox_unpublished (id)")
+    conn.execute(
+        "CREATE TABLE outbox (LIKE outbox_new INCLUDING DEFAULTS, CONSTRAINT outbox_pkey "
+        "PRIMARY KEY (id))"
+    )
+    conn.execute(
+        "INSERT INTO outbox (id, payload, published_at) SELECT unnest(%s::int8[]), '{}', now()",
+        (published,),
+    )
+    conn.execute("ALTER TABLE outbox_new ATTACH PARTITION outbox DEFAULT")
+    conn.execute(
+        "INSERT INTO outbox_new (id, payload) SELECT i, jsonb_build_object('n', i) "
+        "FROM generate_series(1, %s) i",
+        (unpublished,),
+    )
+    conn.commit()

@@ -30,7 +30,7 @@ from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.testing.schema import insert_rows
 
-from .conftest import PARTITIONED_START, SPEC, Collected, ids_in
+from .conftest import PARTITIONED_START, SPEC, Collected, ids_in, swapped_outbox
 
 PICKLE = pickle.dumps({"order": 7}, protocol=4)
 """A pickled payload as django-jaiminho stores it: starts with 0x80, never UTF-8."""
@@ -269,37 +269,10 @@ def test_with_key_ordering_a_bad_row_parks_only_its_key(
 # -- a duplicate id after the swap ------------------------------------------------------------
 
 
-def _swapped(conn: psycopg.Connection, published: list[int], unpublished: int) -> None:
-    """After the swap: the old table is the DEFAULT partition and keeps its primary key,
-    holding `published`; rows 1..`unpublished` wait in the unpublished partition."""
-    conn.execute(
-        "CREATE TABLE outbox_new (id bigint NOT NULL, event_type text, message_key text, "
-        "payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), "
-        "published_at timestamptz) PARTITION BY LIST (published_at)"
-    )
-    conn.execute("CREATE TABLE outbox_unpublished PARTITION OF outbox_new FOR VALUES IN (NULL)")
-    conn.execute("CREATE INDEX ON outbox_unpublished (id)")
-    conn.execute(
-        "CREATE TABLE outbox (LIKE outbox_new INCLUDING DEFAULTS, CONSTRAINT outbox_pkey "
-        "PRIMARY KEY (id))"
-    )
-    conn.execute(
-        "INSERT INTO outbox (id, payload, published_at) SELECT unnest(%s::int8[]), '{}', now()",
-        (published,),
-    )
-    conn.execute("ALTER TABLE outbox_new ATTACH PARTITION outbox DEFAULT")
-    conn.execute(
-        "INSERT INTO outbox_new (id, payload) SELECT i, jsonb_build_object('n', i) "
-        "FROM generate_series(1, %s) i",
-        (unpublished,),
-    )
-    conn.commit()
-
-
 def _swapped_with_duplicate(conn: psycopg.Connection) -> int:
     """The application inserts an id that is already published (the old key would have
     refused it)."""
-    _swapped(conn, [13], 30)
+    swapped_outbox(conn, [13], 30)
     return 13
 
 
@@ -566,7 +539,7 @@ def test_a_failed_mark_costs_its_batch_not_the_run(
     (one per session) are both repaired. Ending the run instead rolled back the batch
     claimed ahead and claimed it again without overlap (bench/bad_rows.py)."""
     bad = [15, 25, 75]  # batches 2 and 3 (one per session), and batch 8
-    _swapped(conn, bad, 200)
+    swapped_outbox(conn, bad, 200)
     relay = _relay(dsn, collected.factory(), SWAPPED, batch_size=10, max_attempts=3)
     relay.run()
     assert ids_in(conn, "outbox_unpublished") == []

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from outbox_migrate.relay.cdc.relay import running
-from tests.integration.relay.conftest import Collected, ids_in
+from tests.integration.relay.conftest import Collected, ids_in, swapped_outbox
 
 from .conftest import cdc_relay, drop_slots, slot_row, wait_for
 
@@ -34,22 +34,9 @@ DUPLICATE = 13
 @pytest.fixture
 def swapped(dsn: str, conn: psycopg.Connection) -> Any:
     """The swapped shape: `outbox` (PRIMARY KEY, id 13 published) is the DEFAULT partition
-    of `outbox_new`; rows 1..30 wait unpublished, 13 among them."""
+    of `outbox_new`; nothing unpublished yet (each test inserts its rows)."""
     conn.autocommit = True
-    conn.execute(
-        "CREATE TABLE outbox_new (id bigint NOT NULL, event_type text, message_key text, "
-        "payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), "
-        "published_at timestamptz) PARTITION BY LIST (published_at)"
-    )
-    conn.execute("CREATE TABLE outbox_unpublished PARTITION OF outbox_new FOR VALUES IN (NULL)")
-    conn.execute("CREATE INDEX ON outbox_unpublished (id)")
-    conn.execute(
-        "CREATE TABLE outbox (LIKE outbox_new INCLUDING DEFAULTS, CONSTRAINT outbox_pkey "
-        "PRIMARY KEY (id))"
-    )
-    conn.execute("INSERT INTO outbox (id, payload, published_at) VALUES (%s, '{}', now())",
-                 (DUPLICATE,))  # fmt: skip
-    conn.execute("ALTER TABLE outbox_new ATTACH PARTITION outbox DEFAULT")
+    swapped_outbox(conn, [DUPLICATE], 0)
     try:
         yield conn
     finally:
