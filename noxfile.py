@@ -13,6 +13,10 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "typecheck", "tests"]
 
 ALL_PG = "14,15,16,17,18"
+# Test processes for `ci`, each with its own servers: most of a database test's time is spent
+# waiting (lock timeouts, a relay's linger, a broker's reconnect), so more workers than this
+# machine's 2 cores keep both busy.
+CI_WORKERS = "4"
 EXTRAS = ".[dev,embedded,demo,kafka,rabbitmq,nats,redis,http,metrics,test-brokers]"
 
 
@@ -65,7 +69,11 @@ def ci(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", "--strict", "outbox_migrate")
     env = {"OUTBOX_MIGRATE_TEST_PG": os.environ.get("OUTBOX_MIGRATE_TEST_PG", ALL_PG)}
-    session.run("pytest", "-p", "no:cacheprovider", "--durations=40", *session.posargs, env=env)
+    session.run(
+        "pytest", "-p", "no:cacheprovider", "--durations=40",
+        "-n", os.environ.get("OUTBOX_MIGRATE_TEST_WORKERS", CI_WORKERS), "--dist", "loadgroup",
+        *session.posargs, env=env,
+    )  # fmt: skip
 
 
 @nox.session

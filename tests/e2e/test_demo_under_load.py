@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psycopg
@@ -60,7 +62,11 @@ def test_pattern_under_load(pattern: str, dsn: str, recording_dsn: str, tmp_path
     assert report["backlog_left"] == 0
     assert all(step["outcome"] == "done" for step in report["steps"])
     if pattern in HOT:
-        assert report["max_insert_latency_ms"] <= report["lock_timeout_ms"] + 100, summary
+        # A step may stall an insert for at most lock_timeout, on top of what an insert
+        # takes on this machine at this moment when no step runs (load, not the migration).
+        noise_ms = max(100.0, report["max_insert_latency_ms_outside_steps"])
+        during = max(step["max_insert_latency_ms_during"] for step in report["steps"])
+        assert during <= report["lock_timeout_ms"] + noise_ms, (summary, noise_ms)
         assert report["max_publish_gap_ms"] <= 2000, summary
     else:
         assert report["pause_ms"] > 0
@@ -88,12 +94,17 @@ def test_wrong_choreography_is_stopped(dsn: str, recording_dsn: str) -> None:
 def test_demo_command_on_the_embedded_server(tmp_path: Path) -> None:
     """The README's main command, as a user runs it (short): embedded server, JSON report."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_MIGRATE_", "PG"))}
-    env["OUTBOX_MIGRATE_EMBEDDED_DIR"] = str(tmp_path / "pgdata")
+    # Not under tmp_path: as root the server runs as another user, which needs to traverse
+    # the directory's parents, and each xdist worker's pytest makes `pytest-of-<user>` 0700
+    # again when it creates its own base directory.
+    data_root = Path(tempfile.mkdtemp(prefix="om-demo-"))
+    env["OUTBOX_MIGRATE_EMBEDDED_DIR"] = str(data_root / "pgdata")
     result = subprocess.run(
         [sys.executable, "-m", "outbox_migrate", "demo", "--pattern", "cop", "--duration", "6",
          "--format", "json", "--output-dir", str(tmp_path / "reports")],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
+    shutil.rmtree(data_root, ignore_errors=True)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
     for key in ("produced", "published", "lost", "duplicated", "max_insert_latency_ms",
