@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -11,7 +14,7 @@ from outbox_migrate.cli.options import FormatOption, OutputFormat
 from outbox_migrate.cli.plan_cmd import PatternName
 
 DEMO_DB = "outbox_demo"
-RECORDING_DB = "outbox_demo_recording"
+"""The prefix of a demo run's databases: `outbox_demo_<run id>` and `…_recording`."""
 
 
 def register(app: typer.Typer) -> None:
@@ -20,8 +23,9 @@ def register(app: typer.Typer) -> None:
         help="Run a pattern end to end under live load: writers and relays of every app "
         "version, rolling deploys, the runner's steps, and a report of produced, published, "
         "lost and duplicated messages, insert latency and publish gaps.\n\n"
-        "Uses the embedded PostgreSQL unless --dsn is given (two databases, outbox_demo and "
-        "outbox_demo_recording, are created there and replaced on each run).\n\n"
+        "Uses the embedded PostgreSQL unless --dsn is given (a run creates two databases "
+        "there, outbox_demo_<run id> and …_recording; a later run drops them once nobody is "
+        "connected).\n\n"
         "Example: outbox-migrate demo --pattern hopia --rate 500 --duration 40",
     )(demo)
 
@@ -54,24 +58,28 @@ def demo(
     from outbox_migrate.sim import simulate
     from outbox_migrate.sim.scenario import Scenario
 
-    main_dsn, recording_dsn = prepare_databases(dsn)
     scenario = Scenario(
         pattern.value, rate_per_s=rate, duration_s=duration, wrong_choreography=wrong_choreography
     )
-    if output is OutputFormat.json:
-        result = simulate(main_dsn, recording_dsn, scenario, output_dir=output_dir)
-        from outbox_migrate.cli.console import print_json
+    with run_databases(dsn) as (main_dsn, recording_dsn):
+        if output is OutputFormat.json:
+            result = simulate(main_dsn, recording_dsn, scenario, output_dir=output_dir)
+            from psycopg.conninfo import conninfo_to_dict
 
-        result.pop("markers", None)
-        print_json(result)
-    else:
-        from outbox_migrate.cli.console import demo_live, render_demo_report
+            from outbox_migrate.cli.console import print_json
 
-        with demo_live(pattern.value) as on_snapshot:
-            result = simulate(
-                main_dsn, recording_dsn, scenario, on_snapshot=on_snapshot, output_dir=output_dir
-            )
-        render_demo_report(result)
+            result.pop("markers", None)
+            result["database"] = conninfo_to_dict(main_dsn).get("dbname")
+            print_json(result)
+        else:
+            from outbox_migrate.cli.console import demo_live, render_demo_report
+
+            with demo_live(pattern.value) as on_snapshot:
+                result = simulate(
+                    main_dsn, recording_dsn, scenario, on_snapshot=on_snapshot,
+                    output_dir=output_dir,
+                )  # fmt: skip
+            render_demo_report(result)
     if result.get("interrupted"):
         from outbox_migrate.cli.exits import set_interrupt_note
 
@@ -89,19 +97,65 @@ def demo(
         )
 
 
-def prepare_databases(
-    dsn: str, names: tuple[str, str] = (DEMO_DB, RECORDING_DB)
-) -> tuple[str, str]:
-    """Fresh run and recording databases (`names`) on the chosen server; their DSNs."""
+@contextmanager
+def run_databases(dsn: str, prefix: str = DEMO_DB) -> Iterator[tuple[str, str]]:
+    """A run's own two databases (`<prefix>_<run id>` and `…_recording`) on the chosen
+    server, and their DSNs, for as long as the run lasts.
+
+    Named per run so that two demos (or rehearsals) on one server never replace each other's:
+    fixed names dropped `WITH (FORCE)` ended whichever run was already there. A run's
+    databases stay after it for inspection and are dropped by the next run on that server —
+    never while anybody is connected to them, and never while their run holds its advisory
+    lock (taken before they exist, so a run that has created them but not yet connected is
+    safe too). Only databases whose comment marks them as such a run's are ever dropped.
+    """
+    import secrets
+
     from psycopg import sql
     from psycopg.conninfo import make_conninfo
 
     from outbox_migrate.db import connect, resolve_embedded
 
     base = resolve_embedded(dsn)
-    with connect(base) as conn:
+    run = f"{prefix}_{secrets.token_hex(4)}"
+    names = (run, f"{run}_recording")
+    comment = _RUN_COMMENT.format(prefix=prefix)
+    with connect(base) as keeper:  # autocommit and idle: it only holds the run's lock
+        keeper.execute("SELECT pg_advisory_lock(hashtext(%s))", (run,))
+        _drop_ended_runs(keeper, comment)
         for name in names:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(name)))  # fmt: skip
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return make_conninfo(base, dbname=names[0]), make_conninfo(base, dbname=names[1])
+            keeper.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            keeper.execute(
+                sql.SQL("COMMENT ON DATABASE {} IS {}").format(
+                    sql.Identifier(name), sql.Literal(comment)
+                )
+            )
+        yield make_conninfo(base, dbname=names[0]), make_conninfo(base, dbname=names[1])
+
+
+_RUN_COMMENT = "outbox-migrate {prefix} run: dropped by a later run once this one has ended"
+
+
+def _drop_ended_runs(conn: Any, comment: str) -> None:
+    """Drop what earlier runs of this kind left, where their run is over (see
+    `run_databases`): a database somebody is connected to stays (DROP without FORCE refuses),
+    and so does one whose run still holds its lock."""
+    import psycopg
+    from psycopg import sql
+
+    rows = conn.execute(
+        "SELECT datname FROM pg_database "
+        "WHERE shobj_description(oid, 'pg_database') = %s AND datname NOT LIKE '%%\\_recording' "
+        "ORDER BY datname",
+        (comment,),
+    ).fetchall()
+    for (run,) in rows:
+        locked = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (run,)).fetchone()
+        if not (locked and locked[0]):
+            continue  # that run is still going
+        try:
+            for name in (f"{run}_recording", run):
+                with contextlib.suppress(psycopg.errors.ObjectInUse):
+                    conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (run,))

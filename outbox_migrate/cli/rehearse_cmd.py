@@ -11,7 +11,7 @@ from outbox_migrate.cli.options import DsnOption, FormatOption, OutputFormat, wi
 from outbox_migrate.cli.plan_cmd import PatternOption
 
 SCRATCH_DB = "outbox_rehearsal"
-RECORDING_DB = "outbox_rehearsal_recording"
+"""The prefix of a rehearsal's databases: `outbox_rehearsal_<run id>` and `…_recording`."""
 
 
 def register(app: typer.Typer) -> None:
@@ -22,9 +22,9 @@ def register(app: typer.Typer) -> None:
         "database, run every phase there under that load with writers and relays of each "
         "application version, and report lost, duplicated, insert stalls, publish gaps, each "
         "step's lock wait, and VALIDATE/copy-back times extrapolated to the real size.\n\n"
-        "The source is only read (sessions run read-only; SELECT is enough). The scratch "
-        "server gets two databases, outbox_rehearsal and outbox_rehearsal_recording, replaced "
-        "on each run. Exit 1 if anything was lost.\n\n"
+        "The source is only read (sessions run read-only; SELECT is enough). A run creates "
+        "two databases on the scratch server, outbox_rehearsal_<run id> and …_recording; a "
+        "later run drops them once nobody is connected. Exit 1 if anything was lost.\n\n"
         "Example: outbox-migrate rehearse --pattern hoper --dsn $DATABASE_URL --rows 50000 "
         "--seconds 30",
     )(with_names(rehearse))
@@ -64,7 +64,7 @@ def rehearse(
     *,
     names: dict[str, Any],
 ) -> None:
-    from outbox_migrate.cli.demo_cmd import prepare_databases
+    from outbox_migrate.cli.demo_cmd import run_databases
     from outbox_migrate.cli.options import settings_from
     from outbox_migrate.dsn import resolve
     from outbox_migrate.errors import OutboxMigrateError, UsageError
@@ -77,32 +77,35 @@ def rehearse(
     spec = settings_from(**names).spec
     base = _scratch_server(scratch_dsn, source.dsn)
     shape = check_source(source.dsn, spec, pattern.value)  # before the scratch is replaced
-    scratch, recording = prepare_databases(base, (SCRATCH_DB, RECORDING_DB))
-    request = RehearsalRequest(
-        pattern=pattern.value,
-        source_dsn=source.dsn,
-        scratch_dsn=scratch,
-        recording_dsn=recording,
-        spec=spec,
-        rows=rows,
-        seconds=seconds,
-        measure_s=measure_seconds,
-        sample=sample,
-    )
-    if output is OutputFormat.json:
-        from outbox_migrate.cli.console import print_json
+    with run_databases(base, SCRATCH_DB) as (scratch, recording):
+        request = RehearsalRequest(
+            pattern=pattern.value,
+            source_dsn=source.dsn,
+            scratch_dsn=scratch,
+            recording_dsn=recording,
+            spec=spec,
+            rows=rows,
+            seconds=seconds,
+            measure_s=measure_seconds,
+            sample=sample,
+        )
+        if output is OutputFormat.json:
+            from psycopg.conninfo import conninfo_to_dict
 
-        result = run_rehearsal(request, output_dir=output_dir, shape=shape)
-        result.pop("markers", None)
-        print_json(result)
-    else:
-        from outbox_migrate.cli.console import demo_live, render_rehearsal_report
+            from outbox_migrate.cli.console import print_json
 
-        with demo_live(pattern.value) as on_snapshot:
-            result = run_rehearsal(
-                request, on_snapshot=on_snapshot, output_dir=output_dir, shape=shape
-            )
-        render_rehearsal_report(result)
+            result = run_rehearsal(request, output_dir=output_dir, shape=shape)
+            result.pop("markers", None)
+            result["database"] = conninfo_to_dict(scratch).get("dbname")
+            print_json(result)
+        else:
+            from outbox_migrate.cli.console import demo_live, render_rehearsal_report
+
+            with demo_live(pattern.value) as on_snapshot:
+                result = run_rehearsal(
+                    request, on_snapshot=on_snapshot, output_dir=output_dir, shape=shape
+                )
+            render_rehearsal_report(result)
     if result.get("interrupted"):
         from outbox_migrate.cli.exits import set_interrupt_note
 
@@ -126,9 +129,9 @@ def _scratch_server(scratch_dsn: str, source_dsn: str) -> str:
     base = resolve_embedded(scratch_dsn)
     src, dst = conninfo_to_dict(source_dsn), conninfo_to_dict(base)
     same_server = (src.get("host"), src.get("port")) == (dst.get("host"), dst.get("port"))
-    if same_server and src.get("dbname") in (SCRATCH_DB, RECORDING_DB):
+    if same_server and str(src.get("dbname") or "").startswith(f"{SCRATCH_DB}_"):
         raise UsageError(
-            f"the source database is {src.get('dbname')!r}, which rehearse would replace; "
-            "rename it or use another --scratch-dsn"
+            f"the source database is {src.get('dbname')!r}, named like a rehearsal's own "
+            "scratch database; rehearse a real outbox, or use another --scratch-dsn"
         )
     return base

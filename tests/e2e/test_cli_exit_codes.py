@@ -7,6 +7,7 @@ and a terminated backend was an "internal error" with exit 1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -151,7 +152,11 @@ def test_demo_that_lost_messages_exits_1(monkeypatch: pytest.MonkeyPatch, capsys
     from outbox_migrate import sim
     from outbox_migrate.cli import app, demo_cmd
 
-    monkeypatch.setattr(demo_cmd, "prepare_databases", lambda dsn: ("main", "recording"))
+    monkeypatch.setattr(
+        demo_cmd,
+        "run_databases",
+        lambda dsn: contextlib.nullcontext(("dbname=main", "dbname=recording")),
+    )
     monkeypatch.setattr(sim, "simulate", lambda *a, **k: {"lost": 3, "produced": 10})
     with pytest.raises(SystemExit) as ended:
         app.main(["demo", "--format", "json"])

@@ -14,7 +14,6 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_migrate.cli.demo_cmd import DEMO_DB
 from outbox_migrate.errors import ExitCode
 from tests.support.cli_process import LiveCli
 
@@ -68,6 +67,6 @@ def test_ctrl_c_during_a_rollout(pg_server: Any, tmp_path: Path) -> None:
     assert took < EXIT_WITHIN_S, took
     report = json.loads(ended.stdout)
     assert report["interrupted"] is True
-    assert report["produced"] == demo_keys(pg_server.dsn(DEMO_DB)) > 0
+    assert report["produced"] == demo_keys(pg_server.dsn(report["database"])) > 0
     assert [p["phase"] for p in report["phases"]] == ["V1", "V2"], report["phases"]
     assert (tmp_path / "hoper-report.html").exists()

@@ -112,3 +112,56 @@ def test_demo_command_on_the_embedded_server(tmp_path: Path) -> None:
         assert key in report
     assert report["lost"] == 0 and report["produced"] > 0
     assert (tmp_path / "reports" / "cop-report.html").exists()
+
+
+@pytest.mark.newest_pg_only
+@pytest.mark.slow
+def test_two_demos_on_one_server_both_finish(pg_server: Server, tmp_path: Path) -> None:
+    """Each run has databases of its own: a second demo on the same server neither replaces
+    nor ends the first (fixed names dropped WITH (FORCE) ended the one already running)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_MIGRATE_", "PG"))}
+    runs = []
+    for n in range(2):
+        command = [
+            sys.executable, "-m", "outbox_migrate", "demo", "--pattern", "cop", "--rate", "200",
+            "--duration", "6", "--format", "json", "--dsn", pg_server.dsn(),
+            "--output-dir", str(tmp_path / f"run{n}"),
+        ]  # fmt: skip
+        runs.append(
+            subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            )
+        )
+    reports = []
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-2000:]
+        reports.append(json.loads(out))
+    assert all(r["lost"] == 0 and r["produced"] > 0 for r in reports), reports
+    assert reports[0]["database"] != reports[1]["database"]
+
+
+@pytest.mark.newest_pg_only
+def test_a_later_run_drops_only_ended_runs_databases(pg_server: Server) -> None:
+    """What a run leaves is dropped by the next one — unless somebody is still connected to
+    it, or it is not a run's database at all (no marking comment)."""
+    from outbox_migrate.cli.demo_cmd import run_databases
+
+    with run_databases(pg_server.dsn()) as (first, _):
+        pass
+    with run_databases(pg_server.dsn()) as (watched, _):
+        pass
+    with psycopg.connect(pg_server.dsn(), autocommit=True) as admin:
+        admin.execute("DROP DATABASE IF EXISTS outbox_demo_users_own")
+        admin.execute("CREATE DATABASE outbox_demo_users_own")
+        try:
+            with psycopg.connect(watched), run_databases(pg_server.dsn()) as (latest, _):
+                names = {row[0] for row in admin.execute("SELECT datname FROM pg_database")}
+                first_name, watched_name, latest_name = (
+                    psycopg.conninfo.conninfo_to_dict(d)["dbname"] for d in (first, watched, latest)
+                )
+                assert first_name not in names and f"{first_name}_recording" not in names
+                assert watched_name in names  # somebody is looking at it
+                assert latest_name in names and "outbox_demo_users_own" in names
+        finally:
+            admin.execute("DROP DATABASE outbox_demo_users_own")

@@ -85,7 +85,9 @@ def source(dsn: str) -> Iterator[str]:
     yield make_conninfo(dsn, user=READER)
     with psycopg.connect(dsn, autocommit=True) as conn:
         # The copy carries the source's grants (to this role too): its databases go first.
-        for name in ("outbox_rehearsal", "outbox_rehearsal_recording"):
+        for (name,) in conn.execute(
+            "SELECT datname FROM pg_database WHERE datname LIKE 'outbox\\_rehearsal\\_%'"
+        ).fetchall():
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
@@ -139,7 +141,7 @@ def test_rehearse_reports_nothing_lost_and_leaves_the_source_untouched(
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert _fingerprint(conn, top) == before
         # The copy had the source's extra columns, index and enum.
-    scratch = make_conninfo(pg_server.dsn(), dbname="outbox_rehearsal")
+    scratch = make_conninfo(pg_server.dsn(), dbname=report["database"])
     with psycopg.connect(scratch) as conn:
         kinds = conn.execute("SELECT count(*) FROM outbox WHERE kind = 'order'").fetchone()
         assert kinds is not None and kinds[0] > 0
@@ -152,21 +154,29 @@ def test_rehearse_reports_nothing_lost_and_leaves_the_source_untouched(
 
 def test_rehearse_refuses_a_scratch_that_is_the_source() -> None:
     result = run_cli(
-        "rehearse", "--pattern", "hoper", "--dsn", "host=127.0.0.1 dbname=outbox_rehearsal",
+        "rehearse", "--pattern", "hoper", "--dsn", "host=127.0.0.1 dbname=outbox_rehearsal_0a1b2c3d",
         "--scratch-dsn", "host=127.0.0.1 dbname=postgres",
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
-    assert "rehearse would replace" in result.stderr
+    assert "named like a rehearsal's own scratch database" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+EARLIER = "outbox_rehearsal_e0e0e0e0"
+"""An earlier rehearsal's scratch database, as `run_databases` names and marks one."""
 
 
 def test_a_refused_source_leaves_the_scratch_server_alone(pg_server: Server, dsn: str) -> None:
     """The source is read and judged before the scratch databases are replaced: a wrong
     table name is one line, exit 2, and yesterday's rehearsal database is still there."""
-    scratch = make_conninfo(pg_server.dsn(), dbname="outbox_rehearsal")
+    scratch = make_conninfo(pg_server.dsn(), dbname=EARLIER)
     with psycopg.connect(pg_server.dsn(), autocommit=True) as conn:
-        conn.execute("DROP DATABASE IF EXISTS outbox_rehearsal WITH (FORCE)")
-        conn.execute("CREATE DATABASE outbox_rehearsal")
+        conn.execute(f"DROP DATABASE IF EXISTS {EARLIER} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {EARLIER}")
+        conn.execute(
+            f"COMMENT ON DATABASE {EARLIER} IS "
+            "'outbox-migrate outbox_rehearsal run: dropped by a later run once this one has ended'"
+        )
     try:
         with psycopg.connect(scratch, autocommit=True) as conn:
             conn.execute("CREATE TABLE kept (n int)")
@@ -180,4 +190,4 @@ def test_a_refused_source_leaves_the_scratch_server_alone(pg_server: Server, dsn
             assert conn.execute("SELECT to_regclass('kept')").fetchone() == ("kept",)
     finally:
         with psycopg.connect(pg_server.dsn(), autocommit=True) as conn:
-            conn.execute("DROP DATABASE IF EXISTS outbox_rehearsal WITH (FORCE)")
+            conn.execute(f"DROP DATABASE IF EXISTS {EARLIER} WITH (FORCE)")
