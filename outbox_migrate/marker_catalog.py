@@ -348,6 +348,8 @@ class Candidate:
     value) or `status` (a text status with no DEFAULT: its values must be set)."""
     why: str
     named: bool
+    needs_value: bool = False
+    """A flag whose published value is not obvious (a text or enum status)."""
 
     def setting(self) -> str:
         if self.kind == "status":
@@ -355,6 +357,8 @@ class Candidate:
                 f'published_column = "{self.name}", unpublished_value = the value a new row '
                 "has, published_value = the value the sender sets"
             )
+        if self.needs_value:
+            return f'published_column = "{self.name}", published_value = the value the sender sets'
         return f'published_column = "{self.name}"'
 
 
@@ -419,7 +423,9 @@ def _flag_candidate(column: ColumnSample) -> Candidate | None:
         return None  # a counter, or an enumeration of many values
     if not (named or any(v != unpublished for v in column.values)):
         return None
-    return Candidate(column.name, "flag", f"{column.type} DEFAULT {unpublished} ({shown})", named)
+    why = f"{column.type} DEFAULT {unpublished} ({shown})"
+    obvious = bool(_obvious_published(column.type, unpublished))
+    return Candidate(column.name, "flag", why, named, needs_value=not obvious)
 
 
 def choose(candidates: list[Candidate]) -> Candidate | None:

@@ -132,14 +132,14 @@ def missing_marker(facts: TableFacts, spec: OutboxSpec, table: str) -> Finding:
     missing = f"{table} has no column {spec.published_column!r}"
     if found:
         code = "status-column" if all(c.kind == "status" for c in found) else "published-missing"
-        listed = "; ".join(f"{c.setting()} ({c.why})" for c in found)
+        listed = "; or ".join(f"{c.setting()} ({c.why})" for c in found)
+        which = "the column" if len(found) == 1 else "the one of these"
         return Finding(
             code,
-            missing + (" and more than one column could record delivery" if len(found) > 1
-                       else ""),
-            f"set the one the sender sets on delivery: {listed}; see docs/patterns.md, "
-            "\"Your table is not the spec's\"",
-        )  # fmt: skip
+            missing,
+            f"set {which} the sender sets on delivery: {listed}; see docs/patterns.md, "
+            '"Your table is not the spec\'s"',
+        )
     return Finding(
         "delete-on-delivery",
         f"{table} has no publication marker: no column {spec.published_column!r}, and no "

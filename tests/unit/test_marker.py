@@ -102,7 +102,8 @@ def test_a_flag_that_could_be_null_is_refused_with_the_recipe() -> None:
     refused = decide(spec, MarkerColumn("smallint", "0", not_null=False), "message")
     assert isinstance(refused, Refusal)
     assert refused.code == "published-flag-nullable"
-    assert "ALTER TABLE message ALTER COLUMN published SET NOT NULL" in refused.remedy
+    assert 'ALTER TABLE "public"."message" ALTER COLUMN "published" SET NOT NULL' in refused.remedy
+    assert refused.fix_sql in refused.remedy
     # a validated CHECK (published IS NOT NULL) is as good as NOT NULL
     checked = MarkerColumn("smallint", "0", not_null=False, not_null_check=True)
     assert isinstance(decide(spec, checked, "message"), OutboxSpec)
