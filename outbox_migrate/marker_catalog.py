@@ -440,7 +440,7 @@ def choose(candidates: list[Candidate]) -> Candidate | None:
 
 def _sampled_types(column_type: str) -> bool:
     """Types a marker can have: a timestamp, or what a partition bound can name as a flag."""
-    return not (
+    return column_type in TIMESTAMP_TYPES or not (
         column_type.endswith("[]")
         or column_type.startswith(NOT_A_FLAG)
         or column_type in ("uuid", "numeric", "real", "double precision")
