@@ -147,13 +147,14 @@ class Measurements:
     blockers: list[str]
 
 
-def measure(dsn: str, spec: OutboxSpec, window_s: float = 2.0) -> Measurements:
-    """Sample the live outbox: size, backlog, insert and publish rates, CDC, FKs, version."""
+def measure(dsn: str, spec: OutboxSpec, window_s: float = 2.0, pattern: str = "") -> Measurements:
+    """Sample the live outbox: size, backlog, insert and publish rates, CDC, FKs, version,
+    and the blockers `plan` would name for `pattern` (the recommended one)."""
     from outbox_migrate.db import connect
     from outbox_migrate.introspect import introspect
 
     with connect(dsn) as conn:
-        facts = introspect(conn, spec)
+        facts = introspect(conn, spec, pattern)
         first = _counters(conn, spec, facts.sequence)
         time.sleep(window_s)
         second = _counters(conn, spec, facts.sequence)

@@ -101,7 +101,7 @@ def wizard(
 
         from outbox_migrate.wizard import interpret, measure
 
-        measured = measure(resolved.dsn, settings.spec)
+        measured = measure(resolved.dsn, settings.spec, pattern=result.pattern)
         document["measurements"] = asdict(measured)
         document["notes"] = interpret(measured, result.pattern)
     document["next"] = command_line("plan", "--pattern", result.pattern, dsn=dsn, names=names)
