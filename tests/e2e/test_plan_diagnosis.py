@@ -238,7 +238,7 @@ def test_caps_status_is_named_and_its_expiry_is_not(dsn: str) -> None:
     assert "ExpiresAt" not in status.remedy
 
 
-@pytest.mark.newest_pg_only
+# on every version: the counters reach pg_stat differently before PostgreSQL 15
 def test_wolverines_outgoing_envelopes_are_refused_as_delete_on_delivery(dsn: str) -> None:
     """Wolverine deletes an envelope once sent. Without its counters (a fresh table) its
     deadline is still not a marker: not suggested, and refused when given."""
@@ -264,7 +264,7 @@ def test_wolverines_outgoing_envelopes_are_refused_as_delete_on_delivery(dsn: st
             assert "151 rows inserted, 120 deleted and 0 updated" in facts.blockers[0].message
 
 
-@pytest.mark.newest_pg_only
+# on every version: the counters reach pg_stat differently before PostgreSQL 15
 def test_masstransits_outbox_is_refused_even_with_a_published_column(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(MASSTRANSIT.ddl)
@@ -289,7 +289,7 @@ def test_masstransits_outbox_is_refused_even_with_a_published_column(dsn: str) -
         runner.run("V2")
 
 
-@pytest.mark.newest_pg_only
+# on every version: the counters reach pg_stat differently before PostgreSQL 15
 def test_an_outbox_that_marks_then_deletes_is_not_delete_on_delivery(dsn: str) -> None:
     """Retention deletes rows the relay marked first: the counters show the updates."""
     with psycopg.connect(dsn, autocommit=True) as conn:
