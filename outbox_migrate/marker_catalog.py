@@ -447,6 +447,16 @@ def _sampled_types(column_type: str) -> bool:
     )
 
 
+def _worth_sampling(name: str, column_type: str, default: str | None) -> bool:
+    """A marker's type; text only with a constant DEFAULT or named as a status, so a text
+    payload is never sorted for its distinct values."""
+    if not _sampled_types(column_type):
+        return False
+    if column_type.startswith(CHARACTER_TYPES):
+        return constant_default(default) is not None or _named(name, ("status", "state"))
+    return True
+
+
 def read_samples(
     conn: Connection[Any], schema: str, relation: str, skip: tuple[str, ...] = ()
 ) -> tuple[list[ColumnSample], Activity]:
@@ -462,7 +472,7 @@ def read_samples(
         (reg,),
     ).fetchall()
     columns = [(str(n), str(t), d, bool(nn)) for n, t, d, nn in rows if n not in skip]
-    columns = [c for c in columns if _sampled_types(c[1])]
+    columns = [c for c in columns if _worth_sampling(c[0], c[1], c[2])]
     stats = conn.execute(
         "SELECT coalesce(n_tup_ins, 0), coalesce(n_tup_upd, 0), coalesce(n_tup_del, 0) "
         "FROM pg_stat_user_tables WHERE relid = to_regclass(%s)",
