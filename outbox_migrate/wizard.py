@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import UsageError
+
+if TYPE_CHECKING:
+    from outbox_migrate.table_facts import TableFacts
 
 QUESTIONS = {
     "pause": "Can publication of messages pause for a few minutes during the migration?",
@@ -145,6 +148,9 @@ class Measurements:
     publications: list[str]
     foreign_keys_in: list[str]
     blockers: list[str]
+    id_column: str = ""
+    """The primary key, when the configured id column is missing: the id `plan` suggests,
+    carried into the `Next:` command."""
 
 
 def measure(dsn: str, spec: OutboxSpec, window_s: float = 2.0, pattern: str = "") -> Measurements:
@@ -170,7 +176,13 @@ def measure(dsn: str, spec: OutboxSpec, window_s: float = 2.0, pattern: str = ""
         publications=facts.publications,
         foreign_keys_in=[f"{n} on {t}" for n, t in facts.foreign_keys_in],
         blockers=[f"{b.message}: {b.remedy}" for b in facts.blockers],
+        id_column=_suggested_id(facts, spec),
     )
+
+
+def _suggested_id(facts: TableFacts, spec: OutboxSpec) -> str:
+    key = facts.primary_key()
+    return key[0] if facts.column(spec.id_column) is None and len(key) == 1 else ""
 
 
 def _counters(conn: Any, spec: OutboxSpec, sequence: str | None) -> tuple[int, int]:

@@ -13,6 +13,7 @@ first blocker; `wizard --dsn` exited 1 with an internal error when the id column
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from typing import Any
 
@@ -203,11 +204,15 @@ def test_watermills_queue_gets_acked_as_marker_and_its_primary_key_as_id(dsn: st
     wizard = run_cli("wizard", "--dsn", dsn, "--no-pause", "--no-keep-old-rows",
                      "--table", "watermill_orders", "--format", "json")  # fmt: skip
     assert wizard.returncode == 0, wizard.stderr
-    measured = json.loads(wizard.stdout)["measurements"]
-    assert measured["blockers"] == [
+    document = json.loads(wizard.stdout)
+    assert document["measurements"]["blockers"] == [
         "watermill_orders has no column 'id': set id_column to the outbox's id column, here "
         'the primary key: id_column = "offset" (--id-column offset)'
     ]
+    # its Next: command carries the suggested id, and runs as printed
+    command = shlex.split(document["next"])
+    assert command[:2] == ["outbox-migrate", "plan"] and "--id-column" in command
+    assert run_cli(*command[1:]).returncode == 0
     wizard = run_cli("wizard", "--dsn", dsn, "--no-pause", "--no-keep-old-rows",
                      "--table", "watermill_orders", "--id-column", "offset",
                      "--format", "json")  # fmt: skip
