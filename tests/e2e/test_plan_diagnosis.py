@@ -23,11 +23,14 @@ import pytest
 from outbox_migrate.config import load_settings
 from outbox_migrate.errors import SchemaError
 from outbox_migrate.introspect import introspect
+from outbox_migrate.relay.options import Mode, RelayOptions
+from outbox_migrate.relay.worker import Relay
 from outbox_migrate.runner import Runner
 from outbox_migrate.table_facts import TableFacts
 from tests.e2e.test_zoo_flags import EVENTUATE_DDL
 from tests.e2e.test_zoo_frameworks import MASSTRANSIT
 from tests.support.cli import error_line, run_cli
+from tests.support.zoo import Collector
 
 PLAIN_DDL = """
     CREATE TABLE plain_outbox (
@@ -143,6 +146,21 @@ def test_a_plain_smallint_flag_gets_a_working_plan_and_run_with_no_setting(dsn: 
         ).fetchone()
     assert key == ("LIST (published)",)
     assert bound == ("FOR VALUES IN ('0')",)
+    with psycopg.connect(dsn, autocommit=True) as conn:  # V1's relay drains the old table
+        conn.execute("UPDATE plain_outbox SET published = 1")
+    with Runner(dsn, settings, "hop") as runner:
+        runner.run("V3")
+        assert runner.verify() == []
+    # and the relay, with the same (absent) setting, publishes by it
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox_new (payload) VALUES ('{\"n\": 1}')")
+    collector = Collector()
+    Relay(dsn, collector.factory(), spec=settings.spec,
+          options=RelayOptions(mode=Mode.partitioned, until_empty=True)).run()  # fmt: skip
+    assert len(collector.messages) == 1
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        left = conn.execute("SELECT count(*) FROM outbox_unpublished").fetchone()
+    assert left == (0,)
 
 
 @pytest.mark.newest_pg_only
