@@ -292,6 +292,13 @@ COUNTER_WORDS = ("attempt", "attempts", "retries", "retry", "count", "partition"
 CHARACTER_TYPES = ("text", "character varying", "character")
 FLAG_VALUES = 3
 """Distinct values a flag or status may show: unpublished, published, and failed or dead."""
+AHEAD = {
+    "timestamp with time zone": "coalesce(bool_or({c} > now() + interval '1 minute'), false)",
+    "timestamp without time zone": "coalesce(bool_or({c} > (now() AT TIME ZONE 'UTC') "
+    "+ interval '14 hours 1 minute'), false)",
+}
+"""A value ahead of now: a minute of clock skew allowed; without a time zone the writer may
+have meant any zone (UTC+14 the furthest ahead), so only a value beyond all of them counts."""
 DELETES_SEEN = 100
 """Deletes `pg_stat_user_tables` must show before they can say how the table delivers."""
 
@@ -484,11 +491,7 @@ def read_samples(
     parts: list[sql.Composable] = [sql.SQL("count(*)")]
     for name, column_type, _d, _nn in columns:
         c = sql.Identifier(name)
-        ahead = (
-            sql.SQL("coalesce(bool_or({c}::timestamptz > now() + interval '1 minute'), false)")
-            if column_type in TIMESTAMP_TYPES
-            else sql.SQL("false")
-        ).format(c=c)
+        ahead = sql.SQL(AHEAD.get(column_type, "false")).format(c=c)
         parts += [
             sql.SQL("count(*) FILTER (WHERE {c} IS NULL)").format(c=c),
             sql.SQL("count(DISTINCT {c})").format(c=c),

@@ -324,3 +324,21 @@ def test_an_outbox_that_marks_then_deletes_is_not_delete_on_delivery(dsn: str) -
         facts = facts_of(conn, table="plain_outbox")
     assert (facts.inserts, facts.updates, facts.deletes) == (150, 150, 120)
     assert facts.blockers == [] and facts.detected_marker == "published"
+
+
+@pytest.mark.newest_pg_only
+def test_a_local_time_without_a_zone_is_not_taken_for_a_deadline(dsn: str) -> None:
+    """A writer in UTC+14 stores its wall-clock time in a `timestamp` marker: 14 hours
+    "ahead" of UTC, still a time of publication; a time with its zone an hour ahead is not."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE local_outbox (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+            "payload text NOT NULL, sent_at timestamp, due_at timestamptz);"
+            "INSERT INTO local_outbox (payload, sent_at, due_at) VALUES "
+            "('x', now() AT TIME ZONE 'Pacific/Kiritimati', now() + interval '1 hour'), "
+            "('y', NULL, NULL)"
+        )
+        local = facts_of(conn, table="local_outbox", published_column="sent_at")
+        due = facts_of(conn, table="local_outbox", published_column="due_at")
+    assert local.blockers == []
+    assert [b.code for b in due.blockers] == ["published-ahead"]
