@@ -54,8 +54,10 @@ def id_unique_by_construction(facts: TableFacts, spec: OutboxSpec) -> bool:
     without an index: the new identity starts above the old ids. Ids the application
     supplies without a default were kept unique by the index alone — which is how a
     framework deduplicates (NServiceBus's primary key on MessageId). With database ids that
-    are not generated, the id's own blocker already says what to do."""
-    if spec.id_kind != "application":
+    are not generated, the id's own blocker already says what to do. An id whose type only
+    the application can supply (uuid, text) is judged so before id_kind says it, so that
+    this blocker comes in the same round as the one asking for id_kind."""
+    if spec.id_kind != "application" and facts.id_kind(spec) != "application":
         return True
     column = facts.column(spec.id_column)
     return column is not None and column.default is not None

@@ -100,8 +100,9 @@ OUTBOX_COLUMNS = "payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT
     ("ddl", "code", "message", "remedy"),
     [
         (
-            f"CREATE TABLE outbox (id uuid PRIMARY KEY, {OUTBOX_COLUMNS}, "
-            "published_at timestamptz)",
+            # a default keeps ids unique by construction (without one, lost-unique comes too)
+            f"CREATE TABLE outbox (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), "
+            f"{OUTBOX_COLUMNS}, published_at timestamptz)",
             "id-application",
             "outbox.id is uuid: the application supplies the ids",
             'set id_kind = "application"',
