@@ -54,6 +54,16 @@ class SchemaError(OutboxMigrateError):
     exit_code = ExitCode.USAGE
 
 
+class Blocked(SchemaError):
+    """Several blockers at once: `str(err)` is one line that counts them, and `details`
+    holds one line per blocker with its fix, which the CLI prints above it, so a user fixes
+    them all in one round instead of one per run."""
+
+    def __init__(self, summary: str, details: list[str]) -> None:
+        self.details = details
+        super().__init__("\n".join([summary, *details]))
+
+
 class UsageError(OutboxMigrateError):
     """A request that makes no sense in the current state (unknown pattern, step out of order)."""
 

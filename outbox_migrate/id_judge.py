@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.findings import Finding
+from outbox_migrate.findings import Finding, ident, literal
 from outbox_migrate.marker_catalog import not_null_recipe
 
 if TYPE_CHECKING:
@@ -28,15 +28,25 @@ def judge_id(facts: TableFacts, spec: OutboxSpec, table: str) -> None:
     id_col = facts.column(spec.id_column)
     col = f"{table}.{spec.id_column}"
     kind = facts.id_kind(spec)
+    rel, id_q = ident(spec.schema, spec.table), ident(spec.id_column)
     if id_col is None:
-        block.append(Finding("id-missing", f"{table} has no column {spec.id_column!r}",
-                             "set id_column to the outbox's id column"))  # fmt: skip
+        key = facts.primary_key()
+        suggested = (
+            f'the primary key: id_column = "{key[0]}" (--id-column {key[0]})'
+            if len(key) == 1
+            else "the column that identifies a message"
+        )
+        block.append(Finding(
+            "id-missing", f"{table} has no column {spec.id_column!r}",
+            f"set id_column to the outbox's id column, here {suggested}",
+        ))  # fmt: skip
         return
     if id_col.type == "smallint":
+        fix = f"ALTER TABLE {rel} ALTER COLUMN {id_q} TYPE bigint"
         block.append(Finding(
             "id-type", f"{col} is smallint",
-            f"widen it first (rewrites the table under ACCESS EXCLUSIVE; plan a window): "
-            f"ALTER TABLE {table} ALTER COLUMN {spec.id_column} TYPE bigint",
+            f"widen it first (rewrites the table under ACCESS EXCLUSIVE; plan a window): {fix}",
+            fix,
         ))  # fmt: skip
         return
     if spec.id_kind == "application" and kind in ("identity", "sequence"):
@@ -59,23 +69,28 @@ def judge_id(facts: TableFacts, spec: OutboxSpec, table: str) -> None:
         ))  # fmt: skip
         return
     if kind == "none":
-        seq = f"{spec.table}_{spec.id_column}_seq"
+        seq = ident(spec.schema, f"{spec.table}_{spec.id_column}_seq")
+        fix = (
+            f"CREATE SEQUENCE {seq} OWNED BY {ident(spec.schema, spec.table, spec.id_column)}; "
+            f"SELECT setval({literal(seq)}, (SELECT coalesce(max({id_q}), 0) + 1 FROM {rel}), "
+            f"false); ALTER TABLE {rel} ALTER COLUMN {id_q} SET DEFAULT nextval({literal(seq)})"
+        )
         block.append(Finding(
             "id-no-generator",
             f"{col} has neither an identity nor a sequence default",
-            f"give it a sequence (catalog-only, no rewrite): CREATE SEQUENCE {seq} OWNED BY "
-            f"{col}; SELECT setval('{seq}', (SELECT coalesce(max({spec.id_column}), 0) + 1 "
-            f"FROM {table}), false); ALTER TABLE {table} ALTER COLUMN {spec.id_column} SET "
-            f"DEFAULT nextval('{seq}') — or, if the application supplies the ids, set id_kind "
-            "= \"application\"",
+            f"give it a sequence (catalog-only, no rewrite): {fix} — or, if the application "
+            "supplies the ids, set id_kind = \"application\"",
+            fix,
         ))  # fmt: skip
         return
     if not id_col.not_null:
+        fix = not_null_recipe(spec.schema, spec.table, spec.id_column)
         block.append(Finding(
             "id-nullable",
             f"{col} is nullable",
             "the new table's identity needs NOT NULL, and so does the swap (a partition must "
-            f"carry the parent's NOT NULL): {not_null_recipe(table, spec.id_column)}",
+            f"carry the parent's NOT NULL): {fix}",
+            fix,
         ))  # fmt: skip
     if kind == "sequence":
         how = (
@@ -92,12 +107,17 @@ def judge_id(facts: TableFacts, spec: OutboxSpec, table: str) -> None:
         ))  # fmt: skip
     limit = ID_LIMITS.get(id_col.type, ID_LIMITS["bigint"])
     if facts.identity_start(spec.id_headroom) > limit // ID_SAFETY_FACTOR:
+        fix = (
+            f"ALTER TABLE {rel} ALTER COLUMN {id_q} TYPE bigint" if id_col.type == "integer" else ""
+        )
         block.append(Finding(
             "id-overflow",
             f"identity START {facts.identity_start(spec.id_headroom):,} would approach the "
             f"{id_col.type} limit",
             "lower id_headroom"
-            + (f", or first ALTER {col} TYPE bigint" if id_col.type == "integer" else ""),
+            + (f", or first widen it (rewrites the table under ACCESS EXCLUSIVE): {fix}"
+               if fix else ""),
+            fix,
         ))  # fmt: skip
 
 
@@ -125,18 +145,21 @@ def _judge_application_id(
             "the spec's\"",
         ))  # fmt: skip
         return
+    rel, id_q = ident(spec.schema, spec.table), ident(spec.id_column)
     if id_col.type.split("(")[0] not in APPLICATION_ID_TYPES:
+        fix = f"ALTER TABLE {rel} ALTER COLUMN {id_q} TYPE text"
         block.append(Finding(
             "id-type", f"{col} is {id_col.type}",
             f"application ids must be one of {', '.join(sorted(APPLICATION_ID_TYPES))}: "
-            f"ALTER TABLE {table} ALTER COLUMN {spec.id_column} TYPE text (rewrites the "
-            "table) or add a sequence column and migrate by it",
+            f"{fix} (rewrites the table) or add a sequence column and migrate by it",
+            fix,
         ))  # fmt: skip
         return
     if not id_col.not_null:
+        fix = not_null_recipe(spec.schema, spec.table, spec.id_column)
         block.append(Finding(
             "id-nullable", f"{col} is nullable",
-            f"a NULL id cannot be claimed or copied: {not_null_recipe(table, spec.id_column)}",
+            f"a NULL id cannot be claimed or copied: {fix}", fix,
         ))  # fmt: skip
     order = spec.claim_order
     order_col = facts.column(order)

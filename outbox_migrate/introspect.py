@@ -7,6 +7,7 @@ with what to do; warnings are facts the operator must know but that do not stop 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from psycopg import Connection, sql
@@ -15,8 +16,8 @@ from outbox_migrate import id_judge, marker_catalog, marker_judge
 from outbox_migrate import lost_semantics as lost_rules
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import SchemaError
-from outbox_migrate.findings import Finding
+from outbox_migrate.errors import Blocked, SchemaError
+from outbox_migrate.findings import Finding, ident
 from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import PublicationFact
 from outbox_migrate.patterns.names import Names
@@ -28,11 +29,6 @@ from outbox_migrate.table_facts import (
     TableFacts,
 )
 from outbox_migrate.table_privileges import read_table_privileges
-
-STATUS_COLUMNS = frozenset({"status", "state"})
-"""Names of the state column of status-driven outboxes (PENDING/DELIVERED/DEAD)."""
-
-PUBLISHED_TYPES = frozenset({"timestamp with time zone", "timestamp without time zone"})
 
 
 def _rows(conn: Connection[Any], name: str, **parts: sql.Composable) -> list[tuple[Any, ...]]:
@@ -82,7 +78,7 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
             f"table {n.display(spec.table)} does not exist in database "
             f"{conn.info.dbname!r}; check --schema/--table (outbox-migrate config)"
         )
-    relkind, is_partition, total, heap, estimate, inserts, _upd, _del = table_rows[0]
+    relkind, is_partition, total, heap, estimate, inserts, updates, deletes = table_rows[0]
     columns = [
         ColumnFact(name, typ, default, notnull, coll, ident, gen)
         for name, typ, _base, default, notnull, coll, ident, gen in _rows(conn, "columns", **rel)
@@ -111,6 +107,8 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
         foreign_keys_out=[(r[0], r[1]) for r in _rows(conn, "foreign-keys-out", **rel)],
         publications=[r[0] for r in _rows(conn, "publications", **rel)],
         publication_details=list(publication_facts(conn, spec)),
+        updates=int(updates),
+        deletes=int(deletes),
     )
     for name, definition, _valid, _size, primary, unique, _con in _rows(conn, "indexes", **rel):
         facts.indexes.append((name, definition))
@@ -123,6 +121,7 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
         facts.triggers.append((name, definition))
         facts.trigger_details.append((name, definition, enabled))
     facts.unique_keys = lost_rules.read_unique_keys(conn, spec)
+    spec = _sample_marker(conn, facts, spec)
     id_col = facts.column(spec.id_column)
     if id_col is not None and id_col.type in ID_TYPES:
         ids = _rows(
@@ -170,6 +169,20 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
     return facts
 
 
+def _sample_marker(conn: Connection[Any], facts: TableFacts, spec: OutboxSpec) -> OutboxSpec:
+    """Read what the columns hold (bounded), and the spec with the marker the evidence names
+    when the setting was left at its default and the table has no such column."""
+    facts.samples, _counters = marker_catalog.read_samples(
+        conn, spec.schema, spec.table, (spec.id_column,)
+    )
+    has_marker = facts.column(spec.published_column) is not None
+    detected = marker_catalog.infer_from(spec, has_marker, facts.samples, facts.activity)
+    if detected is None:
+        return spec
+    facts.detected_marker = detected.name
+    return replace(spec, published_column=detected.name)
+
+
 def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
     """Fill `blockers`, `warnings`, `notes` and `objects` from the facts (pure; unit-testable).
     With a `pattern`, what only that pattern needs is a blocker (HOPER: a unique id index)."""
@@ -182,6 +195,10 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
             f"{table} is already {already}",
             "nothing to migrate, or point --table at the flat outbox",
         ))  # fmt: skip
+    elif facts.activity.deletes_on_delivery():
+        # Nothing else matters: the table is not partitioned, so nothing else is lost.
+        block.append(marker_judge.deletes_on_delivery(facts, table))
+        return
     id_judge.judge_id(facts, spec, table)
     for pub in facts.publication_details:
         if pub.columns and pub.publishes_changes and pub.explicit and not pub.covers_new_tables:
@@ -193,20 +210,8 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
                 "cross-partition UPDATE), which a column list cannot cover, so every mark "
                 "would fail: set the publication to publish = 'insert' or drop its column list",
             ))  # fmt: skip
-    pub_col = facts.column(spec.published_column)
-    status = next((c for c in facts.columns if c.name in STATUS_COLUMNS), None)
-    if pub_col is None and status is not None:
-        block.append(Finding(
-            "status-column",
-            f"{table} keeps its state in a status column ({status.name}) and has no "
-            f"publication timestamp {spec.published_column!r}",
-            f"partition by the status itself: published_column = \"{status.name}\" and "
-            "published_value = the value the relay sets (the unpublished one is the column's "
-            "DEFAULT, or unpublished_value); see docs/patterns.md, \"Your table is not the "
-            "spec's\"",
-        ))  # fmt: skip
-    elif pub_col is None:
-        block.append(lost_rules.missing_marker(facts, spec, table))
+    if facts.column(spec.published_column) is None:
+        block.append(marker_judge.missing_marker(facts, spec, table))
     else:
         spec = marker_judge.judge_marker(facts, spec, table)
     for name, referrer in facts.foreign_keys_in:
@@ -252,7 +257,8 @@ def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str
         if marker_judge.serves_the_relay(definition, spec):
             fate = (
                 f"serves the relay on {table} until it is drained; after a swap {table} holds "
-                f"published rows only and the index stays empty: DROP INDEX CONCURRENTLY {name}"
+                f"published rows only and the index stays empty: DROP INDEX CONCURRENTLY "
+                f"{ident(spec.schema, name)}"
             )
         else:
             fate = (
@@ -270,12 +276,14 @@ def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str
                 "INHERIT",
             ))  # fmt: skip
         elif not validated:
+            fix = f"ALTER TABLE {ident(spec.schema, spec.table)} VALIDATE CONSTRAINT {ident(name)}"
             facts.blockers.append(Finding(
                 "check-not-valid",
                 f"CHECK {name} on {table} is NOT VALID",
-                f"validate it first (ALTER TABLE {table} VALIDATE CONSTRAINT {name}; reads "
-                f"the table under SHARE UPDATE EXCLUSIVE): it is copied to {parent}, and the "
-                "swap attaches the old table, which then must satisfy it",
+                f"validate it first ({fix}; reads the table under SHARE UPDATE EXCLUSIVE): it "
+                f"is copied to {parent}, and the swap attaches the old table, which then must "
+                "satisfy it",
+                fix,
             ))  # fmt: skip
         facts.objects.append(ObjectFact("check", name, definition, (
             f"copied to {parent} in V2 (LIKE … INCLUDING CONSTRAINTS; the table is empty, so "
@@ -293,12 +301,15 @@ def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str
         facts.objects.append(
             ObjectFact("trigger", name, definition, _trigger_fate(definition, enabled, spec))
         )
-    if not unique_id:
+    if not unique_id and facts.column(spec.id_column) is not None:
+        fix = (f"CREATE UNIQUE INDEX CONCURRENTLY ON {ident(spec.schema, spec.table)} "
+               f"({ident(spec.id_column)})")  # fmt: skip
         (facts.blockers if pattern == "hoper" else facts.warnings).append(Finding(
             "no-unique-id",
             f"{table} has no unique index on {spec.id_column}",
-            "HOPER's copy-back needs one and its V2 refuses to start without it: CREATE UNIQUE "
-            f"INDEX CONCURRENTLY ON {table} ({spec.id_column}); the other patterns do not",
+            f"HOPER's copy-back needs one and its V2 refuses to start without it: {fix}; the "
+            "other patterns do not",
+            fix,
         ))  # fmt: skip
 
 
@@ -375,11 +386,19 @@ def inspect(dsn: str, spec: OutboxSpec, pattern: str = "") -> TableFacts:
 
 
 def raise_for_blockers(facts: TableFacts) -> None:
-    """One line naming the first blocker (and how many more), for exit code 2."""
-    if facts.blockers:
-        first = facts.blockers[0]
-        more = f" (+{len(facts.blockers) - 1} more blockers)" if len(facts.blockers) > 1 else ""
-        raise SchemaError(f"{first.message}: {first.remedy}{more}")
+    """Refuse (exit 2) with every blocker and its fix: one blocker is the error line itself;
+    several are one line each above a line that counts them."""
+    if not facts.blockers:
+        return
+    if len(facts.blockers) == 1:
+        only = facts.blockers[0]
+        raise SchemaError(f"{only.message}: {only.remedy}")
+    count = len(facts.blockers)
+    table = facts.table if facts.schema == "public" else f"{facts.schema}.{facts.table}"
+    raise Blocked(
+        f"{count} blockers stop the migration of {table}, each listed with its fix",
+        [f"blocker {i}/{count}: {b.message}: {b.remedy}" for i, b in enumerate(facts.blockers, 1)],
+    )
 
 
 __all__ = [

@@ -54,8 +54,10 @@ def id_unique_by_construction(facts: TableFacts, spec: OutboxSpec) -> bool:
     without an index: the new identity starts above the old ids. Ids the application
     supplies without a default were kept unique by the index alone — which is how a
     framework deduplicates (NServiceBus's primary key on MessageId). With database ids that
-    are not generated, the id's own blocker already says what to do."""
-    if spec.id_kind != "application":
+    are not generated, the id's own blocker already says what to do. An id whose type only
+    the application can supply (uuid, text) is judged so before id_kind says it, so that
+    this blocker comes in the same round as the one asking for id_kind."""
+    if spec.id_kind != "application" and facts.id_kind(spec) != "application":
         return True
     column = facts.column(spec.id_column)
     return column is not None and column.default is not None
@@ -68,13 +70,17 @@ def lost_unique_keys(facts: TableFacts, spec: OutboxSpec) -> list[UniqueKey]:
     keep = {spec.published_column}
     if id_unique_by_construction(facts, spec):
         keep.add(spec.id_column)
+    if facts.column(spec.id_column) is None:
+        # id-missing suggests the primary key as the id: judged as if it were set
+        keep.update(facts.primary_key())
     return [key for key in facts.unique_keys if not keep.intersection(key.columns)]
 
 
 def judge_lost_semantics(facts: TableFacts, spec: OutboxSpec, table: str) -> None:
     """Blockers for rules that would silently stop holding; warnings for behaviour that
     changes for code outside outbox-migrate. A table without its publication column is
-    refused for that alone (`missing_marker`): it will not be partitioned, so nothing is lost."""
+    refused for that alone (marker_judge.missing_marker): it will not be partitioned, so
+    nothing is lost."""
     if facts.column(spec.published_column) is None:
         return
     parent, published = spec.partitioned_table, spec.published_column
@@ -149,32 +155,3 @@ def status_beside_timestamp(facts: TableFacts, spec: OutboxSpec) -> ColumnFact |
         if named or flag:
             return column
     return None
-
-
-def missing_marker(facts: TableFacts, spec: OutboxSpec, table: str) -> Finding:
-    """The refusal when the publication column is absent: a misnamed marker (a nullable
-    timestamp named like one exists) is a setting to fix; no marker at all is an outbox that
-    deletes what it delivered (MassTransit's OutboxMessage, Debezium's example), where
-    "set published_column" would invite a wrong fix."""
-    candidates = [
-        c.name
-        for c in facts.columns
-        if c.type in TIMESTAMP_TYPES
-        and not c.not_null
-        and any(stem in c.name.lower() for stem in MARKER_STEMS)
-    ]
-    if candidates:
-        return Finding(
-            "published-missing",
-            f"{table} has no column {spec.published_column!r}",
-            f"set published_column to the publication timestamp column (here perhaps: "
-            f"{', '.join(candidates)})",
-        )
-    return Finding(
-        "delete-on-delivery",
-        f"{table} has no publication marker: no column {spec.published_column!r} and no "
-        "nullable timestamp named like published/dispatched/sent/processed",
-        "this outbox deletes delivered rows: there is nothing to partition (it holds only "
-        "undelivered messages and stays small by itself); if a column does record "
-        "publication, set published_column to it",
-    )

@@ -1,7 +1,9 @@
 """What `plan` says about the publication marker, judged from `TableFacts` without I/O: a
-flag's values (a note), or why the column cannot be the marker (a blocker), and which partial
-index of the old table serves the relay. The decision itself is marker_catalog.decide; this
-module must not read the database.
+flag's values (a note), or why the column cannot be the marker (a blocker), which partial
+index of the old table serves the relay, and — from the evidence (the columns' types, defaults
+and contents, the table's own counters) — whether the table has a marker at all or deletes
+what it delivers. The decisions themselves are in marker_catalog; this module must not read
+the database.
 """
 
 from __future__ import annotations
@@ -47,9 +49,30 @@ def judge_marker(facts: TableFacts, spec: OutboxSpec, table: str) -> OutboxSpec:
     column = column_of(facts, spec)
     if column is None:
         return spec
+    if facts.detected_marker == spec.published_column:
+        why = next((c.why for c in candidates(facts, spec) if c.name == spec.published_column),
+                   column.type)  # fmt: skip
+        facts.notes.append(Finding(
+            "marker-detected",
+            f"{table}.{spec.published_column} records delivery: {why}",
+            f'published_column is not set and {table} has no {OutboxSpec.published_column}, so '
+            "every command takes this column; set published_column to pin it",
+        ))  # fmt: skip
+    sample = facts.sample(spec.published_column)
+    if column.type in marker_catalog.TIMESTAMP_TYPES and sample is not None and sample.ahead:
+        facts.blockers.append(Finding(
+            "published-ahead",
+            f"{table}.{spec.published_column} holds times later than now: a deadline or a "
+            "schedule, not when a row was published",
+            "set published_column to the column the sender sets when it delivers a row; if "
+            "none does, this outbox deletes what it delivers and there is nothing to partition",
+        ))  # fmt: skip
+        return spec
     decided = marker_catalog.decide(spec, column, table)
     if isinstance(decided, marker_catalog.Refusal):
-        facts.blockers.append(Finding(decided.code, decided.message, decided.remedy))
+        facts.blockers.append(
+            Finding(decided.code, decided.message, decided.remedy, decided.fix_sql)
+        )
         return spec
     if decided.unpublished_value:
         facts.notes.append(Finding(
@@ -71,3 +94,58 @@ def serves_the_relay(definition: str, spec: OutboxSpec) -> bool:
         return f"({published} IS NULL)" in definition
     _, where, predicate = definition.partition(" WHERE ")
     return bool(where) and published in predicate
+
+
+def candidates(facts: TableFacts, spec: OutboxSpec) -> list[marker_catalog.Candidate]:
+    """The columns whose type, default and contents fit a marker (without rows read, the
+    catalog alone: a pure judgement of a table nobody sampled)."""
+    found = []
+    for column in facts.columns:
+        if column.name == spec.id_column or column.generated:
+            continue
+        sample = facts.sample(column.name) or marker_catalog.ColumnSample(
+            column.name, column.type, column.default, column.not_null
+        )
+        judged = marker_catalog.candidate(sample)
+        if judged is not None:
+            found.append(judged)
+    return found
+
+
+def deletes_on_delivery(facts: TableFacts, table: str) -> Finding:
+    """The refusal when the table's own counters show rows leaving by DELETE, unmarked: what
+    a published_column names there is not a delivery record (Wolverine's `deliver_by`)."""
+    return Finding(
+        "delete-on-delivery",
+        f"{table} deletes the rows it delivers: {facts.activity.said()}",
+        "this outbox deletes delivered rows: there is nothing to partition (it holds only "
+        "undelivered messages and stays small by itself), whatever published_column names",
+    )
+
+
+def missing_marker(facts: TableFacts, spec: OutboxSpec, table: str) -> Finding:
+    """The refusal when the publication column is absent: the columns that could be the
+    marker by their type, default and contents, each with its setting; with none, an outbox
+    that deletes what it delivers (MassTransit's OutboxMessage, Debezium's example), where
+    "set published_column" would invite a wrong fix."""
+    found = candidates(facts, spec)
+    missing = f"{table} has no column {spec.published_column!r}"
+    if found:
+        code = "status-column" if all(c.kind == "status" for c in found) else "published-missing"
+        listed = "; or ".join(f"{c.setting()} ({c.why})" for c in found)
+        which = "the column" if len(found) == 1 else "the one of these"
+        return Finding(
+            code,
+            missing,
+            f"set {which} the sender sets on delivery: {listed}; see docs/patterns.md, "
+            '"Your table is not the spec\'s"',
+        )
+    return Finding(
+        "delete-on-delivery",
+        f"{table} has no publication marker: no column {spec.published_column!r}, and no "
+        "nullable timestamp without a default or flag with a constant default that could "
+        "record delivery",
+        "this outbox deletes delivered rows: there is nothing to partition (it holds only "
+        "undelivered messages and stays small by itself); if a column does record "
+        "publication, set published_column to it",
+    )

@@ -10,6 +10,7 @@ from typing import Any
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.findings import Finding
+from outbox_migrate.marker_catalog import Activity, ColumnSample
 from outbox_migrate.patterns.model import PublicationFact
 
 ID_TYPES = frozenset({"bigint", "integer"})
@@ -97,11 +98,33 @@ class TableFacts:
     trigger_details: list[tuple[str, str, str]] = field(default_factory=list)
     """(name, definition, enabled: O/D/R/A) of each user trigger."""
     unique_keys: list[UniqueKey] = field(default_factory=list)
+    updates: int = 0
+    deletes: int = 0
+    """With `inserts`: the table's own counters, which say whether it deletes what it
+    delivers."""
+    samples: list[ColumnSample] = field(default_factory=list)
+    """Each column that could be the marker, with what a bounded read of its rows found."""
+    detected_marker: str = ""
+    """The marker column taken from the evidence (the setting was left at its default)."""
     blockers: list[Finding] = field(default_factory=list)
     warnings: list[Finding] = field(default_factory=list)
     notes: list[Finding] = field(default_factory=list)
     """How the plan handles what is unusual about this table (id kind, …); nothing to do."""
     objects: list[ObjectFact] = field(default_factory=list)
+
+    @property
+    def activity(self) -> Activity:
+        return Activity(self.inserts, self.updates, self.deletes)
+
+    def sample(self, name: str) -> ColumnSample | None:
+        return next((s for s in self.samples if s.name == name), None)
+
+    def primary_key(self) -> tuple[str, ...]:
+        """The primary key's columns (none when it has none, or an expression)."""
+        key = next((k for k in self.unique_keys if k.kind == "primary key"), None)
+        if key is None or None in key.columns:
+            return ()
+        return tuple(c for c in key.columns if c is not None)
 
     def column(self, name: str) -> ColumnFact | None:
         return next((c for c in self.columns if c.name == name), None)

@@ -14,6 +14,7 @@ from psycopg import Connection
 
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.findings import ident
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.patterns.privileges import RELAY_CLAIM_PRIVILEGES
 
@@ -60,8 +61,8 @@ class TablePrivileges:
             if pattern in SWITCHING_PATTERNS and any(g.privilege == "INSERT" for g in held):
                 fate += (
                     f"; V2's switching relay leaves {spec.table} once nobody can insert into "
-                    f"it: after V1 is gone, as {self.owner}: REVOKE INSERT ON {spec.table} "
-                    f"FROM {grantee}"
+                    f"it: after V1 is gone, as {self.owner}: REVOKE INSERT ON "
+                    f"{ident(spec.schema, spec.table)} FROM {grantee}"
                 )
             found.append(("grant", grantee, held_text, fate))
         return found
@@ -75,9 +76,9 @@ class TablePrivileges:
             f"{spec.table} has row-level security "
             f"({'enabled' if self.row_security else 'disabled'}, {self.policies} policies)",
             f"its policies are not carried to {spec.partitioned_table} and its partitions: "
-            f"disable it for the migration (ALTER TABLE {spec.table} DISABLE ROW LEVEL "
-            "SECURITY, DROP POLICY …) and re-create the policies on the partitioned table "
-            "yourself, or migrate by hand",
+            f"disable it for the migration (ALTER TABLE {ident(spec.schema, spec.table)} "
+            "DISABLE ROW LEVEL SECURITY, DROP POLICY …) and re-create the policies on the "
+            "partitioned table yourself, or migrate by hand",
         )]  # fmt: skip
 
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import UsageError
+
+if TYPE_CHECKING:
+    from outbox_migrate.table_facts import TableFacts
 
 QUESTIONS = {
     "pause": "Can publication of messages pause for a few minutes during the migration?",
@@ -145,18 +148,22 @@ class Measurements:
     publications: list[str]
     foreign_keys_in: list[str]
     blockers: list[str]
+    id_column: str = ""
+    """The primary key, when the configured id column is missing: the id `plan` suggests,
+    carried into the `Next:` command."""
 
 
-def measure(dsn: str, spec: OutboxSpec, window_s: float = 2.0) -> Measurements:
-    """Sample the live outbox: size, backlog, insert and publish rates, CDC, FKs, version."""
+def measure(dsn: str, spec: OutboxSpec, window_s: float = 2.0, pattern: str = "") -> Measurements:
+    """Sample the live outbox: size, backlog, insert and publish rates, CDC, FKs, version,
+    and the blockers `plan` would name for `pattern` (the recommended one)."""
     from outbox_migrate.db import connect
     from outbox_migrate.introspect import introspect
 
     with connect(dsn) as conn:
-        facts = introspect(conn, spec)
-        first = _counters(conn, spec)
+        facts = introspect(conn, spec, pattern)
+        first = _counters(conn, spec, facts.sequence)
         time.sleep(window_s)
-        second = _counters(conn, spec)
+        second = _counters(conn, spec, facts.sequence)
     return Measurements(
         server_version=facts.server_version_text,
         total_bytes=facts.total_bytes,
@@ -169,27 +176,38 @@ def measure(dsn: str, spec: OutboxSpec, window_s: float = 2.0) -> Measurements:
         publications=facts.publications,
         foreign_keys_in=[f"{n} on {t}" for n, t in facts.foreign_keys_in],
         blockers=[f"{b.message}: {b.remedy}" for b in facts.blockers],
+        id_column=_suggested_id(facts, spec),
     )
 
 
-def _counters(conn: Any, spec: OutboxSpec) -> tuple[int, int]:
-    """(ids taken from the identity sequence, rows updated) — both live, not cached stats.
+def _suggested_id(facts: TableFacts, spec: OutboxSpec) -> str:
+    key = facts.primary_key()
+    return key[0] if facts.column(spec.id_column) is None and len(key) == 1 else ""
 
-    The sequence moves the moment a writer inserts; pg_stat counters lag by up to a second
-    and are frozen inside a transaction, so updates are read after clearing the snapshot.
-    """
+
+def _counters(conn: Any, spec: OutboxSpec, sequence: str | None) -> tuple[int, int]:
+    """(rows inserted, rows updated). Inserts come from the id's sequence when it has one
+    (it moves the moment a writer inserts), else from the table's counters; pg_stat counters
+    lag by up to a second and are frozen inside a transaction, so they are read after
+    clearing the snapshot. Whatever the id column is (or if it is missing), nothing here
+    fails: introspection named the sequence, or there is none."""
     from psycopg import sql
 
     from outbox_migrate.patterns.names import Names
 
-    n = Names(spec)
+    reg = Names(spec).reg(spec.table)
     conn.execute("SELECT pg_stat_clear_snapshot()")
+    stats = sql.SQL("(SELECT {col} FROM pg_stat_user_tables WHERE relid = to_regclass({reg}))")
+    inserts = stats.format(col=sql.SQL("n_tup_ins"), reg=reg)
+    if sequence:  # a role that may not read the sequence falls back to the counters
+        inserts = sql.SQL(
+            "coalesce(CASE WHEN has_sequence_privilege({s}, 'SELECT,USAGE') THEN "
+            "pg_sequence_last_value({s}) END, {i})"
+        ).format(s=sql.Literal(sequence), i=inserts)
     row = conn.execute(
-        sql.SQL(
-            "SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence({}, {})::regclass), 0),"
-            " coalesce((SELECT n_tup_upd FROM pg_stat_user_tables WHERE relid = to_regclass({})),"
-            " 0)"
-        ).format(n.reg(spec.table), sql.Literal(spec.id_column), n.reg(spec.table))
+        sql.SQL("SELECT coalesce({}, 0), coalesce({}, 0)").format(
+            inserts, stats.format(col=sql.SQL("n_tup_upd"), reg=reg)
+        )
     ).fetchone()
     return (int(row[0]), int(row[1])) if row else (0, 0)
 

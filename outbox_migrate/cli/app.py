@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
             import traceback
 
             traceback.print_exception(exc)
+        for line in getattr(exc, "details", ()):  # several blockers: one line each, first
+            sys.stderr.write(f"{line}\n")
         _fail(message, code)
     code = returned if isinstance(returned, int) else 0
     if code == int(ExitCode.INTERRUPTED):  # typer turns KeyboardInterrupt into a return of 130

@@ -159,10 +159,13 @@ def _what_next(result: Any, runner: Runner) -> str | None:
         if reached.app.publishes_from.value == "old-then-new":
             # The switching relay's default gate waits for this; nothing else tells them.
             previous = pattern.phases[index - 1].name
+            from outbox_migrate.findings import ident
+
             old = spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
             deploy += (
-                f"; once {previous} is gone, as the owner of {old}: REVOKE INSERT ON {old} "
-                f"FROM <the application's role> (the switching relay leaves {old} only then)"
+                f"; once {previous} is gone, as the owner of {old}: REVOKE INSERT ON "
+                f"{ident(spec.schema, spec.table)} FROM <the application's role> (the "
+                f"switching relay leaves {old} only then)"
             )
         return f"{deploy}, {then}".rstrip(", ")
     return then.removeprefix("then ") or None

@@ -101,9 +101,11 @@ def wizard(
 
         from outbox_migrate.wizard import interpret, measure
 
-        measured = measure(resolved.dsn, settings.spec)
+        measured = measure(resolved.dsn, settings.spec, pattern=result.pattern)
         document["measurements"] = asdict(measured)
         document["notes"] = interpret(measured, result.pattern)
+        if measured.id_column:  # the id plan suggests: the next command runs as printed
+            names = {**names, "id_column": measured.id_column}
     document["next"] = command_line("plan", "--pattern", result.pattern, dsn=dsn, names=names)
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json

@@ -281,7 +281,7 @@ def test_zoo_table_plans_without_blockers(dsn: str, zoo: ZooTable) -> None:
                 ("primary key", "outbox_ct_pkey")} <= objects  # fmt: skip
     if zoo is OUTBOX_EVENTS:
         fates = {o.name: o.fate for o in facts.objects}
-        assert "DROP INDEX CONCURRENTLY outbox_retry_idx" in fates["outbox_retry_idx"]
+        assert 'DROP INDEX CONCURRENTLY "public"."outbox_retry_idx"' in fates["outbox_retry_idx"]
     if zoo in (BIGSERIAL, OUTBOX_EVENTS):
         assert facts.id_kind(settings.spec) == "sequence"
         assert [n.code for n in facts.notes] == ["id-sequence"]
@@ -392,7 +392,10 @@ def test_hoper_without_a_unique_id_index_is_refused_in_v2(dsn: str) -> None:
         conn.execute(zoo.ddl.replace("id bigserial PRIMARY KEY", "id bigserial"))
         facts = introspect(conn, settings.spec, "hoper")
         assert [b.code for b in facts.blockers] == ["no-unique-id"]
-        assert "CREATE UNIQUE INDEX CONCURRENTLY ON outbox_bs (id)" in facts.blockers[0].remedy
+        assert (
+            'CREATE UNIQUE INDEX CONCURRENTLY ON "public"."outbox_bs" ("id")'
+            in facts.blockers[0].remedy
+        )
         assert [w.code for w in introspect(conn, settings.spec, "hopia").warnings] == [
             "no-unique-id", *LAYOUT_WARNINGS,
         ]  # fmt: skip
@@ -430,7 +433,7 @@ def test_plan_cli_explains_the_seed_outbox(dsn: str, tmp_path: Any) -> None:
     assert "Note: outbox_events.id takes its ids from sequence public.outbox_events_id_seq" in out
     assert "## Objects on `outbox_events` and what happens to each" in out
     assert "- primary key `outbox_events_pkey`: stays on outbox_events" in out
-    assert "DROP INDEX CONCURRENTLY outbox_retry_idx" in out
+    assert 'DROP INDEX CONCURRENTLY "public"."outbox_retry_idx"' in out
     assert "Blocker" not in out
 
 

@@ -270,7 +270,7 @@ def test_run_refuses_a_lost_unique_key_before_writing_and_accepts_it_when_named(
 
 
 @pytest.mark.newest_pg_only
-def test_plan_cli_refuses_in_one_line_and_takes_the_flag_repeatedly(dsn: str) -> None:
+def test_plan_cli_lists_every_blocker_and_takes_the_flag_repeatedly(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(NSERVICEBUS.ddl)
         conn.execute("CREATE UNIQUE INDEX sales_dispatch_key ON sales_outboxdata "
@@ -281,9 +281,16 @@ def test_plan_cli_refuses_in_one_line_and_takes_the_flag_repeatedly(dsn: str) ->
     refused = run_cli("plan", "--pattern", "hopia", "--dsn", dsn, *names)
     assert refused.returncode == 2
     line = error_line(refused)
-    assert "unique index sales_dispatch_key on sales_outboxdata (PersistenceVersion, " in line
-    assert "--accept-lost-unique sales_dispatch_key" in line
-    assert line.endswith("(+1 more blockers)") and "Traceback" not in refused.stderr
+    assert line == (
+        "outbox-migrate: error: 2 blockers stop the migration of sales_outboxdata, each "
+        "listed with its fix"
+    )
+    listed = refused.stderr.strip().splitlines()[:-1]
+    assert [entry.split(": ")[0] for entry in listed] == ["blocker 1/2", "blocker 2/2"]
+    assert "unique index sales_dispatch_key on sales_outboxdata (PersistenceVersion, " in listed[0]
+    assert "--accept-lost-unique sales_dispatch_key" in listed[0]
+    assert "primary key sales_outboxdata_pkey on sales_outboxdata" in listed[1]
+    assert "--accept-lost-unique sales_outboxdata_pkey" in listed[1]
     accepted = run_cli(
         "plan", "--pattern", "hopia", "--dsn", dsn, "--format", "markdown", *names,
         "--accept-lost-unique", "sales_outboxdata_pkey",

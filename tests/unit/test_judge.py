@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import SchemaError
+from outbox_migrate.errors import Blocked, SchemaError
 from outbox_migrate.introspect import ColumnFact, TableFacts, judge, raise_for_blockers
 from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.patterns.model import PublicationFact
@@ -62,7 +62,9 @@ def test_missing_publication_column() -> None:
     found = judged(columns=[ID, PAYLOAD, sent])
     assert [b.code for b in found.blockers] == ["published-missing"]
     assert found.blockers[0].message == "outbox has no column 'published_at'"
-    assert found.blockers[0].remedy.endswith("(here perhaps: sent_at)")
+    assert found.blockers[0].remedy.startswith(
+        'set the column the sender sets on delivery: published_column = "sent_at" (a nullable '
+    )
 
 
 def test_timestamp_without_time_zone_is_accepted() -> None:
@@ -84,15 +86,27 @@ def test_names_outside_public_are_qualified_in_messages() -> None:
     )
 
 
-def test_several_blockers_are_one_line_with_a_count() -> None:
+def test_several_blockers_are_listed_at_once_each_with_its_fix() -> None:
+    """Before, only the first blocker was named ("+1 more blockers"): a user fixed and re-ran
+    once per blocker."""
     found = judged(columns=[dataclasses.replace(ID, type="uuid", identity=""), PAYLOAD])
     assert [b.code for b in found.blockers] == ["id-application", "delete-on-delivery"]
-    with pytest.raises(SchemaError) as raised:
+    with pytest.raises(Blocked) as raised:
         raise_for_blockers(found)
-    assert str(raised.value).startswith(
-        'outbox.id is uuid: the application supplies the ids: set id_kind = "application"'
+    summary, *lines = str(raised.value).splitlines()
+    assert summary == "2 blockers stop the migration of outbox, each listed with its fix"
+    assert lines == raised.value.details
+    assert lines[0].startswith(
+        "blocker 1/2: outbox.id is uuid: the application supplies the ids: set id_kind = "
+        '"application"'
     )
-    assert str(raised.value).endswith("(+1 more blockers)")
+    assert lines[1].startswith("blocker 2/2: outbox has no publication marker")
+    assert "this outbox deletes delivered rows" in lines[1]
+    only = judged(columns=[dataclasses.replace(ID, type="uuid", identity=""), PAYLOAD, PUBLISHED])
+    with pytest.raises(SchemaError) as one:
+        raise_for_blockers(only)
+    assert not isinstance(one.value, Blocked)
+    assert str(one.value).startswith("outbox.id is uuid: the application supplies the ids")
 
 
 def test_warnings_in_a_stable_order() -> None:
@@ -136,7 +150,11 @@ def test_id_kinds() -> None:
     bare = dataclasses.replace(ID, identity="", default=None)
     found = judged(columns=[bare, PAYLOAD, PUBLISHED], sequence=None, sequence_last_value=None)
     assert [b.code for b in found.blockers] == ["id-no-generator"]
-    assert "CREATE SEQUENCE outbox_id_seq OWNED BY outbox.id" in found.blockers[0].remedy
+    assert (
+        'CREATE SEQUENCE "public"."outbox_id_seq" OWNED BY "public"."outbox"."id"'
+        in found.blockers[0].remedy
+    )
+    assert found.blockers[0].fix_sql in found.blockers[0].remedy
     uuid = dataclasses.replace(ID, type="uuid", identity="", default="gen_random_uuid()")
     columns = [uuid, PAYLOAD, PUBLISHED]
     application = OutboxSpec(id_kind="application")
@@ -166,7 +184,7 @@ def test_id_kinds() -> None:
     tiny = dataclasses.replace(ID, type="smallint", identity="")
     found = judged(columns=[tiny, PAYLOAD, PUBLISHED])
     assert [b.code for b in found.blockers] == ["id-type"]
-    assert "ALTER TABLE outbox ALTER COLUMN id TYPE bigint" in found.blockers[0].remedy
+    assert 'ALTER TABLE "public"."outbox" ALTER COLUMN "id" TYPE bigint' in found.blockers[0].remedy
     small = dataclasses.replace(ID, type="integer")
     assert [b.code for b in judged(columns=[small, PAYLOAD, PUBLISHED],
                                    max_id=2**30).blockers] == ["id-overflow"]  # fmt: skip
@@ -191,7 +209,7 @@ def test_objects_and_what_happens_to_them() -> None:
     assert kinds == [("index", "outbox_unpublished"), ("unique index", "by_key"),
                      ("check", "small"), ("check", "lazy"), ("trigger", "audit")]  # fmt: skip
     fates = {o.name: o.fate for o in found.objects}
-    assert "DROP INDEX CONCURRENTLY outbox_unpublished" in fates["outbox_unpublished"]
+    assert 'DROP INDEX CONCURRENTLY "public"."outbox_unpublished"' in fates["outbox_unpublished"]
     assert "must include the partition key (published_at)" in fates["by_key"]
     assert "copied to outbox_new in V2" in fates["small"]
     assert "HOPIA's copy trigger" in fates["audit"] and "fires it" in fates["audit"]
@@ -207,8 +225,12 @@ def test_status_column_outboxes_are_refused_with_the_settings_that_partition_by_
     status = ColumnFact("status", "text", "'PENDING'::text", True, None, "", "")
     delivered = dataclasses.replace(PUBLISHED, name="delivered_at")
     found = judged(columns=[ID, PAYLOAD, status, delivered])
-    assert [b.code for b in found.blockers] == ["status-column"]
-    assert 'published_column = "status" and published_value' in found.blockers[0].remedy
+    assert [b.code for b in found.blockers] == ["published-missing"]
+    assert (
+        'published_column = "status", published_value = the value the sender sets (text '
+        "DEFAULT PENDING" in found.blockers[0].remedy
+    )
+    assert 'or published_column = "delivered_at" (a nullable' in found.blockers[0].remedy
     by_status = OutboxSpec(published_column="status", published_value="DELIVERED")
     found = judged(by_status, columns=[ID, PAYLOAD, status, delivered])
     assert found.blockers == []

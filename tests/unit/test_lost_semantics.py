@@ -208,7 +208,29 @@ def test_a_delete_on_delivery_outbox_gets_its_own_refusal() -> None:
     marked = [*MASSTRANSIT, col("DeliveredAt", TS)]
     found = judged(marked, [], spec)
     assert [b.code for b in found.blockers if b.code != "no-unique-id"] == ["published-missing"]
-    assert found.blockers[0].remedy.endswith("(here perhaps: DeliveredAt)")
+    assert 'published_column = "DeliveredAt" (a nullable' in found.blockers[0].remedy
+
+
+def test_the_tables_counters_refuse_it_whatever_published_column_names() -> None:
+    """Before, MassTransit's table with published_column = EnqueueTime passed `plan`."""
+    spec = OutboxSpec(table="OutboxMessage", id_column="SequenceNumber", payload_column="Body",
+                      published_column="EnqueueTime")  # fmt: skip
+    keys = [UniqueKey("PK_OutboxMessage", "primary key", ("SequenceNumber",), False, "")]
+    facts = judged(MASSTRANSIT, keys, spec)
+    assert "delete-on-delivery" not in [b.code for b in facts.blockers]  # no counters yet
+    for inserts, updates, deletes, refused in [(150, 0, 120, True), (150, 150, 120, False)]:
+        facts = judged(MASSTRANSIT, keys, spec)
+        counted = dataclasses.replace(facts, inserts=inserts, updates=updates, deletes=deletes,
+                                      blockers=[], warnings=[], notes=[], objects=[])  # fmt: skip
+        judge(counted, spec, "hopia")
+        codes = [b.code for b in counted.blockers]
+        assert (codes == ["delete-on-delivery"]) is refused, codes
+        if refused:  # nothing else is said of a table that is not partitioned
+            assert counted.warnings == [] and counted.notes == []
+            assert counted.blockers[0].message == (
+                "OutboxMessage deletes the rows it delivers: its statistics show 150 rows "
+                "inserted, 120 deleted and 0 updated"
+            )
 
 
 def test_swap_and_attach_check_trigger_names_under_their_locks() -> None:

@@ -14,7 +14,18 @@ import pytest
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.errors import ConfigError
-from outbox_migrate.marker_catalog import MarkerColumn, Refusal, constant_default, decide
+from outbox_migrate.marker_catalog import (
+    Activity,
+    Candidate,
+    ColumnSample,
+    MarkerColumn,
+    Refusal,
+    candidate,
+    choose,
+    constant_default,
+    decide,
+    words,
+)
 from outbox_migrate.patterns import marker
 
 TIMESTAMP = OutboxSpec()
@@ -102,7 +113,8 @@ def test_a_flag_that_could_be_null_is_refused_with_the_recipe() -> None:
     refused = decide(spec, MarkerColumn("smallint", "0", not_null=False), "message")
     assert isinstance(refused, Refusal)
     assert refused.code == "published-flag-nullable"
-    assert "ALTER TABLE message ALTER COLUMN published SET NOT NULL" in refused.remedy
+    assert 'ALTER TABLE "public"."message" ALTER COLUMN "published" SET NOT NULL' in refused.remedy
+    assert refused.fix_sql in refused.remedy
     # a validated CHECK (published IS NOT NULL) is as good as NOT NULL
     checked = MarkerColumn("smallint", "0", not_null=False, not_null_check=True)
     assert isinstance(decide(spec, checked, "message"), OutboxSpec)
@@ -148,3 +160,91 @@ def test_status_column_and_its_value_go_together() -> None:
         load_settings({"status_column": "status"}, environ={})
     with pytest.raises(ConfigError, match="must differ"):
         load_settings({"status_column": "published_at", "status_published_value": "x"}, environ={})
+
+
+# -- evidence: which column records delivery, and whether rows leave by DELETE -------------
+
+TS = "timestamp with time zone"
+
+
+def sample(name: str, typ: str, default: str | None = None, not_null: bool = False,
+           **seen: object) -> ColumnSample:  # fmt: skip
+    return ColumnSample(name, typ, default, not_null, **seen)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("column", "kind"),
+    [
+        (sample("published", "smallint", "0"), "flag"),
+        (sample("acked", "boolean", "false", True), "flag"),
+        (sample("flag", "smallint", "0", rows=4, values=("0", "1"), distinct=2), "flag"),
+        (sample("DispatchedAt", TS), "timestamp"),
+        (sample("happened", TS, rows=4, nulls=2, values=("x",), distinct=1), "timestamp"),
+        (sample("StatusName", "character varying(50)", None, True), "status"),
+        # ruled out by type, default or contents, whatever the name
+        (sample("published_at", TS, not_null=True), None),
+        (sample("published_at", TS, "now()"), None),
+        (sample("sent_at", TS, rows=3, nulls=1, distinct=2, ahead=True), None),
+        (sample("published", "smallint"), None),
+        (
+            sample(
+                "published",
+                "smallint",
+                "0",
+                rows=9,
+                distinct=6,
+                values=("0", "1", "2", "3", "4", "5"),
+            ),
+            None,
+        ),
+        (sample("published", "jsonb", "'{}'::jsonb"), None),
+        # a deadline or a counter is never suggested; an unnamed column must be seen at work
+        (sample("deliver_by", TS), None),
+        (sample("ExpiresAt", "timestamp without time zone"), None),
+        (sample("attempts", "integer", "0", rows=5, values=("0", "1"), distinct=2), None),
+        (sample("EnqueueTime", TS, rows=4, nulls=2, distinct=1), None),
+        (sample("flag", "smallint", "0", rows=4, values=("0",), distinct=1), None),
+        (sample("happened", TS, rows=4, nulls=4), None),
+    ],
+)
+def test_a_marker_is_recognised_from_type_default_and_contents(
+    column: ColumnSample, kind: str | None
+) -> None:
+    found = candidate(column)
+    assert (found.kind if found else None) == kind
+
+
+def test_one_column_is_chosen_only_when_the_evidence_names_one() -> None:
+    flag = Candidate("published", "flag", "", named=True)
+    stamp = Candidate("delivered_at", "timestamp", "", named=True)
+    unnamed = Candidate("happened", "timestamp", "", named=False)
+    status = Candidate("StatusName", "status", "", named=True)
+    assert choose([flag]) == flag
+    assert choose([flag, unnamed]) == flag
+    assert choose([unnamed]) == unnamed
+    assert choose([flag, stamp]) is None  # two that record delivery: the user picks
+    assert choose([status]) is None  # its values must be set
+    assert choose([]) is None
+
+
+@pytest.mark.parametrize(
+    ("activity", "deletes"),
+    [
+        (Activity(150, 0, 120), True),  # Wolverine, MassTransit: sent rows deleted, unmarked
+        (Activity(150, 150, 120), False),  # retention after the relay's mark
+        (Activity(150, 0, 99), False),  # too few deletes to say
+        (Activity(1000, 0, 300), False),  # most rows still there
+        (Activity(0, 0, 0), False),
+    ],
+)
+def test_delete_on_delivery_is_read_from_the_tables_counters(
+    activity: Activity, deletes: bool
+) -> None:
+    assert activity.deletes_on_delivery() is deletes
+
+
+def test_words_split_snake_and_camel_case() -> None:
+    assert words("DispatchedAt") == ["dispatched", "at"]
+    assert words("deliver_by") == ["deliver", "by"]
+    assert words("StatusName") == ["status", "name"]
+    assert words("ID_2") == ["id", "2"]

@@ -25,7 +25,9 @@ def next_line(pattern: str, phase: str) -> str | None:
 def test_the_switching_phase_names_the_revoke(pattern: str) -> None:
     line = next_line(pattern, "V2")
     assert line is not None
-    assert "once V1 is gone, as the owner of outbox: REVOKE INSERT ON outbox FROM" in line
+    assert (
+        'once V1 is gone, as the owner of outbox: REVOKE INSERT ON "public"."outbox" FROM' in line
+    )
     assert line.endswith(f"then `outbox-migrate run --pattern {pattern} --to V3`")
 
 

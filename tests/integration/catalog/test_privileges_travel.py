@@ -134,7 +134,12 @@ def test_plan_shows_the_grants_and_the_revoke_the_switch_waits_for(
     assert app.definition == "INSERT, SELECT, UPDATE"
     assert app.fate.startswith("INSERT, SELECT, UPDATE: granted on outbox_new")
     assert "SELECT, UPDATE also on outbox_unpublished" in app.fate
-    assert f"REVOKE INSERT ON outbox FROM {roles.app}" in app.fate
+    revoke = f'REVOKE INSERT ON "public"."outbox" FROM {roles.app}'
+    assert app.fate.endswith(revoke)
+    conn.execute(revoke)  # the advice runs as printed
+    assert conn.execute(
+        "SELECT has_table_privilege(%s, 'outbox', 'INSERT')", (roles.app,)
+    ).fetchone() == (False,)
     assert shown[("grant", roles.reader)].definition == "SELECT (id), SELECT (payload)"
     assert "REVOKE" not in shown[("grant", roles.reader)].fate
 
