@@ -109,10 +109,21 @@ def _phase_section(
         when = (
             "Run as a job after the last deploy" if job else f"Run before rolling out {phase.name}"
         )
+        optional = " --with-optional" if any(s.optional for s in phase.steps) else ""
+        verb = f"run --to {phase.name}{optional}"
         lines.append(
-            f"{when}: `outbox-migrate plan --pattern {pattern.name} --format sql`, section "
-            f"`-- phase: {phase.name}`, with `psql -v ON_ERROR_STOP=1 -f`. Every step checks its "
-            "preconditions first and stops, changing nothing, when one fails."
+            f"{when}: `outbox-migrate {verb} --pattern {pattern.name} --dsn <DSN>`. The runner "
+            "records each step in its ledger, takes each lock with a short `lock_timeout` and "
+            "retries, checks every precondition again where the step commits, and stops at the "
+            f"end of {phase.name}; `outbox-migrate status` shows where the migration is, and the "
+            "same command run again resumes."
+        )
+        lines.append("")
+        lines.append(
+            "For teams that must review the SQL first: `outbox-migrate plan --pattern "
+            f"{pattern.name} --dsn <DSN> --format sql`, section `-- phase: {phase.name}`, applied "
+            "with `psql -v ON_ERROR_STOP=1 -f` (docs/plan.md); its steps check the same "
+            "preconditions, but nothing records them in the ledger for `status` and `run`."
         )
         lines.append("")
         for number, step in enumerate(phase.steps, start=1):
@@ -165,9 +176,12 @@ def render_playbook(name: str, spec: OutboxSpec | None = None) -> str:
         "",
         "## Before you start",
         "",
-        f"- Run `outbox-migrate plan --pattern {pattern.name} --dsn <DSN>` against production "
-        "and resolve every blocker it reports (a foreign key into the outbox, an `id` that "
-        "is not a bigint identity, a publication column that is not a nullable timestamp).",
+        f"- Run `outbox-migrate plan --pattern {pattern.name} --dsn <DSN>` against production. "
+        "It judges your table as it is — its columns, ids, constraints, grants, triggers, "
+        "publications and its own statistics — and lists every blocker at once, each with the "
+        'fix to run (docs/plan.md, "With a DSN", has the table of blockers). Ids from a '
+        "sequence or supplied by the application and a flag column as the publication marker "
+        "are supported shapes, not blockers.",
         "- Read its warnings: a logical-replication publication on the outbox gets the "
         "unpublished partition in V2, and the plan shows per phase what its consumer receives "
         "and must change (a new relation name; an INSERT is a new message only when the "
