@@ -372,12 +372,12 @@ def _attempt_line(attempt: dict[str, Any]) -> str:
 
 
 @contextmanager
-def demo_live(pattern: str) -> Iterator[Callable[[Any], None]]:
+def demo_live(pattern: str, what: str = "demo") -> Iterator[Callable[[Any], None]]:
     """A live view of the simulation: phase, step, rates, backlog and lag."""
     from rich.live import Live
 
     def view(snapshot: Any) -> Table:
-        grid = Table(title=f"outbox-migrate demo: {pattern.upper()}", show_header=False)
+        grid = Table(title=f"outbox-migrate {what}: {pattern.upper()}", show_header=False)
         grid.add_column("what")
         grid.add_column("value")
         grid.add_row("elapsed", f"{snapshot.elapsed_s:5.1f} s")
@@ -390,7 +390,7 @@ def demo_live(pattern: str) -> Iterator[Callable[[Any], None]]:
         grid.add_row("max lag (2 s)", f"{snapshot.max_lag_s * 1000:,.0f} ms")
         return grid
 
-    with Live(Table(title=f"outbox-migrate demo: {pattern.upper()} starting…"),
+    with Live(Table(title=f"outbox-migrate {what}: {pattern.upper()} starting…"),
               console=err(), refresh_per_second=4, transient=False) as live:  # fmt: skip
 
         def update(snapshot: Any) -> None:
@@ -480,7 +480,8 @@ def render_rehearsal_report(report: dict[str, Any]) -> None:
         if "estimated_s" in item:
             estimates.append(
                 (item["step"], f"{item['scratch_s']} s", f"~{item['estimated_s']} s "
-                 f"(x{item['scale']}, {item['basis']})")
+                 f"({item['fixed_s']} s fixed + {item['scan_s']} s scan at x{item['scale']}; "
+                 f"{item['basis']})")
             )  # fmt: skip
         else:
             per_hour = item["estimated_s_per_hour_between_v2_and_swap"]

@@ -101,7 +101,7 @@ def rehearse(
         else:
             from outbox_migrate.cli.console import demo_live, render_rehearsal_report
 
-            with demo_live(pattern.value) as on_snapshot:
+            with demo_live(pattern.value, "rehearsal") as on_snapshot:
                 result = run_rehearsal(
                     request, on_snapshot=on_snapshot, output_dir=output_dir, shape=shape
                 )

@@ -71,6 +71,7 @@ def rehearse(
     rate = round(min(max(shape.rates.inserts_per_s, RATE_FLOOR_PER_S), RATE_CEILING_PER_S))
     rebuilt = Rebuilt()
     scratch_bytes: list[int] = []
+    scan_s: list[float] = []
 
     def prepare(dsn: str) -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -82,6 +83,7 @@ def rehearse(
             else:
                 rebuilt.rows = scratch.fill_synthetic(conn, shape, spec, request.rows)
         scratch_bytes.append(_heap_bytes(dsn, spec))
+        scan_s.append(_scan_seconds(dsn, spec))
 
     scenario = Scenario(
         request.pattern,
@@ -118,6 +120,7 @@ def rehearse(
         "identity": identity,
         "skipped": rebuilt.skipped,
         "heap_bytes": scratch_bytes[0] if scratch_bytes else 0,
+        "scan_s": round(scan_s[0], 4) if scan_s else 0.0,
     }
     report["extrapolated"] = extrapolate(report, request.scratch_dsn)
     return report
@@ -144,48 +147,89 @@ def _heap_bytes(dsn: str, spec: OutboxSpec) -> int:
     return int(row[0]) if row else 0
 
 
-def extrapolate(report: dict[str, Any], scratch_dsn: str) -> list[dict[str, Any]]:
-    """How long the size-bound steps would take on the source, scaled linearly from the
-    scratch run: scans by heap bytes, copy-back by its measured copy rate.
+SURE_SCAN_S = 0.2
+"""A scratch scan shorter than this is mostly timer and cache noise: its per-byte rate (and
+so an estimate scaled from it) is reported as a rough one."""
 
-    Linear is the honest first-order model for a sequential scan or a keyset copy on the
-    same hardware; it ignores cache effects and a busier production server — say so."""
+
+def _scan_seconds(dsn: str, spec: OutboxSpec) -> float:
+    """The best of three full sequential reads of the filled old table: what a scan step's
+    per-byte cost is on this server, apart from the step's fixed cost (connecting, checks,
+    catalog reads, the commit), which the size of the table does not change."""
+    import time
+
+    table = sql.Identifier(spec.schema, spec.table)
+    best = float("inf")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET max_parallel_workers_per_gather = 0")  # VALIDATE scans alone
+        for _ in range(3):
+            started = time.perf_counter()
+            conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table))
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
+def extrapolate(report: dict[str, Any], scratch_dsn: str) -> list[dict[str, Any]]:
+    """How long the size-bound steps would take on the source: a fixed part (the step's
+    scratch time less its scan) plus the scan scaled by heap bytes; copy-back by its
+    measured copy rate.
+
+    A small copy's step time is almost all fixed cost: scaled by the bytes as a whole it
+    would read as a scan rate and predict minutes for a table scanned in a second. Linear in bytes is the honest first-order
+    model for a sequential scan or a keyset copy on the same hardware; it ignores cache
+    effects and a busier production server, and `sure` says when the scratch scan was too
+    short to measure a rate at all."""
+    out = scan_estimates(report)
+    copied = _copy_back_rate(scratch_dsn)
+    if copied is not None:
+        out.append(_copy_back_estimate(report["source"], *copied))
+    return out
+
+
+def scan_estimates(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The scan steps' part of `extrapolate`: pure, from the report alone."""
     source, copy = report["source"], report["scratch"]
     out: list[dict[str, Any]] = []
     scratch_bytes = max(int(copy["heap_bytes"]), 1)
+    scan_s = float(copy.get("scan_s") or 0.0)
     for step in report.get("steps", []):
         if not any(step["step"].endswith(kind) for kind in SCAN_STEPS):
             continue
         seconds = max(step["duration_ms"] - step["lock_wait_ms"], 0) / 1000
         factor = max(int(source["heap_bytes"]), 0) / scratch_bytes
+        scan = min(scan_s, seconds)
+        fixed = seconds - scan
+        sure = scan_s >= SURE_SCAN_S
         out.append(
             {
                 "step": step["step"],
                 "scratch_s": round(seconds, 3),
                 "scale": round(factor, 2),
-                "estimated_s": round(seconds * factor, 1),
-                "basis": "heap bytes, linear",
+                "fixed_s": round(fixed, 3),
+                "scan_s": round(scan * factor, 1),
+                "estimated_s": round(fixed + scan * factor, 1),
+                "sure": sure,
+                "basis": "fixed cost + scan scaled by heap bytes"
+                + ("" if sure else f"; rough: the scratch scan took under {SURE_SCAN_S} s, "
+                   "give --rows more rows"),
             }
-        )
-    copied = _copy_back_rate(scratch_dsn)
-    if copied is not None:
-        rows, seconds = copied
-        rate = rows / seconds if seconds > 0 else 0.0
-        per_hour = float(source["updates_per_s"]) * 3600
-        out.append(
-            {
-                "step": "copy-back",
-                "scratch_rows": rows,
-                "scratch_s": round(seconds, 3),
-                "rows_per_s": round(rate, 1),
-                "estimated_s_per_hour_between_v2_and_swap": (
-                    round(per_hour / rate, 1) if rate > 0 else None
-                ),
-                "basis": "rows published per hour at the measured update rate, copied at "
-                "the scratch rate",
-            }
-        )
+        )  # fmt: skip
     return out
+
+
+def _copy_back_estimate(source: dict[str, Any], rows: int, seconds: float) -> dict[str, Any]:
+    rate = rows / seconds if seconds > 0 else 0.0
+    per_hour = float(source["updates_per_s"]) * 3600
+    return {
+        "step": "copy-back",
+        "scratch_rows": rows,
+        "scratch_s": round(seconds, 3),
+        "rows_per_s": round(rate, 1),
+        "estimated_s_per_hour_between_v2_and_swap": (
+            round(per_hour / rate, 1) if rate > 0 else None
+        ),
+        "basis": "rows published per hour at the measured update rate, copied at the scratch rate",
+    }
 
 
 def _copy_back_rate(dsn: str) -> tuple[int, float] | None:
