@@ -9,7 +9,8 @@
   `cloudEvents:` — and the relay's own headers (outbox id, table, event type, the row's
   extra headers such as a W3C `traceparent`) are sent unchanged beside them. stdout and Redis
   have no per-message headers here, so they get *structured mode*: one JSON object
-  (`application/cloudevents+json`) holding the attributes and `data`.
+  (`application/cloudevents+json`) holding the attributes, the row's headers (see
+  `CloudEvents.structured`) and `data`.
 
 The attributes: `id` = outbox id (unique within `source`, which is what consumers de-duplicate
 on), `source` = the `ce_source` option or `/outbox/<table>`, `type` = the event type (or the
@@ -26,6 +27,8 @@ is small, fixed by the 1.0 spec, and unit-tested here against it.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from enum import StrEnum
 from json.encoder import encode_basestring
@@ -37,6 +40,8 @@ SPEC_VERSION = "1.0"
 DEFAULT_TYPE = "outbox.message"
 CONTENT_TYPE = "application/json"
 STRUCTURED_CONTENT_TYPE = "application/cloudevents+json; charset=utf-8"
+_EXTENSION_NAME = re.compile(r"[a-z0-9]+")
+"""What CloudEvents 1.0 allows as an attribute name."""
 
 
 class Envelope(StrEnum):
@@ -96,8 +101,23 @@ class CloudEvents:
         return out
 
     def structured(self, message: Message) -> str:
-        """Structured content mode: one JSON object; `data` is the payload, verbatim."""
+        """Structured content mode: one JSON object; `data` is the payload, verbatim.
+
+        A sink that writes this mode has no headers beside the object, so the row's own
+        headers (a W3C `traceparent`, a tenant) go into it as extension attributes — those
+        whose name is one (lower-case ASCII letters and digits, as the spec requires); a
+        header named otherwise is carried under `outboxheaders`, a JSON object, so that
+        nothing the row holds is dropped. The spec's own attributes win a name clash."""
         attributes = self.attributes(message)
+        if message.extra_headers:
+            others: dict[str, str] = {}
+            for name, value in message.extra_headers:
+                if _EXTENSION_NAME.fullmatch(name):
+                    attributes.setdefault(name, value)
+                else:
+                    others.setdefault(name, value)
+            if others:
+                attributes.setdefault("outboxheaders", json.dumps(others, ensure_ascii=False))
         fields = ",".join(
             f"{encode_basestring(name)}:{encode_basestring(value)}"
             for name, value in attributes.items()

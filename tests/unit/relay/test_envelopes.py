@@ -26,8 +26,22 @@ def test_structured_mode_is_valid_json_with_the_payload_as_data() -> None:
     assert event == {
         "specversion": "1.0", "id": "5", "source": "urn:shop", "type": "Placed",
         "datacontenttype": "application/json", "time": "2026-05-04T03:02:01+00:00",
-        "subject": 'k"1', "data": {"a": [1, 2]},
+        "subject": 'k"1', "tp": "x", "data": {"a": [1, 2]},
     }  # fmt: skip
+
+
+def test_structured_mode_carries_the_rows_headers() -> None:
+    """stdout and Redis have no headers beside a structured event: the row's headers go
+    into it — as extension attributes where the name is one, the rest under
+    `outboxheaders` — and none can replace a spec attribute."""
+    traced = Message(
+        7, "public.outbox", "Placed", None, "{}", NOW,
+        (("traceparent", "00-4bf9-00f0-01"), ("Tenant-Id", "acme"), ("id", "forged")),
+    )  # fmt: skip
+    event = json.loads(CloudEvents({}).structured(traced))
+    assert event["traceparent"] == "00-4bf9-00f0-01"
+    assert json.loads(event["outboxheaders"]) == {"Tenant-Id": "acme"}
+    assert event["id"] == "7"
 
 
 def test_binary_headers_prefix_attributes_and_keep_the_relay_headers() -> None:
