@@ -255,6 +255,80 @@ END
 $om$;
 COMMIT;
 
+-- step: copra.v2.create-dead-letter-tables: Create outbox_dead_letter and outbox_dead_letter_attempts (the relay's dead
+--   letters), with their grants
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "public"."outbox_unpublished" IN ACCESS SHARE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
+WHERE to_regclass('"public"."outbox"') IS NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of copra.v2.create-dead-letter-tables [relation-exists:outbox] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)',
+        '"public"."outbox_unpublished"')
+WHERE to_regclass('"public"."outbox_unpublished"') IS NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of copra.v2.create-dead-letter-tables [relation-exists:outbox_unpublished] '
+            'failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+CREATE TABLE IF NOT EXISTS "public"."outbox_dead_letter"
+    (source_table text NOT NULL, id int8 NOT NULL, event_type text, message_key text, payload text NOT NULL,
+    payload_bytes bytea, created_at timestamptz NOT NULL, attempts int NOT NULL, last_error text NOT NULL,
+    dead_at timestamptz NOT NULL DEFAULT now(), headers jsonb, reasons text[] NOT NULL DEFAULT '{}',
+    delivered int NOT NULL DEFAULT 0, PRIMARY KEY (source_table, id));
+CREATE TABLE IF NOT EXISTS "public"."outbox_dead_letter_attempts"
+    (source_table text NOT NULL, id int8 NOT NULL, attempts int NOT NULL, last_error text NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now(), reasons text[] NOT NULL DEFAULT '{}',
+    delivered int NOT NULL DEFAULT 0, PRIMARY KEY (source_table, id));
+DO $om$
+DECLARE
+    old_rel regclass := '"public"."outbox"'::regclass;
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"public"."outbox"'::regclass);
+    g record;
+    t regclass;
+BEGIN
+    FOR g IN
+        SELECT DISTINCT a.grantee
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner AND a.privilege_type = 'UPDATE'
+    LOOP
+        FOREACH t IN ARRAY ARRAY['"public"."outbox_dead_letter"'::regclass,
+            '"public"."outbox_dead_letter_attempts"'::regclass] LOOP
+            EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %s TO %s', t,
+                CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END);
+        END LOOP;
+        EXECUTE format('GRANT DELETE ON TABLE %s TO %s', '"public"."outbox_unpublished"'::regclass,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END);
+    END LOOP;
+    -- Only tables this step created (owned by the migration's role) change hands.
+    FOREACH t IN ARRAY ARRAY['"public"."outbox_dead_letter"'::regclass,
+        '"public"."outbox_dead_letter_attempts"'::regclass] LOOP
+        IF (SELECT relowner FROM pg_class WHERE oid = t) = current_user::regrole
+           AND old_owner <> current_user::regrole THEN
+            EXECUTE format('ALTER TABLE %s OWNER TO %s', t, old_owner::regrole);
+        END IF;
+    END LOOP;
+END
+$om$;
+COMMIT;
+
 -- step: copra.v2.create-unpublished-index: Index outbox_unpublished (id) for the relay's claim
 BEGIN;
 SET LOCAL lock_timeout = '200ms';

@@ -61,6 +61,7 @@ SPEC_PHASES = {
 CREATE = [
     "create-partitioned-table",
     "create-unpublished-partition",
+    "create-dead-letter-tables",
     "create-unpublished-index",
     "install-notify-trigger",
     "create-published-partition",
@@ -74,7 +75,7 @@ SPEC_KINDS = {
     "copra": {
         "V1": [],
         # No published partition: the old table becomes it in V3.
-        "V2": CREATE[:4],
+        "V2": CREATE[:5],
         "V3": [
             "gate-old-table-retired",
             *CHECK_SEQUENCE,
