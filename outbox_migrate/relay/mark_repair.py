@@ -158,19 +158,28 @@ def settle_dead(
     conn: Any, source: queries.Source, rows: Sequence[Any], dead: Collection[MessageId]
 ) -> None:
     """Take the rows of dead-lettered ids out of the unpublished partition, in the caller's
-    transaction (the one that wrote their dead letters), before the batch's mark: each is
-    marked (in a savepoint, as `_mark_in_halves` does), and a row whose mark breaks a
-    constraint is deleted instead (`remove_dead`). Why not in the batch's mark: one row of
-    them that cannot move failed that mark, which rolled back every dead letter of the batch
-    with it — none was ever written, and the batch went round again for ever."""
+    transaction (the one that wrote their dead letters), before the batch's mark.
+
+    Deleted (in a savepoint): the dead-letter table holds them, and a dead letter is not a
+    published message — marked, it would sit in the published partition, where a requeue
+    with its id meets it again (a primary key there refuses the requeued row's mark). Where
+    the role may not delete (a flat table: the migration grants DELETE on the unpublished
+    partition only) they are marked instead, each part in a savepoint (`_mark_in_halves`).
+    A row that can be neither stops the relay (`RelayFailed`). Not in the batch's mark: one
+    row that cannot move failed that mark, which rolled back every dead letter of the batch
+    with it — none was written, and the batch went round again for ever."""
     wanted = set(dead)
     at = queries.CLAIM_CTID_COLUMN
     tids = [r[at] for r in rows if r[0] in wanted]
     if not tids:
         return
-    failed = _mark_in_halves(conn, source, tids)
+    gone, refused = _delete_dead(conn, source, tids)
+    left = [tid for tid in tids if tid not in gone]
+    if not left:
+        return
+    failed = _mark_in_halves(conn, source, left)
     if failed:
-        remove_dead(conn, source, failed)
+        raise _neither(source, failed, refused)
 
 
 def redo_dead(
@@ -194,9 +203,8 @@ def redo_dead(
         alive = {tids[tid] for tid in same}
         written = [failures.rewrite(conn, d) for d in letters if d.message.id in alive]
         failures.forget(conn, source.label, list(alive))
-        failed = _mark_in_halves(conn, source, same)
-        if failed:
-            remove_dead(conn, source, failed)
+        settle_dead(conn, source, [r for r in rows if r[queries.CLAIM_CTID_COLUMN] in same],
+                    alive)  # fmt: skip
     return written
 
 
@@ -204,17 +212,33 @@ def remove_dead(conn: Any, source: queries.Source, failed: Mapping[str, str]) ->
     """Delete dead-lettered rows that cannot be marked (tid → why), in a savepoint; a row that
     can be neither marked nor deleted stops the relay (`RelayFailed`, exit 1) with both
     reasons and the grant that fixes it — never a loop of batches that roll back."""
+    gone, refused = _delete_dead(conn, source, list(failed))
+    left = {tid: why for tid, why in failed.items() if tid not in gone}
+    if left:
+        raise _neither(source, left, refused)
+
+
+def _delete_dead(conn: Any, source: queries.Source, tids: list[str]) -> tuple[set[str], str]:
+    """DELETE the rows in a savepoint: the tids deleted, and why the others were not (a
+    refusal rolls back to the savepoint; a guard trigger may skip rows silently)."""
     try:
-        conn.execute(_deleted_in_savepoint(source, list(failed)))
+        cursor = conn.execute(_deleted_in_savepoint(source, tids))
+        cursor.nextset()
+        gone = {str(r[0]) for r in cursor.fetchall()}
     except psycopg.Error as exc:
         conn.execute(_ROLLBACK_TO)
-        why = next(iter(failed.values()))
-        raise RelayFailed(
-            f"{len(failed)} dead-lettered row(s) of {source.label} can be neither marked "
-            f"({why}) nor deleted ({_reason(exc)}): GRANT DELETE ON "
-            f"{source.schema}.{source.claim_table} TO the relay's role (the migration's "
-            "create-dead-letter-tables step does)"
-        ) from exc
+        return set(), _reason(exc)
+    return gone, "" if len(gone) == len(tids) else "a trigger kept the row"
+
+
+def _neither(source: queries.Source, failed: Mapping[str, str], refused: str) -> RelayFailed:
+    why = next(iter(failed.values()))
+    return RelayFailed(
+        f"{len(failed)} dead-lettered row(s) of {source.label} can be neither marked ({why}) "
+        f"nor deleted ({refused or 'not tried'}): GRANT DELETE ON "
+        f"{source.schema}.{source.claim_table} TO the relay's role (the migration's "
+        "create-dead-letter-tables step does)"
+    )
 
 
 def park(
@@ -390,8 +414,8 @@ def _marked_in_savepoint(source: queries.Source, tids: Sequence[str]) -> sql.Com
 
 def _deleted_in_savepoint(source: queries.Source, tids: Sequence[str]) -> sql.Composed:
     return sql.SQL(
-        "SAVEPOINT om_relay_mark; DELETE FROM {table} WHERE ctid = ANY({tids}::tid[]); "
-        "RELEASE SAVEPOINT om_relay_mark"
+        "SAVEPOINT om_relay_mark; DELETE FROM {table} WHERE ctid = ANY({tids}::tid[]) "
+        "RETURNING ctid::text; RELEASE SAVEPOINT om_relay_mark"
     ).format(table=source.claim_ident, tids=sql.Literal(_tid_array(tids)))
 
 
