@@ -337,3 +337,85 @@ def test_dead_letters_exit_codes(bigint_swapped: Swapped, collected: Collected) 
     purged = _cli(swapped, "purge", "--id", str(MATE), "--format", "json")
     assert (purged.returncode, json.loads(purged.stdout)) == (0, {"purged": [{"count": 1}]})
     assert _cli(swapped, "purge", "--id", str(MATE)).returncode == 1
+
+
+def test_dead_letters_of_a_batch_whose_mark_fails_on_another_row_are_written_again(
+    swapped: Swapped, collected: Collected, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One attempt allowed: in the first batch row 8 is refused (dead-lettered at once, its
+    row deleted in the batch's transaction) while the duplicate is acknowledged and fails the
+    batch's mark, which rolls the transaction back. Row 8's dead letter is written again in
+    a transaction of its own (not stranded), the duplicate is dead-lettered by the repair
+    (delivered once), each logged once."""
+    t = swapped.id_type
+    swapped.build(DUPLICATE)
+    caplog.set_level(logging.INFO, logger="outbox_migrate.relay")
+    relay = _relay(swapped.app_dsn, swapped.spec, collected, {_id(t, MATE)}, max_attempts=1)
+    assert _run_within(relay, 30) is None
+    dead = swapped.rows("SELECT id::text, attempts, delivered FROM outbox_dead_letter")
+    assert sorted(dead) == sorted([(str(_id(t, MATE)), 1, 0), (str(_id(t, DUPLICATE)), 1, 1)])
+    assert swapped.rows("SELECT count(*) FROM outbox_unpublished") == [(0,)]
+    lines = [r.getMessage() for r in caplog.records if "relay.dead_lettered" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert relay.stats.dead_lettered == 2
+
+
+def test_a_hand_made_dead_letter_table_with_int8_ids_is_refused_at_start_in_one_line(
+    dsn: str, collected: Collected
+) -> None:
+    """docs/relay.md's DDL declared `id int8`; for text ids the relay exited 1 on the first
+    bad row and re-sent its batch-mates on every restart. Now it refuses before any work,
+    with the fix."""
+    swapped = Swapped(dsn, "text")
+    try:
+        swapped.build(DUPLICATE)
+        with psycopg.connect(swapped.owner_dsn, autocommit=True) as owner:
+            owner.execute("DROP TABLE outbox_dead_letter")
+            owner.execute(
+                "CREATE TABLE outbox_dead_letter (source_table text NOT NULL, id int8 NOT NULL, "
+                "event_type text, message_key text, payload text NOT NULL, payload_bytes bytea, "
+                "created_at timestamptz NOT NULL, attempts int NOT NULL, last_error text NOT "
+                "NULL, dead_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (source_table, id))"
+            )
+            owner.execute(sql.SQL("GRANT ALL ON outbox_dead_letter TO {}").format(
+                sql.Identifier(swapped.app)))  # fmt: skip
+        relay = _relay(swapped.app_dsn, swapped.spec, collected, {_id("text", MATE)})
+        raised = _run_within(relay, 30)
+        assert isinstance(raised, RelayFailed), raised
+        assert str(raised) == (
+            '"public"."outbox_dead_letter".id is bigint but this outbox\'s ids are text: ALTER '
+            'TABLE "public"."outbox_dead_letter" ALTER COLUMN id TYPE text (docs/relay.md)'
+        )
+        assert collected.ids == []  # refused before any work
+    finally:
+        swapped.drop()
+
+
+def test_an_earlier_dead_letter_table_gets_the_new_columns_when_the_relay_owns_it(
+    dsn: str, collected: Collected
+) -> None:
+    """A table of an earlier version (no headers, reasons, delivered) owned by the relay's
+    role: the columns are added at start and the dead letters keep their headers."""
+    swapped = Swapped(dsn, "bigint")
+    try:
+        swapped.build(DUPLICATE)
+        with psycopg.connect(swapped.owner_dsn, autocommit=True) as owner:
+            owner.execute("DROP TABLE outbox_dead_letter")
+            owner.execute(
+                "CREATE TABLE outbox_dead_letter (source_table text NOT NULL, id int8 NOT NULL, "
+                "event_type text, message_key text, payload text NOT NULL, "
+                "created_at timestamptz NOT NULL, attempts int NOT NULL, last_error text NOT "
+                "NULL, dead_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (source_table, id))"
+            )
+        with psycopg.connect(dsn, autocommit=True) as admin:  # ALTER OWNER wants SET ROLE (16+)
+            admin.execute(sql.SQL("ALTER TABLE outbox_dead_letter OWNER TO {}").format(
+                sql.Identifier(swapped.app)))  # fmt: skip
+        relay = _relay(swapped.app_dsn, swapped.spec, collected, {MATE})
+        assert _run_within(relay, 30) is None
+        dead = swapped.rows("SELECT id, headers, delivered FROM outbox_dead_letter ORDER BY id")
+        assert [(d[0], dict(map(tuple, d[1])), d[2]) for d in dead] == [
+            (DUPLICATE, _headers(DUPLICATE), 2),  # acknowledged twice, its mark failed twice
+            (MATE, _headers(MATE), 0),
+        ]
+    finally:
+        swapped.drop()
