@@ -57,6 +57,7 @@ from outbox_migrate.relay.attempts_sql import (
     ADDED_COLUMNS,
     ATTEMPTS_COLUMNS,
     DEAD_LETTER_COLUMNS,
+    HISTORY_COLUMNS,
     PAYLOAD_BYTES_COLUMN,
 )
 from outbox_migrate.relay.errors import RelayFailed
@@ -123,6 +124,10 @@ class FailedMessages:
     """The dead-letter table has a `payload_bytes` column (see `prepare`)."""
     available: bool = True
     """False when the tables are missing and this role may not create them."""
+    extras: frozenset[str] = frozenset(HISTORY_COLUMNS)
+    """The dead-letter table's later columns (headers, reasons, delivered) it has."""
+    kept_history: bool = True
+    """The attempts table keeps reasons and deliveries (an earlier version's may not)."""
     known: dict[tuple[str, MessageId], tuple[int, str]] = field(default_factory=dict)
     history: dict[tuple[str, MessageId], tuple[list[str], int]] = field(default_factory=dict)
     """Per counter: its reasons on record and how many attempts followed a delivery."""
@@ -161,25 +166,29 @@ class FailedMessages:
                     one_line(str(exc)), self.dead_letter_table, self.attempts_table,
                 )  # fmt: skip
                 return False
-        self._check_columns(conn, self.dead_letter_table, DEAD_LETTER_COLUMNS)
-        self._check_columns(conn, self.attempts_table, ATTEMPTS_COLUMNS)
+        lacking = self._check_columns(conn, self.dead_letter_table, DEAD_LETTER_COLUMNS)
+        self.extras = frozenset(c for c in HISTORY_COLUMNS if c not in lacking)
+        self.kept_history = not self._check_columns(conn, self.attempts_table, ATTEMPTS_COLUMNS)
         self.payload_bytes = self._payload_bytes_column(conn)
         id_of = self._id_of
         for label in sources:
             rows = conn.execute(
-                attempts_sql.attempted(self.schema, self.attempts_table), {"source": label}
+                attempts_sql.attempted(self.schema, self.attempts_table, self.kept_history),
+                {"source": label},
             ).fetchall()
             self.known.update(((label, id_of(r[0])), (int(r[1]), str(r[2]))) for r in rows)
             self.history.update(((label, id_of(r[0])), (list(r[3] or []), int(r[4])))
                                 for r in rows)  # fmt: skip
         return True
 
-    def _check_columns(self, conn: Any, table: str, wanted: Mapping[str, str]) -> None:
-        """An existing table (made by hand, or by an earlier version) must hold what the relay
-        writes, with ids of the outbox's kind: a missing column the role may add (it owns the
-        table) is added — all are nullable or defaulted, a catalog-only change — otherwise the
-        relay refuses to start, in one line with the fix. Checked here, not at the first bad
-        row: failing there rolled back the row's batch on every restart."""
+    def _check_columns(self, conn: Any, table: str, wanted: Mapping[str, str]) -> set[str]:
+        """An existing table (made by hand, or by an earlier version) must hold ids of the
+        outbox's kind and the columns the relay cannot do without: otherwise the relay refuses
+        to start, in one line with the fix — not at the first bad row, which rolled back its
+        batch on every restart. A missing later column (headers, reasons, deliveries) is added
+        when the role owns the table (nullable or defaulted: catalog-only, 1 s lock timeout);
+        otherwise a warning names the ALTER and dead letters are kept without it. Returns the
+        later columns still missing."""
         import psycopg
 
         found = dict(conn.execute(attempts_sql.columns_of(self.schema, table)).fetchall())
@@ -192,14 +201,14 @@ class FailedMessages:
                 f"ALTER TABLE {name} ALTER COLUMN id TYPE {id_type} (docs/relay.md)"
             )
         missing = [c for c in wanted if c not in found and c != PAYLOAD_BYTES_COLUMN]
-        if not missing:
-            return  # payload_bytes is optional (`_payload_bytes_column`)
         unfixable = [c for c in missing if c not in ADDED_COLUMNS]
         if unfixable:
             raise RelayFailed(
                 f"{name} lacks column(s) {', '.join(unfixable)}: drop it (once empty) and let "
                 "the migration or the relay create it, as in docs/relay.md"
             )
+        if not missing:
+            return set()  # payload_bytes is optional (`_payload_bytes_column`)
         alter = f"ALTER TABLE {name} " + ", ".join(
             f"ADD COLUMN IF NOT EXISTS {c} {ADDED_COLUMNS[c]}" for c in missing
         )
@@ -208,10 +217,13 @@ class FailedMessages:
                 conn.execute("SET LOCAL lock_timeout = '1s'")
                 conn.execute(alter)
         except (psycopg.errors.InsufficientPrivilege, psycopg.errors.LockNotAvailable) as exc:
-            raise RelayFailed(
-                f"{name} lacks column(s) {', '.join(missing)} ({one_line(str(exc))}): "
-                f"as its owner, {alter}"
-            ) from exc
+            log.warning(
+                "relay.dead_letter_columns_missing %s lacks %s (%s): dead letters are kept "
+                "without them; as its owner: %s",
+                name, ", ".join(missing), one_line(str(exc)), alter,
+            )  # fmt: skip
+            return set(missing)
+        return set()
 
     def _payload_bytes_column(self, conn: Any) -> bool:
         """Whether raw payloads can be kept as bytes. An existing table (text payload, from an
@@ -299,7 +311,9 @@ class FailedMessages:
         ids = list(reasons)
         errors = [reasons[i][:ERROR_CHARS] for i in ids]
         rows = conn.execute(
-            attempts_sql.count_attempts(self.schema, self.attempts_table, self.text_ids),
+            attempts_sql.count_attempts(
+                self.schema, self.attempts_table, self.text_ids, self.kept_history
+            ),
             {"source": label, "ids": ids, "errors": errors, "delivered": int(delivered)},
         ).fetchall()
         return self._counted(label, rows, dict(zip(ids, errors, strict=True)))
@@ -310,7 +324,9 @@ class FailedMessages:
         ids = list(reasons)
         errors = [reasons[i][:ERROR_CHARS] for i in ids]
         rows = conn.execute(
-            attempts_sql.note_attempts(self.schema, self.attempts_table, self.text_ids),
+            attempts_sql.note_attempts(
+                self.schema, self.attempts_table, self.text_ids, self.kept_history
+            ),
             {"source": label, "ids": ids, "errors": errors},
         ).fetchall()
         attempts = self._counted(label, rows, dict(zip(ids, errors, strict=True)))
@@ -373,7 +389,9 @@ class FailedMessages:
         returns the dead letters written."""
         ids = list({m.id: 0 for m in messages})
         rows = conn.execute(
-            attempts_sql.attempts_of(self.schema, self.attempts_table, self.text_ids),
+            attempts_sql.attempts_of(
+                self.schema, self.attempts_table, self.text_ids, self.kept_history
+            ),
             {"source": label, "ids": ids},
         ).fetchall()
         on_record = {self._id_of(r[0]): (int(r[1]), str(r[2])) for r in rows}
@@ -443,7 +461,10 @@ class FailedMessages:
             "reasons": reasons, "delivered": delivered,
         }  # fmt: skip
         insert = attempts_sql.insert_dead_letter(
-            self.schema, self.dead_letter_table, raw=raw is not None and self.payload_bytes
+            self.schema,
+            self.dead_letter_table,
+            raw=raw is not None and self.payload_bytes,
+            extras=self.extras,
         )
         written = conn.execute(insert, params).fetchone()
         kept = label if written else self._as_copy(conn, insert, params)
