@@ -30,7 +30,7 @@ from psycopg.types.json import Jsonb
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.relay.errors import MessagesRejected, RelayFailed
 from outbox_migrate.relay.message import Message
-from outbox_migrate.relay.options import RelayOptions
+from outbox_migrate.relay.options import Ordering, RelayOptions
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.runner import Runner
 
@@ -424,3 +424,21 @@ def test_an_earlier_dead_letter_table_gets_the_new_columns_when_the_relay_owns_i
         ]
     finally:
         swapped.drop()
+
+
+def test_with_key_ordering_the_refused_duplicate_is_dead_lettered_and_the_run_ends(
+    bigint_swapped: Swapped, collected: Collected
+) -> None:
+    """`--ordering key`: the refused duplicate parked its key and was sent again every 1-2 s
+    for ever (its dead letter rolled back with the failed mark). Now it is dead-lettered once,
+    its key's later rows go out after it in order, and `--until-empty` ends."""
+    swapped = bigint_swapped
+    swapped.build(DUPLICATE)
+    relay = _relay(swapped.app_dsn, swapped.spec, collected, {DUPLICATE}, ordering=Ordering.key)
+    assert _run_within(relay, 30) is None
+    assert swapped.rows("SELECT id, attempts FROM outbox_dead_letter") == [(DUPLICATE, 2)]
+    assert swapped.rows("SELECT count(*) FROM outbox_unpublished") == [(0,)]
+    key = f"k{DUPLICATE % 3}"
+    later = [n for n in range(DUPLICATE + 1, ROWS + 1) if n % 3 == DUPLICATE % 3]
+    sent = [m.id for m in collected.messages if m.key == key]
+    assert sent[-len(later) :] == later  # after the dead letter, in key order
