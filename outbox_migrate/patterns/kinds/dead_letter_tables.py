@@ -90,7 +90,18 @@ def create_dead_letter_tables(ctx: BuildContext, params: Mapping[str, Any]) -> S
         # its catalog row.
         locks=(Lock(n.unpublished, LockMode.ACCESS_SHARE),),
         preconditions=(c.relation_exists(n, n.table), c.relation_exists(n, n.unpublished)),
-        postcondition=(c.relation_exists(n, dead), c.relation_exists(n, attempts)),
+        postcondition=(
+            c.relation_exists(n, dead),
+            c.relation_exists(n, attempts),
+            # Tables a relay created earlier do not make the step done: the grants must hold.
+            c.condition(
+                "dead-letter-grants",
+                old_reg=n.reg(n.table),
+                dead_reg=n.reg(dead),
+                attempts_reg=n.reg(attempts),
+                unpublished_reg=n.reg(n.unpublished),
+            ),
+        ),
         reverse=(),
         reverse_note="kept: dead letters are data (drop the two tables yourself once empty)",
         statement_timeout_ms=CREATE_TIMEOUT_MS,
