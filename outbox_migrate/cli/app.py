@@ -53,8 +53,8 @@ Examples (each followed by what it does):
       HOPER: copy back, verify, drop
   outbox-migrate maintain --once --dsn $DATABASE_URL
       autovacuum, index bloat, retention
-  outbox-migrate dead-letters requeue --id 42 --dsn $DATABASE_URL
-      send a dead letter again, with its headers
+  outbox-migrate dead-letters requeue --reason 23505 --dsn $DATABASE_URL
+      send dead letters again, with their headers
   outbox-migrate alembic generate --pattern hoper --dir .
       the steps as Alembic revisions
 

@@ -1,8 +1,10 @@
 """`outbox-migrate dead-letters`: list, show, requeue and purge the relay's dead letters.
 
-A thin shell over relay/dead_letters.py. Exit codes: 0 done (an empty list too), 1 `show` or
-`requeue`/`purge` found nothing matching, 2 bad input (no selection for requeue or purge, a
-table that does not exist), 6 connection lost.
+A thin shell over relay/dead_letters.py. Exit codes: 0 done — a selection by reason, time or
+source that matches nothing is an empty answer, not a failure (a cron job purging old dead
+letters has nothing to do most days) —; 1 an `--id` asked for is not there (what was there
+is still done); 2 bad input (no selection for requeue or purge, a table that does not
+exist); 6 connection lost.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from outbox_migrate.errors import OutboxMigrateError
 
 GROUP_HELP = (
     "The relay's dead letters: list, show, requeue (same id or a new one; picked up at once), "
-    "purge.\n\n"
-    "Example: outbox-migrate dead-letters requeue --reason 23505 --new-id --dsn $DATABASE_URL"
+    "purge. Exit 1 when an --id asked for is not there.\n\n"
+    "Example: outbox-migrate dead-letters list --format json --dsn $DATABASE_URL"
 )
 
 IdsOption = Annotated[
@@ -66,15 +68,15 @@ def register(app: typer.Typer) -> None:
     group.command("list", help="The dead letters, oldest message first.\n\n"
                   "Example: outbox-migrate dead-letters list --since 2026-11-28 --format json "
                   "--dsn $DATABASE_URL")(with_names(list_command))  # fmt: skip
-    group.command("show", help="Every field of the dead letters selected (exit 1: none).\n\n"
-                  "Example: outbox-migrate dead-letters show --id 42 --dsn $DATABASE_URL")(
+    group.command("show", help="Every field of the dead letters selected.\n\n"
+                  "Example: outbox-migrate dead-letters show --reason 23505 --dsn $DATABASE_URL")(
         with_names(show_command))  # fmt: skip
     group.command(
         "requeue",
         help="Write the selected dead letters back into the outbox, oldest first (key order), "
         "with their headers, payload, key, type and created_at; the relay is woken at once "
         "(NOTIFY on its channel). The dead letter goes in the same transaction.\n\n"
-        "Example: outbox-migrate dead-letters requeue --id 42 --dsn $DATABASE_URL",
+        "Example: outbox-migrate dead-letters requeue --reason 23505 --new-id --dsn $DATABASE_URL",
     )(with_names(requeue_command))
     group.command("purge", help="Delete the selected dead letters for good.\n\n"
                   "Example: outbox-migrate dead-letters purge --until 2026-11-01 "
@@ -152,8 +154,11 @@ def show_command(
 ) -> None:  # fmt: skip
     letters = _letters(dsn, dead_letter_table, _selection(ids, reason, since, until, source),
                        limit, names)  # fmt: skip
-    if not letters:
-        raise NothingMatched("no dead letter matches")
+    _show(letters, output)
+    _missing(ids, [d["id"] for d in letters])
+
+
+def _show(letters: list[dict[str, Any]], output: OutputFormat) -> None:
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json
 
@@ -185,6 +190,7 @@ def requeue_command(
                        selection, new_id=new_id, channel=channel)  # fmt: skip
     _report("requeued", [{"source_table": r.source_table, "id": r.old_id, "new_id": r.new_id}
                          for r in done], output)  # fmt: skip
+    _missing(ids, [r.old_id for r in done])
 
 
 def purge_command(
@@ -198,9 +204,10 @@ def purge_command(
     spec = settings_from(**names).spec
     with _connect(dsn) as conn:
         _checked(conn, spec.schema, dead_letter_table)
-        count = purge(conn, spec.schema, dead_letter_table,
-                      _selection(ids, reason, since, until, source))  # fmt: skip
-    _report("purged", [{"count": count}] if count else [], output)
+        gone = purge(conn, spec.schema, dead_letter_table,
+                     _selection(ids, reason, since, until, source))  # fmt: skip
+    _report("purged", [{"id": i} for i in gone], output)
+    _missing(ids, gone)
 
 
 def _report(what: str, done: list[dict[str, Any]], output: OutputFormat) -> None:
@@ -208,10 +215,16 @@ def _report(what: str, done: list[dict[str, Any]], output: OutputFormat) -> None
         from outbox_migrate.cli.console import print_json
 
         print_json({what: done})
-    else:
-        from outbox_migrate.cli.console import text
+        return
+    from outbox_migrate.cli.console import text
 
-        for item in done:
-            text(f"{what} " + " ".join(f"{k}={v}" for k, v in item.items()))
-    if not done:
-        raise NothingMatched(f"no dead letter matches: nothing {what}")
+    for item in done:
+        text(f"{what} " + " ".join(f"{k}={v}" for k, v in item.items()))
+    text(f"{len(done)} dead letter(s) {what}")
+
+
+def _missing(asked: list[str] | None, found: list[str]) -> None:
+    """Ids asked for by --id and not there: exit 1, naming them (after doing the rest)."""
+    missing = [i for i in asked or () if i not in set(found)]
+    if missing:
+        raise NothingMatched(f"no dead letter with id {', '.join(missing)}")

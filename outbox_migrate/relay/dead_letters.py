@@ -104,19 +104,21 @@ def listed(
     return out
 
 
-def purge(conn: Any, schema: str, table: str, selection: Selection) -> int:
-    """Delete the selected dead letters for good; returns how many. Refuses an empty
+def purge(conn: Any, schema: str, table: str, selection: Selection) -> list[str]:
+    """Delete the selected dead letters for good; returns their ids. Refuses an empty
     selection (`UsageError`): deleting every dead letter takes saying which."""
     if selection.empty:
         raise UsageError("purge needs a selection: --id, --reason, --since, --until or --source")
     where, params = selection.where()
     with conn.transaction():
         conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
-        cur = conn.execute(
-            sql.SQL("DELETE FROM {} d WHERE {}").format(sql.Identifier(schema, table), where),
+        rows = conn.execute(
+            sql.SQL("DELETE FROM {} d WHERE {} RETURNING d.id::text").format(
+                sql.Identifier(schema, table), where
+            ),
             params,
-        )
-        return int(cur.rowcount)
+        ).fetchall()
+    return [str(r[0]) for r in rows]
 
 
 @dataclass(frozen=True)

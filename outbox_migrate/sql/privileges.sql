@@ -58,7 +58,7 @@ FROM pg_class c
 WHERE c.oid = to_regclass({rel_reg})
 
 -- name: grant-dead-letters
--- Give the relay's roles (those with UPDATE on the old table: they mark) what dead-lettering needs, then the old owner.
+-- Give the relay's roles (those with UPDATE on the old table: they mark) what dead-lettering needs.
 DO $om$
 DECLARE
     old_rel regclass := {old_reg}::regclass;
@@ -77,13 +77,6 @@ BEGIN
         END LOOP;
         EXECUTE format('GRANT DELETE ON TABLE %s TO %s', {unpublished_reg}::regclass,
             CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END);
-    END LOOP;
-    -- Only tables this step created (owned by the migration's role) change hands.
-    FOREACH t IN ARRAY ARRAY[{dead_reg}::regclass, {attempts_reg}::regclass] LOOP
-        IF (SELECT relowner FROM pg_class WHERE oid = t) = current_user::regrole
-           AND old_owner <> current_user::regrole THEN
-            EXECUTE format('ALTER TABLE %s OWNER TO %s', t, old_owner::regrole);
-        END IF;
     END LOOP;
 END
 $om$

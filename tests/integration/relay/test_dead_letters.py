@@ -326,9 +326,9 @@ def bigint_swapped(dsn: str) -> Iterator[Swapped]:
 
 
 def test_dead_letters_exit_codes(bigint_swapped: Swapped, collected: Collected) -> None:
-    """0 for a list (empty too), 1 when a selection matches nothing, 2 without a selection
-    for requeue and purge; purge deletes what it names. (Not per id type: nothing here
-    depends on it.)"""
+    """0 for a selection by criteria (an empty answer too), 1 when an --id asked for is not
+    there, 2 without a selection for requeue and purge; purge deletes what it names. (Not per
+    id type: nothing here depends on it.)"""
     swapped = bigint_swapped
     swapped.build(DUPLICATE)
     empty = _cli(swapped, "list", "--format", "json")
@@ -340,9 +340,11 @@ def test_dead_letters_exit_codes(bigint_swapped: Swapped, collected: Collected) 
     assert _cli(swapped, "purge").returncode == 2
     listed = _cli(swapped, "list", "--reason", "refused", "--format", "json")
     assert [d["id"] for d in json.loads(listed.stdout)] == [str(MATE)]
+    assert _cli(swapped, "purge", "--reason", "no such reason").returncode == 0
     purged = _cli(swapped, "purge", "--id", str(MATE), "--format", "json")
-    assert (purged.returncode, json.loads(purged.stdout)) == (0, {"purged": [{"count": 1}]})
-    assert _cli(swapped, "purge", "--id", str(MATE)).returncode == 1
+    assert (purged.returncode, json.loads(purged.stdout)) == (0, {"purged": [{"id": str(MATE)}]})
+    again = _cli(swapped, "purge", "--id", str(MATE))
+    assert again.returncode == 1 and f"no dead letter with id {MATE}" in again.stderr
 
 
 def test_dead_letters_of_a_batch_whose_mark_fails_on_another_row_are_written_again(
