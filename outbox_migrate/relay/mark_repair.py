@@ -237,7 +237,7 @@ def _neither(source: queries.Source, failed: Mapping[str, str], refused: str) ->
         f"{len(failed)} dead-lettered row(s) of {source.label} can be neither marked ({why}) "
         f"nor deleted ({refused or 'not tried'}): GRANT DELETE ON "
         f"{source.schema}.{source.claim_table} TO the relay's role (the migration's "
-        "create-dead-letter-tables step does)"
+        "grant-dead-letters step does)"
     )
 
 

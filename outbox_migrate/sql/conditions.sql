@@ -431,7 +431,7 @@ WHERE o.tgrelid = to_regclass({rel_reg}) AND p.tgrelid = to_regclass({parent_reg
 
 -- name: dead-letter-grants
 -- Every role with UPDATE on the old table (the relay's) may delete from the unpublished partition and write both dead-letter tables.
-SELECT format('%s lacks %s on %s: GRANT it (the create-dead-letter-tables step does)',
+SELECT format('%s lacks %s on %s: GRANT it (the grant-dead-letters step does)',
               CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
               w.privilege, w.rel)
 FROM (SELECT DISTINCT a.grantee
