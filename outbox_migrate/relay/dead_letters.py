@@ -3,7 +3,8 @@
 A dead letter keeps the message as the outbox held it (relay/bad_rows.py): id, source table,
 event type, key, payload (bytes too), created_at and the broker headers in order, with what
 happened (attempts, each reason, deliveries before). A requeue writes it back into the table it
-came from (its `source_table`, a copy label's table too) as a new unpublished row: every column
+came from (its `source_table`, a copy label's table too; the partitioned table, once it exists,
+for one from the flat table) as a new unpublished row: every column
 the relay reads is filled from the dead letter — the headers column gets the header pairs that
 are not metadata columns, each metadata column its own pair — so the relay sends the same
 message again; with `new_id` the id column takes its default (an identity, a sequence,
@@ -156,8 +157,12 @@ def requeue(
             params,
         ).fetchall()  # fmt: skip
         inserts: dict[str, sql.Composed] = {}
+        parent = conn.execute(
+            "SELECT to_regclass(%s) IS NOT NULL",
+            (sql.Identifier(schema, spec.partitioned_table).as_string(conn),),
+        ).fetchone()[0]
         for label, ident in letters:
-            target = _target(label)
+            target = _target(label, spec, migrated=bool(parent))
             if target not in inserts:
                 inserts[target] = _insert(conn, spec, target, table, new_id)
             row = conn.execute(inserts[target], {"source": label, "id": ident}).fetchone()
@@ -175,10 +180,17 @@ def requeue(
     return done
 
 
-def _target(label: str) -> str:
-    """The table a dead letter came from: its label (schema.table), without a copy suffix."""
+def _target(label: str, spec: OutboxSpec, *, migrated: bool) -> str:
+    """Where a dead letter goes back: the table it came from (its label, schema.table, without
+    a copy suffix) — but the partitioned table once it exists, for one that came from the
+    flat table: the switched relay no longer reads the flat table, and the partitioned one is
+    what the new version inserts into (a relay still on the flat table reaches it after its
+    switch)."""
     at = label.find(COPY_SUFFIX)
-    return label[:at] if at >= 0 else label
+    source = label[:at] if at >= 0 else label
+    if migrated and source == f"{spec.schema}.{spec.table}":
+        return f"{spec.schema}.{spec.partitioned_table}"
+    return source
 
 
 def _insert(conn: Any, spec: OutboxSpec, target: str, table: str, new_id: bool) -> sql.Composed:
