@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -345,6 +346,19 @@ def test_dead_letters_exit_codes(bigint_swapped: Swapped, collected: Collected) 
     assert (purged.returncode, json.loads(purged.stdout)) == (0, {"purged": [{"id": str(MATE)}]})
     again = _cli(swapped, "purge", "--id", str(MATE))
     assert again.returncode == 1 and f"no dead letter with id {MATE}" in again.stderr
+    # The duplicate (its mark failed: its id is published) goes back under a new id.
+    moved = _cli(swapped, "requeue", "--id", str(DUPLICATE), "--new-id", "--format", "json")
+    assert moved.returncode == 0, moved.stderr
+    (done,) = json.loads(moved.stdout)["requeued"]
+    assert done["id"] == str(DUPLICATE) and done["new_id"] != str(DUPLICATE)
+    back = swapped.rows(
+        "SELECT payload, headers, message_key, event_type, created_at FROM outbox_unpublished "
+        "WHERE id = %s", int(done["new_id"])
+    )  # fmt: skip
+    created = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(milliseconds=DUPLICATE)
+    assert back == [({"n": DUPLICATE}, _headers(DUPLICATE), f"k{DUPLICATE % 3}", "Made",
+                     created)]  # fmt: skip
+    assert swapped.rows("SELECT count(*) FROM outbox_dead_letter") == [(0,)]
 
 
 def test_dead_letters_of_a_batch_whose_mark_fails_on_another_row_are_written_again(
