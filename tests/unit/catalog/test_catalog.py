@@ -454,3 +454,16 @@ def test_the_rename_restates_the_end_state(name: str) -> None:
     # The drop done ahead of a phase the ledger still records: its end state is what holds.
     ahead = pattern.invariants("original-name", frozenset({drop.id}))
     assert [c.name for _, c in ahead] == [c.name for c in drop.postcondition]
+
+
+def test_the_dead_letter_tables_take_the_outbox_id_type_and_the_relay_gets_delete() -> None:
+    """Ids as the relay binds them (int8, or text for application ids such as uuid); the
+    grants give the relay's roles DELETE on the unpublished partition (a dead letter leaves
+    the outbox by DELETE) and are the grant step's postcondition."""
+    for spec, id_type in ((OutboxSpec(), "int8"), (OutboxSpec(id_kind="application"), "text")):
+        steps = {s.kind: s for s in build_pattern("hop", spec).steps()}
+        create = steps["create-dead-letter-tables"].sql_texts()
+        assert all(f"id {id_type} NOT NULL" in text for text in create[:2]), create[:2]
+        grant = steps["grant-dead-letters"]
+        assert "GRANT DELETE ON TABLE" in grant.sql_texts()[0]
+        assert [c.name.split(":")[0] for c in grant.postcondition] == ["dead-letter-grants"]
