@@ -31,15 +31,17 @@ from psycopg.types.json import Jsonb
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.relay.errors import MessagesRejected, RelayFailed
 from outbox_migrate.relay.message import Message
-from outbox_migrate.relay.options import Ordering, RelayOptions
+from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.runner import Runner
+from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 
 from .conftest import Collected
 
 pytestmark = pytest.mark.newest_pg_only
 
 ID_TYPES = ("bigint", "text", "uuid")
+SPEC_FLAT = OutboxSpec(table="outbox")
 ROWS = 12
 
 
@@ -487,3 +489,31 @@ def test_dead_letter_tables_a_relay_made_before_the_migration_get_the_grants(
     assert granted == [(True, True)]
     assert _run_within(_relay(swapped.app_dsn, swapped.spec, collected, {MATE}), 30) is None
     assert swapped.rows("SELECT id FROM outbox_dead_letter ORDER BY id") == [(DUPLICATE,), (MATE,)]
+
+
+def test_a_role_that_may_not_delete_from_a_flat_outbox_marks_its_dead_letters_instead(
+    dsn: str, collected: Collected
+) -> None:
+    """Before the migration the relay's role has SELECT, INSERT, UPDATE on the flat table (no
+    DELETE): a dead-lettered row is marked instead of deleted, in the batch's transaction,
+    and the run ends with everything settled."""
+    swapped = Swapped(dsn, "bigint")
+    try:
+        from outbox_migrate.relay.attempts_sql import create_attempts, create_dead_letter
+
+        with psycopg.connect(swapped.owner_dsn, autocommit=True) as owner:
+            create_flat_outbox(owner, SPEC_FLAT)
+            insert_rows(owner, "outbox", ROWS, spec=SPEC_FLAT)
+            owner.execute(create_dead_letter("public", "outbox_dead_letter"))
+            owner.execute(create_attempts("public", "outbox_dead_letter_attempts"))
+            app = sql.Identifier(swapped.app)
+            owner.execute(sql.SQL("GRANT SELECT, INSERT, UPDATE ON outbox TO {}").format(app))
+            owner.execute(sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_dead_letter, "
+                                  "outbox_dead_letter_attempts TO {}").format(app))  # fmt: skip
+        relay = _relay(swapped.app_dsn, SPEC_FLAT, collected, {MATE}, mode=Mode.flat)
+        assert _run_within(relay, 30) is None
+        assert swapped.rows("SELECT id FROM outbox_dead_letter") == [(MATE,)]
+        assert swapped.rows("SELECT count(*) FROM outbox WHERE published_at IS NULL") == [(0,)]
+        assert swapped.rows("SELECT count(*) FROM outbox") == [(ROWS,)]  # marked, not deleted
+    finally:
+        swapped.drop()
