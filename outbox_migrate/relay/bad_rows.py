@@ -184,7 +184,7 @@ class FailedMessages:
     def _check_columns(self, conn: Any, table: str, wanted: Mapping[str, str]) -> set[str]:
         """An existing table (made by hand, or by an earlier version) must hold ids of the
         outbox's kind and the columns the relay cannot do without: otherwise the relay refuses
-        to start, in one line with the fix — not at the first bad row, which rolled back its
+        to start, in one line with the fix — not at the first bad row, which would roll back its
         batch on every restart. A missing later column (headers, reasons, deliveries) is added
         when the role owns the table (nullable or defaulted: catalog-only, 1 s lock timeout);
         otherwise a warning names the ALTER and dead letters are kept without it. Returns the

@@ -166,8 +166,8 @@ def settle_dead(
     the role may not delete (a flat table: the migration grants DELETE on the unpublished
     partition only) they are marked instead, each part in a savepoint (`_mark_in_halves`).
     A row that can be neither stops the relay (`RelayFailed`). Not in the batch's mark: one
-    row that cannot move failed that mark, which rolled back every dead letter of the batch
-    with it — none was written, and the batch went round again for ever."""
+    row that cannot move fails that mark, and the mark's rollback would take every dead
+    letter of the batch with it — none written, and the batch round again for ever."""
     wanted = set(dead)
     at = queries.CLAIM_CTID_COLUMN
     tids = [r[at] for r in rows if r[0] in wanted]
