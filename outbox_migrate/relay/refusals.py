@@ -165,8 +165,8 @@ class Refusals:
     def _dead_letter_exhausted(
         self, conn: Any, label: str, batch: list[Message]
     ) -> list[DeadLetter]:
-        """Messages out of attempts, dead-lettered in the batch's transaction (and marked with
-        it). Not a row whose mark failed (a suspect): it would fail the batch's mark again;
+        """Messages out of attempts, dead-lettered in the batch's transaction (their rows leave
+        the outbox before its mark: `mark_repair.settle_dead`). Not a row whose mark failed (a suspect): it would fail the batch's mark again;
         it is sent and marked alone (`mark_repair.mark_suspects`), which deletes it instead."""
         worn = self.failures.exhausted(label, batch)
         if worn and self.suspects:
