@@ -166,8 +166,9 @@ class Refusals:
         self, conn: Any, label: str, batch: list[Message]
     ) -> list[DeadLetter]:
         """Messages out of attempts, dead-lettered in the batch's transaction (their rows leave
-        the outbox before its mark: `mark_repair.settle_dead`). Not a row whose mark failed (a suspect): it would fail the batch's mark again;
-        it is sent and marked alone (`mark_repair.mark_suspects`), which deletes it instead."""
+        the outbox before its mark: `mark_repair.settle_dead`). Not a row whose mark failed (a
+        suspect): it is sent and marked alone (`mark_repair.mark_suspects`), which deletes it
+        at its last attempt."""
         worn = self.failures.exhausted(label, batch)
         if worn and self.suspects:
             pending = self.suspects.among(label, [m.id for m in worn])
