@@ -123,7 +123,9 @@ class FailedMessages:
     payload_bytes: bool = False
     """The dead-letter table has a `payload_bytes` column (see `prepare`)."""
     available: bool = True
-    """False when the tables are missing and this role may not create them."""
+    """False when the tables are missing and this role may not create them, or it may not
+    write them (`unavailable` says why)."""
+    unavailable: str = ""
     extras: frozenset[str] = frozenset(HISTORY_COLUMNS)
     """The dead-letter table's later columns (headers, reasons, delivered) it has."""
     kept_history: bool = True
@@ -166,6 +168,13 @@ class FailedMessages:
                     one_line(str(exc)), self.dead_letter_table, self.attempts_table,
                 )  # fmt: skip
                 return False
+        missing = self._missing_privileges(conn)
+        if missing:
+            self.available = False
+            self.unavailable = f"{conn.info.user} lacks {missing}: GRANT it (as in docs/relay.md)"
+            log.warning("relay.dead_letter_unavailable %s; until then a failed message stops "
+                        "the relay", self.unavailable)  # fmt: skip
+            return False
         lacking = self._check_columns(conn, self.dead_letter_table, DEAD_LETTER_COLUMNS)
         self.extras = frozenset(c for c in HISTORY_COLUMNS if c not in lacking)
         self.kept_history = not self._check_columns(conn, self.attempts_table, ATTEMPTS_COLUMNS)
@@ -180,6 +189,20 @@ class FailedMessages:
             self.history.update(((label, id_of(r[0])), (list(r[3] or []), int(r[4])))
                                 for r in rows)  # fmt: skip
         return True
+
+    def _missing_privileges(self, conn: Any) -> str:
+        """What this role may not do on the two tables that dead-lettering needs ("" if
+        nothing): said at start, not as a failed batch at the first bad row."""
+        wanted = ((self.dead_letter_table, ("SELECT", "INSERT")),
+                  (self.attempts_table, ("SELECT", "INSERT", "UPDATE", "DELETE")))  # fmt: skip
+        missing = []
+        for table, privileges in wanted:
+            name = sql.Identifier(self.schema, table).as_string(conn)
+            for privilege in privileges:
+                row = conn.execute("SELECT has_table_privilege(%s, %s)", (name, privilege))
+                if not row.fetchone()[0]:
+                    missing.append(f"{privilege} on {name}")
+        return ", ".join(missing)
 
     def _check_columns(self, conn: Any, table: str, wanted: Mapping[str, str]) -> set[str]:
         """An existing table (made by hand, or by an earlier version) must hold ids of the
@@ -305,9 +328,10 @@ class FailedMessages:
             return {}
         if not self.available:
             raise RelayFailed(
-                f"{len(reasons)} message(s) failed and {self.attempts_table} does not exist: "
-                f"create it and {self.dead_letter_table} as in docs/relay.md"
-            )
+                f"{len(reasons)} message(s) failed and cannot be counted or dead-lettered: "
+                + (self.unavailable or f"{self.attempts_table} does not exist: create it and "
+                   f"{self.dead_letter_table} as in docs/relay.md")
+            )  # fmt: skip
         ids = list(reasons)
         errors = [reasons[i][:ERROR_CHARS] for i in ids]
         rows = conn.execute(

@@ -517,3 +517,22 @@ def test_a_role_that_may_not_delete_from_a_flat_outbox_marks_its_dead_letters_in
         assert swapped.rows("SELECT count(*) FROM outbox") == [(ROWS,)]  # marked, not deleted
     finally:
         swapped.drop()
+
+
+def test_a_role_that_may_not_write_the_dead_letters_is_told_at_start_and_stops_in_one_line(
+    bigint_swapped: Swapped, collected: Collected, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tables there, grant missing: a warning at start names it, and the first failed message
+    stops the relay with that reason — not a failed batch's SQL error at every restart."""
+    swapped = bigint_swapped
+    swapped.build(DUPLICATE)
+    with psycopg.connect(swapped.owner_dsn, autocommit=True) as owner:
+        owner.execute(sql.SQL("REVOKE INSERT ON outbox_dead_letter FROM {}").format(
+            sql.Identifier(swapped.app)))  # fmt: skip
+    caplog.set_level(logging.WARNING, logger="outbox_migrate.relay")
+    raised = _run_within(_relay(swapped.app_dsn, swapped.spec, collected, {MATE}), 30)
+    assert isinstance(raised, RelayFailed), raised
+    assert f'{swapped.app} lacks INSERT on "public"."outbox_dead_letter": GRANT it' in str(raised)
+    warned = [r.getMessage() for r in caplog.records if "dead_letter_unavailable" in r.getMessage()]
+    assert len(warned) == 1 and "INSERT" in warned[0]
+    assert swapped.rows("SELECT count(*) FROM outbox_unpublished WHERE id = %s", MATE) == [(1,)]
