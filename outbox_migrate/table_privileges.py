@@ -15,6 +15,10 @@ from psycopg import Connection
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.findings import ident
+from outbox_migrate.patterns.kinds.dead_letter_tables import (
+    ATTEMPTS_TABLE_SUFFIX,
+    DEAD_LETTER_TABLE,
+)
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.patterns.privileges import RELAY_CLAIM_PRIVILEGES
 
@@ -57,6 +61,13 @@ class TablePrivileges:
             fate = f"{held_text}: granted on {parent} when it is created"
             if claim:
                 fate += f"; {', '.join(claim)} also on {unpublished}, which the relay claims from"
+            if any(g.privilege == "UPDATE" and g.column is None for g in held):
+                # The relay's role (it marks): what dead-lettering needs (its step).
+                fate += (
+                    f"; DELETE on {unpublished} and SELECT, INSERT, UPDATE, DELETE on "
+                    f"{DEAD_LETTER_TABLE} and {DEAD_LETTER_TABLE}{ATTEMPTS_TABLE_SUFFIX} "
+                    "(the relay's dead letters)"
+                )
             # REVOKE INSERT ON the table also takes back INSERT granted on columns.
             if pattern in SWITCHING_PATTERNS and any(g.privilege == "INSERT" for g in held):
                 fate += (

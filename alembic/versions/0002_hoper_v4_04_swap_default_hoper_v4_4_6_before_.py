@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_04
 Revises: 0002_hoper_v4_03
-Create Date: 2026-11-23 23:25:02.580250
+Create Date: 2026-11-28 03:58:19.180111
 
 """
 from typing import Sequence, Union

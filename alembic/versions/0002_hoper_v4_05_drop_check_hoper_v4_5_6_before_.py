@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_05
 Revises: 0002_hoper_v4_04
-Create Date: 2026-11-23 23:25:02.584017
+Create Date: 2026-11-28 03:58:19.186271
 
 """
 from typing import Sequence, Union

@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_06
 Revises: 0002_hoper_v4_05
-Create Date: 2026-11-23 23:25:02.587321
+Create Date: 2026-11-28 03:58:19.188102
 
 """
 from typing import Sequence, Union

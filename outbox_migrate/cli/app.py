@@ -17,6 +17,7 @@ from outbox_migrate.cli import (
     alembic_cmd,
     config_cmd,
     copy_back_cmd,
+    dead_letters_cmd,
     demo_cmd,
     maintain_cmd,
     ping_cmd,
@@ -52,6 +53,8 @@ Examples (each followed by what it does):
       HOPER: copy back, verify, drop
   outbox-migrate maintain --once --dsn $DATABASE_URL
       autovacuum, index bloat, retention
+  outbox-migrate dead-letters requeue --reason 23505 --dsn $DATABASE_URL
+      send dead letters again, with their headers
   outbox-migrate alembic generate --pattern hoper --dir .
       the steps as Alembic revisions
 
@@ -101,6 +104,7 @@ ping_cmd.register(app)
 relay_cmd.register(app)
 copy_back_cmd.register(app)
 maintain_cmd.register(app)
+dead_letters_cmd.register(app)
 alembic_cmd.register(app)
 
 

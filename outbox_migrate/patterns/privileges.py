@@ -18,6 +18,9 @@ What each new relation needs, and no more:
   through the parent.
 * the published partition: no grant. Nothing of the application's reads it directly.
 
+The relay's dead-letter tables and the DELETE a dead letter needs on the unpublished partition
+are granted by their own step (kinds/dead_letter_tables.py), to the roles that mark.
+
 Every relation also gets the old table's owner, so the application's owner role (and the
 tools that run as it) keeps owning its outbox. Identity and serial ids need nothing: the parent
 gets an identity of its own, and PostgreSQL does not check privileges on an identity's sequence.

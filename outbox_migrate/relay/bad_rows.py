@@ -30,12 +30,19 @@ under `<source> copy 2` (3, …). Before, its INSERT did nothing and the row was
 deleted: lost. A message identical in every kept field to the one there is that message
 (dead-lettered again after a crash, or by a second path) and is not kept twice.
 
+A dead letter keeps what a replay needs (the broker headers among it) and what happened: each
+reason on record and how often the sink had acknowledged the message before (a failed mark
+comes after a delivery). It is written in the caller's transaction, and is only a fact once
+that commits: nothing here logs it — the caller logs `DeadLetter`s after its COMMIT
+(`log_dead`), so a log line never reports a dead letter that rolled back.
+
 Statements run inside the caller's transaction (relay/attempts_sql.py); nothing here commits,
 waits or sleeps. Takes a connection and plain values, never a worker.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -46,7 +53,13 @@ from psycopg import sql
 
 from outbox_migrate.db import one_line
 from outbox_migrate.relay import attempts_sql, queries
-from outbox_migrate.relay.attempts_sql import PAYLOAD_BYTES_COLUMN
+from outbox_migrate.relay.attempts_sql import (
+    ADDED_COLUMNS,
+    ATTEMPTS_COLUMNS,
+    DEAD_LETTER_COLUMNS,
+    HISTORY_COLUMNS,
+    PAYLOAD_BYTES_COLUMN,
+)
 from outbox_migrate.relay.errors import RelayFailed
 from outbox_migrate.relay.message import Message, MessageId
 
@@ -58,17 +71,40 @@ COPY_LABEL = "{source} copy {n}"
 """`source_table` of a second (third, …) copy of an id whose dead letter is taken."""
 MAX_COPIES = 1000
 
-__all__ = ["PAYLOAD_BYTES_COLUMN", "FailedMessages", "Verdict"]
+__all__ = ["PAYLOAD_BYTES_COLUMN", "DeadLetter", "FailedMessages", "Verdict", "log_dead"]
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One dead letter written in the caller's transaction (a fact once that commits)."""
+
+    message: Message
+    attempts: int
+    kept_as: str
+    """The `source_table` it is kept under (a copy label when the source's key was taken)."""
+    label: str
+    error: str = ""
+    reasons: tuple[str, ...] = ()
+    delivered: int = 0
 
 
 @dataclass(frozen=True)
 class Verdict:
     """What one round of failures led to: attempts so far per id, the messages that went to
-    the dead-letter table now (every copy), the ids to try again."""
+    the dead-letter table now (every copy), the ids to try again, and the dead letters
+    written (to log once the transaction committed)."""
 
     attempts: dict[MessageId, int]
     dead: list[Message]
     retry: list[MessageId]
+    letters: list[DeadLetter] = field(default_factory=list)
+
+
+def log_dead(letters: Sequence[DeadLetter]) -> None:
+    """Log dead letters whose transaction committed (never before: module doc)."""
+    for d in letters:
+        copy = "" if d.kept_as == d.label else f" as={d.kept_as!r}"
+        log.warning("relay.dead_lettered id=%s attempts=%d%s", d.message.id, d.attempts, copy)
 
 
 @dataclass
@@ -87,8 +123,16 @@ class FailedMessages:
     payload_bytes: bool = False
     """The dead-letter table has a `payload_bytes` column (see `prepare`)."""
     available: bool = True
-    """False when the tables are missing and this role may not create them."""
+    """False when the tables are missing and this role may not create them, or it may not
+    write them (`unavailable` says why)."""
+    unavailable: str = ""
+    extras: frozenset[str] = frozenset(HISTORY_COLUMNS)
+    """The dead-letter table's later columns (headers, reasons, delivered) it has."""
+    kept_history: bool = True
+    """The attempts table keeps reasons and deliveries (an earlier version's may not)."""
     known: dict[tuple[str, MessageId], tuple[int, str]] = field(default_factory=dict)
+    history: dict[tuple[str, MessageId], tuple[list[str], int]] = field(default_factory=dict)
+    """Per counter: its reasons on record and how many attempts followed a delivery."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- start --------------------------------------------------------------------------
@@ -124,14 +168,85 @@ class FailedMessages:
                     one_line(str(exc)), self.dead_letter_table, self.attempts_table,
                 )  # fmt: skip
                 return False
+        missing = self._missing_privileges(conn)
+        if missing:
+            self.available = False
+            self.unavailable = f"{conn.info.user} lacks {missing}: GRANT it (as in docs/relay.md)"
+            log.warning("relay.dead_letter_unavailable %s; until then a failed message stops "
+                        "the relay", self.unavailable)  # fmt: skip
+            return False
+        lacking = self._check_columns(conn, self.dead_letter_table, DEAD_LETTER_COLUMNS)
+        self.extras = frozenset(c for c in HISTORY_COLUMNS if c not in lacking)
+        self.kept_history = not self._check_columns(conn, self.attempts_table, ATTEMPTS_COLUMNS)
         self.payload_bytes = self._payload_bytes_column(conn)
         id_of = self._id_of
         for label in sources:
             rows = conn.execute(
-                attempts_sql.attempted(self.schema, self.attempts_table), {"source": label}
+                attempts_sql.attempted(self.schema, self.attempts_table, self.kept_history),
+                {"source": label},
             ).fetchall()
             self.known.update(((label, id_of(r[0])), (int(r[1]), str(r[2]))) for r in rows)
+            self.history.update(((label, id_of(r[0])), (list(r[3] or []), int(r[4])))
+                                for r in rows)  # fmt: skip
         return True
+
+    def _missing_privileges(self, conn: Any) -> str:
+        """What this role may not do on the two tables that dead-lettering needs ("" if
+        nothing): said at start, not as a failed batch at the first bad row."""
+        wanted = ((self.dead_letter_table, ("SELECT", "INSERT")),
+                  (self.attempts_table, ("SELECT", "INSERT", "UPDATE", "DELETE")))  # fmt: skip
+        missing = []
+        for table, privileges in wanted:
+            name = sql.Identifier(self.schema, table).as_string(conn)
+            for privilege in privileges:
+                row = conn.execute("SELECT has_table_privilege(%s, %s)", (name, privilege))
+                if not row.fetchone()[0]:
+                    missing.append(f"{privilege} on {name}")
+        return ", ".join(missing)
+
+    def _check_columns(self, conn: Any, table: str, wanted: Mapping[str, str]) -> set[str]:
+        """An existing table (made by hand, or by an earlier version) must hold ids of the
+        outbox's kind and the columns the relay cannot do without: otherwise the relay refuses
+        to start, in one line with the fix — not at the first bad row, which would roll back its
+        batch on every restart. A missing later column (headers, reasons, deliveries) is added
+        when the role owns the table (nullable or defaulted: catalog-only, 1 s lock timeout);
+        otherwise a warning names the ALTER and dead letters are kept without it. Returns the
+        later columns still missing."""
+        import psycopg
+
+        found = dict(conn.execute(attempts_sql.columns_of(self.schema, table)).fetchall())
+        name = sql.Identifier(self.schema, table).as_string(conn)
+        id_type = "text" if self.text_ids else "bigint"
+        have = found.get("id")
+        if have is not None and have != id_type:
+            raise RelayFailed(
+                f"{name}.id is {have} but this outbox's ids are {id_type}: "
+                f"ALTER TABLE {name} ALTER COLUMN id TYPE {id_type} (docs/relay.md)"
+            )
+        missing = [c for c in wanted if c not in found and c != PAYLOAD_BYTES_COLUMN]
+        unfixable = [c for c in missing if c not in ADDED_COLUMNS]
+        if unfixable:
+            raise RelayFailed(
+                f"{name} lacks column(s) {', '.join(unfixable)}: drop it (once empty) and let "
+                "the migration or the relay create it, as in docs/relay.md"
+            )
+        if not missing:
+            return set()  # payload_bytes is optional (`_payload_bytes_column`)
+        alter = f"ALTER TABLE {name} " + ", ".join(
+            f"ADD COLUMN IF NOT EXISTS {c} {ADDED_COLUMNS[c]}" for c in missing
+        )
+        try:
+            with conn.transaction():
+                conn.execute("SET LOCAL lock_timeout = '1s'")
+                conn.execute(alter)
+        except (psycopg.errors.InsufficientPrivilege, psycopg.errors.LockNotAvailable) as exc:
+            log.warning(
+                "relay.dead_letter_columns_missing %s lacks %s (%s): dead letters are kept "
+                "without them; as its owner: %s",
+                name, ", ".join(missing), one_line(str(exc)), alter,
+            )  # fmt: skip
+            return set(missing)
+        return set()
 
     def _payload_bytes_column(self, conn: Any) -> bool:
         """Whether raw payloads can be kept as bytes. An existing table (text payload, from an
@@ -200,21 +315,30 @@ class FailedMessages:
     # -- in the caller's transaction -------------------------------------------------------
 
     def count(
-        self, conn: Any, label: str, reasons: Mapping[MessageId, str]
+        self,
+        conn: Any,
+        label: str,
+        reasons: Mapping[MessageId, str],
+        *,
+        delivered: bool = False,
     ) -> dict[MessageId, int]:
-        """Add one attempt per id (copies of an id share one); returns each id's attempts."""
+        """Add one attempt per id (copies of an id share one); returns each id's attempts.
+        `delivered`: the sink had acknowledged these messages (their mark failed)."""
         if not reasons:
             return {}
         if not self.available:
             raise RelayFailed(
-                f"{len(reasons)} message(s) failed and {self.attempts_table} does not exist: "
-                f"create it and {self.dead_letter_table} as in docs/relay.md"
-            )
+                f"{len(reasons)} message(s) failed and cannot be counted or dead-lettered: "
+                + (self.unavailable or f"{self.attempts_table} does not exist: create it and "
+                   f"{self.dead_letter_table} as in docs/relay.md")
+            )  # fmt: skip
         ids = list(reasons)
         errors = [reasons[i][:ERROR_CHARS] for i in ids]
         rows = conn.execute(
-            attempts_sql.count_attempts(self.schema, self.attempts_table, self.text_ids),
-            {"source": label, "ids": ids, "errors": errors},
+            attempts_sql.count_attempts(
+                self.schema, self.attempts_table, self.text_ids, self.kept_history
+            ),
+            {"source": label, "ids": ids, "errors": errors, "delivered": int(delivered)},
         ).fetchall()
         return self._counted(label, rows, dict(zip(ids, errors, strict=True)))
 
@@ -224,7 +348,9 @@ class FailedMessages:
         ids = list(reasons)
         errors = [reasons[i][:ERROR_CHARS] for i in ids]
         rows = conn.execute(
-            attempts_sql.note_attempts(self.schema, self.attempts_table, self.text_ids),
+            attempts_sql.note_attempts(
+                self.schema, self.attempts_table, self.text_ids, self.kept_history
+            ),
             {"source": label, "ids": ids, "errors": errors},
         ).fetchall()
         attempts = self._counted(label, rows, dict(zip(ids, errors, strict=True)))
@@ -258,44 +384,53 @@ class FailedMessages:
         *,
         counted: bool = False,
         keep: Collection[MessageId] = (),
+        delivered: bool = False,
     ) -> Verdict:
         """Add one attempt per failed id (`counted`: added beforehand, only the reason is
-        new); dead-letter every failed message (each copy) at `max_attempts`, in the same
-        transaction, so their mark or removal commits with them. `keep`: ids whose counter
-        stays although dead-lettered — another copy of theirs is yet to be settled."""
-        attempts = (self.note if counted else self.count)(conn, label, reasons)
+        new; `delivered`: the sink had acknowledged them); dead-letter every failed message
+        (each copy) at `max_attempts`, in the same transaction, so their mark or removal
+        commits with them. `keep`: ids whose counter stays although dead-lettered — another
+        copy of theirs is yet to be settled."""
+        if counted:
+            attempts = self.note(conn, label, reasons)
+        else:
+            attempts = self.count(conn, label, reasons, delivered=delivered)
         most = self.max_attempts
         dead = [m for m in failed if attempts[m.id] >= most]
-        for message in dead:
+        letters = [
             self.dead_letter(conn, label, message, attempts[message.id], reasons[message.id])
+            for message in dead
+        ]
         retry = [i for i in attempts if attempts[i] < most]
         self.forget(conn, label, [i for i in {m.id: 0 for m in dead} if i not in keep])
-        return Verdict(attempts, dead, retry)
+        return Verdict(attempts, dead, retry, letters)
 
     def dead_letter_exhausted(
         self, conn: Any, label: str, messages: Sequence[Message]
-    ) -> list[Message]:
+    ) -> list[DeadLetter]:
         """Dead-letter the messages `exhausted` found, with their last reason, if the database
         agrees that they are out of attempts (another process may have settled them since);
-        returns those dead-lettered."""
+        returns the dead letters written."""
         ids = list({m.id: 0 for m in messages})
         rows = conn.execute(
-            attempts_sql.attempts_of(self.schema, self.attempts_table, self.text_ids),
+            attempts_sql.attempts_of(
+                self.schema, self.attempts_table, self.text_ids, self.kept_history
+            ),
             {"source": label, "ids": ids},
         ).fetchall()
         on_record = {self._id_of(r[0]): (int(r[1]), str(r[2])) for r in rows}
         with self._lock:
+            self.history.update(((label, self._id_of(r[0])), (list(r[3] or []), int(r[4])))
+                                for r in rows)  # fmt: skip
             for i in ids:
                 if i in on_record:
                     self.known[(label, i)] = on_record[i]
                 else:
                     self.known.pop((label, i), None)
         dead = [m for m in messages if on_record.get(m.id, (0, ""))[0] >= self.max_attempts]
-        for message in dead:
-            attempts, error = on_record[message.id]
-            self.dead_letter(conn, label, message, attempts, error)
+        letters = [self.dead_letter(conn, label, m, *on_record[m.id]) for m in dead]
         self.forget(conn, label, list({m.id: 0 for m in dead}))
-        return dead
+        return letters
 
     def forget(self, conn: Any, label: str, ids: Sequence[MessageId]) -> None:
         """Published or dead-lettered: their counters go, in the same transaction."""
@@ -304,34 +439,60 @@ class FailedMessages:
         with self._lock:
             for i in ids:
                 self.known.pop((label, i), None)
+                self.history.pop((label, i), None)
         conn.execute(
             attempts_sql.forget_attempts(self.schema, self.attempts_table, self.text_ids),
             {"source": label, "ids": list(ids)},
         )
 
+    def rewrite(self, conn: Any, letter: DeadLetter) -> DeadLetter:
+        """Write a dead letter again as it was written in a transaction that rolled back (its
+        batch's mark failed on another row): same attempts, reasons and deliveries."""
+        history = (list(letter.reasons), letter.delivered)
+        return self.dead_letter(conn, letter.label, letter.message, letter.attempts,
+                                letter.error, history=history)  # fmt: skip
+
     def dead_letter(
-        self, conn: Any, label: str, message: Message, attempts: int, error: str
-    ) -> str:
-        """Keep the message in the dead-letter table; returns the `source_table` it is kept
-        under. A raw payload goes in as bytes (and as hex text in `payload`, which is NOT NULL
-        in tables of earlier versions). Never a silent no-op: a key taken by another message
+        self,
+        conn: Any,
+        label: str,
+        message: Message,
+        attempts: int,
+        error: str,
+        *,
+        history: tuple[list[str], int] | None = None,
+    ) -> DeadLetter:
+        """Keep the message in the dead-letter table, with its headers, the reasons on record
+        and its deliveries; returns what was written (logged by the caller once committed).
+        A raw payload goes in as bytes (and as hex text in `payload`, which is NOT NULL in
+        tables of earlier versions). Never a silent no-op: a key taken by another message
         moves this one to a copy label (module doc)."""
         payload = message.payload
         raw = payload if type(payload) is bytes else None
+        error = error[:ERROR_CHARS]
+        if history is None:
+            with self._lock:
+                history = self.history.get((label, message.id), ([], 0))
+        reasons, delivered = history
+        if not reasons or reasons[-1] != error:
+            reasons = [*reasons, error]
         params = {
             "source": label, "id": message.id, "event_type": message.event_type,
             "key": message.key, "payload": payload if raw is None else "\\x" + raw.hex(),
             "created_at": message.created_at, "attempts": attempts,
-            "error": error[:ERROR_CHARS], "raw": raw,
+            "error": error, "raw": raw,
+            "headers": json.dumps([list(pair) for pair in message.extra_headers]),
+            "reasons": reasons, "delivered": delivered,
         }  # fmt: skip
         insert = attempts_sql.insert_dead_letter(
-            self.schema, self.dead_letter_table, raw=raw is not None and self.payload_bytes
+            self.schema,
+            self.dead_letter_table,
+            raw=raw is not None and self.payload_bytes,
+            extras=self.extras,
         )
         written = conn.execute(insert, params).fetchone()
         kept = label if written else self._as_copy(conn, insert, params)
-        copy = "" if kept == label else f" as={kept!r}"
-        log.warning("relay.dead_lettered id=%s attempts=%d%s", message.id, attempts, copy)
-        return kept
+        return DeadLetter(message, attempts, kept, label, error, tuple(reasons), delivered)
 
     def _as_copy(self, conn: Any, insert: sql.Composed, params: dict[str, Any]) -> str:
         """(source, id) holds a dead letter already: this very message (return its label), or
@@ -364,6 +525,9 @@ class FailedMessages:
         attempts = {id_of(r[0]): int(r[1]) for r in rows}
         with self._lock:
             self.known.update(((label, i), (n, errors[i])) for i, n in attempts.items())
+            if rows and len(rows[0]) > 3:
+                self.history.update(((label, id_of(r[0])), (list(r[2] or []), int(r[3])))
+                                    for r in rows)  # fmt: skip
         return attempts
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outbox_migrate.relay import claimed, queries, wire
+from outbox_migrate.relay.bad_rows import DeadLetter
 from outbox_migrate.relay.message import Message, MessageId
 
 
@@ -36,8 +37,10 @@ class Batch:
     """Rows that could not become a message (relay/claimed.py)."""
     acked: list[MessageId] = field(default_factory=list)
     """Acknowledged by the broker, to be marked."""
-    dead: list[MessageId] = field(default_factory=list)
-    """Dead-lettered in this transaction, to be marked."""
+    letters: list[DeadLetter] = field(default_factory=list)
+    """Dead-lettered in this transaction, their rows already marked or deleted — not by the
+    batch's mark (relay/mark_repair.py `settle_dead`). Logged and counted once the COMMIT
+    succeeded; written again by the repair when the batch's mark failed."""
     retry: list[MessageId] = field(default_factory=list)
     """Bad rows to claim again by id."""
     pause: float = 0.0
@@ -47,12 +50,12 @@ class Batch:
     """Claim again from this id (after a rejection's pause, for a released key)."""
 
     def to_mark(self) -> list[str]:
-        """The ctids of the claimed rows that are acknowledged or dead-lettered."""
+        """The ctids of the claimed rows that are acknowledged."""
         at = queries.CLAIM_CTID_COLUMN
         rows, acked = self.rows, self.acked
         if len(acked) == len(rows):
             return [r[at] for r in rows]
-        wanted = set(acked) | set(self.dead)
+        wanted = set(acked)
         return [r[at] for r in rows if r[0] in wanted]
 
 
@@ -84,7 +87,7 @@ class Commit:
 
 
 def mark_and_commit(pipe: wire.Wire, batch: Batch) -> Commit:
-    """Queue the mark of the acknowledged and dead-lettered rows, and the COMMIT, on the
+    """Queue the mark of the acknowledged rows, and the COMMIT, on the
     session that claimed them. The mark is tolerated (`Wire.send`): a row that breaks a
     constraint as it moves (a duplicate id after the swap) rolls back this batch only, and
     whatever the session has queued after it — the next claim — runs as usual."""

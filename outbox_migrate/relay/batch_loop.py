@@ -410,11 +410,7 @@ class BatchLoop:
         return rows, ahead.after, len(rows)
 
     def _publish_batch(
-        self,
-        conn: Any,
-        pipe: wire.Wire,
-        claim: Batch,
-        pending: list[Commit],
+        self, conn: Any, pipe: wire.Wire, claim: Batch, pending: list[Commit]
     ) -> tuple[float, float]:
         """Publish the claimed rows and queue their mark and COMMIT on their session. Returns
         the pause the worker takes once the transaction has ended (0: none; see
@@ -425,11 +421,12 @@ class BatchLoop:
         claim.messages, claim.bad = batch, bad
         self.fence.check(time.monotonic())
         assert self.sink is not None
-        acked, claim.dead, retry, pause, rewind = relay.refusals.publish(
-            wire.direct(conn, pipe), self.sink, source, batch, bad, after
+        direct = wire.direct(conn, pipe)
+        acked, claim.letters, retry, pause, rewind = relay.refusals.publish(
+            direct, self.sink, source, batch, bad, after
         )
-        if relay.refusals.suspects and acked:
-            acked, again = unmarked.mark_suspects(relay, wire.direct(conn, pipe), claim, acked)
+        if claim.letters or (relay.refusals.suspects and acked):
+            acked, again = unmarked.before_mark(relay, direct, claim, acked)
             retry += again
         claim.acked, claim.retry, claim.pause, claim.rewind = acked, retry, pause, rewind
         if relay.abandon.is_set():
@@ -574,6 +571,7 @@ class BatchLoop:
 
     def _count(self, commit: Commit) -> None:
         relay = self.relay
+        unmarked.committed(relay, commit.batch)
         relay.stats.batch(commit.published)
         relay.observer.published(commit.published)
         relay.observer.batch_seconds((commit.sent or time.perf_counter()) - commit.started)

@@ -9,8 +9,9 @@ probe each — instead of reading the detail or splitting the batch in halves
 (relay/mark_repair.py): the rest is marked in one statement and the known bad rows need no
 statement of their own when they are tried again.
 
-A key on several columns, an expression or a partial index, or any other constraint (CHECK,
-trigger, foreign key) has no `ConflictKey`: the repair bisects as before.
+A key on several columns, an expression or a partial index, any other constraint (CHECK,
+trigger, foreign key), or a key on a table the relay's role may not read (a least-privilege
+role has no grant on the published partition) has no `ConflictKey`: the repair bisects.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ JOIN pg_namespace n ON n.oid = tc.relnamespace
 JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
 WHERE n.nspname = %s AND tc.relname = %s AND ic.relname = %s AND ic.relnamespace = n.oid
   AND i.indisunique AND i.indnkeyatts = 1 AND i.indexprs IS NULL AND i.indpred IS NULL
+  AND has_table_privilege(tc.oid, 'SELECT')
 """
+# The relay's role may not read the key's table (the migration grants nothing on the
+# published partition): then there is no lookup, and the repair bisects.
 
 
 @dataclass(frozen=True)

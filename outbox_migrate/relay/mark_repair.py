@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +36,9 @@ from psycopg import sql
 
 from outbox_migrate.patterns import marker
 from outbox_migrate.relay import conflict_key, queries
-from outbox_migrate.relay.bad_rows import FailedMessages
+from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages
 from outbox_migrate.relay.conflict_key import ConflictKey
+from outbox_migrate.relay.errors import RelayFailed
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.parking import Parking
 
@@ -47,6 +48,8 @@ class Repaired:
     marked: int = 0
     bad: dict[MessageId, str] = field(default_factory=dict)
     dead: list[Message] = field(default_factory=list)
+    letters: list[DeadLetter] = field(default_factory=list)
+    """The dead letters written (logged by the caller once they committed)."""
     retry: list[MessageId] = field(default_factory=list)
     attempts: dict[MessageId, int] = field(default_factory=dict)
     held: set[MessageId] = field(default_factory=set)
@@ -151,6 +154,93 @@ def repair(
     return done
 
 
+def settle_dead(
+    conn: Any, source: queries.Source, rows: Sequence[Any], dead: Collection[MessageId]
+) -> None:
+    """Take the rows of dead-lettered ids out of the unpublished partition, in the caller's
+    transaction (the one that wrote their dead letters), before the batch's mark.
+
+    Deleted (in a savepoint): the dead-letter table holds them, and a dead letter is not a
+    published message — marked, it would sit in the published partition, where a requeue
+    with its id meets it again (a primary key there refuses the requeued row's mark). Where
+    the role may not delete (a flat table: the migration grants DELETE on the unpublished
+    partition only) they are marked instead, each part in a savepoint (`_mark_in_halves`).
+    A row that can be neither stops the relay (`RelayFailed`). Not in the batch's mark: one
+    row that cannot move fails that mark, and the mark's rollback would take every dead
+    letter of the batch with it — none written, and the batch round again for ever."""
+    wanted = set(dead)
+    at = queries.CLAIM_CTID_COLUMN
+    tids = [r[at] for r in rows if r[0] in wanted]
+    if not tids:
+        return
+    gone, refused = _delete_dead(conn, source, tids)
+    left = [tid for tid in tids if tid not in gone]
+    if not left:
+        return
+    failed = _mark_in_halves(conn, source, left)
+    if failed:
+        raise _neither(source, failed, refused)
+
+
+def redo_dead(
+    conn: Any,
+    source: queries.Source,
+    failures: FailedMessages,
+    rows: Sequence[Any],
+    letters: Sequence[DeadLetter],
+) -> list[DeadLetter]:
+    """Dead letters that rolled back with their batch's failed mark, written again in a
+    transaction of their own, their rows taken out of the outbox (`settle_dead`). A row no
+    longer there or locked by another session (`SKIP LOCKED`: never wait) is that session's:
+    it is not written here. Returns the dead letters written (committed on return)."""
+    ids = {d.message.id for d in letters}
+    tids = {r[queries.CLAIM_CTID_COLUMN]: r[0] for r in rows if r[0] in ids}
+    if not tids:
+        return []
+    with conn.transaction():
+        locked = conn.execute(_lock(source, tids, None)).fetchall()
+        same = [tid for tid, ident in locked if tids.get(tid) == _id_of(source, ident)]
+        alive = {tids[tid] for tid in same}
+        written = [failures.rewrite(conn, d) for d in letters if d.message.id in alive]
+        failures.forget(conn, source.label, list(alive))
+        settle_dead(conn, source, [r for r in rows if r[queries.CLAIM_CTID_COLUMN] in same],
+                    alive)  # fmt: skip
+    return written
+
+
+def remove_dead(conn: Any, source: queries.Source, failed: Mapping[str, str]) -> None:
+    """Delete dead-lettered rows that cannot be marked (tid → why), in a savepoint; a row that
+    can be neither marked nor deleted stops the relay (`RelayFailed`, exit 1) with both
+    reasons and the grant that fixes it — never a loop of batches that roll back."""
+    gone, refused = _delete_dead(conn, source, list(failed))
+    left = {tid: why for tid, why in failed.items() if tid not in gone}
+    if left:
+        raise _neither(source, left, refused)
+
+
+def _delete_dead(conn: Any, source: queries.Source, tids: list[str]) -> tuple[set[str], str]:
+    """DELETE the rows in a savepoint: the tids deleted, and why the others were not (a
+    refusal rolls back to the savepoint; a guard trigger may skip rows silently)."""
+    try:
+        cursor = conn.execute(_deleted_in_savepoint(source, tids))
+        cursor.nextset()
+        gone = {str(r[0]) for r in cursor.fetchall()}
+    except psycopg.Error as exc:
+        conn.execute(_ROLLBACK_TO)
+        return set(), _reason(exc)
+    return gone, "" if len(gone) == len(tids) else "a trigger kept the row"
+
+
+def _neither(source: queries.Source, failed: Mapping[str, str], refused: str) -> RelayFailed:
+    why = next(iter(failed.values()))
+    return RelayFailed(
+        f"{len(failed)} dead-lettered row(s) of {source.label} can be neither marked ({why}) "
+        f"nor deleted ({refused or 'not tried'}): GRANT DELETE ON "
+        f"{source.schema}.{source.claim_table} TO the relay's role (the migration's "
+        "grant-dead-letters step does)"
+    )
+
+
 def park(
     parking: Parking,
     label: str,
@@ -242,16 +332,17 @@ def _count(
     held = {i: by_id[i] for i in done.bad if last[i] in failed}
     copies = Counter(tids[tid] for tid in failed)
     others = {i for i in done.bad if copies[i] > (1 if i in held else 0)}
-    verdict = failures.record(conn, source.label, list(held.values()), done.bad, keep=others)
+    verdict = failures.record(conn, source.label, list(held.values()), done.bad, keep=others,
+                             delivered=True)  # fmt: skip
     dead = {m.id for m in verdict.dead}
-    done.dead, done.attempts = verdict.dead, verdict.attempts
+    done.dead, done.attempts, done.letters = verdict.dead, verdict.attempts, verdict.letters
     done.retry = verdict.retry + [i for i in others if i not in verdict.retry]
     suspects.update(source.label, done.retry, [i for i in dead if i not in others])
-    gone = [last[i] for i in dead]
+    gone = {last[i]: failed[last[i]] for i in dead}
     if gone:
         # Dead-lettered rows cannot be marked: they leave the outbox (the dead-letter table
         # holds them) so they are not claimed again.
-        conn.execute(_delete(source), {"tids": _tid_array(gone)})
+        remove_dead(conn, source, gone)
 
 
 def _mark_named_first(
@@ -321,6 +412,13 @@ def _marked_in_savepoint(source: queries.Source, tids: Sequence[str]) -> sql.Com
     )
 
 
+def _deleted_in_savepoint(source: queries.Source, tids: Sequence[str]) -> sql.Composed:
+    return sql.SQL(
+        "SAVEPOINT om_relay_mark; DELETE FROM {table} WHERE ctid = ANY({tids}::tid[]) "
+        "RETURNING ctid::text; RELEASE SAVEPOINT om_relay_mark"
+    ).format(table=source.claim_ident, tids=sql.Literal(_tid_array(tids)))
+
+
 def _reason(exc: psycopg.Error) -> str:
     detail = exc.diag.message_detail
     text = str(exc.diag.message_primary or exc).strip()
@@ -355,7 +453,3 @@ def _lock(
         tids=sql.Literal(_tid_array(list(tids))),
         lookup=lookup,
     )
-
-
-def _delete(source: queries.Source) -> sql.Composed:
-    return sql.SQL("DELETE FROM {} WHERE ctid = ANY(%(tids)s::tid[])").format(source.claim_ident)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox_migrate.relay import claimed, mark_repair, publishing, queries
-from outbox_migrate.relay.bad_rows import FailedMessages
+from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages
 from outbox_migrate.relay.errors import SinkCrashed, SinkError
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
@@ -62,8 +62,9 @@ class Refusals:
         batch: list[Message],
         bad: list[claimed.BadRow],
         after: MessageId = 0,
-    ) -> tuple[list[MessageId], list[MessageId], list[MessageId], float, MessageId | None]:
-        """Publish; returns (acknowledged ids to mark, dead-lettered ids, bad rows to try again
+    ) -> tuple[list[MessageId], list[DeadLetter], list[MessageId], float, MessageId | None]:
+        """Publish; returns (acknowledged ids to mark, dead letters written — their rows are
+        the caller's to take out of the outbox before the mark, bad rows to try again
         by id, how long the worker pauses once this batch's transaction has ended, the id to
         claim again from). The pause is a backoff by the most attempts any message the sink
         refused has had; the worker then claims again from the lowest message to retry. With
@@ -91,10 +92,11 @@ class Refusals:
                 batch = [m for m in batch if m.id in free]
                 bad = [b for b in bad if b.message.id in free]
         failures = self.failures
-        worn: list[Message] = []
+        worn: list[DeadLetter] = []
         if failures.known:  # a crash counted the last attempt of some: dead-letter, not send
             worn = self._dead_letter_exhausted(conn, label, batch)
-        sent = [m for m in batch if m not in worn] if worn else batch
+        gone = {d.message.id for d in worn}
+        sent = [m for m in batch if m.id not in gone] if worn else batch
         rejected, unrepresentable = self._send(sink, label, sent)
         if not (rejected or unrepresentable or bad or worn):
             acked = [m.id for m in batch]
@@ -111,14 +113,13 @@ class Refusals:
         refused = [m for m in sent if m.id in reasons] + [b.message for b in bad]
         self.count_failures(len(rejected), len(reasons) - len(rejected))
         verdict = failures.record(conn, label, refused, reasons)
-        dead = verdict.dead + worn
-        self.stats.add(dead_lettered=len(dead))
+        letters = verdict.letters + worn
         acked = [m.id for m in sent if m.id not in reasons]
         self.forget(conn, label, acked)
         if reasons:
-            log.warning("relay.rejected count=%d bad_rows=%d dead_lettered=%d",
-                        len(rejected), len(reasons) - len(rejected), len(dead))  # fmt: skip
-        dead_ids = [m.id for m in dead]
+            # What the sink said; the dead letters are logged once they commit (bad_rows.py).
+            log.warning("relay.rejected count=%d bad_rows=%d",
+                        len(rejected), len(reasons) - len(rejected))  # fmt: skip
         if self.by_key:
             settled = parking.settle(
                 label, sorted(batch + [b.message for b in bad], key=_BY_ID),
@@ -126,14 +127,14 @@ class Refusals:
                 now=time.monotonic(), backoff=self.backoff, last=last,
             )  # fmt: skip
             held = settled.held
-            return [i for i in acked if i not in held], dead_ids, [], 0.0, settled.claim_again_from
+            return [i for i in acked if i not in held], letters, [], 0.0, settled.claim_again_from
         most = max((verdict.attempts[i] for i in verdict.retry if i in rejected), default=0)
         # Rejected messages are claimed again after a backoff that grows with their attempts,
         # not at once: a transient refusal gets time to clear before the message counts
         # towards the dead-letter table. A bad row is tried again without waiting.
         pause = self.backoff(most - 1) if most else 0.0
         rewind = min(verdict.retry) if pause else None
-        return acked, dead_ids, verdict.retry, pause, rewind
+        return acked, letters, verdict.retry, pause, rewind
 
     def _send(
         self, sink: Sink, label: str, batch: list[Message]
@@ -161,10 +162,13 @@ class Refusals:
             unrepresentable.update(unfit)
         return rejected, unrepresentable
 
-    def _dead_letter_exhausted(self, conn: Any, label: str, batch: list[Message]) -> list[Message]:
-        """Messages out of attempts, dead-lettered in the batch's transaction (and marked with
-        it). Not a row whose mark failed (a suspect): it would fail the batch's mark again;
-        it is sent and marked alone (`mark_repair.mark_suspects`), which deletes it instead."""
+    def _dead_letter_exhausted(
+        self, conn: Any, label: str, batch: list[Message]
+    ) -> list[DeadLetter]:
+        """Messages out of attempts, dead-lettered in the batch's transaction (their rows leave
+        the outbox before its mark: `mark_repair.settle_dead`). Not a row whose mark failed (a
+        suspect): it is sent and marked alone (`mark_repair.mark_suspects`), which deletes it
+        at its last attempt."""
         worn = self.failures.exhausted(label, batch)
         if worn and self.suspects:
             pending = self.suspects.among(label, [m.id for m in worn])

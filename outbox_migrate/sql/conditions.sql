@@ -428,3 +428,22 @@ FROM pg_trigger o
 JOIN pg_trigger p ON p.tgname = o.tgname
 WHERE o.tgrelid = to_regclass({rel_reg}) AND p.tgrelid = to_regclass({parent_reg})
   AND (p.tgtype & 1) = 1 AND NOT p.tgisinternal AND o.tgparentid <> p.oid
+
+-- name: dead-letter-grants
+-- Every role with UPDATE on the old table (the relay's) may delete from the unpublished partition and write both dead-letter tables.
+SELECT format('%s lacks %s on %s: GRANT it (the grant-dead-letters step does)',
+              CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+              w.privilege, w.rel)
+FROM (SELECT DISTINCT a.grantee
+      FROM pg_class c, aclexplode(c.relacl) a
+      WHERE c.oid = to_regclass({old_reg}) AND a.grantee <> c.relowner
+        AND a.privilege_type = 'UPDATE') g,
+     (VALUES ({unpublished_reg}, 'DELETE'),
+             ({dead_reg}, 'SELECT'), ({dead_reg}, 'INSERT'), ({dead_reg}, 'DELETE'),
+             ({attempts_reg}, 'SELECT'), ({attempts_reg}, 'INSERT'),
+             ({attempts_reg}, 'UPDATE'), ({attempts_reg}, 'DELETE')) AS w(rel, privilege)
+WHERE to_regclass(w.rel) IS NULL
+   OR NOT CASE WHEN g.grantee = 0 THEN EXISTS (
+              SELECT FROM pg_class c, aclexplode(c.relacl) a
+              WHERE c.oid = to_regclass(w.rel) AND a.grantee = 0 AND a.privilege_type = w.privilege)
+          ELSE has_table_privilege(g.grantee, to_regclass(w.rel), w.privilege) END

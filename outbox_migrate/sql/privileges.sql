@@ -56,3 +56,27 @@ ORDER BY 2, 4 NULLS FIRST, 3
 SELECT c.relrowsecurity, (SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid)
 FROM pg_class c
 WHERE c.oid = to_regclass({rel_reg})
+
+-- name: grant-dead-letters
+-- Give the relay's roles (those with UPDATE on the old table: they mark) what dead-lettering needs.
+DO $om$
+DECLARE
+    old_rel regclass := {old_reg}::regclass;
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = {old_reg}::regclass);
+    g record;
+    t regclass;
+BEGIN
+    FOR g IN
+        SELECT DISTINCT a.grantee
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner AND a.privilege_type = 'UPDATE'
+    LOOP
+        FOREACH t IN ARRAY ARRAY[{dead_reg}::regclass, {attempts_reg}::regclass] LOOP
+            EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %s TO %s', t,
+                CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END);
+        END LOOP;
+        EXECUTE format('GRANT DELETE ON TABLE %s TO %s', {unpublished_reg}::regclass,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END);
+    END LOOP;
+END
+$om$

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "alembic"
 INI = EXAMPLE / "alembic.ini"
 TARGETS = {
-    "V2": "0002_hoper_v2_06",
+    "V2": "0002_hoper_v2_08",
     "V3": "0002_hoper_v3_01",
     "V4": "0002_hoper_v4_06",
     "copy-back": "0002_hoper_copy_back_02",

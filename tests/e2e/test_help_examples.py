@@ -24,7 +24,7 @@ pytestmark = pytest.mark.newest_pg_only
 
 STORY = [
     "config", "wizard --no-pause", "wizard", "plan", "ping", "run", "status", "verify",
-    "next", "relay", "rollback", "maintain", "copy-back", "reset", "alembic",
+    "next", "relay", "dead-letters", "rollback", "maintain", "copy-back", "reset", "alembic",
 ]  # fmt: skip
 """Where each example runs, by the words after `outbox-migrate` it starts with."""
 NOT_RUN = {

@@ -26,6 +26,7 @@ def load_all() -> Mapping[str, StepBuilder]:
         attach,
         check_constraint,
         copy_trigger,
+        dead_letter_tables,
         gate,
         gate_sequence,
         identity,

@@ -23,7 +23,7 @@ import psycopg
 from outbox_migrate.db import one_line
 from outbox_migrate.errors import OutboxMigrateError
 from outbox_migrate.relay import publishing
-from outbox_migrate.relay.bad_rows import FailedMessages, Verdict
+from outbox_migrate.relay.bad_rows import FailedMessages, Verdict, log_dead
 from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.cdc.stats import CdcStats
 from outbox_migrate.relay.errors import SinkError, crash_reason
@@ -155,6 +155,7 @@ class Delivery:
         with self._session() as conn:
             verdict = self.failures.record(conn, self.label, failed, reasons, counted=counted)
         self.stats.add(dead_lettered=len(verdict.dead))
+        log_dead(verdict.letters)  # committed
         return verdict
 
     def _uncount(self, ids: list[MessageId]) -> None:
@@ -194,19 +195,23 @@ class Delivery:
         self.stats.add(bad_rows=len(bad))
         with self._session() as conn:
             attempts = self.failures.count(conn, self.label, reasons)
-            for message in bad:
+            letters = [
                 self.failures.dead_letter(
                     conn, self.label, message, attempts[message.id], reasons[message.id]
                 )
+                for message in bad
+            ]
             self.failures.forget(conn, self.label, list(reasons))
         self.stats.add(dead_lettered=len(bad))
+        log_dead(letters)  # committed
         return [m for m in batch if m.id not in reasons]
 
     def _dead_letter_exhausted(self, messages: list[Message]) -> list[Message]:
         with self._session() as conn:
-            dead = self.failures.dead_letter_exhausted(conn, self.label, messages)
-        self.stats.add(dead_lettered=len(dead))
-        return dead
+            letters = self.failures.dead_letter_exhausted(conn, self.label, messages)
+        self.stats.add(dead_lettered=len(letters))
+        log_dead(letters)  # committed
+        return [d.message for d in letters]
 
     @contextmanager
     def _session(self) -> Iterator[Any]:

@@ -32,10 +32,10 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay import queries
-from outbox_migrate.relay.bad_rows import FailedMessages
+from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages, log_dead
 from outbox_migrate.relay.cdc.rows import RowReader
 from outbox_migrate.relay.cdc.stats import CdcStats
-from outbox_migrate.relay.mark_repair import _delete, _mark_in_halves, _tid_array
+from outbox_migrate.relay.mark_repair import _mark_in_halves, remove_dead
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.metrics import Observer
 
@@ -102,6 +102,7 @@ class MarkRepair:
     def _settle(self, conn: Any, ids: Collection[MessageId], *, whole: bool) -> None:
         source = self._source
         assert source is not None  # `available` was asked first
+        letters: list[DeadLetter] = []
         with conn.transaction():
             # A deferred constraint would fail at COMMIT, for all rows again.
             conn.execute("SET CONSTRAINTS ALL IMMEDIATE")
@@ -117,35 +118,42 @@ class MarkRepair:
             if rest:
                 failed.update(_mark_in_halves(conn, source, rest))
             marked = {tids[tid] for tid in tids if tid not in failed}
-            dead = self._count(conn, source, failed, tids) if failed else set()
+            if failed:
+                letters = self._count(conn, source, failed, tids)
+            dead = {d.message.id for d in letters}
             still = {tids[tid] for tid in failed if tids[tid] not in dead}
             self.pending = (self.pending - set(ids)) | still | busy
             self.forget_marked(conn, marked)
+        # Committed: only now are the dead letters facts to report.
         self.stats.add(marked=len(tids) - len(failed))
+        if failed:
+            self.stats.add(dead_lettered=len(letters), bad_rows=len(failed))
+            self.observer.failed("bad_row", len(failed))
+            log.warning("relay.cdc_mark_repaired bad_rows=%d dead_lettered=%d", len(failed),
+                        len(letters))  # fmt: skip
+            log_dead(letters)
         if busy:
             log.info("relay.cdc_mark_deferred ids=%d: rows locked by another session", len(busy))
 
     def _count(
         self, conn: Any, source: queries.Source, failed: dict[str, str], tids: dict[str, int]
-    ) -> set[MessageId]:
-        """One attempt per id with a failing row; at the last, every failing copy goes to the
-        dead letters with its own content and leaves the outbox. Returns the dead ids."""
+    ) -> list[DeadLetter]:
+        """One attempt per id with a failing row (each after a delivery); at the last, every
+        failing copy goes to the dead letters with its own content and leaves the outbox.
+        Returns the dead letters written."""
         if self._reader is None:
             self._reader = self._new_reader(conn)
         messages = self._reader.by_ctids(conn, list(failed))
         reasons: dict[MessageId, str] = {tids[tid]: r for tid, r in failed.items()}
         verdict = self.failures.record(
-            conn, self.label, [messages[tid] for tid in failed if tid in messages], reasons
-        )
+            conn, self.label, [messages[tid] for tid in failed if tid in messages], reasons,
+            delivered=True,
+        )  # fmt: skip
         dead = {m.id for m in verdict.dead}
-        gone = [tid for tid in failed if tids[tid] in dead]
+        gone = {tid: why for tid, why in failed.items() if tids[tid] in dead}
         if gone:
-            conn.execute(_delete(source), {"tids": _tid_array(gone)})
-        self.stats.add(dead_lettered=len(verdict.dead), bad_rows=len(failed))
-        self.observer.failed("bad_row", len(failed))
-        log.warning("relay.cdc_mark_repaired bad_rows=%d dead_lettered=%d", len(failed),
-                    len(verdict.dead))  # fmt: skip
-        return dead
+            remove_dead(conn, source, gone)
+        return verdict.letters
 
 
 def _lock(source: queries.Source, *, skip: bool) -> sql.Composed:

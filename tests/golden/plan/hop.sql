@@ -258,6 +258,179 @@ END
 $om$;
 COMMIT;
 
+-- step: hop.v2.create-dead-letter-tables: Create outbox_dead_letter and outbox_dead_letter_attempts, the relay's dead
+--   letters
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
+WHERE to_regclass('"public"."outbox"') IS NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hop.v2.create-dead-letter-tables [relation-exists:outbox] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+CREATE TABLE "public"."outbox_dead_letter"
+    (source_table text NOT NULL, id int8 NOT NULL, event_type text, message_key text, payload text NOT NULL,
+    payload_bytes bytea, created_at timestamptz NOT NULL, attempts int NOT NULL, last_error text NOT NULL,
+    dead_at timestamptz NOT NULL DEFAULT now(), headers jsonb, reasons text[] NOT NULL DEFAULT '{}',
+    delivered int NOT NULL DEFAULT 0, PRIMARY KEY (source_table, id));
+CREATE TABLE "public"."outbox_dead_letter_attempts"
+    (source_table text NOT NULL, id int8 NOT NULL, attempts int NOT NULL, last_error text NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now(), reasons text[] NOT NULL DEFAULT '{}',
+    delivered int NOT NULL DEFAULT 0, PRIMARY KEY (source_table, id));
+DO $om$
+DECLARE
+    old_rel regclass := '"public"."outbox"'::regclass;
+    new_rel regclass := '"public"."outbox_dead_letter"'::regclass;
+    wanted text[] := ARRAY[]::text[];
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"public"."outbox"'::regclass);
+    g record;
+BEGIN
+    FOR g IN
+        SELECT NULL::name AS col, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+        UNION ALL
+        SELECT t.attname, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_attribute t, aclexplode(t.attacl) a
+        WHERE t.attrelid = old_rel AND t.attnum > 0 AND NOT t.attisdropped
+          AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+    LOOP
+        EXECUTE format('GRANT %s%s ON TABLE %s TO %s%s', g.privilege_type,
+            CASE WHEN g.col IS NULL THEN '' ELSE format(' (%I)', g.col) END, new_rel,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    IF old_owner <> (SELECT relowner FROM pg_class WHERE oid = new_rel) THEN
+        EXECUTE format('ALTER TABLE %s OWNER TO %s', new_rel, old_owner::regrole);
+    END IF;
+END
+$om$;
+DO $om$
+DECLARE
+    old_rel regclass := '"public"."outbox"'::regclass;
+    new_rel regclass := '"public"."outbox_dead_letter_attempts"'::regclass;
+    wanted text[] := ARRAY[]::text[];
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"public"."outbox"'::regclass);
+    g record;
+BEGIN
+    FOR g IN
+        SELECT NULL::name AS col, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+        UNION ALL
+        SELECT t.attname, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_attribute t, aclexplode(t.attacl) a
+        WHERE t.attrelid = old_rel AND t.attnum > 0 AND NOT t.attisdropped
+          AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+    LOOP
+        EXECUTE format('GRANT %s%s ON TABLE %s TO %s%s', g.privilege_type,
+            CASE WHEN g.col IS NULL THEN '' ELSE format(' (%I)', g.col) END, new_rel,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    IF old_owner <> (SELECT relowner FROM pg_class WHERE oid = new_rel) THEN
+        EXECUTE format('ALTER TABLE %s OWNER TO %s', new_rel, old_owner::regrole);
+    END IF;
+END
+$om$;
+COMMIT;
+
+-- step: hop.v2.grant-dead-letters: Grant the relay's roles what dead-lettering needs on outbox_dead_letter,
+--   outbox_dead_letter_attempts and outbox_unpublished
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '10000ms';
+LOCK TABLE ONLY "public"."outbox_unpublished" IN ACCESS SHARE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
+WHERE to_regclass('"public"."outbox"') IS NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hop.v2.grant-dead-letters [relation-exists:outbox] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)',
+        '"public"."outbox_unpublished"')
+WHERE to_regclass('"public"."outbox_unpublished"') IS NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hop.v2.grant-dead-letters [relation-exists:outbox_unpublished] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)',
+        '"public"."outbox_dead_letter"')
+WHERE to_regclass('"public"."outbox_dead_letter"') IS NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hop.v2.grant-dead-letters [relation-exists:outbox_dead_letter] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)',
+        '"public"."outbox_dead_letter_attempts"')
+WHERE to_regclass('"public"."outbox_dead_letter_attempts"') IS NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hop.v2.grant-dead-letters [relation-exists:outbox_dead_letter_attempts] '
+            'failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om$
+DECLARE
+    old_rel regclass := '"public"."outbox"'::regclass;
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"public"."outbox"'::regclass);
+    g record;
+    t regclass;
+BEGIN
+    FOR g IN
+        SELECT DISTINCT a.grantee
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner AND a.privilege_type = 'UPDATE'
+    LOOP
+        FOREACH t IN ARRAY ARRAY['"public"."outbox_dead_letter"'::regclass,
+            '"public"."outbox_dead_letter_attempts"'::regclass] LOOP
+            EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %s TO %s', t,
+                CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END);
+        END LOOP;
+        EXECUTE format('GRANT DELETE ON TABLE %s TO %s', '"public"."outbox_unpublished"'::regclass,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END);
+    END LOOP;
+END
+$om$;
+COMMIT;
+
 -- step: hop.v2.create-unpublished-index: Index outbox_unpublished (id) for the relay's claim
 BEGIN;
 SET LOCAL lock_timeout = '200ms';

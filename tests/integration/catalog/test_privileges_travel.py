@@ -93,12 +93,22 @@ def assert_carried(conn: psycopg.Connection, roles: Roles) -> None:
     app = {(roles.app, p, None) for p in ("SELECT", "INSERT", "UPDATE")}
     reader = {(roles.reader, "SELECT", "id"), (roles.reader, "SELECT", "payload")}
     assert acl(conn, "outbox_new") == app | reader
-    # The relay claims from the unpublished partition directly; nothing else reads either.
+    # The relay claims from the unpublished partition directly (and deletes a dead-lettered
+    # row that cannot be marked: the role that marks gets DELETE); nothing else reads either.
     assert acl(conn, "outbox_unpublished") == {
-        (roles.app, "SELECT", None), (roles.app, "UPDATE", None), *reader
+        (roles.app, "SELECT", None), (roles.app, "UPDATE", None), (roles.app, "DELETE", None),
+        *reader,
     }  # fmt: skip
     assert acl(conn, "outbox_published") == set()
     assert owners(conn) == {roles.owner}
+    # The dead-letter tables: the relay's role (it marks: UPDATE) writes them; the reader not.
+    relay = {(roles.app, p, None) for p in ("SELECT", "INSERT", "UPDATE", "DELETE")}
+    for table in ("outbox_dead_letter", "outbox_dead_letter_attempts"):
+        assert acl(conn, table) == relay, table
+        owner = conn.execute(
+            "SELECT relowner::regrole::text FROM pg_class WHERE oid = %s::regclass", (table,)
+        ).fetchone()
+        assert owner == (roles.owner,), table
 
 
 def test_the_runner_gives_new_tables_the_old_owner_and_grants(
@@ -134,6 +144,8 @@ def test_plan_shows_the_grants_and_the_revoke_the_switch_waits_for(
     assert app.definition == "INSERT, SELECT, UPDATE"
     assert app.fate.startswith("INSERT, SELECT, UPDATE: granted on outbox_new")
     assert "SELECT, UPDATE also on outbox_unpublished" in app.fate
+    assert "DELETE on outbox_unpublished and SELECT, INSERT, UPDATE, DELETE on " in app.fate
+    assert "outbox_dead_letter_attempts (the relay's dead letters)" in app.fate
     revoke = f'REVOKE INSERT ON "public"."outbox" FROM {roles.app}'
     assert app.fate.endswith(revoke)
     conn.execute(revoke)  # the advice runs as printed

@@ -61,6 +61,8 @@ SPEC_PHASES = {
 CREATE = [
     "create-partitioned-table",
     "create-unpublished-partition",
+    "create-dead-letter-tables",
+    "grant-dead-letters",
     "create-unpublished-index",
     "install-notify-trigger",
     "create-published-partition",
@@ -74,7 +76,7 @@ SPEC_KINDS = {
     "copra": {
         "V1": [],
         # No published partition: the old table becomes it in V3.
-        "V2": CREATE[:4],
+        "V2": CREATE[:6],
         "V3": [
             "gate-old-table-retired",
             *CHECK_SEQUENCE,
@@ -252,6 +254,7 @@ def test_writer_blocking_locks_on_live_tables_are_catalog_only() -> None:
     a statement_timeout. Steps creating new, unused relations are exempt."""
     creators = {"create-partitioned-table", "create-unpublished-partition"}
     creators |= {"create-published-partition", "create-unpublished-index"}
+    creators |= {"create-dead-letter-tables"}  # new tables (existing ones: adopted, not run)
     creators |= {"install-copy-trigger"}  # before V2: the published partition is still empty
     for _, step in every_step():
         if step.kind in creators or step.strongest_lock is None:
@@ -451,3 +454,16 @@ def test_the_rename_restates_the_end_state(name: str) -> None:
     # The drop done ahead of a phase the ledger still records: its end state is what holds.
     ahead = pattern.invariants("original-name", frozenset({drop.id}))
     assert [c.name for _, c in ahead] == [c.name for c in drop.postcondition]
+
+
+def test_the_dead_letter_tables_take_the_outbox_id_type_and_the_relay_gets_delete() -> None:
+    """Ids as the relay binds them (int8, or text for application ids such as uuid); the
+    grants give the relay's roles DELETE on the unpublished partition (a dead letter leaves
+    the outbox by DELETE) and are the grant step's postcondition."""
+    for spec, id_type in ((OutboxSpec(), "int8"), (OutboxSpec(id_kind="application"), "text")):
+        steps = {s.kind: s for s in build_pattern("hop", spec).steps()}
+        create = steps["create-dead-letter-tables"].sql_texts()
+        assert all(f"id {id_type} NOT NULL" in text for text in create[:2]), create[:2]
+        grant = steps["grant-dead-letters"]
+        assert "GRANT DELETE ON TABLE" in grant.sql_texts()[0]
+        assert [c.name.split(":")[0] for c in grant.postcondition] == ["dead-letter-grants"]
