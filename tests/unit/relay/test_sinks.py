@@ -186,14 +186,19 @@ def test_retryable_statuses_are_retried_then_acknowledged(http_sink) -> None:
     assert len(hook.arrived) == 15
 
 
+SLOW_S = 2.0
+
+
 def test_exhausted_retries_stop_the_batch_after_the_requests_in_flight(http_sink) -> None:
     """Id 3 always gets 503; 4, 5 and 6 are slow. Once 3 is hopeless nothing new starts (7, 8
-    never leave), and publish raises only when the requests in flight were answered."""
+    never leave), and publish raises only when the requests in flight were answered. (Slow
+    = 2 s: 3's three attempts must end before a slow one frees its slot, also on a loaded
+    machine.)"""
 
     def respond(body) -> tuple[int, float]:
         if body["id"] == 3:
             return 503, 0.0
-        return 204, (1.0 if body["id"] > 3 else 0.0)
+        return 204, (SLOW_S if body["id"] > 3 else 0.0)
 
     with Webhook(respond) as hook:
         sink = http_sink(hook.url, retries="2", concurrency="4")
@@ -202,7 +207,7 @@ def test_exhausted_retries_stop_the_batch_after_the_requests_in_flight(http_sink
             sink.publish(batch(8, keys=8))
         elapsed = time.monotonic() - started
         assert hook.in_flight == 0
-        assert 1.0 <= elapsed < 3
+        assert SLOW_S <= elapsed < SLOW_S + 3
         assert set(hook.arrived) == {1, 2, 3, 4, 5, 6} and hook.arrived.count(3) == 3
         # The sink stays usable for the next batch (the relay rebuilds it anyway).
         hook.respond = lambda body: (204, 0.0)
