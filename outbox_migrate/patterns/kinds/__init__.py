@@ -28,6 +28,7 @@ def load_all() -> Mapping[str, StepBuilder]:
         copy_trigger,
         gate,
         gate_sequence,
+        guard,
         identity,
         jobs,
         notify,

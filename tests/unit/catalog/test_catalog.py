@@ -62,6 +62,7 @@ CREATE = [
     "create-partitioned-table",
     "create-unpublished-partition",
     "create-unpublished-index",
+    "guard-unpublished",
     "install-notify-trigger",
     "create-published-partition",
     "tune-autovacuum",
@@ -74,7 +75,7 @@ SPEC_KINDS = {
     "copra": {
         "V1": [],
         # No published partition: the old table becomes it in V3.
-        "V2": CREATE[:4],
+        "V2": CREATE[:5],
         "V3": [
             "gate-old-table-retired",
             *CHECK_SEQUENCE,
@@ -117,6 +118,16 @@ SPEC_KINDS = {
         **ORIGINAL_NAME_KINDS,
     },
 }
+
+
+def test_unpublished_guard_off_builds_no_guard_and_nothing_else_changes() -> None:
+    """`unpublished_guard = false`: no guard step anywhere, every other step as it was."""
+    unguarded = OutboxSpec(unpublished_guard=False)
+    for name in PATTERN_NAMES:
+        guarded = [s for s in build_pattern(name, OutboxSpec(), ALL).steps()]
+        without = [s.checksum() for s in build_pattern(name, unguarded, ALL).steps()]
+        assert [s.checksum() for s in guarded if s.kind != "guard-unpublished"] == without
+        assert [s.kind for s in guarded].count("guard-unpublished") == 1
 
 
 def every_pattern(options: BuildOptions = ALL) -> list[Pattern]:
