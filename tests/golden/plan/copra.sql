@@ -301,6 +301,7 @@ COMMIT;
 BEGIN;
 SET LOCAL lock_timeout = '200ms';
 SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox_new" IN SHARE ROW EXCLUSIVE MODE;
 LOCK TABLE ONLY "public"."outbox_unpublished" IN SHARE ROW EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
@@ -329,8 +330,35 @@ BEGIN
         format('trigger %I still exists on %s', 'outbox_unpublished_guard', '"public"."outbox_unpublished"')
 FROM pg_trigger WHERE tgrelid = to_regclass('"public"."outbox_unpublished"') AND tgname = 'outbox_unpublished_guard'
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of copra.v2.guard-unpublished [trigger-absent:guard] failed: %',
-            violation;
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of copra.v2.guard-unpublished [trigger-absent:outbox_unpublished_guard] '
+            'failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('trigger %I still exists on %s', 'outbox_unpublished_guard_before', '"public"."outbox_new"')
+FROM pg_trigger WHERE tgrelid = to_regclass('"public"."outbox_new"') AND tgname = 'outbox_unpublished_guard_before'
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of copra.v2.guard-unpublished '
+            '[trigger-absent:outbox_unpublished_guard_before] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('trigger %I still exists on %s', 'outbox_unpublished_guard_after', '"public"."outbox_new"')
+FROM pg_trigger WHERE tgrelid = to_regclass('"public"."outbox_new"') AND tgname = 'outbox_unpublished_guard_after'
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of copra.v2.guard-unpublished '
+            '[trigger-absent:outbox_unpublished_guard_after] failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -347,19 +375,25 @@ END
 $om_assert$;
 CREATE FUNCTION "public"."outbox_unpublished_guard"() RETURNS trigger LANGUAGE plpgsql AS $om$
 BEGIN
-    IF TG_OP = 'UPDATE' THEN
-        -- a mark that moves the row deletes it from here next: let that one through
-        PERFORM set_config('outbox_migrate.moving_id', OLD."id"::text, true);
-        RETURN NEW;
+    IF TG_LEVEL = 'STATEMENT' THEN
+        -- an UPDATE of the partitioned table: the rows it moves out are deleted here
+        PERFORM set_config('outbox_migrate.marking', CASE TG_WHEN WHEN 'BEFORE' THEN 'on' ELSE '' END, true);
+        RETURN NULL;
     END IF;
-    IF current_setting('outbox_migrate.moving_id', true) = OLD."id"::text THEN
+    IF current_setting('outbox_migrate.marking', true) = 'on' THEN
         RETURN OLD;
     END IF;
     -- an unpublished row: skipped (SET LOCAL outbox_migrate.unpublished_guard = off to delete it)
     RETURN NULL;
 END
 $om$;
-CREATE TRIGGER "outbox_unpublished_guard" BEFORE UPDATE OR DELETE ON "public"."outbox_unpublished" FOR EACH ROW
+CREATE TRIGGER "outbox_unpublished_guard" BEFORE DELETE ON "public"."outbox_unpublished" FOR EACH ROW
+    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
+    "public"."outbox_unpublished_guard"();
+CREATE TRIGGER "outbox_unpublished_guard_before" BEFORE UPDATE ON "public"."outbox_new" FOR EACH STATEMENT
+    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
+    "public"."outbox_unpublished_guard"();
+CREATE TRIGGER "outbox_unpublished_guard_after" AFTER UPDATE ON "public"."outbox_new" FOR EACH STATEMENT
     WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
     "public"."outbox_unpublished_guard"();
 COMMIT;

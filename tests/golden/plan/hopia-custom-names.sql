@@ -305,6 +305,7 @@ COMMIT;
 BEGIN;
 SET LOCAL lock_timeout = '200ms';
 SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."events_p" IN SHARE ROW EXCLUSIVE MODE;
 LOCK TABLE ONLY "billing"."events_todo" IN SHARE ROW EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
@@ -332,8 +333,33 @@ BEGIN
     FOR violation IN SELECT format('trigger %I still exists on %s', 'events_todo_guard', '"billing"."events_todo"')
 FROM pg_trigger WHERE tgrelid = to_regclass('"billing"."events_todo"') AND tgname = 'events_todo_guard'
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:guard] failed: %',
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:events_todo_guard] failed: %',
             violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('trigger %I still exists on %s', 'events_todo_guard_before', '"billing"."events_p"')
+FROM pg_trigger WHERE tgrelid = to_regclass('"billing"."events_p"') AND tgname = 'events_todo_guard_before'
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:events_todo_guard_before] '
+            'failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('trigger %I still exists on %s', 'events_todo_guard_after', '"billing"."events_p"')
+FROM pg_trigger WHERE tgrelid = to_regclass('"billing"."events_p"') AND tgname = 'events_todo_guard_after'
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:events_todo_guard_after] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -350,19 +376,25 @@ END
 $om_assert$;
 CREATE FUNCTION "billing"."events_todo_guard"() RETURNS trigger LANGUAGE plpgsql AS $om$
 BEGIN
-    IF TG_OP = 'UPDATE' THEN
-        -- a mark that moves the row deletes it from here next: let that one through
-        PERFORM set_config('outbox_migrate.moving_id', OLD."id"::text, true);
-        RETURN NEW;
+    IF TG_LEVEL = 'STATEMENT' THEN
+        -- an UPDATE of the partitioned table: the rows it moves out are deleted here
+        PERFORM set_config('outbox_migrate.marking', CASE TG_WHEN WHEN 'BEFORE' THEN 'on' ELSE '' END, true);
+        RETURN NULL;
     END IF;
-    IF current_setting('outbox_migrate.moving_id', true) = OLD."id"::text THEN
+    IF current_setting('outbox_migrate.marking', true) = 'on' THEN
         RETURN OLD;
     END IF;
     -- an unpublished row: skipped (SET LOCAL outbox_migrate.unpublished_guard = off to delete it)
     RETURN NULL;
 END
 $om$;
-CREATE TRIGGER "events_todo_guard" BEFORE UPDATE OR DELETE ON "billing"."events_todo" FOR EACH ROW
+CREATE TRIGGER "events_todo_guard" BEFORE DELETE ON "billing"."events_todo" FOR EACH ROW
+    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
+    "billing"."events_todo_guard"();
+CREATE TRIGGER "events_todo_guard_before" BEFORE UPDATE ON "billing"."events_p" FOR EACH STATEMENT
+    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
+    "billing"."events_todo_guard"();
+CREATE TRIGGER "events_todo_guard_after" AFTER UPDATE ON "billing"."events_p" FOR EACH STATEMENT
     WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
     "billing"."events_todo_guard"();
 COMMIT;
