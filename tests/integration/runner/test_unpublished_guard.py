@@ -22,6 +22,8 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import connect
+from outbox_migrate.patterns.kinds import guard
+from outbox_migrate.patterns.names import Names
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay
@@ -29,6 +31,7 @@ from outbox_migrate.runner import Runner
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.e2e.test_zoo_frameworks import NSERVICEBUS
 from tests.e2e.test_zoo_frameworks_load import NSB_SET_AS_DISPATCHED, NSB_STORE
+from tests.integration.relay.conftest import swapped_outbox
 from tests.integration.relay.test_least_privilege import Roles
 from tests.integration.relay.test_least_privilege import settings as runner_settings
 
@@ -200,3 +203,27 @@ def test_rollback_drops_the_guard_and_nothing_else_and_forward_builds_it_again(
             runner.run("V2")
         assert owner.execute(GUARD_TRIGGERS).fetchall() == ALL_THREE
         assert _function_exists(owner)
+
+
+@pytest.mark.newest_pg_only
+def test_the_relay_dead_letters_a_row_through_the_guard(dsn: str, conn: psycopg.Connection) -> None:
+    """After the swap, an unpublished row whose id the old table's primary key already holds
+    cannot be marked: the relay dead-letters it by deleting it from the unpublished partition.
+    Guarded, that DELETE is the relay's own (its session turns the guard off), so the row
+    leaves and the drain ends; a plain session's DELETE of the same kind removes nothing."""
+    swapped_outbox(conn, [13], 30)
+    for statement in guard.create_sql(Names(OutboxSpec())):
+        conn.execute(statement)
+    assert conn.execute("DELETE FROM outbox_unpublished WHERE id = 13").rowcount == 0
+    with Path(os.devnull).open("w") as devnull:
+        relay = Relay(
+            dsn,
+            lambda: StdoutSink(stream=devnull),
+            spec=OutboxSpec(),
+            options=RelayOptions(mode=Mode.partitioned, until_empty=True, listen=False,
+                                 batch_size=10, max_attempts=2),
+        )  # fmt: skip
+        relay.run()
+    assert relay.stats.dead_lettered == 1 and relay.stats.published == 29
+    assert conn.execute("SELECT count(*) FROM outbox_unpublished").fetchone() == (0,)
+    assert conn.execute("SELECT id FROM outbox_dead_letter").fetchall() == [(13,)]
