@@ -118,10 +118,12 @@ def drop_sql(n: Names) -> tuple[sql.Composed, ...]:
     )
 
 
-def _triggers(n: Names) -> list[tuple[str, str]]:
-    """(trigger, relation) of each of the guard's triggers."""
+def _triggers(n: Names) -> list[tuple[str, str, str]]:
+    """(label, trigger, relation) of each of the guard's triggers; the short label names its
+    conditions (the trigger's own name would not fit `plan`'s SQL in 80 columns)."""
     row, before, after = trigger_names(n)
-    return [(row, n.unpublished), (before, n.parent), (after, n.parent)]
+    return [("guard", row, n.unpublished), ("guard-before", before, n.parent),
+            ("guard-after", after, n.parent)]  # fmt: skip
 
 
 def _on(n: Names, trigger: str, relation: str) -> dict[str, sql.Composable]:
@@ -147,10 +149,12 @@ def guard_unpublished(ctx: BuildContext, params: Mapping[str, Any]) -> Step | No
         catalog_only=True,
         preconditions=(
             c.partition_bound(n, n.unpublished, NULL_BOUND),
-            *(c.condition("trigger-absent", t, **_on(n, t, r)) for t, r in triggers),
+            *(c.condition("trigger-absent", label, **_on(n, t, r)) for label, t, r in triggers),
             c.condition("function-absent", "guard", function_reg=n.reg(n.spec.guard_function)),
         ),
-        postcondition=tuple(c.condition("trigger-exists", t, **_on(n, t, r)) for t, r in triggers),
+        postcondition=tuple(
+            c.condition("trigger-exists", label, **_on(n, t, r)) for label, t, r in triggers
+        ),
         reverse=drop_sql(n),
         reverse_note="drop the guard's triggers and function (ctid cleanups can then delete "
         "unpublished rows again)",
@@ -162,6 +166,6 @@ def guard_unpublished(ctx: BuildContext, params: Mapping[str, Any]) -> Step | No
         ),
         creates=(
             Created("function", n.spec.guard_function),
-            *(Created("trigger", t, on=r) for t, r in triggers),
+            *(Created("trigger", t, on=r) for _, t, r in triggers),
         ),
     )

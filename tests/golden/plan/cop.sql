@@ -330,9 +330,8 @@ BEGIN
         format('trigger %I still exists on %s', 'outbox_unpublished_guard', '"public"."outbox_unpublished"')
 FROM pg_trigger WHERE tgrelid = to_regclass('"public"."outbox_unpublished"') AND tgname = 'outbox_unpublished_guard'
     LOOP
-        RAISE EXCEPTION
-            'outbox-migrate: precondition of cop.v2.guard-unpublished [trigger-absent:outbox_unpublished_guard] '
-            'failed: %', violation;
+        RAISE EXCEPTION 'outbox-migrate: precondition of cop.v2.guard-unpublished [trigger-absent:guard] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -344,8 +343,8 @@ BEGIN
 FROM pg_trigger WHERE tgrelid = to_regclass('"public"."outbox_new"') AND tgname = 'outbox_unpublished_guard_before'
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of cop.v2.guard-unpublished [trigger-absent:outbox_unpublished_guard_before] '
-            'failed: %', violation;
+            'outbox-migrate: precondition of cop.v2.guard-unpublished [trigger-absent:guard-before] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -357,8 +356,8 @@ BEGIN
 FROM pg_trigger WHERE tgrelid = to_regclass('"public"."outbox_new"') AND tgname = 'outbox_unpublished_guard_after'
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of cop.v2.guard-unpublished [trigger-absent:outbox_unpublished_guard_after] '
-            'failed: %', violation;
+            'outbox-migrate: precondition of cop.v2.guard-unpublished [trigger-absent:guard-after] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;

@@ -333,8 +333,7 @@ BEGIN
     FOR violation IN SELECT format('trigger %I still exists on %s', 'events_todo_guard', '"billing"."events_todo"')
 FROM pg_trigger WHERE tgrelid = to_regclass('"billing"."events_todo"') AND tgname = 'events_todo_guard'
     LOOP
-        RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:events_todo_guard] failed: %',
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:guard] failed: %',
             violation;
     END LOOP;
 END
@@ -346,8 +345,8 @@ BEGIN
 FROM pg_trigger WHERE tgrelid = to_regclass('"billing"."events_p"') AND tgname = 'events_todo_guard_before'
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:events_todo_guard_before] '
-            'failed: %', violation;
+            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:guard-before] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
@@ -358,8 +357,8 @@ BEGIN
 FROM pg_trigger WHERE tgrelid = to_regclass('"billing"."events_p"') AND tgname = 'events_todo_guard_after'
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:events_todo_guard_after] '
-            'failed: %', violation;
+            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:guard-after] failed: %',
+            violation;
     END LOOP;
 END
 $om_assert$;
