@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_migrate.config import OutboxSpec
+from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.db import connect
 from outbox_migrate.patterns.kinds import guard
 from outbox_migrate.patterns.names import Names
@@ -28,6 +28,7 @@ from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay
 from outbox_migrate.runner import Runner
+from outbox_migrate.runner.errors import OutOfOrder
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.e2e.test_zoo_frameworks import NSERVICEBUS
 from tests.e2e.test_zoo_frameworks_load import NSB_SET_AS_DISPATCHED, NSB_STORE
@@ -227,3 +228,24 @@ def test_the_relay_dead_letters_a_row_through_the_guard(dsn: str, conn: psycopg.
     assert relay.stats.dead_lettered == 1 and relay.stats.published == 29
     assert conn.execute("SELECT count(*) FROM outbox_unpublished").fetchone() == (0,)
     assert conn.execute("SELECT id FROM outbox_dead_letter").fetchall() == [(13,)]
+
+
+@pytest.mark.newest_pg_only
+def test_a_migration_started_without_the_guard_gets_it_with_run_to_v2(dsn: str) -> None:
+    """Started by a release without the guard (here: with it turned off) and past V3, the
+    migration is told to finish V2 first; `run --to V2` then adds just the guard, and V4
+    goes on as before."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+    without = load_settings({"gate_window_s": 0.2, "unpublished_guard": False}, environ={})
+    for phase in ("V2", "V3"):
+        with Runner(dsn, without, "hoper") as runner:
+            runner.run(phase)
+    with Runner(dsn, runner_settings(), "hoper") as runner, pytest.raises(OutOfOrder):
+        runner.run("V4")
+    with Runner(dsn, runner_settings(), "hoper") as runner:
+        assert runner.run("V2").ran == ["hoper.v2.guard-unpublished"]
+    with Runner(dsn, runner_settings(), "hoper") as runner:
+        assert runner.run("V4").phase == "V4"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert conn.execute(GUARD_TRIGGERS).fetchall() == ALL_THREE
