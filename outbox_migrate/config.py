@@ -82,6 +82,12 @@ class OutboxSpec:
     partitioned table cannot enforce uniqueness without its partition key, so any other
     unique key of the old table (a MessageId used for deduplication) is a blocker until it
     is named here, deliberately, after the rule has moved elsewhere."""
+    unpublished_guard: bool = True
+    """Create the guard on the unpublished partition: a DELETE that would remove an
+    unpublished row is skipped unless it is part of a mark (the row moving to the published
+    partition) or its session turned the guard off (outbox-migrate's own sessions do). A
+    framework's cleanup by `ctid` otherwise deletes unsent messages: a ctid names a row only
+    within one partition (docs/patterns.md, "The unpublished-row guard")."""
 
     @property
     def check_name(self) -> str:
@@ -101,6 +107,11 @@ class OutboxSpec:
     @property
     def copy_function(self) -> str:
         return _fit(f"{self.published_partition}_insert_trigger")
+
+    @property
+    def guard_function(self) -> str:
+        """The unpublished partition's guard: its trigger function and trigger share the name."""
+        return _fit(f"{self.unpublished_partition}_guard")
 
     @property
     def claim_order(self) -> str:
@@ -226,6 +237,20 @@ def _id_kind(value: Any) -> str:
     return str(value)
 
 
+_TRUE = frozenset({"true", "on", "yes", "1"})
+_FALSE = frozenset({"false", "off", "no", "0"})
+
+
+def _on_off(value: Any) -> bool:
+    """A TOML boolean, or a word from an environment variable or a flag (`off`, `false`)."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower() if isinstance(value, str | int) else ""
+    if word in _TRUE | _FALSE:
+        return word in _TRUE
+    raise ValueError(f"must be on or off (true or false), got {value!r}")
+
+
 def _text(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError("must be a string")
@@ -254,6 +279,7 @@ _SPEC_KEYS: dict[str, Callable[[Any], Any]] = {
     "id_kind": _id_kind,
     "order_column": _optional_identifier,
     "accept_lost_unique": _relation_names,
+    "unpublished_guard": _on_off,
 }
 _SETTINGS_KEYS: dict[str, Callable[[Any], Any]] = {
     "lock_timeout_ms": _lock_timeout_ms,

@@ -2,7 +2,8 @@
 
 Every connection the tool opens goes through `connect` so that (a) `pg_stat_activity` shows
 `outbox-migrate/<version>` and the deploy gates can tell our sessions from the application's,
-and (b) a failure never surfaces a password or a traceback.
+(b) the unpublished partition's guard lets our sessions through (the relay dead-letters a row
+by deleting it), and (c) a failure never surfaces a password or a traceback.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
 
 APPLICATION_NAME = f"outbox-migrate/{__version__}"
 CONNECT_TIMEOUT_S = 10
+GUARD_SETTING = "outbox_migrate.unpublished_guard"
+"""The session setting the unpublished partition's guard reads (patterns/kinds/guard.py):
+`off` lets the session's DELETEs remove unpublished rows."""
+GUARD_OFF = f"SET {GUARD_SETTING} = off"
 
 
 def resolve_embedded(dsn: str) -> str:
@@ -58,7 +63,17 @@ def connect(
         kwargs["row_factory"] = row_factory
     kwargs.update(params or {})
     try:
-        return psycopg.connect(real, **kwargs)
+        conn = psycopg.connect(real, **kwargs)
+        try:
+            # A SET, not `options=-c …` at startup: PgBouncer refuses a startup option it
+            # does not track; this costs one round trip per connection, none per statement.
+            conn.execute(GUARD_OFF)
+            if not autocommit:
+                conn.commit()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
     except psycopg.Error as exc:
         raise ConnectError(
             f"cannot connect to {describe(dsn)}: {one_line(str(exc), real)}"

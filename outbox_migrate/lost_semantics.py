@@ -18,7 +18,9 @@ from psycopg import Connection
 
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.db import GUARD_SETTING
 from outbox_migrate.findings import Finding
+from outbox_migrate.patterns.kinds.guard import COST as GUARD_COST
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.table_facts import UniqueKey
 
@@ -34,8 +36,9 @@ STATUS_NAMES = ("status", "state")
 """A column named so, or ending `_status`/`_state`, is read as a message's status."""
 TIMESTAMP_TYPES = frozenset({"timestamp with time zone", "timestamp without time zone"})
 KINDS = {"p": "primary key", "u": "unique constraint", "": "unique index"}
-LAYOUT_WARNINGS = ("ctid-per-partition", "mark-moves-row")
-"""Warnings every table gets, last: what changes for any code that touches the rows."""
+LAYOUT_WARNINGS = ("ctid-guarded", "mark-moves-row")
+"""Warnings every table gets, last: what changes for any code that touches the rows (with
+the unpublished-row guard, the default; without it the first is `ctid-per-partition`)."""
 
 
 def read_unique_keys(conn: Connection[Any], spec: OutboxSpec) -> list[UniqueKey]:
@@ -121,14 +124,7 @@ def judge_lost_semantics(facts: TableFacts, spec: OutboxSpec, table: str) -> Non
             f"--status-column {status.name} --status-published-value COMPLETED), or keep "
             "publishing with the framework's own publisher",
         ))  # fmt: skip
-    facts.warnings.append(Finding(
-        "ctid-per-partition",
-        f"ctid is unique only within one partition of {parent}",
-        f"a statement that selects ctids and then deletes or updates `WHERE ctid IN (…)` on "
-        f"{parent} (a framework's batched cleanup) also hits rows of the other partition "
-        f"that have the same ctid, unpublished ones included: select by "
-        f"{spec.id_column} instead, or run it on one partition",
-    ))  # fmt: skip
+    facts.warnings.append(ctid_finding(spec))
     facts.warnings.append(Finding(
         "mark-moves-row",
         f"marking a row published moves it to another partition of {parent}",
@@ -138,6 +134,34 @@ def judge_lost_semantics(facts: TableFacts, spec: OutboxSpec, table: str) -> Non
         "another partition due to concurrent update\"); retry that transaction on 40001 "
         "(outbox-migrate's relay does)",
     ))  # fmt: skip
+
+
+def ctid_finding(spec: OutboxSpec) -> Finding:
+    """What a ctid means on the partitioned table: with the guard (`unpublished_guard`, the
+    default), a DELETE by ctid loses no unsent message, and `plan` names the guard, its cost
+    and its escape hatch; without it, the same cleanup deletes unsent messages."""
+    parent, unpublished = spec.partitioned_table, spec.unpublished_partition
+    message = f"ctid is unique only within one partition of {parent}"
+    by_id = f"select by {spec.id_column} instead, or run it on one partition"
+    if not spec.unpublished_guard:
+        return Finding(
+            "ctid-per-partition",
+            message,
+            f"a statement that selects ctids and then deletes or updates `WHERE ctid IN (…)` "
+            f"on {parent} (a framework's batched cleanup) also hits rows of the other "
+            f"partition that have the same ctid, unpublished ones included: {by_id}; or keep "
+            "unpublished_guard on (the default)",
+        )
+    return Finding(
+        "ctid-guarded",
+        f"{message}: the guard {spec.guard_function} (a row trigger on {unpublished}) skips "
+        "a DELETE of an unpublished row by any session but outbox-migrate's, so a cleanup "
+        "`DELETE … WHERE ctid IN (…)` removes only the published rows it selected",
+        f"{GUARD_COST}; an application that deletes an unsent message on purpose removes "
+        f"nothing unless it runs SET LOCAL {GUARD_SETTING} = off in that transaction "
+        f"(unpublished_guard = false builds no guard); an UPDATE `WHERE ctid IN (…)` is not "
+        f"guarded: {by_id}",
+    )
 
 
 def status_beside_timestamp(facts: TableFacts, spec: OutboxSpec) -> ColumnFact | None:

@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_copy_back_01
 Revises: 0002_hoper_v4_06
-Create Date: 2026-11-28 03:58:19.193951
+Create Date: 2026-11-28 04:29:06.318363
 
 """
 from typing import Sequence, Union

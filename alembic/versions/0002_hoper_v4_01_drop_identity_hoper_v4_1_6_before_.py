@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_01
 Revises: 0002_hoper_v3_01
-Create Date: 2026-11-28 03:58:19.171280
+Create Date: 2026-11-28 04:29:06.307594
 
 """
 from typing import Sequence, Union

@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_03
 Revises: 0002_hoper_v4_02
-Create Date: 2026-11-28 03:58:19.178658
+Create Date: 2026-11-28 04:29:06.311201
 
 """
 from typing import Sequence, Union

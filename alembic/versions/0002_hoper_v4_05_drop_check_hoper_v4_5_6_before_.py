@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_05
 Revises: 0002_hoper_v4_04
-Create Date: 2026-11-28 03:58:19.186271
+Create Date: 2026-11-28 04:29:06.314756
 
 """
 from typing import Sequence, Union

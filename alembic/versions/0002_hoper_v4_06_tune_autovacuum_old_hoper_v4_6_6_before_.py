@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_06
 Revises: 0002_hoper_v4_05
-Create Date: 2026-11-28 03:58:19.188102
+Create Date: 2026-11-28 04:29:06.316533
 
 """
 from typing import Sequence, Union

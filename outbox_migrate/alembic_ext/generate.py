@@ -86,6 +86,10 @@ def _spec_of(settings: Settings) -> dict[str, Any]:
     for key in MARKER_KEYS:
         if spec.get(key) == "":
             del spec[key]
+    # The guard is pinned only when turned off; on, the revision reads like those generated
+    # before the setting existed, and the default builds the guard.
+    if spec["unpublished_guard"]:
+        del spec["unpublished_guard"]
     return spec
 
 

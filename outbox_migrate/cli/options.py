@@ -50,6 +50,7 @@ NAME_HELP: dict[str, str] = {
     "order_column": "Claim order for application ids ('' = the id)",
     "accept_lost_unique": "A unique index or constraint whose rule may be lost (see `plan`), "
     "repeatable",
+    "unpublished_guard": "Guard unpublished rows against other sessions' DELETEs (on or off)",
 }
 """Help for the spec's fields; a field without an entry still gets an option."""
 
@@ -72,6 +73,8 @@ PATTERN_SETTINGS = ("old_app_name", "gate_window_s")
 def _default_text(value: Any) -> str:
     if isinstance(value, tuple):
         return ",".join(value) or "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
     return "''" if value == "" else str(value)
 
 

@@ -225,9 +225,11 @@ def test_the_duplicate_the_blocker_is_about_commits_on_a_partitioned_table(dsn: 
 
 @pytest.mark.newest_pg_only
 def test_a_ctid_cleanup_on_the_partitioned_table_deletes_undispatched_rows(dsn: str) -> None:
-    """The fact behind `ctid-per-partition`: NServiceBus's cleanup (`DELETE … WHERE ctid IN
-    (SELECT ctid … LIMIT n)`) meant for dispatched rows also deletes the undispatched rows
-    that sit at the same positions of the other partition."""
+    """The fact behind the unpublished-row guard (and `ctid-per-partition` without it):
+    NServiceBus's cleanup (`DELETE … WHERE ctid IN (SELECT ctid … LIMIT n)`) meant for
+    dispatched rows also deletes, on a partitioned table with no guard, the undispatched rows
+    that sit at the same positions of the other partition (with the guard:
+    tests/integration/runner/test_unpublished_guard.py)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             "CREATE TABLE p (id int, dispatched_at timestamp) PARTITION BY LIST (dispatched_at);"

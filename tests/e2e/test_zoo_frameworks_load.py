@@ -182,8 +182,8 @@ NSB_SET_AS_DISPATCHED = (
     "'UTC', \"Operations\" = '[]' where \"MessageId\" = %(message_id)s"
 )
 NSB_CLEANUP = (
-    # GetOutboxCleanupCommand (by MessageId; older releases selected by ctid, see
-    # test_a_ctid_cleanup_on_the_partitioned_table_deletes_undispatched_rows)
+    # GetOutboxCleanupCommand (by MessageId; older releases selected by ctid, which the
+    # migration's guard makes safe: tests/integration/runner/test_unpublished_guard.py)
     'delete from {table} where "MessageId" in (select "MessageId" from {table} '
     'where "Dispatched" = true and "DispatchedAt" < %(before)s limit 10000)'
 )

@@ -157,7 +157,7 @@ def test_cli_generate_json_and_one_line_errors(tmp_path: Path) -> None:
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
-    assert doc["phase_targets"] == {"V2": "j1_hop_v2_08", "V3": "j1_hop_v3_01"}
+    assert doc["phase_targets"] == {"V2": "j1_hop_v2_09", "V3": "j1_hop_v3_01"}
     assert doc["revisions"][0]["revision"] == "j1_hop_v2_01"
     missing = subprocess.run([*run, "--dir", str(tmp_path / "nowhere")],
                              capture_output=True, text=True)  # fmt: skip

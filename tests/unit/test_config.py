@@ -145,3 +145,15 @@ def test_order_column_for_application_ids(tmp_path: Path) -> None:
     assert (spec.claim_order, spec.gate_sequence) == ("id", "outbox_gate_seq")
     spec = load_settings({"order_column": "created_at"}, environ=env, cwd=tmp_path).spec
     assert spec.claim_order == "created_at"
+
+
+def test_unpublished_guard_is_on_by_default_and_off_from_any_source(tmp_path: Path) -> None:
+    assert load_settings(environ={}, cwd=tmp_path).spec.unpublished_guard is True
+    (tmp_path / "outbox-migrate.toml").write_text("unpublished_guard = false\n")
+    assert load_settings(environ={}, cwd=tmp_path).spec.unpublished_guard is False
+    env = {"OUTBOX_MIGRATE_UNPUBLISHED_GUARD": "on"}
+    assert load_settings(environ=env, cwd=tmp_path).spec.unpublished_guard is True
+    flagged = load_settings({"unpublished_guard": "off"}, environ=env, cwd=tmp_path)
+    assert flagged.spec.unpublished_guard is False
+    with pytest.raises(ConfigError, match=r"unpublished_guard.*must be on or off"):
+        load_settings({"unpublished_guard": "maybe"}, environ={}, cwd=tmp_path)

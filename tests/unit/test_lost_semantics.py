@@ -12,6 +12,7 @@ delete-on-delivery outbox with "set published_column".
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,16 @@ def test_ctid_and_40001_are_always_said() -> None:
     facts = judged(BRIGHTER, BRIGHTER_KEYS[:1], BRIGHTER_SPEC, sequence="public.brighter_id_seq")
     ctid, moved = facts.warnings[-2:]
     assert (ctid.code, moved.code) == LAYOUT_WARNINGS
+    # guarded (the default): the guard is named, with its cost and its escape hatch
+    assert ctid.message.startswith("ctid is unique only within one partition of outbox_new: "
+                                   "the guard outbox_unpublished_guard")  # fmt: skip
+    assert ctid.remedy.startswith("cost: outbox-migrate's relay never calls")
+    assert "SET LOCAL outbox_migrate.unpublished_guard = off" in ctid.remedy
+    assert "an UPDATE `WHERE ctid IN (…)` is not guarded" in ctid.remedy
+    unguarded = replace(BRIGHTER_SPEC, unpublished_guard=False)
+    facts = judged(BRIGHTER, BRIGHTER_KEYS[:1], unguarded, sequence="public.brighter_id_seq")
+    ctid = facts.warnings[-2]
+    assert ctid.code == "ctid-per-partition"
     assert ctid.message == "ctid is unique only within one partition of outbox_new"
     assert "WHERE ctid IN" in ctid.remedy and "unpublished ones included" in ctid.remedy
     assert "SQLSTATE 40001" in moved.remedy

@@ -29,6 +29,7 @@ def load_all() -> Mapping[str, StepBuilder]:
         dead_letter_tables,
         gate,
         gate_sequence,
+        guard,
         identity,
         jobs,
         notify,

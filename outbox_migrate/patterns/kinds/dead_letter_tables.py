@@ -139,8 +139,8 @@ def grant_dead_letters(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         f"and {n.unpublished}",
         statements=(queries.query("privileges", "grant-dead-letters").compose(**grants),),
         tx=TxMode.TRANSACTION,
-        # GRANT only updates the relations' catalog rows.
-        locks=(Lock(n.unpublished, LockMode.ACCESS_SHARE),),
+        # GRANT only updates the relations' catalog rows: it takes no relation lock.
+        locks=(),
         preconditions=(
             c.relation_exists(n, n.table),
             c.relation_exists(n, n.unpublished),

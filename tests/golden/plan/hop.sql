@@ -473,6 +473,106 @@ $om_assert$;
 CREATE INDEX "outbox_new_unpublished_id_idx" ON "public"."outbox_unpublished" ("id");
 COMMIT;
 
+-- step: hop.v2.guard-unpublished: Guard outbox_unpublished: other sessions' DELETEs of unpublished rows are skipped
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox_new" IN SHARE ROW EXCLUSIVE MODE;
+LOCK TABLE ONLY "public"."outbox_unpublished" IN SHARE ROW EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"public"."outbox_unpublished"', '"public"."outbox_new"',
+        'FOR VALUES IN (NULL)',
+              coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
+                        FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+                        WHERE c.oid = to_regclass('"public"."outbox_unpublished"')), 'not a partition'))
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+    WHERE c.oid = to_regclass('"public"."outbox_unpublished"') AND i.inhparent = to_regclass('"public"."outbox_new"')
+      AND pg_get_expr(c.relpartbound, c.oid) = 'FOR VALUES IN (NULL)')
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hop.v2.guard-unpublished [partition-bound:outbox_unpublished] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('trigger %I still exists on %s', 'outbox_unpublished_guard', '"public"."outbox_unpublished"')
+FROM pg_trigger WHERE tgrelid = to_regclass('"public"."outbox_unpublished"') AND tgname = 'outbox_unpublished_guard'
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hop.v2.guard-unpublished [trigger-absent:guard] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('trigger %I still exists on %s', 'outbox_unpublished_guard_before', '"public"."outbox_new"')
+FROM pg_trigger WHERE tgrelid = to_regclass('"public"."outbox_new"') AND tgname = 'outbox_unpublished_guard_before'
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hop.v2.guard-unpublished [trigger-absent:guard-before] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('trigger %I still exists on %s', 'outbox_unpublished_guard_after', '"public"."outbox_new"')
+FROM pg_trigger WHERE tgrelid = to_regclass('"public"."outbox_new"') AND tgname = 'outbox_unpublished_guard_after'
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hop.v2.guard-unpublished [trigger-absent:guard-after] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('function %s still exists', '"public"."outbox_unpublished_guard"')
+WHERE to_regproc('"public"."outbox_unpublished_guard"') IS NOT NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hop.v2.guard-unpublished [function-absent:guard] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+CREATE FUNCTION "public"."outbox_unpublished_guard"() RETURNS trigger LANGUAGE plpgsql AS $om$
+BEGIN
+    IF TG_LEVEL = 'STATEMENT' THEN
+        -- an UPDATE of the partitioned table: the rows it moves out are deleted here
+        PERFORM set_config('outbox_migrate.marking', CASE TG_WHEN WHEN 'BEFORE' THEN 'on' ELSE '' END, true);
+        RETURN NULL;
+    END IF;
+    IF current_setting('outbox_migrate.marking', true) = 'on' THEN
+        RETURN OLD;
+    END IF;
+    -- an unpublished row: skipped (SET LOCAL outbox_migrate.unpublished_guard = off to delete it)
+    RETURN NULL;
+END
+$om$;
+CREATE TRIGGER "outbox_unpublished_guard" BEFORE DELETE ON "public"."outbox_unpublished" FOR EACH ROW
+    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
+    "public"."outbox_unpublished_guard"();
+CREATE TRIGGER "outbox_unpublished_guard_before" BEFORE UPDATE ON "public"."outbox_new" FOR EACH STATEMENT
+    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
+    "public"."outbox_unpublished_guard"();
+CREATE TRIGGER "outbox_unpublished_guard_after" AFTER UPDATE ON "public"."outbox_new" FOR EACH STATEMENT
+    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
+    "public"."outbox_unpublished_guard"();
+COMMIT;
+
 -- step: hop.v2.install-notify-trigger: Statement-level AFTER INSERT trigger on outbox_new waking an idle relay
 BEGIN;
 SET LOCAL lock_timeout = '200ms';

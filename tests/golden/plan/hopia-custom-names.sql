@@ -473,6 +473,103 @@ $om_assert$;
 CREATE INDEX "events_p_unpublished_id_idx" ON "billing"."events_todo" ("id");
 COMMIT;
 
+-- step: hopia.v2.guard-unpublished: Guard events_todo: other sessions' DELETEs of unpublished rows are skipped
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."events_p" IN SHARE ROW EXCLUSIVE MODE;
+LOCK TABLE ONLY "billing"."events_todo" IN SHARE ROW EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s is not attached to %s %s (found: %s)', '"billing"."events_todo"', '"billing"."events_p"',
+        'FOR VALUES IN (NULL)',
+              coalesce((SELECT i.inhparent::regclass::text || ' ' || pg_get_expr(c.relpartbound, c.oid)
+                        FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+                        WHERE c.oid = to_regclass('"billing"."events_todo"')), 'not a partition'))
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid
+    WHERE c.oid = to_regclass('"billing"."events_todo"') AND i.inhparent = to_regclass('"billing"."events_p"')
+      AND pg_get_expr(c.relpartbound, c.oid) = 'FOR VALUES IN (NULL)')
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.guard-unpublished [partition-bound:events_todo] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('trigger %I still exists on %s', 'events_todo_guard', '"billing"."events_todo"')
+FROM pg_trigger WHERE tgrelid = to_regclass('"billing"."events_todo"') AND tgname = 'events_todo_guard'
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:guard] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('trigger %I still exists on %s', 'events_todo_guard_before', '"billing"."events_p"')
+FROM pg_trigger WHERE tgrelid = to_regclass('"billing"."events_p"') AND tgname = 'events_todo_guard_before'
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:guard-before] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('trigger %I still exists on %s', 'events_todo_guard_after', '"billing"."events_p"')
+FROM pg_trigger WHERE tgrelid = to_regclass('"billing"."events_p"') AND tgname = 'events_todo_guard_after'
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:guard-after] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('function %s still exists', '"billing"."events_todo_guard"')
+WHERE to_regproc('"billing"."events_todo_guard"') IS NOT NULL
+    LOOP
+        RAISE EXCEPTION 'outbox-migrate: precondition of hopia.v2.guard-unpublished [function-absent:guard] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+CREATE FUNCTION "billing"."events_todo_guard"() RETURNS trigger LANGUAGE plpgsql AS $om$
+BEGIN
+    IF TG_LEVEL = 'STATEMENT' THEN
+        -- an UPDATE of the partitioned table: the rows it moves out are deleted here
+        PERFORM set_config('outbox_migrate.marking', CASE TG_WHEN WHEN 'BEFORE' THEN 'on' ELSE '' END, true);
+        RETURN NULL;
+    END IF;
+    IF current_setting('outbox_migrate.marking', true) = 'on' THEN
+        RETURN OLD;
+    END IF;
+    -- an unpublished row: skipped (SET LOCAL outbox_migrate.unpublished_guard = off to delete it)
+    RETURN NULL;
+END
+$om$;
+CREATE TRIGGER "events_todo_guard" BEFORE DELETE ON "billing"."events_todo" FOR EACH ROW
+    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
+    "billing"."events_todo_guard"();
+CREATE TRIGGER "events_todo_guard_before" BEFORE UPDATE ON "billing"."events_p" FOR EACH STATEMENT
+    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
+    "billing"."events_todo_guard"();
+CREATE TRIGGER "events_todo_guard_after" AFTER UPDATE ON "billing"."events_p" FOR EACH STATEMENT
+    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
+    "billing"."events_todo_guard"();
+COMMIT;
+
 -- step: hopia.v2.install-notify-trigger: Statement-level AFTER INSERT trigger on events_p waking an idle relay
 BEGIN;
 SET LOCAL lock_timeout = '200ms';

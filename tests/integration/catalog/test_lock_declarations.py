@@ -20,6 +20,10 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
+from outbox_migrate.patterns.kinds.dead_letter_tables import (
+    ATTEMPTS_TABLE_SUFFIX,
+    DEAD_LETTER_TABLE,
+)
 from outbox_migrate.patterns.model import LockMode, Step, TxMode
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.app import act_as, count, publish_all, violations
@@ -30,6 +34,8 @@ OURS = (
     SPEC.partitioned_table,
     SPEC.unpublished_partition,
     SPEC.published_partition,
+    DEAD_LETTER_TABLE,
+    DEAD_LETTER_TABLE + ATTEMPTS_TABLE_SUFFIX,
 )
 ORDER = list(LockMode)
 ROW_EXCLUSIVE = ORDER.index(LockMode.ROW_EXCLUSIVE)

@@ -64,6 +64,7 @@ CREATE = [
     "create-dead-letter-tables",
     "grant-dead-letters",
     "create-unpublished-index",
+    "guard-unpublished",
     "install-notify-trigger",
     "create-published-partition",
     "tune-autovacuum",
@@ -76,7 +77,7 @@ SPEC_KINDS = {
     "copra": {
         "V1": [],
         # No published partition: the old table becomes it in V3.
-        "V2": CREATE[:6],
+        "V2": CREATE[:7],
         "V3": [
             "gate-old-table-retired",
             *CHECK_SEQUENCE,
@@ -119,6 +120,16 @@ SPEC_KINDS = {
         **ORIGINAL_NAME_KINDS,
     },
 }
+
+
+def test_unpublished_guard_off_builds_no_guard_and_nothing_else_changes() -> None:
+    """`unpublished_guard = false`: no guard step anywhere, every other step as it was."""
+    unguarded = OutboxSpec(unpublished_guard=False)
+    for name in PATTERN_NAMES:
+        guarded = [s for s in build_pattern(name, OutboxSpec(), ALL).steps()]
+        without = [s.checksum() for s in build_pattern(name, unguarded, ALL).steps()]
+        assert [s.checksum() for s in guarded if s.kind != "guard-unpublished"] == without
+        assert [s.kind for s in guarded].count("guard-unpublished") == 1
 
 
 def every_pattern(options: BuildOptions = ALL) -> list[Pattern]:

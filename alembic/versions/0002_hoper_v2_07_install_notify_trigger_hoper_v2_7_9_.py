@@ -1,8 +1,8 @@
-"""create-published-partition: HOPER V2 7/8, before deploying V2 (outbox-migrate)
+"""install-notify-trigger: HOPER V2 7/9, before deploying V2 (outbox-migrate)
 
 Revision ID: 0002_hoper_v2_07
 Revises: 0002_hoper_v2_06
-Create Date: 2026-11-28 03:58:19.155736
+Create Date: 2026-11-28 04:29:06.300421
 
 """
 from typing import Sequence, Union
@@ -21,7 +21,7 @@ depends_on: Union[str, Sequence[str], None] = None
 def upgrade() -> None:
     """Upgrade schema."""
     op.outbox_step(
-        'hoper.v2.create-published-partition',
+        'hoper.v2.install-notify-trigger',
         spec={
             'schema': 'public',
             'table': 'outbox',
@@ -47,7 +47,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Downgrade schema."""
     op.outbox_reverse_step(
-        'hoper.v2.create-published-partition',
+        'hoper.v2.install-notify-trigger',
         spec={
             'schema': 'public',
             'table': 'outbox',

@@ -1,8 +1,8 @@
-"""create-partitioned-table: HOPER V2 1/8, before deploying V2 (outbox-migrate)
+"""create-partitioned-table: HOPER V2 1/9, before deploying V2 (outbox-migrate)
 
 Revision ID: 0002_hoper_v2_01
 Revises: 0001
-Create Date: 2026-11-28 03:58:19.129043
+Create Date: 2026-11-28 04:29:06.286400
 
 """
 from typing import Sequence, Union
