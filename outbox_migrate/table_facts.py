@@ -112,9 +112,11 @@ class TableFacts:
         return max(self.max_id or 0, self.sequence_last_value or 0)
 
     def identity_generation(self, spec: OutboxSpec) -> str:
-        """`BY DEFAULT` or `ALWAYS`: how the old id is generated, for reversing DROP IDENTITY."""
+        """`BY DEFAULT` or `ALWAYS`: how the old id is generated, so what the new table's
+        identity accepts (only `GENERATED ALWAYS` refuses a supplied id) and what reversing
+        DROP IDENTITY restores."""
         column = self.column(spec.id_column)
-        return "BY DEFAULT" if column is not None and column.identity == "d" else "ALWAYS"
+        return "ALWAYS" if column is not None and column.identity == "a" else "BY DEFAULT"
 
     def identity_start(self, headroom: int) -> int:
         return self.id_top + headroom

@@ -136,7 +136,16 @@ def test_id_kinds() -> None:
     bare = dataclasses.replace(ID, identity="", default=None)
     found = judged(columns=[bare, PAYLOAD, PUBLISHED], sequence=None, sequence_last_value=None)
     assert [b.code for b in found.blockers] == ["id-no-generator"]
-    assert "CREATE SEQUENCE outbox_id_seq OWNED BY outbox.id" in found.blockers[0].remedy
+    assert 'set id_kind = "application"' in found.blockers[0].remedy
+    assert (
+        'CREATE SEQUENCE "public"."outbox_id_seq" OWNED BY "public"."outbox"."id"'
+        in found.blockers[0].remedy
+    )
+    # the application supplies integer ids (snowflake ids): id_kind = application answers
+    found = judged(OutboxSpec(id_kind="application"), columns=[bare, PAYLOAD, PUBLISHED],
+                   sequence=None, sequence_last_value=None)  # fmt: skip
+    assert found.blockers == [] and [n.code for n in found.notes] == ["id-application"]
+    assert "takes every id as given" in found.notes[0].remedy
     uuid = dataclasses.replace(ID, type="uuid", identity="", default="gen_random_uuid()")
     columns = [uuid, PAYLOAD, PUBLISHED]
     application = OutboxSpec(id_kind="application")
@@ -166,7 +175,7 @@ def test_id_kinds() -> None:
     tiny = dataclasses.replace(ID, type="smallint", identity="")
     found = judged(columns=[tiny, PAYLOAD, PUBLISHED])
     assert [b.code for b in found.blockers] == ["id-type"]
-    assert "ALTER TABLE outbox ALTER COLUMN id TYPE bigint" in found.blockers[0].remedy
+    assert 'ALTER TABLE "public"."outbox" ALTER COLUMN "id" TYPE bigint' in found.blockers[0].remedy
     small = dataclasses.replace(ID, type="integer")
     assert [b.code for b in judged(columns=[small, PAYLOAD, PUBLISHED],
                                    max_id=2**30).blockers] == ["id-overflow"]  # fmt: skip

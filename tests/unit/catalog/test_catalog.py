@@ -59,6 +59,7 @@ SPEC_PHASES = {
 }
 
 CREATE = [
+    "install-gate-sequence",
     "create-partitioned-table",
     "create-unpublished-partition",
     "create-unpublished-index",
@@ -67,14 +68,21 @@ CREATE = [
     "tune-autovacuum",
 ]
 ORIGINAL_NAME_KINDS = {"original-name": ["take-original-name"], "drop-view": ["drop-compat-view"]}
-CHECK_SEQUENCE = ["drop-identity", "add-not-valid-check", "validate-check", "set-not-null"]
+CHECK_SEQUENCE = [
+    "drop-identity",
+    "add-not-valid-check",
+    "remove-gate-sequence",
+    "validate-check",
+    "set-not-null",
+]
+RETIRED = ["gate-old-table-retired", "remove-gate-sequence"]
 # The kinds of each phase, with optional steps included.
 SPEC_KINDS = {
-    "cop": {"V1": [], "V2": CREATE, "V3": ["gate-old-table-retired"], **ORIGINAL_NAME_KINDS},
+    "cop": {"V1": [], "V2": CREATE, "V3": RETIRED, **ORIGINAL_NAME_KINDS},
     "copra": {
         "V1": [],
         # No published partition: the old table becomes it in V3.
-        "V2": CREATE[:4],
+        "V2": CREATE[:5],
         "V3": [
             "gate-old-table-retired",
             *CHECK_SEQUENCE,
@@ -86,7 +94,7 @@ SPEC_KINDS = {
         "V4": [],
         **ORIGINAL_NAME_KINDS,
     },
-    "hop": {"V1": [], "V2": CREATE, "V3": ["gate-old-table-retired"], **ORIGINAL_NAME_KINDS},
+    "hop": {"V1": [], "V2": CREATE, "V3": RETIRED, **ORIGINAL_NAME_KINDS},
     "hoper": {
         "V1": [],
         "V2": CREATE,
@@ -307,7 +315,7 @@ def test_hopia_swap_requires_every_row_copied_and_hoper_does_not() -> None:
 
 def test_identity_starts_above_old_max_in_every_pattern() -> None:
     for pattern in every_pattern():
-        create = pattern.steps()[0]
+        create = pattern.steps()[1]  # after the gate sequence's step
         assert create.kind == "create-partitioned-table"
         start = create.sql_texts()[-2]  # the last one carries the old table's privileges
         assert "setval" in start and 'max("id")' in start and "1000000" in start
