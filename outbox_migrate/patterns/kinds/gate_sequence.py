@@ -105,8 +105,13 @@ def install_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         # every insert after it ticks.
         locks=(Lock(n.table, LockMode.SHARE_ROW_EXCLUSIVE),),
         catalog_only=True,
+        # V2's first step: what would refuse the partitioned table refuses here, before
+        # anything is created (offline SQL has no admission to do it).
         preconditions=(
             c.relation_exists(n, n.table),
+            c.is_plain_table(n, n.table),
+            c.no_row_security(n),
+            c.may_give_to_owner(n),
             c.relation_absent(n, n.spec.gate_sequence),
         ),
         postcondition=(c.relation_exists(n, n.spec.gate_sequence),),
@@ -130,7 +135,8 @@ def remove_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         summary=f"Drop the gate trigger and {n.spec.gate_sequence}: the last deploy gate passed",
         statements=drop_sql(n),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.table, LockMode.SHARE_ROW_EXCLUSIVE),),
+        # DROP TRIGGER takes ACCESS EXCLUSIVE (CREATE TRIGGER only SHARE ROW EXCLUSIVE)
+        locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
         preconditions=(c.relation_exists(n, n.table),),
         postcondition=(c.relation_absent(n, n.spec.gate_sequence),),

@@ -38,6 +38,71 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
+    FOR violation IN SELECT format('%s is %s, expected an ordinary table that is not a partition', c.oid::regclass,
+              CASE WHEN c.relkind = 'p' THEN 'a partitioned table'
+                   WHEN c.relispartition THEN 'already a partition of ' || (
+                        SELECT i.inhparent::regclass::text FROM pg_inherits i WHERE i.inhrelid = c.oid)
+                   ELSE 'of relkind ' || c.relkind::text END)
+FROM pg_class c
+WHERE c.oid = to_regclass('"public"."outbox"') AND (c.relkind <> 'r' OR c.relispartition)
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.install-gate-sequence [is-plain-table:outbox] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format(
+        '%s has row-level security (%s, %s policies); outbox-migrate does not carry policies to %s and its partitions '
+        '— disable it for the migration (ALTER TABLE %s DISABLE ROW LEVEL SECURITY) and re-create the policies on the '
+        'partitioned table yourself, or migrate by hand',
+              c.oid::regclass, CASE WHEN c.relrowsecurity THEN 'enabled' ELSE 'disabled' END,
+              (SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid), '"public"."outbox_new"', c.oid::regclass)
+FROM pg_class c
+WHERE c.oid = to_regclass('"public"."outbox"')
+  AND (c.relrowsecurity OR EXISTS (SELECT 1 FROM pg_policy p WHERE p.polrelid = c.oid))
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.install-gate-sequence [no-row-security:outbox] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT CASE WHEN NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+            THEN
+                format(
+                'the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it '
+                'creates could not be given to that owner; run it as the owner (or a member of the owner role)',
+                        current_user, c.relowner::regrole, c.oid::regclass)
+            ELSE
+                format(
+                '%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be '
+                'given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
+                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole,
+                            c.relnamespace::regnamespace, c.relowner::regrole) END
+FROM pg_class c
+WHERE c.oid = to_regclass('"public"."outbox"')
+  AND c.relowner <> (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)
+  AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user)
+  AND (NOT pg_has_role(current_user, c.relowner, 'MEMBER')
+       OR NOT has_schema_privilege(c.relowner, c.relnamespace, 'CREATE'))
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hoper.v2.install-gate-sequence [may-give-to-owner:outbox] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
     FOR violation IN SELECT
         format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
         '"public"."outbox_gate_seq"')
@@ -903,7 +968,7 @@ COMMIT;
 BEGIN;
 SET LOCAL lock_timeout = '200ms';
 SET LOCAL statement_timeout = '2000ms';
-LOCK TABLE ONLY "public"."outbox" IN SHARE ROW EXCLUSIVE MODE;
+LOCK TABLE ONLY "public"."outbox" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN

@@ -111,14 +111,15 @@ OUTBOX_COLUMNS = "payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT
             f"{OUTBOX_COLUMNS}, published_at timestamptz)",
             "id-type",
             "outbox.id is smallint",
-            "ALTER TABLE outbox ALTER COLUMN id TYPE bigint",
+            'ALTER TABLE "public"."outbox" ALTER COLUMN "id" TYPE bigint',
         ),
         (
             f"CREATE TABLE outbox (id int8 PRIMARY KEY, {OUTBOX_COLUMNS}, "
             "published_at timestamptz)",
             "id-no-generator",
-            "outbox.id has neither an identity nor a sequence default",
-            "CREATE SEQUENCE outbox_id_seq OWNED BY outbox.id",
+            "outbox.id is bigint with neither an identity nor a sequence default: the "
+            "application supplies the ids",
+            'CREATE SEQUENCE "public"."outbox_id_seq" OWNED BY "public"."outbox"."id"',
         ),
         (
             f"CREATE TABLE outbox (id int8 GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "

@@ -121,5 +121,5 @@ def test_rerun_is_a_no_op(dsn: str) -> None:
         first = runner.run("V2")
     with Runner(dsn, settings(), "hop") as runner:
         second = runner.run("V2")
-    assert len(first.ran) == 6
+    assert len(first.ran) == 7
     assert second.ran == [] and second.adopted == [] and len(second.skipped) == 0
