@@ -170,7 +170,7 @@ def _judge_application_id(
         f"{col} is {id_col.type}, supplied by the application; the relay claims by {order}",
         f"no identity and no headroom: the new table takes every id as given and the "
         f"application keeps them unique. The deploy gates watch sequence {spec.gate_sequence}, "
-        f"ticked by a statement trigger on {table} that V2's first step installs (and the "
+        f"ticked by a statement trigger on {table} that V2's last step installs (and the "
         "step after the last gate removes)",
     ))  # fmt: skip
 

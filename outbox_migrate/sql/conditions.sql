@@ -327,7 +327,7 @@ WITH before AS MATERIALIZED (
 )
 SELECT CASE
     WHEN before.oid IS NULL
-    THEN format('%s: the gate sequence %s is missing (application ids need the install-gate-sequence step of V2)', {rel_reg}, {seq_reg})
+    THEN format('%s: the gate sequence %s is missing (the gates need the install-gate-sequence step of V2)', {rel_reg}, {seq_reg})
     WHEN coalesce(after.value, 0) > coalesce(before.value, 0)
     THEN format('%s is still receiving inserts: %s insert statements in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
                 {rel_reg}, coalesce(after.value, 0) - coalesce(before.value, 0), {window_s}, {phase})

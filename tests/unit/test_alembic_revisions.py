@@ -75,7 +75,7 @@ def _sql(ini: Path, *args: str, downgrade: bool = False) -> str:
 def test_revision_file_calls_the_library(tmp_path: Path) -> None:
     ini = _project(tmp_path, per_migration=True)
     result = generate("copra", SETTINGS, tmp_path, tag="c1")
-    first = Path(result.revisions[1]["path"])  # [0] installs the gate sequence
+    first = Path(result.revisions[0]["path"])
     text = first.read_text()
     assert "import outbox_migrate.alembic_ext" in text
     assert "op.outbox_step(\n        'copra.v2.create-partitioned-table'," in text
@@ -109,7 +109,7 @@ def test_offline_step_joins_the_revision_transaction(
 def test_offline_step_in_its_own_transaction_without_per_migration(tmp_path: Path) -> None:
     ini = _project(tmp_path, per_migration=False)
     generate("hop", SETTINGS, tmp_path, tag="p1")
-    text = _sql(ini, "p1_hop_v2_02:p1_hop_v2_03")
+    text = _sql(ini, "p1_hop_v2_01:p1_hop_v2_02")
     body = text[text.index("-- Running upgrade") :]
     # Alembic's transaction is committed, the step has its own BEGIN … COMMIT, then Alembic
     # begins again for the version update: SET LOCAL ends with the step.

@@ -17,121 +17,6 @@
 --   the table's owner: while a session of theirs is connected the relay waits instead for V1's sessions to be gone
 --   (--old-app-name) and the old table to stay quiet (docs/relay.md).
 
--- step: hopia.v2.install-gate-sequence: Sequence outbox_gate_seq ticked by every INSERT statement into outbox: what the
---   deploy gates watch (ids supplied or generated alike)
-BEGIN;
-SET LOCAL lock_timeout = '200ms';
-SET LOCAL statement_timeout = '2000ms';
-LOCK TABLE ONLY "public"."outbox" IN SHARE ROW EXCLUSIVE MODE;
-DO $om_assert$
-DECLARE violation text;
-BEGIN
-    FOR violation IN SELECT
-        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
-WHERE to_regclass('"public"."outbox"') IS NULL
-    LOOP
-        RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.install-gate-sequence [relation-exists:outbox] failed: %',
-            violation;
-    END LOOP;
-END
-$om_assert$;
-DO $om_assert$
-DECLARE violation text;
-BEGIN
-    FOR violation IN SELECT format('%s is %s, expected an ordinary table that is not a partition', c.oid::regclass,
-              CASE WHEN c.relkind = 'p' THEN 'a partitioned table'
-                   WHEN c.relispartition THEN 'already a partition of ' || (
-                        SELECT i.inhparent::regclass::text FROM pg_inherits i WHERE i.inhrelid = c.oid)
-                   ELSE 'of relkind ' || c.relkind::text END)
-FROM pg_class c
-WHERE c.oid = to_regclass('"public"."outbox"') AND (c.relkind <> 'r' OR c.relispartition)
-    LOOP
-        RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.install-gate-sequence [is-plain-table:outbox] failed: %',
-            violation;
-    END LOOP;
-END
-$om_assert$;
-DO $om_assert$
-DECLARE violation text;
-BEGIN
-    FOR violation IN SELECT
-        format(
-        '%s has row-level security (%s, %s policies); outbox-migrate does not carry policies to %s and its partitions '
-        '— disable it for the migration (ALTER TABLE %s DISABLE ROW LEVEL SECURITY) and re-create the policies on the '
-        'partitioned table yourself, or migrate by hand',
-              c.oid::regclass, CASE WHEN c.relrowsecurity THEN 'enabled' ELSE 'disabled' END,
-              (SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid), '"public"."outbox_new"', c.oid::regclass)
-FROM pg_class c
-WHERE c.oid = to_regclass('"public"."outbox"')
-  AND (c.relrowsecurity OR EXISTS (SELECT 1 FROM pg_policy p WHERE p.polrelid = c.oid))
-    LOOP
-        RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.install-gate-sequence [no-row-security:outbox] failed: %',
-            violation;
-    END LOOP;
-END
-$om_assert$;
-DO $om_assert$
-DECLARE violation text;
-BEGIN
-    FOR violation IN SELECT CASE WHEN NOT pg_has_role(current_user, c.relowner, 'MEMBER')
-            THEN
-                format(
-                'the migration runs as %I, which is neither %s (the owner of %s) nor a member of it: the tables it '
-                'creates could not be given to that owner; run it as the owner (or a member of the owner role)',
-                        current_user, c.relowner::regrole, c.oid::regclass)
-            ELSE
-                format(
-                '%s, the owner of %s, may not create in schema %s, so the tables the migration creates could not be '
-                'given to it; run the migration as %s, or GRANT CREATE ON SCHEMA %s TO %s',
-                        c.relowner::regrole, c.oid::regclass, c.relnamespace::regnamespace, c.relowner::regrole,
-                            c.relnamespace::regnamespace, c.relowner::regrole) END
-FROM pg_class c
-WHERE c.oid = to_regclass('"public"."outbox"')
-  AND c.relowner <> (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)
-  AND NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user)
-  AND (NOT pg_has_role(current_user, c.relowner, 'MEMBER')
-       OR NOT has_schema_privilege(c.relowner, c.relnamespace, 'CREATE'))
-    LOOP
-        RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.install-gate-sequence [may-give-to-owner:outbox] failed: %',
-            violation;
-    END LOOP;
-END
-$om_assert$;
-DO $om_assert$
-DECLARE violation text;
-BEGIN
-    FOR violation IN SELECT
-        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
-        '"public"."outbox_gate_seq"')
-WHERE to_regclass('"public"."outbox_gate_seq"') IS NOT NULL
-    LOOP
-        RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.install-gate-sequence [relation-absent:outbox_gate_seq] failed: %',
-            violation;
-    END LOOP;
-END
-$om_assert$;
-CREATE SEQUENCE "public"."outbox_gate_seq" AS bigint CACHE 1;
-CREATE FUNCTION "public"."outbox_gate_tick"() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
-    SET search_path = pg_catalog AS $om$
-BEGIN
-    -- a writer's INSERT (also one made by the application's own triggers), not
-    -- HOPIA's copy of a published row, which raises this flag around its INSERT
-    IF coalesce(current_setting('outbox_migrate.copying', true), '') <> 'on' THEN
-        PERFORM nextval('"public"."outbox_gate_seq"'::regclass);
-        PERFORM pg_advisory_xact_lock_shared(hashtext('outbox-migrate.gate'), hashtext('"public"."outbox"'));
-    END IF;
-    RETURN NULL;
-END
-$om$;
-CREATE TRIGGER "outbox_gate_tick" AFTER INSERT ON "public"."outbox"
-    FOR EACH STATEMENT EXECUTE FUNCTION "public"."outbox_gate_tick"();
-COMMIT;
-
 -- step: hopia.v2.create-partitioned-table: Create outbox_new PARTITION BY LIST (published_at), its own identity
 --   starting 1,000,000 above the old table's highest id
 BEGIN;
@@ -606,6 +491,56 @@ CREATE TRIGGER "outbox_published_insert" AFTER INSERT ON "public"."outbox_publis
     FOR EACH ROW EXECUTE FUNCTION "public"."outbox_published_insert_trigger"();
 COMMIT;
 
+-- step: hopia.v2.install-gate-sequence: Sequence outbox_gate_seq ticked by every INSERT statement into outbox: what the
+--   deploy gates watch (ids supplied or generated alike)
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox" IN SHARE ROW EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
+WHERE to_regclass('"public"."outbox"') IS NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.install-gate-sequence [relation-exists:outbox] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"public"."outbox_gate_seq"')
+WHERE to_regclass('"public"."outbox_gate_seq"') IS NOT NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.v2.install-gate-sequence [relation-absent:outbox_gate_seq] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+CREATE SEQUENCE "public"."outbox_gate_seq" AS bigint CACHE 1;
+CREATE FUNCTION "public"."outbox_gate_tick"() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path = pg_catalog AS $om$
+BEGIN
+    -- a writer's INSERT (also one made by the application's own triggers), not
+    -- HOPIA's copy of a published row, which raises this flag around its INSERT
+    IF coalesce(current_setting('outbox_migrate.copying', true), '') <> 'on' THEN
+        PERFORM nextval('"public"."outbox_gate_seq"'::regclass);
+        PERFORM pg_advisory_xact_lock_shared(hashtext('outbox-migrate.gate'), hashtext('"public"."outbox"'));
+    END IF;
+    RETURN NULL;
+END
+$om$;
+CREATE TRIGGER "outbox_gate_tick" AFTER INSERT ON "public"."outbox"
+    FOR EACH STATEMENT EXECUTE FUNCTION "public"."outbox_gate_tick"();
+COMMIT;
+
 -- check: no publication lists outbox without outbox_unpublished (CDC consumers)
 DO $om_assert$
 DECLARE violation text;
@@ -622,7 +557,7 @@ WHERE NOT EXISTS (
         AND u.prrelid = to_regclass('"public"."outbox_unpublished"'))
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.install-copy-trigger (CDC) [publications-carried] failed: %',
+            'outbox-migrate: precondition of hopia.v2.install-gate-sequence (CDC) [publications-carried] failed: %',
             violation;
     END LOOP;
 END
@@ -660,7 +595,7 @@ WITH before AS MATERIALIZED (
 SELECT CASE
     WHEN before.oid IS NULL
     THEN
-        format('%s: the gate sequence %s is missing (application ids need the install-gate-sequence step of V2)',
+        format('%s: the gate sequence %s is missing (the gates need the install-gate-sequence step of V2)',
         '"public"."outbox"', '"public"."outbox_gate_seq"')
     WHEN coalesce(after.value, 0) > coalesce(before.value, 0)
     THEN
@@ -789,7 +724,7 @@ WITH before AS MATERIALIZED (
 SELECT CASE
     WHEN before.oid IS NULL
     THEN
-        format('%s: the gate sequence %s is missing (application ids need the install-gate-sequence step of V2)',
+        format('%s: the gate sequence %s is missing (the gates need the install-gate-sequence step of V2)',
         '"public"."outbox"', '"public"."outbox_gate_seq"')
     WHEN coalesce(after.value, 0) > coalesce(before.value, 0)
     THEN
@@ -924,7 +859,7 @@ WITH before AS MATERIALIZED (
 SELECT CASE
     WHEN before.oid IS NULL
     THEN
-        format('%s: the gate sequence %s is missing (application ids need the install-gate-sequence step of V2)',
+        format('%s: the gate sequence %s is missing (the gates need the install-gate-sequence step of V2)',
         '"public"."outbox"', '"public"."outbox_gate_seq"')
     WHEN coalesce(after.value, 0) > coalesce(before.value, 0)
     THEN

@@ -151,11 +151,10 @@ def test_row_level_security_is_refused_with_a_reason(
         runner.run("V2")  # admission refuses what plan calls a blocker
     assert "DISABLE ROW LEVEL SECURITY" in str(refused.value)
     # Offline SQL has no admission: the step's own precondition refuses it there.
-    # V2's first step (the gate sequence's) already refuses, as does the table's creation.
-    for create in build_pattern("hop").phase("V2").steps[:2]:
-        check = next(c for c in create.preconditions if c.name.startswith("no-row-security"))
-        violations = conn.execute(check.query).fetchall()
-        assert len(violations) == 1 and "DISABLE ROW LEVEL SECURITY" in violations[0][0]
+    create = build_pattern("hop").phase("V2").steps[0]
+    check = next(c for c in create.preconditions if c.name.startswith("no-row-security"))
+    violations = conn.execute(check.query).fetchall()
+    assert len(violations) == 1 and "DISABLE ROW LEVEL SECURITY" in violations[0][0]
     assert conn.execute("SELECT to_regclass('outbox_new')").fetchone() == (None,)
 
 

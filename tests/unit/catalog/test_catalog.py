@@ -59,13 +59,13 @@ SPEC_PHASES = {
 }
 
 CREATE = [
-    "install-gate-sequence",
     "create-partitioned-table",
     "create-unpublished-partition",
     "create-unpublished-index",
     "install-notify-trigger",
     "create-published-partition",
     "tune-autovacuum",
+    "install-gate-sequence",
 ]
 ORIGINAL_NAME_KINDS = {"original-name": ["take-original-name"], "drop-view": ["drop-compat-view"]}
 CHECK_SEQUENCE = [
@@ -82,7 +82,7 @@ SPEC_KINDS = {
     "copra": {
         "V1": [],
         # No published partition: the old table becomes it in V3.
-        "V2": CREATE[:5],
+        "V2": [*CREATE[:4], "install-gate-sequence"],
         "V3": [
             "gate-old-table-retired",
             *CHECK_SEQUENCE,
@@ -111,7 +111,7 @@ SPEC_KINDS = {
     },
     "hopia": {
         "V1": [],
-        "V2": [*CREATE, "install-copy-trigger"],
+        "V2": [*CREATE[:-1], "install-copy-trigger", "install-gate-sequence"],
         "V3": ["gate-old-table-retired"],
         "V4": [
             *CHECK_SEQUENCE,
@@ -315,7 +315,7 @@ def test_hopia_swap_requires_every_row_copied_and_hoper_does_not() -> None:
 
 def test_identity_starts_above_old_max_in_every_pattern() -> None:
     for pattern in every_pattern():
-        create = pattern.steps()[1]  # after the gate sequence's step
+        create = pattern.steps()[0]
         assert create.kind == "create-partitioned-table"
         start = create.sql_texts()[-2]  # the last one carries the old table's privileges
         assert "setval" in start and 'max("id")' in start and "1000000" in start
