@@ -123,7 +123,8 @@ class TableFacts:
 
     def id_kind(self, spec: OutboxSpec) -> str:
         """`identity`, `sequence`, `none` (an integer with no generator), `application`
-        (a non-integer id, e.g. uuid) or `missing`."""
+        (a non-integer id, e.g. uuid, or an integer with no generator that the settings say
+        the application makes: snowflake ids) or `missing`."""
         column = self.column(spec.id_column)
         if column is None:
             return "missing"
@@ -131,7 +132,9 @@ class TableFacts:
             return "application"
         if column.identity:
             return "identity"
-        return "sequence" if self.sequence else "none"
+        if self.sequence:
+            return "sequence"
+        return "application" if spec.id_kind == "application" else "none"
 
     def estimated_scan_s(self) -> float:
         return self.heap_bytes / ASSUMED_SCAN_BYTES_PER_S

@@ -161,6 +161,7 @@ def test_plan_takes_caps_snowflake_ids_as_application_ids(dsn: str) -> None:
         conn.execute(CAP_DDL)
         facts = introspect(conn, CAP.spec_settings().spec, "hoper")
         assert not [b for b in facts.blockers if b.code.startswith("id-")], facts.blockers
+        assert facts.id_kind(CAP.spec_settings().spec) == "application"  # not "none"
         (note,) = [n for n in facts.notes if n.code == "id-application"]
         assert "published_gate_seq" in note.remedy
         database = CAP.spec_settings(id_kind="database").spec
