@@ -107,6 +107,7 @@ class OldWriter:
         self.thread.join(timeout=10)
 
 
+@pytest.mark.pg_edges
 @pytest.mark.parametrize("kind", sorted(OUTBOXES))
 def test_an_old_writer_supplying_its_ids_keeps_the_v3_gate_shut(kind: str, dsn: str) -> None:
     """A V1 instance inserting rows with its own ids (published at once, so the old table
@@ -170,6 +171,7 @@ class SuppliedIdChecker(SilentEvents):
             conn.rollback()
 
 
+@pytest.mark.pg_edges  # partitions share the parent's identity from PostgreSQL 17 on
 @pytest.mark.parametrize("name", PATTERN_NAMES)
 @pytest.mark.parametrize("kind", sorted(OUTBOXES))
 def test_an_insert_that_supplies_its_id_works_at_every_phase(
