@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_copy_back_02
 Revises: 0002_hoper_copy_back_01
-Create Date: 2026-11-23 23:25:02.594402
+Create Date: 2026-11-28 04:09:51.419107
 
 """
 from typing import Sequence, Union

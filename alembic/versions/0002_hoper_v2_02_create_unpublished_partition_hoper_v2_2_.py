@@ -1,8 +1,8 @@
-"""create-unpublished-partition: HOPER V2 2/6, before deploying V2 (outbox-migrate)
+"""create-unpublished-partition: HOPER V2 2/7, before deploying V2 (outbox-migrate)
 
 Revision ID: 0002_hoper_v2_02
 Revises: 0002_hoper_v2_01
-Create Date: 2026-11-23 23:25:02.544299
+Create Date: 2026-11-28 04:09:51.359941
 
 """
 from typing import Sequence, Union

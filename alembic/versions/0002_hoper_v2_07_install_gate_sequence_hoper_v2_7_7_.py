@@ -1,8 +1,8 @@
-"""create-unpublished-index: HOPER V2 3/6, before deploying V2 (outbox-migrate)
+"""install-gate-sequence: HOPER V2 7/7, before deploying V2 (outbox-migrate)
 
-Revision ID: 0002_hoper_v2_03
-Revises: 0002_hoper_v2_02
-Create Date: 2026-11-23 23:25:02.548146
+Revision ID: 0002_hoper_v2_07
+Revises: 0002_hoper_v2_06
+Create Date: 2026-11-28 04:09:51.379820
 
 """
 from typing import Sequence, Union
@@ -12,8 +12,8 @@ import sqlalchemy as sa
 import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends
 
 # revision identifiers, used by Alembic.
-revision: str = '0002_hoper_v2_03'
-down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_02'
+revision: str = '0002_hoper_v2_07'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_06'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
@@ -21,7 +21,7 @@ depends_on: Union[str, Sequence[str], None] = None
 def upgrade() -> None:
     """Upgrade schema."""
     op.outbox_step(
-        'hoper.v2.create-unpublished-index',
+        'hoper.v2.install-gate-sequence',
         spec={
             'schema': 'public',
             'table': 'outbox',
@@ -47,7 +47,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Downgrade schema."""
     op.outbox_reverse_step(
-        'hoper.v2.create-unpublished-index',
+        'hoper.v2.install-gate-sequence',
         spec={
             'schema': 'public',
             'table': 'outbox',
