@@ -314,8 +314,8 @@ WHERE NOT EXISTS (
       AND a.attname = 'published_at')
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of copra.v2.install-notify-trigger [partitioned-by-list:outbox_new] failed: %',
-            violation;
+            'outbox-migrate: precondition of copra.v2.install-notify-trigger [partitioned-by-list:outbox_new] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
@@ -362,8 +362,8 @@ BEGIN
 WHERE to_regclass('"public"."outbox_gate_seq"') IS NOT NULL
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of copra.v2.install-gate-sequence [relation-absent:outbox_gate_seq] failed: %',
-            violation;
+            'outbox-migrate: precondition of copra.v2.install-gate-sequence [relation-absent:outbox_gate_seq] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
@@ -501,8 +501,8 @@ SELECT CASE WHEN NOT saved.sampled
                 'the old version gone', '"public"."outbox"', now_.open_writers, 'V3')
             ELSE
                 format(
-                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, was '
-                '%s); phase %s needs every writer of the old version gone',
+                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, '
+                'was %s); phase %s needs every writer of the old version gone',
                         '"public"."outbox"', now_.seq_last, saved.seq_last, 'V3') END
 FROM now_, saved
 WHERE NOT saved.sampled OR now_.seq_last > coalesce(saved.seq_last, 0) OR now_.open_writers > 0
@@ -519,9 +519,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V3')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -626,8 +626,8 @@ SELECT CASE WHEN NOT saved.sampled
                 'the old version gone', '"public"."outbox"', now_.open_writers, 'V3')
             ELSE
                 format(
-                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, was '
-                '%s); phase %s needs every writer of the old version gone',
+                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, '
+                'was %s); phase %s needs every writer of the old version gone',
                         '"public"."outbox"', now_.seq_last, saved.seq_last, 'V3') END
 FROM now_, saved
 WHERE NOT saved.sampled OR now_.seq_last > coalesce(saved.seq_last, 0) OR now_.open_writers > 0
@@ -749,8 +749,8 @@ SELECT CASE WHEN NOT saved.sampled
                 'the old version gone', '"public"."outbox"', now_.open_writers, 'V3')
             ELSE
                 format(
-                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, was '
-                '%s); phase %s needs every writer of the old version gone',
+                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, '
+                'was %s); phase %s needs every writer of the old version gone',
                         '"public"."outbox"', now_.seq_last, saved.seq_last, 'V3') END
 FROM now_, saved
 WHERE NOT saved.sampled OR now_.seq_last > coalesce(saved.seq_last, 0) OR now_.open_writers > 0
@@ -767,9 +767,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V3')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -830,9 +830,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V3')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -860,8 +860,8 @@ BEGIN
 WHERE to_regclass('"public"."outbox_published"') IS NOT NULL
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of copra.v3.attach-old-as-default [relation-absent:outbox_published] failed: '
-            '%', violation;
+            'outbox-migrate: precondition of copra.v3.attach-old-as-default [relation-absent:outbox_published] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -1050,9 +1050,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V3')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0

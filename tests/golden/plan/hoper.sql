@@ -336,8 +336,8 @@ WHERE NOT EXISTS (
       AND a.attname = 'published_at')
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hoper.v2.install-notify-trigger [partitioned-by-list:outbox_new] failed: %',
-            violation;
+            'outbox-migrate: precondition of hoper.v2.install-notify-trigger [partitioned-by-list:outbox_new] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
@@ -369,8 +369,8 @@ BEGIN
 WHERE to_regclass('"public"."outbox_new"') IS NULL
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hoper.v2.create-published-partition [relation-exists:outbox_new] failed: %',
-            violation;
+            'outbox-migrate: precondition of hoper.v2.create-published-partition [relation-exists:outbox_new] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
@@ -473,8 +473,8 @@ BEGIN
 WHERE to_regclass('"public"."outbox_gate_seq"') IS NOT NULL
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hoper.v2.install-gate-sequence [relation-absent:outbox_gate_seq] failed: %',
-            violation;
+            'outbox-migrate: precondition of hoper.v2.install-gate-sequence [relation-absent:outbox_gate_seq] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
@@ -612,8 +612,8 @@ SELECT CASE WHEN NOT saved.sampled
                 'the old version gone', '"public"."outbox"', now_.open_writers, 'V3')
             ELSE
                 format(
-                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, was '
-                '%s); phase %s needs every writer of the old version gone',
+                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, '
+                'was %s); phase %s needs every writer of the old version gone',
                         '"public"."outbox"', now_.seq_last, saved.seq_last, 'V3') END
 FROM now_, saved
 WHERE NOT saved.sampled OR now_.seq_last > coalesce(saved.seq_last, 0) OR now_.open_writers > 0
@@ -630,9 +630,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V3')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -742,8 +742,8 @@ SELECT CASE WHEN NOT saved.sampled
                 'the old version gone', '"public"."outbox"', now_.open_writers, 'V4')
             ELSE
                 format(
-                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, was '
-                '%s); phase %s needs every writer of the old version gone',
+                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, '
+                'was %s); phase %s needs every writer of the old version gone',
                         '"public"."outbox"', now_.seq_last, saved.seq_last, 'V4') END
 FROM now_, saved
 WHERE NOT saved.sampled OR now_.seq_last > coalesce(saved.seq_last, 0) OR now_.open_writers > 0
@@ -865,8 +865,8 @@ SELECT CASE WHEN NOT saved.sampled
                 'the old version gone', '"public"."outbox"', now_.open_writers, 'V4')
             ELSE
                 format(
-                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, was '
-                '%s); phase %s needs every writer of the old version gone',
+                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, '
+                'was %s); phase %s needs every writer of the old version gone',
                         '"public"."outbox"', now_.seq_last, saved.seq_last, 'V4') END
 FROM now_, saved
 WHERE NOT saved.sampled OR now_.seq_last > coalesce(saved.seq_last, 0) OR now_.open_writers > 0
@@ -883,9 +883,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V4')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -946,9 +946,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V4')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -1166,9 +1166,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V4')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0

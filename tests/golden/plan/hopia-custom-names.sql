@@ -190,8 +190,8 @@ BEGIN
 WHERE to_regclass('"billing"."events_p"') IS NULL
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.create-unpublished-partition [relation-exists:events_p] failed: %',
-            violation;
+            'outbox-migrate: precondition of hopia.v2.create-unpublished-partition [relation-exists:events_p] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
@@ -365,8 +365,8 @@ BEGIN
 WHERE to_regclass('"billing"."events_done"') IS NOT NULL
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.create-published-partition [relation-absent:events_done] failed: '
-            '%', violation;
+            'outbox-migrate: precondition of hopia.v2.create-published-partition [relation-absent:events_done] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -517,8 +517,8 @@ BEGIN
 WHERE to_regclass('"billing"."Events_gate_seq"') IS NOT NULL
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.install-gate-sequence [relation-absent:Events_gate_seq] failed: %',
-            violation;
+            'outbox-migrate: precondition of hopia.v2.install-gate-sequence [relation-absent:Events_gate_seq] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
@@ -655,8 +655,8 @@ SELECT CASE WHEN NOT saved.sampled
                 'the old version gone', '"billing"."Events"', now_.open_writers, 'V3')
             ELSE
                 format(
-                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, was '
-                '%s); phase %s needs every writer of the old version gone',
+                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, '
+                'was %s); phase %s needs every writer of the old version gone',
                         '"billing"."Events"', now_.seq_last, saved.seq_last, 'V3') END
 FROM now_, saved
 WHERE NOT saved.sampled OR now_.seq_last > coalesce(saved.seq_last, 0) OR now_.open_writers > 0
@@ -673,9 +673,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"billing"."Events"', 'V3')
 FROM "billing"."Events" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -786,8 +786,8 @@ SELECT CASE WHEN NOT saved.sampled
                 'the old version gone', '"billing"."Events"', now_.open_writers, 'V4')
             ELSE
                 format(
-                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, was '
-                '%s); phase %s needs every writer of the old version gone',
+                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, '
+                'was %s); phase %s needs every writer of the old version gone',
                         '"billing"."Events"', now_.seq_last, saved.seq_last, 'V4') END
 FROM now_, saved
 WHERE NOT saved.sampled OR now_.seq_last > coalesce(saved.seq_last, 0) OR now_.open_writers > 0
@@ -909,8 +909,8 @@ SELECT CASE WHEN NOT saved.sampled
                 'the old version gone', '"billing"."Events"', now_.open_writers, 'V4')
             ELSE
                 format(
-                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, was '
-                '%s); phase %s needs every writer of the old version gone',
+                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, '
+                'was %s); phase %s needs every writer of the old version gone',
                         '"billing"."Events"', now_.seq_last, saved.seq_last, 'V4') END
 FROM now_, saved
 WHERE NOT saved.sampled OR now_.seq_last > coalesce(saved.seq_last, 0) OR now_.open_writers > 0
@@ -927,9 +927,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"billing"."Events"', 'V4')
 FROM "billing"."Events" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -990,9 +990,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"billing"."Events"', 'V4')
 FROM "billing"."Events" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -1280,9 +1280,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"billing"."Events"', 'V4')
 FROM "billing"."Events" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -1409,8 +1409,8 @@ FROM pg_inherits i
 WHERE i.inhrelid = to_regclass('"billing"."events_done"') AND i.inhparent = to_regclass('"billing"."events_p"')
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v4.drop-detached-published [not-a-partition-of:events_done] failed: '
-            '%', violation;
+            'outbox-migrate: precondition of hopia.v4.drop-detached-published [not-a-partition-of:events_done] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
@@ -1439,8 +1439,8 @@ BEGIN
 WHERE to_regclass('"billing"."events_p"') IS NULL
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.original-name.take-original-name [relation-exists:events_p] failed: '
-            '%', violation;
+            'outbox-migrate: precondition of hopia.original-name.take-original-name [relation-exists:events_p] '
+            'failed: %', violation;
     END LOOP;
 END
 $om_assert$;
