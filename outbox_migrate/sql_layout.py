@@ -171,15 +171,22 @@ def _first_break(tokens: list[_Token]) -> int | None:
 def _split_literal(
     tokens: list[_Token], start: int, width: int
 ) -> tuple[list[_Token], list[_Token]] | None:
-    """Split the string constant that crosses `width` into two adjacent constants (the
-    first ends at a space inside it), or None when there is no such constant or space."""
+    """Split the string constant that crosses `width` — alone, or with what is glued to it
+    up to the next space (`'…',`) — into two adjacent constants (the first ends at a space
+    inside it), or None when there is no such constant or space."""
     column = start
     for index, token in enumerate(tokens):
         end = column + len(token.text)
-        if end > width:
+        glued = 0
+        if token.kind == "literal":
+            for after in tokens[index + 1 :]:
+                if after.kind == "space":
+                    break
+                glued += len(after.text)
+        if end + glued > width:
             if token.kind != "literal" or (index and tokens[index - 1].text[-1:] in "EeUu&"):
                 return None  # only plain constants: E'' and U&'' continue differently
-            room = width - column - 2  # the two quotes of the first part
+            room = width - column - 2 - glued  # the two quotes of the first part
             inner = token.text[1:-1]
             # At a space if there is one (the space ends the first part); else anywhere —
             # the joined constant is the same — but never between the quotes of ''.

@@ -135,16 +135,19 @@ class TableFacts:
         return max(self.max_id or 0, self.sequence_last_value or 0)
 
     def identity_generation(self, spec: OutboxSpec) -> str:
-        """`BY DEFAULT` or `ALWAYS`: how the old id is generated, for reversing DROP IDENTITY."""
+        """`BY DEFAULT` or `ALWAYS`: how the old id is generated, so what the new table's
+        identity accepts (only `GENERATED ALWAYS` refuses a supplied id) and what reversing
+        DROP IDENTITY restores."""
         column = self.column(spec.id_column)
-        return "BY DEFAULT" if column is not None and column.identity == "d" else "ALWAYS"
+        return "ALWAYS" if column is not None and column.identity == "a" else "BY DEFAULT"
 
     def identity_start(self, headroom: int) -> int:
         return self.id_top + headroom
 
     def id_kind(self, spec: OutboxSpec) -> str:
         """`identity`, `sequence`, `none` (an integer with no generator), `application`
-        (a non-integer id, e.g. uuid) or `missing`."""
+        (a non-integer id, e.g. uuid, or an integer with no generator that the settings say
+        the application makes: snowflake ids) or `missing`."""
         column = self.column(spec.id_column)
         if column is None:
             return "missing"
@@ -152,7 +155,9 @@ class TableFacts:
             return "application"
         if column.identity:
             return "identity"
-        return "sequence" if self.sequence else "none"
+        if self.sequence:
+            return "sequence"
+        return "application" if spec.id_kind == "application" else "none"
 
     def estimated_scan_s(self) -> float:
         return self.heap_bytes / ASSUMED_SCAN_BYTES_PER_S

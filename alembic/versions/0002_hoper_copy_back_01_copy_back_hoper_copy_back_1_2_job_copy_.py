@@ -1,8 +1,8 @@
 """copy-back: HOPER copy-back 1/2, job copy-back (outbox-migrate)
 
 Revision ID: 0002_hoper_copy_back_01
-Revises: 0002_hoper_v4_06
-Create Date: 2026-11-28 04:29:06.318363
+Revises: 0002_hoper_v4_07
+Create Date: 2026-11-28 04:29:46.954477
 
 """
 from typing import Sequence, Union
@@ -13,7 +13,7 @@ import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and f
 
 # revision identifiers, used by Alembic.
 revision: str = '0002_hoper_copy_back_01'
-down_revision: Union[str, Sequence[str], None] = '0002_hoper_v4_06'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v4_07'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 

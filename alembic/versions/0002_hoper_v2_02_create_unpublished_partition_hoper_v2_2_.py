@@ -1,8 +1,8 @@
-"""create-unpublished-partition: HOPER V2 2/9, before deploying V2 (outbox-migrate)
+"""create-unpublished-partition: HOPER V2 2/10, before deploying V2 (outbox-migrate)
 
 Revision ID: 0002_hoper_v2_02
 Revises: 0002_hoper_v2_01
-Create Date: 2026-11-28 04:29:06.290677
+Create Date: 2026-11-28 04:29:46.922129
 
 """
 from typing import Sequence, Union

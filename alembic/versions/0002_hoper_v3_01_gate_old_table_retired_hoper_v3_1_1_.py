@@ -1,8 +1,8 @@
 """gate-old-table-retired: HOPER V3 1/1, before deploying V3 (outbox-migrate)
 
 Revision ID: 0002_hoper_v3_01
-Revises: 0002_hoper_v2_09
-Create Date: 2026-11-28 04:29:06.305672
+Revises: 0002_hoper_v2_10
+Create Date: 2026-11-28 04:29:46.941009
 
 """
 from typing import Sequence, Union
@@ -13,7 +13,7 @@ import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and f
 
 # revision identifiers, used by Alembic.
 revision: str = '0002_hoper_v3_01'
-down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_09'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_10'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 

@@ -125,39 +125,6 @@ def drained(n: Names, relation: str, phase: str) -> Condition:
     )
 
 
-def no_new_ids(n: Names, relation: str, phase: str, window_s: float) -> Condition:
-    sampled = condition(
-        "no-new-ids",
-        relation,
-        rel_reg=n.reg(relation),
-        rel_seq=n.id_sequence(relation),
-        rel_q=n.q(relation),
-        id_q=n.id_q,
-        id_name=sql.Literal(n.spec.id_column),
-        window_s=sql.Literal(window_s),
-        phase=sql.Literal(phase),
-        sample_key=_sample_key(n, relation),
-    )
-    return before_lock(sampled, CheckPoint.SAMPLED, f"no-new-rows-since-sample:{relation}")
-
-
-def no_new_rows_since_sample(n: Names, relation: str, phase: str) -> Condition:
-    """The deploy gate's final check under the step's lock: a writer of the old version that
-    was still in flight when the window ended (its row committed while we waited for the
-    lock) or that came back after it is caught here, at commit."""
-    return condition(
-        "no-new-rows-since-sample",
-        relation,
-        rel_reg=n.reg(relation),
-        rel_seq=n.id_sequence(relation),
-        rel_q=n.q(relation),
-        id_q=n.id_q,
-        id_name=sql.Literal(n.spec.id_column),
-        phase=sql.Literal(phase),
-        sample_key=_sample_key(n, relation),
-    )
-
-
 def _gate_parts(n: Names, relation: str, phase: str) -> dict[str, sql.Composable]:
     key1, key2 = gate_lock_keys(n)
     return {
@@ -171,7 +138,7 @@ def _gate_parts(n: Names, relation: str, phase: str) -> dict[str, sql.Composable
 
 
 def no_new_ticks(n: Names, relation: str, phase: str, window_s: float) -> Condition:
-    """Application ids: the gate sequence's window (see kinds/gate_sequence.py)."""
+    """The deploy gate's window on the gate sequence (see kinds/gate_sequence.py)."""
     sampled = condition(
         "no-new-ticks", relation, window_s=sql.Literal(window_s), **_gate_parts(n, relation, phase)
     )

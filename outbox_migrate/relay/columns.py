@@ -88,15 +88,12 @@ def resolve(
 def check_ids(
     source: queries.Source, types: dict[str, str], text_ids: bool, ordering: Ordering
 ) -> None:
-    """The id kind configured must match the table's id column: integers are claimed by a
-    cursor over the id, application ids (uuid, ULID) as text in `order_column` order."""
+    """The id kind configured must match the table's id column: database ids (integers) are
+    claimed by a cursor over the id, application ids (uuid, ULID, an integer the application
+    makes) as text in `order_column` order. Which integers are the application's is the
+    migration's judgement (`plan`), not the relay's."""
     id_type = types[source.id_column]
     integer = id_type in ("bigint", "integer", "smallint")
-    if integer and text_ids:
-        raise RelayError(
-            f"{source.label}.{source.id_column} is {id_type} but id_kind = application; "
-            "remove id_kind (database ids are claimed by id)"
-        )
     if not integer and not text_ids:
         raise RelayError(
             f"{source.label}.{source.id_column} is {id_type}: set id_kind = application "

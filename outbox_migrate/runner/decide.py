@@ -48,8 +48,9 @@ class Action(StrEnum):
     """Hand the step to its executor (which still adopts it if its postcondition holds by
     the time it runs)."""
     UNDONE = "undone"
-    """Applied, then undone on purpose by a later step that is evidenced: record it done and
-    adopt no object (its objects are gone)."""
+    """Applied, then undone on purpose by a later step that is evidenced (or a deploy gate
+    passed before an evidenced later step): record it done and adopt no object (its objects
+    are gone)."""
 
 
 def action_for(step: Step, row: HasState | None, postcondition_holds: bool | None) -> Action:
@@ -180,7 +181,9 @@ def plan_execute_step(
             continue
         if earlier.postcondition and holds.get(earlier.id, False):
             actions.append((earlier, Action.ADOPT))
-        elif undone_on_purpose(before, index, rows, holds):
+        elif undone_on_purpose(before, index, rows, holds) or _gate_passed(
+            before, index, rows, holds
+        ):
             actions.append((earlier, Action.UNDONE))
         elif earlier.tx is TxMode.NONE:
             actions.append((earlier, Action.RUN))
@@ -202,6 +205,16 @@ def _evidenced(step: Step, rows: Rows, holds: Mapping[str, bool]) -> bool:
     return bool(step.postcondition) and holds.get(step.id, False) and asserts_presence(step)
 
 
+def _gate_passed(before: list[Step], index: int, rows: Rows, holds: Mapping[str, bool]) -> bool:
+    """A deploy gate (no SQL) followed by a step that is evidenced was passed when that step
+    was applied (steps apply in order; offline SQL carries the gate's assertions). It cannot
+    always be checked again: the gate sequence it reads is removed after the last gate."""
+    earlier = before[index]
+    if earlier.tx is not TxMode.NONE or earlier.statements:
+        return False
+    return any(_evidenced(step, rows, holds) for step in before[index + 1 :])
+
+
 def undone_on_purpose(
     before: list[Step], index: int, rows: Rows, holds: Mapping[str, bool]
 ) -> bool:
@@ -211,8 +224,9 @@ def undone_on_purpose(
     The undoer must be evidenced: done in the ledger, or its postcondition holds and
     asserts a presence (swap-default: the old table *is* the DEFAULT partition) — its own
     evidence. An undoer whose postcondition is only absences (drop-check: the CHECK is gone)
-    holds just as well before the undone step ever ran, so it counts only when a step between
-    the two is evidenced: that one could only be applied after the undone step was."""
+    holds just as well before the undone step ever ran, so it counts only when a later step
+    is evidenced, between the two or after the undoer: that one could only be applied after
+    the undone step was (steps apply in order)."""
     earlier = before[index]
     for position in range(index + 1, len(before)):
         undoer = before[position]
@@ -224,7 +238,7 @@ def undone_on_purpose(
             continue
         if asserts_presence(undoer):
             return True
-        if any(_evidenced(step, rows, holds) for step in before[index + 1 : position]):
+        if any(_evidenced(step, rows, holds) for step in before[index + 1 :]):
             return True
     return False
 

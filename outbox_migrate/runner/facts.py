@@ -26,7 +26,10 @@ from outbox_migrate.runner.executors import executor_for
 
 
 def identity_generation(conn: Connection[Any], spec: OutboxSpec, *, ledger_readable: bool) -> str:
-    """ALWAYS or BY DEFAULT: how the old table's id is (or was) generated."""
+    """ALWAYS or BY DEFAULT: how the old table's id is (or was) generated, and so what the
+    new table's identity accepts. Only an identity `GENERATED ALWAYS` refuses an id the
+    INSERT supplies; a serial, a `nextval` default or no generator at all accepts one, and so
+    must the new table (BY DEFAULT). Once DROP IDENTITY ran, the ledger remembers."""
     row = conn.execute(
         "SELECT a.attidentity FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
         "WHERE a.attrelid = to_regclass(%s) AND a.attname = %s AND NOT c.relispartition",
@@ -34,9 +37,8 @@ def identity_generation(conn: Connection[Any], spec: OutboxSpec, *, ledger_reada
     ).fetchone()
     if row and row[0] in ("a", "d"):
         return "ALWAYS" if row[0] == "a" else "BY DEFAULT"
-    if ledger_readable:
-        return ledger.recorded_identity_generation(conn, spec) or "ALWAYS"
-    return "ALWAYS"
+    recorded = ledger.recorded_identity_generation(conn, spec) if ledger_readable else None
+    return recorded or "BY DEFAULT"
 
 
 def offline_pattern(settings: Settings, name: str, include_optional: bool) -> Pattern:

@@ -85,54 +85,6 @@ SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay
 FROM {rel_q} WHERE {unpublished}
 HAVING count(*) > 0
 
--- name: no-new-ids
--- Nobody takes new ids from the table's sequence (identity, serial or any nextval default) during a sampling window (no writer left).
--- It also remembers, in a session setting, where the sequence and the committed ids stood at
--- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
-WITH seq AS MATERIALIZED (
-    SELECT {rel_seq} AS oid
-), before AS MATERIALIZED (
-    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
-), pause AS MATERIALIZED (
-    SELECT pg_sleep({window_s}) FROM before
-), after_ AS MATERIALIZED (
-    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
-), after AS MATERIALIZED (
-    -- set_config here, in the CTE the result is computed from: it runs whatever the outcome.
-    SELECT after_.value,
-           set_config({sample_key},
-                      coalesce(after_.value::text, '') || ':' || coalesce(
-                          (SELECT max(t.{id_q})::text FROM {rel_q} t WHERE t.{id_q} <= after_.value), ''),
-                      false) AS saved
-    FROM after_
-)
-SELECT format('%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
-              {rel_reg}, coalesce(after.value, 0) - coalesce(before.value, 0), {window_s}, {phase})
-FROM before, after
-WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
-
--- name: no-new-rows-since-sample
--- Under the step's lock: no id was taken from the sequence, and no row of the old version was committed, since the gate's sampling window ended.
-WITH seq AS MATERIALIZED (
-    SELECT {rel_seq} AS oid
-), saved AS MATERIALIZED (
-    SELECT nullif(split_part(coalesce(current_setting({sample_key}, true), ''), ':', 1), '')::bigint AS seq_last,
-           nullif(split_part(coalesce(current_setting({sample_key}, true), ''), ':', 2), '')::bigint AS top,
-           coalesce(current_setting({sample_key}, true), '') <> '' AS sampled
-), now_ AS MATERIALIZED (
-    SELECT pg_sequence_last_value(seq.oid) AS seq_last,
-           (SELECT max(t.{id_q}) FROM {rel_q} t WHERE t.{id_q} <= saved.seq_last) AS top
-    FROM seq, saved WHERE seq.oid IS NOT NULL
-)
-SELECT CASE WHEN NOT saved.sampled
-            THEN format('%s: the gate did not sample this table in this session; phase %s needs its sampling window first', {rel_reg}, {phase})
-            ELSE format('%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; newest old id %s, was %s); phase %s needs every writer of the old version gone',
-                        {rel_reg}, now_.seq_last, saved.seq_last, now_.top, saved.top, {phase}) END
-FROM now_, saved
-WHERE NOT saved.sampled
-   OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
-   OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
-
 -- name: no-partitions
 -- The partitioned table has no partitions left (dropping it drops nothing else).
 SELECT format('%s still has partition %s; it was not created by this migration — detach or drop it yourself first', {rel_reg}, i.inhrelid::regclass)
@@ -304,7 +256,7 @@ FROM pg_trigger
 WHERE tgrelid = to_regclass({rel_reg}) AND NOT tgisinternal AND tgenabled <> 'D'
 
 -- name: no-new-ticks
--- Application ids: no INSERT statement into the table ticked the gate sequence during a sampling window, and no transaction that inserted is still open at its end (no writer left).
+-- No INSERT statement (whether it supplies its ids or not) into the table ticked the gate sequence during a sampling window, and no transaction that inserted is still open at its end (no writer left).
 -- The trigger of kinds/gate_sequence.py ticks the sequence when an insert statement ends and
 -- holds a shared advisory lock until its transaction ends. Where the sequence stood is kept
 -- in a session setting for `no-new-ticks-since-sample`.
@@ -327,7 +279,7 @@ WITH before AS MATERIALIZED (
 )
 SELECT CASE
     WHEN before.oid IS NULL
-    THEN format('%s: the gate sequence %s is missing (application ids need the install-gate-sequence step of V2)', {rel_reg}, {seq_reg})
+    THEN format('%s: the gate sequence %s is missing (the gates need the install-gate-sequence step of V2)', {rel_reg}, {seq_reg})
     WHEN coalesce(after.value, 0) > coalesce(before.value, 0)
     THEN format('%s is still receiving inserts: %s insert statements in %s s; phase %s needs every writer of the old version gone — is the rollout of the previous version finished?',
                 {rel_reg}, coalesce(after.value, 0) - coalesce(before.value, 0), {window_s}, {phase})
@@ -338,7 +290,7 @@ WHERE before.oid IS NULL OR coalesce(after.value, 0) > coalesce(before.value, 0)
    OR after.open_writers > 0
 
 -- name: no-new-ticks-since-sample
--- Application ids, under the step's lock: no insert statement ticked the gate sequence since the sampling window, and no transaction that inserted is still open.
+-- Under the step's lock: no insert statement ticked the gate sequence since the sampling window, and no transaction that inserted is still open.
 WITH saved AS MATERIALIZED (
     SELECT nullif(split_part(coalesce(current_setting({sample_key}, true), ''), ':', 1), '')::bigint AS seq_last,
            coalesce(current_setting({sample_key}, true), '') LIKE '%:ticks' AS sampled

@@ -41,9 +41,9 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "alembic"
 INI = EXAMPLE / "alembic.ini"
 TARGETS = {
-    "V2": "0002_hoper_v2_08",
+    "V2": "0002_hoper_v2_10",
     "V3": "0002_hoper_v3_01",
-    "V4": "0002_hoper_v4_06",
+    "V4": "0002_hoper_v4_07",
     "copy-back": "0002_hoper_copy_back_02",
 }
 PATTERN = build_pattern("hoper", OutboxSpec(), BuildOptions(sample_window_s=0.1))

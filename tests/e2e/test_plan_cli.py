@@ -66,7 +66,7 @@ def test_database_without_the_table(dsn: str) -> None:
         (
             "CREATE TABLE outbox (id int8 PRIMARY KEY, payload json NOT NULL, "
             "published_at timestamptz)",
-            "outbox.id has neither an identity nor a sequence default",
+            "outbox.id is bigint with neither an identity nor a sequence default",
         ),
     ],
     ids=["uuid-id", "smallint-id", "text-published-at", "no-generator"],

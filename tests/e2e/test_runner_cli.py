@@ -123,7 +123,8 @@ def test_status_and_verify_json(dsn: str) -> None:
     assert events[-1]["event"] == "result" and events[-1]["phase"] == "V2"
     status = json.loads(cli("status", "--pattern", "hop", "--dsn", dsn, "--format", "json").stdout)
     assert status["phase"] == "V2" and status["next_phase"] == "V3"
-    assert [s["state"] for s in status["steps"]] == ["done"] * v2_steps + ["pending"]
+    # V3: its gate and the gate sequence's removal
+    assert [s["state"] for s in status["steps"]] == ["done"] * v2_steps + ["pending"] * 2
     verified = cli("verify", "--pattern", "hop", "--dsn", dsn, "--format", "json")
     assert verified.returncode == 0 and json.loads(verified.stdout)["violations"] == []
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -25,8 +25,10 @@ def test_status_shows_the_latest_attempt_once(dsn: str) -> None:
     for phase in ("V2", "V3"):
         ran = run_cli("run", "-p", "hoper", "--to", phase, "--dsn", dsn, env=env)
         assert ran.returncode == 0, ran.stderr
-    with psycopg.connect(dsn) as holder:  # a writer's open transaction: V4's first step waits
-        holder.execute("INSERT INTO outbox (payload) VALUES ('{}')")
+    # A reader's open transaction: V4's first step waits for its lock (a writer's would be
+    # refused by the gate first: its insert ticked the gate sequence)
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT count(*) FROM outbox")
         failed = run_cli("run", "-p", "hoper", "--to", "V4", "--dsn", dsn,
                          "--lock-budget-s", "0.5", "--lock-timeout-ms", "100", env=env)  # fmt: skip
         assert failed.returncode == ExitCode.LOCK_BUDGET, failed.stderr

@@ -5,8 +5,9 @@ Each `ZooTable` is a DDL script, the column roles that name its columns (`Outbox
 settings), an INSERT the application would run (parameter `n`, a sequence number that also
 ends up in the payload and in one broker header), and that header. `migrate_under_load`
 plays the deploys like an operator: run a phase's steps, roll the new version out while the
-old one still runs, retire the old one, and so on to the end, then checks that every row ever
-written was delivered, with its header, and that the runner's invariants hold.
+old one still runs, retire the old one, and so on to the end (HOPER, HOPIA, or HOP, which
+ends at V3), then checks that every row ever written was delivered, with its header, and
+that the runner's invariants hold.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from psycopg import sql
 
 from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec, Settings, load_settings
-from outbox_migrate.patterns import marker
+from outbox_migrate.patterns import build_pattern, marker
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
 from outbox_migrate.relay.sinks import Sink
@@ -251,8 +252,9 @@ def _choreograph(dsn: str, zoo: ZooTable, pattern: str, settings: Settings,
     time.sleep(0.3)
     v2_relay.finish()
 
-    run_phase(dsn, settings, pattern, "V4", zoo.include_optional)
-    time.sleep(0.3)
+    if "V4" in build_pattern(pattern).phase_names():  # HOP and COP end at V3
+        run_phase(dsn, settings, pattern, "V4", zoo.include_optional)
+        time.sleep(0.3)
     if pattern == "hoper":
         run_phase(dsn, settings, pattern, "copy-back", zoo.include_optional)
     if zoo.original_name:

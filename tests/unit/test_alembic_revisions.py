@@ -91,7 +91,7 @@ def test_offline_step_joins_the_revision_transaction(
     monkeypatch.setenv("OUTBOX_MIGRATE_GATE_WINDOW_S", "0.1")
     ini = _project(tmp_path, per_migration=True)
     generate("hoper", SETTINGS, tmp_path, tag="h1")
-    text = _sql(ini, "h1_hoper_v4_03:h1_hoper_v4_04")
+    text = _sql(ini, "h1_hoper_v4_04:h1_hoper_v4_05")
     body = text[text.index("-- Running upgrade") :]
     # One transaction: SET LOCAL, the locks, the assertions (under the locks: what they
     # prove holds at COMMIT), the swap, the version update, COMMIT.
@@ -101,7 +101,7 @@ def test_offline_step_joins_the_revision_transaction(
     assert body.index("ATTACH PARTITION") < body.index("UPDATE alembic_version")
     assert "RAISE EXCEPTION 'outbox-migrate: precondition of hoper.v4.swap-default" in body
     # The copy-back job cannot run in a transaction: autocommit block, then the version.
-    job = _sql(ini, "h1_hoper_v4_06:h1_hoper_copy_back_01")
+    job = _sql(ini, "h1_hoper_v4_07:h1_hoper_copy_back_01")
     job = job[job.index("-- Running upgrade") :]
     assert job.index("COMMIT;") < job.index("DO $om_copy$") < job.index("BEGIN;")
 
@@ -122,7 +122,7 @@ def test_offline_step_in_its_own_transaction_without_per_migration(tmp_path: Pat
 def test_offline_downgrade_is_the_reverse_or_a_clear_error(tmp_path: Path) -> None:
     ini = _project(tmp_path, per_migration=True)
     generate("hoper", SETTINGS, tmp_path, tag="d1")
-    back = _sql(ini, "d1_hoper_v4_04:d1_hoper_v4_03", downgrade=True)
+    back = _sql(ini, "d1_hoper_v4_05:d1_hoper_v4_04", downgrade=True)
     assert 'ATTACH PARTITION "public"."outbox_published" DEFAULT' in back
     assert "precondition of hoper.v4.swap-default (reverse)" in back
     with pytest.raises(
@@ -157,7 +157,7 @@ def test_cli_generate_json_and_one_line_errors(tmp_path: Path) -> None:
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
-    assert doc["phase_targets"] == {"V2": "j1_hop_v2_09", "V3": "j1_hop_v3_01"}
+    assert doc["phase_targets"] == {"V2": "j1_hop_v2_10", "V3": "j1_hop_v3_02"}
     assert doc["revisions"][0]["revision"] == "j1_hop_v2_01"
     missing = subprocess.run([*run, "--dir", str(tmp_path / "nowhere")],
                              capture_output=True, text=True)  # fmt: skip

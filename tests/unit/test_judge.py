@@ -150,11 +150,17 @@ def test_id_kinds() -> None:
     bare = dataclasses.replace(ID, identity="", default=None)
     found = judged(columns=[bare, PAYLOAD, PUBLISHED], sequence=None, sequence_last_value=None)
     assert [b.code for b in found.blockers] == ["id-no-generator"]
+    assert 'set id_kind = "application"' in found.blockers[0].remedy
     assert (
         'CREATE SEQUENCE "public"."outbox_id_seq" OWNED BY "public"."outbox"."id"'
         in found.blockers[0].remedy
     )
     assert found.blockers[0].fix_sql in found.blockers[0].remedy
+    # the application supplies integer ids (snowflake ids): id_kind = application answers
+    found = judged(OutboxSpec(id_kind="application"), columns=[bare, PAYLOAD, PUBLISHED],
+                   sequence=None, sequence_last_value=None)  # fmt: skip
+    assert found.blockers == [] and [n.code for n in found.notes] == ["id-application"]
+    assert "takes every id as given" in found.notes[0].remedy
     uuid = dataclasses.replace(ID, type="uuid", identity="", default="gen_random_uuid()")
     columns = [uuid, PAYLOAD, PUBLISHED]
     application = OutboxSpec(id_kind="application")

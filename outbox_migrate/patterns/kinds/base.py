@@ -49,19 +49,16 @@ class BuildContext:
         return f"{self.pattern}.{self.phase.lower()}.{kind}"
 
     def deploy_gate(self, relation: str) -> tuple[Condition, ...]:
-        """The checks that prove the previous version stopped writing to `relation`."""
+        """The checks that prove the previous version stopped writing to `relation`: the
+        gate sequence's window and its re-check under the step's lock
+        (kinds/gate_sequence.py), never the id's sequence, which an INSERT that supplies its
+        id does not touch; and the outgoing version's sessions when their name is known."""
         from outbox_migrate.patterns import conditions as c
 
-        if self.names.spec.id_kind == "application":
-            checks = [
-                c.no_new_ticks(self.names, relation, self.phase, self.sample_window_s),
-                c.no_new_ticks_since_sample(self.names, relation, self.phase),
-            ]
-        else:
-            checks = [
-                c.no_new_ids(self.names, relation, self.phase, self.sample_window_s),
-                c.no_new_rows_since_sample(self.names, relation, self.phase),
-            ]
+        checks = [
+            c.no_new_ticks(self.names, relation, self.phase, self.sample_window_s),
+            c.no_new_ticks_since_sample(self.names, relation, self.phase),
+        ]
         if self.old_app_name:
             checks.append(c.no_old_app_sessions(self.old_app_name, self.phase))
         return tuple(checks)

@@ -41,38 +41,44 @@ def definer_rights(n: Names) -> sql.Composed:
 
 
 def create_trigger_sql(
-    ctx: BuildContext, security: sql.Composable | None = None
+    ctx: BuildContext, security: sql.Composable | None = None, *, flagged: bool = True
 ) -> tuple[sql.Composed, ...]:
+    """`flagged=False` only rebuilds what earlier releases installed for database ids, to
+    adopt it (their gates did not read the gate sequence)."""
     n = ctx.names
     if security is None:
         security = definer_rights(n)
-    if n.spec.id_kind == "application":
-        # The gate sequence's trigger on the old table must not count this copy as a writer
-        # (kinds/gate_sequence.py): the flag is raised around the INSERT only.
-        from outbox_migrate.patterns.kinds.gate_sequence import COPYING_FLAG
+    # The gate sequence's trigger on the old table must not count this copy as a writer
+    # (kinds/gate_sequence.py): the flag is raised around the INSERT only.
+    from outbox_migrate.patterns.kinds.gate_sequence import COPYING_FLAG
 
-        flag = sql.Literal(COPYING_FLAG)
-        function = sql.SQL(
-            "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql "
-            "{security}AS $om$\n"
-            "BEGIN\n"
-            "    PERFORM set_config({flag}, 'on', true);\n"
-            "    INSERT INTO {old} OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;\n"
-            "    PERFORM set_config({flag}, 'off', true);\n"
-            "    RETURN NULL;\n"
-            "END\n"
-            "$om$"
-        ).format(function=n.function_q, old=n.q(n.table), flag=flag, security=security)
-        return (function, _trigger(ctx))
+    if not flagged:
+        return (
+            sql.SQL(
+                "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql "
+                "{security}AS $om$\n"
+                "BEGIN\n"
+                "    INSERT INTO {old} OVERRIDING SYSTEM VALUE VALUES (NEW.*) "
+                "ON CONFLICT DO NOTHING;\n"
+                "    RETURN NULL;\n"
+                "END\n"
+                "$om$"
+            ).format(function=n.function_q, old=n.q(n.table), security=security),
+            _trigger(ctx),
+        )
     function = sql.SQL(
         "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql "
         "{security}AS $om$\n"
         "BEGIN\n"
+        "    PERFORM set_config({flag}, 'on', true);\n"
         "    INSERT INTO {old} OVERRIDING SYSTEM VALUE VALUES (NEW.*) ON CONFLICT DO NOTHING;\n"
+        "    PERFORM set_config({flag}, 'off', true);\n"
         "    RETURN NULL;\n"
         "END\n"
         "$om$"
-    ).format(function=n.function_q, old=n.q(n.table), security=security)
+    ).format(
+        function=n.function_q, old=n.q(n.table), flag=sql.Literal(COPYING_FLAG), security=security
+    )
     return (function, _trigger(ctx))
 
 
@@ -116,9 +122,16 @@ def install_copy_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             Created("trigger", n.spec.copy_trigger, on=n.published),
         ),
     )
-    # Earlier releases installed the function with the invoker's rights: adopted as done.
-    earlier = create_trigger_sql(ctx, security=sql.SQL(""))
-    return replace(step, former_checksums=(replace(step, statements=earlier).checksum(),))
+    # Earlier releases installed the function with the invoker's rights, and for database
+    # ids without the copying flag: adopted as done.
+    earlier = [create_trigger_sql(ctx, security=sql.SQL(""))]
+    if n.spec.id_kind != "application":
+        earlier += [
+            create_trigger_sql(ctx, flagged=False),
+            create_trigger_sql(ctx, security=sql.SQL(""), flagged=False),
+        ]
+    former = tuple(replace(step, statements=e).checksum() for e in earlier)
+    return replace(step, former_checksums=former)
 
 
 @kind("remove-copy-trigger")

@@ -1,9 +1,10 @@
-"""The gate sequence: what the deploy gates watch when the application supplies the ids.
+"""The gate sequence: what the deploy gates watch to prove no writer of the old version is left.
 
-Database ids come from a sequence, and a gate knows a writer of the old version is alive when
-that sequence moves. A uuid or ULID outbox has no sequence, so the migration gives the old
-table one: a FOR EACH STATEMENT AFTER INSERT trigger that calls `nextval` on a small sequence
-of its own, and takes a transaction-level *shared* advisory lock. `nextval` is not
+The id's own sequence cannot prove it: an INSERT that supplies its id (a snowflake id, a uuid,
+an id the application drew itself) never touches it, and a sequence can move with no row
+written. So the migration gives the old table a witness no INSERT can bypass: a FOR EACH
+STATEMENT AFTER INSERT trigger that calls `nextval` on a small sequence of its own, and takes a
+transaction-level *shared* advisory lock. `nextval` is not
 transactional, so an insert is seen when its statement ends, committed or not; the advisory
 lock is held until the inserting transaction ends, so a gate also sees an insert that is still
 uncommitted (`no-new-ticks` and `no-new-ticks-since-sample` in sql/conditions.sql).
@@ -12,8 +13,7 @@ HOPIA's copy trigger raises a transaction-local flag (`COPYING_FLAG`) around its
 insert is the migration's own, not a writer's, and does not tick. Inserts made by the
 application's own triggers (an outbox row written by a trigger on a business table) do tick.
 The function is SECURITY DEFINER so application roles need no privilege on the sequence.
-Only for `id_kind = application`: for database ids these kinds build no step at all, so
-those plans are unchanged.
+Every outbox gets it, whatever its id kind: the writers, not the ids, are what a gate watches.
 """
 
 from __future__ import annotations
@@ -92,21 +92,21 @@ def drop_sql(n: Names) -> tuple[sql.Composed, ...]:
 
 
 @kind("install-gate-sequence")
-def install_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step | None:
+def install_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     n = ctx.names
-    if n.spec.id_kind != "application":
-        return None
     return make_step(
         ctx,
         "install-gate-sequence",
         summary=f"Sequence {n.spec.gate_sequence} ticked by every INSERT statement into "
-        f"{n.table}: what the deploy gates watch (the application supplies the ids)",
+        f"{n.table}: what the deploy gates watch (ids supplied or generated alike)",
         statements=create_sql(n),
         tx=TxMode.TRANSACTION,
         # CREATE TRIGGER takes SHARE ROW EXCLUSIVE: it waits for the inserts in flight, so
         # every insert after it ticks.
         locks=(Lock(n.table, LockMode.SHARE_ROW_EXCLUSIVE),),
         catalog_only=True,
+        # V2's last step: whatever refuses the migration (its creating steps' checks) has
+        # refused before the old table gets a trigger; the gates come later, in V3 or V4.
         preconditions=(
             c.relation_exists(n, n.table),
             c.relation_absent(n, n.spec.gate_sequence),
@@ -124,17 +124,16 @@ def install_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step 
 
 
 @kind("remove-gate-sequence")
-def remove_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step | None:
+def remove_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     n = ctx.names
-    if n.spec.id_kind != "application":
-        return None
     return make_step(
         ctx,
         "remove-gate-sequence",
         summary=f"Drop the gate trigger and {n.spec.gate_sequence}: the last deploy gate passed",
         statements=drop_sql(n),
         tx=TxMode.TRANSACTION,
-        locks=(Lock(n.table, LockMode.SHARE_ROW_EXCLUSIVE),),
+        # DROP TRIGGER takes ACCESS EXCLUSIVE (CREATE TRIGGER only SHARE ROW EXCLUSIVE)
+        locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
         preconditions=(c.relation_exists(n, n.table),),
         postcondition=(c.relation_absent(n, n.spec.gate_sequence),),

@@ -37,10 +37,12 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
 
     Database-generated ids: the parent's id becomes an identity of its own whatever the old
     table had (an identity, a serial, a `nextval` default on any sequence). `LIKE … INCLUDING
-    DEFAULTS` would otherwise copy a serial's `nextval('outbox_id_seq')`, so V2 would keep
-    drawing from the old sequence and no deploy gate could tell old writers from new ones. The
-    identity then starts above every id the old table holds or has handed out, plus headroom
-    for V1 instances still inserting while V2 rolls out.
+    DEFAULTS` would otherwise copy a serial's `nextval('outbox_id_seq')`: the new table would
+    depend on a sequence the old table owns (dropping the retired table would take it along).
+    The identity starts above every id the old table holds or has handed out, plus headroom
+    for V1 instances still inserting while V2 rolls out. It is GENERATED ALWAYS only when the
+    old id was (`ctx.identity_generation`): a serial or a BY DEFAULT identity accepted an id
+    the INSERT supplies, and the new table must too.
 
     Application-generated ids (uuid, ULID): nothing to move; the application keeps them unique.
     """

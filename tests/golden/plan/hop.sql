@@ -189,8 +189,8 @@ BEGIN
 WHERE to_regclass('"public"."outbox_new"') IS NULL
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hop.v2.create-unpublished-partition [relation-exists:outbox_new] failed: %',
-            violation;
+            'outbox-migrate: precondition of hop.v2.create-unpublished-partition [relation-exists:outbox_new] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
@@ -352,7 +352,6 @@ COMMIT;
 BEGIN;
 SET LOCAL lock_timeout = '200ms';
 SET LOCAL statement_timeout = '10000ms';
-LOCK TABLE ONLY "public"."outbox_unpublished" IN ACCESS SHARE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
@@ -699,6 +698,56 @@ ALTER TABLE "public"."outbox_published" SET
     autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 100000);
 COMMIT;
 
+-- step: hop.v2.install-gate-sequence: Sequence outbox_gate_seq ticked by every INSERT statement into outbox: what the
+--   deploy gates watch (ids supplied or generated alike)
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox" IN SHARE ROW EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
+WHERE to_regclass('"public"."outbox"') IS NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hop.v2.install-gate-sequence [relation-exists:outbox] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"public"."outbox_gate_seq"')
+WHERE to_regclass('"public"."outbox_gate_seq"') IS NOT NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hop.v2.install-gate-sequence [relation-absent:outbox_gate_seq] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+CREATE SEQUENCE "public"."outbox_gate_seq" AS bigint CACHE 1;
+CREATE FUNCTION "public"."outbox_gate_tick"() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path = pg_catalog AS $om$
+BEGIN
+    -- a writer's INSERT (also one made by the application's own triggers), not
+    -- HOPIA's copy of a published row, which raises this flag around its INSERT
+    IF coalesce(current_setting('outbox_migrate.copying', true), '') <> 'on' THEN
+        PERFORM nextval('"public"."outbox_gate_seq"'::regclass);
+        PERFORM pg_advisory_xact_lock_shared(hashtext('outbox-migrate.gate'), hashtext('"public"."outbox"'));
+    END IF;
+    RETURN NULL;
+END
+$om$;
+CREATE TRIGGER "outbox_gate_tick" AFTER INSERT ON "public"."outbox"
+    FOR EACH STATEMENT EXECUTE FUNCTION "public"."outbox_gate_tick"();
+COMMIT;
+
 -- check: no publication lists outbox without outbox_unpublished (CDC consumers)
 DO $om_assert$
 DECLARE violation text;
@@ -714,7 +763,8 @@ WHERE NOT EXISTS (
     SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid
         AND u.prrelid = to_regclass('"public"."outbox_unpublished"'))
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hop.v2.tune-autovacuum (CDC) [publications-carried] failed: %',
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hop.v2.install-gate-sequence (CDC) [publications-carried] failed: %',
             violation;
     END LOOP;
 END
@@ -728,39 +778,48 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN -- It also remembers, in a session setting, where the sequence and the committed ids stood at
--- the end of the window: `no-new-rows-since-sample` re-proves that under the step's lock.
-WITH seq AS MATERIALIZED (
-    SELECT
-        coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
-        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
-        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
-        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
-        WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
-), before AS MATERIALIZED (
-    SELECT seq.oid, pg_sequence_last_value(seq.oid) AS value FROM seq WHERE seq.oid IS NOT NULL
+    FOR violation IN -- The trigger of kinds/gate_sequence.py ticks the sequence when an insert statement ends and
+-- holds a shared advisory lock until its transaction ends. Where the sequence stood is kept
+-- in a session setting for `no-new-ticks-since-sample`.
+WITH before AS MATERIALIZED (
+    SELECT to_regclass('"public"."outbox_gate_seq"') AS oid,
+        pg_sequence_last_value(to_regclass('"public"."outbox_gate_seq"')) AS value
 ), pause AS MATERIALIZED (
     SELECT pg_sleep(2.0) FROM before
 ), after_ AS MATERIALIZED (
-    SELECT pg_sequence_last_value(before.oid) AS value FROM before, pause
+    SELECT pg_sequence_last_value(before.oid) AS value,
+           (SELECT count(DISTINCT l.pid) FROM pg_locks l
+            WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.pid <> pg_backend_pid()
+              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+              AND l.classid::int8 = (hashtext('outbox-migrate.gate')::int8 & 4294967295)
+              AND l.objid::int8 = (hashtext('"public"."outbox"')::int8 & 4294967295)) AS open_writers
+    FROM before, pause
 ), after AS MATERIALIZED (
-    -- set_config here, in the CTE the result is computed from: it runs whatever the outcome.
-    SELECT after_.value,
-           set_config('outbox_migrate.gate_69376700',
-                      coalesce(after_.value::text, '') || ':' || coalesce(
-                          (SELECT max(t."id")::text FROM "public"."outbox" t WHERE t."id" <= after_.value), ''),
-                      false) AS saved
+    SELECT after_.value, after_.open_writers,
+           set_config('outbox_migrate.gate_69376700', coalesce(after_.value, 0)::text || ':ticks', false) AS saved
     FROM after_
 )
-SELECT
-    format(
-    '%s is still receiving inserts: %s new ids in %s s; phase %s needs every writer of the old version gone — is the '
-    'rollout of the previous version finished?',
-              '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V3')
-FROM before, after
-WHERE coalesce(after.value, 0) > coalesce(before.value, 0)
+SELECT CASE
+    WHEN before.oid IS NULL
+    THEN
+        format('%s: the gate sequence %s is missing (the gates need the install-gate-sequence step of V2)',
+        '"public"."outbox"', '"public"."outbox_gate_seq"')
+    WHEN coalesce(after.value, 0) > coalesce(before.value, 0)
+    THEN
+        format(
+        '%s is still receiving inserts: %s insert statements in %s s; phase %s needs every writer of the old version '
+        'gone — is the rollout of the previous version finished?',
+                '"public"."outbox"', coalesce(after.value, 0) - coalesce(before.value, 0), 2.0, 'V3')
+    ELSE
+        format(
+        '%s: %s open transaction(s) inserted into it and have not ended; phase %s needs every writer of the old '
+        'version gone',
+                '"public"."outbox"', after.open_writers, 'V3') END
+FROM before LEFT JOIN after ON true
+WHERE before.oid IS NULL OR coalesce(after.value, 0) > coalesce(before.value, 0)
+   OR after.open_writers > 0
     LOOP
-        RAISE EXCEPTION 'outbox-migrate: precondition of hop.v3.gate-old-table-retired [no-new-ids:outbox] failed: %',
+        RAISE EXCEPTION 'outbox-migrate: precondition of hop.v3.gate-old-table-retired [no-new-ticks:outbox] failed: %',
             violation;
     END LOOP;
 END
@@ -781,42 +840,39 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN WITH seq AS MATERIALIZED (
-    SELECT
-        coalesce(pg_get_serial_sequence('"public"."outbox"', 'id')::regclass,
-        (SELECT d.refobjid::regclass FROM pg_attrdef ad JOIN pg_attribute a ON a.attrelid = ad.adrelid
-        AND a.attnum = ad.adnum JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid
-        AND d.refclassid = 'pg_class'::regclass JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
-        WHERE ad.adrelid = to_regclass('"public"."outbox"') AND a.attname = 'id' LIMIT 1)) AS oid
-), saved AS MATERIALIZED (
+    FOR violation IN WITH saved AS MATERIALIZED (
     SELECT nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 1), '')::bigint
         AS seq_last,
-           nullif(split_part(coalesce(current_setting('outbox_migrate.gate_69376700', true), ''), ':', 2), '')::bigint
-               AS top,
-           coalesce(current_setting('outbox_migrate.gate_69376700', true), '') <> '' AS sampled
+           coalesce(current_setting('outbox_migrate.gate_69376700', true), '') LIKE '%:ticks' AS sampled
 ), now_ AS MATERIALIZED (
-    SELECT pg_sequence_last_value(seq.oid) AS seq_last,
-           (SELECT max(t."id") FROM "public"."outbox" t WHERE t."id" <= saved.seq_last) AS top
-    FROM seq, saved WHERE seq.oid IS NOT NULL
+    SELECT coalesce(pg_sequence_last_value(to_regclass('"public"."outbox_gate_seq"')), 0) AS seq_last,
+           (SELECT count(DISTINCT l.pid) FROM pg_locks l
+            WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.pid <> pg_backend_pid()
+              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+              AND l.classid::int8 = (hashtext('outbox-migrate.gate')::int8 & 4294967295)
+              AND l.objid::int8 = (hashtext('"public"."outbox"')::int8 & 4294967295)) AS open_writers
 )
 SELECT CASE WHEN NOT saved.sampled
             THEN
                 format(
                 '%s: the gate did not sample this table in this session; phase %s needs its sampling window first',
                 '"public"."outbox"', 'V3')
+            WHEN now_.open_writers > 0
+            THEN
+                format(
+                '%s: %s open transaction(s) inserted into it after the gate sampled; phase %s needs every writer of '
+                'the old version gone', '"public"."outbox"', now_.open_writers, 'V3')
             ELSE
                 format(
-                '%s received rows from a writer of the old version after the gate sampled (sequence at %s, was %s; '
-                'newest old id %s, was %s); phase %s needs every writer of the old version gone',
-                        '"public"."outbox"', now_.seq_last, saved.seq_last, now_.top, saved.top, 'V3') END
+                '%s received inserts from a writer of the old version after the gate sampled (gate sequence at %s, '
+                'was %s); phase %s needs every writer of the old version gone',
+                        '"public"."outbox"', now_.seq_last, saved.seq_last, 'V3') END
 FROM now_, saved
-WHERE NOT saved.sampled
-   OR coalesce(now_.seq_last, 0) > coalesce(saved.seq_last, 0)
-   OR coalesce(now_.top, 0) > coalesce(saved.top, 0)
+WHERE NOT saved.sampled OR now_.seq_last > coalesce(saved.seq_last, 0) OR now_.open_writers > 0
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hop.v3.gate-old-table-retired [no-new-rows-since-sample:outbox] failed: %',
-            violation;
+            'outbox-migrate: precondition of hop.v3.gate-old-table-retired [no-new-ticks-since-sample:outbox] failed: '
+            '%', violation;
     END LOOP;
 END
 $om_assert$;
@@ -826,9 +882,9 @@ BEGIN
     FOR violation IN SELECT
         format(
         '%s unpublished rows remain in %s; phase %s needs 0 — if a relay still publishes from it, let it finish; if '
-        'the switching relay already left it (rows a writer added after the switch), publish them with `outbox-migrate '
-        'relay --mode flat --until-empty` and the same sink, then run this phase again (docs/relay.md, rows left in '
-        'the old table)',
+        'the switching relay already left it (rows a writer added after the switch), publish them with '
+        '`outbox-migrate relay --mode flat --until-empty` and the same sink, then run this phase again '
+        '(docs/relay.md, rows left in the old table)',
               count(*), '"public"."outbox"', 'V3')
 FROM "public"."outbox" WHERE "published_at" IS NULL
 HAVING count(*) > 0
@@ -839,3 +895,25 @@ HAVING count(*) > 0
     END LOOP;
 END
 $om_assert$;
+
+-- step: hop.v3.remove-gate-sequence: Drop the gate trigger and outbox_gate_seq: the last deploy gate passed
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "public"."outbox" IN ACCESS EXCLUSIVE MODE;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s does not exist; check the schema and table names (outbox-migrate config)', '"public"."outbox"')
+WHERE to_regclass('"public"."outbox"') IS NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hop.v3.remove-gate-sequence [relation-exists:outbox] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DROP TRIGGER IF EXISTS "outbox_gate_tick" ON "public"."outbox";
+DROP FUNCTION IF EXISTS "public"."outbox_gate_tick"();
+DROP SEQUENCE IF EXISTS "public"."outbox_gate_seq";
+COMMIT;

@@ -118,7 +118,8 @@ OUTBOX_COLUMNS = "payload json NOT NULL, created_at timestamptz NOT NULL DEFAULT
             f"CREATE TABLE outbox (id int8 PRIMARY KEY, {OUTBOX_COLUMNS}, "
             "published_at timestamptz)",
             "id-no-generator",
-            "outbox.id has neither an identity nor a sequence default",
+            "outbox.id is bigint with neither an identity nor a sequence default: the "
+            "application supplies the ids",
             'CREATE SEQUENCE "public"."outbox_id_seq" OWNED BY "public"."outbox"."id"',
         ),
         (

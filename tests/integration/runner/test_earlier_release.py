@@ -12,10 +12,11 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from outbox_migrate.config import OutboxSpec
+from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.patterns import build_pattern
-from outbox_migrate.runner import ledger
-from outbox_migrate.runner.errors import StepChanged
+from outbox_migrate.runner import Runner, ledger
+from outbox_migrate.runner.errors import OutOfOrder, PreconditionFailed, StepChanged
+from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 
 RELEASE_01 = {
     # Computed by release 0.1's own code (commit 33fbda0) for the spec's table.
@@ -87,7 +88,8 @@ def test_a_migration_past_the_01_step_is_adopted(dsn: str) -> None:
         ledger.sync_steps(conn, migration, pattern)
         (row,) = [r for r in ledger.steps(conn, migration.id) if r.step_id == STEP.format("hoper")]
         assert row.state == "done"
-        assert row.checksum == pattern.steps()[0].checksum()
+        (step,) = [s for s in pattern.steps() if s.id == STEP.format("hoper")]
+        assert row.checksum == step.checksum()
 
 
 def test_any_other_changed_definition_is_still_refused(dsn: str) -> None:
@@ -95,3 +97,46 @@ def test_any_other_changed_definition_is_still_refused(dsn: str) -> None:
         migration = _ledger_after_01(conn, "0123456789abcdef")
         with pytest.raises(StepChanged):
             ledger.sync_steps(conn, migration, build_pattern("hoper", OutboxSpec()))
+
+
+def test_a_migration_past_v2_without_the_gate_sequence_gets_it_before_the_gate(
+    dsn: str,
+) -> None:
+    """V2 ran with a release whose database-id gates read the id's sequence (no gate
+    sequence): `run --to V3` refuses, naming `run --to V2`, which installs it (V2's
+    application is already deployed: the step only adds the trigger); then the gate watches
+    it."""
+    settings = load_settings({"gate_window_s": 0.1}, environ={})
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        insert_rows(conn, "outbox", 5, published=True)
+        with Runner(dsn, settings, "hop") as runner:
+            runner.run("V2")
+        # as the earlier release left it: no gate objects, the step not in the ledger
+        conn.execute("DROP TRIGGER outbox_gate_tick ON outbox")
+        conn.execute("DROP FUNCTION outbox_gate_tick()")
+        conn.execute("DROP SEQUENCE outbox_gate_seq")
+        for table in ("owned_object", "attempt"):
+            conn.execute(
+                f"DELETE FROM outbox_migrate.{table} WHERE step_id = 'hop.v2.install-gate-sequence'"
+            )
+        conn.execute(
+            "DELETE FROM outbox_migrate.step WHERE step_id = 'hop.v2.install-gate-sequence'"
+        )
+        with Runner(dsn, settings, "hop") as runner, pytest.raises(OutOfOrder, match="--to V2"):
+            runner.run("V3")
+        with Runner(dsn, settings, "hop") as runner:
+            assert runner.run("V2").ran == ["hop.v2.install-gate-sequence"]
+        conn.execute("INSERT INTO outbox (payload, published_at) VALUES ('{}', now())")
+        with (
+            Runner(dsn, settings, "hop") as runner,
+            pytest.raises(PreconditionFailed, match=r"open transaction|still receiving"),
+            psycopg.connect(dsn) as old_writer,
+        ):
+            old_writer.execute("INSERT INTO outbox (payload, published_at) VALUES ('{}', now())")
+            runner.run("V3")
+        with Runner(dsn, settings, "hop") as runner:
+            assert runner.run("V3").ran == [
+                "hop.v3.gate-old-table-retired",
+                "hop.v3.remove-gate-sequence",
+            ]

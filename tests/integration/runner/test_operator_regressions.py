@@ -84,6 +84,7 @@ def test_hoper_after_a_completed_hop_is_refused(
     dsn, _ = operator
     assert om(dsn, "run", "--pattern", "hop", "--to", "V2").code == 0
     assert om(dsn, "next", "--pattern", "hop").code == 0
+    assert om(dsn, "next", "--pattern", "hop").code == 0  # V3's gate, then its cleanup
     assert pending_steps(dsn, "hop") == ("completed", [])
     result = om(dsn, "run", "--pattern", "hoper", "--to", "V2")
     assert result.code == 2, result

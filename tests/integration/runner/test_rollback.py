@@ -100,7 +100,7 @@ def test_rollback_to_v1_restores_the_original_schema(dsn: str) -> None:
     with Runner(dsn, SETTINGS, "hopia") as runner:
         runner.run("V2")
         undone = runner.rollback("V1")
-    assert len(undone) == 10
+    assert len(undone) == 11
     with psycopg.connect(dsn, autocommit=True) as conn:
         after = conn.execute(
             "SELECT relname FROM pg_class WHERE relnamespace = 'public'::regnamespace ORDER BY 1"

@@ -1,8 +1,8 @@
-"""tune-autovacuum-old: HOPER V4 6/6, before deploying V4 (outbox-migrate)
+"""guard-unpublished: HOPER V2 6/10, before deploying V2 (outbox-migrate)
 
-Revision ID: 0002_hoper_v4_06
-Revises: 0002_hoper_v4_05
-Create Date: 2026-11-28 04:29:06.316533
+Revision ID: 0002_hoper_v2_06
+Revises: 0002_hoper_v2_05
+Create Date: 2026-11-28 04:29:46.930867
 
 """
 from typing import Sequence, Union
@@ -12,8 +12,8 @@ import sqlalchemy as sa
 import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends
 
 # revision identifiers, used by Alembic.
-revision: str = '0002_hoper_v4_06'
-down_revision: Union[str, Sequence[str], None] = '0002_hoper_v4_05'
+revision: str = '0002_hoper_v2_06'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_05'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
@@ -21,7 +21,7 @@ depends_on: Union[str, Sequence[str], None] = None
 def upgrade() -> None:
     """Upgrade schema."""
     op.outbox_step(
-        'hoper.v4.tune-autovacuum-old',
+        'hoper.v2.guard-unpublished',
         spec={
             'schema': 'public',
             'table': 'outbox',
@@ -47,7 +47,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Downgrade schema."""
     op.outbox_reverse_step(
-        'hoper.v4.tune-autovacuum-old',
+        'hoper.v2.guard-unpublished',
         spec={
             'schema': 'public',
             'table': 'outbox',

@@ -1,8 +1,8 @@
-"""guard-unpublished: HOPER V2 6/9, before deploying V2 (outbox-migrate)
+"""tune-autovacuum-old: HOPER V4 7/7, before deploying V4 (outbox-migrate)
 
-Revision ID: 0002_hoper_v2_06
-Revises: 0002_hoper_v2_05
-Create Date: 2026-11-28 04:29:06.298624
+Revision ID: 0002_hoper_v4_07
+Revises: 0002_hoper_v4_06
+Create Date: 2026-11-28 04:29:46.952778
 
 """
 from typing import Sequence, Union
@@ -12,8 +12,8 @@ import sqlalchemy as sa
 import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends
 
 # revision identifiers, used by Alembic.
-revision: str = '0002_hoper_v2_06'
-down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_05'
+revision: str = '0002_hoper_v4_07'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v4_06'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
@@ -21,7 +21,7 @@ depends_on: Union[str, Sequence[str], None] = None
 def upgrade() -> None:
     """Upgrade schema."""
     op.outbox_step(
-        'hoper.v2.guard-unpublished',
+        'hoper.v4.tune-autovacuum-old',
         spec={
             'schema': 'public',
             'table': 'outbox',
@@ -47,7 +47,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Downgrade schema."""
     op.outbox_reverse_step(
-        'hoper.v2.guard-unpublished',
+        'hoper.v4.tune-autovacuum-old',
         spec={
             'schema': 'public',
             'table': 'outbox',

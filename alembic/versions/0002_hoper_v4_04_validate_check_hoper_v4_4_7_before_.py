@@ -1,8 +1,8 @@
-"""install-notify-trigger: HOPER V2 7/9, before deploying V2 (outbox-migrate)
+"""validate-check: HOPER V4 4/7, before deploying V4 (outbox-migrate)
 
-Revision ID: 0002_hoper_v2_07
-Revises: 0002_hoper_v2_06
-Create Date: 2026-11-28 04:29:06.300421
+Revision ID: 0002_hoper_v4_04
+Revises: 0002_hoper_v4_03
+Create Date: 2026-11-28 04:29:46.948373
 
 """
 from typing import Sequence, Union
@@ -12,8 +12,8 @@ import sqlalchemy as sa
 import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends
 
 # revision identifiers, used by Alembic.
-revision: str = '0002_hoper_v2_07'
-down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_06'
+revision: str = '0002_hoper_v4_04'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v4_03'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
@@ -21,7 +21,7 @@ depends_on: Union[str, Sequence[str], None] = None
 def upgrade() -> None:
     """Upgrade schema."""
     op.outbox_step(
-        'hoper.v2.install-notify-trigger',
+        'hoper.v4.validate-check',
         spec={
             'schema': 'public',
             'table': 'outbox',
@@ -47,7 +47,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Downgrade schema."""
     op.outbox_reverse_step(
-        'hoper.v2.install-notify-trigger',
+        'hoper.v4.validate-check',
         spec={
             'schema': 'public',
             'table': 'outbox',

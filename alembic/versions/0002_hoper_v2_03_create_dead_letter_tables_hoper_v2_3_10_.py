@@ -1,8 +1,8 @@
-"""create-partitioned-table: HOPER V2 1/9, before deploying V2 (outbox-migrate)
+"""create-dead-letter-tables: HOPER V2 3/10, before deploying V2 (outbox-migrate)
 
-Revision ID: 0002_hoper_v2_01
-Revises: 0001
-Create Date: 2026-11-28 04:29:06.286400
+Revision ID: 0002_hoper_v2_03
+Revises: 0002_hoper_v2_02
+Create Date: 2026-11-28 04:29:46.924735
 
 """
 from typing import Sequence, Union
@@ -12,8 +12,8 @@ import sqlalchemy as sa
 import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends
 
 # revision identifiers, used by Alembic.
-revision: str = '0002_hoper_v2_01'
-down_revision: Union[str, Sequence[str], None] = '0001'
+revision: str = '0002_hoper_v2_03'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_02'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
@@ -21,7 +21,7 @@ depends_on: Union[str, Sequence[str], None] = None
 def upgrade() -> None:
     """Upgrade schema."""
     op.outbox_step(
-        'hoper.v2.create-partitioned-table',
+        'hoper.v2.create-dead-letter-tables',
         spec={
             'schema': 'public',
             'table': 'outbox',
@@ -47,7 +47,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Downgrade schema."""
     op.outbox_reverse_step(
-        'hoper.v2.create-partitioned-table',
+        'hoper.v2.create-dead-letter-tables',
         spec={
             'schema': 'public',
             'table': 'outbox',

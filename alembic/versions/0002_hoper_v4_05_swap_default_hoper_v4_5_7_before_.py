@@ -1,8 +1,8 @@
-"""create-dead-letter-tables: HOPER V2 3/9, before deploying V2 (outbox-migrate)
+"""swap-default: HOPER V4 5/7, before deploying V4 (outbox-migrate)
 
-Revision ID: 0002_hoper_v2_03
-Revises: 0002_hoper_v2_02
-Create Date: 2026-11-28 04:29:06.292780
+Revision ID: 0002_hoper_v4_05
+Revises: 0002_hoper_v4_04
+Create Date: 2026-11-28 04:29:46.949895
 
 """
 from typing import Sequence, Union
@@ -12,8 +12,8 @@ import sqlalchemy as sa
 import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends
 
 # revision identifiers, used by Alembic.
-revision: str = '0002_hoper_v2_03'
-down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_02'
+revision: str = '0002_hoper_v4_05'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v4_04'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
@@ -21,7 +21,7 @@ depends_on: Union[str, Sequence[str], None] = None
 def upgrade() -> None:
     """Upgrade schema."""
     op.outbox_step(
-        'hoper.v2.create-dead-letter-tables',
+        'hoper.v4.swap-default',
         spec={
             'schema': 'public',
             'table': 'outbox',
@@ -47,7 +47,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Downgrade schema."""
     op.outbox_reverse_step(
-        'hoper.v2.create-dead-letter-tables',
+        'hoper.v4.swap-default',
         spec={
             'schema': 'public',
             'table': 'outbox',

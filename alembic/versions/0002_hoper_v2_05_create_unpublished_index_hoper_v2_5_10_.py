@@ -1,8 +1,8 @@
-"""create-unpublished-index: HOPER V2 5/9, before deploying V2 (outbox-migrate)
+"""create-unpublished-index: HOPER V2 5/10, before deploying V2 (outbox-migrate)
 
 Revision ID: 0002_hoper_v2_05
 Revises: 0002_hoper_v2_04
-Create Date: 2026-11-28 04:29:06.296564
+Create Date: 2026-11-28 04:29:46.928694
 
 """
 from typing import Sequence, Union

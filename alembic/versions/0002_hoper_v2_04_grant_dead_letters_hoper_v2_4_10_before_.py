@@ -1,8 +1,8 @@
-"""drop-identity: HOPER V4 1/6, before deploying V4 (outbox-migrate)
+"""grant-dead-letters: HOPER V2 4/10, before deploying V2 (outbox-migrate)
 
-Revision ID: 0002_hoper_v4_01
-Revises: 0002_hoper_v3_01
-Create Date: 2026-11-28 04:29:06.307594
+Revision ID: 0002_hoper_v2_04
+Revises: 0002_hoper_v2_03
+Create Date: 2026-11-28 04:29:46.926709
 
 """
 from typing import Sequence, Union
@@ -12,8 +12,8 @@ import sqlalchemy as sa
 import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends
 
 # revision identifiers, used by Alembic.
-revision: str = '0002_hoper_v4_01'
-down_revision: Union[str, Sequence[str], None] = '0002_hoper_v3_01'
+revision: str = '0002_hoper_v2_04'
+down_revision: Union[str, Sequence[str], None] = '0002_hoper_v2_03'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
@@ -21,7 +21,7 @@ depends_on: Union[str, Sequence[str], None] = None
 def upgrade() -> None:
     """Upgrade schema."""
     op.outbox_step(
-        'hoper.v4.drop-identity',
+        'hoper.v2.grant-dead-letters',
         spec={
             'schema': 'public',
             'table': 'outbox',
@@ -47,7 +47,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Downgrade schema."""
     op.outbox_reverse_step(
-        'hoper.v4.drop-identity',
+        'hoper.v2.grant-dead-letters',
         spec={
             'schema': 'public',
             'table': 'outbox',

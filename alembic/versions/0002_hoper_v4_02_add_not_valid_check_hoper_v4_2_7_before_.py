@@ -1,8 +1,8 @@
-"""add-not-valid-check: HOPER V4 2/6, before deploying V4 (outbox-migrate)
+"""add-not-valid-check: HOPER V4 2/7, before deploying V4 (outbox-migrate)
 
 Revision ID: 0002_hoper_v4_02
 Revises: 0002_hoper_v4_01
-Create Date: 2026-11-28 04:29:06.309429
+Create Date: 2026-11-28 04:29:46.944908
 
 """
 from typing import Sequence, Union
