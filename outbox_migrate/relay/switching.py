@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.lock_budget import grant_to_see
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.options import Mode, SwitchGate
 from outbox_migrate.relay.rate_limited_log import RateLimitedLog
@@ -95,6 +96,14 @@ def _without_privilege_proof(
         f"sessions of superusers or of {source.label}'s owner are connected ({who}): a REVOKE "
         "does not stop them, so the privilege gate proves nothing while they are"
     )
+    hidden = sum(1 for s in bypass if s.hidden)
+    if hidden:
+        # Counted because their backend type is hidden: they may be background workers.
+        role = _current_role(conn)
+        nothing += (
+            f" ({hidden} of them hidden from {role}, which cannot tell a client from a "
+            f"background worker: {grant_to_see(role)})"
+        )
     if not old_app:
         return (
             "bypassing-sessions",
@@ -109,6 +118,11 @@ def _without_privilege_proof(
     if still:
         return ("bypassing-sessions+quiet", f"{nothing}; the old version is gone, waiting: {still}")
     return HOLDS
+
+
+def _current_role(conn: Any) -> str:
+    row = conn.execute("SELECT current_user").fetchone()
+    return str(row[0]) if row else "this role"
 
 
 def _old_sessions(conn: Any, old_app: str) -> NotYet:
