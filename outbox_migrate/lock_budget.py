@@ -35,6 +35,7 @@ from typing import Any
 
 from psycopg import Connection, errors, sql
 
+from outbox_migrate import __version__
 from outbox_migrate.backoff import backoff_s as shared_backoff_s
 from outbox_migrate.errors import ExitCode, OutboxMigrateError
 from outbox_migrate.patterns.model import LockMode
@@ -45,6 +46,11 @@ BLOCKER_POLL_S = 0.05
 """How often a known conflicting holder is looked for again while we wait for it to go."""
 SEE_OTHER_SESSIONS = "pg_read_all_stats"
 """The predefined role whose members see every session's activity (`pg_monitor` includes it)."""
+WATCH_APPLICATION_NAME = f"outbox-migrate/{__version__} status --watch"
+"""`status --watch`'s sessions: each of its reads holds its lock for less than the lock
+timeout (watch.py), so it is never why an attempt timed out and is never named as a holder.
+Under the tool's prefix: a switching relay does not count a watch run as the owner as a
+writer no REVOKE stops (relay/switch_evidence.py TOOL_SESSIONS_LIKE)."""
 LONG_TX_S = 1.0
 """A transaction open longer than this, holding a lock on our relations, is reported before
 an ACCESS EXCLUSIVE step (it would keep our queued lock — and all writers — waiting)."""
@@ -157,8 +163,9 @@ def find_blockers(
             "FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
             "WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() "
             "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-            "AND l.relation = to_regclass(%s) AND l.mode = ANY(%s) ORDER BY l.pid",
-            (sql.Identifier(schema, relation).as_string(None), modes),
+            "AND l.relation = to_regclass(%s) AND l.mode = ANY(%s) "
+            "AND a.application_name IS DISTINCT FROM %s ORDER BY l.pid",
+            (sql.Identifier(schema, relation).as_string(None), modes, WATCH_APPLICATION_NAME),
         ).fetchall()
         for pid, app, state, age, mode, hidden_from in rows:
             found.append(_blocker(pid, app, state, age, mode, relation, hidden_from))
@@ -185,10 +192,14 @@ def long_transactions(
             f"extract(epoch FROM now() - a.xact_start), l.mode, {_HIDDEN_FROM} "
             "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
             "WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() "
-            "AND l.relation = to_regclass(%s) "
+            "AND l.relation = to_regclass(%s) AND a.application_name IS DISTINCT FROM %s "
             "AND (a.state LIKE 'idle in transaction%%' OR a.backend_type IS NULL "
             "     OR now() - a.xact_start > make_interval(secs => %s)) ORDER BY l.pid",
-            (sql.Identifier(schema, relation).as_string(None), older_than_s),
+            (
+                sql.Identifier(schema, relation).as_string(None),
+                WATCH_APPLICATION_NAME,
+                older_than_s,
+            ),
         ).fetchall()
         for pid, app, state, age, mode, hidden_from in rows:
             found.append(_blocker(pid, app, state, age, mode, relation, hidden_from))

@@ -22,7 +22,11 @@ transaction can insert:
 * `sessions`: no session whose application_name matches the old version's pattern is
   connected. This trusts the deploy: a V1 instance that reconnects later is not stopped.
 
-Every "not yet" is logged at WARNING, at most once a minute per kind of reason.
+Every "not yet" is logged at WARNING, at most once a minute per kind of reason, and recorded
+in the checking session's `application_name` (`… waits:privilege @1764300000`: the reason's
+short code and when, `SWITCH_WAITS`), which every role can read in pg_stat_activity: that is
+how `status --watch` shows why a switching relay waits. Sessions that stop checking (the relay
+switched) leave a mark that ages; the watch shows only recent ones.
 
 Both conditions only ever move from false to true during a migration, so once switched the
 relay never needs to look back; a restarted relay re-proves the rule and switches at once.
@@ -48,6 +52,20 @@ log = logging.getLogger("outbox_migrate.relay")
 SWITCH_LOCK_TIMEOUT_MS = 100
 MAX_SESSIONS_NAMED = 5
 """How many bypassing sessions a reason names (the rest are counted)."""
+
+SWITCH_WAITS = " waits:"
+"""Marks a relay session's application_name while its switch check says "not yet"."""
+WAIT_CODES = {
+    "insert-privilege": "privilege",
+    "bypassing-sessions": "bypass",
+    "bypassing-sessions+old-sessions": "bypass+old",
+    "bypassing-sessions+quiet": "bypass+quiet",
+    "old-sessions": "old-sessions",
+    "unpublished": "unpublished",
+    "writing": "writing",
+}
+"""Short codes of the reasons (application_name holds 63 bytes; the tool's prefix must stay)."""
+MAX_APPLICATION_NAME = 63
 
 NotYet = tuple[str, str]
 """(kind, reason) of a gate that does not hold yet; ("", "") when it holds. The kind is the
@@ -215,6 +233,7 @@ class SourceState:
             if self.switched:
                 return True
             kind, reason = check_switch(conn, self.flat, self.gate, self.old_app, self.quiet)
+            mark_waiting(conn, kind)
             if kind:
                 self.blocked_checks += 1
                 self.warn.warning(
@@ -227,3 +246,17 @@ class SourceState:
             self.switched_at = time.time()
             log.info("relay.switched from=%s to=%s", self.flat.label, self.partitioned.label)
             return True
+
+
+def mark_waiting(conn: Any, kind: str) -> None:
+    """Record in the session's application_name why the switch waits (`kind`), with the time;
+    an empty `kind` removes the mark. The tool's prefix is kept (its sessions are known by it),
+    the rest of the name is cut to make room."""
+    code = WAIT_CODES.get(kind, kind)[:16]
+    conn.execute(
+        "SELECT set_config('application_name', CASE WHEN %(code)s = '' THEN base ELSE "
+        "left(base, %(room)s - length(suffix)) || suffix END, false) FROM ("
+        "SELECT split_part(current_setting('application_name'), %(marker)s, 1) AS base, "
+        "%(marker)s || %(code)s || ' @' || extract(epoch FROM now())::bigint AS suffix) m",
+        {"code": code, "marker": SWITCH_WAITS, "room": MAX_APPLICATION_NAME},
+    )

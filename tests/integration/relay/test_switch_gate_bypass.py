@@ -181,3 +181,38 @@ def test_a_relay_role_that_cannot_see_the_owner_writing_does_not_switch(
     finally:
         v1.finish()
     assert {i for _, i in v1.inserted} <= set(collected.ids)
+
+
+def test_the_watch_shows_why_a_switching_relay_waits(tables: str, collected: Collected) -> None:
+    """The relay records its reason in its session's application_name, which any role can
+    read: `status --watch` shows it (here: a role still holds INSERT); once the REVOKE lets
+    the relay switch, the mark is gone."""
+    from outbox_migrate import watch
+
+    dsn = tables
+    role = f"app_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(role)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(ident))
+        admin.execute(sql.SQL("GRANT INSERT ON outbox TO {}").format(ident))
+    relay = switching_relay(dsn, collected)
+    try:
+        # Looking as the watch does: a superuser's session of another name would itself be
+        # a writer no REVOKE stops, and keep the switch back.
+        with (
+            running(relay),
+            psycopg.connect(
+                dsn, autocommit=True, application_name=watch.WATCH_APPLICATION_NAME
+            ) as look,
+        ):
+            wait_for(lambda: relay.state.blocked_checks >= 2, what="blocked switch checks")
+            waiting = watch.switching_relays(look)
+            assert [w["waits"] for w in waiting] == ["privilege"]
+            assert "REVOKE" in waiting[0]["why"]
+            look.execute(sql.SQL("REVOKE INSERT ON outbox FROM {}").format(ident))
+            wait_for(lambda: relay.state.switched, what="the switch after the REVOKE")
+            assert watch.switching_relays(look) == []
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
+            admin.execute(sql.SQL("DROP ROLE {}").format(ident))
