@@ -37,7 +37,9 @@ WHERE to_regclass({seq_reg}) IS NULL
 -- setting for `no-view-writes-since-sample`, checked under the step's lock.
 WITH before AS MATERIALIZED (
     SELECT to_regclass({seq_reg}) AS oid,
-           coalesce(pg_sequence_last_value(to_regclass({seq_reg})), 0) AS value
+           coalesce(has_sequence_privilege(to_regclass({seq_reg}), 'SELECT'), false) AS readable,
+           coalesce(CASE WHEN has_sequence_privilege(to_regclass({seq_reg}), 'SELECT')
+                         THEN pg_sequence_last_value(to_regclass({seq_reg})) END, 0) AS value
 ), samples AS MATERIALIZED (
     SELECT g, u.pids
     FROM before
@@ -54,31 +56,41 @@ WITH before AS MATERIALIZED (
 ), seen AS MATERIALIZED (
     SELECT string_agg(DISTINCT samples.pids, ',') AS pids FROM samples
 ), after AS MATERIALIZED (
-    SELECT coalesce(pg_sequence_last_value(before.oid), 0) AS value, seen.pids,
-           set_config({sample_key}, coalesce(pg_sequence_last_value(before.oid), 0)::text, false) AS saved
-    FROM before, seen
+    SELECT v.value, seen.pids, set_config({sample_key}, v.value::text, false) AS saved
+    FROM before, seen,
+         -- names seen: read after the window, not before it
+         LATERAL (SELECT coalesce(CASE WHEN before.readable
+                                       THEN pg_sequence_last_value(before.oid) END, 0) AS value,
+                         seen.pids AS after_window) v
 )
 SELECT CASE
     WHEN before.oid IS NULL
     THEN format('%s has no use counter (%s is missing); the count-view-writes step of phase %s must run first', {view_reg}, {seq_reg}, {phase})
+    WHEN NOT before.readable
+    THEN format('%s: role %s cannot read the use counter %s (a gate does not pass on what it cannot see); run as the role that ran count-view-writes, or GRANT SELECT ON SEQUENCE %s TO %s', {view_reg}, current_user, {seq_reg}, {seq_reg}, current_user)
     WHEN after.value > before.value
     THEN format('%s is still written through: %s statements in %s s; phase %s needs every instance of the previous version (which writes to %s) gone — finish the rollout, then run this phase again',
                 {view_reg}, after.value - before.value, {window_s}, {phase}, {view_reg})
     ELSE format('%s is still used by other sessions (pids %s) during the %s s window; phase %s needs every instance of the previous version (which writes to %s) gone — finish the rollout, then run this phase again',
                 {view_reg}, after.pids, {window_s}, {phase}, {view_reg}) END
 FROM before, after
-WHERE before.oid IS NULL OR after.value > before.value OR after.pids IS NOT NULL
+WHERE before.oid IS NULL OR NOT before.readable OR after.value > before.value
+   OR after.pids IS NOT NULL
 
 -- name: no-view-writes-since-sample
 -- Under the step's lock: no write went through the view since the gate's window (its use counter has not moved).
 WITH saved AS MATERIALIZED (
     SELECT nullif(coalesce(current_setting({sample_key}, true), ''), '')::bigint AS value
 ), now_ AS MATERIALIZED (
-    SELECT coalesce(pg_sequence_last_value(to_regclass({seq_reg})), 0) AS value
+    SELECT coalesce(CASE WHEN has_sequence_privilege(to_regclass({seq_reg}), 'SELECT')
+                         THEN pg_sequence_last_value(to_regclass({seq_reg})) END, 0) AS value,
+           coalesce(has_sequence_privilege(to_regclass({seq_reg}), 'SELECT'), false) AS readable
 )
-SELECT CASE WHEN saved.value IS NULL
+SELECT CASE WHEN NOT now_.readable
+            THEN format('%s: role %s cannot read the use counter %s; run as the role that ran count-view-writes, or GRANT SELECT ON SEQUENCE %s TO %s', {view_reg}, current_user, {seq_reg}, {seq_reg}, current_user)
+            WHEN saved.value IS NULL
             THEN format('%s: the gate did not sample the view in this session; phase %s needs its sampling window first', {view_reg}, {phase})
             ELSE format('%s was written through after the gate sampled (use counter at %s, was %s); phase %s needs every instance of the previous version (which writes to %s) gone',
                         {view_reg}, now_.value, saved.value, {phase}, {view_reg}) END
 FROM saved, now_
-WHERE saved.value IS NULL OR now_.value > saved.value
+WHERE NOT now_.readable OR saved.value IS NULL OR now_.value > saved.value

@@ -1609,7 +1609,9 @@ BEGIN
 -- setting for `no-view-writes-since-sample`, checked under the step's lock.
 WITH before AS MATERIALIZED (
     SELECT to_regclass('"billing"."events_p_view_uses"') AS oid,
-           coalesce(pg_sequence_last_value(to_regclass('"billing"."events_p_view_uses"')), 0) AS value
+           coalesce(has_sequence_privilege(to_regclass('"billing"."events_p_view_uses"'), 'SELECT'), false) AS readable,
+           coalesce(CASE WHEN has_sequence_privilege(to_regclass('"billing"."events_p_view_uses"'), 'SELECT')
+                         THEN pg_sequence_last_value(to_regclass('"billing"."events_p_view_uses"')) END, 0) AS value
 ), samples AS MATERIALIZED (
     SELECT g, u.pids
     FROM before
@@ -1626,16 +1628,24 @@ WITH before AS MATERIALIZED (
 ), seen AS MATERIALIZED (
     SELECT string_agg(DISTINCT samples.pids, ',') AS pids FROM samples
 ), after AS MATERIALIZED (
-    SELECT coalesce(pg_sequence_last_value(before.oid), 0) AS value, seen.pids,
-           set_config('outbox_migrate.view_a9c89a39', coalesce(pg_sequence_last_value(before.oid), 0)::text, false) AS
-               saved
-    FROM before, seen
+    SELECT v.value, seen.pids, set_config('outbox_migrate.view_a9c89a39', v.value::text, false) AS saved
+    FROM before, seen,
+         -- names seen: read after the window, not before it
+         LATERAL (SELECT coalesce(CASE WHEN before.readable
+                                       THEN pg_sequence_last_value(before.oid) END, 0) AS value,
+                         seen.pids AS after_window) v
 )
 SELECT CASE
     WHEN before.oid IS NULL
     THEN
         format('%s has no use counter (%s is missing); the count-view-writes step of phase %s must run first',
         '"billing"."events_p"', '"billing"."events_p_view_uses"', 'drop-view')
+    WHEN NOT before.readable
+    THEN
+        format(
+        '%s: role %s cannot read the use counter %s (a gate does not pass on what it cannot see); run as the role that '
+        'ran count-view-writes, or GRANT SELECT ON SEQUENCE %s TO %s', '"billing"."events_p"', current_user,
+        '"billing"."events_p_view_uses"', '"billing"."events_p_view_uses"', current_user)
     WHEN after.value > before.value
     THEN
         format(
@@ -1648,7 +1658,8 @@ SELECT CASE
         'previous version (which writes to %s) gone — finish the rollout, then run this phase again',
                 '"billing"."events_p"', after.pids, 2.0, 'drop-view', '"billing"."events_p"') END
 FROM before, after
-WHERE before.oid IS NULL OR after.value > before.value OR after.pids IS NOT NULL
+WHERE before.oid IS NULL OR NOT before.readable OR after.value > before.value
+   OR after.pids IS NOT NULL
     LOOP
         RAISE EXCEPTION
             'outbox-migrate: precondition of hopia.drop-view.drop-compat-view [no-view-users:events_p] failed: %',
@@ -1693,9 +1704,17 @@ BEGIN
     FOR violation IN WITH saved AS MATERIALIZED (
     SELECT nullif(coalesce(current_setting('outbox_migrate.view_a9c89a39', true), ''), '')::bigint AS value
 ), now_ AS MATERIALIZED (
-    SELECT coalesce(pg_sequence_last_value(to_regclass('"billing"."events_p_view_uses"')), 0) AS value
+    SELECT coalesce(CASE WHEN has_sequence_privilege(to_regclass('"billing"."events_p_view_uses"'), 'SELECT')
+                         THEN pg_sequence_last_value(to_regclass('"billing"."events_p_view_uses"')) END, 0) AS value,
+           coalesce(has_sequence_privilege(to_regclass('"billing"."events_p_view_uses"'), 'SELECT'), false) AS readable
 )
-SELECT CASE WHEN saved.value IS NULL
+SELECT CASE WHEN NOT now_.readable
+            THEN
+                format(
+                '%s: role %s cannot read the use counter %s; run as the role that ran count-view-writes, or GRANT '
+                'SELECT ON SEQUENCE %s TO %s', '"billing"."events_p"', current_user, '"billing"."events_p_view_uses"',
+                '"billing"."events_p_view_uses"', current_user)
+            WHEN saved.value IS NULL
             THEN
                 format('%s: the gate did not sample the view in this session; phase %s needs its sampling window first',
                 '"billing"."events_p"', 'drop-view')
@@ -1705,7 +1724,7 @@ SELECT CASE WHEN saved.value IS NULL
                 'instance of the previous version (which writes to %s) gone',
                         '"billing"."events_p"', now_.value, saved.value, 'drop-view', '"billing"."events_p"') END
 FROM saved, now_
-WHERE saved.value IS NULL OR now_.value > saved.value
+WHERE NOT now_.readable OR saved.value IS NULL OR now_.value > saved.value
     LOOP
         RAISE EXCEPTION
             'outbox-migrate: precondition of hopia.drop-view.drop-compat-view [no-view-writes-since-sample:events_p] '

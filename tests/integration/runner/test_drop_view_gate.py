@@ -138,3 +138,27 @@ def test_writes_through_the_counted_view_work_as_before_and_each_statement_count
             assert marked.rowcount == 1
             # An UPDATE's tick is a one-time filter over its scan: once per partition scanned.
             assert uses() in (4, 5)
+
+
+@pytest.mark.pg_edges
+def test_the_drop_gate_refuses_when_it_cannot_read_the_counter(
+    dsn: str, documented_roles: DocumentedRoles
+) -> None:
+    """A counter it may not read is no evidence: the gate names the grant instead of passing
+    (PostgreSQL 18 returns NULL for a sequence one may not read, older ones raise)."""
+    roles = documented_roles
+    with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
+        create_flat_outbox(owner)
+        run_through_base(owner, roles.owner_dsn, "copra")
+        with Runner(roles.owner_dsn, settings(), "copra", include_optional=True) as runner:
+            runner.run("original-name")
+            assert runner.next().ran == ["copra.drop-view.count-view-writes"]
+        owner.execute("REVOKE SELECT ON SEQUENCE outbox_new_view_uses FROM CURRENT_USER")
+        with (
+            Runner(
+                roles.owner_dsn, settings(**FAST_GATE), "copra", include_optional=True
+            ) as runner,
+            pytest.raises(PreconditionFailed, match="cannot read the use counter"),
+        ):
+            runner.run("drop-view")
+        assert relkinds(owner)["outbox_new"] == "v"
