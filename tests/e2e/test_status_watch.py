@@ -13,6 +13,7 @@ import subprocess
 import time
 
 import psycopg
+import pytest
 
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.cli import run_cli
@@ -73,6 +74,7 @@ def test_watch_shows_what_a_gate_waits_for(dsn: str) -> None:
     assert "not yet:" in text.stdout and "old-table-drained:outbox" in text.stdout
 
 
+@pytest.mark.newest_pg_only
 def test_two_watches_beside_a_run_are_never_what_it_waits_for(dsn: str) -> None:
     """Two watches refreshing every 0.1 s while `run --to V4` takes its ACCESS EXCLUSIVE
     locks: the runner never names a watch as a holder (the watch read V4's sampled gate for

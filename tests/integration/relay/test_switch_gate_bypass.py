@@ -143,6 +143,7 @@ def test_a_column_level_insert_grant_keeps_the_gate_shut(tables: str, collected:
             admin.execute(sql.SQL("DROP ROLE {}").format(ident))
 
 
+@pytest.mark.newest_pg_only
 def test_a_relay_role_that_cannot_see_the_owner_writing_does_not_switch(
     dsn: str, documented_roles: DocumentedRoles, collected: Collected
 ) -> None:
@@ -183,6 +184,7 @@ def test_a_relay_role_that_cannot_see_the_owner_writing_does_not_switch(
     assert {i for _, i in v1.inserted} <= set(collected.ids)
 
 
+@pytest.mark.newest_pg_only
 def test_the_watch_shows_why_a_switching_relay_waits(tables: str, collected: Collected) -> None:
     """The relay records its reason in its session's application_name, which any role can
     read: `status --watch` shows it (here: a role still holds INSERT); once the REVOKE lets

@@ -91,3 +91,23 @@ def test_another_runner_of_another_role_is_named_without_what_is_hidden(
     message = str(busy.value)
     assert f"pid {pid} (other-runner, role {roles.app}" in message
     assert f"GRANT pg_read_all_stats TO {roles.owner}" in message
+
+
+@pytest.mark.newest_pg_only
+def test_the_deploy_gates_see_another_roles_sessions(
+    dsn: str, documented_roles: DocumentedRoles
+) -> None:
+    """The V3/V4 gates read only what PostgreSQL shows every role: application_name, the
+    database and pg_locks. As the owner, the old version's session of the application's role
+    keeps `no-old-app-sessions` shut (a regression guard: a gate moved to a hidden column such
+    as backend_type or state would pass here)."""
+    from outbox_migrate.patterns import conditions
+
+    roles = documented_roles
+    gate = conditions.no_old_app_sessions("orders-v1%", "V3")
+    with (
+        psycopg.connect(roles.app_dsn, autocommit=True, application_name="orders-v1/7") as app,
+        psycopg.connect(roles.owner_dsn, autocommit=True) as owner,
+    ):
+        rows = owner.execute(gate.query).fetchall()
+        assert len(rows) == 1 and f"pids {app.info.backend_pid}" in rows[0][0]
