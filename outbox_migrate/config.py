@@ -124,6 +124,23 @@ class OutboxSpec:
         return _fit(f"{self.table}_retired")
 
     @property
+    def view_use_sequence(self) -> str:
+        """The drop-view phase: the sequence every write through the compatibility view (the
+        partitioned table's former name) ticks, for the drop gate."""
+        return _fit(f"{self.partitioned_table}_view_uses")
+
+    @property
+    def view_use_sink(self) -> str:
+        """The empty table the view's counting rules insert nothing into (a rule's action
+        must be a statement; see patterns/kinds/original_name.py)."""
+        return _fit(f"{self.partitioned_table}_view_use_sink")
+
+    @property
+    def view_use_function(self) -> str:
+        """The function the view's counting rules call: it ticks `view_use_sequence`."""
+        return _fit(f"{self.partitioned_table}_view_use_tick")
+
+    @property
     def gate_sequence(self) -> str:
         """Application ids: the sequence the old table's inserts tick, for the deploy gates."""
         return _fit(f"{self.table}_gate_seq")

@@ -13,6 +13,12 @@ pg_locks, and while one is visible we only watch it (a cheap catalog read every
 `BLOCKER_POLL_S`); the attempt is made once it is gone. lock_timeout still bounds the race in
 which a new holder appears between the look and the attempt.
 
+What a role may see: PostgreSQL shows another role's `state`, `xact_start`, `backend_type` and
+`query` in pg_stat_activity only to members of that role or of `pg_read_all_stats` (pg_locks
+is visible to all). A holder whose activity is hidden is marked `hidden` and named as such
+with the grant that would show it (`SEE_OTHER_SESSIONS`); a guard that needs its state does
+not pass on it (runner/apply.py `_preflight`).
+
 This module is the one lock-budget primitive: the runner's steps and inverses, the jobs and
 the relay's switch all go through `run_with_lock_budget`. It sits below all of them (it
 imports only the lock modes and the shared backoff), so the relay does not reach up into the
@@ -29,6 +35,7 @@ from typing import Any
 
 from psycopg import Connection, errors, sql
 
+from outbox_migrate import __version__
 from outbox_migrate.backoff import backoff_s as shared_backoff_s
 from outbox_migrate.errors import ExitCode, OutboxMigrateError
 from outbox_migrate.patterns.model import LockMode
@@ -37,6 +44,13 @@ BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
 BLOCKER_POLL_S = 0.05
 """How often a known conflicting holder is looked for again while we wait for it to go."""
+SEE_OTHER_SESSIONS = "pg_read_all_stats"
+"""The predefined role whose members see every session's activity (`pg_monitor` includes it)."""
+WATCH_APPLICATION_NAME = f"outbox-migrate/{__version__} status --watch"
+"""`status --watch`'s sessions: each of its reads holds its lock for less than the lock
+timeout (watch.py), so it is never why an attempt timed out and is never named as a holder.
+Under the tool's prefix: a switching relay does not count a watch run as the owner as a
+writer no REVOKE stops (relay/switch_evidence.py TOOL_SESSIONS_LIKE)."""
 LONG_TX_S = 1.0
 """A transaction open longer than this, holding a lock on our relations, is reported before
 an ACCESS EXCLUSIVE step (it would keep our queued lock — and all writers — waiting)."""
@@ -74,11 +88,26 @@ class Blocker:
     xact_age_s: float | None
     mode: str
     relation: str
+    hidden_from: str = ""
+    """The role we run as, when the session is another role's and its activity (state,
+    transaction start) is hidden from it; empty when we see it."""
 
     def describe(self) -> str:
         age = f", transaction open {self.xact_age_s:.1f} s" if self.xact_age_s is not None else ""
         app = self.application_name or "(no application_name)"
-        return f"pid {self.pid} ({app}, {self.state}{age}, {self.mode} on {self.relation})"
+        state = (
+            f"state hidden from {self.hidden_from}: {grant_to_see(self.hidden_from)}"
+            if self.hidden_from
+            else self.state
+        )
+        return f"pid {self.pid} ({app}, {state}{age}, {self.mode} on {self.relation})"
+
+
+def grant_to_see(role: str) -> str:
+    """What lets `role` see other roles' sessions: the one-line advice of every refusal."""
+    return (
+        f"GRANT {SEE_OTHER_SESSIONS} TO {role} (or pg_monitor), or run as a role that can see them"
+    )
 
 
 class LockBudgetExceeded(OutboxMigrateError):
@@ -129,41 +158,57 @@ def find_blockers(
         modes = [mode.value for mode in conflicts_with(requested)]
         rows = conn.execute(
             "SELECT l.pid, coalesce(a.application_name, ''), coalesce(a.state, ''), "
-            "extract(epoch FROM now() - a.xact_start), l.mode "
+            "extract(epoch FROM now() - a.xact_start), l.mode, "
+            f"{_HIDDEN_FROM} "
             "FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
             "WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() "
             "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-            "AND l.relation = to_regclass(%s) AND l.mode = ANY(%s) ORDER BY l.pid",
-            (sql.Identifier(schema, relation).as_string(None), modes),
+            "AND l.relation = to_regclass(%s) AND l.mode = ANY(%s) "
+            "AND a.application_name IS DISTINCT FROM %s ORDER BY l.pid",
+            (sql.Identifier(schema, relation).as_string(None), modes, WATCH_APPLICATION_NAME),
         ).fetchall()
-        for pid, app, state, age, mode in rows:
-            found.append(_blocker(pid, app, state, age, mode, relation))
+        for pid, app, state, age, mode, hidden_from in rows:
+            found.append(_blocker(pid, app, state, age, mode, relation, hidden_from))
     return found
+
+
+_HIDDEN_FROM = "CASE WHEN a.pid IS NOT NULL AND a.backend_type IS NULL THEN current_user END"
+"""SQL: our role's name when pg_stat_activity hides the session's activity from it (every
+session, even a background worker's, has a backend_type for a viewer allowed to see it)."""
 
 
 def long_transactions(
     conn: Connection[Any], relations: Sequence[str], schema: str, older_than_s: float = LONG_TX_S
 ) -> list[Blocker]:
     """Sessions in a transaction older than `older_than_s` holding any lock on `relations`,
-    or idle in transaction: an ACCESS EXCLUSIVE request would queue behind them."""
+    or idle in transaction: an ACCESS EXCLUSIVE request would queue behind them.
+
+    A holder whose activity is hidden from our role is returned too (`hidden_from` set): we
+    cannot tell whether it is one, and a guard must not pass on what it cannot see."""
     found: list[Blocker] = []
     for relation in relations:
         rows = conn.execute(
             "SELECT DISTINCT l.pid, coalesce(a.application_name, ''), coalesce(a.state, ''), "
-            "extract(epoch FROM now() - a.xact_start), l.mode "
+            f"extract(epoch FROM now() - a.xact_start), l.mode, {_HIDDEN_FROM} "
             "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
             "WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() "
-            "AND l.relation = to_regclass(%s) "
-            "AND (a.state LIKE 'idle in transaction%%' "
+            "AND l.relation = to_regclass(%s) AND a.application_name IS DISTINCT FROM %s "
+            "AND (a.state LIKE 'idle in transaction%%' OR a.backend_type IS NULL "
             "     OR now() - a.xact_start > make_interval(secs => %s)) ORDER BY l.pid",
-            (sql.Identifier(schema, relation).as_string(None), older_than_s),
+            (
+                sql.Identifier(schema, relation).as_string(None),
+                WATCH_APPLICATION_NAME,
+                older_than_s,
+            ),
         ).fetchall()
-        for pid, app, state, age, mode in rows:
-            found.append(_blocker(pid, app, state, age, mode, relation))
+        for pid, app, state, age, mode, hidden_from in rows:
+            found.append(_blocker(pid, app, state, age, mode, relation, hidden_from))
     return found
 
 
-def _blocker(pid: Any, app: Any, state: Any, age: Any, mode: Any, relation: str) -> Blocker:
+def _blocker(
+    pid: Any, app: Any, state: Any, age: Any, mode: Any, relation: str, hidden_from: Any
+) -> Blocker:
     return Blocker(
         int(pid),
         str(app),
@@ -171,6 +216,7 @@ def _blocker(pid: Any, app: Any, state: Any, age: Any, mode: Any, relation: str)
         float(age) if age is not None else None,
         str(mode),
         relation,
+        str(hidden_from or ""),
     )
 
 

@@ -8,12 +8,22 @@ relay's backlog and the age of its oldest unpublished row; copy-back's and a run
 VALIDATE's progress with rate and ETA.
 
 Only reads, in autocommit sessions marked read-only, each query its own short transaction
-(no snapshot held between frames) with a short statement_timeout: a watch must never be what
-a migration waits for.
+(no snapshot held between frames): a watch must never be what a migration waits for. A read
+of a table takes ACCESS SHARE, which a step's ACCESS EXCLUSIVE queues behind, so every query
+runs under a statement_timeout below half the runner's lock_timeout (`read_budget_ms`) and a
+lock_timeout that keeps it out of any lock queue: a read that would hold or wait longer is
+given up and the frame says so. A step's sampled gates are not read (their window would hold
+the table for seconds); the runner evaluates them. The runner does not name the watch's
+sessions as holders (lock_budget.WATCH_APPLICATION_NAME), nor does the watch.
+
+Another role's session state is hidden unless our role may see it (pg_read_all_stats); such a
+session is shown as hidden, with the grant. A switching relay that waits records why in its
+application_name (relay/switching.py `mark_waiting`), which every role can read.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +33,19 @@ from psycopg import sql
 from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.errors import SchemaError
+from outbox_migrate.lock_budget import WATCH_APPLICATION_NAME, grant_to_see
 from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import CheckPoint, LockMode, Step
 from outbox_migrate.runner.session import runner_lock_key
 
-WATCH_STATEMENT_TIMEOUT_MS = 2_000
-"""A check slower than this is reported as such, not waited for: the frame must come."""
+WATCH_READ_MS = 150
+"""The longest a watch query may run (so hold a table's lock): the runner's lock_timeout is
+200 ms by default, and a watch read must end well before an attempt behind it would time out."""
+WATCH_LOCK_TIMEOUT_MS = 20
+"""How long a watch query may wait for a lock: never long enough to stand in a step's queue."""
+SWITCH_MARK_FRESH_S = 30.0
+"""A switching relay's "waits" mark older than this is not shown (the relay stopped checking:
+it switched, or that session no longer does the checks)."""
 ASSUMED_SCAN_BYTES_PER_S = 200 * 1024 * 1024
 """VALIDATE reports no progress of its own: its ETA assumes this sequential read rate (the
 figure `plan` estimates with), and says so."""
@@ -44,48 +61,76 @@ class Holder:
     relation: str
 
 
-def _connect(dsn: str) -> psycopg.Connection[Any]:
+def read_budget_ms(settings: Settings) -> int:
+    """A watch query's statement_timeout: under half the runner's lock_timeout."""
+    return max(10, min(WATCH_READ_MS, settings.lock_timeout_ms // 2))
+
+
+def _connect(dsn: str, settings: Settings) -> psycopg.Connection[Any]:
     return psycopg.connect(
         dsn,
         autocommit=True,
-        application_name="outbox-migrate status --watch",
+        application_name=WATCH_APPLICATION_NAME,
         options=f"-c default_transaction_read_only=on "
-        f"-c statement_timeout={WATCH_STATEMENT_TIMEOUT_MS}",
+        f"-c statement_timeout={read_budget_ms(settings)} "
+        f"-c lock_timeout={WATCH_LOCK_TIMEOUT_MS}",
     )
 
 
+def _unreadable(exc: psycopg.Error, settings: Settings | None) -> str:
+    """Why a read was given up, in the frame's words."""
+    if isinstance(exc, psycopg.errors.LockNotAvailable):
+        return "not read: a lock on it is held or requested by the migration (next frame)"
+    if isinstance(exc, psycopg.errors.QueryCanceled):
+        budget = read_budget_ms(settings or Settings())
+        return f"too slow to read within {budget} ms (the watch holds no lock longer)"
+    return str(exc).splitlines()[0]
+
+
 def frame(dsn: str, settings: Settings, pattern: str | None) -> dict[str, Any]:
-    """The status document plus `runner`, `next_step`, `holders`, `checks`, `relay`,
-    `copy_back` and `validate` (each None or empty when there is nothing to show)."""
-    from outbox_migrate.patterns import build_from_settings
+    """The status document plus `runner`, `switching_relays`, `next_step`, `holders`,
+    `checks`, `relay`, `copy_back` and `validate` (each None or empty when there is nothing to
+    show), and `skipped`: why the rest of the frame was not read, if it was not."""
     from outbox_migrate.runner import inspect
 
     document = inspect.status(dsn, settings, pattern)
-    spec = settings.spec
-    with _connect(dsn) as conn:
-        document["runner"] = _runner_session(conn, inspect.table_label(settings))
-        document["relay"] = _backlog(conn, spec)
-        document["copy_back"] = _copy_back(conn)
-        document["validate"] = _validate(conn, spec)
-        document["next_step"] = None
-        document["holders"] = []
-        document["checks"] = []
-        if not document["recorded"] or document["state"] != "active":
-            return document
-        built = build_from_settings(document["pattern"], settings)
-        states = {s["id"]: s.get("state") for s in document["steps"]}
-        step = next((s for s in built.steps() if states.get(s.id) != "done"), None)
-        if step is None:
-            return document
-        document["next_step"] = {
-            "id": step.id,
-            "locks": [
-                {"relation": lock.relation, "mode": lock.mode.sql_name} for lock in step.locks
-            ],
-        }
-        document["holders"] = [vars(h) for h in holders(conn, step, spec.schema)]
-        document["checks"] = failing_checks(conn, step)
+    document.update(
+        runner=None, switching_relays=[], relay=[], copy_back=None, validate=None,
+        next_step=None, holders=[], checks=[], skipped=None,
+    )  # fmt: skip
+    with _connect(dsn, settings) as conn:
+        try:
+            _live(conn, document, settings)
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+            # A read this frame could not make without standing in a lock queue or holding
+            # a lock too long: skip the rest of the frame, the next one tries again.
+            document["skipped"] = _unreadable(exc, settings)
     return document
+
+
+def _live(conn: psycopg.Connection[Any], document: dict[str, Any], settings: Settings) -> None:
+    from outbox_migrate.patterns import build_from_settings
+    from outbox_migrate.runner import inspect
+
+    spec = settings.spec
+    document["runner"] = _runner_session(conn, inspect.table_label(settings))
+    document["switching_relays"] = switching_relays(conn)
+    document["relay"] = _backlog(conn, spec, settings)
+    document["copy_back"] = _copy_back(conn)
+    document["validate"] = _validate(conn, spec)
+    if not document["recorded"] or document["state"] != "active":
+        return
+    built = build_from_settings(document["pattern"], settings)
+    states = {s["id"]: s.get("state") for s in document["steps"]}
+    step = next((s for s in built.steps() if states.get(s.id) != "done"), None)
+    if step is None:
+        return
+    document["next_step"] = {
+        "id": step.id,
+        "locks": [{"relation": lock.relation, "mode": lock.mode.sql_name} for lock in step.locks],
+    }
+    document["holders"] = [vars(h) for h in holders(conn, step, spec.schema)]
+    document["checks"] = failing_checks(conn, step, settings)
 
 
 def _runner_session(conn: psycopg.Connection[Any], label: str) -> dict[str, Any] | None:
@@ -93,18 +138,20 @@ def _runner_session(conn: psycopg.Connection[Any], label: str) -> dict[str, Any]
         "SELECT a.pid, coalesce(a.application_name, ''), coalesce(a.state, ''), "
         "coalesce(a.wait_event_type, ''), extract(epoch FROM now() - a.state_change), "
         "left(regexp_replace(coalesce(a.query, ''), '\\s+', ' ', 'g'), 120), "
-        "pg_blocking_pids(a.pid) "
+        "pg_blocking_pids(a.pid), CASE WHEN a.backend_type IS NULL THEN current_user END "
         "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
         "WHERE l.locktype = 'advisory' AND l.classid = %s AND l.objid = %s AND l.granted",
         runner_lock_key(label),
     ).fetchone()
     if row is None:
         return None
-    pid, app, state, wait, for_s, query, blocked_by = row
+    pid, app, state, wait, for_s, query, blocked_by, hidden_from = row
     return {
         "pid": int(pid),
         "application": str(app),
-        "state": str(state),
+        "state": f"state hidden from {hidden_from}: {grant_to_see(hidden_from)}"
+        if hidden_from
+        else str(state),
         "waiting_for_lock": wait == "Lock",
         "for_s": round(float(for_s), 1) if for_s is not None else None,
         "query": str(query),
@@ -121,29 +168,34 @@ def holders(conn: psycopg.Connection[Any], step: Step, schema: str) -> list[Hold
 
     found = find_blockers(conn, [(lock.relation, lock.mode) for lock in step.locks], schema)
     return [
-        Holder(b.pid, b.application_name, b.state,
+        Holder(b.pid, b.application_name,
+               f"state hidden from {b.hidden_from}: {grant_to_see(b.hidden_from)}"
+               if b.hidden_from else b.state,
                round(b.xact_age_s, 1) if b.xact_age_s is not None else None,
                LockMode(b.mode).sql_name, b.relation)
         for b in found
     ]  # fmt: skip
 
 
-def failing_checks(conn: psycopg.Connection[Any], step: Step) -> list[dict[str, str]]:
+def failing_checks(
+    conn: psycopg.Connection[Any], step: Step, settings: Settings
+) -> list[dict[str, str]]:
     """The step's checks that fail now, with what they saw (a gate's "not yet").
 
-    Checks that scan the table are left out (a watch must stay cheap); sampled ones are read
-    once, which says "so far", not "over the window"."""
+    Checks that scan the table are left out (a watch must stay cheap), and so are sampled ones
+    and the checks that compare with their sample: a window would hold the table's lock for
+    seconds, and only the runner's session has the sample."""
     failing: list[dict[str, str]] = []
+    sampled = {c.name for c in step.preconditions if c.at is CheckPoint.SAMPLED}
     for condition in step.preconditions:
-        if condition.at is CheckPoint.SCAN:
+        if condition.at in (CheckPoint.SCAN, CheckPoint.SAMPLED):
+            continue
+        if sampled and "since-sample" in condition.name:
             continue
         try:
             rows = conn.execute(condition.query).fetchall()
-        except psycopg.errors.QueryCanceled:
-            failing.append({"check": condition.name, "observed": "too slow to watch"})
-            continue
         except psycopg.Error as exc:
-            failing.append({"check": condition.name, "observed": str(exc).splitlines()[0]})
+            failing.append({"check": condition.name, "observed": _unreadable(exc, settings)})
             continue
         if rows:
             more = f" (+{len(rows) - 1} more)" if len(rows) > 1 else ""
@@ -151,7 +203,9 @@ def failing_checks(conn: psycopg.Connection[Any], step: Step) -> list[dict[str, 
     return failing
 
 
-def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> list[dict[str, Any]]:
+def _backlog(
+    conn: psycopg.Connection[Any], spec: OutboxSpec, settings: Settings | None = None
+) -> list[dict[str, Any]]:
     """Unpublished rows and the oldest one's age, per outbox table that exists (the partial
     index on unpublished ids makes both cheap)."""
     out: list[dict[str, Any]] = []
@@ -161,6 +215,8 @@ def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> list[dict[str, 
         )  # a flag marker: its unpublished value
     except SchemaError as exc:
         return [{"table": spec.table, "error": str(exc)}]
+    except psycopg.Error as exc:  # deparsing the column's DEFAULT locks the table
+        return [{"table": spec.table, "error": _unreadable(exc, settings)}]
     for table in dict.fromkeys((spec.table, spec.partitioned_table)):
         name = sql.Identifier(spec.schema, table)
         found = conn.execute("SELECT to_regclass(%s)", (name.as_string(conn),)).fetchone()
@@ -178,7 +234,7 @@ def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> list[dict[str, 
                 )
             ).fetchone()
         except psycopg.Error as exc:
-            out.append({"table": table, "error": str(exc).splitlines()[0]})
+            out.append({"table": table, "error": _unreadable(exc, settings)})
             continue
         if row is not None:
             age = round(float(row[1]), 1) if row[1] is not None else None
@@ -218,9 +274,11 @@ def _copy_back(conn: psycopg.Connection[Any]) -> dict[str, Any] | None:
 
 def _validate(conn: psycopg.Connection[Any], spec: OutboxSpec) -> dict[str, Any] | None:
     """A VALIDATE CONSTRAINT running on the old table: for how long, and an estimated ETA."""
+    # The size from the catalog (relpages): pg_relation_size would lock the table.
     row = conn.execute(
         "SELECT a.pid, extract(epoch FROM now() - a.query_start), "
-        "pg_relation_size(to_regclass(%s)) FROM pg_stat_activity a "
+        "(SELECT c.relpages::bigint * current_setting('block_size')::bigint FROM pg_class c "
+        " WHERE c.oid = to_regclass(%s)) FROM pg_stat_activity a "
         "WHERE a.state = 'active' AND a.query ILIKE '%%VALIDATE CONSTRAINT%%' "
         "AND a.pid <> pg_backend_pid() ORDER BY a.query_start LIMIT 1",
         (sql.Identifier(spec.schema, spec.table).as_string(conn),),
@@ -236,3 +294,45 @@ def _validate(conn: psycopg.Connection[Any], spec: OutboxSpec) -> dict[str, Any]
         "fraction": min(float(elapsed) / expected, 0.99) if expected > 0 else None,
         "basis": f"heap size at an assumed {ASSUMED_SCAN_BYTES_PER_S // 2**20} MiB/s",
     }
+
+
+def switching_relays(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
+    """Switching relays whose last switch check said "not yet", with its short reason and
+    how long ago (relay/switching.py `mark_waiting`); application_name is visible to every
+    role, unlike the session's state."""
+    from outbox_migrate.relay.switching import SWITCH_WAITS
+
+    rows = conn.execute(
+        "SELECT a.pid, split_part(a.application_name, %(m)s, 2) FROM pg_stat_activity a "
+        "WHERE a.datname = current_database() AND a.application_name LIKE %(like)s "
+        "ORDER BY a.pid",
+        {"m": SWITCH_WAITS, "like": "outbox-migrate/%" + SWITCH_WAITS + "%"},
+    ).fetchall()
+    now = time.time()
+    found: list[dict[str, Any]] = []
+    for pid, mark in rows:
+        code, _, stamp = str(mark).partition(" @")
+        age = now - int(stamp) if stamp.isdigit() else None
+        if age is None or age > SWITCH_MARK_FRESH_S:
+            continue
+        found.append(
+            {"pid": int(pid), "waits": code, "why": SWITCH_WAIT_REASONS.get(code, code),
+             "seen_s_ago": round(max(age, 0.0), 1)}
+        )  # fmt: skip
+    return found
+
+
+SWITCH_WAIT_REASONS = {
+    "privilege": "a login role still holds INSERT on the flat table: once the old version is "
+    "gone, REVOKE it as the table's owner (the relay's log names the roles)",
+    "bypass": "sessions of superusers or of the table's owner are connected; a REVOKE does "
+    "not stop them (give the relay --old-app-name, or disconnect them)",
+    "bypass+old": "sessions of superusers or of the owner are connected, and sessions of the "
+    "old version",
+    "bypass+quiet": "sessions of superusers or of the owner are connected; waiting for the flat "
+    "table's insert counter to stand still",
+    "old-sessions": "sessions of the old version (--old-app-name) are still connected",
+    "unpublished": "rows of the flat table remain unpublished",
+    "writing": "a transaction is still writing the flat table",
+}
+"""What each of the relay's short codes means (relay/switching.py WAIT_CODES)."""

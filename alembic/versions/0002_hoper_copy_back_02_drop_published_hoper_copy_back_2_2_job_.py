@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_copy_back_02
 Revises: 0002_hoper_copy_back_01
-Create Date: 2026-11-28 04:29:46.955915
+Create Date: 2026-11-28 04:31:49.214199
 
 """
 from typing import Sequence, Union

@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v2_02
 Revises: 0002_hoper_v2_01
-Create Date: 2026-11-28 04:29:46.922129
+Create Date: 2026-11-28 04:31:49.176061
 
 """
 from typing import Sequence, Union

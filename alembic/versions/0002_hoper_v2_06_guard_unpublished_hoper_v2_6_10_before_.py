@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v2_06
 Revises: 0002_hoper_v2_05
-Create Date: 2026-11-28 04:29:46.930867
+Create Date: 2026-11-28 04:31:49.185015
 
 """
 from typing import Sequence, Union

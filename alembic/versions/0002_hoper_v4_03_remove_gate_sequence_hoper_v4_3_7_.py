@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_03
 Revises: 0002_hoper_v4_02
-Create Date: 2026-11-28 04:29:46.946632
+Create Date: 2026-11-28 04:31:49.201471
 
 """
 from typing import Sequence, Union

@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_05
 Revises: 0002_hoper_v4_04
-Create Date: 2026-11-28 04:29:46.949895
+Create Date: 2026-11-28 04:31:49.205708
 
 """
 from typing import Sequence, Union

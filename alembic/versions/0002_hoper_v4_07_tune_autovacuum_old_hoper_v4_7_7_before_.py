@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_07
 Revises: 0002_hoper_v4_06
-Create Date: 2026-11-28 04:29:46.952778
+Create Date: 2026-11-28 04:31:49.210118
 
 """
 from typing import Sequence, Union

@@ -8,12 +8,15 @@ watch(1) does. Nothing here writes to the database (see outbox_migrate/watch.py)
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import sys
 import textwrap
 import time
 from collections.abc import Callable
 from typing import Any
+
+from outbox_migrate.cli.signals import Terminated
 
 CLEAR = "\x1b[H\x1b[2J"
 BAR_WIDTH = 20
@@ -57,6 +60,14 @@ def _step_lines(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _switch_lines(doc: dict[str, Any]) -> list[str]:
+    skipped = [f"rest of this frame skipped: {doc['skipped']}"] if doc.get("skipped") else []
+    return skipped + [
+        f"switching relay pid {r['pid']} waits ({r['seen_s_ago']:g} s ago): {r['why']}"
+        for r in doc.get("switching_relays") or []
+    ]
+
+
 def _job_lines(doc: dict[str, Any]) -> list[str]:
     lines = []
     for table in doc.get("relay") or []:
@@ -97,7 +108,13 @@ def render(doc: dict[str, Any], width: int, now: float | None = None) -> list[st
             f"completed through {doc['phase']}"
             + (f", next {doc['next_phase']}" if doc.get("next_phase") else "")
         )
-    raw = [f"{clock}  {head}", *_runner_lines(doc), *_step_lines(doc), *_job_lines(doc)]
+    raw = [
+        f"{clock}  {head}",
+        *_runner_lines(doc),
+        *_step_lines(doc),
+        *_switch_lines(doc),
+        *_job_lines(doc),
+    ]
     if doc["steps"]:
         widest = max(len(s["id"]) for s in doc["steps"])
         raw.append("steps:")
@@ -119,8 +136,32 @@ def watch(
     count: int | None,
     json_lines: bool = False,
 ) -> None:
-    """Print frames until interrupted (Ctrl-C ends it with the CLI's interrupt exit) or until
-    `count` frames were shown; with `json_lines`, one JSON document per frame and line."""
+    """Print frames until Ctrl-C or until `count` frames were shown; with `json_lines`, one
+    JSON document per frame and line. Ctrl-C is how a watch is left, not an error: it returns
+    normally (exit 0). SIGTERM still ends it as the CLI's termination."""
+    # A Ctrl-C mid-query leaves psycopg unable to roll back the read-only session as it
+    # closes, which it reports at WARNING; for a watch that is the normal way out.
+    quiet = logging.getLogger("psycopg")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        _frames(get_frame, interval_s=interval_s, count=count, json_lines=json_lines)
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Terminated):
+            raise
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    finally:
+        quiet.setLevel(level)
+
+
+def _frames(
+    get_frame: Callable[[], dict[str, Any]],
+    *,
+    interval_s: float,
+    count: int | None,
+    json_lines: bool,
+) -> None:
     terminal = sys.stdout.isatty() and not json_lines
     shown = 0
     while count is None or shown < count:

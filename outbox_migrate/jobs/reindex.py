@@ -28,6 +28,10 @@ DEFAULT_MAX_XACT_AGE_S = 60.0
 DEFAULT_REINDEX_LOCK_TIMEOUT_MS = 10_000
 """lock_timeout for REINDEX CONCURRENTLY's own waits on older transactions. Its table lock
 (SHARE UPDATE EXCLUSIVE) blocks no DML, so a waiting REINDEX does not stall writers."""
+HIDDEN_SAMPLE_S = 1.0
+"""How long a transaction whose start is hidden from us must stay open to be counted: its age
+is unknown, so a transaction seen at both ends of this pause is taken as old (the guard does
+not pass on what it cannot see)."""
 DROP_LEFTOVER_LOCK_TIMEOUT_MS = 2_000
 ADVISORY_NAMESPACE = "outbox-migrate:reindex:"
 
@@ -41,12 +45,15 @@ class Blocker:
     state: str
     application_name: str
     prepared_gid: str | None = None
+    at_least: bool = False
+    """The transaction's start is hidden from us: `age_s` is how long we saw it open."""
 
     def describe(self) -> str:
         if self.prepared_gid is not None:
             return f"prepared transaction {self.prepared_gid!r} ({self.age_s:.0f}s old)"
         app = f" ({self.application_name})" if self.application_name else ""
-        return f"pid {self.pid}{app}, {self.state}, transaction {self.age_s:.0f}s old"
+        old = "at least " if self.at_least else ""
+        return f"pid {self.pid}{app}, {self.state}, transaction {old}{self.age_s:.0f}s old"
 
 
 def old_transactions(conn: psycopg.Connection[Any], max_age_s: float) -> list[Blocker]:
@@ -71,7 +78,37 @@ def old_transactions(conn: psycopg.Connection[Any], max_age_s: float) -> list[Bl
         (max_age_s,),
     ).fetchall()
     blockers += [Blocker(None, float(r[1]), "prepared", "", str(r[0])) for r in prepared]
-    return blockers
+    return blockers + hidden_open_transactions(conn)
+
+
+def hidden_open_transactions(conn: psycopg.Connection[Any]) -> list[Blocker]:
+    """Client transactions of other roles whose start PostgreSQL hides from us (without
+    pg_read_all_stats) and that stay open across `HIDDEN_SAMPLE_S`: the same virtual
+    transaction id in pg_locks (visible to every role) at both looks. Sessions without a role
+    (autovacuum) are not clients."""
+    from outbox_migrate.lock_budget import grant_to_see
+
+    def look() -> dict[tuple[int, str], str]:
+        rows = conn.execute(
+            "SELECT l.pid, l.virtualxid, coalesce(a.application_name, ''), current_user "
+            "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'virtualxid' AND l.granted AND l.pid <> pg_backend_pid() "
+            "AND a.datname = current_database() AND a.backend_type IS NULL "
+            "AND a.usesysid IS NOT NULL"
+        ).fetchall()
+        return {(int(r[0]), str(r[1])): f"{r[2]}\0{r[3]}" for r in rows}
+
+    first = look()
+    if not first:
+        return []
+    time.sleep(HIDDEN_SAMPLE_S)
+    still = look()
+    found: list[Blocker] = []
+    for key in sorted(first.keys() & still.keys()):
+        app, role = still[key].split("\0", 1)
+        state = f"its start hidden from {role}: {grant_to_see(role)}"
+        found.append(Blocker(key[0], HIDDEN_SAMPLE_S, state, app, at_least=True))
+    return found
 
 
 def leftover_indexes(conn: psycopg.Connection[Any], table: Relation) -> list[str]:
@@ -162,9 +199,10 @@ def reindex_concurrently(
         blockers = old_transactions(conn, max_xact_age_s)
         if blockers:
             shown = "; ".join(b.describe() for b in blockers[:3])
+            hidden = ", or whose age is hidden," if any(b.at_least for b in blockers) else ""
             raise ReindexRefused(
                 f"not reindexing {table.schema}.{index}: {len(blockers)} transaction(s) older "
-                f"than {max_xact_age_s:.0f}s would block REINDEX CONCURRENTLY ({shown})"
+                f"than {max_xact_age_s:.0f}s{hidden} would block REINDEX CONCURRENTLY ({shown})"
             )
         started = time.monotonic()
         conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{lock_timeout_ms}ms")))

@@ -236,8 +236,11 @@ def trigger_absent(n: Names) -> Condition:
     return condition("trigger-absent", **_trigger_parts(n))
 
 
-def function_absent(n: Names) -> Condition:
-    return condition("function-absent", function_reg=n.reg(n.spec.copy_function))
+def function_absent(n: Names, function: str = "") -> Condition:
+    """The function `function` (default: HOPIA's copy function, unlabelled) is gone."""
+    return condition(
+        "function-absent", function, function_reg=n.reg(function or n.spec.copy_function)
+    )
 
 
 AUTOVACUUM_INSERT_ONLY: tuple[tuple[str, str], ...] = (

@@ -31,18 +31,21 @@ class Session:
     pid: int
     role: str
     application_name: str
+    hidden: bool = False
+    """Its activity is hidden from our role: it may be a background worker, or a client."""
 
     def describe(self) -> str:
         return f"pid {self.pid} ({self.role}, {self.application_name or 'no application_name'})"
 
 
 def bypassing_sessions(conn: Any, relation: str) -> list[Session]:
-    """Sessions of roles a REVOKE cannot stop (`relation`: text ::regclass resolves)."""
+    """Sessions of roles a REVOKE cannot stop (`relation`: text ::regclass resolves),
+    counting those whose kind is hidden from us (`hidden`)."""
     rows = conn.execute(
         named.query("switch_gate", "bypassing-sessions").compose(),
         {"relation": relation, "tool": TOOL_SESSIONS_LIKE},
     ).fetchall()
-    return [Session(int(pid), str(role), str(app)) for pid, role, app in rows]
+    return [Session(int(pid), str(role), str(app), bool(hidden)) for pid, role, app, hidden in rows]
 
 
 class QuietWindow:

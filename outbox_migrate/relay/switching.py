@@ -22,7 +22,11 @@ transaction can insert:
 * `sessions`: no session whose application_name matches the old version's pattern is
   connected. This trusts the deploy: a V1 instance that reconnects later is not stopped.
 
-Every "not yet" is logged at WARNING, at most once a minute per kind of reason.
+Every "not yet" is logged at WARNING, at most once a minute per kind of reason, and recorded
+in the checking session's `application_name` (`… waits:privilege @1764300000`: the reason's
+short code and when, `SWITCH_WAITS`), which every role can read in pg_stat_activity: that is
+how `status --watch` shows why a switching relay waits. Sessions that stop checking (the relay
+switched) leave a mark that ages; the watch shows only recent ones.
 
 Both conditions only ever move from false to true during a migration, so once switched the
 relay never needs to look back; a restarted relay re-proves the rule and switches at once.
@@ -37,6 +41,7 @@ import time
 from typing import Any
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.lock_budget import grant_to_see
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.options import Mode, SwitchGate
 from outbox_migrate.relay.rate_limited_log import RateLimitedLog
@@ -47,6 +52,20 @@ log = logging.getLogger("outbox_migrate.relay")
 SWITCH_LOCK_TIMEOUT_MS = 100
 MAX_SESSIONS_NAMED = 5
 """How many bypassing sessions a reason names (the rest are counted)."""
+
+SWITCH_WAITS = " waits:"
+"""Marks a relay session's application_name while its switch check says "not yet"."""
+WAIT_CODES = {
+    "insert-privilege": "privilege",
+    "bypassing-sessions": "bypass",
+    "bypassing-sessions+old-sessions": "bypass+old",
+    "bypassing-sessions+quiet": "bypass+quiet",
+    "old-sessions": "old-sessions",
+    "unpublished": "unpublished",
+    "writing": "writing",
+}
+"""Short codes of the reasons (application_name holds 63 bytes; the tool's prefix must stay)."""
+MAX_APPLICATION_NAME = 63
 
 NotYet = tuple[str, str]
 """(kind, reason) of a gate that does not hold yet; ("", "") when it holds. The kind is the
@@ -95,6 +114,14 @@ def _without_privilege_proof(
         f"sessions of superusers or of {source.label}'s owner are connected ({who}): a REVOKE "
         "does not stop them, so the privilege gate proves nothing while they are"
     )
+    hidden = sum(1 for s in bypass if s.hidden)
+    if hidden:
+        # Counted because their backend type is hidden: they may be background workers.
+        role = _current_role(conn)
+        nothing += (
+            f" ({hidden} of them hidden from {role}, which cannot tell a client from a "
+            f"background worker: {grant_to_see(role)})"
+        )
     if not old_app:
         return (
             "bypassing-sessions",
@@ -109,6 +136,11 @@ def _without_privilege_proof(
     if still:
         return ("bypassing-sessions+quiet", f"{nothing}; the old version is gone, waiting: {still}")
     return HOLDS
+
+
+def _current_role(conn: Any) -> str:
+    row = conn.execute("SELECT current_user").fetchone()
+    return str(row[0]) if row else "this role"
 
 
 def _old_sessions(conn: Any, old_app: str) -> NotYet:
@@ -201,6 +233,7 @@ class SourceState:
             if self.switched:
                 return True
             kind, reason = check_switch(conn, self.flat, self.gate, self.old_app, self.quiet)
+            mark_waiting(conn, kind)
             if kind:
                 self.blocked_checks += 1
                 self.warn.warning(
@@ -213,3 +246,17 @@ class SourceState:
             self.switched_at = time.time()
             log.info("relay.switched from=%s to=%s", self.flat.label, self.partitioned.label)
             return True
+
+
+def mark_waiting(conn: Any, kind: str) -> None:
+    """Record in the session's application_name why the switch waits (`kind`), with the time;
+    an empty `kind` removes the mark. The tool's prefix is kept (its sessions are known by it),
+    the rest of the name is cut to make room."""
+    code = WAIT_CODES.get(kind, kind)[:16]
+    conn.execute(
+        "SELECT set_config('application_name', CASE WHEN %(code)s = '' THEN base ELSE "
+        "left(base, %(room)s - length(suffix)) || suffix END, false) FROM ("
+        "SELECT split_part(current_setting('application_name'), %(marker)s, 1) AS base, "
+        "%(marker)s || %(code)s || ' @' || extract(epoch FROM now())::bigint AS suffix) m",
+        {"code": code, "marker": SWITCH_WAITS, "room": MAX_APPLICATION_NAME},
+    )

@@ -261,6 +261,12 @@ class StepApplier:
         if self.options.on_long_tx == "refuse":
             raise LongTransactionsPresent(step.id, longs)
         for blocker in longs:
+            if blocker.hidden_from:
+                self.events.warning(
+                    step, "cannot see whether a session holding a lock it needs is a long "
+                    f"transaction: {blocker.describe()}; trying under lock_timeout",
+                )  # fmt: skip
+                continue
             self.events.warning(
                 step, f"long transaction holds a lock it needs: {blocker.describe()}; "
                 "waiting for it to end without queueing (writers are not stalled meanwhile)",

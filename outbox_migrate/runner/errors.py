@@ -37,11 +37,23 @@ class LongTransactionsPresent(OutboxMigrateError):
     def __init__(self, step_id: str, blockers: list[Blocker]) -> None:
         self.step_id = step_id
         self.blockers = blockers
-        super().__init__(
-            f"{step_id}: refusing to queue an ACCESS EXCLUSIVE lock behind "
-            + ", ".join(b.describe() for b in blockers[:3])
-            + "; every writer would stall behind it — end them or use --on-long-tx wait"
-        )
+        seen = [b for b in blockers if not b.hidden_from]
+        if seen:
+            message = (
+                f"{step_id}: refusing to queue an ACCESS EXCLUSIVE lock behind "
+                + ", ".join(b.describe() for b in seen[:3])
+                + "; every writer would stall behind it — end them or use --on-long-tx wait"
+            )
+        else:
+            # Their state is hidden from our role: "no long transaction" is not known, so the
+            # guard refuses rather than pass on what it cannot see.
+            message = (
+                f"{step_id}: cannot tell whether the sessions holding locks it needs are long "
+                "transactions: "
+                + ", ".join(b.describe() for b in blockers[:3])
+                + "; nothing was applied"
+            )
+        super().__init__(message)
 
 
 class RunnerBusy(OutboxMigrateError):

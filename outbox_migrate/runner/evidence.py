@@ -33,6 +33,7 @@ PRESENCE = frozenset(
         "replica-identity-full",
         "trigger-exists",
         "view-over",
+        "view-writes-counted",
     }
 )
 """Conditions false until the step that establishes them ran."""

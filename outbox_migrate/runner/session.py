@@ -14,6 +14,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from outbox_migrate.db import connect
+from outbox_migrate.lock_budget import grant_to_see
 from outbox_migrate.runner.errors import RunnerBusy
 
 RUNNER_LOCK_CLASS = 0x6F6D7275  # "omru": first key of the per-table session advisory lock
@@ -77,19 +78,30 @@ class Session:
         if row and row[0]:
             self._locked = True
             return
+        # client_addr and backend_start of another role's session are NULL unless we may see
+        # its activity (pg_read_all_stats); its role and application_name are always shown.
         holder = self.conn.execute(
-            "SELECT a.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), "
-            "'local socket'), a.backend_start FROM pg_locks l JOIN pg_stat_activity a "
+            "SELECT a.pid, coalesce(a.application_name, ''), a.usename::text, "
+            "CASE WHEN a.backend_type IS NULL THEN current_user END, "
+            "coalesce(host(a.client_addr), 'local socket'), a.backend_start "
+            "FROM pg_locks l JOIN pg_stat_activity a "
             "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.classid = %s "
             "AND l.objid = %s AND l.objsubid = 2 AND l.granted",
             (first, second),
         ).fetchone()
-        who = (
-            f"pid {holder[0]} ({holder[1] or 'no application_name'}, from {holder[2]}, "
-            f"connected since {holder[3]:%Y-%m-%d %H:%M:%S})"
-            if holder
-            else "a session that just ended; retry"
-        )
+        if holder is None:
+            who = "a session that just ended; retry"
+        elif holder[3] is not None:
+            who = (
+                f"pid {holder[0]} ({holder[1] or 'no application_name'}, role {holder[2]}; "
+                f"where from and since when is hidden from {holder[3]}: "
+                f"{grant_to_see(str(holder[3]))})"
+            )
+        else:
+            who = (
+                f"pid {holder[0]} ({holder[1] or 'no application_name'}, from {holder[4]}, "
+                f"connected since {holder[5]:%Y-%m-%d %H:%M:%S})"
+            )
         raise RunnerBusy(self.table_label, who)
 
     def release(self) -> None:

@@ -8,10 +8,12 @@ frames, 80 columns).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 
 import psycopg
+import pytest
 
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.cli import run_cli
@@ -72,17 +74,61 @@ def test_watch_shows_what_a_gate_waits_for(dsn: str) -> None:
     assert "not yet:" in text.stdout and "old-table-drained:outbox" in text.stdout
 
 
+@pytest.mark.newest_pg_only
+def test_two_watches_beside_a_run_are_never_what_it_waits_for(dsn: str) -> None:
+    """Two watches refreshing every 0.1 s while `run --to V4` takes its ACCESS EXCLUSIVE
+    locks: the runner never names a watch as a holder (the watch read V4's sampled gate for
+    its whole window, holding the old table, and the runner waited for it), and Ctrl-C leaves
+    a watch with exit 0 and no error line."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        insert_rows(conn, "outbox", 2000, published=True)
+    for phase in ("V2", "V3"):
+        assert _cli("run", "--pattern", "hoper", "--to", phase, "--dsn", dsn).returncode == 0
+    watches = [
+        subprocess.Popen(
+            [*_module(), "status", "--watch", "--interval", "0.1", "--dsn", dsn],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(gate_window=False),
+        )
+        for _ in range(2)
+    ]
+    try:
+        time.sleep(1.5)  # both are watching
+        # The default gate window (2 s), as an operator runs both.
+        run = run_cli("run", "--pattern", "hoper", "--to", "V4", "--lock-budget-s", "30",
+                      "--dsn", dsn)  # fmt: skip
+    finally:
+        for watch in watches:
+            watch.send_signal(signal.SIGINT)
+        ended = [watch.communicate(timeout=30) for watch in watches]
+    assert run.returncode == 0, run.stderr
+    assert "status --watch" not in run.stderr
+    for watch, (out, err) in zip(watches, ended, strict=True):
+        assert watch.returncode == 0, err
+        assert err == ""
+        assert "next step" in out or "steps:" in out
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        named = conn.execute(
+            "SELECT count(*) FROM outbox_migrate.attempt WHERE blockers::text LIKE %s",
+            ("%status --watch%",),
+        ).fetchone()
+    assert named == (0,)
+
+
 def _module() -> list[str]:
     import sys
 
     return [sys.executable, "-m", "outbox_migrate"]
 
 
-def _env() -> dict[str, str]:
+def _env(*, gate_window: bool = True) -> dict[str, str]:
     import os
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_MIGRATE_", "PG"))}
-    return env | GATE_ENV
+    return env | GATE_ENV if gate_window else env
 
 
 def _wait_for_runner(dsn: str, timeout_s: float = 30.0) -> None:

@@ -38,3 +38,14 @@ def test_lines_fit_the_width_and_step_ids_are_never_cut() -> None:
         lines = render(doc, width)
         assert all(len(line) <= width for line in lines if LONG_ID not in line)
         assert any(LONG_ID in line for line in lines)
+
+
+def test_a_waiting_switching_relay_and_a_skipped_frame_are_said() -> None:
+    doc = _doc(
+        switching_relays=[{"pid": 42, "waits": "privilege", "seen_s_ago": 0.4,
+                           "why": "a login role still holds INSERT on the flat table"}],
+        skipped="not read: a lock on it is held or requested by the migration (next frame)",
+    )  # fmt: skip
+    text = " ".join(line.strip() for line in render(doc, 80))
+    assert "switching relay pid 42 waits (0.4 s ago): a login role still holds INSERT" in text
+    assert "rest of this frame skipped: not read: a lock on it is held" in text

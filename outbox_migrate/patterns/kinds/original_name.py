@@ -12,10 +12,24 @@ The view also exposes the base rows' `ctid`: a relay started before the rename m
 rows through the partitioned table's former name *by ctid*, and a view has no system columns.
 Both kinds restate the whole end state in their postcondition, under the new names: the
 earlier steps' postconditions name relations that no longer carry those names.
+
+`count-view-writes` gives the drop gate evidence a busy writer cannot slip past: a writer's
+statement locks the view only for its own short transaction, so a gate that samples `pg_locks`
+misses most of a writer inserting back to back. Three DO ALSO rules (INSERT, UPDATE, DELETE)
+on the view tick a sequence once per statement (per matched row for UPDATE and DELETE), and the
+gate compares it across its window and again under its lock. Rules, not triggers: a statement
+trigger on an auto-updatable view never fires (the statement is rewritten onto the table), and
+an INSTEAD OF trigger would change what an INSERT through the view does (defaults, identity,
+ON CONFLICT). A DO ALSO rule leaves the automatic update as it is (RETURNING and ON CONFLICT
+through the view keep working). A rule's action must be a statement whose result the client
+never sees, so it is an INSERT of no rows into an empty table, gated by a function that ticks
+the sequence (`count_view_writes_sql` says why it runs once per statement); the sequence is
+non-transactional, so a rolled-back write counts too.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -36,12 +50,22 @@ from outbox_migrate.patterns.model import (
     TxMode,
 )
 from outbox_migrate.patterns.names import Names
-from outbox_migrate.patterns.privileges import EVERY_PRIVILEGE, carry_privileges
+from outbox_migrate.patterns.privileges import EVERY_PRIVILEGE, NO_PRIVILEGE, carry_privileges
 from outbox_migrate.relay import notify
 from outbox_migrate.relay.options import DEFAULT_CHANNEL
 
 VIEW_SAMPLE_INTERVAL_S = 0.1
-"""How often the drop gate looks at pg_locks for sessions using the view."""
+"""How often the drop gate looks at pg_locks for sessions using the view (a transaction held
+open across the window is seen; short ones are counted by the rules instead)."""
+COUNTED_EVENTS = ("INSERT", "UPDATE", "DELETE")
+"""The statements through the view that tick its use counter, one rule each."""
+
+
+def counting_rule(event: str) -> str:
+    """The name of the rule that counts `event` statements (rule names are per relation)."""
+    return f"count_{event.lower()}s"
+
+
 OLD_TABLE_BECOMES = ("published", "retired")
 """`published`: the old table is the DEFAULT partition and takes the published partition's
 name; `retired`: it stands alone (COP, HOP) and takes `<table>_retired` (if it still exists)."""
@@ -203,47 +227,197 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     )
 
 
+def count_view_writes_sql(n: Names) -> tuple[sql.Composed, ...]:
+    """The view's use counter: a sequence, the function that ticks it, an empty sink table and
+    one DO ALSO rule per kind of write, whose action is `INSERT INTO sink SELECT WHERE tick()`.
+
+    Once per statement, and nothing of the statement evaluated twice: a rule's action is
+    joined with the statement's own source (a multi-row VALUES, an INSERT's SELECT, an UPDATE's
+    scan), but a qual without columns and without volatile functions is a one-time filter,
+    evaluated once before anything below it (once per partition an UPDATE or DELETE scans:
+    the planner pushes it into each; more ticks only keep the gate shut). So the function is
+    declared STABLE although it ticks a sequence, and returns false: the source is never read
+    and nothing is inserted.
+    It is SECURITY DEFINER with EXECUTE for PUBLIC (a function runs with the caller's rights,
+    even in a rule): writers need no grant, and the worst another role can do with it is tick
+    the counter, which only keeps the gate shut. The sink is written by the rule as the view's
+    owner, so it gets the table's owner and no grant."""
+    seq = sql.Identifier(n.spec.schema, n.spec.view_use_sequence)
+    sink = sql.Identifier(n.spec.schema, n.spec.view_use_sink)
+    function = sql.Identifier(n.spec.schema, n.spec.view_use_function)
+    rules = tuple(
+        sql.SQL(
+            "CREATE RULE {rule} AS ON {event} TO {view} "
+            "DO ALSO INSERT INTO {sink} SELECT WHERE {function}()"
+        ).format(
+            rule=sql.Identifier(counting_rule(event)),
+            event=sql.SQL(event),
+            view=n.q(n.parent),
+            sink=sink,
+            function=function,
+        )
+        for event in COUNTED_EVENTS
+    )
+    return (
+        sql.SQL("CREATE SEQUENCE {} AS bigint CACHE 1").format(seq),
+        sql.SQL(
+            "CREATE FUNCTION {function}() RETURNS boolean LANGUAGE plpgsql STABLE "
+            "SECURITY DEFINER SET search_path = pg_catalog AS $om$\n"
+            "BEGIN\n"
+            "    PERFORM nextval({seq_reg}::regclass);\n"
+            "    RETURN false;\n"
+            "END\n"
+            "$om$"
+        ).format(function=function, seq_reg=n.reg(n.spec.view_use_sequence)),
+        sql.SQL("GRANT EXECUTE ON FUNCTION {}() TO PUBLIC").format(function),
+        sql.SQL("CREATE TABLE {} ()").format(sink),
+        carry_privileges(n, n.spec.view_use_sink, NO_PRIVILEGE),
+        *rules,
+    )
+
+
+def drop_view_counter_sql(n: Names) -> tuple[sql.Composed, ...]:
+    """The counter's sink, function and sequence (the rules go with the view, or first)."""
+    return (
+        sql.SQL("DROP TABLE {}").format(sql.Identifier(n.spec.schema, n.spec.view_use_sink)),
+        sql.SQL("DROP FUNCTION {}()").format(
+            sql.Identifier(n.spec.schema, n.spec.view_use_function)
+        ),
+        sql.SQL("DROP SEQUENCE {}").format(sql.Identifier(n.spec.schema, n.spec.view_use_sequence)),
+    )
+
+
+def view_writes_counted(n: Names) -> Condition:
+    return _condition(
+        "view-writes-counted",
+        n.parent,
+        view_reg=n.reg(n.parent),
+        seq_reg=n.reg(n.spec.view_use_sequence),
+        rules=sql.SQL("ARRAY[{}]::name[]").format(
+            sql.SQL(", ").join(sql.Literal(counting_rule(e)) for e in COUNTED_EVENTS)
+        ),
+    )
+
+
+def counter_absent(n: Names) -> tuple[Condition, ...]:
+    return (
+        c.relation_absent(n, n.spec.view_use_sequence),
+        c.function_absent(n, n.spec.view_use_function),
+        c.relation_absent(n, n.spec.view_use_sink),
+    )
+
+
+def _counter_created(n: Names) -> tuple[Created, ...]:
+    return (
+        Created("relation", n.spec.view_use_sequence),
+        Created("function", n.spec.view_use_function),
+        Created("relation", n.spec.view_use_sink),
+    )
+
+
+@kind("count-view-writes")
+def count_view_writes(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    n = ctx.names
+    return make_step(
+        ctx,
+        "count-view-writes",
+        summary=f"Count every write through the view {n.parent}: rules tick "
+        f"{n.spec.view_use_sequence} once per statement, the drop gate's evidence",
+        statements=count_view_writes_sql(n),
+        tx=TxMode.TRANSACTION,
+        # CREATE RULE takes ACCESS EXCLUSIVE on the view: catalog-only, held for milliseconds.
+        locks=(Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),),
+        catalog_only=True,
+        optional=True,
+        preconditions=(
+            view_over(n),
+            *counter_absent(n),
+        ),
+        postcondition=(view_over(n), view_writes_counted(n)),
+        reverse=(
+            *(
+                sql.SQL("DROP RULE {} ON {}").format(
+                    sql.Identifier(counting_rule(e)), n.q(n.parent)
+                )
+                for e in COUNTED_EVENTS
+            ),
+            *drop_view_counter_sql(n),
+        ),
+        reverse_note=f"drop the counting rules on {n.parent}, {n.spec.view_use_sink} and "
+        f"{n.spec.view_use_sequence}",
+        reverse_preconditions=(view_over(n),),
+        creates=_counter_created(n),
+        notes=(
+            "Writers of the previous version need no new grant: the counting function is "
+            "SECURITY DEFINER, executable by PUBLIC; the empty sink is written by the view's "
+            "owner. RETURNING and ON CONFLICT through the view work as before.",
+        ),
+    )
+
+
 @kind("drop-compat-view")
 def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
-    """The gate watches `pg_locks` for the view, not a ticking sequence like the gate
-    sequence's: a statement trigger on an auto-updatable view never fires (the INSERT is
-    rewritten onto the table, whose triggers fire instead — checked on PostgreSQL 18), but
-    every statement through the view locks it for its transaction."""
+    """The gate compares the view's use counter (`count-view-writes`) across its window and
+    again under the step's lock, and watches `pg_locks` for a transaction that used the view
+    and is still open: every write statement through the view is counted, whatever its
+    timing; a read is seen only while its transaction holds the view's lock."""
     n = ctx.names
     samples = max(1, round(ctx.sample_window_s / VIEW_SAMPLE_INTERVAL_S))
+    counter = {
+        "view_reg": n.reg(n.parent),
+        "seq_reg": n.reg(n.spec.view_use_sequence),
+        "phase": sql.Literal(ctx.phase),
+        "sample_key": _view_sample_key(n),
+    }
     unused = _condition(
         "no-view-users",
         n.parent,
-        view_reg=n.reg(n.parent),
         samples=sql.Literal(samples),
         interval_s=sql.Literal(VIEW_SAMPLE_INTERVAL_S),
         window_s=sql.Literal(ctx.sample_window_s),
-        phase=sql.Literal(ctx.phase),
+        **counter,
     )
     sampled = c.before_lock(
         unused,
         CheckPoint.SAMPLED,
-        "no-old-app-sessions (under the lock) when old_app_name is set; otherwise the sampled "
-        "window only: a writer of the previous version that comes back gets an error",
+        f"no-view-writes-since-sample:{n.parent} (under the lock); a writer of the previous "
+        "version that comes back after the drop gets an error",
     )
-    gate: list[Condition] = [view_over(n), sampled]
+    gate: list[Condition] = [
+        view_over(n),
+        sampled,
+        _condition("no-view-writes-since-sample", n.parent, **counter),
+    ]
     if ctx.old_app_name:
         gate.append(c.no_old_app_sessions(ctx.old_app_name, ctx.phase))
-    recreate = (create_view_sql(n), carry_grants_sql(n))
+    recreate = (create_view_sql(n), carry_grants_sql(n), *count_view_writes_sql(n))
     return make_step(
         ctx,
         "drop-compat-view",
-        summary=f"Gate and drop: no session uses the view {n.parent} any more; drop it",
-        statements=(sql.SQL("DROP VIEW {}").format(n.q(n.parent)),),
+        summary=f"Gate and drop: no write went through the view {n.parent} during the window "
+        "and nobody holds it; drop it and its use counter",
+        statements=(sql.SQL("DROP VIEW {}").format(n.q(n.parent)), *drop_view_counter_sql(n)),
         tx=TxMode.TRANSACTION,
         locks=(Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
         optional=True,
         preconditions=tuple(gate),
-        postcondition=(*end_state(n), c.relation_absent(n, n.parent)),
+        postcondition=(
+            *end_state(n),
+            c.relation_absent(n, n.parent),
+            *counter_absent(n),
+        ),
         reverse=recreate,
-        reverse_note=f"re-create the view {n.parent} over {n.table} with its grants",
-        reverse_preconditions=(c.relation_absent(n, n.parent),),
-        reverse_creates=(Created("relation", n.parent),),
+        reverse_note=f"re-create the view {n.parent} over {n.table} with its grants and its "
+        "use counter",
+        reverse_preconditions=(c.relation_absent(n, n.parent), *counter_absent(n)),
+        reverse_creates=(Created("relation", n.parent), *_counter_created(n)),
         restates_end_state=True,
     )
+
+
+def _view_sample_key(n: Names) -> sql.Literal:
+    """The session setting where the drop gate keeps the counter's value from its window
+    until the check under the lock (the runner makes both on one session)."""
+    key = zlib.crc32(n.reg(n.spec.view_use_sequence).as_string(None).encode()) & 0xFFFFFFFF
+    return sql.Literal(f"outbox_migrate.view_{key:08x}")

@@ -1837,17 +1837,149 @@ $rekey$;
 COMMIT;
 
 -- phase: drop-view
--- Run this phase once the version that uses the original name is fully rolled out: its gate watches the view for
---   sessions still using it (and, with --old-app-name, for sessions of the previous version), then drops it.
+-- Run this phase once the version that uses the original name is fully rolled out: it counts every write through the
+--   view, and its gate drops the view once no write went through it during the window and no session holds it (with
+--   --old-app-name, once no session of the previous version is connected).
 
--- step: hopia.drop-view.drop-compat-view: Gate and drop: no session uses the view events_p any more; drop it
+-- step: hopia.drop-view.count-view-writes: Count every write through the view events_p: rules tick events_p_view_uses
+--   once per statement, the drop gate's evidence
+BEGIN;
+SET LOCAL lock_timeout = '200ms';
+SET LOCAL statement_timeout = '2000ms';
+LOCK TABLE ONLY "billing"."events_p" IN ACCESS EXCLUSIVE MODE;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN WITH samples AS MATERIALIZED (
+    FOR violation IN SELECT
+        format(
+        '%s is not a view over %s (found: %s); the original-name step did not run, or the name was taken by hand — '
+        'inspect it',
+              '"billing"."events_p"', '"billing"."Events"',
+              coalesce((SELECT CASE c.relkind WHEN 'v' THEN 'a view over other relations'
+                                               WHEN 'p' THEN 'a partitioned table'
+                                               WHEN 'r' THEN 'a table'
+                                               ELSE 'relkind ' || c.relkind::text END
+                        FROM pg_class c WHERE c.oid = to_regclass('"billing"."events_p"')), 'nothing'))
+WHERE NOT EXISTS (
+    SELECT 1 FROM pg_class v
+    JOIN pg_rewrite r ON r.ev_class = v.oid
+    JOIN pg_depend d ON d.classid = 'pg_rewrite'::regclass AND d.objid = r.oid
+                    AND d.refclassid = 'pg_class'::regclass
+    WHERE v.oid = to_regclass('"billing"."events_p"') AND v.relkind = 'v'
+      AND d.refobjid = to_regclass('"billing"."Events"'))
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.drop-view.count-view-writes [view-over:events_p] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"billing"."events_p_view_uses"')
+WHERE to_regclass('"billing"."events_p_view_uses"') IS NOT NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.drop-view.count-view-writes [relation-absent:events_p_view_uses] '
+            'failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT format('function %s still exists', '"billing"."events_p_view_use_tick"')
+WHERE to_regproc('"billing"."events_p_view_use_tick"') IS NOT NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.drop-view.count-view-writes '
+            '[function-absent:events_p_view_use_tick] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format('%s already exists; was this step applied by hand? inspect it, or reset the ledger',
+        '"billing"."events_p_view_use_sink"')
+WHERE to_regclass('"billing"."events_p_view_use_sink"') IS NOT NULL
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.drop-view.count-view-writes '
+            '[relation-absent:events_p_view_use_sink] failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
+CREATE SEQUENCE "billing"."events_p_view_uses" AS bigint CACHE 1;
+CREATE FUNCTION "billing"."events_p_view_use_tick"() RETURNS boolean LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path = pg_catalog AS $om$
+BEGIN
+    PERFORM nextval('"billing"."events_p_view_uses"'::regclass);
+    RETURN false;
+END
+$om$;
+GRANT EXECUTE ON FUNCTION "billing"."events_p_view_use_tick"() TO PUBLIC;
+CREATE TABLE "billing"."events_p_view_use_sink" ();
+DO $om$
+DECLARE
+    old_rel regclass := '"billing"."Events"'::regclass;
+    new_rel regclass := '"billing"."events_p_view_use_sink"'::regclass;
+    wanted text[] := ARRAY[]::text[];
+    old_owner oid := (SELECT relowner FROM pg_class WHERE oid = '"billing"."Events"'::regclass);
+    g record;
+BEGIN
+    FOR g IN
+        SELECT NULL::name AS col, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_class c, aclexplode(c.relacl) a
+        WHERE c.oid = old_rel AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+        UNION ALL
+        SELECT t.attname, a.grantee, a.privilege_type, a.is_grantable
+        FROM pg_attribute t, aclexplode(t.attacl) a
+        WHERE t.attrelid = old_rel AND t.attnum > 0 AND NOT t.attisdropped
+          AND a.grantee <> old_owner
+          AND (wanted IS NULL OR a.privilege_type = ANY (wanted))
+    LOOP
+        EXECUTE format('GRANT %s%s ON TABLE %s TO %s%s', g.privilege_type,
+            CASE WHEN g.col IS NULL THEN '' ELSE format(' (%I)', g.col) END, new_rel,
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC' ELSE g.grantee::regrole::text END,
+            CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    IF old_owner <> (SELECT relowner FROM pg_class WHERE oid = new_rel) THEN
+        EXECUTE format('ALTER TABLE %s OWNER TO %s', new_rel, old_owner::regrole);
+    END IF;
+END
+$om$;
+CREATE RULE "count_inserts" AS ON INSERT TO "billing"."events_p" DO ALSO INSERT INTO "billing"."events_p_view_use_sink"
+    SELECT WHERE "billing"."events_p_view_use_tick"();
+CREATE RULE "count_updates" AS ON UPDATE TO "billing"."events_p" DO ALSO INSERT INTO "billing"."events_p_view_use_sink"
+    SELECT WHERE "billing"."events_p_view_use_tick"();
+CREATE RULE "count_deletes" AS ON DELETE TO "billing"."events_p" DO ALSO INSERT INTO "billing"."events_p_view_use_sink"
+    SELECT WHERE "billing"."events_p_view_use_tick"();
+COMMIT;
+
+-- step: hopia.drop-view.drop-compat-view: Gate and drop: no write went through the view events_p during the window and
+--   nobody holds it; drop it and its use counter
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN -- The counter is read before and after the window; where it stood is kept in a session
+-- setting for `no-view-writes-since-sample`, checked under the step's lock.
+WITH before AS MATERIALIZED (
+    SELECT to_regclass('"billing"."events_p_view_uses"') AS oid,
+           coalesce(has_sequence_privilege(to_regclass('"billing"."events_p_view_uses"'), 'SELECT'), false) AS readable,
+           coalesce(CASE WHEN has_sequence_privilege(to_regclass('"billing"."events_p_view_uses"'), 'SELECT')
+                         THEN pg_sequence_last_value(to_regclass('"billing"."events_p_view_uses"')) END, 0) AS value
+), samples AS MATERIALIZED (
     SELECT g, u.pids
-    FROM generate_series(1, 20) g
-    CROSS JOIN LATERAL (SELECT pg_sleep(0.1) WHERE g > 0) pause
+    FROM before
+    CROSS JOIN generate_series(1, 20) g
+    -- both laterals name g (and the pause names before): evaluated per sample, after before
+    CROSS JOIN LATERAL (SELECT pg_sleep(0.1) WHERE g > 0 AND before.value >= 0) pause
     CROSS JOIN LATERAL (
         SELECT string_agg(DISTINCT l.pid::text, ',') AS pids
         FROM pg_locks l
@@ -1855,15 +1987,41 @@ BEGIN
           AND l.pid <> pg_backend_pid() AND g > 0
           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
     ) u
+), seen AS MATERIALIZED (
+    SELECT string_agg(DISTINCT samples.pids, ',') AS pids FROM samples
+), after AS MATERIALIZED (
+    SELECT v.value, seen.pids, set_config('outbox_migrate.view_a9c89a39', v.value::text, false) AS saved
+    FROM before, seen,
+         -- names seen: read after the window, not before it
+         LATERAL (SELECT coalesce(CASE WHEN before.readable
+                                       THEN pg_sequence_last_value(before.oid) END, 0) AS value,
+                         seen.pids AS after_window) v
 )
-SELECT
-    format(
-    '%s is still used by other sessions (pids %s) during the %s s window; phase %s needs every instance of the '
-    'previous version (which writes to %s) gone — finish the rollout, then run this phase again',
-              '"billing"."events_p"', string_agg(DISTINCT samples.pids, ','), 2.0, 'drop-view', '"billing"."events_p"')
-FROM samples
-WHERE samples.pids IS NOT NULL
-HAVING count(*) > 0
+SELECT CASE
+    WHEN before.oid IS NULL
+    THEN
+        format('%s has no use counter (%s is missing); the count-view-writes step of phase %s must run first',
+        '"billing"."events_p"', '"billing"."events_p_view_uses"', 'drop-view')
+    WHEN NOT before.readable
+    THEN
+        format(
+        '%s: role %s cannot read the use counter %s (a gate does not pass on what it cannot see); run as the role '
+        'that ran count-view-writes, or GRANT SELECT ON SEQUENCE %s TO %s', '"billing"."events_p"', current_user,
+        '"billing"."events_p_view_uses"', '"billing"."events_p_view_uses"', current_user)
+    WHEN after.value > before.value
+    THEN
+        format(
+        '%s is still written through: %s statements in %s s; phase %s needs every instance of the previous version '
+        '(which writes to %s) gone — finish the rollout, then run this phase again',
+                '"billing"."events_p"', after.value - before.value, 2.0, 'drop-view', '"billing"."events_p"')
+    ELSE
+        format(
+        '%s is still used by other sessions (pids %s) during the %s s window; phase %s needs every instance of the '
+        'previous version (which writes to %s) gone — finish the rollout, then run this phase again',
+                '"billing"."events_p"', after.pids, 2.0, 'drop-view', '"billing"."events_p"') END
+FROM before, after
+WHERE before.oid IS NULL OR NOT before.readable OR after.value > before.value
+   OR after.pids IS NOT NULL
     LOOP
         RAISE EXCEPTION
             'outbox-migrate: precondition of hopia.drop-view.drop-compat-view [no-view-users:events_p] failed: %',
@@ -1902,5 +2060,42 @@ WHERE NOT EXISTS (
     END LOOP;
 END
 $om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN WITH saved AS MATERIALIZED (
+    SELECT nullif(coalesce(current_setting('outbox_migrate.view_a9c89a39', true), ''), '')::bigint AS value
+), now_ AS MATERIALIZED (
+    SELECT coalesce(CASE WHEN has_sequence_privilege(to_regclass('"billing"."events_p_view_uses"'), 'SELECT')
+                         THEN pg_sequence_last_value(to_regclass('"billing"."events_p_view_uses"')) END, 0) AS value,
+           coalesce(has_sequence_privilege(to_regclass('"billing"."events_p_view_uses"'), 'SELECT'), false) AS readable
+)
+SELECT CASE WHEN NOT now_.readable
+            THEN
+                format(
+                '%s: role %s cannot read the use counter %s; run as the role that ran count-view-writes, or GRANT '
+                'SELECT ON SEQUENCE %s TO %s', '"billing"."events_p"', current_user, '"billing"."events_p_view_uses"',
+                '"billing"."events_p_view_uses"', current_user)
+            WHEN saved.value IS NULL
+            THEN
+                format('%s: the gate did not sample the view in this session; phase %s needs its sampling window first',
+                '"billing"."events_p"', 'drop-view')
+            ELSE
+                format(
+                '%s was written through after the gate sampled (use counter at %s, was %s); phase %s needs every '
+                'instance of the previous version (which writes to %s) gone',
+                        '"billing"."events_p"', now_.value, saved.value, 'drop-view', '"billing"."events_p"') END
+FROM saved, now_
+WHERE NOT now_.readable OR saved.value IS NULL OR now_.value > saved.value
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.drop-view.drop-compat-view [no-view-writes-since-sample:events_p] '
+            'failed: %', violation;
+    END LOOP;
+END
+$om_assert$;
 DROP VIEW "billing"."events_p";
+DROP TABLE "billing"."events_p_view_use_sink";
+DROP FUNCTION "billing"."events_p_view_use_tick"();
+DROP SEQUENCE "billing"."events_p_view_uses";
 COMMIT;

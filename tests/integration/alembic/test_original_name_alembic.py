@@ -33,7 +33,7 @@ def test_original_name_through_alembic(project_per_migration: Path, dsn: str) ->
     )
     targets = result.phase_targets
     assert targets["original-name"] == "t1_hoper_original_name_01"
-    assert targets["drop-view"] == "t1_hoper_drop_view_01"
+    assert targets["drop-view"] == "t1_hoper_drop_view_02"  # count-view-writes, then the drop
     config = config_for(project_per_migration, dsn)
     with Runner(dsn, SETTINGS, "hoper", include_optional=True) as probe:
         pattern = probe.pattern

@@ -21,6 +21,7 @@ from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.relay.writer import WritePhase
 from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned_outbox, insert_rows
+from tests.support.roles import DocumentedRoles
 
 from .conftest import PARTITIONED_START, SPEC, Collected, ids_in
 from .test_switching import Writers, wait_for
@@ -136,6 +137,83 @@ def test_a_column_level_insert_grant_keeps_the_gate_shut(tables: str, collected:
             with psycopg.connect(dsn, autocommit=True) as admin:
                 admin.execute(sql.SQL("REVOKE INSERT ON outbox FROM {}").format(ident))
             wait_for(lambda: relay.state.switched, what="the switch after the REVOKE")
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
+            admin.execute(sql.SQL("DROP ROLE {}").format(ident))
+
+
+@pytest.mark.newest_pg_only
+def test_a_relay_role_that_cannot_see_the_owner_writing_does_not_switch(
+    dsn: str, documented_roles: DocumentedRoles, collected: Collected
+) -> None:
+    """The documented setup: the relay as its own role, a V1 instance writing as the table's
+    owner. The owner's sessions show no backend_type to the relay's role; the gate counts
+    them all the same and says which grant lets it tell (before, it saw no session and
+    switched at once, stranding the owner's later rows)."""
+    roles = documented_roles
+    with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
+        create_flat_outbox(owner, SPEC)
+        create_partitioned_outbox(owner, SPEC, start=PARTITIONED_START)
+        insert_rows(owner, "outbox", 100, spec=SPEC)
+    for table in ("outbox", "outbox_new", "outbox_unpublished"):
+        roles.grant("SELECT, UPDATE", table, roles.relay)
+    v1 = Writers()
+    v1.start(roles.owner_dsn, WritePhase.flat, count=1, application_name="orders-v1")
+    relay = switching_relay(roles.relay_dsn, collected)
+    try:
+        with running(relay):
+            wait_for(lambda: relay.state.blocked_checks >= 3, what="blocked switch checks")
+            time.sleep(HELD_S)
+            assert not relay.state.switched, "switched while the owner still inserts"
+            reason = relay.state.last_blocked_reason
+            assert roles.owner in reason
+            assert f"hidden from {roles.relay}" in reason
+            assert f"GRANT pg_read_all_stats TO {roles.relay}" in reason
+            roles.grant_stats(roles.relay)  # now it sees a client backend: still shut
+            checks = relay.state.blocked_checks
+            wait_for(lambda: relay.state.blocked_checks > checks + 2, what="more checks")
+            assert not relay.state.switched
+            assert "hidden" not in relay.state.last_blocked_reason
+            assert roles.owner in relay.state.last_blocked_reason
+            v1.finish()
+            wait_for(lambda: relay.state.switched, what="the switch once the owner is gone")
+            wait_for(lambda: not unpublished_flat(dsn), 10, "no stranded V1 row")
+    finally:
+        v1.finish()
+    assert {i for _, i in v1.inserted} <= set(collected.ids)
+
+
+@pytest.mark.newest_pg_only
+def test_the_watch_shows_why_a_switching_relay_waits(tables: str, collected: Collected) -> None:
+    """The relay records its reason in its session's application_name, which any role can
+    read: `status --watch` shows it (here: a role still holds INSERT); once the REVOKE lets
+    the relay switch, the mark is gone."""
+    from outbox_migrate import watch
+
+    dsn = tables
+    role = f"app_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(role)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(ident))
+        admin.execute(sql.SQL("GRANT INSERT ON outbox TO {}").format(ident))
+    relay = switching_relay(dsn, collected)
+    try:
+        # Looking as the watch does: a superuser's session of another name would itself be
+        # a writer no REVOKE stops, and keep the switch back.
+        with (
+            running(relay),
+            psycopg.connect(
+                dsn, autocommit=True, application_name=watch.WATCH_APPLICATION_NAME
+            ) as look,
+        ):
+            wait_for(lambda: relay.state.blocked_checks >= 2, what="blocked switch checks")
+            waiting = watch.switching_relays(look)
+            assert [w["waits"] for w in waiting] == ["privilege"]
+            assert "REVOKE" in waiting[0]["why"]
+            look.execute(sql.SQL("REVOKE INSERT ON outbox FROM {}").format(ident))
+            wait_for(lambda: relay.state.switched, what="the switch after the REVOKE")
+            assert watch.switching_relays(look) == []
     finally:
         with psycopg.connect(dsn, autocommit=True) as admin:
             admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))

@@ -179,6 +179,7 @@ def test_rename_rolls_back_and_forward_again(name: str, dsn: str) -> None:
             undone = runner.rollback(last_base)
         assert undone == [
             f"{name}.drop-view.drop-compat-view",
+            f"{name}.drop-view.count-view-writes",
             f"{name}.original-name.take-original-name",
         ]
         assert relkinds(conn) == before
@@ -220,6 +221,7 @@ def test_view_is_dropped_only_once_nobody_uses_it(dsn: str) -> None:
         run_through_base(conn, dsn, "copra")
         with Runner(dsn, settings(), "copra", include_optional=True) as runner:
             runner.run("original-name")
+            assert runner.next().ran == ["copra.drop-view.count-view-writes"]
         with psycopg.connect(dsn) as previous:  # not autocommit: the transaction stays open
             insert_one(previous, "outbox_new")
             with (

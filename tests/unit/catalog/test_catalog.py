@@ -70,7 +70,10 @@ CREATE = [
     "tune-autovacuum",
     "install-gate-sequence",
 ]
-ORIGINAL_NAME_KINDS = {"original-name": ["take-original-name"], "drop-view": ["drop-compat-view"]}
+ORIGINAL_NAME_KINDS = {
+    "original-name": ["take-original-name"],
+    "drop-view": ["count-view-writes", "drop-compat-view"],
+}
 CHECK_SEQUENCE = [
     "drop-identity",
     "add-not-valid-check",
@@ -193,6 +196,7 @@ def test_optional_steps_are_left_out_by_default() -> None:
         "hoper.v4.disable-old-triggers",
         "hopia.v4.disable-old-triggers",
         *(f"{name}.original-name.take-original-name" for name in PATTERN_NAMES),
+        *(f"{name}.drop-view.count-view-writes" for name in PATTERN_NAMES),
         *(f"{name}.drop-view.drop-compat-view" for name in PATTERN_NAMES),
     }
 
@@ -464,7 +468,7 @@ def test_the_rename_restates_the_end_state(name: str) -> None:
     the invariants are the renaming step's own (then the view's drop's), under the new names."""
     pattern = build_pattern(name, options=ALL)
     rename = pattern.phase("original-name").steps[0]
-    drop = pattern.phase("drop-view").steps[0]
+    drop = pattern.phase("drop-view").steps[-1]
     assert [s for s, _ in pattern.invariants("original-name")] == [rename] * len(
         rename.postcondition
     )
