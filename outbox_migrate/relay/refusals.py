@@ -14,7 +14,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from outbox_migrate.relay import claimed, mark_repair, publishing, queries
 from outbox_migrate.relay.bad_rows import FailedMessages
@@ -29,6 +29,18 @@ log = logging.getLogger("outbox_migrate.relay")
 
 _BY_ID = operator.attrgetter("id")
 """Claim order with key ordering: by id (application ids are then claimed by id too)."""
+
+
+class Outcome(NamedTuple):
+    """What `Refusals.publish` decided for a batch (see there)."""
+
+    acked: list[MessageId]
+    dead: list[MessageId]
+    retry: list[MessageId]
+    pause: float
+    rewind: MessageId | None
+    due: dict[MessageId, float]
+    """Messages parked (`--ordering key`) → when their next attempt is due (monotonic)."""
 
 
 class Refusals:
@@ -62,15 +74,17 @@ class Refusals:
         batch: list[Message],
         bad: list[claimed.BadRow],
         after: MessageId = 0,
-    ) -> tuple[list[MessageId], list[MessageId], list[MessageId], float, MessageId | None]:
+    ) -> Outcome:
         """Publish; returns (acknowledged ids to mark, dead-lettered ids, bad rows to try again
         by id, how long the worker pauses once this batch's transaction has ended, the id to
-        claim again from). The pause is a backoff by the most attempts any message the sink
-        refused has had; the worker then claims again from the lowest message to retry. With
+        claim again from, the parked messages and when each is due again). The pause is a
+        backoff by the most attempts any message the sink refused has had; the worker then
+        claims again from the lowest message to retry. With
         `--ordering key` a failure parks its key instead (parking.py): no pause, later messages
-        of that key wait while the others flow; a released key's held-back messages lie below
-        the cursor, which claims again from the lowest of them (`after`: where the claim
-        started).
+        of that key wait while the others flow, and the worker's cursor claims from just below
+        the parked message when it is due (`Cursor.retry_at`); a released key's held-back
+        messages lie below the cursor, which claims again from the lowest of them (`after`:
+        where the claim started).
 
         `bad`: rows of the batch that could not become a message (relay/claimed.py); they and
         messages the sink cannot represent count attempts like a rejection, without the
@@ -85,7 +99,7 @@ class Refusals:
         if parking:  # only ever non-empty with key ordering
             send = parking.withhold(label, claim, now=time.monotonic(), after=after)[0]
             if not send:  # every message waits for its key; others would have been sent
-                return [], [], [], PARKED_BATCH_WAIT_S, None  # no busy loop of rescans meanwhile
+                return Outcome([], [], [], PARKED_BATCH_WAIT_S, None, {})  # no busy loop meanwhile
             if len(send) < len(claim):
                 free = {m.id for m in send}
                 batch = [m for m in batch if m.id in free]
@@ -103,8 +117,8 @@ class Refusals:
             if parking:
                 settled = parking.settle(label, batch, {}, now=time.monotonic(),
                                          backoff=self.backoff, last=last)  # fmt: skip
-                return acked, [], [], 0.0, settled.claim_again_from
-            return acked, [], [], 0.0, None
+                return Outcome(acked, [], [], 0.0, settled.claim_again_from, settled.due)
+            return Outcome(acked, [], [], 0.0, None, {})
         reasons = {b.message.id: b.reason for b in bad}
         reasons.update(unrepresentable)
         reasons.update(rejected)
@@ -126,14 +140,17 @@ class Refusals:
                 now=time.monotonic(), backoff=self.backoff, last=last,
             )  # fmt: skip
             held = settled.held
-            return [i for i in acked if i not in held], dead_ids, [], 0.0, settled.claim_again_from
+            return Outcome(
+                [i for i in acked if i not in held], dead_ids, [], 0.0,
+                settled.claim_again_from, settled.due,
+            )  # fmt: skip
         most = max((verdict.attempts[i] for i in verdict.retry if i in rejected), default=0)
         # Rejected messages are claimed again after a backoff that grows with their attempts,
         # not at once: a transient refusal gets time to clear before the message counts
         # towards the dead-letter table. A bad row is tried again without waiting.
         pause = self.backoff(most - 1) if most else 0.0
         rewind = min(verdict.retry) if pause else None
-        return acked, dead_ids, verdict.retry, pause, rewind
+        return Outcome(acked, dead_ids, verdict.retry, pause, rewind, {})
 
     def _send(
         self, sink: Sink, label: str, batch: list[Message]
