@@ -48,6 +48,7 @@ from outbox_migrate.relay.cdc.columns import Columns, MessageBuilder
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
 from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.cdc.options import (
+    IDLE_CONFIRM_S,
     IDLE_TICK_S,
     MARK_MAX_IDS,
     STATUS_INTERVAL_S,
@@ -133,6 +134,7 @@ class StreamSession:
         written, never as flushed."""
         self.last_status = time.monotonic()
         self.last_mark = time.monotonic()
+        self.last_idle_confirm = 0.0
 
     @property
     def in_flight(self) -> bool:
@@ -299,11 +301,20 @@ class StreamSession:
     def _keepalive(self, reply: bool) -> None:
         """After the keepalives of one wake-up: with nothing of ours in flight, everything
         that commits before the server's position has been sent, so the slot may move up to
-        it. Otherwise only a requested reply is sent. (Answering every keepalive with the
-        received position as written stops the walsender's repeated pings, but measured
-        no cheaper: one status update per transaction instead of ~one more keepalive, and
-        each update wakes the walsender; docs/relay.md.)"""
-        if not self.in_flight and self.received > self.confirmed:
+        it — at most once per IDLE_CONFIRM_S unless the server asks for a reply: while other
+        databases write, the walsender pings on every WAL flush it reads past the confirmed
+        position, and confirming each ping made an idle relay send status updates at the
+        server's commit rate. Otherwise only a requested reply is sent. (Answering every
+        keepalive with the received position as written stops the walsender's repeated
+        pings, but measured no cheaper: one status update per transaction instead of ~one
+        more keepalive, and each update wakes the walsender; docs/relay.md.)"""
+        now = time.monotonic()
+        if (
+            not self.in_flight
+            and self.received > self.confirmed
+            and (reply or now - self.last_idle_confirm >= IDLE_CONFIRM_S)
+        ):
+            self.last_idle_confirm = now
             self.confirmed = self.received
             self._status(self.confirmed)
             self.stats.add(idle_confirms=1)
