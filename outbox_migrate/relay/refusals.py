@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from outbox_migrate.relay import claimed, mark_repair, publishing, queries
 from outbox_migrate.relay.bad_rows import FailedMessages
-from outbox_migrate.relay.errors import SinkCrashed, SinkError
+from outbox_migrate.relay.errors import SinkCrashed, SinkError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
@@ -109,7 +109,13 @@ class Refusals:
         if failures.known:  # a crash counted the last attempt of some: dead-letter, not send
             worn = self._dead_letter_exhausted(conn, label, batch)
         sent = [m for m in batch if m not in worn] if worn else batch
-        rejected, unrepresentable = self._send(sink, label, sent)
+        try:
+            rejected, unrepresentable = self._send(sink, label, sent)
+        except SinkUnavailable as exc:
+            partly = self._partly_sent(conn, label, exc, sent, worn, bool(bad))
+            if partly is None:
+                raise  # nothing acknowledged: the batch rolls back, the worker backs off
+            return partly
         if not (rejected or unrepresentable or bad or worn):
             acked = [m.id for m in batch]
             # A message that failed before went through this time: its counter goes.
@@ -152,6 +158,35 @@ class Refusals:
         rewind = min(verdict.retry) if pause else None
         return Outcome(acked, dead_ids, verdict.retry, pause, rewind, {})
 
+    def _partly_sent(
+        self,
+        conn: Any,
+        label: str,
+        exc: SinkUnavailable,
+        sent: list[Message],
+        worn: list[Message],
+        bad: bool,
+    ) -> Outcome | None:
+        """The sink ran out of time (or the broker went away) after acknowledging some of the
+        batch (`SinkUnavailable.acknowledged`): mark those — sent again they would be
+        duplicates, and a webhook slower than the sink's timeout per batch would never get
+        further — and claim the rest again from the lowest, after a short pause. None (the
+        whole batch rolls back) when nothing was acknowledged, when bad rows are in the batch
+        (their attempts belong to its transaction) or while keys are parked (their release
+        assumes the batch went out)."""
+        done = set(exc.acknowledged)
+        acked = [m.id for m in sent if m.id in done]
+        if not acked or bad or (self.by_key and self.parking):
+            return None
+        rest = [m.id for m in sent if m.id not in done]
+        self.forget(conn, label, acked)
+        self.stats.add(sink_failures=1)
+        self.observer.failed("sink")
+        log.warning("relay.sink_unavailable %s; %d of %d acknowledged and marked, the rest "
+                    "claimed again", " ".join(str(exc).split()), len(acked), len(sent))  # fmt: skip
+        dead = [m.id for m in worn]
+        return Outcome(acked, dead, [], self.backoff(0), min(rest, default=None), {})
+
     def _send(
         self, sink: Sink, label: str, batch: list[Message]
     ) -> tuple[dict[MessageId, str], dict[MessageId, str]]:
@@ -166,11 +201,18 @@ class Refusals:
                 parts = list(publishing.split_suspects(batch, seen.__contains__))
         rejected: dict[MessageId, str] = {}
         unrepresentable: dict[MessageId, str] = {}
-        for part in parts:
+        for i, part in enumerate(parts):
             try:
                 refused, unfit = publishing.publish(sink, part)
+            except SinkUnavailable as exc:
+                if i == 0 or not exc.acknowledged:
+                    raise
+                # Earlier parts went through: acknowledged too, unless one was refused.
+                clean = not (rejected or unrepresentable)
+                done = [m.id for p in parts[:i] for m in p] if clean else []
+                raise SinkUnavailable(exc.sink, exc.reason, done + exc.acknowledged) from exc
             except SinkError:
-                raise  # unavailable (retried), or a sink naming nothing here (a bug)
+                raise  # a sink naming nothing here (a bug)
             except Exception as exc:
                 name = str(getattr(sink, "name", type(sink).__name__))
                 raise SinkCrashed(name, label, [m.id for m in part], exc) from exc
