@@ -16,6 +16,7 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import UsageError
 
 if TYPE_CHECKING:
+    from outbox_migrate.cli.signals import GracefulStop
     from outbox_migrate.relay.sinks import SinkFactory
 
 
@@ -93,9 +94,9 @@ def run(
     key_column: str | None,
     event_type_column: str | None,
     metrics: tuple[str, int] | None,
+    stopping: GracefulStop,
 ) -> None:
     """Run the CDC relay until SIGTERM/SIGINT (or, with --until-empty, until caught up)."""
-    import signal
 
     from outbox_migrate.relay import metrics as relay_metrics
     from outbox_migrate.relay.cdc.metrics import CdcObserver
@@ -123,8 +124,8 @@ def run(
         observer = CdcObserver(options.lag_warn_bytes, options.lag_warn_s)
         server = relay_metrics.serve(observer, metrics[0], metrics[1])
     runner = CdcRelay(dsn, sink_factory, spec=spec, options=options, observer=observer)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda _signum, _frame: runner.stop())
+    if stopping.attach(runner.stop):
+        return  # stopped while starting: nothing was streamed
     try:
         runner.run()
     finally:

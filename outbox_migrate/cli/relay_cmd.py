@@ -224,8 +224,11 @@ def relay(
     *,
     names: dict[str, Any],
 ) -> None:
+    from outbox_migrate.cli import signals
+
+    # First: a SIGTERM while the relay starts is its normal stop too (exit 0, nothing begun).
+    stopping = None if drop_slot else signals.GracefulStop()
     import logging
-    import signal
     import sys
 
     from outbox_migrate.cli.options import settings_from
@@ -312,8 +315,9 @@ def relay(
 
         with connect(resolved.dsn, application_name=runner.application_name) as conn:
             notify.install(conn, settings.spec, channel)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda _signum, _frame: runner.stop())
+    assert stopping is not None
+    if stopping.attach(runner.stop):
+        return  # stopped while starting: nothing was claimed
     try:
         runner.run()
     finally:
@@ -351,6 +355,7 @@ def _cdc(given: dict[str, object], dsn: str) -> None:
         batch_size=a["batch_size"], until_empty=a["until_empty"],
         max_attempts=a["max_attempts"], dead_letter_table=a["dead_letter_table"],
         key_column=a["key_column"], event_type_column=a["event_type_column"], metrics=metrics,
+        stopping=a["stopping"],
     )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ import sys
 
 TYPE_CHECKING = False  # not typing's: importing typing costs ~30 ms before the handlers
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import FrameType
     from typing import Any
 
@@ -107,3 +108,26 @@ def say_interrupted(message: str) -> int:
     sys.stderr.write(f"outbox-migrate: error: {message}\n")
     sys.stderr.flush()
     return exit_code()
+
+
+class GracefulStop:
+    """A service's stop (`relay`): from the command's first statement on, SIGTERM and SIGINT
+    call the runner's `stop` once there is one (`attach`) and are remembered until then. The
+    relay's own handler used to come only once it was built — its sink imported, its
+    wake-up trigger installed — and a SIGTERM meanwhile raised `Terminated` (exit 143),
+    where docs/cli.md promises a service's stop exits 0; with nothing begun, it is that."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._stop: Callable[[], None] | None = None
+        _handle(self._on_signal)
+
+    def _on_signal(self, _signum: int, _frame: FrameType | None) -> None:
+        self.requested = True
+        if self._stop is not None:
+            self._stop()
+
+    def attach(self, stop: Callable[[], None]) -> bool:
+        """From now on a signal calls `stop`; True when one came already (do not start)."""
+        self._stop = stop
+        return self.requested

@@ -339,7 +339,7 @@ class BatchLoop:
         """
         # CLAIM: a claim below the cursor is due (a late row may be visible), or the last
         # claim did not try to raise the flag: claim again now (what is queued goes with it).
-        action = self.flag.in_run(self.cursor.due())
+        action = self.flag.in_run(self.cursor.due(time.monotonic()))
         if action is Idle.SLEEP:
             linger = self._linger_s(source)
             woken = self._hold(pipe, pending, None)
@@ -422,9 +422,10 @@ class BatchLoop:
         self.fence.check(time.monotonic())
         assert self.sink is not None
         direct = wire.direct(conn, pipe)
-        acked, claim.letters, retry, pause, rewind = relay.refusals.publish(
+        acked, claim.letters, retry, pause, rewind, due = relay.refusals.publish(
             direct, self.sink, source, batch, bad, after
         )
+        cursor.retry_at(due)  # `--ordering key`: a parked message's next attempt, on a clock
         if claim.letters or (relay.refusals.suspects and acked):
             acked, again = unmarked.before_mark(relay, direct, claim, acked)
             retry += again
@@ -472,8 +473,7 @@ class BatchLoop:
         """Read-ahead keeps publishing one batch at a time in id order, but a rejection would
         meet a batch already claimed behind it: with key or global ordering (parking, strict
         order) and application ids (no cursor to claim after) it is not used."""
-        relay = self.relay
-        options = relay.options
+        relay, options = self.relay, self.relay.options
         return (
             options.read_ahead
             and options.ordering is Ordering.none

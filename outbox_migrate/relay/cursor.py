@@ -27,11 +27,16 @@ wake-up trigger's or the application's payload) makes the probe due at once, or,
 the cursor never saw as a gap, starts the next claim just below it. With key-hash shards a gap
 cannot be attributed to a shard, so the cursor falls back to a full rescan every
 KEY_SHARD_RESCAN_S (and to the notified ids).
+
+A message to try again at a given time (a parked key's message, relay/parking.py) is put on
+the cursor's clock (`retry_at`): the first claim at or after that time starts just below it.
+Left to the rescan from id 0, its attempts were spaced by that rescan — which the rescan's own
+cost defers (RESCAN_COST_FACTOR), so a key stayed parked the longer the busier the outbox.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 MAX_ID_DIGITS = 20
@@ -96,6 +101,8 @@ class Cursor:
         self._next_look = now + GAP_PROBE_S
         """While a region is open, plain claims (read-ahead) give way to a claim that reads
         the horizon this often."""
+        self._scheduled: dict[Any, float] = {}
+        """Id → when a claim must start just below it (`retry_at`)."""
 
     def reset(self, mine: Sequence[int], now: float) -> None:
         """Shards changed or the session was lost: start over from id 0."""
@@ -109,9 +116,34 @@ class Cursor:
         self._settled = False
         self._final.clear()
 
+    def retry_at(self, due: Mapping[Any, float]) -> None:
+        """Id → when (monotonic): the claim at or after that time must reach back to the id
+        (a parked key's message whose next attempt is due then), so it starts just below it.
+        Kept through `reset`: a claim from id 0 before that time does not stand in for it."""
+        self._scheduled.update(due)
+
+    def _take_scheduled(self, now: float) -> Any:
+        """The lowest id whose time has come (forgotten once taken), or None."""
+        if not self._scheduled:
+            return None
+        ready = [i for i, when in self._scheduled.items() if when <= now]
+        for message_id in ready:
+            del self._scheduled[message_id]
+        return min(ready) if ready else None
+
+    def wait_s(self, now: float) -> float | None:
+        """How long a worker may sleep before a scheduled claim is due (None: nothing is)."""
+        if not self._scheduled:
+            return None
+        return max(0.0, min(self._scheduled.values()) - now)
+
     def start(self, now: float) -> int:
         """`after` for the next claim (`id > after`)."""
         self._next_look = now + GAP_PROBE_S
+        scheduled = self._take_scheduled(now)
+        if scheduled is not None:
+            current = self._lowered if self._lowered is not None else self.frontier
+            self._lowered = min(current, scheduled - 1)
         if now >= self._next_full_rescan or self._overflow or self._settled:
             self._next_full_rescan = now + (
                 FULL_RESCAN_S if self.track_gaps else KEY_SHARD_RESCAN_S
@@ -260,9 +292,11 @@ class Cursor:
 
     def plain(self, now: float) -> bool:
         """Whether the next claim would be a plain range claim from the frontier: no rescan
-        from id 0, notified id, gap probe or horizon due (what read-ahead may claim)."""
+        from id 0, notified id, scheduled retry, gap probe or horizon due (what read-ahead
+        may claim)."""
         return not (
             self._lowered is not None
+            or self.wait_s(now) == 0.0
             or self._overflow
             or self._settled
             or now >= self._next_full_rescan
@@ -270,9 +304,15 @@ class Cursor:
             or (self._region is not None and now >= self._next_look)
         )
 
-    def due(self) -> bool:
+    def due(self, now: float) -> bool:
         """A claim below the frontier is due now: the worker should not sleep first."""
-        return self._overflow or self._settled or bool(self._final) or self._lowered is not None
+        return (
+            self._overflow
+            or self._settled
+            or bool(self._final)
+            or self._lowered is not None
+            or self.wait_s(now) == 0.0
+        )
 
     def _gapless(self, low: int, ids: Sequence[int]) -> bool:
         """True when `ids` are every id of this worker's shards in (low, ids[-1]]: the usual
@@ -334,6 +374,7 @@ class NoCursor(Cursor):
         super().__init__(shards=1, mine=[], track_gaps=False, now=now)
 
     def start(self, now: float) -> int:
+        self._take_scheduled(now)  # every claim starts at the beginning: it reaches them all
         return 0
 
     def probe(self, now: float) -> list[int] | None:
@@ -357,8 +398,9 @@ class NoCursor(Cursor):
     def force_full_rescan(self) -> None:
         return None  # every claim starts at the beginning already
 
-    def due(self) -> bool:
-        return False  # nothing below a frontier can be pending: there is no frontier
+    def due(self, now: float) -> bool:
+        # Nothing below a frontier can be pending (there is none); a parked message's time can.
+        return self.wait_s(now) == 0.0
 
     def wants_horizon(self) -> bool:
         return False

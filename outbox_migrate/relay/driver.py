@@ -311,7 +311,7 @@ class Worker:
     def _idle(self, source: queries.Source) -> None:
         """Nothing to claim: sleep until a notification or the poll interval — with the idle
         flag up, so the wake-up trigger notifies (relay/notify.py)."""
-        if self.cursor.due():
+        if self.cursor.due(time.monotonic()):
             return  # a claim below the cursor is due (a late row may be visible): no sleep
         if self.flag.idle() is Idle.RAISE:
             if self._raise_idle_flag(source):
@@ -348,6 +348,9 @@ class Worker:
         if relay.stopping:
             return True
         timeout = relay.options.poll_interval_s if timeout_s is None else timeout_s
+        scheduled = self.cursor.wait_s(time.monotonic())
+        if scheduled is not None:  # a parked key's message is due then (`Cursor.retry_at`)
+            timeout = min(timeout, scheduled)
         listener = self.listener
         relisten = not listener.listening and self.flag.enabled and self.conn is not None
         if relisten and self._relisten():

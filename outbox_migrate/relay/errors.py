@@ -1,8 +1,11 @@
 """Relay errors: what a sink or the relay reports, as `OutboxMigrateError`s with facts.
 
 `SinkUnavailable` means "nothing in this batch can be trusted as delivered; retry later with
-backoff" (broker down, timeout). `MessagesRejected` means "these ids were refused, the rest
-were acknowledged": the relay marks the acknowledged ones and counts attempts for the others.
+backoff" (broker down, timeout) — except the ids it names as `acknowledged`, when the sink
+knows them (the HTTP sink, whose publish ran out of its time after some 2xx answers): the
+relay marks those and claims the rest again, so they are not sent twice. `MessagesRejected`
+means "these ids were refused, the rest were acknowledged": the relay marks the acknowledged
+ones and counts attempts for the others.
 `UnrepresentableMessage` means "this one message cannot be put in the form the sink sends"
 (a raw bytes payload in a JSON envelope): a rejection of that message, never an outage.
 """
@@ -57,9 +60,11 @@ class SinkError(OutboxMigrateError):
 class SinkUnavailable(SinkError):
     """The broker did not acknowledge the batch; no message of it may be marked published."""
 
-    def __init__(self, sink: str, reason: str) -> None:
+    def __init__(self, sink: str, reason: str, acknowledged: Sequence[MessageId] = ()) -> None:
         self.sink = sink
         self.reason = reason
+        self.acknowledged = list(acknowledged)
+        """Messages of the batch the broker did acknowledge before the rest failed."""
         super().__init__(f"sink {sink} unavailable: {reason}")
 
 

@@ -11,12 +11,21 @@ failed, aborting connection: …; Caller's stack:" and the whole traceback, on a
 connection) is reduced the same way: the text before it, then its last line. Errors and
 warnings of a library become warnings of the relay (the relay decides what is an error); the
 rest become debug lines.
+
+A library repeats itself through an outage — pika logs four or five lines per reconnect
+attempt, hundreds in one RabbitMQ outage — so a warning line of the same shape (same logger,
+same text once numbers and addresses are blanked) is written at most once per
+REPEAT_INTERVAL_S; the next one written says how many were left out meanwhile. `route()`, at
+every relay start, begins afresh.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
+import time
+from collections.abc import Callable
 
 from outbox_migrate.relay.sinks.urls import mask_url
 
@@ -28,6 +37,12 @@ LIBRARY_LOGGERS = (
 callback (librdkafka's log, nats-py's error callback)."""
 EVENT = "relay.sink_library"
 MAX_LINE_CHARS = 500
+REPEAT_INTERVAL_S = 30.0
+"""A warning of one shape is written at most this often (the relay's own
+`relay.sink_unavailable` already says, every time, that the broker is away)."""
+MAX_SHAPES = 1_000
+"""Shapes remembered at most (a library that puts unique text in every line)."""
+_VARIABLE = re.compile(r"0x[0-9a-fA-F]+|\d+")
 _EMBEDDED_TRACEBACK = re.compile(
     r"(?:\s*Caller's stack:)?\s*(?:Traceback|Stack) \(most recent call last\):.*", re.DOTALL
 )
@@ -35,7 +50,33 @@ _relay_log = logging.getLogger("outbox_migrate.relay")
 
 
 class _OneLine(logging.Handler):
-    """Re-emit a library record on the relay's logger, one line, no traceback."""
+    """Re-emit a library record on the relay's logger, one line, no traceback, a repeated
+    warning at most once per REPEAT_INTERVAL_S."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.clock = clock
+        self._guard = threading.Lock()
+        self._seen: dict[tuple[str, str], tuple[float, int]] = {}
+        """Shape → when last written, how many left out since."""
+
+    def reset(self) -> None:
+        with self._guard:
+            self._seen.clear()
+
+    def _left_out(self, name: str, text: str) -> int | None:
+        """None: leave this line out; else how many of its shape were left out before it."""
+        key = (name, _VARIABLE.sub("#", text))
+        now = self.clock()
+        with self._guard:
+            last = self._seen.get(key)
+            if last is not None and now - last[0] < REPEAT_INTERVAL_S:
+                self._seen[key] = (last[0], last[1] + 1)
+                return None
+            if len(self._seen) >= MAX_SHAPES:
+                self._seen.clear()
+            self._seen[key] = (now, 0)
+            return last[1] if last is not None else 0
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -47,8 +88,15 @@ class _OneLine(logging.Handler):
             text = f"{text}: {type(exc).__name__}: {exc}"
         text = mask_url(" ".join(_without_traceback(text).split()))[:MAX_LINE_CHARS]
         level = logging.WARNING if record.levelno >= logging.WARNING else logging.DEBUG
-        if _relay_log.isEnabledFor(level):
-            _relay_log.log(level, "%s logger=%s %s", EVENT, record.name, text)
+        if not _relay_log.isEnabledFor(level):
+            return
+        if level == logging.WARNING:
+            left_out = self._left_out(record.name, text)
+            if left_out is None:
+                return
+            if left_out:
+                text += f" (and {left_out} more like it since the last one)"
+        _relay_log.log(level, "%s logger=%s %s", EVENT, record.name, text)
 
 
 def _without_traceback(text: str) -> str:
@@ -68,7 +116,9 @@ _HANDLER = _OneLine()
 
 
 def route() -> None:
-    """Install the routing (idempotent; the relay calls it when it starts)."""
+    """Install the routing (idempotent; the relay calls it when it starts) and forget the
+    repeats seen so far."""
+    _HANDLER.reset()
     for name in LIBRARY_LOGGERS:
         logger = logging.getLogger(name)
         if _HANDLER not in logger.handlers:

@@ -12,15 +12,16 @@ ordering the promise is per key, so:
   the outbox id, as after any at-least-once retry;
 * before a batch is published, messages of a parked key with a higher id, and the parked
   message itself before its attempt is due, are *withheld*: neither sent nor marked, so they
-  stay unpublished and are claimed again (with key ordering the cursor rescans from id 0 at
-  least every KEY_SHARD_RESCAN_S);
+  stay unpublished and are claimed again: the worker's cursor claims from just below the
+  parked message when its attempt is due (`Settled.due`, `Cursor.retry_at`) — on a clock,
+  not at the next rescan from id 0, which the rescan's own cost spaces out under load;
 * withheld and held messages lie *below* the cursor, which went on claiming newer ones: a
   parked key's messages therefore go out only in a batch whose claim reached back to the
   park (it started below it), where they come in id order ahead of any newer one. Released
   only then, and only once that claim also reached the highest id the key left behind; else
   the key *drains*: parked just after the claim's last id, due at once, and the worker's
   cursor claims again from there. Without this a newer message claimed above the cursor went
-  out at once, the held-back ones only with the next rescan a second later;
+  out at once, the held-back ones only with a later claim from below;
 * a park ends early when its message has not come back for PARK_STALE_S after its attempt
   was due (another relay process dealt with it after a rebalance; the key's next messages
   then wait that long).
@@ -45,8 +46,9 @@ PARKED_BATCH_WAIT_S = 0.05
 with `until_empty` the worker would otherwise rescan from id 0 in a tight loop until the
 parked message is due."""
 PARK_STALE_S = 30.0
-"""A parked message not claimed again this long after its attempt was due is gone: with key
-ordering the cursor rescans from id 0 every second or so (spaced by the rescan's cost)."""
+"""A parked message not claimed again this long after its attempt was due is gone: the
+worker's cursor claims from just below it when it is due, and every rescan from id 0 reaches
+it too, so only a message another relay process took (its shard moved) stays away."""
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,13 @@ class Park:
 class Settled(NamedTuple):
     """What a published batch leaves: `held`, ids of sent messages not to mark (they follow a
     message of their key to retry); `claim_again_from`, the lowest id the worker's cursor
-    must claim from again (a released key's held-back messages lie below it), or None."""
+    must claim from again (a released key's held-back messages lie below it), or None;
+    `due`, the messages it parked and when each is due again (monotonic): the worker's cursor
+    claims from just below each then (`Cursor.retry_at`)."""
 
     held: set[MessageId]
     claim_again_from: MessageId | None
+    due: dict[MessageId, float]
 
 
 def _before(a: MessageId, b: MessageId) -> bool:
@@ -196,6 +201,7 @@ class Parking:
             if (first := first_retry.get(message.key)) is not None and _before(first.id, message.id)
         }
         claim_again: MessageId | None = None
+        due: dict[MessageId, float] = {}
         with self._lock:
             # Keys whose messages behind their park went out (`withhold` let them), and up to
             # where that delivered them: the batch's last id, or the parked message sent alone.
@@ -211,7 +217,9 @@ class Parking:
                 for message in sent:
                     if message.key == key_value and message.id in held:
                         high = _later(high, message.id)
-                self._parked[key] = Park(first.id, now + backoff(retry[first.id] - 1), high)
+                park = Park(first.id, now + backoff(retry[first.id] - 1), high)
+                self._parked[key] = park
+                due[park.id] = park.due
             for key_value, upto in reached.items():
                 if key_value in first_retry:
                     continue
@@ -224,4 +232,4 @@ class Parking:
                 if isinstance(upto, int):
                     low = upto + 1
                     claim_again = low if claim_again is None else min(claim_again, low)
-        return Settled(held, claim_again)
+        return Settled(held, claim_again, due)

@@ -14,11 +14,11 @@ import logging
 import operator
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from outbox_migrate.relay import claimed, mark_repair, publishing, queries
 from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages
-from outbox_migrate.relay.errors import SinkCrashed, SinkError
+from outbox_migrate.relay.errors import SinkCrashed, SinkError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
@@ -29,6 +29,19 @@ log = logging.getLogger("outbox_migrate.relay")
 
 _BY_ID = operator.attrgetter("id")
 """Claim order with key ordering: by id (application ids are then claimed by id too)."""
+
+
+class Outcome(NamedTuple):
+    """What `Refusals.publish` decided for a batch (see there)."""
+
+    acked: list[MessageId]
+    letters: list[DeadLetter]
+    """Dead letters written; their rows are the caller's to take out before the mark."""
+    retry: list[MessageId]
+    pause: float
+    rewind: MessageId | None
+    due: dict[MessageId, float]
+    """Messages parked (`--ordering key`) → when their next attempt is due (monotonic)."""
 
 
 class Refusals:
@@ -62,16 +75,18 @@ class Refusals:
         batch: list[Message],
         bad: list[claimed.BadRow],
         after: MessageId = 0,
-    ) -> tuple[list[MessageId], list[DeadLetter], list[MessageId], float, MessageId | None]:
+    ) -> Outcome:
         """Publish; returns (acknowledged ids to mark, dead letters written — their rows are
         the caller's to take out of the outbox before the mark, bad rows to try again
         by id, how long the worker pauses once this batch's transaction has ended, the id to
-        claim again from). The pause is a backoff by the most attempts any message the sink
-        refused has had; the worker then claims again from the lowest message to retry. With
+        claim again from, the parked messages and when each is due again). The pause is a
+        backoff by the most attempts any message the sink refused has had; the worker then
+        claims again from the lowest message to retry. With
         `--ordering key` a failure parks its key instead (parking.py): no pause, later messages
-        of that key wait while the others flow; a released key's held-back messages lie below
-        the cursor, which claims again from the lowest of them (`after`: where the claim
-        started).
+        of that key wait while the others flow, and the worker's cursor claims from just below
+        the parked message when it is due (`Cursor.retry_at`); a released key's held-back
+        messages lie below the cursor, which claims again from the lowest of them (`after`:
+        where the claim started).
 
         `bad`: rows of the batch that could not become a message (relay/claimed.py); they and
         messages the sink cannot represent count attempts like a rejection, without the
@@ -86,7 +101,7 @@ class Refusals:
         if parking:  # only ever non-empty with key ordering
             send = parking.withhold(label, claim, now=time.monotonic(), after=after)[0]
             if not send:  # every message waits for its key; others would have been sent
-                return [], [], [], PARKED_BATCH_WAIT_S, None  # no busy loop of rescans meanwhile
+                return Outcome([], [], [], PARKED_BATCH_WAIT_S, None, {})  # no busy loop meanwhile
             if len(send) < len(claim):
                 free = {m.id for m in send}
                 batch = [m for m in batch if m.id in free]
@@ -97,7 +112,13 @@ class Refusals:
             worn = self._dead_letter_exhausted(conn, label, batch)
         gone = {d.message.id for d in worn}
         sent = [m for m in batch if m.id not in gone] if worn else batch
-        rejected, unrepresentable = self._send(sink, label, sent)
+        try:
+            rejected, unrepresentable = self._send(sink, label, sent)
+        except SinkUnavailable as exc:
+            partly = self._partly_sent(conn, label, exc, sent, worn, bool(bad))
+            if partly is None:
+                raise  # nothing acknowledged: the batch rolls back, the worker backs off
+            return partly
         if not (rejected or unrepresentable or bad or worn):
             acked = [m.id for m in batch]
             # A message that failed before went through this time: its counter goes.
@@ -105,8 +126,8 @@ class Refusals:
             if parking:
                 settled = parking.settle(label, batch, {}, now=time.monotonic(),
                                          backoff=self.backoff, last=last)  # fmt: skip
-                return acked, [], [], 0.0, settled.claim_again_from
-            return acked, [], [], 0.0, None
+                return Outcome(acked, [], [], 0.0, settled.claim_again_from, settled.due)
+            return Outcome(acked, [], [], 0.0, None, {})
         reasons = {b.message.id: b.reason for b in bad}
         reasons.update(unrepresentable)
         reasons.update(rejected)
@@ -127,14 +148,45 @@ class Refusals:
                 now=time.monotonic(), backoff=self.backoff, last=last,
             )  # fmt: skip
             held = settled.held
-            return [i for i in acked if i not in held], letters, [], 0.0, settled.claim_again_from
+            return Outcome(
+                [i for i in acked if i not in held], letters, [], 0.0,
+                settled.claim_again_from, settled.due,
+            )  # fmt: skip
         most = max((verdict.attempts[i] for i in verdict.retry if i in rejected), default=0)
         # Rejected messages are claimed again after a backoff that grows with their attempts,
         # not at once: a transient refusal gets time to clear before the message counts
         # towards the dead-letter table. A bad row is tried again without waiting.
         pause = self.backoff(most - 1) if most else 0.0
         rewind = min(verdict.retry) if pause else None
-        return acked, letters, verdict.retry, pause, rewind
+        return Outcome(acked, letters, verdict.retry, pause, rewind, {})
+
+    def _partly_sent(
+        self,
+        conn: Any,
+        label: str,
+        exc: SinkUnavailable,
+        sent: list[Message],
+        worn: list[DeadLetter],
+        bad: bool,
+    ) -> Outcome | None:
+        """The sink ran out of time (or the broker went away) after acknowledging some of the
+        batch (`SinkUnavailable.acknowledged`): mark those — sent again they would be
+        duplicates, and a webhook slower than the sink's timeout per batch would never get
+        further — and claim the rest again from the lowest, after a short pause. None (the
+        whole batch rolls back) when nothing was acknowledged, when bad rows are in the batch
+        (their attempts belong to its transaction) or while keys are parked (their release
+        assumes the batch went out)."""
+        done = set(exc.acknowledged)
+        acked = [m.id for m in sent if m.id in done]
+        if not acked or bad or (self.by_key and self.parking):
+            return None
+        rest = [m.id for m in sent if m.id not in done]
+        self.forget(conn, label, acked)
+        self.stats.add(sink_failures=1)
+        self.observer.failed("sink")
+        log.warning("relay.sink_unavailable %s; %d of %d acknowledged and marked, the rest "
+                    "claimed again", " ".join(str(exc).split()), len(acked), len(sent))  # fmt: skip
+        return Outcome(acked, worn, [], self.backoff(0), min(rest, default=None), {})
 
     def _send(
         self, sink: Sink, label: str, batch: list[Message]
@@ -150,11 +202,18 @@ class Refusals:
                 parts = list(publishing.split_suspects(batch, seen.__contains__))
         rejected: dict[MessageId, str] = {}
         unrepresentable: dict[MessageId, str] = {}
-        for part in parts:
+        for i, part in enumerate(parts):
             try:
                 refused, unfit = publishing.publish(sink, part)
+            except SinkUnavailable as exc:
+                if i == 0 or not exc.acknowledged:
+                    raise
+                # Earlier parts went through: acknowledged too, unless one was refused.
+                clean = not (rejected or unrepresentable)
+                done = [m.id for p in parts[:i] for m in p] if clean else []
+                raise SinkUnavailable(exc.sink, exc.reason, done + exc.acknowledged) from exc
             except SinkError:
-                raise  # unavailable (retried), or a sink naming nothing here (a bug)
+                raise  # a sink naming nothing here (a bug)
             except Exception as exc:
                 name = str(getattr(sink, "name", type(sink).__name__))
                 raise SinkCrashed(name, label, [m.id for m in part], exc) from exc

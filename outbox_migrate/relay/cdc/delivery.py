@@ -26,7 +26,7 @@ from outbox_migrate.relay import publishing
 from outbox_migrate.relay.bad_rows import FailedMessages, Verdict, log_dead
 from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.cdc.stats import CdcStats
-from outbox_migrate.relay.errors import SinkError, crash_reason
+from outbox_migrate.relay.errors import SinkError, SinkUnavailable, crash_reason
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.sinks import Sink, SinkFactory
@@ -108,10 +108,13 @@ class Delivery:
                 self._count({m.id: KILLED_REASON for m in todo})
             try:
                 rejected, unrepresentable = publishing.publish(sink, todo)
-            except SinkError:
+            except SinkError as exc:
                 if careful:  # the broker's fault, not the messages'
                     self._uncount([m.id for m in todo])
-                raise  # unavailable: nothing of the batch counts as delivered
+                if not (isinstance(exc, SinkUnavailable) and exc.acknowledged):
+                    raise  # unavailable: nothing of the batch counts as delivered
+                todo = self._partly_sent(todo, exc)
+                continue
             except Exception as exc:
                 self._count_crash(todo, exc, counted=careful)
                 raise
@@ -121,6 +124,21 @@ class Delivery:
             if not (rejected or unrepresentable):
                 return
             todo = self._refused(todo, rejected, unrepresentable, counted=careful)
+
+    def _partly_sent(self, todo: list[Message], exc: SinkUnavailable) -> list[Message]:
+        """The sink ran out of time after acknowledging part of the batch (the HTTP sink's
+        publish is bounded by its timeout): the rest is published again after a short pause,
+        not the whole batch — a webhook slower than the timeout per batch would otherwise
+        never get through it."""
+        done = set(exc.acknowledged)
+        rest = [m for m in todo if m.id not in done]
+        self.stats.add(sink_failures=1)
+        self.observer.failed("sink")
+        log.warning("relay.sink_unavailable %s; %d of %d acknowledged, the rest sent again",
+                    " ".join(str(exc).split()), len(todo) - len(rest), len(todo))  # fmt: skip
+        if rest and self.stop.wait(self.backoff(0)):
+            raise Interrupted from None
+        return rest
 
     def _refused(
         self,

@@ -6,6 +6,13 @@ and publishing while the server works; its result is collected later. This modul
 for the broker and never leaves a transaction open: each statement is its own transaction
 (autocommit), and `session()` hands the connection out only once no mark is in flight.
 
+A transaction reaches the stream once its commit record is flushed — a moment *before* other
+sessions see it (the server ends it in shared memory after the flush; with synchronous
+replication, after the standby's answer). A mark sent in that moment does not see the rows it
+was sent for, and reports success. So the mark also returns the snapshot it ran with
+(`pg_current_snapshot()` is the statement's own), and the transactions it did not show yet
+(`unseen`) are marked again by the stream session before it confirms past them.
+
 A mark that breaks a constraint (a duplicate id after the swap) is repaired on this session
 (relay/cdc/mark_repair.py): the rest are marked, the failing rows counted and retried alone
 before each later mark until marked or dead-lettered; `unresolved` tells the stream session
@@ -17,7 +24,7 @@ from __future__ import annotations
 import logging
 import select
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import psycopg
@@ -53,6 +60,11 @@ class MarkSession:
         """Rows whose mark breaks a constraint (None: such a mark stops the relay)."""
         self._sent: list[MessageId] = []
         """The ids of the mark in flight (repaired if it fails on a constraint)."""
+        self._xids: list[int] = []
+        """The transactions (32-bit xids, as the stream names them) of the mark in flight."""
+        self.unseen: set[int] = set()
+        """Transactions of the last mark collected that its snapshot did not show yet (still
+        ending on the server): their rows may be unmarked, the caller marks them again."""
         self.enabled = enabled
         """False with `--no-mark`: `send` sends nothing and the caller confirms at once."""
         self._stats = stats
@@ -82,9 +94,9 @@ class MarkSession:
         self.wait()
         return self._open()
 
-    def mark(self, ids: Sequence[MessageId]) -> None:
+    def mark(self, ids: Sequence[MessageId], xids: Iterable[int] = ()) -> None:
         """Mark and wait (the first start's backlog; the stream uses `send`)."""
-        if self.send(ids):
+        if self.send(ids, xids):
             self.wait()
 
     def settle(self, stop: threading.Event) -> None:
@@ -98,13 +110,16 @@ class MarkSession:
                 return
             repair.retry(self._open())  # type: ignore[union-attr]
 
-    def send(self, ids: Sequence[MessageId]) -> bool:
+    def send(self, ids: Sequence[MessageId], xids: Iterable[int] = ()) -> bool:
         """Send one statement for `ids` without waiting for it (the rows leave the
         unpublished partition); False when there is nothing to send. At most one mark is in
         flight: `done`/`wait` collect its result before the next is sent. Rows whose mark
         failed before are tried first, alone (`MarkRepair.retry`), and left out of it.
+        `xids`: the transactions that inserted them (the stream's), checked against the
+        mark's snapshot (`unseen`).
         `--no-mark`: nothing is sent; the counters of failed attempts of these acknowledged
         messages go now (no mark will)."""
+        self.unseen = set()
         if not self.enabled:
             if self._repair is not None and ids and self._repair.failures.known:
                 self._repair.forget_marked(self.session(), ids)
@@ -125,8 +140,12 @@ class MarkSession:
             # the cursor API cost ~300 µs of CPU per batch, more than the rest of the loop
             # (measured at one batch per transaction, the steady state at 1,000 msg/s).
             spec = self._spec
+            # The UPDATE's row count and the snapshot it ran with (the statement's own).
             self._sql = (
-                sql.SQL("UPDATE {} SET {} WHERE {} = ANY($1::int8[]) AND {}")
+                sql.SQL(
+                    "WITH marked AS (UPDATE {} SET {} WHERE {} = ANY($1::int8[]) AND {} "
+                    "RETURNING 1) SELECT count(*), pg_current_snapshot()::text FROM marked"
+                )
                 .format(
                     sql.Identifier(spec.schema, spec.partitioned_table),
                     marker.mark(spec),
@@ -146,6 +165,7 @@ class MarkSession:
             raise psycopg.OperationalError(one_line(str(exc))) from None
         self._in_flight = True
         self._sent = list(ids)
+        self._xids = list(xids)
         self._stats.add(marks=1)
         return True
 
@@ -186,12 +206,16 @@ class MarkSession:
                 pgconn.error_message.decode(errors="replace").strip() or "mark: no result"
             )
         sent, self._sent = self._sent, []
+        xids, self._xids = self._xids, []
         repair = self._repair
         if repair is not None and repair.available and _broke_a_constraint(result, pgconn):
             repair.after_failure(self._open(), sent, _error(result, pgconn))
             return
-        result = _check(result, pgconn)
-        self._stats.add(marked=max(result.command_tuples or 0, 0))
+        result = _check(result, pgconn, rows=True)
+        self._stats.add(marked=int(result.get_value(0, 0) or 0))
+        if xids:
+            snapshot = (result.get_value(0, 1) or b"").decode()
+            self.unseen = {x for x in xids if not visible(x, snapshot)}
         if repair is not None and repair.failures.known:
             repair.forget_marked(self._open(), sent)
 
@@ -210,12 +234,26 @@ class MarkSession:
             self._sql = None
             self._in_flight = False
             self._sent = []
+            self._xids = []
 
 
-def _check(result: Any, pgconn: Any) -> Any:
+def visible(xid: int, snapshot: str) -> bool:
+    """Whether the transaction with the 32-bit `xid` (as pgoutput names it) had ended for
+    `snapshot` (`pg_snapshot` text, `xmin:xmax:xip,…`, of full 64-bit xids). The xid is
+    widened against xmax: a transaction the stream sent lies within 2^31 of it."""
+    xmin_text, xmax_text, xip_text = snapshot.split(":")
+    xmin, xmax = int(xmin_text), int(xmax_text)
+    behind = ((xmax & 0xFFFFFFFF) - xid) % (1 << 32)
+    if behind == 0 or behind > (1 << 31):
+        return False  # at or past xmax: not ended when the snapshot was taken
+    full = xmax - behind
+    return full < xmin or str(full) not in xip_text.split(",")
+
+
+def _check(result: Any, pgconn: Any, *, rows: bool = False) -> Any:
     from psycopg import pq
 
-    if result.status != pq.ExecStatus.COMMAND_OK:
+    if result.status != (pq.ExecStatus.TUPLES_OK if rows else pq.ExecStatus.COMMAND_OK):
         message = _error(result, pgconn)
         if pgconn.status != pq.ConnStatus.OK:
             raise psycopg.OperationalError(message)
@@ -233,7 +271,7 @@ def _broke_a_constraint(result: Any, pgconn: Any) -> bool:
     problem, repaired; anything else (a trigger that raises, a lost connection) is not."""
     from psycopg import pq
 
-    if result.status == pq.ExecStatus.COMMAND_OK or pgconn.status != pq.ConnStatus.OK:
+    if result.status == pq.ExecStatus.TUPLES_OK or pgconn.status != pq.ConnStatus.OK:
         return False
     state = result.error_field(pq.DiagnosticField.SQLSTATE) or b""
     return bool(state.startswith(b"23"))

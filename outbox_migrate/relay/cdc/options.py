@@ -16,6 +16,9 @@ STATUS_INTERVAL_S = 1.0
 """While idle, how often the relay asks the server where it is (a status update with a reply
 requested): the keepalive that answers carries the position to confirm, so the slot follows
 the server even when only other tables are written."""
+IDLE_CONFIRM_S = 0.5
+"""With nothing of the outbox in flight, the server's position is confirmed at most this often
+(the slot follows it; a reply the server asks for is sent at once)."""
 DEFAULT_MARK_INTERVAL_S = 0.1
 DEFAULT_LINGER_S = 0.002
 """CDC's `--linger-ms` default (the polling relay's is 5 ms): chosen by `bench/cdc.py`

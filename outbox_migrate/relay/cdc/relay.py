@@ -28,7 +28,8 @@ the rows that snapshot shows in the unpublished partition (committed before the 
 consistent point, e.g. left by a polling relay) are published and marked first, then the
 stream starts — nothing falls in between (`backlog`: the snapshot only picks the ids, in one
 short transaction). Completion is recorded in the publication's comment, so a first start that
-dies half-way is detected and redone on the next start. A slot of another database is never
+dies half-way is detected and redone on the next start; one that backs off from the sink goes
+on with its slot and the ids its snapshot showed. A slot of another database is never
 dropped or streamed (`slot.check_owned`, asked before anything else).
 """
 
@@ -53,7 +54,7 @@ from outbox_migrate.relay import library_logs, queries
 from outbox_migrate.relay.backoff import backoff_s
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.cdc import pgoutput, slot
-from outbox_migrate.relay.cdc.backlog import Backlog, snapshot_ids
+from outbox_migrate.relay.cdc.backlog import Backlog, IdRuns, snapshot_ids
 from outbox_migrate.relay.cdc.columns import MessageBuilder
 from outbox_migrate.relay.cdc.crash_guard import RunMarker
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
@@ -127,6 +128,9 @@ class CdcRelay:
         self.unconfirmed = Unconfirmed()
         """Commit time of the oldest outbox transaction received and not yet confirmed."""
         self._present: set[str] = set()
+        self._backlog: tuple[int, IdRuns] | None = None
+        """The consistent point of the slot this process created and its backlog's ids,
+        until that backlog is done (`_kept_backlog`)."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -300,12 +304,17 @@ class CdcRelay:
                 state = slot.slot_state(conn, options.slot)
                 if state is not None:
                     slot.check_owned(state, conn.info.dbname)
+                runs: IdRuns | None = None
                 if state is not None and not self._backlog_done(conn):
-                    # A first start died before its backlog was out: start over (the rows it
-                    # did publish were marked, so they are not published again).
-                    log.warning("relay.cdc_backlog_redo slot=%s", options.slot)
-                    slot.drop_slot(conn, options.slot)
-                    state = None
+                    runs = self._kept_backlog(state)
+                    if runs is None:
+                        # A first start died before its backlog was out: start over (the rows
+                        # it did publish were marked, so they are not published again).
+                        log.warning("relay.cdc_backlog_redo slot=%s", options.slot)
+                        slot.drop_slot(conn, options.slot)
+                        state = None
+                    else:  # this process's own first start, after a back-off: go on
+                        log.info("relay.cdc_backlog_resumed slot=%s", options.slot)
                 if state is None:
                     failover = (
                         options.failover and self._server_version >= slot.FAILOVER_MIN_VERSION
@@ -319,6 +328,8 @@ class CdcRelay:
                     )  # fmt: skip
                     runs = snapshot_ids(conn, snapshot, self.spec)
                     stream.release_snapshot()  # the walsender's xmin goes with it
+                    self._backlog = (point, runs)
+                if runs is not None:
                     backlog = Backlog(
                         conn, self._row_reader(conn), stats=self.stats,
                         observer=self.observer, stop=self._stop,
@@ -336,6 +347,7 @@ class CdcRelay:
                             "marked; the next start publishes the rest of the backlog again"
                         )
                     self._set_backlog_done(conn)
+                    self._backlog = None
             stream.start(options.slot, options.publication)
             StreamSession(
                 stream, options, builder=self.builder, delivery=self.delivery,
@@ -350,6 +362,17 @@ class CdcRelay:
         """Rows of the unpublished partition as the stream sends them (the backlog, and the
         content of a row whose mark failed)."""
         return RowReader(conn, self.spec, sorted(self._present), self.builder)
+
+    def _kept_backlog(self, state: slot.SlotState) -> IdRuns | None:
+        """The backlog of the slot this process created, while that slot is still the one
+        it created (never streamed: confirmed at its consistent point). Its exported snapshot
+        is gone, but the ids it showed are kept: after a sink back-off the backlog goes on
+        with the same slot — rows published and marked are not found again — instead of a
+        new slot per back-off, each waiting for the transactions running at its creation."""
+        if self._backlog is None or state.confirmed_lsn is None:
+            return None
+        point, runs = self._backlog
+        return runs if pgoutput.parse_lsn(state.confirmed_lsn) == point else None
 
     def _backlog_done(self, conn: Any) -> bool:
         row = conn.execute(

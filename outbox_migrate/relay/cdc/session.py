@@ -27,7 +27,10 @@ event — and imports nothing of the relay that owns it:
   sent without waiting for it; the loop keeps reading and publishing, and collects the mark's
   result when its socket becomes readable (or after the next publish). Only then is the end
   of the last transaction the mark covers confirmed: confirmation trails the marks, never the
-  other way round, and one mark at a time is in flight;
+  other way round, and one mark at a time is in flight. A transaction the mark's snapshot did
+  not show yet (the stream can carry a commit a moment before other sessions see it:
+  relay/cdc/marks.py) is marked again with the next mark, and nothing is confirmed until a
+  mark saw every transaction it covers;
 * with nothing received-and-unconfirmed, the position a keepalive reports is confirmed, so the
   slot follows the server while only other tables are written;
 * a stop, a broker outage or catching up first flushes: the mark in flight is collected, the
@@ -45,6 +48,7 @@ from outbox_migrate.relay.cdc.columns import Columns, MessageBuilder
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
 from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.cdc.options import (
+    IDLE_CONFIRM_S,
     IDLE_TICK_S,
     MARK_MAX_IDS,
     STATUS_INTERVAL_S,
@@ -58,6 +62,11 @@ from outbox_migrate.relay.metrics import Observer
 
 _I64 = struct.Struct("!q")
 _U64 = struct.Struct("!Q")
+_U32 = struct.Struct("!I")
+FLUSH_MARK_TRIES = 20
+"""A stop's last mark, tried again (FLUSH_RETRY_S apart) while its snapshot does not show some
+of its transactions yet; then the slot is left unconfirmed past them (re-streamed)."""
+FLUSH_RETRY_S = 0.05
 _KEEPALIVE = struct.Struct("!Qq?")
 
 
@@ -97,9 +106,12 @@ class StreamSession:
         self.partition = (spec.schema, spec.unpublished_partition)
         self.txn: list[Message] | None = None
         self.txn_commit = 0
+        self.txn_xid = 0
         self.pending: list[Message] = []
         """Messages of complete transactions received and not yet published."""
         self.pending_transactions = 0
+        self.pending_txns: dict[int, list[MessageId]] = {}
+        """The ids of `pending` by transaction (xid): what a mark must see."""
         self.pending_end = 0
         """End of the last complete transaction received (with or without outbox rows)."""
         self.txn_began = 0.0
@@ -109,6 +121,9 @@ class StreamSession:
         the linger ends `linger_s` later."""
         self.acked: list[MessageId] = []
         """Acknowledged ids not yet sent in a mark."""
+        self.acked_txns: dict[int, list[MessageId]] = {}
+        """`acked` by transaction; `marking_txns`: those of the mark in flight."""
+        self.marking_txns: dict[int, list[MessageId]] = {}
         self.acked_end = 0
         """End of the last acknowledged transaction."""
         self.marking_end: int | None = None
@@ -119,6 +134,7 @@ class StreamSession:
         written, never as flushed."""
         self.last_status = time.monotonic()
         self.last_mark = time.monotonic()
+        self.last_idle_confirm = 0.0
 
     @property
     def in_flight(self) -> bool:
@@ -241,6 +257,7 @@ class StreamSession:
                     elif kind == 0x42:  # 'B': final LSN, then the commit time
                         self.txn = []
                         self.txn_commit = _I64.unpack_from(data, 34)[0]
+                        self.txn_xid = _U32.unpack_from(data, 42)[0]
                         self.txn_began = now
                         if self.linger_from is None:
                             self.linger_from = now
@@ -271,6 +288,7 @@ class StreamSession:
         if txn:
             self.pending += txn
             self.pending_transactions += 1
+            self.pending_txns[self.txn_xid] = [m.id for m in txn]
             if self.unconfirmed.commit_time is None:
                 self.unconfirmed.commit_time = self.txn_commit
         self.pending_end = max(self.pending_end, end_lsn)
@@ -283,11 +301,20 @@ class StreamSession:
     def _keepalive(self, reply: bool) -> None:
         """After the keepalives of one wake-up: with nothing of ours in flight, everything
         that commits before the server's position has been sent, so the slot may move up to
-        it. Otherwise only a requested reply is sent. (Answering every keepalive with the
-        received position as written stops the walsender's repeated pings, but measured
-        no cheaper: one status update per transaction instead of ~one more keepalive, and
-        each update wakes the walsender; docs/relay.md.)"""
-        if not self.in_flight and self.received > self.confirmed:
+        it — at most once per IDLE_CONFIRM_S unless the server asks for a reply: while other
+        databases write, the walsender pings on every WAL flush it reads past the confirmed
+        position, and confirming each ping made an idle relay send status updates at the
+        server's commit rate. Otherwise only a requested reply is sent. (Answering every
+        keepalive with the received position as written stops the walsender's repeated
+        pings, but measured no cheaper: one status update per transaction instead of ~one
+        more keepalive, and each update wakes the walsender; docs/relay.md.)"""
+        now = time.monotonic()
+        if (
+            not self.in_flight
+            and self.received > self.confirmed
+            and (reply or now - self.last_idle_confirm >= IDLE_CONFIRM_S)
+        ):
+            self.last_idle_confirm = now
             self.confirmed = self.received
             self._status(self.confirmed)
             self.stats.add(idle_confirms=1)
@@ -302,6 +329,8 @@ class StreamSession:
             careful = max(self.acked_end, self.confirmed) < self.careful_until
             self.delivery.deliver(messages, careful=careful)
             self.acked += [m.id for m in messages]
+            self.acked_txns.update(self.pending_txns)
+            self.pending_txns = {}
             stats = self.stats
             stats.published += len(messages)  # this thread is the only writer
             stats.batches += 1
@@ -328,7 +357,7 @@ class StreamSession:
                 if len(self.acked) < MARK_MAX_IDS:
                     return
                 marks.wait()
-            self._confirm_marked(self.marking_end)
+            self._marked(self.marking_end)
             self.marking_end = None
         if self.acked_end <= self.confirmed:
             return
@@ -341,9 +370,11 @@ class StreamSession:
             return
         self.last_mark = now
         acked, self.acked = self.acked, []
-        if marks.send(acked):  # rows whose mark failed before are tried first
+        self.marking_txns, self.acked_txns = self.acked_txns, {}
+        if marks.send(acked, self.marking_txns):  # rows whose mark failed are tried first
             self.marking_end = self.acked_end
         else:  # nothing to mark (--no-mark, or transactions without outbox rows)
+            self.marking_txns = {}
             self._confirm_marked(self.acked_end)
 
     def flush(self, *, settle: bool = False) -> None:
@@ -353,14 +384,37 @@ class StreamSession:
         marks = self.mark_session
         if self.marking_end is not None:
             marks.wait()
-            self._confirm_marked(self.marking_end)
+            self._marked(self.marking_end)
             self.marking_end = None
-        if self.acked_end > self.confirmed:
-            marks.mark(self.acked)
+        for attempt in range(FLUSH_MARK_TRIES):
+            if self.acked_end <= self.confirmed:
+                return
+            if attempt:
+                time.sleep(FLUSH_RETRY_S)  # a transaction still ending on the server
+            self.marking_txns, self.acked_txns = self.acked_txns, {}
+            marks.mark(self.acked, self.marking_txns)
             self.acked = []
             if settle:
                 marks.settle(self.stop)
-            self._confirm_marked(self.acked_end)
+            if self._marked(self.acked_end):
+                return
+
+    def _marked(self, lsn: int) -> bool:
+        """A mark committed: confirm up to `lsn` (`_confirm_marked`) — unless its snapshot
+        did not show some of its transactions yet (relay/cdc/marks.py): their rows may be
+        unmarked, so their ids go into the next mark and nothing is confirmed meanwhile (a
+        crash re-streams them). True when the mark saw everything it covered."""
+        txns, self.marking_txns = self.marking_txns, {}
+        unseen = self.mark_session.unseen
+        if unseen:
+            for xid in unseen:
+                ids = txns.get(xid, [])
+                self.acked_txns[xid] = ids
+                self.acked += ids
+            self.stats.add(remarks=1)
+            return False
+        self._confirm_marked(lsn)
+        return True
 
     def _confirm_marked(self, lsn: int) -> None:
         """Confirm up to `lsn`, everything before it being marked — unless a row of an

@@ -26,6 +26,9 @@ class CdcStats(Counters):
     dead_lettered: int = 0
     sink_failures: int = 0
     reconnects: int = 0
+    remarks: int = 0
+    """Marks whose snapshot did not show a transaction the stream had sent yet: its rows
+    went into the next mark (relay/cdc/marks.py)."""
     idle_confirms: int = 0
     confirmed_lsn: int = 0
 

@@ -11,7 +11,14 @@ is rejected without a request. Any 2xx is an acknowledgement. Connection errors,
 408, 429 and 5xx are retried `extra["retries"]` times (default 3) with backoff, then the
 whole batch is `SinkUnavailable`; any other 4xx is a permanent refusal of that message
 (`MessagesRejected`, which leads to the dead-letter table after the relay's max attempts).
-Each request may take `timeout_s`.
+
+One `publish` takes at most `timeout_s` (`--sink-timeout`) in all, retries included: each
+request gets what is left of it, and no retry starts that could not end in it. The polling
+relay holds the batch's transaction open while it publishes, and its session ends at its
+idle-in-transaction timeout (at least `--sink-timeout` + 2 s, relay/keepalive.py); a webhook
+slow enough, or retries long enough, to outlast that lost the session and sent the batch
+again. When the time runs out the batch is `SinkUnavailable` naming the messages answered
+with a 2xx meanwhile (`acknowledged`): the relay marks them and claims the rest again.
 
 Refused before sending (`MessagesRejected`, no request made): a body over
 `--max-message-bytes` when it is given (the HTTP sink has no limit of its own), and a payload
@@ -165,10 +172,14 @@ def _bool_option(extra: Mapping[str, str], name: str) -> bool:
 class _Lanes:
     """One batch's shared state: the groups still to post, what was refused, the stop signal."""
 
-    def __init__(self, groups: list[list[Message]]) -> None:
+    def __init__(self, groups: list[list[Message]], deadline: float) -> None:
         self._groups: Iterator[list[Message]] = iter(groups)
         self._lock = threading.Lock()
+        self.deadline = deadline
+        """When the publish must have ended (monotonic)."""
         self.rejected: dict[MessageId, str] = {}
+        self.acked: list[MessageId] = []
+        """Answered with a 2xx."""
         self.stop = threading.Event()
         """Set when one message made the batch hopeless: lanes start nothing new."""
 
@@ -179,6 +190,10 @@ class _Lanes:
     def reject(self, outbox_id: MessageId, reason: str) -> None:
         with self._lock:
             self.rejected[outbox_id] = reason
+
+    def ack(self, outbox_id: MessageId) -> None:
+        with self._lock:
+            self.acked.append(outbox_id)
 
 
 class Refusal(NamedTuple):
@@ -224,16 +239,27 @@ class HttpSink:
         return client
 
     def _post(
-        self, body: str | bytes, headers: dict[str, str], stop: threading.Event
+        self, body: str | bytes, headers: dict[str, str], stop: threading.Event, deadline: float
     ) -> int | None:
-        """POST with retries: the final status, None when the batch stopped meanwhile, or
-        SinkUnavailable when the retries are exhausted."""
+        """POST with retries, all before `deadline`: the final status, None when the batch
+        stopped meanwhile, or SinkUnavailable when the retries or the time are exhausted."""
         reason = ""
+        attempts = 0
         for attempt in range(self.retries + 1):
-            if attempt and stop.wait(backoff_s(attempt - 1, base_s=RETRY_BASE_S)):
-                return None
+            if attempt:
+                pause = backoff_s(attempt - 1, base_s=RETRY_BASE_S)
+                if time.monotonic() + pause >= deadline:
+                    break  # no time for another attempt
+                if stop.wait(pause):
+                    return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            attempts += 1
             try:
-                response = self._client().post(self.url, content=body, headers=headers)
+                response = self._client().post(
+                    self.url, content=body, headers=headers, timeout=min(self.timeout_s, left)
+                )
             except self._httpx.HTTPError as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 continue
@@ -244,7 +270,10 @@ class HttpSink:
                 reason = f"HTTP {status}"
                 continue
             return status
-        raise SinkUnavailable(self.name, mask(f"{reason} after {self.retries + 1} attempts"))
+        if attempts <= self.retries:  # stopped by the clock, not by the retry count
+            spent = f"the publish's {self.timeout_s:g} s (--sink-timeout) are spent"
+            reason = f"{reason}; {spent}" if reason else spent
+        raise SinkUnavailable(self.name, mask(f"{reason} after {attempts} attempts"))
 
     def _lane(self, lanes: _Lanes) -> None:
         """Post whole groups, one message after the other, until none is left or one fails."""
@@ -262,11 +291,13 @@ class HttpSink:
                     if bad is not None:
                         lanes.reject(message.id, bad)
                         continue
-                    status = self._post(body, headers, lanes.stop)
+                    status = self._post(body, headers, lanes.stop, lanes.deadline)
                     if status is None:
                         return
                     if status >= 300:
                         lanes.reject(message.id, f"HTTP {status}")
+                    else:
+                        lanes.ack(message.id)
         except BaseException:
             lanes.stop.set()
             raise
@@ -294,11 +325,17 @@ class HttpSink:
 
     def _publish_each(self, batch: Sequence[Message]) -> dict[MessageId, str]:
         groups = posting_groups(batch, self.ordering)
-        lanes = _Lanes(groups)
-        count = min(self.concurrency, len(groups))
+        lanes = _Lanes(groups, time.monotonic() + self.timeout_s)
+        try:
+            self._run_lanes(lanes, min(self.concurrency, len(groups)))
+        except SinkUnavailable as exc:  # what was answered with a 2xx is still acknowledged
+            raise SinkUnavailable(self.name, exc.reason, lanes.acked) from None
+        return lanes.rejected
+
+    def _run_lanes(self, lanes: _Lanes, count: int) -> None:
         if count <= 1:
             self._lane(lanes)
-            return lanes.rejected
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="outbox-http")
         futures = [self._pool.submit(self._lane, lanes) for _ in range(count)]
@@ -306,7 +343,6 @@ class HttpSink:
         errors = [exc for f in futures if (exc := f.exception()) is not None]
         if errors:
             raise next((e for e in errors if isinstance(e, SinkUnavailable)), errors[0])
-        return lanes.rejected
 
     def _publish_batch(self, batch: Sequence[Message]) -> dict[MessageId, str]:
         deadline = time.monotonic() + self.timeout_s
@@ -320,13 +356,13 @@ class HttpSink:
             elif isinstance(element, str):
                 elements[message.id] = element
                 sent.append(message)
-        status = self._post_array(sent, elements)
+        status = self._post_array(sent, elements, deadline)
         if status is None:
             return refused
         if status in CONTENT_STATUS and len(sent) > 1:
 
             def send_group(group: Sequence[Message]) -> dict[MessageId, str]:
-                again = self._post_array(group, elements)
+                again = self._post_array(group, elements, deadline)
                 if again is None:
                     return {}
                 return {message.id: f"HTTP {again}" for message in group}
@@ -337,7 +373,7 @@ class HttpSink:
         return refused
 
     def _post_array(
-        self, group: Sequence[Message], elements: Mapping[MessageId, str]
+        self, group: Sequence[Message], elements: Mapping[MessageId, str], deadline: float
     ) -> int | None:
         """POST `group` as one array: None when it was accepted, else the refusing status."""
         if not group:
@@ -348,7 +384,7 @@ class HttpSink:
             mime = "application/json"
         headers = {"Content-Type": mime, "X-Outbox-Count": str(len(group))}
         body = "[" + ",".join(elements[message.id] for message in group) + "]"
-        status = self._post(body, headers, threading.Event())
+        status = self._post(body, headers, threading.Event(), deadline)
         return status if status is not None and status >= 300 else None
 
     def publish(self, batch: Sequence[Message]) -> None:

@@ -94,13 +94,19 @@ class RedisSink:
         self._server_limit_read = False
 
     def _read_server_limit(self) -> None:
-        """Lower `limit` to the server's proto-max-bulk-len, once, when CONFIG GET is allowed."""
+        """Lower `limit` to the server's proto-max-bulk-len, once, when CONFIG GET is allowed.
+
+        The sink's first question to Redis: unanswered, Redis is away (`SinkUnavailable`)
+        and no XADD is written. Passed over, the XADDs went on after a timeout of silence
+        into a connection a frozen (SIGSTOPped) Redis still accepts: two timeouts per
+        attempt, and a publish longer than `--sink-timeout`, which the polling relay's fence
+        and session timeout count on."""
         try:
             value = self.client.config_get(LIMIT_SETTING).get(LIMIT_SETTING)
         except self._redis.ResponseError:  # NOPERM, CONFIG renamed away: keep the usual one
             value = None
-        except self._redis.RedisError:  # not reachable now: ask again with the next batch
-            return
+        except self._redis.RedisError as exc:
+            raise SinkUnavailable(self.name, mask_url(str(exc))) from None
         self._server_limit_read = True
         text = value.decode() if isinstance(value, bytes) else str(value)
         if text.isdigit():

@@ -31,6 +31,47 @@ def relay_cli(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+def test_a_sigterm_while_the_relay_starts_is_its_normal_stop(
+    dsn: str, partitioned: psycopg.Connection
+) -> None:
+    """SIGTERM while `relay --install-notify` waits for its lock on the outbox (a session of
+    the test holds it): the relay finishes installing the trigger, starts nothing and exits
+    0, as docs/cli.md says of a service's stop — no error line, nothing published. Fails
+    before: the relay's own handler came only after the trigger was installed, so the
+    signal raised `Terminated` there (exit 143, "terminated during relay")."""
+    insert_rows(partitioned, "outbox_new", 5, spec=SPEC)
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("LOCK TABLE outbox_new IN ACCESS EXCLUSIVE MODE")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "outbox_migrate", "relay", "--dsn", dsn, "--sink", "stdout",
+             "--install-notify"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                waiting = partitioned.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND application_name LIKE '%relay%' AND datname = current_database()"
+                ).fetchone()
+                if waiting and waiting[0]:
+                    break
+                time.sleep(0.02)
+            else:
+                raise AssertionError("the relay never waited for its lock")
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            blocker.rollback()  # within the install's 2-s lock timeout
+            out, err = process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert process.returncode == 0, err
+    assert "error" not in err and out == ""
+    assert len(ids_in(partitioned, "outbox_unpublished")) == 5
+
+
 def test_cli_stdout_until_empty_prints_one_json_object_per_message(
     dsn: str, partitioned: psycopg.Connection
 ) -> None:

@@ -87,3 +87,45 @@ def test_a_slow_broker_leaves_room_for_a_migration_steps_lock(
     assert row[1] <= LOCK_FOUND_BOUND_S * 1000, row
     assert elapsed <= LOCK_FOUND_BOUND_S + 20, elapsed  # the whole V4 run, steps included
     assert writer.errors == []
+
+
+def test_a_slow_webhook_never_outlasts_the_claim_session(
+    dsn: str, partitioned: psycopg.Connection
+) -> None:
+    """A webhook answering each POST after 0.15 s, one at a time (global ordering), batches of
+    40 (6 s each), a 1-s sink timeout and a 3-s session timeout (the claim session's
+    idle-in-transaction timeout). Each publish ends at the sink timeout with what the webhook
+    acknowledged; the relay marks those and claims the rest again: the session is never lost
+    and no message the sink saw acknowledged is sent again. Fails before: the HTTP sink gave each request
+    the whole timeout, the publish took 6 s, the server ended the session at 3 s and the
+    batch went out again (connection retries, duplicates)."""
+    from collections import Counter
+
+    from outbox_migrate.relay.options import Ordering
+    from outbox_migrate.relay.sinks import SinkConfig, factory
+    from outbox_migrate.testing.schema import insert_rows
+    from tests.support.webhook import Webhook
+
+    from .conftest import ids_in
+
+    insert_rows(partitioned, "outbox_new", 40, spec=SPEC)
+    options = RelayOptions(
+        ordering=Ordering.global_, batch_size=40, listen=False, poll_interval_s=0.05,
+        sink_timeout_s=1.0, session_timeout_s=3.0,
+    )  # fmt: skip
+    with Webhook(lambda body: (204, 0.15)) as hook:
+        config = SinkConfig(url=hook.url, timeout_s=1.0, ordering=Ordering.global_)
+        relay = Relay(dsn, factory("http", config), spec=SPEC, options=options)
+        with running(relay):
+            deadline = time.monotonic() + 30
+            while ids_in(partitioned, "outbox_unpublished") and time.monotonic() < deadline:
+                time.sleep(0.05)
+        accepted = Counter(hook.accepted)
+    assert ids_in(partitioned, "outbox_unpublished") == []
+    assert relay.stats.connection_retries == 0
+    assert relay.stats.sink_failures >= 4  # the publish really ran out of time, batch by batch
+    # Sent twice: only the request the deadline cut (answered after the sink gave up on it),
+    # one per publish that ran out of time.
+    twice = [i for i, n in accepted.items() if n > 1]
+    assert len(twice) <= relay.stats.sink_failures and max(accepted.values()) <= 2, accepted
+    assert sorted(accepted) == ids_in(partitioned, "outbox_new")

@@ -102,12 +102,12 @@ def test_an_expired_gap_is_probed_once_more_when_the_horizon_passes_its_writers(
     assert c.probe(t) is None
     c.horizon(100, 110, t)  # the expired gap is settled already: the horizon is xmax 110
     c.horizon(105, 112, t + 1)  # xid 105 (maybe the writer of id 2) still runs
-    assert not c.due()
+    assert not c.due(0.0)
     c.horizon(110, 115, t + 2)  # every transaction below 110 has ended
-    assert c.due()  # the worker claims before it sleeps
+    assert c.due(0.0)  # the worker claims before it sleeps
     assert c.probe(t + 2) == [2]  # one last probe by id
     assert not c.wants_horizon()
-    assert c.probe(t + 3) is None and not c.due()
+    assert c.probe(t + 3) is None and not c.due(0.0)
 
 
 def test_ids_passed_without_a_gap_list_are_claimed_again_once_their_writers_ended() -> None:
@@ -122,13 +122,13 @@ def test_ids_passed_without_a_gap_list_are_claimed_again_once_their_writers_ende
     assert c.wants_horizon()
     c.horizon(50, 60, REGION_SETTLE_S / 2)  # too soon: a writer may not have its xid yet
     c.horizon(61, 70, REGION_SETTLE_S)  # settled: horizon 70 (xmin 61 does not count)
-    assert not c.due()
+    assert not c.due(0.0)
     c.horizon(69, 75, REGION_SETTLE_S + 0.1)
-    assert not c.due()
+    assert not c.due(0.0)
     c.horizon(70, 75, REGION_SETTLE_S + 0.2)
-    assert c.due() and not c.wants_horizon()
+    assert c.due(0.0) and not c.wants_horizon()
     assert c.start(REGION_SETTLE_S + 0.2) == 0  # the region's last look: from id 0
-    assert not c.due()
+    assert not c.due(0.0)
     assert c.start(REGION_SETTLE_S + 0.3) == 1_000_002
 
 
@@ -185,13 +185,13 @@ def test_a_notified_id_in_the_unaccounted_region_is_claimed_from_just_below_it()
     c.claimed(0, [1_000_002], 0.0)
     c.start(0.0)
     c.notified(1_000_001)  # the late writer notified at its commit (the relay was idle)
-    assert c.due()
+    assert c.due(0.0)
     assert c.start(0.01) == 1_000_000
     assert c.start(0.02) == 1_000_002
     fresh = cursor()
     fresh.claimed(0, [1, 2, 3], 0.0)
     fresh.notified(2)  # already claimed, no region: nothing to do
-    assert not fresh.due() and fresh.start(0.01) == 3
+    assert not fresh.due(0.0) and fresh.start(0.01) == 3
 
 
 def test_a_notification_says_whether_a_claim_must_follow() -> None:
@@ -281,6 +281,28 @@ def test_cursor_key_shards_fall_back_to_periodic_full_rescan() -> None:
     assert c.pending == {}
     assert c.start(0.5) == 50
     assert c.start(KEY_SHARD_RESCAN_S + 0.1) == 0
+
+
+def test_a_parked_message_is_claimed_again_on_its_clock_not_the_rescans() -> None:
+    """Key shards, whose rescans from id 0 a costly rescan spaced 100 s apart: a message due
+    again at t=3 is reached by the first claim at or after t=3 (from just below it), the idle
+    worker may sleep only until then, and the schedule is gone once taken. Before, only the
+    next rescan from id 0 reached back to it (here: t=100)."""
+    c = cursor(shards=3, mine=[0], track=False)
+    c.claimed(0, [3, 30, 60], 0.0)
+    c.rescanned(1.0, 0.0)  # the next timed rescan at t=100
+    c.retry_at({30: 3.0})
+    assert c.wait_s(1.0) == 2.0 and not c.due(1.0) and c.plain(1.0)
+    assert c.start(2.9) == 60  # not yet
+    assert c.due(3.0) and not c.plain(3.0) and c.wait_s(3.0) == 0.0
+    assert c.start(3.0) == 29
+    c.claimed(29, [30, 63], 3.0)
+    assert c.wait_s(3.1) is None and c.start(3.1) == 63
+    c.retry_at({60: 4.0, 30: 5.0})
+    c.reset([0], 4.5)  # lost session: kept (a claim from 0 before 5.0 is not enough)
+    assert c.start(4.5) == 0 and c.wait_s(4.5) == 0.5
+    c.claimed(0, [63], 4.5)
+    assert c.start(5.0) == 29
 
 
 def test_cursor_overflow_and_forced_rescan() -> None:

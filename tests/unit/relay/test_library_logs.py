@@ -59,3 +59,33 @@ def test_a_plain_line_is_unchanged(relay_lines: list[str]) -> None:
     assert relay_lines == [
         "relay.sink_library logger=nats.test connection nats://u:****@h:4222 lost"
     ]
+
+
+def test_a_library_repeating_itself_through_an_outage_is_written_once_per_interval(
+    relay_lines: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A RabbitMQ outage of 60 s: pika logs the same four warnings (numbers and addresses
+    varying) on each of 109 reconnect attempts — 436 records. Each shape is written at most
+    once per REPEAT_INTERVAL_S, the next line counting what was left out. Fails before: 436
+    lines (435 were seen in one outage)."""
+    now = [0.0]
+    monkeypatch.setattr(library_logs._HANDLER, "clock", lambda: now[0])
+    pika = logging.getLogger("pika.adapters.utils.connection_workflow")
+    blocking = logging.getLogger("pika.adapters.blocking_connection")
+    for attempt in range(109):
+        now[0] = attempt * 0.55
+        port = 40000 + attempt
+        pika.error("TCP Connection attempt failed: ConnectionRefusedError(111, 'refused'); "
+                   "dest=(2, 1, 6, '', ('127.0.0.1', %d))", port)  # fmt: skip
+        pika.error("AMQPConnector - reporting failure: AMQPConnectorSocketConnectError: "
+                   "ConnectionRefusedError(111, 'refused')")  # fmt: skip
+        pika.error("AMQP connection workflow failed: %s", f"<0x7f{attempt:08x}>")
+        blocking.error("Connection workflow failed: AMQPConnectionWorkflowFailed: 1 "
+                       "exceptions in all; last exception - ConnectionRefusedError(111)")  # fmt: skip
+    # Each shape written at 0 s and at 30.25 s, the second saying 54 were left out before it.
+    assert len(relay_lines) == 4 * 2, relay_lines
+    assert relay_lines[-1].endswith("(and 54 more like it since the last one)")
+    assert sum("pika.adapters.blocking_connection" in line for line in relay_lines) == 2
+    library_logs.route()  # a new relay run starts afresh
+    blocking.error("Connection workflow failed: again")
+    assert relay_lines[-1].endswith("Connection workflow failed: again")

@@ -18,6 +18,6 @@ def test_no_cursor_never_moves_and_never_keeps_an_idle_worker_awake() -> None:
     assert cursor.start(2.0) == 0
     assert cursor.probe(2.0) is None
     # an idle worker sleeps: a "due" cursor would make it claim again at once, for ever
-    assert not cursor.due()
+    assert not cursor.due(0.0)
     assert not cursor.wants_horizon()
-    assert cursor.start(100.0) == 0 and not cursor.due()
+    assert cursor.start(100.0) == 0 and not cursor.due(0.0)

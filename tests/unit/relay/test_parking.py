@@ -37,10 +37,10 @@ def test_parked_key_is_withheld_until_due_then_released_when_resolved() -> None:
     send, withheld = parking.withhold(SRC, batch, now=1.5)
     assert [m.id for m in send] == [1, 2, 3] and [m.id for m in withheld] == [6]
     # Acknowledged: b drains from just after 2 (6 waits behind it), claimed again from 3.
-    assert parking.settle(SRC, send, {}, now=1.5, backoff=one_second, last=6) == (set(), 3)
+    assert parking.settle(SRC, send, {}, now=1.5, backoff=one_second, last=6)[:2] == (set(), 3)
     send, withheld = parking.withhold(SRC, [msg(6, "b"), msg(7, "a")], now=1.6, after=2)
     assert [m.id for m in send] == [6, 7] and withheld == []
-    assert parking.settle(SRC, send, {}, now=1.6, backoff=one_second, last=7) == (set(), None)
+    assert parking.settle(SRC, send, {}, now=1.6, backoff=one_second, last=7)[:2] == (set(), None)
     assert not parking
     assert parking.withhold(SRC, batch, now=1.7) == (batch, [])
 
@@ -71,23 +71,23 @@ def test_a_released_key_waits_for_its_held_back_messages_below_the_cursor() -> N
     settled = parking.settle(
         SRC, [msg(2, "b"), msg(3, "a"), msg(4, "b")], {2: 1}, now=0.0, backoff=one_second, last=4
     )
-    assert settled == ({4}, None)
+    assert settled == ({4}, None, {2: 1.0})  # 2 is due again 1 s later (`Cursor.retry_at`)
     assert parking.withhold(SRC, [msg(7, "b"), msg(8, "a")], now=0.5, after=4)[1] == [msg(7, "b")]
     send, withheld = parking.withhold(SRC, [msg(9, "b"), msg(10, "a")], now=1.5, after=8)
     assert [m.id for m in send] == [10] and [m.id for m in withheld] == [9]
     send, withheld = parking.withhold(SRC, [msg(2, "b"), msg(4, "b"), msg(5, "a")], now=1.6)
     assert [m.id for m in send] == [2, 5] and [m.id for m in withheld] == [4]
-    assert parking.settle(SRC, send, {}, now=1.6, backoff=one_second, last=5) == (set(), 3)
+    assert parking.settle(SRC, send, {}, now=1.6, backoff=one_second, last=5)[:2] == (set(), 3)
     send, _ = parking.withhold(SRC, [msg(4, "b"), msg(5, "a")], now=1.7, after=2)
     assert [m.id for m in send] == [4, 5]
-    assert parking.settle(SRC, send, {}, now=1.7, backoff=one_second, last=5) == (set(), 6)
+    assert parking.settle(SRC, send, {}, now=1.7, backoff=one_second, last=5)[:2] == (set(), 6)
     park = parking.parked(SRC, "b")
     assert park is not None and park.draining and park.id == 5 and park.high == 9
     send, withheld = parking.withhold(SRC, [msg(11, "b")], now=1.8, after=10)
     assert send == [] and [m.id for m in withheld] == [11]
     send, _ = parking.withhold(SRC, [msg(7, "b"), msg(9, "b"), msg(11, "b")], now=1.9, after=5)
     assert [m.id for m in send] == [7, 9, 11]
-    assert parking.settle(SRC, send, {}, now=1.9, backoff=one_second, last=11) == (set(), None)
+    assert parking.settle(SRC, send, {}, now=1.9, backoff=one_second, last=11)[:2] == (set(), None)
     assert not parking
 
 
@@ -97,7 +97,10 @@ def test_a_parked_message_refused_again_delivered_nothing_of_its_key_ahead_of_it
     parking.withhold(SRC, [msg(6, "b")], now=0.5, after=2)
     send, withheld = parking.withhold(SRC, [msg(2, "b"), msg(3, "b")], now=1.5)
     assert [m.id for m in send] == [2] and [m.id for m in withheld] == [3]
-    assert parking.settle(SRC, send, {2: 2}, now=1.5, backoff=one_second, last=3) == (set(), None)
+    assert parking.settle(SRC, send, {2: 2}, now=1.5, backoff=one_second, last=3)[:2] == (
+        set(),
+        None,
+    )
     park = parking.parked(SRC, "b")
     assert park is not None and not park.draining and park.id == 2 and park.high == 6
 
@@ -108,7 +111,7 @@ def test_a_parked_message_dealt_with_elsewhere_lets_its_key_drain() -> None:
     parking.withhold(SRC, [msg(6, "b")], now=0.5, after=2)
     send, _ = parking.withhold(SRC, [msg(6, "b"), msg(8, "b")], now=1.5)  # 2 is not there
     assert [m.id for m in send] == [6, 8]
-    assert parking.settle(SRC, send, {}, now=1.5, backoff=one_second, last=8) == (set(), None)
+    assert parking.settle(SRC, send, {}, now=1.5, backoff=one_second, last=8)[:2] == (set(), None)
     assert not parking
 
 
@@ -121,8 +124,14 @@ def test_application_ids_claimed_from_the_start_drain_a_key_without_a_cursor() -
     assert send == [] and withheld == first
     send, _ = parking.withhold(SRC, first, now=1.5)
     assert send == first[:1]
-    assert parking.settle(SRC, send, {}, now=1.5, backoff=one_second, last=ids[-1]) == (set(), None)
+    assert parking.settle(SRC, send, {}, now=1.5, backoff=one_second, last=ids[-1])[:2] == (
+        set(),
+        None,
+    )
     send, _ = parking.withhold(SRC, first[1:], now=1.6)
     assert send == first[1:]
-    assert parking.settle(SRC, send, {}, now=1.6, backoff=one_second, last=ids[-1]) == (set(), None)
+    assert parking.settle(SRC, send, {}, now=1.6, backoff=one_second, last=ids[-1])[:2] == (
+        set(),
+        None,
+    )
     assert not parking

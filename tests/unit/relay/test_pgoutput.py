@@ -96,3 +96,19 @@ def test_status_update_reports_what_was_received_as_written_and_only_the_confirm
     # Never a written position behind the flushed one.
     update = pgoutput.status_update(0x40, WHEN, written_lsn=0x10)
     assert struct.unpack("!cQQQq?", update)[1:4] == (0x40, 0x40, 0x40)
+
+
+def test_a_streamed_transaction_is_visible_only_once_a_snapshot_shows_it_ended() -> None:
+    """The CDC mark's check (relay/cdc/marks.py): pgoutput names a transaction by its 32-bit
+    xid, the snapshot lists 64-bit ones; widened against xmax, across an epoch too."""
+    from outbox_migrate.relay.cdc.marks import visible
+
+    assert visible(700, "750:800:")  # below xmin
+    assert visible(760, "750:800:755,770")  # ended, between xmin and xmax
+    assert not visible(770, "750:800:755,770")  # still running
+    assert not visible(800, "750:800:")  # at xmax: not ended when the snapshot was taken
+    assert not visible(900, "750:800:")  # past xmax
+    epoch = 1 << 32
+    assert visible(2**32 - 10, f"{epoch - 20}:{epoch + 5}:{epoch + 1}")  # before the wrap
+    assert not visible(1, f"{epoch - 20}:{epoch + 5}:{epoch + 1}")  # after it, running
+    assert visible(3, f"{epoch - 20}:{epoch + 5}:{epoch + 1}")

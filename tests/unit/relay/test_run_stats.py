@@ -36,7 +36,7 @@ def test_each_reports_its_own_counters_in_order() -> None:
     ]  # fmt: skip
     assert list(CdcStats().as_dict()) == [
         "published", "batches", "transactions", "backlog", "marked", "marks", "rejected",
-        "bad_rows", "dead_lettered", "sink_failures", "reconnects", "idle_confirms",
+        "bad_rows", "dead_lettered", "sink_failures", "reconnects", "remarks", "idle_confirms",
         "confirmed_lsn",
     ]  # fmt: skip
     stats = RelayStats()

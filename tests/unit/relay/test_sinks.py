@@ -228,6 +228,37 @@ def test_a_hung_request_holds_a_failed_batch_at_most_its_timeout(http_sink) -> N
         assert sorted(set(hook.arrived)) == [1, 2, 3, 4]
 
 
+def test_a_slow_webhook_ends_the_publish_at_the_sink_timeout_naming_what_it_acknowledged(
+    http_sink,
+) -> None:
+    """One request at a time (strict order), 0.2 s each, 20 messages, a 1-s sink timeout: the
+    publish ends after about 1 s — not 4 s — with `SinkUnavailable` naming the messages
+    answered with a 2xx, the first ones in order. Fails before: each request had the whole
+    timeout, the publish took 4 s (the polling relay's claim transaction with it)."""
+    with Webhook(lambda body: (204, 0.2)) as hook:
+        sink = http_sink(hook.url, None, timeout_s=1.0)
+        started = time.monotonic()
+        with pytest.raises(SinkUnavailable, match=r"--sink-timeout\) are spent") as info:
+            sink.publish(batch(20))
+        elapsed = time.monotonic() - started
+        acked = info.value.acknowledged
+        assert 0.9 <= elapsed < 1.5, elapsed
+        assert 3 <= len(acked) <= 5 and acked == list(range(1, len(acked) + 1))
+        assert hook.accepted[: len(acked)] == acked
+
+
+def test_retries_stop_when_the_publish_has_no_time_left(http_sink) -> None:
+    """Ten retries of a 503 would back off for about 100 s; within a 0.5-s sink timeout the
+    batch is unavailable after 0.5 s, nothing acknowledged."""
+    with Webhook(lambda body: (503, 0.0)) as hook:
+        sink = http_sink(hook.url, timeout_s=0.5, retries="10")
+        started = time.monotonic()
+        with pytest.raises(SinkUnavailable, match="HTTP 503") as info:
+            sink.publish(batch(2, keys=2))
+        assert time.monotonic() - started < 0.8
+        assert info.value.acknowledged == [] and hook.arrived.count(1) < 11
+
+
 def test_unreachable_webhook_is_unavailable(http_sink) -> None:
     from outbox_migrate.testing.server import free_port
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import psycopg
 
-from outbox_migrate.relay.cdc.relay import running
+from outbox_migrate.relay.cdc.relay import READY_COMMENT, running
 from outbox_migrate.relay.message import Message
 from outbox_migrate.testing.schema import insert_rows
 from tests.integration.relay.conftest import SPEC, Collected, ids_in
@@ -50,7 +50,14 @@ def _single_row_transactions(dsn: str, count: int) -> None:
 
 
 def _stream_active(conn: psycopg.Connection) -> bool:
-    return bool((slot_row(conn) or (0, False))[1])
+    """The slot is in use and its first start's backlog is done (the slot is active while it
+    is being created too: a relay stopped then leaves the backlog to be redone)."""
+    done = conn.execute(
+        "SELECT obj_description(oid, 'pg_publication') = %s FROM pg_publication "
+        "WHERE pubname = 'outbox_migrate_cdc'",
+        (READY_COMMENT.format(slot="outbox_migrate_cdc"),),
+    ).fetchone()
+    return bool((slot_row(conn) or (0, False))[1]) and bool(done and done[0])
 
 
 def test_a_steady_stream_of_single_row_transactions_is_published_several_per_batch(

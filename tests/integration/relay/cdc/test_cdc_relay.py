@@ -95,6 +95,32 @@ def test_the_slot_follows_the_server_while_only_other_tables_are_written(
     assert collected.ids == []
 
 
+def test_an_idle_relay_confirms_a_few_times_a_second_while_another_database_is_busy(
+    dsn: str, cdc_outbox: psycopg.Connection, collected: Collected, other_database: str
+) -> None:
+    """Another database commits single rows as fast as it can for 2 s; this outbox is idle.
+    The walsender pings on every flush it reads past the confirmed position: the relay
+    confirms at most every IDLE_CONFIRM_S (0.5 s), and the slot still follows. Fails before:
+    each ping was confirmed (~130 a second measured under load)."""
+    from outbox_migrate.relay.cdc.options import IDLE_CONFIRM_S
+
+    relay = cdc_relay(dsn, collected.factory())
+    with running(relay):
+        wait_for(lambda: (slot_row(cdc_outbox) or (0, False))[1], what="the stream")
+        time.sleep(0.6)
+        before = relay.stats.idle_confirms
+        started = time.monotonic()
+        with psycopg.connect(other_database, autocommit=True) as busy:
+            busy.execute("SET synchronous_commit = on")  # a flush per commit: a ping each
+            while time.monotonic() - started < 2.0:
+                busy.execute("INSERT INTO outbox_new (payload) VALUES ('{}')")
+        confirms = relay.stats.idle_confirms - before
+        seconds = time.monotonic() - started
+        wait_for(lambda: slot_row(cdc_outbox)[2] < 100_000, 10, "the slot to follow the server")
+    assert confirms <= seconds / IDLE_CONFIRM_S + 2, confirms
+    assert collected.ids == []
+
+
 def _peek(conn: psycopg.Connection) -> int:
     """Inserts the slot would send again (after its confirmed position)."""
     from outbox_migrate.relay.cdc import pgoutput
@@ -133,6 +159,34 @@ def test_a_broker_outage_confirms_nothing_past_the_last_acknowledged_batch(
     assert sorted(collected.ids) == ids_in(cdc_outbox, "outbox_new")
     assert collected.duplicates() == 0
     assert _peek(cdc_outbox) == 0
+
+
+def test_sink_back_offs_during_the_first_start_keep_the_slot(
+    dsn: str, cdc_outbox: psycopg.Connection, collected: Collected, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker refuses the first start's backlog four times (after one batch went out):
+    the relay backs off and goes on with the slot it created and the ids its snapshot showed.
+    Fails before: every back-off dropped the slot and created a new one (five slots, each
+    waiting for the transactions running at its creation)."""
+    insert_rows(cdc_outbox, "outbox_new", 200, spec=SPEC)
+    outages = [4]
+
+    def flaky(batch: Sequence[Message]) -> None:
+        if collected.batches >= 1 and outages[0]:
+            outages[0] -= 1
+            raise SinkUnavailable("collect", "broker down (test)")
+
+    caplog.set_level("INFO", logger="outbox_migrate.relay")
+    relay = cdc_relay(dsn, collected.factory(flaky), batch_size=50, backoff_cap_s=0.05)
+    with running(relay):
+        wait_for(lambda: not ids_in(cdc_outbox, "outbox_unpublished"), what="the backlog")
+        _transactions(dsn, 5)
+        wait_for(lambda: len(set(collected.ids)) == 205, what="the stream after it")
+    created = [r for r in caplog.messages if r.startswith("relay.cdc_slot_created")]
+    assert len(created) == 1, created
+    assert relay.stats.sink_failures == 4 and relay.stats.backlog == 200
+    assert sorted(set(collected.ids)) == ids_in(cdc_outbox, "outbox_new")
+    assert collected.duplicates() == 0  # an unavailable batch reached nobody
 
 
 def _confirmed(conn: psycopg.Connection) -> int:

@@ -145,3 +145,71 @@ def test_broker_down_backs_off_recovers_and_loses_nothing(
     duplicates = sum(c - 1 for c in Counter(received).values())
     assert set(received) == set(ids_in(partitioned, "outbox_new"))
     assert duplicates <= BATCH
+
+
+FROZEN_S = 6.0
+FROZEN_TIMEOUT_S = 1.0
+FROZEN_BACKOFF_CAP_S = 0.2
+
+
+def test_a_frozen_redis_costs_one_sink_timeout_per_attempt_and_the_batch_in_flight(
+    dsn: str, partitioned: psycopg.Connection, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis SIGSTOPped for 6 s while the relay drains (the kernel still accepts its
+    connections and buffers what is written to them; on SIGCONT Redis runs it all). Each
+    attempt during the freeze is one sink timeout (1 s) of silence, then
+    `relay.sink_unavailable`: a fresh sink's first question (Redis' size limit) unanswered is
+    the outage, before any XADD is written. Only the batch in flight when Redis froze is
+    added twice (one worker: the documented one batch per worker per fault). Fails before:
+    the unanswered CONFIG GET was passed over and the attempt went on to connect — two
+    timeouts of silence per attempt (20 s with the default 10-s timeout)."""
+    import redis
+
+    client("redis", "redis")
+    binary = shutil.which("redis-server")
+    if binary is None:
+        unavailable("redis-server is not installed")
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    stream = "om-frozen"
+    caplog.set_level("WARNING", logger="outbox_migrate.relay")
+    try:
+        assert wait_port(port, 20), "private redis did not start"
+        url = f"redis://127.0.0.1:{port}/0"
+        insert_rows(partitioned, "outbox_new", 20 * BATCH, spec=SPEC)
+        sink = factory("redis", SinkConfig(url=url, target=stream, timeout_s=FROZEN_TIMEOUT_S))
+        relay = Relay(
+            dsn, sink, spec=SPEC,
+            options=RelayOptions(batch_size=BATCH, listen=False, poll_interval_s=0.05,
+                                 backoff_base_s=0.05, backoff_cap_s=FROZEN_BACKOFF_CAP_S,
+                                 sink_timeout_s=FROZEN_TIMEOUT_S, read_ahead=False),
+        )  # fmt: skip
+        reader = redis.Redis.from_url(url)
+        with running(relay):
+            deadline = time.monotonic() + 20
+            while reader.xlen(stream) < 2 * BATCH and time.monotonic() < deadline:
+                time.sleep(0.005)
+            process.send_signal(signal.SIGSTOP)
+            frozen_at = time.time()
+            time.sleep(FROZEN_S)
+            process.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while ids_in(partitioned, "outbox_unpublished") and time.monotonic() < deadline:
+                time.sleep(0.05)
+        entries = [int(f[b"id"]) for _, f in reader.xrange(stream)]
+        reader.close()
+    finally:
+        process.send_signal(signal.SIGCONT)
+        process.terminate()
+        process.wait(10)
+    assert sorted(set(entries)) == ids_in(partitioned, "outbox_new")
+    said = [r.created for r in caplog.records if r.getMessage().startswith("relay.sink_unavail")]
+    said = [t for t in said if t <= frozen_at + FROZEN_S]
+    gaps = [round(b - a, 2) for a, b in zip([frozen_at, *said], said, strict=False)]
+    # The first attempt was in flight when Redis froze; each later one is one timeout long.
+    assert len(gaps) >= 4 and max(gaps[1:]) < FROZEN_TIMEOUT_S + FROZEN_BACKOFF_CAP_S + 0.4, gaps
+    assert len(entries) - len(set(entries)) <= BATCH

@@ -14,6 +14,7 @@ entries in XADD order (first occurrence of each id), the JetStream stream in seq
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 import uuid
@@ -195,3 +196,48 @@ def test_a_released_key_keeps_its_first_deliveries_in_id_order(
     delivered = read()
     assert set(delivered) == set(keys)
     assert order_violations([(i, keys[i]) for i in delivered]) == []
+
+
+SPACING_BACKOFF_S = 0.2
+"""Backoff base = cap: each next attempt of the poison is due 0.1 to 0.2 s after the last."""
+
+
+def test_a_parked_messages_attempts_follow_the_backoff_not_the_rescan(
+    dsn: str, partitioned: psycopg.Connection
+) -> None:
+    """A poison that every attempt refuses, under `--ordering key`, with notifications on and
+    the default 1-s poll interval: its attempts are spaced by the backoff (0.1 to 0.2 s here),
+    and it is dead-lettered at the fifth. Fails before the fix: a parked message was only
+    claimed again by the key-shard rescan from id 0 (every second at best, deferred by 100
+    times its own duration), so the attempts were 1 s or more apart."""
+    attempts: list[float] = []
+    collected = Collected()
+
+    def refuse_poison(batch: Sequence[Message]) -> None:
+        poison = [m.id for m in batch if m.event_type == "poison"]
+        if poison:
+            attempts.append(time.monotonic())
+            collected.add([m for m in batch if m.id not in poison])
+            raise MessagesRejected("collect", dict.fromkeys(poison, "poison"))
+
+    partitioned.execute(
+        "INSERT INTO outbox_new (event_type, message_key, payload) "
+        "SELECT CASE WHEN g = 5 THEN 'poison' ELSE 'event' END, 'k' || (g % 3), '{}' "
+        "FROM generate_series(1, 30) g"
+    )
+    options = RelayOptions(
+        ordering=Ordering.key, batch_size=10, max_attempts=5,
+        backoff_base_s=SPACING_BACKOFF_S, backoff_cap_s=SPACING_BACKOFF_S,
+    )  # fmt: skip
+    relay = Relay(dsn, collected.factory(refuse_poison), spec=SPEC, options=options)
+    with running(relay):
+        deadline = time.monotonic() + 20
+        while ids_in(partitioned, "outbox_unpublished") and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert ids_in(partitioned, "outbox_unpublished") == []
+    assert len(attempts) == 5
+    spacing = [round(b - a, 3) for a, b in itertools.pairwise(attempts)]
+    # Never before the backoff's lower bound, and not much after its upper bound (a claim).
+    assert all(SPACING_BACKOFF_S / 2 <= gap < SPACING_BACKOFF_S + 0.35 for gap in spacing), spacing
+    (dead,) = partitioned.execute("SELECT id FROM outbox_dead_letter").fetchall()
+    assert len(set(collected.ids)) == 29 and dead[0] not in collected.ids
