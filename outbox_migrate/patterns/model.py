@@ -315,14 +315,20 @@ class Pattern:
         raise KeyError(phase)
 
     def invariants(
-        self, phase: str, done: frozenset[str] = frozenset()
+        self, phase: str, done: frozenset[str] | None = None
     ) -> list[tuple[Step, Condition]]:
         """What must hold once every step through `phase` is done: each step's postcondition,
         unless a later step deliberately undid it — a later step of `phase` or before, or one
         of the next phase already `done` (ids from the ledger: between two steps of a phase,
-        the swap has undone the published partition's attachment on purpose)."""
-        steps = self.steps_through(phase)
-        ahead_steps = [s for s in self.steps()[len(steps) :] if s.id in done]
+        the swap has undone the published partition's attachment on purpose).
+
+        `done` None: as the plan leaves it (every step done); given (from the ledger), an
+        optional step not in it is left out — the migration ran without it (`run` without
+        --with-optional, or a later one that passed it by: runner/decide.py `skipped`)."""
+        through = self.steps_through(phase)
+        steps_done = done or frozenset()
+        steps = through if done is None else [s for s in through if s.id in done or not s.optional]
+        ahead_steps = [s for s in self.steps()[len(through) :] if s.id in steps_done]
         ahead = {s.kind for s in ahead_steps}
         # A step that restates the end state under new names supersedes every earlier one.
         restating_ahead = [s for s in ahead_steps if s.restates_end_state]
