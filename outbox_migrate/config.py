@@ -113,6 +113,14 @@ class OutboxSpec:
         return _fit(f"{self.table}_retired")
 
     @property
+    def retired_check(self) -> str:
+        """COP/HOP: the NOT VALID CHECK that seals the retired flat table against unpublished
+        rows (`outbox_is_retired`): no relay reads it once the partitioned table took its
+        name, so a row inserted there — by a version of the original name after the rename
+        was rolled back — fails loudly instead of waiting unseen."""
+        return _fit(f"{self.table}_is_retired")
+
+    @property
     def gate_sequence(self) -> str:
         """Application ids: the sequence the old table's inserts tick, for the deploy gates."""
         return _fit(f"{self.table}_gate_seq")

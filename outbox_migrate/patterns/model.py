@@ -274,6 +274,10 @@ class Phase:
     optional: bool = False
     """Only with --with-optional (the original-name phases): the migration is complete
     without it."""
+    unread: tuple[Condition, ...] = ()
+    """What `verify` checks besides the steps' postconditions while this phase's version
+    runs: no unpublished row waits in a table no relay reads then (conditions.py
+    `no_unread_rows`; phases that publish from the partitioned table only)."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +308,12 @@ class Pattern:
     def last_required_phase(self) -> str:
         """Reaching it completes the migration; optional phases may still follow."""
         return [phase for phase in self.phases if not phase.optional][-1].name
+
+    def verified(self, phase: str, done: frozenset[str]) -> list[Condition]:
+        """What `verify` checks at `phase`: the invariants (with the ledger's `done`), then
+        that no row waits unread (`Phase.unread`)."""
+        held = [condition for _, condition in self.invariants(phase, done)]
+        return held + list(self.phase(phase).unread)
 
     def steps_through(self, phase: str) -> list[Step]:
         """Every step up to and including `phase`."""

@@ -34,10 +34,16 @@ from outbox_migrate.relay import (
 from outbox_migrate.relay.backoff import jitter_s
 from outbox_migrate.relay.batch_loop import Abandoned, BatchLoop, ahead_key
 from outbox_migrate.relay.cursor import Cursor, NoCursor
-from outbox_migrate.relay.errors import RelayFailed, SinkCrashed, SinkUnavailable
+from outbox_migrate.relay.errors import (
+    MarkFellShort,
+    RelayFailed,
+    SinkCrashed,
+    SinkUnavailable,
+)
 from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.idle_flag import Idle, IdleFlag
 from outbox_migrate.relay.listener import Listener
+from outbox_migrate.relay.marker_source import NAMES_CHECK_S, check_names
 from outbox_migrate.relay.options import Mode, Ordering
 from outbox_migrate.relay.outage_wait import back_off_keeping_session
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
@@ -97,6 +103,8 @@ class Worker:
         """The idle flag's state (relay/idle_flag.py; the lock itself: relay/notify.py)."""
         self.blocked = False
         """The last idle wait blocked before it returned (`Listener.poll`)."""
+        self._names_due = time.monotonic() + NAMES_CHECK_S
+        """When `_look_at_names` looks next."""
         self.mark_failure: IntegrityError | None = None
         """The constraint a COMMIT broke (deferred): the next step repairs `unmarked` first
         (a failed mark carries its own error: `Commit.mark`)."""
@@ -166,6 +174,12 @@ class Worker:
             if self.mark_failure is not None or self.loop.unmarked:
                 self._repair_marks()
             return self._step()
+        except MarkFellShort as exc:
+            # Its rows are unmarked (their COMMIT kept only what the mark reached, which the
+            # mark confines to the claimed relation): claimed and sent again, unless the names
+            # moved — then the relay stops (`NamesMoved`, raised from here).
+            self._look_at_names(force=True)
+            log.warning("relay.mark_fell_short worker=%d %s", self.index, exc)
         except LeaseUnproven as exc:
             relay.observer.failed("fenced")
             log.warning("relay.fenced worker=%d %s", self.index, exc)
@@ -270,6 +284,7 @@ class Worker:
             self.cursor.reset(lease.mine(), now)
         if lease.checks != checks:
             relay.observer.lease_checked(self.index, len(lease.owned))
+            self._look_at_names()
         if not lease.owned:
             if options.until_empty and (
                 not lease.home or lease.checks >= UNTIL_EMPTY_PATIENCE_CHECKS
@@ -307,6 +322,17 @@ class Worker:
         keepalive.arm_idle_timeout(self.conn)
         self._idle(source)
         return False
+
+    def _look_at_names(self, *, force: bool = False) -> None:
+        """Every NAMES_CHECK_S (or now): stop the relay (`NamesMoved`) if a name of the source
+        in use no longer means what it meant at start (relay/marker_source.py) — a claim
+        relation renamed away would otherwise leave the relay idle for ever."""
+        now = time.monotonic()
+        if not force and now < self._names_due:
+            return
+        self._names_due = now + NAMES_CHECK_S
+        if self.conn is not None and not self.conn.closed:
+            check_names(self.conn, self.relay.state.current)
 
     def _idle(self, source: queries.Source) -> None:
         """Nothing to claim: sleep until a notification or the poll interval — with the idle

@@ -212,6 +212,7 @@ class Relay:
                 sources = [self.state.flat, self.state.partitioned]
             options = self.options
             for source in sources:
+                marker_source.check_markable(conn, source)
                 self.shared.columns[source.label] = resolve_columns(conn, source, self.spec,
                     options.key_column, options.event_type_column, options.ordering)  # fmt: skip
             # The dead-letter and attempts tables, created up front (relay/bad_rows.py; a

@@ -4,10 +4,16 @@ as the table's (non-superuser) owner, the application as a role with INSERT only
 - `original-name` after a migration run to its end *without* --with-optional: the optional
   steps it passed by (SET NOT NULL, which needs the CHECK `drop-check` removed) stay passed by;
   HOPIA's optional drop of its detached partition runs then, as the rename needs its name.
+- The rename rolled back while the version of the original name writes: every row it commits
+  is in the partitioned table (0 stranded) — its inserts into the old table fail loudly: a
+  DEFAULT partition refuses unpublished rows (HOPER, HOPIA), HOP's retired table is sealed.
+- A row in a table no relay reads fails `verify`, and the rename refuses to move it aside.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +24,7 @@ from psycopg import sql
 from outbox_migrate.config import load_settings
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner import inspect as read_only
+from outbox_migrate.runner.errors import PreconditionFailed, VerifyFailed
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.integration.relay.test_least_privilege import Roles
 from tests.support.app import act_as, count, publish_all
@@ -99,3 +106,94 @@ def test_original_name_after_a_migration_run_without_optional(
             assert runner.verify() == []
         assert count(owner, "outbox") == written
         assert unpublished(owner, "outbox") == 0
+
+
+class Writer:
+    """The version of the original name: inserts into `outbox` back to back, one row per
+    transaction, as the application's role; counts what committed and what failed."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.committed = 0
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self.stop.is_set():
+                try:
+                    insert_rows(conn, "outbox", 1)
+                    self.committed += 1
+                except psycopg.Error as exc:
+                    self.errors.append(str(exc).splitlines()[0])
+                time.sleep(0.002)
+
+    def __enter__(self) -> Writer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+
+
+def prepared(owner: psycopg.Connection, app_role: str) -> None:
+    create_flat_outbox(owner)
+    owner.execute(
+        sql.SQL("GRANT SELECT, INSERT, UPDATE ON outbox TO {}").format(sql.Identifier(app_role))
+    )
+    insert_rows(owner, "outbox", 50, published=True)
+
+
+@pytest.mark.parametrize("name", ["hop", "hoper", "hopia"])
+def test_rename_rolled_back_under_the_original_names_writer_strands_nothing(
+    name: str, dsn: str, roles: Roles
+) -> None:
+    """Before (HOP): exit 0, and the writer's rows landed in the flat table no relay reads
+    (`verify` passed, and taking the name again moved them aside unpublished)."""
+    with (
+        psycopg.connect(roles.owner_dsn, autocommit=True) as owner,
+        psycopg.connect(roles.app_dsn, autocommit=True) as app,
+    ):
+        prepared(owner, roles.app)
+        run_without_optional(owner, app, name)
+        last_base = Runner(roles.owner_dsn, settings(), name).pattern.phases[-1].name
+        with Runner(roles.owner_dsn, settings(), name, include_optional=True) as runner:
+            runner.run("original-name")
+        before = count(owner, "outbox")
+        with Writer(roles.app_dsn) as writer:
+            time.sleep(0.3)
+            with Runner(roles.owner_dsn, settings(), name) as runner:
+                runner.rollback(last_base)
+            time.sleep(0.5)
+        # Every row the writer committed is in the partitioned table, under its name again.
+        assert count(owner, "outbox_new") == before + writer.committed
+        assert unpublished(owner, "outbox") == 0
+        assert writer.errors, "the writer of the original name must fail loudly"
+        assert read_only.verify(roles.owner_dsn, settings()) == last_base
+
+
+def test_a_row_no_relay_reads_fails_verify_and_is_never_moved_aside(dsn: str, roles: Roles) -> None:
+    """HOP after V3: a V1 instance that came back inserts into the flat table, which no relay
+    reads any more. Before: `verify` passed, and `original-name` moved the row, unpublished,
+    into outbox_retired."""
+    with (
+        psycopg.connect(roles.owner_dsn, autocommit=True) as owner,
+        psycopg.connect(roles.app_dsn, autocommit=True) as app,
+    ):
+        prepared(owner, roles.app)
+        run_without_optional(owner, app, "hop")
+        insert_rows(app, "outbox", 1)  # the stray V1 row
+        with pytest.raises(VerifyFailed, match=r"1 unpublished row\(s\) in outbox.*no relay reads"):
+            read_only.verify(roles.owner_dsn, settings())
+        with (
+            Runner(roles.owner_dsn, settings(), "hop", include_optional=True) as runner,
+            pytest.raises(PreconditionFailed, match="no-unread-rows"),
+        ):
+            runner.run("original-name")
+        assert unpublished(owner, "outbox") == 1  # still where a flat relay finds it
+        publish_all(app, "outbox")
+        assert read_only.verify(roles.owner_dsn, settings()) == "V3"
+        with Runner(roles.owner_dsn, settings(), "hop", include_optional=True) as runner:
+            runner.run("original-name")
