@@ -18,6 +18,7 @@ import logging
 import select
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -26,9 +27,11 @@ from psycopg import sql
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import one_line
 from outbox_migrate.patterns import marker
+from outbox_migrate.relay import queries
 from outbox_migrate.relay.cdc.mark_repair import MarkRepair
 from outbox_migrate.relay.cdc.stats import CdcStats
 from outbox_migrate.relay.errors import RelayFailed
+from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.message import MessageId
 
 log = logging.getLogger("outbox_migrate.relay")
@@ -59,13 +62,17 @@ class MarkSession:
         self._conn: Any = None
         self._sql: bytes | None = None
         self._in_flight = False
+        self._source = queries.partitioned_source(spec)
 
-    def use_spec(self, spec: OutboxSpec) -> None:
-        """The spec with its marker resolved (a flag's values), before the first mark."""
+    def use_spec(self, spec: OutboxSpec, claim_oid: int = 0) -> None:
+        """The spec with its marker resolved (a flag's values), and the OID its unpublished
+        partition had at start, before the first mark: every mark is confined to that
+        relation (`tableoid`), whatever the partitioned table's name means by then."""
         self._spec = spec
+        self._source = replace(queries.partitioned_source(spec), claim_oid=claim_oid)
         self._sql = None
         if self._repair is not None:
-            self._repair.use_spec(spec)
+            self._repair.use_spec(spec, claim_oid)
 
     @property
     def in_flight(self) -> bool:
@@ -126,12 +133,13 @@ class MarkSession:
             # (measured at one batch per transaction, the steady state at 1,000 msg/s).
             spec = self._spec
             self._sql = (
-                sql.SQL("UPDATE {} SET {} WHERE {} = ANY($1::int8[]) AND {}")
+                sql.SQL("UPDATE {} SET {} WHERE {} = ANY($1::int8[]) AND {}{}")
                 .format(
                     sql.Identifier(spec.schema, spec.partitioned_table),
                     marker.mark(spec),
                     sql.Identifier(spec.id_column),
                     marker.unpublished(spec),
+                    self._source.same_relation(),
                 )
                 .as_bytes(conn)
             )
@@ -191,7 +199,12 @@ class MarkSession:
             repair.after_failure(self._open(), sent, _error(result, pgconn))
             return
         result = _check(result, pgconn)
-        self._stats.add(marked=max(result.command_tuples or 0, 0))
+        changed = max(result.command_tuples or 0, 0)
+        self._stats.add(marked=changed)
+        if changed < len(sent):
+            # Fewer than sent: marked already (a re-stream), or the name no longer reaches the
+            # streamed partition — then stop (`NamesMoved`) rather than confirm the slot.
+            check_names(self._open(), self._source)
         if repair is not None and repair.failures.known:
             repair.forget_marked(self._open(), sent)
 
