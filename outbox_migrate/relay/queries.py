@@ -38,7 +38,8 @@ class Source:
     """One table the relay publishes from: where it claims and where it marks."""
 
     label: str
-    """Name reported in messages and logs (schema.table)."""
+    """The relation's name in logs, keys and the attempts and dead-letter rows
+    (schema.table)."""
     schema: str
     claim_table: str
     """Flat table, or the unpublished partition (its id index serves the claim)."""
@@ -53,6 +54,9 @@ class Source:
     """The claim order of application ids ("" = the id itself)."""
     flag: marker.Marker | None = None
     """A flag marker (and status column) from the spec; None = a timestamp marker."""
+    name: str = ""
+    """The outbox's name in messages (schema + `OutboxSpec.outbox_name`, the same for the
+    flat and the partitioned source and across the rename); "" = `label`."""
     claim_oid: int = 0
     """The OID `claim_table` named when the relay started (relay/marker_source.py); 0: not
     resolved (SQL built without a session). Every mark by ctid is confined to it
@@ -96,6 +100,7 @@ def flat_source(spec: OutboxSpec) -> Source:
         published_column=spec.published_column,
         partitioned=False,
         flag=marker.of(spec),
+        name=f"{spec.schema}.{spec.outbox_name}",
         **_id_handling(spec),
     )
 
@@ -110,6 +115,7 @@ def partitioned_source(spec: OutboxSpec) -> Source:
         published_column=spec.published_column,
         partitioned=True,
         flag=marker.of(spec),
+        name=f"{spec.schema}.{spec.outbox_name}",
         **_id_handling(spec),
     )
 
@@ -242,7 +248,7 @@ def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> s
     """Claim the next batch of this session's shards, oldest id first, locking the rows.
 
     Parameters: after (id cursor), limit, and when sharded shards + mine (int[]). The columns
-    come back in `Message` field order (the source's label as a constant second column), then
+    come back in `Message` field order (the outbox's name as a constant second column), then
     the row's `ctid` (CLAIM_CTID_COLUMN), which the mark uses to find it again, then, when the
     outbox carries metadata, the extra headers (CLAIM_HEADERS_COLUMN).
     The cursor (`id > %(after)s`) lets a claim start where the last one ended instead of
@@ -299,7 +305,7 @@ def claimed_columns(source: Source, columns: Columns) -> sql.Composed:
         id=sql.SQL("{}::text").format(sql.Identifier(source.id_column))
         if source.text_ids
         else sql.Identifier(source.id_column),
-        label=sql.Literal(source.label),
+        label=sql.Literal(source.name or source.label),
         event_type=_optional(columns.event_type),
         key=_optional(columns.key),
         payload=payload_expression(columns),
