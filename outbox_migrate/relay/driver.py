@@ -331,8 +331,12 @@ class Worker:
         if not force and now < self._names_due:
             return
         self._names_due = now + NAMES_CHECK_S
-        if self.conn is not None and not self.conn.closed:
+        if self.conn is None or self.conn.closed:
+            return
+        try:
             check_names(self.conn, self.relay.state.current)
+        except connection_errors() as exc:  # looked at again on the next session
+            log.debug("relay.names_unchecked worker=%d %s", self.index, one_line(exc))
 
     def _idle(self, source: queries.Source) -> None:
         """Nothing to claim: sleep until a notification or the poll interval — with the idle
