@@ -21,15 +21,20 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_migrate.config import load_settings
+from outbox_migrate.config import OutboxSpec, load_settings
+from outbox_migrate.relay.options import Mode, RelayOptions
+from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner import inspect as read_only
 from outbox_migrate.runner.errors import PreconditionFailed, VerifyFailed
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
+from tests.integration.relay.conftest import Collected
 from tests.integration.relay.test_least_privilege import Roles
 from tests.support.app import act_as, count, publish_all
 
 FAST = {"gate_window_s": 0.2, "lock_budget_s": 10.0}
+NEXT_VERSION = OutboxSpec(table="outbox_retired", partitioned_table="outbox")
+"""How the version of the original name configures its relay (docs/relay.md)."""
 
 
 def settings(**extra: Any) -> Any:
@@ -70,50 +75,69 @@ def run_without_optional(owner: psycopg.Connection, app: psycopg.Connection, nam
     return written
 
 
+def relay_of(dsn: str, collected: Collected, spec: OutboxSpec, **options: Any) -> Relay:
+    return Relay(
+        dsn,
+        collected.factory(),
+        spec=spec,
+        options=RelayOptions(mode=Mode.partitioned, listen=False, poll_interval_s=0.05, **options),
+    )
+
+
 @pytest.mark.parametrize("name", ["hoper", "hopia"])
 def test_original_name_after_a_migration_run_without_optional(
     name: str, dsn: str, roles: Roles
 ) -> None:
-    """Before: "original-name before V4: run --to V4 first" on a completed migration, then
-    exit 5 (`set-not-null` needs the CHECK `drop-check` removed)."""
+    """Under live load: the previous version writing (through the view once renamed) and
+    publishing, then the version of the original name. Before: "original-name before V4: run
+    --to V4 first" on a completed migration, then exit 5 (`set-not-null` needs the CHECK
+    `drop-check` removed)."""
+    collected = Collected()
     with (
         psycopg.connect(roles.owner_dsn, autocommit=True) as owner,
         psycopg.connect(roles.app_dsn, autocommit=True) as app,
     ):
-        create_flat_outbox(owner)
-        owner.execute(
-            sql.SQL("GRANT SELECT, INSERT, UPDATE ON outbox TO {}").format(
-                sql.Identifier(roles.app)
-            )
-        )
-        insert_rows(owner, "outbox", 50, published=True)
+        prepared(owner, roles.app)
         written = 50 + run_without_optional(owner, app, name)
+        publish_all(app, "outbox")
 
-        with Runner(roles.owner_dsn, settings(), name, include_optional=True) as runner:
-            ran = runner.run("original-name").ran
+        previous = relay_of(roles.app_dsn, collected, OutboxSpec())
+        with running(previous), Writer(roles.app_dsn, "outbox_new") as writer:
+            time.sleep(0.3)
+            with Runner(roles.owner_dsn, settings(), name, include_optional=True) as runner:
+                ran = runner.run("original-name").ran
+            time.sleep(0.3)
         assert f"{name}.v4.set-not-null" not in ran
         assert ran[-1] == f"{name}.original-name.take-original-name"
-        # The previous version inserts through the view, the next one by the original name.
-        insert_rows(app, "outbox_new", 3)
-        insert_rows(app, "outbox", 3)
-        written += 6
-        publish_all(app, "outbox")
-        assert read_only.verify(roles.owner_dsn, settings(), include_optional=True) == (
-            "original-name"
-        )
-        with Runner(roles.owner_dsn, settings(), name, include_optional=True) as runner:
-            assert runner.run("drop-view").completed
-            assert runner.verify() == []
+        assert not writer.errors and writer.committed > 0
+        written += writer.committed
+
+        following = relay_of(roles.app_dsn, collected, NEXT_VERSION)
+        with running(following), Writer(roles.app_dsn, "outbox") as writer:
+            time.sleep(0.3)
+            with Runner(roles.owner_dsn, settings(), name, include_optional=True) as runner:
+                assert runner.run("drop-view").completed
+                assert runner.verify() == []
+            time.sleep(0.3)
+        assert not writer.errors and writer.committed > 0
+        written += writer.committed
+        drain = relay_of(roles.app_dsn, collected, NEXT_VERSION, until_empty=True)
+        drain.run()
+
         assert count(owner, "outbox") == written
         assert unpublished(owner, "outbox") == 0
+        ids = {int(r[0]) for r in owner.execute("SELECT id FROM outbox")}
+        assert ids >= set(collected.ids)
+        assert read_only.verify(roles.owner_dsn, settings(), include_optional=True) == ("drop-view")
 
 
 class Writer:
-    """The version of the original name: inserts into `outbox` back to back, one row per
-    transaction, as the application's role; counts what committed and what failed."""
+    """One application version: inserts into `table` back to back, one row per transaction,
+    as the application's role; counts what committed and what failed."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, table: str = "outbox") -> None:
         self.dsn = dsn
+        self.table = table
         self.committed = 0
         self.errors: list[str] = []
         self.stop = threading.Event()
@@ -123,7 +147,7 @@ class Writer:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             while not self.stop.is_set():
                 try:
-                    insert_rows(conn, "outbox", 1)
+                    insert_rows(conn, self.table, 1)
                     self.committed += 1
                 except psycopg.Error as exc:
                     self.errors.append(str(exc).splitlines()[0])
