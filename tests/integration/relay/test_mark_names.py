@@ -105,3 +105,47 @@ def test_a_mark_never_reaches_a_row_of_another_table(
         message = str(failure[0])
         assert "\n" not in message and '"public"."outbox"' in message
         assert collected.duplicates() == 0  # it stopped after its first batch
+
+
+def test_names_checked_as_the_rename_and_the_views_drop_change_them(dsn: str) -> None:
+    """What each relay's regular look at its names says across the rename (COP): a relay
+    started with the former name still reaches its rows through the view, and one of the
+    original name through the table; once the view is dropped, the former name reaches
+    nothing and that relay stops with one line."""
+    from dataclasses import replace
+
+    from outbox_migrate.relay import queries
+    from outbox_migrate.relay.marker_source import check_names
+
+    def resolved(
+        conn: psycopg.Connection, spec: OutboxSpec, *, flat: bool = False
+    ) -> queries.Source:
+        source = (queries.flat_source if flat else queries.partitioned_source)(spec)
+        claim = queries.qualified(source.schema, source.claim_table)
+        row = conn.execute("SELECT to_regclass(%s)::oid::int8", (claim,)).fetchone()
+        assert row is not None
+        return replace(source, claim_oid=int(row[0]))
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        for phase in ("V2", "V3"):
+            with Runner(dsn, SETTINGS, "cop", include_optional=True) as runner:
+                runner.run(phase)
+        former = resolved(conn, OutboxSpec())
+        with Runner(dsn, SETTINGS, "cop", include_optional=True) as runner:
+            runner.run("original-name")
+        following = resolved(conn, NEXT_VERSION)
+        assert following.claim_oid == former.claim_oid
+        check_names(conn, former)  # through the view outbox_new
+        check_names(conn, following)
+        with Runner(dsn, SETTINGS, "cop", include_optional=True) as runner:
+            runner.run("drop-view")
+        check_names(conn, following)
+        with pytest.raises(NamesMoved, match=r'"public"."outbox_new" no longer reaches'):
+            check_names(conn, former)
+        flat = resolved(conn, NEXT_VERSION, flat=True)  # the retired flat table, by name
+        check_names(conn, flat)
+        conn.execute("ALTER TABLE outbox_retired RENAME TO outbox_old")
+        conn.execute("CREATE TABLE outbox_retired (LIKE outbox_old)")
+        with pytest.raises(NamesMoved, match="no longer names the table it claimed from"):
+            check_names(conn, flat)
