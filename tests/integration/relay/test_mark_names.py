@@ -107,6 +107,7 @@ def test_a_mark_never_reaches_a_row_of_another_table(
         assert collected.duplicates() == 0  # it stopped after its first batch
 
 
+@pytest.mark.newest_pg_only
 def test_names_checked_as_the_rename_and_the_views_drop_change_them(dsn: str) -> None:
     """What each relay's regular look at its names says across the rename (COP): a relay
     started with the former name still reaches its rows through the view, and one of the

@@ -198,6 +198,7 @@ def test_rename_rolled_back_under_the_original_names_writer_strands_nothing(
         assert read_only.verify(roles.owner_dsn, settings()) == last_base
 
 
+@pytest.mark.newest_pg_only
 def test_a_row_no_relay_reads_fails_verify_and_is_never_moved_aside(dsn: str, roles: Roles) -> None:
     """HOP after V3: a V1 instance that came back inserts into the flat table, which no relay
     reads any more. Before: `verify` passed, and `original-name` moved the row, unpublished,
