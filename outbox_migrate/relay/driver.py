@@ -43,7 +43,7 @@ from outbox_migrate.relay.errors import (
 from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.idle_flag import Idle, IdleFlag
 from outbox_migrate.relay.listener import Listener
-from outbox_migrate.relay.marker_source import NAMES_CHECK_S, check_names
+from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.options import Mode, Ordering
 from outbox_migrate.relay.outage_wait import back_off_keeping_session
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
@@ -103,8 +103,6 @@ class Worker:
         """The idle flag's state (relay/idle_flag.py; the lock itself: relay/notify.py)."""
         self.blocked = False
         """The last idle wait blocked before it returned (`Listener.poll`)."""
-        self._names_due = time.monotonic() + NAMES_CHECK_S
-        """When `_look_at_names` looks next."""
         self.mark_failure: IntegrityError | None = None
         """The constraint a COMMIT broke (deferred): the next step repairs `unmarked` first
         (a failed mark carries its own error: `Commit.mark`)."""
@@ -178,7 +176,7 @@ class Worker:
             # Its rows are unmarked (their COMMIT kept only what the mark reached, which the
             # mark confines to the claimed relation): claimed and sent again, unless the names
             # moved — then the relay stops (`NamesMoved`, raised from here).
-            self._look_at_names(force=True)
+            self._look_at_names()
             log.warning("relay.mark_fell_short worker=%d %s", self.index, exc)
         except LeaseUnproven as exc:
             relay.observer.failed("fenced")
@@ -284,7 +282,6 @@ class Worker:
             self.cursor.reset(lease.mine(), now)
         if lease.checks != checks:
             relay.observer.lease_checked(self.index, len(lease.owned))
-            self._look_at_names()
         if not lease.owned:
             if options.until_empty and (
                 not lease.home or lease.checks >= UNTIL_EMPTY_PATIENCE_CHECKS
@@ -323,19 +320,15 @@ class Worker:
         self._idle(source)
         return False
 
-    def _look_at_names(self, *, force: bool = False) -> None:
-        """Every NAMES_CHECK_S (or now): stop the relay (`NamesMoved`) if a name of the source
-        in use no longer means what it meant at start (relay/marker_source.py) — a claim
-        relation renamed away would otherwise leave the relay idle for ever."""
-        now = time.monotonic()
-        if not force and now < self._names_due:
-            return
-        self._names_due = now + NAMES_CHECK_S
+    def _look_at_names(self) -> None:
+        """A mark fell short: stop the relay (`NamesMoved`) if a name of the source in use no
+        longer means what it meant at start (relay/marker_source.py). The relay's main
+        thread also looks every NAMES_CHECK_S (relay/worker.py), off the workers' sessions."""
         if self.conn is None or self.conn.closed:
             return
         try:
             check_names(self.conn, self.relay.state.current)
-        except connection_errors() as exc:  # looked at again on the next session
+        except connection_errors() as exc:  # the main thread's look covers it
             log.debug("relay.names_unchecked worker=%d %s", self.index, one_line(exc))
 
     def _idle(self, source: queries.Source) -> None:

@@ -150,3 +150,43 @@ def test_names_checked_as_the_rename_and_the_views_drop_change_them(dsn: str) ->
         conn.execute("CREATE TABLE outbox_retired (LIKE outbox_old)")
         with pytest.raises(NamesMoved, match="no longer names the table it claimed from"):
             check_names(conn, flat)
+
+
+@pytest.mark.newest_pg_only
+def test_an_idle_relay_whose_claim_relation_is_renamed_away_stops(
+    dsn: str, collected: Collected
+) -> None:
+    """Nothing to mark, so no mark can fall short: the relay's regular look at its names (every
+    NAMES_CHECK_S, from its main thread) stops it once its unpublished partition is renamed
+    away and another table takes the name, instead of idling on the wrong table for ever."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        for phase in ("V2", "V3"):
+            with Runner(dsn, SETTINGS, "hop") as runner:
+                runner.run(phase)
+        relay = Relay(
+            dsn,
+            collected.factory(),
+            spec=OutboxSpec(),
+            options=RelayOptions(mode=Mode.partitioned, listen=True, poll_interval_s=0.2),
+        )
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                relay.run()
+            except BaseException as exc:
+                failure.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        try:
+            time.sleep(0.5)
+            conn.execute("ALTER TABLE outbox_unpublished RENAME TO outbox_unpublished_moved")
+            conn.execute("CREATE TABLE outbox_unpublished (LIKE outbox_new)")
+            thread.join(timeout=20)
+        finally:
+            relay.stop()
+            thread.join(timeout=30)
+        assert len(failure) == 1 and isinstance(failure[0], NamesMoved), failure
+        assert "no longer names the table it claimed from" in str(failure[0])
