@@ -141,6 +141,26 @@ class OutboxSpec:
         return _fit(f"{self.partitioned_table}_view_use_tick")
 
     @property
+    def outbox_name(self) -> str:
+        """The outbox's name in messages (the CloudEvents `source`, `table`, `outbox-table`):
+        the flat table's — the name the application's outbox has at both ends of the
+        migration — and, for a relay configured after the rename to the original name
+        (`--partitioned-table outbox --table outbox_retired`), the partitioned table's, which
+        is then that same name. A message sent again by the next version's relay (a batch
+        whose mark did not commit across the rename) keeps its (source, id)."""
+        if self.table == _fit(f"{self.partitioned_table}_retired"):
+            return self.partitioned_table
+        return self.table
+
+    @property
+    def retired_check(self) -> str:
+        """COP/HOP: the NOT VALID CHECK that seals the retired flat table against unpublished
+        rows (`outbox_is_retired`): no relay reads it once the partitioned table took its
+        name, so a row inserted there — by a version of the original name after the rename
+        was rolled back — fails loudly instead of waiting unseen."""
+        return _fit(f"{self.table}_is_retired")
+
+    @property
     def gate_sequence(self) -> str:
         """Application ids: the sequence the old table's inserts tick, for the deploy gates."""
         return _fit(f"{self.table}_gate_seq")

@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_copy_back_01
 Revises: 0002_hoper_v4_07
-Create Date: 2026-11-28 04:31:49.212269
+Create Date: 2026-11-28 04:35:11.144334
 
 """
 from typing import Sequence, Union

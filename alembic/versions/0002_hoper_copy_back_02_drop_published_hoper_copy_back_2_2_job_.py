@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_copy_back_02
 Revises: 0002_hoper_copy_back_01
-Create Date: 2026-11-28 04:31:49.214199
+Create Date: 2026-11-28 04:35:11.149267
 
 """
 from typing import Sequence, Union

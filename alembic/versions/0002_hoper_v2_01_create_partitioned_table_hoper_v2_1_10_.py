@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v2_01
 Revises: 0001
-Create Date: 2026-11-28 04:31:49.170864
+Create Date: 2026-11-28 04:35:10.948480
 
 """
 from typing import Sequence, Union

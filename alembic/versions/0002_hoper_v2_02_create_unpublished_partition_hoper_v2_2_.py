@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v2_02
 Revises: 0002_hoper_v2_01
-Create Date: 2026-11-28 04:31:49.176061
+Create Date: 2026-11-28 04:35:10.956336
 
 """
 from typing import Sequence, Union

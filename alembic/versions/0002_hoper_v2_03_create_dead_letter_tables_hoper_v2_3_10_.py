@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v2_03
 Revises: 0002_hoper_v2_02
-Create Date: 2026-11-28 04:31:49.178832
+Create Date: 2026-11-28 04:35:10.962700
 
 """
 from typing import Sequence, Union

@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v2_04
 Revises: 0002_hoper_v2_03
-Create Date: 2026-11-28 04:31:49.180990
+Create Date: 2026-11-28 04:35:10.975121
 
 """
 from typing import Sequence, Union

@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v2_05
 Revises: 0002_hoper_v2_04
-Create Date: 2026-11-28 04:31:49.183045
+Create Date: 2026-11-28 04:35:10.977288
 
 """
 from typing import Sequence, Union

@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v2_06
 Revises: 0002_hoper_v2_05
-Create Date: 2026-11-28 04:31:49.185015
+Create Date: 2026-11-28 04:35:11.001966
 
 """
 from typing import Sequence, Union

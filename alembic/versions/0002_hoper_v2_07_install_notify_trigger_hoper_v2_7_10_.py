@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v2_07
 Revises: 0002_hoper_v2_06
-Create Date: 2026-11-28 04:31:49.187343
+Create Date: 2026-11-28 04:35:11.013081
 
 """
 from typing import Sequence, Union

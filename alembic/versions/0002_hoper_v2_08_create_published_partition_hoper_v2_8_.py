@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v2_08
 Revises: 0002_hoper_v2_07
-Create Date: 2026-11-28 04:31:49.189142
+Create Date: 2026-11-28 04:35:11.020410
 
 """
 from typing import Sequence, Union

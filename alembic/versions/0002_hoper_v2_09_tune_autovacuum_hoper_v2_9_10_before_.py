@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v2_09
 Revises: 0002_hoper_v2_08
-Create Date: 2026-11-28 04:31:49.191266
+Create Date: 2026-11-28 04:35:11.026923
 
 """
 from typing import Sequence, Union

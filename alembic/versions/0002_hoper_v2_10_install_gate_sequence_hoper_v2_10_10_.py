@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v2_10
 Revises: 0002_hoper_v2_09
-Create Date: 2026-11-28 04:31:49.193102
+Create Date: 2026-11-28 04:35:11.042010
 
 """
 from typing import Sequence, Union

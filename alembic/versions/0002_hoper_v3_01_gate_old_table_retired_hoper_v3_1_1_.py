@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v3_01
 Revises: 0002_hoper_v2_10
-Create Date: 2026-11-28 04:31:49.195458
+Create Date: 2026-11-28 04:35:11.054784
 
 """
 from typing import Sequence, Union

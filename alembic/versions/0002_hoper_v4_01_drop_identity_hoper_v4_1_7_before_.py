@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_01
 Revises: 0002_hoper_v3_01
-Create Date: 2026-11-28 04:31:49.197367
+Create Date: 2026-11-28 04:35:11.081359
 
 """
 from typing import Sequence, Union

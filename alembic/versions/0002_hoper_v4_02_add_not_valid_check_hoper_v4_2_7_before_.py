@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_02
 Revises: 0002_hoper_v4_01
-Create Date: 2026-11-28 04:31:49.199353
+Create Date: 2026-11-28 04:35:11.096966
 
 """
 from typing import Sequence, Union

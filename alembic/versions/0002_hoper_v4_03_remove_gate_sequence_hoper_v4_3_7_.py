@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_03
 Revises: 0002_hoper_v4_02
-Create Date: 2026-11-28 04:31:49.201471
+Create Date: 2026-11-28 04:35:11.109330
 
 """
 from typing import Sequence, Union

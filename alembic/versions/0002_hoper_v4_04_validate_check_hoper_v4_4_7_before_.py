@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_04
 Revises: 0002_hoper_v4_03
-Create Date: 2026-11-28 04:31:49.203874
+Create Date: 2026-11-28 04:35:11.120615
 
 """
 from typing import Sequence, Union

@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_05
 Revises: 0002_hoper_v4_04
-Create Date: 2026-11-28 04:31:49.205708
+Create Date: 2026-11-28 04:35:11.129267
 
 """
 from typing import Sequence, Union

@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_06
 Revises: 0002_hoper_v4_05
-Create Date: 2026-11-28 04:31:49.207770
+Create Date: 2026-11-28 04:35:11.134644
 
 """
 from typing import Sequence, Union

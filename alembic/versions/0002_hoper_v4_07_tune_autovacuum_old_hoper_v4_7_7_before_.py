@@ -2,7 +2,7 @@
 
 Revision ID: 0002_hoper_v4_07
 Revises: 0002_hoper_v4_06
-Create Date: 2026-11-28 04:31:49.210118
+Create Date: 2026-11-28 04:35:11.138535
 
 """
 from typing import Sequence, Union

@@ -16,6 +16,7 @@ from typing import Any
 
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.errors import UsageError
+from outbox_migrate.patterns import conditions
 from outbox_migrate.patterns.kinds import BuildContext, load_all
 from outbox_migrate.patterns.model import (
     AppBehaviour,
@@ -135,6 +136,11 @@ def build_pattern(
                 instructions=tuple(raw_phase.get("instructions", ())),
                 steps=tuple(steps),
                 optional=raw_phase.get("optional", False),
+                unread=(
+                    (conditions.no_unread_rows(names, raw_phase["name"]),)
+                    if app.publishes_from is Table.NEW
+                    else ()
+                ),
             )
         )
         previous, previous_name = app, raw_phase["name"]

@@ -125,6 +125,21 @@ def drained(n: Names, relation: str, phase: str) -> Condition:
     )
 
 
+def no_unread_rows(n: Names, phase: str) -> Condition:
+    """No unpublished row waits in the flat table where it stands alone — under its name or
+    retired (`<table>_retired`) — once no relay reads it: such a row is never sent. Either
+    may be absent, so the count is made through `query_to_xml` (a plain SELECT cannot name a
+    table that may not exist, and a condition must stay a SELECT for offline SQL)."""
+    return condition(
+        "no-unread-rows",
+        n.table,
+        rel_reg=n.reg(n.table),
+        retired_reg=n.reg(n.spec.retired_table),
+        unpublished_text=sql.Literal(marker.unpublished(n.spec).as_string(None)),
+        phase=sql.Literal(phase),
+    )
+
+
 def _gate_parts(n: Names, relation: str, phase: str) -> dict[str, sql.Composable]:
     key1, key2 = gate_lock_keys(n)
     return {

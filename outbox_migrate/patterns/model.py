@@ -274,6 +274,10 @@ class Phase:
     optional: bool = False
     """Only with --with-optional (the original-name phases): the migration is complete
     without it."""
+    unread: tuple[Condition, ...] = ()
+    """What `verify` checks besides the steps' postconditions while this phase's version
+    runs: no unpublished row waits in a table no relay reads then (conditions.py
+    `no_unread_rows`; phases that publish from the partitioned table only)."""
 
 
 @dataclass(frozen=True)
@@ -305,6 +309,12 @@ class Pattern:
         """Reaching it completes the migration; optional phases may still follow."""
         return [phase for phase in self.phases if not phase.optional][-1].name
 
+    def verified(self, phase: str, done: frozenset[str]) -> list[Condition]:
+        """What `verify` checks at `phase`: the invariants (with the ledger's `done`), then
+        that no row waits unread (`Phase.unread`)."""
+        held = [condition for _, condition in self.invariants(phase, done)]
+        return held + list(self.phase(phase).unread)
+
     def steps_through(self, phase: str) -> list[Step]:
         """Every step up to and including `phase`."""
         steps: list[Step] = []
@@ -315,14 +325,20 @@ class Pattern:
         raise KeyError(phase)
 
     def invariants(
-        self, phase: str, done: frozenset[str] = frozenset()
+        self, phase: str, done: frozenset[str] | None = None
     ) -> list[tuple[Step, Condition]]:
         """What must hold once every step through `phase` is done: each step's postcondition,
         unless a later step deliberately undid it — a later step of `phase` or before, or one
         of the next phase already `done` (ids from the ledger: between two steps of a phase,
-        the swap has undone the published partition's attachment on purpose)."""
-        steps = self.steps_through(phase)
-        ahead_steps = [s for s in self.steps()[len(steps) :] if s.id in done]
+        the swap has undone the published partition's attachment on purpose).
+
+        `done` None: as the plan leaves it (every step done); given (from the ledger), an
+        optional step not in it is left out — the migration ran without it (`run` without
+        --with-optional, or a later one that passed it by: runner/decide.py `skipped`)."""
+        through = self.steps_through(phase)
+        steps_done = done or frozenset()
+        steps = through if done is None else [s for s in through if s.id in done or not s.optional]
+        ahead_steps = [s for s in self.steps()[len(through) :] if s.id in steps_done]
         ahead = {s.kind for s in ahead_steps}
         # A step that restates the end state under new names supersedes every earlier one.
         restating_ahead = [s for s in ahead_steps if s.restates_end_state]

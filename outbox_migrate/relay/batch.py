@@ -16,6 +16,7 @@ from typing import Any
 
 from outbox_migrate.relay import claimed, queries, wire
 from outbox_migrate.relay.bad_rows import DeadLetter
+from outbox_migrate.relay.errors import MarkFellShort
 from outbox_migrate.relay.message import Message, MessageId
 
 
@@ -72,6 +73,9 @@ class Commit:
     sent: float = 0.0
     """When it started to linger or sleep (its mark and COMMIT sent, their result read with
     the next claim's); 0: no linger. The batch's time ends there."""
+    marking: int = 0
+    """How many rows the mark was given: claimed and locked by this transaction, so the mark
+    changes each of them — fewer means its name no longer reaches them (`fell_short`)."""
 
     @property
     def succeeded(self) -> bool:
@@ -85,6 +89,17 @@ class Commit:
     def started(self) -> float:
         return self.batch.started
 
+    def fell_short(self) -> MarkFellShort | None:
+        """When the mark changed fewer rows than it was given, what to raise (None: as many,
+        or it failed — a failed mark is repaired instead)."""
+        mark = self.mark
+        if mark is None or mark.result is None or not mark.succeeded:
+            return None
+        changed = mark.result.command_tuples
+        if changed is None or changed >= self.marking:
+            return None
+        return MarkFellShort(self.batch.source.label, self.marking, changed)
+
 
 def mark_and_commit(pipe: wire.Wire, batch: Batch) -> Commit:
     """Queue the mark of the acknowledged rows, and the COMMIT, on the
@@ -96,4 +111,4 @@ def mark_and_commit(pipe: wire.Wire, batch: Batch) -> Commit:
     if tids:
         # An array literal: a list dumper would cost more than the mark.
         mark = pipe.send(batch.mark, {"tids": '{"' + '","'.join(tids) + '"}'}, tolerate=True)
-    return Commit(batch, pipe.send_plain(b"COMMIT"), len(batch.acked), mark)
+    return Commit(batch, pipe.send_plain(b"COMMIT"), len(batch.acked), mark, marking=len(tids))

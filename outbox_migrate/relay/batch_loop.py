@@ -181,7 +181,7 @@ class BatchLoop:
         if late is not None:
             found = pipe.rows(late)
             if found:
-                found.sort(key=_ID)
+                found.sort(key=operator.itemgetter(0))
                 rows = found + rows
         if after == 0:
             now = time.monotonic()
@@ -533,7 +533,7 @@ class BatchLoop:
         return self.relay.stopping
 
     def _count_committed(self, pending: list[Commit]) -> None:
-        """Count the batches whose COMMIT came back; one whose mark failed goes to `unmarked`."""
+        """Count the batches whose COMMIT came back (a failed mark: `unmarked`; short: raise)."""
         done = [c for c in pending if c.commit.result is not None]
         for commit in done:
             pending.remove(commit)
@@ -541,6 +541,8 @@ class BatchLoop:
                 self.unmarked.append(commit)
             else:
                 self._count(commit)
+        for short in filter(None, map(Commit.fell_short, done)):
+            raise short  # the worker looks at its names (relay/driver.py)
 
     def _repair_in_run(
         self, cur: wire.Wire, pending: list[Commit], ahead_ok: bool, mark: bytes
@@ -593,6 +595,3 @@ class BatchLoop:
 def ahead_key(index: int) -> int:
     """The read-ahead session's key in `Shared.conns` (cancelled at the shutdown timeout)."""
     return -1 - index
-
-
-_ID = operator.itemgetter(0)

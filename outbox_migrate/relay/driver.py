@@ -34,10 +34,16 @@ from outbox_migrate.relay import (
 from outbox_migrate.relay.backoff import jitter_s
 from outbox_migrate.relay.batch_loop import Abandoned, BatchLoop, ahead_key
 from outbox_migrate.relay.cursor import Cursor, NoCursor
-from outbox_migrate.relay.errors import RelayFailed, SinkCrashed, SinkUnavailable
+from outbox_migrate.relay.errors import (
+    MarkFellShort,
+    RelayFailed,
+    SinkCrashed,
+    SinkUnavailable,
+)
 from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.idle_flag import Idle, IdleFlag
 from outbox_migrate.relay.listener import Listener
+from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.options import Mode, Ordering
 from outbox_migrate.relay.outage_wait import back_off_keeping_session
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
@@ -166,6 +172,12 @@ class Worker:
             if self.mark_failure is not None or self.loop.unmarked:
                 self._repair_marks()
             return self._step()
+        except MarkFellShort as exc:
+            # Its rows are unmarked (their COMMIT kept only what the mark reached, which the
+            # mark confines to the claimed relation): claimed and sent again, unless the names
+            # moved — then the relay stops (`NamesMoved`, raised from here).
+            self._look_at_names()
+            log.warning("relay.mark_fell_short worker=%d %s", self.index, exc)
         except LeaseUnproven as exc:
             relay.observer.failed("fenced")
             log.warning("relay.fenced worker=%d %s", self.index, exc)
@@ -307,6 +319,17 @@ class Worker:
         keepalive.arm_idle_timeout(self.conn)
         self._idle(source)
         return False
+
+    def _look_at_names(self) -> None:
+        """A mark fell short: stop the relay (`NamesMoved`) if a name of the source in use no
+        longer means what it meant at start (relay/marker_source.py). The relay's main
+        thread also looks every NAMES_CHECK_S (relay/worker.py), off the workers' sessions."""
+        if self.conn is None or self.conn.closed:
+            return
+        try:
+            check_names(self.conn, self.relay.state.current)
+        except connection_errors() as exc:  # the main thread's look covers it
+            log.debug("relay.names_unchecked worker=%d %s", self.index, one_line(exc))
 
     def _idle(self, source: queries.Source) -> None:
         """Nothing to claim: sleep until a notification or the poll interval — with the idle

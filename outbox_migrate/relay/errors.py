@@ -93,3 +93,18 @@ class UnrepresentableMessage(SinkError):
         self.message_id = message_id
         where = "" if message_id is None else f" (id {message_id})"
         super().__init__(f"message cannot be represented{where}: {reason}")
+
+
+class NamesMoved(RelayFailed):
+    """A name the relay was started with no longer means the relation it meant then (a
+    rename, or its rollback, under a running relay): its marks would reach another table's
+    rows by ctid. The relay stops (exit 1) rather than publish what it can no longer mark."""
+
+
+class MarkFellShort(Exception):
+    """A mark changed fewer rows than the batch claimed and locked: the worker looks at its
+    names (`marker_source.check_names`). Its rows stay unpublished and are claimed again."""
+
+    def __init__(self, label: str, expected: int, changed: int) -> None:
+        self.label = label
+        super().__init__(f"the mark of {expected} claimed row(s) of {label} changed {changed}")

@@ -402,13 +402,14 @@ def _marked_in_savepoint(source: queries.Source, tids: Sequence[str]) -> sql.Com
     """`queries.mark` for these rows, between a savepoint and its release."""
     return sql.SQL(
         "SAVEPOINT om_relay_mark; UPDATE {table} SET {mark} "
-        "WHERE {unpublished} AND ctid = ANY({tids}::tid[]); "
+        "WHERE {unpublished} AND ctid = ANY({tids}::tid[]){same}; "
         "RELEASE SAVEPOINT om_relay_mark"
     ).format(
         table=source.mark_ident,
         mark=marker.mark(source.marker),
         unpublished=marker.unpublished(source.marker),
         tids=sql.Literal(_tid_array(tids)),
+        same=source.same_relation(),
     )
 
 
@@ -444,12 +445,13 @@ def _lock(
     lookup = key.lookup(list(set(tids.values())), source.text_ids) if key else sql.SQL("")
     return sql.SQL(
         "SELECT ctid::text, {id} FROM {table} WHERE {unpublished} "
-        "AND ctid = ANY({tids}::tid[]) FOR UPDATE SKIP LOCKED; {lookup}; "
+        "AND ctid = ANY({tids}::tid[]){same} FOR UPDATE SKIP LOCKED; {lookup}; "
         "SET CONSTRAINTS ALL IMMEDIATE; SAVEPOINT om_relay_repair"
     ).format(
         id=sql.SQL("{}::text").format(ident) if source.text_ids else ident,
         table=source.claim_ident,
         unpublished=source.unpublished_filter(),
         tids=sql.Literal(_tid_array(list(tids))),
+        same=source.same_relation(),
         lookup=lookup,
     )

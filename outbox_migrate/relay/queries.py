@@ -38,7 +38,8 @@ class Source:
     """One table the relay publishes from: where it claims and where it marks."""
 
     label: str
-    """Name reported in messages and logs (schema.table)."""
+    """The relation's name in logs, keys and the attempts and dead-letter rows
+    (schema.table)."""
     schema: str
     claim_table: str
     """Flat table, or the unpublished partition (its id index serves the claim)."""
@@ -53,6 +54,14 @@ class Source:
     """The claim order of application ids ("" = the id itself)."""
     flag: marker.Marker | None = None
     """A flag marker (and status column) from the spec; None = a timestamp marker."""
+    name: str = ""
+    """The outbox's name in messages (schema + `OutboxSpec.outbox_name`, the same for the
+    flat and the partitioned source and across the rename); "" = `label`."""
+    claim_oid: int = 0
+    """The OID `claim_table` named when the relay started (relay/marker_source.py); 0: not
+    resolved (SQL built without a session). Every mark by ctid is confined to it
+    (`same_relation`): a ctid means nothing without its table, and by the time of a mark the
+    mark's name may mean another one (a rename rolled back under a running relay)."""
 
     @property
     def marker(self) -> marker.Marker:
@@ -65,6 +74,13 @@ class Source:
     @property
     def mark_ident(self) -> sql.Identifier:
         return sql.Identifier(self.schema, self.mark_table)
+
+    def same_relation(self) -> sql.Composable:
+        """` AND tableoid = <claim_oid>`: a mark changes rows of the claimed relation only,
+        whatever its name means now (one integer comparison per marked row)."""
+        if not self.claim_oid:
+            return sql.SQL("")
+        return sql.SQL(" AND tableoid = {}::oid").format(sql.Literal(self.claim_oid))
 
     def unpublished_filter(self) -> sql.Composable:
         """The flat table needs `published_at IS NULL` (`published = 0`); the unpublished
@@ -84,6 +100,7 @@ def flat_source(spec: OutboxSpec) -> Source:
         published_column=spec.published_column,
         partitioned=False,
         flag=marker.of(spec),
+        name=f"{spec.schema}.{spec.outbox_name}",
         **_id_handling(spec),
     )
 
@@ -98,6 +115,7 @@ def partitioned_source(spec: OutboxSpec) -> Source:
         published_column=spec.published_column,
         partitioned=True,
         flag=marker.of(spec),
+        name=f"{spec.schema}.{spec.outbox_name}",
         **_id_handling(spec),
     )
 
@@ -230,7 +248,7 @@ def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> s
     """Claim the next batch of this session's shards, oldest id first, locking the rows.
 
     Parameters: after (id cursor), limit, and when sharded shards + mine (int[]). The columns
-    come back in `Message` field order (the source's label as a constant second column), then
+    come back in `Message` field order (the outbox's name as a constant second column), then
     the row's `ctid` (CLAIM_CTID_COLUMN), which the mark uses to find it again, then, when the
     outbox carries metadata, the extra headers (CLAIM_HEADERS_COLUMN).
     The cursor (`id > %(after)s`) lets a claim start where the last one ended instead of
@@ -287,7 +305,7 @@ def claimed_columns(source: Source, columns: Columns) -> sql.Composed:
         id=sql.SQL("{}::text").format(sql.Identifier(source.id_column))
         if source.text_ids
         else sql.Identifier(source.id_column),
-        label=sql.Literal(source.label),
+        label=sql.Literal(source.name or source.label),
         event_type=_optional(columns.event_type),
         key=_optional(columns.key),
         payload=payload_expression(columns),
@@ -353,14 +371,17 @@ def mark(source: Source) -> sql.Composed:
     descends the id index once per row (measured: about 15 % more batches per second at batch
     100). Through the parent on the partitioned outbox, so PostgreSQL moves each row to the
     published partition; `published_at IS NULL` prunes the scan to the unpublished partition
-    and keeps a re-run from touching a row twice.
+    and keeps a re-run from touching a row twice. `tableoid` confines it to the relation
+    the rows were claimed from (`Source.same_relation`); a mark that changes fewer rows than
+    it was given is looked into by the worker (relay/marker_source.py `check_names`).
     """
     return sql.SQL(
-        "UPDATE {table} SET {mark} WHERE {unpublished} AND ctid = ANY(%(tids)s::tid[])"
+        "UPDATE {table} SET {mark} WHERE {unpublished} AND ctid = ANY(%(tids)s::tid[]){same}"
     ).format(
         table=source.mark_ident,
         mark=marker.mark(source.marker),
         unpublished=marker.unpublished(source.marker),
+        same=source.same_relation(),
     )
 
 
@@ -442,6 +463,27 @@ def join_members() -> sql.SQL:
 def leave_members() -> sql.SQL:
     """Stop counting as a live worker (a worker whose broker is unreachable steps out)."""
     return sql.SQL("SELECT pg_advisory_unlock_shared(hashtext(%(key)s), 0)")
+
+
+def qualified(schema: str, table: str) -> str:
+    """Text that `to_regclass` resolves to exactly this relation (quoted identifiers)."""
+    return ".".join('"' + name.replace('"', '""') + '"' for name in (schema, table))
+
+
+def names_now() -> sql.SQL:
+    """What the relay's names mean now (params: claim, mark — `qualified` text; claim_oid):
+    the OID of the claim's name, and whether the mark's name reaches the relation claimed
+    from — that relation itself (flat), a partitioned table it belongs to, or a view over
+    one (the view the rename to the original name leaves under the former name)."""
+    return sql.SQL(
+        "SELECT coalesce(to_regclass(%(claim)s)::oid, 0)::int8, EXISTS ("
+        "SELECT FROM (SELECT to_regclass(%(mark)s) AS oid) m, LATERAL ("
+        "SELECT m.oid UNION SELECT d.refobjid FROM pg_rewrite r JOIN pg_depend d "
+        "ON d.classid = 'pg_rewrite'::regclass AND d.objid = r.oid "
+        "AND d.refclassid = 'pg_class'::regclass WHERE r.ev_class = m.oid) AS b(oid) "
+        "WHERE b.oid = %(claim_oid)s::oid OR EXISTS (SELECT FROM pg_partition_tree(b.oid) t "
+        "WHERE t.relid = %(claim_oid)s::oid::regclass))"
+    )
 
 
 def table_exists() -> sql.SQL:

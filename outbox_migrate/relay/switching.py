@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from outbox_migrate.config import OutboxSpec
@@ -216,6 +217,13 @@ class SourceState:
         self.switched_at: float | None = None
         self.quiet = QuietWindow()
         self.warn = RateLimitedLog(log)
+
+    def resolve(self, resolve: Callable[[queries.Source], queries.Source]) -> None:
+        """Replace both sources by `resolve`d copies (relay/marker_source.py), keeping which
+        one is current; only before any worker starts."""
+        flat_current = self._current is self.flat
+        self.flat, self.partitioned = resolve(self.flat), resolve(self.partitioned)
+        self._current = self.flat if flat_current else self.partitioned
 
     @property
     def current(self) -> queries.Source:

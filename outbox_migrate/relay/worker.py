@@ -39,7 +39,7 @@ from outbox_migrate.relay.backoff import backoff_s
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.columns import resolve as resolve_columns
 from outbox_migrate.relay.driver import Worker
-from outbox_migrate.relay.errors import RelayFailed
+from outbox_migrate.relay.errors import NamesMoved, RelayFailed
 from outbox_migrate.relay.message import Message, TextIdMessage
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
@@ -141,10 +141,12 @@ class Relay:
             helpers.append(threading.Thread(target=self._sample, name="relay-sample", daemon=True))
         for thread in threads + helpers:
             thread.start()
+        names = _NamesWatch(self.dsn, self.application_name)
         try:
             while any(t.is_alive() for t in threads) and not self._stop.is_set():
                 for thread in threads:
                     thread.join(timeout=0.2)
+                names.look(self.state.current, self.shared)
         finally:
             self.stop()
             self._shutdown(threads)
@@ -212,6 +214,7 @@ class Relay:
                 sources = [self.state.flat, self.state.partitioned]
             options = self.options
             for source in sources:
+                marker_source.check_markable(conn, source)
                 self.shared.columns[source.label] = resolve_columns(conn, source, self.spec,
                     options.key_column, options.event_type_column, options.ordering)  # fmt: skip
             # The dead-letter and attempts tables, created up front (relay/bad_rows.py; a
@@ -253,6 +256,33 @@ class Relay:
                         self._stop.wait(METRICS_INTERVAL_S)
             except connection_errors(ConnectError):
                 self._stop.wait(METRICS_INTERVAL_S)
+
+
+class _NamesWatch:
+    """The relay's regular look at its names (marker_source.check_names), from the main
+    thread, every NAMES_CHECK_S, on a short session of its own: a claim relation renamed away
+    would leave the workers idle for ever (a busy worker's marks say it sooner:
+    `MarkFellShort`). Off the workers' sessions, so their runs never pay for it."""
+
+    def __init__(self, dsn: str, application_name: str) -> None:
+        self.dsn, self.application_name = dsn, application_name
+        self.due = time.monotonic() + marker_source.NAMES_CHECK_S
+
+    def look(self, source: queries.Source, shared: Shared) -> None:
+        from outbox_migrate.db import connect
+        from outbox_migrate.errors import ConnectError
+
+        now = time.monotonic()
+        if now < self.due:
+            return
+        self.due = now + marker_source.NAMES_CHECK_S
+        try:
+            with connect(self.dsn, application_name=self.application_name) as conn:
+                marker_source.check_names(conn, source)
+        except NamesMoved as exc:
+            shared.fail(exc)
+        except connection_errors(ConnectError):  # looked at again next time
+            log.debug("relay.names_unchecked", exc_info=True)
 
 
 @contextmanager

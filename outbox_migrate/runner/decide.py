@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from outbox_migrate.patterns.model import Pattern, Step, TxMode
+from outbox_migrate.patterns.model import Pattern, Phase, Step, TxMode
 from outbox_migrate.runner.errors import OutOfOrder, PreconditionFailed, StepChanged
 from outbox_migrate.runner.evidence import asserts_presence
 
@@ -62,11 +62,34 @@ def action_for(step: Step, row: HasState | None, postcondition_holds: bool | Non
     return Action.RUN
 
 
+def skipped(pattern: Pattern, rows: Rows) -> frozenset[str]:
+    """Optional steps left out for good: not done, and a later step of the pattern is.
+
+    A migration run without --with-optional passes its optional steps by (SET NOT NULL,
+    disabling the old triggers); once a later step ran, the state they were written for is
+    gone (V4's `set-not-null` needs the CHECK `drop-check` removed), so a later
+    `run --with-optional` (to take the original name) must not run them, nor wait for them."""
+    left: set[str] = set()
+    later_done = False
+    for step in reversed(pattern.steps()):
+        if _done(rows, step.id):
+            later_done = True
+        elif step.optional and later_done:
+            left.add(step.id)
+    return frozenset(left)
+
+
+def _required(phase: Phase, step: Step) -> bool:
+    """Whether `step` must be done for `phase` to be complete: an optional step of a required
+    phase is not (the migration is complete without it); an optional phase's steps are."""
+    return phase.optional or not step.optional
+
+
 def completed_phase(pattern: Pattern, rows: Rows) -> str:
-    """The last phase whose steps (and all earlier ones) are done in the ledger."""
+    """The last phase whose required steps (and all earlier ones) are done in the ledger."""
     reached = pattern.phases[0].name
     for phase in pattern.phases:
-        if all(_done(rows, s.id) for s in phase.steps):
+        if all(_done(rows, s.id) for s in phase.steps if _required(phase, s)):
             reached = phase.name
         else:
             break
@@ -104,9 +127,10 @@ def steps_to_run(pattern: Pattern, rows: Rows, target: str) -> list[Step]:
             f"{pattern.phases[goal].name} before {nxt}: run --to {nxt} first, deploy {nxt}, "
             f"then run --to {pattern.phases[goal].name}"
         )
+    passed = skipped(pattern, rows)
     pending: list[Step] = []
     for phase in pattern.phases[: goal + 1]:
-        pending.extend(s for s in phase.steps if not _done(rows, s.id))
+        pending.extend(s for s in phase.steps if not _done(rows, s.id) and s.id not in passed)
     return pending
 
 
@@ -175,9 +199,10 @@ def plan_execute_step(
     if _done(rows, target.id):
         return StepPlan(target, ((target, Action.ALREADY_DONE),))
     before = steps[: steps.index(target)]
+    passed = skipped(pattern, rows)
     actions: list[tuple[Step, Action]] = []
     for index, earlier in enumerate(before):
-        if _done(rows, earlier.id):
+        if _done(rows, earlier.id) or earlier.id in passed:
             continue
         if earlier.postcondition and holds.get(earlier.id, False):
             actions.append((earlier, Action.ADOPT))

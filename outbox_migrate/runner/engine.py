@@ -355,8 +355,7 @@ class Runner:
         phase = self.current_phase()
         rows = self._existing_rows()
         done = frozenset(i for i, row in rows.items() if row.state == "done")
-        invariants = [c for _, c in self.pattern.invariants(phase, done)]
-        return self._facts_now().violations(invariants)
+        return self._facts_now().violations(self.pattern.verified(phase, done))
 
     def verify_or_raise(self) -> str:
         phase = self.current_phase()

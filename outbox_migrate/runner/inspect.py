@@ -178,7 +178,7 @@ def verify(
         phase = reached_phase(built, found.migration.current_phase, found.steps)
         violations: list[str] = []
         done = frozenset(i for i, row in found.steps.items() if row.state == "done")
-        for _, condition in built.invariants(phase, done):
+        for condition in built.verified(phase, done):
             violations.extend(str(r[0]) for r in conn.execute(condition.query).fetchall())
     if violations:
         raise VerifyFailed(phase, violations)

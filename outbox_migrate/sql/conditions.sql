@@ -85,6 +85,20 @@ SELECT format('%s unpublished rows remain in %s; phase %s needs 0 — if a relay
 FROM {rel_q} WHERE {unpublished}
 HAVING count(*) > 0
 
+-- name: no-unread-rows
+-- No unpublished row waits in the flat table (under its name or retired) where it stands alone and no relay reads it.
+SELECT format('%s unpublished row(s) in %s, which no relay reads in phase %s: a writer of a version that must not run now inserted them (or the rename to the original name was rolled back under it) — publish them with `outbox-migrate relay --mode flat --until-empty --table %s` and the same sink, stop that writer, then run this again',
+              t.n, t.rel, {phase}, t.rel)
+FROM (
+    SELECT c.oid::regclass AS rel,
+           substring(query_to_xml(format('SELECT count(*) AS n FROM %s WHERE %s', c.oid::regclass, {unpublished_text}),
+                                  false, true, '')::text FROM '<n>(\d+)</n>')::int8 AS n
+    FROM pg_class c
+    WHERE c.oid IN (to_regclass({rel_reg}), to_regclass({retired_reg}))
+      AND c.relkind = 'r' AND NOT c.relispartition
+) t
+WHERE t.n > 0
+
 -- name: no-partitions
 -- The partitioned table has no partitions left (dropping it drops nothing else).
 SELECT format('%s still has partition %s; it was not created by this migration — detach or drop it yourself first', {rel_reg}, i.inhrelid::regclass)

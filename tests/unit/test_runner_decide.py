@@ -6,11 +6,12 @@ from datetime import UTC, datetime
 
 import pytest
 
-from outbox_migrate.patterns import build_pattern
+from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.runner.decide import (
     Action,
     action_for,
     completed_phase,
+    skipped,
     steps_to_reverse,
     steps_to_run,
 )
@@ -101,3 +102,18 @@ def test_steps_to_reverse_newest_first() -> None:
     undo = steps_to_reverse(HOPER, rows, "V3")
     assert [s.id for s in undo] == [s.id for s in reversed(HOPER.phase("V4").steps)]
     assert steps_to_reverse(HOPER, rows, "V4") == []
+
+
+def test_optional_steps_passed_by_stay_passed_by() -> None:
+    """A migration run to its end without --with-optional, then `run --with-optional` to take
+    the original name: V4's optional steps (set-not-null needs the CHECK drop-check removed)
+    are not run, V4 counts as complete, and HOPIA's trailing optional drop still runs."""
+    for name, trailing in (("hoper", None), ("hopia", "hopia.v4.drop-detached-published")):
+        plain = build_pattern(name)
+        full = build_pattern(name, options=BuildOptions(include_optional=True))
+        rows = {s.id: row(s.id, "done") for s in plain.steps()}
+        assert completed_phase(full, rows) == plain.phases[-1].name
+        pending = [s.id for s in steps_to_run(full, rows, "original-name")]
+        expected = [f"{name}.original-name.take-original-name"]
+        assert pending == ([trailing, *expected] if trailing else expected)
+        assert f"{name}.v4.set-not-null" in skipped(full, rows)

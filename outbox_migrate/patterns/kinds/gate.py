@@ -12,6 +12,7 @@ from typing import Any
 
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.original_name import unseal_sql
 from outbox_migrate.patterns.model import Condition, Step, TxMode
 
 
@@ -29,7 +30,11 @@ def gate_old_table_retired(ctx: BuildContext, params: Mapping[str, Any]) -> Step
         locks=(),
         preconditions=tuple(checks),
         postcondition=(),
-        reverse=(),
-        reverse_note="nothing to undo",
+        # `unseal` (COP, HOP): going back before V3 the old version may insert into the flat
+        # table again, so the seal the rename to the original name left on it goes.
+        reverse=(unseal_sql(n),) if params.get("unseal", False) else (),
+        reverse_note="nothing to undo (but the original-name phase's seal, if any)"
+        if params.get("unseal", False)
+        else "nothing to undo",
         statement_timeout_ms=None,
     )

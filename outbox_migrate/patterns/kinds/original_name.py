@@ -8,8 +8,9 @@ view under the parent's former name so the previous application version keeps in
 through it (a simple view is auto-updatable; an INSERT through it takes the base table's
 defaults and identity). `drop-compat-view` drops that view once no session uses it.
 
-The view also exposes the base rows' `ctid`: a relay started before the rename marks published
-rows through the partitioned table's former name *by ctid*, and a view has no system columns.
+The view also exposes the base rows' `ctid` and `tableoid`: a relay started before the rename
+marks published rows through the partitioned table's former name *by ctid* within the relation
+it claimed them from, and a view has no system columns.
 Both kinds restate the whole end state in their postcondition, under the new names: the
 earlier steps' postconditions name relations that no longer carry those names.
 
@@ -38,6 +39,7 @@ from psycopg import sql
 
 from outbox_migrate import sql as queries
 from outbox_migrate.patterns import conditions as c
+from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND, NULL_BOUND
 from outbox_migrate.patterns.model import (
@@ -114,11 +116,13 @@ def rename_sql(n: Names, relation: str, to: str, *, if_exists: bool = False) -> 
     )
 
 
-def create_view_sql(n: Names) -> sql.Composed:
-    # `ctid` by name: a view has no system columns, and a relay started with the former name
-    # marks rows by ctid (relay/queries.py `mark`).
-    return sql.SQL("CREATE VIEW {view} AS SELECT *, ctid FROM {table}").format(
-        view=n.q(n.parent), table=n.q(n.table)
+def create_view_sql(n: Names, *, tableoid: bool = True) -> sql.Composed:
+    # `ctid` and `tableoid` by name: a view has no system columns, and a relay started with
+    # the former name marks rows by ctid within the relation it claimed them from
+    # (relay/queries.py `mark`). `tableoid=False`: the view of earlier releases.
+    columns = "ctid, tableoid" if tableoid else "ctid"
+    return sql.SQL("CREATE VIEW {view} AS SELECT *, {columns} FROM {table}").format(
+        view=n.q(n.parent), columns=sql.SQL(columns), table=n.q(n.table)
     )
 
 
@@ -151,6 +155,44 @@ def _text_expression(text: str) -> sql.Composed:
     )
 
 
+def seal_sql(n: Names) -> sql.Composed:
+    """COP/HOP: seal the standalone flat table (if it is still there) with a NOT VALID CHECK
+    that refuses unpublished rows — catalog-only, under the step's lock; dropped first, so a
+    rename applied again after its rollback adds it afresh. It stays through the rename's
+    rollback (the table then has its name back, and a writer of the original name would
+    insert there unseen by any relay); the V3 gate's reverse removes it (`unseal_sql`)."""
+    return sql.SQL(
+        "ALTER TABLE IF EXISTS {table} DROP CONSTRAINT IF EXISTS {check}, "
+        "ADD CONSTRAINT {check} CHECK ({published}) NOT VALID"
+    ).format(
+        table=n.q(n.table),
+        check=sql.Identifier(n.spec.retired_check),
+        published=marker.published(n.spec),
+    )
+
+
+def unseal_sql(n: Names) -> sql.Composed:
+    """Remove the seal (`seal_sql`) from the flat table if it carries one: going back before
+    V3, the old version may insert into it again. Only then is the table locked (ALTER
+    TABLE takes ACCESS EXCLUSIVE even for a constraint that is not there), so a rollback of
+    a migration that never took the original name does not queue on its busy flat table."""
+    drop = sql.SQL("ALTER TABLE {table} DROP CONSTRAINT {check}").format(
+        table=n.q(n.table), check=sql.Identifier(n.spec.retired_check)
+    )
+    return sql.SQL(
+        "DO $unseal$\nBEGIN\n"
+        "    IF EXISTS (SELECT FROM pg_constraint WHERE conrelid = to_regclass({table}) "
+        "AND conname = {check}) THEN\n"
+        "        EXECUTE {drop};\n"
+        "    END IF;\n"
+        "END\n$unseal$"
+    ).format(
+        table=n.reg(n.table),
+        check=sql.Literal(n.spec.retired_check),
+        drop=sql.Literal(drop.as_string(None)),
+    )
+
+
 def carry_grants_sql(n: Names) -> sql.Composed:
     """Give the view the renamed table's owner and every table and column grant
     (patterns/privileges.py): the view runs with its owner's rights on the table, so the
@@ -172,11 +214,16 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             c.is_plain_table(n, n.table),
             c.not_a_partition(n, n.table),
         )
-        moved = f"{n.table} (the retired flat table, if it is still there) becomes {target}"
+        moved = (
+            f"{n.table} (the retired flat table, if it is still there) is sealed against "
+            f"unpublished rows and becomes {target}"
+        )
     else:
         old_table_checks = (c.partition_bound(n, n.table, DEFAULT_BOUND),)
         moved = f"{n.table} (the DEFAULT partition) becomes {target}"
+    sealing = (seal_sql(n),) if retired else ()
     forward = (
+        *sealing,
         rename_sql(n, n.table, target, if_exists=retired),
         rename_sql(n, n.parent, n.table),
         create_view_sql(n),
@@ -189,7 +236,7 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         rename_sql(n, target, n.table, if_exists=retired),
         rekey_wake_up_sql(n, n),
     )
-    return make_step(
+    step = make_step(
         ctx,
         "take-original-name",
         summary=f"In one transaction: {moved}, {n.parent} becomes {n.table}, and a view "
@@ -207,12 +254,15 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             c.partition_bound(n, n.unpublished, NULL_BOUND),
             c.relation_absent(n, target),
             *old_table_checks,
+            # A row no relay reads would be moved aside unpublished with the old table.
+            c.no_unread_rows(n, ctx.phase),
         ),
         postcondition=(*end_state(n), view_over(n)),
         reverse=reverse,
         reverse_note=f"drop the view {n.parent}, give {n.table} its name {n.parent} back and "
         f"{target} the name {n.table} — only once no instance of the version that uses "
-        f"{n.table} runs (its inserts would reach the old table instead)",
+        f"{n.table} runs: its inserts would reach the old table, which refuses them "
+        + ("(sealed by this step's CHECK)" if retired else "(a DEFAULT partition)"),
         reverse_preconditions=(view_over(n),),
         creates=(Created("relation", n.parent),),
         restates_end_state=True,
@@ -222,9 +272,16 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             "run the next phase to drop the view.",
             f"A relay started with --partitioned-table {n.parent} keeps publishing (the view "
             f"exposes ctid for its marks); start new relays with --partitioned-table {n.table}.",
-            f"SELECT * through the view {n.parent} returns one more column, ctid.",
+            f"SELECT * through the view {n.parent} returns two more columns, ctid and tableoid.",
         ),
     )
+    # Earlier releases' view had no tableoid column: a rename they did is adopted as done
+    # (a relay started with the former name then refuses to mark through it, and says so).
+    earlier = tuple(
+        create_view_sql(n, tableoid=False) if index == 2 else statement
+        for index, statement in enumerate(forward[len(sealing) :])
+    )
+    return replace(step, former_checksums=(replace(step, statements=earlier).checksum(),))
 
 
 def count_view_writes_sql(n: Names) -> tuple[sql.Composed, ...]:

@@ -41,6 +41,8 @@ class MessageBuilder:
     def __init__(self, spec: OutboxSpec, options: CdcOptions) -> None:
         self.spec = spec
         self.label = f"{spec.schema}.{spec.partitioned_table}"
+        self.name = f"{spec.schema}.{spec.outbox_name}"
+        """The outbox's name in messages (`OutboxSpec.outbox_name`)."""
         self.bad: dict[MessageId, str] = {}
         """Messages built from a row that cannot be sent as it is (headers that are not a
         JSON object), with the reason: delivery dead-letters them instead of publishing."""
@@ -82,7 +84,7 @@ class MessageBuilder:
                 self.bad[_id(values[columns.id])] = f"headers: {exc}"
         return Message(
             _id(values[columns.id]),
-            self.label,
+            self.name,
             values[columns.event_type] if columns.event_type is not None else None,
             values[columns.key] if columns.key is not None else None,
             _payload(values[columns.payload], columns.payload_bytea),

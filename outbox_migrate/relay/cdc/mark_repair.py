@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection
+from dataclasses import replace
 from typing import Any
 
 from psycopg import sql
@@ -64,9 +65,10 @@ class MarkRepair:
         """Ids with a row whose mark failed and that is neither marked nor dead-lettered."""
         self._source: queries.Source | None = None
 
-    def use_spec(self, spec: OutboxSpec) -> None:
-        """The spec with its marker resolved (the marks session's)."""
-        self._source = queries.partitioned_source(spec)
+    def use_spec(self, spec: OutboxSpec, claim_oid: int = 0) -> None:
+        """The spec with its marker resolved and its unpublished partition's OID (the marks
+        session's): the repair's marks and locks are confined to that relation."""
+        self._source = replace(queries.partitioned_source(spec), claim_oid=claim_oid)
 
     @property
     def available(self) -> bool:
@@ -162,5 +164,10 @@ def _lock(source: queries.Source, *, skip: bool) -> sql.Composed:
     ident = sql.Identifier(source.id_column)
     locking = sql.SQL(" ORDER BY {}, ctid FOR UPDATE SKIP LOCKED").format(ident)
     return sql.SQL(
-        "SELECT ctid::text, {id} FROM {table} WHERE {id} = ANY(%(ids)s::int8[]){locking}"
-    ).format(table=source.claim_ident, id=ident, locking=locking if skip else sql.SQL(""))
+        "SELECT ctid::text, {id} FROM {table} WHERE {id} = ANY(%(ids)s::int8[]){same}{locking}"
+    ).format(
+        table=source.claim_ident,
+        id=ident,
+        same=source.same_relation(),
+        locking=locking if skip else sql.SQL(""),
+    )

@@ -25,6 +25,7 @@ import logging
 import select
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -33,9 +34,11 @@ from psycopg import sql
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import one_line
 from outbox_migrate.patterns import marker
+from outbox_migrate.relay import queries
 from outbox_migrate.relay.cdc.mark_repair import MarkRepair
 from outbox_migrate.relay.cdc.stats import CdcStats
 from outbox_migrate.relay.errors import RelayFailed
+from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.message import MessageId
 
 log = logging.getLogger("outbox_migrate.relay")
@@ -71,13 +74,17 @@ class MarkSession:
         self._conn: Any = None
         self._sql: bytes | None = None
         self._in_flight = False
+        self._source = queries.partitioned_source(spec)
 
-    def use_spec(self, spec: OutboxSpec) -> None:
-        """The spec with its marker resolved (a flag's values), before the first mark."""
+    def use_spec(self, spec: OutboxSpec, claim_oid: int = 0) -> None:
+        """The spec with its marker resolved (a flag's values), and the OID its unpublished
+        partition had at start, before the first mark: every mark is confined to that
+        relation (`tableoid`), whatever the partitioned table's name means by then."""
         self._spec = spec
+        self._source = replace(queries.partitioned_source(spec), claim_oid=claim_oid)
         self._sql = None
         if self._repair is not None:
-            self._repair.use_spec(spec)
+            self._repair.use_spec(spec, claim_oid)
 
     @property
     def in_flight(self) -> bool:
@@ -143,7 +150,7 @@ class MarkSession:
             # The UPDATE's row count and the snapshot it ran with (the statement's own).
             self._sql = (
                 sql.SQL(
-                    "WITH marked AS (UPDATE {} SET {} WHERE {} = ANY($1::int8[]) AND {} "
+                    "WITH marked AS (UPDATE {} SET {} WHERE {} = ANY($1::int8[]) AND {}{} "
                     "RETURNING 1) SELECT count(*), pg_current_snapshot()::text FROM marked"
                 )
                 .format(
@@ -151,6 +158,7 @@ class MarkSession:
                     marker.mark(spec),
                     sql.Identifier(spec.id_column),
                     marker.unpublished(spec),
+                    self._source.same_relation(),
                 )
                 .as_bytes(conn)
             )
@@ -212,10 +220,16 @@ class MarkSession:
             repair.after_failure(self._open(), sent, _error(result, pgconn))
             return
         result = _check(result, pgconn, rows=True)
-        self._stats.add(marked=int(result.get_value(0, 0) or 0))
+        changed = int(result.get_value(0, 0) or 0)
+        self._stats.add(marked=changed)
         if xids:
             snapshot = (result.get_value(0, 1) or b"").decode()
             self.unseen = {x for x in xids if not visible(x, snapshot)}
+        if changed < len(sent):
+            # Fewer than sent: marked already (a re-stream), not visible yet (`unseen`, marked
+            # again later), or the name no longer reaches the streamed partition — then stop
+            # (`NamesMoved`) rather than confirm the slot.
+            check_names(self._open(), self._source)
         if repair is not None and repair.failures.known:
             repair.forget_marked(self._open(), sent)
 

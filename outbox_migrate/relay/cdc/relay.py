@@ -246,7 +246,6 @@ class CdcRelay:
         with self._connect() as conn:
             # A flag marker's values come from the settings or the column's DEFAULT.
             spec = self.spec = marker_catalog.resolve(conn, self.spec)
-            self.marks.use_spec(spec)
             slot.check_wal_level(conn)
             self._server_version = conn.info.server_version
             present = {
@@ -261,6 +260,9 @@ class CdcRelay:
                     f"--mode cdc streams the partitioned outbox; {spec.schema}."
                     f"{spec.unpublished_partition} does not exist"
                 )
+            claimed = queries.qualified(spec.schema, spec.unpublished_partition)
+            row = conn.execute("SELECT to_regclass(%s)::oid::int8", (claimed,)).fetchone()
+            self.marks.use_spec(spec, int(row[0]) if row and row[0] else 0)
             if spec.id_kind != "database":
                 raise RelayError("--mode cdc needs database-generated bigint ids (id_kind)")
             required = [spec.id_column, spec.payload_column, *spec.metadata_columns]

@@ -1782,9 +1782,36 @@ WHERE NOT EXISTS (
     END LOOP;
 END
 $om_assert$;
+DO $om_assert$
+DECLARE violation text;
+BEGIN
+    FOR violation IN SELECT
+        format(
+        '%s unpublished row(s) in %s, which no relay reads in phase %s: a writer of a version that must not run now '
+        'inserted them (or the rename to the original name was rolled back under it) — publish them with '
+        '`outbox-migrate relay --mode flat --until-empty --table %s` and the same sink, stop that writer, then run '
+        'this again',
+              t.n, t.rel, 'original-name', t.rel)
+FROM (
+    SELECT c.oid::regclass AS rel,
+           substring(
+               query_to_xml(format('SELECT count(*) AS n FROM %s WHERE %s', c.oid::regclass, '"published_at" IS NULL'),
+                                  false, true, '')::text FROM '<n>(\d+)</n>')::int8 AS n
+    FROM pg_class c
+    WHERE c.oid IN (to_regclass('"billing"."Events"'), to_regclass('"billing"."Events_retired"'))
+      AND c.relkind = 'r' AND NOT c.relispartition
+) t
+WHERE t.n > 0
+    LOOP
+        RAISE EXCEPTION
+            'outbox-migrate: precondition of hopia.original-name.take-original-name [no-unread-rows:Events] failed: %',
+            violation;
+    END LOOP;
+END
+$om_assert$;
 ALTER TABLE "billing"."Events" RENAME TO "events_done";
 ALTER TABLE "billing"."events_p" RENAME TO "Events";
-CREATE VIEW "billing"."events_p" AS SELECT *, ctid FROM "billing"."Events";
+CREATE VIEW "billing"."events_p" AS SELECT *, ctid, tableoid FROM "billing"."Events";
 DO $om$
 DECLARE
     old_rel regclass := '"billing"."Events"'::regclass;

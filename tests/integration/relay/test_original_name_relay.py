@@ -91,6 +91,10 @@ def test_relay_started_before_the_rename_publishes_through_the_view(
         )
         assert after.run().published == 10
         assert unpublished(conn) == 0
+        # Both versions' relays name the outbox alike in their messages (the CloudEvents
+        # source is /outbox/<that name>): a message sent again across the rename keeps its
+        # (source, id). Before, the former name's relay sent public.outbox_new.
+        assert {m.table for m in collected.messages} == {"public.outbox"}
 
 
 def test_relay_with_the_original_name_is_woken_after_the_rename(

@@ -107,6 +107,18 @@ KNOWN_COPY_BACK_INSIDE_V2_BUG = False
 gate; the playbook can never finish: test_operator_regressions.py::
 test_copy_back_inside_v2_keeps_the_published_partition. While True the fuzzer types
 `copy-back` on HOPER only from V4 on; set False with the fix."""
+KNOWN_DROP_VIEW_SAMPLING = True
+"""The drop-view gate samples `pg_locks` for the view's users and can miss a busy writer of
+the previous version (issue 32 item 2, built on another branch). While True the fuzzer types
+`run --to drop-view` (and `next` into it) only once the version of the original name is
+deployed, as the playbook says; set False with the fix."""
+KNOWN_ROLLBACK_PAST_THE_RENAME_BASE = True
+"""Rolled back *further* than the phase before the rename with the version of the original
+name still deployed, its inserts land in the flat table standalone again (COP/HOP's seal goes
+with the V3 gate's reverse; HOPIA's swap is undone), which only a switching relay of an
+earlier version would read. The rename's own rollback is safe (test_rename_safety.py); this
+second step is not yet refused. While True the fuzzer rolls back past the last required phase
+only once the application is back before the original name."""
 KNOWN_VERIFY_MID_PHASE_BUG = False
 """`verify` right after `swap-default` (a V4 step, the ledger still at V3) fails on a V3
 postcondition the swap deliberately undid: test_operator_regressions.py::
@@ -171,6 +183,8 @@ class OperatorFuzzer(RuleBasedStateMachine):
         self.app.committed.extend([*self.seed_published, *seed])
         self.log: list[str] = []
         self.pattern: Pattern | None = None
+        self.optional = False
+        """The sequence draws the rename phases (`--with-optional` on every command)."""
         self.name = ""
         self.app_index = 0
         self.state = "not started"
@@ -202,6 +216,9 @@ class OperatorFuzzer(RuleBasedStateMachine):
             if any(step.kind == "gate-old-table-retired" for step in phase.steps):
                 return index
         return None
+
+    def flags(self) -> tuple[str, ...]:
+        return ("--with-optional",) if self.optional else ()
 
     def command(self, *argv: str) -> CliResult:
         """Run one CLI command, check what every command must satisfy, refresh the model."""
@@ -240,7 +257,8 @@ class OperatorFuzzer(RuleBasedStateMachine):
         self.expect(not failed, f"application inserts failed by `{commands}`: {failed[:3]}")
 
     def refresh(self) -> None:
-        found = cli("status", "--pattern", self.name, "--format", "json", "--dsn", self.dsn)
+        found = cli("status", "--pattern", self.name, "--format", "json", *self.flags(),
+                    "--dsn", self.dsn)  # fmt: skip
         self.expect(found.code == 0, f"status failed: {found.line(self.dsn)}")
         document = json.loads(found.stdout)
         self.state = str(document["state"])
@@ -255,7 +273,12 @@ class OperatorFuzzer(RuleBasedStateMachine):
         applied = [names.index(s["phase"]) for s in document["steps"] if s["state"] in DONE]
         self.schema_index = max([self.ledger_index, *applied]) if live else 0
         if self.state == "completed":
-            pending = [s["id"] for s in document["steps"] if s["state"] not in DONE]
+            optional = {p.name for p in self.p.phases if p.optional}
+            pending = [
+                s["id"]
+                for s in document["steps"]
+                if s["state"] not in DONE and s["phase"] not in optional
+            ]
             self.expect(not pending, f"the migration is completed with steps {pending} not done")
 
     def expect(self, ok: bool, what: str) -> None:
@@ -281,27 +304,48 @@ class OperatorFuzzer(RuleBasedStateMachine):
         names = self.names()
         if self.name == "hopia" and KNOWN_HOPIA_STRAND_BUG:
             names = names[1:]  # never back to V1, see KNOWN_HOPIA_STRAND_BUG
+        renamed = self.p.phases[self.app_index].app.renamed
+        if KNOWN_ROLLBACK_PAST_THE_RENAME_BASE and renamed:
+            base = self.names().index(self.p.last_required_phase())
+            names = [n for n in names if self.names().index(n) >= base]
         return st.sampled_from(names)
 
     def phases_after_v1(self) -> st.SearchStrategy[str]:
         return st.sampled_from(self.names()[1:])
 
+    def drop_view_early(self, target: str) -> bool:
+        """`run --to drop-view` before the version of the original name is deployed (see
+        KNOWN_DROP_VIEW_SAMPLING)."""
+        if not (KNOWN_DROP_VIEW_SAMPLING and self.optional and target == "drop-view"):
+            return False
+        return not self.p.phases[self.app_index].app.renamed
+
     # -- rules -------------------------------------------------------------------------------
 
-    @initialize(name=st.sampled_from(PATTERNS))
-    def choose_pattern(self, name: str) -> None:
+    def next_is_an_early_drop(self) -> bool:
+        """`next` would drop the view before the version of the original name is deployed
+        (KNOWN_DROP_VIEW_SAMPLING)."""
+        at_rename = self.optional and self.ledger_index >= self.names().index("original-name")
+        return at_rename and self.drop_view_early("drop-view")
+
+    @initialize(name=st.sampled_from(PATTERNS), optional=st.booleans())
+    def choose_pattern(self, name: str, optional: bool) -> None:
         self.name = name
-        self.pattern = build_pattern(name, load_settings({}, environ={}).spec, BuildOptions())
-        self.stats.patterns[name] += 1
-        self.log.append(f"pattern {name}")
+        self.optional = optional
+        options = BuildOptions(include_optional=optional)
+        self.pattern = build_pattern(name, load_settings({}, environ={}).spec, options)
+        self.stats.patterns[name + ("+optional" if optional else "")] += 1
+        self.log.append(f"pattern {name}" + (" --with-optional" if optional else ""))
         self.app.deploy(self.p.phases[0])
 
     @rule(data=st.data())
     def run_to(self, data: st.DataObject) -> None:
         self.run_phase(data.draw(self.phases_after_v1(), label="to"))
 
-    def run_phase(self, target: str) -> CliResult:
-        result = self.command("run", "--pattern", self.name, "--to", target)
+    def run_phase(self, target: str) -> CliResult | None:
+        if self.drop_view_early(target):
+            return None
+        result = self.command("run", "--pattern", self.name, "--to", target, *self.flags())
         self.check_gate_respected()
         if result.code == 0:
             reached = self.names()[self.ledger_index]
@@ -324,7 +368,9 @@ class OperatorFuzzer(RuleBasedStateMachine):
 
     @rule()
     def next_step(self) -> None:
-        self.command("next", "--pattern", self.name)
+        if self.next_is_an_early_drop():
+            return
+        self.command("next", "--pattern", self.name, *self.flags())
         self.check_gate_respected()
 
     @rule(data=st.data())
@@ -332,7 +378,7 @@ class OperatorFuzzer(RuleBasedStateMachine):
         target = data.draw(self.rollback_targets(), label="to")
         ahead = self.state == "active" and self.names().index(target) > self.ledger_index
         at = self.names()[self.ledger_index]
-        result = self.command("rollback", "--pattern", self.name, "--to", target)
+        result = self.command("rollback", "--pattern", self.name, "--to", target, *self.flags())
         if result.code == 0 and not ahead:
             reached = self.names()[self.ledger_index]
             self.expect(
@@ -364,11 +410,16 @@ class OperatorFuzzer(RuleBasedStateMachine):
     def two_operators(self, data: st.DataObject) -> None:
         """Two operators type a command at the same moment (subprocesses started together):
         one of them may be told the migration is busy (3); nothing else may change."""
+        run_target = data.draw(self.phases_after_v1(), "to")
+        if self.drop_view_early(run_target):
+            run_target = "V2"
         commands = [
-            ("run", "--pattern", self.name, "--to", data.draw(self.phases_after_v1(), "to")),
-            ("next", "--pattern", self.name),
-            ("rollback", "--pattern", self.name, "--to", data.draw(self.rollback_targets(), "to")),
-        ]
+            ("run", "--pattern", self.name, "--to", run_target, *self.flags()),
+            ("rollback", "--pattern", self.name, "--to", data.draw(self.rollback_targets(), "to"),
+             *self.flags()),
+        ]  # fmt: skip
+        if not self.next_is_an_early_drop():
+            commands.insert(1, ("next", "--pattern", self.name, *self.flags()))
         first = data.draw(st.sampled_from(commands), label="first")
         second = data.draw(st.sampled_from(commands), label="second")
         before = self.relations
@@ -386,11 +437,16 @@ class OperatorFuzzer(RuleBasedStateMachine):
         """`run` (or `next`, `rollback`) stopped by a signal part-way: Ctrl-C and SIGTERM
         must end with 130/143 (or the command's own code if it was done) and leave every
         step consistent; after SIGKILL, only the next command is expected to converge."""
+        run_target = data.draw(self.phases_after_v1(), "to")
+        if self.drop_view_early(run_target):
+            run_target = "V2"
         argv = data.draw(
             st.sampled_from([
-                ("run", "--pattern", self.name, "--to", data.draw(self.phases_after_v1(), "to")),
-                ("next", "--pattern", self.name),
-                ("rollback", "--pattern", self.name, "--to", data.draw(self.rollback_targets(), "to")),
+                ("run", "--pattern", self.name, "--to", run_target, *self.flags()),
+                ("next", "--pattern", self.name, *self.flags())
+                if not self.next_is_an_early_drop()
+                else ("status", "--pattern", self.name, *self.flags()),
+                ("rollback", "--pattern", self.name, "--to", data.draw(self.rollback_targets(), "to"), *self.flags()),
             ]),
             label="command",
         )  # fmt: skip
@@ -420,11 +476,11 @@ class OperatorFuzzer(RuleBasedStateMachine):
 
     @rule()
     def verify(self) -> None:
-        self.command("verify", "--pattern", self.name)
+        self.command("verify", "--pattern", self.name, *self.flags())
 
     @rule()
     def status(self) -> None:
-        self.command("status", "--pattern", self.name)
+        self.command("status", "--pattern", self.name, *self.flags())
 
     @rule(last_request=LAST_REQUEST)
     def deploy_next(self, last_request: float) -> None:
@@ -495,7 +551,7 @@ class OperatorFuzzer(RuleBasedStateMachine):
             return
         if self.killed:
             return  # a SIGKILLed step is proven or redone by the next command, not before
-        result = cli("verify", "--pattern", self.name, "--dsn", self.dsn)
+        result = cli("verify", "--pattern", self.name, *self.flags(), "--dsn", self.dsn)
         self.expect(
             result.code == 0,
             f"verify at {self.names()[self.ledger_index]} failed: {result.line(self.dsn)}",
@@ -530,7 +586,7 @@ class OperatorFuzzer(RuleBasedStateMachine):
         deadline = time.monotonic() + FINISH_PATIENCE_S
         while True:
             self.refresh()
-            if self.state == "completed":
+            if self.state == "completed" and (not self.optional or self.ledger_index == last):
                 break
             following = self.next_deploy()
             if following is not None:
@@ -539,7 +595,7 @@ class OperatorFuzzer(RuleBasedStateMachine):
                 self.app.deploy(self.p.phases[following])
                 continue
             target = self.names()[min(self.ledger_index + 1, last)]
-            result = self.command("run", "--pattern", self.name, "--to", target)
+            result = self.command("run", "--pattern", self.name, "--to", target, *self.flags())
             if result.code == 0:
                 continue
             if result.code in (4, 5) and time.monotonic() < deadline:
