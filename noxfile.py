@@ -71,7 +71,7 @@ def ci(session: nox.Session) -> None:
     env = {"OUTBOX_MIGRATE_TEST_PG": os.environ.get("OUTBOX_MIGRATE_TEST_PG", ALL_PG)}
     session.run(
         "pytest", "-p", "no:cacheprovider", "--durations=40",
-        "-n", os.environ.get("OUTBOX_MIGRATE_TEST_WORKERS", CI_WORKERS), "--dist", "loadgroup",
+        "-n", os.environ.get("OUTBOX_MIGRATE_TEST_WORKERS", CI_WORKERS), "--dist", "load",
         *session.posargs, env=env,
     )  # fmt: skip
 

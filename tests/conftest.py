@@ -38,23 +38,3 @@ def _logging_restored() -> Iterator[None]:
             if handler not in root.handlers:
                 root.addHandler(handler)
         root.setLevel(level)
-
-
-# Tests that share a machine-wide resource run on one xdist worker, one after another: the
-# multi-host bed numbers its namespaces' addresses from 10.77.1.0 whatever the process, and
-# the embedded server (the README's demo, the help examples) keeps one data directory per
-# user. Everything else owns what it touches (a fresh database, uuid-named broker queues).
-_SERIAL_GROUPS = {
-    "tests/netns/": "netns",
-    "tests/e2e/test_demo_under_load.py": "embedded",
-    "tests/e2e/test_help_examples.py": "embedded",
-    "tests/unit/test_readme_quickstart.py": "embedded",
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        for prefix, group in _SERIAL_GROUPS.items():
-            if path.startswith(prefix):
-                item.add_marker(pytest.mark.xdist_group(group))

@@ -174,7 +174,9 @@ def test_rehearsal_report_fits(
                     "skipped": ["foreign key outbox_tenant_fkey (its target is not copied)"]},
         "extrapolated": [
             {"step": "hoper.v4.validate-check", "scratch_s": 0.058, "scale": 9.99,
-             "estimated_s": 0.6, "basis": "heap bytes, linear"},
+             "fixed_s": 0.041, "scan_s": 0.2, "estimated_s": 0.2, "sure": False,
+             "basis": "fixed cost + scan scaled by heap bytes; rough: the scratch scan took "
+                      "under 0.2 s, give --rows more rows"},
             {"step": "copy-back", "scratch_rows": 207, "scratch_s": 0.255, "rows_per_s": 811.0,
              "estimated_s_per_hour_between_v2_and_swap": 5464.2, "basis": "rate"},
         ],

@@ -60,7 +60,8 @@ def test_pattern_under_load(pattern: str, dsn: str, recording_dsn: str, tmp_path
     assert report["insert_errors"] == 0, report["insert_error_samples"]
     assert report["relay_errors"] == []
     assert report["backlog_left"] == 0
-    assert all(step["outcome"] == "done" for step in report["steps"])
+    # adopted: the relays made the dead-letter tables before V2 (as a relay does when it may)
+    assert all(step["outcome"] in ("done", "adopted") for step in report["steps"]), report["steps"]
     if pattern in HOT:
         # A step may stall an insert for at most lock_timeout, on top of what an insert
         # takes on this machine at this moment when no step runs (load, not the migration).

@@ -85,11 +85,16 @@ def test_plan_sql_migrates_a_live_outbox(pattern: str, pg_server: Server, dsn: s
             "SELECT count(*) FROM pg_constraint WHERE conname = 'outbox_published_check'"
         ).fetchone()
         assert leftovers == (0,)
-        # Only the relay's wake-up trigger stays (on the partitioned table, by design); no
-        # migration trigger (HOPIA's copy trigger) is left behind.
-        assert conn.execute(
+        # Only the relay's wake-up trigger and the unpublished partition's DELETE guard stay
+        # (by design); no migration trigger (HOPIA's copy trigger, the gates') is left behind.
+        assert sorted(conn.execute(
             "SELECT tgrelid::regclass::text, tgname FROM pg_trigger WHERE NOT tgisinternal"
-        ).fetchall() == [("outbox_new", "relay_notify")]
+        ).fetchall()) == [
+            ("outbox_new", "outbox_unpublished_guard_after"),
+            ("outbox_new", "outbox_unpublished_guard_before"),
+            ("outbox_new", "relay_notify"),
+            ("outbox_unpublished", "outbox_unpublished_guard"),
+        ]  # fmt: skip
         identity = conn.execute(
             "SELECT a.attrelid::regclass::text FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
             "WHERE a.attidentity <> '' AND NOT c.relispartition "

@@ -1,6 +1,7 @@
 """A multi-host test bed on one machine: network namespaces joined to the host by veth pairs.
 
-Host i is the namespace `<prefix>-i` with one veth pair: `10.77.i.1` on the root side (where
+Host i is the namespace `<prefix>-i` with one veth pair: `10.77.i.1` on the root side
+(`10.78…` for the second xdist worker, and so on) (where
 PostgreSQL and the consumer listen) and `10.77.i.2` inside. A relay process runs in each
 namespace (`ip netns exec`). Faults are per host and leave TCP without a reset, as a real
 partition does:
@@ -35,7 +36,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-SUBNET = "10.77"
+
+def _subnet() -> str:
+    """One /16 per pytest-xdist worker (gw0: 10.77, gw1: 10.78, …): beds of parallel workers
+    never share an address, so a relay of one bed cannot reach another bed's server."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    return f"10.{77 + int(worker or 0)}"
+
+
+SUBNET = _subnet()
 FAULTS = ("link_down", "packet_loss", "sigstop", "broker_cut")
 
 

@@ -30,11 +30,21 @@ from tests.support.app import act_as, publish_all
 SETTINGS = load_settings({"gate_window_s": 0.05, "lock_budget_s": 10.0}, environ={})
 
 
+RELAY_ROLE = "om_crash_relay"
+"""A relay's role (UPDATE on the outbox): it gives `grant-dead-letters` work to do, so that
+step runs — and is killed — like the others instead of being adopted as already holding."""
+
+
 def seed(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_flat_outbox(conn)
         insert_rows(conn, "outbox", 300, published=True)
         insert_rows(conn, "outbox", 5)
+        conn.execute(
+            f"DO $$ BEGIN CREATE ROLE {RELAY_ROLE}; "
+            "EXCEPTION WHEN duplicate_object THEN NULL; END $$"
+        )
+        conn.execute(f"GRANT SELECT, UPDATE ON outbox TO {RELAY_ROLE}")
 
 
 def before_phase(conn: psycopg.Connection, pattern: Pattern, index: int) -> None:
