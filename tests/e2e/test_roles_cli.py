@@ -1,0 +1,100 @@
+"""`outbox-migrate roles` on a real server, as the roles the docs name: a migration at V2 run
+by a non-superuser owner, an application role with INSERT and a relay role with SELECT and
+UPDATE. Without the grants the docs ask for it names each gap and its cost and exits 5; with
+them every check passes and it exits 0."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outbox_migrate.config import load_settings
+from outbox_migrate.runner import Runner
+from outbox_migrate.testing.schema import create_flat_outbox
+from tests.support.cli import run_cli
+from tests.support.roles import DocumentedRoles
+
+pytestmark = pytest.mark.newest_pg_only
+
+
+@pytest.fixture
+def at_v2(documented_roles: DocumentedRoles) -> DocumentedRoles:
+    roles = documented_roles
+    with psycopg.connect(roles.owner_dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+    roles.grant("INSERT", "outbox", roles.app)
+    roles.grant("SELECT, UPDATE", "outbox", roles.relay)
+    with Runner(roles.owner_dsn, load_settings({"gate_window_s": 0.1}, environ={}),
+                "hoper") as runner:  # fmt: skip
+        runner.run("V2")
+    return roles
+
+
+def checks(result: object) -> dict[tuple[str, str, str], bool | None]:
+    doc = json.loads(result.stdout)  # type: ignore[attr-defined]
+    return {(c["role"], c["duty"], c["what"]): c["ok"] for c in doc["checks"]}
+
+
+def test_missing_grants_are_named_with_their_cost(at_v2: DocumentedRoles) -> None:
+    roles = at_v2
+    with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
+        owner.execute(sql.SQL("REVOKE DELETE ON outbox_unpublished FROM {}").format(
+            sql.Identifier(roles.relay)))  # fmt: skip
+    args = ("roles", "--dsn", roles.owner_dsn, "--cdc-relay", roles.relay)
+    result = run_cli(*args, "--format", "json")
+    assert result.returncode == 5, result.stderr
+    found = checks(result)
+    see = "the view of other roles' sessions (state, xact_start, backend_type)"
+    assert found[(roles.owner, "runner", see)] is False
+    assert found[
+        (roles.owner, "runner", "ownership of public.outbox (member of " + roles.owner + ")")
+    ]
+    assert found[(roles.app, "application", "INSERT on public.outbox_new")] is True
+    assert found[(roles.relay, "relay", see)] is False
+    assert found[(roles.relay, "relay", "DELETE on public.outbox_unpublished")] is False
+    assert found[(roles.relay, "relay",
+                  "SELECT, INSERT, UPDATE, DELETE on public.outbox_dead_letter")] is True  # fmt: skip
+    assert found[(roles.relay, "cdc relay", "REPLICATION")] is False
+    assert (
+        "6 of 21 role checks fail" in result.stderr
+        and "is missing the view of other roles' sessions" in result.stderr
+    )
+    text = run_cli(*args, env={"COLUMNS": "200"})
+    assert text.returncode == 5
+    assert "long-transaction guard" in text.stdout
+    assert "refuses to switch" in text.stdout
+    assert f'GRANT DELETE ON "public"."outbox_unpublished" TO "{roles.relay}"' in text.stdout
+    assert "outbox stops" in text.stdout
+    assert f'ALTER ROLE "{roles.relay}" REPLICATION' in text.stdout
+
+
+def test_every_check_passes_with_the_documented_grants(at_v2: DocumentedRoles) -> None:
+    roles = at_v2
+    roles.grant_stats(roles.owner)
+    roles.grant_stats(roles.relay)
+    with psycopg.connect(roles.dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("ALTER ROLE {} REPLICATION").format(sql.Identifier(roles.relay)))
+        admin.execute(sql.SQL("CREATE PUBLICATION outbox_migrate_cdc FOR TABLE outbox_unpublished "
+                              "WITH (publish = 'insert')"))  # fmt: skip
+        admin.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(
+            sql.Identifier(admin.info.dbname), sql.Identifier(roles.relay)))  # fmt: skip
+        admin.execute(sql.SQL("ALTER PUBLICATION outbox_migrate_cdc OWNER TO {}").format(
+            sql.Identifier(roles.relay)))  # fmt: skip
+    result = run_cli("roles", "--dsn", roles.relay_dsn, "--cdc-relay", roles.relay,
+                     "--format", "json")  # fmt: skip
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    found = checks(result)
+    assert all(ok is not False for ok in found.values()), found
+    duties = {(role, duty) for role, duty, _ in found}
+    assert duties == {(roles.owner, "runner"), (roles.app, "application"),
+                      (roles.relay, "relay"), (roles.relay, "cdc relay")}  # fmt: skip
+    assert found[(roles.relay, "relay", "DELETE on public.outbox_unpublished")] is True
+
+
+def test_a_role_that_does_not_exist_is_bad_input(at_v2: DocumentedRoles) -> None:
+    result = run_cli("roles", "--dsn", at_v2.dsn, "--relay", "nosuch_role")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "outbox-migrate: error: role nosuch_role does not exist"
