@@ -174,90 +174,75 @@ class _Checker:
         assert row is not None  # the outbox exists: checked before
         return tuple(row)
 
-    def _may(self, role: str, relation: str, privilege: str) -> bool | None:
-        if not self.rel.has(relation):
-            return None
+    def _may(self, role: str, relation: str, privilege: str) -> bool:
         reg = self.q(self.rel.spec.schema, relation)
         row = self.conn.execute(
             "SELECT has_table_privilege(%s::name, %s::regclass, %s)", (role, reg, privilege)
         ).fetchone()
         return bool(row and row[0])
 
-    def _grant(self, role: str, duty: str, privileges: str, relation: str,
+    def _grant(self, role: str, duty: str, privileges: str, relations: Sequence[str],
                cost: str) -> Check:  # fmt: skip
-        wanted = [self._may(role, relation, p.strip()) for p in privileges.split(",")]
-        ok = None if None in wanted else all(wanted)
-        fix = (f"GRANT {privileges} ON {self.q(self.rel.spec.schema, relation)} "
-               f"TO {self.q(role)}")  # fmt: skip
-        what = f"{privileges} on {self.rel.ident(relation)}"
-        if ok is None:
-            cost = "not created yet: the migration grants it from the old table's grants"
-        return Check(role, duty, what, ok, cost, fix)
+        """`privileges` on each of `relations` that exists; None when none exists yet (the
+        migration carries the grants when it creates them)."""
+        there = [r for r in relations if self.rel.has(r)]
+        wanted = [self._may(role, r, p.strip()) for r in there for p in privileges.split(",")]
+        quoted = ", ".join(self.q(self.rel.spec.schema, r) for r in there or relations)
+        what = f"{privileges} on {', '.join(there or relations)}"
+        if not there:
+            cost = "not created yet: the migration grants it when it creates it"
+        return Check(role, duty, what, all(wanted) if there else None, cost,
+                     f"GRANT {privileges} ON {quoted} TO {self.q(role)}")  # fmt: skip
 
     def _see(self, role: str, duty: str, sees: bool, cost: str) -> Check:
         fix = f"GRANT {SEE_OTHER_SESSIONS} TO {self.q(role)} (or pg_monitor)"
-        what = "the view of other roles' sessions (state, xact_start, backend_type)"
-        return Check(role, duty, what, sees, cost, fix)
+        return Check(role, duty, "sight of other roles' sessions", sees, cost, fix)
 
     def runner(self, role: str) -> list[Check]:
         _s, _r, sees, owns, usage, create, db_create, ledger, owner = self._facts(role)
         quoted = self.q(role)
-        schema = self.q(self.rel.spec.schema)
-        table = self.rel.ident(self.outbox)
+        schema = self.rel.spec.schema
         duty = "runner"
         return [
-            Check(role, duty, f"ownership of {table} (member of {owner})", owns,
-                  "every step's DDL (ALTER TABLE, partitions, CHECK, swap) fails: permission "
-                  "denied", f"run as {owner}, or GRANT {self.q(owner)} TO {quoted}"),
-            Check(role, duty, f"USAGE, CREATE on schema {self.rel.spec.schema}",
-                  bool(usage and create),
-                  "the steps that create the partitioned table, its partitions, the view and "
-                  "the dead-letter tables fail",
-                  f"GRANT USAGE, CREATE ON SCHEMA {schema} TO {quoted}"),
-            Check(role, duty, f"CREATE on the database (the ledger schema {LEDGER_SCHEMA})",
-                  bool(db_create) and ledger is not False,
-                  "run, next and rollback fail before their first step: the ledger cannot be "
-                  "created or upgraded",
+            Check(role, duty, f"owner of {self.outbox}", owns,
+                  "the steps' DDL fails: permission denied",
+                  f"run as {owner}, or GRANT {self.q(owner)} TO {quoted}"),
+            Check(role, duty, f"CREATE on schema {schema}", bool(usage and create),
+                  "the steps that create tables fail",
+                  f"GRANT USAGE, CREATE ON SCHEMA {self.q(schema)} TO {quoted}"),
+            Check(role, duty, "CREATE on the database", bool(db_create) and ledger is not False,
+                  f"run, next, rollback fail at once: no ledger ({LEDGER_SCHEMA} schema)",
                   f"GRANT CREATE ON DATABASE {self.q(self.conn.info.dbname)} TO {quoted} "
                   f"(and CREATE ON SCHEMA {LEDGER_SCHEMA})"),
             self._see(role, duty, bool(sees),
-                      "the long-transaction guard (--on-long-tx refuse) refuses and lock "
-                      "holders are named 'hidden': the runner cannot tell a long transaction "
-                      "of another role from a short one"),
+                      "--on-long-tx refuse refuses, lock holders are named 'hidden'"),
         ]  # fmt: skip
 
     def application(self, role: str) -> list[Check]:
         spec = self.rel.spec
-        return [
-            self._grant(role, "application", "INSERT", table,
-                        f"the application's inserts into {self.rel.ident(table)} fail")
-            for table in (spec.table, spec.partitioned_table)
-            if self.rel.has(table) or table == spec.partitioned_table
-        ]  # fmt: skip
+        tables = [t for t in (spec.table, spec.partitioned_table) if self.rel.has(t)]
+        return [self._grant(role, "application", "INSERT", tables or [spec.partitioned_table],
+                            "its inserts fail")]  # fmt: skip
 
     def _claims(self, role: str, duty: str, *, flat: bool) -> list[Check]:
         spec = self.rel.spec
-        stop = "the relay cannot claim or mark and exits"
-        found = [self._grant(role, duty, "SELECT, UPDATE", spec.table, stop)] if flat else []
-        found += [
-            self._grant(role, duty, "SELECT, UPDATE", spec.partitioned_table, stop),
-            self._grant(role, duty, "SELECT, UPDATE", spec.unpublished_partition, stop),
+        claimed = [spec.table] if flat else []
+        claimed += [spec.partitioned_table, spec.unpublished_partition]
+        dead = [DEAD_LETTER_TABLE, DEAD_LETTER_TABLE + ATTEMPTS_TABLE_SUFFIX]
+        bad_row = "a bad row cannot be dead-lettered: the relay stops, the outbox with it"
+        return [
+            self._grant(role, duty, "SELECT, UPDATE", claimed, "cannot claim or mark: exits"),
+            self._grant(role, duty, "DELETE", [spec.unpublished_partition], bad_row),
+            self._grant(role, duty, "SELECT, INSERT, UPDATE, DELETE", dead, bad_row),
         ]
-        bad_row = ("a row that can be neither sent nor marked (at --max-attempts) cannot be "
-                   "dead-lettered: the relay stops and the outbox stops with it")  # fmt: skip
-        found.append(self._grant(role, duty, "DELETE", spec.unpublished_partition, bad_row))
-        for table in (DEAD_LETTER_TABLE, DEAD_LETTER_TABLE + ATTEMPTS_TABLE_SUFFIX):
-            found.append(self._grant(role, duty, "SELECT, INSERT, UPDATE, DELETE", table, bad_row))
-        return found
 
     def relay(self, role: str, *, see_sessions: bool) -> list[Check]:
         found = self._claims(role, "relay", flat=self.rel.has(self.rel.spec.table))
         if see_sessions:
             sees = bool(self._facts(role)[2])
             found.append(self._see(role, "relay", sees,
-                                   "V2's switching relay (hop, hoper, hopia) refuses to switch "
-                                   "while a superuser's or the owner's session is connected: it "
-                                   "cannot tell a writer from an idle one"))  # fmt: skip
+                                   "V2's switching relay does not switch while a superuser's "
+                                   "or the owner's session is connected"))  # fmt: skip
         return found
 
     def cdc_relay(self, role: str) -> list[Check]:
@@ -266,11 +251,11 @@ class _Checker:
         duty = "cdc relay"
         found = self._claims(role, duty, flat=False)
         found.append(Check(role, duty, "REPLICATION", bool(is_super or replication),
-                           "relay --mode cdc cannot open its replication connection nor create "
-                           "its slot", f"ALTER ROLE {quoted} REPLICATION"))  # fmt: skip
+                           "no replication connection, no slot: exits",
+                           f"ALTER ROLE {quoted} REPLICATION"))  # fmt: skip
         level = self.conn.execute("SHOW wal_level").fetchone()
         found.append(Check(role, duty, "wal_level = logical", bool(level and level[0] == "logical"),
-                           "no logical slot can be created on this server",
+                           "no logical slot on this server",
                            "ALTER SYSTEM SET wal_level = logical, then restart"))  # fmt: skip
         row = self.conn.execute(
             queries.query("privileges", "publication").compose(),
@@ -291,10 +276,9 @@ class _Checker:
                 (role, partition_reg),
             ).fetchone()
             ok = bool(is_super or (owns and owns[0] and db_create))
-        what = f"ownership of publication {self.publication} (or what creates it)"
+        what = f"owner of publication {self.publication} (or can create it)"
         found.append(Check(role, duty, what, ok,
-                           "the first start cannot create the publication or record its "
-                           "backlog's completion in its comment: relay --mode cdc exits",
+                           "its first start cannot create or comment it: exits",
                            f"as the owner: CREATE PUBLICATION {self.publication} FOR TABLE "
                            f"{partition_reg} WITH (publish "
                            f"= 'insert'); ALTER PUBLICATION {self.publication} OWNER TO "
