@@ -101,8 +101,9 @@ def roles(
             ["role", "as", "can", "ok", "if missing"],
             [(c.role, c.duty, c.what, mark[c.ok], c.cost) for c in checks],
         )
-        for gap in role_check.missing(checks):  # the fix on a line of its own, whole
+        for gap in role_check.missing(checks):  # each statement of its fix on a line, whole
             text(f"{gap.role} ({gap.duty}) is missing {gap.what}:")
-            out().print(f"  {gap.fix}", markup=False, highlight=False)
+            for statement in gap.fix.split("; "):
+                out().print(f"  {statement}", markup=False, highlight=False)
     if role_check.missing(checks):
         raise role_check.refusal(checks)
