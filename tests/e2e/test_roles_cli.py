@@ -94,3 +94,19 @@ def test_a_role_that_does_not_exist_is_bad_input(at_v2: DocumentedRoles) -> None
     result = run_cli("roles", "--dsn", at_v2.dsn, "--relay", "nosuch_role")
     assert result.returncode == 2
     assert result.stderr.strip() == "outbox-migrate: error: role nosuch_role does not exist"
+
+
+def test_a_runner_that_is_not_the_owner_is_told_which_steps_fail(at_v2: DocumentedRoles) -> None:
+    roles = at_v2
+    result = run_cli("roles", "--dsn", roles.dsn, "--owner", roles.app, "--format", "json")
+    assert result.returncode == 5, result.stderr
+    doc = json.loads(result.stdout)
+    runner = {c["what"]: c for c in doc["checks"] if c["duty"] == "runner"}
+    assert runner["owner of outbox"]["ok"] is False
+    assert "DDL fails" in runner["owner of outbox"]["cost"]
+    assert runner["owner of outbox"]["fix"] == (
+        f'run as {roles.owner}, or GRANT "{roles.owner}" TO "{roles.app}"'
+    )
+    assert runner["CREATE on schema public"]["ok"] is False  # PostgreSQL 15+: not PUBLIC's
+    assert runner["CREATE on the database"]["ok"] is False
+    assert doc["ok"] is False
