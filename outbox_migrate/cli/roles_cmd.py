@@ -56,8 +56,8 @@ def roles(
             "--pattern",
             "-p",
             case_sensitive=False,
-            help="The pattern: a relay checks what V2's switching relay must see "
-            "only for hop, hoper, hopia (default: checked).",
+            help="The migration's pattern: with cop or copra the relay need not see "
+            "other roles' sessions (no switching relay). Default: checked.",
         ),
     ] = None,
     publication: Annotated[

@@ -65,6 +65,10 @@ def test_missing_grants_are_named_with_their_cost(at_v2: DocumentedRoles) -> Non
     assert f'GRANT DELETE ON "public"."outbox_unpublished" TO "{roles.relay}"' in text.stdout
     assert "the relay stops, the outbox with it" in text.stdout
     assert f'ALTER ROLE "{roles.relay}" REPLICATION' in text.stdout
+    # No switching relay in COPRA: the relay need not see other roles' sessions.
+    copra = checks(run_cli("roles", "--dsn", roles.owner_dsn, "-p", "copra", "--format", "json"))
+    assert (roles.relay, "relay", see) not in copra
+    assert copra[(roles.owner, "runner", see)] is False
 
 
 def test_every_check_passes_with_the_documented_grants(at_v2: DocumentedRoles) -> None:
