@@ -6,6 +6,7 @@ them every check passes and it exits 0."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import psycopg
 import pytest
@@ -33,8 +34,9 @@ def at_v2(documented_roles: DocumentedRoles) -> DocumentedRoles:
     return roles
 
 
-def checks(result: object) -> dict[tuple[str, str, str], bool | None]:
-    doc = json.loads(result.stdout)  # type: ignore[attr-defined]
+def checks(result: subprocess.CompletedProcess[str]) -> dict[tuple[str, str, str], bool | None]:
+    """(role, duty, what) → ok, from `roles --format json`."""
+    doc = json.loads(result.stdout)
     return {(c["role"], c["duty"], c["what"]): c["ok"] for c in doc["checks"]}
 
 
