@@ -44,7 +44,6 @@ from outbox_migrate.table_privileges import SWITCHING_PATTERNS, read_table_privi
 
 LEDGER_SCHEMA = "outbox_migrate"
 """The runner's ledger schema (runner/ledger.py SCHEMA; the runner is a layer above)."""
-DUTIES = ("runner", "application", "relay", "cdc relay")
 
 
 @dataclass(frozen=True)
