@@ -24,6 +24,7 @@ from outbox_migrate.cli import (
     plan_cmd,
     rehearse_cmd,
     relay_cmd,
+    roles_cmd,
     run_cmd,
     wizard_cmd,
 )
@@ -47,6 +48,8 @@ Examples (each followed by what it does):
       the names and settings in force
   outbox-migrate ping --dsn embedded
       start the embedded PostgreSQL and connect
+  outbox-migrate roles --dsn $DATABASE_URL
+      what the owner, application and relay roles can do and see
   outbox-migrate relay --sink stdout --until-empty --dsn $DATABASE_URL
       publish what is there, then exit
   outbox-migrate copy-back --rate 50000 --dsn $DATABASE_URL
@@ -101,6 +104,7 @@ plan_cmd.register(app)
 run_cmd.register(app)
 config_cmd.register(app)
 ping_cmd.register(app)
+roles_cmd.register(app)
 relay_cmd.register(app)
 copy_back_cmd.register(app)
 maintain_cmd.register(app)

@@ -80,3 +80,21 @@ BEGIN
     END LOOP;
 END
 $om$
+
+-- name: role-facts
+-- What a role is and may do beyond table grants (%(role)s, %(relation)s: text; NULL when the role does not exist): superuser, REPLICATION, sees other roles' sessions, owns the outbox, USAGE and CREATE on its schema, CREATE on the database, CREATE on the ledger schema (NULL: not created yet).
+SELECT r.rolsuper, r.rolreplication,
+       r.rolsuper OR pg_has_role(r.oid, 'pg_read_all_stats'::name, 'USAGE'),
+       r.rolsuper OR pg_has_role(r.oid, c.relowner, 'USAGE'),
+       has_schema_privilege(r.oid, c.relnamespace, 'USAGE'),
+       has_schema_privilege(r.oid, c.relnamespace, 'CREATE'),
+       has_database_privilege(r.oid, current_database(), 'CREATE'),
+       (SELECT has_schema_privilege(r.oid, s.oid, 'CREATE')
+        FROM pg_namespace s WHERE s.nspname = %(ledger)s::name),
+       c.relowner::regrole::text
+FROM pg_class c LEFT JOIN pg_roles r ON r.rolname = %(role)s::name
+WHERE c.oid = %(relation)s::regclass
+
+-- name: publication
+-- The CDC relay's publication (%(publication)s): whether it exists and whether %(role)s may alter and comment it (a member of its owner).
+SELECT pg_has_role(%(role)s::name, p.pubowner, 'USAGE') FROM pg_publication p WHERE p.pubname = %(publication)s

@@ -108,7 +108,7 @@ def test_output_of_a_whole_migration_fits(dsn: str, tmp_path: Path) -> None:
     env = {**NAMES, "OUTBOX_MIGRATE_DSN": dsn, "OUTBOX_MIGRATE_GATE_WINDOW_S": "0.2"}
     sequence = [
         ("ping",), ("plan", "-p", "hoper"), ("run", "-p", "hoper", "--to", "V2"), ("status",),
-        ("verify",), ("rollback", "--to", "V1"), ("reset", "--yes"),
+        ("roles",), ("verify",), ("rollback", "--to", "V1"), ("reset", "--yes"),
         ("run", "-p", "hoper", "--to", "V2"), ("next", "-p", "hoper"),
         ("run", "-p", "hoper", "--to", "V4"), ("status",), ("status", "--watch", "--count", "1"),
         ("copy-back",), ("status",), ("maintain", "--once"),

@@ -51,6 +51,7 @@ BAD_INPUT = {
     "config": ["config", *BAD_NAME],
     "wizard": ["wizard", "--no-pause", "--keep-old-rows", *BAD_NAME],
     "alembic generate": ["alembic", "generate", "-p", "hoper", *BAD_NAME],
+    "roles": ["roles", *BAD_NAME],
     "ping": ["ping", "--dsn", "postgresql://nobody@127.0.0.1:1/x?sslmode=bogus"],
     "demo": ["demo", "--rate", "0"],
 }

@@ -23,7 +23,7 @@ from outbox_migrate.testing.schema import create_flat_outbox
 pytestmark = pytest.mark.newest_pg_only
 
 STORY = [
-    "config", "wizard --no-pause", "wizard", "plan", "ping", "run", "status", "verify",
+    "config", "wizard --no-pause", "wizard", "plan", "ping", "roles", "run", "status", "verify",
     "next", "relay", "dead-letters", "rollback", "maintain", "copy-back", "reset", "alembic",
 ]  # fmt: skip
 """Where each example runs, by the words after `outbox-migrate` it starts with."""

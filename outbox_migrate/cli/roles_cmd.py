@@ -1,0 +1,109 @@
+"""`outbox-migrate roles`: what each role the docs name can and cannot do and see on this
+database, and what each missing grant costs (role_check.py). Reads only.
+
+Exit codes: 0 every named role can do its job; 5 a grant or a view is missing (a precondition
+on the live database), after the table; 2 bad input (no such role or table).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from outbox_migrate.cli.options import (
+    DsnOption,
+    FormatOption,
+    OutputFormat,
+    settings_from,
+    with_names,
+)
+from outbox_migrate.cli.plan_cmd import PatternName
+
+HELP = (
+    "For the runner (the table's owner), the application, the relay and the CDC relay: what "
+    "each can and cannot do and see on this database, and what each missing grant costs. "
+    "Defaults: the outbox's owner, the roles with INSERT on it (application) and with UPDATE "
+    "(relay). Exit 5 when something is missing.\n\n"
+    "Example: outbox-migrate roles --format json --dsn $DATABASE_URL"
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("roles", help=HELP)(with_names(roles))
+
+
+def roles(
+    dsn: DsnOption = None,
+    owner: Annotated[
+        str | None, typer.Option("--owner", help="The runner's role (default: the owner).")
+    ] = None,
+    app: Annotated[
+        list[str] | None,
+        typer.Option("--app", help="An application role (repeatable; default: roles with INSERT)."),
+    ] = None,
+    relay: Annotated[
+        list[str] | None,
+        typer.Option("--relay", help="A relay role (repeatable; default: roles with UPDATE)."),
+    ] = None,
+    cdc_relay: Annotated[
+        list[str] | None,
+        typer.Option("--cdc-relay", help="A CDC relay role (repeatable; default: none)."),
+    ] = None,
+    pattern: Annotated[
+        PatternName | None,
+        typer.Option(
+            "--pattern",
+            "-p",
+            case_sensitive=False,
+            help="The migration's pattern: with cop or copra the relay need not see "
+            "other roles' sessions (no switching relay). Default: checked.",
+        ),
+    ] = None,
+    publication: Annotated[
+        str | None, typer.Option("--publication", help="The CDC relay's publication.")
+    ] = None,
+    output: FormatOption = OutputFormat.text,
+    names: dict[str, Any] | None = None,
+) -> None:
+    from outbox_migrate import role_check
+    from outbox_migrate.db import connect
+    from outbox_migrate.dsn import resolve
+    from outbox_migrate.errors import UsageError
+    from outbox_migrate.relay.cdc.options import DEFAULT_PUBLICATION
+
+    spec = settings_from(**(names or {})).spec
+    resolved = resolve(dsn)
+    if resolved is None:
+        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
+    with connect(resolved.dsn) as conn:
+        conn.execute("SET default_transaction_read_only = on")
+        checks = role_check.check_roles(
+            conn,
+            spec,
+            owner=owner,
+            apps=app or (),
+            relays=relay or (),
+            cdc_relays=cdc_relay or (),
+            pattern=pattern.value if pattern else None,
+            publication=publication or DEFAULT_PUBLICATION,
+        )
+    if output is OutputFormat.json:
+        from outbox_migrate.cli.console import print_json
+
+        print_json(role_check.as_json(checks))
+    else:
+        from outbox_migrate.cli.console import out, table, text
+
+        mark = {True: "yes", False: "NO", None: "-"}
+        table(
+            f"roles on {spec.schema}.{spec.table}",
+            ["role", "as", "can", "ok", "if missing"],
+            [(c.role, c.duty, c.what, mark[c.ok], c.cost) for c in checks],
+        )
+        for gap in role_check.missing(checks):  # each statement of its fix on a line, whole
+            text(f"{gap.role} ({gap.duty}) is missing {gap.what}:")
+            for statement in gap.fix.split("; "):
+                out().print(f"  {statement}", markup=False, highlight=False)
+    if role_check.missing(checks):
+        raise role_check.refusal(checks)

@@ -1,0 +1,285 @@
+"""The role check (`outbox-migrate roles`): for each role the docs name — the runner as the
+table's owner, the application, the relay, the CDC relay — what it can and cannot do and see
+on this database, and what each missing grant will cost.
+
+Read from the catalog only (`has_table_privilege`, `pg_has_role`, `rolreplication`, …), in a
+read-only session: the check asks the server what it would allow, so it cannot disagree with
+what a step or the relay then meets. A relation the migration has not created yet is not
+checked (its grants are carried from the old table when it is created, patterns/privileges.py
+and the grant-dead-letters step); what a role must see is checked now, because no step grants it.
+
+What each role needs, and why:
+
+* runner: to own the outbox (every step's DDL needs the owner), CREATE on its schema (the new
+  tables, partitions, view and dead-letter tables), CREATE on the database (the ledger schema),
+  and to see other roles' sessions (`pg_read_all_stats`): the long-transaction guard and the
+  naming of lock holders read their state, and refuse on what they cannot see (lock_budget.py).
+* application: INSERT on the tables it writes.
+* relay: SELECT and UPDATE where it claims and marks, DELETE on the unpublished partition and
+  the dead-letter tables (a row it can neither send nor mark is moved there, else it stops the
+  outbox), and — as V2's switching relay — the sessions of superusers and of the owner
+  (sql/switch_gate.sql: a hidden one may be a writer the REVOKE does not stop, so it refuses).
+* CDC relay: the relay's grants on the partitioned outbox, REPLICATION (its slot and stream),
+  `wal_level = logical`, and a publication it owns or can create.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from psycopg import Connection, sql
+
+from outbox_migrate import sql as queries
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import ExitCode, OutboxMigrateError, UsageError
+from outbox_migrate.lock_budget import SEE_OTHER_SESSIONS
+from outbox_migrate.patterns.kinds.dead_letter_tables import (
+    ATTEMPTS_TABLE_SUFFIX,
+    DEAD_LETTER_TABLE,
+)
+from outbox_migrate.relay.cdc.options import DEFAULT_PUBLICATION
+from outbox_migrate.table_privileges import SWITCHING_PATTERNS, read_table_privileges
+
+LEDGER_SCHEMA = "outbox_migrate"
+"""The runner's ledger schema (runner/ledger.py SCHEMA; the runner is a layer above)."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One thing a role must be able to do or see. `ok` None: nothing to check yet (the
+    relation does not exist); `cost`: what happens when it is missing; `fix`: the grant."""
+
+    role: str
+    duty: str
+    what: str
+    ok: bool | None
+    cost: str
+    fix: str
+
+
+class MissingGrants(OutboxMigrateError):
+    """A named role cannot do its job on this database (exit 5, a precondition)."""
+
+    exit_code = ExitCode.PRECONDITION
+
+
+@dataclass
+class _Relations:
+    spec: OutboxSpec
+    existing: set[str]
+
+    def ident(self, name: str) -> str:
+        return f"{self.spec.schema}.{name}"
+
+    def has(self, name: str) -> bool:
+        return name in self.existing
+
+
+def check_roles(
+    conn: Connection[Any],
+    spec: OutboxSpec,
+    *,
+    owner: str | None = None,
+    apps: Sequence[str] = (),
+    relays: Sequence[str] = (),
+    cdc_relays: Sequence[str] = (),
+    pattern: str | None = None,
+    publication: str = DEFAULT_PUBLICATION,
+) -> list[Check]:
+    """Every check for the roles named; unnamed ones default to the outbox's owner, the
+    grantees with INSERT on it (the application) and those with UPDATE (the relay)."""
+    dead = (DEAD_LETTER_TABLE, DEAD_LETTER_TABLE + ATTEMPTS_TABLE_SUFFIX)
+    names = (spec.table, spec.partitioned_table, spec.unpublished_partition, *dead)
+    found = conn.execute(
+        "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relname = ANY(%s)",
+        (spec.schema, list(names)),
+    ).fetchall()
+    rel = _Relations(spec, {str(r[0]) for r in found})
+    outbox = next((t for t in (spec.table, spec.partitioned_table) if rel.has(t)), None)
+    if outbox is None:
+        raise UsageError(f"neither {rel.ident(spec.table)} nor "
+                         f"{rel.ident(spec.partitioned_table)} exists")  # fmt: skip
+    held = read_table_privileges(conn, OutboxSpec(schema=spec.schema, table=outbox))
+    grants = [g for g in held.grants if g.grantee != "PUBLIC"]
+    owner = owner or held.owner
+    apps = list(apps) or sorted({g.grantee for g in grants if g.privilege == "INSERT"})
+    relays = list(relays) or sorted(
+        {g.grantee for g in grants if g.privilege == "UPDATE" and g.column is None}
+    )
+    checker = _Checker(conn, rel, outbox, publication)
+    for role in (owner, *apps, *relays, *cdc_relays):
+        checker.require_role(role)
+    checks = checker.runner(owner)
+    for role in apps:
+        checks += checker.application(role)
+    see = pattern is None or pattern in SWITCHING_PATTERNS
+    for role in relays:
+        checks += checker.relay(role, see_sessions=see)
+    for role in cdc_relays:
+        checks += checker.cdc_relay(role)
+    if not apps:
+        checks.append(Check("-", "application", f"a role with INSERT on {rel.ident(outbox)}",
+                            None, "none found: the application runs as the owner or a "
+                            "superuser; name it with --app", ""))  # fmt: skip
+    if not relays:
+        checks.append(Check("-", "relay", f"a role with UPDATE on {rel.ident(outbox)}", None,
+                            "none found: the relay runs as the owner or a superuser; name it "
+                            "with --relay", ""))  # fmt: skip
+    return checks
+
+
+def missing(checks: Iterable[Check]) -> list[Check]:
+    return [c for c in checks if c.ok is False]
+
+
+def refusal(checks: Sequence[Check]) -> MissingGrants:
+    """The one line a failed check ends with: how many are missing, and the first."""
+    gaps = missing(checks)
+    first = gaps[0]
+    return MissingGrants(
+        f"{len(gaps)} of {len(checks)} role checks fail; first: {first.role} ({first.duty}) "
+        f"is missing {first.what}: {first.fix}"
+    )
+
+
+def as_json(checks: Sequence[Check]) -> dict[str, Any]:
+    return {"ok": not missing(checks), "checks": [asdict(c) for c in checks]}
+
+
+class _Checker:
+    def __init__(
+        self, conn: Connection[Any], rel: _Relations, outbox: str, publication: str
+    ) -> None:
+        self.conn, self.rel, self.outbox, self.publication = conn, rel, outbox, publication
+        self.outbox_reg = sql.Identifier(rel.spec.schema, outbox).as_string(conn)
+
+    def q(self, *name: str) -> str:
+        """`name` quoted as an identifier (schema-qualified when two parts)."""
+        return sql.Identifier(*name).as_string(self.conn)
+
+    def require_role(self, role: str) -> None:
+        if self.conn.execute("SELECT to_regrole(%s)", (self.q(role),)
+                             ).fetchone() == (None,):  # fmt: skip
+            raise UsageError(f"role {role} does not exist")
+
+    def _facts(self, role: str) -> tuple[Any, ...]:
+        row = self.conn.execute(
+            queries.query("privileges", "role-facts").compose(),
+            {"role": role, "relation": self.outbox_reg, "ledger": LEDGER_SCHEMA},
+        ).fetchone()
+        assert row is not None  # the outbox exists: checked before
+        return tuple(row)
+
+    def _may(self, role: str, relation: str, privilege: str) -> bool:
+        reg = self.q(self.rel.spec.schema, relation)
+        row = self.conn.execute(
+            "SELECT has_table_privilege(%s::name, %s::regclass, %s)", (role, reg, privilege)
+        ).fetchone()
+        return bool(row and row[0])
+
+    def _grant(self, role: str, duty: str, privileges: str, relations: Sequence[str],
+               cost: str) -> Check:  # fmt: skip
+        """`privileges` on each of `relations` that exists; None when none exists yet (the
+        migration carries the grants when it creates them)."""
+        there = [r for r in relations if self.rel.has(r)]
+        wanted = [self._may(role, r, p.strip()) for r in there for p in privileges.split(",")]
+        quoted = ", ".join(self.q(self.rel.spec.schema, r) for r in there or relations)
+        what = f"{privileges} on {', '.join(there or relations)}"
+        if not there:
+            cost = "not created yet: the migration grants it when it creates it"
+        return Check(role, duty, what, all(wanted) if there else None, cost,
+                     f"GRANT {privileges} ON {quoted} TO {self.q(role)}")  # fmt: skip
+
+    def _see(self, role: str, duty: str, sees: bool, cost: str) -> Check:
+        fix = f"GRANT {SEE_OTHER_SESSIONS} TO {self.q(role)} (or pg_monitor)"
+        return Check(role, duty, "sight of other roles' sessions", sees, cost, fix)
+
+    def runner(self, role: str) -> list[Check]:
+        _s, _r, sees, owns, usage, create, db_create, ledger, owner = self._facts(role)
+        quoted = self.q(role)
+        schema = self.rel.spec.schema
+        duty = "runner"
+        return [
+            Check(role, duty, f"owner of {self.outbox}", owns,
+                  "the steps' DDL fails: permission denied",
+                  f"run as {owner}, or GRANT {self.q(owner)} TO {quoted}"),
+            Check(role, duty, f"CREATE on schema {schema}", bool(usage and create),
+                  "the steps that create tables fail",
+                  f"GRANT USAGE, CREATE ON SCHEMA {self.q(schema)} TO {quoted}"),
+            Check(role, duty, "CREATE on the database", bool(db_create) and ledger is not False,
+                  f"run, next, rollback fail at once: no ledger ({LEDGER_SCHEMA} schema)",
+                  f"GRANT CREATE ON DATABASE {self.q(self.conn.info.dbname)} TO {quoted} "
+                  f"(and CREATE ON SCHEMA {LEDGER_SCHEMA})"),
+            self._see(role, duty, bool(sees),
+                      "--on-long-tx refuse refuses, lock holders are named 'hidden'"),
+        ]  # fmt: skip
+
+    def application(self, role: str) -> list[Check]:
+        spec = self.rel.spec
+        tables = [t for t in (spec.table, spec.partitioned_table) if self.rel.has(t)]
+        return [self._grant(role, "application", "INSERT", tables or [spec.partitioned_table],
+                            "its inserts fail")]  # fmt: skip
+
+    def _claims(self, role: str, duty: str, *, flat: bool) -> list[Check]:
+        spec = self.rel.spec
+        claimed = [spec.table] if flat else []
+        claimed += [spec.partitioned_table, spec.unpublished_partition]
+        dead = [DEAD_LETTER_TABLE, DEAD_LETTER_TABLE + ATTEMPTS_TABLE_SUFFIX]
+        bad_row = "a bad row cannot be dead-lettered: the relay stops, the outbox with it"
+        return [
+            self._grant(role, duty, "SELECT, UPDATE", claimed, "cannot claim or mark: exits"),
+            self._grant(role, duty, "DELETE", [spec.unpublished_partition], bad_row),
+            self._grant(role, duty, "SELECT, INSERT, UPDATE, DELETE", dead, bad_row),
+        ]
+
+    def relay(self, role: str, *, see_sessions: bool) -> list[Check]:
+        found = self._claims(role, "relay", flat=self.rel.has(self.rel.spec.table))
+        if see_sessions:
+            sees = bool(self._facts(role)[2])
+            found.append(self._see(role, "relay", sees,
+                                   "V2's switching relay does not switch while a superuser's "
+                                   "or the owner's session is connected"))  # fmt: skip
+        return found
+
+    def cdc_relay(self, role: str) -> list[Check]:
+        is_super, replication, *_ = self._facts(role)
+        quoted = self.q(role)
+        duty = "cdc relay"
+        found = self._claims(role, duty, flat=False)
+        found.append(Check(role, duty, "REPLICATION", bool(is_super or replication),
+                           "no replication connection, no slot: exits",
+                           f"ALTER ROLE {quoted} REPLICATION"))  # fmt: skip
+        level = self.conn.execute("SHOW wal_level").fetchone()
+        found.append(Check(role, duty, "wal_level = logical", bool(level and level[0] == "logical"),
+                           "no logical slot on this server",
+                           "ALTER SYSTEM SET wal_level = logical, then restart"))  # fmt: skip
+        row = self.conn.execute(
+            queries.query("privileges", "publication").compose(),
+            {"role": role, "publication": self.publication},
+        ).fetchone()
+        partition = self.rel.spec.unpublished_partition
+        partition_reg = self.q(self.rel.spec.schema, partition)
+        ok: bool | None
+        if row is not None:
+            ok = bool(row[0])
+        elif not self.rel.has(partition):
+            ok = None  # created at V2: checked once it exists
+        else:  # it creates it: that takes the partition's owner and CREATE on the database
+            db_create = self._facts(role)[6]
+            owns = self.conn.execute(
+                "SELECT pg_has_role(%s::name, c.relowner, 'USAGE') FROM pg_class c "
+                "WHERE c.oid = %s::regclass",
+                (role, partition_reg),
+            ).fetchone()
+            ok = bool(is_super or (owns and owns[0] and db_create))
+        what = f"owner of publication {self.publication} (or can create it)"
+        found.append(Check(role, duty, what, ok,
+                           "its first start cannot create or comment it: exits",
+                           f"as the owner: CREATE PUBLICATION {self.publication} FOR TABLE "
+                           f"{partition_reg} WITH (publish "
+                           f"= 'insert'); ALTER PUBLICATION {self.publication} OWNER TO "
+                           f"{quoted}"))  # fmt: skip
+        return found
