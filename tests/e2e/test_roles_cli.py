@@ -22,8 +22,7 @@ pytestmark = pytest.mark.newest_pg_only
 
 
 @pytest.fixture
-def at_v2(documented_roles: DocumentedRoles) -> DocumentedRoles:
-    roles = documented_roles
+def at_v2(roles: DocumentedRoles) -> DocumentedRoles:
     with psycopg.connect(roles.owner_dsn, autocommit=True) as conn:
         create_flat_outbox(conn)
     roles.grant("INSERT", "outbox", roles.app)

@@ -20,8 +20,7 @@ PUBLISHED_MEANWHILE = 50
 
 
 @pytest.mark.newest_pg_only
-def test_copy_back_as_the_owner_keeps_every_row(documented_roles: DocumentedRoles) -> None:
-    roles = documented_roles
+def test_copy_back_as_the_owner_keeps_every_row(roles: DocumentedRoles) -> None:
     with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
         create_flat_outbox(owner)
         owner.execute(

@@ -23,9 +23,8 @@ INDEX = "outbox_new_unpublished_id_idx"
 
 @pytest.mark.newest_pg_only
 def test_a_hidden_open_transaction_refuses_the_reindex_with_the_grant(
-    dsn: str, documented_roles: DocumentedRoles
+    dsn: str, roles: DocumentedRoles
 ) -> None:
-    roles = documented_roles
     with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
         create_partitioned_outbox(owner)
         insert_rows(owner, "outbox_new", 100)

@@ -12,14 +12,11 @@ session after the switch and must not need the INSERT the relay's role no longer
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.patterns import build_pattern
@@ -28,6 +25,7 @@ from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.relay.writer import WritePhase
 from outbox_migrate.runner import Runner
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
+from tests.support.roles import DocumentedRoles
 
 from .conftest import SPEC, Collected, ids_in
 from .test_switching import Writers, wait_for
@@ -39,51 +37,6 @@ SERIAL_OUTBOX = """
         created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz);
     CREATE INDEX outbox_unpublished_ids ON outbox (id) WHERE published_at IS NULL
 """
-
-
-class Roles:
-    """The migration's owner role and the application's role (cluster-wide: unique names).
-
-    The superuser's session is opened only to set up and tear down: a superuser connected
-    while the relay switches is a writer no REVOKE stops (the gate would rightly wait)."""
-
-    def __init__(self, dsn: str) -> None:
-        suffix = uuid.uuid4().hex[:8]
-        self.dsn = dsn
-        self.owner, self.app = f"om_owner_{suffix}", f"om_app_{suffix}"
-        self.owner_dsn = make_conninfo(dsn, user=self.owner)
-        self.app_dsn = make_conninfo(dsn, user=self.app)
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            database = sql.Identifier(admin.info.dbname)
-            for role in (self.owner, self.app):
-                admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-            owner = sql.Identifier(self.owner)
-            admin.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(database, owner))
-            admin.execute(sql.SQL("GRANT CREATE, USAGE ON SCHEMA public TO {}").format(owner))
-            admin.execute(
-                sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(sql.Identifier(self.app))
-            )
-
-    def drop(self) -> None:
-        with psycopg.connect(self.dsn, autocommit=True) as admin:
-            for role in (self.app, self.owner):
-                admin.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
-                    (role,),
-                )
-            for role in (self.app, self.owner):
-                ident = sql.Identifier(role)
-                admin.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(ident))
-                admin.execute(sql.SQL("DROP ROLE {}").format(ident))
-
-
-@pytest.fixture
-def roles(dsn: str) -> Iterator[Roles]:
-    made = Roles(dsn)
-    try:
-        yield made
-    finally:
-        made.drop()
 
 
 def ids(dsn: str, table: str, *, published: bool | None = None) -> list[int]:
@@ -99,7 +52,7 @@ def settings() -> Any:
     ("pattern", "id_kind"), [("hoper", "identity"), ("hop", "serial"), ("hopia", "identity")]
 )
 def test_least_privilege_app_runs_through_the_switch_with_no_hand_written_grant(
-    dsn: str, roles: Roles, collected: Collected, pattern: str, id_kind: str
+    dsn: str, roles: DocumentedRoles, collected: Collected, pattern: str, id_kind: str
 ) -> None:
     app = sql.Identifier(roles.app)
     with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -27,21 +26,12 @@ from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.worker import Relay
 from outbox_migrate.runner import Runner
 from outbox_migrate.testing.schema import create_flat_outbox
+from tests.support.roles import DocumentedRoles
 
 from .conftest import Collected
-from .test_least_privilege import Roles
 
 SETTINGS: Any = load_settings({"gate_window_s": 0.1, "lock_budget_s": 10.0}, environ={})
 NEXT_VERSION = OutboxSpec(table="outbox_retired", partitioned_table="outbox")
-
-
-@pytest.fixture
-def roles(dsn: str) -> Iterator[Roles]:
-    made = Roles(dsn)
-    try:
-        yield made
-    finally:
-        made.drop()
 
 
 def ctid_and_published(conn: psycopg.Connection, table: str) -> list[tuple[str, bool]]:
@@ -50,7 +40,7 @@ def ctid_and_published(conn: psycopg.Connection, table: str) -> list[tuple[str, 
 
 
 def test_a_mark_never_reaches_a_row_of_another_table(
-    dsn: str, roles: Roles, collected: Collected
+    dsn: str, roles: DocumentedRoles, collected: Collected
 ) -> None:
     with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
         create_flat_outbox(owner)

@@ -145,13 +145,12 @@ def test_a_column_level_insert_grant_keeps_the_gate_shut(tables: str, collected:
 
 @pytest.mark.newest_pg_only
 def test_a_relay_role_that_cannot_see_the_owner_writing_does_not_switch(
-    dsn: str, documented_roles: DocumentedRoles, collected: Collected
+    dsn: str, roles: DocumentedRoles, collected: Collected
 ) -> None:
     """The documented setup: the relay as its own role, a V1 instance writing as the table's
     owner. The owner's sessions show no backend_type to the relay's role; the gate counts
     them all the same and says which grant lets it tell (before, it saw no session and
     switched at once, stranding the owner's later rows)."""
-    roles = documented_roles
     with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
         create_flat_outbox(owner, SPEC)
         create_partitioned_outbox(owner, SPEC, start=PARTITIONED_START)

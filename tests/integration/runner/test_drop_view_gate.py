@@ -64,9 +64,8 @@ class ViewWriter:
 @pytest.mark.newest_pg_only
 @pytest.mark.parametrize("prepared", [False, True], ids=["simple", "prepared"])
 def test_a_busy_writer_through_the_view_keeps_the_drop_from_passing(
-    dsn: str, documented_roles: DocumentedRoles, prepared: bool
+    dsn: str, roles: DocumentedRoles, prepared: bool
 ) -> None:
-    roles = documented_roles
     with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
         create_flat_outbox(owner)
         roles.grant("SELECT, INSERT, UPDATE", "outbox", roles.app)
@@ -102,11 +101,10 @@ def test_a_busy_writer_through_the_view_keeps_the_drop_from_passing(
 
 @pytest.mark.pg_edges
 def test_writes_through_the_counted_view_work_as_before_and_each_statement_counts(
-    dsn: str, documented_roles: DocumentedRoles
+    dsn: str, roles: DocumentedRoles
 ) -> None:
     """The counting rules leave the automatic update alone: RETURNING, ON CONFLICT and a mark
     through the view work for the application's role, which was granted nothing new."""
-    roles = documented_roles
     with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
         create_flat_outbox(owner)
         roles.grant("SELECT, INSERT, UPDATE", "outbox", roles.app)
@@ -142,11 +140,10 @@ def test_writes_through_the_counted_view_work_as_before_and_each_statement_count
 
 @pytest.mark.pg_edges
 def test_the_drop_gate_refuses_when_it_cannot_read_the_counter(
-    dsn: str, documented_roles: DocumentedRoles
+    dsn: str, roles: DocumentedRoles
 ) -> None:
     """A counter it may not read is no evidence: the gate names the grant instead of passing
     (PostgreSQL 18 returns NULL for a sequence one may not read, older ones raise)."""
-    roles = documented_roles
     with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
         create_flat_outbox(owner)
         run_through_base(owner, roles.owner_dsn, "copra")

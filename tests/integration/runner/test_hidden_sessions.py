@@ -29,8 +29,7 @@ def settings() -> Any:
 
 
 @pytest.fixture
-def at_v3_as_owner(dsn: str, documented_roles: DocumentedRoles) -> DocumentedRoles:
-    roles = documented_roles
+def at_v3_as_owner(dsn: str, roles: DocumentedRoles) -> DocumentedRoles:
     prepare_hoper_v3(roles.owner_dsn)  # creates the outbox as the owner
     roles.grant("SELECT, INSERT", "outbox", roles.app)
     return roles
@@ -73,11 +72,10 @@ def test_guards_refuse_on_a_session_they_cannot_see_and_name_the_grant(
 
 @pytest.mark.newest_pg_only
 def test_another_runner_of_another_role_is_named_without_what_is_hidden(
-    dsn: str, documented_roles: DocumentedRoles
+    dsn: str, roles: DocumentedRoles
 ) -> None:
     """The runner lock held by a session of another role: its client address and start are
     hidden from the owner; the refusal names the session and the grant instead of failing."""
-    roles = documented_roles
     with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
         create_flat_outbox(owner)
     with psycopg.connect(roles.app_dsn, autocommit=True, application_name="other-runner") as other:
@@ -94,16 +92,13 @@ def test_another_runner_of_another_role_is_named_without_what_is_hidden(
 
 
 @pytest.mark.newest_pg_only
-def test_the_deploy_gates_see_another_roles_sessions(
-    dsn: str, documented_roles: DocumentedRoles
-) -> None:
+def test_the_deploy_gates_see_another_roles_sessions(dsn: str, roles: DocumentedRoles) -> None:
     """The V3/V4 gates read only what PostgreSQL shows every role: application_name, the
     database and pg_locks. As the owner, the old version's session of the application's role
     keeps `no-old-app-sessions` shut (a regression guard: a gate moved to a hidden column such
     as backend_type or state would pass here)."""
     from outbox_migrate.patterns import conditions
 
-    roles = documented_roles
     gate = conditions.no_old_app_sessions("orders-v1%", "V3")
     with (
         psycopg.connect(roles.app_dsn, autocommit=True, application_name="orders-v1/7") as app,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -29,8 +28,8 @@ from outbox_migrate.runner import inspect as read_only
 from outbox_migrate.runner.errors import PreconditionFailed, VerifyFailed
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.integration.relay.conftest import Collected
-from tests.integration.relay.test_least_privilege import Roles
 from tests.support.app import act_as, count, publish_all
+from tests.support.roles import DocumentedRoles
 
 FAST = {"gate_window_s": 0.2, "lock_budget_s": 10.0}
 NEXT_VERSION = OutboxSpec(table="outbox_retired", partitioned_table="outbox")
@@ -39,15 +38,6 @@ NEXT_VERSION = OutboxSpec(table="outbox_retired", partitioned_table="outbox")
 
 def settings(**extra: Any) -> Any:
     return load_settings({**FAST, **extra}, environ={})
-
-
-@pytest.fixture
-def roles(dsn: str) -> Iterator[Roles]:
-    made = Roles(dsn)
-    try:
-        yield made
-    finally:
-        made.drop()
 
 
 def unpublished(conn: psycopg.Connection, table: str) -> int:
@@ -86,7 +76,7 @@ def relay_of(dsn: str, collected: Collected, spec: OutboxSpec, **options: Any) -
 
 @pytest.mark.parametrize("name", ["hoper", "hopia"])
 def test_original_name_after_a_migration_run_without_optional(
-    name: str, dsn: str, roles: Roles
+    name: str, dsn: str, roles: DocumentedRoles
 ) -> None:
     """Under live load: the previous version writing (through the view once renamed) and
     publishing, then the version of the original name. Before: "original-name before V4: run
@@ -172,7 +162,7 @@ def prepared(owner: psycopg.Connection, app_role: str) -> None:
 
 @pytest.mark.parametrize("name", ["hop", "hoper", "hopia"])
 def test_rename_rolled_back_under_the_original_names_writer_strands_nothing(
-    name: str, dsn: str, roles: Roles
+    name: str, dsn: str, roles: DocumentedRoles
 ) -> None:
     """Before (HOP): exit 0, and the writer's rows landed in the flat table no relay reads
     (`verify` passed, and taking the name again moved them aside unpublished)."""
@@ -199,7 +189,9 @@ def test_rename_rolled_back_under_the_original_names_writer_strands_nothing(
 
 
 @pytest.mark.newest_pg_only
-def test_a_row_no_relay_reads_fails_verify_and_is_never_moved_aside(dsn: str, roles: Roles) -> None:
+def test_a_row_no_relay_reads_fails_verify_and_is_never_moved_aside(
+    dsn: str, roles: DocumentedRoles
+) -> None:
     """HOP after V3: a V1 instance that came back inserts into the flat table, which no relay
     reads any more. Before: `verify` passed, and `original-name` moved the row, unpublished,
     into outbox_retired."""

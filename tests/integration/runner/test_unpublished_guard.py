@@ -12,7 +12,6 @@ outbox-migrate's own sessions may still delete there (the relay dead-letters by 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +32,8 @@ from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.e2e.test_zoo_frameworks import NSERVICEBUS
 from tests.e2e.test_zoo_frameworks_load import NSB_SET_AS_DISPATCHED, NSB_STORE
 from tests.integration.relay.conftest import swapped_outbox
-from tests.integration.relay.test_least_privilege import Roles
 from tests.integration.relay.test_least_privilege import settings as runner_settings
+from tests.support.roles import DocumentedRoles
 
 NSB_CTID_CLEANUP = (
     # SqlDialect_PostgreSql.GetOutboxCleanupCommand as NServiceBus SQL persistence documented
@@ -57,17 +56,6 @@ ALL_THREE = [
 ]
 
 
-@pytest.fixture
-def roles(dsn: str) -> Iterator[Roles]:
-    """The docs' roles: the tables' non-superuser owner runs the migration, the application's
-    role writes, marks, cleans up and runs the relay."""
-    made = Roles(dsn)
-    try:
-        yield made
-    finally:
-        made.drop()
-
-
 def _function_exists(conn: psycopg.Connection[Any]) -> bool:
     row = conn.execute("SELECT to_regproc('public.outbox_unpublished_guard')").fetchone()
     return row is not None and row[0] is not None
@@ -75,7 +63,7 @@ def _function_exists(conn: psycopg.Connection[Any]) -> bool:
 
 @pytest.mark.parametrize("guard", [True, False], ids=["guarded", "guard-off"])
 def test_nservicebus_ctid_cleanup_deletes_dispatched_rows_and_no_unsent_one(
-    dsn: str, roles: Roles, guard: bool
+    dsn: str, roles: DocumentedRoles, guard: bool
 ) -> None:
     """HOPER through V4 as the owner; then NServiceBus, as the application's role, stores
     five messages it has not dispatched, five it dispatches (its own UPDATE, which moves them
@@ -126,7 +114,7 @@ def test_nservicebus_ctid_cleanup_deletes_dispatched_rows_and_no_unsent_one(
 
 @pytest.mark.newest_pg_only
 def test_marks_move_rows_and_our_sessions_delete_while_others_are_guarded(
-    dsn: str, roles: Roles
+    dsn: str, roles: DocumentedRoles
 ) -> None:
     """HOP's V2 as the owner; as the application's role a plain UPDATE (a framework's own
     publisher) and our relay both mark, and every marked row moves out. A DELETE of an
@@ -180,7 +168,7 @@ def test_marks_move_rows_and_our_sessions_delete_while_others_are_guarded(
 
 @pytest.mark.newest_pg_only
 def test_rollback_drops_the_guard_and_nothing_else_and_forward_builds_it_again(
-    dsn: str, roles: Roles
+    dsn: str, roles: DocumentedRoles
 ) -> None:
     """The guard step's inverse drops its trigger and function (recorded by OID when the
     step committed); a function of the operator's in the same schema stays; run again, the
