@@ -1,22 +1,25 @@
-"""Unpublished-row guard benchmark: what the guard (patterns/kinds/guard.py) costs a draining
-publisher, with and without it, side by side in one run.
+"""Unpublished-row guard benchmark: what the guard (patterns/kinds/guard.py) costs the
+publishers that drain the outbox and a framework's cleanup, with and without it, side by side
+in one run.
 
-Every mark moves a row out of the unpublished partition, which fires that partition's row
-triggers (the guard's BEFORE DELETE), beside the statement triggers of the partitioned table
-around each UPDATE. Two publishers drain the same outbox, runs interleaved, median of
-`--reps`:
+Every mark moves a row out of the unpublished partition: PostgreSQL runs the move as a DELETE
+there. The guard is a statement-level AFTER DELETE trigger with a transition table on the
+partitioned table and on that partition, which an UPDATE neither fires nor fills, so a mark
+should pay nothing. Three workloads, runs interleaved, median of `--reps`:
 
-  relay     outbox-migrate's relay (stdout sink into /dev/null): its sessions set
-            `outbox_migrate.unpublished_guard = off`, so the trigger's WHEN clause is false
-            and its function is never called;
+  relay     outbox-migrate's relay (stdout sink into /dev/null); its sessions set
+            `outbox_migrate.unpublished_guard = off`, which does not change what a mark does;
   update    a framework's own publisher: `UPDATE … SET published_at = now()` on batches of
-            ids from a plain session, where the function runs once per row.
+            ids from a plain session;
+  cleanup   a framework's cleanup of published rows, NServiceBus's shape: `DELETE … WHERE ctid
+            IN (SELECT ctid … LIMIT batch)` from a plain session until nothing is left — the
+            statement the guard exists for, which pays for the transition table.
 
-The guard is the migration step's own SQL, created before a guarded drain and dropped before
-an unguarded one. Printed: rows drained per second without and with the guard and their
-ratio (goal for the relay: >= 95 %), and the server's CPU time per row (the sessions' backends,
-read from /proc: the guard's cost is server work, and CPU time moves far less than wall time
-with other work on a shared machine) with the ratio unguarded / guarded.
+The guard is the migration step's own SQL, created before a guarded run and dropped before an
+unguarded one. Printed: rows per second without and with the guard and their ratio (goal for
+the relay: >= 95 %), and the server's CPU time per row (the sessions' backends, read from
+/proc: the guard's cost is server work, and CPU time moves far less than wall time with other
+work on a shared machine) with the ratio unguarded / guarded.
 
     PYTHONPATH=. python bench/guard.py            # 100,000 rows, batch 500, 7 reps
 """
@@ -59,13 +62,21 @@ def set_guard(conn: psycopg.Connection, guarded: bool) -> None:
             conn.execute(statement)
 
 
-def fill(conn: psycopg.Connection, rows: int, guarded: bool) -> None:
+CLEANUP = (
+    "DELETE FROM outbox_new WHERE ctid IN (SELECT ctid FROM outbox_new "
+    "WHERE published_at IS NOT NULL LIMIT %s)"
+)
+
+
+def fill(conn: psycopg.Connection, rows: int, guarded: bool, published: bool = False) -> None:
     conn.execute("TRUNCATE outbox_new")
     conn.execute(
         "INSERT INTO outbox_new (event_type, message_key, payload) SELECT 'event', 'k-' || g, "
         "jsonb_build_object('n', g, 'pad', repeat('x', 16)) FROM generate_series(1, %s) g",
         (rows,),
     )
+    if published:
+        conn.execute("UPDATE outbox_new SET published_at = now()")
     conn.execute("VACUUM ANALYZE outbox_new")
     set_guard(conn, guarded)
 
@@ -89,6 +100,14 @@ def drain_update(dsn: str, batch: int) -> float:
     with psycopg.connect(dsn, autocommit=True) as conn:
         started = time.perf_counter()
         while conn.execute(FRAMEWORK_MARK, (batch,)).rowcount:
+            pass
+        return time.perf_counter() - started
+
+
+def drain_cleanup(dsn: str, batch: int) -> float:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        started = time.perf_counter()
+        while conn.execute(CLEANUP, (batch,)).rowcount:
             pass
         return time.perf_counter() - started
 
@@ -126,11 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=500)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--publishers", default="relay,update")
+    parser.add_argument("--publishers", default="relay,update,cleanup")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(143))
     srv = pgserver.start(18)
-    drains = {"relay": drain_relay, "update": drain_update}
+    drains = {"relay": drain_relay, "update": drain_update, "cleanup": drain_cleanup}
     try:
         dsn = srv.dsn()
         print(f"PostgreSQL {srv.full_version}, {os.cpu_count()} CPUs, fsync off (throwaway); "
@@ -148,13 +167,14 @@ def main(argv: list[str] | None = None) -> None:
                 for rep in range(args.reps):
                     # interleaved, the order alternating: drift hits both alike
                     for guarded in (False, True) if rep % 2 else (True, False):
-                        fill(conn, args.rows, guarded)
+                        fill(conn, args.rows, guarded, published=publisher == "cleanup")
                         before = reaped_cpu_s(postmaster)
                         secs = drains[publisher](dsn, args.batch)
                         wait_for_exit(conn)
                         cpu[guarded].append((reaped_cpu_s(postmaster) - before) / args.rows)
                         left = conn.execute(
-                            "SELECT count(*) FROM outbox_new WHERE published_at IS NULL"
+                            "SELECT count(*) FROM outbox_new WHERE published_at IS NULL OR %s",
+                            (publisher == "cleanup",),
                         ).fetchone()
                         assert left == (0,), left
                         rates[guarded].append(args.rows / secs)

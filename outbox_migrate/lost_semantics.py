@@ -154,11 +154,12 @@ def ctid_finding(spec: OutboxSpec) -> Finding:
         )
     return Finding(
         "ctid-guarded",
-        f"{message}: the guard {spec.guard_function} (a row trigger on {unpublished}) skips "
-        "a DELETE of an unpublished row by any session but outbox-migrate's, so a cleanup "
-        "`DELETE … WHERE ctid IN (…)` removes only the published rows it selected",
-        f"{GUARD_COST}; an application that deletes an unsent message on purpose removes "
-        f"nothing unless it runs SET LOCAL {GUARD_SETTING} = off in that transaction "
+        f"{message}: the guard {spec.guard_function} (a DELETE trigger on {parent} and "
+        f"{unpublished}) writes back the unpublished rows any session but outbox-migrate's "
+        "deletes, so a cleanup `DELETE … WHERE ctid IN (…)` removes only the published rows "
+        "it selected",
+        f"{GUARD_COST}; an application that deletes an unsent message on purpose keeps "
+        f"it unless it runs SET LOCAL {GUARD_SETTING} = off in that transaction "
         f"(unpublished_guard = false builds no guard); an UPDATE `WHERE ctid IN (…)` is not "
         f"guarded: {by_id}",
     )

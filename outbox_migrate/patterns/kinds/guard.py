@@ -1,33 +1,38 @@
-"""The unpublished partition's guard: a DELETE that would remove an unsent message removes
-nothing, unless the row is leaving through a mark or the session turned the guard off.
+"""The unpublished rows' guard: a DELETE that would remove an unsent message removes nothing,
+unless the session turned the guard off.
 
 Why: a `ctid` names a row only within one partition. A framework's batched cleanup on the
 partitioned outbox — NServiceBus's `DELETE FROM t WHERE ctid IN (SELECT ctid FROM t WHERE
 "Dispatched" AND … LIMIT n)` — selects ctids of published rows and then deletes, in every
-partition, the rows at those ctids: unpublished ones included. The guard is a row-level
-BEFORE DELETE trigger on the unpublished partition whose function returns NULL for such a
-DELETE, so the statement goes on and removes the published rows it meant.
+partition, the rows at those ctids: unpublished ones included.
 
-What must still pass:
-* a mark — an UPDATE on the partitioned table that moves the row to the published partition.
-  PostgreSQL executes the move as a DELETE from this partition, firing its row-level BEFORE
-  DELETE triggers. Two statement-level triggers on the partitioned table raise a
-  transaction-local flag before each UPDATE statement and lower it after, and the DELETE
-  branch lets rows through while it is up. Any publisher that marks with UPDATE (a
-  framework's own, through the table, a view of it or a MERGE) keeps working, at one function
-  call per marked row and two per statement. Statement-level rather than a row-level BEFORE
-  UPDATE that names the moving row: every row trigger makes the executor fetch and lock the
-  row again, which the relay's drain pays per row even when the trigger's WHEN clause is
-  false (bench/README.md).
-* outbox-migrate's own sessions — the relay's marks and the deletes that dead-letter a row:
-  `db.connect` sets `outbox_migrate.unpublished_guard = off` on every connection, and the
-  triggers' WHEN clause reads it, so for them the function is never called.
-* an operator who means it: `SET LOCAL outbox_migrate.unpublished_guard = off` in the
-  transaction of the DELETE (docs/patterns.md).
+How: a statement-level AFTER DELETE trigger with a transition table, on the partitioned table
+and on the unpublished partition (a DELETE names one or the other, or a view of the first).
+Its function writes the unpublished rows the statement deleted back into the table they were
+deleted from, in the same transaction, with their own ids (OVERRIDING SYSTEM VALUE) and every
+stored column; the statement goes on to remove the published rows it meant. Nothing outside
+the transaction ever sees the row gone.
 
-A DELETE inside an UPDATE statement on the partitioned table (a MERGE's DELETE action, a
-writable CTE beside an UPDATE) passes too. TRUNCATE is not a row delete and is not guarded.
-The flag goes down with a failed statement's (sub)transaction, as every local setting does.
+Why this shape: a mark is an UPDATE that moves its row out of the unpublished partition, which
+PostgreSQL executes as a DELETE there — firing that partition's row-level DELETE triggers, and
+every row trigger makes the executor fetch and lock the moving row again, whether or not its
+WHEN clause passes: a cost the relay's drain would pay per message (bench/guard.py). Statement
+triggers of a DELETE do not fire for an UPDATE, and an UPDATE does not fill a DELETE's
+transition table, so a mark pays nothing. Row-level security would skip the rows instead of
+writing them back, but superusers and BYPASSRLS roles pass it, `COPY FROM` into the table
+stops working for every other role, and `pg_dump` as the owner fails on it.
+
+What it costs: a DELETE on the guarded tables keeps the rows it deletes until the statement
+ends; an unpublished row written back has a new ctid and fires insert triggers (the wake-up
+trigger wakes the relay); a DELETE's row count and RETURNING still list it. The function is
+SECURITY DEFINER (search_path pinned, as the copy trigger's): a role that may delete from the
+unpublished partition but not insert there — a relay's dead-letter grant — is written back too.
+
+Who passes: outbox-migrate's own sessions — `db.connect` sets `outbox_migrate.unpublished_guard
+= off`, the triggers' WHEN clause reads it, and the function is never called — and an operator
+who means it: `SET LOCAL outbox_migrate.unpublished_guard = off` in the DELETE's transaction
+(docs/patterns.md). TRUNCATE is not a row delete and is not guarded; neither is an UPDATE by
+ctid.
 """
 
 from __future__ import annotations
@@ -40,90 +45,78 @@ from psycopg import sql
 from outbox_migrate.db import GUARD_SETTING
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.copy_trigger import definer_rights
 from outbox_migrate.patterns.kinds.partitioned_table import NULL_BOUND
 from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
 from outbox_migrate.patterns.names import Names
 
-MARKING_SETTING = "outbox_migrate.marking"
-"""Transaction-local: `on` while an UPDATE statement on the partitioned table runs."""
 COST = (
-    "cost: outbox-migrate's relay never calls the trigger function (its sessions fail the "
-    "triggers' WHEN clause); a publisher of the application's own that marks with UPDATE "
-    "calls it once per marked row and twice per statement"
+    "cost: none on a mark (an UPDATE, also the one that moves a row out of the unpublished "
+    "partition); a DELETE on the partitioned table or the unpublished partition keeps a copy of "
+    "the rows it deletes until the statement ends, and unpublished rows it hit come back with "
+    "a new ctid (its row count and RETURNING still list them)"
 )
 """What `plan` says the guard costs (bench/guard.py measures the relay's side)."""
-MAX_IDENTIFIER_BYTES = 63
+TRANSITION = "om_deleted"
 
 
-def trigger_names(n: Names) -> tuple[str, str, str]:
-    """The row trigger on the unpublished partition (the function's name), then the two
-    statement triggers on the partitioned table, before and after an UPDATE."""
-    name = n.spec.guard_function
-    cut = name.encode()[: MAX_IDENTIFIER_BYTES - len("_before")].decode(errors="ignore")
-    return name, f"{cut}_before", f"{cut}_after"
+def triggers(n: Names) -> list[tuple[str, str]]:
+    """(label, relation) of the guard's two triggers, both named like the function: the short
+    label names their conditions in `plan`'s SQL."""
+    return [("guard", n.unpublished), ("guard-parent", n.parent)]
 
 
 def create_sql(n: Names) -> tuple[sql.Composed, ...]:
     function = sql.Identifier(n.spec.schema, n.spec.guard_function)
     body = sql.SQL(
-        "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $om$\n"
+        "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql {definer}AS $om$\n"
+        "DECLARE\n"
+        "    stored text;\n"
         "BEGIN\n"
-        "    IF TG_LEVEL = 'STATEMENT' THEN\n"
-        "        -- an UPDATE of the partitioned table: the rows it moves out are deleted here\n"
-        "        PERFORM set_config({marking}, CASE TG_WHEN WHEN 'BEFORE' THEN 'on' ELSE '' END,"
-        " true);\n"
-        "        RETURN NULL;\n"
-        "    END IF;\n"
-        "    IF current_setting({marking}, true) = 'on' THEN\n"
-        "        RETURN OLD;\n"
-        "    END IF;\n"
-        "    -- an unpublished row: skipped (SET LOCAL {setting} = off to delete it)\n"
+        "    -- the unpublished rows this DELETE removed go back (SET LOCAL {setting} = off\n"
+        "    -- to delete them); every stored column, by name, so a column added later is kept\n"
+        "    SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) INTO stored\n"
+        "    FROM pg_attribute\n"
+        "    WHERE attrelid = TG_RELID AND attnum > 0 AND NOT attisdropped AND attgenerated = '';\n"
+        "    EXECUTE format('INSERT INTO %I.%I (%s) OVERRIDING SYSTEM VALUE '\n"
+        "                   'SELECT %s FROM {gone} WHERE %I IS NULL',\n"
+        "                   TG_TABLE_SCHEMA, TG_TABLE_NAME, stored, stored, {marker});\n"
         "    RETURN NULL;\n"
         "END\n"
         "$om$"
     ).format(
         function=function,
-        marking=sql.Literal(MARKING_SETTING),
+        definer=definer_rights(n),
         setting=sql.SQL(GUARD_SETTING),
-    )
-    row, before, after = trigger_names(n)
-    when = sql.SQL("WHEN (current_setting({}, true) IS DISTINCT FROM 'off')").format(
-        sql.Literal(GUARD_SETTING)
+        gone=sql.SQL(TRANSITION),
+        marker=sql.Literal(n.spec.published_column),
     )
     trigger = sql.SQL(
-        "CREATE TRIGGER {trigger} {timing} ON {relation} FOR EACH {level} {when} "
+        "CREATE TRIGGER {trigger} AFTER DELETE ON {relation} REFERENCING OLD TABLE AS {gone} "
+        "FOR EACH STATEMENT WHEN (current_setting({setting}, true) IS DISTINCT FROM 'off') "
         "EXECUTE FUNCTION {function}()"
     )
     return (
         body,
-        trigger.format(trigger=sql.Identifier(row), timing=sql.SQL("BEFORE DELETE"),
-                       relation=n.q(n.unpublished), level=sql.SQL("ROW"), when=when,
-                       function=function),
-        trigger.format(trigger=sql.Identifier(before), timing=sql.SQL("BEFORE UPDATE"),
-                       relation=n.q(n.parent), level=sql.SQL("STATEMENT"), when=when,
-                       function=function),
-        trigger.format(trigger=sql.Identifier(after), timing=sql.SQL("AFTER UPDATE"),
-                       relation=n.q(n.parent), level=sql.SQL("STATEMENT"), when=when,
-                       function=function),
-    )  # fmt: skip
-
-
-def drop_sql(n: Names) -> tuple[sql.Composed, ...]:
-    row, before, after = trigger_names(n)
-    return (
-        sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(row), n.q(n.unpublished)),
-        sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(before), n.q(n.parent)),
-        sql.SQL("DROP TRIGGER {} ON {}").format(sql.Identifier(after), n.q(n.parent)),
-        sql.SQL("DROP FUNCTION {}()").format(sql.Identifier(n.spec.schema, n.spec.guard_function)),
+        *(
+            trigger.format(
+                trigger=sql.Identifier(n.spec.guard_function),
+                relation=n.q(relation),
+                gone=sql.SQL(TRANSITION),
+                setting=sql.Literal(GUARD_SETTING),
+                function=function,
+            )
+            for _, relation in triggers(n)
+        ),
     )
 
 
-def _triggers(n: Names) -> list[tuple[str, str, str]]:
-    """(label, trigger, relation) of each of the guard's triggers; the short label names its
-    conditions (the trigger's own name would not fit `plan`'s SQL in 80 columns)."""
-    row, before, after = trigger_names(n)
-    return [("guard", row, n.unpublished), ("guard-before", before, n.parent),
-            ("guard-after", after, n.parent)]  # fmt: skip
+def drop_sql(n: Names) -> tuple[sql.Composed, ...]:
+    name = sql.Identifier(n.spec.guard_function)
+    return (
+        *(sql.SQL("DROP TRIGGER {} ON {}").format(name, n.q(r)) for _, r in triggers(n)),
+        sql.SQL("DROP FUNCTION {}()").format(sql.Identifier(n.spec.schema, n.spec.guard_function)),
+    )
 
 
 def _on(n: Names, trigger: str, relation: str) -> dict[str, sql.Composable]:
@@ -135,11 +128,11 @@ def guard_unpublished(ctx: BuildContext, params: Mapping[str, Any]) -> Step | No
     n = ctx.names
     if not n.spec.unpublished_guard:
         return None
-    triggers = _triggers(n)
+    name = n.spec.guard_function
     return make_step(
         ctx,
         "guard-unpublished",
-        summary=f"Guard {n.unpublished}: other sessions' DELETEs of unpublished rows are skipped",
+        summary=f"Guard {n.unpublished}: unpublished rows other sessions DELETE are written back",
         statements=create_sql(n),
         tx=TxMode.TRANSACTION,
         locks=(
@@ -149,23 +142,23 @@ def guard_unpublished(ctx: BuildContext, params: Mapping[str, Any]) -> Step | No
         catalog_only=True,
         preconditions=(
             c.partition_bound(n, n.unpublished, NULL_BOUND),
-            *(c.condition("trigger-absent", label, **_on(n, t, r)) for label, t, r in triggers),
+            *(c.condition("trigger-absent", label, **_on(n, name, r)) for label, r in triggers(n)),
             c.condition("function-absent", "guard", function_reg=n.reg(n.spec.guard_function)),
         ),
         postcondition=tuple(
-            c.condition("trigger-exists", label, **_on(n, t, r)) for label, t, r in triggers
+            c.condition("trigger-exists", label, **_on(n, name, r)) for label, r in triggers(n)
         ),
         reverse=drop_sql(n),
         reverse_note="drop the guard's triggers and function (ctid cleanups can then delete "
         "unpublished rows again)",
         notes=(
-            "A DELETE by ctid on the partitioned table (a framework's batched cleanup) skips "
-            "the unpublished rows that share a ctid with the published ones it selected; "
+            "A DELETE by ctid on the partitioned table (a framework's batched cleanup) writes "
+            "back the unpublished rows that share a ctid with the published ones it selected; "
             f"{COST}. To delete an unpublished row on purpose: SET LOCAL {GUARD_SETTING} = "
             "off in that transaction. unpublished_guard = false builds no guard.",
         ),
         creates=(
             Created("function", n.spec.guard_function),
-            *(Created("trigger", t, on=r) for _, t, r in triggers),
+            *(Created("trigger", name, on=r) for _, r in triggers(n)),
         ),
     )

@@ -472,7 +472,7 @@ $om_assert$;
 CREATE INDEX "outbox_new_unpublished_id_idx" ON "public"."outbox_unpublished" ("id");
 COMMIT;
 
--- step: hop.v2.guard-unpublished: Guard outbox_unpublished: other sessions' DELETEs of unpublished rows are skipped
+-- step: hop.v2.guard-unpublished: Guard outbox_unpublished: unpublished rows other sessions DELETE are written back
 BEGIN;
 SET LOCAL lock_timeout = '200ms';
 SET LOCAL statement_timeout = '2000ms';
@@ -513,25 +513,11 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT
-        format('trigger %I still exists on %s', 'outbox_unpublished_guard_before', '"public"."outbox_new"')
-FROM pg_trigger WHERE tgrelid = to_regclass('"public"."outbox_new"') AND tgname = 'outbox_unpublished_guard_before'
+    FOR violation IN SELECT format('trigger %I still exists on %s', 'outbox_unpublished_guard', '"public"."outbox_new"')
+FROM pg_trigger WHERE tgrelid = to_regclass('"public"."outbox_new"') AND tgname = 'outbox_unpublished_guard'
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hop.v2.guard-unpublished [trigger-absent:guard-before] failed: %',
-            violation;
-    END LOOP;
-END
-$om_assert$;
-DO $om_assert$
-DECLARE violation text;
-BEGIN
-    FOR violation IN SELECT
-        format('trigger %I still exists on %s', 'outbox_unpublished_guard_after', '"public"."outbox_new"')
-FROM pg_trigger WHERE tgrelid = to_regclass('"public"."outbox_new"') AND tgname = 'outbox_unpublished_guard_after'
-    LOOP
-        RAISE EXCEPTION
-            'outbox-migrate: precondition of hop.v2.guard-unpublished [trigger-absent:guard-after] failed: %',
+            'outbox-migrate: precondition of hop.v2.guard-unpublished [trigger-absent:guard-parent] failed: %',
             violation;
     END LOOP;
 END
@@ -547,29 +533,29 @@ WHERE to_regproc('"public"."outbox_unpublished_guard"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-CREATE FUNCTION "public"."outbox_unpublished_guard"() RETURNS trigger LANGUAGE plpgsql AS $om$
+CREATE FUNCTION "public"."outbox_unpublished_guard"() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path = pg_catalog, "public" AS $om$
+DECLARE
+    stored text;
 BEGIN
-    IF TG_LEVEL = 'STATEMENT' THEN
-        -- an UPDATE of the partitioned table: the rows it moves out are deleted here
-        PERFORM set_config('outbox_migrate.marking', CASE TG_WHEN WHEN 'BEFORE' THEN 'on' ELSE '' END, true);
-        RETURN NULL;
-    END IF;
-    IF current_setting('outbox_migrate.marking', true) = 'on' THEN
-        RETURN OLD;
-    END IF;
-    -- an unpublished row: skipped (SET LOCAL outbox_migrate.unpublished_guard = off to delete it)
+    -- the unpublished rows this DELETE removed go back (SET LOCAL outbox_migrate.unpublished_guard = off
+    -- to delete them); every stored column, by name, so a column added later is kept
+    SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) INTO stored
+    FROM pg_attribute
+    WHERE attrelid = TG_RELID AND attnum > 0 AND NOT attisdropped AND attgenerated = '';
+    EXECUTE format('INSERT INTO %I.%I (%s) OVERRIDING SYSTEM VALUE '
+                   'SELECT %s FROM om_deleted WHERE %I IS NULL',
+                   TG_TABLE_SCHEMA, TG_TABLE_NAME, stored, stored, 'published_at');
     RETURN NULL;
 END
 $om$;
-CREATE TRIGGER "outbox_unpublished_guard" BEFORE DELETE ON "public"."outbox_unpublished" FOR EACH ROW
-    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
+CREATE TRIGGER "outbox_unpublished_guard" AFTER DELETE ON "public"."outbox_unpublished" REFERENCING OLD TABLE AS
+    om_deleted FOR EACH STATEMENT WHEN
+    (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
     "public"."outbox_unpublished_guard"();
-CREATE TRIGGER "outbox_unpublished_guard_before" BEFORE UPDATE ON "public"."outbox_new" FOR EACH STATEMENT
-    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
-    "public"."outbox_unpublished_guard"();
-CREATE TRIGGER "outbox_unpublished_guard_after" AFTER UPDATE ON "public"."outbox_new" FOR EACH STATEMENT
-    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
-    "public"."outbox_unpublished_guard"();
+CREATE TRIGGER "outbox_unpublished_guard" AFTER DELETE ON "public"."outbox_new" REFERENCING OLD TABLE AS om_deleted
+    FOR EACH STATEMENT WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE
+    FUNCTION "public"."outbox_unpublished_guard"();
 COMMIT;
 
 -- step: hop.v2.install-notify-trigger: Statement-level AFTER INSERT trigger on outbox_new waking an idle relay

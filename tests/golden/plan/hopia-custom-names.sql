@@ -472,7 +472,7 @@ $om_assert$;
 CREATE INDEX "events_p_unpublished_id_idx" ON "billing"."events_todo" ("id");
 COMMIT;
 
--- step: hopia.v2.guard-unpublished: Guard events_todo: other sessions' DELETEs of unpublished rows are skipped
+-- step: hopia.v2.guard-unpublished: Guard events_todo: unpublished rows other sessions DELETE are written back
 BEGIN;
 SET LOCAL lock_timeout = '200ms';
 SET LOCAL statement_timeout = '2000ms';
@@ -512,23 +512,11 @@ $om_assert$;
 DO $om_assert$
 DECLARE violation text;
 BEGIN
-    FOR violation IN SELECT format('trigger %I still exists on %s', 'events_todo_guard_before', '"billing"."events_p"')
-FROM pg_trigger WHERE tgrelid = to_regclass('"billing"."events_p"') AND tgname = 'events_todo_guard_before'
+    FOR violation IN SELECT format('trigger %I still exists on %s', 'events_todo_guard', '"billing"."events_p"')
+FROM pg_trigger WHERE tgrelid = to_regclass('"billing"."events_p"') AND tgname = 'events_todo_guard'
     LOOP
         RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:guard-before] failed: %',
-            violation;
-    END LOOP;
-END
-$om_assert$;
-DO $om_assert$
-DECLARE violation text;
-BEGIN
-    FOR violation IN SELECT format('trigger %I still exists on %s', 'events_todo_guard_after', '"billing"."events_p"')
-FROM pg_trigger WHERE tgrelid = to_regclass('"billing"."events_p"') AND tgname = 'events_todo_guard_after'
-    LOOP
-        RAISE EXCEPTION
-            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:guard-after] failed: %',
+            'outbox-migrate: precondition of hopia.v2.guard-unpublished [trigger-absent:guard-parent] failed: %',
             violation;
     END LOOP;
 END
@@ -544,29 +532,28 @@ WHERE to_regproc('"billing"."events_todo_guard"') IS NOT NULL
     END LOOP;
 END
 $om_assert$;
-CREATE FUNCTION "billing"."events_todo_guard"() RETURNS trigger LANGUAGE plpgsql AS $om$
+CREATE FUNCTION "billing"."events_todo_guard"() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path = pg_catalog, "billing" AS $om$
+DECLARE
+    stored text;
 BEGIN
-    IF TG_LEVEL = 'STATEMENT' THEN
-        -- an UPDATE of the partitioned table: the rows it moves out are deleted here
-        PERFORM set_config('outbox_migrate.marking', CASE TG_WHEN WHEN 'BEFORE' THEN 'on' ELSE '' END, true);
-        RETURN NULL;
-    END IF;
-    IF current_setting('outbox_migrate.marking', true) = 'on' THEN
-        RETURN OLD;
-    END IF;
-    -- an unpublished row: skipped (SET LOCAL outbox_migrate.unpublished_guard = off to delete it)
+    -- the unpublished rows this DELETE removed go back (SET LOCAL outbox_migrate.unpublished_guard = off
+    -- to delete them); every stored column, by name, so a column added later is kept
+    SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) INTO stored
+    FROM pg_attribute
+    WHERE attrelid = TG_RELID AND attnum > 0 AND NOT attisdropped AND attgenerated = '';
+    EXECUTE format('INSERT INTO %I.%I (%s) OVERRIDING SYSTEM VALUE '
+                   'SELECT %s FROM om_deleted WHERE %I IS NULL',
+                   TG_TABLE_SCHEMA, TG_TABLE_NAME, stored, stored, 'published_at');
     RETURN NULL;
 END
 $om$;
-CREATE TRIGGER "events_todo_guard" BEFORE DELETE ON "billing"."events_todo" FOR EACH ROW
-    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
-    "billing"."events_todo_guard"();
-CREATE TRIGGER "events_todo_guard_before" BEFORE UPDATE ON "billing"."events_p" FOR EACH STATEMENT
-    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
-    "billing"."events_todo_guard"();
-CREATE TRIGGER "events_todo_guard_after" AFTER UPDATE ON "billing"."events_p" FOR EACH STATEMENT
-    WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE FUNCTION
-    "billing"."events_todo_guard"();
+CREATE TRIGGER "events_todo_guard" AFTER DELETE ON "billing"."events_todo" REFERENCING OLD TABLE AS om_deleted
+    FOR EACH STATEMENT WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE
+    FUNCTION "billing"."events_todo_guard"();
+CREATE TRIGGER "events_todo_guard" AFTER DELETE ON "billing"."events_p" REFERENCING OLD TABLE AS om_deleted
+    FOR EACH STATEMENT WHEN (current_setting('outbox_migrate.unpublished_guard', true) IS DISTINCT FROM 'off') EXECUTE
+    FUNCTION "billing"."events_todo_guard"();
 COMMIT;
 
 -- step: hopia.v2.install-notify-trigger: Statement-level AFTER INSERT trigger on events_p waking an idle relay
