@@ -175,6 +175,12 @@ def _sample_marker(conn: Connection[Any], facts: TableFacts, spec: OutboxSpec) -
     facts.samples, _counters = marker_catalog.read_samples(
         conn, spec.schema, spec.table, (spec.id_column,)
     )
+    return marker_from_samples(facts, spec)
+
+
+def marker_from_samples(facts: TableFacts, spec: OutboxSpec) -> OutboxSpec:
+    """The spec with the marker the sampled evidence names (`_sample_marker` without the
+    read: the playbooks judge sample tables through it, so they say what `plan` says)."""
     has_marker = facts.column(spec.published_column) is not None
     detected = marker_catalog.infer_from(spec, has_marker, facts.samples, facts.activity)
     if detected is None:

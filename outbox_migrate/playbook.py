@@ -8,10 +8,15 @@ no database, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.introspect import judge, marker_from_samples
+from outbox_migrate.marker_catalog import ColumnSample
 from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.patterns.model import Pattern, Phase, PhaseKind, Step, Table, TxMode
 from outbox_migrate.plan import render_markdown
+from outbox_migrate.table_facts import ColumnFact, TableFacts, UniqueKey
 
 REGENERATE = "python -m tests.golden.regenerate"
 ROW_COPYING_KINDS = frozenset({"install-copy-trigger", "copy-back"})
@@ -154,6 +159,91 @@ def _phase_section(
         lines.append("")
 
 
+TIMESTAMP = "timestamp with time zone"
+SERIAL = "nextval('outbox_id_seq'::regclass)"
+PRIMARY_KEY = UniqueKey("outbox_pkey", "primary key", ("id",), False, "")
+REFERENCING = ("audit_outbox_fk", "FOREIGN KEY (outbox_id) REFERENCES outbox(id)")
+
+
+def _column(name: str, kind: str, default: str | None = None, identity: str = "") -> ColumnFact:
+    return ColumnFact(name, kind, default, name != "published_at", None, identity, "")
+
+
+def _shape(
+    id_kind: str,
+    id_default: str | None,
+    marker: ColumnFact,
+    *,
+    keys: tuple[UniqueKey, ...] = (PRIMARY_KEY,),
+    foreign_keys_in: tuple[tuple[str, str], ...] = (),
+    deletes: int = 0,
+) -> tuple[TableFacts, OutboxSpec]:
+    """A sample outbox as `plan --dsn` would read it: a bigint or uuid id, the given marker,
+    a payload, the rows sampled (the marker NULL, or its constant default, on each); with
+    `deletes`, counters showing as many rows deleted as inserted and none updated."""
+    columns = [
+        _column("id", "uuid" if id_kind == "uuid" else "bigint", id_default,
+                "a" if id_kind == "identity" else ""),
+        marker, _column("payload", "jsonb"),
+    ]  # fmt: skip
+    table = TableFacts(
+        schema="public", table="outbox", server_version=18, server_version_text="18",
+        relkind="r", is_partition=False, columns=columns, max_id=None,
+        sequence="public.outbox_id_seq" if id_default or id_kind == "identity" else None,
+        sequence_last_value=None, row_estimate=10, unpublished=10, total_bytes=8192,
+        heap_bytes=8192, inserts=max(deletes, 10), indexes=[], constraints=[], triggers=[],
+        foreign_keys_in=list(foreign_keys_in), foreign_keys_out=[], publications=[],
+        unique_keys=list(keys),
+        index_details=[(k.name, f"CREATE UNIQUE INDEX {k.name} ON outbox ({k.shown()})",
+                        k.kind == "primary key", True, True) for k in keys],
+        deletes=deletes,
+    )  # fmt: skip
+    table.samples = [
+        ColumnSample(c.name, c.type, c.default, c.not_null, 10,
+                     10 if c.default is None else 0, () if c.default is None else (c.default,), 1)
+        for c in columns
+    ]  # fmt: skip
+    spec = OutboxSpec(id_kind="application") if id_kind == "application" else OutboxSpec()
+    return table, marker_from_samples(table, spec)
+
+
+MARKER = _column("published_at", TIMESTAMP)
+Judged = tuple[TableFacts, OutboxSpec]
+SHAPES: list[tuple[str, Callable[[], Judged]]] = [
+    ("`bigserial` id, `published_at timestamptz` NULL until sent",
+     lambda: _shape("sequence", SERIAL, MARKER)),
+    ("identity id (`GENERATED ALWAYS`)", lambda: _shape("identity", None, MARKER)),
+    ("bigint ids the application supplies (snowflake), `id_kind = application`",
+     lambda: _shape("application", None, MARKER)),
+    ("bigint ids with no default and no setting", lambda: _shape("none", None, MARKER)),
+    ("uuid ids the application supplies", lambda: _shape("uuid", None, MARKER)),
+    ("a flag as the marker: `published smallint NOT NULL DEFAULT 0`",
+     lambda: _shape("sequence", SERIAL, _column("published", "smallint", "0"))),
+    ("a flag as the marker: `published boolean NOT NULL DEFAULT false`",
+     lambda: _shape("sequence", SERIAL, _column("published", "boolean", "false"))),
+    ("no unique index on the id", lambda: _shape("sequence", SERIAL, MARKER, keys=())),
+    ("a foreign key from another table into the outbox",
+     lambda: _shape("sequence", SERIAL, MARKER, foreign_keys_in=(REFERENCING,))),
+    ("rows deleted on delivery (1,000 inserted, 1,000 deleted, none updated)",
+     lambda: _shape("sequence", SERIAL, MARKER, deletes=1000)),
+]  # fmt: skip
+
+
+def _verdicts(pattern: str) -> list[str]:
+    """What `plan --pattern <pattern>` says of each sample shape: judged by the same code, so
+    the runbook cannot tell a reader something `plan` no longer does."""
+    lines = ["| your table | what `plan` says |", "|---|---|"]
+    for shape, build in SHAPES:
+        facts, spec = build()
+        judge(facts, spec, pattern)
+        codes = ", ".join(f"`{f.code}`" for f in facts.blockers)
+        notes = ", ".join(f"`{f.code}`" for f in facts.notes)
+        verdict = f"**blocker**: {codes}" if codes else "not a blocker" + (
+            f" (notes: {notes})" if notes else "")  # fmt: skip
+        lines.append(f"| {shape} | {verdict} |")
+    return lines
+
+
 def render_playbook(name: str, spec: OutboxSpec | None = None) -> str:
     """The runbook of pattern `name` for `spec` (default: the spec's names)."""
     spec = spec or OutboxSpec()
@@ -179,9 +269,11 @@ def render_playbook(name: str, spec: OutboxSpec | None = None) -> str:
         f"- Run `outbox-migrate plan --pattern {pattern.name} --dsn <DSN>` against production. "
         "It judges your table as it is — its columns, ids, constraints, grants, triggers, "
         "publications and its own statistics — and lists every blocker at once, each with the "
-        'fix to run (docs/plan.md, "With a DSN", has the table of blockers). Ids from a '
-        "sequence or supplied by the application and a flag column as the publication marker "
-        "are supported shapes, not blockers.",
+        'fix to run (docs/plan.md, "With a DSN", has the table of blockers). What it says of '
+        "some common shapes, judged by the same code when this runbook was generated:",
+        "",
+        *_verdicts(pattern.name),
+        "",
         "- Read its warnings: a logical-replication publication on the outbox gets the "
         "unpublished partition in V2, and the plan shows per phase what its consumer receives "
         "and must change (a new relation name; an INSERT is a new message only when the "

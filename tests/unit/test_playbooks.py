@@ -84,3 +84,22 @@ def test_switching_playbooks_name_the_revoke_the_gate_waits_for(name: str) -> No
     text = render_playbook(name)
     assert "REVOKE INSERT ON the old table FROM the application's role" in text
     assert "A REVOKE does not stop a superuser or the table's owner" in text
+
+
+def test_the_runbooks_say_what_plan_blocks_on_as_plan_judges_it() -> None:
+    """The "what plan says" table is judged by `introspect.judge` when the runbook is
+    rendered: a flag marker and a serial id are not blockers, a table that deletes what it
+    delivers is, and HOPER alone blocks on a missing unique id index."""
+    for name in ("hop", "hoper"):
+        text = render_playbook(name)
+        assert (
+            "| a flag as the marker: `published smallint NOT NULL DEFAULT 0` | not a blocker"
+            in text
+        )
+        assert (
+            "| `bigserial` id, `published_at timestamptz` NULL until sent | not a blocker" in text
+        )
+        assert "| rows deleted on delivery (1,000 inserted, 1,000 deleted, none updated) | " \
+            "**blocker**: `delete-on-delivery` |" in text  # fmt: skip
+        unique = "| no unique index on the id | **blocker**: `no-unique-id` |" in text
+        assert unique == (name == "hoper")
