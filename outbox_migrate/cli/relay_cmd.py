@@ -307,7 +307,7 @@ def relay(
         # Worker threads alternate between Python work and waiting on PostgreSQL or the
         # broker; with the default 5 ms switch interval a thread whose reply has arrived
         # waits for another thread's time slice. The process is the relay's own, so it may
-        # change this global (measured: 2 workers 150k → 200k rows/s, bench/relay.py).
+        # change this global (bench/relay.py, "Concurrent claimers", shows what it buys).
         sys.setswitchinterval(RELAY_SWITCH_INTERVAL_S)
     if install_notify:
         from outbox_migrate.db import connect

@@ -3,11 +3,10 @@ copied / verified / dropped stamps.
 
 Reading the state never runs DDL. The table is created, or upgraded, once at the job's start
 (`ensure`): an older table lacks `high_water_id`, the mark as text that every copy-back now
-keeps (integer ids keep `high_water` too). That column used to be added with `ALTER TABLE …
-ADD COLUMN IF NOT EXISTS` on every read of the state — an ACCESS EXCLUSIVE lock each time,
-queued behind any reader of the table (a monitoring query, an operator's psql) and blocking
-every later one meanwhile. Now it is added only when the catalog says it is missing, under a
-short `lock_timeout` with the tool's lock budget; a read of an older table falls back to
+keeps (integer ids keep `high_water` too). It is added only when the catalog says it is
+missing, under a short `lock_timeout` with the tool's lock budget — `ADD COLUMN IF NOT
+EXISTS` on every read would take an ACCESS EXCLUSIVE lock each time, queued behind any reader
+of the table and blocking every later one meanwhile; a read of an older table falls back to
 `high_water`.
 """
 

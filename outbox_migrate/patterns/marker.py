@@ -5,7 +5,7 @@ A marker is either a timestamp (NULL = unpublished; the relay sets `now()`) or a
 (`smallint`, `integer`, `boolean`, a text or enum status) with an unpublished value (the
 relay sets the published value). Every step, gate, relay query and job asks this module
 instead of writing `IS NULL` itself, so both kinds of marker take one code path with two
-renderings. Pure: no database access (`marker_facts.py` resolves a spec against the catalog).
+renderings. Pure: no database access (`marker_catalog.py` resolves a spec against the catalog).
 
 Values are `sql.Literal` strings, so PostgreSQL reads them as untyped literals: next to the
 column (`=`, `<>`, `IN`, `SET`) an untyped literal takes the column's own type, enum included,

@@ -1,8 +1,7 @@
 """The one transition of a step's state: every ledger write of `step.state` goes through
 `transition`, which refuses a move the state machine does not allow.
 
-Step state used to be written from about nine places (the engine, the executors, the
-inverse), each with its own idea of which moves were fine; one of them let a refused command
+Why one place: writers with their own idea of which moves are fine can let a refused command
 mark steps done on its way to refusing. Here the allowed moves are one table (`ALLOWED`,
 pure and unit-tested), and the UPDATE itself only matches a row in an allowed state, so an
 illegal move fails loudly instead of rewriting history. Call it inside the step's own
