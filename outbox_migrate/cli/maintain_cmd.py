@@ -80,6 +80,12 @@ def maintain(
     *,
     names: dict[str, Any],
 ) -> None:
+    from outbox_migrate.cli import signals
+
+    # First, in loop mode: SIGINT and SIGTERM are the service's normal stop from the command's
+    # first statement — the pass in flight finishes (a REINDEX CONCURRENTLY cut short would
+    # leave an invalid index behind), then it exits 0.
+    stopping = None if once else signals.GracefulStop()
     import threading
     from datetime import timedelta
 
@@ -115,29 +121,23 @@ def maintain(
         return
 
     stop = threading.Event()
-    import signal
-
-    # Kubernetes and systemd stop with SIGTERM: finish the current step, then leave cleanly
-    # (a REINDEX CONCURRENTLY cut short would leave an invalid index behind).
-    signal.signal(signal.SIGTERM, lambda _signum, _frame: stop.set())
+    if stopping is not None and stopping.attach(stop.set):
+        return  # stopped while starting: nothing begun
 
     def on_error(exc: OutboxMigrateError) -> None:
         from outbox_migrate.cli.console import err
 
         err().print(f"outbox-migrate: maintain: {exc}", markup=False)
 
-    try:
-        maintain_loop(
-            resolved.dsn,
-            settings.spec,
-            options,
-            interval_s=interval,
-            on_report=lambda report: _show(report, as_json, compact=True),
-            on_error=on_error,
-            stop=stop,
-        )
-    except KeyboardInterrupt:
-        stop.set()
+    maintain_loop(
+        resolved.dsn,
+        settings.spec,
+        options,
+        interval_s=interval,
+        on_report=lambda report: _show(report, as_json, compact=True),
+        on_error=on_error,
+        stop=stop,
+    )
 
 
 def _as_dict(report: MaintenanceReport) -> dict[str, Any]:

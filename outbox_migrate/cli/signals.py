@@ -111,11 +111,11 @@ def say_interrupted(message: str) -> int:
 
 
 class GracefulStop:
-    """A service's stop (`relay`): from the command's first statement on, SIGTERM and SIGINT
-    call the runner's `stop` once there is one (`attach`) and are remembered until then. The
-    relay's own handler used to come only once it was built — its sink imported, its
-    wake-up trigger installed — and a SIGTERM meanwhile raised `Terminated` (exit 143),
-    where docs/cli.md promises a service's stop exits 0; with nothing begun, it is that."""
+    """A service's stop (`relay`, `maintain` in loop mode): from the command's first
+    statement on, SIGTERM and SIGINT call the service's `stop` once there is one (`attach`)
+    and are remembered until then. So a signal while the service starts (its sink imported,
+    its wake-up trigger installed) starts nothing and exits 0, and one while it works lets
+    the batch or pass in flight finish: docs/cli.md promises both for a service's stop."""
 
     def __init__(self) -> None:
         self.requested = False

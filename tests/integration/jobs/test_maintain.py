@@ -350,3 +350,43 @@ def test_loop_mode_reports_every_interval_and_stops_on_sigterm(
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_loop_mode_finishes_the_reindex_in_flight_on_a_signal(
+    conn: psycopg.Connection[Any], dsn: str, signame: str
+) -> None:
+    """docs/cli.md: `maintain` in loop mode treats SIGINT like SIGTERM, as its normal stop —
+    the pass in flight finishes, exit 0. A Ctrl-C that cancelled the REINDEX CONCURRENTLY
+    instead left its invalid `_ccnew` index behind."""
+    import signal
+
+    _bloated_outbox(conn)
+    writer = psycopg.connect(dsn)  # a young write transaction the REINDEX must wait for
+    writer.execute("INSERT INTO outbox_new (payload) VALUES ('{}')")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outbox_migrate", "maintain", "--dsn", dsn, "--interval", "60",
+         "--format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not conn.execute(
+            "SELECT FROM pg_stat_activity WHERE query ILIKE 'REINDEX%%' AND wait_event_type = 'Lock'"
+        ).fetchall():
+            assert time.monotonic() < deadline and proc.poll() is None, "REINDEX never waited"
+            time.sleep(0.05)
+        proc.send_signal(getattr(signal, signame))
+        time.sleep(0.5)
+        writer.commit()  # the REINDEX goes on, well within its lock timeout
+        out, err = proc.communicate(timeout=60)
+    finally:
+        writer.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert out, "no report: the pass in flight did not finish"
+    assert json.loads(out.splitlines()[0])["indexes"][0]["status"] == "reindexed"
+    assert reindex.leftover_indexes(conn, UNPUBLISHED) == []
