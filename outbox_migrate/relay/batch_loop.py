@@ -113,11 +113,6 @@ class BatchLoop:
         self.conn, self.wire = conn, pipe
         self.statements.reset()
 
-    def run(self, source: queries.Source, sink: Sink) -> int | None:
-        """One run of batches from `source` (see `_publish_run`)."""
-        self.sink = sink
-        return self._publish_run(source)
-
     def _sleep(self, timeout_s: float | None = None) -> bool:
         woken, self.state.blocked = self._idle_sleep(timeout_s)
         return woken
@@ -212,7 +207,7 @@ class BatchLoop:
         self.cursor.confirm()
         return pipe.send(TRY_IDLE_LOCK, {"key": flag.run_key})
 
-    def _publish_run(self, source: queries.Source) -> int | None:
+    def run(self, source: queries.Source, sink: Sink) -> int | None:
         """Claim → publish → mark, batch after batch (`_batch`), until a claim comes back empty
         (returns the `after` it started from) or the worker must look up (stop, rebalance,
         switch: returns None).
@@ -226,8 +221,8 @@ class BatchLoop:
         (SQLSTATE 40001, a lost connection), the COMMIT before it already happened or not —
         its own result says which. A failed mark rolls back its batch only (`_repair_in_run`).
         """
-        pipe = self.wire
-        assert self.sink is not None and pipe is not None  # built by _step before any claim
+        pipe, self.sink = self.wire, sink
+        assert pipe is not None  # opened by `Worker._step` before any run
         claim, probe, mark, sharded = self._statements(source)
         linger = self._linger_s(source)
         run = _Run(source, claim, probe, mark, sharded, linger, self._flag_rows(source, linger),
