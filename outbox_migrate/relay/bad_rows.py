@@ -22,13 +22,13 @@ reason. Every other message flows. What counts as an attempt, in both modes:
 * never a `SinkUnavailable`: the broker's fault, not the message's — counting it would
   dead-letter healthy messages during an outage.
 
-Two unpublished rows can share an id (after the swap the unpublished partition has no
-primary key). Their counter is shared — one attempt per id per failure: an upsert cannot touch
-one row twice — and each copy is dead-lettered with its own content: the dead-letter table's
-key is (source_table, id), so a copy whose key is taken by a *different* message is kept
-under `<source> copy 2` (3, …). Before, its INSERT did nothing and the row was then marked or
-deleted: lost. A message identical in every kept field to the one there is that message
-(dead-lettered again after a crash, or by a second path) and is not kept twice.
+Two unpublished rows can share an id (after the swap the unpublished partition has no primary
+key). Their counter is shared — one attempt per id per failure: an upsert cannot touch one row
+twice — and each copy is dead-lettered with its own content: the dead-letter table's key is
+(source_table, id), so a copy whose key is taken by a *different* message is kept under
+`<source> copy 2` (3, …), not dropped by an INSERT that does nothing. A message identical in
+every kept field to the one there is that message (dead-lettered again after a crash, or by a
+second path) and is not kept twice.
 
 A dead letter keeps what a replay needs (the broker headers among it) and what happened: each
 reason on record and how often the sink had acknowledged the message before (a failed mark

@@ -81,7 +81,7 @@ class BatchLoop:
         fence: Fence,
         listener: Listener,
         waits: Waits,
-        sleep: Callable[[float | None], tuple[bool, bool]],
+        sleep: Callable[[float | None], bool],
         state: WorkerState,
     ) -> None:
         self.relay = relay
@@ -92,7 +92,7 @@ class BatchLoop:
         self.fence = fence
         self.listener = listener
         self.waits = waits
-        self._idle_sleep = sleep
+        self._sleep = sleep
         self.conn: Any = None
         self.wire: wire.Wire | None = None
         """The claim session's libpq-level pipeline of prepared statements (relay/wire.py)."""
@@ -113,31 +113,11 @@ class BatchLoop:
         self.conn, self.wire = conn, pipe
         self.statements.reset()
 
-    def _sleep(self, timeout_s: float | None = None) -> bool:
-        woken, self.state.blocked = self._idle_sleep(timeout_s)
-        return woken
-
-    def _lower_idle_flag(self) -> None:
-        """Queue the flag's release (pipeline): a claiming relay needs no notifications."""
-        key = self.flag.lower()
-        if key is not None:
-            assert self.wire is not None
-            self.wire.send(IDLE_UNLOCK, {"key": key})
-
     # -- the hot path: batches back to back, one round trip each --------------------------
 
-    def _statements(self, source: queries.Source) -> tuple[bytes, bytes, bytes, bool]:
-        """Claim, probe and mark of `source` for this session (relay/statements.py)."""
-        sharded = self.lease.sharded and not self.lease.owns_all
-        assert self.wire is not None
-        claim, probe, mark = self.statements.of(self.conn, self.wire, source, sharded)
-        return claim, probe, mark, sharded
-
-    def _claim(
-        self, claim: bytes, probe: bytes, sharded: bool, flag_rows: int = -1
-    ) -> tuple[list[Any], int, int]:
-        """Queue BEGIN and the claim, send everything queued, return the claimed rows, the
-        `after` the range claim started from and how many rows that range claim returned.
+    def _claim(self, run: _Run) -> None:
+        """Queue BEGIN and the claim, send everything queued; the claimed rows, the `after`
+        the range claim started from and how many rows that range claim returned go to `run`.
 
         When the cursor's gap probe is due, the remembered gaps are claimed by id in the same
         transaction and round trip, ahead of the range claim (they are all below it); the idle
@@ -145,19 +125,20 @@ class BatchLoop:
         """
         relay, cursor, pipe = self.relay, self.cursor, self.wire
         assert pipe is not None
+        run.started, run.sent = time.perf_counter(), time.monotonic()
         self.listener.take()
         flag = self.flag
-        raising = self._queue_flag(pipe, flag_rows)
+        raising = self._queue_flag(pipe, run.flag_rows)
         now = time.monotonic()
         after = cursor.start(now)
         gaps = cursor.probe(now) if after >= cursor.frontier else None
         params: dict[str, Any] = {"after": after, "limit": relay.options.batch_size}
-        if sharded:
+        if run.sharded:
             params.update(shards=self.lease.count, mine=self.lease.mine())
         started = time.monotonic()
         pipe.send_plain(b"BEGIN")
-        late = pipe.send(probe, {"ids": gaps}) if gaps else None
-        claimed = pipe.send(claim, params)
+        late = pipe.send(run.probe, {"ids": gaps}) if gaps else None
+        claimed = pipe.send(run.claim, params)
         # While ids below the cursor are unaccounted for, read the horizon after the claim.
         horizon = pipe.send(HORIZON) if cursor.wants_horizon() else None
         # A Sync after the claim: the server only starts its idle-in-transaction timer after
@@ -182,8 +163,8 @@ class BatchLoop:
         if horizon is not None:
             xmin, xmax = pipe.rows(horizon)[0]
             cursor.horizon(int(xmin), int(xmax), time.monotonic())
-        flag.claimed(len(rows), flag_rows)
-        return rows, after, ranged
+        flag.claimed(len(rows), run.flag_rows)
+        run.rows, run.after, run.ranged = rows, after, ranged
 
     def _queue_flag(self, pipe: wire.Wire, flag_rows: int) -> wire.Slot | None:
         """Queue the idle flag's move ahead of the claim's BEGIN; the slot of its raise.
@@ -223,14 +204,15 @@ class BatchLoop:
         """
         pipe, self.sink = self.wire, sink
         assert pipe is not None  # opened by `Worker._step` before any run
-        claim, probe, mark, sharded = self._statements(source)
+        sharded = self.lease.sharded and not self.lease.owns_all
+        claim, probe, mark = self.statements.of(self.conn, pipe, source, sharded)
         linger = self._linger_s(source)
         run = _Run(source, claim, probe, mark, sharded, linger, self._flag_rows(source, linger),
                    self._read_ahead_allowed(source), self.conn, pipe)  # fmt: skip
         self.flag.run_key = notify.idle_lock_key(source.label)
         try:
             with pipe.pipeline():
-                self._claim_next(run)
+                self._claim(run)
                 while self._batch(run):
                     pass
             self.read_ahead.settle()
@@ -239,12 +221,6 @@ class BatchLoop:
             raise
         self._count_committed(run.pending)
         return run.empty_after
-
-    def _claim_next(self, run: _Run) -> None:
-        run.started, run.sent = time.perf_counter(), time.monotonic()
-        run.rows, run.after, run.ranged = self._claim(
-            run.claim, run.probe, run.sharded, run.flag_rows
-        )
 
     def _batch(self, run: _Run) -> bool:
         """The batch in hand: publish it, queue its mark and COMMIT, have the next one claimed
@@ -260,8 +236,10 @@ class BatchLoop:
             return self._claimed_nothing(run)
         if len(run.rows) > run.flag_rows:
             # The claim after raising the flag found rows, or more than a sparse trickle:
-            # writers need not notify while the worker claims.
-            self._lower_idle_flag()
+            # writers need not notify while the worker claims (the release is queued).
+            key = self.flag.lower()
+            if key is not None and self.wire is not None:  # the lease session holds the lock
+                self.wire.send(IDLE_UNLOCK, {"key": key})
         ahead = self._send_ahead(run)
         state.to(Phase.PUBLISHING)
         pause, now = self._publish_batch(
@@ -276,11 +254,20 @@ class BatchLoop:
     ) -> bool:
         """Take the batch claimed ahead, or end the run (a pause, the worker must look up), or
         claim the next batch on the lease session. False: the run ends."""
-        if ahead is not None and self._take_ahead(
-            ahead, run.cur, keep=not (pause or look_up or self.state.rewound)
-        ):
+        if ahead is not None and (pause or look_up or self.state.rewound):
+            # Refused in part, or the worker must look up: the batch claimed ahead rolls back
+            # unpublished (its rows are claimed again later).
+            ahead.pipe.send_plain(b"ROLLBACK")
+            ahead.pipe.send_sync()
+        elif ahead is not None:
+            run.cur.send_sync()  # the mark and COMMIT of the batch published
             run.started = time.perf_counter()
-            run.rows, run.after, run.ranged = self._receive_ahead(ahead)
+            run.rows = self.read_ahead.receive(ahead)
+            run.after, run.ranged = ahead.after, len(run.rows)
+            if ahead.pipe is self.wire:
+                self.fence.proven(ahead.sent)  # a claim on the lease session proves the lease
+            self.flag.claimed_ahead(len(run.rows))
+            self.relay.stats.add(read_ahead=1)
             run.conn, run.cur = ahead.conn, ahead.pipe
             return True
         if pause:  # a rejection's backoff, or a claim of parked keys only
@@ -294,7 +281,7 @@ class BatchLoop:
             return False  # a sparse row published with the flag up: slept until woken
         if short and run.linger > 0 and self._linger(run.pending, run.sent + run.linger):
             return False
-        self._claim_next(run)
+        self._claim(run)
         return True
 
     def _claimed_nothing(self, run: _Run) -> bool:
@@ -307,7 +294,7 @@ class BatchLoop:
         self._back_to_lease_session(run)
         if self._wait_in_run(run):
             return False
-        self._claim_next(run)
+        self._claim(run)
         return True
 
     def _back_to_lease_session(self, run: _Run) -> None:
@@ -402,16 +389,6 @@ class BatchLoop:
         self.state.unmarked += [c for c in pending if not c.succeeded]
         self._end_transaction()
 
-    def _receive_ahead(self, ahead: read_ahead.Pending) -> tuple[list[Any], int, int]:
-        """The rows claimed ahead, as `_claim` returns them (rows, after, rows of the range
-        claim); a claim on the lease session proves the lease too."""
-        rows = self.read_ahead.receive(ahead)
-        if ahead.pipe is self.wire:
-            self.fence.proven(ahead.sent)
-        self.flag.claimed_ahead(len(rows))
-        self.relay.stats.add(read_ahead=1)
-        return rows, ahead.after, len(rows)
-
     def _publish_batch(
         self, conn: Any, pipe: wire.Wire, claim: Batch, pending: list[Commit]
     ) -> tuple[float, float]:
@@ -458,18 +435,6 @@ class BatchLoop:
         if state.later:
             self.cursor.retry_ids(state.later, time.monotonic())
             state.later = []
-
-    @staticmethod
-    def _take_ahead(ahead: read_ahead.Pending, cur: wire.Wire, *, keep: bool) -> bool:
-        """After a batch was published: send its mark and COMMIT and take the batch claimed
-        ahead (True), or — the publish was refused in part, or the worker must look up — roll
-        the read-ahead back unpublished (its rows are claimed again later)."""
-        if keep:
-            cur.send_sync()
-            return True
-        ahead.pipe.send_plain(b"ROLLBACK")
-        ahead.pipe.send_sync()
-        return False
 
     def _read_ahead_allowed(self, source: queries.Source) -> bool:
         """Read-ahead keeps publishing one batch at a time in id order, but a rejection would

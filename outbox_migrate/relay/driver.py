@@ -110,7 +110,7 @@ class Worker:
                                  index)  # fmt: skip
         self.loop = BatchLoop(relay, index, lease=self.lease, cursor=self.cursor,
                               flag=self.flag, fence=self.fence, listener=self.listener,
-                              waits=self.waits, sleep=self._idle_sleep,
+                              waits=self.waits, sleep=self._sleep,
                               state=self.state)  # fmt: skip
         """Its runs of batches (relay/batch_loop.py)."""
 
@@ -400,11 +400,6 @@ class Worker:
         woken = listener.poll(timeout)  # reads what libpq and the socket hold first
         self.state.blocked = listener.blocked
         return woken
-
-    def _idle_sleep(self, timeout_s: float | None) -> tuple[bool, bool]:
-        """`_sleep` for a run of batches: (woken, whether the wait blocked)."""
-        woken = self._sleep(timeout_s)
-        return woken, self.state.blocked
 
     def _relisten(self) -> bool:
         """The LISTEN session was lost (`Listener.poll`): listen again. True when it worked:
