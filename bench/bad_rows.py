@@ -7,7 +7,9 @@ kinds, each drained against a clean outbox of the same shape, runs interleaved, 
   mark   after the swap: an id already in the published partition (the old table keeps its
          primary key), so the batch's mark fails and is repaired by bisection;
   claim  a jsonb headers value that is not a JSON object: found while the claimed rows become
-         messages, no statement fails.
+         messages, no statement fails;
+  bisect the mark kind without the conflict-key lookup (relay/conflict_key.py): the repair
+         marks in halves, and a suspect is tried alone in a savepoint.
 
 Each bad row is tried `--max-attempts` times (default 5), then dead-lettered (the mark kind also
 removes it from the outbox). Printed: good rows drained per second, clean and with bad rows, and
@@ -30,6 +32,7 @@ from pathlib import Path
 import psycopg
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.relay import conflict_key
 from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay
@@ -37,6 +40,7 @@ from outbox_migrate.testing import server as pgserver
 
 SPEC = OutboxSpec()
 BAD_EVERY = 10_000
+of_error = conflict_key.of_error
 
 
 def create(conn: psycopg.Connection) -> None:
@@ -62,7 +66,7 @@ def fill(conn: psycopg.Connection, rows: int, kind: str, bad: bool) -> int:
     The published partition holds one row per BAD_EVERY either way (same shape): in the bad
     mark run their ids collide with unpublished ones."""
     conn.execute("TRUNCATE outbox_new, outbox_dead_letter, outbox_dead_letter_attempts")
-    collide = bad and kind == "mark"
+    collide = bad and kind in {"mark", "bisect"}
     conn.execute(
         "INSERT INTO outbox_new (id, event_type, message_key, payload, headers, published_at) "
         "SELECT CASE WHEN %s THEN g ELSE -g END, 'e', 'k', '{}', '{}', now() "
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=500)
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--max-attempts", type=int, default=5)
-    parser.add_argument("--kinds", default="mark,claim")
+    parser.add_argument("--kinds", default="mark,claim,bisect")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(143))
     srv = pgserver.start(18)
@@ -120,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{'kind':<6} {'clean msg/s':>12} {'bad rows msg/s':>15} {'ratio':>7} "
                   f"{'dead-lettered':>14}")  # fmt: skip
             for kind in args.kinds.split(","):
+                # `bisect`: as if no error named a key on the id alone.
+                conflict_key.of_error = (lambda *_: None) if kind == "bisect" else of_error
                 rates: dict[bool, list[float]] = {False: [], True: []}
                 dead = 0
                 for _ in range(args.reps):

@@ -338,6 +338,22 @@ def section_throughput(
         print(f"(a) SQL-only plan at batch {batch}: {plan(dsn, batch)}")
 
 
+def section_read_ahead(dsn: str, conn: psycopg.Connection, rows: int, reps: int) -> None:
+    """Read-ahead on and off, runs interleaved (on, off, on, off, ...): what it is kept for."""
+    print(f"\n## r. Read-ahead, {rows:,} rows, 1 worker, interleaved, median of {reps} (msg/s)")
+    print(f"{'batch':>6} {'ack ms':>7} {'on':>9} {'off':>9} {'on/off':>7}  runs on | off")
+    for batch, ack_s in ((100, 0.0), (1000, 0.0), (100, 0.001)):
+        runs: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(reps):
+            for ahead in (True, False):
+                rate = relay_rate(dsn, conn, rows, batch, 1, Mode.partitioned, ack_s, ahead)
+                runs[ahead].append(rate()[0])
+        on, off = statistics.median(runs[True]), statistics.median(runs[False])
+        print(f"{batch:>6} {ack_s * 1000:>7.0f} {on:>9,.0f} {off:>9,.0f} {on / off:>7.0%}  "
+              f"{', '.join(f'{r:,.0f}' for r in runs[True])} | "
+              f"{', '.join(f'{r:,.0f}' for r in runs[False])}")  # fmt: skip
+
+
 def section_claimers(dsn: str, conn: psycopg.Connection, rows: int, batch: int, reps: int) -> None:
     print(f"\n## 2. Concurrent claimers, partitioned outbox, {rows:,} rows, batch {batch}, "
           f"median of {reps}")  # fmt: skip
@@ -750,6 +766,7 @@ def main(argv: list[str] | None = None) -> None:
             create_partitioned_outbox(conn, SPEC, start=1_000_000_000)
             sections: dict[str, Callable[[], None]] = {
                 "1": lambda: section_throughput(dsn, conn, args.rows, args.peer_rows, args.reps),
+                "r": lambda: section_read_ahead(dsn, conn, args.rows, args.reps),
                 "2": lambda: section_claimers(
                     dsn, conn, args.claimer_rows, args.claimer_batch, args.reps
                 ),

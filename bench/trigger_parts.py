@@ -17,6 +17,7 @@ not running, so the idle flag is down, as while a relay is busy: the common case
   spread      as `hashed` but the lock's second key spread over 16 values by backend pid
               (tests the lock-manager-partition contention hypothesis)
   installed   the trigger `relay --install-notify` installs now (a literal key)
+  notify      the same without the idle flag: every INSERT notifies (what the flag saves)
 
 fsync off, synchronous_commit on; the payload column is the bench's usual small JSON.
 
@@ -84,6 +85,8 @@ VARIANTS: dict[str, list[str] | None] = {
         _TRIGGER.format(tt=_TT, channel=DEFAULT_CHANNEL),
     ],
     "installed": None,  # notify.install
+    # Without the idle flag: every INSERT notifies, whether the relay is busy or not.
+    "notify": [_function(_NOTIFY), _TRIGGER.format(tt=_TT, channel=DEFAULT_CHANNEL)],
 }
 
 

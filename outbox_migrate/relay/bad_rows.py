@@ -22,13 +22,13 @@ reason. Every other message flows. What counts as an attempt, in both modes:
 * never a `SinkUnavailable`: the broker's fault, not the message's — counting it would
   dead-letter healthy messages during an outage.
 
-Two unpublished rows can share an id (after the swap the unpublished partition has no
-primary key). Their counter is shared — one attempt per id per failure: an upsert cannot touch
-one row twice — and each copy is dead-lettered with its own content: the dead-letter table's
-key is (source_table, id), so a copy whose key is taken by a *different* message is kept
-under `<source> copy 2` (3, …). Before, its INSERT did nothing and the row was then marked or
-deleted: lost. A message identical in every kept field to the one there is that message
-(dead-lettered again after a crash, or by a second path) and is not kept twice.
+Two unpublished rows can share an id (after the swap the unpublished partition has no primary
+key). Their counter is shared — one attempt per id per failure: an upsert cannot touch one row
+twice — and each copy is dead-lettered with its own content: the dead-letter table's key is
+(source_table, id), so a copy whose key is taken by a *different* message is kept under
+`<source> copy 2` (3, …), not dropped by an INSERT that does nothing. A message identical in
+every kept field to the one there is that message (dead-lettered again after a crash, or by a
+second path) and is not kept twice.
 
 A dead letter keeps what a replay needs (the broker headers among it) and what happened: each
 reason on record and how often the sink had acknowledged the message before (a failed mark
@@ -283,14 +283,12 @@ class FailedMessages:
     # -- in memory (the hot path) ---------------------------------------------------------
 
     def seen_before(self, label: str, ids: Sequence[MessageId]) -> list[MessageId]:
-        """The ids among `ids` that have a counter. Asked for every batch while any counter
-        is on record, so it walks the counters (a handful) rather than the batch when they
-        are far fewer, as `mark_repair.Suspects.among` does."""
+        """The ids among `ids` that have a counter (asked for every batch while any is known)."""
         if not self.known:
             return []
         with self._lock:
-            mine = [i for source, i in self.known if source == label]
-        return _among(mine, ids)
+            mine = {i for source, i in self.known if source == label}
+        return [i for i in ids if i in mine] if mine else []
 
     def suspect(self, label: str, message_id: MessageId) -> bool:
         """Failed before: published alone, so a crash it causes counts against it only."""
@@ -299,18 +297,15 @@ class FailedMessages:
     def exhausted(self, label: str, messages: Sequence[Message]) -> list[Message]:
         """Messages whose counter is at `max_attempts` already (a crash counted their last
         attempt, or `max_attempts` was lowered): dead-letter them (`dead_letter_exhausted`)
-        rather than publish them again. Walks the counters, not the batch."""
+        rather than publish them again."""
         if not self.known:
             return []
         most = self.max_attempts
         with self._lock:
-            worn = [
+            worn = {
                 i for (source, i), (n, _) in self.known.items() if source == label and n >= most
-            ]
-        if not worn:
-            return []
-        found = set(_among(worn, [m.id for m in messages]))
-        return [m for m in messages if m.id in found]
+            }
+        return [m for m in messages if m.id in worn] if worn else []
 
     # -- in the caller's transaction -------------------------------------------------------
 
@@ -529,17 +524,6 @@ class FailedMessages:
                 self.history.update(((label, id_of(r[0])), (list(r[2] or []), int(r[3])))
                                     for r in rows)  # fmt: skip
         return attempts
-
-
-def _among(few: list[MessageId], ids: Sequence[MessageId]) -> list[MessageId]:
-    """The ids of `few` that are in `ids`, looked up from the smaller side."""
-    if not few:
-        return []
-    if len(few) * 8 < len(ids):
-        batch = frozenset(ids)
-        return [i for i in few if i in batch]
-    wanted = set(few)
-    return [i for i in ids if i in wanted]
 
 
 def _exists(conn: Any, schema: str, table: str) -> bool:

@@ -1,16 +1,17 @@
-"""One batch of the relay's hot loop, as data: what was claimed, what became a message, what
-the broker acknowledged, what was refused or dead-lettered, what is marked — and its COMMIT.
+"""One batch of the relay's hot loop, and the polling worker's state around it, as data.
 
-Why an object: the worker's batch used to live in a 4-tuple, a 5-tuple returned by the
-publish, and a 4-tuple kept on the COMMIT for a mark repair, each unpacked where needed;
-passing one `Batch` from claim to mark (and on to `mark_repair` if the mark fails) says what a
-batch is in one place. `Commit` is a batch whose mark and COMMIT were queued on its session.
+`Batch`: what was claimed, what became a message, what the broker acknowledged, what was
+refused or dead-lettered, what is marked — passed from claim to mark (and on to `mark_repair`
+if the mark fails). `Commit` is a batch whose mark and COMMIT were queued on its session.
+`WorkerState`: what a worker is doing (`Phase`) and what one phase leaves for the next, the
+one place a worker's state is named and moved (relay/driver.py, relay/batch_loop.py).
 
 It must not: publish, wait, or read results (the worker and relay/wire.py do).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,3 +113,73 @@ def mark_and_commit(pipe: wire.Wire, batch: Batch) -> Commit:
         # An array literal: a list dumper would cost more than the mark.
         mark = pipe.send(batch.mark, {"tids": '{"' + '","'.join(tids) + '"}'}, tolerate=True)
     return Commit(batch, pipe.send_plain(b"COMMIT"), len(batch.acked), mark, marking=len(tids))
+
+
+class Phase(enum.Enum):
+    """What a polling worker is doing; `WorkerState` moves it (docs/relay.md)."""
+
+    CONNECTING = "connecting"
+    """No claim session: (re)open it, take shards."""
+    IDLE = "idle"
+    """Nothing to claim: asleep until notified, or the poll interval."""
+    CLAIMING = "claiming"
+    """A claim is on its way (with the last batch's mark and COMMIT)."""
+    PUBLISHING = "publishing"
+    """A claimed batch is with the sink, its transaction open."""
+    PARKED = "parked"
+    """The sink rejected messages: wait `pause_s` before the next claim."""
+    BACKING_OFF = "backing off"
+    """The database or the broker is out of reach (or a 40001): wait, then try again."""
+    SWITCHING = "switching"
+    """The flat table came back empty: moving to the partitioned one (relay/switching.py)."""
+    STOPPING = "stopping"
+    """The relay stops: finish the batch in hand, release the shards. Final."""
+
+
+@dataclass
+class WorkerState:
+    """A polling worker's state: its phase and what a phase leaves for the next, one object
+    shared by the worker (relay/driver.py) and its runs; every move is a method here."""
+
+    phase: Phase = Phase.CONNECTING
+    pause_s: float = 0.0
+    """PARKED: wait before the next claim (the sink rejected messages to be retried)."""
+    failures: int = 0
+    """BACKING_OFF: failed steps in a row (the backoff grows with them)."""
+    later: list[MessageId] = field(default_factory=list)
+    """Bad rows to try again once the backlog is drained (`BatchLoop.retry_bad_rows`)."""
+    unmarked: list[Commit] = field(default_factory=list)
+    """Batches of the last failed run whose mark did not commit (repaired before a claim)."""
+    mark_failure: Exception | None = None
+    """The constraint a COMMIT broke (deferred): the next step repairs `unmarked` first."""
+    blocked: bool = False
+    """The last idle wait blocked before it returned (`Listener.poll`)."""
+    rewound: bool = False
+    """The last batch set the cursor back to a row to try again (no read-ahead then)."""
+
+    def to(self, phase: Phase) -> None:
+        """Move to `phase`; STOPPING is final."""
+        if self.phase is not Phase.STOPPING:
+            self.phase = phase
+
+    def park(self, pause_s: float) -> None:
+        self.pause_s = pause_s
+        self.to(Phase.PARKED)
+
+    def unpark(self) -> float:
+        """The pause to take now (0: none)."""
+        pause, self.pause_s = self.pause_s, 0.0
+        return pause
+
+    def back_off(self) -> int:
+        """A step failed: the failures before this one (the backoff's exponent)."""
+        self.to(Phase.BACKING_OFF)
+        self.failures += 1
+        return self.failures - 1
+
+    def served(self) -> None:
+        """A run ended without failing: the backoff starts over."""
+        self.failures = 0
+
+    def must_repair(self) -> bool:
+        return self.mark_failure is not None or bool(self.unmarked)

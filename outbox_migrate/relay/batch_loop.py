@@ -1,15 +1,12 @@
-"""A run of batches: claim → publish → mark, back to back, one round trip each.
+"""A polling worker's runs of batches: claim → publish → mark, back to back, one round trip each.
 
 The worker (relay/driver.py) decides when a run starts (a session is open, shards are owned, no
 pause is due) and what happens between runs (idle waits, lease checks, failures); a run goes
 on while claims return rows and ends when one comes back empty, or the worker must look up
-(stop, rebalance, source switch). What a run owns, and the worker reads after it: the pause to
-take after its last COMMIT (`pause_s`), the bad rows to claim again (`later`), the published
-batches whose mark did not commit when a run failed (`unmarked`), and the read-ahead session
-(relay/read_ahead.py). What it is given: the worker's claim session (`new_session`), its
-cursor, idle flag, shard lease, fence, LISTEN session and `Waits`, and the worker's idle wait
-(`sleep`: returns whether it was woken and whether it blocked). Each batch is a `Batch`
-(relay/batch.py); a run never waits with a transaction open (relay/waits.py).
+(stop, rebalance, source switch). Worker and runs share one `WorkerState` (relay/batch.py).
+A run is given the worker's claim session (`new_session`), its cursor, idle flag, shard lease,
+fence, LISTEN session, `Waits` and idle wait (`sleep`: whether it was woken and whether it
+blocked). A run never waits with a transaction open (relay/waits.py).
 """
 
 from __future__ import annotations
@@ -18,15 +15,15 @@ import logging
 import operator
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from outbox_migrate.relay import claimed, notify, queries, read_ahead, unmarked, wire
-from outbox_migrate.relay.batch import Batch, Commit, mark_and_commit
+from outbox_migrate.relay.batch import Batch, Commit, Phase, WorkerState, mark_and_commit
 from outbox_migrate.relay.cursor import Cursor
 from outbox_migrate.relay.fencing import Fence
 from outbox_migrate.relay.idle_flag import SPARSE_ROWS, Idle, IdleFlag
 from outbox_migrate.relay.listener import Listener
-from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.options import Mode, Ordering
 from outbox_migrate.relay.shards import ShardLease
 from outbox_migrate.relay.shared import Shared
@@ -45,6 +42,31 @@ class Abandoned(Exception):
     """Raised inside a worker's transaction after the shutdown timeout: roll back, exit."""
 
 
+@dataclass
+class _Run:
+    """A run in progress: what its loop carries from one batch to the next."""
+
+    source: queries.Source
+    claim: bytes
+    probe: bytes
+    mark: bytes
+    sharded: bool
+    linger: float
+    flag_rows: int
+    ahead_ok: bool
+    conn: Any
+    """The session holding the batch in hand: the lease session, or the read-ahead one."""
+    cur: wire.Wire
+    pending: list[Commit] = field(default_factory=list)
+    """Batches whose COMMIT was queued and not yet seen to succeed (one per session)."""
+    rows: list[Any] = field(default_factory=list)
+    after: int = 0
+    ranged: int = 0
+    started: float = 0.0
+    sent: float = 0.0
+    empty_after: int | None = None
+
+
 class BatchLoop:
     """One worker's runs of batches (one per worker, across its sessions)."""
 
@@ -59,7 +81,8 @@ class BatchLoop:
         fence: Fence,
         listener: Listener,
         waits: Waits,
-        sleep: Callable[[float | None], tuple[bool, bool]],
+        sleep: Callable[[float | None], bool],
+        state: WorkerState,
     ) -> None:
         self.relay = relay
         self.index = index
@@ -69,23 +92,14 @@ class BatchLoop:
         self.fence = fence
         self.listener = listener
         self.waits = waits
-        self._idle_sleep = sleep
+        self._sleep = sleep
         self.conn: Any = None
         self.wire: wire.Wire | None = None
         """The claim session's libpq-level pipeline of prepared statements (relay/wire.py)."""
         self.statements = Statements(relay.columns, by_key=relay.options.ordering is Ordering.key,
                                      text_ids=relay.text_ids)  # fmt: skip
         self.sink: Sink | None = None
-        self.pause_s = 0.0
-        """Wait before the next claim: the sink rejected messages that are to be retried."""
-        self.blocked = False
-        """The last idle wait blocked before it returned (`Listener.poll`)."""
-        self.rewound = False
-        """The last batch set the cursor back to a row to try again (no read-ahead then)."""
-        self.later: list[MessageId] = []
-        """Bad rows to try again once the backlog is drained (`retry_bad_rows`)."""
-        self.unmarked: list[Commit] = []
-        """Batches of the last failed run whose mark did not commit (the worker repairs)."""
+        self.state = state
         options = relay.options
         self.read_ahead = read_ahead.ReadAhead(
             read_ahead.open_session(
@@ -99,72 +113,32 @@ class BatchLoop:
         self.conn, self.wire = conn, pipe
         self.statements.reset()
 
-    def run(self, source: queries.Source, sink: Sink) -> int | None:
-        """One run of batches from `source` (see `_publish_run`)."""
-        self.sink = sink
-        return self._publish_run(source)
-
-    def _sleep(self, timeout_s: float | None = None) -> bool:
-        woken, self.blocked = self._idle_sleep(timeout_s)
-        return woken
-
-    def _lower_idle_flag(self) -> None:
-        """Queue the flag's release (pipeline): a claiming relay needs no notifications."""
-        key = self.flag.lower()
-        if key is not None:
-            assert self.wire is not None
-            self.wire.send(IDLE_UNLOCK, {"key": key})
-
     # -- the hot path: batches back to back, one round trip each --------------------------
 
-    def _statements(self, source: queries.Source) -> tuple[bytes, bytes, bytes, bool]:
-        """Claim, probe and mark of `source` for this session (relay/statements.py)."""
-        sharded = self.lease.sharded and not self.lease.owns_all
-        assert self.wire is not None
-        claim, probe, mark = self.statements.of(self.conn, self.wire, source, sharded)
-        return claim, probe, mark, sharded
-
-    def _claim(
-        self, claim: bytes, probe: bytes, sharded: bool, flag_rows: int = -1
-    ) -> tuple[list[Any], int, int]:
-        """Queue BEGIN and the claim, send everything queued, return the claimed rows, the
-        `after` the range claim started from and how many rows that range claim returned.
+    def _claim(self, run: _Run) -> None:
+        """Queue BEGIN and the claim, send everything queued; the claimed rows, the `after`
+        the range claim started from and how many rows that range claim returned go to `run`.
 
         When the cursor's gap probe is due, the remembered gaps are claimed by id in the same
-        transaction and round trip, ahead of the range claim (they are all below it).
-
-        The idle flag (`flag_rows` >= 0, see `_publish_run`): after a claim that found nothing
-        the flag goes up with this claim — `pg_try_advisory_lock` in the same network write,
-        ahead of BEGIN — so that if this claim finds nothing (or a trickle), the worker may
-        sleep at once: its snapshot is taken with the flag up, and every row it cannot see
-        will notify. A raised flag stays up through claims of a trickle (SPARSE_ROWS) while
-        the worker sleeps between them, and comes down in the same way (`pg_advisory_unlock`
-        in the claim's write) after a bigger claim, or once the traffic no longer lets the
-        worker sleep (AWAKE_WAITS).
+        transaction and round trip, ahead of the range claim (they are all below it); the idle
+        flag moves in the same network write (`_queue_flag`).
         """
         relay, cursor, pipe = self.relay, self.cursor, self.wire
         assert pipe is not None
+        run.started, run.sent = time.perf_counter(), time.monotonic()
         self.listener.take()
         flag = self.flag
-        unlock, try_raise = flag.before_claim(flag_rows)
-        if unlock is not None:
-            pipe.send(IDLE_UNLOCK, {"key": unlock})
-        raising = None
-        if try_raise:
-            # Writers that saw the relay busy hold the lock shared until they commit: once it
-            # is ours, their rows are visible to this claim — below the cursor too (confirm).
-            raising = pipe.send(TRY_IDLE_LOCK, {"key": flag.run_key})
-            cursor.confirm()
+        raising = self._queue_flag(pipe, run.flag_rows)
         now = time.monotonic()
         after = cursor.start(now)
         gaps = cursor.probe(now) if after >= cursor.frontier else None
         params: dict[str, Any] = {"after": after, "limit": relay.options.batch_size}
-        if sharded:
+        if run.sharded:
             params.update(shards=self.lease.count, mine=self.lease.mine())
         started = time.monotonic()
         pipe.send_plain(b"BEGIN")
-        late = pipe.send(probe, {"ids": gaps}) if gaps else None
-        claimed = pipe.send(claim, params)
+        late = pipe.send(run.probe, {"ids": gaps}) if gaps else None
+        claimed = pipe.send(run.claim, params)
         # While ids below the cursor are unaccounted for, read the horizon after the claim.
         horizon = pipe.send(HORIZON) if cursor.wants_horizon() else None
         # A Sync after the claim: the server only starts its idle-in-transaction timer after
@@ -189,129 +163,154 @@ class BatchLoop:
         if horizon is not None:
             xmin, xmax = pipe.rows(horizon)[0]
             cursor.horizon(int(xmin), int(xmax), time.monotonic())
-        flag.claimed(len(rows), flag_rows)
-        return rows, after, ranged
+        flag.claimed(len(rows), run.flag_rows)
+        run.rows, run.after, run.ranged = rows, after, ranged
 
-    def _publish_run(self, source: queries.Source) -> int | None:  # noqa: PLR0912, PLR0915
-        # One loop on purpose: the batch in hand moves between two sessions, and its mark and
-        # COMMIT leave with whatever the loop sends next; split up, that state would be shared.
-        """Claim → publish → mark, batch after batch, until a claim comes back empty (returns
-        the `after` it started from) or the worker must look up (stop, rebalance, switch:
-        returns None).
+    def _queue_flag(self, pipe: wire.Wire, flag_rows: int) -> wire.Slot | None:
+        """Queue the idle flag's move ahead of the claim's BEGIN; the slot of its raise.
+
+        With the flag in the run (`flag_rows` >= 0, see `_flag_rows`): after a claim that
+        found nothing the flag goes up with this claim — `pg_try_advisory_lock` in the same
+        network write — so that if this claim finds nothing (or a trickle), the worker may
+        sleep at once: its snapshot is taken with the flag up, and every row it cannot see
+        will notify. A raised flag stays up through claims of a trickle (SPARSE_ROWS) while
+        the worker sleeps between them, and comes down in the same way (`pg_advisory_unlock`
+        in the claim's write) after a bigger claim, or once the traffic no longer lets the
+        worker sleep (AWAKE_WAITS)."""
+        flag = self.flag
+        unlock, try_raise = flag.before_claim(flag_rows)
+        if unlock is not None:
+            pipe.send(IDLE_UNLOCK, {"key": unlock})
+        if not try_raise:
+            return None
+        # Writers that saw the relay busy hold the lock shared until they commit: once it is
+        # ours, their rows are visible to this claim — below the cursor too (confirm).
+        self.cursor.confirm()
+        return pipe.send(TRY_IDLE_LOCK, {"key": flag.run_key})
+
+    def run(self, source: queries.Source, sink: Sink) -> int | None:
+        """Claim → publish → mark, batch after batch (`_batch`), until a claim comes back empty
+        (returns the `after` it started from) or the worker must look up (stop, rebalance,
+        switch: returns None).
 
         One batch is still one transaction, but the session runs in pipeline mode (prepared
         statements sent through libpq directly: relay/wire.py) with explicit BEGIN/COMMIT, so
-        a batch's mark and COMMIT travel with the next batch's BEGIN and claim:
-        one round trip per batch instead of four (BEGIN, claim, mark, COMMIT). At batch 100
-        the round trips were as costly as the SQL itself (bench/relay.py). A batch counts as
-        published once its COMMIT is known to have succeeded: when a later result of its
-        session arrives (results come back in order), or at the final sync. When the next
-        claim fails (SQLSTATE 40001, a lost connection), the COMMIT before it already
-        happened or not — its own result says which.
-
-        Read-ahead (relay/read_ahead.py): while claims come back full, the next batch is
-        claimed on the worker's other session before this one is published, so the server
-        claims (and marks) while the relay publishes; batches alternate between the sessions.
-
-        Linger: after a claim that did not fill a batch, the next claim waits until
-        `linger_s` after the previous one was sent: steady traffic then costs one batch and
-        one wake-up per linger period instead of one per message. The batch's mark and COMMIT
-        leave before the wait (their results read with the next claim's): waiting with them
-        queued kept the session "idle in transaction" on its row locks through nearly every
-        linger, and the migration runner does not queue a step's lock behind such a session
-        (tests/integration/relay/test_wake_up.py).
-        A failed mark rolls back its batch only (`_repair_in_run`)."""
-        relay, cursor, pipe = self.relay, self.cursor, self.wire
-        assert self.sink is not None and pipe is not None  # built by _step before any claim
-        claim, probe, mark, sharded = self._statements(source)
-        batch_size, linger = relay.options.batch_size, self._linger_s(source)
-        ahead_ok = self._read_ahead_allowed(source)
-        flag_rows = self._flag_rows(source, linger)
+        a batch's mark and COMMIT travel with the next batch's BEGIN and claim: one round trip
+        per batch instead of four (BEGIN, claim, mark, COMMIT). A batch counts as published
+        once its COMMIT is known to have succeeded: when a later result of its session arrives
+        (results come back in order), or at the final sync. When the next claim fails
+        (SQLSTATE 40001, a lost connection), the COMMIT before it already happened or not —
+        its own result says which. A failed mark rolls back its batch only (`_repair_in_run`).
+        """
+        pipe, self.sink = self.wire, sink
+        assert pipe is not None  # opened by `Worker._step` before any run
+        sharded = self.lease.sharded and not self.lease.owns_all
+        claim, probe, mark = self.statements.of(self.conn, pipe, source, sharded)
+        linger = self._linger_s(source)
+        run = _Run(source, claim, probe, mark, sharded, linger, self._flag_rows(source, linger),
+                   self._read_ahead_allowed(source), self.conn, pipe)  # fmt: skip
         self.flag.run_key = notify.idle_lock_key(source.label)
-        # Batches whose COMMIT was queued and not yet seen to succeed (at most one per session).
-        pending: list[Commit] = []
-        empty_after: int | None = None
         try:
             with pipe.pipeline():
-                started = time.perf_counter()
-                sent = time.monotonic()
-                rows, after, ranged = self._claim(claim, probe, sharded, flag_rows)
-                conn, cur = self.conn, pipe  # the session holding the batch in hand
-                while True:
-                    if pending:
-                        self._count_committed(pending)
-                    if self.unmarked and not self._repair_in_run(cur, pending, ahead_ok, mark):
-                        cur.send_plain(b"ROLLBACK")  # the batch in hand goes out again later
-                        break
-                    if not rows:
-                        cur.send_plain(b"ROLLBACK")
-                        if flag_rows < 0:
-                            empty_after = after
-                            break
-                        if cur is not pipe:  # the read-ahead claim came back empty
-                            cur.sync()
-                            conn, cur = self.conn, pipe
-                        if self._wait_in_run(pipe, source, pending):
-                            break
-                        started = time.perf_counter()
-                        sent = time.monotonic()
-                        rows, after, ranged = self._claim(claim, probe, sharded, flag_rows)
-                        continue
-                    if len(rows) > flag_rows:
-                        # The claim after raising the flag found rows, or more than a sparse
-                        # trickle: writers need not notify while the worker claims.
-                        self._lower_idle_flag()
-                    ahead = None
-                    if (
-                        ahead_ok
-                        and ranged == batch_size
-                        and self._may_read_ahead(source, time.monotonic())
-                    ):
-                        # From the last id in hand: the rows come in ascending id order.
-                        ahead = self._send_ahead(
-                            cur, claim, mark, sharded, max(cursor.frontier, rows[-1][0])
-                        )
-                    pause, now = self._publish_batch(
-                        conn, cur, Batch(source, mark, rows, after, started), pending
-                    )
-                    stop_run = (
-                        relay.stopping or self.lease.due(now) or relay.state.current is not source
-                    )
-                    if ahead is not None and self._take_ahead(
-                        ahead, cur, keep=not (pause or stop_run or self.rewound)
-                    ):
-                        started = time.perf_counter()
-                        rows, after, ranged = self._receive_ahead(ahead)
-                        conn, cur = ahead.conn, ahead.pipe
-                        continue
-                    if pause:  # a rejection's backoff, or a claim of parked keys only
-                        self.pause_s = pause  # taken in `_step`, after the COMMIT
-                        break
-                    if stop_run:
-                        break
-                    if cur is not pipe:
-                        # The batch is the read-ahead session's: its mark and COMMIT complete
-                        # before the lease session claims again (a claim from id 0 must not
-                        # meet rows that move under it).
-                        cur.sync()
-                        conn, cur = self.conn, pipe
-                    if (
-                        self.flag.held
-                        and ranged < batch_size
-                        and self._wait_in_run(pipe, source, pending)
-                    ):
-                        break  # a sparse row published with the flag up: slept until woken
-                    if ranged < batch_size and linger > 0 and self._linger(pending, sent + linger):
-                        break
-                    started = time.perf_counter()
-                    sent = time.monotonic()
-                    rows, after, ranged = self._claim(claim, probe, sharded, flag_rows)
+                self._claim(run)
+                while self._batch(run):
+                    pass
             self.read_ahead.settle()
         except BaseException:
-            self._abort_run(pending)
+            self._abort_run(run.pending)
             raise
-        self._count_committed(pending)
-        return empty_after
+        self._count_committed(run.pending)
+        return run.empty_after
+
+    def _batch(self, run: _Run) -> bool:
+        """The batch in hand: publish it, queue its mark and COMMIT, have the next one claimed
+        (ahead, on the other session, while this one is published: relay/read_ahead.py).
+        False: the run ends."""
+        state = self.state
+        if run.pending:
+            self._count_committed(run.pending)
+        if state.unmarked and not self._repair_in_run(run):
+            run.cur.send_plain(b"ROLLBACK")  # the batch in hand goes out again later
+            return False
+        if not run.rows:
+            return self._claimed_nothing(run)
+        if len(run.rows) > run.flag_rows:
+            # The claim after raising the flag found rows, or more than a sparse trickle:
+            # writers need not notify while the worker claims (the release is queued).
+            key = self.flag.lower()
+            if key is not None and self.wire is not None:  # the lease session holds the lock
+                self.wire.send(IDLE_UNLOCK, {"key": key})
+        ahead = self._send_ahead(run)
+        state.to(Phase.PUBLISHING)
+        pause, now = self._publish_batch(
+            run.conn, run.cur, Batch(run.source, run.mark, run.rows, run.after, run.started),
+            run.pending,
+        )  # fmt: skip
+        state.to(Phase.CLAIMING)
+        return self._after_publish(run, ahead, pause, self._must_look_up(run.source, now))
+
+    def _after_publish(
+        self, run: _Run, ahead: read_ahead.Pending | None, pause: float, look_up: bool
+    ) -> bool:
+        """Take the batch claimed ahead, or end the run (a pause, the worker must look up), or
+        claim the next batch on the lease session. False: the run ends."""
+        if ahead is not None and (pause or look_up or self.state.rewound):
+            # Refused in part, or the worker must look up: the batch claimed ahead rolls back
+            # unpublished (its rows are claimed again later).
+            ahead.pipe.send_plain(b"ROLLBACK")
+            ahead.pipe.send_sync()
+        elif ahead is not None:
+            run.cur.send_sync()  # the mark and COMMIT of the batch published
+            run.started = time.perf_counter()
+            run.rows = self.read_ahead.receive(ahead)
+            run.after, run.ranged = ahead.after, len(run.rows)
+            if ahead.pipe is self.wire:
+                self.fence.proven(ahead.sent)  # a claim on the lease session proves the lease
+            self.flag.claimed_ahead(len(run.rows))
+            self.relay.stats.add(read_ahead=1)
+            run.conn, run.cur = ahead.conn, ahead.pipe
+            return True
+        if pause:  # a rejection's backoff, or a claim of parked keys only
+            self.state.park(pause)  # taken in `_step`, after the COMMIT
+            return False
+        if look_up:
+            return False
+        self._back_to_lease_session(run)
+        short = run.ranged < self.relay.options.batch_size
+        if short and self.flag.held and self._wait_in_run(run):
+            return False  # a sparse row published with the flag up: slept until woken
+        if short and run.linger > 0 and self._linger(run.pending, run.sent + run.linger):
+            return False
+        self._claim(run)
+        return True
+
+    def _claimed_nothing(self, run: _Run) -> bool:
+        """The claim came back empty: end the run, or (the idle flag in the run) wait in it
+        and claim again. False: the run ends."""
+        run.cur.send_plain(b"ROLLBACK")
+        if run.flag_rows < 0:
+            run.empty_after = run.after
+            return False
+        self._back_to_lease_session(run)
+        if self._wait_in_run(run):
+            return False
+        self._claim(run)
+        return True
+
+    def _back_to_lease_session(self, run: _Run) -> None:
+        """The batch in hand is the read-ahead session's: its mark and COMMIT (or ROLLBACK)
+        complete before the lease session claims again (a claim from id 0 must not meet rows
+        that move under it)."""
+        pipe = self.wire
+        if run.cur is not pipe:
+            assert pipe is not None
+            run.cur.sync()
+            run.conn, run.cur = self.conn, pipe
+
+    def _must_look_up(self, source: queries.Source, now: float) -> bool:
+        """The worker must leave the run: stop, rebalance due, source switched."""
+        relay = self.relay
+        return relay.stopping or self.lease.due(now) or relay.state.current is not source
 
     def _flag_rows(self, source: queries.Source, linger: float) -> int:
         """How many rows a claim made with the idle flag up may return for the flag to stay
@@ -325,25 +324,21 @@ class BatchLoop:
             return -1
         return SPARSE_ROWS
 
-    def _wait_in_run(self, pipe: wire.Wire, source: queries.Source, pending: list[Commit]) -> bool:
+    def _wait_in_run(self, run: _Run) -> bool:
         """Nothing more to claim now: wait — until a notification or the poll interval with
         the idle flag up, shortly without it — staying in the run (no pipeline exit, no
         statements of its own), the last COMMIT or ROLLBACK queued for the next claim to take
         along (`_hold`). True: the worker must go back to `_step` first (stop, lease check,
-        source switch).
-
-        The flag was up while the last claim's snapshot was taken, or this waits briefly
-        (`IdleFlag.busy_poll_s`) and the next claim raises it: an idle worker costs one round trip
-        per wake-up, where leaving the run, raising the flag on its own and confirming cost
-        six.
-        """
-        # CLAIM: a claim below the cursor is due (a late row may be visible), or the last
-        # claim did not try to raise the flag: claim again now (what is queued goes with it).
+        source switch). The flag was up while the last claim's snapshot was taken, or this
+        waits briefly (`IdleFlag.busy_poll_s`) and the next claim raises it: an idle worker
+        costs one round trip per wake-up. CLAIM: a claim below the cursor is due, or the last
+        claim did not try to raise the flag: claim again now (what is queued goes with it)."""
         action = self.flag.in_run(self.cursor.due(time.monotonic()))
+        pipe, pending, linger = run.cur, run.pending, run.linger
+        self.state.to(Phase.IDLE)
         if action is Idle.SLEEP:
-            linger = self._linger_s(source)
             woken = self._hold(pipe, pending, None)
-            self.flag.slept(blocked=self.blocked)
+            self.flag.slept(blocked=self.state.blocked)
             if woken and linger > 0:
                 # Woken by a row's notification: give it `linger` for company, as a batch
                 # that did not fill waits before the next claim — a trickle then costs one
@@ -353,14 +348,9 @@ class BatchLoop:
             # A writer that saw the relay busy has not committed yet (it holds the flag's lock
             # shared and will not notify), or another worker holds the flag: look again soon.
             self._hold(pipe, pending, self.flag.busy_poll_s())
-        relay = self.relay
-        relay.observer.heartbeat(self.index)
-        return (
-            relay.stopping
-            or bool(self.pause_s)
-            or self.lease.due(time.monotonic())
-            or relay.state.current is not source
-        )
+        self.relay.observer.heartbeat(self.index)
+        self.state.to(Phase.CLAIMING)
+        return bool(self.state.pause_s) or self._must_look_up(run.source, time.monotonic())
 
     def _hold(self, pipe: wire.Wire, pending: list[Commit], timeout_s: float | None) -> bool:
         """Sleep (`_sleep`) once the last batch's mark and COMMIT (or the empty claim's
@@ -381,10 +371,10 @@ class BatchLoop:
             return True
         pipe.sync()
         self._count_committed(pending)
-        if self.unmarked:
+        if self.state.unmarked:
             return True  # a mark failed: repaired with the next claim, not after a sleep
         woken = self._sleep(timeout - HOLD_S)
-        self.blocked = True  # it slept HOLD_S already
+        self.state.blocked = True  # it slept HOLD_S already
         return woken
 
     def _abort_run(self, pending: list[Commit]) -> None:
@@ -396,18 +386,8 @@ class BatchLoop:
         for commit in pending:
             if commit.succeeded:
                 self._count(commit)
-        self.unmarked += [c for c in pending if not c.succeeded]
+        self.state.unmarked += [c for c in pending if not c.succeeded]
         self._end_transaction()
-
-    def _receive_ahead(self, ahead: read_ahead.Pending) -> tuple[list[Any], int, int]:
-        """The rows claimed ahead, as `_claim` returns them (rows, after, rows of the range
-        claim); a claim on the lease session proves the lease too."""
-        rows = self.read_ahead.receive(ahead)
-        if ahead.pipe is self.wire:
-            self.fence.proven(ahead.sent)
-        self.flag.claimed_ahead(len(rows))
-        self.relay.stats.add(read_ahead=1)
-        return rows, ahead.after, len(rows)
 
     def _publish_batch(
         self, conn: Any, pipe: wire.Wire, claim: Batch, pending: list[Commit]
@@ -436,11 +416,11 @@ class BatchLoop:
         cursor.claimed(after, [r[0] for r in rows], now)
         # After a rejection's pause, or for a released key: claim again from `rewind` (the
         # read-ahead batch, if any, is dropped). Bad rows: by id, once the backlog is drained.
-        self.rewound = rewind is not None
+        self.state.rewound = rewind is not None
         if rewind is not None:
             cursor.retry_from(rewind)
         elif retry:
-            self.later += retry
+            self.state.later += retry
             if len(rows) < relay.options.batch_size:
                 self.retry_bad_rows()
         pending.append(mark_and_commit(pipe, claim))
@@ -449,25 +429,12 @@ class BatchLoop:
 
     def retry_bad_rows(self) -> None:
         """Bad rows to try again are claimed by id with the next claim on the lease session
-        (`Cursor.retry_ids`) — once claims no longer come back full: a claim with a probe is
-        not read ahead, and trying each bad row again in the very next batch cost a fifth of
-        the drain rate at one bad row per 10,000 (bench/bad_rows.py)."""
-        if not self.later:
-            return
-        self.cursor.retry_ids(self.later, time.monotonic())
-        self.later = []
-
-    @staticmethod
-    def _take_ahead(ahead: read_ahead.Pending, cur: wire.Wire, *, keep: bool) -> bool:
-        """After a batch was published: send its mark and COMMIT and take the batch claimed
-        ahead (True), or — the publish was refused in part, or the worker must look up — roll
-        the read-ahead back unpublished (its rows are claimed again later)."""
-        if keep:
-            cur.send_sync()
-            return True
-        ahead.pipe.send_plain(b"ROLLBACK")
-        ahead.pipe.send_sync()
-        return False
+        (`Cursor.retry_ids`) once claims no longer come back full: a claim with a probe is
+        not read ahead."""
+        state = self.state
+        if state.later:
+            self.cursor.retry_ids(state.later, time.monotonic())
+            state.later = []
 
     def _read_ahead_allowed(self, source: queries.Source) -> bool:
         """Read-ahead keeps publishing one batch at a time in id order, but a rejection would
@@ -483,32 +450,29 @@ class BatchLoop:
             and not (relay.state.mode is Mode.switching and source is relay.state.flat)
         )
 
-    def _may_read_ahead(self, source: queries.Source, now: float) -> bool:
-        """Whether the next claim may be a plain range claim from the frontier, claimed now on
-        the other session: nothing the lease session must do first (relay/read_ahead.py)."""
-        relay = self.relay
-        return not (
-            relay.stopping
-            or self.pause_s
-            or self.lease.due(now)
-            or relay.state.current is not source
-            or self.listener.take()
-            or not self.cursor.plain(now)
-        )
-
-    def _send_ahead(
-        self, cur: wire.Wire, claim: bytes, mark: bytes, sharded: bool, after: int
-    ) -> read_ahead.Pending:
-        """Send the next batch's claim, from `after`, on the session not holding `cur`."""
-        params: dict[str, Any] = {"limit": self.relay.options.batch_size}
-        if sharded:
+    def _send_ahead(self, run: _Run) -> read_ahead.Pending | None:
+        """While claims come back full, send the next batch's claim — a plain range claim from
+        the last id in hand (rows come in id order) — on the session not holding the batch in
+        hand; not when the lease session must claim first (relay/read_ahead.py)."""
+        now, relay = time.monotonic(), self.relay
+        if not (
+            run.ahead_ok
+            and run.ranged == relay.options.batch_size
+            and not (self.state.pause_s or self._must_look_up(run.source, now))
+            and not self.listener.take()
+            and self.cursor.plain(now)
+        ):
+            return None
+        after = max(self.cursor.frontier, run.rows[-1][0])
+        params: dict[str, Any] = {"limit": relay.options.batch_size}
+        if run.sharded:
             params.update(shards=self.lease.count, mine=self.lease.mine())
-        if cur is not self.wire:
+        if run.cur is not self.wire:
             assert self.wire is not None
-            return self.read_ahead.send(self.wire, self.conn, claim, params, after)
-        conn, pipe = self.read_ahead.session((claim, mark))
-        self.relay.conns[ahead_key(self.index)] = conn
-        return self.read_ahead.send(pipe, conn, claim, params, after)
+            return self.read_ahead.send(self.wire, self.conn, run.claim, params, after)
+        conn, pipe = self.read_ahead.session((run.claim, run.mark))
+        relay.conns[ahead_key(self.index)] = conn
+        return self.read_ahead.send(pipe, conn, run.claim, params, after)
 
     def _linger_s(self, source: queries.Source) -> float:
         relay = self.relay
@@ -538,38 +502,35 @@ class BatchLoop:
         for commit in done:
             pending.remove(commit)
             if commit.mark_failed:
-                self.unmarked.append(commit)
+                self.state.unmarked.append(commit)
             else:
                 self._count(commit)
         for short in filter(None, map(Commit.fell_short, done)):
             raise short  # the worker looks at its names (relay/driver.py)
 
-    def _repair_in_run(
-        self, cur: wire.Wire, pending: list[Commit], ahead_ok: bool, mark: bytes
-    ) -> bool:
+    def _repair_in_run(self, run: _Run) -> bool:
         """A batch's mark failed and its COMMIT rolled it back (`mark_and_commit`): repair it
-        now on the session not holding the batch in hand, and go on. Ending the run instead
-        dropped the batch claimed ahead and claimed it again without overlap: a bad row cost
-        three batches' time (bench/bad_rows.py). False (no read-ahead here): the run ends,
-        the worker repairs."""
-        if not ahead_ok:
+        now on the session not holding the batch in hand, and go on: ending the run would drop
+        the batch claimed ahead. False (no read-ahead here): the run ends, the worker repairs."""
+        if not run.ahead_ok:
             return False
-        while self.unmarked:
-            if cur is self.wire:
-                conn, pipe = self.read_ahead.session((mark,))
+        while self.state.unmarked:
+            if run.cur is self.wire:
+                conn, pipe = self.read_ahead.session((run.mark,))
                 self.relay.conns[ahead_key(self.index)] = conn
             else:
                 conn, lease_pipe = self.conn, self.wire
                 assert lease_pipe is not None
                 pipe = lease_pipe
             pipe.pause()  # its last COMMIT read (that batch may need a repair too)
-            self._count_committed(pending)
+            self._count_committed(run.pending)
             self.repair(conn)
         return True
 
     def repair(self, conn: Any, error: Exception | None = None) -> None:
         """Repair the `unmarked` batches on `conn` (relay/unmarked.py)."""
-        self.later += unmarked.repair(self.relay, self.index, conn, self.unmarked, error)
+        state = self.state
+        state.later += unmarked.repair(self.relay, self.index, conn, state.unmarked, error)
 
     def _count(self, commit: Commit) -> None:
         relay = self.relay

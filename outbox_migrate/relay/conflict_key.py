@@ -52,9 +52,8 @@ class ConflictKey:
 
     def lookup(self, ids: list[MessageId], text_ids: bool) -> sql.Composed:
         """Three statements (one round trip, the ids as a literal): the ids of `ids` the table
-        holds, read through its index whatever the planner's statistics say. A published
-        partition last analyzed when it was small is seq-scanned otherwise: measured 35 ms
-        for one batch's lookup against 50,000 rows (bench/bad_rows.py). Its rows are the
+        holds, read through its index whatever the planner's statistics say (a published
+        partition last analyzed when it was small would be seq-scanned). Its rows are the
         second result (`taken_rows`)."""
         column = sql.Identifier(self.column)
         return sql.SQL(

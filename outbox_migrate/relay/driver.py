@@ -32,6 +32,7 @@ from outbox_migrate.relay import (
     wire,
 )
 from outbox_migrate.relay.backoff import jitter_s
+from outbox_migrate.relay.batch import Phase, WorkerState
 from outbox_migrate.relay.batch_loop import Abandoned, BatchLoop, ahead_key
 from outbox_migrate.relay.cursor import Cursor, NoCursor
 from outbox_migrate.relay.errors import (
@@ -86,7 +87,8 @@ class Worker:
         self.wire: wire.Wire | None = None
         """The session's libpq-level pipeline of prepared statements (relay/wire.py)."""
         self.sink: Sink | None = None
-        self.failures = 0
+        self.state = WorkerState()
+        """What this worker is doing, and what a phase leaves for the next (one type)."""
         self.fence = Fence(options.dead_session_s, options.sink_timeout_s)
         """Whether a batch may still be handed to the sink (relay/fencing.py)."""
         self.cursor: Cursor = (
@@ -101,11 +103,6 @@ class Worker:
         )
         self.flag = IdleFlag(options.listen and not options.until_empty, options.linger_s)
         """The idle flag's state (relay/idle_flag.py; the lock itself: relay/notify.py)."""
-        self.blocked = False
-        """The last idle wait blocked before it returned (`Listener.poll`)."""
-        self.mark_failure: IntegrityError | None = None
-        """The constraint a COMMIT broke (deferred): the next step repairs `unmarked` first
-        (a failed mark carries its own error: `Commit.mark`)."""
         # Every wait of this worker goes through it: none with a session in a transaction.
         self.waits = Waits(relay.stopped, self._sessions)
         self.listener = Listener(relay.connect_worker, options.channel,
@@ -113,7 +110,8 @@ class Worker:
                                  index)  # fmt: skip
         self.loop = BatchLoop(relay, index, lease=self.lease, cursor=self.cursor,
                               flag=self.flag, fence=self.fence, listener=self.listener,
-                              waits=self.waits, sleep=self._idle_sleep)  # fmt: skip
+                              waits=self.waits, sleep=self._sleep,
+                              state=self.state)  # fmt: skip
         """Its runs of batches (relay/batch_loop.py)."""
 
     def _sessions(self) -> tuple[Session, Session]:
@@ -128,6 +126,7 @@ class Worker:
                 if self._step_guarded():
                     return
         except Abandoned:
+            self.state.to(Phase.STOPPING)
             log.warning("relay.batch_abandoned worker=%d", self.index)
         except Exception as exc:
             # Not a failure the loop knows how to retry (a sink that cannot be built, a bug):
@@ -138,6 +137,7 @@ class Worker:
                       exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
             relay.fail(exc)
         finally:
+            self.state.to(Phase.STOPPING)
             relay.observer.worker_done(self.index)
             close_sink(self.sink)
             if self.conn is not None and not self.conn.closed:
@@ -169,7 +169,7 @@ class Worker:
 
         relay = self.relay
         try:
-            if self.mark_failure is not None or self.loop.unmarked:
+            if self.state.must_repair():
                 self._repair_marks()
             return self._step()
         except MarkFellShort as exc:
@@ -192,15 +192,16 @@ class Worker:
         except IntegrityError as exc:
             # The mark of a published batch broke a constraint (a duplicate id moving into
             # the published partition): the next step finds the rows at fault, marks the rest.
-            if not self.loop.unmarked:
+            if not self.state.unmarked:
                 raise  # no batch to repair: not a mark's failure
-            self.mark_failure = exc
+            self.state.mark_failure = exc
         except serialization_errors():
             # Another claimer moved a row we were about to lock (see queries.py). Checked
             # before connection errors: SerializationFailure is an OperationalError too, but
             # the session is fine.
             relay.stats.add(serialization_retries=1)
             relay.observer.failed("serialization")
+            self.state.to(Phase.BACKING_OFF)
             self.waits.wait(jitter_s())
         except connection_errors(ConnectError) as exc:
             relay.stats.add(connection_retries=1)
@@ -215,9 +216,10 @@ class Worker:
         on the worker's session before its next run (`BatchLoop.repair`). Run as a step of its
         own, so a lost session or a 40001 meanwhile is handled as anywhere else (the repair
         is one transaction per batch; without a session, the rows are claimed and sent again)."""
-        exc, self.mark_failure = self.mark_failure, None
+        state = self.state
+        exc, state.mark_failure = state.mark_failure, None
         if self.conn is None or self.conn.closed:
-            self.loop.unmarked = []
+            state.unmarked = []
             return
         self.loop.repair(self.conn, exc)
 
@@ -237,13 +239,13 @@ class Worker:
         self.listener.close()
         self.conn = None
         self.lease.lost()
+        self.state.to(Phase.CONNECTING)
 
     def _back_off(self, *, keep_session: bool = False) -> None:
         """`keep_session` (the broker is away, PostgreSQL is not): the session is kept alive
         through the wait, or dropped before the wake-up when it was lost anyway, so that the
         wake-up tries the broker instead of failing on a dead session (relay/outage_wait.py)."""
-        delay = self.relay.backoff(self.failures)
-        self.failures += 1
+        delay = self.relay.backoff(self.state.back_off())
         conn = self.conn
         if keep_session and conn is not None and not conn.closed:
             if not back_off_keeping_session(self.waits.wait, delay, conn):
@@ -252,28 +254,12 @@ class Worker:
             return
         self.waits.wait(delay)
 
-    def _step(self) -> bool:  # noqa: PLR0911 - one return per reason the loop ends or waits
+    def _step(self) -> bool:
+        """Open what is missing, keep the shard lease, then one run of batches. True = this
+        worker is done."""
         relay, options, lease = self.relay, self.relay.options, self.lease
         if self.conn is None:
-            timeout_s = options.dead_session_s
-            self.conn = relay.connect_worker()
-            keepalive.configure_session(self.conn, timeout_s, options.poll_interval_s)
-            self.fence.lost()
-            # The planner cannot know that `mod(id, n) = ANY(mine)` keeps 1/n of the rows; it
-            # guesses 0.5 % and picks "scan the whole partition, then sort" over walking the
-            # id index — 40 ms instead of 0.5 ms per claim at 100k rows. Every statement of
-            # this session wants index order, so sorting is ruled out for the session.
-            self.conn.execute(queries.claim_session_settings())
-            # The hot path prepares its own statements (relay/wire.py). psycopg's automatic
-            # preparing stays off on this session: with statements of its own prepared, a
-            # ROLLBACK through psycopg makes it send DEALLOCATE ALL, which would take ours too.
-            self.conn.prepare_threshold = None
-            self.wire = wire.Wire(self.conn)
-            self.loop.new_session(self.conn, self.wire)
-            self._listen()
-            relay.conns[self.index] = self.conn
-            lease.lost()
-            self.flag.session_lost()
+            self._open_session()
         if self.sink is None:
             self.sink = relay.sink_factory()
         now = time.monotonic()
@@ -289,29 +275,35 @@ class Worker:
                 return True  # every shard belongs to another live session
             self._sleep()
             return False
-        loop = self.loop
-        if loop.pause_s:
-            pause, loop.pause_s = loop.pause_s, 0.0
-            self.waits.wait(pause)
+        state = self.state
+        if state.pause_s:
+            self.waits.wait(state.unpark())
             return False
         source = relay.state.current
-        empty_after = loop.run(source, self.sink)
-        self.failures = 0
-        if loop.later or loop.unmarked:
+        state.to(Phase.CLAIMING)
+        empty_after = self.loop.run(source, self.sink)
+        state.served()
+        return self._after_run(source, empty_after)
+
+    def _after_run(self, source: queries.Source, empty_after: int | None) -> bool:
+        """A run ended: retry bad rows, look up, prove the source drained, switch, or go idle.
+        True = this worker is done."""
+        relay, options, state = self.relay, self.relay.options, self.state
+        if state.later or state.unmarked:
             # Bad rows: the backlog is gone, their turn before any idle wait. A mark that
             # failed as the run ended: repaired first (`_step_guarded`).
-            loop.retry_bad_rows()
+            self.loop.retry_bad_rows()
             return False
         if empty_after is None:
             self.flag.looked_up()
             return False  # stopped, rebalance due or source switched: back to the top
-        after = empty_after
         switching_from_flat = relay.state.mode is Mode.switching and source is relay.state.flat
-        drained_proof_needed = options.until_empty or switching_from_flat
-        if after > 0 and drained_proof_needed:
+        if empty_after > 0 and (options.until_empty or switching_from_flat):
             # Empty above the frontier is not empty: prove it with a claim from id 0.
             self.cursor.force_full_rescan()
             return False
+        if switching_from_flat:
+            state.to(Phase.SWITCHING)
         if source is relay.state.flat and relay.state.try_switch(self.conn):
             return False
         if options.until_empty and relay.nothing_left(self.conn):
@@ -319,6 +311,29 @@ class Worker:
         keepalive.arm_idle_timeout(self.conn)
         self._idle(source)
         return False
+
+    def _open_session(self) -> None:
+        """(Re)open the claim session, its wire and LISTEN session; the shards are taken anew."""
+        relay, options, lease = self.relay, self.relay.options, self.lease
+        timeout_s = options.dead_session_s
+        self.conn = relay.connect_worker()
+        keepalive.configure_session(self.conn, timeout_s, options.poll_interval_s)
+        self.fence.lost()
+        # The planner cannot know that `mod(id, n) = ANY(mine)` keeps 1/n of the rows; it
+        # guesses 0.5 % and picks "scan the whole partition, then sort" over walking the
+        # id index — 40 ms instead of 0.5 ms per claim at 100k rows. Every statement of
+        # this session wants index order, so sorting is ruled out for the session.
+        self.conn.execute(queries.claim_session_settings())
+        # The hot path prepares its own statements (relay/wire.py). psycopg's automatic
+        # preparing stays off on this session: with statements of its own prepared, a
+        # ROLLBACK through psycopg makes it send DEALLOCATE ALL, which would take ours too.
+        self.conn.prepare_threshold = None
+        self.wire = wire.Wire(self.conn)
+        self.loop.new_session(self.conn, self.wire)
+        self._listen()
+        relay.conns[self.index] = self.conn
+        lease.lost()
+        self.flag.session_lost()
 
     def _look_at_names(self) -> None:
         """A mark fell short: stop the relay (`NamesMoved`) if a name of the source in use no
@@ -336,6 +351,7 @@ class Worker:
         flag up, so the wake-up trigger notifies (relay/notify.py)."""
         if self.cursor.due(time.monotonic()):
             return  # a claim below the cursor is due (a late row may be visible): no sleep
+        self.state.to(Phase.IDLE)
         if self.flag.idle() is Idle.RAISE:
             if self._raise_idle_flag(source):
                 return  # claim once more with the flag up, then sleep
@@ -379,16 +395,11 @@ class Worker:
         if relisten and self._relisten():
             return True
         if not listener.listening:
-            self.blocked = True
+            self.state.blocked = True
             return self.waits.wait(timeout)
         woken = listener.poll(timeout)  # reads what libpq and the socket hold first
-        self.blocked = listener.blocked
+        self.state.blocked = listener.blocked
         return woken
-
-    def _idle_sleep(self, timeout_s: float | None) -> tuple[bool, bool]:
-        """`_sleep` for a run of batches: (woken, whether the wait blocked)."""
-        woken = self._sleep(timeout_s)
-        return woken, self.blocked
 
     def _relisten(self) -> bool:
         """The LISTEN session was lost (`Listener.poll`): listen again. True when it worked:

@@ -2,10 +2,8 @@
 
 The flag is a session advisory lock (relay/notify.py): while a relay holds it, the wake-up
 trigger notifies at every writer's commit; while the relay claims, writers commit without a
-NOTIFY. Deciding when it goes up and down took seven mutable fields of the worker changed in
-six of its methods; here they are one object with one method per event, and no I/O: the
-worker sends the lock statements this returns and reports what came back — so the rules are
-unit-tested without a server (tests/unit/relay/test_idle_flag.py).
+NOTIFY. One method per event and no I/O: the worker sends the lock statements this returns
+and reports what came back, so the rules are unit-tested without a server.
 
 It must not: talk to PostgreSQL, sleep, or know about batches beyond their row counts.
 """

@@ -1,11 +1,11 @@
 """A worker's LISTEN session, waited on by the worker itself: notifications wake an idle worker.
 
 Why a session per worker, polled by the worker thread: a listener thread handing wake-ups over
-through a lock cost a GIL hand-off and ~40 µs of CPU per wake-up at 1,000 msg/s
-(docs/relay.md). Why not LISTEN on the claim session itself: the server delivers notifications
-to a session only between its transactions, and a worker that published a trickle sleeps with
-that batch's mark and COMMIT sent but their results unread (pipeline mode: they are read with
-the next claim's, in one wake-up). The LISTEN session is never in a transaction.
+through a lock would cost a GIL hand-off per wake-up. Why not LISTEN on the claim session
+itself: the server delivers notifications to a session only between its transactions, and a
+worker that published a trickle sleeps with that batch's mark and COMMIT sent but their results
+unread (pipeline mode: they are read with the next claim's, in one wake-up). The LISTEN session
+is never in a transaction.
 
 It owns the session and its poller (its socket and the relay's stop pipe); the notified ids go
 to the worker's cursor through `notified`, which says whether they call for a claim. Every

@@ -1,40 +1,23 @@
 """A worker's second session: it claims the next batch while the current one is published.
 
-Why. A batch is claim → publish → mark → commit, and on one session those steps are strictly
-serial: while the relay builds and publishes batch k the server waits, and while the server
-marks k and claims k+1 the relay waits. Draining a backlog, each side is idle about half of
-the time (measured: the relay's own CPU was 0.9 s of a 1.8 s drain of 300,000 rows at batch
-1000). With a second session the claim of k+1 runs on the server while the relay publishes k,
-and k's mark and COMMIT run while the relay publishes k+1: the two halves overlap instead of
-adding up (bench/relay.py, section 1). With a broker that takes milliseconds to acknowledge,
-the next claim hides behind that wait too.
+On one session claim → publish → mark → commit are strictly serial: while the relay publishes
+batch k the server waits, and while the server marks k and claims k+1 the relay waits. Here
+the claim of k+1 runs on the server while the relay publishes k (and behind a broker's
+acknowledgement), batches alternating between the worker's lease session and this one, each
+in a transaction of the session that claimed it (relay/batch_loop.py; docs/relay.md,
+"Read-ahead"). Why it is safe:
 
-Batches alternate between the worker's lease session (the one holding its shard locks) and
-this one, each batch in a transaction of the session that claimed it; the worker keeps
-everything else on the lease session (relay/batch_loop.py, `_publish_run`).
+* Only a plain range claim runs ahead — ids above the last one in hand, same shards — so the
+  two sessions never lock or move each other's rows ("tuple to be locked was already moved"
+  needs the same row). Gap probes, rescans, horizons, notified ids, the idle flag and the
+  rebalance stay on the lease session; the worker stops reading ahead when one is due.
+* Only with `--ordering none`, integer ids, and while claims come back full: publishing stays
+  one batch at a time in id order. The fence is proven only by the lease session's claims.
+* A rejection, stop, rebalance or switch rolls the read-ahead back unpublished; any error
+  closes both sessions (the server rolls back what they held) and the worker starts over.
 
-Why it is safe:
-
-* Only a plain *range* claim runs ahead: `id > the last id of the batch in hand`, in the same
-  shards. The batch in hand holds ids up to that bound, so the two sessions never try to lock
-  each other's rows; a row moved by one session's mark is never visited by the other's
-  claim (the "tuple to be locked was already moved" error needs the same row).
-* Whatever needs the cursor's bookkeeping or the lease — gap probes, rescans from id 0,
-  horizons, notified ids, the idle flag, the rebalance — is not read ahead: the worker stops
-  reading ahead whenever one of them is due, lets this session's last batch commit, and
-  claims on the lease session as before.
-* Read-ahead is used only with `--ordering none` and integer ids, and only while claims come
-  back full (a backlog): publishing stays one batch at a time, in id order, so it changes
-  when rows are claimed, not what is delivered or in which order.
-* The fence is proven only by claims on the lease session (relay/fencing.py): a batch claimed
-  here is published only while the lease session's last proof allows it.
-* A batch whose publish is rejected, or a stop, rebalance or switch, rolls the read-ahead
-  back unpublished: its rows are claimed again later. Any error on this session is raised like
-  one of the lease session's; the worker then closes both sessions (the server rolls back
-  whatever they held) and starts over.
-
-This session holds no shard lock, so the server's idle-session timeout — which exists to free
-a silent relay's shards — is off here; the idle-in-transaction timeout and keepalives stay.
+This session holds no shard lock, so the server's idle-session timeout (which frees a silent
+relay's shards) is off here; the idle-in-transaction timeout and keepalives stay.
 """
 
 from __future__ import annotations

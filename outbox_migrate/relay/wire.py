@@ -1,12 +1,9 @@
 """The worker's hot path at the libpq level: prepared statements in one pipeline.
 
-Why not psycopg's own pipeline (`conn.pipeline()` + `conn.execute`)? Measured on the 2-vCPU
-VM: one steady-state batch cycle (BEGIN, claim, Sync, fetch, mark, COMMIT, Sync) costs about
-440 µs of CPU through psycopg's Cursor and generator machinery — every `execute` builds a
-cursor, converts the query and polls the socket twice to send it on its own — against about
-100 µs when the same statements go out through `psycopg.pq` directly and leave in one network
-write. At 1,000 msg/s with small batches that per-batch cost is the relay's CPU bill
-(docs/relay.md, "Wake-ups, linger and late rows").
+Why not psycopg's own pipeline (`conn.pipeline()` + `conn.execute`)? Every `execute` builds a
+cursor, converts the query and polls the socket twice to send that one statement; here a
+batch's statements leave in one network write. With small batches that per-batch cost is the
+relay's CPU bill (bench/README.md, "Accelerators: on and off in one run").
 
 What stays psycopg's: the connection (its settings, keepalives, cancel), the row loading
 (`Transformer`, so claimed rows have exactly the types `conn.execute` would give), the error
