@@ -39,7 +39,7 @@ from outbox_migrate.patterns.kinds.dead_letter_tables import (
     ATTEMPTS_TABLE_SUFFIX,
     DEAD_LETTER_TABLE,
 )
-from outbox_migrate.relay.cdc.options import DEFAULT_PUBLICATION
+from outbox_migrate.relay.options import DEFAULT_PUBLICATION
 from outbox_migrate.table_privileges import SWITCHING_PATTERNS, read_table_privileges
 
 LEDGER_SCHEMA = "outbox_migrate"

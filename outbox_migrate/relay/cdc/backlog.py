@@ -22,9 +22,9 @@ from psycopg import sql
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay.cdc.delivery import Interrupted
 from outbox_migrate.relay.cdc.rows import RowReader
-from outbox_migrate.relay.cdc.stats import CdcStats
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
+from outbox_migrate.relay.run_stats import CdcStats
 
 ID_FETCH_ROWS = 10_000
 """Ids fetched per round trip while the snapshot is imported."""

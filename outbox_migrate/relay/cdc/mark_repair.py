@@ -35,10 +35,10 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages, log_dead
 from outbox_migrate.relay.cdc.rows import RowReader
-from outbox_migrate.relay.cdc.stats import CdcStats
 from outbox_migrate.relay.mark_repair import _mark_in_halves, remove_dead
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.metrics import Observer
+from outbox_migrate.relay.run_stats import CdcStats
 
 log = logging.getLogger("outbox_migrate.relay")
 

@@ -60,14 +60,13 @@ from outbox_migrate.relay.cdc.crash_guard import RunMarker
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
 from outbox_migrate.relay.cdc.mark_repair import MarkRepair
 from outbox_migrate.relay.cdc.marks import MarkSession
-from outbox_migrate.relay.cdc.options import CdcOptions
 from outbox_migrate.relay.cdc.rows import RowReader
 from outbox_migrate.relay.cdc.session import StreamSession
-from outbox_migrate.relay.cdc.stats import CdcStats, Unconfirmed
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost
 from outbox_migrate.relay.errors import RelayError, RelayFailed, SinkUnavailable
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
-from outbox_migrate.relay.options import ATTEMPTS_TABLE_SUFFIX
+from outbox_migrate.relay.options import ATTEMPTS_TABLE_SUFFIX, CdcOptions
+from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed
 from outbox_migrate.relay.sinks import SinkFactory
 
 __all__ = ["CdcRelay", "CdcStats", "running"]

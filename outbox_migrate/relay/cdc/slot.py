@@ -13,7 +13,6 @@ pay for being decoded and sent twice.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,16 +20,7 @@ from psycopg import sql
 
 from outbox_migrate.relay.errors import RelayError
 
-NAME = re.compile(r"[a-z0-9_]{1,63}\Z")
-"""Slot names must match this (PostgreSQL's rule); publications are held to it too, so the
-`publication_names` option needs no quoting."""
 FAILOVER_MIN_VERSION = 170000
-
-
-def check_name(kind: str, name: str) -> str:
-    if not NAME.match(name):
-        raise RelayError(f"{kind} name {name!r}: use 1-63 lower-case letters, digits or _")
-    return name
 
 
 @dataclass(frozen=True)
