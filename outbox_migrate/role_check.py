@@ -33,8 +33,7 @@ from psycopg import Connection, sql
 
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import ExitCode, OutboxMigrateError, UsageError
-from outbox_migrate.lock_budget import SEE_OTHER_SESSIONS
+from outbox_migrate.errors import SEE_OTHER_SESSIONS, ExitCode, OutboxMigrateError, UsageError
 from outbox_migrate.patterns.kinds.dead_letter_tables import (
     ATTEMPTS_TABLE_SUFFIX,
     DEAD_LETTER_TABLE,

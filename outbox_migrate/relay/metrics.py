@@ -26,7 +26,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.errors import RelayError
 
 HEALTH_STALE_S = 60.0
 READY_STALE_S = 40.0

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.errors import RelayError
 
 DEFAULT_BATCH_SIZE = 500
 MAX_BATCH_SIZE = 100_000

@@ -35,7 +35,7 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages, log_dead
 from outbox_migrate.relay.cdc.rows import RowReader
-from outbox_migrate.relay.mark_repair import _mark_in_halves, remove_dead
+from outbox_migrate.relay.mark_repair import mark_in_halves, remove_dead
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.run_stats import CdcStats
@@ -116,9 +116,9 @@ class MarkRepair:
             rest = [tid for tid in tids if tid not in alone]
             failed: dict[str, str] = {}
             for tid in alone:
-                failed.update(_mark_in_halves(conn, source, [tid]))
+                failed.update(mark_in_halves(conn, source, [tid]))
             if rest:
-                failed.update(_mark_in_halves(conn, source, rest))
+                failed.update(mark_in_halves(conn, source, rest))
             marked = {tids[tid] for tid in tids if tid not in failed}
             if failed:
                 letters = self._count(conn, source, failed, tids)

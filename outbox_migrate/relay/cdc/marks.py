@@ -33,10 +33,10 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import one_line
+from outbox_migrate.errors import RelayFailed
 from outbox_migrate.patterns import marker
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.cdc.mark_repair import MarkRepair
-from outbox_migrate.relay.errors import RelayFailed
 from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.run_stats import CdcStats

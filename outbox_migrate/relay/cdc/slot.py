@@ -18,7 +18,7 @@ from typing import Any
 
 from psycopg import sql
 
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.errors import RelayError
 
 FAILOVER_MIN_VERSION = 170000
 

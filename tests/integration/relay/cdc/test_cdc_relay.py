@@ -18,8 +18,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from outbox_migrate.errors import SinkUnavailable
 from outbox_migrate.relay.cdc.relay import running
-from outbox_migrate.relay.errors import SinkUnavailable
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.metrics import CdcObserver
 from outbox_migrate.testing.schema import insert_rows
