@@ -39,6 +39,7 @@ from outbox_migrate.relay.mark_repair import mark_in_halves, remove_dead
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.run_stats import CdcStats
+from outbox_migrate.sql import query
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -163,9 +164,7 @@ def _lock(source: queries.Source, *, skip: bool) -> sql.Composed:
     those another session holds (`skip`), or just read (to find the ones skipped)."""
     ident = sql.Identifier(source.id_column)
     locking = sql.SQL(" ORDER BY {}, ctid FOR UPDATE SKIP LOCKED").format(ident)
-    return sql.SQL(
-        "SELECT ctid::text, {id} FROM {table} WHERE {id} = ANY(%(ids)s::int8[]){same}{locking}"
-    ).format(
+    return query("cdc", "repair-lock").compose(
         table=source.claim_ident,
         id=ident,
         same=source.same_relation(),

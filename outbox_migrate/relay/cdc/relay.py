@@ -67,6 +67,7 @@ from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import ATTEMPTS_TABLE_SUFFIX, CdcOptions
 from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed
 from outbox_migrate.relay.sinks import SinkFactory
+from outbox_migrate.sql import query
 
 __all__ = ["CdcRelay", "CdcStats", "running"]
 
@@ -383,9 +384,9 @@ class CdcRelay:
 
     def _set_backlog_done(self, conn: Any) -> None:
         conn.execute(
-            sql.SQL("COMMENT ON PUBLICATION {} IS {}").format(
-                sql.Identifier(self.options.publication),
-                sql.Literal(READY_COMMENT.format(slot=self.options.slot)),
+            query("cdc", "comment-publication").compose(
+                publication=sql.Identifier(self.options.publication),
+                comment=sql.Literal(READY_COMMENT.format(slot=self.options.slot)),
             )
         )
 
