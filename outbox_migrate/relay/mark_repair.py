@@ -22,7 +22,10 @@ Runs in its own transaction on the worker's session (no pipeline), never waits o
 (`SKIP LOCKED`: a row another relay holds is its business now). Both delivery styles repair
 through this module's public functions: the polling worker through `repair`, `mark_suspects`
 and `settle_dead`, the CDC marks (relay/cdc/mark_repair.py) through `mark_in_halves` and
-`remove_dead`.
+`remove_dead`. Its statements stay here rather than in sql/relay.sql: each is several commands
+sent as one simple query (savepoint, mark or delete, release; lock, key lookup, SET
+CONSTRAINTS, savepoint) around the outbox's marker and a tid literal, so one round trip is
+the point of their shape and they read best beside the bisection that sends them.
 """
 
 from __future__ import annotations
