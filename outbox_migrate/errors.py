@@ -1,13 +1,31 @@
-"""Errors that carry facts, and the exit code each maps to.
+"""The package's one error hierarchy: errors that carry facts, and the exit code each maps to.
 
 Core code raises these and never prints or exits; the CLI turns them into one line on stderr
 and the exit code below. Messages must never contain a password: anything derived from a DSN
-goes through `outbox_migrate.dsn.mask` before it lands here.
+goes through `outbox_migrate.dsn.mask` before it lands here. Sections: the shared base and
+input errors; the runner's (steps, the lock budget and the sessions that block it); the
+maintenance job's; the relay's and its sinks'. Below every other module, so any of them can
+raise any of these.
+
+The relay's: `SinkUnavailable` means "nothing in this batch can be trusted as delivered; retry
+later with backoff" (broker down, timeout) — except the ids it names as `acknowledged`, when
+the sink knows them (the HTTP sink, whose publish ran out of its time after some 2xx answers):
+the relay marks those and claims the rest again, so they are not sent twice.
+`MessagesRejected` means "these ids were refused, the rest were acknowledged": the relay marks
+the acknowledged ones and counts attempts for the others. `UnrepresentableMessage` means "this
+one message cannot be put in the form the sink sends" (a raw bytes payload in a JSON
+envelope): a rejection of that message, never an outage. Message ids are `int | str`
+(`relay.message.MessageId`: a database id, or an application id as text).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import IntEnum
+
+SEE_OTHER_SESSIONS = "pg_read_all_stats"
+"""The predefined role whose members see every session's activity (`pg_monitor` includes it)."""
 
 
 class ExitCode(IntEnum):
@@ -100,3 +118,256 @@ class NothingRecorded(OutboxMigrateError):
     a CI gate must not pass on nothing (a typo in --table, the wrong database)."""
 
     exit_code = ExitCode.FAILED
+
+
+# -- the runner: steps, the lock budget, the sessions that block it ----------------------
+
+
+@dataclass(frozen=True)
+class Blocker:
+    """A session holding a lock our step needs (from pg_locks + pg_stat_activity)."""
+
+    pid: int
+    application_name: str
+    state: str
+    xact_age_s: float | None
+    mode: str
+    relation: str
+    hidden_from: str = ""
+    """The role we run as, when the session is another role's and its activity (state,
+    transaction start) is hidden from it; empty when we see it."""
+
+    def describe(self) -> str:
+        age = f", transaction open {self.xact_age_s:.1f} s" if self.xact_age_s is not None else ""
+        app = self.application_name or "(no application_name)"
+        state = (
+            f"state hidden from {self.hidden_from}: {grant_to_see(self.hidden_from)}"
+            if self.hidden_from
+            else self.state
+        )
+        return f"pid {self.pid} ({app}, {state}{age}, {self.mode} on {self.relation})"
+
+
+def grant_to_see(role: str) -> str:
+    """What lets `role` see other roles' sessions: the one-line advice of every refusal."""
+    return (
+        f"GRANT {SEE_OTHER_SESSIONS} TO {role} (or pg_monitor), or run as a role that can see them"
+    )
+
+
+class LockBudgetExceeded(OutboxMigrateError):
+    exit_code = ExitCode.LOCK_BUDGET
+
+    def __init__(
+        self, step_id: str, attempts: int, waited_s: float, blockers: list[Blocker]
+    ) -> None:
+        self.step_id = step_id
+        self.attempts = attempts
+        self.waited_s = waited_s
+        self.blockers = blockers
+        who = "; blocked by " + ", ".join(b.describe() for b in blockers[:3]) if blockers else ""
+        super().__init__(
+            f"{step_id}: could not take its locks in {attempts} "
+            f"attempt{'' if attempts == 1 else 's'} over {waited_s:.1f} s"
+            f"{who}; nothing was applied — retry when they finish"
+        )
+
+
+class PreconditionFailed(OutboxMigrateError):
+    exit_code = ExitCode.PRECONDITION
+
+    def __init__(self, step_id: str, condition: str, observed: str) -> None:
+        self.step_id = step_id
+        self.condition = condition
+        self.observed = observed
+        super().__init__(f"{step_id}: precondition {condition} failed: {observed}")
+
+
+class LongTransactionsPresent(OutboxMigrateError):
+    exit_code = ExitCode.LOCK_BUDGET
+
+    def __init__(self, step_id: str, blockers: list[Blocker]) -> None:
+        self.step_id = step_id
+        self.blockers = blockers
+        seen = [b for b in blockers if not b.hidden_from]
+        if seen:
+            message = (
+                f"{step_id}: refusing to queue an ACCESS EXCLUSIVE lock behind "
+                + ", ".join(b.describe() for b in seen[:3])
+                + "; every writer would stall behind it — end them or use --on-long-tx wait"
+            )
+        else:
+            # Their state is hidden from our role: "no long transaction" is not known, so the
+            # guard refuses rather than pass on what it cannot see.
+            message = (
+                f"{step_id}: cannot tell whether the sessions holding locks it needs are long "
+                "transactions: "
+                + ", ".join(b.describe() for b in blockers[:3])
+                + "; nothing was applied"
+            )
+        super().__init__(message)
+
+
+class RunnerBusy(OutboxMigrateError):
+    exit_code = ExitCode.BUSY
+
+    def __init__(self, table: str, holder: str) -> None:
+        super().__init__(f"another runner is migrating {table}: {holder}")
+
+
+class StepChanged(OutboxMigrateError):
+    exit_code = ExitCode.USAGE
+
+    def __init__(self, step_id: str, recorded: str, current: str) -> None:
+        super().__init__(
+            f"{step_id} was applied with definition {recorded} but is now {current}; "
+            "the catalog or configuration changed after the step ran — restore it, or "
+            "`outbox-migrate reset` to start over deliberately"
+        )
+
+
+class StepFailed(OutboxMigrateError):
+    exit_code = ExitCode.FAILED
+
+    def __init__(self, step_id: str, error: str) -> None:
+        self.step_id = step_id
+        super().__init__(f"{step_id} failed: {error}; it was rolled back, fix and re-run")
+
+
+class OutOfOrder(UsageError):
+    """A phase asked for before the deploy that must precede it."""
+
+
+class VerifyFailed(OutboxMigrateError):
+    exit_code = ExitCode.FAILED
+
+    def __init__(self, phase: str, violations: list[str]) -> None:
+        self.violations = violations
+        more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""
+        super().__init__(f"invariants of phase {phase} do not hold: {violations[0]}{more}")
+
+
+# -- the maintenance job ---------------------------------------------------------------
+
+
+class MaintenanceError(OutboxMigrateError):
+    """Maintenance cannot run as asked (missing table, unavailable measurement)."""
+
+    exit_code = ExitCode.USAGE
+
+
+class ReindexRefused(OutboxMigrateError):
+    """A REINDEX CONCURRENTLY was not started because a transaction would block it."""
+
+    exit_code = ExitCode.PRECONDITION
+
+
+class ReindexFailed(OutboxMigrateError):
+    """REINDEX CONCURRENTLY failed; any invalid leftover index has been dropped."""
+
+    exit_code = ExitCode.FAILED
+
+
+class MaintenanceProblems(OutboxMigrateError):
+    """A pass finished but left something for an operator (refused or failed rebuild)."""
+
+    def __init__(self, problems: list[str], *, failed: bool) -> None:
+        self.problems = problems
+        self.exit_code = ExitCode.FAILED if failed else ExitCode.PRECONDITION
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        super().__init__(f"{problems[0]}{more}")
+
+
+# -- the relay and its sinks -----------------------------------------------------------
+
+
+class RelayError(OutboxMigrateError):
+    """The relay cannot run as configured (bad sink options, missing table or column)."""
+
+    exit_code = ExitCode.USAGE
+
+
+class RelayFailed(OutboxMigrateError):
+    """The relay stopped on a fault met while running (exit 1): not bad input, which is
+    refused before any work starts (`RelayError`, exit 2)."""
+
+    exit_code = ExitCode.FAILED
+
+
+class SinkCrashed(RelayFailed):
+    """The sink raised something outside its protocol (not a `SinkError`: a serializer's bug,
+    a client library's assertion) while it held the messages `ids` of source `label`. The
+    relay stops (exit 1) and the attempt counts against those messages (relay/bad_rows.py
+    says why), so one message that breaks a sink does not stop the outbox for ever."""
+
+    def __init__(
+        self, sink: str, label: str, ids: Sequence[int | str], cause: BaseException
+    ) -> None:
+        self.label = label
+        self.ids = list(ids)
+        self.reason = crash_reason(cause)
+        super().__init__(f"sink {sink} failed: {self.reason}")
+
+
+def crash_reason(exc: BaseException) -> str:
+    """How a sink's unexpected exception is kept as a message's last error."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+class SinkError(OutboxMigrateError):
+    """Base class for failures reported by a sink."""
+
+    exit_code = ExitCode.FAILED
+
+
+class SinkUnavailable(SinkError):
+    """The broker did not acknowledge the batch; no message of it may be marked published."""
+
+    def __init__(self, sink: str, reason: str, acknowledged: Sequence[int | str] = ()) -> None:
+        self.sink = sink
+        self.reason = reason
+        self.acknowledged = list(acknowledged)
+        """Messages of the batch the broker did acknowledge before the rest failed."""
+        super().__init__(f"sink {sink} unavailable: {reason}")
+
+
+class MessagesRejected(SinkError):
+    """Some messages were refused (permanently or not); every other one was acknowledged."""
+
+    def __init__(self, sink: str, rejected: Mapping[int | str, str]) -> None:
+        self.sink = sink
+        self.rejected = dict(rejected)
+        first = next(iter(self.rejected.items()), (0, ""))
+        super().__init__(
+            f"sink {sink} rejected {len(self.rejected)} message(s), e.g. id {first[0]}: {first[1]}"
+        )
+
+
+class UnrepresentableMessage(SinkError):
+    """A message cannot be rendered the way the sink sends it: its payload is raw bytes (a
+    bytea payload that is not UTF-8) and the sink needs text (a JSON envelope).
+
+    Retrying cannot change the row, so the relay treats it as a rejection of this message
+    alone (counted, then dead-lettered with `reason`); the rest of the batch flows. Raised by
+    `Message.envelope()`, which fills `message_id`; a sink may raise it itself."""
+
+    def __init__(self, reason: str, message_id: int | str | None = None) -> None:
+        self.reason = reason
+        self.message_id = message_id
+        where = "" if message_id is None else f" (id {message_id})"
+        super().__init__(f"message cannot be represented{where}: {reason}")
+
+
+class NamesMoved(RelayFailed):
+    """A name the relay was started with no longer means the relation it meant then (a
+    rename, or its rollback, under a running relay): its marks would reach another table's
+    rows by ctid. The relay stops (exit 1) rather than publish what it can no longer mark."""
+
+
+class MarkFellShort(RelayFailed):
+    """A mark changed fewer rows than the batch claimed and locked: the worker looks at its
+    names (`marker_source.check_names`). Its rows stay unpublished and are claimed again."""
+
+    def __init__(self, label: str, expected: int, changed: int) -> None:
+        self.label = label
+        super().__init__(f"the mark of {expected} claimed row(s) of {label} changed {changed}")

@@ -37,15 +37,13 @@ from psycopg import Connection, errors, sql
 
 from outbox_migrate import __version__
 from outbox_migrate.backoff import backoff_s as shared_backoff_s
-from outbox_migrate.errors import ExitCode, OutboxMigrateError
+from outbox_migrate.errors import Blocker, LockBudgetExceeded
 from outbox_migrate.patterns.model import LockMode
 
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
 BLOCKER_POLL_S = 0.05
 """How often a known conflicting holder is looked for again while we wait for it to go."""
-SEE_OTHER_SESSIONS = "pg_read_all_stats"
-"""The predefined role whose members see every session's activity (`pg_monitor` includes it)."""
 WATCH_APPLICATION_NAME = f"outbox-migrate/{__version__} status --watch"
 """`status --watch`'s sessions: each of its reads holds its lock for less than the lock
 timeout (watch.py), so it is never why an attempt timed out and is never named as a holder.
@@ -76,56 +74,6 @@ _CONFLICTS: dict[LockMode, frozenset[LockMode]] = {
     LockMode.EXCLUSIVE: frozenset(set(LockMode) - {LockMode.ACCESS_SHARE}),
     LockMode.ACCESS_EXCLUSIVE: frozenset(LockMode),
 }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Blocker:
-    """A session holding a lock our step needs (from pg_locks + pg_stat_activity)."""
-
-    pid: int
-    application_name: str
-    state: str
-    xact_age_s: float | None
-    mode: str
-    relation: str
-    hidden_from: str = ""
-    """The role we run as, when the session is another role's and its activity (state,
-    transaction start) is hidden from it; empty when we see it."""
-
-    def describe(self) -> str:
-        age = f", transaction open {self.xact_age_s:.1f} s" if self.xact_age_s is not None else ""
-        app = self.application_name or "(no application_name)"
-        state = (
-            f"state hidden from {self.hidden_from}: {grant_to_see(self.hidden_from)}"
-            if self.hidden_from
-            else self.state
-        )
-        return f"pid {self.pid} ({app}, {state}{age}, {self.mode} on {self.relation})"
-
-
-def grant_to_see(role: str) -> str:
-    """What lets `role` see other roles' sessions: the one-line advice of every refusal."""
-    return (
-        f"GRANT {SEE_OTHER_SESSIONS} TO {role} (or pg_monitor), or run as a role that can see them"
-    )
-
-
-class LockBudgetExceeded(OutboxMigrateError):
-    exit_code = ExitCode.LOCK_BUDGET
-
-    def __init__(
-        self, step_id: str, attempts: int, waited_s: float, blockers: list[Blocker]
-    ) -> None:
-        self.step_id = step_id
-        self.attempts = attempts
-        self.waited_s = waited_s
-        self.blockers = blockers
-        who = "; blocked by " + ", ".join(b.describe() for b in blockers[:3]) if blockers else ""
-        super().__init__(
-            f"{step_id}: could not take its locks in {attempts} "
-            f"attempt{'' if attempts == 1 else 's'} over {waited_s:.1f} s"
-            f"{who}; nothing was applied — retry when they finish"
-        )
 
 
 def conflicts_with(requested: LockMode) -> frozenset[LockMode]:

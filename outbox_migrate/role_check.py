@@ -33,13 +33,12 @@ from psycopg import Connection, sql
 
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import ExitCode, OutboxMigrateError, UsageError
-from outbox_migrate.lock_budget import SEE_OTHER_SESSIONS
+from outbox_migrate.errors import SEE_OTHER_SESSIONS, ExitCode, OutboxMigrateError, UsageError
 from outbox_migrate.patterns.kinds.dead_letter_tables import (
     ATTEMPTS_TABLE_SUFFIX,
     DEAD_LETTER_TABLE,
 )
-from outbox_migrate.relay.cdc.options import DEFAULT_PUBLICATION
+from outbox_migrate.relay.options import DEFAULT_PUBLICATION
 from outbox_migrate.table_privileges import SWITCHING_PATTERNS, read_table_privileges
 
 LEDGER_SCHEMA = "outbox_migrate"

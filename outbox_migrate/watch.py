@@ -32,8 +32,8 @@ from psycopg import sql
 
 from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec, Settings
-from outbox_migrate.errors import SchemaError
-from outbox_migrate.lock_budget import WATCH_APPLICATION_NAME, grant_to_see
+from outbox_migrate.errors import SchemaError, grant_to_see
+from outbox_migrate.lock_budget import WATCH_APPLICATION_NAME
 from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import CheckPoint, LockMode, Step
 from outbox_migrate.runner.session import runner_lock_key

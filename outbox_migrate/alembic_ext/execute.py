@@ -21,12 +21,11 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from outbox_migrate.config import OutboxSpec, Settings, load_settings
-from outbox_migrate.errors import UsageError
+from outbox_migrate.errors import OutOfOrder, UsageError
 from outbox_migrate.lock_budget import AttemptLog
 from outbox_migrate.offline import assertion, cdc_guard, lock_statements, step_sql
 from outbox_migrate.patterns import build_from_settings
 from outbox_migrate.patterns.model import Pattern, Step, TxMode
-from outbox_migrate.runner.errors import OutOfOrder
 from outbox_migrate.runner.events import SilentEvents
 
 if TYPE_CHECKING:

@@ -91,8 +91,7 @@ def maintain(
 
     from outbox_migrate.db import connect
     from outbox_migrate.dsn import resolve
-    from outbox_migrate.errors import OutboxMigrateError, UsageError
-    from outbox_migrate.jobs.errors import MaintenanceProblems
+    from outbox_migrate.errors import MaintenanceProblems, OutboxMigrateError, UsageError
     from outbox_migrate.jobs.maintain import MaintenanceOptions, maintain_loop, maintain_once
 
     if bloat_method not in ("auto", "pgstattuple", "estimate"):

@@ -46,9 +46,10 @@ def drop_slot(dsn: str, spec: OutboxSpec, args: CdcArgs, *, yes: bool) -> None:
     from outbox_migrate.cli.console import text
     from outbox_migrate.db import connect
     from outbox_migrate.relay.cdc import slot
+    from outbox_migrate.relay.options import check_name
 
-    slot.check_name("slot", args.slot)
-    slot.check_name("publication", args.publication)
+    check_name("slot", args.slot)
+    check_name("publication", args.publication)
     with connect(dsn) as conn:
         state = slot.slot_state(conn, args.slot)
         if state is None:
@@ -99,9 +100,9 @@ def run(
     """Run the CDC relay until SIGTERM/SIGINT (or, with --until-empty, until caught up)."""
 
     from outbox_migrate.relay import metrics as relay_metrics
-    from outbox_migrate.relay.cdc.metrics import CdcObserver
-    from outbox_migrate.relay.cdc.options import DEFAULT_LINGER_S, CdcOptions
     from outbox_migrate.relay.cdc.relay import CdcRelay
+    from outbox_migrate.relay.metrics import CdcObserver
+    from outbox_migrate.relay.options import DEFAULT_CDC_LINGER_S, CdcOptions
 
     options = CdcOptions(
         slot=args.slot,
@@ -110,7 +111,7 @@ def run(
         mark=args.mark,
         mark_interval_s=args.mark_interval_s,
         failover=args.failover,
-        linger_s=DEFAULT_LINGER_S if args.linger_s is None else args.linger_s,
+        linger_s=DEFAULT_CDC_LINGER_S if args.linger_s is None else args.linger_s,
         until_caught_up=until_empty,
         lag_warn_bytes=args.lag_warn_mb * 1024 * 1024,
         max_attempts=max_attempts,

@@ -70,7 +70,7 @@ def roles(
     from outbox_migrate.db import connect
     from outbox_migrate.dsn import resolve
     from outbox_migrate.errors import UsageError
-    from outbox_migrate.relay.cdc.options import DEFAULT_PUBLICATION
+    from outbox_migrate.relay.options import DEFAULT_PUBLICATION
 
     spec = settings_from(**(names or {})).spec
     resolved = resolve(dsn)

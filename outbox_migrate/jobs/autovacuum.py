@@ -81,7 +81,8 @@ def ensure(
     assignments = sql.SQL(", ").join(
         sql.SQL("{} = {}").format(sql.Identifier(k), sql.Literal(v)) for k, v in expected.items()
     )
-    from outbox_migrate.lock_budget import LockBudget, LockBudgetExceeded, run_with_lock_budget
+    from outbox_migrate.errors import LockBudgetExceeded
+    from outbox_migrate.lock_budget import LockBudget, run_with_lock_budget
 
     statement = sql.SQL("ALTER TABLE {} SET ({})").format(table.ident, assignments)
     try:

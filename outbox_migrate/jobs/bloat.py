@@ -23,7 +23,7 @@ from typing import Any, Literal
 import psycopg
 from psycopg import sql
 
-from outbox_migrate.jobs.errors import MaintenanceError
+from outbox_migrate.errors import MaintenanceError
 
 BTREE_DEFAULT_FILLFACTOR_PCT = 90
 PAGE_HEADER_BYTES = 24

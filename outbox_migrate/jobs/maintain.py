@@ -30,11 +30,15 @@ from psycopg import sql
 
 from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import OutboxMigrateError
+from outbox_migrate.errors import (
+    MaintenanceError,
+    OutboxMigrateError,
+    ReindexFailed,
+    ReindexRefused,
+)
 from outbox_migrate.jobs import autovacuum, bloat, common, reindex, retention, time_partitions
 from outbox_migrate.jobs.autovacuum import DEFAULT_EVERY_ROWS
 from outbox_migrate.jobs.common import Relation
-from outbox_migrate.jobs.errors import MaintenanceError, ReindexFailed, ReindexRefused
 from outbox_migrate.jobs.reindex import DEFAULT_MAX_XACT_AGE_S, DEFAULT_REINDEX_LOCK_TIMEOUT_MS
 from outbox_migrate.jobs.retention import DEFAULT_BATCH_BLOCKS, DEFAULT_MAX_ROWS_PER_S
 from outbox_migrate.patterns import marker

@@ -20,8 +20,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.errors import ReindexFailed, ReindexRefused
 from outbox_migrate.jobs.common import Relation
-from outbox_migrate.jobs.errors import ReindexFailed, ReindexRefused
 
 DEFAULT_MAX_XACT_AGE_S = 60.0
 """A transaction older than this makes us refuse to start a REINDEX CONCURRENTLY."""
@@ -86,7 +86,7 @@ def hidden_open_transactions(conn: psycopg.Connection[Any]) -> list[Blocker]:
     pg_read_all_stats) and that stay open across `HIDDEN_SAMPLE_S`: the same virtual
     transaction id in pg_locks (visible to every role) at both looks. Sessions without a role
     (autovacuum) are not clients."""
-    from outbox_migrate.lock_budget import grant_to_see
+    from outbox_migrate.errors import grant_to_see
 
     def look() -> dict[tuple[int, str], str]:
         rows = conn.execute(

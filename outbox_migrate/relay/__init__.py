@@ -7,7 +7,7 @@ it. Importing this package is cheap (no psycopg, no broker client) so `--help` s
 
 from __future__ import annotations
 
-from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkError, SinkUnavailable
+from outbox_migrate.errors import MessagesRejected, RelayError, SinkError, SinkUnavailable
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions, SwitchGate
 

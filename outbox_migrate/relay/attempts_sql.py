@@ -2,8 +2,9 @@
 
 Apart from relay/queries.py (the claim, the mark, the shards): one place says how a failure is
 counted and how a message is kept, so the polling and the CDC relay cannot drift apart again.
-Builders return inert `Composed` objects; identifiers go through `sql.Identifier`, values are
-bound parameters. Ids are `int8`, or `text` for an outbox with application ids (`text_ids`).
+Builders return inert `Composed` objects of the named statements in sql/relay.sql; identifiers
+go through `sql.Identifier`, values are bound parameters. Ids are `int8`, or `text` for an
+outbox with application ids (`text_ids`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from outbox_migrate.patterns.kinds.dead_letter_tables import (
     create_dead_letter,
     id_sql_type,
 )
+from outbox_migrate.sql import query
 
 __all__ = ["create_attempts", "create_dead_letter", "id_sql_type"]
 """The tables' DDL is the migration's step's (patterns/kinds/dead_letter_tables.py): the relay
@@ -51,12 +53,17 @@ REASONS_KEPT = 20
 """An attempts row keeps the last this many reasons (a crash loop must not grow it for ever)."""
 
 
+def _named(name: str, schema: str, table: str, text_ids: bool = False, **parts: sql.Composable
+           ) -> sql.Composed:  # fmt: skip
+    return query("relay", name).compose(
+        table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids), **parts
+    )
+
+
 def columns_of(schema: str, table: str) -> sql.Composed:
     """Each column of a table and its type as `format_type` spells it (params: none)."""
-    return sql.SQL(
-        "SELECT attname::text, format_type(atttypid, atttypmod) FROM pg_attribute "
-        "WHERE attrelid = {reg}::regclass AND attnum > 0 AND NOT attisdropped"
-    ).format(reg=sql.Literal(sql.Identifier(schema, table).as_string(None)))
+    reg = sql.Literal(sql.Identifier(schema, table).as_string(None))
+    return query("relay", "columns-of").compose(reg=reg)
 
 
 def _history(history: bool, alias: str = "") -> sql.SQL:
@@ -70,18 +77,12 @@ def _history(history: bool, alias: str = "") -> sql.SQL:
 def attempted(schema: str, table: str, history: bool = True) -> sql.Composed:
     """Counters on record (param: source): id, attempts, last error, reasons, deliveries —
     read at a start."""
-    return sql.SQL(
-        "SELECT id, attempts, last_error, {history} FROM {table} WHERE source_table = %(source)s"
-    ).format(table=sql.Identifier(schema, table), history=_history(history))
+    return _named("attempted", schema, table, history=_history(history))
 
 
 def attempts_of(schema: str, table: str, text_ids: bool, history: bool = True) -> sql.Composed:
     """The counters of some ids (params: source, ids), as `attempted`."""
-    return sql.SQL(
-        "SELECT id, attempts, last_error, {history} FROM {table} "
-        "WHERE source_table = %(source)s AND id = ANY(%(ids)s::{id_type}[])"
-    ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids),
-             history=_history(history))  # fmt: skip
+    return _named("attempts-of", schema, table, text_ids, history=_history(history))
 
 
 def count_attempts(schema: str, table: str, text_ids: bool, history: bool = True) -> sql.Composed:
@@ -90,28 +91,8 @@ def count_attempts(schema: str, table: str, text_ids: bool, history: bool = True
     last REASONS_KEPT) and deliveries. Each id must appear once: an upsert cannot touch one
     row twice (SQLSTATE 21000), so two copies of an id share one attempt (relay/bad_rows.py)."""
     if not history:
-        return sql.SQL(
-            "INSERT INTO {table} AS a (source_table, id, attempts, last_error) "
-            "SELECT %(source)s, r.id, 1, r.error "
-            "FROM unnest(%(ids)s::{id_type}[], %(errors)s::text[]) AS r(id, error) "
-            "ON CONFLICT (source_table, id) DO UPDATE SET attempts = a.attempts + 1, "
-            "last_error = excluded.last_error, updated_at = now() "
-            "RETURNING a.id, a.attempts, NULL::text[], 0"
-        ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids))
-    return sql.SQL(
-        "INSERT INTO {table} AS a (source_table, id, attempts, last_error, reasons, delivered) "
-        "SELECT %(source)s, r.id, 1, r.error, ARRAY[r.error], %(delivered)s "
-        "FROM unnest(%(ids)s::{id_type}[], %(errors)s::text[]) AS r(id, error) "
-        "ON CONFLICT (source_table, id) DO UPDATE SET attempts = a.attempts + 1, "
-        "last_error = excluded.last_error, updated_at = now(), "
-        "reasons = (a.reasons || excluded.reasons)"
-        "[greatest(1, cardinality(a.reasons) + 2 - {kept}):], "
-        "delivered = a.delivered + excluded.delivered "
-        "RETURNING a.id, a.attempts, a.reasons, a.delivered"
-    ).format(
-        table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids),
-        kept=sql.Literal(REASONS_KEPT),
-    )  # fmt: skip
+        return _named("count-attempts-without-history", schema, table, text_ids)
+    return _named("count-attempts", schema, table, text_ids, kept=sql.Literal(REASONS_KEPT))
 
 
 def note_attempts(schema: str, table: str, text_ids: bool, history: bool = True) -> sql.Composed:
@@ -119,31 +100,20 @@ def note_attempts(schema: str, table: str, text_ids: bool, history: bool = True)
     id's attempts so far, reasons and deliveries (the reason replaces the last one kept, which
     the careful count wrote as a placeholder)."""
     reasons = sql.SQL(", reasons = a.reasons[:cardinality(a.reasons) - 1] || r.error")
-    return sql.SQL(
-        "UPDATE {table} AS a SET last_error = r.error, updated_at = now(){reasons} "
-        "FROM unnest(%(ids)s::{id_type}[], %(errors)s::text[]) AS r(id, error) "
-        "WHERE a.source_table = %(source)s AND a.id = r.id "
-        "RETURNING a.id, a.attempts, {history}"
-    ).format(
-        table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids),
-        reasons=reasons if history else sql.SQL(""), history=_history(history, "a."),
-    )  # fmt: skip
+    reasons = reasons if history else sql.SQL("")
+    return _named("note-attempts", schema, table, text_ids, reasons=reasons,
+                  history=_history(history, "a."))  # fmt: skip
 
 
 def uncount_attempts(schema: str, table: str, text_ids: bool) -> sql.Composed:
     """Take back one attempt per id (params: source, ids); returns each id's attempts left."""
-    return sql.SQL(
-        "UPDATE {table} SET attempts = attempts - 1 WHERE source_table = %(source)s "
-        "AND id = ANY(%(ids)s::{id_type}[]) RETURNING id, attempts"
-    ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids))
+    return _named("uncount-attempts", schema, table, text_ids)
 
 
 def forget_attempts(schema: str, table: str, text_ids: bool) -> sql.Composed:
     """Drop the counters of ids that were published or dead-lettered (params: source, ids);
     a counter taken back to zero goes too."""
-    return sql.SQL(
-        "DELETE FROM {table} WHERE source_table = %(source)s AND id = ANY(%(ids)s::{id_type}[])"
-    ).format(table=sql.Identifier(schema, table), id_type=id_sql_type(text_ids))
+    return _named("forget-attempts", schema, table, text_ids)
 
 
 def insert_dead_letter(
@@ -161,26 +131,15 @@ def insert_dead_letter(
         if column in extras:
             names.append(column)
             values.append(value)
-    columns = sql.SQL("").join(sql.SQL(", {}").format(sql.Identifier(n)) for n in names)
-    return sql.SQL(
-        "INSERT INTO {table} (source_table, id, event_type, message_key, payload, "
-        "created_at, attempts, last_error{columns}) VALUES (%(source)s, %(id)s, "
-        "%(event_type)s, %(key)s, %(payload)s, %(created_at)s, %(attempts)s, %(error)s{values}) "
-        "ON CONFLICT (source_table, id) DO NOTHING RETURNING true"
-    ).format(
-        table=sql.Identifier(schema, table),
-        columns=columns,
+    return _named(
+        "insert-dead-letter", schema, table,
+        columns=sql.SQL("").join(sql.SQL(", {}").format(sql.Identifier(n)) for n in names),
         values=sql.SQL("").join(sql.SQL(", " + v) for v in values),
-    )
+    )  # fmt: skip
 
 
 def dead_letters_of(schema: str, table: str) -> sql.Composed:
     """The dead letters kept for one id of a source, its copies included (params: id,
     source, copies — the copies' label prefix): each label and whether it holds exactly
     this message (params: event_type, key, payload, created_at)."""
-    return sql.SQL(
-        "SELECT source_table, event_type IS NOT DISTINCT FROM %(event_type)s "
-        "AND message_key IS NOT DISTINCT FROM %(key)s AND payload::text = %(payload)s::text "
-        "AND created_at = %(created_at)s FROM {table} WHERE id = %(id)s "
-        "AND (source_table = %(source)s OR starts_with(source_table, %(copies)s))"
-    ).format(table=sql.Identifier(schema, table))
+    return _named("dead-letters-of", schema, table)

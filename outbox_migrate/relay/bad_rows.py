@@ -52,6 +52,7 @@ from typing import Any
 from psycopg import sql
 
 from outbox_migrate.db import one_line
+from outbox_migrate.errors import RelayFailed
 from outbox_migrate.relay import attempts_sql, queries
 from outbox_migrate.relay.attempts_sql import (
     ADDED_COLUMNS,
@@ -60,7 +61,6 @@ from outbox_migrate.relay.attempts_sql import (
     HISTORY_COLUMNS,
     PAYLOAD_BYTES_COLUMN,
 )
-from outbox_migrate.relay.errors import RelayFailed
 from outbox_migrate.relay.message import Message, MessageId
 
 log = logging.getLogger("outbox_migrate.relay")

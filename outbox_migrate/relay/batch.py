@@ -15,9 +15,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from outbox_migrate.errors import MarkFellShort
 from outbox_migrate.relay import claimed, queries, wire
 from outbox_migrate.relay.bad_rows import DeadLetter
-from outbox_migrate.relay.errors import MarkFellShort
 from outbox_migrate.relay.message import Message, MessageId
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import RelayError
 from outbox_migrate.relay import queries
-from outbox_migrate.relay.errors import RelayError
 from outbox_migrate.relay.options import Ordering
 
 PAYLOAD_TYPES = ("jsonb", "json", "text", "bytea")

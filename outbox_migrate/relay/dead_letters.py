@@ -16,7 +16,10 @@ lowest requeued id, which makes an idle relay claim from just below it at once (
 rather than at its next look below the cursor.
 
 Statements take the caller's connection; one function, one transaction. Never waits on a lock
-(`lock_timeout`): a dead letter another session is requeueing is skipped.
+(`lock_timeout`): a dead letter another session is requeueing is skipped. The statements are
+named in sql/relay.sql; the pieces composed into them stay here (a selection's conditions, a
+requeue's value per column, each cast to the target's type): which of them appear depends on
+the selection and the target table, so they are parts, not statements.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import UsageError
+from outbox_migrate.sql import query
 
 COPY_SUFFIX = " copy "
 """A second copy of an id is kept under `<source> copy N` (relay/bad_rows.py COPY_LABEL)."""
@@ -86,9 +90,8 @@ def listed(
     payload as text; `payload_bytes` as hex when the payload was raw bytes)."""
     where, params = selection.where()
     rows = conn.execute(
-        sql.SQL("SELECT {cols} FROM {table} d WHERE {where} "
-                "ORDER BY d.created_at, d.id::text LIMIT {limit}").format(
-            cols=sql.SQL(", ").join(sql.SQL("d.{}").format(sql.Identifier(c)) for c in COLUMNS),
+        query("relay", "list-dead-letters").compose(
+            columns=sql.SQL(", ").join(sql.SQL("d.{}").format(sql.Identifier(c)) for c in COLUMNS),
             table=sql.Identifier(schema, table), where=where, limit=sql.Literal(limit),
         ),
         params,
@@ -114,8 +117,8 @@ def purge(conn: Any, schema: str, table: str, selection: Selection) -> list[str]
     with conn.transaction():
         conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
         rows = conn.execute(
-            sql.SQL("DELETE FROM {} d WHERE {} RETURNING d.id::text").format(
-                sql.Identifier(schema, table), where
+            query("relay", "purge-dead-letters").compose(
+                table=sql.Identifier(schema, table), where=where
             ),
             params,
         ).fetchall()
@@ -151,11 +154,11 @@ def requeue(
     with conn.transaction():
         conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
         letters = conn.execute(
-            sql.SQL("SELECT d.source_table, d.id::text FROM {} d WHERE {} "
-                    "ORDER BY d.created_at, d.id::text FOR UPDATE SKIP LOCKED").format(
-                sql.Identifier(schema, table), where),
+            query("relay", "lock-dead-letters").compose(
+                table=sql.Identifier(schema, table), where=where
+            ),
             params,
-        ).fetchall()  # fmt: skip
+        ).fetchall()
         inserts: dict[str, sql.Composed] = {}
         parent = conn.execute(
             "SELECT to_regclass(%s) IS NOT NULL",
@@ -169,10 +172,9 @@ def requeue(
             done.append(Requeued(label, ident, str(row[0])))
             for name in (table, attempts_table):
                 conn.execute(
-                    sql.SQL("DELETE FROM {} WHERE source_table = %(source)s "
-                            "AND id::text = %(id)s").format(sql.Identifier(schema, name)),
+                    query("relay", "drop-dead-letter").compose(table=sql.Identifier(schema, name)),
                     {"source": label, "id": ident},
-                )  # fmt: skip
+                )
         if done:
             lowest = [int(r.new_id) for r in done if r.new_id.isdigit()]
             payload = str(min(lowest)) if lowest and len(lowest) == len(done) else "requeued"
@@ -198,10 +200,7 @@ def _insert(conn: Any, spec: OutboxSpec, target: str, table: str, new_id: bool) 
     each column the relay reads cast to the target's own type; RETURNING the row's id."""
     schema, _, name = target.partition(".")
     types = dict(conn.execute(
-        "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) || "
-        "CASE WHEN a.attidentity <> '' OR a.atthasdef THEN '+' ELSE '' END "
-        "FROM pg_attribute a WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 "
-        "AND NOT a.attisdropped",
+        query("relay", "requeue-columns").compose(),
         (sql.Identifier(schema, name).as_string(conn),),
     ).fetchall())  # fmt: skip
     if not types:
@@ -240,10 +239,7 @@ def _insert(conn: Any, spec: OutboxSpec, target: str, table: str, new_id: bool) 
             "LIMIT 1)::{type}"
         ).format(name=sql.Literal(column), type=sql.SQL(kind[column]))
     overriding = sql.SQL(" OVERRIDING SYSTEM VALUE") if not new_id else sql.SQL("")
-    return sql.SQL(
-        "INSERT INTO {target} ({columns}){overriding} SELECT {values} FROM {table} d "
-        "WHERE d.source_table = %(source)s AND d.id::text = %(id)s RETURNING {id}::text"
-    ).format(
+    return query("relay", "requeue").compose(
         target=sql.Identifier(schema, name),
         columns=sql.SQL(", ").join(map(sql.Identifier, values)),
         overriding=overriding,

@@ -25,6 +25,12 @@ from typing import Any
 
 from psycopg.errors import IntegrityError
 
+from outbox_migrate.errors import (
+    MarkFellShort,
+    RelayFailed,
+    SinkCrashed,
+    SinkUnavailable,
+)
 from outbox_migrate.relay import (
     keepalive,
     notify,
@@ -35,12 +41,6 @@ from outbox_migrate.relay.backoff import jitter_s
 from outbox_migrate.relay.batch import Phase, WorkerState
 from outbox_migrate.relay.batch_loop import Abandoned, BatchLoop, ahead_key
 from outbox_migrate.relay.cursor import Cursor, NoCursor
-from outbox_migrate.relay.errors import (
-    MarkFellShort,
-    RelayFailed,
-    SinkCrashed,
-    SinkUnavailable,
-)
 from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.idle_flag import Idle, IdleFlag
 from outbox_migrate.relay.listener import Listener

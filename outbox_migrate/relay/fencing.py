@@ -20,7 +20,7 @@ late, as duplicates of ones the new owner already sent (docs/relay.md, "Fleet gu
 
 from __future__ import annotations
 
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.errors import RelayError
 
 MARGIN_S = 1.0
 """Clock and scheduling slack between our monotonic clock and the server's timers."""

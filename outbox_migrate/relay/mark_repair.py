@@ -19,7 +19,13 @@ later batch it is tried before that batch's mark (`mark_suspects`): with the key
 lookup for all the batch's suspects; otherwise alone, in a savepoint.
 
 Runs in its own transaction on the worker's session (no pipeline), never waits on a lock
-(`SKIP LOCKED`: a row another relay holds is its business now).
+(`SKIP LOCKED`: a row another relay holds is its business now). Both delivery styles repair
+through this module's public functions: the polling worker through `repair`, `mark_suspects`
+and `settle_dead`, the CDC marks (relay/cdc/mark_repair.py) through `mark_in_halves` and
+`remove_dead`. Its statements stay here rather than in sql/relay.sql: each is several commands
+sent as one simple query (savepoint, mark or delete, release; lock, key lookup, SET
+CONSTRAINTS, savepoint) around the outbox's marker and a tid literal, so one round trip is
+the point of their shape and they read best beside the bisection that sends them.
 """
 
 from __future__ import annotations
@@ -34,11 +40,11 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.errors import RelayFailed
 from outbox_migrate.patterns import marker
 from outbox_migrate.relay import conflict_key, queries
 from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages
 from outbox_migrate.relay.conflict_key import ConflictKey
-from outbox_migrate.relay.errors import RelayFailed
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.parking import Parking
 
@@ -128,15 +134,15 @@ def repair(
             taken = {tid for tid in todo if tids[tid] in ids}
         failed = _mark_named_first(conn, source, todo, tids, taken, key)
         if failed is None:
-            # The whole batch failed already: `_mark_in_halves` starts with its halves.
-            failed = _mark_in_halves(conn, source, todo)
+            # The whole batch failed already: `mark_in_halves` starts with its halves.
+            failed = mark_in_halves(conn, source, todo)
         if by_key and failed:
             done.held = _behind_bad_keys(batch, {tids[tid] for tid in failed})
             if done.held:
                 # Marked already: undo, and mark the rest without them.
                 conn.execute(_ROLLBACK_TO_OUTER)
                 todo = [tid for tid in todo if tid not in failed and tids[tid] not in done.held]
-                failed.update(_mark_in_halves(conn, source, todo))
+                failed.update(mark_in_halves(conn, source, todo))
                 todo += [tid for tid in failed if tid not in todo]
         done.marked = len(todo) - len(failed)
         marked = [tids[tid] for tid in todo if tid not in failed]
@@ -156,7 +162,7 @@ def settle_dead(
     published message — marked, it would sit in the published partition, where a requeue
     with its id meets it again (a primary key there refuses the requeued row's mark). Where
     the role may not delete (a flat table: the migration grants DELETE on the unpublished
-    partition only) they are marked instead, each part in a savepoint (`_mark_in_halves`).
+    partition only) they are marked instead, each part in a savepoint (`mark_in_halves`).
     A row that can be neither stops the relay (`RelayFailed`). Not in the batch's mark: one
     row that cannot move fails that mark, and the mark's rollback would take every dead
     letter of the batch with it — none written, and the batch round again for ever."""
@@ -169,7 +175,7 @@ def settle_dead(
     left = [tid for tid in tids if tid not in gone]
     if not left:
         return
-    failed = _mark_in_halves(conn, source, left)
+    failed = mark_in_halves(conn, source, left)
     if failed:
         raise _neither(source, failed, refused)
 
@@ -292,7 +298,7 @@ def mark_suspects(
         failed = {tid: key.reason(tids[tid]) for tid in todo if tids[tid] in taken}
         todo = [tid for tid in todo if tid not in failed]
     for tid in todo:
-        failed.update(_mark_in_halves(conn, source, [tid]))
+        failed.update(mark_in_halves(conn, source, [tid]))
     marked = [tids[tid] for tid in tids if tid not in failed]
     done.marked = len(marked)
     suspects.update(source.label, [], marked)
@@ -361,7 +367,7 @@ def _mark_named_first(
     return {tid: key.reason(tids[tid]) for tid in todo if tid in taken}
 
 
-def _mark_in_halves(conn: Any, source: queries.Source, tids: list[str]) -> dict[str, str]:
+def mark_in_halves(conn: Any, source: queries.Source, tids: list[str]) -> dict[str, str]:
     """Mark `tids`, each part in a savepoint; a part that breaks a constraint is split until
     the rows at fault stand alone. Returns tid → reason for those. Parts are marked in claim
     order, so of two rows with one id the first is marked and the second is the bad one."""

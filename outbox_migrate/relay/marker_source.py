@@ -18,8 +18,8 @@ from typing import Any
 
 from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import NamesMoved, RelayError
 from outbox_migrate.relay import queries
-from outbox_migrate.relay.errors import NamesMoved, RelayError
 from outbox_migrate.relay.switching import SourceState
 
 NAMES_CHECK_S = 5.0

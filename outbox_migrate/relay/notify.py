@@ -148,7 +148,7 @@ def install(conn: Any, spec: OutboxSpec, channel: str) -> None:
     """
     import psycopg
 
-    from outbox_migrate.relay.errors import RelayError
+    from outbox_migrate.errors import RelayError
 
     try:
         with conn.transaction():

@@ -1,15 +1,19 @@
 """What a relay run is asked to do: mode, batching, workers, ordering, retries. Pure data.
 
-Constants carry units. The defaults suit a relay next to a busy service: batches of 500, a
-poll every second when LISTEN/NOTIFY is quiet, shutdown within 10 s.
+`DeliveryOptions` holds what both delivery styles share (batches, rejections, dead letters,
+the broker's backoff, the optional columns); `RelayOptions` adds polling's workers, shards
+and switching, `CdcOptions` the slot, publication and marks. Constants carry units. The
+defaults suit a relay next to a busy service: batches of 500, a poll every second when
+LISTEN/NOTIFY is quiet, shutdown within 10 s.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.errors import RelayError
 
 DEFAULT_BATCH_SIZE = 500
 MAX_BATCH_SIZE = 100_000
@@ -67,26 +71,45 @@ class SwitchGate(StrEnum):
     """No session of the old application (`old_app_name`) is connected. Trusts the deploy."""
 
 
-@dataclass(frozen=True)
-class RelayOptions:
-    """Options of one relay run; validated on construction."""
+NAME = re.compile(r"[a-z0-9_]{1,63}\Z")
+"""CDC slot names must match this (PostgreSQL's rule); publications are held to it too, so the
+`publication_names` option needs no quoting."""
+DEFAULT_SLOT = "outbox_migrate_cdc"
+DEFAULT_PUBLICATION = "outbox_migrate_cdc"
+IDLE_TICK_S = 0.5
+"""CDC: how long the stream loop waits for a frame before doing idle work (status updates)."""
+STATUS_INTERVAL_S = 1.0
+"""CDC: while idle, how often the relay asks the server where it is (a status update with a
+reply requested): the keepalive that answers carries the position to confirm, so the slot
+follows the server even when only other tables are written."""
+IDLE_CONFIRM_S = 0.5
+"""CDC: with nothing of the outbox in flight, the server's position is confirmed at most this
+often (the slot follows it; a reply the server asks for is sent at once)."""
+DEFAULT_MARK_INTERVAL_S = 0.1
+DEFAULT_CDC_LINGER_S = 0.002
+"""CDC's `--linger-ms` default (polling's is LINGER_S): chosen by `bench/cdc.py` (docs/relay.md,
+"CDC mode: linger")."""
+CDC_LINGER_MAX_S = 1.0
+MARK_MAX_IDS = 10_000
+"""CDC: a mark is sent early once this many acknowledged ids wait; with this many waiting
+behind a mark still in flight, the stream waits for that mark (bounds the statement and the
+window a crash re-sends)."""
+LAG_WARN_BYTES = 1 << 30
+LAG_WARN_S = 300.0
 
-    mode: Mode = Mode.partitioned
+
+def check_name(kind: str, name: str) -> str:
+    if not NAME.match(name):
+        raise RelayError(f"{kind} name {name!r}: use 1-63 lower-case letters, digits or _")
+    return name
+
+
+@dataclass(frozen=True)
+class DeliveryOptions:
+    """What both delivery styles are asked: batches, rejections, dead letters, backoff."""
+
     batch_size: int = DEFAULT_BATCH_SIZE
-    workers: int = 1
-    shards: int | None = None
-    """Total shards across every relay process sharing the table (default: the larger of
-    `workers` and DEFAULT_SHARDS). Every process of one outbox must use the same value."""
-    ordering: Ordering = Ordering.none
-    until_empty: bool = False
-    poll_interval_s: float = POLL_INTERVAL_S
     linger_s: float = LINGER_S
-    read_ahead: bool = True
-    """Claim the next batch on a second session while one is published (relay/read_ahead.py):
-    a second connection per worker, used while claims come back full."""
-    listen: bool = True
-    channel: str = DEFAULT_CHANNEL
-    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
     max_attempts: int = 5
     """A message the sink rejects this many times goes to the dead-letter table."""
     dead_letter_table: str = DEFAULT_DEAD_LETTER_TABLE
@@ -94,14 +117,43 @@ class RelayOptions:
     """Column used as the broker key; None = `message_key` when the table has it."""
     event_type_column: str | None = None
     """Column sent as the event-type header; None = `event_type` when the table has it."""
-    switch_gate: SwitchGate = SwitchGate.privilege
-    old_app_name: str = ""
-    """SQL LIKE pattern of the old application's `application_name` (the sessions gate)."""
     backoff_base_s: float = 0.1
     backoff_cap_s: float = 8.0
     """The longest pause between tries of a broker that is down (and of a rejected message):
     publishing resumes at most this long after the broker returns, so a short up-window
     between outages is not slept through."""
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise RelayError(f"max attempts must be >= 1, got {self.max_attempts}")
+
+    @property
+    def attempts_table(self) -> str:
+        """Where rejections are counted until a message is published or dead-lettered."""
+        return self.dead_letter_table + ATTEMPTS_TABLE_SUFFIX
+
+
+@dataclass(frozen=True)
+class RelayOptions(DeliveryOptions):
+    """Options of one polling relay run; validated on construction."""
+
+    mode: Mode = Mode.partitioned
+    workers: int = 1
+    shards: int | None = None
+    """Total shards across every relay process sharing the table (default: the larger of
+    `workers` and DEFAULT_SHARDS). Every process of one outbox must use the same value."""
+    ordering: Ordering = Ordering.none
+    until_empty: bool = False
+    poll_interval_s: float = POLL_INTERVAL_S
+    read_ahead: bool = True
+    """Claim the next batch on a second session while one is published (relay/read_ahead.py):
+    a second connection per worker, used while claims come back full."""
+    listen: bool = True
+    channel: str = DEFAULT_CHANNEL
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
+    switch_gate: SwitchGate = SwitchGate.privilege
+    old_app_name: str = ""
+    """SQL LIKE pattern of the old application's `application_name` (the sessions gate)."""
     sink_timeout_s: float = 10.0
     """How long one publish may take (the sink's timeout): what the fence must leave room for."""
     session_timeout_s: float | None = None
@@ -113,14 +165,13 @@ class RelayOptions:
     `SinkConfig.max_message_bytes`."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
             raise RelayError(f"batch size must be 1..{MAX_BATCH_SIZE}, got {self.batch_size}")
         if self.workers < 1:
             raise RelayError(f"workers must be >= 1, got {self.workers}")
         if self.shards is not None and self.shards < 1:
             raise RelayError(f"shards must be >= 1, got {self.shards}")
-        if self.max_attempts < 1:
-            raise RelayError(f"max attempts must be >= 1, got {self.max_attempts}")
         if self.poll_interval_s <= 0 or self.shutdown_timeout_s <= 0:
             raise RelayError("poll interval and shutdown timeout must be positive")
         if self.session_timeout_s is not None and 0 < self.session_timeout_s < (
@@ -156,7 +207,45 @@ class RelayOptions:
             return 1
         return self.shards or max(self.workers, DEFAULT_SHARDS)
 
-    @property
-    def attempts_table(self) -> str:
-        """Where rejections are counted until a message is published or dead-lettered."""
-        return self.dead_letter_table + ATTEMPTS_TABLE_SUFFIX
+
+@dataclass(frozen=True)
+class CdcOptions(DeliveryOptions):
+    """Options of one `relay --mode cdc` run."""
+
+    slot: str = DEFAULT_SLOT
+    publication: str = DEFAULT_PUBLICATION
+    linger_s: float = DEFAULT_CDC_LINGER_S
+    """Once a wake-up finds a transaction to publish (or one begun), sleep until this long
+    after its first frame arrived, then read everything the socket holds and publish the
+    complete transactions as one batch: fewer wake-ups (each costs a Python process ~20 µs of
+    CPU) for at most this much latency. A full batch never waits; 0: publish as soon as
+    nothing more is buffered. A batch always holds whole transactions (so one large
+    transaction is published as one batch, whatever `batch_size`)."""
+    mark: bool = True
+    """Move delivered rows to the published partition behind the stream (one UPDATE per
+    mark interval). Off: the outbox is append-only and retention drops or truncates partitions."""
+    mark_interval_s: float = DEFAULT_MARK_INTERVAL_S
+    """Acknowledged ids collect for this long, then go out as one mark sent without waiting
+    (behind the stream: delivery never waits for it); the slot is confirmed once the mark
+    committed. A SIGKILL re-sends what was acknowledged since the last mark was sent (plus
+    the mark in flight and the batch being published). 0: the next mark is sent as soon as the
+    previous one committed."""
+    failover: bool = True
+    """Create the slot as a failover slot where the server supports it (PostgreSQL 17+)."""
+    until_caught_up: bool = False
+    """Exit once everything committed before the start has been published (tests, hand-off)."""
+    lag_warn_bytes: int = LAG_WARN_BYTES
+    lag_warn_s: float = LAG_WARN_S
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_name("slot", self.slot)
+        check_name("publication", self.publication)
+        if self.batch_size < 1:
+            raise RelayError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.mark_interval_s < 0:
+            raise RelayError("the mark interval cannot be negative")
+        if not 0 <= self.linger_s <= CDC_LINGER_MAX_S:
+            raise RelayError(f"linger must be 0..{CDC_LINGER_MAX_S:g} seconds, got {self.linger_s}")
+        if self.lag_warn_bytes < 1 or self.lag_warn_s <= 0:
+            raise RelayError("slot lag warning thresholds must be positive")

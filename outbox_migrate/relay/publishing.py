@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from outbox_migrate.relay.errors import MessagesRejected, UnrepresentableMessage
+from outbox_migrate.errors import MessagesRejected, UnrepresentableMessage
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import Sink
 

@@ -1,7 +1,14 @@
 """Every SQL statement the relay runs, composed with `psycopg.sql` from the names in force.
 
 Builders return inert `Composed` objects; nothing here holds a connection. Identifiers always
-go through `sql.Identifier`; values are bound parameters (`%(name)s`).
+go through `sql.Identifier`; values are bound parameters (`%(name)s`). A statement with nothing
+to compose is a named block of sql/relay.sql, like the runner's. The claim, the mark, the
+backlog and the switch's statements stay here, built in Python: each is assembled from parts
+that depend on the outbox (its marker — a timestamp or a flag —, id kind, payload and headers
+types, the claim's and the mark's relations, sharding), so a named block would be a skeleton
+of placeholders and the reader would need both files to see one statement. Utility commands
+that are one composed identifier (LISTEN in relay/listener.py, set_config in relay/keepalive.py,
+the demo writer's INSERT of the configured columns in relay/writer.py) stay where they run.
 
 Claim design (why the claim is sharded, see docs/relay.md): on a LIST-partitioned outbox the
 mark moves a row to another partition. A claimer whose statement snapshot predates another
@@ -14,12 +21,14 @@ lock, and `FOR UPDATE SKIP LOCKED` stays as the safety net against claimers outs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns import marker
+from outbox_migrate.sql import query
 
 ADVISORY_NAMESPACE = "outbox-migrate.relay"
 CLAIM_CTID_COLUMN = 6
@@ -340,27 +349,24 @@ def probe(source: Source, columns: Columns) -> sql.Composed:
     )
 
 
-def horizon() -> sql.SQL:
+def horizon() -> sql.Composed:
     """The transaction horizon as integers: the oldest xid still running and the first xid not
     yet assigned (relay/cursor.py: an unaccounted region is settled once xmin reaches the xmax
     read after it opened). Read only while a region is open."""
-    return sql.SQL(
-        "SELECT pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint "
-        "FROM pg_current_snapshot() s"
-    )
+    return _named("horizon")
 
 
-def try_idle_lock() -> sql.SQL:
+def try_idle_lock() -> sql.Composed:
     """Raise the idle flag the wake-up trigger looks at (param: key, `notify.idle_lock_key`).
 
     A try, never a wait: it fails while a writer that saw the relay busy has not committed yet
     (or while another worker holds the flag), and the worker then looks again shortly."""
-    return sql.SQL("SELECT pg_try_advisory_lock(%(key)s::int, 0)")
+    return _named("try-idle-lock")
 
 
-def idle_unlock() -> sql.SQL:
+def idle_unlock() -> sql.Composed:
     """Lower the idle flag: writers stop notifying (the relay is claiming anyway)."""
-    return sql.SQL("SELECT pg_advisory_unlock(%(key)s::int, 0)")
+    return _named("idle-unlock")
 
 
 def mark(source: Source) -> sql.Composed:
@@ -410,29 +416,24 @@ def claim_and_mark(source: Source, *, sharded: bool) -> sql.Composed:
     )
 
 
-def claim_session_settings() -> sql.SQL:
+def claim_session_settings() -> sql.Composed:
     """Settings of a claiming session: walk the id index, never scan-and-sort (see worker)."""
-    return sql.SQL("SET enable_sort = off")
+    return _named("claim-session-settings")
 
 
-def try_lock_shards() -> sql.SQL:
+def try_lock_shards() -> sql.Composed:
     """Session advisory locks on up to %(limit)s free shards, in the order given.
 
     No ORDER BY: the Limit node stops pulling rows, so no lock beyond the limit is taken.
     """
-    return sql.SQL(
-        "SELECT s FROM unnest(%(shards)s::int[]) AS s "
-        "WHERE pg_try_advisory_lock(hashtext(%(key)s), s) LIMIT %(limit)s"
-    )
+    return _named("try-lock-shards")
 
 
-def unlock_shards() -> sql.SQL:
-    return sql.SQL(
-        "SELECT pg_advisory_unlock(hashtext(%(key)s), s) FROM unnest(%(shards)s::int[]) AS s"
-    )
+def unlock_shards() -> sql.Composed:
+    return _named("unlock-shards")
 
 
-def end_idle_shard_holders() -> sql.SQL:
+def end_idle_shard_holders() -> sql.Composed:
     """End the sessions that hold a shard of this outbox but have not heard from their client
     for longer than %(after_s)s seconds; returns (pid, silent seconds, ended).
 
@@ -442,27 +443,17 @@ def end_idle_shard_holders() -> sql.SQL:
     silence is measured from the later of the state change and the statement start, so no
     session is ended sooner after its last message than the server's timers would end it.
     """
-    return sql.SQL(
-        "SELECT a.pid, extract(epoch FROM now() - greatest(a.state_change, a.query_start))"
-        "::float8, pg_terminate_backend(a.pid) FROM pg_stat_activity a "
-        "WHERE a.pid <> pg_backend_pid() "
-        "AND (a.state LIKE 'idle%%' OR (a.state = 'active' AND a.wait_event = 'ClientRead')) "
-        "AND greatest(a.state_change, a.query_start) < now() - make_interval(secs => %(after_s)s) "
-        "AND a.pid IN (SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' "
-        "AND l.granted AND l.mode = 'ExclusiveLock' AND l.objsubid = 2 "
-        "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-        "AND l.classid::int8 = (hashtext(%(key)s)::int8 & 4294967295))"
-    )
+    return _named("end-idle-shard-holders")
 
 
-def join_members() -> sql.SQL:
+def join_members() -> sql.Composed:
     """A shared session lock that marks this session as a live worker of the outbox."""
-    return sql.SQL("SELECT pg_advisory_lock_shared(hashtext(%(key)s), 0)")
+    return _named("join-members")
 
 
-def leave_members() -> sql.SQL:
+def leave_members() -> sql.Composed:
     """Stop counting as a live worker (a worker whose broker is unreachable steps out)."""
-    return sql.SQL("SELECT pg_advisory_unlock_shared(hashtext(%(key)s), 0)")
+    return _named("leave-members")
 
 
 def qualified(schema: str, table: str) -> str:
@@ -470,54 +461,32 @@ def qualified(schema: str, table: str) -> str:
     return ".".join('"' + name.replace('"', '""') + '"' for name in (schema, table))
 
 
-def names_now() -> sql.SQL:
+def names_now() -> sql.Composed:
     """What the relay's names mean now (params: claim, mark — `qualified` text; claim_oid):
     the OID of the claim's name, and whether the mark's name reaches the relation claimed
     from — that relation itself (flat), a partitioned table it belongs to, or a view over
     one (the view the rename to the original name leaves under the former name)."""
-    return sql.SQL(
-        "SELECT coalesce(to_regclass(%(claim)s)::oid, 0)::int8, EXISTS ("
-        "SELECT FROM (SELECT to_regclass(%(mark)s) AS oid) m, LATERAL ("
-        "SELECT m.oid UNION SELECT d.refobjid FROM pg_rewrite r JOIN pg_depend d "
-        "ON d.classid = 'pg_rewrite'::regclass AND d.objid = r.oid "
-        "AND d.refclassid = 'pg_class'::regclass WHERE r.ev_class = m.oid) AS b(oid) "
-        "WHERE b.oid = %(claim_oid)s::oid OR EXISTS (SELECT FROM pg_partition_tree(b.oid) t "
-        "WHERE t.relid = %(claim_oid)s::oid::regclass))"
-    )
+    return _named("names-now")
 
 
-def table_exists() -> sql.SQL:
+def table_exists() -> sql.Composed:
     """Whether %(schema)s.%(table)s exists (needs no privilege on it)."""
-    return sql.SQL(
-        "SELECT EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %(schema)s AND c.relname = %(table)s)"
-    )
+    return _named("table-exists")
 
 
-def count_members() -> sql.SQL:
+def count_members() -> sql.Composed:
     """Live workers of the outbox: sessions holding the shared membership lock.
 
     Two-int4 advisory locks show up in pg_locks as classid = key1 (an oid, so the int4 hash is
     compared as unsigned), objid = key2, objsubid = 2.
     """
-    return sql.SQL(
-        "SELECT count(DISTINCT pid) FROM pg_locks WHERE locktype = 'advisory' AND granted "
-        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-        "AND classid::int8 = (hashtext(%(key)s)::int8 & 4294967295) AND objid::int8 = 0 "
-        "AND objsubid = 2"
-    )
+    return _named("count-members")
 
 
-def table_columns() -> sql.SQL:
+def table_columns() -> sql.Composed:
     """Column names and base types of a relation (params: schema, table); empty when it does
     not exist."""
-    return sql.SQL(
-        "SELECT a.attname, format_type(a.atttypid, NULL) "
-        "FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
-        "JOIN pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %(schema)s AND c.relname = %(table)s AND a.attnum > 0 "
-        "AND NOT a.attisdropped"
-    )
+    return _named("table-columns")
 
 
 def backlog(source: Source, columns: Columns) -> sql.Composed:
@@ -544,7 +513,7 @@ def lock_for_switch(source: Source) -> sql.Composed:
     return sql.SQL("LOCK TABLE {} IN SHARE MODE").format(source.mark_ident)
 
 
-def roles_that_can_insert() -> sql.SQL:
+def roles_that_can_insert() -> sql.Composed:
     """Login roles a REVOKE can stop that may still INSERT into the table (params: relation).
 
     Superusers, the owner and members of the owner role are left out: a REVOKE does not stop
@@ -552,17 +521,15 @@ def roles_that_can_insert() -> sql.SQL:
     instead (relay/switch_evidence.py). INSERT granted on some columns only counts too
     (`has_any_column_privilege`; `has_table_privilege` sees table-level grants only).
     """
-    return sql.SQL(
-        "SELECT rolname FROM pg_roles WHERE rolcanlogin AND NOT rolsuper "
-        "AND NOT pg_has_role(oid, (SELECT relowner FROM pg_class "
-        "WHERE oid = %(relation)s::regclass), 'MEMBER') "
-        "AND has_any_column_privilege(oid, %(relation)s::regclass, 'INSERT') ORDER BY rolname"
-    )
+    return _named("roles-that-can-insert")
 
 
-def old_app_sessions() -> sql.SQL:
+def old_app_sessions() -> sql.Composed:
     """Sessions of the outgoing application in this database (param: pattern, a LIKE)."""
-    return sql.SQL(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-        "AND application_name LIKE %(pattern)s AND pid <> pg_backend_pid()"
-    )
+    return _named("old-app-sessions")
+
+
+@cache
+def _named(name: str) -> sql.Composed:
+    """A statement of sql/relay.sql with nothing to compose (names and values are parameters)."""
+    return query("relay", name).compose()

@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from outbox_migrate.errors import SinkCrashed, SinkError, SinkUnavailable
 from outbox_migrate.relay import claimed, mark_repair, publishing, queries
 from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages
-from outbox_migrate.relay.errors import SinkCrashed, SinkError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.lock_budget import grant_to_see
+from outbox_migrate.errors import grant_to_see
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.options import Mode, SwitchGate
 from outbox_migrate.relay.rate_limited_log import RateLimitedLog
@@ -170,7 +170,8 @@ def check_switch(
 ) -> NotYet:
     """Why the relay may not leave `source` yet (HOLDS = it may). `conn` is autocommit."""
 
-    from outbox_migrate.lock_budget import LockBudget, LockBudgetExceeded, run_with_lock_budget
+    from outbox_migrate.errors import LockBudgetExceeded
+    from outbox_migrate.lock_budget import LockBudget, run_with_lock_budget
 
     blocked = writers_remaining(conn, source, gate, old_app, quiet)
     if blocked[0]:

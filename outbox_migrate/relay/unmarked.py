@@ -19,10 +19,10 @@ from typing import Any
 
 import psycopg
 
+from outbox_migrate.errors import RelayFailed
 from outbox_migrate.relay import mark_repair
 from outbox_migrate.relay.bad_rows import log_dead
 from outbox_migrate.relay.batch import Batch, Commit
-from outbox_migrate.relay.errors import RelayFailed
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.options import Ordering
 from outbox_migrate.relay.shared import Shared, one_line

@@ -23,11 +23,16 @@ from psycopg.pq import TransactionStatus
 
 from outbox_migrate.config import Settings
 from outbox_migrate.db import one_line
-from outbox_migrate.errors import ConnectionLost
+from outbox_migrate.errors import (
+    ConnectionLost,
+    LockBudgetExceeded,
+    LongTransactionsPresent,
+    PreconditionFailed,
+    StepFailed,
+)
 from outbox_migrate.lock_budget import (
     AttemptLog,
     LockBudget,
-    LockBudgetExceeded,
     lock_declared,
     long_transactions,
     run_with_lock_budget,
@@ -41,7 +46,6 @@ from outbox_migrate.runner.checks import (
     violations,
 )
 from outbox_migrate.runner.decide import Action, action_for
-from outbox_migrate.runner.errors import LongTransactionsPresent, PreconditionFailed, StepFailed
 from outbox_migrate.runner.events import RunnerEvents
 from outbox_migrate.runner.executors import executor_for
 from outbox_migrate.runner.transition import transition

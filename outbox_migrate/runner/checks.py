@@ -14,8 +14,8 @@ from typing import Any
 
 from psycopg import Connection
 
+from outbox_migrate.errors import PreconditionFailed
 from outbox_migrate.patterns.model import CheckPoint, Condition, Step
-from outbox_migrate.runner.errors import PreconditionFailed
 
 
 def violations(conn: Connection[Any], conditions: Iterable[Condition]) -> list[str]:

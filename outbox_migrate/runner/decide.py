@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+from outbox_migrate.errors import OutOfOrder, PreconditionFailed, StepChanged
 from outbox_migrate.patterns.model import Pattern, Phase, Step, TxMode
-from outbox_migrate.runner.errors import OutOfOrder, PreconditionFailed, StepChanged
 from outbox_migrate.runner.evidence import asserts_presence
 
 

@@ -16,7 +16,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.config import Settings
-from outbox_migrate.errors import SchemaError, UsageError
+from outbox_migrate.errors import OutOfOrder, SchemaError, UsageError, VerifyFailed
 from outbox_migrate.patterns.model import Pattern, Step
 from outbox_migrate.runner import ledger, ownership
 from outbox_migrate.runner.admission import admit, ledger_exists
@@ -37,7 +37,6 @@ from outbox_migrate.runner.decide import (
     reached_phase,
     steps_to_run,
 )
-from outbox_migrate.runner.errors import OutOfOrder, VerifyFailed
 from outbox_migrate.runner.events import RunnerEvents, SilentEvents
 from outbox_migrate.runner.facts import LiveFacts, offline_pattern
 from outbox_migrate.runner.reverse import reverse_one

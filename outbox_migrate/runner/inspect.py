@@ -19,11 +19,10 @@ from psycopg import sql
 
 from outbox_migrate.config import Settings
 from outbox_migrate.db import connect
-from outbox_migrate.errors import NothingRecorded, SchemaError, UsageError
+from outbox_migrate.errors import NothingRecorded, SchemaError, UsageError, VerifyFailed
 from outbox_migrate.patterns.model import Pattern
 from outbox_migrate.runner import ledger
 from outbox_migrate.runner.decide import reached_phase
-from outbox_migrate.runner.errors import VerifyFailed
 from outbox_migrate.runner.facts import live_pattern
 from outbox_migrate.runner.status import recorded_document, unrecorded_document
 

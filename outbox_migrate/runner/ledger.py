@@ -20,9 +20,8 @@ from psycopg.rows import dict_row
 
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import UsageError
+from outbox_migrate.errors import StepChanged, UsageError
 from outbox_migrate.patterns.model import Pattern, PublicationFact
-from outbox_migrate.runner.errors import StepChanged
 
 log = logging.getLogger("outbox_migrate.runner")
 

@@ -15,8 +15,8 @@ from typing import Any
 from psycopg import Connection, sql
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import PreconditionFailed
 from outbox_migrate.patterns.model import Created, Step
-from outbox_migrate.runner.errors import PreconditionFailed
 
 
 @dataclass(frozen=True)

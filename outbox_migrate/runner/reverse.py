@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 
 from outbox_migrate.db import one_line
-from outbox_migrate.errors import ConnectionLost
+from outbox_migrate.errors import ConnectionLost, OutOfOrder, PreconditionFailed, StepFailed
 from outbox_migrate.patterns.model import Pattern, Step
 from outbox_migrate.runner import ledger, ownership
 from outbox_migrate.runner.apply import StepApplier, connection_lost
@@ -27,7 +27,6 @@ from outbox_migrate.runner.decide import (
     reached_phase,
     steps_to_reverse,
 )
-from outbox_migrate.runner.errors import OutOfOrder, PreconditionFailed, StepFailed
 from outbox_migrate.runner.transition import transition
 
 

@@ -14,8 +14,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from outbox_migrate.db import connect
-from outbox_migrate.lock_budget import grant_to_see
-from outbox_migrate.runner.errors import RunnerBusy
+from outbox_migrate.errors import RunnerBusy, grant_to_see
 
 RUNNER_LOCK_CLASS = 0x6F6D7275  # "omru": first key of the per-table session advisory lock
 

@@ -22,11 +22,11 @@ from typing import Any
 import psycopg
 
 from outbox_migrate.config import OutboxSpec, load_settings
+from outbox_migrate.errors import PreconditionFailed
 from outbox_migrate.lock_budget import AttemptLog
 from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import Phase, PhaseKind, Step, Table
 from outbox_migrate.runner import Runner
-from outbox_migrate.runner.errors import PreconditionFailed
 from outbox_migrate.runner.events import SilentEvents
 from outbox_migrate.sim import recording
 from outbox_migrate.sim.actors import RelayResult, WriterResult, relay_main, writer_main

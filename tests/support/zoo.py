@@ -24,13 +24,13 @@ from psycopg import sql
 
 from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec, Settings, load_settings
+from outbox_migrate.errors import PreconditionFailed
 from outbox_migrate.patterns import build_pattern, marker
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
 from outbox_migrate.relay.sinks import Sink
 from outbox_migrate.relay.worker import Relay
 from outbox_migrate.runner import Runner
-from outbox_migrate.runner.errors import PreconditionFailed
 
 APP = "zoo-app"
 WRITE_PAUSE_S = 0.004

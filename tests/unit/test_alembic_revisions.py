@@ -18,9 +18,8 @@ from outbox_migrate.alembic_ext.execute import reverse_sql
 from outbox_migrate.alembic_ext.generate import generate
 from outbox_migrate.alembic_ext.revisions import Split, phase_targets, plan_revisions
 from outbox_migrate.config import load_settings
-from outbox_migrate.errors import UsageError
+from outbox_migrate.errors import OutOfOrder, UsageError
 from outbox_migrate.patterns import PATTERN_NAMES, build_pattern
-from outbox_migrate.runner.errors import OutOfOrder
 
 SETTINGS = load_settings({}, environ={})
 URL = "postgresql+psycopg://app@db.invalid/app"

@@ -80,7 +80,7 @@ def test_a_long_command_splits_where_the_shell_joins_it() -> None:
 
 
 def test_the_lock_budget_error_says_1_attempt() -> None:
-    from outbox_migrate.lock_budget import LockBudgetExceeded
+    from outbox_migrate.errors import LockBudgetExceeded
 
     assert "in 1 attempt over 1.0 s" in str(LockBudgetExceeded("s.v4.swap", 1, 1.0, []))
     assert "in 3 attempts over" in str(LockBudgetExceeded("s.v4.swap", 3, 1.0, []))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from outbox_migrate.lock_budget import Blocker, lasting
+from outbox_migrate.errors import Blocker
+from outbox_migrate.lock_budget import lasting
 
 
 def holder(state: str, age: float | None, pid: int = 1) -> Blocker:

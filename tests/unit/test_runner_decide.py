@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from outbox_migrate.errors import OutOfOrder
 from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.runner.decide import (
     Action,
@@ -15,7 +16,6 @@ from outbox_migrate.runner.decide import (
     steps_to_reverse,
     steps_to_run,
 )
-from outbox_migrate.runner.errors import OutOfOrder
 from outbox_migrate.runner.ledger import StepRow
 
 HOPER = build_pattern("hoper")

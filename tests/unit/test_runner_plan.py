@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import OutOfOrder, PreconditionFailed, StepChanged
 from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
 from outbox_migrate.patterns.model import PublicationFact
 from outbox_migrate.runner.decide import (
@@ -17,7 +18,6 @@ from outbox_migrate.runner.decide import (
     plan_execute_step,
     undone_on_purpose,
 )
-from outbox_migrate.runner.errors import OutOfOrder, PreconditionFailed, StepChanged
 from outbox_migrate.runner.evidence import ABSENCE, PRESENCE, asserts_presence, base_name
 from outbox_migrate.runner.transition import ALLOWED, STATES, allowed
 

@@ -14,7 +14,8 @@ stays small) and only then confirms the slot position. Pieces:
 * `delivery` — the sink's retries; attempts and dead letters go through the polling relay's
   policy (relay/bad_rows.py), one for both styles;
 * `backlog` — the first start's rows, picked by the slot's snapshot, published in batches;
-* `columns`, `rows`, `stats` — rows as messages (from the stream, or read back); counters;
+* `columns`, `rows` — rows as messages (from the stream, or read back); the counters, metrics
+  and options are the polling relay's modules (run_stats, metrics, options), extended;
 * `relay` — wires them together (`CdcRelay`): preparation, slot ownership, reconnects.
 
 See docs/relay.md, "CDC mode", for the design and the measurements behind it.

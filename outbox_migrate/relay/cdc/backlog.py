@@ -22,9 +22,10 @@ from psycopg import sql
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay.cdc.delivery import Interrupted
 from outbox_migrate.relay.cdc.rows import RowReader
-from outbox_migrate.relay.cdc.stats import CdcStats
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
+from outbox_migrate.relay.run_stats import CdcStats
+from outbox_migrate.sql import query
 
 ID_FETCH_ROWS = 10_000
 """Ids fetched per round trip while the snapshot is imported."""
@@ -58,8 +59,9 @@ def snapshot_ids(conn: Any, snapshot: str, spec: OutboxSpec) -> IdRuns:
     """The ids the exported snapshot shows in the unpublished partition (one transaction,
     no broker in it)."""
     runs = IdRuns()
-    select = sql.SQL("SELECT {} FROM {} ORDER BY 1").format(
-        sql.Identifier(spec.id_column), sql.Identifier(spec.schema, spec.unpublished_partition)
+    select = query("cdc", "backlog-ids").compose(
+        id=sql.Identifier(spec.id_column),
+        table=sql.Identifier(spec.schema, spec.unpublished_partition),
     )
     with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")

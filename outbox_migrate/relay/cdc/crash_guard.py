@@ -17,6 +17,8 @@ from typing import Any
 
 from psycopg import sql
 
+from outbox_migrate.sql import query
+
 RUN_SOURCE = "cdc-run:{slot}"
 """`source_table` of a run's row; never a table's label (those are `schema.table`)."""
 
@@ -31,19 +33,10 @@ class RunMarker:
     def begin(self, conn: Any) -> bool:
         """Record this run; True when the row was there already (the last run died)."""
         row = conn.execute(
-            sql.SQL(
-                "INSERT INTO {} AS a (source_table, id, attempts, last_error) "
-                "VALUES (%s, 0, 1, 'a relay is running on this slot') "
-                "ON CONFLICT (source_table, id) DO UPDATE SET attempts = a.attempts + 1, "
-                "updated_at = now() RETURNING a.attempts"
-            ).format(self.table),
-            (self.source,),
+            query("cdc", "begin-run").compose(table=self.table), (self.source,)
         ).fetchone()
         return bool(row) and int(row[0]) > 1
 
     def end(self, conn: Any) -> None:
         """The run stopped cleanly: the next one need not be careful."""
-        conn.execute(
-            sql.SQL("DELETE FROM {} WHERE source_table = %s AND id = 0").format(self.table),
-            (self.source,),
-        )
+        conn.execute(query("cdc", "end-run").compose(table=self.table), (self.source,))

@@ -21,14 +21,13 @@ from typing import Any
 import psycopg
 
 from outbox_migrate.db import one_line
-from outbox_migrate.errors import OutboxMigrateError
+from outbox_migrate.errors import OutboxMigrateError, SinkError, SinkUnavailable, crash_reason
 from outbox_migrate.relay import publishing
 from outbox_migrate.relay.bad_rows import FailedMessages, Verdict, log_dead
 from outbox_migrate.relay.cdc.marks import MarkSession
-from outbox_migrate.relay.cdc.stats import CdcStats
-from outbox_migrate.relay.errors import SinkError, SinkUnavailable, crash_reason
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
+from outbox_migrate.relay.run_stats import CdcStats
 from outbox_migrate.relay.sinks import Sink, SinkFactory
 
 log = logging.getLogger("outbox_migrate.relay")

@@ -35,10 +35,11 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages, log_dead
 from outbox_migrate.relay.cdc.rows import RowReader
-from outbox_migrate.relay.cdc.stats import CdcStats
-from outbox_migrate.relay.mark_repair import _mark_in_halves, remove_dead
+from outbox_migrate.relay.mark_repair import mark_in_halves, remove_dead
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.metrics import Observer
+from outbox_migrate.relay.run_stats import CdcStats
+from outbox_migrate.sql import query
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -116,9 +117,9 @@ class MarkRepair:
             rest = [tid for tid in tids if tid not in alone]
             failed: dict[str, str] = {}
             for tid in alone:
-                failed.update(_mark_in_halves(conn, source, [tid]))
+                failed.update(mark_in_halves(conn, source, [tid]))
             if rest:
-                failed.update(_mark_in_halves(conn, source, rest))
+                failed.update(mark_in_halves(conn, source, rest))
             marked = {tids[tid] for tid in tids if tid not in failed}
             if failed:
                 letters = self._count(conn, source, failed, tids)
@@ -163,9 +164,7 @@ def _lock(source: queries.Source, *, skip: bool) -> sql.Composed:
     those another session holds (`skip`), or just read (to find the ones skipped)."""
     ident = sql.Identifier(source.id_column)
     locking = sql.SQL(" ORDER BY {}, ctid FOR UPDATE SKIP LOCKED").format(ident)
-    return sql.SQL(
-        "SELECT ctid::text, {id} FROM {table} WHERE {id} = ANY(%(ids)s::int8[]){same}{locking}"
-    ).format(
+    return query("cdc", "repair-lock").compose(
         table=source.claim_ident,
         id=ident,
         same=source.same_relation(),

@@ -33,13 +33,14 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import one_line
+from outbox_migrate.errors import RelayFailed
 from outbox_migrate.patterns import marker
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.cdc.mark_repair import MarkRepair
-from outbox_migrate.relay.cdc.stats import CdcStats
-from outbox_migrate.relay.errors import RelayFailed
 from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.message import MessageId
+from outbox_migrate.relay.run_stats import CdcStats
+from outbox_migrate.sql import query
 
 log = logging.getLogger("outbox_migrate.relay")
 MARK_STATEMENT = b"outbox_migrate_cdc_mark"
@@ -149,16 +150,13 @@ class MarkSession:
             spec = self._spec
             # The UPDATE's row count and the snapshot it ran with (the statement's own).
             self._sql = (
-                sql.SQL(
-                    "WITH marked AS (UPDATE {} SET {} WHERE {} = ANY($1::int8[]) AND {}{} "
-                    "RETURNING 1) SELECT count(*), pg_current_snapshot()::text FROM marked"
-                )
-                .format(
-                    sql.Identifier(spec.schema, spec.partitioned_table),
-                    marker.mark(spec),
-                    sql.Identifier(spec.id_column),
-                    marker.unpublished(spec),
-                    self._source.same_relation(),
+                query("cdc", "mark")
+                .compose(
+                    table=sql.Identifier(spec.schema, spec.partitioned_table),
+                    mark=marker.mark(spec),
+                    id=sql.Identifier(spec.id_column),
+                    unpublished=marker.unpublished(spec),
+                    same=self._source.same_relation(),
                 )
                 .as_bytes(conn)
             )

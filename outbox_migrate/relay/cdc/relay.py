@@ -49,7 +49,7 @@ from psycopg import sql
 from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME, one_line
-from outbox_migrate.errors import ConnectError
+from outbox_migrate.errors import ConnectError, RelayError, RelayFailed, SinkUnavailable
 from outbox_migrate.relay import library_logs, queries
 from outbox_migrate.relay.backoff import backoff_s
 from outbox_migrate.relay.bad_rows import FailedMessages
@@ -60,15 +60,14 @@ from outbox_migrate.relay.cdc.crash_guard import RunMarker
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
 from outbox_migrate.relay.cdc.mark_repair import MarkRepair
 from outbox_migrate.relay.cdc.marks import MarkSession
-from outbox_migrate.relay.cdc.options import CdcOptions
 from outbox_migrate.relay.cdc.rows import RowReader
 from outbox_migrate.relay.cdc.session import StreamSession
-from outbox_migrate.relay.cdc.stats import CdcStats, Unconfirmed
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost
-from outbox_migrate.relay.errors import RelayError, RelayFailed, SinkUnavailable
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
-from outbox_migrate.relay.options import ATTEMPTS_TABLE_SUFFIX
+from outbox_migrate.relay.options import ATTEMPTS_TABLE_SUFFIX, CdcOptions
+from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed
 from outbox_migrate.relay.sinks import SinkFactory
+from outbox_migrate.sql import query
 
 __all__ = ["CdcRelay", "CdcStats", "running"]
 
@@ -385,9 +384,9 @@ class CdcRelay:
 
     def _set_backlog_done(self, conn: Any) -> None:
         conn.execute(
-            sql.SQL("COMMENT ON PUBLICATION {} IS {}").format(
-                sql.Identifier(self.options.publication),
-                sql.Literal(READY_COMMENT.format(slot=self.options.slot)),
+            query("cdc", "comment-publication").compose(
+                publication=sql.Identifier(self.options.publication),
+                comment=sql.Literal(READY_COMMENT.format(slot=self.options.slot)),
             )
         )
 

@@ -15,6 +15,7 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay.cdc import pgoutput
 from outbox_migrate.relay.cdc.columns import MessageBuilder
 from outbox_migrate.relay.message import Message
+from outbox_migrate.sql import query
 
 
 class RowReader:
@@ -41,12 +42,8 @@ class RowReader:
         self.builder = builder
         texts = sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(n)) for n in names)
         ident = sql.Identifier(spec.id_column)
-        self._by_ids = sql.SQL("SELECT {} FROM {} WHERE {} = ANY(%s::int8[]) ORDER BY {}").format(
-            texts, partition, ident, ident
-        )
-        self._by_ctids = sql.SQL(
-            "SELECT ctid::text, {} FROM {} WHERE ctid = ANY(%s::tid[])"
-        ).format(texts, partition)
+        self._by_ids = query("cdc", "rows-by-ids").compose(columns=texts, table=partition, id=ident)
+        self._by_ctids = query("cdc", "rows-by-ctids").compose(columns=texts, table=partition)
 
     def by_ids(self, conn: Any, ids: list[int]) -> list[Message]:
         """The rows with these ids, in id order (the backlog)."""

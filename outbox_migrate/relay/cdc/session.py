@@ -43,22 +43,22 @@ import struct
 import threading
 import time
 
+from outbox_migrate.errors import SinkUnavailable
 from outbox_migrate.relay.cdc import pgoutput
 from outbox_migrate.relay.cdc.columns import Columns, MessageBuilder
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
 from outbox_migrate.relay.cdc.marks import MarkSession
-from outbox_migrate.relay.cdc.options import (
+from outbox_migrate.relay.cdc.stream import ReplicationStream
+from outbox_migrate.relay.message import Message, MessageId
+from outbox_migrate.relay.metrics import Observer
+from outbox_migrate.relay.options import (
     IDLE_CONFIRM_S,
     IDLE_TICK_S,
     MARK_MAX_IDS,
     STATUS_INTERVAL_S,
     CdcOptions,
 )
-from outbox_migrate.relay.cdc.stats import CdcStats, Unconfirmed
-from outbox_migrate.relay.cdc.stream import ReplicationStream
-from outbox_migrate.relay.errors import SinkUnavailable
-from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.metrics import Observer
+from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed
 
 _I64 = struct.Struct("!q")
 _U64 = struct.Struct("!Q")

@@ -13,24 +13,15 @@ pay for being decoded and sent twice.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from psycopg import sql
 
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.errors import RelayError
+from outbox_migrate.sql import query
 
-NAME = re.compile(r"[a-z0-9_]{1,63}\Z")
-"""Slot names must match this (PostgreSQL's rule); publications are held to it too, so the
-`publication_names` option needs no quoting."""
 FAILOVER_MIN_VERSION = 170000
-
-
-def check_name(kind: str, name: str) -> str:
-    if not NAME.match(name):
-        raise RelayError(f"{kind} name {name!r}: use 1-63 lower-case letters, digits or _")
-    return name
 
 
 @dataclass(frozen=True)
@@ -62,8 +53,8 @@ def ensure_publication(conn: Any, publication: str, schema: str, partition: str)
     ).fetchone()
     if exists is None:
         conn.execute(
-            sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')").format(
-                sql.Identifier(publication), sql.Identifier(schema, partition)
+            query("cdc", "create-publication").compose(
+                publication=sql.Identifier(publication), table=sql.Identifier(schema, partition)
             )
         )
         return True
@@ -80,14 +71,7 @@ def ensure_publication(conn: Any, publication: str, schema: str, partition: str)
 def slot_state(conn: Any, slot: str) -> SlotState | None:
     failover = "failover" if conn.info.server_version >= FAILOVER_MIN_VERSION else "false"
     row = conn.execute(
-        sql.SQL(
-            "SELECT slot_name, plugin, database, active, confirmed_flush_lsn::text, "
-            "coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() "
-            "THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END, "
-            "confirmed_flush_lsn), 0)::int8, {} "
-            "FROM pg_replication_slots WHERE slot_name = %s"
-        ).format(sql.SQL(failover)),
-        (slot,),
+        query("cdc", "slot-state").compose(failover=sql.SQL(failover)), (slot,)
     ).fetchone()
     if row is None:
         return None
@@ -143,7 +127,7 @@ def drop_slot(conn: Any, slot: str) -> bool:
 
 
 def drop_publication(conn: Any, publication: str) -> None:
-    conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication)))
+    conn.execute(query("cdc", "drop-publication").compose(publication=sql.Identifier(publication)))
 
 
 def check_wal_level(conn: Any) -> None:

@@ -4,7 +4,9 @@ psycopg 3 has no replication API, but its `psycopg.pq.PGconn` wraps libpq, and l
 the protocol: a connection opened with `replication=database` accepts `START_REPLICATION`,
 which turns it into a COPY BOTH stream of CopyData frames (`get_copy_data`) to which the
 client writes standby status updates (`put_copy_data`). That is all a relay needs, so the
-dependency stays psycopg 3 (docs/relay.md measures the alternatives).
+dependency stays psycopg 3 (docs/relay.md measures the alternatives). Its two commands
+(`START_REPLICATION`, `CREATE_REPLICATION_SLOT`) stay here, not in sql/cdc.sql: they are the
+walsender's replication grammar, not SQL, sent through libpq as bytes.
 """
 
 from __future__ import annotations

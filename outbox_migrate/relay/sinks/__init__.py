@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Ordering
 

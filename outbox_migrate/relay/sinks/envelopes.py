@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from enum import StrEnum
 from json.encoder import encode_basestring
 
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.message import Message
 
 SPEC_VERSION = "1.0"

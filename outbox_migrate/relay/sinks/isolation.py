@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from outbox_migrate.relay.errors import SinkUnavailable
+from outbox_migrate.errors import SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 
 SendGroup = Callable[[Sequence[Message]], Mapping[MessageId, str]]

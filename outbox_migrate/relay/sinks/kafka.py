@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
+from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import SinkConfig
 from outbox_migrate.relay.sinks.bodies import (

@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from outbox_migrate.dsn import mask
-from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
+from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import SinkConfig
 from outbox_migrate.relay.sinks.bodies import (

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
-from outbox_migrate.relay.errors import MessagesRejected, SinkUnavailable
+from outbox_migrate.errors import MessagesRejected, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import SinkConfig
 from outbox_migrate.relay.sinks.bodies import is_binary

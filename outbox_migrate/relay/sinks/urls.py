@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from outbox_migrate.dsn import mask
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.errors import RelayError
 
 _URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*:)[^@\s]*(?P<tail>@)")
 

@@ -17,10 +17,10 @@ from alembic import command
 from outbox_migrate.alembic_ext import AlembicStepError
 from outbox_migrate.alembic_ext.generate import generate
 from outbox_migrate.config import OutboxSpec, load_settings
+from outbox_migrate.errors import LockBudgetExceeded, OutOfOrder, PreconditionFailed
 from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.patterns.model import Pattern
 from outbox_migrate.runner import Runner
-from outbox_migrate.runner.errors import LockBudgetExceeded, OutOfOrder, PreconditionFailed
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from outbox_migrate.testing.server import Server
 from tests.integration.alembic.conftest import APP_REVISION

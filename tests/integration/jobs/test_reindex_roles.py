@@ -11,9 +11,9 @@ from __future__ import annotations
 import psycopg
 import pytest
 
+from outbox_migrate.errors import ReindexRefused
 from outbox_migrate.jobs import reindex
 from outbox_migrate.jobs.common import Relation
-from outbox_migrate.jobs.errors import ReindexRefused
 from outbox_migrate.testing.schema import create_partitioned_outbox, insert_rows
 from tests.support.roles import DocumentedRoles
 

@@ -24,7 +24,7 @@ import psycopg
 import pytest
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.relay.errors import MessagesRejected
+from outbox_migrate.errors import MessagesRejected
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
@@ -501,7 +501,7 @@ def test_a_message_that_crashes_the_sink_is_dead_lettered_after_max_attempts(
     mode, the crash counts against the batch the sink held, a row with a failure on record is
     published alone (the next crash counts against it only), and at max_attempts it is
     dead-lettered without being published again; the relay still stops on each crash."""
-    from outbox_migrate.relay.errors import RelayFailed
+    from outbox_migrate.errors import RelayFailed
 
     insert_rows(partitioned, "outbox_new", 5, spec=SPEC)
     ids = ids_in(partitioned, "outbox_new")

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.worker import Relay
 
@@ -128,7 +128,7 @@ def test_uuid_outbox_claims_in_order_across_shards_with_rejections(
     """Application ids: two workers split shards by the id's hash, ids arrive as text, a
     refused message is counted in a text-id attempts table and ends in the dead-letter table
     (marked, so `until_empty` ends); one worker claims in created_at order."""
-    from outbox_migrate.relay.errors import MessagesRejected
+    from outbox_migrate.errors import MessagesRejected
     from outbox_migrate.relay.options import DEFAULT_DEAD_LETTER_TABLE
 
     conn.execute(

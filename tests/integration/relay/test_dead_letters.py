@@ -29,7 +29,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg.types.json import Jsonb
 
 from outbox_migrate.config import OutboxSpec, load_settings
-from outbox_migrate.relay.errors import MessagesRejected, RelayFailed
+from outbox_migrate.errors import MessagesRejected, RelayFailed
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.worker import Relay, running

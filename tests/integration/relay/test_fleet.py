@@ -28,9 +28,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from outbox_migrate.errors import SinkUnavailable
 from outbox_migrate.relay import keepalive
 from outbox_migrate.relay.driver import REAP_MARGIN_S
-from outbox_migrate.relay.errors import SinkUnavailable
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.options import RelayOptions

@@ -21,7 +21,7 @@ import pytest
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, load_settings
-from outbox_migrate.relay.errors import NamesMoved
+from outbox_migrate.errors import NamesMoved
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.worker import Relay
 from outbox_migrate.runner import Runner

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import psycopg
 import pytest
 
-from outbox_migrate.relay.errors import MessagesRejected
+from outbox_migrate.errors import MessagesRejected
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.worker import Relay

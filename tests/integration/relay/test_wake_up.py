@@ -551,7 +551,7 @@ def test_a_parked_key_leaves_room_for_a_migration_steps_lock(
     the worker sat "idle in transaction" nearly all the time while the key stayed parked —
     for the whole backoff — and the migration runner would not queue a step's lock behind
     it. The pause now comes after the transaction."""
-    from outbox_migrate.relay.errors import MessagesRejected
+    from outbox_migrate.errors import MessagesRejected
     from outbox_migrate.relay.options import Ordering
 
     partitioned.execute(

@@ -13,9 +13,9 @@ import psycopg
 import pytest
 
 from outbox_migrate.config import OutboxSpec, load_settings
+from outbox_migrate.errors import OutOfOrder, PreconditionFailed, StepChanged
 from outbox_migrate.patterns import build_pattern
 from outbox_migrate.runner import Runner, ledger
-from outbox_migrate.runner.errors import OutOfOrder, PreconditionFailed, StepChanged
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 
 RELEASE_01 = {

@@ -11,8 +11,8 @@ import psycopg
 import pytest
 
 from outbox_migrate.config import load_settings
+from outbox_migrate.errors import OutOfOrder
 from outbox_migrate.runner import Runner
-from outbox_migrate.runner.errors import OutOfOrder
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.app import act_as, exercise, publish_all
 
@@ -117,7 +117,7 @@ def test_dropping_a_table_with_rows_is_refused(dsn: str) -> None:
         with Runner(dsn, SETTINGS, "hop") as runner:
             runner.run("V2")
         insert_rows(conn, "outbox_new", 3)
-    from outbox_migrate.runner.errors import PreconditionFailed
+    from outbox_migrate.errors import PreconditionFailed
 
     with (
         Runner(dsn, SETTINGS, "hop") as runner,

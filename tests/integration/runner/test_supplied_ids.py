@@ -19,10 +19,10 @@ import pytest
 from psycopg import sql
 
 from outbox_migrate.config import load_settings
+from outbox_migrate.errors import PreconditionFailed
 from outbox_migrate.patterns import PATTERN_NAMES
 from outbox_migrate.patterns.model import Pattern, Step, Table
 from outbox_migrate.runner import Runner
-from outbox_migrate.runner.errors import PreconditionFailed
 from outbox_migrate.runner.events import SilentEvents
 from tests.support.app import publish_all
 

@@ -22,13 +22,13 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.db import connect
+from outbox_migrate.errors import OutOfOrder
 from outbox_migrate.patterns.kinds import guard
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay
 from outbox_migrate.runner import Runner
-from outbox_migrate.runner.errors import OutOfOrder
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.e2e.test_zoo_frameworks import NSERVICEBUS
 from tests.e2e.test_zoo_frameworks_load import NSB_SET_AS_DISPATCHED, NSB_STORE

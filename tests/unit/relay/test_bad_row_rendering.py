@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import pytest
 
+from outbox_migrate.errors import MessagesRejected, UnrepresentableMessage
 from outbox_migrate.relay import claimed, publishing, queries
-from outbox_migrate.relay.errors import MessagesRejected, UnrepresentableMessage
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.backoff import backoff_s, jitter_s
 from outbox_migrate.relay.cursor import (
     FULL_RESCAN_S,
@@ -20,7 +21,6 @@ from outbox_migrate.relay.cursor import (
     RESCAN_COST_FACTOR,
     Cursor,
 )
-from outbox_migrate.relay.errors import RelayError
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions, SwitchGate
 from outbox_migrate.relay.shards import fair_share, home_shards, shards_to_release

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from outbox_migrate.relay.errors import RelayError
+from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.sinks import SinkConfig
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from outbox_migrate.errors import RelayError
 from outbox_migrate.relay import keepalive
-from outbox_migrate.relay.errors import RelayError
 from outbox_migrate.relay.fencing import MARGIN_S, Fence, LeaseUnproven
 from outbox_migrate.relay.options import RelayOptions
 

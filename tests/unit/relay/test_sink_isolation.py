@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from outbox_migrate.relay.errors import SinkUnavailable
+from outbox_migrate.errors import SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks.isolation import isolate
 

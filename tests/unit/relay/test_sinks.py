@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
+from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Ordering
 from outbox_migrate.relay.sinks import SinkConfig

@@ -14,8 +14,8 @@ import pytest
 from psycopg import sql
 
 from outbox_migrate.relay import attempts_sql, library_logs
-from outbox_migrate.relay.cdc.options import CdcOptions
 from outbox_migrate.relay.cdc.relay import CdcRelay
+from outbox_migrate.relay.options import CdcOptions
 from outbox_migrate.relay.sinks import SinkFactory
 from outbox_migrate.testing import server as pgserver
 from outbox_migrate.testing.schema import create_partitioned_outbox

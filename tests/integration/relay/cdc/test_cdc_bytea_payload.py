@@ -12,9 +12,9 @@ import psycopg
 import pytest
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.relay.cdc.options import CdcOptions
 from outbox_migrate.relay.cdc.relay import CdcRelay, running
 from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.options import CdcOptions
 from tests.integration.relay.conftest import Collected
 
 from .conftest import drop_slots, wait_for

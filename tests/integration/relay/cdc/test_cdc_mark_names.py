@@ -10,7 +10,7 @@ import threading
 
 import psycopg
 
-from outbox_migrate.relay.errors import NamesMoved
+from outbox_migrate.errors import NamesMoved
 from tests.integration.relay.conftest import PARTITIONED_START, Collected
 
 from .conftest import cdc_relay, wait_for

@@ -18,10 +18,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from outbox_migrate.relay.cdc.metrics import CdcObserver
+from outbox_migrate.errors import SinkUnavailable
 from outbox_migrate.relay.cdc.relay import running
-from outbox_migrate.relay.errors import SinkUnavailable
 from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.metrics import CdcObserver
 from outbox_migrate.testing.schema import insert_rows
 from tests.integration.relay.conftest import SPEC, Collected, ids_in
 
@@ -102,7 +102,7 @@ def test_an_idle_relay_confirms_a_few_times_a_second_while_another_database_is_b
     The walsender pings on every flush it reads past the confirmed position: the relay
     confirms at most every IDLE_CONFIRM_S (0.5 s), and the slot still follows. Fails before:
     each ping was confirmed (~130 a second measured under load)."""
-    from outbox_migrate.relay.cdc.options import IDLE_CONFIRM_S
+    from outbox_migrate.relay.options import IDLE_CONFIRM_S
 
     relay = cdc_relay(dsn, collected.factory())
     with running(relay):

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from outbox_migrate.relay.errors import MessagesRejected
+from outbox_migrate.errors import MessagesRejected
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.sinks import Sink, SinkConfig, factory
 

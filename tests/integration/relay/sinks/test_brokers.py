@@ -223,7 +223,7 @@ def test_rabbitmq_nack_makes_the_whole_batch_unavailable(rabbitmq_url: str) -> N
     so the batch is SinkUnavailable (retried with backoff), not rejected towards dead letters."""
     import pika
 
-    from outbox_migrate.relay.errors import SinkUnavailable
+    from outbox_migrate.errors import SinkUnavailable
     from outbox_migrate.relay.message import Message
     from outbox_migrate.relay.sinks.rabbitmq import RabbitMQSink
 

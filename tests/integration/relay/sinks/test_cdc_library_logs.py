@@ -11,8 +11,8 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 
-from outbox_migrate.relay.cdc.options import CdcOptions
 from outbox_migrate.relay.cdc.relay import CdcRelay, running
+from outbox_migrate.relay.options import CdcOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
 from outbox_migrate.testing.schema import insert_rows
 from tests.integration.relay.cdc.conftest import drop_slots, slot_row, unrouted, wait_for

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_migrate.relay.errors import MessagesRejected, SinkUnavailable
+from outbox_migrate.errors import MessagesRejected, SinkUnavailable
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Ordering, RelayOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 import psycopg
 import pytest
 
-from outbox_migrate.relay.errors import MessagesRejected
+from outbox_migrate.errors import MessagesRejected
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Ordering, RelayOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
