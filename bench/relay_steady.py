@@ -30,10 +30,10 @@ beside the CDC floor; the wake-up trigger's cost to the application's commits; l
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import argparse
 import json
+import multiprocessing
+import os
 import re
 import resource
 import statistics
