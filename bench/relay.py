@@ -7,7 +7,9 @@ Prints:
   2. concurrent claimers: plain SKIP LOCKED vs the relay's sharded claim — rows/s and the share
      of batches that hit SQLSTATE 40001, for 1, 2 and 4 claimers;
  2b. relay processes (1, 2, 4; one worker each, shards balanced through advisory locks)
-     draining rows inserted into the running relays — scaling past one Python process;
+     draining rows inserted into the running relays, at batch 100 and 1000 — scaling past
+     one Python process, with the relay processes' CPU beside the server's (/proc), so the
+     side that limits shows; `--ordering key` asserts per-key order across the processes;
   3. claim latency (p50, p99) as published rows grow by publishing, flat vs partitioned,
      from id 0 (the spec's claim, the relay's periodic rescan) and from the relay's cursor;
   4. relay throughput while an idle REPEATABLE READ transaction holds back xmin;
@@ -32,24 +34,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import queue
 import signal
 import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import relay_steady as steady
+from fleet import cpu_s
 from psycopg import sql
 
 from outbox_migrate.cli.relay_cmd import RELAY_SWITCH_INTERVAL_S
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay import queries
-from outbox_migrate.relay.options import Mode, RelayOptions
+from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.testing import server as pgserver
@@ -386,23 +392,43 @@ DRAIN_STALL_S = 60.0
 """No row published for this long: the relay processes are stuck, stop the section."""
 
 
-def _relay_process(dsn: str, batch: int, ready: Any, stop: Any) -> None:
-    """One relay process (1 worker, stdout sink into /dev/null) until `stop` is set."""
+class _KeySink(StdoutSink):
+    """The stdout sink (into /dev/null) that notes (when, id, key) of each message, to check
+    per-key order across the processes afterwards."""
+
+    def __init__(self, stream: Any, seen: list[tuple[float, int, str]]) -> None:
+        super().__init__(stream=stream)
+        self.seen = seen
+
+    def publish(self, batch: Any) -> None:
+        super().publish(batch)
+        now = time.monotonic()
+        self.seen.extend((now, m.id, m.key) for m in batch)
+
+
+def _relay_process(
+    dsn: str, batch: int, ordering: Ordering, ready: Any, stop: Any, out: Any
+) -> None:
+    """One relay process (1 worker, stdout sink into /dev/null) until `stop` is set; with
+    `--ordering key` it sends what it published, in order, to `out`."""
+    seen: list[tuple[float, int, str]] = []
+    record = ordering is Ordering.key
     with Path(os.devnull).open("w") as devnull:
         relay = Relay(
             dsn,
-            lambda: StdoutSink(stream=devnull),
+            (lambda: _KeySink(devnull, seen)) if record else (lambda: StdoutSink(stream=devnull)),
             spec=SPEC,
             # The linger must fit in the poll interval (RelayOptions refuses it otherwise):
             # the default 5 ms linger with a 2 ms poll made every child fail at start.
             options=RelayOptions(
-                batch_size=batch, shards=PROCESS_SHARDS, listen=False,
+                batch_size=batch, shards=PROCESS_SHARDS, listen=False, ordering=ordering,
                 poll_interval_s=PROCESS_POLL_S, linger_s=PROCESS_POLL_S,
             ),
         )  # fmt: skip
         with running(relay):
             ready.set()
             stop.wait()
+    out.put(seen)
 
 
 def wait_drained(conn: psycopg.Connection, children: Sequence[Any] = ()) -> None:
@@ -439,53 +465,140 @@ def wait_ready(children: Sequence[Any], readies: Sequence[Any]) -> None:
         time.sleep(0.05)
 
 
-def processes_rate(
-    dsn: str, conn: psycopg.Connection, rows: int, batch: int, processes: int
-) -> Callable[[], tuple[float, float]]:
+PROCESS_KEYS = 64
+"""Distinct message keys in the process-scaling rows (each key many messages, so that per-key
+order is something to keep)."""
+
+
+def fill_keyed(conn: psycopg.Connection, rows: int) -> None:
+    """`rows` unpublished rows in one transaction, keys k0..k63 in turn."""
+    conn.execute(
+        "INSERT INTO outbox_new (event_type, message_key, payload) "
+        "SELECT 'event', 'k' || (g %% %(keys)s), json_build_object('n', g, 'pad', "
+        "repeat('x', 16)) FROM generate_series(1, %(rows)s) g",
+        {"keys": PROCESS_KEYS, "rows": rows},
+    )
+
+
+def server_pids(conn: psycopg.Connection) -> list[int]:
+    """The server's processes (backends, background workers) but this session's own."""
+    query = "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+    return [int(r[0]) for r in conn.execute(query).fetchall()]
+
+
+def order_violations(deliveries: list[list[tuple[float, int, str]]]) -> int:
+    """Messages of a key first delivered after a higher id of the same key (the processes'
+    lists merged by delivery time; within one process, in the order it published)."""
+    merged = sorted(
+        (when, proc, seq, id_, key)
+        for proc, seen in enumerate(deliveries)
+        for seq, (when, id_, key) in enumerate(seen)
+    )
+    last: dict[str, int] = {}
+    delivered: set[int] = set()
+    bad = 0
+    for _when, _proc, _seq, id_, key in merged:
+        if id_ in delivered:  # a redelivery: order is about first deliveries
+            continue
+        delivered.add(id_)
+        if id_ < last.get(key, -1):
+            bad += 1
+        last[key] = max(id_, last.get(key, -1))
+    return bad
+
+
+@dataclass
+class FleetRun:
+    rate: float
+    relay_cpu_s: float
+    pg_cpu_s: float
+    seconds: float
+    misordered: int | None
+
+
+def processes_run(
+    dsn: str, conn: psycopg.Connection, rows: int, batch: int, processes: int, ordering: Ordering
+) -> FleetRun:
     """Relay processes already running (and balanced: each owns its share of the shards):
-    insert `rows` in one transaction, time until the unpublished partition is empty."""
+    insert `rows` in one transaction, time until the unpublished partition is empty; the CPU
+    the relay processes and the server's processes spent meanwhile (/proc)."""
     import multiprocessing
 
-    def run() -> tuple[float, float]:
-        reset(conn, 0)
-        ctx = multiprocessing.get_context("spawn")
-        stop = ctx.Event()
-        readies = [ctx.Event() for _ in range(processes)]
-        children = [
-            ctx.Process(target=_relay_process, args=(dsn, batch, ready, stop)) for ready in readies
-        ]
+    reset(conn, 0)
+    ctx = multiprocessing.get_context("spawn")
+    stop, out = ctx.Event(), ctx.Queue()
+    readies = [ctx.Event() for _ in range(processes)]
+    children = [
+        ctx.Process(target=_relay_process, args=(dsn, batch, ordering, ready, stop, out))
+        for ready in readies
+    ]
+    for child in children:
+        child.start()
+    deliveries: list[list[tuple[float, int, str]]] = []
+    try:
+        wait_ready(children, readies)
+        time.sleep(BALANCE_WAIT_S)  # rebalancing: each process settles on its fair share
+        relay_pids = [c.pid for c in children if c.pid is not None]
+        pg_pids = server_pids(conn)
+        relay_before, pg_before = cpu_s(relay_pids), cpu_s(pg_pids)
+        fill_keyed(conn, rows)
+        started = time.perf_counter()
+        wait_drained(conn, children)
+        secs = time.perf_counter() - started
+        relay_cpu = cpu_s(relay_pids) - relay_before
+        pg_cpu = cpu_s(pg_pids) - pg_before  # the insert's own backend is this session's
+    finally:
+        stop.set()
         for child in children:
-            child.start()
-        try:
-            wait_ready(children, readies)
-            time.sleep(BALANCE_WAIT_S)  # rebalancing: each process settles on its fair share
-            fill(conn, "outbox_new", rows)
-            started = time.perf_counter()
-            wait_drained(conn, children)
-            secs = time.perf_counter() - started
-        finally:
-            stop.set()
-            for child in children:
-                child.join(30)
-        assert unpublished(conn) == 0
-        return rows / secs, 0.0
-
-    return run
+            if child.is_alive() or child.exitcode == 0:
+                with contextlib.suppress(queue.Empty):
+                    deliveries.append(out.get(timeout=60))
+        for child in children:
+            child.join(30)
+    assert unpublished(conn) == 0
+    misordered = None
+    if ordering is Ordering.key:
+        assert sum(len(d) for d in deliveries) >= rows, "a process's deliveries are missing"
+        misordered = order_violations(deliveries)
+        assert misordered == 0, f"{misordered} messages delivered after a higher id of their key"
+    return FleetRun(rows / secs, relay_cpu, pg_cpu, secs, misordered)
 
 
-def section_processes(dsn: str, conn: psycopg.Connection, rows: int, reps: int) -> None:
-    print(f"\n## 2b. Relay processes (1 worker each, {PROCESS_SHARDS} shards), {rows:,} rows "
-          f"inserted at once into a running relay, median of {reps} (messages/s)")  # fmt: skip
-    print(f"{'processes':>9} {'batch 100':>10} {'batch 1000':>11}")
-    base: dict[int, float] = {}
-    for processes in (1, 2, 4):
-        rates = [measure(reps, processes_rate(dsn, conn, rows, b, processes))[0]
-                 for b in (100, 1000)]  # fmt: skip
-        base.setdefault(100, rates[0])
-        base.setdefault(1000, rates[1])
-        scale = f"{rates[0] / base[100]:.2f}x / {rates[1] / base[1000]:.2f}x"
-        print(f"{processes:>9} {rates[0]:>10,.0f} {rates[1]:>11,.0f}   ({scale} of one process)")
-    print("(the stdout sink into /dev/null: no broker latency; PostgreSQL shares the same CPUs)")
+def section_processes(
+    dsn: str, conn: psycopg.Connection, rows: int, reps: int, ordering: Ordering
+) -> None:
+    counts = [1, 2, 4]
+    print(f"\n## 2b. Relay processes (1 worker each, {PROCESS_SHARDS} shards, --ordering "
+          f"{ordering}), {rows:,} rows ({PROCESS_KEYS} keys) inserted at once into running, "
+          f"balanced relays, median of {reps} interleaved rounds; CPU from /proc: the relay "
+          f"processes' and the server's (every pg_stat_activity pid)")  # fmt: skip
+    print(f"{'batch':>5} {'procs':>5} {'msg/s':>9} {'vs 1':>6} {'relay µs/msg':>12} "
+          f"{'PG µs/msg':>9} {'relay cores':>11} {'per proc':>8} {'PG cores':>8} "
+          f"{'cores busy':>10}")  # fmt: skip
+    for batch in (100, 1000):
+        runs: dict[int, list[FleetRun]] = {n: [] for n in counts}
+        for _ in range(reps):  # interleaved: 1, 2, 4, 1, 2, 4, ... (the load drifts)
+            for n in counts:
+                runs[n].append(processes_run(dsn, conn, rows, batch, n, ordering))
+        base = 0.0
+        for n in counts:
+            rs = runs[n]
+            rate = statistics.median(r.rate for r in rs)
+            relay_us = statistics.median(r.relay_cpu_s / rows * 1e6 for r in rs)
+            pg_us = statistics.median(r.pg_cpu_s / rows * 1e6 for r in rs)
+            relay_cores = statistics.median(r.relay_cpu_s / r.seconds for r in rs)
+            pg_cores = statistics.median(r.pg_cpu_s / r.seconds for r in rs)
+            base = base or rate
+            print(f"{batch:>5} {n:>5} {rate:>9,.0f} {rate / base:>5.2f}x {relay_us:>12.1f} "
+                  f"{pg_us:>9.1f} {relay_cores:>11.2f} {relay_cores / n:>8.2f} "
+                  f"{pg_cores:>8.2f} {relay_cores + pg_cores:>10.2f}")  # fmt: skip
+    if ordering is Ordering.key:
+        print("(per-key order checked in every run: no message of a key was first delivered "
+              "after a higher id of the same key)")  # fmt: skip
+    print(
+        f"(the stdout sink into /dev/null: no broker; PostgreSQL shares the same "
+        f"{os.cpu_count()} CPUs; cores busy = relay + PG CPU over the drain's wall time)"
+    )
 
 
 def claim_latencies(dsn: str, flat: bool, batch: int, *, cursor: bool) -> list[float]:
@@ -730,6 +843,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--xmin-seconds", type=float, default=20.0)
     parser.add_argument("--only", default="12p34sltk", help="sections to run, e.g. 12p or s")
     parser.add_argument("--quick", action="store_true", help="small sizes: minutes, not more")
+    parser.add_argument(
+        "--ordering",
+        choices=[o.value for o in Ordering],
+        default=Ordering.none.value,
+        help="section 2b's relays' --ordering; with key, per-key order is asserted",
+    )
     parser.add_argument("--steady-seconds", type=float, default=20.0)
     parser.add_argument("--trigger-seconds", type=float, default=8.0)
     parser.add_argument(
@@ -770,7 +889,9 @@ def main(argv: list[str] | None = None) -> None:
                 "2": lambda: section_claimers(
                     dsn, conn, args.claimer_rows, args.claimer_batch, args.reps
                 ),
-                "p": lambda: section_processes(dsn, conn, args.claimer_rows, args.reps),
+                "p": lambda: section_processes(
+                    dsn, conn, args.claimer_rows, args.reps, Ordering(args.ordering)
+                ),
                 "3": lambda: section_growth(
                     dsn, conn, args.grow_to, 100, flat=not args.no_flat_growth
                 ),

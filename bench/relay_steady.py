@@ -19,16 +19,27 @@ beside the CDC floor; the wake-up trigger's cost to the application's commits; l
 * late rows (`--only k`): a row committed after a higher id was published, delivered how long
   after its COMMIT — traffic stopped, and under 1,000 msg/s beside that traffic's own
   end-to-end, with one relay in the same run.
+* builds side by side (`python bench/relay_steady.py --compare a61c2dd 5326c35 .`): the
+  steady section's relay, one build at a time, interleaved (A, B, C, A, B, C, …) on one
+  throwaway PostgreSQL 18 under the same paced writers. A build is a commit, extracted with
+  `git archive` into a temporary directory, or `.` for the code this file sits beside; each
+  run's relay is a process of its own that imports that build's package (this file with
+  `--child`, the build first on PYTHONPATH) and installs that build's wake-up trigger, so each
+  relay is measured as it was released.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import multiprocessing
 import os
 import re
 import resource
 import statistics
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -321,10 +332,15 @@ def steady_run(
     )
 
 
-def _prepare(dsn: str) -> None:
+def _prepare(dsn: str, *, trigger: bool = True) -> None:
+    """An empty outbox; the wake-up trigger installed, or none (the relay installs its own)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("TRUNCATE outbox_new")
-        notify.install(conn, SPEC, DEFAULT_CHANNEL)
+        if trigger:
+            notify.install(conn, SPEC, DEFAULT_CHANNEL)
+        else:
+            for statement in notify.drop_sql(SPEC):
+                conn.execute(statement)
         conn.execute("VACUUM ANALYZE outbox_new")
 
 
@@ -570,6 +586,162 @@ def section_trigger(
     )
 
 
+# -- builds side by side -------------------------------------------------------------------
+
+
+HERE = Path(__file__).resolve().parent
+
+
+def _child_main(dsn: str, linger_ms: float) -> None:
+    """`--child`: one relay of whichever build is first on PYTHONPATH, steered by the parent
+    through stdin ("begin", "end") and answering on stdout: "ready", then one JSON line."""
+    import outbox_migrate
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        notify.install(conn, SPEC, DEFAULT_CHANNEL)  # this build's trigger, as it shipped
+    seen: list[tuple[int, float]] = []
+    with Path(os.devnull).open("w") as devnull:
+        relay = Relay(
+            dsn,
+            lambda: _RecordingSink(devnull, seen),
+            spec=SPEC,
+            options=RelayOptions(linger_s=linger_ms / 1000),
+        )
+        with running(relay):
+            time.sleep(WARM_UP_S)
+            print("ready", outbox_migrate.__file__, flush=True)
+            sys.stdin.readline()
+            cpu0, wakes0 = sum(os.times()[:2]), _wakes()
+            sys.stdin.readline()
+            cpu, wakes = sum(os.times()[:2]) - cpu0, _wakes() - wakes0
+            time.sleep(DRAIN_WAIT_S)
+            batches = relay.stats.batches
+    print(json.dumps({"cpu": cpu, "wakes": wakes, "batches": batches, "seen": seen}), flush=True)
+
+
+def extract(commit: str, into: Path) -> Path:
+    """The build's source tree: `.` is this checkout, a commit is `git archive`d under `into`."""
+    if commit == ".":
+        return HERE.parent
+    target = into / commit
+    target.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(HERE.parent), "archive", commit], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    return target
+
+
+class _Signal:
+    """`steady_run`'s `begin` event, for a relay that reads its signals from a pipe."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+
+    def set(self) -> None:
+        self.pipe.write("go\n")
+        self.pipe.flush()
+
+
+def build_run(
+    dsn: str, source: Path, rate: float, writers: int, seconds: float, linger_ms: float
+) -> SteadyResult:
+    """`steady_run` with the relay of the build at `source`, in a process of its own."""
+    _prepare(dsn, trigger=False)
+    env = {**os.environ, "PYTHONPATH": str(source)}
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--child", dsn, str(linger_ms)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        ready = child.stdout.readline().split()
+        if not ready or ready[0] != "ready":
+            raise SystemExit(f"the relay of {source} did not start (its error is above)")
+        if not Path(ready[1]).resolve().is_relative_to(source):
+            raise SystemExit(f"{source}: the child imported {ready[1]}, another build")
+        signal = _Signal(child.stdin)
+        committed = _paced(dsn, rate, writers, seconds, signal)
+        signal.set()
+        result = json.loads(child.stdout.readline())
+        child.wait(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    seen = {int(i): t for i, t in result["seen"]}
+    n = len(committed)
+    return SteadyResult(
+        rate=rate,
+        writers=writers,
+        relay=Latency.of(committed, seen),
+        cdc=None,
+        cpu_per_100k=result["cpu"] * 100_000 / max(1, n),
+        rows_per_batch=len(seen) / max(1, result["batches"]),
+        messages=n,
+        wakes_per_msg=result["wakes"] / max(1, n),
+    )
+
+
+def section_compare(
+    dsn: str, builds: list[str], rounds: int, seconds: float, rate: int, writers: int
+) -> None:
+    linger_ms = RelayOptions().linger_s * 1000
+    print(f"\n## Builds side by side: {rate:,} msg/s of plain INSERTs from {writers} interleaved "
+          f"writer processes, the wake-up trigger, stdout sink into /dev/null, linger "
+          f"{linger_ms:g} ms, {seconds:.0f} s per run, {rounds} interleaved rounds")  # fmt: skip
+    print(f"{'round':>5} {'build':<10} {'CPU-s/100k':>10} {'p50 ms':>7} {'p99 ms':>7} "
+          f"{'max ms':>7} {'rows/batch':>10} {'wakes/msg':>9} {'lost':>4}  load")  # fmt: skip
+    results: dict[str, list[SteadyResult]] = {b: [] for b in builds}
+    with tempfile.TemporaryDirectory(prefix="relay-steady-") as tmp:
+        sources = {b: extract(b, Path(tmp)) for b in builds}
+        for round_ in range(1, rounds + 1):
+            for build in builds:
+                r = build_run(dsn, sources[build], rate, writers, seconds, linger_ms)
+                results[build].append(r)
+                print(f"{round_:>5} {build:<10} {r.cpu_per_100k:>10.2f} {r.relay.p50:>7.2f} "
+                      f"{r.relay.p99:>7.2f} {r.relay.max:>7.1f} {r.rows_per_batch:>10.1f} "
+                      f"{r.wakes_per_msg:>9.2f} {r.relay.missing:>4}  "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    print(f"{'median':>5} {'build':<10} {'CPU-s/100k':>10} {'p50 ms':>7} {'p99 ms':>7} "
+          f"{'vs first':>8}")  # fmt: skip
+    first = median([r.cpu_per_100k for r in results[builds[0]]])
+    for build in builds:
+        rs = results[build]
+        cpu = median([r.cpu_per_100k for r in rs])
+        print(f"{'':>5} {build:<10} {cpu:>10.2f} {median([r.relay.p50 for r in rs]):>7.2f} "
+              f"{median([r.relay.p99 for r in rs]):>7.2f} {cpu / first:>7.0%}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Relay builds' steady state side by side")
+    parser.add_argument("--compare", nargs="+", metavar="COMMIT", default=[],
+                        help="builds to compare: commits, or . for this checkout")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=35.0)
+    parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--writers", type=int, default=4)
+    parser.add_argument("--child", nargs=2, metavar=("DSN", "LINGER_MS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child_main(args.child[0], float(args.child[1]))
+        return
+    if not args.compare:
+        parser.error("--compare COMMIT ... is required (the other sections: bench/relay.py)")
+    from outbox_migrate.testing import server as pgserver
+    from outbox_migrate.testing.schema import create_partitioned_outbox
+
+    srv = pgserver.start(18)
+    try:
+        dsn = srv.dsn()
+        print(f"PostgreSQL {srv.full_version}, fsync off (throwaway); {load_note()} at start")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            create_partitioned_outbox(conn, SPEC, start=1_000_000_000)
+        section_compare(dsn, args.compare, args.rounds, args.seconds, args.rate, args.writers)
+        print(f"({load_note()})")
+    finally:
+        srv.stop()
+
+
 def load_note() -> str:
     one, five, _ = os.getloadavg()
     return f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} CPUs"
@@ -577,3 +749,7 @@ def load_note() -> str:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+if __name__ == "__main__":
+    main()

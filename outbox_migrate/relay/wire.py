@@ -19,6 +19,7 @@ first), as with psycopg's pipeline.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import re
@@ -41,6 +42,31 @@ _PLACEHOLDER = re.compile(rb"%\((\w+)\)s|%%")
 _ENDS_BLOCK = (b"COMMIT", b"ROLLBACK")
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 _POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
+
+
+def _queue_sync_function() -> Any:
+    """libpq's `PQsendPipelineSync` (libpq 17+), from the libpq psycopg loaded; None without.
+
+    It queues a Sync without flushing, which psycopg does not expose: `PQpipelineSync` flushes,
+    so a Sync in the middle of a batch (`send(tolerate=True)`) would cost a network write and a
+    wake-up of the server of its own. The libpq is found among the process's mappings, so it is
+    the one psycopg uses (loading a path already loaded returns that library)."""
+    try:
+        with open("/proc/self/maps") as maps:  # noqa: PTH123 - one read at import
+            paths = {line.split()[-1] for line in maps if "libpq" in line.rsplit("/", 1)[-1]}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            function = ctypes.CDLL(path).PQsendPipelineSync
+        except (OSError, AttributeError):
+            continue
+        function.argtypes, function.restype = [ctypes.c_void_p], ctypes.c_int
+        return function
+    return None
+
+
+_QUEUE_SYNC = _queue_sync_function()
 
 
 class Statement:
@@ -125,6 +151,8 @@ class Wire:
         self._active = False
         self._in_block = False
         """A BEGIN was queued after the last COMMIT or ROLLBACK (see `ends_transactions`)."""
+        self._unflushed = False
+        """A Sync was queued without a flush (`send(tolerate=True)`): the next one flushes."""
         self._poll = select.poll()
         self._poll.register(self.pg.socket, _POLL_IN)
 
@@ -154,8 +182,10 @@ class Wire:
     ) -> Slot:
         """Queue a prepared statement (prepared on first use) in the pipeline.
 
-        `tolerate`: the statement is followed by a Sync of its own (sent here), so its error
-        ends there and aborts nothing queued after it; `sync` leaves that error in the slot
+        `tolerate`: the statement is followed by a Sync of its own, so its error ends there and
+        aborts nothing queued after it (the Sync is queued, not flushed, where libpq allows:
+        it leaves with the next `send_sync`, one network write and one wake-up of the server
+        for the batch, not two); `sync` leaves that error in the slot
         for the caller instead of raising it. Inside a transaction block the block is then
         aborted, and a COMMIT queued next rolls it back (the server answers "ROLLBACK", not an
         error): the batch's mark uses this, so a row that cannot be marked costs its own
@@ -171,8 +201,13 @@ class Wire:
         slot = Slot(tolerate)
         self._slots.append(slot)
         if tolerate:
-            self.pg.pipeline_sync()  # the statement leaves now, its Sync with it
-            self._flush()
+            if _QUEUE_SYNC is not None:
+                if _QUEUE_SYNC(self.pg.pgconn_ptr) != 1:  # type: ignore[attr-defined]
+                    raise pg_errors.OperationalError(self.pg.get_error_message(self.encoding))
+                self._unflushed = True
+            else:
+                self.pg.pipeline_sync()  # the statement leaves now, its Sync with it
+                self._flush()
             self._syncs += 1
             self._sent = len(self._slots)
         return slot
@@ -204,7 +239,7 @@ class Wire:
         and everything queued went out with a Sync (which ends an implicit transaction). In
         pipeline mode libpq reports the session "active" until the results are read, so this
         is what tells a wait after `send_sync` (relay/waits.py) that it holds no lock."""
-        return not self._in_block and self._sent >= len(self._slots)
+        return not self._in_block and self._sent >= len(self._slots) and not self._unflushed
 
     # -- the round trip -------------------------------------------------------------------
 
@@ -217,6 +252,9 @@ class Wire:
             self._flush()
             self._syncs += 1
             self._sent = len(self._slots)
+        elif self._unflushed:
+            self._flush()
+        self._unflushed = False
 
     def sync(self) -> None:
         """Send a Sync with everything queued (one network write), then read every result up

@@ -5,6 +5,8 @@ prepared statements survive what the worker does to its session."""
 
 from __future__ import annotations
 
+import time
+
 import psycopg
 import pytest
 from psycopg import errors as pg_errors
@@ -78,6 +80,29 @@ def test_a_tolerated_statement_fails_its_transaction_only(
         assert commit.result is not None and commit.result.command_status == b"ROLLBACK"
         assert wire.rows(rows) == [(4,), (5,)]
     assert conn.execute("SELECT v FROM w ORDER BY v").fetchall() == [(1,), (3,)]
+
+
+def test_a_tolerated_statement_leaves_with_the_next_sync_not_on_its_own(
+    wire: Wire, conn: psycopg.Connection, dsn: str
+) -> None:
+    """The mark's Sync is queued, not flushed: mark and COMMIT reach the server in one network
+    write (one wake-up of its backend per batch). Seen from another session: the tolerated
+    statement's advisory lock is not taken until `send_sync` sends it with the COMMIT."""
+    held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242"
+    with psycopg.connect(dsn, autocommit=True) as other, wire.pipeline():
+        wire.send_plain(b"BEGIN")
+        wire.send(b"SELECT pg_advisory_lock(%(key)s)", {"key": "4242"}, tolerate=True)
+        wire.send_plain(b"COMMIT")
+        time.sleep(0.3)  # time enough for a statement that had left to run
+        before = other.execute(held).fetchone()
+        wire.send_sync()
+        deadline = time.monotonic() + 5
+        while other.execute(held).fetchone() == (0,) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        after = other.execute(held).fetchone()
+        wire.send(b"SELECT pg_advisory_unlock(%(key)s)", {"key": "4242"})
+        wire.sync()
+    assert (before, after) == ((0,), (1,))
 
 
 def test_a_commit_that_succeeded_before_a_failing_claim_is_known(
