@@ -60,6 +60,9 @@ SINK_TIMEOUT_S = 10.0
 OUTAGE_SINK_TIMEOUT_S = 2.0
 """A publish gives up this soon while the broker is away (the other cases keep the default)."""
 OUTAGE_BATCH = 25
+OUTAGE_BACKOFF_CAP_S = 0.5
+AWAY_S = 1.5
+"""How long the broker stays away once the relay has found it so (checked for spinning)."""
 FAST = {"backoff_base_s": 0.01, "backoff_cap_s": 0.05, "max_attempts": 2}
 MIB = 1024 * 1024
 STDOUT_LIMIT_BYTES = 2000
@@ -659,7 +662,7 @@ def test_outage(dsn: str, outbox: psycopg.Connection, harness: Harness) -> None:
     relay = Relay(
         dsn, factory(harness.name, config), spec=SPEC,
         options=RelayOptions(batch_size=OUTAGE_BATCH, listen=False, poll_interval_s=0.05,
-                             backoff_base_s=0.05, backoff_cap_s=0.5,
+                             backoff_base_s=0.05, backoff_cap_s=OUTAGE_BACKOFF_CAP_S,
                              sink_timeout_s=OUTAGE_SINK_TIMEOUT_S),
     )  # fmt: skip
     stats = relay.stats
@@ -668,8 +671,13 @@ def test_outage(dsn: str, outbox: psycopg.Connection, harness: Harness) -> None:
         harness.down()
         add_rows(outbox, COUNT)
         wait_for(lambda: stats.sink_failures >= 2, 30, "the relay to find the broker away")
-        # Nothing is marked while the broker is away.
+        failures = stats.sink_failures
+        time.sleep(AWAY_S)
+        # Nothing is marked while the broker is away, and the relay backs off, not spins:
+        # equal jitter waits at least half the cap between attempts.
         assert len(ids_in(outbox, "outbox_published")) == COUNT
+        retries = stats.sink_failures - failures
+        assert retries <= AWAY_S / (OUTAGE_BACKOFF_CAP_S / 2) + 2, retries
         harness.up()
         wait_for(lambda: not ids_in(outbox, "outbox_unpublished"), 60, "publishing to resume")
     rows = expected_rows(outbox)

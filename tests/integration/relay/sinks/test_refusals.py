@@ -1,7 +1,8 @@
 """A message the broker refuses is a bad message, never an outage (issue 26), on real brokers:
 the sink names it (or finds it by re-sending its batch in halves), it reaches the dead-letter
 table, and the other messages of its batch are delivered; a message over the size limit is
-rejected before it is sent."""
+rejected before it is sent. One refusal and one oversize message per sink are test_contract.py's;
+here the paths particular to one broker or option."""
 
 from __future__ import annotations
 
@@ -74,38 +75,6 @@ def kafka_ids(bootstrap: str, topic: str, count: int) -> list[int]:
     return received
 
 
-@pytest.mark.broker("kafka")
-def test_kafka_a_record_the_broker_refuses_is_named_and_its_batch_mates_delivered(
-    dsn: str, partitioned: psycopg.Connection, kafka_validating_bootstrap: str
-) -> None:
-    """The broker validates records against the topic's schema and fails the whole record
-    batch with INVALID_RECORD for the one record without `n`. The failed reports carried no
-    headers, so the old sink could not name the message: "sink unavailable" for ever, nothing
-    dead-lettered, and the 99 good messages of the batch stuck behind it."""
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    from tests.integration.relay.sinks.conftest import VALIDATED_TOPIC
-
-    bootstrap = kafka_validating_bootstrap
-    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
-    victim = ids_in(partitioned, "outbox_new")[41]
-    partitioned.execute(
-        "UPDATE outbox_new SET payload = '{\"poison\": true}' WHERE id = %s", (victim,)
-    )
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    topic = VALIDATED_TOPIC
-    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(30)
-    # One batch: the refused record and its 99 batch-mates go out in the same produce request.
-    relay = relay_bounded(
-        dsn, "kafka", SinkConfig(url=bootstrap, target=topic, timeout_s=30), batch_size=COUNT
-    )
-    expected = [i for i in ids_in(partitioned, "outbox_new") if i != victim]
-    assert_exactly(kafka_ids(bootstrap, topic, COUNT), expected)
-    assert relay.stats.published == COUNT - 1 and relay.stats.dead_lettered == 1
-    assert relay.stats.sink_failures == 0  # never an outage
-    assert_dead_lettered_alone(partitioned, victim, "INVALID_RECORD")
-
-
 def redis_ids(url: str, stream: str) -> list[int]:
     import redis
 
@@ -125,27 +94,6 @@ def big_victim(conn: psycopg.Connection, size: int) -> int:
         (size, victim),
     )
     return victim
-
-
-@pytest.mark.broker("redis")
-def test_redis_a_payload_over_proto_max_bulk_len_is_rejected_before_sending(
-    dsn: str, partitioned: psycopg.Connection, small_redis_url: str
-) -> None:
-    """Redis drops the connection on a bulk over its proto-max-bulk-len; the old sink called
-    that an outage and retried the batch for ever. The sink now reads the server's limit
-    (CONFIG GET) and rejects the message without sending it."""
-    from tests.integration.relay.sinks.conftest import SMALL_REDIS_MAX_BULK_BYTES
-
-    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
-    victim = big_victim(partitioned, 2 * SMALL_REDIS_MAX_BULK_BYTES)
-    stream = f"om-bulk-{time.time_ns()}"
-    relay = relay_bounded(dsn, "redis", SinkConfig(url=small_redis_url, target=stream))
-    expected = [i for i in ids_in(partitioned, "outbox_new") if i != victim]
-    assert_exactly(redis_ids(small_redis_url, stream), expected)
-    assert relay.stats.published == COUNT - 1 and relay.stats.sink_failures == 0
-    assert_dead_lettered_alone(
-        partitioned, victim, f"of {SMALL_REDIS_MAX_BULK_BYTES} (redis proto-max-bulk-len); not sent"
-    )
 
 
 @pytest.mark.broker("redis")
