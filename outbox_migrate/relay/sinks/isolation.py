@@ -11,7 +11,11 @@ among n costs about 2·log2(n) requests, each a round trip.
 
 What must not happen: the search outliving the sink's timeout, which is the time the relay
 allows one publish (its session fence leaves room for exactly that). When the deadline comes
-first the batch is `SinkUnavailable` — retried later, nothing dead-lettered by guesswork.
+first the batch is `SinkUnavailable` — retried later, nothing dead-lettered by guesswork —
+naming as `acknowledged` the messages the halves delivered so far: the relay marks them and
+claims only the rest again, so the next publish searches fewer messages. Without that, a
+search that never fits in the timeout (a Kafka producer is replaced after every refusal)
+started again from the whole batch on every retry: one refused record stopped the outbox.
 No I/O here: `send` does it.
 """
 
@@ -31,11 +35,15 @@ SendGroup = Callable[[Sequence[Message]], Mapping[MessageId, str]]
 def isolate(
     suspects: Sequence[Message], send: SendGroup, deadline: float, sink: str
 ) -> dict[MessageId, str]:
-    """The messages among `suspects` the broker refuses on their own; the rest are delivered.
+    """The messages among `suspects` — refused together already — the broker refuses on
+    their own; the rest are delivered. The search starts from their halves: sending them all
+    again would only repeat the refusal, and cost the round trip the timeout may lack.
 
     `deadline` is a `time.monotonic()` value."""
     rejected: dict[MessageId, str] = {}
-    pending: list[Sequence[Message]] = [suspects]
+    delivered: list[MessageId] = []
+    half = len(suspects) // 2
+    pending: list[Sequence[Message]] = [suspects[half:], suspects[:half]] if half else [suspects]
     while pending:
         if time.monotonic() >= deadline:
             left = sum(len(group) for group in pending)
@@ -43,9 +51,14 @@ def isolate(
                 sink,
                 f"the broker refused {left} message(s) together; the refused one was not "
                 "found within the sink timeout",
+                acknowledged=delivered,
             )
         group = pending.pop()
-        refused = send(group)
+        try:
+            refused = send(group)
+        except SinkUnavailable as exc:
+            raise SinkUnavailable(sink, exc.reason, [*delivered, *exc.acknowledged]) from None
+        delivered.extend(m.id for m in group if m.id not in refused)
         culprits = [message for message in group if message.id in refused]
         if len(culprits) <= 1:  # refused alone (or not at all): that verdict is its own
             rejected.update({m.id: refused[m.id] for m in culprits})

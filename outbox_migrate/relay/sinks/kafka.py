@@ -129,9 +129,14 @@ class KafkaSink:
             for outbox_id in batch_wide:
                 del rejected[outbox_id]
             suspects = [m for m in batch if m.id in batch_wide]
-            rejected.update(
-                isolate(suspects, lambda g: self._round(g, deadline)[0], deadline, self.name)
-            )
+            try:
+                rejected.update(
+                    isolate(suspects, lambda g: self._round(g, deadline)[0], deadline, self.name)
+                )
+            except SinkUnavailable as exc:
+                # The first round delivered every message it did not refuse: marked too.
+                first = [m.id for m in batch if m.id not in batch_wide and m.id not in rejected]
+                raise SinkUnavailable(self.name, exc.reason, [*first, *exc.acknowledged]) from None
         if rejected:
             raise MessagesRejected(self.name, rejected)
 

