@@ -90,8 +90,7 @@ def test_plan_sql_migrates_a_live_outbox(pattern: str, pg_server: Server, dsn: s
         assert sorted(conn.execute(
             "SELECT tgrelid::regclass::text, tgname FROM pg_trigger WHERE NOT tgisinternal"
         ).fetchall()) == [
-            ("outbox_new", "outbox_unpublished_guard_after"),
-            ("outbox_new", "outbox_unpublished_guard_before"),
+            ("outbox_new", "outbox_unpublished_guard"),
             ("outbox_new", "relay_notify"),
             ("outbox_unpublished", "outbox_unpublished_guard"),
         ]  # fmt: skip

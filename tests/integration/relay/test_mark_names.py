@@ -172,8 +172,9 @@ def test_an_idle_relay_whose_claim_relation_is_renamed_away_stops(
         thread.start()
         try:
             time.sleep(0.5)
-            conn.execute("ALTER TABLE outbox_unpublished RENAME TO outbox_unpublished_moved")
-            conn.execute("CREATE TABLE outbox_unpublished (LIKE outbox_new)")
+            with conn.transaction():  # one swap: no instant without the name
+                conn.execute("ALTER TABLE outbox_unpublished RENAME TO outbox_unpublished_moved")
+                conn.execute("CREATE TABLE outbox_unpublished (LIKE outbox_new)")
             thread.join(timeout=20)
         finally:
             relay.stop()
