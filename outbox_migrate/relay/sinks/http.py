@@ -50,28 +50,39 @@ is not pinned on every message of it: the sink posts the refused messages again 
 (isolation.py) until the one refused alone is found, so its batch-mates are delivered; any
 other 4xx (401, 403, 404: the endpoint, not the content) still refuses the whole array.
 
-Why a thread per lane, each with its own httpx.Client, rather than httpx.AsyncClient on a
-private loop: the client's CPU is the limit (about 1 ms per request on a 2-core machine), and
-the async stack spends more of it — measured with bench/sinks.py's webhook: 1.1-1.3 ms per
-request for the threads (as much as the old sequential loop), 1.3-2 ms for one AsyncClient
-per lane, 3.5 ms for one AsyncClient shared by all lanes (httpcore's pool re-checks every
-connection on each request; without `sniffio` installed it also retries a failing import each
-time). Waiting for the requests in flight is a join, and requests run while the worker thread
-waits, so they overlap PostgreSQL's work too. The lanes live in a small pool owned by the sink
-(created on the first concurrent batch); one group is posted from the calling thread.
+The client is the standard library's `http.client`, one keep-alive connection per lane, each
+lane a thread: the client's CPU per request is what limits a relay process (it runs under the
+GIL beside the claim and the mark), and http.client spends a fraction of what httpx, urllib3 or
+aiohttp spend per POST (bench/producers_http.py; figures in bench/README.md); lanes as threads
+cost no more than one thread multiplexing the same connections. Waiting for the requests in
+flight is a join, and requests run while the worker thread waits, so they overlap
+PostgreSQL's work too. The lanes live in a small pool owned by the sink (created on the first
+concurrent batch); one group is posted from the calling thread.
+
+What the sink does itself, as a general-purpose client would: credentials in the URL
+(`https://user:pass@host/…`) become `Authorization: Basic`; `https` verifies the server's
+certificate and host name against the system's CA store (`SSL_CERT_FILE` / `SSL_CERT_DIR`
+honoured) and certifi's bundle when it is installed; an `http_proxy` / `https_proxy` /
+`all_proxy` from the environment (with `no_proxy`) is used as an HTTP proxy — absolute-form
+requests for `http`, a CONNECT tunnel for `https`. A connection idle for a while is checked
+before reuse, so a webhook that closed it meanwhile costs a reconnect, not a retry.
 """
 
 from __future__ import annotations
 
+import http.client
 import re
+import select
+import ssl
 import threading
 import time
+from base64 import b64encode
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, NamedTuple
-from urllib.parse import quote
+from typing import NamedTuple
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.request import getproxies, proxy_bypass
 
-from outbox_migrate.dsn import mask
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.backoff import backoff_s
 from outbox_migrate.relay.message import Message, MessageId
@@ -81,7 +92,7 @@ from outbox_migrate.relay.sinks.bodies import NotRepresentable, content_type, re
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
 from outbox_migrate.relay.sinks.isolation import isolate
 from outbox_migrate.relay.sinks.limits import text_size_over, too_large
-from outbox_migrate.relay.sinks.urls import require_scheme
+from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
 
 RETRYABLE_STATUS = frozenset({408, 429})
 CONTENT_STATUS = frozenset({400, 413, 422})
@@ -89,6 +100,8 @@ CONTENT_STATUS = frozenset({400, 413, 422})
 DEFAULT_RETRIES = 3
 DEFAULT_CONCURRENCY = 16
 RETRY_BASE_S = 0.1
+STALE_CHECK_S = 1.0
+"""A connection idle this long is checked for a close by the webhook before it is reused."""
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -124,8 +137,8 @@ def request_headers(message: Message, envelope: Envelope, ce: CloudEvents) -> di
 
 def bad_header_name(headers: Mapping[str, str]) -> str | None:
     """Why these headers cannot be sent, or None: a name that is not an HTTP token (a space,
-    a colon, a non-ASCII letter — from a row's own headers or metadata columns). httpx refuses
-    it before sending, which the sink must not take for an outage (it would never pass)."""
+    a colon, a non-ASCII letter — from a row's own headers or metadata columns). http.client
+    refuses it before sending, which the sink must not take for an outage (it would never pass)."""
     for name in headers:
         if not _TOKEN.fullmatch(name):
             return f"http header name {name[:60]!r} is not an HTTP token; not sent"
@@ -202,18 +215,115 @@ class Refusal(NamedTuple):
     reason: str
 
 
+def tls_context() -> ssl.SSLContext:
+    """Certificate and host name verified: the system's CA store, and certifi's when installed
+    (a slim container may have no system store)."""
+    context = ssl.create_default_context()
+    try:
+        import certifi
+    except ImportError:
+        return context
+    context.load_verify_locations(cafile=certifi.where())
+    return context
+
+
+class Endpoint:
+    """Where the POSTs go, parsed once: host, port, request target, TLS, proxy, credentials."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            raise RelayError(f"http sink: {mask_url(url)!r} has no valid port") from None
+        self.https = parts.scheme.lower() == "https"
+        self.host = parts.hostname or ""
+        self.port = port or (443 if self.https else 80)
+        self.target = urlunsplit(("", "", parts.path or "/", parts.query, ""))
+        self.headers: dict[str, str] = {}
+        """Set on every request, replacing a message's header of the same name."""
+        if parts.username is not None or parts.password is not None:
+            self.headers["Authorization"] = basic_auth(parts.username, parts.password)
+        self.context = tls_context() if self.https else None
+        self.proxy: tuple[str, int] | None = None
+        self.proxy_headers: dict[str, str] = {}
+        proxy = proxy_for(parts.scheme.lower(), self.host)
+        if proxy is not None:
+            pparts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+            if pparts.scheme.lower() != "http" or not pparts.hostname:
+                raise RelayError(
+                    f"http sink: proxy {mask_url(proxy)!r} from the environment is not an "
+                    "http:// proxy"
+                )
+            self.proxy = (pparts.hostname, pparts.port or 80)
+            if pparts.username is not None or pparts.password is not None:
+                credentials = basic_auth(pparts.username, pparts.password)
+                self.proxy_headers["Proxy-Authorization"] = credentials
+            if not self.https:  # absolute-form through the proxy; https goes through a tunnel
+                host = f"[{self.host}]" if ":" in self.host else self.host
+                netloc = host if port is None else f"{host}:{port}"
+                self.target = urlunsplit(("http", netloc, parts.path or "/", parts.query, ""))
+                self.headers.update(self.proxy_headers)
+
+    def connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        """A new connection (it connects on its first request)."""
+        host, port = self.proxy or (self.host, self.port)
+        if self.https:
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                host, port, timeout=timeout_s, context=self.context
+            )
+            if self.proxy:
+                conn.set_tunnel(self.host, self.port, headers=self.proxy_headers)
+            return conn
+        return http.client.HTTPConnection(host, port, timeout=timeout_s)
+
+
+def basic_auth(username: str | None, password: str | None) -> str:
+    """`Authorization: Basic` from a URL's (percent-encoded) user and password."""
+    pair = f"{unquote(username or '')}:{unquote(password or '')}"
+    return "Basic " + b64encode(pair.encode()).decode("ascii")
+
+
+def proxy_for(scheme: str, host: str) -> str | None:
+    """The proxy the environment names for this scheme and host, or None (`no_proxy`)."""
+    proxies = getproxies()
+    proxy = proxies.get(scheme) or proxies.get("all")
+    if not proxy or proxy_bypass(host):
+        return None
+    return proxy
+
+
+class _Lane(threading.local):
+    """One lane thread's keep-alive connection and when it last answered (monotonic)."""
+
+    conn: http.client.HTTPConnection | None = None
+    used = 0.0
+
+
+def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle connection has something to read: the webhook closed it (EOF) or sent
+    what nobody asked for; either way it cannot carry the next request."""
+    sock = conn.sock
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+_TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
+"""What a failed exchange raises: socket errors and timeouts, TLS errors (OSError), a closed
+or garbled response (HTTPException)."""
+
+
 class HttpSink:
     name = "http"
 
     def __init__(self, config: SinkConfig) -> None:
-        try:
-            import httpx
-        except ImportError:
-            raise RelayError("the http sink needs httpx: install outbox-migrate[http]") from None
         if not config.url:
             raise RelayError("the http sink needs --sink-url (the webhook address)")
-        self._httpx = httpx
         self.url = require_scheme(self.name, config.url, ("http", "https")) or config.url
+        self.endpoint = Endpoint(self.url)
         self.envelope = envelope_option(config.extra, self.name, Envelope.json)
         self.cloudevents = CloudEvents(config.extra)
         self.timeout_s = config.timeout_s
@@ -224,25 +334,52 @@ class HttpSink:
         self.config = config
         self.limit = config.max_message_bytes
         self._pool: ThreadPoolExecutor | None = None
-        self._local = threading.local()
-        self._clients: list[Any] = []
-        self._clients_lock = threading.Lock()
+        self._lane_state = _Lane()
+        self._connections: list[http.client.HTTPConnection] = []
+        self._connections_lock = threading.Lock()
 
-    def _client(self) -> Any:
-        """This thread's client: one keep-alive connection per lane, no pool shared by lanes."""
-        client = getattr(self._local, "client", None)
-        if client is None:
-            client = self._httpx.Client(timeout=self.timeout_s)
-            self._local.client = client
-            with self._clients_lock:
-                self._clients.append(client)
-        return client
+    def _connection(self, now: float) -> http.client.HTTPConnection:
+        """This thread's connection: one keep-alive connection per lane, none shared."""
+        lane = self._lane_state
+        conn = lane.conn
+        if conn is None:
+            conn = lane.conn = self.endpoint.connection(self.timeout_s)
+            with self._connections_lock:
+                self._connections.append(conn)
+        elif now - lane.used > STALE_CHECK_S and _closed_by_peer(conn):
+            conn.close()  # reconnects on the next request
+        return conn
+
+    def _exchange(self, body: bytes, headers: dict[str, str], timeout_s: float) -> int:
+        """One POST on this lane's connection: the response's status (its body is read and
+        dropped, so the connection can carry the next request)."""
+        now = time.monotonic()
+        conn = self._connection(now)
+        if conn.sock is None:
+            conn.timeout = timeout_s
+        else:
+            conn.sock.settimeout(timeout_s)
+        try:
+            conn.request("POST", self.endpoint.target, body, headers)
+            response = conn.getresponse()
+            response.read()
+        except BaseException:
+            conn.close()  # a half-done exchange: the next request starts on a new connection
+            raise
+        self._lane_state.used = time.monotonic()
+        return response.status
 
     def _post(
         self, body: str | bytes, headers: dict[str, str], stop: threading.Event, deadline: float
     ) -> int | None:
         """POST with retries, all before `deadline`: the final status, None when the batch
         stopped meanwhile, or SinkUnavailable when the retries or the time are exhausted."""
+        payload = body.encode() if isinstance(body, str) else body
+        if self.endpoint.headers:  # credentials win over a row's header of the same name
+            names = {name.lower() for name in self.endpoint.headers}
+            for name in [name for name in headers if name.lower() in names]:
+                del headers[name]
+            headers.update(self.endpoint.headers)
         reason = ""
         attempts = 0
         for attempt in range(self.retries + 1):
@@ -257,13 +394,10 @@ class HttpSink:
                 break
             attempts += 1
             try:
-                response = self._client().post(
-                    self.url, content=body, headers=headers, timeout=min(self.timeout_s, left)
-                )
-            except self._httpx.HTTPError as exc:
+                status = self._exchange(payload, headers, min(self.timeout_s, left))
+            except _TRANSPORT_ERRORS as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 continue
-            status = int(response.status_code)
             if status < 300:
                 return status
             if status >= 500 or status in RETRYABLE_STATUS:
@@ -273,7 +407,7 @@ class HttpSink:
         if attempts <= self.retries:  # stopped by the clock, not by the retry count
             spent = f"the publish's {self.timeout_s:g} s (--sink-timeout) are spent"
             reason = f"{reason}; {spent}" if reason else spent
-        raise SinkUnavailable(self.name, mask(f"{reason} after {attempts} attempts"))
+        raise SinkUnavailable(self.name, mask_url(f"{reason} after {attempts} attempts"))
 
     def _lane(self, lanes: _Lanes) -> None:
         """Post whole groups, one message after the other, until none is left or one fails."""
@@ -313,7 +447,7 @@ class HttpSink:
                 require_text(message)
                 body = message.envelope()
             else:
-                body = message.payload  # text or bytes; httpx sends text as UTF-8
+                body = message.payload  # text or bytes; text is sent as UTF-8
         except NotRepresentable as exc:
             return Refusal(f"http {exc}")
         limit = self.limit
@@ -397,8 +531,8 @@ class HttpSink:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        with self._clients_lock:
-            clients, self._clients = self._clients, []
-        self._local = threading.local()
-        for client in clients:
-            client.close()
+        with self._connections_lock:
+            connections, self._connections = self._connections, []
+        self._lane_state = _Lane()
+        for conn in connections:
+            conn.close()

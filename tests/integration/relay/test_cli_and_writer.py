@@ -120,7 +120,6 @@ def test_cli_unknown_sink_is_a_usage_error(dsn: str, partitioned: psycopg.Connec
 def test_cli_sink_that_cannot_be_built_fails_cleanly(
     dsn: str, partitioned: psycopg.Connection
 ) -> None:
-    pytest.importorskip("httpx")
     insert_rows(partitioned, "outbox_new", 3, spec=SPEC)
     result = relay_cli("--sink", "http", "--until-empty", "--dsn", dsn)
     assert result.returncode == 2

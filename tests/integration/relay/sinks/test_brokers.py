@@ -347,7 +347,6 @@ def test_http_webhook_with_retries(dsn: str, partitioned: psycopg.Connection) ->
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    pytest.importorskip("httpx")
     insert_rows(partitioned, "outbox_new", 120, spec=SPEC)
     received: list[int] = []
     lock = threading.Lock()
@@ -389,7 +388,6 @@ def test_http_concurrent_posts_keep_per_key_order(
 ) -> None:
     """`--ordering key`, two workers, 8 posts in flight per sink, some requests slow: every key
     arrives in id order while other keys overtake the slow ones."""
-    pytest.importorskip("httpx")
     insert_rows(partitioned, "outbox_new", 300, spec=SPEC)
     partitioned.execute("UPDATE outbox_new SET message_key = 'k-' || (id % 7)")
     keys = dict(partitioned.execute("SELECT id, message_key FROM outbox_new").fetchall())
@@ -417,7 +415,6 @@ def test_http_global_ordering_from_the_cli_stays_in_id_order(
     import subprocess
     import sys
 
-    pytest.importorskip("httpx")
     insert_rows(partitioned, "outbox_new", 40, spec=SPEC)
     with Webhook(lambda body: (204, 0.01 if body["id"] % 3 == 0 else 0.0)) as hook:
         result = subprocess.run(
@@ -437,7 +434,6 @@ def test_http_outage_backs_off_recovers_and_loses_nothing(
 ) -> None:
     """The webhook answers 503 for a while: retries run out, the batch is unavailable, the relay
     backs off without marking anything, and delivers everything once the webhook is back."""
-    pytest.importorskip("httpx")
     down = {"now": False}
     insert_rows(partitioned, "outbox_new", 200, spec=SPEC)
     with Webhook(lambda body: (503 if down["now"] else 204, 0.0)) as hook:

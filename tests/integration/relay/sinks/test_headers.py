@@ -175,7 +175,6 @@ def test_redis_fields_and_cloudevents_structured_mode(redis_url: str, envelope: 
 @pytest.mark.broker("http")
 @pytest.mark.parametrize("envelope", ["json", "cloudevents"])
 def test_http_headers_and_cloudevents_binary_mode(envelope: str) -> None:
-    pytest.importorskip("httpx")
     received: list[tuple[dict[str, str], bytes]] = []
     lock = threading.Lock()
 
