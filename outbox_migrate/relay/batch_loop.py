@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from outbox_migrate.relay import claimed, notify, queries, read_ahead, unmarked, wire
+from outbox_migrate.patterns import notify
+from outbox_migrate.relay import claimed, queries, read_ahead, unmarked, wire
 from outbox_migrate.relay.batch import Batch, Commit, mark_and_commit
 from outbox_migrate.relay.cursor import Cursor
 from outbox_migrate.relay.fencing import Fence

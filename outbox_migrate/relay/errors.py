@@ -15,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from outbox_migrate.errors import ExitCode, OutboxMigrateError
-from outbox_migrate.relay.ids import MessageId
+
+MessageId = int | str
+"""An outbox id as the relay carries it: a database id (int), or an application id (uuid,
+ULID) as text. Here, below the messages and the errors that name them."""
 
 
 class RelayError(OutboxMigrateError):

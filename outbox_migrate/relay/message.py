@@ -13,8 +13,7 @@ from datetime import datetime
 from json.encoder import encode_basestring  # C-accelerated: quotes and escapes one string
 from typing import NamedTuple
 
-from outbox_migrate.relay.errors import UnrepresentableMessage
-from outbox_migrate.relay.ids import MessageId
+from outbox_migrate.relay.errors import MessageId, UnrepresentableMessage
 
 
 def _json_text(value: str | None) -> str:

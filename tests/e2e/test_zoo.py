@@ -16,9 +16,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from outbox_migrate.advisory.introspect import introspect
+from outbox_migrate.advisory.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.config import Settings
-from outbox_migrate.introspect import introspect
-from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.runner.errors import PreconditionFailed
 from tests.support.zoo import ZooTable, check_delivery, migrate_under_load
 

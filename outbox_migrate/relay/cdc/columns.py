@@ -16,8 +16,7 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay.cdc import pgoutput
 from outbox_migrate.relay.cdc.options import CdcOptions
 from outbox_migrate.relay.errors import RelayError
-from outbox_migrate.relay.ids import MessageId
-from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.message import Message, MessageId
 
 
 @dataclass

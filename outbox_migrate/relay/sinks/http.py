@@ -71,8 +71,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
+from outbox_migrate.backoff import backoff_s
 from outbox_migrate.dsn import mask
-from outbox_migrate.relay.backoff import backoff_s
 from outbox_migrate.relay.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import Ordering

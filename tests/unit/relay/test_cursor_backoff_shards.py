@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from outbox_migrate.relay.backoff import backoff_s, jitter_s
+from outbox_migrate.backoff import backoff_s, jitter_s
 from outbox_migrate.relay.cursor import (
     FULL_RESCAN_S,
     GAP_PROBE_S,
