@@ -48,9 +48,9 @@ from typing import Any
 
 import psycopg
 
-from outbox_migrate.config import OutboxSpec
-from outbox_migrate.relay import notify
-from outbox_migrate.relay.options import DEFAULT_CHANNEL, RelayOptions
+from outbox_migrate.config import DEFAULT_CHANNEL, OutboxSpec
+from outbox_migrate.patterns import notify
+from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
 

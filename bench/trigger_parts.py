@@ -38,9 +38,8 @@ from pathlib import Path
 
 import psycopg
 
-from outbox_migrate.config import OutboxSpec
-from outbox_migrate.relay import notify
-from outbox_migrate.relay.options import DEFAULT_CHANNEL
+from outbox_migrate.config import DEFAULT_CHANNEL, OutboxSpec
+from outbox_migrate.patterns import notify
 from outbox_migrate.testing import server as pgserver
 from outbox_migrate.testing.schema import create_partitioned_outbox
 

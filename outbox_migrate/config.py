@@ -29,6 +29,9 @@ NON_CONFIG_ENV = frozenset(
 )
 MAX_LOCK_TIMEOUT_MS = 2_147_483_647  # lock_timeout is a 32-bit int of milliseconds
 MAX_IDENTIFIER_BYTES = 63  # NAMEDATALEN - 1: PostgreSQL silently truncates longer names
+DEFAULT_CHANNEL = "outbox_migrate_relay"
+"""The channel the wake-up trigger notifies and the relay listens on: here, below both the
+pattern step that installs the trigger and the relay, so neither imports the other for it."""
 
 
 @dataclass(frozen=True)

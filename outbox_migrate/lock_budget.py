@@ -20,9 +20,10 @@ with the grant that would show it (`SEE_OTHER_SESSIONS`); a guard that needs its
 not pass on it (runner/apply.py `_preflight`).
 
 This module is the one lock-budget primitive: the runner's steps and inverses, the jobs and
-the relay's switch all go through `run_with_lock_budget`. It sits below all of them (it
-imports only the lock modes and the shared backoff), so the relay does not reach up into the
-runner for it; it must not import the runner, the jobs or the relay.
+the relay's switch all go through `run_with_lock_budget`. It sits below all of them and below the
+pattern catalog (PostgreSQL's lock modes are defined here; it imports only the shared backoff
+and errors), so the relay does not reach up into the runner for it; it must not import the
+patterns, the runner, the jobs or the relay.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from psycopg import Connection, errors, sql
@@ -38,7 +40,40 @@ from psycopg import Connection, errors, sql
 from outbox_migrate import __version__
 from outbox_migrate.backoff import backoff_s as shared_backoff_s
 from outbox_migrate.errors import Blocker, LockBudgetExceeded
-from outbox_migrate.patterns.model import LockMode
+
+
+class LockMode(StrEnum):
+    """PostgreSQL table lock modes, weakest first (the names `pg_locks.mode` uses)."""
+
+    ACCESS_SHARE = "AccessShareLock"
+    ROW_SHARE = "RowShareLock"
+    ROW_EXCLUSIVE = "RowExclusiveLock"
+    SHARE_UPDATE_EXCLUSIVE = "ShareUpdateExclusiveLock"
+    SHARE = "ShareLock"
+    SHARE_ROW_EXCLUSIVE = "ShareRowExclusiveLock"
+    EXCLUSIVE = "ExclusiveLock"
+    ACCESS_EXCLUSIVE = "AccessExclusiveLock"
+
+    @property
+    def blocks_writers(self) -> bool:
+        """True when INSERT/UPDATE (RowExclusiveLock) must wait for this lock."""
+        return self in {
+            LockMode.SHARE,
+            LockMode.SHARE_ROW_EXCLUSIVE,
+            LockMode.EXCLUSIVE,
+            LockMode.ACCESS_EXCLUSIVE,
+        }
+
+    @property
+    def sql_name(self) -> str:
+        """The mode as written in LOCK TABLE (`ACCESS EXCLUSIVE`)."""
+        words: list[str] = []
+        for char in self.value.removesuffix("Lock"):
+            if char.isupper() and words:
+                words.append(" ")
+            words.append(char.upper())
+        return "".join(words)
+
 
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from outbox_migrate.cdc_view import phase_views, render_lines
+from outbox_migrate.advisory.cdc_view import phase_views, render_lines
+from outbox_migrate.advisory.introspect import TableFacts
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.introspect import TableFacts
 from outbox_migrate.offline import cdc_guard, step_sql
 from outbox_migrate.patterns.model import Pattern, Phase, Step
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from outbox_migrate.advisory.introspect import judge, marker_from_samples
+from outbox_migrate.advisory.table_facts import ColumnFact, TableFacts, UniqueKey
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.introspect import judge, marker_from_samples
-from outbox_migrate.marker_catalog import ColumnSample
 from outbox_migrate.patterns import BuildOptions, build_pattern
+from outbox_migrate.patterns.marker_catalog import ColumnSample
 from outbox_migrate.patterns.model import Pattern, Phase, PhaseKind, Step, Table, TxMode
 from outbox_migrate.plan import render_markdown
-from outbox_migrate.table_facts import ColumnFact, TableFacts, UniqueKey
 
 REGENERATE = "python -m tests.golden.regenerate"
 ROW_COPYING_KINDS = frozenset({"install-copy-trigger", "copy-back"})

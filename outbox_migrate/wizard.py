@@ -19,7 +19,7 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import UsageError
 
 if TYPE_CHECKING:
-    from outbox_migrate.table_facts import TableFacts
+    from outbox_migrate.advisory.table_facts import TableFacts
 
 QUESTIONS = {
     "pause": "Can publication of messages pause for a few minutes during the migration?",
@@ -156,8 +156,8 @@ class Measurements:
 def measure(dsn: str, spec: OutboxSpec, window_s: float = 2.0, pattern: str = "") -> Measurements:
     """Sample the live outbox: size, backlog, insert and publish rates, CDC, FKs, version,
     and the blockers `plan` would name for `pattern` (the recommended one)."""
+    from outbox_migrate.advisory.introspect import introspect
     from outbox_migrate.db import connect
-    from outbox_migrate.introspect import introspect
 
     with connect(dsn) as conn:
         facts = introspect(conn, spec, pattern)

@@ -68,11 +68,11 @@ def plan(
     facts = None
     resolved = resolve(dsn)
     if resolved is not None:
-        from outbox_migrate.introspect import inspect, raise_for_blockers
+        from outbox_migrate.advisory.introspect import inspect, raise_for_blockers
 
         facts = inspect(resolved.dsn, settings.spec, pattern.value)
         raise_for_blockers(facts)
-        from outbox_migrate.marker_catalog import resolve_settings
+        from outbox_migrate.patterns.marker_catalog import resolve_settings
 
         settings = resolve_settings(resolved.dsn, settings)  # a flag marker's values
     built = build_from_settings(

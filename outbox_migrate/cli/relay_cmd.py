@@ -311,7 +311,7 @@ def relay(
         sys.setswitchinterval(RELAY_SWITCH_INTERVAL_S)
     if install_notify:
         from outbox_migrate.db import connect
-        from outbox_migrate.relay import notify
+        from outbox_migrate.patterns import notify
 
         with connect(resolved.dsn, application_name=runner.application_name) as conn:
             notify.install(conn, settings.spec, channel)

@@ -66,7 +66,7 @@ def roles(
     output: FormatOption = OutputFormat.text,
     names: dict[str, Any] | None = None,
 ) -> None:
-    from outbox_migrate import role_check
+    from outbox_migrate.advisory import role_check
     from outbox_migrate.db import connect
     from outbox_migrate.dsn import resolve
     from outbox_migrate.errors import UsageError

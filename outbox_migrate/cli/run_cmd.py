@@ -159,7 +159,7 @@ def _what_next(result: Any, runner: Runner) -> str | None:
         if reached.app.publishes_from.value == "old-then-new":
             # The switching relay's default gate waits for this; nothing else tells them.
             previous = pattern.phases[index - 1].name
-            from outbox_migrate.findings import ident
+            from outbox_migrate.patterns.names import ident
 
             old = spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
             deploy += (
@@ -246,7 +246,7 @@ def status(
     settings = settings_from(**names)
     name = pattern.value if pattern else None
     if watch:
-        from outbox_migrate import watch as live
+        from outbox_migrate.cli import watch as live
         from outbox_migrate.cli.status_watch import watch as show
 
         target = _dsn(dsn)

@@ -2,7 +2,7 @@
 
 Frames are plain text wrapped to the terminal's width (80 when unknown), so they read the same
 in a terminal, a log file or a CI job; on a terminal the screen is cleared between frames, as
-watch(1) does. Nothing here writes to the database (see outbox_migrate/watch.py).
+watch(1) does. Nothing here writes to the database (see outbox_migrate/cli/watch.py).
 """
 
 from __future__ import annotations

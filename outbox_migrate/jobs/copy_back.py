@@ -44,8 +44,7 @@ from outbox_migrate.jobs.copy_back_verify import (
     verify_ranges,
 )
 from outbox_migrate.jobs.throttle import Impact, LatencyProbe, Throttle, ThrottlePolicy
-from outbox_migrate.lock_budget import LockBudget, run_with_lock_budget
-from outbox_migrate.patterns.model import LockMode
+from outbox_migrate.lock_budget import LockBudget, LockMode, run_with_lock_budget
 
 DEFAULT_BATCH_ROWS = 10_000
 """Rows per batch: large enough to amortise the round trip, small enough for short locks."""

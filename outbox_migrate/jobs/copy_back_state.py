@@ -20,8 +20,7 @@ from psycopg import sql
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.jobs import common
 from outbox_migrate.jobs.common import Relation
-from outbox_migrate.lock_budget import LockBudget, run_with_lock_budget
-from outbox_migrate.patterns.model import LockMode
+from outbox_migrate.lock_budget import LockBudget, LockMode, run_with_lock_budget
 
 PROGRESS_TABLE = "copy_back_progress"
 UPGRADE_LOCK_TIMEOUT_MS = 2_000

@@ -28,7 +28,6 @@ from typing import Any, Literal
 import psycopg
 from psycopg import sql
 
-from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import (
     MaintenanceError,
@@ -41,7 +40,7 @@ from outbox_migrate.jobs.autovacuum import DEFAULT_EVERY_ROWS
 from outbox_migrate.jobs.common import Relation
 from outbox_migrate.jobs.reindex import DEFAULT_MAX_XACT_AGE_S, DEFAULT_REINDEX_LOCK_TIMEOUT_MS
 from outbox_migrate.jobs.retention import DEFAULT_BATCH_BLOCKS, DEFAULT_MAX_ROWS_PER_S
-from outbox_migrate.patterns import marker
+from outbox_migrate.patterns import marker, marker_catalog
 
 DEFAULT_BLOAT_THRESHOLD_PCT = 50.0
 """Rebuild the unpublished index once more than this share of it is bloat."""

@@ -13,6 +13,8 @@ from enum import StrEnum
 
 from psycopg import sql
 
+from outbox_migrate.lock_budget import LockMode
+
 Statement = sql.Composed | sql.SQL
 """A statement psycopg can execute as-is: composed SQL, identifiers already quoted."""
 
@@ -26,39 +28,6 @@ class TxMode(StrEnum):
     """Statements that refuse a transaction block (CONCURRENTLY, VALIDATE kept short-lived)."""
     NONE = "none"
     """No SQL: a deploy gate or a job run by its own module."""
-
-
-class LockMode(StrEnum):
-    """PostgreSQL table lock modes, weakest first (the names `pg_locks.mode` uses)."""
-
-    ACCESS_SHARE = "AccessShareLock"
-    ROW_SHARE = "RowShareLock"
-    ROW_EXCLUSIVE = "RowExclusiveLock"
-    SHARE_UPDATE_EXCLUSIVE = "ShareUpdateExclusiveLock"
-    SHARE = "ShareLock"
-    SHARE_ROW_EXCLUSIVE = "ShareRowExclusiveLock"
-    EXCLUSIVE = "ExclusiveLock"
-    ACCESS_EXCLUSIVE = "AccessExclusiveLock"
-
-    @property
-    def blocks_writers(self) -> bool:
-        """True when INSERT/UPDATE (RowExclusiveLock) must wait for this lock."""
-        return self in {
-            LockMode.SHARE,
-            LockMode.SHARE_ROW_EXCLUSIVE,
-            LockMode.EXCLUSIVE,
-            LockMode.ACCESS_EXCLUSIVE,
-        }
-
-    @property
-    def sql_name(self) -> str:
-        """The mode as written in LOCK TABLE (`ACCESS EXCLUSIVE`)."""
-        words: list[str] = []
-        for char in self.value.removesuffix("Lock"):
-            if char.isupper() and words:
-                words.append(" ")
-            words.append(char.upper())
-        return "".join(words)
 
 
 class PhaseKind(StrEnum):

@@ -103,3 +103,15 @@ class Names:
             "JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' "
             "WHERE ad.adrelid = to_regclass({rel}) AND a.attname = {col} LIMIT 1))"
         ).format(rel=self.reg(relation), col=sql.Literal(self.spec.id_column))
+
+
+def ident(*parts: str) -> str:
+    """An identifier as SQL text (`"Sales"."OutboxData"`), always quoted by psycopg, so a fix
+    copied from `plan` runs on mixed-case names, on names that are keywords (`"offset"`) and in
+    any schema, whatever the reader's search_path."""
+    return sql.Identifier(*parts).as_string(None)
+
+
+def literal(value: str) -> str:
+    """A string literal as SQL text (a regclass name inside `setval('…')`, say)."""
+    return sql.Literal(value).as_string(None)

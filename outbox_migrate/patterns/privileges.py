@@ -6,7 +6,7 @@ The grants are read from the catalog (`pg_class.relacl`, `pg_attribute.attacl`, 
 runner, `plan --sql` applied with psql days later and an Alembic revision (online or `--sql`)
 all carry the privileges as they stand when the table is created, and the step's text (its
 checksum) does not depend on who is granted what. `plan` shows the concrete grants it reads at
-plan time (outbox_migrate/table_privileges.py).
+plan time (outbox_migrate/advisory/table_privileges.py).
 
 What each new relation needs, and no more:
 

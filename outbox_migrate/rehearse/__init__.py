@@ -128,7 +128,7 @@ def rehearse(
 
 def check_source(source_dsn: str, spec: OutboxSpec, pattern: str) -> SourceShape:
     """The source's shape, read only; refused (`SchemaError`, blockers) as `plan` would."""
-    from outbox_migrate.introspect import raise_for_blockers
+    from outbox_migrate.advisory.introspect import raise_for_blockers
     from outbox_migrate.rehearse.source import read_shape
 
     shape = read_shape(source_dsn, spec, pattern)

@@ -17,11 +17,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_migrate import marker_catalog
+from outbox_migrate.advisory.introspect import ColumnFact
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import OutboxMigrateError
-from outbox_migrate.introspect import ColumnFact
-from outbox_migrate.patterns import marker
+from outbox_migrate.patterns import marker, marker_catalog
 from outbox_migrate.rehearse.source import SourceShape
 
 UNPUBLISHED_ROWS_MAX = 500

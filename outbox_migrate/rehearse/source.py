@@ -15,8 +15,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.advisory.introspect import TableFacts, introspect
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.introspect import TableFacts, introspect
 
 READ_ONLY_OPTIONS = "-c default_transaction_read_only=on"
 """Passed as libpq `options`: the server refuses any write in these sessions."""

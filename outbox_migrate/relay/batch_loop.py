@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox_migrate.relay import claimed, notify, queries, read_ahead, unmarked, wire
+from outbox_migrate.patterns import notify
+from outbox_migrate.relay import claimed, queries, read_ahead, unmarked, wire
 from outbox_migrate.relay.batch import Batch, Commit, Phase, WorkerState, mark_and_commit
 from outbox_migrate.relay.cursor import Cursor
 from outbox_migrate.relay.fencing import Fence

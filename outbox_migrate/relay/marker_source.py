@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import NamesMoved, RelayError
+from outbox_migrate.patterns import marker_catalog
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.switching import SourceState
 

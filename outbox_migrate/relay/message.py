@@ -14,7 +14,10 @@ from json.encoder import encode_basestring  # C-accelerated: quotes and escapes 
 from typing import NamedTuple
 
 from outbox_migrate.errors import UnrepresentableMessage
-from outbox_migrate.relay.ids import MessageId
+
+MessageId = int | str
+"""An outbox id as the relay carries it: a database id (int), or an application id (uuid,
+ULID) as text."""
 
 
 def _json_text(value: str | None) -> str:

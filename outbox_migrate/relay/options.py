@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
+from outbox_migrate.config import DEFAULT_CHANNEL
 from outbox_migrate.errors import RelayError
 
 DEFAULT_BATCH_SIZE = 500
@@ -29,7 +30,6 @@ DEFAULT_SHARDS = 8
 """Default shard count (or `workers`, when more): a lone worker owns them all and claims
 without a shard filter; a second relay process started with the defaults finds shards to
 take instead of claiming the same rows (and meeting SQLSTATE 40001)."""
-DEFAULT_CHANNEL = "outbox_migrate_relay"
 DEFAULT_DEAD_LETTER_TABLE = "outbox_dead_letter"
 DEFAULT_SESSION_TIMEOUT_S = 12.0
 """How long a silent relay session keeps its shards at most (plus one keepalive probe)."""

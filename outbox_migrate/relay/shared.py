@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from outbox_migrate.backoff import backoff_s
 from outbox_migrate.relay import keepalive, queries
-from outbox_migrate.relay.backoff import backoff_s
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.options import Mode, RelayOptions

@@ -32,11 +32,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from outbox_migrate.backoff import backoff_s
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
 from outbox_migrate.errors import NamesMoved, RelayFailed
-from outbox_migrate.relay import library_logs, marker_source, notify, queries
-from outbox_migrate.relay.backoff import backoff_s
+from outbox_migrate.patterns import notify
+from outbox_migrate.relay import library_logs, marker_source, queries
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.columns import resolve as resolve_columns
 from outbox_migrate.relay.driver import Worker

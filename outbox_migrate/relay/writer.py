@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from psycopg import sql
 
-from outbox_migrate.config import OutboxSpec
-from outbox_migrate.relay.options import DEFAULT_CHANNEL
+from outbox_migrate.config import DEFAULT_CHANNEL, OutboxSpec
 
 if TYPE_CHECKING:
     import sqlalchemy as sa

@@ -14,9 +14,9 @@ from typing import Any
 
 from psycopg import Connection, sql
 
+from outbox_migrate.advisory.introspect import introspect, raise_for_blockers
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import UsageError
-from outbox_migrate.introspect import introspect, raise_for_blockers
 
 
 def ledger_exists(conn: Connection[Any]) -> bool:

@@ -33,11 +33,12 @@ from outbox_migrate.errors import (
 from outbox_migrate.lock_budget import (
     AttemptLog,
     LockBudget,
+    LockMode,
     lock_declared,
     long_transactions,
     run_with_lock_budget,
 )
-from outbox_migrate.patterns.model import Condition, LockMode, Step
+from outbox_migrate.patterns.model import Condition, Step
 from outbox_migrate.runner import ledger, ownership
 from outbox_migrate.runner.checks import (
     before_transaction,

@@ -18,6 +18,7 @@ from psycopg import Connection, sql
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.patterns.model import Condition, Pattern, PublicationFact, Step
+from outbox_migrate.patterns.names import Names
 from outbox_migrate.runner import ledger
 from outbox_migrate.runner.admission import ledger_exists
 from outbox_migrate.runner.checks import violations
@@ -54,6 +55,20 @@ def offline_pattern(settings: Settings, name: str, include_optional: bool) -> Pa
     )
 
 
+def migration_publications(conn: Connection[Any], spec: OutboxSpec) -> tuple[PublicationFact, ...]:
+    """What the runner builds the CDC step from: the publications its migration recorded when
+    it started, else (no migration yet) the live ones; none when the old table is gone."""
+    from outbox_migrate.advisory.introspect import publication_facts
+
+    recorded = ledger.recorded_publications(conn, spec)
+    if recorded is not None:
+        return recorded
+    found = conn.execute(
+        sql.SQL("SELECT to_regclass({})").format(Names(spec).reg(spec.table))
+    ).fetchone()
+    return publication_facts(conn, spec) if found and found[0] is not None else ()
+
+
 def live_pattern(
     conn: Connection[Any],
     settings: Settings,
@@ -64,8 +79,7 @@ def live_pattern(
 ) -> tuple[Pattern, str, tuple[PublicationFact, ...]]:
     """The pattern as this database needs it, with the identity kind and publications it
     was built from (recorded when the migration starts)."""
-    from outbox_migrate import marker_catalog
-    from outbox_migrate.introspect import migration_publications
+    from outbox_migrate.patterns import marker_catalog
     from outbox_migrate.runner.recorded_optional import optional_recorded
 
     readable = ledger_exists(conn) if ledger_readable is None else ledger_readable

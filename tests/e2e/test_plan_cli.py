@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
+from outbox_migrate.advisory.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.cli import error_line, run_cli
 

@@ -20,13 +20,13 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox_migrate.advisory.introspect import introspect
+from outbox_migrate.advisory.table_facts import TableFacts
 from outbox_migrate.config import load_settings
 from outbox_migrate.errors import SchemaError
-from outbox_migrate.introspect import introspect
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.worker import Relay
 from outbox_migrate.runner import Runner
-from outbox_migrate.table_facts import TableFacts
 from tests.e2e.test_zoo_flags import EVENTUATE_DDL
 from tests.e2e.test_zoo_frameworks import MASSTRANSIT
 from tests.support.cli import error_line, run_cli

@@ -16,10 +16,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from outbox_migrate.advisory.introspect import introspect
+from outbox_migrate.advisory.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.config import Settings
 from outbox_migrate.errors import PreconditionFailed
-from outbox_migrate.introspect import introspect
-from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from tests.support.zoo import ZooTable, check_delivery, migrate_under_load
 
 SPEC_TABLE = ZooTable(

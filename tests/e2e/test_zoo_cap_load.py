@@ -28,7 +28,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_migrate.introspect import introspect
+from outbox_migrate.advisory.introspect import introspect
 from tests.support.zoo import Outcome, ZooTable, migrate_under_load
 
 CAP_DDL = """

@@ -15,17 +15,17 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox_migrate.advisory.introspect import introspect
+from outbox_migrate.advisory.lost_semantics import LAYOUT_WARNINGS
+from outbox_migrate.cli.watch import _backlog as watch_backlog
 from outbox_migrate.config import load_settings
-from outbox_migrate.introspect import introspect
 from outbox_migrate.jobs.maintain import MaintenanceOptions, maintain_once
-from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.patterns.conditions import marker_kind
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.rehearse.scratch import fill_synthetic, rebuild
 from outbox_migrate.rehearse.source import read_shape
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.worker import Relay
-from outbox_migrate.watch import _backlog as watch_backlog
 from tests.support.cli import error_line, run_cli
 from tests.support.zoo import Collector, ZooTable, check_delivery, migrate_under_load
 

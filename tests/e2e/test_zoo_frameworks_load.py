@@ -30,8 +30,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from outbox_migrate.advisory.introspect import introspect
 from outbox_migrate.errors import SchemaError
-from outbox_migrate.introspect import introspect
 from outbox_migrate.relay.message import Message
 from outbox_migrate.runner import Runner
 from outbox_migrate.wizard import Answers, recommend

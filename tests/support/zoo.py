@@ -22,10 +22,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec, Settings, load_settings
 from outbox_migrate.errors import PreconditionFailed
-from outbox_migrate.patterns import build_pattern, marker
+from outbox_migrate.patterns import build_pattern, marker, marker_catalog
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
 from outbox_migrate.relay.sinks import Sink

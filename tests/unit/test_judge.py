@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
+from outbox_migrate.advisory.introspect import ColumnFact, TableFacts, judge, raise_for_blockers
+from outbox_migrate.advisory.lost_semantics import LAYOUT_WARNINGS
+from outbox_migrate.advisory.table_facts import UniqueKey
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import Blocked, SchemaError
-from outbox_migrate.introspect import ColumnFact, TableFacts, judge, raise_for_blockers
-from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.patterns.model import PublicationFact
-from outbox_migrate.table_facts import UniqueKey
 
 ID = ColumnFact("id", "bigint", None, True, None, "a", "")
 PUBLISHED = ColumnFact("published_at", "timestamp with time zone", None, False, None, "", "")

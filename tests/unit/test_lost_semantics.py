@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from outbox_migrate.advisory.introspect import ColumnFact, TableFacts, judge
+from outbox_migrate.advisory.lost_semantics import LAYOUT_WARNINGS
+from outbox_migrate.advisory.table_facts import UniqueKey
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.errors import ConfigError
-from outbox_migrate.introspect import ColumnFact, TableFacts, judge
-from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.patterns import build_pattern
 from outbox_migrate.patterns.model import CheckPoint
-from outbox_migrate.table_facts import UniqueKey
 
 TS = "timestamp with time zone"
 

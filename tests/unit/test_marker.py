@@ -14,7 +14,8 @@ import pytest
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.errors import ConfigError
-from outbox_migrate.marker_catalog import (
+from outbox_migrate.patterns import marker
+from outbox_migrate.patterns.marker_catalog import (
     Activity,
     Candidate,
     ColumnSample,
@@ -26,7 +27,6 @@ from outbox_migrate.marker_catalog import (
     decide,
     words,
 )
-from outbox_migrate.patterns import marker
 
 TIMESTAMP = OutboxSpec()
 SMALLINT = OutboxSpec(table="message", published_column="published", unpublished_value="0",

@@ -19,6 +19,7 @@ from typing import Any
 
 from psycopg import sql
 
+from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.kinds.base import (
@@ -28,7 +29,7 @@ from outbox_migrate.patterns.kinds.base import (
     make_step,
 )
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND
-from outbox_migrate.patterns.model import Condition, Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.model import Condition, Lock, Step, TxMode
 
 
 def scan_guard(ctx: BuildContext) -> tuple[Condition, ...]:

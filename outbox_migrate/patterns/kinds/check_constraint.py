@@ -14,6 +14,7 @@ from typing import Any
 
 from psycopg import sql
 
+from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.kinds.base import (
@@ -23,7 +24,7 @@ from outbox_migrate.patterns.kinds.base import (
     make_step,
 )
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND
-from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.model import Created, Lock, Step, TxMode
 
 
 def add_check_sql(ctx: BuildContext) -> sql.Composed:

@@ -19,9 +19,10 @@ from typing import Any
 from psycopg import sql
 
 from outbox_migrate import sql as queries
+from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds.base import CREATE_TIMEOUT_MS, BuildContext, kind, make_step
-from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.model import Created, Lock, Step, TxMode
 from outbox_migrate.patterns.privileges import NO_PRIVILEGE, carry_privileges
 
 DEAD_LETTER_TABLE = "outbox_dead_letter"

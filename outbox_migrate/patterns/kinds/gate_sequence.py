@@ -23,9 +23,10 @@ from typing import Any
 
 from psycopg import sql
 
+from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
-from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.model import Created, Lock, Step, TxMode
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.patterns.names import gate_lock_keys as lock_keys
 

@@ -43,11 +43,12 @@ from typing import Any
 from psycopg import sql
 
 from outbox_migrate.db import GUARD_SETTING
+from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
 from outbox_migrate.patterns.kinds.copy_trigger import definer_rights
 from outbox_migrate.patterns.kinds.partitioned_table import NULL_BOUND
-from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.model import Created, Lock, Step, TxMode
 from outbox_migrate.patterns.names import Names
 
 COST = (

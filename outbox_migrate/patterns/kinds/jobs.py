@@ -11,10 +11,11 @@ from typing import Any
 
 from psycopg import sql
 
+from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND
-from outbox_migrate.patterns.model import Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.model import Lock, Step, TxMode
 
 COPY_BATCH_ROWS = 10_000
 

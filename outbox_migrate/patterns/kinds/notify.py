@@ -1,4 +1,4 @@
-"""The relay's wake-up trigger on the partitioned outbox (see outbox_migrate/relay/notify.py).
+"""The relay's wake-up trigger on the partitioned outbox (its DDL and key: patterns/notify.py).
 
 Installed where the partitioned table is created, so the relay of that phase wakes on new rows
 without the application calling `pg_notify`. The trigger only notifies while a relay is idle,
@@ -13,11 +13,12 @@ from typing import Any
 
 from psycopg import sql
 
+from outbox_migrate.config import DEFAULT_CHANNEL
+from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
+from outbox_migrate.patterns import notify
 from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
-from outbox_migrate.patterns.model import Created, Lock, LockMode, Step, TxMode
-from outbox_migrate.relay import notify
-from outbox_migrate.relay.options import DEFAULT_CHANNEL
+from outbox_migrate.patterns.model import Created, Lock, Step, TxMode
 
 
 def _trigger_parts(ctx: BuildContext) -> dict[str, sql.Composable]:

@@ -38,23 +38,15 @@ from typing import Any
 from psycopg import sql
 
 from outbox_migrate import sql as queries
+from outbox_migrate.config import DEFAULT_CHANNEL
+from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns import marker
+from outbox_migrate.patterns import marker, notify
 from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND, NULL_BOUND
-from outbox_migrate.patterns.model import (
-    CheckPoint,
-    Condition,
-    Created,
-    Lock,
-    LockMode,
-    Step,
-    TxMode,
-)
+from outbox_migrate.patterns.model import CheckPoint, Condition, Created, Lock, Step, TxMode
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.patterns.privileges import EVERY_PRIVILEGE, NO_PRIVILEGE, carry_privileges
-from outbox_migrate.relay import notify
-from outbox_migrate.relay.options import DEFAULT_CHANNEL
 
 VIEW_SAMPLE_INTERVAL_S = 0.1
 """How often the drop gate looks at pg_locks for sessions using the view (a transaction held

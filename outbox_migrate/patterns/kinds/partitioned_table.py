@@ -13,10 +13,11 @@ from typing import Any
 
 from psycopg import sql
 
+from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.kinds.base import CREATE_TIMEOUT_MS, BuildContext, kind, make_step
-from outbox_migrate.patterns.model import Condition, Created, Lock, LockMode, Step, TxMode
+from outbox_migrate.patterns.model import Condition, Created, Lock, Step, TxMode
 from outbox_migrate.patterns.privileges import (
     EVERY_PRIVILEGE,
     NO_PRIVILEGE,

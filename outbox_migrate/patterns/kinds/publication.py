@@ -31,10 +31,11 @@ from typing import Any
 
 from psycopg import sql
 
+from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
 from outbox_migrate.patterns.kinds.partitioned_table import NULL_BOUND
-from outbox_migrate.patterns.model import Created, Lock, LockMode, PublicationFact, Step, TxMode
+from outbox_migrate.patterns.model import Created, Lock, PublicationFact, Step, TxMode
 from outbox_migrate.patterns.names import Names
 
 KIND = "publish-unpublished-partition"

@@ -15,8 +15,7 @@ from typing import Any
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.cdc import pgoutput
-from outbox_migrate.relay.ids import MessageId
-from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import CdcOptions
 
 

@@ -46,12 +46,12 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_migrate import marker_catalog
+from outbox_migrate.backoff import backoff_s
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME, one_line
 from outbox_migrate.errors import ConnectError, RelayError, RelayFailed, SinkUnavailable
+from outbox_migrate.patterns import marker_catalog
 from outbox_migrate.relay import library_logs, queries
-from outbox_migrate.relay.backoff import backoff_s
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.cdc import pgoutput, slot
 from outbox_migrate.relay.cdc.backlog import Backlog, IdRuns, snapshot_ids

@@ -83,8 +83,8 @@ from typing import NamedTuple
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 from urllib.request import getproxies, proxy_bypass
 
+from outbox_migrate.backoff import backoff_s
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
-from outbox_migrate.relay.backoff import backoff_s
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import Ordering
 from outbox_migrate.relay.sinks import SinkConfig

@@ -10,10 +10,10 @@ from __future__ import annotations
 import psycopg
 import pytest
 
+from outbox_migrate.advisory.introspect import TableFacts, introspect, raise_for_blockers
+from outbox_migrate.advisory.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
-from outbox_migrate.introspect import TableFacts, introspect, raise_for_blockers
-from outbox_migrate.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from outbox_migrate.testing.server import Server
 

@@ -19,12 +19,13 @@ import pytest
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
 from outbox_migrate.patterns.kinds.dead_letter_tables import (
     ATTEMPTS_TABLE_SUFFIX,
     DEAD_LETTER_TABLE,
 )
-from outbox_migrate.patterns.model import LockMode, Step, TxMode
+from outbox_migrate.patterns.model import Step, TxMode
 from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.app import act_as, count, publish_all, violations
 

@@ -16,9 +16,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from outbox_migrate.advisory.introspect import introspect
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.errors import PreconditionFailed, SchemaError
-from outbox_migrate.introspect import introspect
 from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.plan import render_sql, split_sql_phases
 from outbox_migrate.runner import Runner

@@ -59,7 +59,7 @@ _SHARD_LOCKS = (
     "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
     "AND classid::int8 = (hashtext('outbox-migrate.relay:public.outbox_new')::int8 & 4294967295)"
 )
-"""A relay's shard locks on the test outbox — not its idle flag (relay/notify.py), also an
+"""A relay's shard locks on the test outbox — not its idle flag (patterns/notify.py), also an
 exclusive two-key advisory lock, held while the relay waits for work: counting it made a
 lone idle relay look like it held five shards of four (a CI flake)."""
 

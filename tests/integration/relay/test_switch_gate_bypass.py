@@ -188,7 +188,7 @@ def test_the_watch_shows_why_a_switching_relay_waits(tables: str, collected: Col
     """The relay records its reason in its session's application_name, which any role can
     read: `status --watch` shows it (here: a role still holds INSERT); once the REVOKE lets
     the relay switch, the mark is gone."""
-    from outbox_migrate import watch
+    from outbox_migrate.cli import watch
 
     dsn = tables
     role = f"app_{uuid.uuid4().hex[:8]}"

@@ -13,10 +13,11 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
+from outbox_migrate.config import DEFAULT_CHANNEL
+from outbox_migrate.patterns import notify
 from outbox_migrate.relay import cursor as cursor_module
-from outbox_migrate.relay import notify
 from outbox_migrate.relay.message import Message
-from outbox_migrate.relay.options import DEFAULT_CHANNEL, RelayOptions
+from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.worker import Relay, running
 
 from .conftest import SPEC, Collected
@@ -62,7 +63,7 @@ def relay_blocking(dsn: str, samples: int) -> int:
     (outbox_migrate/lock_budget.py) found a relay session it would not queue a step's lock
     behind, for an ACCESS EXCLUSIVE lock on the unpublished partition."""
     from outbox_migrate import lock_budget as locks
-    from outbox_migrate.patterns.model import LockMode
+    from outbox_migrate.lock_budget import LockMode
 
     blocked = 0
     with psycopg.connect(dsn, autocommit=True) as runner:

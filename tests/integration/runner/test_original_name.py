@@ -14,8 +14,7 @@ import pytest
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.errors import PreconditionFailed
-from outbox_migrate.patterns import PATTERN_NAMES
-from outbox_migrate.relay import notify
+from outbox_migrate.patterns import PATTERN_NAMES, notify
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner import inspect as read_only
 from outbox_migrate.runner.apply import FAULT_ENV

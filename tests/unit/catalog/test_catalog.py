@@ -10,18 +10,11 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import UsageError
+from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.offline import assertion, step_sql
 from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
 from outbox_migrate.patterns.kinds import load_all
-from outbox_migrate.patterns.model import (
-    LockMode,
-    Pattern,
-    PhaseKind,
-    PublicationFact,
-    Step,
-    Table,
-    TxMode,
-)
+from outbox_migrate.patterns.model import Pattern, PhaseKind, PublicationFact, Step, Table, TxMode
 from outbox_migrate.wizard import Answers, recommend
 
 ALL = BuildOptions(include_optional=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox_migrate.cdc_view import phase_views
+from outbox_migrate.advisory.cdc_view import phase_views
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
 from outbox_migrate.patterns.model import PublicationFact, Step

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 
 import pytest
 
+from outbox_migrate.backoff import backoff_s, jitter_s
 from outbox_migrate.errors import RelayError
-from outbox_migrate.relay.backoff import backoff_s, jitter_s
 from outbox_migrate.relay.cursor import (
     FULL_RESCAN_S,
     GAP_PROBE_S,

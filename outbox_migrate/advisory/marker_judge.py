@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from outbox_migrate import marker_catalog
+from outbox_migrate.advisory import Finding
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.findings import Finding
-from outbox_migrate.patterns import marker
+from outbox_migrate.patterns import marker, marker_catalog
 
 if TYPE_CHECKING:
-    from outbox_migrate.table_facts import TableFacts
+    from outbox_migrate.advisory.table_facts import TableFacts
 
 
 def shown(spec: OutboxSpec) -> str:

@@ -13,8 +13,8 @@ from typing import Any
 from psycopg import Connection
 
 from outbox_migrate import sql as queries
+from outbox_migrate.advisory import ident
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.findings import ident
 from outbox_migrate.patterns.kinds.dead_letter_tables import (
     ATTEMPTS_TABLE_SUFFIX,
     DEAD_LETTER_TABLE,

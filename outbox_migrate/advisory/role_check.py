@@ -32,6 +32,7 @@ from typing import Any
 from psycopg import Connection, sql
 
 from outbox_migrate import sql as queries
+from outbox_migrate.advisory.table_privileges import SWITCHING_PATTERNS, read_table_privileges
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SEE_OTHER_SESSIONS, ExitCode, OutboxMigrateError, UsageError
 from outbox_migrate.patterns.kinds.dead_letter_tables import (
@@ -39,7 +40,6 @@ from outbox_migrate.patterns.kinds.dead_letter_tables import (
     DEAD_LETTER_TABLE,
 )
 from outbox_migrate.relay.options import DEFAULT_PUBLICATION
-from outbox_migrate.table_privileges import SWITCHING_PATTERNS, read_table_privileges
 
 LEDGER_SCHEMA = "outbox_migrate"
 """The runner's ledger schema (runner/ledger.py SCHEMA; the runner is a layer above)."""

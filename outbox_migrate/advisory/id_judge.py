@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from outbox_migrate.advisory import Finding, ident, literal
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.findings import Finding, ident, literal
-from outbox_migrate.marker_catalog import not_null_recipe
+from outbox_migrate.patterns.marker_catalog import not_null_recipe
 
 if TYPE_CHECKING:
-    from outbox_migrate.table_facts import ColumnFact, TableFacts
+    from outbox_migrate.advisory.table_facts import ColumnFact, TableFacts
 
 ID_LIMITS = {"bigint": 2**63 - 1, "integer": 2**31 - 1}
 ID_SAFETY_FACTOR = 2

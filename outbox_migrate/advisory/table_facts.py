@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from outbox_migrate.advisory import Finding
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.findings import Finding
-from outbox_migrate.marker_catalog import Activity, ColumnSample
+from outbox_migrate.patterns.marker_catalog import Activity, ColumnSample
 from outbox_migrate.patterns.model import PublicationFact
 
 ID_TYPES = frozenset({"bigint", "integer"})

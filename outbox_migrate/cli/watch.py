@@ -30,12 +30,11 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_migrate import marker_catalog
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.errors import SchemaError, grant_to_see
-from outbox_migrate.lock_budget import WATCH_APPLICATION_NAME
-from outbox_migrate.patterns import marker
-from outbox_migrate.patterns.model import CheckPoint, LockMode, Step
+from outbox_migrate.lock_budget import WATCH_APPLICATION_NAME, LockMode
+from outbox_migrate.patterns import marker, marker_catalog
+from outbox_migrate.patterns.model import CheckPoint, Step
 from outbox_migrate.runner.session import runner_lock_key
 
 WATCH_READ_MS = 150

@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 from psycopg import Connection
 
 from outbox_migrate import sql as queries
+from outbox_migrate.advisory import Finding
+from outbox_migrate.advisory.table_facts import UniqueKey
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import GUARD_SETTING
-from outbox_migrate.findings import Finding
 from outbox_migrate.patterns.kinds.guard import COST as GUARD_COST
 from outbox_migrate.patterns.names import Names
-from outbox_migrate.table_facts import UniqueKey
 
 if TYPE_CHECKING:
-    from outbox_migrate.table_facts import ColumnFact, TableFacts
+    from outbox_migrate.advisory.table_facts import ColumnFact, TableFacts
 
 MARKER_STEMS = (
     "publish", "dispatch", "sent", "deliver", "process", "relay", "complet", "handled", "emit",

@@ -18,7 +18,7 @@ from psycopg import Connection, sql
 
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.errors import SchemaError
-from outbox_migrate.findings import ident
+from outbox_migrate.patterns.names import ident
 
 TIMESTAMP_TYPES = frozenset({"timestamp with time zone", "timestamp without time zone"})
 INTEGER_TYPES = frozenset({"smallint", "integer", "bigint"})

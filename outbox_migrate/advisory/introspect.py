@@ -12,23 +12,22 @@ from typing import Any
 
 from psycopg import Connection, sql
 
-from outbox_migrate import id_judge, marker_catalog, marker_judge
-from outbox_migrate import lost_semantics as lost_rules
 from outbox_migrate import sql as queries
-from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import Blocked, SchemaError
-from outbox_migrate.findings import Finding, ident
-from outbox_migrate.patterns import marker
-from outbox_migrate.patterns.model import PublicationFact
-from outbox_migrate.patterns.names import Names
-from outbox_migrate.table_facts import (
+from outbox_migrate.advisory import Finding, id_judge, ident, marker_judge
+from outbox_migrate.advisory import lost_semantics as lost_rules
+from outbox_migrate.advisory.table_facts import (
     ASSUMED_SCAN_BYTES_PER_S,
     ID_TYPES,
     ColumnFact,
     ObjectFact,
     TableFacts,
 )
-from outbox_migrate.table_privileges import read_table_privileges
+from outbox_migrate.advisory.table_privileges import read_table_privileges
+from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import Blocked, SchemaError
+from outbox_migrate.patterns import marker, marker_catalog
+from outbox_migrate.patterns.model import PublicationFact
+from outbox_migrate.patterns.names import Names
 
 
 def _rows(conn: Connection[Any], name: str, **parts: sql.Composable) -> list[tuple[Any, ...]]:
@@ -51,20 +50,6 @@ def publication_facts(conn: Connection[Any], spec: OutboxSpec) -> tuple[Publicat
         for pub, explicit, all_tables, by_schema, via_root, ins, upd, dele, row_filter, columns
         in rows
     )  # fmt: skip
-
-
-def migration_publications(conn: Connection[Any], spec: OutboxSpec) -> tuple[PublicationFact, ...]:
-    """What the runner builds the CDC step from: the publications its migration recorded when
-    it started, else (no migration yet) the live ones; none when the old table is gone."""
-    from outbox_migrate.runner import ledger
-
-    recorded = ledger.recorded_publications(conn, spec)
-    if recorded is not None:
-        return recorded
-    found = conn.execute(
-        sql.SQL("SELECT to_regclass({})").format(Names(spec).reg(spec.table))
-    ).fetchone()
-    return publication_facts(conn, spec) if found and found[0] is not None else ()
 
 
 def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> TableFacts:
@@ -416,7 +401,6 @@ __all__ = [
     "inspect",
     "introspect",
     "judge",
-    "migration_publications",
     "publication_facts",
     "raise_for_blockers",
 ]

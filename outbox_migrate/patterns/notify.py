@@ -89,6 +89,8 @@ def create_sql(
     ones it is installed under (the rename to the original name re-keys the function in
     place, so relays started with the new name are woken)."""
     function = sql.Identifier(spec.schema, function_name(spec))
+    # The function's comment names this module by its former path on purpose: the text is
+    # part of the step's checksum, which a migration under way has recorded.
     body = sql.SQL(
         "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $om$\n"
         "BEGIN\n"
