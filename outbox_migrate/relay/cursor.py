@@ -186,7 +186,7 @@ class Cursor:
     def confirm(self) -> None:
         """The next claim is the last one before the worker sleeps: probe every gap in it.
 
-        A writer whose INSERT saw the relay busy sends no NOTIFY at its commit (relay/notify.py);
+        A writer whose INSERT saw the relay busy sends no NOTIFY at its commit (patterns/notify.py);
         the relay's guarantee is that its claim after raising the idle flag sees that writer's
         rows. A row of such a writer may lie below the frontier — its transaction committed
         after a higher id was claimed — where only the gap probe reaches it. Left to the probe's

@@ -102,7 +102,7 @@ class Worker:
             )
         )
         self.flag = IdleFlag(options.listen and not options.until_empty, options.linger_s)
-        """The idle flag's state (relay/idle_flag.py; the lock itself: relay/notify.py)."""
+        """The idle flag's state (relay/idle_flag.py; the lock itself: patterns/notify.py)."""
         # Every wait of this worker goes through it: none with a session in a transaction.
         self.waits = Waits(relay.stopped, self._sessions)
         self.listener = Listener(relay.connect_worker, options.channel,
@@ -348,7 +348,7 @@ class Worker:
 
     def _idle(self, source: queries.Source) -> None:
         """Nothing to claim: sleep until a notification or the poll interval — with the idle
-        flag up, so the wake-up trigger notifies (relay/notify.py)."""
+        flag up, so the wake-up trigger notifies (patterns/notify.py)."""
         if self.cursor.due(time.monotonic()):
             return  # a claim below the cursor is due (a late row may be visible): no sleep
         self.state.to(Phase.IDLE)

@@ -1,6 +1,6 @@
 """A worker's idle flag as a pure state machine: when to raise it, keep it, lower it, sleep.
 
-The flag is a session advisory lock (relay/notify.py): while a relay holds it, the wake-up
+The flag is a session advisory lock (patterns/notify.py): while a relay holds it, the wake-up
 trigger notifies at every writer's commit; while the relay claims, writers commit without a
 NOTIFY. One method per event and no I/O: the worker sends the lock statements this returns
 and reports what came back, so the rules are unit-tested without a server.
@@ -19,7 +19,7 @@ committed yet) looks again after linger, doubling up to this: the late-row bound
 SPARSE_ROWS = 8
 """A claim made with the idle flag up that returned at most this many rows is a trickle: rows
 arrive a few at a time and each would wake an idle relay anyway, so the flag stays up and the
-worker sleeps right after publishing (relay/notify.py). More rows than this, and the flag comes
+worker sleeps right after publishing (patterns/notify.py). More rows than this, and the flag comes
 down: writers of dense traffic commit without NOTIFY."""
 AWAKE_WAITS = 2
 """Idle waits in a row that found a notification already there (the worker never had to

@@ -2,7 +2,7 @@
 
 Why one primitive: a session that waits inside its transaction is "idle in transaction" on the
 claimed rows' locks (and, after a mark, on the outbox's parent), and the migration runner does
-not queue a step's lock behind such a session (runner/locks.py) — under steady traffic a
+not queue a step's lock behind such a session (lock_budget.py) — under steady traffic a
 worker that did so nearly all the time kept a step from ever finding its moment. That was
 fixed at four places by convention (linger, idle sleep, parked key, held COMMIT); here every
 wait of a worker (linger, idle sleep, backoff, pause, listener poll, outage wait) first checks
