@@ -3,6 +3,7 @@ and the HTTP sink's concurrency, order, retries and refusals against a webhook o
 
 from __future__ import annotations
 
+import base64
 import time
 from datetime import UTC, datetime
 
@@ -346,3 +347,24 @@ def test_header_names_and_values_http_cannot_carry_are_not_an_outage(http_sink) 
     assert sorted(hook.accepted) == [1, 2, 3]
     sent = {h["X-Outbox-Id"]: h["X-Event-Type"] for h in hook.headers}
     assert (sent["2"], sent["3"]) == ("%C3%A9", "a%0Ab")
+
+
+def test_credentials_in_the_url_become_basic_auth(http_sink) -> None:
+    """The sink's own client (http.client) sends what httpx did for a URL with a user and a
+    percent-encoded password: `Authorization: Basic`, decoded before encoding."""
+    with Webhook() as hook:
+        url = hook.url.replace("http://", "http://relay:p%40ss@")
+        http_sink(url).publish(batch(2, keys=2))
+    expected = "Basic " + base64.b64encode(b"relay:p@ss").decode()
+    assert [h["Authorization"] for h in hook.headers] == [expected, expected]
+
+
+def test_an_http_proxy_from_the_environment_carries_the_posts(http_sink, monkeypatch) -> None:
+    """`http_proxy` names the webhook itself as the proxy: the sink sends each POST there in
+    absolute form, so the request reaches it although the URL's host does not exist."""
+    with Webhook() as hook:
+        monkeypatch.setenv("http_proxy", hook.url.removesuffix("/hook"))
+        monkeypatch.setenv("no_proxy", "")
+        http_sink("http://webhook.invalid:8080/hook").publish(batch(3, keys=3))
+    assert sorted(hook.accepted) == [1, 2, 3]
+    assert {h["Host"] for h in hook.headers} == {"webhook.invalid:8080"}
