@@ -32,6 +32,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -96,20 +97,18 @@ def drain_relay(dsn: str, batch: int) -> float:
         return time.perf_counter() - started
 
 
-def drain_update(dsn: str, batch: int) -> float:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        started = time.perf_counter()
-        while conn.execute(FRAMEWORK_MARK, (batch,)).rowcount:
-            pass
-        return time.perf_counter() - started
+def drain_with(statement: str) -> Callable[[str, int], float]:
+    """A plain session running `statement` (a framework's mark or cleanup) until it touches no
+    row: the time it took."""
 
+    def drain(dsn: str, batch: int) -> float:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            started = time.perf_counter()
+            while conn.execute(statement, (batch,)).rowcount:  # type: ignore[arg-type]
+                pass
+            return time.perf_counter() - started
 
-def drain_cleanup(dsn: str, batch: int) -> float:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        started = time.perf_counter()
-        while conn.execute(CLEANUP, (batch,)).rowcount:
-            pass
-        return time.perf_counter() - started
+    return drain
 
 
 def postmaster_pid(conn: psycopg.Connection) -> int:
@@ -149,7 +148,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(143))
     srv = pgserver.start(18)
-    drains = {"relay": drain_relay, "update": drain_update, "cleanup": drain_cleanup}
+    drains = {
+        "relay": drain_relay,
+        "update": drain_with(FRAMEWORK_MARK),
+        "cleanup": drain_with(CLEANUP),
+    }
     try:
         dsn = srv.dsn()
         print(f"PostgreSQL {srv.full_version}, {os.cpu_count()} CPUs, fsync off (throwaway); "
