@@ -122,6 +122,19 @@ def connection_error(exc: BaseException | None) -> BaseException | None:
     return None
 
 
+def _interrupt_in_chain(exc: BaseException | None) -> bool:
+    """Whether a signal ended the command, even where Python wrapped it: CPython 3.11
+    re-raises an exception from `__set_name__` as a RuntimeError caused by it, so a Ctrl-C
+    while a lazily imported module builds a class arrives as that RuntimeError."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _breaks_connection(exc: Any, psycopg: Any) -> bool:
     state = exc.sqlstate or ""
     if state.startswith("08") or state in _ADMIN_SHUTDOWN:
@@ -143,7 +156,7 @@ def _first_line(text: str) -> str:
 
 def classify(exc: BaseException) -> tuple[int, str]:
     """The exit code and the one line for whatever ended a command (see docs/cli.md)."""
-    if isinstance(exc, KeyboardInterrupt):
+    if _interrupt_in_chain(exc):
         return interrupt_code(), interrupt_message()
     if isinstance(exc, ConnectionLost):
         named = f"`{_state.command}`" in exc.doing

@@ -247,10 +247,15 @@ class Worker:
         wake-up tries the broker instead of failing on a dead session (relay/outage_wait.py)."""
         delay = self.relay.backoff(self.state.back_off())
         conn = self.conn
-        if keep_session and conn is not None and not conn.closed:
-            if not back_off_keeping_session(self.waits.wait, delay, conn):
-                log.info("relay.session_reopened worker=%d (ended during the backoff)", self.index)
-                self._forget_session()
+        if keep_session and conn is not None:
+            # A session found dead as the broker failed (its step-out) is dropped like one
+            # that ends during the wait: the wake-up opens a new one instead of failing on it.
+            if conn.closed:
+                self.waits.wait(delay)
+            elif back_off_keeping_session(self.waits.wait, delay, conn):
+                return
+            log.info("relay.session_reopened worker=%d (ended before the wake-up)", self.index)
+            self._forget_session()
             return
         self.waits.wait(delay)
 

@@ -16,19 +16,21 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import psycopg
 import pytest
 from psycopg import sql
 
+from outbox_migrate.errors import SinkUnavailable
+from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.testing.schema import insert_rows
 from outbox_migrate.testing.server import free_port
-from tests.integration.relay.conftest import SPEC, ids_in
+from tests.integration.relay.conftest import SPEC, Collected, ids_in
 from tests.integration.relay.sinks.conftest import client, unavailable, wait_port
 from tests.integration.relay.sinks.test_crashes import own_redis  # noqa: F401 - a fixture
 
@@ -159,3 +161,35 @@ def test_a_session_ended_during_the_backoff_is_reopened_without_a_second_backoff
     assert reopened != pid
     assert stats.connection_retries == 0
     assert resumed_s <= RESUME_BOUND_S, resumed_s
+
+
+def test_a_session_ended_as_the_broker_fails_is_reopened_without_a_second_backoff(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected
+) -> None:
+    """The session dies between the broker's failure and the backoff (the worker's step-out
+    of its shard lease finds it gone): the backoff drops it, and the wake-up opens a new one
+    as its first step — not a "connection lost" and a second backoff on the dead one."""
+    ended: list[int] = []
+
+    def broker_fails_once_as_the_session_ends(batch: Sequence[Message]) -> None:
+        if ended:
+            return
+        pid = relay.shared.conns[0].info.backend_pid
+        with psycopg.connect(dsn, autocommit=True) as admin:  # waits until it is gone
+            admin.execute("SELECT pg_terminate_backend(%s, 10000)", (pid,))
+        ended.append(pid)
+        raise SinkUnavailable("collect", "the broker went away")
+
+    relay = Relay(
+        dsn, collected.factory(broker_fails_once_as_the_session_ends), spec=SPEC,
+        options=RelayOptions(batch_size=50, listen=False, poll_interval_s=0.05,
+                             backoff_base_s=0.2, backoff_cap_s=0.2),
+    )  # fmt: skip
+    with running(relay):
+        insert_rows(partitioned, "outbox_new", 100, spec=SPEC)
+        wait_for(lambda: not ids_in(partitioned, "outbox_unpublished"), 60, "every row")
+        reopened = relay.shared.conns[0].info.backend_pid
+    assert ended and reopened != ended[0]
+    assert relay.stats.sink_failures == 1
+    assert relay.stats.connection_retries == 0, relay.stats
+    assert sorted(collected.ids) == sorted(ids_in(partitioned, "outbox_published"))
