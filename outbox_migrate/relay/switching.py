@@ -45,7 +45,6 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import grant_to_see
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.options import Mode, SwitchGate
-from outbox_migrate.relay.rate_limited_log import RateLimitedLog
 from outbox_migrate.relay.switch_evidence import QuietWindow, Session, bypassing_sessions
 
 log = logging.getLogger("outbox_migrate.relay")
@@ -198,6 +197,33 @@ def check_switch(
     except LockBudgetExceeded:
         return ("writing", "a transaction is still writing the table")
     return verdict
+
+
+class RateLimitedLog:
+    """`warning(key, …)` logs unless the same key was logged less than `interval_s` ago: the
+    switch check runs after every empty claim, many times a second when idle, and each "not
+    yet" deserves one WARNING an operator can act on, not a flood of them."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last: dict[str, float] = {}
+
+    def warning(self, key: str, message: str, *args: object) -> bool:
+        """True when it was logged."""
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            return False
+        self._last[key] = now
+        self.logger.warning(message, *args, stacklevel=2)
+        return True
 
 
 class SourceState:

@@ -80,7 +80,6 @@ def live_pattern(
     """The pattern as this database needs it, with the identity kind and publications it
     was built from (recorded when the migration starts)."""
     from outbox_migrate.patterns import marker_catalog
-    from outbox_migrate.runner.recorded_optional import optional_recorded
 
     readable = ledger_exists(conn) if ledger_readable is None else ledger_readable
     if readable and not include_optional:
@@ -131,3 +130,28 @@ class LiveFacts:
             if step.postcondition and (row is None or row.state != "done"):
                 found[step.id] = self.holds(step)
         return found
+
+
+def optional_recorded(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> bool:
+    """True when the table's latest live migration with `pattern` has an optional step that is
+    done or running: then every command builds the pattern with them, asked or not. Optional
+    steps (the original-name phases above all) change the names every later check and inverse
+    refers to; a `status`, `verify` or `rollback` that left them out would read the catalog
+    with the old names and report a healthy renamed outbox as broken, or undo earlier steps
+    under names that now belong to other relations."""
+    if not ledger_exists(conn):
+        return False
+    optional = [
+        step.id
+        for step in build_pattern(pattern, spec, BuildOptions(include_optional=True)).steps()
+        if step.optional
+    ]
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM outbox_migrate.step s "
+        "JOIN outbox_migrate.migration m ON m.id = s.migration_id "
+        "WHERE m.table_schema = %s AND m.table_name = %s AND m.pattern = %s "
+        "AND m.state <> 'abandoned' AND s.state IN ('done', 'running') "
+        "AND s.step_id = ANY(%s))",
+        (spec.schema, spec.table, pattern.lower(), optional),
+    ).fetchone()
+    return bool(row and row[0])

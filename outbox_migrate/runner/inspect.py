@@ -11,13 +11,14 @@ gate cannot pass on a table that does not exist.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from outbox_migrate.config import Settings
+from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.db import connect
 from outbox_migrate.errors import NothingRecorded, SchemaError, UsageError, VerifyFailed
 from outbox_migrate.patterns.model import Pattern
@@ -25,6 +26,8 @@ from outbox_migrate.runner import ledger
 from outbox_migrate.runner.decide import reached_phase
 from outbox_migrate.runner.facts import live_pattern
 from outbox_migrate.runner.status import recorded_document, unrecorded_document
+
+_TUPLES = ("metadata_columns", "accept_lost_unique")
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,38 @@ def table_label(settings: Settings) -> str:
 
 def _by_either_name(conn: psycopg.Connection[Any], settings: Settings) -> Settings:
     """After the rename to the original name, the migration's recorded configuration when the
-    given names are the outbox's new ones (runner/renamed_lookup.py)."""
-    from outbox_migrate.runner.renamed_lookup import recorded_settings
+    given names are the outbox's new ones."""
+    return _recorded_settings(conn, settings) if _ledger_readable(conn) else settings
 
-    return recorded_settings(conn, settings) if _ledger_readable(conn) else settings
+
+def _recorded_settings(conn: psycopg.Connection[Any], settings: Settings) -> Settings:
+    """`settings` with the recorded spec of a renamed migration the given names point at;
+    `settings` unchanged when a migration is recorded under `table` itself, or none matches.
+
+    The ledger keys a migration by the flat table's name. After `take-original-name` an
+    operator may name the outbox as it now is: the view under the partitioned table's former
+    name (`--table outbox_new`), or the partitioned table under the original name
+    (`--partitioned-table outbox`, as its relays do)."""
+    spec = settings.spec
+    row = conn.execute(
+        "SELECT (SELECT m.spec::text FROM outbox_migrate.migration m "
+        "        WHERE m.table_schema = %(schema)s AND m.state <> 'abandoned' "
+        "          AND (m.spec->>'partitioned_table' = %(table)s OR m.table_name = %(parent)s) "
+        "          AND EXISTS (SELECT 1 FROM outbox_migrate.step s WHERE s.migration_id = m.id "
+        "                      AND s.kind = 'take-original-name' AND s.state = 'done') "
+        "        ORDER BY m.id DESC LIMIT 1) "
+        "WHERE NOT EXISTS (SELECT 1 FROM outbox_migrate.migration WHERE table_schema = "
+        "%(schema)s AND table_name = %(table)s AND state <> 'abandoned')",
+        {"schema": spec.schema, "table": spec.table, "parent": spec.partitioned_table},
+    ).fetchone()
+    if row is None or row[0] is None:
+        return settings
+    stored = json.loads(str(row[0]))
+    known = {f.name for f in fields(OutboxSpec)}
+    values: dict[str, Any] = {
+        k: (tuple(v) if k in _TUPLES else v) for k, v in stored.items() if k in known
+    }
+    return replace(settings, spec=OutboxSpec(**values))
 
 
 def _ledger_readable(conn: psycopg.Connection[Any]) -> bool:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from outbox_migrate.relay.rate_limited_log import RateLimitedLog
+from outbox_migrate.relay.switching import RateLimitedLog
 
 
 class Clock:
