@@ -57,7 +57,7 @@ def messages(rows: Sequence[Any], message: type[Message], columns: queries.Colum
         if len(r) > at:
             pairs = r[at]
             if text_at:
-                parsed = _text_headers(r[text_at])
+                parsed = headers_from_text(r[text_at])
                 if parsed is None:
                     reason = HEADERS_NOT_OBJECT
                 else:
@@ -86,9 +86,11 @@ def _payload(body: bytes) -> str | bytes:
         return bytes(body)
 
 
-def _text_headers(text: str | None) -> list[tuple[str, str]] | None:
+def headers_from_text(text: str | None) -> list[tuple[str, str]] | None:
     """A text headers value parsed as the server's `jsonb_each_text` would render it: string
-    values as they are, others as JSON text, nulls left out; None if it is not an object."""
+    values as they are, others as JSON text, nulls left out; None if it is not an object.
+    SQL NULL and JSON null mean "no headers", as for a json column (queries.py). The CDC
+    relay parses its rows here too, so both delivery styles judge a row alike."""
     if text is None:
         return []
     try:

@@ -55,11 +55,11 @@ from outbox_migrate.relay import library_logs, queries
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.cdc import pgoutput, slot
 from outbox_migrate.relay.cdc.backlog import Backlog, IdRuns, snapshot_ids
-from outbox_migrate.relay.cdc.columns import MessageBuilder
 from outbox_migrate.relay.cdc.crash_guard import RunMarker
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
 from outbox_migrate.relay.cdc.mark_repair import MarkRepair
 from outbox_migrate.relay.cdc.marks import MarkSession
+from outbox_migrate.relay.cdc.messages import MessageBuilder
 from outbox_migrate.relay.cdc.rows import RowReader
 from outbox_migrate.relay.cdc.session import StreamSession
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost

@@ -1,7 +1,7 @@
 """Rows of the unpublished partition read back by a normal session, as the stream sends them.
 
 Each column is read as text (a bytea's text is hex) and built into a `Message` by the stream's
-own builder (relay/cdc/columns.py), so the first start's backlog and the mark repair's dead
+own builder (relay/cdc/messages.py), so the first start's backlog and the mark repair's dead
 letters hold exactly what the stream would have sent.
 """
 
@@ -13,7 +13,7 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay.cdc import pgoutput
-from outbox_migrate.relay.cdc.columns import MessageBuilder
+from outbox_migrate.relay.cdc.messages import MessageBuilder
 from outbox_migrate.relay.message import Message
 from outbox_migrate.sql import query
 

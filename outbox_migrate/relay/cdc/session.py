@@ -45,9 +45,9 @@ import time
 
 from outbox_migrate.errors import SinkUnavailable
 from outbox_migrate.relay.cdc import pgoutput
-from outbox_migrate.relay.cdc.columns import Columns, MessageBuilder
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
 from outbox_migrate.relay.cdc.marks import MarkSession
+from outbox_migrate.relay.cdc.messages import Columns, MessageBuilder
 from outbox_migrate.relay.cdc.stream import ReplicationStream
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer

@@ -14,7 +14,9 @@ import pytest
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay.cdc.relay import CdcRelay, running
-from outbox_migrate.relay.options import CdcOptions
+from outbox_migrate.relay.claimed import HEADERS_NOT_OBJECT
+from outbox_migrate.relay.options import CdcOptions, RelayOptions
+from outbox_migrate.relay.worker import Relay
 from tests.integration.relay.conftest import Collected
 
 from .conftest import drop_slots, wait_for
@@ -65,5 +67,51 @@ def test_rows_whose_headers_are_not_an_object_are_dead_lettered_and_the_rest_flo
     assert len(collected.ids) == 4 and collected.duplicates() == 0
     assert all(dict(m.extra_headers).get("trace") == "t-1" for m in collected.messages)
     assert len(dead) == 4, dead
-    assert all(error.startswith("headers:") for _, error in dead), dead
+    assert all(error == HEADERS_NOT_OBJECT for _, error in dead), dead
     assert {m.id for m in collected.messages}.isdisjoint({i for i, _ in dead})
+
+
+# SQL NULL and JSON null mean "no headers"; empty text is not JSON; nulls inside are left out.
+EDGES = (None, "null", "", '{"a": null, "b": 1}', '"text"')
+
+
+def _outcomes(conn: psycopg.Connection, ids: list[int], collected: Collected) -> list[object]:
+    """Per row, in insertion order: the headers it was sent with, or "dead-lettered"."""
+    dead = {int(r[0]) for r in conn.execute("SELECT id FROM outbox_dead_letter").fetchall()}
+    sent = {m.id: dict(m.extra_headers) for m in collected.messages}
+    return ["dead-lettered" if i in dead else sent.get(i, "lost") for i in ids]
+
+
+def _insert_edges(conn: psycopg.Connection) -> list[int]:
+    return [
+        int(conn.execute(
+            "INSERT INTO hb_new (payload, headers) VALUES ('{}', %s) RETURNING id", (headers,)
+        ).fetchone()[0])  # type: ignore[index]
+        for headers in EDGES
+    ]  # fmt: skip
+
+
+def test_both_delivery_styles_read_a_text_headers_column_alike(
+    dsn: str, text_headers_outbox: psycopg.Connection
+) -> None:
+    """The same rows through the polling relay and the CDC relay: the same headers sent, the
+    same rows dead-lettered. Before, the CDC relay dead-lettered a JSON null ("no headers" to
+    the polling relay) and sent empty text without headers (a bad row to the polling relay)."""
+    conn = text_headers_outbox
+    polled, streamed = Collected(), Collected()
+    ids = _insert_edges(conn)
+    polling = Relay(dsn, polled.factory(), spec=SPEC,
+                    options=RelayOptions(until_empty=True, listen=False))  # fmt: skip
+    polling.run()
+    by_polling = _outcomes(conn, ids, polled)
+    conn.execute("DELETE FROM outbox_dead_letter")
+    ids = _insert_edges(conn)
+    relay = CdcRelay(dsn, streamed.factory(), spec=SPEC, options=CdcOptions(backoff_cap_s=0.5))
+    with running(relay):
+        wait_for(
+            lambda: conn.execute("SELECT count(*) FROM hb_unpublished").fetchone() == (0,),
+            what="every row marked",
+        )
+    by_cdc = _outcomes(conn, ids, streamed)
+    assert by_polling == [{}, {}, "dead-lettered", {"b": "1"}, "dead-lettered"], by_polling
+    assert by_cdc == by_polling

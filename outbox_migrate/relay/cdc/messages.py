@@ -1,12 +1,12 @@
 """Rows of the unpublished partition (pgoutput's text values) as `Message`s.
 
 Pure: no I/O. Shared by the stream (Insert messages) and the first start's backlog (rows read
-as text), so both build exactly the same messages.
+as text), so both build exactly the same messages; headers are parsed by the polling relay's
+own rules (relay/claimed.py), so a row is judged alike in both delivery styles.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -15,6 +15,7 @@ from typing import Any
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.cdc import pgoutput
+from outbox_migrate.relay.claimed import HEADERS_NOT_OBJECT, headers_from_text
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import CdcOptions
 
@@ -80,7 +81,7 @@ class MessageBuilder:
             try:
                 extra = _extra_headers(columns, values)
             except ValueError as exc:  # one row's problem, never the stream's
-                self.bad[_id(values[columns.id])] = f"headers: {exc}"
+                self.bad[_id(values[columns.id])] = str(exc)
         return Message(
             _id(values[columns.id]),
             self.name,
@@ -122,17 +123,13 @@ def _payload(value: str | bytes | None, bytea: bool) -> str | bytes:
 
 def _extra_headers(columns: Columns, values: Sequence[str | None]) -> tuple[tuple[str, str], ...]:
     """The headers column's entries (a JSON object), then the metadata columns, as the
-    polling relay sends them."""
-    out: dict[str, str] = {}
+    polling relay sends them (a metadata column wins over a same-named entry)."""
     raw = values[columns.headers] if columns.headers is not None else None
-    if raw:
-        parsed = json.loads(raw)  # a JSONDecodeError is a ValueError: the row is bad
-        if not isinstance(parsed, dict):
-            raise ValueError(f"not a JSON object but {type(parsed).__name__}: {raw[:80]}")
-        for key, value in parsed.items():
-            if value is not None:
-                out[str(key)] = value if isinstance(value, str) else json.dumps(value)
-    for name, index in columns.metadata:  # a metadata column wins over a same-named entry
+    parsed = headers_from_text(raw)
+    if parsed is None:
+        raise ValueError(HEADERS_NOT_OBJECT)
+    out = dict(parsed)
+    for name, index in columns.metadata:
         value = values[index]
         if value is not None:
             out[name] = value
