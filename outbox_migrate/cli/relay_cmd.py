@@ -249,8 +249,10 @@ def relay(
     if resolved is None:
         raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
     settings = settings_from(**names, old_app_name=old_app_name)
+    # A bad --sink-option is refused before anything connects, in either delivery style.
+    config = _sink_config(sink_option, sink_url, target, sink_timeout, max_message_bytes)
     if mode is ModeChoice.cdc or drop_slot:
-        _cdc(locals(), resolved.dsn)
+        _cdc(locals(), resolved.dsn, config)
         return
     if sink is None:
         raise UsageError("--sink is required: where should the relay publish?")
@@ -279,17 +281,10 @@ def relay(
         switch_gate=_choice(SwitchGate, switch_gate.value, "--switch-gate"),
         old_app_name=settings.old_app_name,
     )
-    extra: dict[str, str] = {}
-    for item in sink_option or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--sink-option: expected KEY=VALUE, got {item!r}")
-        extra[key] = value
     # The sink is told the ordering so a concurrent one (http) keeps exactly what it promises.
-    config = sinks.SinkConfig(
-        url=sink_url, target=target, timeout_s=sink_timeout, extra=extra,
-        ordering=options.ordering, max_message_bytes=options.max_message_bytes,
-    )  # fmt: skip
+    config = _sink_config(
+        sink_option, sink_url, target, sink_timeout, max_message_bytes, options.ordering
+    )
     observer: relay_metrics.Observer | None = None
     server = None
     if metrics_port is not None:
@@ -325,7 +320,7 @@ def relay(
             server.shutdown()
 
 
-def _cdc(given: dict[str, object], dsn: str) -> None:
+def _cdc(given: dict[str, object], dsn: str, config: Any) -> None:
     """Hand over to relay_cdc.py: the CDC relay, or decommissioning its slot."""
 
     from outbox_migrate.cli import relay_cdc
@@ -344,11 +339,6 @@ def _cdc(given: dict[str, object], dsn: str) -> None:
         return
     if a["sink"] is None:
         raise UsageError("--sink is required: where should the relay publish?")
-    extra = dict(item.partition("=")[::2] for item in a["sink_option"] or [])
-    config = sinks.SinkConfig(
-        url=a["sink_url"], target=a["target"], timeout_s=a["sink_timeout"], extra=extra,
-        max_message_bytes=a["max_message_bytes"],
-    )  # fmt: skip
     metrics = (a["metrics_host"], a["metrics_port"]) if a["metrics_port"] is not None else None
     relay_cdc.run(
         dsn, a["settings"].spec, args, sink_factory=sinks.factory(a["sink"], config),
@@ -356,6 +346,31 @@ def _cdc(given: dict[str, object], dsn: str) -> None:
         max_attempts=a["max_attempts"], dead_letter_table=a["dead_letter_table"],
         key_column=a["key_column"], event_type_column=a["event_type_column"], metrics=metrics,
         stopping=a["stopping"],
+    )  # fmt: skip
+
+
+def _sink_config(
+    options: list[str] | None,
+    url: str | None,
+    target: str,
+    timeout_s: float,
+    max_message_bytes: int | None,
+    ordering: Any = None,
+) -> Any:
+    """The `SinkConfig` from the command's sink flags, for both delivery styles;
+    `--sink-option` must be KEY=VALUE."""
+    from outbox_migrate.errors import UsageError
+    from outbox_migrate.relay import sinks
+
+    extra: dict[str, str] = {}
+    for item in options or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--sink-option: expected KEY=VALUE, got {item!r}")
+        extra[key] = value
+    return sinks.SinkConfig(
+        url=url, target=target, timeout_s=timeout_s, extra=extra, ordering=ordering,
+        max_message_bytes=max_message_bytes,
     )  # fmt: skip
 
 

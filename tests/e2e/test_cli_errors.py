@@ -79,3 +79,24 @@ def test_unknown_option() -> None:
 def test_no_database_given() -> None:
     line = assert_one_line_error(run("ping"))
     assert "--dsn" in line
+
+
+def test_a_sink_option_without_a_value_is_refused_in_both_delivery_styles() -> None:
+    """Refused before any connection (the address below answers nothing), whether the relay
+    would poll or stream; the CDC relay had taken `linger.ms` as `linger.ms=` (empty)."""
+    dsn = f"postgresql://127.0.0.1:{free_port()}/x"
+    for mode in ("partitioned", "cdc"):
+        line = assert_one_line_error(
+            run(
+                "relay",
+                "--dsn",
+                dsn,
+                "--mode",
+                mode,
+                "--sink",
+                "stdout",
+                "--sink-option",
+                "linger.ms",
+            )
+        )
+        assert "--sink-option" in line and "KEY=VALUE" in line, (mode, line)
