@@ -18,6 +18,7 @@ import the CLI's modules in-process).
 from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # the C module: see the docstring
+import os  # loaded by the interpreter before any program: free
 import sys
 
 TYPE_CHECKING = False  # not typing's: importing typing costs ~30 ms before the handlers
@@ -119,15 +120,31 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.requested = False
-        self._stop: Callable[[], None] | None = None
+        self._wake_fd: int | None = None
         _handle(self._on_signal)
 
     def _on_signal(self, _signum: int, _frame: FrameType | None) -> None:
+        # Only a write to a pipe here: the handler runs on the main thread between two
+        # bytecodes, maybe while that thread holds a lock the stop takes (an Event's), so
+        # the stop itself runs on a thread of its own (`attach`).
         self.requested = True
-        if self._stop is not None:
-            self._stop()
+        if self._wake_fd is not None:
+            try:
+                os.write(self._wake_fd, b"x")
+            except OSError:  # the pipe is full: a stop is on its way already
+                return
 
     def attach(self, stop: Callable[[], None]) -> bool:
-        """From now on a signal calls `stop`; True when one came already (do not start)."""
-        self._stop = stop
+        """From now on a signal calls `stop` (on a thread of its own); True when one came
+        already (do not start)."""
+        import threading
+
+        read_fd, self._wake_fd = os.pipe()
+        os.set_blocking(self._wake_fd, False)
+
+        def stop_on_signal() -> None:
+            while os.read(read_fd, 1):
+                stop()
+
+        threading.Thread(target=stop_on_signal, name="om-graceful-stop", daemon=True).start()
         return self.requested
