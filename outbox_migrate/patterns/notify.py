@@ -26,8 +26,8 @@ lock, so steady traffic commits without NOTIFY.
 The key is a literal in the trigger function, computed by the client from the table's name (a
 CRC-32 of the same label the relay uses), not `hashtext(TG_TABLE_SCHEMA || ...)` per statement:
 the trigger runs on every application INSERT, and building and hashing that string there cost
-about a third of the trigger's price (bench/trigger_parts.py: -12.6 % against -8.1 % with the
-literal, a do-nothing trigger -7 to -9 %; docs/relay.md). It also lets
+about a third of the trigger's price (bench/trigger_parts.py; its figures in bench/README.md).
+It also lets
 `plan` print the exact function. The price: after renaming the partitioned table, reinstall the
 trigger (`relay --install-notify`); the relay warns at start when the installed key is not the
 one it uses (`key_matches`), and without a matching key it still finds rows by polling.

@@ -40,7 +40,7 @@ def messages(rows: Sequence[Any], message: type[Message], columns: queries.Colum
     """The claimed rows as messages, in claim order, and the bad rows apart.
 
     Built with `tuple.__new__` from the row's first six columns: the NamedTuple's own
-    `__new__` is a Python function, and this runs once per message (0.26 → 0.16 µs a row)."""
+    `__new__` is a Python function, and this runs once per message."""
     new = tuple.__new__
     raw = columns.payload_type == "bytea"
     if not columns.carries_headers and not raw:

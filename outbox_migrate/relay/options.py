@@ -217,8 +217,8 @@ class CdcOptions(DeliveryOptions):
     linger_s: float = DEFAULT_CDC_LINGER_S
     """Once a wake-up finds a transaction to publish (or one begun), sleep until this long
     after its first frame arrived, then read everything the socket holds and publish the
-    complete transactions as one batch: fewer wake-ups (each costs a Python process ~20 µs of
-    CPU) for at most this much latency. A full batch never waits; 0: publish as soon as
+    complete transactions as one batch: fewer wake-ups (each costs the process CPU) for at most this
+    much latency. A full batch never waits; 0: publish as soon as
     nothing more is buffered. A batch always holds whole transactions (so one large
     transaction is published as one batch, whatever `batch_size`)."""
     mark: bool = True

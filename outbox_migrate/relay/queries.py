@@ -195,8 +195,8 @@ def created_text_expression(columns: Columns) -> sql.Composable:
     """The creation time as RFC 3339 text, which is what every sink sends.
 
     Rendered by the server in the claim rather than loaded as a datetime and formatted by the
-    relay: `datetime.isoformat()` alone cost 0.85 µs per message, a quarter of the relay's
-    per-message work at batch 1000 (bench/relay.py), and the relay never needs the datetime
+    relay: `datetime.isoformat()` per message is a large share of the relay's per-message
+    work at big batches (bench/README.md, relay.py), and the relay never needs the datetime
     itself (`Message.created_at` parses it on demand). A `timestamp` column is taken as
     the session's local time, as a cast to timestamptz does."""
     return sql.SQL("to_char({}::timestamptz, {})").format(
@@ -374,8 +374,8 @@ def mark(source: Source) -> sql.Composed:
 
     By ctid, not id: the rows are locked by this transaction's claim, so their ctids cannot
     change until the commit, and a TID scan fetches each row directly where `id = ANY(…)`
-    descends the id index once per row (measured: about 15 % more batches per second at batch
-    100). Through the parent on the partitioned outbox, so PostgreSQL moves each row to the
+    descends the id index once per row (more batches per second: bench/README.md). Through the
+    parent on the partitioned outbox, so PostgreSQL moves each row to the
     published partition; `published_at IS NULL` prunes the scan to the unpublished partition
     and keeps a re-run from touching a row twice. `tableoid` confines it to the relation
     the rows were claimed from (`Source.same_relation`); a mark that changes fewer rows than

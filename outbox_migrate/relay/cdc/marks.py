@@ -145,8 +145,8 @@ class MarkSession:
         pgconn = conn.pgconn
         if self._sql is None:
             # Prepared once and run through libpq directly: composing and adapting through
-            # the cursor API cost ~300 µs of CPU per batch, more than the rest of the loop
-            # (measured at one batch per transaction, the steady state at 1,000 msg/s).
+            # the cursor API cost more CPU per batch than the rest of the loop at one batch
+            # per transaction, the steady state (bench/README.md, cdc.py).
             spec = self._spec
             # The UPDATE's row count and the snapshot it ran with (the statement's own).
             self._sql = (
