@@ -100,3 +100,21 @@ def test_no_import_circle_between_subpackages_at_import_time() -> None:
         targets.discard("")
     circles = sorted(r for r in rooms if r and _reaches(rooms, r, r))
     assert not circles, circles
+
+
+HARNESS = ("sim", "testing")
+HARNESS_USERS = ("cli.demo_cmd", "rehearse", *HARNESS)
+
+
+def test_only_demo_and_rehearse_use_the_proof_harness() -> None:
+    """The harness ships in every install (docs/demo.md says why) but costs nothing until
+    `demo` or `rehearse` runs: no other module imports it, at import time or in a function."""
+    graph = _graph()
+    users = sorted(
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        if not _inside(m, HARNESS_USERS)
+        for t in targets
+        if _inside(t, HARNESS)
+    )
+    assert not users, users
