@@ -48,13 +48,24 @@ from typing import Any
 
 import psycopg
 
-from outbox_migrate.config import DEFAULT_CHANNEL, OutboxSpec
-from outbox_migrate.patterns import notify
+from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
 
 SPEC = OutboxSpec()
+
+
+def _wake_up_trigger() -> tuple[Any, str]:
+    """The wake-up trigger's module and default channel of whichever build is imported: a
+    `--child` may run a build from before the trigger's DDL moved to the patterns."""
+    try:
+        from outbox_migrate.patterns import notify
+    except ImportError:
+        from outbox_migrate.relay import notify  # type: ignore[no-redef,attr-defined]
+    return notify, RelayOptions().channel
+
+
 INSERT = (
     "INSERT INTO outbox_new (payload, event_type, message_key) "
     "VALUES ('{\"order\": 42, \"pad\": \"xxxxxxxxxxxxxxxx\"}', 'OrderCreated', 'k') RETURNING id"
@@ -334,10 +345,11 @@ def steady_run(
 
 def _prepare(dsn: str, *, trigger: bool = True) -> None:
     """An empty outbox; the wake-up trigger installed, or none (the relay installs its own)."""
+    notify, channel = _wake_up_trigger()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("TRUNCATE outbox_new")
         if trigger:
-            notify.install(conn, SPEC, DEFAULT_CHANNEL)
+            notify.install(conn, SPEC, channel)
         else:
             for statement in notify.drop_sql(SPEC):
                 conn.execute(statement)
@@ -483,12 +495,13 @@ NAIVE_TRIGGER = (
 
 
 def _trigger_mode(dsn: str, mode: str) -> None:
+    notify, channel = _wake_up_trigger()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("TRUNCATE outbox_new")
         for statement in notify.drop_sql(SPEC):
             conn.execute(statement)
         if mode.startswith("idle-aware"):
-            notify.install(conn, SPEC, DEFAULT_CHANNEL)
+            notify.install(conn, SPEC, channel)
         elif mode == "naive":
             conn.execute(NAIVE_FUNCTION)
             conn.execute(NAIVE_TRIGGER)
@@ -597,8 +610,9 @@ def _child_main(dsn: str, linger_ms: float) -> None:
     through stdin ("begin", "end") and answering on stdout: "ready", then one JSON line."""
     import outbox_migrate
 
+    notify, channel = _wake_up_trigger()
     with psycopg.connect(dsn, autocommit=True) as conn:
-        notify.install(conn, SPEC, DEFAULT_CHANNEL)  # this build's trigger, as it shipped
+        notify.install(conn, SPEC, channel)  # this build's trigger, as it shipped
     seen: list[tuple[int, float]] = []
     with Path(os.devnull).open("w") as devnull:
         relay = Relay(
