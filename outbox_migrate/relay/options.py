@@ -27,7 +27,8 @@ DEFAULT_SHARDS = 8
 defaults finds shards to take instead of claiming the same rows (SQLSTATE 40001)."""
 DEFAULT_DEAD_LETTER_TABLE = "outbox_dead_letter"
 DEFAULT_SESSION_TIMEOUT_S = 12.0
-"""How long a silent relay session keeps its shards at most (plus one keepalive probe)."""
+"""How long a silent session keeps its shards at most (relay/keepalive.py): the fence needs
+more than the 10 s sink timeout + 1 s, and 12 s serves the shards again within about 15 s."""
 SESSION_TIMEOUT_HEADROOM_S = 2.0
 """The session timeout must exceed the sink timeout by this: the fence's margin (1 s) plus
 time for the claim that precedes a publish."""
