@@ -24,6 +24,7 @@ from typing import Any
 
 from psycopg import OperationalError, pq
 
+from outbox_migrate.relay.shared import close_quietly
 from outbox_migrate.relay.waits import Waits
 
 log = logging.getLogger("outbox_migrate.relay")
@@ -77,12 +78,8 @@ class Listener:
             self._poller.register(stop, _POLL_IN)
 
     def close(self) -> None:
-        conn, self.conn, self._poller = self.conn, None, None
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:  # closing a broken connection may fail too
-                log.debug("relay.close_failed", exc_info=True)
+        close_quietly(self.conn)
+        self.conn, self._poller = None, None
 
     def take(self) -> bool:
         """Read the notifications libpq holds; True when one calls for a claim (`notified`:

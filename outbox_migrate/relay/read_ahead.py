@@ -31,6 +31,7 @@ from typing import Any
 from psycopg import pq
 
 from outbox_migrate.relay import keepalive, queries, wire
+from outbox_migrate.relay.shared import close_quietly
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -114,12 +115,8 @@ class ReadAhead:
 
     def close(self) -> None:
         """Drop the session: the server rolls back whatever it held."""
-        conn, self.conn, self.pipe = self.conn, None, None
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:  # a broken connection may fail to close too
-                log.debug("relay.read_ahead_close_failed", exc_info=True)
+        close_quietly(self.conn, "relay.read_ahead_close_failed")
+        self.conn, self.pipe = None, None
 
 
 def open_session(

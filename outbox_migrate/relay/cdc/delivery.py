@@ -28,6 +28,7 @@ from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.run_stats import CdcStats
+from outbox_migrate.relay.shared import close_sink
 from outbox_migrate.relay.sinks import Sink, SinkFactory
 
 log = logging.getLogger("outbox_migrate.relay")
@@ -238,9 +239,5 @@ class Delivery:
             yield conn
 
     def close(self) -> None:
-        if self._sink is not None:
-            try:
-                self._sink.close()
-            except Exception:  # a broken sink is replaced, not fatal
-                log.debug("relay.sink_close_failed", exc_info=True)
-            self._sink = None
+        close_sink(self._sink)
+        self._sink = None

@@ -33,6 +33,7 @@ from outbox_migrate.relay.cdc.mark_repair import MarkRepair
 from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.run_stats import CdcStats
+from outbox_migrate.relay.shared import close_quietly
 from outbox_migrate.sql import query
 
 log = logging.getLogger("outbox_migrate.relay")
@@ -215,10 +216,7 @@ class MarkSession:
 
     def close(self) -> None:
         if self._conn is not None:
-            try:
-                self._conn.close()
-            except Exception:  # closing a broken connection may fail too
-                log.debug("relay.close_failed", exc_info=True)
+            close_quietly(self._conn)
             self._conn = None
             self._sql = None
             self._in_flight = False
