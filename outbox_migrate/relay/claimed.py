@@ -37,10 +37,8 @@ class Claimed(NamedTuple):
 
 
 def messages(rows: Sequence[Any], message: type[Message], columns: queries.Columns) -> Claimed:
-    """The claimed rows as messages, in claim order, and the bad rows apart.
-
-    Built with `tuple.__new__` from the row's first six columns: the NamedTuple's own
-    `__new__` is a Python function, and this runs once per message."""
+    """The claimed rows as messages, in claim order, and the bad rows apart. `tuple.__new__`:
+    the NamedTuple's own `__new__` is a Python function, and this runs per message."""
     new = tuple.__new__
     raw = columns.payload_type == "bytea"
     if not columns.carries_headers and not raw:
@@ -79,7 +77,7 @@ def messages(rows: Sequence[Any], message: type[Message], columns: queries.Colum
 
 
 def _payload(body: bytes) -> str | bytes:
-    """A bytea body as text when it is UTF-8 (as before), else the bytes themselves."""
+    """A bytea body as text when it is UTF-8, else the bytes themselves."""
     try:
         return body.decode()
     except UnicodeDecodeError:
@@ -87,10 +85,8 @@ def _payload(body: bytes) -> str | bytes:
 
 
 def headers_from_text(text: str | None) -> list[tuple[str, str]] | None:
-    """A text headers value parsed as the server's `jsonb_each_text` would render it: string
-    values as they are, others as JSON text, nulls left out; None if it is not an object.
-    SQL NULL and JSON null mean "no headers", as for a json column (queries.py). The CDC
-    relay parses its rows here too, so both delivery styles judge a row alike."""
+    """A text headers value as `jsonb_each_text` would render it (nulls left out; NULL and
+    JSON null: no headers); None if not an object. Both relays judge a row here alike."""
     if text is None:
         return []
     try:
