@@ -1,14 +1,8 @@
 """Claimed rows → `Message`s, and the rows that cannot become one (bad rows, with a reason).
 
-Pure: no I/O. The claim renders every column the server can render without failing on a row
-(keys, event types and metadata of any type as text; json headers checked for being an object,
-relay/queries.py), and leaves to this module what only fails row by row: a bytea payload that
-is not UTF-8 (kept as raw bytes — a message all the same, `Message.payload`), a text headers
-column whose value is not a JSON object (a bad row). Finding such a row here instead of
-failing the claim is what lets one row never stop the relay: the rest of its batch flows.
-
-The plain outbox (no bytea payload, no headers) takes the same path as before: one tuple per
-row, no per-row checks.
+The claim renders what cannot fail on a row; what fails row by row is judged here (a bytea
+payload that is not UTF-8 stays bytes; text headers that are not a JSON object make a bad
+row), so one row never fails the claim and the rest of its batch flows.
 """
 
 from __future__ import annotations
