@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -171,24 +170,6 @@ class CdcObserver(PrometheusObserver):
         with self._lag_lock:
             lag_bytes, lag_s = self._lag
         return lag_bytes <= self._warn[0] and lag_s <= self._warn[1]
-
-
-def sample_every(
-    stop: threading.Event,
-    connect: Callable[[], Any],
-    step: Callable[[Any], None],
-    lost: tuple[type[BaseException], ...],
-) -> None:
-    """Run `step` on a session of its own every METRICS_INTERVAL_S until `stop`; a `lost`
-    session is opened again at the next interval (both relays' samplers)."""
-    while not stop.is_set():
-        try:
-            with connect() as conn:
-                while not stop.is_set():
-                    step(conn)
-                    stop.wait(METRICS_INTERVAL_S)
-        except lost:
-            stop.wait(METRICS_INTERVAL_S)
 
 
 _PROBES = (

@@ -28,7 +28,7 @@ from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.columns import resolve as resolve_columns
 from outbox_migrate.relay.driver import Worker
 from outbox_migrate.relay.message import Message, TextIdMessage
-from outbox_migrate.relay.metrics import Observer, sample_every
+from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.refusals import Refusals
 from outbox_migrate.relay.run_stats import RelayStats
@@ -223,15 +223,19 @@ class Relay:
         from outbox_migrate.db import connect
         from outbox_migrate.errors import ConnectError
 
-        def step(conn: Any) -> None:
-            source = self.state.current
-            row = conn.execute(queries.backlog(source, self.shared.columns[source.label]))
-            found = row.fetchone()
-            if found:
-                self.observer.backlog(int(found[0]), float(found[1]))
-
-        sample_every(self._stop, lambda: connect(self.dsn, application_name=self.application_name),
-                     step, connection_errors(ConnectError))  # fmt: skip
+        while not self._stop.is_set():
+            try:
+                with connect(self.dsn, application_name=self.application_name) as conn:
+                    while not self._stop.is_set():
+                        source = self.state.current
+                        row = conn.execute(
+                            queries.backlog(source, self.shared.columns[source.label])
+                        ).fetchone()
+                        if row:
+                            self.observer.backlog(int(row[0]), float(row[1]))
+                        self._stop.wait(METRICS_INTERVAL_S)
+            except connection_errors(ConnectError):
+                self._stop.wait(METRICS_INTERVAL_S)
 
 
 class _NamesWatch:

@@ -47,7 +47,7 @@ from outbox_migrate.relay.cdc.messages import MessageBuilder
 from outbox_migrate.relay.cdc.rows import RowReader
 from outbox_migrate.relay.cdc.session import StreamSession
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost
-from outbox_migrate.relay.metrics import Observer, sample_every
+from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import ATTEMPTS_TABLE_SUFFIX, CdcOptions
 from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed
 from outbox_migrate.relay.sinks import SinkFactory
@@ -360,20 +360,22 @@ class CdcRelay:
     def _sample(self) -> None:
         """Slot lag and activity for the metrics, readiness and a warning log line."""
         warned = False
-
-        def step(conn: Any) -> None:
-            nonlocal warned
-            state = slot.slot_state(conn, self.options.slot)
-            if state is not None:
-                over = self._report_lag(state)
-                if over and not warned:
-                    log.warning(
-                        "relay.cdc_slot_lag slot=%s bytes=%d (warning at %d)",
-                        state.name, state.lag_bytes, self.options.lag_warn_bytes,
-                    )  # fmt: skip
-                warned = over
-
-        sample_every(self._stop, self._connect, step, _RETRYABLE)
+        while not self._stop.is_set():
+            try:
+                with self._connect() as conn:
+                    while not self._stop.is_set():
+                        state = slot.slot_state(conn, self.options.slot)
+                        if state is not None:
+                            over = self._report_lag(state)
+                            if over and not warned:
+                                log.warning(
+                                    "relay.cdc_slot_lag slot=%s bytes=%d (warning at %d)",
+                                    state.name, state.lag_bytes, self.options.lag_warn_bytes,
+                                )  # fmt: skip
+                            warned = over
+                        self._stop.wait(METRICS_INTERVAL_S)
+            except _RETRYABLE:
+                self._stop.wait(METRICS_INTERVAL_S)
 
     def _report_lag(self, state: slot.SlotState) -> bool:
         report = getattr(self.observer, "slot", None)
