@@ -48,7 +48,7 @@ from outbox_migrate.relay.cdc.rows import RowReader
 from outbox_migrate.relay.cdc.session import StreamSession
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
-from outbox_migrate.relay.options import ATTEMPTS_TABLE_SUFFIX, CdcOptions
+from outbox_migrate.relay.options import CdcOptions
 from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed
 from outbox_migrate.relay.sinks import SinkFactory
 from outbox_migrate.sql import query
@@ -87,9 +87,8 @@ class CdcRelay:
         self.builder = MessageBuilder(self.spec, self.options)
         options = self.options
         self.failures = FailedMessages(
-            self.spec.schema, options.dead_letter_table,
-            options.dead_letter_table + ATTEMPTS_TABLE_SUFFIX, options.max_attempts,
-            text_ids=False,  # --mode cdc takes database-generated bigint ids only
+            self.spec.schema, options.dead_letter_table, options.attempts_table,
+            options.max_attempts, text_ids=False,  # --mode cdc takes bigint ids only
         )  # fmt: skip
         self.repair = MarkRepair(
             self.failures, self.label, self._row_reader, stats=self.stats,
@@ -106,7 +105,6 @@ class CdcRelay:
         self.target_lsn = 0
         self._server_version = 0
         self.unconfirmed = Unconfirmed()
-        """Commit time of the oldest outbox transaction received and not yet confirmed."""
         self._present: set[str] = set()
         self._backlog: tuple[int, IdRuns] | None = None
         """Consistent point and ids of the slot this process created, until done."""
