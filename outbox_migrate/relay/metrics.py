@@ -172,21 +172,19 @@ class CdcObserver(PrometheusObserver):
         return lag_bytes <= self._warn[0] and lag_s <= self._warn[1]
 
 
-_PROBES = (
-    ("/healthz", "healthy", b"ok\n", b"stale\n"),
-    ("/readyz", "ready", b"ready\n", b"no lease check\n"),
-)
-
-
 def serve(observer: PrometheusObserver, host: str, port: int) -> ThreadingHTTPServer:
     """Start `/metrics`, `/healthz` and `/readyz` in a daemon thread; the caller shuts it down."""
+    probes = (
+        ("/healthz", "healthy", b"ok\n", b"stale\n"),
+        ("/readyz", "ready", b"ready\n", b"no lease check\n"),
+    )
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             body, status, kind = b"not found\n", 404, "text/plain"
             if self.path.startswith("/metrics"):
                 body, status, kind = observer.exposition(), 200, "text/plain; version=0.0.4"
-            for path, check, good, bad in _PROBES:
+            for path, check, good, bad in probes:
                 if self.path.startswith(path):
                     ok = getattr(observer, check)()
                     body, status = (good, 200) if ok else (bad, 503)
