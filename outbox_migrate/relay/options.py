@@ -39,31 +39,24 @@ class Mode(StrEnum):
     """Which table(s) the relay publishes from."""
 
     partitioned = "partitioned"
-    """The steady state: claim from the unpublished partition, mark through the parent."""
     switching = "switching"
-    """V2 of HOP/HOPER/HOPIA: drain the flat table, then switch to the partitioned one, once."""
+    """Drain the flat table, then switch to the partitioned one, once."""
     flat = "flat"
-    """A traditional outbox (V1, and the benchmarks' baseline)."""
 
 
 class Ordering(StrEnum):
     """How the id space is split between concurrent claimers (see docs/relay.md)."""
 
-    none = "none"
-    """Shard by `id % shards`: most throughput, order only within a shard."""
-    key = "key"
-    """Shard by a hash of the message key: per-key order, parallel across keys."""
-    global_ = "global"
-    """One active claimer (a single shard): strict id order; other workers stand by."""
+    none = "none"  # shard by `id % shards`: order only within a shard
+    key = "key"  # shard by a hash of the key: per-key order
+    global_ = "global"  # one active claimer: strict id order
 
 
 class SwitchGate(StrEnum):
     """The proof, besides "drained", that no writer can still insert into the flat table."""
 
-    privilege = "privilege"
-    """No non-superuser login role may INSERT into it (the operator revoked it). Sound."""
-    sessions = "sessions"
-    """No session of the old application (`old_app_name`) is connected. Trusts the deploy."""
+    privilege = "privilege"  # no login role a REVOKE stops may INSERT: sound
+    sessions = "sessions"  # no session of `old_app_name` connected: trusts the deploy
 
 
 NAME = re.compile(r"[a-z0-9_]{1,63}\Z")
@@ -102,7 +95,6 @@ class DeliveryOptions:
     batch_size: int = DEFAULT_BATCH_SIZE
     linger_s: float = LINGER_S
     max_attempts: int = 5
-    """A message the sink rejects this many times goes to the dead-letter table."""
     dead_letter_table: str = DEFAULT_DEAD_LETTER_TABLE
     key_column: str | None = None
     """None = `message_key` when the table has it."""
@@ -129,8 +121,7 @@ class RelayOptions(DeliveryOptions):
     mode: Mode = Mode.partitioned
     workers: int = 1
     shards: int | None = None
-    """Total shards across every relay process sharing the table (default: the larger of
-    `workers` and DEFAULT_SHARDS). Every process of one outbox must use the same value."""
+    """Total shards across every relay process of the outbox: all must use the same value."""
     ordering: Ordering = Ordering.none
     until_empty: bool = False
     poll_interval_s: float = POLL_INTERVAL_S
@@ -141,12 +132,10 @@ class RelayOptions(DeliveryOptions):
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
     switch_gate: SwitchGate = SwitchGate.privilege
     old_app_name: str = ""
-    """SQL LIKE pattern of the old application's `application_name` (the sessions gate)."""
+    """SQL LIKE pattern of the old application's `application_name`."""
     sink_timeout_s: float = 10.0
-    """How long one publish may take (the sink's timeout): what the fence must leave room for."""
     session_timeout_s: float | None = None
-    """Dead-session bound T (relay/keepalive.py): None = max(12 s, sink timeout + 2 s);
-    0 = the operating system's defaults and no fencing."""
+    """Dead-session bound T (relay/keepalive.py): None = `dead_session_s`; 0 = no fencing."""
     max_message_bytes: int | None = None
     """A larger body is rejected by the sink unsent (it could never be delivered); None = each
     broker's usual limit (docs/sinks.md)."""
@@ -213,9 +202,8 @@ class CdcOptions(DeliveryOptions):
     for; the slot is confirmed once it committed, so a SIGKILL re-sends what was acknowledged
     since the last mark. 0: next mark as soon as the previous one committed."""
     failover: bool = True
-    """Create the slot as a failover slot where the server supports it (PostgreSQL 17+)."""
+    """A failover slot where the server supports it (PostgreSQL 17+)."""
     until_caught_up: bool = False
-    """Exit once everything committed before the start has been published (tests, hand-off)."""
     lag_warn_bytes: int = LAG_WARN_BYTES
     lag_warn_s: float = LAG_WARN_S
 

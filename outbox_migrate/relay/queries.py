@@ -29,12 +29,10 @@ ADVISORY_NAMESPACE = "outbox-migrate.relay"
 CLAIM_CTID_COLUMN = 6
 """Position of `ctid` in a claimed row; the columns before it are a `Message`."""
 CLAIM_HEADERS_COLUMN = 7
-"""Position of the extra headers ([name, value] pairs), present only when the outbox has a
-headers column or metadata columns (`Columns.carries_headers`); NULL when the row's json
-headers are not a JSON object (a bad row, relay/claimed.py)."""
+"""The extra headers ([name, value] pairs) when the outbox carries any; NULL when the row's
+json headers are not an object (a bad row)."""
 CLAIM_TEXT_HEADERS_COLUMN = 8
-"""Position of a headers column that is not json/jsonb, as text: parsed per row by the relay
-(a cast in SQL would fail the whole claim on one row that is not JSON)."""
+"""A non-json headers column as text: a cast in SQL would fail the claim on one bad row."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ class Source:
     """schema.table: in logs, keys and the attempts and dead-letter rows."""
     schema: str
     claim_table: str
-    """Flat table, or the unpublished partition (its id index serves the claim)."""
+    """Flat table, or the unpublished partition."""
     mark_table: str
     """Flat table, or the partitioned parent (the UPDATE must route the row)."""
     id_column: str
@@ -54,9 +52,8 @@ class Source:
     text_ids: bool = False
     """Application ids (uuid, ULID): claimed as text in `order_column` order, no id cursor."""
     order_column: str = ""
-    """The claim order of application ids ("" = the id itself)."""
     flag: marker.Marker | None = None
-    """A flag marker (and status column) from the spec; None = a timestamp marker."""
+    """None: a timestamp marker."""
     name: str = ""
     """The outbox's name in messages, stable across flat/partitioned and the rename; "" =
     `label`."""
@@ -128,11 +125,9 @@ class Columns:
     """None: the outbox has no creation timestamp; the claim's time stands in for it."""
     payload_type: str = "jsonb"
     headers: str | None = None
-    """A column holding a JSON object whose entries become broker headers."""
     headers_type: str = "jsonb"
     """json/jsonb are read by the server; any other type is parsed per row by the relay."""
     metadata: tuple[str, ...] = ()
-    """Columns sent as broker headers, named after the column."""
 
     @property
     def carries_headers(self) -> bool:
@@ -145,8 +140,7 @@ class Columns:
 
 
 def _optional(column: str | None) -> sql.Composable:
-    """A key or event-type column of any type (uuid, bigint, an enum) as text: the claim
-    hands strings to the sinks, and a cast cannot fail on a row."""
+    """A key or event-type column of any type as text (a cast that cannot fail on a row)."""
     return sql.SQL("{}::text").format(sql.Identifier(column)) if column else sql.SQL("NULL::text")
 
 
@@ -339,7 +333,7 @@ def mark(source: Source) -> sql.Composed:
 
 
 def claim_and_mark(source: Source, *, sharded: bool) -> sql.Composed:
-    """Claim and mark in one statement (no broker): the SQL-only limit the bench measures."""
+    """Claim and mark in one statement: the SQL-only limit the bench measures."""
     shard = (
         sql.SQL(" AND mod({id}, %(shards)s) = ANY(%(mine)s)").format(
             id=sql.Identifier(source.id_column)
@@ -369,10 +363,7 @@ def claim_session_settings() -> sql.Composed:
 
 
 def try_lock_shards() -> sql.Composed:
-    """Session advisory locks on up to %(limit)s free shards, in the order given.
-
-    No ORDER BY: the Limit node stops pulling rows, so no lock beyond the limit is taken.
-    """
+    """Locks on up to %(limit)s free shards; no ORDER BY, so no lock beyond the limit."""
     return _named("try-lock-shards")
 
 
@@ -444,8 +435,7 @@ def has_unpublished(source: Source) -> sql.Composed:
 
 
 def lock_for_switch(source: Source) -> sql.Composed:
-    """SHARE conflicts with the ROW EXCLUSIVE lock every INSERT (and our UPDATE) holds to its
-    transaction's end: once granted, no transaction that wrote the table is still open."""
+    """Once granted, no transaction that wrote the table is open (relay/switching.py)."""
     return sql.SQL("LOCK TABLE {} IN SHARE MODE").format(source.mark_ident)
 
 
