@@ -135,7 +135,7 @@ class RelayOptions(DeliveryOptions):
     """SQL LIKE pattern of the old application's `application_name`."""
     sink_timeout_s: float = 10.0
     session_timeout_s: float | None = None
-    """Dead-session bound T (relay/keepalive.py): None = `dead_session_s`; 0 = no fencing."""
+    """Dead-session bound T (relay/keepalive.py): None = max(12 s, sink timeout + 2 s); 0 = off."""
     max_message_bytes: int | None = None
     """A larger body is rejected by the sink unsent (it could never be delivered); None = each
     broker's usual limit (docs/sinks.md)."""
