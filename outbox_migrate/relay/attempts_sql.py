@@ -1,10 +1,7 @@
 """Every statement on the attempts and dead-letter tables, for both relays (relay/bad_rows.py).
 
-Apart from relay/queries.py (the claim, the mark, the shards): one place says how a failure is
-counted and how a message is kept, so the polling and the CDC relay cannot drift apart again.
-Builders return inert `Composed` objects of the named statements in sql/relay.sql; identifiers
-go through `sql.Identifier`, values are bound parameters. Ids are `int8`, or `text` for an
-outbox with application ids (`text_ids`).
+One place says how a failure is counted and a message kept, so the two relays cannot drift
+apart. Ids are `int8`, or `text` with application ids (`text_ids`).
 """
 
 from __future__ import annotations
@@ -20,9 +17,7 @@ from outbox_migrate.patterns.kinds.dead_letter_tables import (
 )
 from outbox_migrate.sql import query
 
-__all__ = ["create_attempts", "create_dead_letter", "id_sql_type"]
-"""The tables' DDL is the migration's step's (patterns/kinds/dead_letter_tables.py): the relay
-creates the very same tables when it may."""
+__all__ = ["create_attempts", "create_dead_letter", "id_sql_type"]  # the migration's DDL
 
 PAYLOAD_BYTES_COLUMN = "payload_bytes"
 """Dead-letter column for a raw (non-UTF-8 bytea) payload; `payload` then holds its hex text."""
@@ -67,16 +62,14 @@ def columns_of(schema: str, table: str) -> sql.Composed:
 
 
 def _history(history: bool, alias: str = "") -> sql.SQL:
-    """The reasons and deliveries columns, or stand-ins where an attempts table of an earlier
-    version lacks them (the relay may not add them: `FailedMessages.prepare`)."""
+    """The reasons and deliveries columns, or stand-ins where an older table lacks them."""
     if not history:
         return sql.SQL("NULL::text[], 0")
     return sql.SQL(f"{alias}reasons, {alias}delivered")
 
 
 def attempted(schema: str, table: str, history: bool = True) -> sql.Composed:
-    """Counters on record (param: source): id, attempts, last error, reasons, deliveries —
-    read at a start."""
+    """Counters on record (param: source): id, attempts, last error, reasons, deliveries."""
     return _named("attempted", schema, table, history=_history(history))
 
 
@@ -86,19 +79,16 @@ def attempts_of(schema: str, table: str, text_ids: bool, history: bool = True) -
 
 
 def count_attempts(schema: str, table: str, text_ids: bool, history: bool = True) -> sql.Composed:
-    """Add one failure per id (params: source, ids, errors text[], delivered: 1 when the sink
-    had acknowledged the messages, else 0); returns each id's attempts so far, reasons (the
-    last REASONS_KEPT) and deliveries. Each id must appear once: an upsert cannot touch one
-    row twice (SQLSTATE 21000), so two copies of an id share one attempt (relay/bad_rows.py)."""
+    """Add one failure per id (params: source, ids, errors, delivered 0/1); returns attempts,
+    reasons and deliveries. Each id once: an upsert cannot touch one row twice (21000)."""
     if not history:
         return _named("count-attempts-without-history", schema, table, text_ids)
     return _named("count-attempts", schema, table, text_ids, kept=sql.Literal(REASONS_KEPT))
 
 
 def note_attempts(schema: str, table: str, text_ids: bool, history: bool = True) -> sql.Composed:
-    """The reason of attempts counted beforehand (params: source, ids, errors); returns each
-    id's attempts so far, reasons and deliveries (the reason replaces the last one kept, which
-    the careful count wrote as a placeholder)."""
+    """The reason of attempts counted beforehand (params: source, ids, errors), replacing
+    the careful count's placeholder; returns as `count_attempts`."""
     reasons = sql.SQL(", reasons = a.reasons[:cardinality(a.reasons) - 1] || r.error")
     reasons = reasons if history else sql.SQL("")
     return _named("note-attempts", schema, table, text_ids, reasons=reasons,
@@ -111,20 +101,16 @@ def uncount_attempts(schema: str, table: str, text_ids: bool) -> sql.Composed:
 
 
 def forget_attempts(schema: str, table: str, text_ids: bool) -> sql.Composed:
-    """Drop the counters of ids that were published or dead-lettered (params: source, ids);
-    a counter taken back to zero goes too."""
+    """Drop the counters of published or dead-lettered ids (params: source, ids)."""
     return _named("forget-attempts", schema, table, text_ids)
 
 
 def insert_dead_letter(
     schema: str, table: str, *, raw: bool, extras: Collection[str] = HISTORY_COLUMNS
 ) -> sql.Composed:
-    """Keep one message (params: source, id, event_type, key, payload, created_at, attempts,
-    error, headers — jsonb text of [name, value] pairs —, reasons, delivered, and raw when
-    `raw`); returns a row only when it was written. `extras`: which of HISTORY_COLUMNS the
-    table has (one of an earlier version the relay may not alter lacks them). The payload
-    goes in as an untyped parameter: the table keeps it as text whatever the outbox's payload
-    type, and a table created as json by an earlier version still takes JSON payloads."""
+    """Keep one message; returns a row only when written. `extras`: which HISTORY_COLUMNS
+    the table has. The payload is an untyped parameter, so an older json table still takes
+    it."""
     names = [PAYLOAD_BYTES_COLUMN] if raw else []
     values = ["%(raw)s"] if raw else []
     for column, value in HISTORY_COLUMNS.items():
@@ -139,7 +125,6 @@ def insert_dead_letter(
 
 
 def dead_letters_of(schema: str, table: str) -> sql.Composed:
-    """The dead letters kept for one id of a source, its copies included (params: id,
-    source, copies — the copies' label prefix): each label and whether it holds exactly
-    this message (params: event_type, key, payload, created_at)."""
+    """The dead letters of one id, copies included: each label and whether it holds exactly
+    this message."""
     return _named("dead-letters-of", schema, table)

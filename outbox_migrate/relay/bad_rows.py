@@ -1,43 +1,26 @@
 """Failed messages, counted in the database until they are published or dead-lettered.
 
-One policy for both relays — polling (relay/refusals.py, relay/mark_repair.py) and CDC
-(relay/cdc/delivery.py, relay/cdc/mark_repair.py) — over the same two tables: each failure of
-a message adds one attempt in `<dead_letter_table>_attempts`, so a crash or a restart cannot
-reset the count, and at `max_attempts` the message goes to the dead-letter table with its last
-reason. Every other message flows. What counts as an attempt, in both modes:
+One policy for the polling and CDC relays: each failure adds one attempt in
+`<dead_letter_table>_attempts` (a restart cannot reset it); at `max_attempts` the message goes
+to the dead-letter table with its reasons. What counts as an attempt:
 
-* the sink refused it (`MessagesRejected`): then a backoff, a refusal may be transient;
-* the row cannot become a message, the sink cannot represent it (`UnrepresentableMessage`),
-  or its mark breaks a constraint (a duplicate id after the swap): no backoff, waiting does
-  not change a row;
-* the sink raised something outside its protocol (a serializer's bug, a client library's
-  assertion) while it held the message: the relay stops (exit 1), and the attempt counts
-  against the messages the sink held. Why counted: which messages it held is all the evidence
-  there is, and uncounted, one message that breaks a sink stops the whole outbox on every
-  restart for ever — one bad row would be every row's problem. A message with a failure on
-  record is then published alone (`publishing.split_suspects`), so the next crash counts against it
-  only and its neighbours go through after one attempt; at `max_attempts` it is dead-lettered
-  when next met, without being published again (`exhausted`). A fault that is not the
-  messages' costs at most one attempt per restart, and a dead letter loses nothing;
-* never a `SinkUnavailable`: the broker's fault, not the message's — counting it would
-  dead-letter healthy messages during an outage.
+* the sink refused it (`MessagesRejected`): with a backoff, a refusal may be transient;
+* the row cannot become a message, the sink cannot represent it, or its mark breaks a
+  constraint: no backoff, waiting does not change a row;
+* the sink raised outside its protocol while holding it: the relay stops, and the attempt
+  counts against the messages it held — uncounted, one bad message would stop the outbox on
+  every restart. A message with a failure on record is then published alone
+  (`publishing.split_suspects`), so the next crash counts against it only;
+* never `SinkUnavailable`: the broker's fault; counting it would dead-letter healthy
+  messages during an outage.
 
-Two unpublished rows can share an id (after the swap the unpublished partition has no primary
-key). Their counter is shared — one attempt per id per failure: an upsert cannot touch one row
-twice — and each copy is dead-lettered with its own content: the dead-letter table's key is
-(source_table, id), so a copy whose key is taken by a *different* message is kept under
-`<source> copy 2` (3, …), not dropped by an INSERT that does nothing. A message identical in
-every kept field to the one there is that message (dead-lettered again after a crash, or by a
-second path) and is not kept twice.
+Two unpublished rows can share an id (the unpublished partition has no primary key): they
+share one counter, and each copy is dead-lettered with its own content, under
+`<source> copy 2` (3, …) when the (source_table, id) key holds a different message; an
+identical message already there is not kept twice.
 
-A dead letter keeps what a replay needs (the broker headers among it) and what happened: each
-reason on record and how often the sink had acknowledged the message before (a failed mark
-comes after a delivery). It is written in the caller's transaction, and is only a fact once
-that commits: nothing here logs it — the caller logs `DeadLetter`s after its COMMIT
-(`log_dead`), so a log line never reports a dead letter that rolled back.
-
-Statements run inside the caller's transaction (relay/attempts_sql.py); nothing here commits,
-waits or sleeps. Takes a connection and plain values, never a worker.
+A dead letter is written in the caller's transaction and is a fact only once that commits:
+the caller logs it afterwards (`log_dead`). Nothing here commits, waits or sleeps.
 """
 
 from __future__ import annotations
@@ -90,9 +73,8 @@ class DeadLetter:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What one round of failures led to: attempts so far per id, the messages that went to
-    the dead-letter table now (every copy), the ids to try again, and the dead letters
-    written (to log once the transaction committed)."""
+    """One round of failures: attempts per id, messages dead-lettered now (every copy), ids
+    to try again, and the dead letters written."""
 
     attempts: dict[MessageId, int]
     dead: list[Message]
@@ -109,11 +91,8 @@ def log_dead(letters: Sequence[DeadLetter]) -> None:
 
 @dataclass
 class FailedMessages:
-    """Attempts and dead letters of one outbox (`schema`), shared by a relay's workers.
-
-    `known` mirrors the counters on record (attempts, last reason), so the hot path asks the
-    database to forget counters only when a message that failed before went through, and
-    finds a message that is out of attempts without a statement."""
+    """Attempts and dead letters of one outbox, shared by a relay's workers. `known` mirrors
+    the counters on record, so the hot path needs no statement for messages without one."""
 
     schema: str
     dead_letter_table: str
@@ -123,8 +102,7 @@ class FailedMessages:
     payload_bytes: bool = False
     """The dead-letter table has a `payload_bytes` column (see `prepare`)."""
     available: bool = True
-    """False when the tables are missing and this role may not create them, or it may not
-    write them (`unavailable` says why)."""
+    """False when this role may not create or write the tables (`unavailable` says why)."""
     unavailable: str = ""
     extras: frozenset[str] = frozenset(HISTORY_COLUMNS)
     """The dead-letter table's later columns (headers, reasons, delivered) it has."""
@@ -138,18 +116,16 @@ class FailedMessages:
     # -- start --------------------------------------------------------------------------
 
     def prepare(self, conn: Any, sources: Iterable[str]) -> bool:
-        """Create the two tables if missing (outside any batch: two relays racing on CREATE
-        would otherwise fail a batch), give an existing dead-letter table a `payload_bytes`
-        column when the role may, and load the counters on record. False (and a warning):
-        the tables cannot be created (no privilege); a failure then stops the relay."""
+        """Create the tables if missing (outside any batch: relays racing on CREATE would
+        fail it), check their columns, load the counters. False: not usable, a failure then
+        stops the relay."""
         import psycopg
 
         for table, create in (
             (self.dead_letter_table, attempts_sql.create_dead_letter),
             (self.attempts_table, attempts_sql.create_attempts),
         ):
-            # Pre-created tables need no CREATE right: `CREATE TABLE IF NOT EXISTS` checks the
-            # privilege before it looks whether the table exists, so look first.
+            # `CREATE TABLE IF NOT EXISTS` checks the privilege first: look first.
             if _exists(conn, self.schema, table):
                 continue
             try:
@@ -191,8 +167,8 @@ class FailedMessages:
         return True
 
     def _missing_privileges(self, conn: Any) -> str:
-        """What this role may not do on the two tables that dead-lettering needs ("" if
-        nothing): said at start, not as a failed batch at the first bad row."""
+        """What this role may not do on the tables ("" if nothing): said at start, not as a
+        failed batch at the first bad row."""
         wanted = ((self.dead_letter_table, ("SELECT", "INSERT")),
                   (self.attempts_table, ("SELECT", "INSERT", "UPDATE", "DELETE")))  # fmt: skip
         missing = []
@@ -205,14 +181,10 @@ class FailedMessages:
         return ", ".join(missing)
 
     def _check_columns(self, conn: Any, table: str, wanted: Mapping[str, str]) -> set[str]:
-        """An existing table (made by hand, or by an earlier version) must hold ids of the
-        outbox's kind and the columns the relay cannot do without: otherwise the relay refuses
-        to start, in one line with the fix — not at the first bad row, which would roll back its
-        batch on every restart. A missing later column (headers, reasons, deliveries) is added
-        when the role owns the table (nullable or defaulted: catalog-only, 1 s lock timeout);
-        otherwise a warning names the ALTER and dead letters are kept without it. Returns the
-        later columns still missing."""
-        import psycopg
+        """Refuse to start on a table without the id type or columns the relay needs (not
+        at the first bad row, rolling back its batch on every restart). Later optional columns
+        are added where the role may (catalog-only), else warned about; returns those still
+        missing."""
 
         found = dict(conn.execute(attempts_sql.columns_of(self.schema, table)).fetchall())
         name = sql.Identifier(self.schema, table).as_string(conn)
@@ -235,11 +207,8 @@ class FailedMessages:
         alter = f"ALTER TABLE {name} " + ", ".join(
             f"ADD COLUMN IF NOT EXISTS {c} {ADDED_COLUMNS[c]}" for c in missing
         )
-        try:
-            with conn.transaction():
-                conn.execute("SET LOCAL lock_timeout = '1s'")
-                conn.execute(alter)
-        except (psycopg.errors.InsufficientPrivilege, psycopg.errors.LockNotAvailable) as exc:
+        exc = _alter(conn, alter)
+        if exc is not None:
             log.warning(
                 "relay.dead_letter_columns_missing %s lacks %s (%s): dead letters are kept "
                 "without them; as its owner: %s",
@@ -249,12 +218,8 @@ class FailedMessages:
         return set()
 
     def _payload_bytes_column(self, conn: Any) -> bool:
-        """Whether raw payloads can be kept as bytes. An existing table (text payload, from an
-        earlier version) gets the nullable column if the role owns it — a catalog-only change,
-        under a short lock timeout; otherwise raw payloads are kept as hex text, which loses
-        nothing either."""
-        import psycopg
-
+        """Whether raw payloads can be kept as bytes (the column added if the role may);
+        otherwise they are kept as hex text, which loses nothing either."""
         found = conn.execute(
             "SELECT 1 FROM pg_attribute WHERE attrelid = %s::regclass AND attname = %s "
             "AND NOT attisdropped",
@@ -263,16 +228,14 @@ class FailedMessages:
         ).fetchone()  # fmt: skip
         if found:
             return True
-        try:
-            with conn.transaction():
-                conn.execute("SET LOCAL lock_timeout = '1s'")
-                conn.execute(
-                    sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} bytea").format(
-                        sql.Identifier(self.schema, self.dead_letter_table),
-                        sql.Identifier(PAYLOAD_BYTES_COLUMN),
-                    )
-                )
-        except (psycopg.errors.InsufficientPrivilege, psycopg.errors.LockNotAvailable) as exc:
+        exc = _alter(
+            conn,
+            sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} bytea").format(
+                sql.Identifier(self.schema, self.dead_letter_table),
+                sql.Identifier(PAYLOAD_BYTES_COLUMN),
+            ),
+        )
+        if exc is not None:
             log.info(
                 "relay.dead_letter_hex_payloads %s: raw payloads are kept as hex text",
                 str(exc).splitlines()[0],
@@ -295,9 +258,8 @@ class FailedMessages:
         return (label, message_id) in self.known
 
     def exhausted(self, label: str, messages: Sequence[Message]) -> list[Message]:
-        """Messages whose counter is at `max_attempts` already (a crash counted their last
-        attempt, or `max_attempts` was lowered): dead-letter them (`dead_letter_exhausted`)
-        rather than publish them again."""
+        """Messages already at `max_attempts` (a crash counted their last attempt): to
+        dead-letter rather than publish again."""
         if not self.known:
             return []
         most = self.max_attempts
@@ -381,11 +343,9 @@ class FailedMessages:
         keep: Collection[MessageId] = (),
         delivered: bool = False,
     ) -> Verdict:
-        """Add one attempt per failed id (`counted`: added beforehand, only the reason is
-        new; `delivered`: the sink had acknowledged them); dead-letter every failed message
-        (each copy) at `max_attempts`, in the same transaction, so their mark or removal
-        commits with them. `keep`: ids whose counter stays although dead-lettered — another
-        copy of theirs is yet to be settled."""
+        """Add one attempt per failed id (`counted`: only the reason is new); dead-letter
+        each copy at `max_attempts` in the same transaction as its mark or removal. `keep`:
+        counters that stay, another copy of the id being unsettled."""
         if counted:
             attempts = self.note(conn, label, reasons)
         else:
@@ -403,9 +363,8 @@ class FailedMessages:
     def dead_letter_exhausted(
         self, conn: Any, label: str, messages: Sequence[Message]
     ) -> list[DeadLetter]:
-        """Dead-letter the messages `exhausted` found, with their last reason, if the database
-        agrees that they are out of attempts (another process may have settled them since);
-        returns the dead letters written."""
+        """Dead-letter what `exhausted` found if the database agrees (another process may
+        have settled them since)."""
         ids = list({m.id: 0 for m in messages})
         rows = conn.execute(
             attempts_sql.attempts_of(
@@ -441,8 +400,7 @@ class FailedMessages:
         )
 
     def rewrite(self, conn: Any, letter: DeadLetter) -> DeadLetter:
-        """Write a dead letter again as it was written in a transaction that rolled back (its
-        batch's mark failed on another row): same attempts, reasons and deliveries."""
+        """Write again a dead letter whose transaction rolled back, as it was."""
         history = (list(letter.reasons), letter.delivered)
         return self.dead_letter(conn, letter.label, letter.message, letter.attempts,
                                 letter.error, history=history)  # fmt: skip
@@ -457,11 +415,9 @@ class FailedMessages:
         *,
         history: tuple[list[str], int] | None = None,
     ) -> DeadLetter:
-        """Keep the message in the dead-letter table, with its headers, the reasons on record
-        and its deliveries; returns what was written (logged by the caller once committed).
-        A raw payload goes in as bytes (and as hex text in `payload`, which is NOT NULL in
-        tables of earlier versions). Never a silent no-op: a key taken by another message
-        moves this one to a copy label (module doc)."""
+        """Keep the message in the dead-letter table with its headers, reasons and
+        deliveries. A raw payload goes in as bytes and as hex text (`payload` may be NOT
+        NULL). Never a silent no-op: a taken key moves it to a copy label."""
         payload = message.payload
         raw = payload if type(payload) is bytes else None
         error = error[:ERROR_CHARS]
@@ -524,6 +480,20 @@ class FailedMessages:
                 self.history.update(((label, id_of(r[0])), (list(r[2] or []), int(r[3])))
                                     for r in rows)  # fmt: skip
         return attempts
+
+
+def _alter(conn: Any, statement: Any) -> Exception | None:
+    """Run an ALTER under a short lock timeout; the refusal, if the role may not or the lock
+    is not free."""
+    import psycopg
+
+    try:
+        with conn.transaction():
+            conn.execute("SET LOCAL lock_timeout = '1s'")
+            conn.execute(statement)
+    except (psycopg.errors.InsufficientPrivilege, psycopg.errors.LockNotAvailable) as exc:
+        return exc
+    return None
 
 
 def _exists(conn: Any, schema: str, table: str) -> bool:

@@ -1,12 +1,8 @@
 """A polling worker's runs of batches: claim → publish → mark, back to back, one round trip each.
 
-The worker (relay/driver.py) decides when a run starts (a session is open, shards are owned, no
-pause is due) and what happens between runs (idle waits, lease checks, failures); a run goes
-on while claims return rows and ends when one comes back empty, or the worker must look up
-(stop, rebalance, source switch). Worker and runs share one `WorkerState` (relay/batch.py).
-A run is given the worker's claim session (`new_session`), its cursor, idle flag, shard lease,
-fence, LISTEN session, `Waits` and idle wait (`sleep`: whether it was woken and whether it
-blocked). A run never waits with a transaction open (relay/waits.py).
+The worker (relay/driver.py) starts runs and handles what comes between them; a run goes on
+until a claim comes back empty or the worker must look up (stop, rebalance, source switch).
+A run never waits with a transaction open (relay/waits.py).
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ from outbox_migrate.relay.waits import Waits
 log = logging.getLogger("outbox_migrate.relay")
 
 HOLD_S = 0.05
-"""How long an idle worker leaves its last COMMIT's result unread for the next claim to read
-with its own; then it reads it (see `BatchLoop._hold`)."""
+"""How long an idle worker leaves its last COMMIT's result unread (`BatchLoop._hold`)."""
 
 
 class Abandoned(Exception):
@@ -96,7 +91,6 @@ class BatchLoop:
         self._sleep = sleep
         self.conn: Any = None
         self.wire: wire.Wire | None = None
-        """The claim session's libpq-level pipeline of prepared statements (relay/wire.py)."""
         self.statements = Statements(relay.columns, by_key=relay.options.ordering is Ordering.key,
                                      text_ids=relay.text_ids)  # fmt: skip
         self.sink: Sink | None = None
@@ -107,23 +101,17 @@ class BatchLoop:
                 relay.connect_worker, options.dead_session_s, options.poll_interval_s
             )
         )
-        """The worker's second session, claiming the next batch while one is published."""
 
     def new_session(self, conn: Any, pipe: wire.Wire) -> None:
-        """The worker (re)opened its claim session: statements are rendered for it anew."""
+        """The worker (re)opened its claim session: statements are prepared anew."""
         self.conn, self.wire = conn, pipe
         self.statements.reset()
 
     # -- the hot path: batches back to back, one round trip each --------------------------
 
     def _claim(self, run: _Run) -> None:
-        """Queue BEGIN and the claim, send everything queued; the claimed rows, the `after`
-        the range claim started from and how many rows that range claim returned go to `run`.
-
-        When the cursor's gap probe is due, the remembered gaps are claimed by id in the same
-        transaction and round trip, ahead of the range claim (they are all below it); the idle
-        flag moves in the same network write (`_queue_flag`).
-        """
+        """BEGIN, the due gap probe, the range claim and the idle flag's move in one round
+        trip; the rows, `after` and the range claim's row count go to `run`."""
         relay, cursor, pipe = self.relay, self.cursor, self.wire
         assert pipe is not None
         run.started, run.sent = time.perf_counter(), time.monotonic()
@@ -142,9 +130,8 @@ class BatchLoop:
         claimed = pipe.send(run.claim, params)
         # While ids below the cursor are unaccounted for, read the horizon after the claim.
         horizon = pipe.send(HORIZON) if cursor.wants_horizon() else None
-        # A Sync after the claim: the server only starts its idle-in-transaction timer after
-        # a Sync, so without one a relay paused mid-batch would keep its session (and shards)
-        # for good. It travels in the same network write as the claim.
+        # The server starts its idle-in-transaction timer only after a Sync: without one a
+        # relay paused mid-batch would keep its session (and shards) for good.
         pipe.sync()
         if raising is not None:
             got = pipe.rows(raising)
@@ -170,14 +157,10 @@ class BatchLoop:
     def _queue_flag(self, pipe: wire.Wire, flag_rows: int) -> wire.Slot | None:
         """Queue the idle flag's move ahead of the claim's BEGIN; the slot of its raise.
 
-        With the flag in the run (`flag_rows` >= 0, see `_flag_rows`): after a claim that
-        found nothing the flag goes up with this claim — `pg_try_advisory_lock` in the same
-        network write — so that if this claim finds nothing (or a trickle), the worker may
-        sleep at once: its snapshot is taken with the flag up, and every row it cannot see
-        will notify. A raised flag stays up through claims of a trickle (SPARSE_ROWS) while
-        the worker sleeps between them, and comes down in the same way (`pg_advisory_unlock`
-        in the claim's write) after a bigger claim, or once the traffic no longer lets the
-        worker sleep (AWAKE_WAITS)."""
+        After an empty claim the flag goes up with the next one, so a claim that finds
+        nothing (or a trickle, SPARSE_ROWS) lets the worker sleep at once: its snapshot was
+        taken with the flag up, and every row it cannot see will notify. It comes down the
+        same way after a bigger claim, or when traffic no longer lets it sleep (AWAKE_WAITS)."""
         flag = self.flag
         unlock, try_raise = flag.before_claim(flag_rows)
         if unlock is not None:
@@ -190,19 +173,13 @@ class BatchLoop:
         return pipe.send(TRY_IDLE_LOCK, {"key": flag.run_key})
 
     def run(self, source: queries.Source, sink: Sink) -> int | None:
-        """Claim → publish → mark, batch after batch (`_batch`), until a claim comes back empty
-        (returns the `after` it started from) or the worker must look up (stop, rebalance,
-        switch: returns None).
+        """Batch after batch until a claim comes back empty (returns its `after`) or the
+        worker must look up (None).
 
-        One batch is still one transaction, but the session runs in pipeline mode (prepared
-        statements sent through libpq directly: relay/wire.py) with explicit BEGIN/COMMIT, so
-        a batch's mark and COMMIT travel with the next batch's BEGIN and claim: one round trip
-        per batch instead of four (BEGIN, claim, mark, COMMIT). A batch counts as published
-        once its COMMIT is known to have succeeded: when a later result of its session arrives
-        (results come back in order), or at the final sync. When the next claim fails
-        (SQLSTATE 40001, a lost connection), the COMMIT before it already happened or not —
-        its own result says which. A failed mark rolls back its batch only (`_repair_in_run`).
-        """
+        One transaction per batch, in pipeline mode: a batch's mark and COMMIT travel with
+        the next BEGIN and claim, one round trip per batch. A batch counts as published once
+        its COMMIT's result arrived (results come in order), so a failing next claim leaves
+        no doubt about it. A failed mark rolls back its batch only (`_repair_in_run`)."""
         pipe, self.sink = self.wire, sink
         assert pipe is not None  # opened by `Worker._step` before any run
         sharded = self.lease.sharded and not self.lease.owns_all
@@ -224,9 +201,8 @@ class BatchLoop:
         return run.empty_after
 
     def _batch(self, run: _Run) -> bool:
-        """The batch in hand: publish it, queue its mark and COMMIT, have the next one claimed
-        (ahead, on the other session, while this one is published: relay/read_ahead.py).
-        False: the run ends."""
+        """Publish the batch in hand, queue its mark and COMMIT, have the next one claimed
+        (maybe ahead: relay/read_ahead.py). False: the run ends."""
         state = self.state
         if run.pending:
             self._count_committed(run.pending)
@@ -236,8 +212,7 @@ class BatchLoop:
         if not run.rows:
             return self._claimed_nothing(run)
         if len(run.rows) > run.flag_rows:
-            # The claim after raising the flag found rows, or more than a sparse trickle:
-            # writers need not notify while the worker claims (the release is queued).
+            # More than a trickle: writers need not notify while the worker claims.
             key = self.flag.lower()
             if key is not None and self.wire is not None:  # the lease session holds the lock
                 self.wire.send(IDLE_UNLOCK, {"key": key})
@@ -253,11 +228,10 @@ class BatchLoop:
     def _after_publish(
         self, run: _Run, ahead: read_ahead.Pending | None, pause: float, look_up: bool
     ) -> bool:
-        """Take the batch claimed ahead, or end the run (a pause, the worker must look up), or
-        claim the next batch on the lease session. False: the run ends."""
+        """Take the batch claimed ahead, end the run, or claim on the lease session. False:
+        the run ends."""
         if ahead is not None and (pause or look_up or self.state.rewound):
-            # Refused in part, or the worker must look up: the batch claimed ahead rolls back
-            # unpublished (its rows are claimed again later).
+            # The batch claimed ahead rolls back unpublished, to be claimed again later.
             ahead.pipe.send_plain(b"ROLLBACK")
             ahead.pipe.send_sync()
         elif ahead is not None:
@@ -286,8 +260,7 @@ class BatchLoop:
         return True
 
     def _claimed_nothing(self, run: _Run) -> bool:
-        """The claim came back empty: end the run, or (the idle flag in the run) wait in it
-        and claim again. False: the run ends."""
+        """An empty claim: end the run, or (idle flag in the run) wait and claim again."""
         run.cur.send_plain(b"ROLLBACK")
         if run.flag_rows < 0:
             run.empty_after = run.after
@@ -299,9 +272,8 @@ class BatchLoop:
         return True
 
     def _back_to_lease_session(self, run: _Run) -> None:
-        """The batch in hand is the read-ahead session's: its mark and COMMIT (or ROLLBACK)
-        complete before the lease session claims again (a claim from id 0 must not meet rows
-        that move under it)."""
+        """Finish the read-ahead session's transaction before the lease session claims (a
+        claim from id 0 must not meet rows that move under it)."""
         pipe = self.wire
         if run.cur is not pipe:
             assert pipe is not None
@@ -314,26 +286,18 @@ class BatchLoop:
         return relay.stopping or self.lease.due(now) or relay.state.current is not source
 
     def _flag_rows(self, source: queries.Source, linger: float) -> int:
-        """How many rows a claim made with the idle flag up may return for the flag to stay
-        up, the worker then sleeping inside the run (`_wait_in_run`); -1: the flag is only
-        raised after the run, by `_idle`.
-
-        Only where an empty claim means "sleep until notified": with notifications, and not
-        while the switching relay drains the flat table (its empty claim starts the switch)."""
+        """How many rows a claim with the flag up may return for the worker to sleep in the
+        run; -1: flag only after the run. Not while the switching relay drains the flat table
+        (its empty claim starts the switch)."""
         state = self.relay.state
         if not self.flag.enabled or (state.mode is Mode.switching and source is state.flat):
             return -1
         return SPARSE_ROWS
 
     def _wait_in_run(self, run: _Run) -> bool:
-        """Nothing more to claim now: wait — until a notification or the poll interval with
-        the idle flag up, shortly without it — staying in the run (no pipeline exit, no
-        statements of its own), the last COMMIT or ROLLBACK queued for the next claim to take
-        along (`_hold`). True: the worker must go back to `_step` first (stop, lease check,
-        source switch). The flag was up while the last claim's snapshot was taken, or this
-        waits briefly (`IdleFlag.busy_poll_s`) and the next claim raises it: an idle worker
-        costs one round trip per wake-up. CLAIM: a claim below the cursor is due, or the last
-        claim did not try to raise the flag: claim again now (what is queued goes with it)."""
+        """Wait in the run: until notified or the poll interval with the flag up, briefly
+        without it (the next claim raises it), so an idle worker costs one round trip per
+        wake-up. True: the worker must go back to `_step` first."""
         action = self.flag.in_run(self.cursor.due(time.monotonic()))
         pipe, pending, linger = run.cur, run.pending, run.linger
         self.state.to(Phase.IDLE)
@@ -341,26 +305,19 @@ class BatchLoop:
             woken = self._hold(pipe, pending, None)
             self.flag.slept(blocked=self.state.blocked)
             if woken and linger > 0:
-                # Woken by a row's notification: give it `linger` for company, as a batch
-                # that did not fill waits before the next claim — a trickle then costs one
-                # claim per linger period, not one per row.
+                # A trickle costs one claim per linger period, not one per row.
                 self._linger([], time.monotonic() + linger)
         elif action is Idle.BUSY_POLL:
-            # A writer that saw the relay busy has not committed yet (it holds the flag's lock
-            # shared and will not notify), or another worker holds the flag: look again soon.
+            # An uncommitted writer holds the flag shared (and will not notify): look again.
             self._hold(pipe, pending, self.flag.busy_poll_s())
         self.relay.observer.heartbeat(self.index)
         self.state.to(Phase.CLAIMING)
         return bool(self.state.pause_s) or self._must_look_up(run.source, time.monotonic())
 
     def _hold(self, pipe: wire.Wire, pending: list[Commit], timeout_s: float | None) -> bool:
-        """Sleep (`_sleep`) once the last batch's mark and COMMIT (or the empty claim's
-        ROLLBACK) went out, their results read with the next claim's: one wait for the server
-        per wake-up, not two. Not sent with that claim instead: the session would sleep in its
-        transaction on its locks, and a migration step's DDL would never find a moment for its
-        lock ("blocked by relay-0, idle in transaction"). Results not read within HOLD_S are
-        read then (the batch is counted). True: woken (a notification, a stop, a failed mark).
-        """
+        """Sleep once the last COMMIT (or ROLLBACK) went out, its result read with the next
+        claim's. Sent now, not with that claim: sleeping in the transaction would hold its
+        locks against a migration step's DDL. Results are read after HOLD_S. True: woken."""
         relay = self.relay
         pipe.send_sync()
         if pending:
@@ -379,10 +336,8 @@ class BatchLoop:
         return woken
 
     def _abort_run(self, pending: list[Commit]) -> None:
-        """A run failed: roll back both sessions, count what did commit (a COMMIT of the
-        read-ahead session still in flight is read first, so a batch marked is counted), and
-        keep the published batches whose mark did not commit for the worker's repair
-        (`Worker._repair_marks`)."""
+        """A run failed: roll back both sessions, count what committed, keep the published
+        batches whose mark did not commit for the worker's repair."""
         self.read_ahead.abandon()
         for commit in pending:
             if commit.succeeded:
@@ -393,9 +348,8 @@ class BatchLoop:
     def _publish_batch(
         self, conn: Any, pipe: wire.Wire, claim: Batch, pending: list[Commit]
     ) -> tuple[float, float]:
-        """Publish the claimed rows and queue their mark and COMMIT on their session. Returns
-        the pause the worker takes once the transaction has ended (0: none; see
-        `Refusals.publish`) and the time after."""
+        """Publish the claimed rows, queue their mark and COMMIT. Returns the pause due after
+        the transaction (`Refusals.publish`) and the time after."""
         relay, cursor = self.relay, self.cursor
         source, rows, after = claim.source, claim.rows, claim.after
         batch, bad = claimed.messages(rows, relay.message, relay.columns[source.label])
@@ -415,8 +369,6 @@ class BatchLoop:
             raise Abandoned
         now = time.monotonic()
         cursor.claimed(after, [r[0] for r in rows], now)
-        # After a rejection's pause, or for a released key: claim again from `rewind` (the
-        # read-ahead batch, if any, is dropped). Bad rows: by id, once the backlog is drained.
         self.state.rewound = rewind is not None
         if rewind is not None:
             cursor.retry_from(rewind)
@@ -429,32 +381,27 @@ class BatchLoop:
         return pause, now
 
     def retry_bad_rows(self) -> None:
-        """Bad rows to try again are claimed by id with the next claim on the lease session
-        (`Cursor.retry_ids`) once claims no longer come back full: a claim with a probe is
-        not read ahead."""
+        """Claim bad rows again by id with the next lease-session claim (a claim with a probe
+        is not read ahead)."""
         state = self.state
         if state.later:
             self.cursor.retry_ids(state.later, time.monotonic())
             state.later = []
 
     def _read_ahead_allowed(self, source: queries.Source) -> bool:
-        """Read-ahead keeps publishing one batch at a time in id order, but a rejection would
-        meet a batch already claimed behind it: with key or global ordering (parking, strict
-        order) and application ids (no cursor to claim after) it is not used."""
+        """Not with ordering (a rejection would meet a batch claimed behind it), application
+        ids (no cursor), or while the switching relay drains the flat table (that run must
+        end with an empty claim)."""
         relay, options = self.relay, self.relay.options
         return (
             options.read_ahead
             and options.ordering is Ordering.none
             and not relay.text_ids
-            # Not while the switching relay drains the flat table to leave it: that run must
-            # end with a claim that comes back empty, and it is short.
             and not (relay.state.mode is Mode.switching and source is relay.state.flat)
         )
 
     def _send_ahead(self, run: _Run) -> read_ahead.Pending | None:
-        """While claims come back full, send the next batch's claim — a plain range claim from
-        the last id in hand (rows come in id order) — on the session not holding the batch in
-        hand; not when the lease session must claim first (relay/read_ahead.py)."""
+        """While claims come back full, send the next range claim on the other session."""
         now, relay = time.monotonic(), self.relay
         if not (
             run.ahead_ok
@@ -478,18 +425,13 @@ class BatchLoop:
     def _linger_s(self, source: queries.Source) -> float:
         relay = self.relay
         if relay.state.mode is Mode.switching and source is relay.state.flat:
-            # The flat table is drained to be left: the switch needs an empty claim, and a
-            # linger would let steady V1 traffic fill every claim so none ever comes back empty.
+            # The switch needs an empty claim, which steady traffic and a linger never give.
             return 0.0
         return relay.options.linger_s
 
     def _linger(self, pending: list[Commit], until: float) -> bool:
-        """Send the batch's mark and COMMIT, then wait until `until` (or a stop: True); their
-        results are read with the next claim's, or at the pipeline's final sync on a stop (the
-        batch is counted then, as after a batch without linger; its time excludes the wait)."""
-        # The mark and COMMIT leave now (a no-op when `_hold` sent them): lingering inside the
-        # transaction would hold its row locks and show the session "idle in transaction"
-        # through every linger, which the migration runner will not queue behind.
+        """Send the mark and COMMIT, then wait until `until` (True: a stop). Not lingering in
+        the transaction: it would hold row locks the migration runner will not queue behind."""
         assert self.wire is not None
         self.wire.send_sync()
         if pending:
@@ -510,9 +452,8 @@ class BatchLoop:
             raise short  # the worker looks at its names (relay/driver.py)
 
     def _repair_in_run(self, run: _Run) -> bool:
-        """A batch's mark failed and its COMMIT rolled it back (`mark_and_commit`): repair it
-        now on the session not holding the batch in hand, and go on: ending the run would drop
-        the batch claimed ahead. False (no read-ahead here): the run ends, the worker repairs."""
+        """Repair a failed mark on the other session and go on (ending the run would drop the
+        batch claimed ahead). False (no read-ahead): the worker repairs."""
         if not run.ahead_ok:
             return False
         while self.state.unmarked:

@@ -1,14 +1,8 @@
 """Claimed rows → `Message`s, and the rows that cannot become one (bad rows, with a reason).
 
-Pure: no I/O. The claim renders every column the server can render without failing on a row
-(keys, event types and metadata of any type as text; json headers checked for being an object,
-relay/queries.py), and leaves to this module what only fails row by row: a bytea payload that
-is not UTF-8 (kept as raw bytes — a message all the same, `Message.payload`), a text headers
-column whose value is not a JSON object (a bad row). Finding such a row here instead of
-failing the claim is what lets one row never stop the relay: the rest of its batch flows.
-
-The plain outbox (no bytea payload, no headers) takes the same path as before: one tuple per
-row, no per-row checks.
+The claim renders what cannot fail on a row; what fails row by row is judged here (a bytea
+payload that is not UTF-8 stays bytes; text headers that are not a JSON object make a bad
+row), so one row never fails the claim and the rest of its batch flows.
 """
 
 from __future__ import annotations
@@ -37,10 +31,8 @@ class Claimed(NamedTuple):
 
 
 def messages(rows: Sequence[Any], message: type[Message], columns: queries.Columns) -> Claimed:
-    """The claimed rows as messages, in claim order, and the bad rows apart.
-
-    Built with `tuple.__new__` from the row's first six columns: the NamedTuple's own
-    `__new__` is a Python function, and this runs once per message."""
+    """The claimed rows as messages, in claim order, and the bad rows apart. `tuple.__new__`:
+    the NamedTuple's own `__new__` is a Python function, and this runs per message."""
     new = tuple.__new__
     raw = columns.payload_type == "bytea"
     if not columns.carries_headers and not raw:
@@ -79,7 +71,7 @@ def messages(rows: Sequence[Any], message: type[Message], columns: queries.Colum
 
 
 def _payload(body: bytes) -> str | bytes:
-    """A bytea body as text when it is UTF-8 (as before), else the bytes themselves."""
+    """A bytea body as text when it is UTF-8, else the bytes themselves."""
     try:
         return body.decode()
     except UnicodeDecodeError:
@@ -87,10 +79,8 @@ def _payload(body: bytes) -> str | bytes:
 
 
 def headers_from_text(text: str | None) -> list[tuple[str, str]] | None:
-    """A text headers value parsed as the server's `jsonb_each_text` would render it: string
-    values as they are, others as JSON text, nulls left out; None if it is not an object.
-    SQL NULL and JSON null mean "no headers", as for a json column (queries.py). The CDC
-    relay parses its rows here too, so both delivery styles judge a row alike."""
+    """A text headers value as `jsonb_each_text` would render it (nulls left out; NULL and
+    JSON null: no headers); None if not an object. Both relays judge a row here alike."""
     if text is None:
         return []
     try:

@@ -13,8 +13,6 @@ from outbox_migrate.relay import queries
 from outbox_migrate.relay.options import Ordering
 
 PAYLOAD_TYPES = ("jsonb", "json", "text", "bytea")
-"""Payload column types the relay sends as they are (bytea as UTF-8 text, or as bytes when it
-is not UTF-8)."""
 
 
 def resolve(
@@ -25,9 +23,8 @@ def resolve(
     event_type_column: str | None,
     ordering: Ordering,
 ) -> queries.Columns:
-    """The spec's column roles checked against the live table. A role left at its default
-    (`message_key`, `event_type`, `headers`) is used when the table has that column; one
-    configured by name must exist."""
+    """The spec's column roles checked against the live table: a default one is used when
+    the table has it, one configured by name must exist."""
     rows = conn.execute(
         queries.table_columns(), {"schema": source.schema, "table": source.mark_table}
     ).fetchall()
@@ -58,8 +55,6 @@ def resolve(
             return None
         raise RelayError(f"table {source.label} has no column {name!r}")
 
-    # Any type: json/jsonb is read by the server, anything else (text) parsed per row; a
-    # value that is not a JSON object makes that row a bad row, not the relay stop.
     headers = optional(None, spec.headers_column, defaults.headers_column)
     payload_type = types[spec.payload_column]
     if payload_type not in PAYLOAD_TYPES:
@@ -88,10 +83,8 @@ def resolve(
 def check_ids(
     source: queries.Source, types: dict[str, str], text_ids: bool, ordering: Ordering
 ) -> None:
-    """The id kind configured must match the table's id column: database ids (integers) are
-    claimed by a cursor over the id, application ids (uuid, ULID, an integer the application
-    makes) as text in `order_column` order. Which integers are the application's is the
-    migration's judgement (`plan`), not the relay's."""
+    """The id kind configured must match the table's id column (which integers are the
+    application's is the migration's judgement, not the relay's)."""
     id_type = types[source.id_column]
     integer = id_type in ("bigint", "integer", "smallint")
     if not integer and not text_ids:

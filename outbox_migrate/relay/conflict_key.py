@@ -1,17 +1,10 @@
 """The unique key a mark broke, when it is a key on the id alone: which rows it holds already.
 
-After the swap the published partition is the old table with its primary key on the id; a
-new row whose id is in it cannot be moved there. The server's error names the index
-(`diag.constraint_name`, `diag.table_name`), in every language; its detail ("Key (id)=(13)
-already exists.") names only the first such row, and only in English. Knowing the key, the
-relay asks which of a batch's ids the table holds already — all of them at once, one index
-probe each — instead of reading the detail or splitting the batch in halves
-(relay/mark_repair.py): the rest is marked in one statement and the known bad rows need no
-statement of their own when they are tried again.
-
-A key on several columns, an expression or a partial index, any other constraint (CHECK,
-trigger, foreign key), or a key on a table the relay's role may not read (a least-privilege
-role has no grant on the published partition) has no `ConflictKey`: the repair bisects.
+After the swap a row whose id the published partition's key holds cannot move there. The
+error names the index in every language (its detail names only the first row, in English), so
+the relay asks which of a batch's ids the table holds, all at once, rather than bisect
+(relay/mark_repair.py). Any other key or constraint, or one on a table the role may not read,
+has no `ConflictKey`: the repair bisects.
 """
 
 from __future__ import annotations
@@ -35,8 +28,6 @@ WHERE n.nspname = %s AND tc.relname = %s AND ic.relname = %s AND ic.relnamespace
   AND i.indisunique AND i.indnkeyatts = 1 AND i.indexprs IS NULL AND i.indpred IS NULL
   AND has_table_privilege(tc.oid, 'SELECT')
 """
-# The relay's role may not read the key's table (the migration grants nothing on the
-# published partition): then there is no lookup, and the repair bisects.
 
 
 @dataclass(frozen=True)
@@ -48,13 +39,10 @@ class ConflictKey:
     index: str
     column: str
     type_sql: str
-    """The column's type as `format_type` spells it (a cast target for the ids)."""
 
     def lookup(self, ids: list[MessageId], text_ids: bool) -> sql.Composed:
-        """Three statements (one round trip, the ids as a literal): the ids of `ids` the table
-        holds, read through its index whatever the planner's statistics say (a published
-        partition last analyzed when it was small would be seq-scanned). Its rows are the
-        second result (`taken_rows`)."""
+        """The ids the table holds, through its index whatever the statistics say (a
+        partition analyzed when small would be seq-scanned); rows in the second result."""
         column = sql.Identifier(self.column)
         return sql.SQL(
             "SET LOCAL enable_seqscan = off; "
@@ -64,8 +52,7 @@ class ConflictKey:
             out=sql.SQL("{}::text").format(column) if text_ids else column,
             table=sql.Identifier(self.schema, self.table),
             column=column,
-            # Integer ids as a hand-made array literal: adapting a list of 500 ints cost
-            # more than the lookup itself.
+            # A hand-made literal: adapting a list of ints costs more than the lookup.
             ids=sql.Literal([str(i) for i in ids] if text_ids else _int_array(ids)),
             type=sql.SQL(self.type_sql),
         )
@@ -77,7 +64,7 @@ class ConflictKey:
         return taken_rows(conn.execute(self.lookup(ids, text_ids)))
 
     def reason(self, ident: MessageId) -> str:
-        """What a row whose id is taken is kept with (the server's words, for the dead letter)."""
+        """The server's words for a taken id, for the dead letter."""
         return (
             f'SQLSTATE 23505: duplicate key value violates unique constraint "{self.index}" '
             f"(Key ({self.column})=({ident}) already exists in {self.schema}.{self.table}.)"
@@ -99,8 +86,7 @@ def of_error(conn: Any, error: psycopg.Error | None, id_column: str) -> Conflict
 
 
 def taken_rows(cursor: Any) -> set[MessageId]:
-    """The ids a `lookup` found: the next result with rows after the one the cursor is on
-    (a lock's rows, or the lookup's own `SET`)."""
+    """The ids a `lookup` found: the next result with rows after the cursor's."""
     cursor.nextset()
     while cursor.description is None:
         if not cursor.nextset():

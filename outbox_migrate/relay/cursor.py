@@ -1,37 +1,23 @@
 """Where a worker's next claim starts: a pure decision, unit-tested without a database.
 
-Why a cursor at all: a published row leaves a dead entry in the unpublished partition's index
-until vacuum removes it, and while any transaction holds back xmin (an idle REPEATABLE READ
-session, a long report) nothing can remove it. A claim that always starts at the lowest id
-walks every one of those entries: throughput collapses as the dead entries pile up. Starting
-each claim after the last id this worker claimed (the *frontier*) skips them.
+Why a cursor: a published row leaves a dead index entry until vacuum, and a held xmin keeps
+it there; a claim from the lowest id walks them all. Claims start after the last id this
+worker claimed (the *frontier*) instead.
 
-The catch: ids are handed out at INSERT, rows become visible at COMMIT, so a row may appear
-*below* the frontier after the frontier passed it (its transaction committed late). The cursor
-therefore remembers the ids it jumped over (gaps between consecutive claimed ids that belong to
-this worker's shards) and *probes* exactly those ids every GAP_PROBE_S (a claim by
-`id = ANY(gaps)`: one index descent per gap, however far the frontier has moved on); a gap
-that stays empty for GAP_TTL_S (a rolled-back insert) is forgotten, and a full rescan from id 0
-every FULL_RESCAN_S catches anything else.
+Ids are handed out at INSERT and visible at COMMIT, so a row may appear below the frontier.
+The cursor remembers the ids it jumped over in its shards (gaps) and probes exactly those
+every GAP_PROBE_S; a gap empty for GAP_TTL_S is dropped, and a rescan from id 0 every
+FULL_RESCAN_S catches the rest. With key-hash shards gaps cannot be attributed: a rescan
+every KEY_SHARD_RESCAN_S stands in.
 
-Ids the cursor passed without a gap list — the first claim after a (re)start jumps from id 0 to
-the lowest visible id, and more than MAX_PENDING_GAPS gaps overflow — and gaps that expired form
-an *unaccounted region*: a transaction that allocated one of those ids may still commit. The
-cursor does not pass it blindly until the once-a-minute rescan: while a region is open, each
-claim also reads the transaction horizon (`pg_snapshot_xmin`/`pg_snapshot_xmax` of
-`pg_current_snapshot()`), records the xmax once the region is REGION_SETTLE_S old, and when
-the xmin reaches it — every transaction that was running then has ended — claims the region
-once more (from id 0, or the expired ids by id) and closes it. A notified id inside an open
-region is claimed from just below it at once. A notification whose id is below the frontier (the
-wake-up trigger's or the application's payload) makes the probe due at once, or, for an id
-the cursor never saw as a gap, starts the next claim just below it. With key-hash shards a gap
-cannot be attributed to a shard, so the cursor falls back to a full rescan every
-KEY_SHARD_RESCAN_S (and to the notified ids).
+Ids passed without a gap list (the first claim from id 0, an overflow) and expired gaps form
+an *unaccounted region*: their writers may still commit. While one is open each claim reads
+the transaction horizon; once xmin reaches the xmax read REGION_SETTLE_S after it opened,
+every such writer has ended and the region is claimed once more, then closed. A notified id
+below the frontier makes the probe due, or starts the next claim just below it.
 
-A message to try again at a given time (a parked key's message, relay/parking.py) is put on
-the cursor's clock (`retry_at`): the first claim at or after that time starts just below it.
-Left to the rescan from id 0, its attempts were spaced by that rescan — which the rescan's own
-cost defers (RESCAN_COST_FACTOR), so a key stayed parked the longer the busier the outbox.
+A parked key's message goes on the cursor's clock (`retry_at`): left to the rescan, whose
+own cost defers it, a key would stay parked the longer the busier the outbox.
 """
 
 from __future__ import annotations
@@ -42,24 +28,20 @@ from typing import Any
 MAX_ID_DIGITS = 20
 """A notification payload longer than this is no bigint id."""
 GAP_PROBE_S = 0.05
-"""How late, at most, a row whose transaction committed after a higher id was claimed is
-picked up by a busy worker (while its gap is remembered); an idle worker is woken at once by
-the row's notification. Probing costs one index descent per remembered gap."""
+"""How late a busy worker picks up a row that committed below the frontier."""
 MAX_PROBE_IDS = 1_000
 """Gaps probed per claim at most, lowest first."""
 GAP_TTL_S = 30.0
 FULL_RESCAN_S = 60.0
 KEY_SHARD_RESCAN_S = 1.0
 RESCAN_COST_FACTOR = 100.0
-"""A rescan from id 0 that took t seconds puts the next timed one at least 100·t away: under a
-held xmin such a claim walks every dead index entry left since, and the backstop must not
-cost more than about 1 % of the worker's time."""
+"""A rescan that took t seconds puts the next one at least 100·t away: under a held xmin it
+walks every dead index entry, and the backstop must cost about 1 % of the worker's time."""
 MAX_PENDING_GAPS = 10_000
 """Beyond this many remembered gaps the cursor stops tracking and rescans from 0 instead."""
 REGION_SETTLE_S = 0.25
-"""How old an unaccounted region must be before its horizon (xmax) is taken. A transaction
-gets its xid at its first row write, a moment after `nextval` handed out its id: a writer
-stalled longer than this between the two is left to the once-a-minute rescan."""
+"""Age of a region before its xmax is taken: a transaction gets its xid at its first write,
+after `nextval`; a writer stalled longer between the two is left to the rescan."""
 
 
 class _Region:
@@ -90,17 +72,17 @@ class Cursor:
         """The next probe is the one before the worker sleeps: every gap, not MAX_PROBE_IDS."""
         self._lowered: int | None = None
         """A notified id below the frontier that was no remembered gap: start just below it."""
-        self._next_full_rescan = now + (FULL_RESCAN_S if track_gaps else KEY_SHARD_RESCAN_S)
+        self._rescan_s = FULL_RESCAN_S if track_gaps else KEY_SHARD_RESCAN_S
+        self._next_full_rescan = now + self._rescan_s
         self._overflow = False
         self._region: _Region | None = None
         self._settled = False
-        """A full region's writers have all ended: the next claim starts at id 0. Not
-        `_overflow`, which the gap walk of a claim already in flight reads as "stop"."""
+        """A full region's writers have ended: claim from id 0 (not `_overflow`, which a gap
+        walk in flight reads as "stop")."""
         self._final: set[int] = set()
         """Expired gaps whose writers have all ended: probed once more, then forgotten."""
         self._next_look = now + GAP_PROBE_S
-        """While a region is open, plain claims (read-ahead) give way to a claim that reads
-        the horizon this often."""
+        """While a region is open, when read-ahead gives way to a claim reading the horizon."""
         self._scheduled: dict[Any, float] = {}
         """Id → when a claim must start just below it (`retry_at`)."""
 
@@ -111,15 +93,14 @@ class Cursor:
         self.pending.clear()
         self._overflow = False
         self._lowered = None
-        self._next_full_rescan = now + (FULL_RESCAN_S if self.track_gaps else KEY_SHARD_RESCAN_S)
+        self._next_full_rescan = now + self._rescan_s
         self._region = None  # the first claim, from id 0, opens a new one if it must
         self._settled = False
         self._final.clear()
 
     def retry_at(self, due: Mapping[Any, float]) -> None:
-        """Id → when (monotonic): the claim at or after that time must reach back to the id
-        (a parked key's message whose next attempt is due then), so it starts just below it.
-        Kept through `reset`: a claim from id 0 before that time does not stand in for it."""
+        """Id → when: the first claim at or after that time starts just below the id. Kept
+        through `reset`: a claim from id 0 before that time does not stand in for it."""
         self._scheduled.update(due)
 
     def _take_scheduled(self, now: float) -> Any:
@@ -145,9 +126,7 @@ class Cursor:
             current = self._lowered if self._lowered is not None else self.frontier
             self._lowered = min(current, scheduled - 1)
         if now >= self._next_full_rescan or self._overflow or self._settled:
-            self._next_full_rescan = now + (
-                FULL_RESCAN_S if self.track_gaps else KEY_SHARD_RESCAN_S
-            )
+            self._next_full_rescan = now + self._rescan_s
             self._overflow = self._settled = False
             self._lowered = None
             self._confirming = False  # a claim from id 0 covers every gap
@@ -158,10 +137,7 @@ class Cursor:
         return self.frontier
 
     def probe(self, now: float) -> list[int] | None:
-        """The remembered gaps to claim by id now (lowest first), or None when no probe is due.
-
-        A probe replaces one range claim: the caller claims `id = ANY(ids)` instead.
-        """
+        """The remembered gaps to claim by id now (lowest first), or None."""
         if not (self.pending or self._final) or now < self._next_probe:
             return None
         self._next_probe = now + GAP_PROBE_S
@@ -184,32 +160,19 @@ class Cursor:
         return gaps if everything else gaps[: MAX_PROBE_IDS + len(final)]
 
     def confirm(self) -> None:
-        """The next claim is the last one before the worker sleeps: probe every gap in it.
-
-        A writer whose INSERT saw the relay busy sends no NOTIFY at its commit (patterns/notify.py);
-        the relay's guarantee is that its claim after raising the idle flag sees that writer's
-        rows. A row of such a writer may lie below the frontier — its transaction committed
-        after a higher id was claimed — where only the gap probe reaches it. Left to the probe's
-        period, that claim could miss the row (probed a moment before the commit) and the
-        worker slept the whole poll interval with the row visible.
-        """
+        """The next claim is the last before the worker sleeps: probe every gap in it. A
+        writer that saw the relay busy will not notify, and its row may lie below the
+        frontier: left to the probe's period, the worker could sleep with it visible."""
         self._next_probe = 0.0
         self._confirming = True
 
     def notified(self, low: int) -> bool:
-        """Some transaction committed rows from id `low` on (a notification's payload).
-
-        True when a claim should follow: the rows lie above the frontier, or among the
-        remembered gaps, or in the unaccounted region. False when every id from `low` up to
-        the frontier was claimed already — the notification of a row the last claim found
-        (its commit came before that claim, its notification after): an idle worker then
-        need not claim again."""
+        """Rows from id `low` on committed. False when every id from `low` to the frontier
+        was claimed already (a row the last claim found): no claim needed."""
         if low > self.frontier:
             return True  # the next claim from the frontier finds it
         if self.track_gaps:
-            # Rows of this worker's shards below the frontier are remembered gaps, or inside
-            # the unaccounted region. The statement's rows run from `low` upwards, possibly in
-            # several shards.
+            # Below the frontier, this worker's rows are gaps or in the region.
             due = any(gap >= low for gap in self.pending)
             if due:
                 self._next_probe = 0.0
@@ -222,9 +185,7 @@ class Cursor:
         return True
 
     def notified_payloads(self, payloads: Iterable[bytes]) -> bool:
-        """Notifications read together (their payloads, as libpq gives them): True when one
-        calls for a claim. The lowest id goes to `notified`; any id above the frontier is a
-        row no claim has seen; a payload that is no id (an application's own) just wakes."""
+        """True when one of these payloads calls for a claim; one that is no id just wakes."""
         low: int | None = None
         high = 0
         other = False
@@ -271,8 +232,7 @@ class Cursor:
         return self._region is not None
 
     def horizon(self, xmin: int, xmax: int, now: float) -> None:
-        """The transaction horizon read after a claim: `pg_snapshot_xmin` and `_xmax` of
-        `pg_current_snapshot()`, as integers."""
+        """The transaction horizon read after a claim."""
         region = self._region
         if region is None:
             return
@@ -291,8 +251,7 @@ class Cursor:
             self._next_probe = 0.0
 
     def plain(self, now: float) -> bool:
-        """Whether the next claim would be a plain range claim from the frontier: no rescan
-        from id 0, notified id, scheduled retry, gap probe or horizon due (what read-ahead
+        """Whether the next claim is a plain range claim from the frontier (what read-ahead
         may claim)."""
         return not (
             self._lowered is not None
@@ -315,8 +274,8 @@ class Cursor:
         )
 
     def _gapless(self, low: int, ids: Sequence[int]) -> bool:
-        """True when `ids` are every id of this worker's shards in (low, ids[-1]]: the usual
-        batch, checked with one count per shard instead of a walk over every id."""
+        """Whether `ids` are every id of this worker's shards in (low, ids[-1]], counted per
+        shard rather than walked."""
         high = ids[-1]
         n = self.shards
         if n <= 1 or len(self.mine) == n:  # every id is this worker's (the usual one worker)
@@ -339,9 +298,7 @@ class Cursor:
         self.frontier = min(self.frontier, lowest - 1)
 
     def retry_ids(self, ids: Sequence[Any], now: float) -> None:
-        """These rows (bad rows, tried again at once) are claimed by id with the next claim,
-        as gaps are: no rewind of the frontier, so the rows after them, and a batch claimed
-        ahead, need not be claimed again."""
+        """Claim these rows by id with the next claim, as gaps: no rewind of the frontier."""
         for row_id in ids:
             self.pending.setdefault(row_id, now)
         if ids:
@@ -354,8 +311,7 @@ class Cursor:
             first = low + 1 + ((shard - (low + 1)) % n) if n > 1 else low + 1
             for gap in range(first, high, n):
                 if len(self.pending) >= MAX_PENDING_GAPS:
-                    # The gap list is dropped (or never fit, as on the first claim from id 0
-                    # of an outbox whose ids start high): all below the frontier is unaccounted.
+                    # All below the frontier is unaccounted now.
                     self._overflow = True
                     self.pending.clear()
                     self._open_region(now).full = True
@@ -364,17 +320,14 @@ class Cursor:
 
 
 class NoCursor(Cursor):
-    """Application ids (uuid, ULID): every claim starts at the beginning of the claim order.
-
-    Such ids have no successor to resume after, and with a timestamp order a row may land
-    below the last one claimed at any time, so gaps cannot be reasoned about. The claim SQL
-    has no `after` bound (queries.claim); this only keeps the worker's bookkeeping uniform."""
+    """Application ids: every claim starts at the beginning (queries._claim_in_order); this
+    keeps the worker's bookkeeping uniform."""
 
     def __init__(self, *, now: float) -> None:
         super().__init__(shards=1, mine=[], track_gaps=False, now=now)
 
     def start(self, now: float) -> int:
-        self._take_scheduled(now)  # every claim starts at the beginning: it reaches them all
+        self._take_scheduled(now)
         return 0
 
     def probe(self, now: float) -> list[int] | None:
@@ -393,13 +346,12 @@ class NoCursor(Cursor):
         return None
 
     def retry_ids(self, ids: Sequence[Any], now: float) -> None:
-        return None  # every claim starts at the beginning already
+        return None
 
     def force_full_rescan(self) -> None:
-        return None  # every claim starts at the beginning already
+        return None
 
     def due(self, now: float) -> bool:
-        # Nothing below a frontier can be pending (there is none); a parked message's time can.
         return self.wait_s(now) == 0.0
 
     def wants_horizon(self) -> bool:

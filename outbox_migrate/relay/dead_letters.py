@@ -1,25 +1,14 @@
 """The dead letters a team operates: list, show, requeue and purge (the `dead-letters` command).
 
-A dead letter keeps the message as the outbox held it (relay/bad_rows.py): id, source table,
-event type, key, payload (bytes too), created_at and the broker headers in order, with what
-happened (attempts, each reason, deliveries before). A requeue writes it back into the table it
-came from (its `source_table`, a copy label's table too; the partitioned table, once it exists,
-for one from the flat table) as a new unpublished row: every column
-the relay reads is filled from the dead letter — the headers column gets the header pairs that
-are not metadata columns, each metadata column its own pair — so the relay sends the same
-message again; with `new_id` the id column takes its default (an identity, a sequence,
-`gen_random_uuid()`). The dead letter and its attempts counter go in the same transaction, so
-a message is either waiting in the outbox or kept as a dead letter, never both, never neither.
-Messages are written back oldest first (created_at, then id), so a key's messages keep their
-order; the transaction ends with a NOTIFY on the relay's wake-up channel whose payload is the
-lowest requeued id, which makes an idle relay claim from just below it at once (relay/cursor.py)
-rather than at its next look below the cursor.
+A requeue writes a dead letter back into the table it came from as a new unpublished row,
+every column the relay reads filled from it, so the relay sends the same message again
+(`new_id`: the id column's default). The dead letter and its counter go in the same
+transaction: a message is waiting or dead-lettered, never both, never neither. Oldest first,
+so a key's messages keep their order; the transaction ends with a NOTIFY of the lowest
+requeued id, so an idle relay claims from just below it at once (relay/cursor.py).
 
-Statements take the caller's connection; one function, one transaction. Never waits on a lock
-(`lock_timeout`): a dead letter another session is requeueing is skipped. The statements are
-named in sql/relay.sql; the pieces composed into them stay here (a selection's conditions, a
-requeue's value per column, each cast to the target's type): which of them appear depends on
-the selection and the target table, so they are parts, not statements.
+One function, one transaction, never waiting long on a lock (`lock_timeout`). The composed
+parts stay here: which appear depends on the selection and the target table.
 """
 
 from __future__ import annotations
@@ -34,8 +23,7 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import UsageError
 from outbox_migrate.sql import query
 
-COPY_SUFFIX = " copy "
-"""A second copy of an id is kept under `<source> copy N` (relay/bad_rows.py COPY_LABEL)."""
+COPY_SUFFIX = " copy "  # relay/bad_rows.py COPY_LABEL
 COLUMNS = (
     "source_table", "id", "event_type", "message_key", "payload", "payload_bytes", "created_at",
     "attempts", "last_error", "reasons", "delivered", "headers", "dead_at",
@@ -45,8 +33,7 @@ LOCK_TIMEOUT = "2s"
 
 @dataclass(frozen=True)
 class Selection:
-    """Which dead letters: by id, by a reason (a substring of any reason on record), by the
-    time they were dead-lettered, by source table; every given criterion must hold."""
+    """Which dead letters: every given criterion must hold (`reason`: a substring of any)."""
 
     ids: tuple[str, ...] = ()
     reason: str | None = None
@@ -86,8 +73,7 @@ class Selection:
 def listed(
     conn: Any, schema: str, table: str, selection: Selection, limit: int
 ) -> list[dict[str, Any]]:
-    """The selected dead letters, oldest message first, each as a JSON-ready dict (the
-    payload as text; `payload_bytes` as hex when the payload was raw bytes)."""
+    """The selected dead letters, oldest first, as JSON-ready dicts (raw payloads as hex)."""
     where, params = selection.where()
     rows = conn.execute(
         query("relay", "list-dead-letters").compose(
@@ -110,12 +96,10 @@ def listed(
 
 def purge(conn: Any, schema: str, table: str, selection: Selection) -> list[str]:
     """Delete the selected dead letters for good; returns their ids. Refuses an empty
-    selection (`UsageError`): deleting every dead letter takes saying which."""
-    if selection.empty:
-        raise UsageError("purge needs a selection: --id, --reason, --since, --until or --source")
-    where, params = selection.where()
+    selection: deleting every dead letter takes saying which."""
+    where, params = _where("purge", selection)
     with conn.transaction():
-        conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
+        _lock_timeout(conn)
         rows = conn.execute(
             query("relay", "purge-dead-letters").compose(
                 table=sql.Identifier(schema, table), where=where
@@ -142,17 +126,14 @@ def requeue(
     new_id: bool,
     channel: str,
 ) -> list[Requeued]:
-    """Write the selected dead letters back into their source tables as unpublished rows, and
-    drop them (and their counters) from the dead-letter tables, in one transaction that ends
-    with the wake-up NOTIFY (module doc). Refuses an empty selection, a source table that is
-    gone, and `new_id` on a table whose id column has no default (`UsageError`)."""
-    if selection.empty:
-        raise UsageError("requeue needs a selection: --id, --reason, --since, --until or --source")
+    """Write the selected dead letters back as unpublished rows and drop them and their
+    counters (module doc). Refuses an empty selection, a source table that is gone, and
+    `new_id` without an id default (`UsageError`)."""
     schema = spec.schema
-    where, params = selection.where()
+    where, params = _where("requeue", selection)
     done: list[Requeued] = []
     with conn.transaction():
-        conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
+        _lock_timeout(conn)
         letters = conn.execute(
             query("relay", "lock-dead-letters").compose(
                 table=sql.Identifier(schema, table), where=where
@@ -182,12 +163,20 @@ def requeue(
     return done
 
 
+def _where(command: str, selection: Selection) -> tuple[sql.Composable, dict[str, Any]]:
+    if selection.empty:
+        raise UsageError(f"{command} needs a selection: --id, --reason, --since, --until or "
+                         "--source")  # fmt: skip
+    return selection.where()
+
+
+def _lock_timeout(conn: Any) -> None:
+    conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
+
+
 def _target(label: str, spec: OutboxSpec, *, migrated: bool) -> str:
-    """Where a dead letter goes back: the table it came from (its label, schema.table, without
-    a copy suffix) — but the partitioned table once it exists, for one that came from the
-    flat table: the switched relay no longer reads the flat table, and the partitioned one is
-    what the new version inserts into (a relay still on the flat table reaches it after its
-    switch)."""
+    """The table a dead letter came from, but the partitioned table once it exists for one
+    from the flat table: a switched relay no longer reads the flat table."""
     at = label.find(COPY_SUFFIX)
     source = label[:at] if at >= 0 else label
     if migrated and source == f"{spec.schema}.{spec.table}":
@@ -196,8 +185,8 @@ def _target(label: str, spec: OutboxSpec, *, migrated: bool) -> str:
 
 
 def _insert(conn: Any, spec: OutboxSpec, target: str, table: str, new_id: bool) -> sql.Composed:
-    """INSERT … SELECT of one dead letter (params: source, id) into `target` (schema.table),
-    each column the relay reads cast to the target's own type; RETURNING the row's id."""
+    """INSERT … SELECT of one dead letter (params: source, id) into `target`, each column
+    cast to the target's type; RETURNING the row's id."""
     schema, _, name = target.partition(".")
     types = dict(conn.execute(
         query("relay", "requeue-columns").compose(),

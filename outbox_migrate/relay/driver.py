@@ -1,20 +1,13 @@
 """One polling relay worker: claim → publish → mark, batch after batch, with its failures sorted.
 
-Each worker is a thread with its own claim session (and a read-ahead session, and a LISTEN
-session), its own sink, shards and id cursor; it sees its relay only through `Shared`
-(relay/shared.py). One batch is one transaction (relay/batch.py); nothing is marked before the
-broker acknowledged it. Its parts, each with its own state: the idle flag (relay/idle_flag.py,
-a pure state machine), the LISTEN session (relay/listener.py), every wait (relay/waits.py:
-never inside a transaction), the rejection policy (relay/refusals.py, shared). Failures:
+Each worker is a thread with its own sessions (claim, read-ahead, LISTEN), sink, shards and
+id cursor; it sees its relay only through `Shared` (relay/shared.py). Failures:
 
 * SQLSTATE 40001 (row moved to another partition by a concurrent mark): retried at once
   after a short jitter — the shard scheme makes it rare, the retry makes it harmless;
 * a lost connection: reconnect with exponential backoff (shards are re-acquired);
 * the sink unavailable: the batch rolls back, the worker backs off and retries, forever;
-* messages the sink rejects: attempts are counted; after `max_attempts` the row goes to the
-  dead-letter table and is marked in the same transaction (nothing lost);
-* the sink raising outside its protocol (`SinkCrashed`): once the batch rolled back, one
-  attempt is counted against the messages it held, then the relay stops (relay/bad_rows.py).
+* messages the sink rejects, or a sink crash: attempts are counted (relay/bad_rows.py).
 """
 
 from __future__ import annotations
@@ -61,8 +54,7 @@ from outbox_migrate.relay.waits import Session, Waits
 log = logging.getLogger("outbox_migrate.relay")
 
 REAP_MARGIN_S = 0.5
-"""Past the server's own idle-session bound (session timeout + poll interval) before the
-survivors end a silent shard holder themselves (`ShardLease.reap`)."""
+"""Past the server's own idle-session bound before survivors end a silent shard holder."""
 
 
 class Worker:
@@ -85,12 +77,9 @@ class Worker:
         )
         self.conn: Any = None
         self.wire: wire.Wire | None = None
-        """The session's libpq-level pipeline of prepared statements (relay/wire.py)."""
         self.sink: Sink | None = None
         self.state = WorkerState()
-        """What this worker is doing, and what a phase leaves for the next (one type)."""
         self.fence = Fence(options.dead_session_s, options.sink_timeout_s)
-        """Whether a batch may still be handed to the sink (relay/fencing.py)."""
         self.cursor: Cursor = (
             NoCursor(now=time.monotonic())
             if relay.text_ids
@@ -102,7 +91,6 @@ class Worker:
             )
         )
         self.flag = IdleFlag(options.listen and not options.until_empty, options.linger_s)
-        """The idle flag's state (relay/idle_flag.py; the lock itself: patterns/notify.py)."""
         # Every wait of this worker goes through it: none with a session in a transaction.
         self.waits = Waits(relay.stopped, self._sessions)
         self.listener = Listener(relay.connect_worker, options.channel,
@@ -112,7 +100,6 @@ class Worker:
                               flag=self.flag, fence=self.fence, listener=self.listener,
                               waits=self.waits, sleep=self._sleep,
                               state=self.state)  # fmt: skip
-        """Its runs of batches (relay/batch_loop.py)."""
 
     def _sessions(self) -> tuple[Session, Session]:
         ahead = self.loop.read_ahead
@@ -129,8 +116,7 @@ class Worker:
             self.state.to(Phase.STOPPING)
             log.warning("relay.batch_abandoned worker=%d", self.index)
         except Exception as exc:
-            # Not a failure the loop knows how to retry (a sink that cannot be built, a bug):
-            # stop the whole relay and let run() report it, rather than die silently.
+            # Not retryable: stop the whole relay and report it, rather than die silently.
             if isinstance(exc, SinkCrashed):
                 self._count_crash(exc)
             log.error("relay.worker_failed worker=%d %s", self.index, exc,
@@ -151,8 +137,7 @@ class Worker:
             self.loop.read_ahead.close()
 
     def _count_crash(self, crashed: SinkCrashed) -> None:
-        """The batch rolled back (batch_loop's `_abort_run`): count the attempt against the
-        messages the sink held, on the worker's session, in a transaction of its own."""
+        """The batch rolled back: count the attempt against the messages the sink held."""
         import psycopg
 
         conn = self.conn
@@ -173,9 +158,7 @@ class Worker:
                 self._repair_marks()
             return self._step()
         except MarkFellShort as exc:
-            # Its rows are unmarked (their COMMIT kept only what the mark reached, which the
-            # mark confines to the claimed relation): claimed and sent again, unless the names
-            # moved — then the relay stops (`NamesMoved`, raised from here).
+            # Its rows are claimed and sent again, unless the names moved (`NamesMoved`).
             self._look_at_names()
             log.warning("relay.mark_fell_short worker=%d %s", self.index, exc)
         except LeaseUnproven as exc:
@@ -190,15 +173,13 @@ class Worker:
             self._step_out()
             self._back_off(keep_session=True)
         except IntegrityError as exc:
-            # The mark of a published batch broke a constraint (a duplicate id moving into
-            # the published partition): the next step finds the rows at fault, marks the rest.
+            # A mark broke a constraint: the next step finds the rows at fault.
             if not self.state.unmarked:
                 raise  # no batch to repair: not a mark's failure
             self.state.mark_failure = exc
         except serialization_errors():
-            # Another claimer moved a row we were about to lock (see queries.py). Checked
-            # before connection errors: SerializationFailure is an OperationalError too, but
-            # the session is fine.
+            # Another claimer moved a row we were about to lock (queries.py). Before
+            # connection errors: SerializationFailure is an OperationalError too.
             relay.stats.add(serialization_retries=1)
             relay.observer.failed("serialization")
             self.state.to(Phase.BACKING_OFF)
@@ -212,10 +193,8 @@ class Worker:
         return False
 
     def _repair_marks(self) -> None:
-        """Batches of the last run whose mark did not commit (`BatchLoop.unmarked`): repaired
-        on the worker's session before its next run (`BatchLoop.repair`). Run as a step of its
-        own, so a lost session or a 40001 meanwhile is handled as anywhere else (the repair
-        is one transaction per batch; without a session, the rows are claimed and sent again)."""
+        """Repair the last run's batches whose mark did not commit, as a step of its own so
+        its failures are sorted as anywhere else (no session: the rows are sent again)."""
         state = self.state
         exc, state.mark_failure = state.mark_failure, None
         if self.conn is None or self.conn.closed:
@@ -224,8 +203,7 @@ class Worker:
         self.loop.repair(self.conn, exc)
 
     def _step_out(self) -> None:
-        """The broker is out of reach: let the other relays serve this worker's shards while
-        it backs off (it rejoins at its next lease check)."""
+        """The broker is out of reach: other relays serve this worker's shards meanwhile."""
         if self.conn is None or self.conn.closed:
             return
         try:
@@ -242,14 +220,12 @@ class Worker:
         self.state.to(Phase.CONNECTING)
 
     def _back_off(self, *, keep_session: bool = False) -> None:
-        """`keep_session` (the broker is away, PostgreSQL is not): the session is kept alive
-        through the wait, or dropped before the wake-up when it was lost anyway, so that the
-        wake-up tries the broker instead of failing on a dead session (relay/outage_wait.py)."""
+        """`keep_session` (the broker is away, PostgreSQL is not): keep the session alive
+        through the wait, or drop it before the wake-up if it died, so that the wake-up tries
+        the broker instead of failing on a dead session (relay/outage_wait.py)."""
         delay = self.relay.backoff(self.state.back_off())
         conn = self.conn
         if keep_session and conn is not None:
-            # A session found dead as the broker failed (its step-out) is dropped like one
-            # that ends during the wait: the wake-up opens a new one instead of failing on it.
             if conn.closed:
                 self.waits.wait(delay)
             elif back_off_keeping_session(self.waits.wait, delay, conn):
@@ -295,8 +271,7 @@ class Worker:
         True = this worker is done."""
         relay, options, state = self.relay, self.relay.options, self.state
         if state.later or state.unmarked:
-            # Bad rows: the backlog is gone, their turn before any idle wait. A mark that
-            # failed as the run ended: repaired first (`_step_guarded`).
+            # Bad rows and failed marks go before any idle wait.
             self.loop.retry_bad_rows()
             return False
         if empty_after is None:
@@ -324,14 +299,11 @@ class Worker:
         self.conn = relay.connect_worker()
         keepalive.configure_session(self.conn, timeout_s, options.poll_interval_s)
         self.fence.lost()
-        # The planner cannot know that `mod(id, n) = ANY(mine)` keeps 1/n of the rows; it
-        # guesses 0.5 % and picks "scan the whole partition, then sort" over walking the
-        # id index — 40 ms instead of 0.5 ms per claim at 100k rows. Every statement of
-        # this session wants index order, so sorting is ruled out for the session.
+        # The planner underestimates `mod(id, n) = ANY(mine)` and would scan and sort rather
+        # than walk the id index; every statement here wants index order.
         self.conn.execute(queries.claim_session_settings())
-        # The hot path prepares its own statements (relay/wire.py). psycopg's automatic
-        # preparing stays off on this session: with statements of its own prepared, a
-        # ROLLBACK through psycopg makes it send DEALLOCATE ALL, which would take ours too.
+        # The hot path prepares its own statements (relay/wire.py): psycopg's would send
+        # DEALLOCATE ALL on a ROLLBACK, taking ours too.
         self.conn.prepare_threshold = None
         self.wire = wire.Wire(self.conn)
         self.loop.new_session(self.conn, self.wire)
@@ -341,9 +313,8 @@ class Worker:
         self.flag.session_lost()
 
     def _look_at_names(self) -> None:
-        """A mark fell short: stop the relay (`NamesMoved`) if a name of the source in use no
-        longer means what it meant at start (relay/marker_source.py). The relay's main
-        thread also looks every NAMES_CHECK_S (relay/worker.py), off the workers' sessions."""
+        """A mark fell short: stop the relay (`NamesMoved`) if a name of the source no longer
+        means what it meant at start (relay/marker_source.py)."""
         if self.conn is None or self.conn.closed:
             return
         try:
@@ -352,8 +323,7 @@ class Worker:
             log.debug("relay.names_unchecked worker=%d %s", self.index, one_line(exc))
 
     def _idle(self, source: queries.Source) -> None:
-        """Nothing to claim: sleep until a notification or the poll interval — with the idle
-        flag up, so the wake-up trigger notifies (patterns/notify.py)."""
+        """Nothing to claim: sleep with the idle flag up, so the wake-up trigger notifies."""
         if self.cursor.due(time.monotonic()):
             return  # a claim below the cursor is due (a late row may be visible): no sleep
         self.state.to(Phase.IDLE)
@@ -369,8 +339,7 @@ class Worker:
         row = self.conn.execute(queries.try_idle_lock(), {"key": key}).fetchone()
         if row and row[0]:
             self.flag.raised(key)
-            # Every writer that saw the relay busy has committed (they held the lock shared):
-            # the confirming claim must reach their rows below the cursor too (cursor.confirm).
+            # Writers that saw the relay busy have committed: reach their rows (cursor.confirm).
             self.cursor.confirm()
             return True
         return False
@@ -378,16 +347,14 @@ class Worker:
     # -- notifications: a LISTEN session per worker (relay/listener.py) --------------------
 
     def _listen(self) -> None:
-        """Open the worker's LISTEN session (when notifications are on), after its claim
-        session was (re)opened; idle waits (`_sleep`) poll its socket and the stop pipe."""
+        """(Re)open the worker's LISTEN session when notifications are on."""
         self.listener.close()
         if self.flag.enabled:
             self.listener.open()
 
     def _sleep(self, timeout_s: float | None = None) -> bool:
-        """Wait until a notification calls for a claim, a stop, or `timeout_s` (default: the
-        poll interval). True: woken (or stopping), False: timed out. Returns at once when a
-        notification read meanwhile calls for a claim."""
+        """Wait for a notification calling for a claim, a stop, or `timeout_s` (default: the
+        poll interval). True: woken (or stopping)."""
         relay = self.relay
         if relay.stopping:
             return True
@@ -407,8 +374,8 @@ class Worker:
         return woken
 
     def _relisten(self) -> bool:
-        """The LISTEN session was lost (`Listener.poll`): listen again. True when it worked:
-        then claim once — a row committed while nobody listened notified no one."""
+        """Listen again. True when it worked: claim once, as a row committed while nobody
+        listened notified no one."""
         from outbox_migrate.errors import ConnectError
 
         try:

@@ -1,21 +1,13 @@
 """Fencing: never hand a batch to the broker unless this session provably still owns it.
 
-A worker's shards are advisory locks of its session, and the rows of its batch are locked by
-that session's transaction. Both can move to another relay only after PostgreSQL ended the
-session, and `keepalive` makes sure that happens no earlier than T (the session timeout) after
-the last message the server received from this worker. A claim whose rows came back was
-received by the server after it was *sent*, so when a claim sent at `t` returns, every lock
-this session holds is safe until at least `t + T`.
+Shards and batch rows are locks of the worker's session, which the server ends no earlier
+than T (the session timeout) after its last message from the worker (relay/keepalive.py). So
+when a claim sent at `t` returns, every lock is safe until at least `t + T`, and a batch is
+published only if the publish (bounded by the sink's timeout) ends before `t + T - MARGIN_S`:
+a relay cut off from PostgreSQL stops publishing before another can have claimed its shards.
 
-The fence turns that into a rule at the one point that matters, the hand-off to the sink: a
-batch is published only if the publish can end (the sink gives up after `publish_budget_s`,
-its timeout) before `t + T - MARGIN_S`. A relay cut off from PostgreSQL cannot get a newer
-proof, so it stops publishing its shards before any other relay can have claimed them; with
-`--ordering key` no key is then in flight from two relays at once.
-
-What the fence cannot cover: a process paused *inside* a sink call (SIGSTOP, a frozen VM)
-resumes and finishes that call after its session may have been ended — those messages arrive
-late, as duplicates of ones the new owner already sent (docs/relay.md, "Fleet guarantees").
+Not covered: a process paused *inside* a sink call resumes after its session may have ended;
+those messages arrive late, as duplicates (docs/relay.md, "Fleet guarantees").
 """
 
 from __future__ import annotations

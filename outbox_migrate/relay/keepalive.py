@@ -1,25 +1,19 @@
 """Dead-session detection with a bound: how long a vanished relay host can keep its shards.
 
-A relay's shards are session advisory locks, and PostgreSQL releases them only when it ends
-the session. After a network partition, a power cut or a paused process the server sees no
-error: with the operating system's default keepalive settings (two hours idle on Linux) the
-session — and every shard it holds — stays until someone notices. Each worker session
-therefore gets, for a session timeout T (`--session-timeout`):
+Shards are session advisory locks, released only when the server ends the session; after a
+partition, a power cut or a paused process, default keepalives keep it for hours. So for a
+session timeout T (`--session-timeout`), each worker session gets:
 
-* server side, per session (all settable by any role): `tcp_user_timeout = T` with keepalive
-  probes every few seconds, so a peer that stops answering is dropped once nothing came from
-  it for T (Linux closes at the first probe after T: at most one probe interval later);
-  `idle_in_transaction_session_timeout = T`, for a peer that still answers TCP but stopped
-  talking (SIGSTOP, a frozen VM) in the middle of a batch; and, on PostgreSQL 14 or newer,
-  `idle_session_timeout = T + poll interval` for the same between batches, plus
-  `client_connection_check_interval`, so a running statement notices a closed client;
-* client side, through libpq: the same keepalives and `tcp_user_timeout`, so the partitioned
-  relay's own pending statement fails instead of waiting for hours, and it reconnects.
+* server side (settable by any role): `tcp_user_timeout = T` with frequent keepalive probes,
+  for a peer that stops answering; `idle_in_transaction_session_timeout = T`, for one that
+  answers TCP but stopped talking mid-batch; on PostgreSQL 14+, `idle_session_timeout =
+  T + poll interval` for the same between batches, and `client_connection_check_interval`;
+* client side, through libpq: the same keepalives and `tcp_user_timeout`, so the relay's own
+  pending statement fails instead of waiting for hours.
 
-None of these can end a session *earlier* than T after the last message the server received
-from the client — which `fencing.Fence` relies on. The upper bound on "the shards are free" is
-T plus one probe interval (or T plus the poll interval for a paused, idle relay); the
-survivors take them at their next rebalance (`shards.REBALANCE_S`).
+None of these ends a session *earlier* than T after the client's last message, which
+`fencing.Fence` relies on. Shards are free at most T plus one probe interval (or plus the poll
+interval for an idle relay) later.
 """
 
 from __future__ import annotations
@@ -29,9 +23,6 @@ from typing import Any
 
 from psycopg import sql
 
-DEFAULT_SESSION_TIMEOUT_S = 12.0
-"""With the default 10 s sink timeout the fence needs T > 12 s - 1 s of margin; 12 s keeps
-"shards served again" within about 15 s (T + a 2 s probe interval + a 1 s rebalance)."""
 CHECK_INTERVAL_MS = 1000
 """client_connection_check_interval: a running statement polls its socket once a second."""
 
@@ -78,15 +69,9 @@ def server_settings(timeout_s: float, poll_interval_s: float, major: int) -> dic
 
 
 def arm_idle_timeout(conn: Any) -> None:
-    """One plain statement before a worker idles: arms the server's idle-session timer.
-
-    PostgreSQL starts `idle_session_timeout` when it reports ready for a query, and disarms it
-    on any message it reads. Leaving psycopg's pipeline mode ends with a flush request after
-    the last Sync, which disarms the timer without re-arming it; a relay paused while idle
-    after a pipelined run would then keep its shards for good (measured: the session stayed
-    idle past its timeout). A simple query re-arms it; it is only sent when the worker is
-    about to wait for work, never between batches.
-    """
+    """One plain statement before a worker idles, to arm the server's idle-session timer:
+    leaving pipeline mode ends with a flush request that disarms it without re-arming, and a
+    relay paused while idle would keep its shards for good."""
     conn.execute(b"SELECT")
 
 
@@ -95,12 +80,9 @@ def configure_session(
 ) -> None:
     """Apply `server_settings` to a worker session (autocommit, before any transaction).
 
-    `idle_session=False` turns `idle_session_timeout` off: it exists to free the shards of a
-    silent relay, and a session that holds none (the read-ahead session) would only be cut
-    between backlogs for nothing. Off explicitly, not merely left unset: a timeout set for the
-    server, database or role would otherwise apply, and the worker found its read-ahead
-    session dead after every quiet spell or broker outage longer than it — "connection lost",
-    and a full backoff before it published again."""
+    `idle_session=False` turns `idle_session_timeout` off explicitly (a server, database or
+    role setting would apply otherwise) for a session holding no shards (read-ahead): cut
+    after every quiet spell, it would cost a full backoff each time."""
     from outbox_migrate.db import server_version
 
     major = server_version(conn)

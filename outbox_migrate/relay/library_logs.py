@@ -1,22 +1,13 @@
 """Broker libraries' own log output, routed through the relay's event log as single lines.
 
-pika logs a traceback when RabbitMQ goes away, nats-py logs one per failed (re)connect
-attempt, librdkafka writes to stderr: the relay already reports each of those failures as its
-own `relay.sink_unavailable` event, so the libraries' lines only add noise, and a traceback in
-an operator's log reads as a crash. `route()` gives each library logger one handler that
-re-emits the record on the relay's logger as `relay.sink_library logger=<name> <message>` —
-the exception, if any, reduced to `Type: message` — and stops it propagating to the root
-logger. A traceback a library formats into the message text itself (pika: "_consume()
-failed, aborting connection: …; Caller's stack:" and the whole traceback, on a reset
-connection) is reduced the same way: the text before it, then its last line. Errors and
-warnings of a library become warnings of the relay (the relay decides what is an error); the
-rest become debug lines.
+The relay reports each broker failure as its own `relay.sink_unavailable` event, so library
+lines only add noise, and a traceback in an operator's log reads as a crash. Each library
+record is re-emitted as `relay.sink_library logger=<name> <message>`, a traceback (attached or
+formatted into the text, as pika does) reduced to its last line; errors and warnings become
+warnings (the relay decides what is an error), the rest debug lines.
 
-A library repeats itself through an outage — pika logs four or five lines per reconnect
-attempt, hundreds in one RabbitMQ outage — so a warning line of the same shape (same logger,
-same text once numbers and addresses are blanked) is written at most once per
-REPEAT_INTERVAL_S; the next one written says how many were left out meanwhile. `route()`, at
-every relay start, begins afresh.
+A library repeats itself through an outage, so a warning of one shape (numbers blanked) is
+written at most once per REPEAT_INTERVAL_S, the next saying how many were left out.
 """
 
 from __future__ import annotations
@@ -31,15 +22,11 @@ from outbox_migrate.relay.sinks.urls import mask_url
 
 LIBRARY_LOGGERS = (
     "pika", "nats", "aiormq", "aio_pika", "redis", "httpx", "httpcore",
-    "outbox_migrate.relay.sink",
+    "outbox_migrate.relay.sink",  # what sinks get through library callbacks
 )  # fmt: skip
-"""`outbox_migrate.relay.sink.*`: where the sinks send what their libraries report through a
-callback (librdkafka's log, nats-py's error callback)."""
 EVENT = "relay.sink_library"
 MAX_LINE_CHARS = 500
 REPEAT_INTERVAL_S = 30.0
-"""A warning of one shape is written at most this often (the relay's own
-`relay.sink_unavailable` already says, every time, that the broker is away)."""
 MAX_SHAPES = 1_000
 """Shapes remembered at most (a library that puts unique text in every line)."""
 _VARIABLE = re.compile(r"0x[0-9a-fA-F]+|\d+")
@@ -50,8 +37,7 @@ _relay_log = logging.getLogger("outbox_migrate.relay")
 
 
 class _OneLine(logging.Handler):
-    """Re-emit a library record on the relay's logger, one line, no traceback, a repeated
-    warning at most once per REPEAT_INTERVAL_S."""
+    """Re-emit a library record on the relay's logger (module doc)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
@@ -116,8 +102,7 @@ _HANDLER = _OneLine()
 
 
 def route() -> None:
-    """Install the routing (idempotent; the relay calls it when it starts) and forget the
-    repeats seen so far."""
+    """Install the routing (idempotent) and forget the repeats seen so far."""
     _HANDLER.reset()
     for name in LIBRARY_LOGGERS:
         logger = logging.getLogger(name)

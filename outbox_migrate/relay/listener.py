@@ -1,16 +1,9 @@
 """A worker's LISTEN session, waited on by the worker itself: notifications wake an idle worker.
 
-Why a session per worker, polled by the worker thread: a listener thread handing wake-ups over
-through a lock would cost a GIL hand-off per wake-up. Why not LISTEN on the claim session
-itself: the server delivers notifications to a session only between its transactions, and a
-worker that published a trickle sleeps with that batch's mark and COMMIT sent but their results
-unread (pipeline mode: they are read with the next claim's, in one wake-up). The LISTEN session
-is never in a transaction.
-
-It owns the session and its poller (its socket and the relay's stop pipe); the notified ids go
-to the worker's cursor through `notified`, which says whether they call for a claim. Every
-blocking poll goes through the worker's `Waits` (relay/waits.py). It must not claim, publish
-or decide when the worker sleeps.
+Polled by the worker thread itself: a listener thread would cost a GIL hand-off per wake-up.
+Not the claim session: the server notifies a session only between its transactions, and a
+worker sleeps with its last COMMIT's result unread. The notified ids go to the cursor through
+`notified`, which says whether they call for a claim.
 """
 
 from __future__ import annotations
@@ -24,6 +17,7 @@ from typing import Any
 
 from psycopg import OperationalError, pq
 
+from outbox_migrate.relay.shared import close_quietly
 from outbox_migrate.relay.waits import Waits
 
 log = logging.getLogger("outbox_migrate.relay")
@@ -77,17 +71,12 @@ class Listener:
             self._poller.register(stop, _POLL_IN)
 
     def close(self) -> None:
-        conn, self.conn, self._poller = self.conn, None, None
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:  # closing a broken connection may fail too
-                log.debug("relay.close_failed", exc_info=True)
+        close_quietly(self.conn)
+        self.conn, self._poller = None, None
 
     def take(self) -> bool:
-        """Read the notifications libpq holds; True when one calls for a claim (`notified`:
-        not when it only reports rows the worker claimed already, the usual case for a
-        notification that arrives right after the claim that found its row)."""
+        """Read the notifications libpq holds; True when one calls for a claim (not for rows
+        the worker claimed already)."""
         conn = self.conn
         if conn is None:
             return False
@@ -98,11 +87,9 @@ class Listener:
         return bool(payloads) and self._notified(payloads)
 
     def poll(self, timeout_s: float) -> bool:
-        """Wait on the session's socket and the stop pipe until a notification calls for a
-        claim or a stop (True), or `timeout_s` (False). Reads what already arrived before it
-        blocks: the notifications of rows the last claim found usually have (their commits
-        came first), and one read then replaces a wake-up for each. A lost session wakes the
-        worker (True) and is closed: `listening` is False until the next `open`."""
+        """Wait until a notification calls for a claim or a stop (True), or `timeout_s`.
+        Reads what already arrived before blocking. A lost session wakes the worker (True)
+        and is closed until the next `open`."""
         poller, pg, stop = self._poller, self.conn.pgconn, self._waits.stop
         deadline = time.monotonic() + timeout_s
         ready = True  # a non-blocking read first
@@ -121,8 +108,7 @@ class Listener:
             except OperationalError:
                 lost = True
             if lost:
-                # The claim session may be fine, and may hold a batch's COMMIT: wake up, and
-                # listen again at the next idle wait (meanwhile wait on the stop event).
+                # The claim session may hold a COMMIT: wake up, listen again later.
                 log.warning("relay.listen_lost worker=%d", self._index)
                 self.close()
                 return True

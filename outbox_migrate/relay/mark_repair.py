@@ -1,31 +1,19 @@
 """Find the rows whose mark breaks a constraint, mark the rest: one bad row, not a crash loop.
 
-A batch's mark is one UPDATE of all its rows. When one row cannot be marked — after the swap,
-a row whose application id is already in the published partition, which carries the old
-table's primary key; a CHECK or trigger that refuses the move — the UPDATE fails for all of
-them, the batch rolls back after it was published, and every run would re-send and fail the
-same batch. Here the rows are marked again. When the error names a unique key on the id alone
-(relay/conflict_key.py), the rows whose id that key holds already are found with the lock, in
-one round trip: the rest is marked in one statement, and those rows, which cannot move, fail
-without a statement of their own. Otherwise the rows
-are marked in halves (bisection), each half in a savepoint, until the failing rows stand alone
-(about 2·log2(batch) statements per bad row, paid only by the batch that holds it). Failing
-rows are bad rows (relay/bad_rows.py): counted in the database, claimed again, and at
-`max_attempts` kept in the dead-letter table with the constraint's message and removed from
-the outbox — they cannot be marked, and nothing is lost.
+A batch's mark is one UPDATE: one row that cannot move (an id the published partition's key
+holds already after the swap, a CHECK or trigger) fails it for all, and every run would
+re-send and fail the same batch. Here the rows are marked again: with a unique key on the id
+known (relay/conflict_key.py), the rows it holds are found with the lock and the rest marked
+in one statement; otherwise in halves, each in a savepoint, until the failing rows stand alone
+(about 2·log2(batch) statements per bad row). Failing rows are bad rows (relay/bad_rows.py):
+counted, claimed again, and at `max_attempts` dead-lettered and removed — nothing is lost.
 
-A row that failed is a *suspect* until it is marked or dead-lettered: when it comes back in a
-later batch it is tried before that batch's mark (`mark_suspects`): with the key known, one
-lookup for all the batch's suspects; otherwise alone, in a savepoint.
+A failed row is a *suspect* until settled: in a later batch it is tried before the mark
+(`mark_suspects`).
 
-Runs in its own transaction on the worker's session (no pipeline), never waits on a lock
-(`SKIP LOCKED`: a row another relay holds is its business now). Both delivery styles repair
-through this module's public functions: the polling worker through `repair`, `mark_suspects`
-and `settle_dead`, the CDC marks (relay/cdc/mark_repair.py) through `mark_in_halves` and
-`remove_dead`. Its statements stay here rather than in sql/relay.sql: each is several commands
-sent as one simple query (savepoint, mark or delete, release; lock, key lookup, SET
-CONSTRAINTS, savepoint) around the outbox's marker and a tid literal, so one round trip is
-the point of their shape and they read best beside the bisection that sends them.
+Runs in its own transaction, never waits on a lock (`SKIP LOCKED`: a row another relay holds
+is its business). The CDC marks use `mark_in_halves` and `remove_dead` too. Each statement is
+several commands sent as one simple query: one round trip is the point of their shape.
 """
 
 from __future__ import annotations
@@ -55,7 +43,6 @@ class Repaired:
     bad: dict[MessageId, str] = field(default_factory=dict)
     dead: list[Message] = field(default_factory=list)
     letters: list[DeadLetter] = field(default_factory=list)
-    """The dead letters written (logged by the caller once they committed)."""
     retry: list[MessageId] = field(default_factory=list)
     attempts: dict[MessageId, int] = field(default_factory=dict)
     held: set[MessageId] = field(default_factory=set)
@@ -63,8 +50,7 @@ class Repaired:
 
 
 class Suspects:
-    """(source, id) of rows whose mark failed and that will be tried again; thread-safe (the
-    workers of one relay share it)."""
+    """(source, id) of rows whose mark failed, to try again; thread-safe (workers share it)."""
 
     def __init__(self) -> None:
         self._ids: set[tuple[str, MessageId]] = set()
@@ -82,7 +68,7 @@ class Suspects:
         return bool(self._ids)
 
     def among(self, label: str, ids: Sequence[MessageId]) -> set[MessageId]:
-        """The suspects among `ids` (asked for every batch while any suspect is known)."""
+        """The suspects among `ids`."""
         with self._lock:
             mine = {i for source, i in self._ids if source == label}
         return {i for i in ids if i in mine} if mine else set()
@@ -120,9 +106,8 @@ def repair(
             key = conflict_key.of_error(conn, error, source.id_column)
             if key is not None:
                 suspects.learn(source.label, key)
-        # One round trip: lock the rows (with the key known: which of them it holds already),
-        # check deferred constraints at each mark (at COMMIT they would fail all rows again),
-        # and the savepoint a key-ordered repair goes back to.
+        # One round trip: lock, key lookup, deferred constraints immediate (at COMMIT they
+        # would fail all rows again), and the savepoint a key-ordered repair goes back to.
         cursor = conn.execute(_lock(source, tids, key))
         locked = cursor.fetchall()
         # Same ctid and id, still unpublished: the row the batch claimed (in claim order).
@@ -155,17 +140,12 @@ def repair(
 def settle_dead(
     conn: Any, source: queries.Source, rows: Sequence[Any], dead: Collection[MessageId]
 ) -> None:
-    """Take the rows of dead-lettered ids out of the unpublished partition, in the caller's
-    transaction (the one that wrote their dead letters), before the batch's mark.
+    """Take dead-lettered rows out of the unpublished partition, in the transaction that
+    wrote their dead letters, before the batch's mark (whose failure would roll them back).
 
-    Deleted (in a savepoint): the dead-letter table holds them, and a dead letter is not a
-    published message — marked, it would sit in the published partition, where a requeue
-    with its id meets it again (a primary key there refuses the requeued row's mark). Where
-    the role may not delete (a flat table: the migration grants DELETE on the unpublished
-    partition only) they are marked instead, each part in a savepoint (`mark_in_halves`).
-    A row that can be neither stops the relay (`RelayFailed`). Not in the batch's mark: one
-    row that cannot move fails that mark, and the mark's rollback would take every dead
-    letter of the batch with it — none written, and the batch round again for ever."""
+    Deleted: marked, a dead letter would sit in the published partition, where a requeue of
+    its id meets it again. Where the role may not delete (a flat table) they are marked
+    instead; a row that can be neither stops the relay (`RelayFailed`)."""
     wanted = set(dead)
     at = queries.CLAIM_CTID_COLUMN
     tids = [r[at] for r in rows if r[0] in wanted]
@@ -187,10 +167,8 @@ def redo_dead(
     rows: Sequence[Any],
     letters: Sequence[DeadLetter],
 ) -> list[DeadLetter]:
-    """Dead letters that rolled back with their batch's failed mark, written again in a
-    transaction of their own, their rows taken out of the outbox (`settle_dead`). A row no
-    longer there or locked by another session (`SKIP LOCKED`: never wait) is that session's:
-    it is not written here. Returns the dead letters written (committed on return)."""
+    """Write again, in a transaction of their own, dead letters that rolled back with their
+    batch's mark, and settle their rows; a row gone or locked elsewhere is not written."""
     ids = {d.message.id for d in letters}
     tids = {r[queries.CLAIM_CTID_COLUMN]: r[0] for r in rows if r[0] in ids}
     if not tids:
@@ -207,9 +185,8 @@ def redo_dead(
 
 
 def remove_dead(conn: Any, source: queries.Source, failed: Mapping[str, str]) -> None:
-    """Delete dead-lettered rows that cannot be marked (tid → why), in a savepoint; a row that
-    can be neither marked nor deleted stops the relay (`RelayFailed`, exit 1) with both
-    reasons and the grant that fixes it — never a loop of batches that roll back."""
+    """Delete dead-lettered rows that cannot be marked (tid → why); one that can be neither
+    stops the relay with the grant that fixes it, never a loop of batches that roll back."""
     gone, refused = _delete_dead(conn, source, list(failed))
     left = {tid: why for tid, why in failed.items() if tid not in gone}
     if left:
@@ -217,8 +194,7 @@ def remove_dead(conn: Any, source: queries.Source, failed: Mapping[str, str]) ->
 
 
 def _delete_dead(conn: Any, source: queries.Source, tids: list[str]) -> tuple[set[str], str]:
-    """DELETE the rows in a savepoint: the tids deleted, and why the others were not (a
-    refusal rolls back to the savepoint; a guard trigger may skip rows silently)."""
+    """DELETE in a savepoint: the tids deleted, and why the others were not."""
     try:
         cursor = conn.execute(_deleted_in_savepoint(source, tids))
         cursor.nextset()
@@ -248,8 +224,7 @@ def park(
     *,
     by_key: bool,
 ) -> set[MessageId]:
-    """With key ordering, rows whose mark failed park their keys as a rejection does;
-    returns the ids of the batch that follow them in their key (not to mark)."""
+    """Key ordering: failed marks park their keys as rejections do; returns ids not to mark."""
     if not (by_key and done.retry and batch):
         return set()
     settled = parking.settle(
@@ -280,9 +255,8 @@ def mark_suspects(
     batch: Sequence[Message],
     acked: Sequence[MessageId],
 ) -> Repaired:
-    """In the batch's transaction, before its mark: mark each acknowledged suspect alone, in a
-    savepoint. One that fails again counts an attempt (dead-lettered and removed at the
-    last); the caller leaves the returned `bad` ids out of the batch's mark."""
+    """Before the batch's mark: mark each acknowledged suspect alone. One that fails again
+    counts an attempt; the caller leaves the returned `bad` ids out of the mark."""
     again = suspects.among(source.label, acked)
     tids = {r[queries.CLAIM_CTID_COLUMN]: r[0] for r in rows if r[0] in again}
     done = Repaired()
@@ -292,8 +266,7 @@ def mark_suspects(
     todo = list(tids)
     key = suspects.key(source.label)
     if key is not None:
-        # Those whose id the published partition holds: failed again, without a statement
-        # each (two per row, one of them failing, cost more than the row's batch).
+        # Those whose id the key holds fail again without a statement each.
         taken = key.taken(conn, [tids[tid] for tid in todo], source.text_ids)
         failed = {tid: key.reason(tids[tid]) for tid in todo if tids[tid] in taken}
         todo = [tid for tid in todo if tid not in failed]
@@ -320,11 +293,9 @@ def _count(
 ) -> None:
     """One attempt for each row that could not be marked; at the last, dead-letter it.
 
-    Copies of one id (two unpublished rows with it) share one attempt, and `by_id` holds one
-    message per id: the last copy in claim order, as `tids` is. Only that copy can be
-    dead-lettered with its own content here; another copy that failed keeps the counter
-    (`keep`) and is dead-lettered, with its own content, when it is next claimed
-    (`Refusals.publish`: out of attempts) — deleting it now would lose it."""
+    Copies of one id share an attempt; `by_id` holds the last copy's content, so only that
+    copy is dead-lettered here. Another copy keeps the counter (`keep`) and is dead-lettered
+    with its own content when next claimed: deleting it now would lose it."""
     done.bad = {tids[tid]: reason for tid, reason in failed.items()}
     last = {ident: tid for tid, ident in tids.items()}  # claim order: the last copy's tid
     held = {i: by_id[i] for i in done.bad if last[i] in failed}
@@ -338,8 +309,6 @@ def _count(
     suspects.update(source.label, done.retry, [i for i in dead if i not in others])
     gone = {last[i]: failed[last[i]] for i in dead}
     if gone:
-        # Dead-lettered rows cannot be marked: they leave the outbox (the dead-letter table
-        # holds them) so they are not claimed again.
         remove_dead(conn, source, gone)
 
 
@@ -351,10 +320,8 @@ def _mark_named_first(
     taken: set[str] | None,
     key: ConflictKey | None,
 ) -> dict[str, str] | None:
-    """With the rows whose id the key's table holds already (`taken`): mark every other row
-    in one statement; those rows cannot move (all copies of such an id). None: no key known,
-    or the rest failed too (another constraint, two unpublished copies of one id: the caller
-    bisects, and of two copies the first is marked; what this marked stays rolled back)."""
+    """Mark every row but the `taken` ones (which cannot move) in one statement. None: no
+    key known, or the rest failed too (the caller bisects)."""
     if not taken or key is None:
         return None
     rest = [tid for tid in todo if tid not in taken]
@@ -376,10 +343,8 @@ def mark_in_halves(conn: Any, source: queries.Source, tids: list[str]) -> dict[s
     stack = [tids[half:], tids[:half]] if half else [tids] if tids else []
     while stack:
         part = stack.pop()
-        # One round trip per part: savepoint, mark, release as one simple query (the tids as
-        # a literal), and a ROLLBACK TO only for a part that failed. Savepoints by name, not
-        # `conn.transaction()`: this also runs through the worker's paused pipeline
-        # (`wire.direct`), which only executes statements.
+        # Savepoints by name, not `conn.transaction()`: this also runs through the worker's
+        # paused pipeline (`wire.direct`), which only executes statements.
         try:
             conn.execute(_marked_in_savepoint(source, part))
         except psycopg.errors.IntegrityError as exc:
@@ -435,10 +400,9 @@ def _id_of(source: queries.Source, ident: Any) -> MessageId:
 def _lock(
     source: queries.Source, tids: dict[str, MessageId], key: ConflictKey | None
 ) -> sql.Composed:
-    """Lock the claimed rows still unpublished (`SKIP LOCKED`: never wait), with their id;
-    with `key`, which of the batch's ids its table holds already (`ConflictKey.lookup`); then
-    deferred constraints immediate and the outer savepoint — one round trip (the tids as a
-    literal: a simple query). The lock's rows are the first result."""
+    """Lock the claimed rows still unpublished, with their id; with `key`, which ids its
+    table holds already; then constraints immediate and the outer savepoint. One round trip;
+    the lock's rows are the first result."""
     ident = sql.Identifier(source.id_column)
     lookup = key.lookup(list(set(tids.values())), source.text_ids) if key else sql.SQL("")
     return sql.SQL(

@@ -1,14 +1,9 @@
 """The relay's sources resolved against the live database, and checked against it later.
 
-A flag's values come from the settings or the column's DEFAULT (marker_catalog.py), which only
-the live database knows, so the sources built from the settings are rebuilt once the relay has
-a session. So is what each name means: the relay marks rows by ctid, and a ctid means nothing
-without its table, so each source keeps the OID its claim relation had at start
-(`Source.claim_oid`) and every mark is confined to it. Names can change under a running relay
-(the rename to the original name, or its rollback): `check_names` says, at the worker's
-regular look and whenever a mark changed fewer rows than it was given, whether the names still
-mean what they meant — the claim's name the same relation, the mark's name one that reaches it
-(itself, its partitioned table, or a view over that). No claiming here.
+A flag's values and what each name means are known only to the live database. Marks are by
+ctid, which means nothing without its table, so each source keeps its claim relation's OID
+from the start. Names can change under a running relay (a rename or its rollback):
+`check_names` says whether they still mean what they meant.
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ def resolved(conn: Any, spec: OutboxSpec, state: SourceState) -> tuple[OutboxSpe
 
 
 def _with_oid(conn: Any, source: queries.Source) -> queries.Source:
-    """`source` with the OID of its claim relation (0 when it does not exist: the checks of
-    the tables in use refuse that)."""
+    """`source` with the OID of its claim relation (0 when it does not exist)."""
     claim = queries.qualified(source.schema, source.claim_table)
     row = conn.execute("SELECT coalesce(to_regclass(%s)::oid, 0)::int8", (claim,)).fetchone()
     return replace(source, claim_oid=int(row[0]) if row else 0)
@@ -64,9 +58,8 @@ def check_markable(conn: Any, source: queries.Source) -> None:
 
 
 def check_names(conn: Any, source: queries.Source) -> None:
-    """Raise `NamesMoved` (one line) when the claim's name no longer means the relation the
-    relay started with, or the mark's name no longer reaches it. `conn` is in no
-    transaction of its own that matters (a read of the catalog)."""
+    """Raise `NamesMoved` when the claim's name no longer means the relation the relay
+    started with, or the mark's name no longer reaches it."""
     if not source.claim_oid:
         return
     claim = queries.qualified(source.schema, source.claim_table)

@@ -1,10 +1,8 @@
 """One outbox row as the relay hands it to a sink. Pure data; no I/O.
 
-The payload stays the JSON text PostgreSQL returned (`payload::text`): sinks send bytes, so
-parsing and re-serialising every payload would only cost CPU in the hot loop. The one
-exception is a bytea payload that is not UTF-8 (a pickle, say): it stays `bytes`, sent as it
-is by sinks that send a body, and refused (`UnrepresentableMessage`) where a JSON envelope
-would have to embed it.
+The payload stays the JSON text PostgreSQL returned: parsing it would only cost CPU. A bytea
+payload that is not UTF-8 stays `bytes`, refused (`UnrepresentableMessage`) where a JSON
+envelope would have to embed it.
 """
 
 from __future__ import annotations
@@ -15,9 +13,7 @@ from typing import NamedTuple
 
 from outbox_migrate.errors import UnrepresentableMessage
 
-MessageId = int | str
-"""An outbox id as the relay carries it: a database id (int), or an application id (uuid,
-ULID) as text."""
+MessageId = int | str  # an application id (uuid, ULID) as text
 
 
 def _json_text(value: str | None) -> str:
@@ -26,23 +22,11 @@ def _json_text(value: str | None) -> str:
 
 class Message(NamedTuple):
     """An outbox row: its id (the de-duplication key downstream), routing fields, payload.
+    `extra_headers` are (name, value) pairs in sending order, last and defaulted so a claim
+    without metadata builds a `Message` from six columns.
 
-    Fields: `id`; `table`, the relation it was claimed from (flat table or partitioned
-    parent); `event_type` and `key` (None when the outbox has no such column); `payload`, the
-    JSON text exactly as stored (raw `bytes` only for a bytea payload that is not UTF-8 —
-    everything else stays `str`, so the hot loop's types never change); `created`, the
-    creation time as RFC 3339 text (the `created_at` property gives it as a datetime);
-    `extra_headers`, metadata the outbox carries for the broker (a headers column, chosen
-    metadata columns) as (name, value) pairs, in the order they are to be sent. Last and
-    defaulted so a claim that selects no metadata builds a `Message` from its first six
-    columns unchanged.
-
-    A NamedTuple rather than a frozen dataclass: the relay builds one per row in its hot loop,
-    straight from the claim's result tuple (`Message(*row)`: the claim selects the columns in
-    this order; `_make` would refuse a row without the defaulted last field), and a frozen
-    dataclass's `__init__` costs five times as much — measurable at batch 100
-    (bench/relay.py). Immutable either way.
-    """
+    A NamedTuple, built per row straight from the claim's tuple (`Message(*row)`): a frozen
+    dataclass's `__init__` costs several times as much in the hot loop (bench/relay.py)."""
 
     id: MessageId
     table: str
@@ -50,8 +34,7 @@ class Message(NamedTuple):
     key: str | None
     payload: str | bytes
     created: str
-    """RFC 3339, as the server rendered it (queries.created_text_expression): sinks send text,
-    and formatting a datetime per message cost more than any other field of the envelope."""
+    """RFC 3339, as the server rendered it (queries.created_text_expression)."""
     extra_headers: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -66,9 +49,8 @@ class Message(NamedTuple):
         return payload if type(payload) is bytes else payload.encode()  # type: ignore[union-attr]
 
     def payload_text(self) -> str:
-        """The payload as text, for a sink whose format needs text (a JSON envelope, a text
-        stream); `UnrepresentableMessage` for a raw bytes payload, which has no faithful text
-        form (the relay dead-letters that message rather than guess an encoding)."""
+        """The payload as text; `UnrepresentableMessage` for raw bytes, which have no faithful
+        text form (dead-lettered rather than guess an encoding)."""
         payload = self.payload
         if type(payload) is bytes:
             raise UnrepresentableMessage(
@@ -78,13 +60,8 @@ class Message(NamedTuple):
         return payload  # type: ignore[return-value]  # str: the only other type
 
     def envelope(self) -> str:
-        """One JSON object (no newline): id, table, event_type, key, created_at, payload.
-
-        Assembled by hand because it runs once per message in the hot loop (json.dumps of a
-        dict costs several times more); every string goes through the json module's own
-        escaping. The payload is embedded verbatim: it is already valid JSON from PostgreSQL.
-        Raises `UnrepresentableMessage` for a raw bytes payload (`payload_text`).
-        """
+        """One JSON object: id, table, event_type, key, created_at, payload (verbatim: valid
+        JSON from PostgreSQL). By hand: json.dumps per message costs several times more."""
         event_type, key = self.event_type, self.key
         return (
             f'{{"id":{self.id},"table":{encode_basestring(self.table)},"event_type":'
@@ -94,12 +71,8 @@ class Message(NamedTuple):
         )
 
     def headers(self) -> dict[str, str]:
-        """Broker headers every sink sets: the outbox id, table and, when known, the event type,
-        then `extra_headers` in their order (a W3C `traceparent` among them passes unchanged).
-
-        The built-in names win over an extra header of the same name: `outbox-id` is what
-        consumers de-duplicate on, and a row's own metadata must not be able to change it.
-        """
+        """Broker headers: outbox id, table, event type, then `extra_headers`. The built-in
+        names win: consumers de-duplicate on `outbox-id`, which a row must not change."""
         out = {"outbox-id": str(self.id), "outbox-table": self.table}
         if self.event_type is not None:
             out["event-type"] = self.event_type
@@ -110,9 +83,8 @@ class Message(NamedTuple):
 
 
 class TextIdMessage(Message):
-    """A message whose id the application supplied (uuid, ULID), claimed as text: the same
-    fields, with the id quoted in the envelope. A subclass rather than a type test in
-    `Message.envelope`, so integer ids keep their hot path untouched."""
+    """An application id, quoted in the envelope; a subclass, so integer ids keep their hot
+    path untouched."""
 
     __slots__ = ()
 

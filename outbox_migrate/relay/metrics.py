@@ -1,22 +1,14 @@
 """Observability: Prometheus metrics and a health endpoint, both optional.
 
-`Observer` is what the worker loop reports to; the base class does nothing, so the relay
-runs without prometheus-client. `PrometheusObserver` keeps its own registry (several relays
-in one process — the tests — do not clash) and `serve` exposes `/metrics` and `/healthz` on a
-small threaded HTTP server. Health is "every live worker finished a loop iteration within
-HEALTH_STALE_S"; a worker blocked on a dead broker with backoff still iterates.
+The base `Observer` does nothing, so the relay runs without prometheus-client;
+`PrometheusObserver` keeps its own registry (several relays in one process do not clash).
+Health: every live worker finished a loop iteration within HEALTH_STALE_S (a worker backing
+off from a dead broker still iterates).
 
-Readiness (`/readyz`, for Kubernetes) is a different question: "is this process part of the
-fleet?" — it holds shards, or it is a live standby whose session PostgreSQL counts as a member.
-Both are proven the same way: a worker's shard-lease check (a round trip on the session that
-holds the advisory locks) succeeded within READY_STALE_S.
-
-A CDC relay holds no shard leases, so its readiness (`CdcObserver`) is: the stream loop
-reported within the health window, and the slot retains less than the warning thresholds
-(bytes of WAL behind the server, seconds since the oldest outbox transaction streamed and not
-yet confirmed). A replica taken out of a load balancer does nothing for a lagging slot, so the
-threshold is a signal for the operator (docs/relay.md, "Slot safety"), not a restart trigger:
-`/healthz` stays liveness only.
+Readiness (`/readyz`) asks "is this process part of the fleet?": a worker's shard-lease check
+(holding shards or a live standby) succeeded within READY_STALE_S. A CDC relay holds no
+leases: it is ready while healthy and its slot lag is under the warning thresholds — a signal
+for the operator (docs/relay.md, "Slot safety"), not a restart trigger.
 """
 
 from __future__ import annotations
@@ -77,6 +69,7 @@ class PrometheusObserver(Observer):
             ) from None
         self._prom = prom
         self.registry = prom.CollectorRegistry()
+        gauge = self._gauge
         self._published = prom.Counter(
             "outbox_relay_published", "Messages acknowledged and marked", registry=self.registry
         )
@@ -92,28 +85,19 @@ class PrometheusObserver(Observer):
             buckets=BATCH_BUCKETS_S,
             registry=self.registry,
         )
-        self._backlog = prom.Gauge(
-            "outbox_relay_backlog_rows", "Unpublished rows", registry=self.registry
-        )
-        self._oldest = prom.Gauge(
-            "outbox_relay_oldest_unpublished_age_seconds",
-            "Age of the oldest unpublished row",
-            registry=self.registry,
-        )
-        self._shards = prom.Gauge(
-            "outbox_relay_shards_owned",
-            "Shards whose advisory lock this process holds",
-            registry=self.registry,
-        )
-        self._ready_gauge = prom.Gauge(
-            "outbox_relay_ready",
-            "1 while this process holds shards or is a live standby (see /readyz)",
-            registry=self.registry,
+        self._backlog = gauge("backlog_rows", "Unpublished rows")
+        self._oldest = gauge("oldest_unpublished_age_seconds", "Age of the oldest unpublished row")
+        self._shards = gauge("shards_owned", "Shards whose advisory lock this process holds")
+        self._ready_gauge = gauge(
+            "ready", "1 while this process holds shards or is a live standby (see /readyz)"
         )
         self._ready_gauge.set_function(lambda: 1.0 if self.ready() else 0.0)
         self._beats: dict[int, float] = {}
         self._leases: dict[int, tuple[float, int]] = {}
         self._lock = threading.Lock()
+
+    def _gauge(self, name: str, documentation: str) -> Any:
+        return self._prom.Gauge(f"outbox_relay_{name}", documentation, registry=self.registry)
 
     def published(self, count: int) -> None:
         self._published.inc(count)
@@ -163,19 +147,12 @@ class CdcObserver(PrometheusObserver):
 
     def __init__(self, lag_warn_bytes: int, lag_warn_s: float) -> None:
         super().__init__()
-        prom = self._prom
-        self._slot_bytes = prom.Gauge(
-            "outbox_relay_slot_lag_bytes", "WAL the relay's slot retains", registry=self.registry
-        )
-        self._slot_seconds = prom.Gauge(
-            "outbox_relay_slot_lag_seconds",
+        self._slot_bytes = self._gauge("slot_lag_bytes", "WAL the relay's slot retains")
+        self._slot_seconds = self._gauge(
+            "slot_lag_seconds",
             "Age of the oldest outbox transaction streamed and not yet confirmed",
-            registry=self.registry,
         )
-        self._slot_active = prom.Gauge(
-            "outbox_relay_slot_active", "1 while a relay streams from the slot",
-            registry=self.registry,
-        )  # fmt: skip
+        self._slot_active = self._gauge("slot_active", "1 while a relay streams from the slot")
         self._warn = (lag_warn_bytes, lag_warn_s)
         self._lag: tuple[int, float] = (0, 0.0)
         self._lag_lock = threading.Lock()
@@ -196,29 +173,21 @@ class CdcObserver(PrometheusObserver):
 
 
 def serve(observer: PrometheusObserver, host: str, port: int) -> ThreadingHTTPServer:
-    """Start `/metrics`, `/healthz` and `/readyz` in a daemon thread; the caller shuts it
-    down."""
+    """Start `/metrics`, `/healthz` and `/readyz` in a daemon thread; the caller shuts it down."""
+    probes = (
+        ("/healthz", "healthy", b"ok\n", b"stale\n"),
+        ("/readyz", "ready", b"ready\n", b"no lease check\n"),
+    )
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            body, status, kind = b"not found\n", 404, "text/plain"
             if self.path.startswith("/metrics"):
                 body, status, kind = observer.exposition(), 200, "text/plain; version=0.0.4"
-            elif self.path.startswith("/healthz"):
-                ok = observer.healthy()
-                body, status, kind = (
-                    (b"ok\n" if ok else b"stale\n"),
-                    (200 if ok else 503),
-                    "text/plain",
-                )
-            elif self.path.startswith("/readyz"):
-                ok = observer.ready()
-                body, status, kind = (
-                    (b"ready\n" if ok else b"no lease check\n"),
-                    (200 if ok else 503),
-                    "text/plain",
-                )
-            else:
-                body, status, kind = b"not found\n", 404, "text/plain"
+            for path, check, good, bad in probes:
+                if self.path.startswith(path):
+                    ok = getattr(observer, check)()
+                    body, status = (good, 200) if ok else (bad, 503)
             self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))

@@ -1,10 +1,7 @@
 """What a relay run is asked to do: mode, batching, workers, ordering, retries. Pure data.
 
-`DeliveryOptions` holds what both delivery styles share (batches, rejections, dead letters,
-the broker's backoff, the optional columns); `RelayOptions` adds polling's workers, shards
-and switching, `CdcOptions` the slot, publication and marks. Constants carry units. The
-defaults suit a relay next to a busy service: batches of 500, a poll every second when
-LISTEN/NOTIFY is quiet, shutdown within 10 s.
+`DeliveryOptions` holds what both delivery styles share; `RelayOptions` adds polling's
+workers, shards and switching, `CdcOptions` the slot, publication and marks.
 """
 
 from __future__ import annotations
@@ -21,79 +18,66 @@ MAX_BATCH_SIZE = 100_000
 POLL_INTERVAL_S = 1.0
 """Idle wait between claims when no NOTIFY arrives (the fallback to LISTEN/NOTIFY)."""
 LINGER_S = 0.005
-"""After a batch smaller than the batch size, wait this long before the next claim, so steady
-traffic forms batches instead of one claim per message (Kafka's linger.ms idea). It bounds the
-added latency; it is no wait at all while a backlog fills whole batches."""
+"""After a batch that did not fill, wait this long before the next claim, so steady traffic
+forms batches instead of one claim per message; a backlog never waits."""
 SHUTDOWN_TIMEOUT_S = 10.0
 """How long a stop waits for the in-flight batch before cancelling it (it is then re-sent)."""
 DEFAULT_SHARDS = 8
-"""Default shard count (or `workers`, when more): a lone worker owns them all and claims
-without a shard filter; a second relay process started with the defaults finds shards to
-take instead of claiming the same rows (and meeting SQLSTATE 40001)."""
+"""Default shard count (or `workers`, when more): a second relay process started with the
+defaults finds shards to take instead of claiming the same rows (SQLSTATE 40001)."""
 DEFAULT_DEAD_LETTER_TABLE = "outbox_dead_letter"
 DEFAULT_SESSION_TIMEOUT_S = 12.0
-"""How long a silent relay session keeps its shards at most (plus one keepalive probe)."""
+"""How long a silent session keeps its shards at most (relay/keepalive.py): the fence needs
+more than the 10 s sink timeout + 1 s, and 12 s serves the shards again within about 15 s."""
 SESSION_TIMEOUT_HEADROOM_S = 2.0
 """The session timeout must exceed the sink timeout by this: the fence's margin (1 s) plus
 time for the claim that precedes a publish."""
 ATTEMPTS_TABLE_SUFFIX = "_attempts"
-"""The rejection counters live next to the dead-letter table: `<dead_letter_table>_attempts`."""
 
 
 class Mode(StrEnum):
     """Which table(s) the relay publishes from."""
 
     partitioned = "partitioned"
-    """The steady state: claim from the unpublished partition, mark through the parent."""
     switching = "switching"
-    """V2 of HOP/HOPER/HOPIA: drain the flat table, then switch to the partitioned one, once."""
+    """Drain the flat table, then switch to the partitioned one, once."""
     flat = "flat"
-    """A traditional outbox (V1, and the benchmarks' baseline)."""
 
 
 class Ordering(StrEnum):
     """How the id space is split between concurrent claimers (see docs/relay.md)."""
 
-    none = "none"
-    """Shard by `id % shards`: most throughput, order only within a shard."""
-    key = "key"
-    """Shard by a hash of the message key: per-key order, parallel across keys."""
-    global_ = "global"
-    """One active claimer (a single shard): strict id order; other workers stand by."""
+    none = "none"  # shard by `id % shards`: order only within a shard
+    key = "key"  # shard by a hash of the key: per-key order
+    global_ = "global"  # one active claimer: strict id order
 
 
 class SwitchGate(StrEnum):
     """The proof, besides "drained", that no writer can still insert into the flat table."""
 
-    privilege = "privilege"
-    """No non-superuser login role may INSERT into it (the operator revoked it). Sound."""
-    sessions = "sessions"
-    """No session of the old application (`old_app_name`) is connected. Trusts the deploy."""
+    privilege = "privilege"  # no login role a REVOKE stops may INSERT: sound
+    sessions = "sessions"  # no session of `old_app_name` connected: trusts the deploy
 
 
 NAME = re.compile(r"[a-z0-9_]{1,63}\Z")
-"""CDC slot names must match this (PostgreSQL's rule); publications are held to it too, so the
-`publication_names` option needs no quoting."""
+"""PostgreSQL's rule for slot names; publications too, so `publication_names` needs no quoting."""
 DEFAULT_SLOT = "outbox_migrate_cdc"
 DEFAULT_PUBLICATION = "outbox_migrate_cdc"
 IDLE_TICK_S = 0.5
 """CDC: how long the stream loop waits for a frame before doing idle work (status updates)."""
 STATUS_INTERVAL_S = 1.0
-"""CDC: while idle, how often the relay asks the server where it is (a status update with a
-reply requested): the keepalive that answers carries the position to confirm, so the slot
+"""CDC: while idle, how often the relay asks the server for its position, so the slot
 follows the server even when only other tables are written."""
 IDLE_CONFIRM_S = 0.5
 """CDC: with nothing of the outbox in flight, the server's position is confirmed at most this
-often (the slot follows it; a reply the server asks for is sent at once)."""
+often (a reply the server asks for is sent at once)."""
 DEFAULT_MARK_INTERVAL_S = 0.1
 DEFAULT_CDC_LINGER_S = 0.002
-"""CDC's `--linger-ms` default (polling's is LINGER_S): chosen by `bench/cdc.py` (docs/relay.md,
-"CDC mode: linger")."""
+"""Chosen by `bench/cdc.py` (docs/relay.md, "CDC mode: linger")."""
 CDC_LINGER_MAX_S = 1.0
 MARK_MAX_IDS = 10_000
-"""CDC: a mark is sent early once this many acknowledged ids wait; with this many waiting
-behind a mark still in flight, the stream waits for that mark (bounds the statement and the
-window a crash re-sends)."""
+"""CDC: a mark goes early once this many acknowledged ids wait, and the stream waits behind a
+mark in flight (bounds the statement and what a crash re-sends)."""
 LAG_WARN_BYTES = 1 << 30
 LAG_WARN_S = 300.0
 
@@ -111,17 +95,15 @@ class DeliveryOptions:
     batch_size: int = DEFAULT_BATCH_SIZE
     linger_s: float = LINGER_S
     max_attempts: int = 5
-    """A message the sink rejects this many times goes to the dead-letter table."""
     dead_letter_table: str = DEFAULT_DEAD_LETTER_TABLE
     key_column: str | None = None
-    """Column used as the broker key; None = `message_key` when the table has it."""
+    """None = `message_key` when the table has it."""
     event_type_column: str | None = None
-    """Column sent as the event-type header; None = `event_type` when the table has it."""
+    """None = `event_type` when the table has it."""
     backoff_base_s: float = 0.1
     backoff_cap_s: float = 8.0
-    """The longest pause between tries of a broker that is down (and of a rejected message):
-    publishing resumes at most this long after the broker returns, so a short up-window
-    between outages is not slept through."""
+    """The longest pause between tries of a down broker or a rejected message, so a short
+    up-window between outages is not slept through."""
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -129,7 +111,6 @@ class DeliveryOptions:
 
     @property
     def attempts_table(self) -> str:
-        """Where rejections are counted until a message is published or dead-lettered."""
         return self.dead_letter_table + ATTEMPTS_TABLE_SUFFIX
 
 
@@ -140,29 +121,24 @@ class RelayOptions(DeliveryOptions):
     mode: Mode = Mode.partitioned
     workers: int = 1
     shards: int | None = None
-    """Total shards across every relay process sharing the table (default: the larger of
-    `workers` and DEFAULT_SHARDS). Every process of one outbox must use the same value."""
+    """Total shards across every relay process of the outbox: all must use the same value."""
     ordering: Ordering = Ordering.none
     until_empty: bool = False
     poll_interval_s: float = POLL_INTERVAL_S
     read_ahead: bool = True
-    """Claim the next batch on a second session while one is published (relay/read_ahead.py):
-    a second connection per worker, used while claims come back full."""
+    """Claim the next batch on a second session while one is published (relay/read_ahead.py)."""
     listen: bool = True
     channel: str = DEFAULT_CHANNEL
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
     switch_gate: SwitchGate = SwitchGate.privilege
     old_app_name: str = ""
-    """SQL LIKE pattern of the old application's `application_name` (the sessions gate)."""
+    """SQL LIKE pattern of the old application's `application_name`."""
     sink_timeout_s: float = 10.0
-    """How long one publish may take (the sink's timeout): what the fence must leave room for."""
     session_timeout_s: float | None = None
-    """Dead-session bound T (relay/keepalive.py): None = max(12 s, sink timeout + 2 s);
-    0 = the operating system's defaults and no fencing."""
+    """Dead-session bound T (relay/keepalive.py): None = max(12 s, sink timeout + 2 s); 0 = off."""
     max_message_bytes: int | None = None
-    """A message whose body is larger is rejected by the sink before it is sent (it could never
-    be delivered); None = each broker's usual limit (docs/sinks.md). Passed to the sink as
-    `SinkConfig.max_message_bytes`."""
+    """A larger body is rejected by the sink unsent (it could never be delivered); None = each
+    broker's usual limit (docs/sinks.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -215,25 +191,19 @@ class CdcOptions(DeliveryOptions):
     slot: str = DEFAULT_SLOT
     publication: str = DEFAULT_PUBLICATION
     linger_s: float = DEFAULT_CDC_LINGER_S
-    """Once a wake-up finds a transaction to publish (or one begun), sleep until this long
-    after its first frame arrived, then read everything the socket holds and publish the
-    complete transactions as one batch: fewer wake-ups (each costs the process CPU) for at most this
-    much latency. A full batch never waits; 0: publish as soon as
-    nothing more is buffered. A batch always holds whole transactions (so one large
-    transaction is published as one batch, whatever `batch_size`)."""
+    """Publish this long after a transaction's first frame, all complete transactions as one
+    batch: fewer wake-ups (CPU) for at most this much latency. A full batch never waits. A
+    batch holds whole transactions, so a large one is one batch whatever `batch_size`."""
     mark: bool = True
-    """Move delivered rows to the published partition behind the stream (one UPDATE per
-    mark interval). Off: the outbox is append-only and retention drops or truncates partitions."""
+    """Move delivered rows to the published partition behind the stream. Off: the outbox is
+    append-only and retention drops or truncates partitions."""
     mark_interval_s: float = DEFAULT_MARK_INTERVAL_S
-    """Acknowledged ids collect for this long, then go out as one mark sent without waiting
-    (behind the stream: delivery never waits for it); the slot is confirmed once the mark
-    committed. A SIGKILL re-sends what was acknowledged since the last mark was sent (plus
-    the mark in flight and the batch being published). 0: the next mark is sent as soon as the
-    previous one committed."""
+    """Acknowledged ids collect this long, then go out as one mark that delivery does not wait
+    for; the slot is confirmed once it committed, so a SIGKILL re-sends what was acknowledged
+    since the last mark. 0: next mark as soon as the previous one committed."""
     failover: bool = True
-    """Create the slot as a failover slot where the server supports it (PostgreSQL 17+)."""
+    """A failover slot where the server supports it (PostgreSQL 17+)."""
     until_caught_up: bool = False
-    """Exit once everything committed before the start has been published (tests, hand-off)."""
     lag_warn_bytes: int = LAG_WARN_BYTES
     lag_warn_s: float = LAG_WARN_S
 

@@ -1,18 +1,10 @@
 """A worker's backoff while its broker is away, with its PostgreSQL session kept usable.
 
-Why: the backoff grows to `--backoff-cap` (30 s by default), and a session that says nothing
-for longer than the server's `idle_session_timeout` (the relay sets it to the session timeout
-plus the poll interval, 13 s by default; a server or role may set its own) is ended by the
-server. The worker then found its session dead only when it woke up: that wake-up went to
-"connection lost" and another full backoff before it reconnected and tried the broker again,
-so a broker back for 15 s between outages could be missed time after time (a NATS relay
-published nothing in 145 s through three 15-s up windows). Here the wait is cut into slices
-shorter than a third of the session's idle timeout and the session answers a bare `SELECT`
-between them (autocommit: never inside a transaction, and the worker holds no shards while it
-backs off); a session lost anyway (a restart, a network cut) is reported before the wake-up,
-so the worker reconnects as its first step instead of failing and sleeping again.
-
-It must not: hold a transaction or a lock, publish, or decide the backoff (the worker does).
+The backoff can outlast the server's `idle_session_timeout`: a session found dead at the
+wake-up costs another full backoff, and a broker back briefly between outages is missed time
+after time. So the wait is cut into slices shorter than a third of that timeout, with a bare
+`SELECT` between them (autocommit: never in a transaction); a session lost anyway is
+reported before the wake-up, so the worker reconnects first instead of failing again.
 """
 
 from __future__ import annotations
@@ -28,8 +20,7 @@ MIN_PING_S = 0.2
 
 
 def idle_timeout_s(conn: Any) -> float:
-    """The session's `idle_session_timeout` in seconds; 0 when it is off (or before
-    PostgreSQL 14, which has no such setting)."""
+    """The session's `idle_session_timeout` in seconds; 0 when off (or before PostgreSQL 14)."""
     row = conn.execute(
         "SELECT setting::float8 / 1000 FROM pg_settings WHERE name = 'idle_session_timeout'"
     ).fetchone()
@@ -44,14 +35,9 @@ def ping_interval_s(timeout_s: float) -> float | None:
 
 
 def back_off_keeping_session(wait: Callable[[float], bool], seconds: float, conn: Any) -> bool:
-    """Wait `seconds` (or until `wait` reports a stop), keeping `conn` from being ended as idle;
-    `wait(s)` waits up to `s` seconds, True when stopping (the worker's `Waits.wait`, which
-    refuses to wait with a session in a transaction).
-
-    True: the session is still usable (it answered a ping at the end of the wait); False: it
-    was lost meanwhile — the wait still runs its full length (the broker gets its backoff),
-    and the caller reopens the session before it goes on.
-    """
+    """Wait `seconds` through `wait` (True when stopping), keeping `conn` from being ended as
+    idle. True: the session is usable; False: it was lost (the wait still runs its full
+    length), and the caller reopens it."""
     import psycopg
 
     deadline = time.monotonic() + seconds

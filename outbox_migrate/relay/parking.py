@@ -1,35 +1,23 @@
 """`--ordering key` and rejected messages: a refused message parks its key, the others flow.
 
-Without this, a rejected message was simply claimed again later while the rest of its batch,
-later messages of the *same* key included, was marked published: consumers saw a key's
-message n+1 before message n (which might then only reach the dead-letter table). With key
-ordering the promise is per key, so:
+Key ordering promises per-key order: a key's message n+1 must not reach consumers before
+message n. So:
 
-* after a batch, for every key with a message to retry (rejected, not yet dead-lettered), the
-  key is *parked* at that message's id until its next attempt is due (the relay's backoff for
-  its attempts so far); messages of that key after it in the same batch are not marked
-  (`held`) — they were sent once and will be sent again after it, de-duplicated downstream on
-  the outbox id, as after any at-least-once retry;
-* before a batch is published, messages of a parked key with a higher id, and the parked
-  message itself before its attempt is due, are *withheld*: neither sent nor marked, so they
-  stay unpublished and are claimed again: the worker's cursor claims from just below the
-  parked message when its attempt is due (`Settled.due`, `Cursor.retry_at`) — on a clock,
-  not at the next rescan from id 0, which the rescan's own cost spaces out under load;
-* withheld and held messages lie *below* the cursor, which went on claiming newer ones: a
-  parked key's messages therefore go out only in a batch whose claim reached back to the
-  park (it started below it), where they come in id order ahead of any newer one. Released
-  only then, and only once that claim also reached the highest id the key left behind; else
-  the key *drains*: parked just after the claim's last id, due at once, and the worker's
-  cursor claims again from there. Without this a newer message claimed above the cursor went
-  out at once, the held-back ones only with a later claim from below;
-* a park ends early when its message has not come back for PARK_STALE_S after its attempt
-  was due (another relay process dealt with it after a rebalance; the key's next messages
-  then wait that long).
+* after a batch, a key with a message to retry is *parked* at that message until its next
+  attempt is due (the backoff); its later messages in the batch are not marked (`held`):
+  sent again after it, de-duplicated downstream on the outbox id (at-least-once);
+* before a batch is published, a parked key's later messages, and the parked message before
+  it is due, are *withheld* (neither sent nor marked); the cursor claims from just below the
+  parked message when due (`Cursor.retry_at`), on a clock rather than the costly rescan;
+* held and withheld messages lie below the cursor, so a parked key's messages go out only in
+  a batch whose claim reached back to the park, in id order ahead of newer ones; released
+  only once that claim also reached the highest id the key left behind, else the key
+  *drains*: parked just after the claim's last id, due at once;
+* a park ends when its message has not come back PARK_STALE_S after due (another relay
+  process took it after a rebalance).
 
-Messages of every other key are sent, marked and keep flowing meanwhile, and the worker does
-not pause (with `global`/`none` ordering it still pauses, see the worker). A message without a
-key belongs to the one "no key" group, as the relay's key shards treat it. Pure bookkeeping,
-unit-tested without a database; the relay keeps one instance shared by its workers.
+Other keys flow meanwhile; a message without a key belongs to one "no key" group. Pure
+bookkeeping, shared by a relay's workers.
 """
 
 from __future__ import annotations
@@ -42,25 +30,17 @@ from typing import NamedTuple
 from outbox_migrate.relay.message import Message, MessageId
 
 PARKED_BATCH_WAIT_S = 0.05
-"""A claim that brought only withheld messages waits this long before the worker goes on:
-with `until_empty` the worker would otherwise rescan from id 0 in a tight loop until the
-parked message is due."""
+"""A claim of withheld messages only waits this long: with `until_empty` the worker would
+otherwise rescan from id 0 in a tight loop until the parked message is due."""
 PARK_STALE_S = 30.0
-"""A parked message not claimed again this long after its attempt was due is gone: the
-worker's cursor claims from just below it when it is due, and every rescan from id 0 reaches
-it too, so only a message another relay process took (its shard moved) stays away."""
+"""A parked message not claimed again this long after due was taken by another process."""
 
 
 @dataclass(frozen=True)
 class Park:
-    """A key waits: for the message `id`, whose next attempt is due at `due` (monotonic), or —
-    `draining` — for its messages after `id`, held back while it was parked, to be claimed
-    again from below (`id` is then the last id a batch that carried the key covered).
-
-    `high` is the highest id of the key known to be left unpublished behind the park (the
-    parked message itself, messages held or withheld since): the key is released only by a
-    batch whose claimed range reached it, since those messages now lie below the cursor.
-    """
+    """A key waits for the message `id` due at `due`, or (`draining`) for its messages after
+    `id` to be claimed again from below. `high`: the key's highest id left unpublished behind
+    the park; only a claim reaching it releases the key."""
 
     id: MessageId
     due: float
@@ -69,11 +49,8 @@ class Park:
 
 
 class Settled(NamedTuple):
-    """What a published batch leaves: `held`, ids of sent messages not to mark (they follow a
-    message of their key to retry); `claim_again_from`, the lowest id the worker's cursor
-    must claim from again (a released key's held-back messages lie below it), or None;
-    `due`, the messages it parked and when each is due again (monotonic): the worker's cursor
-    claims from just below each then (`Cursor.retry_at`)."""
+    """What a published batch leaves: `held`, sent ids not to mark; `claim_again_from`, where
+    the cursor must claim from again (or None); `due`, parked ids and when each is due."""
 
     held: set[MessageId]
     claim_again_from: MessageId | None
@@ -81,8 +58,7 @@ class Settled(NamedTuple):
 
 
 def _before(a: MessageId, b: MessageId) -> bool:
-    """Claim order of two ids of one outbox: integers, or application ids claimed by id (the
-    relay refuses key ordering when application ids are claimed by another column)."""
+    """Claim order of two ids (key ordering claims application ids by id)."""
     if isinstance(a, int) and isinstance(b, int):
         return a < b
     return str(a) < str(b)
@@ -98,17 +74,14 @@ def _behind(park: Park, message_id: MessageId) -> bool:
 
 
 def _covers(after: MessageId, park: Park) -> bool:
-    """Whether a claim of every unpublished row above `after` (0: from the start, as every
-    claim of application ids is) reaches back to the park: then the key's held-back messages
-    are in the batch, in id order, ahead of any newer one."""
+    """Whether a claim above `after` (0: from the start) reaches back to the park."""
     if after == 0 or not (isinstance(after, int) and isinstance(park.id, int)):
         return True
     return after <= park.id if park.draining else after < park.id
 
 
 class Parking:
-    """Parked keys per source table; thread-safe (workers of one relay share it; a key belongs
-    to one worker's shards at a time)."""
+    """Parked keys per source table; thread-safe (a relay's workers share it)."""
 
     def __init__(self) -> None:
         self._parked: dict[tuple[str, str | None], Park] = {}
@@ -124,21 +97,15 @@ class Parking:
     def withhold(
         self, source: str, batch: Sequence[Message], *, now: float, after: MessageId = 0
     ) -> tuple[list[Message], list[Message]]:
-        """Split a batch claimed above `after` into (to send, withheld).
-
-        A parked key's messages go out only when its park is due *and* the claim reached back
-        to it: a message claimed above the cursor while the key's held-back messages lie below
-        it would otherwise overtake them (they came only with the next rescan from id 0). A
-        parked message due again goes out alone among its key's messages: refused once more,
-        nothing of its key would have reached the broker ahead of it; acknowledged, the key
-        drains from just after it (`settle`)."""
+        """Split a batch claimed above `after` into (to send, withheld). A parked key goes
+        out only when due *and* reached by the claim, and its parked message alone: refused
+        again, nothing of its key overtook it; acknowledged, the key drains after it."""
         if not self._parked:
             return list(batch), []
         with self._lock:
             send: list[Message] = []
             withheld: list[Message] = []
-            bound: dict[str | None, Park | None] = {}
-            """Per key of this batch: up to where (inclusive) its messages may go, None: all."""
+            bound: dict[str | None, Park | None] = {}  # per key: the park to stay behind
             for message in batch:
                 key = (source, message.key)
                 if message.key not in bound:
@@ -182,15 +149,9 @@ class Parking:
         backoff: Callable[[int], float],
         last: MessageId | None = None,
     ) -> Settled:
-        """Record a published batch whose claim ended at id `last` (None: unknown).
-
-        `retry`: id → attempts so far of the messages to claim again (every other sent message
-        was acknowledged or dead-lettered). A key whose messages behind its park went out
-        (`withhold` let them) and none of which is to retry has delivered everything up to
-        `last`: it is released when nothing of it is known to wait beyond `last`, else it
-        drains — parked just after `last`, due at once — and the cursor claims again from
-        there, so those messages go out before any newer one of the key.
-        """
+        """Record a published batch whose claim ended at `last` (None: unknown); `retry`:
+        id → attempts of the messages to claim again. A key that went out behind its park
+        with nothing to retry is released, or drains from just after `last`."""
         first_retry: dict[str | None, Message] = {}
         for message in sent:
             if message.id in retry and message.key not in first_retry:
@@ -203,8 +164,7 @@ class Parking:
         claim_again: MessageId | None = None
         due: dict[MessageId, float] = {}
         with self._lock:
-            # Keys whose messages behind their park went out (`withhold` let them), and up to
-            # where that delivered them: the batch's last id, or the parked message sent alone.
+            # Keys that went out behind their park, and up to where.
             reached: dict[str | None, MessageId | None] = {}
             for message in sent:
                 park = self._parked.get((source, message.key))

@@ -1,15 +1,10 @@
 """One publish of a batch through a sink, with the refusals sorted per message.
 
-A sink reports that it refused some messages (`MessagesRejected`, the rest acknowledged) or
-that it cannot put one message in the form it sends (`UnrepresentableMessage`, a raw bytes
-payload in a JSON envelope). The second is raised while the batch is being rendered, before
-or while it is sent, so nothing of the batch can be trusted as acknowledged: the message is
-set aside and the rest published again — a message sent twice is de-duplicated downstream on
-its outbox id, as after any at-least-once retry. No waiting here (the caller holds a
-transaction open on the batch's rows).
-
-Shared by both relays, as is `split_suspects`: a message with a failure on record is published
-on its own (relay/bad_rows.py), so that a sink crash it causes again counts against it only.
+`UnrepresentableMessage` comes while the batch is rendered, so nothing of it can be trusted
+as acknowledged: the message is set aside and the rest published again (duplicates are
+de-duplicated downstream on the outbox id). No waiting here: the caller holds a transaction.
+`split_suspects` publishes a message with a failure on record alone, so a sink crash it
+causes again counts against it only.
 """
 
 from __future__ import annotations
@@ -61,8 +56,7 @@ def split_suspects(
 
 
 def _culprits(todo: Sequence[Message], exc: UnrepresentableMessage) -> list[Message]:
-    """The message the error names; a sink that named none refused every raw payload (the one
-    kind of message a sink cannot represent). Naming nothing that is here is a bug: raised."""
+    """The message the error names, or every raw payload when it named none."""
     named = [m for m in todo if m.id == exc.message_id] if exc.message_id is not None else []
     if not named and exc.message_id is None:
         named = [m for m in todo if type(m.payload) is bytes]

@@ -1,14 +1,9 @@
 """Every SQL statement the relay runs, composed with `psycopg.sql` from the names in force.
 
-Builders return inert `Composed` objects; nothing here holds a connection. Identifiers always
-go through `sql.Identifier`; values are bound parameters (`%(name)s`). A statement with nothing
-to compose is a named block of sql/relay.sql, like the runner's. The claim, the mark, the
-backlog and the switch's statements stay here, built in Python: each is assembled from parts
-that depend on the outbox (its marker — a timestamp or a flag —, id kind, payload and headers
-types, the claim's and the mark's relations, sharding), so a named block would be a skeleton
-of placeholders and the reader would need both files to see one statement. Utility commands
-that are one composed identifier (LISTEN in relay/listener.py, set_config in relay/keepalive.py,
-the demo writer's INSERT of the configured columns in relay/writer.py) stay where they run.
+Builders return inert `Composed` objects. A statement with nothing to compose is a named block
+of sql/relay.sql; the claim, mark, backlog and switch statements are built here because each
+is assembled from outbox-dependent parts (marker, id kind, payload and headers types,
+relations, sharding) that a named block would reduce to a skeleton of placeholders.
 
 Claim design (why the claim is sharded, see docs/relay.md): on a LIST-partitioned outbox the
 mark moves a row to another partition. A claimer whose statement snapshot predates another
@@ -34,12 +29,10 @@ ADVISORY_NAMESPACE = "outbox-migrate.relay"
 CLAIM_CTID_COLUMN = 6
 """Position of `ctid` in a claimed row; the columns before it are a `Message`."""
 CLAIM_HEADERS_COLUMN = 7
-"""Position of the extra headers ([name, value] pairs), present only when the outbox has a
-headers column or metadata columns (`Columns.carries_headers`); NULL when the row's json
-headers are not a JSON object (a bad row, relay/claimed.py)."""
+"""The extra headers ([name, value] pairs) when the outbox carries any; NULL when the row's
+json headers are not an object (a bad row)."""
 CLAIM_TEXT_HEADERS_COLUMN = 8
-"""Position of a headers column that is not json/jsonb, as text: parsed per row by the relay
-(a cast in SQL would fail the whole claim on one row that is not JSON)."""
+"""A non-json headers column as text: a cast in SQL would fail the claim on one bad row."""
 
 
 @dataclass(frozen=True)
@@ -47,11 +40,10 @@ class Source:
     """One table the relay publishes from: where it claims and where it marks."""
 
     label: str
-    """The relation's name in logs, keys and the attempts and dead-letter rows
-    (schema.table)."""
+    """schema.table: in logs, keys and the attempts and dead-letter rows."""
     schema: str
     claim_table: str
-    """Flat table, or the unpublished partition (its id index serves the claim)."""
+    """Flat table, or the unpublished partition."""
     mark_table: str
     """Flat table, or the partitioned parent (the UPDATE must route the row)."""
     id_column: str
@@ -60,17 +52,14 @@ class Source:
     text_ids: bool = False
     """Application ids (uuid, ULID): claimed as text in `order_column` order, no id cursor."""
     order_column: str = ""
-    """The claim order of application ids ("" = the id itself)."""
     flag: marker.Marker | None = None
-    """A flag marker (and status column) from the spec; None = a timestamp marker."""
+    """None: a timestamp marker."""
     name: str = ""
-    """The outbox's name in messages (schema + `OutboxSpec.outbox_name`, the same for the
-    flat and the partitioned source and across the rename); "" = `label`."""
+    """The outbox's name in messages, stable across flat/partitioned and the rename; "" =
+    `label`."""
     claim_oid: int = 0
-    """The OID `claim_table` named when the relay started (relay/marker_source.py); 0: not
-    resolved (SQL built without a session). Every mark by ctid is confined to it
-    (`same_relation`): a ctid means nothing without its table, and by the time of a mark the
-    mark's name may mean another one (a rename rolled back under a running relay)."""
+    """The OID `claim_table` named at start (0: unresolved). Marks by ctid are confined to it:
+    a ctid means nothing without its table, and a rolled-back rename may repoint the name."""
 
     @property
     def marker(self) -> marker.Marker:
@@ -85,61 +74,49 @@ class Source:
         return sql.Identifier(self.schema, self.mark_table)
 
     def same_relation(self) -> sql.Composable:
-        """` AND tableoid = <claim_oid>`: a mark changes rows of the claimed relation only,
-        whatever its name means now (one integer comparison per marked row)."""
+        """` AND tableoid = <claim_oid>`: a mark changes rows of the claimed relation only."""
         if not self.claim_oid:
             return sql.SQL("")
         return sql.SQL(" AND tableoid = {}::oid").format(sql.Literal(self.claim_oid))
 
     def unpublished_filter(self) -> sql.Composable:
-        """The flat table needs `published_at IS NULL` (`published = 0`); the unpublished
-        partition holds nothing else."""
+        """The unpublished partition holds nothing else; the flat table needs the marker."""
         if self.partitioned:
             return sql.SQL("true")
         return marker.unpublished(self.marker)
 
 
 def flat_source(spec: OutboxSpec) -> Source:
-    return Source(
-        label=f"{spec.schema}.{spec.table}",
-        schema=spec.schema,
-        claim_table=spec.table,
-        mark_table=spec.table,
-        id_column=spec.id_column,
-        published_column=spec.published_column,
-        partitioned=False,
-        flag=marker.of(spec),
-        name=f"{spec.schema}.{spec.outbox_name}",
-        **_id_handling(spec),
-    )
+    return _source(spec, f"{spec.schema}.{spec.table}", spec.table, spec.table, False)
 
 
 def partitioned_source(spec: OutboxSpec) -> Source:
+    label = f"{spec.schema}.{spec.partitioned_table}"
+    return _source(spec, label, spec.unpublished_partition, spec.partitioned_table, True)
+
+
+def _source(spec: OutboxSpec, label: str, claim: str, mark: str, partitioned: bool) -> Source:
+    ids: dict[str, Any] = {}
+    if spec.id_kind == "application":
+        order = spec.order_column if spec.order_column != spec.id_column else ""
+        ids = {"text_ids": True, "order_column": order}
     return Source(
-        label=f"{spec.schema}.{spec.partitioned_table}",
+        label=label,
         schema=spec.schema,
-        claim_table=spec.unpublished_partition,
-        mark_table=spec.partitioned_table,
+        claim_table=claim,
+        mark_table=mark,
         id_column=spec.id_column,
         published_column=spec.published_column,
-        partitioned=True,
+        partitioned=partitioned,
         flag=marker.of(spec),
         name=f"{spec.schema}.{spec.outbox_name}",
-        **_id_handling(spec),
+        **ids,
     )
-
-
-def _id_handling(spec: OutboxSpec) -> dict[str, Any]:
-    if spec.id_kind != "application":
-        return {}
-    order = spec.order_column if spec.order_column != spec.id_column else ""
-    return {"text_ids": True, "order_column": order}
 
 
 @dataclass(frozen=True)
 class Columns:
-    """The columns the relay reads besides the id, resolved against the live table from the
-    `OutboxSpec`'s column roles (see `columns.resolve`)."""
+    """The columns the relay reads besides the id (`columns.resolve`)."""
 
     event_type: str | None
     key: str | None
@@ -148,12 +125,9 @@ class Columns:
     """None: the outbox has no creation timestamp; the claim's time stands in for it."""
     payload_type: str = "jsonb"
     headers: str | None = None
-    """A column holding a JSON object whose entries become broker headers."""
     headers_type: str = "jsonb"
-    """Its type: json/jsonb are read by the server; any other (text, varchar) is parsed per
-    row by the relay."""
+    """json/jsonb are read by the server; any other type is parsed per row by the relay."""
     metadata: tuple[str, ...] = ()
-    """Columns sent as broker headers, named after the column."""
 
     @property
     def carries_headers(self) -> bool:
@@ -166,15 +140,13 @@ class Columns:
 
 
 def _optional(column: str | None) -> sql.Composable:
-    """A key or event-type column of any type (uuid, bigint, an enum) as text: the claim
-    hands strings to the sinks, and a cast cannot fail on a row."""
+    """A key or event-type column of any type as text (a cast that cannot fail on a row)."""
     return sql.SQL("{}::text").format(sql.Identifier(column)) if column else sql.SQL("NULL::text")
 
 
 def payload_expression(columns: Columns) -> sql.Composable:
-    """The payload: json/jsonb/text as text; bytea as stored (bytes), decoded by the relay
-    (relay/claimed.py) — `convert_from` in the claim failed the whole batch on one body that
-    is not UTF-8 (a pickle), and the relay sends such a body as bytes instead."""
+    """json/jsonb/text as text; bytea as bytes, decoded by the relay (relay/claimed.py): a
+    `convert_from` in the claim would fail the whole batch on one body that is not UTF-8."""
     payload = sql.Identifier(columns.payload)
     if columns.payload_type == "bytea":
         return payload
@@ -192,23 +164,17 @@ RFC3339 = 'YYYY-MM-DD"T"HH24:MI:SS.USTZH:TZM'
 
 
 def created_text_expression(columns: Columns) -> sql.Composable:
-    """The creation time as RFC 3339 text, which is what every sink sends.
-
-    Rendered by the server in the claim rather than loaded as a datetime and formatted by the
-    relay: `datetime.isoformat()` per message is a large share of the relay's per-message
-    work at big batches (bench/README.md, relay.py), and the relay never needs the datetime
-    itself (`Message.created_at` parses it on demand). A `timestamp` column is taken as
-    the session's local time, as a cast to timestamptz does."""
+    """The creation time as RFC 3339 text, what every sink sends, rendered by the server:
+    formatting per message in Python is costly (bench/README.md) and the relay never needs
+    the datetime itself. A `timestamp` column is taken as session-local time."""
     return sql.SQL("to_char({}::timestamptz, {})").format(
         created_expression(columns), sql.Literal(RFC3339)
     )
 
 
 def extra_headers_expression(columns: Columns) -> sql.Composable:
-    """Broker headers from the row: the headers object's entries, then the metadata columns
-    (a metadata column wins over a same-named entry), as a two-dimensional text[] of
-    [name, value] pairs; NULL values are left out. Selected only when configured, so the hot
-    loop pays nothing for outboxes without metadata."""
+    """Broker headers as a text[] of [name, value] pairs, NULLs left out: the headers
+    object's entries, then the metadata columns (which win over a same-named entry)."""
     parts: list[sql.Composable] = []
     json_headers = None if columns.text_headers else columns.headers
     if json_headers:
@@ -238,11 +204,8 @@ def _headers_object(column: str) -> sql.Composable:
 
 
 def shard_expression(source: Source, columns: Columns, *, by_key: bool) -> sql.Composable:
-    """Which shard a row belongs to, in [0, %(shards)s).
-
-    `hashtext` returns int4 (possibly negative); shifting it into int8 before `mod` avoids both
-    a negative shard and `abs(-2^31)` overflowing.
-    """
+    """Which shard a row belongs to, in [0, %(shards)s). `hashtext` is int4 (maybe negative):
+    shifted into int8 before `mod`, no negative shard and no `abs(-2^31)` overflow."""
     if by_key and columns.key:
         return sql.SQL("mod(hashtext(coalesce({key}::text, ''))::int8 + 2147483648, %(shards)s)")\
             .format(key=sql.Identifier(columns.key))  # fmt: skip
@@ -254,17 +217,11 @@ def shard_expression(source: Source, columns: Columns, *, by_key: bool) -> sql.C
 
 
 def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> sql.Composed:
-    """Claim the next batch of this session's shards, oldest id first, locking the rows.
+    """Claim and lock the next batch of this session's shards, oldest id first (params:
+    after, limit; sharded: shards, mine). Columns: `claimed_columns`.
 
-    Parameters: after (id cursor), limit, and when sharded shards + mine (int[]). The columns
-    come back in `Message` field order (the outbox's name as a constant second column), then
-    the row's `ctid` (CLAIM_CTID_COLUMN), which the mark uses to find it again, then, when the
-    outbox carries metadata, the extra headers (CLAIM_HEADERS_COLUMN).
-    The cursor (`id > %(after)s`) lets a claim start where the last one ended instead of
-    re-walking index entries of rows just moved out (they stay in the index until vacuum, and a
-    held xmin keeps them there); the worker resets it to 0 regularly so a row whose transaction
-    committed late (a lower id) is still found.
-    """
+    The cursor (`id > %(after)s`) skips index entries of rows just moved out (they stay until
+    vacuum, longer under a held xmin); relay/cursor.py finds rows that committed late."""
     shard = (
         sql.SQL(" AND {} = ANY(%(mine)s)").format(shard_expression(source, columns, by_key=by_key))
         if sharded
@@ -285,12 +242,9 @@ def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> s
 
 
 def _claim_in_order(source: Source, columns: Columns, shard: sql.Composable) -> sql.Composed:
-    """Application ids: oldest first by `order_column` (ties by id), always from the start.
-
-    A uuid or ULID has no successor to resume after, and a timestamp order may receive rows
-    below the last one claimed at any time, so there is no cursor: the claim walks the
-    unpublished partition's (order_column, id) index from its start (docs/relay.md says
-    what that costs under a held xmin)."""
+    """Application ids: oldest first by `order_column`, then id, always from the start: a
+    uuid has no successor and a timestamp order may get rows below the last claimed, so
+    there is no cursor (docs/relay.md: the cost under a held xmin)."""
     order = [sql.Identifier(source.id_column)]
     if source.order_column:
         order.insert(0, sql.Identifier(source.order_column))
@@ -334,10 +288,8 @@ def _headers_columns(columns: Columns) -> sql.Composable:
 
 
 def probe(source: Source, columns: Columns) -> sql.Composed:
-    """Claim the given ids (parameter: ids, int8[]) if they are unpublished now: the gaps the
-    cursor jumped over (a transaction that committed late). Same columns as `claim`; no
-    ORDER BY (the worker sorts the few rows), one index descent per id however far the
-    cursor has moved on."""
+    """Claim the given ids (param: ids) if unpublished now: gaps the cursor jumped over. No
+    ORDER BY (the worker sorts the few rows); one index descent per id."""
     return sql.SQL(
         "SELECT {columns} FROM {table} WHERE {unpublished} AND {id} = ANY(%(ids)s::int8[]) "
         "FOR UPDATE SKIP LOCKED"
@@ -350,17 +302,13 @@ def probe(source: Source, columns: Columns) -> sql.Composed:
 
 
 def horizon() -> sql.Composed:
-    """The transaction horizon as integers: the oldest xid still running and the first xid not
-    yet assigned (relay/cursor.py: an unaccounted region is settled once xmin reaches the xmax
-    read after it opened). Read only while a region is open."""
+    """The oldest running xid and the next xid to assign (relay/cursor.py)."""
     return _named("horizon")
 
 
 def try_idle_lock() -> sql.Composed:
-    """Raise the idle flag the wake-up trigger looks at (param: key, `notify.idle_lock_key`).
-
-    A try, never a wait: it fails while a writer that saw the relay busy has not committed yet
-    (or while another worker holds the flag), and the worker then looks again shortly."""
+    """Raise the idle flag the wake-up trigger looks at (param: key). A try, never a wait:
+    it fails while a writer that saw the relay busy is uncommitted; the worker looks again."""
     return _named("try-idle-lock")
 
 
@@ -370,17 +318,10 @@ def idle_unlock() -> sql.Composed:
 
 
 def mark(source: Source) -> sql.Composed:
-    """Set the publication time of claimed rows by ctid (parameter: tids, a tid[] literal).
-
-    By ctid, not id: the rows are locked by this transaction's claim, so their ctids cannot
-    change until the commit, and a TID scan fetches each row directly where `id = ANY(…)`
-    descends the id index once per row (more batches per second: bench/README.md). Through the
-    parent on the partitioned outbox, so PostgreSQL moves each row to the
-    published partition; `published_at IS NULL` prunes the scan to the unpublished partition
-    and keeps a re-run from touching a row twice. `tableoid` confines it to the relation
-    the rows were claimed from (`Source.same_relation`); a mark that changes fewer rows than
-    it was given is looked into by the worker (relay/marker_source.py `check_names`).
-    """
+    """Mark claimed rows by ctid (param: tids). The claim's lock keeps ctids stable until
+    commit, and a TID scan skips one index descent per row. Through the parent, so the row
+    moves partition; the unpublished filter prunes the scan and makes a re-run a no-op. A
+    short row count is looked into (relay/marker_source.py `check_names`)."""
     return sql.SQL(
         "UPDATE {table} SET {mark} WHERE {unpublished} AND ctid = ANY(%(tids)s::tid[]){same}"
     ).format(
@@ -392,7 +333,7 @@ def mark(source: Source) -> sql.Composed:
 
 
 def claim_and_mark(source: Source, *, sharded: bool) -> sql.Composed:
-    """Claim and mark in one statement (no broker): the SQL-only limit the bench measures."""
+    """Claim and mark in one statement: the SQL-only limit the bench measures."""
     shard = (
         sql.SQL(" AND mod({id}, %(shards)s) = ANY(%(mine)s)").format(
             id=sql.Identifier(source.id_column)
@@ -422,10 +363,7 @@ def claim_session_settings() -> sql.Composed:
 
 
 def try_lock_shards() -> sql.Composed:
-    """Session advisory locks on up to %(limit)s free shards, in the order given.
-
-    No ORDER BY: the Limit node stops pulling rows, so no lock beyond the limit is taken.
-    """
+    """Locks on up to %(limit)s free shards; no ORDER BY, so no lock beyond the limit."""
     return _named("try-lock-shards")
 
 
@@ -434,15 +372,10 @@ def unlock_shards() -> sql.Composed:
 
 
 def end_idle_shard_holders() -> sql.Composed:
-    """End the sessions that hold a shard of this outbox but have not heard from their client
-    for longer than %(after_s)s seconds; returns (pid, silent seconds, ended).
-
-    Silent means waiting for the client: idle, idle in a transaction, or `active` in
-    ClientRead — a pipeline frozen between its statements and their Sync. See
-    `ShardLease.reap` for why the server's own timers do not cover every such moment. The
-    silence is measured from the later of the state change and the statement start, so no
-    session is ended sooner after its last message than the server's timers would end it.
-    """
+    """End shard holders of this outbox silent for over %(after_s)s seconds (idle, idle in
+    transaction, or `active` in ClientRead: a frozen pipeline; `ShardLease.reap` says why);
+    returns (pid, silent seconds, ended). Silence counts from the later of state change and
+    statement start, so no session ends sooner than the server's timers would end it."""
     return _named("end-idle-shard-holders")
 
 
@@ -462,10 +395,8 @@ def qualified(schema: str, table: str) -> str:
 
 
 def names_now() -> sql.Composed:
-    """What the relay's names mean now (params: claim, mark — `qualified` text; claim_oid):
-    the OID of the claim's name, and whether the mark's name reaches the relation claimed
-    from — that relation itself (flat), a partitioned table it belongs to, or a view over
-    one (the view the rename to the original name leaves under the former name)."""
+    """The OID of the claim's name, and whether the mark's name (itself, its partitioned
+    parent, or a view over one) reaches the claimed relation (params: claim, mark, claim_oid)."""
     return _named("names-now")
 
 
@@ -475,17 +406,13 @@ def table_exists() -> sql.Composed:
 
 
 def count_members() -> sql.Composed:
-    """Live workers of the outbox: sessions holding the shared membership lock.
-
-    Two-int4 advisory locks show up in pg_locks as classid = key1 (an oid, so the int4 hash is
-    compared as unsigned), objid = key2, objsubid = 2.
-    """
+    """Live workers: sessions holding the shared membership lock (a two-int4 advisory lock is
+    classid = key1 compared unsigned, objid = key2, objsubid = 2 in pg_locks)."""
     return _named("count-members")
 
 
 def table_columns() -> sql.Composed:
-    """Column names and base types of a relation (params: schema, table); empty when it does
-    not exist."""
+    """Column names and base types of a relation (params: schema, table), or none."""
     return _named("table-columns")
 
 
@@ -508,19 +435,14 @@ def has_unpublished(source: Source) -> sql.Composed:
 
 
 def lock_for_switch(source: Source) -> sql.Composed:
-    """SHARE conflicts with the ROW EXCLUSIVE lock every INSERT (and our UPDATE) holds to its
-    transaction's end: once granted, no transaction that wrote the table is still open."""
+    """Once granted, no transaction that wrote the table is open (relay/switching.py)."""
     return sql.SQL("LOCK TABLE {} IN SHARE MODE").format(source.mark_ident)
 
 
 def roles_that_can_insert() -> sql.Composed:
-    """Login roles a REVOKE can stop that may still INSERT into the table (params: relation).
-
-    Superusers, the owner and members of the owner role are left out: a REVOKE does not stop
-    them for good (the owner grants itself back), so their *sessions* are the gate's business
-    instead (relay/switch_evidence.py). INSERT granted on some columns only counts too
-    (`has_any_column_privilege`; `has_table_privilege` sees table-level grants only).
-    """
+    """Login roles a REVOKE can stop that may still INSERT (params: relation), column grants
+    included. Superusers and owners are left out: they grant themselves back, so their
+    sessions are the gate's business (relay/switch_evidence.py)."""
     return _named("roles-that-can-insert")
 
 
@@ -531,5 +453,5 @@ def old_app_sessions() -> sql.Composed:
 
 @cache
 def _named(name: str) -> sql.Composed:
-    """A statement of sql/relay.sql with nothing to compose (names and values are parameters)."""
+    """A statement of sql/relay.sql with nothing to compose."""
     return query("relay", name).compose()

@@ -1,23 +1,17 @@
 """A worker's second session: it claims the next batch while the current one is published.
 
-On one session claim → publish → mark → commit are strictly serial: while the relay publishes
-batch k the server waits, and while the server marks k and claims k+1 the relay waits. Here
-the claim of k+1 runs on the server while the relay publishes k (and behind a broker's
-acknowledgement), batches alternating between the worker's lease session and this one, each
-in a transaction of the session that claimed it (relay/batch_loop.py; docs/relay.md,
-"Read-ahead"). Why it is safe:
+On one session claim, publish, mark and commit are serial; here the claim of batch k+1 runs
+on the server while the relay publishes k, batches alternating between the two sessions, each
+in a transaction of the session that claimed it (docs/relay.md, "Read-ahead"). Safe because:
 
-* Only a plain range claim runs ahead — ids above the last one in hand, same shards — so the
-  two sessions never lock or move each other's rows ("tuple to be locked was already moved"
-  needs the same row). Gap probes, rescans, horizons, notified ids, the idle flag and the
-  rebalance stay on the lease session; the worker stops reading ahead when one is due.
-* Only with `--ordering none`, integer ids, and while claims come back full: publishing stays
-  one batch at a time in id order. The fence is proven only by the lease session's claims.
-* A rejection, stop, rebalance or switch rolls the read-ahead back unpublished; any error
-  closes both sessions (the server rolls back what they held) and the worker starts over.
+* only a plain range claim runs ahead (ids above the last in hand, same shards), so the two
+  sessions never lock or move each other's rows; everything else stays on the lease session,
+  which alone proves the fence;
+* only with `--ordering none`, integer ids and full claims: publishing stays in id order;
+* a rejection, stop, rebalance or switch rolls the read-ahead back unpublished; any error
+  closes both sessions and the worker starts over.
 
-This session holds no shard lock, so the server's idle-session timeout (which frees a silent
-relay's shards) is off here; the idle-in-transaction timeout and keepalives stay.
+This session holds no shard lock, so the idle-session timeout is off here.
 """
 
 from __future__ import annotations
@@ -31,6 +25,7 @@ from typing import Any
 from psycopg import pq
 
 from outbox_migrate.relay import keepalive, queries, wire
+from outbox_migrate.relay.shared import close_quietly
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -44,7 +39,6 @@ class Pending:
     slot: wire.Slot
     after: int
     sent: float
-    """monotonic time the claim was sent (a proof of the lease if `pipe` is the lease's)."""
 
 
 class ReadAhead:
@@ -83,8 +77,7 @@ class ReadAhead:
         return pending.pipe.rows(pending.slot)
 
     def settle(self) -> None:
-        """After a run of batches: read what this session still has in flight (its last
-        COMMIT, a dropped read-ahead's ROLLBACK) and leave pipeline mode; raises its error."""
+        """After a run: read what is in flight here and leave pipeline mode."""
         pipe = self.pipe
         if pipe is None:
             return
@@ -95,9 +88,8 @@ class ReadAhead:
             raise
 
     def abandon(self) -> None:
-        """After a failure on the lease session: read what is in flight here (so a COMMIT
-        that went through is known and counted), roll back a transaction still open (a batch
-        claimed ahead), leave pipeline mode. Any error here closes the session instead."""
+        """After a failure: read what is in flight (a COMMIT that went through is counted),
+        roll back a batch claimed ahead; any error here closes the session instead."""
         pipe, conn = self.pipe, self.conn
         if pipe is None or conn is None:
             return
@@ -114,19 +106,14 @@ class ReadAhead:
 
     def close(self) -> None:
         """Drop the session: the server rolls back whatever it held."""
-        conn, self.conn, self.pipe = self.conn, None, None
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:  # a broken connection may fail to close too
-                log.debug("relay.read_ahead_close_failed", exc_info=True)
+        close_quietly(self.conn, "relay.read_ahead_close_failed")
+        self.conn, self.pipe = None, None
 
 
 def open_session(
     connect: Callable[[], Any], timeout_s: float, poll_interval_s: float
 ) -> Callable[[], Any]:
-    """How the worker opens its read-ahead session: like its lease session (keepalives,
-    timeouts, the id-order plan settings), without the idle-session timeout."""
+    """Open a read-ahead session like the lease session, without the idle-session timeout."""
 
     def opened() -> Any:
         conn = connect()

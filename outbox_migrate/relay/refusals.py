@@ -1,11 +1,8 @@
 """The polling relay's rejection policy: what a batch the broker refused in part becomes.
 
-One object shared by a relay's workers, owning what outlives a batch: the attempts counted in
-the database and the dead-letter table (relay/bad_rows.py `FailedMessages`), the rows whose
-mark failed (relay/mark_repair.py `Suspects`) and, with `--ordering key`, the parked keys
-(relay/parking.py). `publish` hands a batch to the sink and says what to mark, what was
-dead-lettered, what to claim again and how long the worker pauses after its COMMIT — it
-never waits itself (relay/waits.py: no wait inside a transaction).
+One object shared by a relay's workers, owning what outlives a batch: attempts and dead
+letters (relay/bad_rows.py), the rows whose mark failed (relay/mark_repair.py) and the parked
+keys (relay/parking.py). It never waits itself (relay/waits.py: no wait in a transaction).
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ from outbox_migrate.relay.sinks import Sink
 
 log = logging.getLogger("outbox_migrate.relay")
 
-_BY_ID = operator.attrgetter("id")
-"""Claim order with key ordering: by id (application ids are then claimed by id too)."""
+_BY_ID = operator.attrgetter("id")  # claim order with key ordering
 
 
 class Outcome(NamedTuple):
@@ -41,7 +37,6 @@ class Outcome(NamedTuple):
     pause: float
     rewind: MessageId | None
     due: dict[MessageId, float]
-    """Messages parked (`--ordering key`) → when their next attempt is due (monotonic)."""
 
 
 class Refusals:
@@ -57,11 +52,8 @@ class Refusals:
         by_key: bool,
     ) -> None:
         self.failures = failures
-        """Attempts counted in the database, dead letters (relay/bad_rows.py)."""
         self.suspects = mark_repair.Suspects()
-        """Rows whose mark failed, marked alone when they come back (mark_repair.py)."""
         self.parking = Parking()
-        """Keys waiting for a rejected message (`--ordering key` only; see parking.py)."""
         self.stats = stats
         self.observer = observer
         self.backoff = backoff
@@ -76,32 +68,21 @@ class Refusals:
         bad: list[claimed.BadRow],
         after: MessageId = 0,
     ) -> Outcome:
-        """Publish; returns (acknowledged ids to mark, dead letters written — their rows are
-        the caller's to take out of the outbox before the mark, bad rows to try again
-        by id, how long the worker pauses once this batch's transaction has ended, the id to
-        claim again from, the parked messages and when each is due again). The pause is a
-        backoff by the most attempts any message the sink refused has had; the worker then
-        claims again from the lowest message to retry. With
-        `--ordering key` a failure parks its key instead (parking.py): no pause, later messages
-        of that key wait while the others flow, and the worker's cursor claims from just below
-        the parked message when it is due (`Cursor.retry_at`); a released key's held-back
-        messages lie below the cursor, which claims again from the lowest of them (`after`:
-        where the claim started).
+        """Publish a batch claimed above `after`; the `Outcome`. A refusal pauses the worker
+        by the backoff of the most attempts among the refused, then claims again from the
+        lowest; with key ordering it parks the key instead (parking.py), no pause. `bad`
+        rows and unrepresentable messages count attempts without the backoff: the row is
+        at fault, waiting changes nothing.
 
-        `bad`: rows of the batch that could not become a message (relay/claimed.py); they and
-        messages the sink cannot represent count attempts like a rejection, without the
-        backoff — the row itself is at fault, waiting changes nothing.
-
-        The pause is the worker's to take after its COMMIT, never here: a session that waits
-        inside its transaction is "idle in transaction" on the claimed rows' locks, and the
-        migration runner does not queue a step's lock behind such a session."""
+        The pause is taken after the COMMIT, never here: waiting in the transaction would
+        hold the claimed rows' locks, which the migration runner will not queue behind."""
         parking, label = self.parking, source.label
         claim = sorted(batch + [b.message for b in bad], key=_BY_ID) if bad else batch
         last = claim[-1].id if claim else None
         if parking:  # only ever non-empty with key ordering
             send = parking.withhold(label, claim, now=time.monotonic(), after=after)[0]
-            if not send:  # every message waits for its key; others would have been sent
-                return Outcome([], [], [], PARKED_BATCH_WAIT_S, None, {})  # no busy loop meanwhile
+            if not send:  # every message waits for its key: no busy loop meanwhile
+                return Outcome([], [], [], PARKED_BATCH_WAIT_S, None, {})
             if len(send) < len(claim):
                 free = {m.id for m in send}
                 batch = [m for m in batch if m.id in free]
@@ -121,7 +102,6 @@ class Refusals:
             return partly
         if not (rejected or unrepresentable or bad or worn):
             acked = [m.id for m in batch]
-            # A message that failed before went through this time: its counter goes.
             self.forget(conn, label, acked)
             if parking:
                 settled = parking.settle(label, batch, {}, now=time.monotonic(),
@@ -138,7 +118,6 @@ class Refusals:
         acked = [m.id for m in sent if m.id not in reasons]
         self.forget(conn, label, acked)
         if reasons:
-            # What the sink said; the dead letters are logged once they commit (bad_rows.py).
             log.warning("relay.rejected count=%d bad_rows=%d",
                         len(rejected), len(reasons) - len(rejected))  # fmt: skip
         if self.by_key:
@@ -153,9 +132,7 @@ class Refusals:
                 settled.claim_again_from, settled.due,
             )  # fmt: skip
         most = max((verdict.attempts[i] for i in verdict.retry if i in rejected), default=0)
-        # Rejected messages are claimed again after a backoff that grows with their attempts,
-        # not at once: a transient refusal gets time to clear before the message counts
-        # towards the dead-letter table. A bad row is tried again without waiting.
+        # A transient refusal gets time to clear before it counts towards the dead letters.
         pause = self.backoff(most - 1) if most else 0.0
         rewind = min(verdict.retry) if pause else None
         return Outcome(acked, letters, verdict.retry, pause, rewind, {})
@@ -169,13 +146,10 @@ class Refusals:
         worn: list[DeadLetter],
         bad: bool,
     ) -> Outcome | None:
-        """The sink ran out of time (or the broker went away) after acknowledging some of the
-        batch (`SinkUnavailable.acknowledged`): mark those — sent again they would be
-        duplicates, and a webhook slower than the sink's timeout per batch would never get
-        further — and claim the rest again from the lowest, after a short pause. None (the
-        whole batch rolls back) when nothing was acknowledged, when bad rows are in the batch
-        (their attempts belong to its transaction) or while keys are parked (their release
-        assumes the batch went out)."""
+        """The sink failed after acknowledging some of the batch: mark those (a sink slower
+        than its timeout per batch would otherwise never get further), claim the rest again.
+        None (the batch rolls back): nothing acknowledged, bad rows in the batch (their
+        attempts belong to its transaction), or keys parked (their release assumes it went)."""
         done = set(exc.acknowledged)
         acked = [m.id for m in sent if m.id in done]
         if not acked or bad or (self.by_key and self.parking):
@@ -191,10 +165,9 @@ class Refusals:
     def _send(
         self, sink: Sink, label: str, batch: list[Message]
     ) -> tuple[dict[MessageId, str], dict[MessageId, str]]:
-        """Publish, a message with a failure on record alone (`publishing.split_suspects`); returns
-        (rejected, unrepresentable) as id → reason. An exception of the sink outside its
-        protocol becomes `SinkCrashed` naming the messages the sink held: the worker counts
-        that attempt once the batch has rolled back (`count_crash`), and the relay stops."""
+        """Publish, a message with a failure on record alone; (rejected, unrepresentable) as
+        id → reason. An exception outside the sink's protocol becomes `SinkCrashed`, naming
+        the messages it held (`count_crash`)."""
         parts = [batch]
         if self.failures.known:
             seen = set(self.failures.seen_before(label, [m.id for m in batch]))
@@ -224,10 +197,8 @@ class Refusals:
     def _dead_letter_exhausted(
         self, conn: Any, label: str, batch: list[Message]
     ) -> list[DeadLetter]:
-        """Messages out of attempts, dead-lettered in the batch's transaction (their rows leave
-        the outbox before its mark: `mark_repair.settle_dead`). Not a row whose mark failed (a
-        suspect): it is sent and marked alone (`mark_repair.mark_suspects`), which deletes it
-        at its last attempt."""
+        """Messages out of attempts, dead-lettered in the batch's transaction. Not suspects:
+        `mark_repair.mark_suspects` settles those."""
         worn = self.failures.exhausted(label, batch)
         if worn and self.suspects:
             pending = self.suspects.among(label, [m.id for m in worn])
@@ -235,9 +206,7 @@ class Refusals:
         return self.failures.dead_letter_exhausted(conn, label, worn) if worn else []
 
     def count_crash(self, conn: Any, crashed: SinkCrashed) -> None:
-        """After the batch rolled back: one attempt against each message the sink held when
-        it raised, in a transaction of its own on the worker's session (the batch's is gone;
-        no session waits inside it)."""
+        """After the batch rolled back: one attempt against each message the sink held."""
         with conn.transaction():
             self.failures.count(conn, crashed.label, dict.fromkeys(crashed.ids, crashed.reason))
 
@@ -248,8 +217,7 @@ class Refusals:
                 self.observer.failed(reason, count)
 
     def forget(self, conn: Any, label: str, acked: list[MessageId]) -> None:
-        """A message that failed before went through: its counter goes — unless its mark
-        failed before, which is yet to be tried (`BatchLoop._mark_suspects`)."""
+        """Counters of messages that went through go, unless their mark is yet to be tried."""
         seen = self.failures.seen_before(label, acked)
         if seen and self.suspects:
             pending = self.suspects.among(label, seen)

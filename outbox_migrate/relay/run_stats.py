@@ -1,10 +1,7 @@
 """What a relay run did, counted by its threads (`Relay.stats`, the `relay.stopped` line).
 
-One way to count for both delivery styles: `Counters` (thread-safe `add`, `as_dict` for the
-log line and the CLI) holds the counters every delivery has; the polling relay's `RelayStats`
-and the CDC relay's `CdcStats` add only their own. Its own module so that every part of the
-relay that counts (the workers, the rejection policy in relay/refusals.py, the CDC stream)
-can without importing a relay's lifecycle.
+`Counters` holds what every delivery counts; `RelayStats` and `CdcStats` add their own. Its
+own module so that every part that counts needs no relay lifecycle import.
 """
 
 from __future__ import annotations
@@ -23,9 +20,7 @@ class Counters:
     sink_failures: int = 0
     rejected: int = 0
     bad_rows: int = 0
-    """Failures of a row itself (relay/claimed.py, headers that are not an object, a message
-    the sink cannot represent, a mark that violates a constraint): counted like rejections,
-    without the backoff."""
+    """Failures of a row itself: counted like rejections, without the backoff."""
     dead_lettered: int = 0
 
     def add(self, **counts: int) -> None:
@@ -47,7 +42,6 @@ class RelayStats(Counters):
     switches: int = 0
     abandoned_workers: int = 0
     read_ahead: int = 0
-    """Batches claimed on a worker's read-ahead session while the one before was published."""
 
     def batch(self, published: int) -> None:
         """One batch committed (the per-batch path: no keyword dispatch)."""
@@ -62,14 +56,11 @@ class CdcStats(Counters):
 
     transactions: int = 0
     backlog: int = 0
-    """Rows published from the exported snapshot at the slot's creation."""
     marked: int = 0
     marks: int = 0
-    """Mark statements sent (one per mark interval under steady load)."""
     reconnects: int = 0
     remarks: int = 0
-    """Marks whose snapshot did not show a transaction the stream had sent yet: its rows
-    went into the next mark (relay/cdc/marks.py)."""
+    """Marks whose snapshot missed a transaction the stream had sent (relay/cdc/marks.py)."""
     idle_confirms: int = 0
     confirmed_lsn: int = 0
 
@@ -79,5 +70,4 @@ class Unconfirmed:
     """CDC: shared by the stream loop (writer) and the lag sampler (reader)."""
 
     commit_time: int | None = None
-    """Commit time (pgoutput's microseconds) of the oldest outbox transaction received and
-    not yet confirmed; None when everything received is confirmed."""
+    """Commit time (pgoutput's) of the oldest outbox transaction not yet confirmed."""

@@ -1,18 +1,12 @@
 """Shard ownership: which slice of the id space this session may claim from.
 
-Each shard is a session-level advisory lock `(hashtext(key), shard)`. A session that holds it
-is the only claimer of that shard, so two claimers never try to lock the same row — the cause
-of SQLSTATE 40001 on the partitioned outbox. Locks die with their session, so a crashed
-relay's shards are free at once.
+Each shard is a session advisory lock: its holder is the only claimer of that shard, so two
+claimers never lock the same row (SQLSTATE 40001 on the partitioned outbox). Locks die with
+their session, so a crashed relay's shards are free at once.
 
-Balancing across processes: every worker session also holds a *shared* membership lock
-`(hashtext(key || ':members'), 0)`, so any worker can count the live workers of this outbox in
-`pg_locks` without knowing about the other processes. Each worker aims at its fair share,
-ceil(shards / live workers): it takes free shards (its home shards first) while below it and
-gives shards back while above it. A second relay process started next to a first one thus
-gets half the shards within a few REBALANCE_S; when one dies, the survivors take its shards.
-
-`fair_share` and `shards_to_release` are pure; `ShardLease` only runs the statements.
+Every worker session also holds a shared membership lock, so any worker can count the live
+workers in `pg_locks`; each aims at ceil(shards / live workers), taking free shards (home
+first) or giving some back, so processes balance within a few REBALANCE_S.
 """
 
 from __future__ import annotations
@@ -58,7 +52,6 @@ class ShardLease:
     ) -> None:
         self.key = key
         self.reap_after_s = reap_after_s
-        """End shard holders idle (outside a transaction) longer than this; None = never."""
         self.members_key = f"{key}:members"
         self.count = shards
         self.home = list(home)
@@ -122,21 +115,12 @@ class ShardLease:
     def reap(self, conn: Any) -> list[int]:
         """End sessions that hold shards but have been silent past `reap_after_s`; their pids.
 
-        The server ends a silent relay's session by itself (relay/keepalive.py) — but only
-        when its idle timers are armed, which happens when it reports ready for a query (after
-        a Sync). In pipeline mode there are moments when they are not: between a statement
-        and its Sync (the backend is `active`, reading from the client), and after psycopg
-        leaves pipeline mode with a Sync followed by a Flush (the server disarms its timers on
-        the Flush; the worker's next statement re-arms them microseconds later). A relay
-        frozen in such a moment (SIGSTOP, a frozen container: the kernel still answers TCP, so
-        keepalives never fire) would keep its shards for good — the fleet tests caught it
-        several times in ten. A live worker is never silent with shards for longer than its
-        poll interval, so the survivors end such a session once it has been silent for the
-        session timeout plus the poll interval: the bound the server's own timers keep, so
-        fencing (relay/fencing.py) is unaffected. Without the right to signal the session
-        (another role, no pg_signal_backend) the server's timers are all there is: one
-        warning, and reaping stops.
-        """
+        The server's idle timers (relay/keepalive.py) are armed only after a Sync: a relay
+        frozen between a pipelined statement and its Sync, or after leaving pipeline mode
+        (a Flush disarms them), would keep its shards for good, while the kernel still
+        answers keepalives. A live worker is never silent longer than its poll interval, so
+        survivors end such a session after the bound the server keeps (fencing unaffected).
+        Without the right to signal it, one warning, and reaping stops."""
         import psycopg
 
         if self.reap_after_s is None:
@@ -173,12 +157,9 @@ class ShardLease:
         self.owned.update(int(r[0]) for r in rows)
 
     def step_out(self, conn: Any) -> None:
-        """Give back every shard and stop counting as a member, until the next `maintain`.
-
-        For a worker that cannot publish (its broker is unreachable, while PostgreSQL is
-        not): holding its shards would stall them for as long as the broker stays away, and
-        staying a member would keep the survivors' fair share too small to take them all.
-        """
+        """Give back every shard and leave the members until the next `maintain`: a worker
+        whose broker is away would stall its shards, and as a member keep the survivors'
+        fair share too small to take them all."""
         self.release_all(conn)
         if self._member:
             conn.execute(queries.leave_members(), {"key": self.members_key})

@@ -1,11 +1,7 @@
 """What the workers of one polling relay share, and the one way they reach it.
 
-The relay's lifecycle (relay/worker.py `Relay`) builds one `Shared` and starts its workers
-(relay/driver.py) with it; a worker never sees the `Relay` itself. Why: the workers used to
-reach into the relay's private fields and methods, and the relay into theirs — one module,
-one circle. Here is everything a worker may use: the run's options and source state, the
-counters, the stop and abandon events, the sessions to cancel at a shutdown timeout, the
-resolved columns, the rejection policy (relay/refusals.py), and a way to report a fault.
+The lifecycle (relay/worker.py `Relay`) builds one `Shared` and starts its workers with it;
+a worker never sees the `Relay` itself, so neither reaches into the other (no import circle).
 """
 
 from __future__ import annotations
@@ -42,15 +38,12 @@ class Shared:
     sink_factory: SinkFactory
     refusals: Refusals
     text_ids: bool
-    """Application ids (uuid, ULID) travel as text: claimed in order, no id cursor."""
     message: type[Message]
     stopped: threading.Event
     request_stop: Callable[[], None]
     """`Relay.stop`: sets `stopped` and wakes idle workers through the stop pipe."""
     wake_fd: Callable[[], int | None]
-    """The read end of the stop pipe while running (`Relay.wake_fd`)."""
     columns: dict[str, queries.Columns] = field(default_factory=dict)
-    """Resolved once per source before any worker starts (`Relay._prepare`)."""
     conns: dict[int, Any] = field(default_factory=dict)
     """Every worker session by key, cancelled at the shutdown timeout."""
     abandon: threading.Event = field(default_factory=threading.Event)
@@ -82,8 +75,7 @@ class Shared:
         return not (row and row[0])
 
     def connect_worker(self) -> Any:
-        """A worker session: the relay's application name, keepalives for its session
-        timeout."""
+        """A worker session, with keepalives for its session timeout."""
         from outbox_migrate.db import connect
 
         return connect(
@@ -94,19 +86,20 @@ class Shared:
 
     def close_conn(self, key: int, conn: Any) -> None:
         self.conns.pop(key, None)
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:  # closing a broken connection may fail too
-                log.debug("relay.close_failed", exc_info=True)
+        close_quietly(conn)
+
+
+def close_quietly(thing: Any, event: str = "relay.close_failed") -> None:
+    """Close a connection or sink; a broken one may fail to close too, and is replaced."""
+    if thing is not None:
+        try:
+            thing.close()
+        except Exception:
+            log.debug(event, exc_info=True)
 
 
 def close_sink(sink: Sink | None) -> None:
-    if sink is not None:
-        try:
-            sink.close()
-        except Exception:  # a broken sink is replaced, not fatal
-            log.debug("relay.sink_close_failed", exc_info=True)
+    close_quietly(sink, "relay.sink_close_failed")
 
 
 def connection_errors(*more: type[BaseException]) -> tuple[type[BaseException], ...]:

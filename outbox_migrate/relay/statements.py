@@ -1,10 +1,7 @@
 """A claim session's statements: rendered once per session, source and shard layout, and
 prepared on it before the pipeline starts (PQprepare is synchronous).
 
-Why a cache per session: rendering through psycopg.sql and preparing cost more than a batch's
-SQL at small batches; both happen once per session (a new session starts empty: `reset`).
-A worker that owns every shard (the usual single worker) claims without the shard filter:
-nobody else can claim here, and `mod(id, n) = ANY(all)` only costs.
+Rendering and preparing cost more than a small batch's SQL, so both happen once per session.
 """
 
 from __future__ import annotations

@@ -21,9 +21,8 @@ from outbox_migrate.db import APPLICATION_NAME
 TOOL_SESSIONS_LIKE = APPLICATION_NAME.split("/", 1)[0] + "/%"
 """`application_name` of the tool's own sessions (runner, relay, jobs): `outbox-migrate/…`."""
 QUIET_WINDOW_S = 10.0
-"""How long the flat table's insert counter must stay still before the fallback passes. The
-statistics are reported when a transaction ends and flushed about once a second (PostgreSQL
-15+), so the window is well above that; a window is supporting evidence, never the only one."""
+"""How long the insert counter must stay still: well above the statistics' flush (about a
+second); supporting evidence, never the only one."""
 
 
 @dataclass(frozen=True)
@@ -49,11 +48,8 @@ def bypassing_sessions(conn: Any, relation: str) -> list[Session]:
 
 
 class QuietWindow:
-    """Whether the flat table's insert counter has stood still for `window_s`.
-
-    The counter is sampled at every gate check; any movement restarts the window. Sampling
-    between checks is enough: a move is seen at the next check whenever it happened.
-    """
+    """Whether the flat table's insert counter has stood still for `window_s`, sampled at
+    every gate check (a move is seen at the next check whenever it happened)."""
 
     def __init__(
         self, window_s: float | None = None, clock: Callable[[], float] = time.monotonic

@@ -1,36 +1,28 @@
 """The switching rule: when the relay may stop publishing from the flat table, exactly once.
 
-The spec's sketch switches at the first empty batch. That strands rows: during a rolling
-deploy a V1 instance still inserts into the flat table after it was first seen empty, and
-nothing would ever publish them. The rule here:
+Switching at the first empty batch would strand rows a V1 instance still inserts during a
+rolling deploy. The rule:
 
     switch when, inside one transaction holding LOCK TABLE flat IN SHARE MODE,
     (1) no writer can insert any more (the gate), and (2) no unpublished row remains.
 
-Why it is sound: an INSERT holds ROW EXCLUSIVE on the table until its transaction ends, and
-SHARE conflicts with it, so once the lock is granted every transaction that ever inserted
-has committed or rolled back — (2) then sees all their rows. The gate makes sure no *later*
-transaction can insert:
+Sound because SHARE conflicts with the ROW EXCLUSIVE every INSERT holds to its transaction's
+end: once granted, every transaction that inserted has ended, and (2) sees all their rows.
+The gate makes sure no *later* transaction can insert:
 
-* `privilege` (default): no login role that a REVOKE can stop holds INSERT on the table.
-  PostgreSQL enforces it; an INSERT that queued behind our lock re-reads privileges after
-  acquiring its lock and fails. The operator's signal is `REVOKE INSERT ON outbox FROM app_v1`
-  (as the table's owner) once V1 is gone. Superusers, the owner and members of the owner role
-  insert whatever is revoked: while a session of theirs (other than the tool's own) is
-  connected the privilege proves nothing, and the gate waits instead for the old version's
-  sessions to be gone and the table's insert counter to stand still (relay/switch_evidence.py).
-* `sessions`: no session whose application_name matches the old version's pattern is
-  connected. This trusts the deploy: a V1 instance that reconnects later is not stopped.
+* `privilege` (default): no login role a REVOKE can stop holds INSERT; an INSERT queued
+  behind our lock re-reads privileges and fails. Superusers and owners insert whatever is
+  revoked: while a session of theirs is connected the gate waits instead for the old
+  version's sessions to go and the insert counter to stand still (relay/switch_evidence.py).
+* `sessions`: no session of the old version's application_name is connected (trusts the
+  deploy: a V1 instance that reconnects later is not stopped).
 
-Every "not yet" is logged at WARNING, at most once a minute per kind of reason, and recorded
-in the checking session's `application_name` (`… waits:privilege @1764300000`: the reason's
-short code and when, `SWITCH_WAITS`), which every role can read in pg_stat_activity: that is
-how `status --watch` shows why a switching relay waits. Sessions that stop checking (the relay
-switched) leave a mark that ages; the watch shows only recent ones.
+Every "not yet" is logged at most once a minute per kind, and recorded in the session's
+`application_name` (`… waits:privilege @<epoch>`), readable by every role: how `status
+--watch` shows why a switching relay waits.
 
-Both conditions only ever move from false to true during a migration, so once switched the
-relay never needs to look back; a restarted relay re-proves the rule and switches at once.
-The lock is taken with a short lock_timeout so V1 writers never queue behind us for long.
+Both conditions only move from false to true, so a switch is never undone; a restarted relay
+re-proves the rule. The short lock_timeout keeps V1 writers from queueing behind us for long.
 """
 
 from __future__ import annotations
@@ -55,7 +47,7 @@ MAX_SESSIONS_NAMED = 5
 
 SWITCH_WAITS = " waits:"
 """Marks a relay session's application_name while its switch check says "not yet"."""
-WAIT_CODES = {
+WAIT_CODES = {  # application_name holds 63 bytes, and the tool's prefix must stay
     "insert-privilege": "privilege",
     "bypassing-sessions": "bypass",
     "bypassing-sessions+old-sessions": "bypass+old",
@@ -64,12 +56,10 @@ WAIT_CODES = {
     "unpublished": "unpublished",
     "writing": "writing",
 }
-"""Short codes of the reasons (application_name holds 63 bytes; the tool's prefix must stay)."""
 MAX_APPLICATION_NAME = 63
 
 NotYet = tuple[str, str]
-"""(kind, reason) of a gate that does not hold yet; ("", "") when it holds. The kind is the
-stable key the WARNING is rate-limited by; the reason is the text for the operator."""
+"""(kind: the rate-limit key, reason: for the operator); ("", "") when the gate holds."""
 HOLDS: NotYet = ("", "")
 
 
@@ -83,7 +73,7 @@ def writers_remaining(
     """Who can still insert into `source`, and what to do about it (HOLDS when nobody can)."""
     if gate is SwitchGate.sessions:
         return _old_sessions(conn, old_app)
-    relation = _regclass(source)
+    relation = queries.qualified(source.schema, source.mark_table)
     rows = conn.execute(queries.roles_that_can_insert(), {"relation": relation}).fetchall()
     names = [str(r[0]) for r in rows]
     if names:
@@ -132,7 +122,8 @@ def _without_privilege_proof(
     kind, why = _old_sessions(conn, old_app)
     if kind:
         return ("bypassing-sessions+old-sessions", f"{nothing}; waiting: {why}")
-    still = quiet.not_quiet(conn, _regclass(source)) if quiet is not None else ""
+    relation = queries.qualified(source.schema, source.mark_table)
+    still = quiet.not_quiet(conn, relation) if quiet is not None else ""
     if still:
         return ("bypassing-sessions+quiet", f"{nothing}; the old version is gone, waiting: {still}")
     return HOLDS
@@ -149,15 +140,6 @@ def _old_sessions(conn: Any, old_app: str) -> NotYet:
     if not count:
         return HOLDS
     return ("old-sessions", f"{count} session(s) of {old_app!r} connected")
-
-
-def _regclass(source: queries.Source) -> str:
-    """Text that `::regclass` resolves to exactly this relation (quoted identifiers)."""
-
-    def quote(name: str) -> str:
-        return '"' + name.replace('"', '""') + '"'
-
-    return f"{quote(source.schema)}.{quote(source.mark_table)}"
 
 
 def check_switch(
@@ -186,8 +168,7 @@ def check_switch(
             if row and row[0]:
                 verdict = ("unpublished", "unpublished rows remain")
 
-    # One attempt (budget 0) through the tool's lock-budget primitive: the relay tries again
-    # after its next empty claim, so it never waits here, and never watches a holder.
+    # One attempt (budget 0): the relay tries again after its next empty claim.
     budget = LockBudget(lock_timeout_ms=SWITCH_LOCK_TIMEOUT_MS, budget_s=0.0)
     try:
         run_with_lock_budget(
@@ -201,8 +182,7 @@ def check_switch(
 
 class RateLimitedLog:
     """`warning(key, …)` logs unless the same key was logged less than `interval_s` ago: the
-    switch check runs after every empty claim, many times a second when idle, and each "not
-    yet" deserves one WARNING an operator can act on, not a flood of them."""
+    switch check runs many times a second, and each "not yet" deserves one WARNING."""
 
     def __init__(
         self,
@@ -241,13 +221,11 @@ class SourceState:
         self.blocked_checks = 0
         """Times the flat table was found drained (or nearly) but the rule said "not yet"."""
         self.last_blocked_reason = ""
-        self.switched_at: float | None = None
         self.quiet = QuietWindow()
         self.warn = RateLimitedLog(log)
 
     def resolve(self, resolve: Callable[[queries.Source], queries.Source]) -> None:
-        """Replace both sources by `resolve`d copies (relay/marker_source.py), keeping which
-        one is current; only before any worker starts."""
+        """Replace both sources by `resolve`d copies, before any worker starts."""
         flat_current = self._current is self.flat
         self.flat, self.partitioned = resolve(self.flat), resolve(self.partitioned)
         self._current = self.flat if flat_current else self.partitioned
@@ -278,15 +256,13 @@ class SourceState:
                 return False
             self._current = self.partitioned
             self.switches += 1
-            self.switched_at = time.time()
             log.info("relay.switched from=%s to=%s", self.flat.label, self.partitioned.label)
             return True
 
 
 def mark_waiting(conn: Any, kind: str) -> None:
-    """Record in the session's application_name why the switch waits (`kind`), with the time;
-    an empty `kind` removes the mark. The tool's prefix is kept (its sessions are known by it),
-    the rest of the name is cut to make room."""
+    """Record in the session's application_name why the switch waits, with the time (empty
+    `kind`: remove it). The tool's prefix, by which its sessions are known, is kept."""
     code = WAIT_CODES.get(kind, kind)[:16]
     conn.execute(
         "SELECT set_config('application_name', CASE WHEN %(code)s = '' THEN base ELSE "

@@ -1,15 +1,10 @@
 """Published batches whose mark did not commit: find the rows at fault, mark the rest; and
 what a batch settles before its mark (dead-lettered rows, suspects).
 
-A batch is published before its mark; when the mark breaks a constraint (a duplicate id
-moving into the published partition after the swap), its transaction rolls back and its rows
-are published but unmarked. `repair` marks them again in a transaction of their own, row by
-row where needed (relay/mark_repair.py), and counts what it did as the batch's COMMIT would
-have: published rows, bad rows, dead letters. The worker's batch loop repairs at once on its
-other session (relay/batch_loop.py, `_repair_in_run`); the worker repairs before its next run
-otherwise (relay/driver.py).
-
-It runs on a session that is in no transaction and not in pipeline mode, and never waits.
+When a published batch's mark breaks a constraint, its transaction rolls back, its rows
+published but unmarked: `repair` marks them again in a transaction of its own
+(relay/mark_repair.py) and counts what the COMMIT would have. On a session in no transaction
+and not in pipeline mode; never waits.
 """
 
 from __future__ import annotations
@@ -33,10 +28,8 @@ log = logging.getLogger("outbox_migrate.relay")
 def repair(
     relay: Shared, index: int, conn: Any, unmarked: list[Commit], error: Exception | None
 ) -> list[MessageId]:
-    """Repair the batches of `unmarked` (emptied as they are done) on `conn`; returns the bad
-    rows to claim again. A row that cannot be marked is a bad row: counted, claimed again,
-    dead-lettered and removed after `max_attempts`. `error`: what failed when a batch carries
-    no mark error of its own (a COMMIT that broke a deferred constraint)."""
+    """Repair the batches of `unmarked` (emptied as done); returns the bad rows to claim
+    again. `error`: what failed when a batch has no mark error (a deferred constraint)."""
     refusals, by_key = relay.refusals, relay.options.ordering is Ordering.key
     encoding = conn.info.encoding
     retry: list[MessageId] = []
@@ -51,8 +44,7 @@ def repair(
             failed = error
         try:
             if claim.letters:
-                # Rolled back with the batch's mark, which failed on another row: written
-                # again, in a transaction of their own (never stranded by that row).
+                # Rolled back with the mark that failed on another row: written again.
                 claim.letters = mark_repair.redo_dead(conn, source, refusals.failures,
                                                       claim.rows, claim.letters)  # fmt: skip
                 committed(relay, claim)
@@ -88,10 +80,9 @@ def committed(relay: Shared, claim: Batch) -> None:
 def before_mark(
     relay: Shared, conn: Any, claim: Batch, acked: list[MessageId]
 ) -> tuple[list[MessageId], list[MessageId]]:
-    """In the batch's transaction, before its mark: the rows dead-lettered by the publish
-    leave the outbox, each on its own (`mark_repair.settle_dead`: the batch's mark, failing
-    on one of them, rolled all their dead letters back); then suspects are marked alone.
-    Returns the acknowledged ids left for the batch's mark and the ids to claim again."""
+    """Before the batch's mark: dead-lettered rows leave the outbox on their own (one failing
+    in the mark would roll all their dead letters back), then suspects are marked alone.
+    Returns the ids left for the batch's mark and the ids to claim again."""
     if claim.letters:
         dead = {d.message.id for d in claim.letters}
         mark_repair.settle_dead(conn, claim.source, claim.rows, dead)
@@ -103,9 +94,7 @@ def before_mark(
 def mark_suspects(
     relay: Shared, conn: Any, claim: Batch, acked: list[MessageId]
 ) -> tuple[list[MessageId], list[MessageId]]:
-    """In the batch's transaction, before its mark: rows whose mark failed before are marked
-    alone first (relay/mark_repair.py). Returns the acknowledged ids left for the batch's
-    mark and the ids to claim again; their dead letters join the batch's (`claim.letters`)."""
+    """Before the batch's mark: suspects are marked alone first; returns as `before_mark`."""
     refusals, by_key = relay.refusals, relay.options.ordering is Ordering.key
     done = mark_repair.mark_suspects(conn, claim.source, refusals.failures, refusals.suspects,
                                      claim.rows, claim.messages, acked)  # fmt: skip

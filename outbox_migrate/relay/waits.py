@@ -1,20 +1,12 @@
 """The one way a relay worker waits: never while one of its sessions is in a transaction.
 
-Why one primitive: a session that waits inside its transaction is "idle in transaction" on the
-claimed rows' locks (and, after a mark, on the outbox's parent), and the migration runner does
-not queue a step's lock behind such a session (lock_budget.py) — under steady traffic a
-worker that did so nearly all the time kept a step from ever finding its moment. That was
-fixed at four places by convention (linger, idle sleep, parked key, held COMMIT); here every
-wait of a worker (linger, idle sleep, backoff, pause, listener poll, outage wait) first checks
-its sessions and raises `WaitInTransaction`, a programming error, rather than wait.
+A session waiting inside its transaction holds the claimed rows' locks, and the migration
+runner does not queue a step's lock behind it (lock_budget.py): under steady traffic a step
+would never find its moment. So every wait of a worker first checks its sessions and raises
+`WaitInTransaction`, a programming error, rather than wait.
 
-A session passes when libpq reports it outside a transaction, or — in pipeline mode, where
-libpq reports "active" until the results are read — when everything queued went out with a
-Sync and the last transaction statement queued was a COMMIT or ROLLBACK (`Wire.ends_transactions`):
-the server ends the transaction on its own, whether or not the worker has read the results yet
-(so the batch's mark and COMMIT still travel before the wait and are read with the next claim).
-
-It must not: decide how long to wait (the worker does), or touch a session (it only looks).
+In pipeline mode libpq says "active" until results are read: a session passes when all it
+queued went out with a Sync and ended with COMMIT or ROLLBACK (`Wire.ends_transactions`).
 """
 
 from __future__ import annotations
@@ -30,8 +22,8 @@ from psycopg import pq
 from outbox_migrate.relay.wire import Wire
 
 PLAIN_SLEEP_MAX_S = 0.05
-"""Waits up to this long are a plain sleep (`Event.wait` allocates and queues a lock per call,
-which the linger pays once per batch); a stop waits at most this long for them."""
+"""Waits up to this long are a plain sleep (`Event.wait` allocates a lock per call, paid once
+per batch by the linger); a stop waits at most this long for them."""
 
 Session = tuple[Any, Wire | None]
 """A connection and its pipeline (None: the session is not pipelined)."""
@@ -42,9 +34,8 @@ class WaitInTransaction(RuntimeError):
 
 
 def check_outside_transaction(sessions: Iterable[Session]) -> None:
-    """Raise `WaitInTransaction` if one of `sessions` is, or will stay, in a transaction.
-
-    A closed or broken session holds nothing (the server rolled it back), and passes."""
+    """Raise `WaitInTransaction` if one of `sessions` is, or will stay, in a transaction (a
+    closed or broken one holds nothing)."""
     for conn, pipe in sessions:
         if conn is None or conn.closed:
             continue
@@ -63,8 +54,7 @@ def check_outside_transaction(sessions: Iterable[Session]) -> None:
 
 
 class Waits:
-    """A worker's waits. `sessions` returns the sessions that must not be in a transaction
-    when one starts (the claim session and the read-ahead session)."""
+    """A worker's waits; `sessions` returns those that must not be in a transaction."""
 
     def __init__(self, stop: threading.Event, sessions: Callable[[], Iterable[Session]]) -> None:
         self.stop = stop

@@ -1,20 +1,13 @@
 """The worker's hot path at the libpq level: prepared statements in one pipeline.
 
-Why not psycopg's own pipeline (`conn.pipeline()` + `conn.execute`)? Every `execute` builds a
-cursor, converts the query and polls the socket twice to send that one statement; here a
-batch's statements leave in one network write. With small batches that per-batch cost is the
-relay's CPU bill (bench/README.md, "Accelerators: on and off in one run").
+Not psycopg's pipeline: each `execute` there builds a cursor and polls the socket twice for
+one statement; here a batch's statements leave in one network write (bench/README.md,
+"Accelerators"). Still psycopg's: the connection, the row loading (`Transformer`: the same
+types as `conn.execute`) and the error classes (40001 is still `SerializationFailure`).
+Values go as text of unknown type, as psycopg sends `str`, so the server infers them alike.
 
-What stays psycopg's: the connection (its settings, keepalives, cancel), the row loading
-(`Transformer`, so claimed rows have exactly the types `conn.execute` would give), the error
-classes (`error_from_result`: SQLSTATE 40001 is still `SerializationFailure`, a lost server
-still an `OperationalError`). Statements are prepared once per session by name; values go as
-text with unknown type (what psycopg does for `str`), so the server infers them as it would.
-
-Errors: the first failed statement's error is raised once the pipeline has been read up to
-its Sync (the statements after it are aborted by the server); the session's transaction is
-then in an aborted state and the caller rolls it back (`Wire.close` leaves pipeline mode
-first), as with psycopg's pipeline.
+The first failed statement's error is raised once the pipeline was read up to its Sync; the
+caller then rolls the aborted transaction back, as with psycopg's pipeline.
 """
 
 from __future__ import annotations
@@ -36,8 +29,7 @@ from psycopg.adapt import Transformer
 log = logging.getLogger("outbox_migrate.relay")
 
 _NAMES = itertools.count()
-"""Statement names, unique in the process: a new `Wire` on a session that had one before
-must not collide with the statements that one prepared."""
+"""Unique in the process: a new `Wire` on a session must not collide with an earlier one's."""
 _PLACEHOLDER = re.compile(rb"%\((\w+)\)s|%%")
 _ENDS_BLOCK = (b"COMMIT", b"ROLLBACK")
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
@@ -45,12 +37,9 @@ _POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
 
 
 def _queue_sync_function() -> Any:
-    """libpq's `PQsendPipelineSync` (libpq 17+), from the libpq psycopg loaded; None without.
-
-    It queues a Sync without flushing, which psycopg does not expose: `PQpipelineSync` flushes,
-    so a Sync in the middle of a batch (`send(tolerate=True)`) would cost a network write and a
-    wake-up of the server of its own. The libpq is found among the process's mappings, so it is
-    the one psycopg uses (loading a path already loaded returns that library)."""
+    """libpq 17's `PQsendPipelineSync` from the libpq psycopg loaded (found among the
+    process's mappings), or None. It queues a Sync without flushing, which psycopg does not
+    expose: a mid-batch Sync would otherwise cost a network write and a server wake-up."""
     try:
         with open("/proc/self/maps") as maps:  # noqa: PTH123 - one read at import
             paths = {line.split()[-1] for line in maps if "libpq" in line.rsplit("/", 1)[-1]}
@@ -70,8 +59,7 @@ _QUEUE_SYNC = _queue_sync_function()
 
 
 class Statement:
-    """A statement rendered with `%(name)s` placeholders, in `$n` form with its parameter
-    names in order (`%%` is a literal `%`, as for psycopg)."""
+    """A `%(name)s` statement in `$n` form, with its parameter names in order."""
 
     __slots__ = ("names", "text")
 
@@ -113,7 +101,7 @@ class Slot:
     def __init__(self, tolerated: bool = False) -> None:
         self.result: pq.abc.PGresult | None = None
         self.tolerated = tolerated
-        """Its error is the caller's to read (`error`), not raised by `sync` (see `send`)."""
+        """Its error is the caller's to read (`error`), not raised by `sync`."""
 
     @property
     def succeeded(self) -> bool:
@@ -142,17 +130,12 @@ class Wire:
         self.encoding: str = conn.info.encoding
         self.tx = Transformer.from_context(conn)
         self._prepared: dict[bytes, tuple[bytes, tuple[str, ...]]] = {}
-        self._slots: deque[Slot] = deque()
-        """One entry per statement sent and not yet read."""
-        self._syncs = 0
-        """Syncs sent whose results are not read yet."""
-        self._sent = 0
-        """How many of `_slots` went out before the last Sync."""
+        self._slots: deque[Slot] = deque()  # statements sent, not yet read
+        self._syncs = 0  # Syncs sent, not yet read
+        self._sent = 0  # how many of `_slots` went out before the last Sync
         self._active = False
-        self._in_block = False
-        """A BEGIN was queued after the last COMMIT or ROLLBACK (see `ends_transactions`)."""
-        self._unflushed = False
-        """A Sync was queued without a flush (`send(tolerate=True)`): the next one flushes."""
+        self._in_block = False  # a BEGIN queued after the last COMMIT or ROLLBACK
+        self._unflushed = False  # a Sync queued without a flush
         self._poll = select.poll()
         self._poll.register(self.pg.socket, _POLL_IN)
 
@@ -169,8 +152,7 @@ class Wire:
         result = self.pg.prepare(name, statement.text)
         if result.status != pq.ExecStatus.COMMAND_OK:
             if self.pg.status == pq.ConnStatus.BAD:
-                # A result made up by libpq (no SQLSTATE): psycopg's class for it would be the
-                # generic DatabaseError, which the worker does not retry as a lost connection.
+                # libpq's made-up result (no SQLSTATE) would be a DatabaseError, not retried.
                 message = result.error_message.decode(self.encoding, "replace").strip()
                 raise pg_errors.OperationalError(f"connection lost: {message}")
             raise pg_errors.error_from_result(result, encoding=self.encoding)
@@ -180,15 +162,11 @@ class Wire:
     def send(
         self, rendered: bytes, params: dict[str, Any] | None = None, *, tolerate: bool = False
     ) -> Slot:
-        """Queue a prepared statement (prepared on first use) in the pipeline.
+        """Queue a statement (prepared on first use) in the pipeline.
 
-        `tolerate`: the statement is followed by a Sync of its own, so its error ends there and
-        aborts nothing queued after it (the Sync is queued, not flushed, where libpq allows:
-        it leaves with the next `send_sync`, one network write and one wake-up of the server
-        for the batch, not two); `sync` leaves that error in the slot
-        for the caller instead of raising it. Inside a transaction block the block is then
-        aborted, and a COMMIT queued next rolls it back (the server answers "ROLLBACK", not an
-        error): the batch's mark uses this, so a row that cannot be marked costs its own
+        `tolerate`: a Sync of its own follows it (queued, not flushed, where libpq allows),
+        so its error aborts nothing queued after it and stays in the slot. In a transaction
+        block a COMMIT queued next then rolls back: a row that cannot be marked costs its own
         batch's transaction, not the run (relay/batch_loop.py)."""
         known = self._prepared.get(rendered)
         if known is None:
@@ -234,19 +212,16 @@ class Wire:
 
     @property
     def ends_transactions(self) -> bool:
-        """Whether the session is outside any transaction block once the server has run what
-        was sent, its results read or not: no BEGIN queued after the last COMMIT or ROLLBACK,
-        and everything queued went out with a Sync (which ends an implicit transaction). In
-        pipeline mode libpq reports the session "active" until the results are read, so this
-        is what tells a wait after `send_sync` (relay/waits.py) that it holds no lock."""
+        """Whether the session is outside any transaction once the server ran what was sent,
+        read or not. libpq says "active" until results are read, so this is what tells a wait
+        (relay/waits.py) that it holds no lock."""
         return not self._in_block and self._sent >= len(self._slots) and not self._unflushed
 
     # -- the round trip -------------------------------------------------------------------
 
     def send_sync(self) -> None:
-        """Send a Sync with everything queued, without waiting for the results: the server
-        runs the statements (a COMMIT commits) while the worker waits for other reasons; the
-        next `sync` reads these results with its own, in one wake-up instead of two."""
+        """Send a Sync with everything queued, not waiting: the next `sync` reads these
+        results with its own, one wake-up instead of two."""
         if self._slots and self._sent < len(self._slots):
             self.pg.pipeline_sync()
             self._flush()
@@ -257,8 +232,7 @@ class Wire:
         self._unflushed = False
 
     def sync(self) -> None:
-        """Send a Sync with everything queued (one network write), then read every result up
-        to it (and to any Sync sent before); raise the first error among them."""
+        """Send a Sync with everything queued, read every result; raise the first error."""
         self.send_sync()
         if not self._syncs:
             return
@@ -292,8 +266,7 @@ class Wire:
             pg.consume_input()
         result = pg.get_result()
         if result is None and pg.status == pq.ConnStatus.BAD:
-            # The session is gone with a Sync still unanswered: no result will ever come, and
-            # without this a second read (cleanup after the first error) would spin for ever.
+            # A Sync never to be answered: a second read (cleanup) would spin for ever.
             message = pg.get_error_message(self.encoding) or "the server closed the session"
             raise pg_errors.OperationalError(f"connection lost: {message.strip()}")
         return result
@@ -311,9 +284,8 @@ class Wire:
 
     @contextmanager
     def pipeline(self) -> Iterator[Wire]:
-        """A run of batches: on a normal exit what is queued is sent and read (raising its
-        error); on an exception it is read as far as the session allows, then pipeline mode
-        is left so the caller can roll back with ordinary statements."""
+        """A run of batches: on exit what is queued is read; on an exception pipeline mode is
+        left so the caller can roll back with ordinary statements."""
         try:
             yield self
             self.sync()
@@ -323,8 +295,8 @@ class Wire:
         self._leave()
 
     def pause(self) -> None:
-        """Read everything queued and leave pipeline mode (the transaction stays open), so
-        ordinary `conn.execute` calls can run inside it; the next `send` enters again."""
+        """Read everything queued and leave pipeline mode, the transaction open, for ordinary
+        `conn.execute` calls; the next `send` enters again."""
         self.sync()
         self._leave()
 
@@ -355,8 +327,7 @@ class Wire:
 
 
 def direct(conn: Any, wire: Wire) -> Any:
-    """`conn`, for code that runs ordinary statements inside the batch's transaction (the
-    rejection path): the pipeline is paused before the first of them."""
+    """`conn` for ordinary statements in the batch's transaction, the pipeline paused first."""
     return _Direct(conn, wire)
 
 

@@ -1,24 +1,10 @@
-"""The relay's worker loop: claim → publish → mark, with a clean lifecycle.
+"""The polling relay's lifecycle: start, stop, the workers' threads, the shutdown timeout,
+the metrics sampler. A worker (and how it sorts failures) is relay/driver.py.
 
-Each worker is a thread with its own connection and its own sink. One batch is one
-transaction: claim rows (`FOR UPDATE SKIP LOCKED`, this session's shards only), publish them
-and wait for the broker's acknowledgement, mark the acknowledged ones, commit. Nothing is
-marked before the broker acknowledged it, so a crash anywhere re-sends at most the batch in
-flight (at-least-once). Failures are sorted, never swallowed:
-
-* SQLSTATE 40001 (row moved to another partition by a concurrent mark): retried at once
-  after a short jitter — the shard scheme makes it rare, the retry makes it harmless;
-* a lost connection: reconnect with exponential backoff (shards are re-acquired);
-* the sink unavailable: the batch rolls back, the worker backs off and retries, forever;
-* messages the sink rejects: attempts are counted; after `max_attempts` the row goes to the
-  dead-letter table and is marked in the same transaction (nothing lost).
-
-`Relay.stop()` (SIGTERM in the CLI) lets every worker finish its in-flight batch; after
-`shutdown_timeout_s` the rest are abandoned before their mark (their rows are re-sent later).
-Log lines start with stable event names (`relay.started`, `relay.switched`, …).
-
-This module is the lifecycle (start, stop, the workers' threads, the shutdown timeout, the
-metrics sampler); a worker is relay/driver.py, and what the workers share relay/shared.py.
+One batch is one transaction, and nothing is marked before the broker acknowledged it, so a
+crash anywhere re-sends at most the batch in flight (at-least-once). `Relay.stop()` lets every
+worker finish its batch; after `shutdown_timeout_s` the rest are abandoned before their mark
+(re-sent later).
 """
 
 from __future__ import annotations
@@ -84,14 +70,12 @@ class Relay:
         self._wake_fds: tuple[int, int] | None = None
         """A pipe a stop writes to: idle workers wait on it beside their own session."""
         self._wake_lock = threading.RLock()
-        """Guards the pipe's closing; re-entrant, as a signal handler may call `stop` on the
-        thread that holds it."""
+        """Re-entrant: a signal handler may call `stop` on the thread that holds it."""
         text_ids = self.spec.id_kind == "application"
         self.failures = FailedMessages(
             self.spec.schema, options.dead_letter_table, options.attempts_table,
             options.max_attempts, text_ids,
         )  # fmt: skip
-        """Attempts counted in the database, dead letters (relay/bad_rows.py)."""
         self.shared = Shared(
             dsn=dsn, application_name=application_name, options=options, state=self.state,
             stats=self.stats, observer=self.observer, sink_factory=sink_factory,
@@ -103,7 +87,6 @@ class Relay:
             text_ids=text_ids, message=TextIdMessage if text_ids else Message,
             stopped=self._stop, request_stop=self.stop, wake_fd=self.wake_fd,
         )  # fmt: skip
-        """What the workers see of this relay (relay/shared.py)."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -157,8 +140,7 @@ class Relay:
         self.stats.switches = self.state.switches
         fatal = self.shared.fatal
         if fatal is not None:
-            # A fault met while running is a failure (exit 1), not bad input (exit 2): what
-            # could be refused before work started was refused by `_prepare`.
+            # A fault while running is a failure (exit 1), not bad input (exit 2).
             if isinstance(fatal, RelayFailed):
                 raise fatal
             raise RelayFailed(f"relay worker failed: {one_line(fatal)}") from fatal
@@ -184,8 +166,8 @@ class Relay:
         late = [t for t in threads if t.is_alive()]
         if not late:
             return
-        # The in-flight batch did not finish in time: abandon it before its mark. A running
-        # query is cancelled; a worker waiting on the broker rolls back when the call returns.
+        # Abandon the in-flight batch before its mark: a running query is cancelled, a worker
+        # waiting on the broker rolls back when the call returns.
         self.shared.abandon.set()
         self.stats.add(abandoned_workers=len(late))
         log.warning("relay.shutdown_timeout workers=%d", len(late))
@@ -198,9 +180,8 @@ class Relay:
             thread.join(timeout=ABANDON_GRACE_S)
 
     def _check_sink(self) -> None:
-        """Build one sink and close it: a configuration error (bad URL scheme, an option the
-        sink refuses, a missing client library) is a `RelayError` here, at start — one line,
-        exit 2 — rather than a worker failure, or an "outage" retried for ever, later."""
+        """Build one sink and close it: a configuration error is a `RelayError` at start
+        (exit 2), not a worker failure or an "outage" retried for ever later."""
         close_sink(self.sink_factory())
 
     def _prepare(self) -> None:
@@ -218,8 +199,6 @@ class Relay:
                 marker_source.check_markable(conn, source)
                 self.shared.columns[source.label] = resolve_columns(conn, source, self.spec,
                     options.key_column, options.event_type_column, options.ordering)  # fmt: skip
-            # The dead-letter and attempts tables, created up front (relay/bad_rows.py; a
-            # role that may not create them is warned there).
             self.failures.prepare(conn, [source.label for source in sources])
             if self.options.listen and self.options.mode is not Mode.flat:
                 self._check_trigger_key(conn)
@@ -260,10 +239,8 @@ class Relay:
 
 
 class _NamesWatch:
-    """The relay's regular look at its names (marker_source.check_names), from the main
-    thread, every NAMES_CHECK_S, on a short session of its own: a claim relation renamed away
-    would leave the workers idle for ever (a busy worker's marks say it sooner:
-    `MarkFellShort`). Off the workers' sessions, so their runs never pay for it."""
+    """A look at the relay's names every NAMES_CHECK_S on a short session of its own, off the
+    workers' runs: a claim relation renamed away would leave the workers idle for ever."""
 
     def __init__(self, dsn: str, application_name: str) -> None:
         self.dsn, self.application_name = dsn, application_name

@@ -1,13 +1,9 @@
 """The first start's backlog: the rows the new slot's exported snapshot shows unpublished.
 
-The snapshot defines *which* rows are the backlog (committed before the slot's consistent
-point; everything after it comes through the stream): no gap and no overlap. It is used for
-that alone, in one short transaction that reads the backlog's ids (kept as runs of consecutive
-ids, so a dense backlog costs a few bytes), after which the replication connection's next
-command ends the exported snapshot and with it the xmin the walsender held for it. The rows
-are then read by id, one batch per statement, each its own transaction, and published and
-marked with no transaction open: nobody waits on the broker while holding back VACUUM.
-A row marked meanwhile is simply not found again (it left the unpublished partition).
+The snapshot defines *which* rows are the backlog (everything later comes through the
+stream): no gap, no overlap. It is used for that alone, in one short transaction, then ended
+(its xmin holds back VACUUM). The rows are read by id in batches, each its own transaction,
+and published with no transaction open; a row marked meanwhile is not found again.
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ ID_FETCH_ROWS = 10_000
 
 
 class IdRuns:
-    """The backlog's ids as runs of consecutive ids, ascending: two int64 arrays (16 bytes a
-    run), so a dense backlog of millions of rows costs a few bytes and a sparse one 16 per id."""
+    """The backlog's ids as ascending runs of consecutive ids (16 bytes a run)."""
 
     def __init__(self) -> None:
         self.firsts = array("q")

@@ -1,14 +1,10 @@
 """Whether the previous run on a slot ended without stopping: then count before publishing.
 
-A relay killed outright (SIGKILL, the OOM killer, a crash in a broker library's C code) counts
-nothing, and the message it was publishing — maybe the one that killed it — comes again from
-the slot. So each run keeps one row in `<dead_letter_table>_attempts` (source `cdc-run:<slot>`,
-id 0) from its start until it stops cleanly. Finding that row at a start means the last run
-died: until the stream has passed the server's position at this start (everything the dead
-run can have held), each message's attempt is counted *before* it is published
-(`Delivery.deliver(careful=True)`), so a message that kills the relay every time reaches the
-dead-letter table after `--max-attempts` restarts. A clean run pays two statements, at start
-and stop; the careful window costs two short statements per batch.
+A relay killed outright counts nothing, and the message that maybe killed it comes again. So
+each run keeps one row in the attempts table from its start until it stops cleanly; finding it
+at a start means the last run died, and until the stream passes this start's position each
+attempt is counted *before* the publish (`Delivery.deliver(careful=True)`): a message that
+kills the relay every time is dead-lettered after `--max-attempts` restarts.
 """
 
 from __future__ import annotations

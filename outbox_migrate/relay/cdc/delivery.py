@@ -1,13 +1,8 @@
 """Hand a batch to the sink until every message is acknowledged or dead-lettered.
 
-The policy is the polling relay's, through the same object (relay/bad_rows.py
-`FailedMessages`): the same attempts table and dead letters, the same rule for what counts as
-an attempt (a refusal, a message the sink cannot represent, a crash of the sink while it held
-the message — never a broker outage), a message with a failure on record published alone
-(`publishing.split_suspects`), one out of attempts dead-lettered without being sent again. What is
-CDC's own: the stream cannot offer a message again, so retries happen here, and each count
-is its own short transaction on the marks session, between publishes — the sink is the only
-thing that waits on the broker, and no transaction is open while it does.
+The policy is the polling relay's (relay/bad_rows.py). CDC's own: the stream cannot offer a
+message again, so retries happen here, each count a short transaction of its own on the
+marks session between publishes: no transaction is open while the sink waits on the broker.
 """
 
 from __future__ import annotations
@@ -28,11 +23,11 @@ from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.run_stats import CdcStats
+from outbox_migrate.relay.shared import close_sink
 from outbox_migrate.relay.sinks import Sink, SinkFactory
 
 log = logging.getLogger("outbox_migrate.relay")
 KILLED_REASON = "the relay stopped without a trace while publishing it"
-"""The last error of an attempt counted before a careful publish, until the sink says more."""
 
 
 class Interrupted(OutboxMigrateError):
@@ -57,9 +52,7 @@ class Delivery:
     ) -> None:
         self.sink_factory = sink_factory
         self.bad: dict[MessageId, str] = {} if bad is None else bad
-        """Rows the builder could not turn into a message as they are (the builder's own
-        dict): dead-lettered with their reason at once — the stream cannot offer them again,
-        and the same row would fail the same way every time."""
+        """Rows the builder could not turn into a message (its own dict)."""
         self.failures = failures
         self.label = label
         self.marks = marks
@@ -70,16 +63,11 @@ class Delivery:
         self._sink: Sink | None = None
 
     def deliver(self, batch: list[Message], *, careful: bool = False) -> None:
-        """Publish until every message is acknowledged or dead-lettered; `SinkUnavailable`
-        propagates (the caller drops the stream: nothing of this batch is confirmed), and so
-        does any other exception of the sink, once it is counted against the messages the
-        sink held. The counters of acknowledged messages go once they are marked
-        (`MarkRepair.forget_marked`): a crash before the mark re-streams them, and a count
-        of a failed mark must still be there.
+        """Publish until every message is acknowledged or dead-lettered. `SinkUnavailable`
+        propagates (nothing of the batch is confirmed), and so does a sink crash once counted.
 
-        `careful` (after a run that died without a trace, `crash_guard`): each attempt is
-        counted before the publish, so that dying during it counts too, and taken back when
-        the broker acknowledged the message (or was unavailable)."""
+        `careful` (`crash_guard`): each attempt is counted before the publish, so dying
+        during it counts too, and taken back when acknowledged (or the broker was away)."""
         if self.bad:
             batch = self._set_aside(batch)
             if not batch:
@@ -125,10 +113,8 @@ class Delivery:
             todo = self._refused(todo, rejected, unrepresentable, counted=careful)
 
     def _partly_sent(self, todo: list[Message], exc: SinkUnavailable) -> list[Message]:
-        """The sink ran out of time after acknowledging part of the batch (the HTTP sink's
-        publish is bounded by its timeout): the rest is published again after a short pause,
-        not the whole batch — a webhook slower than the timeout per batch would otherwise
-        never get through it."""
+        """The sink failed after acknowledging part of the batch: only the rest goes again,
+        or a webhook slower than the timeout per batch would never get through it."""
         done = set(exc.acknowledged)
         rest = [m for m in todo if m.id not in done]
         self.stats.add(sink_failures=1)
@@ -147,9 +133,8 @@ class Delivery:
         *,
         counted: bool,
     ) -> list[Message]:
-        """Count the refused messages' attempts (only their reason when `counted` already),
-        dead-letter those at the limit, back off after a rejection (not for a message the
-        sink cannot represent: waiting changes nothing); returns the ones to publish again."""
+        """Count the refused messages' attempts, dead-letter those at the limit, back off
+        after a rejection (not for an unrepresentable one); returns those to publish again."""
         for reason, count in (("rejected", len(rejected)), ("bad_row", len(unrepresentable))):
             if count:
                 self.observer.failed(reason, count)
@@ -185,10 +170,8 @@ class Delivery:
             self.failures.count(conn, self.label, reasons)
 
     def _count_crash(self, todo: list[Message], exc: Exception, *, counted: bool) -> None:
-        """The sink raised something outside its protocol: the relay stops, and the attempt
-        counts against the messages it held (relay/bad_rows.py says why), so a message that
-        crashes the relay every time reaches the dead-letter table after `max_attempts`
-        restarts."""
+        """The sink raised outside its protocol: the attempt counts against the messages it
+        held (relay/bad_rows.py says why)."""
         reasons = dict.fromkeys((m.id for m in todo), crash_reason(exc))
         try:
             with self._session() as conn:
@@ -200,10 +183,8 @@ class Delivery:
             log.warning("relay.attempts_not_counted %s", one_line(str(failed)))
 
     def _set_aside(self, batch: list[Message]) -> list[Message]:
-        """Dead-letter the batch's bad rows with their reason; the rest go on. (The caller
-        marks the whole batch afterwards, as for any dead-lettered message.) At once, whatever
-        `max_attempts`: the stream cannot offer the row again, and it would fail the same
-        way every time."""
+        """Dead-letter the batch's bad rows at once, whatever `max_attempts`: the stream
+        cannot offer them again, and they would fail the same way every time."""
         bad = [m for m in batch if m.id in self.bad]
         if not bad:
             return batch
@@ -238,9 +219,5 @@ class Delivery:
             yield conn
 
     def close(self) -> None:
-        if self._sink is not None:
-            try:
-                self._sink.close()
-            except Exception:  # a broken sink is replaced, not fatal
-                log.debug("relay.sink_close_failed", exc_info=True)
-            self._sink = None
+        close_sink(self._sink)
+        self._sink = None

@@ -1,25 +1,16 @@
 """A CDC mark that breaks a constraint: mark the rest, count the rows at fault, never stop.
 
-The CDC mark is one `UPDATE … WHERE id = ANY(…)` for everything acknowledged in a mark
-interval. After the swap the old table, with its primary key, is the published partition: a
-row whose id is already there cannot be moved, and the UPDATE failed for all of them — the
-relay stopped, and every restart re-streamed and failed the same rows (a crash loop). Here, as
-in the polling relay (relay/mark_repair.py, whose bisection this uses), the rows of the failed
-mark are locked by id and marked again by ctid in halves, each half in a savepoint, until the
-failing rows stand alone; by ctid, because two unpublished copies of one id are two rows, of
-which the first may move and the second not. Each failing row counts one attempt
-(relay/bad_rows.py, shared with the polling relay); at `max_attempts` it is kept in the
-dead-letter table with the SQLSTATE and the constraint's message, its content read back from
-the row itself (each copy its own), and deleted from the outbox — it cannot be marked.
+The CDC mark is one UPDATE for a mark interval's ids: one row that cannot move fails it for
+all, and every restart would re-stream and fail the same rows. As in the polling relay
+(relay/mark_repair.py, whose bisection this uses), the rows are locked and marked again by
+ctid in halves (by ctid: two unpublished copies of one id are two rows). Each failing row
+counts one attempt (relay/bad_rows.py); at the last it is dead-lettered with its own content
+and deleted.
 
-A row not yet settled stays `pending`: it is tried again alone before each later mark (one
-attempt each time, no backoff: waiting does not change a row), and the stream session does not
-confirm the slot while any row is pending (relay/cdc/session.py) — the confirmed position
-never passes a row that is neither marked nor dead-lettered, so a crash meanwhile re-streams
-it and the count goes on from the database.
-
-Runs on the marks session, in one short transaction per call, with no mark in flight; a row
-another session holds locked is skipped (`SKIP LOCKED`) and stays pending without an attempt.
+An unsettled row stays `pending`: tried again alone before each later mark (no backoff:
+waiting does not change a row), and the slot is not confirmed past it, so a crash re-streams
+it and the count goes on from the database. A row locked by another session is skipped and
+stays pending without an attempt.
 """
 
 from __future__ import annotations
@@ -67,17 +58,13 @@ class MarkRepair:
         self._source: queries.Source | None = None
 
     def use_spec(self, spec: OutboxSpec, claim_oid: int = 0) -> None:
-        """The spec with its marker resolved and its unpublished partition's OID (the marks
-        session's): the repair's marks and locks are confined to that relation."""
+        """The resolved spec and the unpublished partition's OID the repair is confined to."""
         self._source = replace(queries.partitioned_source(spec), claim_oid=claim_oid)
 
     @property
     def available(self) -> bool:
-        """Without the attempts table a failing row cannot be counted: the mark's error
-        stops the relay, as it did before."""
+        """Without the attempts table a failing row cannot be counted: the error stops the relay."""
         return self.failures.available and self._source is not None
-
-    # -- the marks session calls ---------------------------------------------------------
 
     def after_failure(self, conn: Any, ids: Collection[MessageId], error: str) -> None:
         """The mark of `ids` failed on a constraint (`error`): mark what can be marked."""
@@ -85,22 +72,18 @@ class MarkRepair:
         self._settle(conn, ids, whole=True)
 
     def retry(self, conn: Any) -> None:
-        """Each pending row alone again: marked, or one more attempt (dead-lettered at the
-        last)."""
+        """Each pending row alone again: marked, or one more attempt."""
         if self.pending:
             self._settle(conn, sorted(self.pending), whole=False)
 
     def forget_marked(self, conn: Any, ids: Collection[MessageId]) -> None:
-        """Marked: the counters of those that failed before go (a careful start's count, a
-        rejection, a sink crash). Only here, not when the broker acknowledged them: a crash
-        before the mark re-streams them, and the count must still be there."""
+        """Marked: their counters go — only now, not at the broker's ack: a crash before the
+        mark re-streams them, and the count must still be there."""
         failures = self.failures
         if failures.known:
             seen = [i for i in failures.seen_before(self.label, list(ids)) if i not in self.pending]
             if seen:
                 failures.forget(conn, self.label, seen)
-
-    # -- the repair ------------------------------------------------------------------------
 
     def _settle(self, conn: Any, ids: Collection[MessageId], *, whole: bool) -> None:
         source = self._source
@@ -141,9 +124,8 @@ class MarkRepair:
     def _count(
         self, conn: Any, source: queries.Source, failed: dict[str, str], tids: dict[str, int]
     ) -> list[DeadLetter]:
-        """One attempt per id with a failing row (each after a delivery); at the last, every
-        failing copy goes to the dead letters with its own content and leaves the outbox.
-        Returns the dead letters written."""
+        """One attempt per failing id; at the last, each failing copy is dead-lettered with
+        its own content and leaves the outbox."""
         if self._reader is None:
             self._reader = self._new_reader(conn)
         messages = self._reader.by_ctids(conn, list(failed))
@@ -160,8 +142,8 @@ class MarkRepair:
 
 
 def _lock(source: queries.Source, *, skip: bool) -> sql.Composed:
-    """The unpublished rows with these ids (param: ids): ctid and id — locked, skipping
-    those another session holds (`skip`), or just read (to find the ones skipped)."""
+    """ctid and id of the unpublished rows with these ids: locked skipping others' (`skip`),
+    or just read (to find the ones skipped)."""
     ident = sql.Identifier(source.id_column)
     locking = sql.SQL(" ORDER BY {}, ctid FOR UPDATE SKIP LOCKED").format(ident)
     return query("cdc", "repair-lock").compose(

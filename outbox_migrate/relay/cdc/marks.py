@@ -1,22 +1,15 @@
 """The CDC relay's second session: the marks (and the short bad-row transactions between them).
 
-A mark moves acknowledged rows to the published partition with one prepared `UPDATE … WHERE
-id = ANY(…)` sent without waiting (libpq's asynchronous send), so the stream loop keeps reading
-and publishing while the server works; its result is collected later. This module never waits
-for the broker and never leaves a transaction open: each statement is its own transaction
-(autocommit), and `session()` hands the connection out only once no mark is in flight.
+A mark is one prepared UPDATE sent without waiting, so the stream keeps going while the
+server works. Each statement is its own transaction (autocommit).
 
-A transaction reaches the stream once its commit record is flushed — a moment *before* other
-sessions see it (the server ends it in shared memory after the flush; with synchronous
-replication, after the standby's answer). A mark sent in that moment does not see the rows it
-was sent for, and reports success. So the mark also returns the snapshot it ran with
-(`pg_current_snapshot()` is the statement's own), and the transactions it did not show yet
-(`unseen`) are marked again by the stream session before it confirms past them.
+A transaction reaches the stream once its commit record is flushed, a moment *before* other
+sessions see it (and with synchronous replication, before the standby answered): a mark sent
+then misses its rows and reports success. So the mark returns its own snapshot, and the
+transactions it did not show (`unseen`) are marked again before the slot passes them.
 
-A mark that breaks a constraint (a duplicate id after the swap) is repaired on this session
-(relay/cdc/mark_repair.py): the rest are marked, the failing rows counted and retried alone
-before each later mark until marked or dead-lettered; `unresolved` tells the stream session
-not to confirm the slot meanwhile. Any other failure stops the relay, as before.
+A mark that breaks a constraint is repaired on this session (relay/cdc/mark_repair.py);
+`unresolved` keeps the slot from being confirmed meanwhile. Any other failure stops the relay.
 """
 
 from __future__ import annotations
@@ -40,6 +33,7 @@ from outbox_migrate.relay.cdc.mark_repair import MarkRepair
 from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.run_stats import CdcStats
+from outbox_migrate.relay.shared import close_quietly
 from outbox_migrate.sql import query
 
 log = logging.getLogger("outbox_migrate.relay")
@@ -61,16 +55,13 @@ class MarkSession:
         self._connect = connect
         self._spec = spec
         self._repair = repair
-        """Rows whose mark breaks a constraint (None: such a mark stops the relay)."""
+        """None: a mark that breaks a constraint stops the relay."""
         self._sent: list[MessageId] = []
-        """The ids of the mark in flight (repaired if it fails on a constraint)."""
         self._xids: list[int] = []
-        """The transactions (32-bit xids, as the stream names them) of the mark in flight."""
+        """The 32-bit xids of the mark in flight, as the stream names them."""
         self.unseen: set[int] = set()
-        """Transactions of the last mark collected that its snapshot did not show yet (still
-        ending on the server): their rows may be unmarked, the caller marks them again."""
+        """Transactions the last mark's snapshot did not show: to mark again."""
         self.enabled = enabled
-        """False with `--no-mark`: `send` sends nothing and the caller confirms at once."""
         self._stats = stats
         self._conn: Any = None
         self._sql: bytes | None = None
@@ -78,9 +69,8 @@ class MarkSession:
         self._source = queries.partitioned_source(spec)
 
     def use_spec(self, spec: OutboxSpec, claim_oid: int = 0) -> None:
-        """The spec with its marker resolved (a flag's values), and the OID its unpublished
-        partition had at start, before the first mark: every mark is confined to that
-        relation (`tableoid`), whatever the partitioned table's name means by then."""
+        """The resolved spec and the unpublished partition's OID at start: every mark is
+        confined to that relation, whatever the names mean by then."""
         self._spec = spec
         self._source = replace(queries.partitioned_source(spec), claim_oid=claim_oid)
         self._sql = None
@@ -93,8 +83,7 @@ class MarkSession:
 
     @property
     def unresolved(self) -> bool:
-        """Some row of an earlier mark is neither marked nor dead-lettered yet: the slot must
-        not be confirmed past it."""
+        """A failed mark's row is unsettled: the slot must not be confirmed past it."""
         return bool(self._repair is not None and self._repair.pending)
 
     def session(self) -> Any:
@@ -108,9 +97,8 @@ class MarkSession:
             self.wait()
 
     def settle(self, stop: threading.Event) -> None:
-        """Wait for the mark in flight, then try the rows whose mark failed until each is
-        marked or dead-lettered — one attempt a round, so at most `max_attempts` rounds, or
-        until `stop` (a row another session holds locked may stay too: `unresolved`)."""
+        """Wait for the mark in flight, then retry failed rows until settled (one attempt a
+        round: at most `max_attempts` rounds) or `stop`."""
         self.wait()
         repair = self._repair
         for _ in range(repair.failures.max_attempts + 1 if repair is not None else 0):
@@ -119,14 +107,9 @@ class MarkSession:
             repair.retry(self._open())  # type: ignore[union-attr]
 
     def send(self, ids: Sequence[MessageId], xids: Iterable[int] = ()) -> bool:
-        """Send one statement for `ids` without waiting for it (the rows leave the
-        unpublished partition); False when there is nothing to send. At most one mark is in
-        flight: `done`/`wait` collect its result before the next is sent. Rows whose mark
-        failed before are tried first, alone (`MarkRepair.retry`), and left out of it.
-        `xids`: the transactions that inserted them (the stream's), checked against the
-        mark's snapshot (`unseen`).
-        `--no-mark`: nothing is sent; the counters of failed attempts of these acknowledged
-        messages go now (no mark will)."""
+        """Send the mark of `ids` without waiting (False: nothing to send); one in flight at
+        a time. Failed rows are retried alone first and left out. `xids`: the inserting
+        transactions, checked against the mark's snapshot. `--no-mark`: only the counters go."""
         self.unseen = set()
         if not self.enabled:
             if self._repair is not None and ids and self._repair.failures.known:
@@ -144,11 +127,9 @@ class MarkSession:
         conn = self._open()
         pgconn = conn.pgconn
         if self._sql is None:
-            # Prepared once and run through libpq directly: composing and adapting through
-            # the cursor API cost more CPU per batch than the rest of the loop at one batch
-            # per transaction, the steady state (bench/README.md, cdc.py).
+            # Prepared once and run through libpq: the cursor API cost more CPU per batch
+            # than the rest of the loop (bench/README.md, cdc.py).
             spec = self._spec
-            # The UPDATE's row count and the snapshot it ran with (the statement's own).
             self._sql = (
                 query("cdc", "mark")
                 .compose(
@@ -176,8 +157,7 @@ class MarkSession:
         return True
 
     def socket(self) -> int | None:
-        """The session's socket while a mark is in flight (the stream loop also waits on it,
-        so a mark's result is collected as soon as it arrives)."""
+        """The socket while a mark is in flight: the stream loop waits on it too."""
         if not self._in_flight or self._conn is None:
             return None
         fd: int = self._conn.pgconn.socket
@@ -224,9 +204,7 @@ class MarkSession:
             snapshot = (result.get_value(0, 1) or b"").decode()
             self.unseen = {x for x in xids if not visible(x, snapshot)}
         if changed < len(sent):
-            # Fewer than sent: marked already (a re-stream), not visible yet (`unseen`, marked
-            # again later), or the name no longer reaches the streamed partition — then stop
-            # (`NamesMoved`) rather than confirm the slot.
+            # Marked already, not visible yet, or the names moved: then stop (`NamesMoved`).
             check_names(self._open(), self._source)
         if repair is not None and repair.failures.known:
             repair.forget_marked(self._open(), sent)
@@ -238,10 +216,7 @@ class MarkSession:
 
     def close(self) -> None:
         if self._conn is not None:
-            try:
-                self._conn.close()
-            except Exception:  # closing a broken connection may fail too
-                log.debug("relay.close_failed", exc_info=True)
+            close_quietly(self._conn)
             self._conn = None
             self._sql = None
             self._in_flight = False
@@ -250,8 +225,7 @@ class MarkSession:
 
 
 def visible(xid: int, snapshot: str) -> bool:
-    """Whether the transaction with the 32-bit `xid` (as pgoutput names it) had ended for
-    `snapshot` (`pg_snapshot` text, `xmin:xmax:xip,…`, of full 64-bit xids). The xid is
+    """Whether the 32-bit `xid` had ended for `snapshot` (`xmin:xmax:xip,…`, 64-bit xids),
     widened against xmax: a transaction the stream sent lies within 2^31 of it."""
     xmin_text, xmax_text, xip_text = snapshot.split(":")
     xmin, xmax = int(xmin_text), int(xmax_text)
@@ -279,8 +253,7 @@ def _error(result: Any, pgconn: Any) -> str:
 
 
 def _broke_a_constraint(result: Any, pgconn: Any) -> bool:
-    """An integrity constraint violation (SQLSTATE class 23) on a healthy session: a row's
-    problem, repaired; anything else (a trigger that raises, a lost connection) is not."""
+    """SQLSTATE class 23 on a healthy session: a row's problem, repaired."""
     from psycopg import pq
 
     if result.status == pq.ExecStatus.TUPLES_OK or pgconn.status != pq.ConnStatus.OK:

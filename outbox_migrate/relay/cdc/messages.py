@@ -1,8 +1,7 @@
 """Rows of the unpublished partition (pgoutput's text values) as `Message`s.
 
-Pure: no I/O. Shared by the stream (Insert messages) and the first start's backlog (rows read
-as text), so both build exactly the same messages; headers are parsed by the polling relay's
-own rules (relay/claimed.py), so a row is judged alike in both delivery styles.
+Shared by the stream and the backlog, so both build the same messages; headers follow the
+polling relay's rules (relay/claimed.py), so a row is judged alike in both styles.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ class Columns:
     headers: int | None
     metadata: tuple[tuple[str, int], ...]
     payload_bytea: bool = False
-    """The payload column is bytea: its stream text is hex, decoded to the bytes it holds."""
 
 
 class MessageBuilder:
@@ -42,10 +40,8 @@ class MessageBuilder:
         self.spec = spec
         self.label = f"{spec.schema}.{spec.partitioned_table}"
         self.name = f"{spec.schema}.{spec.outbox_name}"
-        """The outbox's name in messages (`OutboxSpec.outbox_name`)."""
         self.bad: dict[MessageId, str] = {}
-        """Messages built from a row that cannot be sent as it is (headers that are not a
-        JSON object), with the reason: delivery dead-letters them instead of publishing."""
+        """Rows that cannot be sent as they are, with the reason: dead-lettered by delivery."""
         # The optional columns' names: the option when given, else the spec's role.
         self.optional: dict[str, str | None] = {
             "event_type": options.event_type_column or spec.event_type_column or None,
@@ -105,10 +101,8 @@ def _type_of(relation: pgoutput.Relation, index: int) -> int:
 
 
 def _payload(value: str | bytes | None, bytea: bool) -> str | bytes:
-    """The payload as the polling relay's claim renders it: text, or — from a bytea column —
-    the bytes it holds, as text when they are UTF-8 and raw bytes otherwise (a pickle, a
-    protobuf: sinks that carry bytes send them as they are; JSON envelopes refuse them as
-    bad rows). The stream sends a bytea as `\\x` hex text, the backlog's SELECT as bytes."""
+    """The payload as the polling claim renders it: a bytea's bytes (`\\x` hex from the
+    stream) as text when UTF-8, raw bytes otherwise."""
     if value is None:
         return "null"
     if bytea and isinstance(value, str) and value.startswith("\\x"):
@@ -122,8 +116,7 @@ def _payload(value: str | bytes | None, bytea: bool) -> str | bytes:
 
 
 def _extra_headers(columns: Columns, values: Sequence[str | None]) -> tuple[tuple[str, str], ...]:
-    """The headers column's entries (a JSON object), then the metadata columns, as the
-    polling relay sends them (a metadata column wins over a same-named entry)."""
+    """The headers object's entries, then the metadata columns (which win), as polling."""
     raw = values[columns.headers] if columns.headers is not None else None
     parsed = headers_from_text(raw)
     if parsed is None:

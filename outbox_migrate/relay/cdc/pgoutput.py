@@ -1,11 +1,7 @@
 """Decode the pgoutput messages a CDC relay needs: Begin, Commit, Relation, Insert.
 
-The logical replication protocol (protocol version 1) is small and stable since PostgreSQL
-10; the relay needs four of its messages and skips the rest (Origin, Type, Update, Delete,
-Truncate, logical messages). A hand-written decoder over `struct` costs a few microseconds
-per row and needs no dependency (docs/relay.md, "CDC mode: the dependency decision").
-Values arrive in text form (the publication does not ask for binary), so a column value is
-`str | None`; the relay converts the few it needs.
+Protocol version 1 is small and stable since PostgreSQL 10: a decoder over `struct` needs no
+dependency (docs/relay.md, "CDC mode: the dependency decision"). Values arrive as text.
 """
 
 from __future__ import annotations
@@ -52,12 +48,10 @@ def pg_micros(moment: datetime) -> int:
 
 
 class Begin(NamedTuple):
-    """NamedTuples, not frozen dataclasses: one is built per message in the stream loop, and a
-    frozen dataclass's `__init__` costs several times as much (see relay.message.Message)."""
+    """NamedTuples: one per message, and a frozen dataclass costs several times as much."""
 
     final_lsn: int
     commit_micros: int
-    """Commit time, microseconds since 2000-01-01 UTC (`pg_time` makes it a datetime)."""
     xid: int
 
 
@@ -74,7 +68,6 @@ class Relation(NamedTuple):
     name: str
     columns: tuple[str, ...]
     types: tuple[int, ...] = ()
-    """Each column's type OID (pgoutput sends values as text: a bytea arrives as `\\x…` hex)."""
 
 
 class Insert(NamedTuple):
@@ -100,8 +93,7 @@ def decode(data: bytes | memoryview) -> Decoded:
 
 
 def decode_at(buf: bytes, at: int) -> Decoded:
-    """The pgoutput message starting at `buf[at]` (`at` 25: the payload of an XLogData
-    frame, decoded without copying it out first)."""
+    """The pgoutput message at `buf[at]` (25: an XLogData frame's payload, not copied out)."""
     return _decode(buf, at)
 
 
@@ -114,9 +106,8 @@ def insert_at(buf: bytes, at: int) -> Insert:
 
 
 def _decode(buf: bytes, at: int) -> Decoded:
-    """The pgoutput message starting at `buf[at]`. Works on `bytes`, not a memoryview: slicing
-    and decoding bytes costs about half as much per value, and the stream loop runs this for
-    every message (copying a CopyData frame once into bytes is cheaper than that)."""
+    """The pgoutput message at `buf[at]`. On `bytes`, not a memoryview: slicing and decoding
+    bytes costs about half as much per value, more than copying the frame once."""
     kind = buf[at]
     try:
         if kind == 0x49:  # 'I'
@@ -194,8 +185,7 @@ class XLogData(NamedTuple):
 
 class Keepalive(NamedTuple):
     wal_end: int
-    """The position the server has decoded and sent up to: safe to confirm when nothing is
-    pending (every transaction that commits before it has been sent)."""
+    """Safe to confirm when nothing is pending: every transaction before it was sent."""
     reply_requested: bool
 
 
@@ -211,9 +201,7 @@ def frame(data: bytes | memoryview) -> XLogData | Keepalive:
 
 
 def message(data: bytes | memoryview) -> Decoded | Keepalive:
-    """A CopyData frame straight to what the stream loop acts on: an XLogData frame's pgoutput
-    message (its positions are not needed: Commit carries the one to confirm), or a Keepalive.
-    One step instead of `frame` then `decode`, without the intermediate tuple and views."""
+    """A CopyData frame to its pgoutput message or Keepalive, in one step."""
     buf = bytes(data)
     tag = buf[0]
     if tag == 0x77:  # 'w'
@@ -229,17 +217,10 @@ def message(data: bytes | memoryview) -> Decoded | Keepalive:
 def status_update(
     flush_lsn: int, now: datetime | None = None, *, reply: bool = False, written_lsn: int = 0
 ) -> bytes:
-    """A standby status update: flushed = applied = `flush_lsn` (the relay confirms only what
-    the broker acknowledged and its mark committed); written = `written_lsn` when it is
-    further, else `flush_lsn`.
-
-    The written position is what the relay has *received* (the furthest keepalive or commit),
-    which a logical slot ignores: only the flushed one moves its confirmed position. It
-    matters to the walsender's keepalives: it pings every time it waits for WAL while the
-    client's written and flushed positions are both behind what it sent (walsender.c,
-    WalSndWaitForWal), so a client that reports nothing between its confirmations is sent a
-    keepalive at each WAL flush on the server, about half of them repeating the position of
-    the one before."""
+    """A standby status update: flushed = applied = `flush_lsn` (acknowledged and marked);
+    written = what the relay received, if further. A logical slot ignores the written
+    position, but the walsender pings at each WAL flush while both lag what it sent
+    (walsender.c, WalSndWaitForWal)."""
     micros = pg_micros(now) if now else int((time.time() - PG_EPOCH_UNIX_S) * 1_000_000)
     written = max(written_lsn, flush_lsn)
     return _STATUS.pack(b"r", written, flush_lsn, flush_lsn, micros, reply)

@@ -1,36 +1,20 @@
 """`CdcRelay`: stream the outbox's inserts from a logical replication slot to a sink.
 
-The loop (one thread, one replication connection, one normal session for marks):
+The loop (one thread, one replication connection, one session for marks): collect each
+transaction's outbox inserts; publish complete transactions as one batch and wait for the
+broker; behind the stream, mark the acknowledged ids (moving them to the published partition,
+invisible to the stream), sent without waiting; once a mark committed, confirm the end of the
+last transaction it covers (relay/cdc/session.py).
 
-1. read frames; collect each transaction's outbox inserts between its Begin and Commit;
-2. when no more frames are waiting (or `batch_size` messages are collected, always at a
-   transaction boundary) publish the collected transactions as one batch and wait for the
-   broker's acknowledgement;
-3. behind the stream, once per `mark_interval_s`: mark the ids acknowledged since the last
-   mark (one `UPDATE … WHERE id = ANY(…)`, which moves them to the published partition,
-   invisible to the stream — see `slot`), sent without waiting; the loop goes on reading and
-   publishing meanwhile;
-4. once that mark has committed, confirm the end position of the last transaction it covers.
+A crash before the confirmation re-streams from the slot's confirmed position: at-least-once,
+duplicating what was acknowledged since the last committed mark. A broker outage marks and
+confirms what was acknowledged, then drops the stream and backs off.
 
-A crash anywhere before step 4 makes the server send those transactions again from the slot's
-confirmed position: at-least-once; duplicated are the batches acknowledged since the last
-mark that committed (one mark interval's worth, plus the mark in flight and the batch being
-published). When the broker is unavailable the relay marks and confirms what was acknowledged,
-drops the stream, backs off and reconnects; nothing past the last acknowledged batch was
-confirmed, so the server re-sends the rest.
-
-While nothing is pending (no outbox transaction received and not yet confirmed) the relay
-confirms the position the server reports in its keepalives, so the slot follows the server
-and does not hold back WAL written for other tables.
-
-First start (the slot does not exist yet): the slot is created with an exported snapshot;
-the rows that snapshot shows in the unpublished partition (committed before the slot's
-consistent point, e.g. left by a polling relay) are published and marked first, then the
-stream starts — nothing falls in between (`backlog`: the snapshot only picks the ids, in one
-short transaction). Completion is recorded in the publication's comment, so a first start that
-dies half-way is detected and redone on the next start; one that backs off from the sink goes
-on with its slot and the ids its snapshot showed. A slot of another database is never
-dropped or streamed (`slot.check_owned`, asked before anything else).
+First start: the slot is created with an exported snapshot, whose unpublished rows (e.g. left
+by a polling relay) are published and marked before the stream starts, so nothing falls in
+between. Completion is recorded in the publication's comment: a first start that died
+half-way is redone; one that backs off from the sink goes on with its slot and ids. A slot of
+another database is never dropped or streamed (`slot.check_owned`, asked first).
 """
 
 from __future__ import annotations
@@ -64,7 +48,7 @@ from outbox_migrate.relay.cdc.rows import RowReader
 from outbox_migrate.relay.cdc.session import StreamSession
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
-from outbox_migrate.relay.options import ATTEMPTS_TABLE_SUFFIX, CdcOptions
+from outbox_migrate.relay.options import CdcOptions
 from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed
 from outbox_migrate.relay.sinks import SinkFactory
 from outbox_migrate.sql import query
@@ -76,7 +60,6 @@ _RETRYABLE = (StreamLost, ConnectError, psycopg.OperationalError, psycopg.Interf
 
 CDC_APPLICATION_NAME = f"{APPLICATION_NAME} relay cdc"
 READY_COMMENT = "outbox-migrate cdc: backlog of slot {slot} published"
-"""Written on the publication once the first start's backlog is out (see the module doc)."""
 
 
 class CdcRelay:
@@ -104,12 +87,9 @@ class CdcRelay:
         self.builder = MessageBuilder(self.spec, self.options)
         options = self.options
         self.failures = FailedMessages(
-            self.spec.schema, options.dead_letter_table,
-            options.dead_letter_table + ATTEMPTS_TABLE_SUFFIX, options.max_attempts,
-            text_ids=False,  # --mode cdc takes database-generated bigint ids only
+            self.spec.schema, options.dead_letter_table, options.attempts_table,
+            options.max_attempts, text_ids=False,  # --mode cdc takes bigint ids only
         )  # fmt: skip
-        """Attempts and dead letters: the polling relay's policy and tables
-        (relay/bad_rows.py)."""
         self.repair = MarkRepair(
             self.failures, self.label, self._row_reader, stats=self.stats,
             observer=self.observer,
@@ -125,11 +105,9 @@ class CdcRelay:
         self.target_lsn = 0
         self._server_version = 0
         self.unconfirmed = Unconfirmed()
-        """Commit time of the oldest outbox transaction received and not yet confirmed."""
         self._present: set[str] = set()
         self._backlog: tuple[int, IdRuns] | None = None
-        """The consistent point of the slot this process created and its backlog's ids,
-        until that backlog is done (`_kept_backlog`)."""
+        """Consistent point and ids of the slot this process created, until done."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -140,10 +118,6 @@ class CdcRelay:
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
-
-    @property
-    def stop_event(self) -> threading.Event:
-        return self._stop
 
     def run(self) -> CdcStats:
         """Stream until `stop()` (or, with `until_caught_up`, until caught up)."""
@@ -206,8 +180,7 @@ class CdcRelay:
         return self._delivery
 
     def _begin_run(self, conn: Any) -> bool:
-        """Record this run (`crash_guard`); True when the last one died without a trace. A
-        role that may not write the attempts table runs without the guard."""
+        """Record this run (`crash_guard`); True when the last one died without a trace."""
         try:
             unclean = self.run_marker.begin(conn)
         except psycopg.errors.InsufficientPrivilege as exc:
@@ -239,11 +212,9 @@ class CdcRelay:
     # -- preparation -----------------------------------------------------------------------
 
     def _prepare(self) -> None:
-        """Check the server and tables, create the publication and, when missing, the
-        dead-letter tables; the slot comes with the first stream (it needs the replication
-        connection for its exported snapshot)."""
+        """Check the server and tables, create the publication and dead-letter tables; the
+        slot comes with the first stream (it needs the replication connection's snapshot)."""
         with self._connect() as conn:
-            # A flag marker's values come from the settings or the column's DEFAULT.
             spec = self.spec = marker_catalog.resolve(conn, self.spec)
             slot.check_wal_level(conn)
             self._server_version = conn.info.server_version
@@ -271,7 +242,6 @@ class CdcRelay:
                 if column not in present:
                     raise RelayError(f"{self.label} has no column {column!r}")
             self._present = present
-            # Refused before anything is written: the slot's name is taken in another database.
             state = slot.slot_state(conn, self.options.slot)
             if state is not None:
                 slot.check_owned(state, conn.info.dbname)
@@ -294,14 +264,12 @@ class CdcRelay:
     # -- the stream ------------------------------------------------------------------------
 
     def _stream_once(self) -> None:
-        """One replication connection's life: (first start: create the slot and publish
-        its backlog), then stream until stopped or the connection breaks."""
+        """One replication connection's life: the first start's slot and backlog, then
+        stream until stopped or the connection breaks."""
         options = self.options
         stream = ReplicationStream(self.dsn, self.application_name)
         try:
             with self._connect() as conn:
-                # Whose slot is it? Asked before anything may drop or reuse it: a slot of
-                # another database (the default --slot, a second outbox) is never touched.
                 state = slot.slot_state(conn, options.slot)
                 if state is not None:
                     slot.check_owned(state, conn.info.dbname)
@@ -309,8 +277,7 @@ class CdcRelay:
                 if state is not None and not self._backlog_done(conn):
                     runs = self._kept_backlog(state)
                     if runs is None:
-                        # A first start died before its backlog was out: start over (the rows
-                        # it did publish were marked, so they are not published again).
+                        # A first start died before its backlog was out: start over.
                         log.warning("relay.cdc_backlog_redo slot=%s", options.slot)
                         slot.drop_slot(conn, options.slot)
                         state = None
@@ -337,8 +304,7 @@ class CdcRelay:
                     )  # fmt: skip
                     deliver = partial(self.delivery.deliver, careful=self.careful_until > 0)
                     backlog.publish(runs, options.batch_size, deliver, self.marks.mark)
-                    # Rows whose mark failed are marked or dead-lettered before the backlog
-                    # counts as done; else the next start redoes it (they are still there).
+                    # Failed marks settle before the backlog counts as done.
                     self.marks.settle(self._stop)
                     if self._stop.is_set():
                         raise Interrupted
@@ -360,16 +326,13 @@ class CdcRelay:
             stream.close()
 
     def _row_reader(self, conn: Any) -> RowReader:
-        """Rows of the unpublished partition as the stream sends them (the backlog, and the
-        content of a row whose mark failed)."""
+        """Rows of the unpublished partition as the stream sends them."""
         return RowReader(conn, self.spec, sorted(self._present), self.builder)
 
     def _kept_backlog(self, state: slot.SlotState) -> IdRuns | None:
-        """The backlog of the slot this process created, while that slot is still the one
-        it created (never streamed: confirmed at its consistent point). Its exported snapshot
-        is gone, but the ids it showed are kept: after a sink back-off the backlog goes on
-        with the same slot — rows published and marked are not found again — instead of a
-        new slot per back-off, each waiting for the transactions running at its creation."""
+        """The kept backlog ids while the slot is still the one this process created (never
+        streamed): a sink back-off goes on with it rather than a new slot per back-off, each
+        waiting for the transactions running at its creation."""
         if self._backlog is None or state.confirmed_lsn is None:
             return None
         point, runs = self._backlog
@@ -393,8 +356,7 @@ class CdcRelay:
     # -- slot lag --------------------------------------------------------------------------
 
     def _sample(self) -> None:
-        """Slot lag (bytes behind the server, seconds since the oldest unconfirmed commit)
-        and activity, for the metrics, readiness and a warning log line."""
+        """Slot lag and activity for the metrics, readiness and a warning log line."""
         warned = False
         while not self._stop.is_set():
             try:

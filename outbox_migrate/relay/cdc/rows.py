@@ -1,9 +1,4 @@
-"""Rows of the unpublished partition read back by a normal session, as the stream sends them.
-
-Each column is read as text (a bytea's text is hex) and built into a `Message` by the stream's
-own builder (relay/cdc/messages.py), so the first start's backlog and the mark repair's dead
-letters hold exactly what the stream would have sent.
-"""
+"""Rows of the unpublished partition read back by a normal session, as the stream sends them."""
 
 from __future__ import annotations
 
@@ -19,10 +14,8 @@ from outbox_migrate.sql import query
 
 
 class RowReader:
-    """Rows of the unpublished partition read back as the stream sends them: every column as
-    text, its type saying how to read it (a bytea's text is hex), built into `Message`s by the
-    stream's own builder — so the backlog, and the mark repair's dead letters, hold exactly
-    what the stream would have sent."""
+    """Every column as text, built by the stream's own builder: the backlog and the mark
+    repair's dead letters hold exactly what the stream would have sent."""
 
     def __init__(self, conn: Any, spec: OutboxSpec, columns: list[str], builder: MessageBuilder):
         names = sorted(columns)
@@ -51,9 +44,8 @@ class RowReader:
         return [build(columns, tuple(r)) for r in conn.execute(self._by_ids, (ids,)).fetchall()]
 
     def by_ctids(self, conn: Any, tids: list[str]) -> dict[str, Message]:
-        """The rows at these ctids (locked by the caller), each copy of an id with its own
-        content. A row whose headers are not an object is built all the same (it is being
-        dead-lettered already): the builder's set-aside for the stream is left as it was."""
+        """The rows at these ctids, each copy with its own content; the builder's set-aside
+        for the stream is left as it was (these are being dead-lettered already)."""
         builder, columns = self.builder, self.columns
         out: dict[str, Message] = {}
         for row in conn.execute(self._by_ctids, (tids,)).fetchall():

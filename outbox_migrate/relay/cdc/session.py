@@ -1,40 +1,20 @@
 """One replication connection's stream loop: transactions in, batches out, positions back.
 
-The state machine behind `CdcRelay` (see its module doc for the guarantees). It is handed
-its collaborators — the message builder, the delivery, the marks session, counters, the stop
-event — and imports nothing of the relay that owns it:
+The state machine behind `CdcRelay` (see its module doc for the guarantees); it imports
+nothing of the relay that owns it:
 
-* per wake-up, every frame libpq has received is taken in one call (`stream.drain`) and acted
-  on in one call (`_frames`, decoding in place); each transaction's outbox inserts are kept
-  between its Begin and Commit; complete transactions collect in `pending`;
-* `pending` is published once nothing more is buffered and the linger is over, or at once
-  when it reached the batch size (always at a transaction boundary); the acknowledged ids
-  then wait in `acked` for the mark. The loop's cost is per wake-up, not per frame
-  (docs/relay.md, "CDC mode: CPU");
-* the linger (`linger_s`): a wake-up that leaves a transaction to publish (or one begun)
-  does not publish it at once. It sleeps — a plain timed sleep, not watching the socket —
-  until `linger_s` after that transaction's first frame arrived, then reads everything the
-  socket holds, decodes it in one pass and publishes the complete transactions as one
-  batch: one wake-up for several transactions, and the keepalives that arrived meanwhile.
-  Socket data already waiting (a backlog) is read before sleeping, and a full batch is
-  published as it completes, so a backlog never waits. After a lingered publish the next
-  wait is a sleep of `linger_s` too (a steady stream: one wake-up per linger, not two),
-  and a sleep that brings nothing returns to waiting on the socket. An idle stream still
-  wakes on its first packet; a lone insert is delivered `linger_s` plus processing after
-  it arrived, and nothing waits more than that;
-* marks run *behind* the stream: once per `mark_interval_s` (or as soon as `MARK_MAX_IDS` ids
-  wait) the ids acknowledged since the last mark go out as one statement on the marks session,
-  sent without waiting for it; the loop keeps reading and publishing, and collects the mark's
-  result when its socket becomes readable (or after the next publish). Only then is the end
-  of the last transaction the mark covers confirmed: confirmation trails the marks, never the
-  other way round, and one mark at a time is in flight. A transaction the mark's snapshot did
-  not show yet (the stream can carry a commit a moment before other sessions see it:
-  relay/cdc/marks.py) is marked again with the next mark, and nothing is confirmed until a
-  mark saw every transaction it covers;
-* with nothing received-and-unconfirmed, the position a keepalive reports is confirmed, so the
-  slot follows the server while only other tables are written;
-* a stop, a broker outage or catching up first flushes: the mark in flight is collected, the
-  rest of `acked` is marked, and their end is confirmed.
+* per wake-up, every frame libpq holds is taken and decoded in one call: the loop's cost is
+  per wake-up, not per frame (docs/relay.md, "CDC mode: CPU"); complete transactions collect
+  in `pending`, published at the batch size (at a transaction boundary) or after the linger;
+* the linger is a plain timed sleep from a transaction's first frame, so one wake-up serves
+  several transactions; a backlog is read before sleeping and a full batch goes at once, so
+  nothing waits longer than `linger_s`;
+* marks run *behind* the stream, one in flight at a time, sent without waiting; only once
+  a mark committed and its snapshot showed every transaction it covers (relay/cdc/marks.py)
+  is their end confirmed: confirmation trails the marks, never the other way round;
+* with nothing in flight, a keepalive's position is confirmed, so the slot follows the server
+  while only other tables are written;
+* a stop, a broker outage or catching up first flushes: marks and confirms what was acked.
 """
 
 from __future__ import annotations
@@ -64,8 +44,8 @@ _I64 = struct.Struct("!q")
 _U64 = struct.Struct("!Q")
 _U32 = struct.Struct("!I")
 FLUSH_MARK_TRIES = 20
-"""A stop's last mark, tried again (FLUSH_RETRY_S apart) while its snapshot does not show some
-of its transactions yet; then the slot is left unconfirmed past them (re-streamed)."""
+"""A stop's last mark is tried again while its snapshot misses some of its transactions;
+then the slot is left unconfirmed past them (re-streamed)."""
 FLUSH_RETRY_S = 0.05
 _KEEPALIVE = struct.Struct("!Qq?")
 
@@ -99,8 +79,7 @@ class StreamSession:
         self.target_lsn = target_lsn
         self.unconfirmed = unconfirmed
         self.careful_until = careful_until
-        """After a run that died without a trace: batches that may hold what it was
-        publishing (before this position) count their attempts first (`crash_guard`)."""
+        """Before this position batches count their attempts first (`crash_guard`)."""
         self.relations: dict[int, Columns | None] = {}
         spec = builder.spec
         self.partition = (spec.schema, spec.unpublished_partition)
@@ -115,19 +94,16 @@ class StreamSession:
         self.pending_end = 0
         """End of the last complete transaction received (with or without outbox rows)."""
         self.txn_began = 0.0
-        """When the open transaction's Begin arrived (its wake-up's time)."""
         self.linger_from: float | None = None
-        """When the first frame of what waits to be published arrived (None: nothing waits);
-        the linger ends `linger_s` later."""
+        """When the first frame of what waits to be published arrived (None: nothing waits)."""
         self.acked: list[MessageId] = []
         """Acknowledged ids not yet sent in a mark."""
         self.acked_txns: dict[int, list[MessageId]] = {}
         """`acked` by transaction; `marking_txns`: those of the mark in flight."""
         self.marking_txns: dict[int, list[MessageId]] = {}
         self.acked_end = 0
-        """End of the last acknowledged transaction."""
         self.marking_end: int | None = None
-        """End of the last transaction the mark in flight covers (None: no mark in flight)."""
+        """End of the last transaction the mark in flight covers (None: none in flight)."""
         self.confirmed = 0
         self.received = 0
         """The furthest position the server said it sent (keepalives, commits): reported as
@@ -153,7 +129,6 @@ class StreamSession:
         until_caught_up = self.options.until_caught_up
         try:
             while not stopping():
-                # Per wake-up: every frame libpq holds in one call, acted on in one call.
                 received: list[bytes] | None = drain()
                 if not received and linger and self.linger_from is not None:
                     received = self._linger(self.linger_from + linger)
@@ -162,9 +137,7 @@ class StreamSession:
                 if received:
                     frames(received)
                     continue
-                # Nothing buffered, the linger over: publish the complete transactions (no
-                # extra poll for more: what arrives meanwhile is read right after), move
-                # the marks on, then sleep until the socket has more.
+                # Nothing buffered, the linger over: publish, move the marks on, then wait.
                 busy = False
                 if self.pending_end > self.acked_end and self.pending_end > self.confirmed:
                     self.publish()
@@ -182,8 +155,7 @@ class StreamSession:
                     self._idle()
             self.flush()  # stopped: what the broker acknowledged is marked and confirmed
         except SinkUnavailable:
-            # The stream is dropped and re-read from the confirmed position: first settle
-            # what the broker did acknowledge, so it is not sent again.
+            # Re-read from the confirmed position: settle what was acked, not to resend it.
             self.flush()
             raise
         except Interrupted:  # stopped inside a batch's retries
@@ -191,11 +163,8 @@ class StreamSession:
             raise
 
     def _linger(self, until: float) -> list[bytes] | None:
-        """Something waits to be published: the frames the socket already holds (a backlog,
-        or the rest of what arrived during the linger: libpq reads one buffer at a time),
-        taken without waiting; else, until `until`, a sleep that does not watch the socket
-        (each wake-up costs more than the frames it brings): None. An empty list: the
-        linger is over, publish."""
+        """The frames the socket already holds; else a sleep until `until` that does not watch
+        the socket (each wake-up costs more than its frames): None. []: publish now."""
         self.stream.receive()
         received = self.stream.drain()
         if not received:
@@ -206,11 +175,8 @@ class StreamSession:
         return received
 
     def _sleep_while_busy(self, linger: float) -> None:
-        """A lingered batch went out: while the stream stays busy, sleep one linger rather
-        than wake for the next packet (a wake-up for it and another after its linger would
-        cost two). What arrives meanwhile counts as arrived at the start of the sleep, so it
-        is published at its end; a sleep that brings nothing returns the loop to waiting on
-        the socket (an idle stream wakes on its first packet)."""
+        """After a lingered batch, sleep one linger rather than wake for the next packet (one
+        wake-up per linger, not two); what arrives meanwhile is published at its end."""
         if self.linger_from is None:
             self.linger_from = time.monotonic()
         time.sleep(linger)
@@ -236,9 +202,7 @@ class StreamSession:
             self._status(self.confirmed, reply=True)
 
     def _frames(self, frames: list[bytes]) -> None:
-        """Act on the frames of one wake-up: keep each transaction's outbox inserts between
-        its Begin and Commit, publish once `batch_size` messages are complete, and answer
-        keepalives. Decoded in place (pgoutput's layouts), the common messages first: this
+        """Act on one wake-up's frames, decoded in place, the common messages first: this
         runs for every message the stream carries."""
         relations = self.relations
         build = self.builder.message
@@ -299,15 +263,9 @@ class StreamSession:
             self.marks()
 
     def _keepalive(self, reply: bool) -> None:
-        """After the keepalives of one wake-up: with nothing of ours in flight, everything
-        that commits before the server's position has been sent, so the slot may move up to
-        it — at most once per IDLE_CONFIRM_S unless the server asks for a reply: while other
-        databases write, the walsender pings on every WAL flush it reads past the confirmed
-        position, and confirming each ping made an idle relay send status updates at the
-        server's commit rate. Otherwise only a requested reply is sent. (Answering every
-        keepalive with the received position as written stops the walsender's repeated
-        pings, but measured no cheaper: one status update per transaction instead of ~one
-        more keepalive, and each update wakes the walsender; docs/relay.md.)"""
+        """With nothing of ours in flight, the slot may move to the server's position — at
+        most once per IDLE_CONFIRM_S unless asked: the walsender pings on every WAL flush of
+        other databases, and answering each would follow the server's commit rate."""
         now = time.monotonic()
         if (
             not self.in_flight
@@ -336,21 +294,17 @@ class StreamSession:
             stats.batches += 1
             stats.transactions += self.pending_transactions
             observer.published(len(messages))
-            # From the batch's first frame (or the open transaction's) to the acknowledgement.
             started = self.linger_from
             observer.batch_seconds(time.monotonic() - started if started else 0.0)
             observer.heartbeat(0)
             self.pending = []
             self.pending_transactions = 0
         self.acked_end = max(self.acked_end, self.pending_end)
-        # A transaction begun and not complete lingers from its own first frame.
         self.linger_from = self.txn_began if self.txn is not None else None
 
     def marks(self) -> None:
-        """Collect the mark in flight (confirming what it covers), then send the next one
-        when due. Never waits, except when `MARK_MAX_IDS` ids pile up behind a mark in
-        flight (the server is slower than the stream: the stream waits rather than let the
-        re-sent-after-a-crash window grow without bound)."""
+        """Collect the mark in flight, then send the next one when due. Waits only when
+        `MARK_MAX_IDS` ids pile up behind it, bounding what a crash would re-send."""
         marks, options = self.mark_session, self.options
         if self.marking_end is not None:
             if not marks.done():
@@ -378,9 +332,8 @@ class StreamSession:
             self._confirm_marked(self.acked_end)
 
     def flush(self, *, settle: bool = False) -> None:
-        """Mark everything acknowledged and confirm it, waiting for the server. `settle`
-        (caught up): first try each row whose mark failed until it is marked or
-        dead-lettered; a stop leaves it unconfirmed instead (re-streamed at the next start)."""
+        """Mark and confirm everything acknowledged, waiting. `settle` (caught up): settle
+        failed marks first; a stop leaves them unconfirmed (re-streamed)."""
         marks = self.mark_session
         if self.marking_end is not None:
             marks.wait()
@@ -400,10 +353,9 @@ class StreamSession:
                 return
 
     def _marked(self, lsn: int) -> bool:
-        """A mark committed: confirm up to `lsn` (`_confirm_marked`) — unless its snapshot
-        did not show some of its transactions yet (relay/cdc/marks.py): their rows may be
-        unmarked, so their ids go into the next mark and nothing is confirmed meanwhile (a
-        crash re-streams them). True when the mark saw everything it covered."""
+        """A mark committed: confirm up to `lsn`, unless its snapshot missed some of its
+        transactions: their ids go into the next mark, nothing confirmed meanwhile. True when
+        it saw everything."""
         txns, self.marking_txns = self.marking_txns, {}
         unseen = self.mark_session.unseen
         if unseen:
@@ -417,10 +369,8 @@ class StreamSession:
         return True
 
     def _confirm_marked(self, lsn: int) -> None:
-        """Confirm up to `lsn`, everything before it being marked — unless a row of an
-        earlier mark is neither marked nor dead-lettered yet (relay/cdc/mark_repair.py): then
-        the slot stays where it is, and a crash re-streams that row. The rows after it are
-        marked meanwhile; the position moves on once it is settled."""
+        """Confirm up to `lsn` unless a failed mark's row is not yet settled
+        (relay/cdc/mark_repair.py): a crash then re-streams it."""
         if not self.mark_session.unresolved:
             self._confirm(lsn)
 

@@ -1,14 +1,9 @@
 """Publication, slot, lag and decommissioning: plain SQL over a normal session.
 
-Which table is published, and why: only the **unpublished partition**, `publish = 'insert'`.
-Every outbox row is inserted there (its `published_at` is NULL), so its inserts are exactly
-the messages. The relay's mark moves rows to the published partition; PostgreSQL decodes that
-move as a DELETE from the unpublished partition (not published: inserts only) and an INSERT
-into the published one (not in the publication). The stream therefore never sees marking at
-all, without any filtering in the relay. Publishing the parent with
-`publish_via_partition_root = true` instead would report that move as an INSERT into the
-parent — every message twice, the second copy with `published_at` set — and every row would
-pay for being decoded and sent twice.
+Only the **unpublished partition** is published, inserts only: its inserts are exactly the
+messages, and the mark's move decodes as a DELETE there and an INSERT into the published one,
+neither in the publication, so the stream never sees marking. Publishing the parent via its
+root would report the move as a second INSERT: every message twice.
 """
 
 from __future__ import annotations
@@ -34,16 +29,12 @@ class SlotState:
     active: bool
     confirmed_lsn: str | None
     lag_bytes: int
-    """WAL the slot holds back: the server's current position minus the confirmed one."""
     failover: bool
 
 
 def ensure_publication(conn: Any, publication: str, schema: str, partition: str) -> bool:
-    """Create the publication on the unpublished partition; True when it was created.
-
-    An existing publication of that name must publish exactly that table (a different one
-    would make the relay stream someone else's rows): checked, never altered.
-    """
+    """Create the publication on the unpublished partition; True when created. An existing
+    one must publish exactly that table (else someone else's rows): checked, never altered."""
     rows = conn.execute(
         "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s",
         (publication,),
@@ -76,19 +67,6 @@ def slot_state(conn: Any, slot: str) -> SlotState | None:
     if row is None:
         return None
     return SlotState(str(row[0]), row[1], row[2], bool(row[3]), row[4], int(row[5]), bool(row[6]))
-
-
-def create_slot(conn: Any, slot: str, *, failover: bool) -> bool:
-    """Create the pgoutput slot; returns whether it is a failover slot (PostgreSQL 17+)."""
-    use_failover = failover and conn.info.server_version >= FAILOVER_MIN_VERSION
-    if use_failover:
-        conn.execute(
-            "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, false, true)",
-            (slot,),
-        )
-    else:
-        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
-    return use_failover
 
 
 def check_database(state: SlotState, database: str, advice: str) -> None:

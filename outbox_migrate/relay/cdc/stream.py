@@ -1,12 +1,8 @@
 """The logical replication protocol over psycopg 3's libpq layer.
 
-psycopg 3 has no replication API, but its `psycopg.pq.PGconn` wraps libpq, and libpq speaks
-the protocol: a connection opened with `replication=database` accepts `START_REPLICATION`,
-which turns it into a COPY BOTH stream of CopyData frames (`get_copy_data`) to which the
-client writes standby status updates (`put_copy_data`). That is all a relay needs, so the
-dependency stays psycopg 3 (docs/relay.md measures the alternatives). Its two commands
-(`START_REPLICATION`, `CREATE_REPLICATION_SLOT`) stay here, not in sql/cdc.sql: they are the
-walsender's replication grammar, not SQL, sent through libpq as bytes.
+psycopg 3 has no replication API, but libpq speaks the protocol: a `replication=database`
+connection turns into a COPY BOTH stream on `START_REPLICATION`, so no other dependency is
+needed (docs/relay.md). Its commands are the walsender's grammar, not SQL: they stay here.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ from outbox_migrate.errors import ConnectError
 from outbox_migrate.relay.cdc import pgoutput
 
 STREAM_OPTIONS = "-c datestyle=ISO -c timezone=UTC -c extra_float_digits=3"
-"""Text values are rendered by the walsender with its own settings: pin the ones the relay
-parses (timestamps)."""
+"""The walsender renders text values with its own settings: pin those the relay parses."""
 
 
 class StreamLost(Exception):
@@ -60,10 +55,9 @@ class ReplicationStream:
         self._command(command.as_string(None).encode(), pq.ExecStatus.COPY_BOTH)
 
     def create_slot(self, slot: str, *, failover: bool, server_version: int) -> tuple[int, str]:
-        """CREATE_REPLICATION_SLOT … pgoutput with an exported snapshot: returns the slot's
-        consistent point and the snapshot's name. The snapshot shows exactly the rows
-        committed before the slot's first streamed change, and stays importable until the
-        next command on this connection (docs/relay.md, "Hand-off")."""
+        """Create the slot with an exported snapshot, which shows exactly the rows committed
+        before its first streamed change, until the next command (docs/relay.md,
+        "Hand-off"); returns the consistent point and the snapshot's name."""
         from psycopg import sql
 
         if server_version >= 150000:
@@ -80,9 +74,8 @@ class ReplicationStream:
         return pgoutput.parse_lsn(point.decode()), snapshot.decode()
 
     def release_snapshot(self) -> None:
-        """End the snapshot `create_slot` exported: the walsender holds it, and with it an
-        xmin that keeps VACUUM from removing any row deleted since, until its next command
-        (here one that changes nothing)."""
+        """End the exported snapshot, whose xmin keeps VACUUM from removing rows, with a
+        command that changes nothing."""
         self._command(b"IDENTIFY_SYSTEM", pq.ExecStatus.TUPLES_OK)
 
     def _command(self, command: bytes, expect: pq.ExecStatus) -> PGresult:
@@ -123,9 +116,8 @@ class ReplicationStream:
         return pgoutput.frame(data)
 
     def drain(self) -> list[bytes]:
-        """Every CopyData frame libpq has already received, without touching the socket
-        (an empty list when none is buffered: call `wait` next). The stream loop's one call
-        per wake-up, instead of one call per frame."""
+        """Every CopyData frame libpq has already received, without touching the socket: one
+        call per wake-up rather than per frame."""
         frames: list[bytes] = []
         get = self._conn.get_copy_data
         size, data = get(1)
@@ -139,23 +131,20 @@ class ReplicationStream:
         return frames
 
     def wait(self, timeout_s: float, also: int | None = None) -> bool:
-        """Wait until the stream's socket is readable and read what it holds into libpq's
-        buffer (True), or until `timeout_s` passed or only socket `also` (the marks session)
-        became readable (False)."""
+        """Wait for the socket and read it into libpq's buffer (True), or until `timeout_s`
+        or only socket `also` (the marks session) is readable (False)."""
         if not self._wait(timeout_s, also):
             return False
         self._consume()
         return True
 
     def receive(self) -> None:
-        """Read whatever the socket holds into libpq's buffer, without waiting (then call
-        `drain`): the linger's read after its sleep, and its check for a backlog before it."""
+        """Read whatever the socket holds into libpq's buffer, without waiting."""
         self._consume()
 
     def confirm(self, lsn: int, *, reply: bool = False, received: int = 0) -> None:
-        """Report `lsn` as flushed: the server may discard WAL and decoding state before it.
-        `received` (when further than `lsn`) is reported as written: what the relay has
-        received, which only informs the server (see `pgoutput.status_update`)."""
+        """Report `lsn` as flushed (the server may discard WAL before it), and `received` as
+        written (`pgoutput.status_update`)."""
         message = pgoutput.status_update(lsn, reply=reply, written_lsn=received)
         if self._conn.put_copy_data(message) < 0:
             raise StreamLost(self._conn.get_error_message() or "status update failed")
