@@ -26,12 +26,12 @@ Failures, per message (the batch's publishes run concurrently, each has its own 
 A batch is pipelined: every message is written with its own reply subject under one inbox
 the sink subscribed to once per connection, then the acks are awaited together, at most
 `timeout_s` for the batch (no ack in time: `SinkUnavailable`). nats-py's `js.publish` waits
-per message — a task, a timer and a `PubAck` dataclass each — which doubled the client CPU
-per message; its `publish_async` pipelines too, but a message it refuses before sending
-(`MaxPayloadError`, a bad header name) keeps a slot of its 4,000 and a future for ever, so a
-relay that meets 4,000 such messages would stall. The sink's own map drops the message's
-future when nats-py refuses to send it, and reads only what it needs (`error`, `duplicate`)
-from the ack's JSON.
+per message — a task, a timer and a `PubAck` dataclass each, more Python than the publish
+itself (bench/producers.py); its `publish_async` pipelines too, but a message it refuses
+before sending (`MaxPayloadError`, a bad header name) keeps one of its 4,000 slots and a
+future for ever, so a relay that met 4,000 such messages would stall. The sink's own map
+drops the message's future when nats-py refuses to send it, and reads only what it needs
+(`error`, `duplicate`) from the ack's JSON.
 
 Connecting is bounded by the sink timeout: nats-py treats `max_reconnect_attempts=0` as
 "unlimited" and would loop on a dead server for ever (logging a traceback every 2 s), so the
