@@ -56,6 +56,7 @@ from outbox_migrate.cli.relay_cmd import RELAY_SWITCH_INTERVAL_S
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
+from outbox_migrate.relay.sinks import SinkFactory
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.testing import server as pgserver
@@ -75,18 +76,28 @@ ACK_LATENCY_S = 0.005
 LATENCY_ROWS = 20_000
 
 
-def reset(conn: psycopg.Connection, rows: int, *, flat: bool = False) -> None:
+def reset(
+    conn: psycopg.Connection, rows: int, *, flat: bool = False, payload_bytes: int = 16
+) -> None:
     table = "outbox" if flat else "outbox_new"
     conn.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier(table)))
-    fill(conn, table, rows)
+    fill(conn, table, rows, payload_bytes=payload_bytes)
     conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(table)))
 
 
-def fill(conn: psycopg.Connection, table: str, rows: int, *, published: bool = False) -> None:
+def fill(
+    conn: psycopg.Connection,
+    table: str,
+    rows: int,
+    *,
+    published: bool = False,
+    payload_bytes: int = 16,
+) -> None:
+    """`rows` rows in chunks; `payload_bytes` is the payload's padding (insert_rows)."""
     done = 0
     while done < rows:
         step = min(INSERT_CHUNK, rows - done)
-        insert_rows(conn, table, step, spec=SPEC, published=published)
+        insert_rows(conn, table, step, spec=SPEC, published=published, payload_bytes=payload_bytes)
         done += step
 
 
@@ -203,12 +214,15 @@ def relay_run(
     mode: Mode,
     ack_latency_s: float = 0.0,
     read_ahead: bool = True,
+    sink_factory: SinkFactory | None = None,
 ) -> tuple[float, Relay]:
+    """Drain the outbox with a relay (until empty); (seconds until `run` returned, relay).
+    The sink: `sink_factory`'s, or stdout into /dev/null with `ack_latency_s` per batch."""
     devnull = Path(os.devnull).open("w")  # noqa: SIM115 - closed below
     try:
         relay = Relay(
             dsn,
-            lambda: AckLatencySink(devnull, ack_latency_s),
+            sink_factory or (lambda: AckLatencySink(devnull, ack_latency_s)),
             spec=SPEC,
             options=RelayOptions(
                 mode=mode,

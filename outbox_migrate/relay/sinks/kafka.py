@@ -193,8 +193,10 @@ class KafkaSink:
         produce, raw, limit = self.producer.produce, self.envelope is Envelope.raw, self.limit
         refused = 0
         for message in batch:
-            if raw:  # the hot path: no envelope to build
-                value, headers = payload_bytes(message), list(message.headers().items())
+            if raw:  # the hot path: no envelope to build; the client takes headers as a dict
+                payload = message.payload
+                value = payload.encode() if type(payload) is str else payload
+                headers: Any = message.headers()
             else:
                 try:
                     value, headers = self._body_and_headers(message)

@@ -23,6 +23,16 @@ Failures, per message (the batch's publishes run concurrently, each has its own 
 * anything else (not connected, a timeout, JetStream 503 while a leader is elected):
   `SinkUnavailable` for the whole batch.
 
+A batch is pipelined: every message is written with its own reply subject under one inbox
+the sink subscribed to once per connection, then the acks are awaited together, at most
+`timeout_s` for the batch (no ack in time: `SinkUnavailable`). nats-py's `js.publish` waits
+per message — a task, a timer and a `PubAck` dataclass each, more Python than the publish
+itself (bench/producers.py); its `publish_async` pipelines too, but a message it refuses
+before sending (`MaxPayloadError`, a bad header name) keeps one of its 4,000 slots and a
+future for ever, so a relay that met 4,000 such messages would stall. The sink's own map
+drops the message's future when nats-py refuses to send it, and reads only what it needs
+(`error`, `duplicate`) from the ack's JSON.
+
 Connecting is bounded by the sink timeout: nats-py treats `max_reconnect_attempts=0` as
 "unlimited" and would loop on a dead server for ever (logging a traceback every 2 s), so the
 sink allows one attempt per server, no reconnect wait, reports errors through its own one-line
@@ -32,6 +42,8 @@ callback, and wraps the whole connect in `asyncio.wait_for`.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import logging
 import re
 from collections.abc import Sequence
@@ -54,6 +66,8 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 SCHEMES = ("nats", "tls", "ws", "wss")
 _FALSE = frozenset({"0", "false", "no", "off"})
 HEADER_BLOCK_BYTES = len(b"NATS/1.0\r\n\r\n")
+NO_RESPONDERS = "503"
+"""The status header of the reply NATS sends itself when no stream listens on the subject."""
 log = logging.getLogger("outbox_migrate.relay.sink.nats")
 
 
@@ -118,6 +132,7 @@ class NatsSink:
         self._loop = asyncio.new_event_loop()
         self._nc: Any = None
         self._js: Any = None
+        self._acks: _Acks | None = None
         self.duplicates = 0
         """Messages JetStream acknowledged as already stored (re-sent after a crash)."""
 
@@ -148,7 +163,9 @@ class NatsSink:
                 await js.stream_info(self.stream)
             except NotFoundError:
                 await js.add_stream(name=self.stream, subjects=[self.subject])
-        self._js = js
+        acks = _Acks(self._nc.new_inbox())
+        await self._nc.subscribe(f"{acks.inbox}.*", cb=acks.on_reply)
+        self._acks, self._js = acks, js
         return js
 
     def _body_and_headers(self, message: Message) -> tuple[bytes, dict[str, str]]:
@@ -192,11 +209,23 @@ class NatsSink:
     async def _publish(
         self, batch: Sequence[Message]
     ) -> tuple[dict[MessageId, str], list[Message], list[Any]]:
-        js = await self._connect()
-        refused, ready = self._prepare(batch, int(self._nc.max_payload))
-        pending = [js.publish(self.subject, body, headers=headers) for _, body, headers in ready]
-        outcomes = list(await asyncio.gather(*pending, return_exceptions=True))
-        return refused, [message for message, _, _ in ready], outcomes
+        await self._connect()
+        nc, acks, subject = self._nc, self._acks, self.subject
+        assert acks is not None
+        refused, ready = self._prepare(batch, int(nc.max_payload))
+        pending: list[asyncio.Future[bool]] = []
+        for _, body, headers in ready:
+            reply, future = acks.expect(self._loop)
+            try:
+                await nc.publish(subject, body, reply=reply, headers=headers)
+            except Exception as exc:  # noqa: BLE001 - refused before sending: its outcome
+                acks.forget(reply)
+                future.set_exception(exc)
+            pending.append(future)
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*pending, return_exceptions=True), self.config.timeout_s
+        )
+        return refused, [message for message, _, _ in ready], list(outcomes)
 
     def publish(self, batch: Sequence[Message]) -> None:
         try:
@@ -206,7 +235,7 @@ class NatsSink:
             raise SinkUnavailable(self.name, _describe(exc)) from None
         for message, outcome in zip(ready, outcomes, strict=True):
             if not isinstance(outcome, BaseException):
-                self.duplicates += bool(getattr(outcome, "duplicate", False))
+                self.duplicates += outcome
             elif is_permanent(outcome):
                 rejected[message.id] = f"nats {_describe(outcome)}"
             else:
@@ -221,7 +250,7 @@ class NatsSink:
             self._loop.close()
 
     def _disconnect(self) -> None:
-        nc, self._nc, self._js = self._nc, None, None
+        nc, self._nc, self._js, self._acks = self._nc, None, None, None
         if nc is None:
             return
         try:
@@ -235,3 +264,47 @@ class NatsSink:
                 self._loop.run_until_complete(asyncio.sleep(0))  # let the socket close now
             except Exception:  # noqa: BLE001 - best effort on a connection being discarded
                 return
+
+
+class _Acks:
+    """JetStream acks of pipelined publishes on one connection: a reply subject and a future
+    per message, under one inbox subscription. A future resolves to whether JetStream stored
+    the message as a duplicate, or fails with the error nats-py would have raised."""
+
+    def __init__(self, inbox: str) -> None:
+        self.inbox = inbox
+        self._next = itertools.count(1)
+        self._waiting: dict[str, asyncio.Future[bool]] = {}
+
+    def expect(self, loop: asyncio.AbstractEventLoop) -> tuple[str, asyncio.Future[bool]]:
+        reply = f"{self.inbox}.{next(self._next)}"
+        future: asyncio.Future[bool] = loop.create_future()
+        self._waiting[reply] = future
+        return reply, future
+
+    def forget(self, reply: str) -> None:
+        self._waiting.pop(reply, None)
+
+    async def on_reply(self, msg: Any) -> None:
+        future = self._waiting.pop(msg.subject, None)
+        if future is None or future.done():  # a late ack of a batch given up on
+            return
+        from nats.js.errors import APIError, NoStreamResponseError
+
+        headers = msg.headers
+        if headers and headers.get("Status") == NO_RESPONDERS:
+            future.set_exception(NoStreamResponseError())
+            return
+        try:
+            answer = json.loads(msg.data)
+        except ValueError as exc:
+            future.set_exception(exc)
+            return
+        if "error" in answer:
+            try:  # nats-py 2.x raises the error's own subclass (BadRequestError, …) from here
+                error = APIError.from_error(answer["error"])
+            except APIError as raised:
+                error = raised
+            future.set_exception(error)
+        else:
+            future.set_result(bool(answer.get("duplicate")))
