@@ -1,13 +1,17 @@
 """One polling relay worker: claim → publish → mark, batch after batch, with its failures sorted.
 
 Each worker is a thread with its own sessions (claim, read-ahead, LISTEN), sink, shards and
-id cursor; it sees its relay only through `Shared` (relay/shared.py). Failures:
+id cursor; it sees its relay only through `Shared` (relay/shared.py). One batch is one
+transaction (relay/batch.py): nothing is marked before the broker acknowledged it. Failures:
 
 * SQLSTATE 40001 (row moved to another partition by a concurrent mark): retried at once
   after a short jitter — the shard scheme makes it rare, the retry makes it harmless;
 * a lost connection: reconnect with exponential backoff (shards are re-acquired);
 * the sink unavailable: the batch rolls back, the worker backs off and retries, forever;
-* messages the sink rejects, or a sink crash: attempts are counted (relay/bad_rows.py).
+* messages the sink rejects: attempts are counted; after `max_attempts` the row goes to the
+  dead-letter table and is marked in the same transaction (nothing lost);
+* the sink raising outside its protocol (`SinkCrashed`): once the batch rolled back, one
+  attempt is counted against the messages it held, then the relay stops (relay/bad_rows.py).
 """
 
 from __future__ import annotations
