@@ -14,7 +14,7 @@ import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -469,10 +469,6 @@ def _check_distinct(spec: OutboxSpec, sources: Mapping[str, str]) -> None:
                 sources.get("metadata_columns", "defaults"),
                 f"{name!r} is the {key.removesuffix('_column')} column, not metadata",
             )
-
-
-def spec_field_names() -> list[str]:
-    return [f.name for f in fields(OutboxSpec)]
 
 
 def with_spec(settings: Settings, **changes: Any) -> Settings:

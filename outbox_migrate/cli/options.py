@@ -21,7 +21,6 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from outbox_migrate.config import ID_KINDS, OutboxSpec, Settings, load_settings
-from outbox_migrate.dsn import ResolvedDsn, resolve
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 NAMES_PARAMETER = "names"
@@ -102,10 +101,6 @@ def _given(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return ",".join(value) or None
     return value
-
-
-def name_fields() -> list[str]:
-    return [f.name for f in fields(OutboxSpec)]
 
 
 def _generated_fields(settings: tuple[str, ...]) -> list[Field[Any]]:
@@ -237,5 +232,12 @@ def settings_from(**flags: Any) -> Settings:
     return load_settings({k: v for k, v in flags.items() if v is not None})
 
 
-def dsn_from(flag: str | None) -> ResolvedDsn | None:
-    return resolve(flag)
+def require_dsn(flag: str | None) -> str:
+    """The DSN to use, or a usage error (exit 2) when nothing names a database."""
+    from outbox_migrate.dsn import resolve
+    from outbox_migrate.errors import UsageError
+
+    resolved = resolve(flag)
+    if resolved is None:
+        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
+    return resolved.dsn

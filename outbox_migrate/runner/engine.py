@@ -16,7 +16,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.config import Settings
-from outbox_migrate.errors import OutOfOrder, SchemaError, UsageError, VerifyFailed
+from outbox_migrate.errors import OutOfOrder, SchemaError, UsageError
 from outbox_migrate.patterns.model import Pattern, Step
 from outbox_migrate.runner import ledger, ownership
 from outbox_migrate.runner.admission import admit, ledger_exists
@@ -355,13 +355,6 @@ class Runner:
         rows = self._existing_rows()
         done = frozenset(i for i, row in rows.items() if row.state == "done")
         return self._facts_now().violations(self.pattern.verified(phase, done))
-
-    def verify_or_raise(self) -> str:
-        phase = self.current_phase()
-        problems = self.verify()
-        if problems:
-            raise VerifyFailed(phase, problems)
-        return phase
 
     def rollback(self, to_phase: str) -> list[str]:
         """Undo, newest first, every done step after `to_phase` (see `reverse.rollback`)."""
