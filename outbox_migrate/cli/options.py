@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, Field, fields
 from enum import StrEnum
 from functools import wraps
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -161,6 +162,14 @@ class OutputFormat(StrEnum):
 
 FormatOption = Annotated[
     OutputFormat, typer.Option("--format", help="Output format: text for people, json for tools.")
+]
+
+
+OptionalOption = Annotated[
+    bool, typer.Option(help="Include optional steps (SET NOT NULL, final drops).")
+]
+ReportDirOption = Annotated[
+    Path, typer.Option(help="Where the PNG timeline and the HTML report go.")
 ]
 
 

@@ -13,6 +13,7 @@ from outbox_migrate.cli.options import (
     RUNNER_SETTINGS,
     DsnOption,
     FormatOption,
+    OptionalOption,
     OutputFormat,
     ToOption,
     require_dsn,
@@ -30,9 +31,6 @@ class LongTx(StrEnum):
     refuse = "refuse"
 
 
-OptionalOption = Annotated[
-    bool, typer.Option(help="Include optional steps (SET NOT NULL, final drops).")
-]
 LongTxOption = Annotated[
     LongTx,
     typer.Option(

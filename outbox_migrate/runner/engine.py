@@ -371,11 +371,9 @@ class Runner:
         """Abandon the table's active migration record (schema objects are left as they are).
 
         Refused while steps of it are applied, unless `force`: the record is the only thing
-        that knows how to undo them. Abandoning a COPRA migration after its `drop-identity`
-        left the old table with no id default — V1's inserts failed and no pattern could
-        start again (found by the operator fuzzer). `rollback --to V1` first undoes what can
-        be undone; then the record can go. Refused, `force` or not, for a pattern that is
-        not the active migration's (`decide.check_reset`).
+        that knows how to undo them (after COPRA's `drop-identity`, V1's inserts would fail
+        for want of an id default). `rollback --to V1` first; then the record can go.
+        Refused, `force` or not, for another pattern than the active one (`decide.check_reset`).
         """
         self.acquire()
         if not ledger_exists(self.conn):
