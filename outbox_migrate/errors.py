@@ -129,12 +129,13 @@ class Blocker:
     def describe(self) -> str:
         age = f", transaction open {self.xact_age_s:.1f} s" if self.xact_age_s is not None else ""
         app = self.application_name or "(no application_name)"
-        state = (
-            f"state hidden from {self.hidden_from}: {grant_to_see(self.hidden_from)}"
-            if self.hidden_from
-            else self.state
-        )
+        state = shown_state(self.state, self.hidden_from)
         return f"pid {self.pid} ({app}, {state}{age}, {self.mode} on {self.relation})"
+
+
+def shown_state(state: str, hidden_from: str) -> str:
+    """A session's state, or that `hidden_from` (our role) cannot see it and what would show it."""
+    return f"state hidden from {hidden_from}: {grant_to_see(hidden_from)}" if hidden_from else state
 
 
 def grant_to_see(role: str) -> str:

@@ -1,12 +1,9 @@
 """Options shared by several commands, and turning them into `Settings`.
 
-The naming options (`--schema`, `--table`, … and every column role) are generated here, once,
-from the fields of `OutboxSpec`: `@with_names` adds them to a command, so every command that
-touches a table takes the same set, and a field added to the spec appears on all of them.
-Only the options the user actually passed are forwarded (None = not given), so environment
-variables and config files keep their place in the precedence order (flags > env > file >
-defaults), and every value — from any source — is validated by `config.load_settings` before
-a command does any work: one line naming the option, exit 2.
+The naming options are generated once from the fields of `OutboxSpec` (`with_names`), so
+every command that touches a table takes the same set. Only the options the user passed are
+forwarded, so env and config files keep their place (flags > env > file > defaults), and
+every value is validated by `config.load_settings` before a command does any work.
 """
 
 from __future__ import annotations
