@@ -14,7 +14,7 @@ import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -250,22 +250,17 @@ def _optional_identifier(value: Any) -> str:
     return _identifier(value)
 
 
-def _identifiers(value: Any) -> tuple[str, ...]:
-    """A TOML list, or a comma-separated string (environment variable, flag)."""
-    if isinstance(value, str):
-        value = [part.strip() for part in value.split(",") if part.strip()]
-    if not isinstance(value, list | tuple):
-        raise ValueError("must be a list of column names")
-    return tuple(_identifier(item) for item in value)
+def _names(what: str) -> Callable[[Any], tuple[str, ...]]:
+    """A parser of a TOML list of `what`, or a comma-separated string (environment, flag)."""
 
+    def parse(value: Any) -> tuple[str, ...]:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"must be a list of {what}")
+        return tuple(_identifier(item) for item in value)
 
-def _relation_names(value: Any) -> tuple[str, ...]:
-    """Index or constraint names: a TOML list, or comma-separated (environment, flags)."""
-    if isinstance(value, str):
-        value = [part.strip() for part in value.split(",") if part.strip()]
-    if not isinstance(value, list | tuple):
-        raise ValueError("must be a list of index or constraint names")
-    return tuple(_identifier(item) for item in value)
+    return parse
 
 
 ID_KINDS = ("database", "application")
@@ -315,10 +310,10 @@ _SPEC_KEYS: dict[str, Callable[[Any], Any]] = {
     "key_column": _optional_identifier,
     "event_type_column": _optional_identifier,
     "headers_column": _optional_identifier,
-    "metadata_columns": _identifiers,
+    "metadata_columns": _names("column names"),
     "id_kind": _id_kind,
     "order_column": _optional_identifier,
-    "accept_lost_unique": _relation_names,
+    "accept_lost_unique": _names("index or constraint names"),
     "unpublished_guard": _on_off,
 }
 _SETTINGS_KEYS: dict[str, Callable[[Any], Any]] = {
@@ -421,58 +416,35 @@ def load_settings(
 
 
 def _check_distinct(spec: OutboxSpec, sources: Mapping[str, str]) -> None:
-    """The four relations must have four different names, and the two columns two."""
-    tables = ["table", "partitioned_table", "unpublished_partition", "published_partition"]
+    """The four relations must have four different names, and the columns distinct roles."""
+
+    def refuse(key: str, problem: str) -> ConfigError:
+        return ConfigError(key, sources.get(key, "defaults"), problem)
+
     seen: dict[str, str] = {}
-    for key in tables:
+    for key in ("table", "partitioned_table", "unpublished_partition", "published_partition"):
         name = getattr(spec, key)
         if name in seen:
-            raise ConfigError(
-                key,
-                sources.get(key, "defaults"),
-                f"{name!r} is already used for {seen[name]}; each relation needs its own name",
-            )
+            used = f"{name!r} is already used for {seen[name]}"
+            raise refuse(key, f"{used}; each relation needs its own name")
         seen[name] = key
     if spec.id_column == spec.published_column:
-        raise ConfigError(
-            "published_column",
-            sources.get("published_column", "defaults"),
-            "must differ from id_column",
-        )
+        raise refuse("published_column", "must differ from id_column")
     if bool(spec.status_column) != bool(spec.status_published_value):
         key = "status_published_value" if spec.status_column else "status_column"
-        raise ConfigError(
-            key,
-            sources.get(key, "defaults"),
-            "status_column and status_published_value go together: the relay sets the "
-            "column to the value on publish",
-        )
+        together = "status_column and status_published_value go together"
+        raise refuse(key, f"{together}: the relay sets the column to the value on publish")
     if spec.status_column in (spec.published_column, spec.id_column):
-        raise ConfigError(
-            "status_column",
-            sources.get("status_column", "defaults"),
-            "must differ from published_column and id_column",
-        )
+        raise refuse("status_column", "must differ from published_column and id_column")
     if spec.order_column and spec.id_kind == "database":
-        raise ConfigError(
-            "order_column",
-            sources.get("order_column", "defaults"),
-            "applies to application ids only (id_kind = application); database ids are "
-            "claimed by id",
-        )
+        only = "applies to application ids only (id_kind = application)"
+        raise refuse("order_column", f"{only}; database ids are claimed by id")
     roles = {"id_column": spec.id_column, "published_column": spec.published_column,
              "payload_column": spec.payload_column}  # fmt: skip
     for key, name in roles.items():
         if name in spec.metadata_columns:
-            raise ConfigError(
-                "metadata_columns",
-                sources.get("metadata_columns", "defaults"),
-                f"{name!r} is the {key.removesuffix('_column')} column, not metadata",
-            )
-
-
-def spec_field_names() -> list[str]:
-    return [f.name for f in fields(OutboxSpec)]
+            role = key.removesuffix("_column")
+            raise refuse("metadata_columns", f"{name!r} is the {role} column, not metadata")
 
 
 def with_spec(settings: Settings, **changes: Any) -> Settings:

@@ -30,10 +30,6 @@ class ResolvedDsn:
     dsn: str
     source: str
 
-    @property
-    def is_embedded(self) -> bool:
-        return self.dsn == EMBEDDED
-
     def masked(self) -> str:
         return mask(self.dsn) if self.dsn else "(libpq defaults from PG* variables)"
 

@@ -2,20 +2,9 @@
 
 Core code raises these and never prints or exits; the CLI turns them into one line on stderr
 and the exit code below. Messages must never contain a password: anything derived from a DSN
-goes through `outbox_migrate.dsn.mask` before it lands here. Sections: the shared base and
-input errors; the runner's (steps, the lock budget and the sessions that block it); the
-maintenance job's; the relay's and its sinks'. Below every other module, so any of them can
-raise any of these.
-
-The relay's: `SinkUnavailable` means "nothing in this batch can be trusted as delivered; retry
-later with backoff" (broker down, timeout) — except the ids it names as `acknowledged`, when
-the sink knows them (the HTTP sink, whose publish ran out of its time after some 2xx answers):
-the relay marks those and claims the rest again, so they are not sent twice.
-`MessagesRejected` means "these ids were refused, the rest were acknowledged": the relay marks
-the acknowledged ones and counts attempts for the others. `UnrepresentableMessage` means "this
-one message cannot be put in the form the sink sends" (a raw bytes payload in a JSON
-envelope): a rejection of that message, never an outage. Message ids are `int | str`
-(`relay.message.MessageId`: a database id, or an application id as text).
+goes through `outbox_migrate.dsn.mask` before it lands here. Below every other module, so any
+of them can raise any of these. Message ids are `int | str` (a database id, or an
+application id as text).
 """
 
 from __future__ import annotations
@@ -140,12 +129,13 @@ class Blocker:
     def describe(self) -> str:
         age = f", transaction open {self.xact_age_s:.1f} s" if self.xact_age_s is not None else ""
         app = self.application_name or "(no application_name)"
-        state = (
-            f"state hidden from {self.hidden_from}: {grant_to_see(self.hidden_from)}"
-            if self.hidden_from
-            else self.state
-        )
+        state = shown_state(self.state, self.hidden_from)
         return f"pid {self.pid} ({app}, {state}{age}, {self.mode} on {self.relation})"
+
+
+def shown_state(state: str, hidden_from: str) -> str:
+    """A session's state, or that `hidden_from` (our role) cannot see it and what would show it."""
+    return f"state hidden from {hidden_from}: {grant_to_see(hidden_from)}" if hidden_from else state
 
 
 def grant_to_see(role: str) -> str:
@@ -321,18 +311,21 @@ class SinkError(OutboxMigrateError):
 
 
 class SinkUnavailable(SinkError):
-    """The broker did not acknowledge the batch; no message of it may be marked published."""
+    """The broker did not acknowledge the batch (down, timeout): retry later with backoff.
+    No message of it may be marked published but `acknowledged`, those the sink knows were
+    delivered (the HTTP sink after some 2xx answers): the relay marks them, so they are not
+    sent twice."""
 
     def __init__(self, sink: str, reason: str, acknowledged: Sequence[int | str] = ()) -> None:
         self.sink = sink
         self.reason = reason
         self.acknowledged = list(acknowledged)
-        """Messages of the batch the broker did acknowledge before the rest failed."""
         super().__init__(f"sink {sink} unavailable: {reason}")
 
 
 class MessagesRejected(SinkError):
-    """Some messages were refused (permanently or not); every other one was acknowledged."""
+    """Some messages were refused (permanently or not); every other one was acknowledged:
+    the relay marks those and counts an attempt against the refused ones."""
 
     def __init__(self, sink: str, rejected: Mapping[int | str, str]) -> None:
         self.sink = sink

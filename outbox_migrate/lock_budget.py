@@ -19,11 +19,9 @@ is visible to all). A holder whose activity is hidden is marked `hidden` and nam
 with the grant that would show it (`SEE_OTHER_SESSIONS`); a guard that needs its state does
 not pass on it (runner/apply.py `_preflight`).
 
-This module is the one lock-budget primitive: the runner's steps and inverses, the jobs and
-the relay's switch all go through `run_with_lock_budget`. It sits below all of them and below the
-pattern catalog (PostgreSQL's lock modes are defined here; it imports only the shared backoff
-and errors), so the relay does not reach up into the runner for it; it must not import the
-patterns, the runner, the jobs or the relay.
+The one lock-budget primitive: the runner's steps and inverses, the jobs and the relay's
+switch all go through `run_with_lock_budget`. It sits below all of them and the pattern
+catalog (it imports only backoff and errors), and must import none of them.
 """
 
 from __future__ import annotations

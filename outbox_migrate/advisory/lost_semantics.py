@@ -53,13 +53,12 @@ def read_unique_keys(conn: Connection[Any], spec: OutboxSpec) -> list[UniqueKey]
 
 
 def id_unique_by_construction(facts: TableFacts, spec: OutboxSpec) -> bool:
-    """Ids the database generates (an identity, a sequence, a uuid default) stay unique
-    without an index: the new identity starts above the old ids. Ids the application
-    supplies without a default were kept unique by the index alone — which is how a
-    framework deduplicates (NServiceBus's primary key on MessageId). With database ids that
-    are not generated, the id's own blocker already says what to do. An id whose type only
-    the application can supply (uuid, text) is judged so before id_kind says it, so that
-    this blocker comes in the same round as the one asking for id_kind."""
+    """Generated ids (identity, sequence, uuid default) stay unique without an index: the new
+    identity starts above the old ids. Application-supplied ids were kept unique by the
+    index alone, which is how a framework deduplicates (NServiceBus's key on MessageId);
+    ungenerated database ids have their own blocker. A uuid or text id is judged
+    application-supplied before id_kind says so, so this blocker comes in the same round as
+    the one asking for id_kind."""
     if spec.id_kind != "application" and facts.id_kind(spec) != "application":
         return True
     column = facts.column(spec.id_column)

@@ -2,11 +2,10 @@
 table's owner, the application, the relay, the CDC relay — what it can and cannot do and see
 on this database, and what each missing grant will cost.
 
-Read from the catalog only (`has_table_privilege`, `pg_has_role`, `rolreplication`, …), in a
-read-only session: the check asks the server what it would allow, so it cannot disagree with
-what a step or the relay then meets. A relation the migration has not created yet is not
-checked (its grants are carried from the old table when it is created, patterns/privileges.py
-and the grant-dead-letters step); what a role must see is checked now, because no step grants it.
+Read from the catalog only (`has_table_privilege`, `pg_has_role`, …) in a read-only session:
+the server says what it would allow, so the check cannot disagree with what a step or the
+relay meets. Relations not created yet are not checked (their grants are carried from the old
+table, patterns/privileges.py); what a role must see is, because no step grants it.
 
 What each role needs, and why:
 

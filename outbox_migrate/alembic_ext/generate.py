@@ -82,7 +82,6 @@ def _spec_of(settings: Settings) -> dict[str, Any]:
         del spec["accept_lost_unique"]
     # Likewise the marker's values: unset, they are read from the column's DEFAULT (online)
     # or from the configuration the revision runs with; pinned empty they would override it.
-    # (Revisions generated before these settings existed stay byte-for-byte the same.)
     for key in MARKER_KEYS:
         if spec.get(key) == "":
             del spec[key]

@@ -197,39 +197,16 @@ def _reported() -> Iterator[None]:
         raise AlembicStepError(exc) from exc
 
 
-@Operations.implementation_for(OutboxStepOp)
-def _outbox_step(operations: Operations, op: OutboxStepOp) -> None:
+def _run(operations: Operations, op: _OutboxOp) -> None:
+    """A step op names its pattern in its id; a phase op names the pattern itself."""
+    reverse = isinstance(op, ReverseOutboxStepOp | ReverseOutboxPhaseOp)
+    run = execute.downgrade_steps if reverse else execute.upgrade_steps
+    pattern = execute.pattern_of(op.target) if op.phase is None else op.target
+    steps = [op.target] if op.phase is None else None
     with _reported():
-        execute.upgrade_steps(
-            operations.get_context(), execute.pattern_of(op.target), [op.target], None,
-            op.spec, op.include_optional, op.in_revision_transaction,
-        )  # fmt: skip
-
-
-@Operations.implementation_for(ReverseOutboxStepOp)
-def _outbox_reverse_step(operations: Operations, op: ReverseOutboxStepOp) -> None:
-    with _reported():
-        execute.downgrade_steps(
-            operations.get_context(), execute.pattern_of(op.target), [op.target], None,
-            op.spec, op.include_optional, op.in_revision_transaction,
-        )  # fmt: skip
-
-
-@Operations.implementation_for(OutboxPhaseOp)
-def _outbox_phase(operations: Operations, op: OutboxPhaseOp) -> None:
-    with _reported():
-        execute.upgrade_steps(
-            operations.get_context(), op.target, None, op.phase, op.spec,
-            op.include_optional, False,
-        )  # fmt: skip
-
-
-@Operations.implementation_for(ReverseOutboxPhaseOp)
-def _outbox_reverse_phase(operations: Operations, op: ReverseOutboxPhaseOp) -> None:
-    with _reported():
-        execute.downgrade_steps(
-            operations.get_context(), op.target, None, op.phase, op.spec,
-            op.include_optional, False,
+        run(
+            operations.get_context(), pattern, steps, op.phase, op.spec,
+            op.include_optional, op.in_revision_transaction,
         )  # fmt: skip
 
 
@@ -242,4 +219,5 @@ def _render(autogen_context: AutogenContext, op: _OutboxOp) -> str:
 
 
 for _cls in (OutboxStepOp, ReverseOutboxStepOp, OutboxPhaseOp, ReverseOutboxPhaseOp):
+    Operations.implementation_for(_cls)(_run)
     renderers.dispatch_for(_cls)(_render)

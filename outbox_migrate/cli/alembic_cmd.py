@@ -10,6 +10,7 @@ import typer
 
 from outbox_migrate.cli.options import (
     FormatOption,
+    OptionalOption,
     OutputFormat,
     settings_from,
     with_names,
@@ -69,9 +70,7 @@ def generate(
         typer.Option("--tag", help="Prefix of the revision ids (<tag>_hoper_v2_01) [random].",
                      show_default=False),
     ] = None,
-    with_optional: Annotated[
-        bool, typer.Option(help="Include optional steps (SET NOT NULL, final drops).")
-    ] = False,
+    with_optional: OptionalOption = False,
     output: FormatOption = OutputFormat.text,
     *,
     names: dict[str, Any],

@@ -119,11 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     returns (an exit code from `typer.Exit`, 130 from an interrupt it caught) or raises is
     mapped here, so no path can turn a failure into exit 0.
     """
-    from outbox_migrate.cli import exits
+    from outbox_migrate.cli import exits, signals
 
     args = list(sys.argv[1:] if argv is None else argv)
     exits.set_command(args)
-    exits.install_signal_handlers()
+    signals.install()  # the launcher did already; this covers `main` called in-process
     try:
         returned = app(args=args, prog_name="outbox-migrate", standalone_mode=False)
     except typer.Exit as exc:  # raised outside a command (never in practice) — honour it
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail(message, code)
     code = returned if isinstance(returned, int) else 0
     if code == int(ExitCode.INTERRUPTED):  # typer turns KeyboardInterrupt into a return of 130
-        _fail(exits.interrupt_message(), exits.interrupt_code())
+        _fail(exits.interrupt_message(), signals.exit_code())
     _exit(code)
 
 

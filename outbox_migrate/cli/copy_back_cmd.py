@@ -11,6 +11,7 @@ from outbox_migrate.cli.options import (
     DsnOption,
     FormatOption,
     OutputFormat,
+    require_dsn,
     settings_from,
     with_names,
 )
@@ -72,15 +73,11 @@ def copy_back(
     from dataclasses import asdict
 
     from outbox_migrate.db import connect
-    from outbox_migrate.dsn import resolve
-    from outbox_migrate.errors import UsageError
     from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions, CopyProgress
     from outbox_migrate.jobs.throttle import ThrottlePolicy
 
     settings = settings_from(**names)
-    resolved = resolve(dsn)
-    if resolved is None:
-        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
+    target = require_dsn(dsn)
     options = CopyBackOptions(
         batch_rows=batch_size,
         throttle=ThrottlePolicy(
@@ -88,14 +85,14 @@ def copy_back(
         ),
     )
     human = output is OutputFormat.text
-    if _recorded_migration(resolved.dsn, settings) is not None:
+    if _recorded_migration(target, settings) is not None:
         # One path for the job: with a HOPER migration in the ledger, this command is
         # `run --to copy-back` (or, with --no-drop, the copy-back step alone), so the ledger
         # records it whichever entry point ran it, and either can finish the other's work.
-        _through_the_runner(resolved.dsn, settings, options, no_drop, human)
+        _through_the_runner(target, settings, options, no_drop, human)
         return
-    with connect(resolved.dsn) as conn:
-        job = CopyBack(conn, settings.spec, options, dsn=resolved.dsn)
+    with connect(target) as conn:
+        job = CopyBack(conn, settings.spec, options, dsn=target)
         plan = job.plan()
         if plan.state == "done":
             done = {"state": "done", "source": plan.source, "dropped": True}

@@ -18,6 +18,7 @@ from outbox_migrate.cli.options import (
     DsnOption,
     FormatOption,
     OutputFormat,
+    require_dsn,
     settings_from,
     with_names,
 )
@@ -93,13 +94,8 @@ def _selection(ids: list[str] | None, reason: str | None, since: datetime | None
 
 def _connect(dsn: str | None) -> Any:
     from outbox_migrate.db import connect
-    from outbox_migrate.dsn import resolve
-    from outbox_migrate.errors import UsageError
 
-    resolved = resolve(dsn)
-    if resolved is None:
-        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
-    return connect(resolved.dsn, autocommit=True)
+    return connect(require_dsn(dsn), autocommit=True)
 
 
 def _checked(conn: Any, schema: str, table: str) -> None:

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from outbox_migrate.cli.options import FormatOption, OutputFormat
+from outbox_migrate.cli.options import FormatOption, OutputFormat, ReportDirOption
 from outbox_migrate.cli.plan_cmd import PatternName
 
 DEMO_DB = "outbox_demo"
@@ -43,9 +43,7 @@ def demo(
         str,
         typer.Option("--dsn", help="Server to run on ('embedded' starts a private one)."),
     ] = "embedded",
-    output_dir: Annotated[
-        Path, typer.Option(help="Where the PNG timeline and the HTML report go.")
-    ] = Path("reports"),
+    output_dir: ReportDirOption = Path("reports"),
     wrong_choreography: Annotated[
         bool,
         typer.Option(

@@ -87,16 +87,6 @@ def doing() -> str:
     return f"{_state.activity} of {command}" if _state.activity else command
 
 
-def install_signal_handlers() -> None:
-    """SIGINT → KeyboardInterrupt, SIGTERM → Terminated (see `cli.signals`; the launcher
-    installed them already, this covers `main` called in-process)."""
-    signals.install()
-
-
-def interrupt_code() -> int:
-    return signals.exit_code()
-
-
 def interrupt_message() -> str:
     name = signals.name()
     if _state.note:
@@ -157,7 +147,7 @@ def _first_line(text: str) -> str:
 def classify(exc: BaseException) -> tuple[int, str]:
     """The exit code and the one line for whatever ended a command (see docs/cli.md)."""
     if _interrupt_in_chain(exc):
-        return interrupt_code(), interrupt_message()
+        return signals.exit_code(), interrupt_message()
     if isinstance(exc, ConnectionLost):
         named = f"`{_state.command}`" in exc.doing
         what = exc.doing if named else f"{exc.doing} of `{_state.command}`"

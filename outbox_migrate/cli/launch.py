@@ -41,11 +41,9 @@ def main(argv: list[str] | None = None) -> None:
 def _leave_at_once(code: int) -> None:
     """An interrupted command leaves as soon as its cleanup is done: exit functions run (the
     embedded server stops, multiprocessing reaps its helpers), streams are flushed, and the
-    interpreter's teardown of every module and object — 0.3 s after a demo on a loaded
-    machine, most of the time Ctrl-C took — is skipped. Every `with` block of the command
-    has already unwound and its transaction rolled back before this point. (It also keeps
-    CPython from re-raising SIGINT at exit after a KeyboardInterrupt went through an
-    `exec()`, which made the exit status -2 instead of 130.)"""
+    interpreter's slow teardown of every module is skipped; every `with` block has already
+    unwound and rolled back. It also keeps CPython from re-raising SIGINT at exit after a
+    KeyboardInterrupt went through an `exec()` (exit status -2 instead of 130)."""
     import atexit
     import os
 

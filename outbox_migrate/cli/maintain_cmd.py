@@ -15,6 +15,7 @@ from outbox_migrate.cli.options import (
     DsnOption,
     FormatOption,
     OutputFormat,
+    require_dsn,
     settings_from,
     with_names,
 )
@@ -90,16 +91,13 @@ def maintain(
     from datetime import timedelta
 
     from outbox_migrate.db import connect
-    from outbox_migrate.dsn import resolve
     from outbox_migrate.errors import MaintenanceProblems, OutboxMigrateError, UsageError
     from outbox_migrate.jobs.maintain import MaintenanceOptions, maintain_loop, maintain_once
 
     if bloat_method not in ("auto", "pgstattuple", "estimate"):
         raise UsageError(f"--bloat-method: auto, pgstattuple or estimate, not {bloat_method!r}")
     settings = settings_from(**names)
-    resolved = resolve(dsn)
-    if resolved is None:
-        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
+    target = require_dsn(dsn)
     options = MaintenanceOptions(
         apply_autovacuum=not no_autovacuum,
         bloat_threshold_pct=bloat_threshold,
@@ -111,7 +109,7 @@ def maintain(
     )
     as_json = output is OutputFormat.json
     if once:
-        with connect(resolved.dsn) as conn:
+        with connect(target) as conn:
             report = maintain_once(conn, settings.spec, options)
         _show(report, as_json)
         if report.problems:
@@ -129,7 +127,7 @@ def maintain(
         err().print(f"outbox-migrate: maintain: {exc}", markup=False)
 
     maintain_loop(
-        resolved.dsn,
+        target,
         settings.spec,
         options,
         interval_s=interval,

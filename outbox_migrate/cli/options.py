@@ -1,12 +1,9 @@
 """Options shared by several commands, and turning them into `Settings`.
 
-The naming options (`--schema`, `--table`, … and every column role) are generated here, once,
-from the fields of `OutboxSpec`: `@with_names` adds them to a command, so every command that
-touches a table takes the same set, and a field added to the spec appears on all of them.
-Only the options the user actually passed are forwarded (None = not given), so environment
-variables and config files keep their place in the precedence order (flags > env > file >
-defaults), and every value — from any source — is validated by `config.load_settings` before
-a command does any work: one line naming the option, exit 2.
+The naming options are generated once from the fields of `OutboxSpec` (`with_names`), so
+every command that touches a table takes the same set. Only the options the user passed are
+forwarded, so env and config files keep their place (flags > env > file > defaults), and
+every value is validated by `config.load_settings` before a command does any work.
 """
 
 from __future__ import annotations
@@ -16,12 +13,12 @@ from collections.abc import Callable
 from dataclasses import MISSING, Field, fields
 from enum import StrEnum
 from functools import wraps
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 
 from outbox_migrate.config import ID_KINDS, OutboxSpec, Settings, load_settings
-from outbox_migrate.dsn import ResolvedDsn, resolve
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 NAMES_PARAMETER = "names"
@@ -104,10 +101,6 @@ def _given(value: Any) -> Any:
     return value
 
 
-def name_fields() -> list[str]:
-    return [f.name for f in fields(OutboxSpec)]
-
-
 def _generated_fields(settings: tuple[str, ...]) -> list[Field[Any]]:
     chosen = [f for f in fields(Settings) if f.name in settings]
     unknown = set(settings) - {f.name for f in chosen}
@@ -166,6 +159,14 @@ class OutputFormat(StrEnum):
 
 FormatOption = Annotated[
     OutputFormat, typer.Option("--format", help="Output format: text for people, json for tools.")
+]
+
+
+OptionalOption = Annotated[
+    bool, typer.Option(help="Include optional steps (SET NOT NULL, final drops).")
+]
+ReportDirOption = Annotated[
+    Path, typer.Option(help="Where the PNG timeline and the HTML report go.")
 ]
 
 
@@ -237,5 +238,12 @@ def settings_from(**flags: Any) -> Settings:
     return load_settings({k: v for k, v in flags.items() if v is not None})
 
 
-def dsn_from(flag: str | None) -> ResolvedDsn | None:
-    return resolve(flag)
+def require_dsn(flag: str | None) -> str:
+    """The DSN to use, or a usage error (exit 2) when nothing names a database."""
+    from outbox_migrate.dsn import resolve
+    from outbox_migrate.errors import UsageError
+
+    resolved = resolve(flag)
+    if resolved is None:
+        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
+    return resolved.dsn

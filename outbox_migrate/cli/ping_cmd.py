@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from outbox_migrate.cli.options import DsnOption, FormatOption, OutputFormat
+from outbox_migrate.cli.options import DsnOption, FormatOption, OutputFormat, require_dsn
 
 
 def register(app: typer.Typer) -> None:
@@ -17,16 +17,12 @@ def register(app: typer.Typer) -> None:
 
 def ping(dsn: DsnOption = None, output: FormatOption = OutputFormat.text) -> None:
     from outbox_migrate.db import connect, describe, server_version
-    from outbox_migrate.dsn import resolve
-    from outbox_migrate.errors import UsageError
 
-    resolved = resolve(dsn)
-    if resolved is None:
-        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
-    with connect(resolved.dsn) as conn:
+    target = require_dsn(dsn)
+    with connect(target) as conn:
         row = conn.execute("SHOW server_version").fetchone()
         info = {
-            "database": describe(resolved.dsn),
+            "database": describe(target),
             "server_version": str(row[0]) if row else "?",
             "major": server_version(conn),
             "current_database": conn.info.dbname,

@@ -10,6 +10,7 @@ import typer
 from outbox_migrate.cli.options import (
     RUNNER_SETTINGS,
     DsnOption,
+    OptionalOption,
     settings_from,
     with_names,
 )
@@ -54,9 +55,7 @@ def plan(
     output: Annotated[
         PlanFormat, typer.Option("--format", help="table, markdown, json or psql-runnable sql.")
     ] = PlanFormat.table,
-    with_optional: Annotated[
-        bool, typer.Option(help="Include optional steps (SET NOT NULL, final drops).")
-    ] = False,
+    with_optional: OptionalOption = False,
     *,
     names: dict[str, Any],
 ) -> None:

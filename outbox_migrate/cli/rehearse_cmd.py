@@ -7,7 +7,13 @@ from typing import Annotated, Any
 
 import typer
 
-from outbox_migrate.cli.options import DsnOption, FormatOption, OutputFormat, with_names
+from outbox_migrate.cli.options import (
+    DsnOption,
+    FormatOption,
+    OutputFormat,
+    ReportDirOption,
+    with_names,
+)
 from outbox_migrate.cli.plan_cmd import PatternOption
 
 SCRATCH_DB = "outbox_rehearsal"
@@ -57,9 +63,7 @@ def rehearse(
             "leave the source)."
         ),
     ] = False,
-    output_dir: Annotated[
-        Path, typer.Option(help="Where the PNG timeline and the HTML report go.")
-    ] = Path("reports"),
+    output_dir: ReportDirOption = Path("reports"),
     output: FormatOption = OutputFormat.text,
     *,
     names: dict[str, Any],

@@ -15,6 +15,7 @@ from outbox_migrate.cli.options import (
     DsnOption,
     FormatOption,
     OutputFormat,
+    require_dsn,
     settings_from,
     with_names,
 )
@@ -68,15 +69,11 @@ def roles(
 ) -> None:
     from outbox_migrate.advisory import role_check
     from outbox_migrate.db import connect
-    from outbox_migrate.dsn import resolve
-    from outbox_migrate.errors import UsageError
     from outbox_migrate.relay.options import DEFAULT_PUBLICATION
 
     spec = settings_from(**(names or {})).spec
-    resolved = resolve(dsn)
-    if resolved is None:
-        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
-    with connect(resolved.dsn) as conn:
+    target = require_dsn(dsn)
+    with connect(target) as conn:
         conn.execute("SET default_transaction_read_only = on")
         checks = role_check.check_roles(
             conn,

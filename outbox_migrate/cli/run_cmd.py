@@ -13,8 +13,10 @@ from outbox_migrate.cli.options import (
     RUNNER_SETTINGS,
     DsnOption,
     FormatOption,
+    OptionalOption,
     OutputFormat,
     ToOption,
+    require_dsn,
     settings_from,
     with_names,
 )
@@ -29,9 +31,6 @@ class LongTx(StrEnum):
     refuse = "refuse"
 
 
-OptionalOption = Annotated[
-    bool, typer.Option(help="Include optional steps (SET NOT NULL, final drops).")
-]
 LongTxOption = Annotated[
     LongTx,
     typer.Option(
@@ -93,20 +92,13 @@ def _runner(
     with_optional: bool = False,
     on_long_tx: str = "wait",
 ) -> Runner:
-    from outbox_migrate.dsn import resolve
-    from outbox_migrate.errors import UsageError
-    from outbox_migrate.runner import Runner
-
-    settings = settings_from(**names)
-    resolved = resolve(dsn)
-    if resolved is None:
-        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
     from outbox_migrate.cli.console import runner_events
     from outbox_migrate.cli.exits import TrackedEvents
+    from outbox_migrate.runner import Runner
 
     return Runner(
-        resolved.dsn,
-        settings,
+        require_dsn(dsn),
+        settings_from(**names),
         pattern,
         include_optional=with_optional,
         events=TrackedEvents(runner_events(json_lines=output is OutputFormat.json)),
@@ -215,16 +207,6 @@ def next_step(
     _report(result, output, runner)
 
 
-def _dsn(dsn: str | None) -> str:
-    from outbox_migrate.dsn import resolve
-    from outbox_migrate.errors import UsageError
-
-    resolved = resolve(dsn)
-    if resolved is None:
-        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
-    return resolved.dsn
-
-
 def status(
     pattern: ActivePatternOption = None,
     dsn: DsnOption = None,
@@ -249,7 +231,7 @@ def status(
         from outbox_migrate.cli import watch as live
         from outbox_migrate.cli.status_watch import watch as show
 
-        target = _dsn(dsn)
+        target = require_dsn(dsn)
         show(
             lambda: live.frame(target, settings, name),
             interval_s=interval,
@@ -257,7 +239,7 @@ def status(
             json_lines=output is OutputFormat.json,
         )
         return
-    document = inspect.status(_dsn(dsn), settings, name, include_optional=with_optional)
+    document = inspect.status(require_dsn(dsn), settings, name, include_optional=with_optional)
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json
 
@@ -271,7 +253,7 @@ def status(
     from outbox_migrate.attempt_log import latest_attempts
     from outbox_migrate.cli.console import render_status
 
-    render_status(document, latest_attempts(_dsn(dsn), settings.spec, document["pattern"]))
+    render_status(document, latest_attempts(require_dsn(dsn), settings.spec, document["pattern"]))
 
 
 def verify(
@@ -286,7 +268,7 @@ def verify(
 
     settings = settings_from(**names)
     name = pattern.value if pattern else None
-    phase = inspect.verify(_dsn(dsn), settings, name, include_optional=with_optional)
+    phase = inspect.verify(require_dsn(dsn), settings, name, include_optional=with_optional)
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json
 
@@ -313,7 +295,7 @@ def rollback(
     name = pattern.value if pattern else None
     if name is None:
         settings = settings_from(**names)
-        name = inspect.active_pattern(_dsn(dsn), settings)
+        name = inspect.active_pattern(require_dsn(dsn), settings)
         if name is None:
             raise UsageError(f"no migration recorded for {inspect.table_label(settings)} to "
                              "roll back")  # fmt: skip
@@ -364,7 +346,7 @@ def reset(
     if name is None:  # the record to abandon is the table's active one, whatever its pattern
         from outbox_migrate.runner import inspect
 
-        name = inspect.active_pattern(_dsn(dsn), settings_from(**names))
+        name = inspect.active_pattern(require_dsn(dsn), settings_from(**names))
         if name is None:
             from outbox_migrate.cli.console import text
 

@@ -9,10 +9,9 @@ of an import can land where Python ignores it (a module lock's weakref callback 
 `KeyboardInterrupt` and SIGTERM `Terminated` where the main thread is, so `with` blocks
 unwind and transactions roll back.
 
-Only the C `_signal` module is used: the `signal` module imports `enum` (8 ms), time in which
-Python's own default handler would still turn a Ctrl-C into a traceback. Nothing happens at
-import: importing this module must not change a host process's handlers (tests and Alembic
-import the CLI's modules in-process).
+Only the C `_signal` module is used: the `signal` module imports `enum`, time in which Python's
+default handler would still turn a Ctrl-C into a traceback. Importing this module changes no
+handler: tests and Alembic import the CLI's modules in-process.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import _signal  # type: ignore[import-not-found]  # the C module: see the docstr
 import os  # loaded by the interpreter before any program: free
 import sys
 
-TYPE_CHECKING = False  # not typing's: importing typing costs ~30 ms before the handlers
+TYPE_CHECKING = False  # not typing's: importing typing would delay the handlers
 if TYPE_CHECKING:
     from collections.abc import Callable
     from types import FrameType

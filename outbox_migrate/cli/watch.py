@@ -31,7 +31,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, Settings
-from outbox_migrate.errors import SchemaError, grant_to_see
+from outbox_migrate.errors import SchemaError, shown_state
 from outbox_migrate.lock_budget import WATCH_APPLICATION_NAME, LockMode
 from outbox_migrate.patterns import marker, marker_catalog
 from outbox_migrate.patterns.model import CheckPoint, Step
@@ -148,9 +148,7 @@ def _runner_session(conn: psycopg.Connection[Any], label: str) -> dict[str, Any]
     return {
         "pid": int(pid),
         "application": str(app),
-        "state": f"state hidden from {hidden_from}: {grant_to_see(hidden_from)}"
-        if hidden_from
-        else str(state),
+        "state": shown_state(str(state), hidden_from or ""),
         "waiting_for_lock": wait == "Lock",
         "for_s": round(float(for_s), 1) if for_s is not None else None,
         "query": str(query),
@@ -167,9 +165,7 @@ def holders(conn: psycopg.Connection[Any], step: Step, schema: str) -> list[Hold
 
     found = find_blockers(conn, [(lock.relation, lock.mode) for lock in step.locks], schema)
     return [
-        Holder(b.pid, b.application_name,
-               f"state hidden from {b.hidden_from}: {grant_to_see(b.hidden_from)}"
-               if b.hidden_from else b.state,
+        Holder(b.pid, b.application_name, shown_state(b.state, b.hidden_from),
                round(b.xact_age_s, 1) if b.xact_age_s is not None else None,
                LockMode(b.mode).sql_name, b.relation)
         for b in found

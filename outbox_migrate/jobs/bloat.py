@@ -4,8 +4,8 @@ The unpublished partition's index is the outbox's hot spot: every publish delete
 that partition (the cross-partition UPDATE), and VACUUM can mark the emptied leaf pages
 deleted but never gives the space back, so the index keeps its peak size. Two ways to see it:
 
-- `pgstattuple`'s `pgstatindex()` reads every index page: exact, but needs the extension
-  (creating it needs a superuser) and reads the whole index.
+- `pgstattuple`'s `pgstatindex()`: exact, but needs the extension (a superuser creates it)
+  and reads every index page.
 - A statistics-based estimate (in the spirit of ioguix's btree bloat query): the size the
   index would have if freshly built — the table's `reltuples` times the entry width from
   `pg_stats`, packed at the index's fillfactor — against its real size. Cheap and available

@@ -1,13 +1,11 @@
 """Copy-back's progress table: one row per (source, target) with the high-water mark and the
 copied / verified / dropped stamps.
 
-Reading the state never runs DDL. The table is created, or upgraded, once at the job's start
-(`ensure`): an older table lacks `high_water_id`, the mark as text that every copy-back now
-keeps (integer ids keep `high_water` too). It is added only when the catalog says it is
-missing, under a short `lock_timeout` with the tool's lock budget — `ADD COLUMN IF NOT
-EXISTS` on every read would take an ACCESS EXCLUSIVE lock each time, queued behind any reader
-of the table and blocking every later one meanwhile; a read of an older table falls back to
-`high_water`.
+Reading the state never runs DDL. The table is created, or given its `high_water_id` (the
+mark as text; integer ids keep `high_water` too), once at the job's start (`ensure`): only
+when the catalog says it is missing, under the lock budget — `ADD COLUMN IF NOT EXISTS` on
+every read would queue an ACCESS EXCLUSIVE lock behind any reader and block every later one.
+A read of a table without it falls back to `high_water`.
 """
 
 from __future__ import annotations

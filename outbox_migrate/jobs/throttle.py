@@ -241,10 +241,6 @@ class Throttle:
         self.last_impact: Impact | None = None
         self.paused_s = 0.0
 
-    def restart_clock(self, done: int) -> None:
-        self._started = time.monotonic()
-        self._done_at_start = done
-
     def measure(self) -> Impact:
         if not self.policy.adaptive:
             return Impact("none", 0.0, 0.0, False)

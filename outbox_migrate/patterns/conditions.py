@@ -275,10 +275,6 @@ def autovacuum_tuned(n: Names, relation: str) -> Condition:
     )
 
 
-def autovacuum_default(n: Names, relation: str) -> Condition:
-    return condition("autovacuum-default", relation, rel_reg=n.reg(relation))
-
-
 def all_rows_present(n: Names, source: str, target: str, kept_by: str = "") -> Condition:
     """A scan of the whole source: checked before the step's transaction; `kept_by` says what
     keeps it true until commit (the source detached and locked, or the copy trigger)."""
@@ -297,17 +293,6 @@ def all_rows_present(n: Names, source: str, target: str, kept_by: str = "") -> C
 
 def no_fk_references(n: Names, relation: str) -> Condition:
     return condition("no-fk-references", relation, rel_reg=n.reg(relation))
-
-
-def no_id_clash(n: Names) -> Condition:
-    return condition(
-        "no-id-clash",
-        rel_reg=n.reg(n.table),
-        rel_q=n.q(n.table),
-        parent_reg=n.reg(n.parent),
-        parent_q=n.q(n.parent),
-        id_q=n.id_q,
-    )
 
 
 def no_trigger_name_clash(n: Names) -> Condition:

@@ -24,13 +24,11 @@ A busy relay â€” one that keeps finding rows, lingering between small batches â€
 lock, so steady traffic commits without NOTIFY.
 
 The key is a literal in the trigger function, computed by the client from the table's name (a
-CRC-32 of the same label the relay uses), not `hashtext(TG_TABLE_SCHEMA || ...)` per statement:
-the trigger runs on every application INSERT, and building and hashing that string there cost
-about a third of the trigger's price (bench/trigger_parts.py; its figures in bench/README.md).
-It also lets
-`plan` print the exact function. The price: after renaming the partitioned table, reinstall the
-trigger (`relay --install-notify`); the relay warns at start when the installed key is not the
-one it uses (`key_matches`), and without a matching key it still finds rows by polling.
+CRC-32 of the label the relay uses): hashing that string on every application INSERT is a
+large share of the trigger's cost (bench/trigger_parts.py), and `plan` can print the exact
+function. The price: after renaming the partitioned table, reinstall the trigger (`relay
+--install-notify`); the relay warns at start when the installed key is not its own
+(`key_matches`), and without it still finds rows by polling.
 
 Inserts straight into the unpublished partition bypass the parent's statement triggers; the
 application helpers insert through the parent.
@@ -67,11 +65,8 @@ def idle_key(label: str) -> str:
 
 
 def idle_lock_key(label: str) -> int:
-    """The idle lock's first key (an int4) for the table `label` (= schema.table).
-
-    A CRC-32 of `idle_key(label)` folded to a signed int4, computed here rather than by the
-    server's `hashtext` so that the same value can be written into the trigger as a literal
-    (see the module docstring) and printed by `plan` without a server."""
+    """The idle lock's first key for the table `label` (= schema.table): a CRC-32 of
+    `idle_key(label)` as a signed int4, computed here to be a literal (module docstring)."""
     return int.from_bytes(zlib.crc32(idle_key(label).encode()).to_bytes(4, "big"), signed=True)
 
 

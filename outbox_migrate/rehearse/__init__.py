@@ -174,11 +174,10 @@ def extrapolate(report: dict[str, Any], scratch_dsn: str) -> list[dict[str, Any]
     scratch time less its scan) plus the scan scaled by heap bytes; copy-back by its
     measured copy rate.
 
-    A small copy's step time is almost all fixed cost: scaled by the bytes as a whole it
-    would read as a scan rate and predict minutes for a table scanned in a second. Linear
-    in bytes is the honest first-order model for a sequential scan or a keyset copy on the
-    same hardware; it ignores cache effects and a busier production server, and `sure` says
-    when the scratch scan was too short to measure a rate at all."""
+    A small copy's step time is almost all fixed cost, so scaling it whole would overstate
+    the scan. Linear in bytes is the first-order model for a sequential scan or a keyset
+    copy on the same hardware (no cache effects, no busier server); `sure` says when the
+    scratch scan was too short to measure a rate at all."""
     out = scan_estimates(report)
     copied = _copy_back_rate(scratch_dsn)
     if copied is not None:

@@ -10,7 +10,7 @@ they are used as SQL text; every name we compose is quoted with `psycopg.sql`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,23 +109,8 @@ def insert_statement(shape: SourceShape, spec: OutboxSpec) -> tuple[str, str]:
     INSERT returns the id, and deliveries are matched by id."""
     key = shape.facts.column(spec.key_column)
     by_key = key is not None and _base(key.type) in _TEXT
-    names: list[sql.Composable] = []
-    values: list[sql.Composable] = []
-    n = "(random() * 1000000)::int"
-    for column in _filled_columns(shape, spec):
-        if by_key and column.name == spec.key_column:
-            value: sql.Composable | None = sql.SQL(_KEY_SENTINEL)
-        else:
-            value = value_sql(column, shape, spec, n=n, pad_bytes=_pad_bytes(shape))
-        if value is None:
-            if column.not_null:
-                raise ScratchError(
-                    f"cannot make up values of type {column.type} for NOT NULL column "
-                    f"{column.name!r} of {spec.table}; rehearse --sample copies real rows"
-                )
-            continue
-        names.append(sql.Identifier(column.name))
-        values.append(value)
+    own = {spec.key_column: sql.SQL(_KEY_SENTINEL)} if by_key else {}
+    names, values = _made_up(shape, spec, "(random() * 1000000)::int", own)
     returning = sql.SQL("" if by_key else " RETURNING {}").format(sql.Identifier(spec.id_column))
     statement = sql.SQL("INSERT INTO {} ({}) VALUES ({}){}").format(
         sql.Identifier(_TABLE_SENTINEL),
@@ -142,6 +127,29 @@ def insert_statement(shape: SourceShape, spec: OutboxSpec) -> tuple[str, str]:
 
 _TABLE_SENTINEL = "rehearsal_table_placeholder"
 _KEY_SENTINEL = "rehearsal_key_placeholder"
+
+
+def _made_up(
+    shape: SourceShape, spec: OutboxSpec, n: str, own: Mapping[str, sql.Composable]
+) -> tuple[list[sql.Composable], list[sql.Composable]]:
+    """The columns to fill and their made-up values (`n`: the row's number), `own` taking
+    precedence; a NOT NULL column of a type with no made-up value is refused."""
+    names: list[sql.Composable] = []
+    values: list[sql.Composable] = []
+    for column in _filled_columns(shape, spec):
+        value = own.get(column.name) or value_sql(
+            column, shape, spec, n=n, pad_bytes=_pad_bytes(shape)
+        )
+        if value is None:
+            if column.not_null:
+                raise ScratchError(
+                    f"cannot make up values of type {column.type} for NOT NULL column "
+                    f"{column.name!r} of {spec.table}; rehearse --sample copies real rows"
+                )
+            continue
+        names.append(sql.Identifier(column.name))
+        values.append(value)
+    return names, values
 
 
 def _pad_bytes(shape: SourceShape) -> int:
@@ -272,7 +280,6 @@ def fill_synthetic(
     facts = shape.facts
     share = facts.unpublished / facts.row_estimate if facts.row_estimate > 0 else 0.0
     unpublished = min(UNPUBLISHED_ROWS_MAX, round(rows * share), facts.unpublished)
-    names: list[sql.Composable] = [sql.Identifier(spec.published_column)]
     flag = marker.of(marker_catalog.resolve(conn, spec))
     # The newest `unpublished` rows are the backlog; the others published, oldest first.
     published: sql.Composable = sql.SQL("now() - ({} - g) * interval '1 ms'").format(
@@ -285,20 +292,10 @@ def fill_synthetic(
         published = sql.SQL("{}::{t} ELSE {}::{t}").format(
             sql.Literal(flag.published_value), sql.Literal(flag.unpublished_value), t=kind
         )
-    values: list[sql.Composable] = [
-        sql.SQL("CASE WHEN g <= {} THEN {} END").format(sql.Literal(rows - unpublished), published)
-    ]
-    for column in _filled_columns(shape, spec):
-        value = value_sql(column, shape, spec, n="g", pad_bytes=_pad_bytes(shape))
-        if value is None:
-            if column.not_null:
-                raise ScratchError(
-                    f"cannot make up values of type {column.type} for NOT NULL column "
-                    f"{column.name!r}; rehearse --sample copies real rows"
-                )
-            continue
-        names.append(sql.Identifier(column.name))
-        values.append(value)
+    names, values = _made_up(shape, spec, "g", {})
+    names.insert(0, sql.Identifier(spec.published_column))
+    cutoff = sql.Literal(rows - unpublished)
+    values.insert(0, sql.SQL("CASE WHEN g <= {} THEN {} END").format(cutoff, published))
     conn.execute(
         sql.SQL("INSERT INTO {} ({}) SELECT {} FROM generate_series(1, {}) AS g").format(
             sql.Identifier(spec.schema, spec.table),

@@ -21,8 +21,6 @@ from outbox_migrate.config import OutboxSpec
 READ_ONLY_OPTIONS = "-c default_transaction_read_only=on"
 """Passed as libpq `options`: the server refuses any write in these sessions."""
 
-DEFAULT_MEASURE_S = 5.0
-
 
 @dataclass(frozen=True)
 class Rates:

@@ -59,8 +59,7 @@ def admit(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> None:
         # flat table (on PostgreSQL <= 16 an attached table also shows no identity), so they
         # do not apply; every step still proves its state, and objects found this way are
         # adopted as `found`, never dropped by a rollback. After a `reset --force` the same
-        # layout is another migration's leftovers: `reset --force` abandoned a swapped HOPER
-        # migration and a HOP run then adopted its objects and stuck half-way.
+        # layout is another migration's leftovers, which a run would adopt and stick half-way.
         return
     raise_for_blockers(introspect(conn, spec, pattern))
 

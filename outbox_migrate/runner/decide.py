@@ -190,9 +190,8 @@ def plan_execute_step(
     `holds`: step id → its postcondition holds now, for the steps not done in the ledger.
     Every earlier step must be done, proven by its postcondition, evidenced as undone on
     purpose by a later step (`undone_on_purpose`), or a step without SQL to run again (a
-    deploy gate: checked live). Anything else refuses (`OutOfOrder`) with nothing written —
-    a refused `copy-back` once marked steps done on its way to refusing. Then `run`'s
-    deploy-boundary rule must hold for the ledger as the plan would leave it."""
+    deploy gate: checked live). Anything else refuses (`OutOfOrder`) with nothing written.
+    Then `run`'s deploy-boundary rule must hold for the ledger as the plan would leave it."""
     steps = pattern.steps()
     by_id = {step.id: step for step in steps}
     target = by_id[target_id]
@@ -273,9 +272,9 @@ def check_reset(
 ) -> None:
     """Refuse a `reset` that would lose what only the record knows, before it writes.
 
-    A pattern that is not the active migration's is refused even with `--force`: `reset
-    --pattern cop --force` once abandoned an active HOPER migration, and a HOP run then
-    adopted HOPER's objects half-way. `--force` only skips the "nothing applied" rule."""
+    A pattern that is not the active migration's is refused even with `--force`: another
+    pattern's run would then adopt its objects half-way. `--force` only skips the "nothing
+    applied" rule."""
     if active_pattern != pattern.name:
         raise OutOfOrder(
             f"the active migration of {table} is a {active_pattern.upper()} one, not "

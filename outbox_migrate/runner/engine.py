@@ -16,7 +16,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.config import Settings
-from outbox_migrate.errors import OutOfOrder, SchemaError, UsageError, VerifyFailed
+from outbox_migrate.errors import OutOfOrder, SchemaError, UsageError
 from outbox_migrate.patterns.model import Pattern, Step
 from outbox_migrate.runner import ledger, ownership
 from outbox_migrate.runner.admission import admit, ledger_exists
@@ -356,13 +356,6 @@ class Runner:
         done = frozenset(i for i, row in rows.items() if row.state == "done")
         return self._facts_now().violations(self.pattern.verified(phase, done))
 
-    def verify_or_raise(self) -> str:
-        phase = self.current_phase()
-        problems = self.verify()
-        if problems:
-            raise VerifyFailed(phase, problems)
-        return phase
-
     def rollback(self, to_phase: str) -> list[str]:
         """Undo, newest first, every done step after `to_phase` (see `reverse.rollback`)."""
         self.acquire()
@@ -378,11 +371,9 @@ class Runner:
         """Abandon the table's active migration record (schema objects are left as they are).
 
         Refused while steps of it are applied, unless `force`: the record is the only thing
-        that knows how to undo them. Abandoning a COPRA migration after its `drop-identity`
-        left the old table with no id default — V1's inserts failed and no pattern could
-        start again (found by the operator fuzzer). `rollback --to V1` first undoes what can
-        be undone; then the record can go. Refused, `force` or not, for a pattern that is
-        not the active migration's (`decide.check_reset`).
+        that knows how to undo them (after COPRA's `drop-identity`, V1's inserts would fail
+        for want of an id default). `rollback --to V1` first; then the record can go.
+        Refused, `force` or not, for another pattern than the active one (`decide.check_reset`).
         """
         self.acquire()
         if not ledger_exists(self.conn):

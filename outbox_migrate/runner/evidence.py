@@ -4,9 +4,7 @@ A postcondition that asserts a *presence* (the old table is the DEFAULT partitio
 is validated) is false until its step ran, so finding it true proves the step — and, since a
 pattern's steps apply in order, every step before it — was applied. A postcondition that
 asserts only *absences* (the CHECK is gone, the trigger is gone) is just as true before the
-step it undoes was ever applied, so on its own it proves nothing: `copy-back` once adopted
-`add-not-valid-check` as done for a CHECK that never existed because `drop-check`'s "the
-CHECK is absent" held (operator fuzzer, HOPER).
+step it undoes was ever applied, so on its own it proves nothing.
 
 Conditions are classified by name. A name in neither set is treated as proving nothing, so a
 new kind can only make the runner more careful, never adopt on a guess; the unit tests check

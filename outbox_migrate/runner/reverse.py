@@ -116,9 +116,8 @@ def rollback(
             raise OutOfOrder(f"cannot roll back past {step.id}: {step.reverse_note}")
 
     # Refuse up front what would refuse half-way: a table that holds rows is never dropped,
-    # and no inverse before it removes rows, so its emptiness check can be made now. Without
-    # this, HOPIA's rollback to V1 removed the copy trigger, then refused at the published
-    # partition — leaving V2 publishing without the trigger and V2 unable to re-apply.
+    # and no inverse before it removes rows, so its emptiness check can be made now (else
+    # HOPIA's rollback could remove the copy trigger, then stop at the published partition).
     def check_emptiness(conn: psycopg.Connection[Any]) -> None:
         for step in undo:
             check_conditions(
