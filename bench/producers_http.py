@@ -472,7 +472,7 @@ def report(results: dict[tuple[int, str], Runs], sizes: list[int], contenders: l
     for size in sizes:
         for name in contenders:
             runs = results[size, name]
-            label = f"{name} (ref)" if name in REFERENCE else name
+            label = f"{name}*" if name in REFERENCE else name
             body = f"{runs.median('body'):>6.0f}" if name != "SQL-only" else f"{'-':>6}"
             all_runs = ", ".join(f"{r.rate:,.0f}" for r in runs.runs)
             print(
@@ -499,7 +499,8 @@ def report(results: dict[tuple[int, str], Runs], sizes: list[int], contenders: l
     print(
         "(relay/min: the relay against the slower of the fastest producer and SQL-only, goal "
         "≥ 80 %; relay CPU: this process's CPU per message, claim and mark included, goal "
-        "≤ 470 µs; hook CPU: the webhook process's CPU share of the run's wall)"
+        "≤ 470 µs; hook CPU: the webhook process's CPU share of the run's wall; *: the sink's "
+        "own client, bare, for reference, not in the producer limit)"
     )
 
 
