@@ -4,7 +4,7 @@ One webhook receiver runs in another process (asyncio Protocol, HTTP/1.1 keep-al
 200 with an empty body as soon as a request's body is in). Against it, side by side in one run,
 for message bodies of about 200 B and 2 KB:
 
-- the producers: httpx (a shared `httpx.Client` posted to from N threads; its `AsyncClient`
+- the producers: httpx (N threads, an `httpx.Client` each; its `AsyncClient`
   from N tasks spent milliseconds of CPU per request here, so it is left out), urllib3 (an
   `HTTPConnectionPool` of N connections, N threads) and aiohttp (a `ClientSession`, N
   tasks) — one message per POST, the relay's body and headers for that message
@@ -209,19 +209,19 @@ def http_client_threads(url: str, items: Sequence[Item], inflight: int) -> int:
 
 
 def httpx_threads(url: str, items: Sequence[Item], inflight: int) -> int:
+    """One `httpx.Client` per thread: one Client shared by the threads lost a request now and
+    then to a race in its connection pool (`ReadError: [Errno 9] Bad file descriptor`)."""
     import httpx
 
-    limits = httpx.Limits(max_connections=inflight, max_keepalive_connections=inflight)
-    with httpx.Client(limits=limits, timeout=10.0) as client:
-
-        def work(take: Callable[[], int]) -> int:
-            ok = 0
+    def work(take: Callable[[], int]) -> int:
+        ok = 0
+        with httpx.Client(timeout=10.0) as client:
             while (i := take()) < len(items):
                 body, headers = items[i]
                 ok += client.post(url, content=body, headers=headers).status_code == 200
-            return ok
+        return ok
 
-        return _threads(inflight, work)
+    return _threads(inflight, work)
 
 
 def urllib3_threads(url: str, items: Sequence[Item], inflight: int) -> int:
@@ -283,7 +283,8 @@ def sample_message(i: int, pad: int) -> Message:
     payload = f'{{"n" : {i}, "pad" : "{"x" * pad}"}}'  # json_build_object's rendering
     key = f"k-{i}-{'0' * 32}"
     created = "2026-11-28T10:00:00.123456+00:00"
-    return Message(ID_START + i, f"{SPEC.schema}.{TABLE}", "event", key, payload, created)
+    table = f"{SPEC.schema}.{SPEC.outbox_name}"  # the outbox's name, as the relay's claim says
+    return Message(ID_START + i, table, "event", key, payload, created)
 
 
 def pad_for(size: int) -> int:
