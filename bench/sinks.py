@@ -30,7 +30,7 @@ hands to `produce` — (value, headers) — for `envelope=raw` (the default), `j
 (two of three with a `traceparent` and a tenant as extra headers).
 
 Usage: python bench/sinks.py [--messages 3000] [--batch 100] [--latency-ms 0,5] [--rounds 3]
-[--only rabbitmq|http|envelopes]. Needs pika and httpx (outbox-migrate[rabbitmq,http]).
+[--only rabbitmq|http|envelopes]. Needs pika and httpx (`pip install -e '.[bench]'`).
 """
 
 from __future__ import annotations
