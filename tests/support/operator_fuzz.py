@@ -11,7 +11,10 @@ about the rules themselves:
   version inserts into, and a real `Relay` (the simulator's `relay_main`, in a thread) in
   that version's mode, publishing into the recording sink. Their `application_name`s are the
   simulator's (`demo-app/V1/writer-0`), so the deploy gates see them as real instances;
-* `outbox_keys` / `published_keys` read what the database holds and what was delivered.
+* `Outbox` is the shape of the sequence's outbox (marker, ids, a headers column for bad rows,
+  the CDC relay): its table, its settings file, the application's INSERT;
+* `outbox_keys` / `published_keys` / `dead_lettered_keys` read what the database holds, what
+  was delivered and what was dead-lettered.
 
 Every key the writer got a successful COMMIT for is recorded: those are the messages that
 must never be lost.

@@ -6,7 +6,9 @@ inserting and publishing as the version that is deployed. Deploys are part of th
 `deploy_next` ships the next application version only once the ledger reached that phase
 (the playbook's order), `deploy_previous` rolls the application back; the operator's
 commands ignore them, so running ahead of the deploy and rolling back under a newer version
-are tried as often as the right order.
+are tried as often as the right order. Each sequence draws up front whether it plays the
+rename phases and its outbox's shape (`Outbox`: the marker, timestamp or flag; database or
+application ids; a headers column, so bad rows are inserted; the CDC relay or polling).
 
 After every command: its exit code is documented and its stderr has no traceback or
 "internal error"; no application INSERT failed (unless in a named, documented class:
@@ -14,7 +16,8 @@ After every command: its exit code is documented and its stderr has no traceback
 table;
 `verify` passes for the phase the ledger records; a V1 application is never left running past
 a deploy gate that retires it. At the end of each sequence the migration is finished the
-playbook's way and, after a final drain, every committed message has been published.
+playbook's way and, after a final drain, every committed message has been published, but the
+bad rows, which are dead-lettered instead.
 
 CI runs a few sequences on the newest PostgreSQL only; `nox -s fuzz` runs many
 (OUTBOX_MIGRATE_FUZZ_EXAMPLES, OUTBOX_MIGRATE_FUZZ_STEPS). A failing sequence is shrunk to the
@@ -36,7 +39,7 @@ from typing import Any, ClassVar
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import HealthCheck, Phase, event, find, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -820,3 +823,22 @@ def test_operator_fuzzer(
                 for late in stats.late:
                     handle.write("LATE " + late + "\n")
     assert stats.sequences >= EXAMPLES
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [f"marker {m}" for m in MARKERS]
+    + [f"ids {i}" for i in ID_KINDS]
+    + ["bad rows", "cdc relay", "rename phases"],
+)
+def test_the_fuzzer_draws_every_kind(kind: str) -> None:
+    """Each outbox shape and the rename phases are within the sequences' draws (the run's
+    summary counts how often each came up), and each shape's settings are ones the CLI
+    accepts and a pattern builds on."""
+    found = find(
+        st.tuples(st.booleans(), OUTBOXES),
+        lambda drawn: kind in outbox_kinds(*drawn),
+        settings=settings(database=None, max_examples=500),
+    )
+    optional, outbox = found
+    build_pattern("hopia", outbox.spec(), BuildOptions(include_optional=optional))
