@@ -154,16 +154,22 @@ class Outbox:
             "boolean": "NOT published",
         }[self.marker]
 
-    def seed(self, conn: psycopg.Connection[Any], key: str, published: bool) -> None:
+    def seed(
+        self, conn: psycopg.Connection[Any], key: str, published: bool, bad: bool = False
+    ) -> None:
+        """One row there before the migration; `bad`: its headers are not a JSON object."""
         value = {"timestamp": "now()", "smallint": "1", "boolean": "true"}[self.marker]
         columns = ["message_key", "payload"] + ([self.published_column] if published else [])
         values = ["%(key)s", "'{}'"] + ([value] if published else [])
         if self.ids != "database":
             columns.append("id")
             values.append("%(id)s")
+        if bad:
+            columns.append("headers")
+            values.append("%(headers)s::jsonb")
         conn.execute(
             f"INSERT INTO outbox ({', '.join(columns)}) VALUES ({', '.join(values)})",
-            {"key": key, "id": self.new_id()},
+            {"key": key, "id": self.new_id(), "headers": BAD_HEADERS},
         )
 
     def new_id(self) -> int | uuid.UUID | None:
@@ -195,8 +201,10 @@ DEFAULT_OUTBOX = Outbox()
 
 
 def _outbox(marker: str, ids: str, headers: bool, cdc: bool) -> Outbox:
-    # The CDC relay takes database-generated bigint ids only (relay/cdc/relay.py).
-    return Outbox(marker, ids, headers, cdc and ids == "database")
+    # The CDC relay takes database-generated bigint ids only (relay/cdc/relay.py): a CDC
+    # sequence keeps the identity, so half the sequences run CDC and a third of the rest
+    # each application id kind.
+    return Outbox(marker, "database" if cdc else ids, headers, cdc)
 
 
 OUTBOXES = st.builds(
