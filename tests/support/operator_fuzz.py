@@ -11,7 +11,10 @@ about the rules themselves:
   version inserts into, and a real `Relay` (the simulator's `relay_main`, in a thread) in
   that version's mode, publishing into the recording sink. Their `application_name`s are the
   simulator's (`demo-app/V1/writer-0`), so the deploy gates see them as real instances;
-* `outbox_keys` / `published_keys` read what the database holds and what was delivered.
+* `Outbox` is the shape of the sequence's outbox (marker, ids, a headers column for bad rows,
+  the CDC relay): its table, its settings file, the application's INSERT;
+* `outbox_keys` / `published_keys` / `dead_lettered_keys` read what the database holds, what
+  was delivered and what was dead-lettered.
 
 Every key the writer got a successful COMMIT for is recorded: those are the messages that
 must never be lost.
@@ -21,23 +24,25 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import random
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
+from hypothesis import strategies as st
 from psycopg import sql
 
-from outbox_migrate.config import OutboxSpec
+from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.patterns.model import Phase, Table
-from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
+from outbox_migrate.relay.options import CdcOptions, Mode, RelayOptions, SwitchGate
 from outbox_migrate.sim import recording
-from outbox_migrate.sim.actors import WRITE_STATEMENT
 from outbox_migrate.sim.scenario import APP_NAME_PREFIX, app_name, relay_mode
 
 DOCUMENTED_EXIT_CODES = frozenset({0, 1, 2, 3, 4, 5, 6})
@@ -48,6 +53,183 @@ MAX_HOLD_S = 0.15
 """Longest a writer's transaction stays open after its INSERT."""
 RELAY_BATCH = 50
 RELAY_RESTART_PAUSE_S = 0.5
+
+
+MARKERS = ("timestamp", "smallint", "boolean")
+"""The publication marker: `published_at timestamptz` (NULL = unpublished), or a flag
+`published` (0/1, false/true) that the migration partitions on instead."""
+ID_KINDS = ("database", "bigint", "uuid")
+"""The id: an identity (`id_kind = database`), or one the application supplies
+(`id_kind = application`): a snowflake-like bigint, or a random uuid claimed in
+`created_at` order (`order_column`)."""
+BAD_HEADERS = "[1]"
+"""A headers value that is not a JSON object: a bad row the relay dead-letters
+(docs/relay.md, bad rows)."""
+_app_ids = itertools.count(10**15)
+"""Application bigint ids, increasing across versions and sequences (snowflake-like)."""
+
+
+@dataclass(frozen=True)
+class Outbox:
+    """The shape of one sequence's outbox and how its relays publish it.
+
+    Drawn whole when a sequence begins, so a replay of the same draws builds the same
+    outbox: nothing here depends on what the sequence later meets."""
+
+    marker: str = "timestamp"
+    ids: str = "database"
+    headers: bool = False
+    """A `headers jsonb` column, so the sequence can insert bad rows."""
+    cdc: bool = False
+    """The versions that publish from the partitioned table run the CDC relay."""
+
+    def describe(self) -> str:
+        parts = [] if self.marker == "timestamp" else [f"marker {self.marker}"]
+        parts += [] if self.ids == "database" else [f"ids {self.ids}"]
+        parts += ["headers (bad rows)"] if self.headers else []
+        parts += ["cdc relay"] if self.cdc else []
+        return ", ".join(parts) or "default outbox"
+
+    @property
+    def published_column(self) -> str:
+        return "published_at" if self.marker == "timestamp" else "published"
+
+    def config(self) -> dict[str, str]:
+        """outbox-migrate.toml's keys for this outbox (none for the spec's default)."""
+        found: dict[str, str] = {}
+        if self.marker != "timestamp":
+            found["published_column"] = "published"
+            found["unpublished_value"] = "0" if self.marker == "smallint" else "false"
+            found["published_value"] = "1" if self.marker == "smallint" else "true"
+        if self.ids != "database":
+            found["id_kind"] = "application"
+            # The id alone cannot stay unique on the partitioned table (its key must include
+            # the marker); `plan` refuses until the operator accepts that, as one would.
+            found["accept_lost_unique"] = "outbox_pkey"
+        if self.ids == "uuid":
+            found["order_column"] = "created_at"
+        return found
+
+    def write_config(self, directory: str) -> None:
+        """The settings file every command reads (in-process and subprocess: same cwd)."""
+        path = os.path.join(directory, "outbox-migrate.toml")
+        config = self.config()
+        if not config:
+            if os.path.exists(path):
+                os.remove(path)
+            return
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.writelines(f'{key} = "{value}"\n' for key, value in config.items())
+
+    def spec(self) -> OutboxSpec:
+        environ = {f"OUTBOX_MIGRATE_{k.upper()}": v for k, v in self.config().items()}
+        return load_settings({}, environ=environ, cwd=_NO_CONFIG).spec
+
+    def create(self, conn: psycopg.Connection[Any]) -> None:
+        """The flat outbox of this shape, with a partial index on its unpublished rows."""
+        id_column = {
+            "database": "id bigint GENERATED ALWAYS AS IDENTITY",
+            "bigint": "id bigint",
+            "uuid": "id uuid",
+        }[self.ids]
+        marker = {
+            "timestamp": "published_at timestamptz",
+            "smallint": "published smallint NOT NULL DEFAULT 0",
+            "boolean": "published boolean NOT NULL DEFAULT false",
+        }[self.marker]
+        headers = ", headers jsonb" if self.headers else ""
+        conn.execute(
+            f"CREATE TABLE outbox ({id_column}, event_type text NOT NULL DEFAULT 'event', "
+            f"message_key text, payload json NOT NULL, "
+            f"created_at timestamptz NOT NULL DEFAULT now(), {marker}{headers}, PRIMARY KEY (id))"
+        )
+        conn.execute(
+            f"CREATE INDEX outbox_unpublished_id_idx ON outbox (id) WHERE {self.unpublished()}"
+        )
+
+    def unpublished(self) -> str:
+        return {
+            "timestamp": "published_at IS NULL",
+            "smallint": "published = 0",
+            "boolean": "NOT published",
+        }[self.marker]
+
+    def seed(
+        self, conn: psycopg.Connection[Any], key: str, published: bool, bad: bool = False
+    ) -> None:
+        """One row there before the migration; `bad`: its headers are not a JSON object."""
+        value = {"timestamp": "now()", "smallint": "1", "boolean": "true"}[self.marker]
+        columns = ["message_key", "payload"] + ([self.published_column] if published else [])
+        values = ["%(key)s", "'{}'"] + ([value] if published else [])
+        if self.ids != "database":
+            columns.append("id")
+            values.append("%(id)s")
+        if bad:
+            columns.append("headers")
+            values.append("%(headers)s::jsonb")
+        conn.execute(
+            f"INSERT INTO outbox ({', '.join(columns)}) VALUES ({', '.join(values)})",
+            {"key": key, "id": self.new_id(), "headers": BAD_HEADERS},
+        )
+
+    def new_id(self) -> int | uuid.UUID | None:
+        if self.ids == "bigint":
+            return next(_app_ids)
+        if self.ids == "uuid":
+            return uuid.uuid4()
+        return None
+
+    def insert(self, table: str) -> sql.Composed:
+        """The application's INSERT into `table`: params `key`, `id`, `headers`."""
+        columns = ["event_type", "message_key", "payload"]
+        values = ["'demo'", "%(key)s", "'{{}}'"]
+        if self.ids != "database":
+            columns.append("id")
+            values.append("%(id)s")
+        if self.headers:
+            columns.append("headers")
+            values.append("%(headers)s::jsonb")
+        return sql.SQL(
+            "INSERT INTO {} (" + ", ".join(columns) + ") VALUES (" + ", ".join(values) + ")"
+        ).format(sql.Identifier(table))
+
+    def params(self, key: str, bad: bool = False) -> dict[str, Any]:
+        return {"key": key, "id": self.new_id(), "headers": BAD_HEADERS if bad else None}
+
+
+DEFAULT_OUTBOX = Outbox()
+
+
+def _outbox(marker: str, ids_relay: tuple[str, bool], headers: bool) -> Outbox:
+    ids, cdc = ids_relay
+    return Outbox(marker, ids, headers, cdc)
+
+
+IDS_AND_RELAY = (("database", False), ("database", True), ("bigint", False), ("uuid", False))
+"""The CDC relay takes database-generated bigint ids only (relay/cdc/relay.py): the id kind
+and the relay are one draw, each of the four a quarter of the sequences."""
+OUTBOXES = st.builds(
+    _outbox,
+    marker=st.sampled_from(MARKERS),
+    ids_relay=st.sampled_from(IDS_AND_RELAY),
+    headers=st.booleans(),
+)
+"""Every outbox shape a sequence may draw; the spec's default (timestamp, identity, no
+headers, polling relay) is where a failing one shrinks to."""
+
+
+def outbox_kinds(optional: bool, outbox: Outbox) -> list[str]:
+    """The kinds a sequence exercises, as counted in the run's summary and `event`s."""
+    return [
+        "rename phases" if optional else "no rename",
+        f"marker {outbox.marker}",
+        f"ids {outbox.ids}",
+        "bad rows" if outbox.headers else "no bad rows",
+        "cdc relay" if outbox.cdc else "polling relay",
+    ]
+
+
+_NO_CONFIG = __import__("pathlib").Path("/nonexistent-outbox-migrate-config")
 
 
 @dataclass(frozen=True)
@@ -160,8 +342,12 @@ class Writer:
     loses.
     """
 
-    def __init__(self, dsn: str, phase: Phase, committed: list[str], seed: int = 0) -> None:
+    def __init__(
+        self, dsn: str, phase: Phase, committed: list[str], seed: int = 0,
+        outbox: Outbox = DEFAULT_OUTBOX,
+    ) -> None:  # fmt: skip
         self.dsn = dsn
+        self.outbox = outbox
         self.version = phase.name
         self.table = table_for(phase)
         self.committed = committed
@@ -181,9 +367,7 @@ class Writer:
         self._thread.join(30)
 
     def _main(self) -> None:
-        statement = sql.SQL(WRITE_STATEMENT.replace("{table}", "{}")).format(
-            sql.Identifier(self.table)
-        )
+        statement = self.outbox.insert(self.table)
         name = app_name(self.version, "writer", 0)
         sequence = 0
         interval = 1.0 / WRITER_RATE_PER_S
@@ -204,7 +388,7 @@ class Writer:
                 hold = self._random.choice((0.0, self._random.uniform(0.0, MAX_HOLD_S)))
                 try:
                     with conn.transaction():
-                        conn.execute(statement, (key,))
+                        conn.execute(statement, self.outbox.params(key))
                         if hold:
                             time.sleep(hold)
                 except psycopg.Error as exc:
@@ -229,8 +413,15 @@ class Straggler:
     replaces (its last request still in flight during a rolling deploy): the in-flight row
     that a precondition checked before taking the lock cannot see."""
 
-    def __init__(self, dsn: str, phase: Phase, committed: list[str], hold_s: float) -> None:
+    def __init__(
+        self, dsn: str, phase: Phase, committed: list[str], hold_s: float,
+        outbox: Outbox = DEFAULT_OUTBOX, bad: bool = False,
+    ) -> None:  # fmt: skip
         self.dsn = dsn
+        self.outbox = outbox
+        self.bad = bad
+        """A bad row (headers not a JSON object): dead-lettered, never published."""
+        self.committed_key = ""
         self.version = phase.name
         self.table = table_for(phase)
         self.committed = committed
@@ -248,19 +439,19 @@ class Straggler:
         self._thread.join(60)
 
     def _main(self) -> None:
-        statement = sql.SQL(WRITE_STATEMENT.replace("{table}", "{}")).format(
-            sql.Identifier(self.table)
-        )
-        key = f"{self.version}-straggler-{time.monotonic_ns()}"
+        statement = self.outbox.insert(self.table)
+        kind = "bad" if self.bad else "straggler"
+        key = f"{self.version}-{kind}-{time.monotonic_ns()}"
         try:
             with psycopg.connect(
                 self.dsn, autocommit=True, application_name=app_name(self.version, "writer", 9)
             ) as conn:
                 with conn.transaction():
-                    conn.execute(statement, (key,))
+                    conn.execute(statement, self.outbox.params(key, self.bad))
                     self._inserted.set()
                     time.sleep(self.hold_s)
                 self.committed.append(key)
+                self.committed_key = key
         except psycopg.Error as exc:
             self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         finally:
@@ -275,9 +466,14 @@ class Publisher:
     Not `sim.actors.relay_main`: that is a process entry point (it sets signal handlers,
     which only the main thread may)."""
 
-    def __init__(self, dsn: str, phase: Phase) -> None:
+    def __init__(
+        self, dsn: str, phase: Phase, outbox: Outbox = DEFAULT_OUTBOX, slot: str = ""
+    ) -> None:
         self.dsn = dsn
         self.phase = phase
+        self.outbox = outbox
+        self.slot = slot
+        """The CDC relay's slot and publication (one per database: slots are the server's)."""
         self.errors: list[str] = []
         self.restarts = 0
         self._relay: Any = None
@@ -295,11 +491,18 @@ class Publisher:
         if mode is None:
             return
         name = app_name(self.phase.name, "relay", 0)
+        spec = self.outbox.spec()
+        if self.phase.app.renamed:
+            spec = replace(
+                spec, table=RENAMED_SPEC.table, partitioned_table=RENAMED_SPEC.partitioned_table
+            )
+        if self.outbox.cdc and mode is Mode.partitioned:
+            self._start_cdc(spec, name)
+            return
         options = RelayOptions(
             mode=mode, batch_size=RELAY_BATCH, workers=1, shards=2, poll_interval_s=0.05,
             switch_gate=SwitchGate.sessions, old_app_name=OLD_APP_PATTERN, shutdown_timeout_s=5.0,
         )  # fmt: skip
-        spec = RENAMED_SPEC if self.phase.app.renamed else OutboxSpec()
         relay = Relay(
             self.dsn, lambda: recording.RecordingSink(self.dsn, name), spec=spec,
             options=options, application_name=name,
@@ -307,6 +510,24 @@ class Publisher:
         self._relay = relay
         self._thread = threading.Thread(
             target=self._run, args=(relay,), daemon=True, name=f"relay-{self.phase.name}"
+        )
+        self._thread.start()
+
+    def _start_cdc(self, spec: OutboxSpec, name: str) -> None:
+        """The CDC relay (`relay --mode cdc`) in place of the partitioned one."""
+        from outbox_migrate.relay.cdc.relay import CdcRelay
+
+        options = CdcOptions(
+            batch_size=RELAY_BATCH, slot=self.slot, publication=self.slot, mark_interval_s=0.05,
+            failover=False,
+        )  # fmt: skip
+        relay = CdcRelay(
+            self.dsn, lambda: recording.RecordingSink(self.dsn, name), spec=spec,
+            options=options, application_name=name,
+        )  # fmt: skip
+        self._relay = relay
+        self._thread = threading.Thread(
+            target=self._run, args=(relay,), daemon=True, name=f"cdc-relay-{self.phase.name}"
         )
         self._thread.start()
 
@@ -319,7 +540,8 @@ class Publisher:
 
     def relay_switched(self) -> bool:
         """Whether this relay (switching mode) has left the flat table."""
-        return self._relay is not None and bool(self._relay.state.switched)
+        state = getattr(self._relay, "state", None)
+        return state is not None and bool(state.switched)
 
     def keep_alive(self) -> None:
         """Restart a relay that stopped on an error (the error is kept for the report)."""
@@ -355,15 +577,20 @@ class App:
 
     dsn: str
     committed: list[str] = field(default_factory=list)
+    outbox: Outbox = DEFAULT_OUTBOX
+    slot: str = ""
+    bad: list[str] = field(default_factory=list)
+    """The committed bad rows' keys: dead-lettered, never published."""
     phase: Phase | None = None
     writer: Writer | None = None
     publisher: Publisher | None = None
     errors: list[str] = field(default_factory=list)
     stragglers: list[Straggler] = field(default_factory=list)
 
-    def straggle(self, phase: Phase, hold_s: float) -> Straggler:
-        """Start a slow request of `phase`'s version; it commits while the next command runs."""
-        straggler = Straggler(self.dsn, phase, self.committed, hold_s)
+    def straggle(self, phase: Phase, hold_s: float, bad: bool = False) -> Straggler:
+        """Start a slow request of `phase`'s version; it commits while the next command runs.
+        `bad`: its row is one the relay cannot publish (recorded in `bad` once committed)."""
+        straggler = Straggler(self.dsn, phase, self.committed, hold_s, self.outbox, bad)
         straggler.start()
         self.stragglers.append(straggler)
         return straggler
@@ -372,6 +599,8 @@ class App:
         """Wait for every slow request to end (commit or fail)."""
         for straggler in self.stragglers:
             straggler.join()
+            if straggler.bad and straggler.committed_key:
+                self.bad.append(straggler.committed_key)
             if straggler.error:
                 self.errors.append(f"straggler {straggler.version}: {straggler.error}")
         self.stragglers.clear()
@@ -380,8 +609,8 @@ class App:
         """Roll `phase`'s version out; with `last_request_s`, the replaced version has one
         request in flight, begun (its row inserted) before that version stops."""
         self.settle()
-        writer = Writer(self.dsn, phase, self.committed, seed=len(self.committed))
-        publisher = Publisher(self.dsn, phase)
+        writer = Writer(self.dsn, phase, self.committed, len(self.committed), self.outbox)
+        publisher = Publisher(self.dsn, phase, self.outbox, self.slot)
         writer.start()
         publisher.start()
         if last_request_s and self.phase is not None:
@@ -500,3 +729,10 @@ def published_keys(conn: psycopg.Connection[Any]) -> set[str]:
             sql.SQL("SELECT DISTINCT message_key FROM {}").format(sql.Identifier(recording.TABLE))
         ).fetchall()
     }
+
+
+def dead_lettered_keys(conn: psycopg.Connection[Any]) -> set[str]:
+    """The message keys in the relay's dead-letter table (none before it exists)."""
+    if conn.execute("SELECT to_regclass('public.outbox_dead_letter')").fetchone() == (None,):
+        return set()
+    return {k for (k,) in conn.execute("SELECT message_key FROM outbox_dead_letter").fetchall()}

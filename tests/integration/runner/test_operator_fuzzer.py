@@ -6,7 +6,9 @@ inserting and publishing as the version that is deployed. Deploys are part of th
 `deploy_next` ships the next application version only once the ledger reached that phase
 (the playbook's order), `deploy_previous` rolls the application back; the operator's
 commands ignore them, so running ahead of the deploy and rolling back under a newer version
-are tried as often as the right order.
+are tried as often as the right order. Each sequence draws up front whether it plays the
+rename phases and its outbox's shape (`Outbox`: the marker, timestamp or flag; database or
+application ids; a headers column, so bad rows are inserted; the CDC relay or polling).
 
 After every command: its exit code is documented and its stderr has no traceback or
 "internal error"; no application INSERT failed (unless in a named, documented class:
@@ -14,7 +16,8 @@ After every command: its exit code is documented and its stderr has no traceback
 table;
 `verify` passes for the phase the ledger records; a V1 application is never left running past
 a deploy gate that retires it. At the end of each sequence the migration is finished the
-playbook's way and, after a final drain, every committed message has been published.
+playbook's way and, after a final drain, every committed message has been published, but the
+bad rows, which are dead-lettered instead.
 
 CI runs a few sequences on the newest PostgreSQL only; `nox -s fuzz` runs many
 (OUTBOX_MIGRATE_FUZZ_EXAMPLES, OUTBOX_MIGRATE_FUZZ_STEPS). A failing sequence is shrunk to the
@@ -36,7 +39,7 @@ from typing import Any, ClassVar
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, event, find, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -54,15 +57,21 @@ from outbox_migrate.testing import server as pgserver
 from outbox_migrate.testing.schema import create_flat_outbox
 from tests.support.operator_fuzz import (
     DOCUMENTED_EXIT_CODES,
+    ID_KINDS,
+    MARKERS,
     OLD_APP_PATTERN,
+    OUTBOXES,
     App,
     CliResult,
+    Outbox,
     cli,
     cli_processes,
     cli_signalled,
     create_recording,
+    dead_lettered_keys,
     intolerable,
     outbox_keys,
+    outbox_kinds,
     outbox_relations,
     published_keys,
 )
@@ -75,6 +84,28 @@ PATTERNS = [
 ] or list(PATTERN_NAMES)
 """Which patterns the sequences draw from (comma-separated; all by default): to reproduce or
 soak one pattern's finding without waiting for hypothesis to pick it."""
+
+
+def _outboxes(wanted: str) -> st.SearchStrategy[Outbox]:
+    if not wanted:
+        return OUTBOXES
+    words = {w.strip() for w in wanted.split(",")}
+    return st.just(
+        Outbox(
+            marker=next((m for m in MARKERS if m in words), "timestamp"),
+            ids=next((i for i in ID_KINDS if i in words), "database"),
+            headers="headers" in words,
+            cdc="cdc" in words,
+        )
+    )
+
+
+OUTBOX_SHAPES = _outboxes(os.environ.get("OUTBOX_MIGRATE_FUZZ_OUTBOX", ""))
+"""The outbox shapes drawn: all (`OUTBOXES`) by default, or the one named, e.g.
+`smallint,uuid,headers` or `boolean,cdc` (a marker, an id kind, `headers` for bad rows,
+`cdc`): to soak or reproduce one shape's finding."""
+SHRINK = os.environ.get("OUTBOX_MIGRATE_FUZZ_SHRINK", "1") != "0"
+"""0: report the first failing sequence as found, without shrinking it (a quick look)."""
 FINISH_PATIENCE_S = 60.0
 DRAIN_PATIENCE_S = 75.0
 """Longer than the relay's full-rescan backstop (60 s): a row its cursor missed is late, and
@@ -126,6 +157,21 @@ test_verify_between_steps_of_a_phase. While True the fuzzer checks verify only a
 boundaries; set False with the fix."""
 
 
+PICKS = 720
+"""`pick`'s draw range: divisible by every option count a rule has (1..6, 8, 9, 10)."""
+
+
+def pick(data: st.DataObject, options: list[Any], label: str) -> Any:
+    """One of `options`, from a draw whose shape never depends on them.
+
+    Which options apply depends on the live database (the ledger after a race, the version
+    deployed after a refused command): a `sampled_from(options)` would draw a different
+    shape when a replay meets a different state, and hypothesis then reports
+    `FlakyStrategyDefinition` instead of the failing sequence. A fixed-range integer is the
+    same draw whatever the options are, so a replay stays a replay."""
+    return options[data.draw(st.integers(0, PICKS - 1), label=label) % len(options)]
+
+
 @dataclass
 class FuzzStats:
     """What the whole run tried, printed at the end (the issue asks for the count)."""
@@ -134,6 +180,10 @@ class FuzzStats:
     commands: int = 0
     codes: Counter[str] = field(default_factory=Counter)
     patterns: Counter[str] = field(default_factory=Counter)
+    kinds: Counter[str] = field(default_factory=Counter)
+    """How many sequences drew each kind (`outbox_kinds`): rename phases, marker, ids, bad
+    rows, relay."""
+    bad_rows: int = 0
     failures: list[str] = field(default_factory=list)
     unfinished: list[str] = field(default_factory=list)
     late: list[str] = field(default_factory=list)
@@ -144,7 +194,8 @@ class FuzzStats:
         codes = ", ".join(f"{k}:{v}" for k, v in sorted(self.codes.items()))
         return (
             f"operator fuzzer: {self.sequences} command sequences, {self.commands} commands "
-            f"in {self.seconds:.0f} s; patterns {dict(self.patterns)}; exit codes {codes}; "
+            f"in {self.seconds:.0f} s; patterns {dict(self.patterns)}; kinds {dict(self.kinds)}; "
+            f"bad rows inserted {self.bad_rows}; exit codes {codes}; "
             f"failures {len(self.failures)}; late publications {len(self.late)}; "
             f"app errors {sum(self.app_errors.values())}"
         )
@@ -168,21 +219,12 @@ class OperatorFuzzer(RuleBasedStateMachine):
             admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.db)))
         self.dsn = self.server.dsn(self.db)
         self.conn = psycopg.connect(self.dsn, autocommit=True)
-        create_flat_outbox(self.conn)
         create_recording(self.dsn)
-        self.app = App(self.dsn)
+        self.app = App(self.dsn, slot=self.db)
         self.seed_published = [f"seed-p{i}" for i in range(SEED_PUBLISHED)]
-        seed = [f"seed-u{i}" for i in range(SEED_UNPUBLISHED)]
-        for key in self.seed_published:
-            self.conn.execute(
-                "INSERT INTO outbox (message_key, payload, published_at) VALUES (%s, '{}', now())",
-                (key,),
-            )
-        for key in seed:
-            self.conn.execute("INSERT INTO outbox (message_key, payload) VALUES (%s, '{}')", (key,))
-        self.app.committed.extend([*self.seed_published, *seed])
         self.log: list[str] = []
         self.pattern: Pattern | None = None
+        self.outbox = Outbox()
         self.optional = False
         """The sequence draws the rename phases (`--with-optional` on every command)."""
         self.name = ""
@@ -194,7 +236,7 @@ class OperatorFuzzer(RuleBasedStateMachine):
         self.schema_index = 0
         """The furthest phase with a step applied: past the ledger's between the steps of a
         phase (`next`, a refused or interrupted `run`)."""
-        self.relations: dict[int, str] = outbox_relations(self.conn)
+        self.relations: dict[int, str] = {}
         self.stats.sequences += 1
 
     # -- the model ---------------------------------------------------------------------------
@@ -300,7 +342,7 @@ class OperatorFuzzer(RuleBasedStateMachine):
                 f"{missing[:3]}); tables dropped by it: {sorted(dropped.values())}",
             )
 
-    def rollback_targets(self) -> st.SearchStrategy[str]:
+    def rollback_targets(self) -> list[str]:
         names = self.names()
         if self.name == "hopia" and KNOWN_HOPIA_STRAND_BUG:
             names = names[1:]  # never back to V1, see KNOWN_HOPIA_STRAND_BUG
@@ -308,10 +350,10 @@ class OperatorFuzzer(RuleBasedStateMachine):
         if KNOWN_ROLLBACK_PAST_THE_RENAME_BASE and renamed:
             base = self.names().index(self.p.last_required_phase())
             names = [n for n in names if self.names().index(n) >= base]
-        return st.sampled_from(names)
+        return names
 
-    def phases_after_v1(self) -> st.SearchStrategy[str]:
-        return st.sampled_from(self.names()[1:])
+    def phases_after_v1(self) -> list[str]:
+        return self.names()[1:]
 
     def drop_view_early(self, target: str) -> bool:
         """`run --to drop-view` before the version of the original name is deployed (see
@@ -328,19 +370,41 @@ class OperatorFuzzer(RuleBasedStateMachine):
         at_rename = self.optional and self.ledger_index >= self.names().index("original-name")
         return at_rename and self.drop_view_early("drop-view")
 
-    @initialize(name=st.sampled_from(PATTERNS), optional=st.booleans())
-    def choose_pattern(self, name: str, optional: bool) -> None:
+    @initialize(name=st.sampled_from(PATTERNS), optional=st.booleans(), outbox=OUTBOX_SHAPES)
+    def choose_pattern(self, name: str, optional: bool, outbox: Outbox) -> None:
+        """The pattern, whether the rename phases are played, and the outbox's shape: all
+        drawn here, before anything runs, so a replay builds the same world."""
         self.name = name
         self.optional = optional
+        self.outbox = outbox
+        for kind in outbox_kinds(optional, outbox):
+            event(kind)
+            self.stats.kinds[kind] += 1
+        outbox.write_config(os.getcwd())
+        outbox.create(self.conn)
+        seed = [f"seed-u{i}" for i in range(SEED_UNPUBLISHED)]
+        for key in self.seed_published:
+            outbox.seed(self.conn, key, published=True)
+        for key in seed:
+            outbox.seed(self.conn, key, published=False)
+        self.app.committed.extend([*self.seed_published, *seed])
+        if outbox.headers:  # one bad row waits in the flat table from the start
+            outbox.seed(self.conn, "seed-bad", published=False, bad=True)
+            self.app.committed.append("seed-bad")
+            self.app.bad.append("seed-bad")
+        self.app.outbox = outbox
+        self.relations = outbox_relations(self.conn)
         options = BuildOptions(include_optional=optional)
-        self.pattern = build_pattern(name, load_settings({}, environ={}).spec, options)
+        self.pattern = build_pattern(name, outbox.spec(), options)
         self.stats.patterns[name + ("+optional" if optional else "")] += 1
-        self.log.append(f"pattern {name}" + (" --with-optional" if optional else ""))
+        self.log.append(
+            f"pattern {name}" + (" --with-optional" if optional else "") + f"; {outbox.describe()}"
+        )
         self.app.deploy(self.p.phases[0])
 
     @rule(data=st.data())
     def run_to(self, data: st.DataObject) -> None:
-        self.run_phase(data.draw(self.phases_after_v1(), label="to"))
+        self.run_phase(pick(data, self.phases_after_v1(), "to"))
 
     def run_phase(self, target: str) -> CliResult | None:
         if self.drop_view_early(target):
@@ -375,7 +439,7 @@ class OperatorFuzzer(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def rollback_to(self, data: st.DataObject) -> None:
-        target = data.draw(self.rollback_targets(), label="to")
+        target = pick(data, self.rollback_targets(), "to")
         ahead = self.state == "active" and self.names().index(target) > self.ledger_index
         at = self.names()[self.ledger_index]
         result = self.command("rollback", "--pattern", self.name, "--to", target, *self.flags())
@@ -410,18 +474,18 @@ class OperatorFuzzer(RuleBasedStateMachine):
     def two_operators(self, data: st.DataObject) -> None:
         """Two operators type a command at the same moment (subprocesses started together):
         one of them may be told the migration is busy (3); nothing else may change."""
-        run_target = data.draw(self.phases_after_v1(), "to")
+        run_target = pick(data, self.phases_after_v1(), "to")
         if self.drop_view_early(run_target):
             run_target = "V2"
         commands = [
             ("run", "--pattern", self.name, "--to", run_target, *self.flags()),
-            ("rollback", "--pattern", self.name, "--to", data.draw(self.rollback_targets(), "to"),
+            ("rollback", "--pattern", self.name, "--to", pick(data, self.rollback_targets(), "to"),
              *self.flags()),
         ]  # fmt: skip
         if not self.next_is_an_early_drop():
             commands.insert(1, ("next", "--pattern", self.name, *self.flags()))
-        first = data.draw(st.sampled_from(commands), label="first")
-        second = data.draw(st.sampled_from(commands), label="second")
+        first = pick(data, commands, "first")
+        second = pick(data, commands, "second")
         before = self.relations
         results = cli_processes((*first, "--dsn", self.dsn), (*second, "--dsn", self.dsn), env=ENV)
         self.log.append("two operators at once:")
@@ -437,18 +501,19 @@ class OperatorFuzzer(RuleBasedStateMachine):
         """`run` (or `next`, `rollback`) stopped by a signal part-way: Ctrl-C and SIGTERM
         must end with 130/143 (or the command's own code if it was done) and leave every
         step consistent; after SIGKILL, only the next command is expected to converge."""
-        run_target = data.draw(self.phases_after_v1(), "to")
+        run_target = pick(data, self.phases_after_v1(), "to")
         if self.drop_view_early(run_target):
             run_target = "V2"
-        argv = data.draw(
-            st.sampled_from([
+        argv = pick(
+            data,
+            [
                 ("run", "--pattern", self.name, "--to", run_target, *self.flags()),
                 ("next", "--pattern", self.name, *self.flags())
                 if not self.next_is_an_early_drop()
                 else ("status", "--pattern", self.name, *self.flags()),
-                ("rollback", "--pattern", self.name, "--to", data.draw(self.rollback_targets(), "to"), *self.flags()),
-            ]),
-            label="command",
+                ("rollback", "--pattern", self.name, "--to", pick(data, self.rollback_targets(), "to"), *self.flags()),
+            ],
+            "command",
         )  # fmt: skip
         before = self.relations
         result = cli_signalled((*argv, "--dsn", self.dsn), ENV, signum, after)
@@ -519,6 +584,18 @@ class OperatorFuzzer(RuleBasedStateMachine):
         self.log.append(f"slow request of {self.names()[self.app_index]} ({hold} s)")
         self.app.straggle(self.p.phases[self.app_index], hold)
 
+    @rule(hold=st.sampled_from([0.0, 0.3]))
+    def bad_row(self, hold: float) -> None:
+        """A request of the deployed version whose row the relay cannot publish (headers
+        that are not a JSON object): it must be dead-lettered, neither lost nor published,
+        and must not hold up the gates or the other messages. Only in sequences whose outbox
+        has a headers column (`Outbox.headers`, drawn at the start)."""
+        if not self.outbox.headers:
+            return
+        self.log.append(f"bad row of {self.names()[self.app_index]} ({hold} s)")
+        self.stats.bad_rows += 1
+        self.app.straggle(self.p.phases[self.app_index], hold, bad=True)
+
     @rule(seconds=st.sampled_from([0.1, 0.5]))
     def wait(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -573,6 +650,12 @@ class OperatorFuzzer(RuleBasedStateMachine):
                 self.stats.app_errors[error.split(":")[0]] += 1
             self.conn.close()
             with psycopg.connect(self.server.dsn(), autocommit=True) as admin:
+                # The CDC relay's slot is the server's: it would refuse DROP DATABASE.
+                admin.execute(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                    "WHERE database = %s AND NOT active",
+                    (self.db,),
+                )
                 admin.execute(
                     sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
                         sql.Identifier(self.db)
@@ -610,17 +693,22 @@ class OperatorFuzzer(RuleBasedStateMachine):
             self.app.deploy(self.p.phases[final])
 
     def drain(self) -> None:
-        """Stop writing, let the final version's relay publish, then check every message."""
+        """Stop writing, let the final version's relay publish, then check every message:
+        each committed one published, but a bad row, which is dead-lettered instead."""
         assert self.app.writer is not None
         self.app.writer.stop()
-        committed = set(self.app.committed_so_far()) - set(self.seed_published)
+        self.app.settle()
+        bad = set(self.app.bad)
+        committed = set(self.app.committed_so_far()) - set(self.seed_published) - bad
         started = time.monotonic()
         missing: set[str] = committed
+        undead: set[str] = bad
         late: set[str] = set()
         while time.monotonic() < started + DRAIN_PATIENCE_S:
             self.app.keep_alive()
             missing = committed - published_keys(self.conn)
-            if not missing:
+            undead = bad - dead_lettered_keys(self.conn)
+            if not missing and not undead:
                 break
             if time.monotonic() > started + LATE_S and not late:
                 late = set(missing)
@@ -639,6 +727,13 @@ class OperatorFuzzer(RuleBasedStateMachine):
             f"{len(missing)} committed messages never published after the final drain (e.g. "
             f"{sorted(missing)[:3]}, in {[sorted(present.get(k, ())) for k in sorted(missing)[:3]]})",
         )
+        self.expect(
+            not undead,
+            f"{len(undead)} bad rows not dead-lettered after the final drain (e.g. "
+            f"{sorted(undead)[:3]}, in {[sorted(present.get(k, ())) for k in sorted(undead)[:3]]})",
+        )
+        published_bad = bad & published_keys(self.conn)
+        self.expect(not published_bad, f"bad rows were published: {sorted(published_bad)[:3]}")
 
 
 def fuzzer_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
@@ -712,7 +807,7 @@ def test_operator_fuzzer(
                 # Shrinking on: a failure is reported as the shortest sequence hypothesis
                 # can find that still fails (it replays draws on a fresh database each time;
                 # hypothesis stops shrinking after 5 minutes, then reports the shortest yet).
-                phases=(Phase.explicit, Phase.generate, Phase.shrink),
+                phases=(Phase.explicit, Phase.generate, *((Phase.shrink,) if SHRINK else ())),
                 suppress_health_check=list(HealthCheck),
             ),
         )
@@ -732,3 +827,22 @@ def test_operator_fuzzer(
                 for late in stats.late:
                     handle.write("LATE " + late + "\n")
     assert stats.sequences >= EXAMPLES
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [f"marker {m}" for m in MARKERS]
+    + [f"ids {i}" for i in ID_KINDS]
+    + ["bad rows", "cdc relay", "rename phases"],
+)
+def test_the_fuzzer_draws_every_kind(kind: str) -> None:
+    """Each outbox shape and the rename phases are within the sequences' draws (the run's
+    summary counts how often each came up), and each shape's settings are ones the CLI
+    accepts and a pattern builds on."""
+    found = find(
+        st.tuples(st.booleans(), OUTBOXES),
+        lambda drawn: kind in outbox_kinds(*drawn),
+        settings=settings(database=None, max_examples=500),
+    )
+    optional, outbox = found
+    build_pattern("hopia", outbox.spec(), BuildOptions(include_optional=optional))
