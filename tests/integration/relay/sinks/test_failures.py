@@ -161,7 +161,7 @@ def test_nats_down_no_long_transaction_no_traceback_and_sigterm_ends_cleanly(
     # Bounds with room for a loaded machine; the old relay held one transaction for the whole
     # 7 s window (its connect never returned) and hit the shutdown timeout.
     assert longest < 1.0 + 2.0, f"a batch transaction stayed open {longest:.1f} s"
-    assert took < 3.0 + 2.0, took
+    assert took < 3.0 + 5.0, took  # the shutdown timeout is 3 s: its line is checked below
     assert process.returncode in (0, 143), stderr  # the relay stops gracefully on SIGTERM
     assert "Traceback" not in stderr and "relay.shutdown_timeout" not in stderr, stderr
     assert "relay.sink_unavailable" in stderr
