@@ -16,10 +16,12 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -256,3 +258,20 @@ def kafka_validating_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iter
     (workdir / "schema").mkdir()
     (workdir / "schema" / f"{VALIDATED_TOPIC}.json").write_text(VALIDATED_SCHEMA)
     yield from _tansu(workdir, schema_registry=True)
+
+
+def run_bounded(relay: Any, bound_s: float) -> Any:
+    """Run `relay` (with `until_empty`) in a thread; fail, after stopping it, if it has not
+    ended within `bound_s` — a sink that retries for ever must fail the test, not hang it."""
+    runner = threading.Thread(target=relay.run, daemon=True)
+    runner.start()
+    runner.join(bound_s)
+    if runner.is_alive():
+        relay.stop()
+        runner.join(30)
+        stats = relay.stats
+        pytest.fail(
+            f"the relay still runs after {bound_s:g} s: {stats.sink_failures} sink failure(s), "
+            f"{stats.published} published, {stats.rejected} rejected"
+        )
+    return relay

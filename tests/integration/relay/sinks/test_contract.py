@@ -25,7 +25,6 @@ import contextlib
 import errno
 import json
 import sys
-import threading
 import time
 import uuid
 from collections import Counter
@@ -41,7 +40,7 @@ from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.testing.schema import insert_rows
 from outbox_migrate.testing.server import free_port
 from tests.integration.relay.conftest import SPEC, ids_in
-from tests.integration.relay.sinks.conftest import client
+from tests.integration.relay.sinks.conftest import client, run_bounded
 from tests.integration.relay.sinks.test_crashes import own_redis  # noqa: F401 - a fixture
 from tests.integration.relay.sinks.test_outage_recovery import own_nats  # noqa: F401 - a fixture
 from tests.support.tcp_proxy import TcpProxy
@@ -564,17 +563,7 @@ def relay_until_empty(dsn: str, config: SinkConfig, harness: Harness, **options:
         options=RelayOptions(**{"until_empty": True, "listen": False, "batch_size": COUNT,
                                 "sink_timeout_s": SINK_TIMEOUT_S, **FAST, **options}),
     )  # fmt: skip
-    runner = threading.Thread(target=relay.run, daemon=True)
-    runner.start()
-    runner.join(RUN_BOUND_S)
-    if runner.is_alive():
-        relay.stop()
-        runner.join(30)
-        pytest.fail(
-            f"the relay still runs after {RUN_BOUND_S:g} s: {relay.stats.sink_failures} sink "
-            f"failure(s), {relay.stats.published} published, {relay.stats.rejected} rejected"
-        )
-    return relay
+    return run_bounded(relay, RUN_BOUND_S)
 
 
 def assert_as_enveloped(record: Record, row: Record, harness: Harness) -> None:

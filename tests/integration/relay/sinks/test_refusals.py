@@ -6,7 +6,6 @@ here the paths particular to one broker or option."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import psycopg
@@ -17,6 +16,7 @@ from outbox_migrate.relay.sinks import SinkConfig, factory
 from outbox_migrate.relay.worker import Relay
 from outbox_migrate.testing.schema import insert_rows
 from tests.integration.relay.conftest import SPEC, ids_in
+from tests.integration.relay.sinks.conftest import run_bounded
 from tests.integration.relay.sinks.test_brokers import DEFAULTS, assert_exactly
 
 pytestmark = pytest.mark.newest_pg_only
@@ -32,17 +32,7 @@ def relay_bounded(dsn: str, sink: str, config: SinkConfig, **options: object) ->
         dsn, factory(sink, config), spec=SPEC,
         options=RelayOptions(**{**DEFAULTS, **FAST, **options}),  # type: ignore[arg-type]
     )  # fmt: skip
-    runner = threading.Thread(target=relay.run, daemon=True)
-    runner.start()
-    runner.join(BOUND_S)
-    if runner.is_alive():
-        relay.stop()
-        runner.join(30)
-        pytest.fail(
-            f"the relay still retries after {BOUND_S:g} s: "
-            f"{relay.stats.sink_failures} sink failure(s), {relay.stats.published} published"
-        )
-    return relay
+    return run_bounded(relay, BOUND_S)
 
 
 def assert_dead_lettered_alone(conn: psycopg.Connection, victim: int, error: str) -> None:
