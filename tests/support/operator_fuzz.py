@@ -507,11 +507,7 @@ class Publisher:
             self.dsn, lambda: recording.RecordingSink(self.dsn, name), spec=spec,
             options=options, application_name=name,
         )  # fmt: skip
-        self._relay = relay
-        self._thread = threading.Thread(
-            target=self._run, args=(relay,), daemon=True, name=f"relay-{self.phase.name}"
-        )
-        self._thread.start()
+        self._launch(relay, f"relay-{self.phase.name}")
 
     def _start_cdc(self, spec: OutboxSpec, name: str) -> None:
         """The CDC relay (`relay --mode cdc`) in place of the partitioned one."""
@@ -525,9 +521,12 @@ class Publisher:
             self.dsn, lambda: recording.RecordingSink(self.dsn, name), spec=spec,
             options=options, application_name=name,
         )  # fmt: skip
+        self._launch(relay, f"cdc-relay-{self.phase.name}")
+
+    def _launch(self, relay: Any, thread_name: str) -> None:
         self._relay = relay
         self._thread = threading.Thread(
-            target=self._run, args=(relay,), daemon=True, name=f"cdc-relay-{self.phase.name}"
+            target=self._run, args=(relay,), daemon=True, name=thread_name
         )
         self._thread.start()
 
