@@ -8,7 +8,7 @@ wire SIGTERM/SIGINT to a graceful stop, and expose metrics when asked. Messages 
 from __future__ import annotations
 
 from enum import Enum, StrEnum
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -16,6 +16,10 @@ from outbox_migrate.cli.options import (
     DsnOption,
     with_names,
 )
+
+if TYPE_CHECKING:
+    from outbox_migrate.relay.options import Ordering
+    from outbox_migrate.relay.sinks import SinkConfig
 
 _E = TypeVar("_E", bound=Enum)
 RELAY_SWITCH_INTERVAL_S = 0.0005
@@ -320,7 +324,7 @@ def relay(
             server.shutdown()
 
 
-def _cdc(given: dict[str, object], dsn: str, config: Any) -> None:
+def _cdc(given: dict[str, object], dsn: str, config: SinkConfig) -> None:
     """Hand over to relay_cdc.py: the CDC relay, or decommissioning its slot."""
 
     from outbox_migrate.cli import relay_cdc
@@ -355,8 +359,8 @@ def _sink_config(
     target: str,
     timeout_s: float,
     max_message_bytes: int | None,
-    ordering: Any = None,
-) -> Any:
+    ordering: Ordering | None = None,
+) -> SinkConfig:
     """The `SinkConfig` from the command's sink flags, for both delivery styles;
     `--sink-option` must be KEY=VALUE."""
     from outbox_migrate.errors import UsageError
