@@ -54,6 +54,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,50 @@ def kafka_broker() -> Iterator[str]:
 
 Timing = tuple[float, float]
 """(wall seconds, process CPU seconds) from the first message handed over to the last ack."""
+
+BROKER_PROCESSES = {
+    "kafka": ("tansu",), "rabbitmq": ("beam.smp",), "nats": ("nats-server",),
+    "redis": ("redis-server",),
+}  # fmt: skip
+"""Process names (/proc/PID/comm prefixes) of each broker, for where the time goes."""
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_table() -> dict[int, tuple[int, str, int, int]]:
+    """pid -> (parent pid, comm, own CPU ticks, reaped children's CPU ticks), from /proc."""
+    table: dict[int, tuple[int, str, int, int]] = {}
+    for path in Path("/proc").iterdir():
+        entry = path.name
+        if not entry.isdigit():
+            continue
+        try:
+            stat = (path / "stat").read_text()
+        except OSError:
+            continue
+        comm, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        fields = rest.split()
+        own = int(fields[11]) + int(fields[12])
+        table[int(entry)] = (int(fields[1]), comm, own, int(fields[13]) + int(fields[14]))
+    return table
+
+
+class CpuShare:
+    """CPU seconds of PostgreSQL (the postmaster, its live children and those it reaped) and
+    of a broker's processes (by name; on a quiet machine only the bench's own broker runs
+    them), so each run can say how many of the machine's cores each side kept busy."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.postmaster = int((data_dir / "postmaster.pid").read_text().split()[0])
+
+    def snapshot(self, broker: str | None) -> tuple[float, float]:
+        table = _proc_table()
+        pg = 0
+        for pid, (parent, _comm, own, reaped) in table.items():
+            if self.postmaster in (pid, parent):
+                pg += own + reaped
+        names = BROKER_PROCESSES.get(broker or "", ())
+        brk = sum(own for _p, (_pp, comm, own, _r) in table.items() if comm.startswith(names))
+        return pg / _TICK, brk / _TICK if names else 0.0
 
 
 @dataclass
@@ -460,12 +505,22 @@ class Runs:
     cpus: list[float] = field(default_factory=list)
 
     in_sink: list[float] = field(default_factory=list)
+    cores: list[tuple[float, float, float]] = field(default_factory=list)
+    """Per run: cores kept busy by this process, PostgreSQL and the broker."""
 
-    def add(self, rows: int, timing: Sequence[float]) -> None:
+    def add(
+        self, rows: int, timing: Sequence[float], others: tuple[float, float] = (0.0, 0.0)
+    ) -> None:
         self.rates.append(rows / timing[0])
         self.cpus.append(timing[1] / rows * 1e6)
         if len(timing) > 2:
             self.in_sink.append(timing[2] / timing[0])
+        self.cores.append((timing[1] / timing[0], others[0] / timing[0], others[1] / timing[0]))
+
+    def median_cores(self) -> tuple[float, float, float]:
+        if not self.cores:
+            return (0.0, 0.0, 0.0)
+        return tuple(statistics.median(c[i] for c in self.cores) for i in range(3))  # type: ignore[return-value]
 
     @property
     def rate(self) -> float:
@@ -478,15 +533,24 @@ class Runs:
 
 def one_round(
     dsn: str, conn: psycopg.Connection, chosen: dict[str, Broker], args: argparse.Namespace,
-    size: int, rep: int, results: dict[tuple[int, str, str], Runs],
+    size: int, rep: int, results: dict[tuple[int, str, str], Runs], share: CpuShare,
 ) -> None:  # fmt: skip
     rows, pad = args.rows, padding(size, args.rows)
+
+    def measured(
+        key: tuple[int, str, str], broker: str | None, run: Callable[[], Sequence[float]]
+    ) -> None:
+        before = share.snapshot(broker)
+        timing = run()
+        after = share.snapshot(broker)
+        results[key].add(rows, timing, (after[0] - before[0], after[1] - before[1]))
+
     relay_bench.reset(conn, rows, payload_bytes=pad)
-    secs, _batches, _retries = relay_bench.sql_only(dsn, args.batch, 1, sharded=False)
+    measured((size, "-", "sql"), None,
+             lambda: (relay_bench.sql_only(dsn, args.batch, 1, sharded=False)[0], 0.0))  # fmt: skip
     assert relay_bench.unpublished(conn) == 0
-    results[size, "-", "sql"].add(rows, (secs, 0.0))
     relay_bench.reset(conn, rows, payload_bytes=pad)
-    results[size, "-", "null"].add(rows, relay_drain(dsn, None, "", args.batch, rows))
+    measured((size, "-", "null"), None, partial(relay_drain, dsn, None, "", args.batch, rows))
     for name, broker in chosen.items():
         # Producer first on even rounds, relay first on odd ones: drift lands on both.
         order = ("producer", "relay") if rep % 2 == 0 else ("relay", "producer")
@@ -495,15 +559,15 @@ def one_round(
             target = f"om-bench-{uuid.uuid4().hex[:8]}"
             broker.prepare(broker.url, target)
             try:
-                timing: Sequence[float]
+                run: Callable[[], Sequence[float]]
                 if who == "producer":
                     messages = outbox_messages(conn)
-                    timing = broker.produce(broker.url, target, messages)
+                    run = partial(broker.produce, broker.url, target, messages)
                 else:
-                    timing = relay_drain(dsn, broker, target, args.batch, rows)
+                    run = partial(relay_drain, dsn, broker, target, args.batch, rows)
+                measured((size, name, who), name, run)
             finally:
                 broker.cleanup(broker.url, target)
-            results[size, name, who].add(rows, timing)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -542,6 +606,8 @@ def main(argv: list[str] | None = None) -> None:
                 chosen[name] = broker
         srv = pgserver.start(18)
         stack.callback(srv.stop)
+        assert srv.data_dir is not None
+        share = CpuShare(srv.data_dir)
         dsn = srv.dsn()
         print(f"PostgreSQL {srv.full_version}, {os.cpu_count()} CPUs; {args.rows:,} messages per "
               f"run, relay batch {args.batch}, 1 worker; median of {args.reps}; "
@@ -557,7 +623,7 @@ def main(argv: list[str] | None = None) -> None:
             create_partitioned_outbox(conn, relay_bench.SPEC, start=1_000_000_000)
             for rep in range(args.reps):
                 for size in sizes:
-                    one_round(dsn, conn, chosen, args, size, rep, results)
+                    one_round(dsn, conn, chosen, args, size, rep, results, share)
                 print(f"(round {rep + 1} of {args.reps} done, {steady.load_note()})", flush=True)
             payload: dict[int, int] = {}
             for size in sizes:  # the payload as stored, measured on one row per size
@@ -595,6 +661,21 @@ def print_table(
         null_runs = ", ".join(f"{r:,.0f}" for r in null.rates)
         print(f"{'':>8} SQL-only runs: {sql_runs}; relay, no sink: {null_runs} "
               f"({null.cpu_us:.1f} µs/msg)")  # fmt: skip
+    print(
+        f"\nWhere the time goes: cores kept busy during each timed run (median), of "
+        f"{os.cpu_count()}: this process (the client or the relay) / PostgreSQL / the broker"
+    )
+    print(f"{'payload':>8} {'sink':<9} {'who':<9} {'msg/s':>9} {'process':>8} {'PG':>6} "
+          f"{'broker':>7} {'total':>6}")  # fmt: skip
+    for size in sizes:
+        rows_of = [("-", "SQL-only", results[size, "-", "sql"]),
+                   ("-", "no sink", results[size, "-", "null"])]  # fmt: skip
+        for name in chosen:
+            rows_of += [(name, w, results[size, name, w]) for w in ("producer", "relay")]
+        for name, label, contender in rows_of:
+            own, pg, brk = contender.median_cores()
+            print(f"{payload.get(size, size):>7}B {name:<9} {label:<9} {contender.rate:>9,.0f} "
+                  f"{own:>8.2f} {pg:>6.2f} {brk:>7.2f} {own + pg + brk:>6.2f}")  # fmt: skip
     print("(msg/s; CPU µs = this process's CPU per message, every thread; relay/limit = relay ÷ "
           "min(producer, SQL-only), goal ≥ 80 %; in sink = share of the relay's time spent in "
           "the sink's publish (median); no sink = the relay acknowledged at once, no "
