@@ -497,5 +497,5 @@ def _alter(conn: Any, statement: Any) -> Exception | None:
 
 
 def _exists(conn: Any, schema: str, table: str) -> bool:
-    row = conn.execute(queries.table_exists(), {"schema": schema, "table": table}).fetchone()
+    row = conn.execute(queries.named("table-exists"), {"schema": schema, "table": table}).fetchone()
     return bool(row and row[0])

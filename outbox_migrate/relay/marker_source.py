@@ -65,7 +65,7 @@ def check_names(conn: Any, source: queries.Source) -> None:
     claim = queries.qualified(source.schema, source.claim_table)
     mark = queries.qualified(source.schema, source.mark_table)
     row = conn.execute(
-        queries.names_now(), {"claim": claim, "mark": mark, "claim_oid": source.claim_oid}
+        queries.named("names-now"), {"claim": claim, "mark": mark, "claim_oid": source.claim_oid}
     ).fetchone()
     now, reaches = (int(row[0]), bool(row[1])) if row else (0, False)
     if now == source.claim_oid and reaches:

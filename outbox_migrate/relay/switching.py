@@ -74,7 +74,7 @@ def writers_remaining(
     if gate is SwitchGate.sessions:
         return _old_sessions(conn, old_app)
     relation = queries.qualified(source.schema, source.mark_table)
-    rows = conn.execute(queries.roles_that_can_insert(), {"relation": relation}).fetchall()
+    rows = conn.execute(queries.named("roles-that-can-insert"), {"relation": relation}).fetchall()
     names = [str(r[0]) for r in rows]
     if names:
         return (
@@ -135,7 +135,7 @@ def _current_role(conn: Any) -> str:
 
 
 def _old_sessions(conn: Any, old_app: str) -> NotYet:
-    row = conn.execute(queries.old_app_sessions(), {"pattern": old_app}).fetchone()
+    row = conn.execute(queries.named("old-app-sessions"), {"pattern": old_app}).fetchone()
     count = int(row[0]) if row else 0
     if not count:
         return HOLDS

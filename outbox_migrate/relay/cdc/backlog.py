@@ -3,24 +3,19 @@
 The snapshot defines *which* rows are the backlog (everything later comes through the
 stream): no gap, no overlap. It is used for that alone, in one short transaction, then ended
 (its xmin holds back VACUUM). The rows are read by id in batches, each its own transaction,
-and published with no transaction open; a row marked meanwhile is not found again.
+and published with no transaction open (`CdcRelay._publish_backlog`); a row marked meanwhile
+is not found again.
 """
 
 from __future__ import annotations
 
-import threading
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.relay.cdc.delivery import Interrupted
-from outbox_migrate.relay.cdc.rows import RowReader
-from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.metrics import Observer
-from outbox_migrate.relay.run_stats import CdcStats
 from outbox_migrate.sql import query
 
 ID_FETCH_ROWS = 10_000
@@ -83,42 +78,3 @@ def chunks(runs: Iterable[tuple[int, int]], size: int) -> Iterator[list[int]]:
                 chunk = []
     if chunk:
         yield chunk
-
-
-class Backlog:
-    """Publishes and marks the backlog, batch by batch, each read in its own statement."""
-
-    def __init__(
-        self,
-        conn: Any,
-        reader: RowReader,
-        *,
-        stats: CdcStats,
-        observer: Observer,
-        stop: threading.Event,
-    ) -> None:
-        self.conn = conn
-        self.reader = reader
-        self.stats = stats
-        self.observer = observer
-        self.stop = stop
-
-    def publish(
-        self,
-        runs: IdRuns,
-        batch_size: int,
-        deliver: Callable[[list[Message]], None],
-        mark: Callable[[list[MessageId]], None],
-    ) -> None:
-        for ids in chunks(runs, batch_size):
-            if self.stop.is_set():
-                raise Interrupted
-            batch = self.reader.by_ids(self.conn, ids)  # autocommit: its own transaction
-            if not batch:
-                continue
-            deliver(batch)
-            mark([m.id for m in batch])
-            self.stats.add(backlog=len(batch), published=len(batch), batches=1)
-            self.observer.published(len(batch))
-        if self.stop.is_set():
-            raise Interrupted

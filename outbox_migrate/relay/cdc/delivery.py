@@ -11,6 +11,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -34,40 +35,29 @@ class Interrupted(OutboxMigrateError):
     """Stopped while waiting inside a batch: leave without confirming it."""
 
 
+@dataclass(eq=False, kw_only=True)
 class Delivery:
     """The sink's lifecycle and the retries, counting and dead-lettering of one relay."""
 
-    def __init__(
-        self,
-        sink_factory: SinkFactory,
-        failures: FailedMessages,
-        label: str,
-        marks: MarkSession,
-        *,
-        stats: CdcStats,
-        observer: Observer,
-        stop: threading.Event,
-        backoff: Callable[[int], float],
-        bad: dict[MessageId, str] | None = None,
-    ) -> None:
-        self.sink_factory = sink_factory
-        self.bad: dict[MessageId, str] = {} if bad is None else bad
-        """Rows the builder could not turn into a message (its own dict)."""
-        self.failures = failures
-        self.label = label
-        self.marks = marks
-        self.stats = stats
-        self.observer = observer
-        self.stop = stop
-        self.backoff = backoff
-        self._sink: Sink | None = None
+    sink_factory: SinkFactory
+    failures: FailedMessages
+    label: str
+    marks: MarkSession
+    stats: CdcStats
+    observer: Observer
+    stop: threading.Event
+    backoff: Callable[[int], float]
+    bad: dict[MessageId, str] = field(default_factory=dict)
+    """Rows the builder could not turn into a message (its own dict)."""
+    _sink: Sink | None = field(default=None, init=False)
 
     def deliver(self, batch: list[Message], *, careful: bool = False) -> None:
         """Publish until every message is acknowledged or dead-lettered. `SinkUnavailable`
         propagates (nothing of the batch is confirmed), and so does a sink crash once counted.
 
-        `careful` (`crash_guard`): each attempt is counted before the publish, so dying
-        during it counts too, and taken back when acknowledged (or the broker was away)."""
+        `careful` (the last run died, relay/cdc/relay.py): each attempt is counted before the
+        publish, so dying during it counts too, and taken back when acknowledged (or the broker
+        was away)."""
         if self.bad:
             batch = self._set_aside(batch)
             if not batch:

@@ -25,7 +25,7 @@ from psycopg import sql
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages, log_dead
-from outbox_migrate.relay.cdc.rows import RowReader
+from outbox_migrate.relay.cdc.messages import RowReader
 from outbox_migrate.relay.mark_repair import mark_in_halves, remove_dead
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.metrics import Observer

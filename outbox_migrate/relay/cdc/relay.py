@@ -15,6 +15,12 @@ by a polling relay) are published and marked before the stream starts, so nothin
 between. Completion is recorded in the publication's comment: a first start that died
 half-way is redone; one that backs off from the sink goes on with its slot and ids. A slot of
 another database is never dropped or streamed (`slot.check_owned`, asked first).
+
+A relay killed outright counts nothing, and the message that maybe killed it comes again. So
+each run keeps one row in the attempts table (`RUN_SOURCE`) from its start until it stops
+cleanly; finding it at a start means the last run died, and until the stream passes this
+start's position each attempt is counted *before* the publish (`Delivery.deliver(careful=True)`):
+a message that kills the relay every time is dead-lettered after `--max-attempts` restarts.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from functools import partial
 from typing import Any
 
 import psycopg
@@ -38,13 +43,11 @@ from outbox_migrate.patterns import marker_catalog
 from outbox_migrate.relay import library_logs, queries
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.cdc import pgoutput, slot
-from outbox_migrate.relay.cdc.backlog import Backlog, IdRuns, snapshot_ids
-from outbox_migrate.relay.cdc.crash_guard import RunMarker
+from outbox_migrate.relay.cdc.backlog import IdRuns, chunks, snapshot_ids
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
 from outbox_migrate.relay.cdc.mark_repair import MarkRepair
 from outbox_migrate.relay.cdc.marks import MarkSession
-from outbox_migrate.relay.cdc.messages import MessageBuilder
-from outbox_migrate.relay.cdc.rows import RowReader
+from outbox_migrate.relay.cdc.messages import MessageBuilder, RowReader
 from outbox_migrate.relay.cdc.session import StreamSession
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
@@ -60,6 +63,8 @@ _RETRYABLE = (StreamLost, ConnectError, psycopg.OperationalError, psycopg.Interf
 
 CDC_APPLICATION_NAME = f"{APPLICATION_NAME} relay cdc"
 READY_COMMENT = "outbox-migrate cdc: backlog of slot {slot} published"
+RUN_SOURCE = "cdc-run:{slot}"
+"""`source_table` of a run's row; never a table's label (those are `schema.table`)."""
 
 
 class CdcRelay:
@@ -98,9 +103,8 @@ class CdcRelay:
             self._connect, self.spec, enabled=options.mark, stats=self.stats, repair=self.repair
         )
         self._delivery: Delivery | None = None
-        self.run_marker = RunMarker(self.spec.schema, self.failures.attempts_table, options.slot)
         self.careful_until = 0
-        """Set when the last run died without a trace (`crash_guard`)."""
+        """Set when the last run died without a trace (module doc)."""
         self._run_recorded = False
         self.target_lsn = 0
         self._server_version = 0
@@ -173,21 +177,27 @@ class CdcRelay:
         """Built on first use: tests may swap the observer after construction."""
         if self._delivery is None:
             self._delivery = Delivery(
-                self.sink_factory, self.failures, self.label, self.marks, stats=self.stats,
-                observer=self.observer, stop=self._stop, backoff=self._backoff,
-                bad=self.builder.bad,
+                sink_factory=self.sink_factory, failures=self.failures, label=self.label,
+                marks=self.marks, stats=self.stats, observer=self.observer, stop=self._stop,
+                backoff=self._backoff, bad=self.builder.bad,
             )  # fmt: skip
         return self._delivery
 
+    def _run_row(self, conn: Any, statement: str) -> Any:
+        """This run's row (module doc): "begin-run" records it, "end-run" removes it."""
+        table = sql.Identifier(self.spec.schema, self.failures.attempts_table)
+        source = RUN_SOURCE.format(slot=self.options.slot)
+        return conn.execute(query("cdc", statement).compose(table=table), (source,))
+
     def _begin_run(self, conn: Any) -> bool:
-        """Record this run (`crash_guard`); True when the last one died without a trace."""
+        """Record this run; True when the last one died without a trace (module doc)."""
         try:
-            unclean = self.run_marker.begin(conn)
+            row = self._run_row(conn, "begin-run").fetchone()
         except psycopg.errors.InsufficientPrivilege as exc:
             log.warning("relay.cdc_run_unrecorded %s", one_line(str(exc)))
             return False
         self._run_recorded = True
-        return unclean
+        return bool(row) and int(row[0]) > 1
 
     def _end_run(self) -> None:
         """Stopped cleanly: the next start need not count before publishing."""
@@ -195,7 +205,7 @@ class CdcRelay:
             return
         try:
             with self._connect() as conn:
-                self.run_marker.end(conn)
+                self._run_row(conn, "end-run")
         except (psycopg.Error, ConnectError) as exc:  # the next start is careful, no more
             log.warning("relay.cdc_run_not_closed %s", one_line(str(exc)))
 
@@ -221,7 +231,7 @@ class CdcRelay:
             present = {
                 str(r[0])
                 for r in conn.execute(
-                    queries.table_columns(),
+                    queries.named("table-columns"),
                     {"schema": spec.schema, "table": spec.unpublished_partition},
                 ).fetchall()
             }
@@ -298,12 +308,7 @@ class CdcRelay:
                     stream.release_snapshot()  # the walsender's xmin goes with it
                     self._backlog = (point, runs)
                 if runs is not None:
-                    backlog = Backlog(
-                        conn, self._row_reader(conn), stats=self.stats,
-                        observer=self.observer, stop=self._stop,
-                    )  # fmt: skip
-                    deliver = partial(self.delivery.deliver, careful=self.careful_until > 0)
-                    backlog.publish(runs, options.batch_size, deliver, self.marks.mark)
+                    self._publish_backlog(conn, runs)
                     # Failed marks settle before the backlog counts as done.
                     self.marks.settle(self._stop)
                     if self._stop.is_set():
@@ -324,6 +329,22 @@ class CdcRelay:
             ).run()  # fmt: skip
         finally:
             stream.close()
+
+    def _publish_backlog(self, conn: Any, runs: IdRuns) -> None:
+        """Publish and mark the backlog batch by batch, each read in its own statement
+        (autocommit: its own transaction), none open while publishing (relay/cdc/backlog.py)."""
+        reader = self._row_reader(conn)
+        for ids in chunks(runs, self.options.batch_size):
+            if self._stop.is_set():
+                raise Interrupted
+            batch = reader.by_ids(conn, ids)
+            if batch:
+                self.delivery.deliver(batch, careful=self.careful_until > 0)
+                self.marks.mark([m.id for m in batch])
+                self.stats.add(backlog=len(batch), published=len(batch), batches=1)
+                self.observer.published(len(batch))
+        if self._stop.is_set():
+            raise Interrupted
 
     def _row_reader(self, conn: Any) -> RowReader:
         """Rows of the unpublished partition as the stream sends them."""

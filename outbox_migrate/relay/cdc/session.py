@@ -79,7 +79,7 @@ class StreamSession:
         self.target_lsn = target_lsn
         self.unconfirmed = unconfirmed
         self.careful_until = careful_until
-        """Before this position batches count their attempts first (`crash_guard`)."""
+        """Before this position batches count their attempts first (relay/cdc/relay.py)."""
         self.relations: dict[int, Columns | None] = {}
         spec = builder.spec
         self.partition = (spec.schema, spec.unpublished_partition)
