@@ -35,7 +35,6 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_migrate.backoff import backoff_s
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME, one_line
 from outbox_migrate.errors import ConnectError, RelayError, RelayFailed, SinkUnavailable
@@ -45,21 +44,21 @@ from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.cdc import pgoutput, slot
 from outbox_migrate.relay.cdc.backlog import IdRuns, chunks, snapshot_ids
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
-from outbox_migrate.relay.cdc.mark_repair import MarkRepair
-from outbox_migrate.relay.cdc.marks import MarkSession
+from outbox_migrate.relay.cdc.marks import MarkRepair, MarkSession
 from outbox_migrate.relay.cdc.messages import MessageBuilder, RowReader
 from outbox_migrate.relay.cdc.session import StreamSession
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import CdcOptions
 from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed
+from outbox_migrate.relay.shared import connection_errors
 from outbox_migrate.relay.sinks import SinkFactory
 from outbox_migrate.sql import query
 
 __all__ = ["CdcRelay", "CdcStats", "running"]
 
 log = logging.getLogger("outbox_migrate.relay")
-_RETRYABLE = (StreamLost, ConnectError, psycopg.OperationalError, psycopg.InterfaceError)
+_RETRYABLE = connection_errors(StreamLost, ConnectError)
 
 CDC_APPLICATION_NAME = f"{APPLICATION_NAME} relay cdc"
 READY_COMMENT = "outbox-migrate cdc: backlog of slot {slot} published"
@@ -96,7 +95,7 @@ class CdcRelay:
             options.max_attempts, text_ids=False,  # --mode cdc takes bigint ids only
         )  # fmt: skip
         self.repair = MarkRepair(
-            self.failures, self.label, self._row_reader, stats=self.stats,
+            failures=self.failures, label=self.label, reader=self._row_reader, stats=self.stats,
             observer=self.observer,
         )  # fmt: skip
         self.marks = MarkSession(
@@ -158,7 +157,7 @@ class CdcRelay:
                     self.observer.failed("connection")
                     log.warning("relay.connection_lost %s", one_line(str(exc)))
                     self.marks.close()
-                self._stop.wait(self._backoff(failures))
+                self._stop.wait(self.options.backoff(failures))
                 failures += 1
             clean = True
         finally:
@@ -179,7 +178,7 @@ class CdcRelay:
             self._delivery = Delivery(
                 sink_factory=self.sink_factory, failures=self.failures, label=self.label,
                 marks=self.marks, stats=self.stats, observer=self.observer, stop=self._stop,
-                backoff=self._backoff, bad=self.builder.bad,
+                backoff=self.options.backoff, bad=self.builder.bad,
             )  # fmt: skip
         return self._delivery
 
@@ -208,11 +207,6 @@ class CdcRelay:
                 self._run_row(conn, "end-run")
         except (psycopg.Error, ConnectError) as exc:  # the next start is careful, no more
             log.warning("relay.cdc_run_not_closed %s", one_line(str(exc)))
-
-    def _backoff(self, failures: int) -> float:
-        return backoff_s(
-            failures, base_s=self.options.backoff_base_s, cap_s=self.options.backoff_cap_s
-        )
 
     def _connect(self) -> Any:
         from outbox_migrate.db import connect
@@ -322,8 +316,8 @@ class CdcRelay:
                     self._backlog = None
             stream.start(options.slot, options.publication)
             StreamSession(
-                stream, options, builder=self.builder, delivery=self.delivery,
-                marks=self.marks, stats=self.stats, observer=self.observer, stop=self._stop,
+                stream=stream, options=options, builder=self.builder, delivery=self.delivery,
+                mark_session=self.marks, stats=self.stats, observer=self.observer, stop=self._stop,
                 target_lsn=self.target_lsn, unconfirmed=self.unconfirmed,
                 careful_until=self.careful_until,
             ).run()  # fmt: skip
