@@ -19,7 +19,7 @@ import psycopg
 from outbox_migrate.db import one_line
 from outbox_migrate.errors import OutboxMigrateError, SinkError, SinkUnavailable, crash_reason
 from outbox_migrate.relay import publishing
-from outbox_migrate.relay.bad_rows import FailedMessages, Verdict, log_dead
+from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages, log_dead
 from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
@@ -76,13 +76,16 @@ class Delivery:
         while todo:
             exhausted = failures.exhausted(label, todo)
             if exhausted:  # the relay went down during their last attempt
-                dead = self._dead_letter_exhausted(exhausted)
-                gone = {m.id for m in dead}
+                with self._session() as conn:
+                    letters = failures.dead_letter_exhausted(conn, label, exhausted)
+                self._dead(letters)
+                gone = {d.message.id for d in letters}
                 todo = [m for m in todo if m.id not in gone]
-                if dead:
+                if gone:
                     continue
             if careful:
-                self._count({m.id: KILLED_REASON for m in todo})
+                with self._session() as conn:
+                    failures.count(conn, label, {m.id: KILLED_REASON for m in todo})
             try:
                 rejected, unrepresentable = publishing.publish(sink, todo)
             except SinkError as exc:
@@ -131,7 +134,9 @@ class Delivery:
         self.stats.add(rejected=len(rejected), bad_rows=len(unrepresentable))
         reasons = {**unrepresentable, **rejected}
         refused = [m for m in todo if m.id in reasons]
-        verdict = self._record(refused, reasons, counted=counted)
+        with self._session() as conn:
+            verdict = self.failures.record(conn, self.label, refused, reasons, counted=counted)
+        self._dead(verdict.letters)
         retry = [m for m in refused if m.id in verdict.retry]
         log.warning("relay.rejected count=%d bad_rows=%d dead_lettered=%d",
                     len(rejected), len(unrepresentable), len(verdict.dead))  # fmt: skip
@@ -141,23 +146,10 @@ class Delivery:
             raise Interrupted from None
         return retry
 
-    def _record(
-        self, failed: list[Message], reasons: Mapping[MessageId, str], *, counted: bool = False
-    ) -> Verdict:
-        with self._session() as conn:
-            verdict = self.failures.record(conn, self.label, failed, reasons, counted=counted)
-        self.stats.add(dead_lettered=len(verdict.dead))
-        log_dead(verdict.letters)  # committed
-        return verdict
-
     def _uncount(self, ids: list[MessageId]) -> None:
         if ids:
             with self._session() as conn:
                 self.failures.uncount(conn, self.label, ids)
-
-    def _count(self, reasons: Mapping[MessageId, str]) -> None:
-        with self._session() as conn:
-            self.failures.count(conn, self.label, reasons)
 
     def _count_crash(self, todo: list[Message], exc: Exception, *, counted: bool) -> None:
         """The sink raised outside its protocol: the attempt counts against the messages it
@@ -190,16 +182,13 @@ class Delivery:
                 for message in bad
             ]
             self.failures.forget(conn, self.label, list(reasons))
-        self.stats.add(dead_lettered=len(bad))
-        log_dead(letters)  # committed
+        self._dead(letters)
         return [m for m in batch if m.id not in reasons]
 
-    def _dead_letter_exhausted(self, messages: list[Message]) -> list[Message]:
-        with self._session() as conn:
-            letters = self.failures.dead_letter_exhausted(conn, self.label, messages)
+    def _dead(self, letters: list[DeadLetter]) -> None:
+        """Dead letters whose transaction committed: counted and logged (never before)."""
         self.stats.add(dead_lettered=len(letters))
-        log_dead(letters)  # committed
-        return [d.message for d in letters]
+        log_dead(letters)
 
     @contextmanager
     def _session(self) -> Iterator[Any]:

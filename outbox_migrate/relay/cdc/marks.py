@@ -27,13 +27,12 @@ import logging
 import select
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import one_line
 from outbox_migrate.errors import RelayFailed
 from outbox_migrate.patterns import marker
@@ -61,8 +60,6 @@ class MarkRepair:
     reader: Callable[[Any], RowReader]
     stats: CdcStats
     observer: Observer
-    source: queries.Source | None = None
-    """The unpublished partition, confined to its OID at start (set by `MarkSession`)."""
     pending: set[MessageId] = field(default_factory=set)
     """Ids with a row whose mark failed and that is neither marked nor dead-lettered."""
     _rows: RowReader | None = field(default=None, init=False)
@@ -70,17 +67,19 @@ class MarkRepair:
     @property
     def available(self) -> bool:
         """Without the attempts table a failing row cannot be counted: the error stops the relay."""
-        return self.failures.available and self.source is not None
+        return self.failures.available
 
-    def after_failure(self, conn: Any, ids: Collection[MessageId], error: str) -> None:
+    def after_failure(
+        self, conn: Any, source: queries.Source, ids: Collection[MessageId], error: str
+    ) -> None:
         """The mark of `ids` failed on a constraint (`error`): mark what can be marked."""
         log.warning("relay.cdc_mark_failed ids=%d %s", len(ids), error)
-        self._settle(conn, ids, whole=True)
+        self._settle(conn, source, ids, whole=True)
 
-    def retry(self, conn: Any) -> None:
+    def retry(self, conn: Any, source: queries.Source) -> None:
         """Each pending row alone again: marked, or one more attempt."""
         if self.pending:
-            self._settle(conn, sorted(self.pending), whole=False)
+            self._settle(conn, source, sorted(self.pending), whole=False)
 
     def forget_marked(self, conn: Any, ids: Collection[MessageId]) -> None:
         """Marked: their counters go — only now, not at the broker's ack: a crash before the
@@ -91,9 +90,9 @@ class MarkRepair:
             if seen:
                 failures.forget(conn, self.label, seen)
 
-    def _settle(self, conn: Any, ids: Collection[MessageId], *, whole: bool) -> None:
-        source = self.source
-        assert source is not None  # `available` was asked first
+    def _settle(
+        self, conn: Any, source: queries.Source, ids: Collection[MessageId], *, whole: bool
+    ) -> None:
         letters: list[DeadLetter] = []
         with conn.transaction():
             # A deferred constraint would fail at COMMIT, for all rows again.
@@ -153,14 +152,14 @@ class MarkSession:
     def __init__(
         self,
         connect: Callable[[], Any],
-        spec: OutboxSpec,
+        source: queries.Source,
         *,
         enabled: bool,
         stats: CdcStats,
         repair: MarkRepair,
     ) -> None:
         self._connect = connect
-        self._spec = spec
+        self._source = source
         self._repair = repair
         self._sent: list[MessageId] = []
         self._xids: list[int] = []
@@ -172,15 +171,12 @@ class MarkSession:
         self._conn: Any = None
         self._sql: bytes | None = None
         self._in_flight = False
-        self._source = queries.partitioned_source(spec)
 
-    def use_spec(self, spec: OutboxSpec, claim_oid: int = 0) -> None:
-        """The resolved spec and the unpublished partition's OID at start: every mark is
-        confined to that relation, whatever the names mean by then."""
-        self._spec = spec
-        self._source = replace(queries.partitioned_source(spec), claim_oid=claim_oid)
+    def use_source(self, source: queries.Source) -> None:
+        """The resolved spec's source, with the unpublished partition's OID at start: every
+        mark is confined to that relation, whatever the names mean by then."""
+        self._source = source
         self._sql = None
-        self._repair.source = self._source
 
     @property
     def in_flight(self) -> bool:
@@ -209,7 +205,7 @@ class MarkSession:
         for _ in range(repair.failures.max_attempts + 1):
             if not self.unresolved or stop.is_set():
                 return
-            repair.retry(self._open())
+            repair.retry(self._open(), self._source)
 
     def send(self, ids: Sequence[MessageId], xids: Iterable[int] = ()) -> bool:
         """Send the mark of `ids` without waiting (False: nothing to send); one in flight at
@@ -225,7 +221,7 @@ class MarkSession:
         repair = self._repair
         if repair.pending:
             retried = set(repair.pending)
-            repair.retry(self._open())
+            repair.retry(self._open(), self._source)
             ids = [i for i in ids if i not in retried]
         if not ids:
             return False
@@ -234,15 +230,15 @@ class MarkSession:
         if self._sql is None:
             # Prepared once and run through libpq: the cursor API cost more CPU per batch
             # than the rest of the loop (bench/README.md, cdc.py).
-            spec = self._spec
+            source = self._source
             self._sql = (
                 query("cdc", "mark")
                 .compose(
-                    table=sql.Identifier(spec.schema, spec.partitioned_table),
-                    mark=marker.mark(spec),
-                    id=sql.Identifier(spec.id_column),
-                    unpublished=marker.unpublished(spec),
-                    same=self._source.same_relation(),
+                    table=source.mark_ident,
+                    mark=marker.mark(source.marker),
+                    id=sql.Identifier(source.id_column),
+                    unpublished=marker.unpublished(source.marker),
+                    same=source.same_relation(),
                 )
                 .as_bytes(conn)
             )
@@ -300,7 +296,7 @@ class MarkSession:
         xids, self._xids = self._xids, []
         repair = self._repair
         if repair.available and _broke_a_constraint(result, pgconn):
-            repair.after_failure(self._open(), sent, _error(result, pgconn))
+            repair.after_failure(self._open(), self._source, sent, _error(result, pgconn))
             return
         result = _check(result, pgconn, rows=True)
         changed = int(result.get_value(0, 0) or 0)

@@ -48,6 +48,7 @@ from outbox_migrate.relay.cdc.marks import MarkRepair, MarkSession
 from outbox_migrate.relay.cdc.messages import MessageBuilder, RowReader
 from outbox_migrate.relay.cdc.session import StreamSession
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost
+from outbox_migrate.relay.marker_source import with_oid
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import CdcOptions
 from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed
@@ -99,8 +100,9 @@ class CdcRelay:
             observer=self.observer,
         )  # fmt: skip
         self.marks = MarkSession(
-            self._connect, self.spec, enabled=options.mark, stats=self.stats, repair=self.repair
-        )
+            self._connect, queries.partitioned_source(self.spec), enabled=options.mark,
+            stats=self.stats, repair=self.repair,
+        )  # fmt: skip
         self._delivery: Delivery | None = None
         self.careful_until = 0
         """Set when the last run died without a trace (module doc)."""
@@ -234,9 +236,7 @@ class CdcRelay:
                     f"--mode cdc streams the partitioned outbox; {spec.schema}."
                     f"{spec.unpublished_partition} does not exist"
                 )
-            claimed = queries.qualified(spec.schema, spec.unpublished_partition)
-            row = conn.execute("SELECT to_regclass(%s)::oid::int8", (claimed,)).fetchone()
-            self.marks.use_spec(spec, int(row[0]) if row and row[0] else 0)
+            self.marks.use_source(with_oid(conn, queries.partitioned_source(spec)))
             if spec.id_kind != "database":
                 raise RelayError("--mode cdc needs database-generated bigint ids (id_kind)")
             required = [spec.id_column, spec.payload_column, *spec.metadata_columns]
