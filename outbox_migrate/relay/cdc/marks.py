@@ -146,46 +146,35 @@ class MarkRepair:
         return verdict.letters
 
 
+@dataclass(eq=False, kw_only=True)
 class MarkSession:
     """One normal session of the relay: marks, one at a time, and bad-row bookkeeping."""
 
-    def __init__(
-        self,
-        connect: Callable[[], Any],
-        source: queries.Source,
-        *,
-        enabled: bool,
-        stats: CdcStats,
-        repair: MarkRepair,
-    ) -> None:
-        self._connect = connect
-        self._source = source
-        self._repair = repair
-        self._sent: list[MessageId] = []
-        self._xids: list[int] = []
-        """The 32-bit xids of the mark in flight, as the stream names them."""
-        self.unseen: set[int] = set()
-        """Transactions the last mark's snapshot did not show: to mark again."""
-        self.enabled = enabled
-        self._stats = stats
-        self._conn: Any = None
-        self._sql: bytes | None = None
-        self._in_flight = False
+    connect: Callable[[], Any]
+    source: queries.Source
+    """The unpublished partition, with its OID once resolved (`use_source`)."""
+    enabled: bool
+    stats: CdcStats
+    repair: MarkRepair
+    unseen: set[int] = field(default_factory=set, init=False)
+    """Transactions the last mark's snapshot did not show: to mark again."""
+    _sent: list[MessageId] = field(default_factory=list, init=False)
+    _xids: list[int] = field(default_factory=list, init=False)
+    """The 32-bit xids of the mark in flight, as the stream names them."""
+    _conn: Any = field(default=None, init=False)
+    _sql: bytes | None = field(default=None, init=False)
+    _in_flight: bool = field(default=False, init=False)
 
     def use_source(self, source: queries.Source) -> None:
         """The resolved spec's source, with the unpublished partition's OID at start: every
         mark is confined to that relation, whatever the names mean by then."""
-        self._source = source
+        self.source = source
         self._sql = None
-
-    @property
-    def in_flight(self) -> bool:
-        return self._in_flight
 
     @property
     def unresolved(self) -> bool:
         """A failed mark's row is unsettled: the slot must not be confirmed past it."""
-        return bool(self._repair.pending)
+        return bool(self.repair.pending)
 
     def session(self) -> Any:
         """The connection, with no mark in flight (it carries one statement at a time)."""
@@ -201,11 +190,11 @@ class MarkSession:
         """Wait for the mark in flight, then retry failed rows until settled (one attempt a
         round: at most `max_attempts` rounds) or `stop`."""
         self.wait()
-        repair = self._repair
+        repair = self.repair
         for _ in range(repair.failures.max_attempts + 1):
             if not self.unresolved or stop.is_set():
                 return
-            repair.retry(self._open(), self._source)
+            repair.retry(self._open(), self.source)
 
     def send(self, ids: Sequence[MessageId], xids: Iterable[int] = ()) -> bool:
         """Send the mark of `ids` without waiting (False: nothing to send); one in flight at
@@ -213,15 +202,15 @@ class MarkSession:
         transactions, checked against the mark's snapshot. `--no-mark`: only the counters go."""
         self.unseen = set()
         if not self.enabled:
-            if ids and self._repair.failures.known:
-                self._repair.forget_marked(self.session(), ids)
+            if ids and self.repair.failures.known:
+                self.repair.forget_marked(self.session(), ids)
             return False
         if self._in_flight:
             raise RuntimeError("a mark is already in flight")  # a bug, not an input error
-        repair = self._repair
+        repair = self.repair
         if repair.pending:
             retried = set(repair.pending)
-            repair.retry(self._open(), self._source)
+            repair.retry(self._open(), self.source)
             ids = [i for i in ids if i not in retried]
         if not ids:
             return False
@@ -230,7 +219,7 @@ class MarkSession:
         if self._sql is None:
             # Prepared once and run through libpq: the cursor API cost more CPU per batch
             # than the rest of the loop (bench/README.md, cdc.py).
-            source = self._source
+            source = self.source
             self._sql = (
                 query("cdc", "mark")
                 .compose(
@@ -254,7 +243,7 @@ class MarkSession:
         self._in_flight = True
         self._sent = list(ids)
         self._xids = list(xids)
-        self._stats.add(marks=1)
+        self.stats.add(marks=1)
         return True
 
     def socket(self) -> int | None:
@@ -294,25 +283,25 @@ class MarkSession:
             )
         sent, self._sent = self._sent, []
         xids, self._xids = self._xids, []
-        repair = self._repair
+        repair = self.repair
         if repair.available and _broke_a_constraint(result, pgconn):
-            repair.after_failure(self._open(), self._source, sent, _error(result, pgconn))
+            repair.after_failure(self._open(), self.source, sent, _error(result, pgconn))
             return
         result = _check(result, pgconn, rows=True)
         changed = int(result.get_value(0, 0) or 0)
-        self._stats.add(marked=changed)
+        self.stats.add(marked=changed)
         if xids:
             snapshot = (result.get_value(0, 1) or b"").decode()
             self.unseen = {x for x in xids if not visible(x, snapshot)}
         if changed < len(sent):
             # Marked already, not visible yet, or the names moved: then stop (`NamesMoved`).
-            check_names(self._open(), self._source)
+            check_names(self._open(), self.source)
         if repair.failures.known:
             repair.forget_marked(self._open(), sent)
 
     def _open(self) -> Any:
         if self._conn is None or self._conn.closed:
-            self._conn = self._connect()
+            self._conn = self.connect()
         return self._conn
 
     def close(self) -> None:

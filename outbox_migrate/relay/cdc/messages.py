@@ -66,7 +66,7 @@ class MessageBuilder:
                 key=names.get(optional["key"] or ""),
                 headers=names.get(optional["headers"] or ""),
                 metadata=tuple((c, names[c]) for c in spec.metadata_columns),
-                payload_bytea=_type_of(relation, names[spec.payload_column]) == BYTEA_OID,
+                payload_bytea=relation.types[names[spec.payload_column]] == BYTEA_OID,
             )
         except KeyError as exc:
             raise RelayError(f"{self.label} has no column {exc.args[0]}") from None
@@ -98,10 +98,6 @@ BYTEA_OID = 17
 
 def _id(value: Any) -> int:
     return int(value or 0)
-
-
-def _type_of(relation: pgoutput.Relation, index: int) -> int:
-    return relation.types[index] if index < len(relation.types) else 0
 
 
 def _payload(value: str | bytes | None, bytea: bool) -> str | bytes:

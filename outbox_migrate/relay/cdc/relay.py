@@ -100,8 +100,8 @@ class CdcRelay:
             observer=self.observer,
         )  # fmt: skip
         self.marks = MarkSession(
-            self._connect, queries.partitioned_source(self.spec), enabled=options.mark,
-            stats=self.stats, repair=self.repair,
+            connect=self._connect, source=queries.partitioned_source(self.spec),
+            enabled=options.mark, stats=self.stats, repair=self.repair,
         )  # fmt: skip
         self._delivery: Delivery | None = None
         self.careful_until = 0
@@ -119,10 +119,6 @@ class CdcRelay:
     def stop(self) -> None:
         """Finish the batch in flight and exit (thread- and signal-safe)."""
         self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
 
     def run(self) -> CdcStats:
         """Stream until `stop()` (or, with `until_caught_up`, until caught up)."""
