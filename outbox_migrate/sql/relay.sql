@@ -1,5 +1,5 @@
 -- The relay's statements on its attempts and dead-letter tables, shared by both delivery styles
--- (relay/attempts_sql.py composes them, relay/dead_letters.py runs the operator's commands).
+-- (relay/bad_rows.py composes them, relay/dead_letters.py runs the operator's commands).
 -- {table}: the attempts or dead-letter table; {id_type}: int8 or text (application ids);
 -- {history}: the reasons and deliveries columns, or stand-ins for a table of an earlier version.
 
@@ -190,7 +190,7 @@ AND NOT a.attisdropped
 -- name: roles-that-can-insert
 -- Login roles a REVOKE can stop that may still INSERT into the table (params: relation),
 -- column grants included. Superusers and owners are left out: they grant themselves back, so
--- their sessions are the gate's business (relay/switch_evidence.py).
+-- their sessions are the gate's business (relay/switching.py).
 SELECT rolname FROM pg_roles WHERE rolcanlogin AND NOT rolsuper
 AND NOT pg_has_role(oid, (SELECT relowner FROM pg_class WHERE oid = %(relation)s::regclass),
     'MEMBER')
