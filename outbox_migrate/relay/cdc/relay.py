@@ -387,13 +387,11 @@ class CdcRelay:
                 self._stop.wait(METRICS_INTERVAL_S)
 
     def _report_lag(self, state: slot.SlotState) -> bool:
-        report = getattr(self.observer, "slot", None)
         oldest = self.unconfirmed.commit_time
         lag_s = 0.0
         if oldest is not None:
             lag_s = (datetime.now(UTC) - pgoutput.pg_time(oldest)).total_seconds()
-        if report is not None:
-            report(state.lag_bytes, lag_s, state.active)
+        self.observer.slot(state.lag_bytes, lag_s, state.active)
         return state.lag_bytes > self.options.lag_warn_bytes or lag_s > self.options.lag_warn_s
 
 

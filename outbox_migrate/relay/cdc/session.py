@@ -139,11 +139,8 @@ class StreamSession:
                 if not wait(self._timeout(), self.mark_session.socket()):
                     self._idle()
             self.flush()  # stopped: what the broker acknowledged is marked and confirmed
-        except SinkUnavailable:
+        except (SinkUnavailable, Interrupted):  # a broker outage, or stopped inside retries
             # Re-read from the confirmed position: settle what was acked, not to resend it.
-            self.flush()
-            raise
-        except Interrupted:  # stopped inside a batch's retries
             self.flush()
             raise
 
