@@ -64,11 +64,6 @@ class MarkRepair:
     """Ids with a row whose mark failed and that is neither marked nor dead-lettered."""
     _rows: RowReader | None = field(default=None, init=False)
 
-    @property
-    def available(self) -> bool:
-        """Without the attempts table a failing row cannot be counted: the error stops the relay."""
-        return self.failures.available
-
     def after_failure(
         self, conn: Any, source: queries.Source, ids: Collection[MessageId], error: str
     ) -> None:
@@ -84,11 +79,8 @@ class MarkRepair:
     def forget_marked(self, conn: Any, ids: Collection[MessageId]) -> None:
         """Marked: their counters go — only now, not at the broker's ack: a crash before the
         mark re-streams them, and the count must still be there."""
-        failures = self.failures
-        if failures.known:
-            seen = [i for i in failures.seen_before(self.label, list(ids)) if i not in self.pending]
-            if seen:
-                failures.forget(conn, self.label, seen)
+        seen = self.failures.seen_before(self.label, list(ids))
+        self.failures.forget(conn, self.label, [i for i in seen if i not in self.pending])
 
     def _settle(
         self, conn: Any, source: queries.Source, ids: Collection[MessageId], *, whole: bool
@@ -284,7 +276,8 @@ class MarkSession:
         sent, self._sent = self._sent, []
         xids, self._xids = self._xids, []
         repair = self.repair
-        if repair.available and _broke_a_constraint(result, pgconn):
+        # Without the attempts table a failing row cannot be counted: the error stops the relay.
+        if repair.failures.available and _broke_a_constraint(result, pgconn):
             repair.after_failure(self._open(), self.source, sent, _error(result, pgconn))
             return
         result = _check(result, pgconn, rows=True)

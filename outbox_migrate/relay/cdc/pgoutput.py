@@ -198,16 +198,8 @@ def frame(data: bytes | memoryview) -> XLogData | Keepalive:
 
 def message(data: bytes | memoryview) -> Decoded | Keepalive:
     """A CopyData frame to its pgoutput message or Keepalive, in one step."""
-    buf = bytes(data)
-    tag = buf[0]
-    if tag == 0x77:  # 'w'
-        if len(buf) < 26:
-            raise DecodeError("empty pgoutput message")
-        return decode_at(buf, 25)
-    if tag == 0x6B:  # 'k'
-        end, _sent, reply = KEEPALIVE.unpack_from(buf, 1)
-        return Keepalive(end, reply)
-    raise DecodeError(f"unexpected replication frame {chr(tag)!r}")
+    framed = frame(data)
+    return decode(framed.payload) if type(framed) is XLogData else framed
 
 
 def status_update(
