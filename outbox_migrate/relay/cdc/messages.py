@@ -71,8 +71,11 @@ class MessageBuilder:
         except KeyError as exc:
             raise RelayError(f"{self.label} has no column {exc.args[0]}") from None
 
-    def message(self, columns: Columns, values: Sequence[Any]) -> Message:
-        """`values`: the stream's text per column, or the backlog SELECT's row."""
+    def message(
+        self, columns: Columns, values: Sequence[Any], bad: dict[MessageId, str] | None = None
+    ) -> Message:
+        """`values`: the stream's text per column, or the backlog SELECT's row. A row that
+        cannot be sent as it is goes into `bad` (default: the builder's own, `self.bad`)."""
         created = values[columns.created_at] if columns.created_at is not None else None
         # pgoutput's text ("2026-01-02 03:04:05.6+00") as RFC 3339, like the polling claim's
         created_at = datetime.fromisoformat(created) if created else datetime.now(UTC)
@@ -81,7 +84,7 @@ class MessageBuilder:
             try:
                 extra = _extra_headers(columns, values)
             except ValueError as exc:  # one row's problem, never the stream's
-                self.bad[_id(values[columns.id])] = str(exc)
+                (self.bad if bad is None else bad)[_id(values[columns.id])] = str(exc)
         return Message(
             _id(values[columns.id]),
             self.name,
@@ -162,13 +165,6 @@ class RowReader:
     def by_ctids(self, conn: Any, tids: list[str]) -> dict[str, Message]:
         """The rows at these ctids, each copy with its own content; the builder's set-aside
         for the stream is left as it was (these are being dead-lettered already)."""
-        builder, columns = self.builder, self.columns
-        out: dict[str, Message] = {}
-        for row in conn.execute(self._by_ctids, (tids,)).fetchall():
-            ident = int(row[1 + columns.id] or 0)
-            saved = builder.bad.pop(ident, None)
-            out[str(row[0])] = builder.message(columns, tuple(row[1:]))
-            builder.bad.pop(ident, None)
-            if saved is not None:
-                builder.bad[ident] = saved
-        return out
+        build, columns = self.builder.message, self.columns
+        rows = conn.execute(self._by_ctids, (tids,)).fetchall()
+        return {str(r[0]): build(columns, tuple(r[1:]), bad={}) for r in rows}

@@ -199,7 +199,7 @@ def frame(data: bytes | memoryview) -> XLogData | Keepalive:
 def message(data: bytes | memoryview) -> Decoded | Keepalive:
     """A CopyData frame to its pgoutput message or Keepalive, in one step."""
     framed = frame(data)
-    return decode(framed.payload) if type(framed) is XLogData else framed
+    return decode(framed.payload) if isinstance(framed, XLogData) else framed
 
 
 def status_update(

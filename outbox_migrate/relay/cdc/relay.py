@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -42,7 +43,6 @@ from outbox_migrate.patterns import marker_catalog
 from outbox_migrate.relay import library_logs, queries
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.cdc import pgoutput, slot
-from outbox_migrate.relay.cdc.backlog import IdRuns, chunks, snapshot_ids
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
 from outbox_migrate.relay.cdc.marks import MarkRepair, MarkSession
 from outbox_migrate.relay.cdc.messages import MessageBuilder, RowReader
@@ -321,8 +321,9 @@ class CdcRelay:
             stream.close()
 
     def _publish_backlog(self, conn: Any, runs: IdRuns) -> None:
-        """Publish and mark the backlog batch by batch, each read in its own statement
-        (autocommit: its own transaction), none open while publishing (relay/cdc/backlog.py)."""
+        """Publish and mark the backlog batch by batch, each read by id in its own statement
+        (autocommit: its own transaction), none open while publishing; a row marked meanwhile
+        is not found again."""
         reader = self._row_reader(conn)
         for ids in chunks(runs, self.options.batch_size):
             if self._stop.is_set():
@@ -393,6 +394,70 @@ class CdcRelay:
             lag_s = (datetime.now(UTC) - pgoutput.pg_time(oldest)).total_seconds()
         self.observer.slot(state.lag_bytes, lag_s, state.active)
         return state.lag_bytes > self.options.lag_warn_bytes or lag_s > self.options.lag_warn_s
+
+
+ID_FETCH_ROWS = 10_000
+"""Ids fetched per round trip while the snapshot is imported."""
+
+
+class IdRuns:
+    """The backlog's ids as ascending runs of consecutive ids (16 bytes a run)."""
+
+    def __init__(self) -> None:
+        self.firsts = array("q")
+        self.lasts = array("q")
+
+    def add(self, i: int) -> None:
+        """Append an id (ascending); a repeated id is one message."""
+        lasts = self.lasts
+        if lasts and lasts[-1] + 1 == i:
+            lasts[-1] = i
+        elif not lasts or lasts[-1] != i:
+            self.firsts.append(i)
+            lasts.append(i)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return zip(self.firsts, self.lasts, strict=True)
+
+    def __len__(self) -> int:
+        return len(self.firsts)
+
+
+def snapshot_ids(conn: Any, snapshot: str, spec: OutboxSpec) -> IdRuns:
+    """The ids the exported snapshot shows in the unpublished partition: it defines *which*
+    rows are the backlog (everything later comes through the stream), no gap, no overlap. Used
+    for that alone, in one short transaction with no broker in it, then ended (its xmin holds
+    back VACUUM)."""
+    runs = IdRuns()
+    select = query("cdc", "backlog-ids").compose(
+        id=sql.Identifier(spec.id_column),
+        table=sql.Identifier(spec.schema, spec.unpublished_partition),
+    )
+    with conn.transaction():
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+        with conn.cursor(name="outbox_cdc_backlog_ids") as cursor:
+            cursor.itersize = ID_FETCH_ROWS
+            cursor.execute(select)
+            for (value,) in cursor:
+                runs.add(int(value))
+    return runs
+
+
+def chunks(runs: Iterable[tuple[int, int]], size: int) -> Iterator[list[int]]:
+    """The ids of `runs` in order, `size` at a time."""
+    chunk: list[int] = []
+    for first, last in runs:
+        i = first
+        while i <= last:
+            take = min(last, i + size - len(chunk) - 1)
+            chunk.extend(range(i, take + 1))
+            i = take + 1
+            if len(chunk) == size:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
 
 
 @contextmanager
