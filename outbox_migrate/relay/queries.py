@@ -228,35 +228,33 @@ def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> s
         else sql.SQL("")
     )
     if source.text_ids:
-        return _claim_in_order(source, columns, shard)
-    return sql.SQL(
-        "SELECT {columns} FROM {table} WHERE {unpublished} AND {id} > %(after)s{shard} "
-        "ORDER BY {id} LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
-    ).format(
-        columns=claimed_columns(source, columns),
-        id=sql.Identifier(source.id_column),
-        table=source.claim_ident,
-        unpublished=source.unpublished_filter(),
-        shard=shard,
+        # Application ids: oldest first by `order_column`, then id, always from the start: a
+        # uuid has no successor and a timestamp order may get rows below the last claimed, so
+        # there is no cursor (docs/relay.md: the cost under a held xmin).
+        order = [sql.Identifier(source.id_column)]
+        if source.order_column:
+            order.insert(0, sql.Identifier(source.order_column))
+        return _locked(source, columns, shard, sql.SQL(", ").join(order))
+    ident = sql.Identifier(source.id_column)
+    return _locked(source, columns, sql.SQL(" AND {} > %(after)s{}").format(ident, shard), ident)
+
+
+def _locked(
+    source: Source, columns: Columns, where: sql.Composable, order: sql.Composable | None
+) -> sql.Composed:
+    """`claimed_columns` of the unpublished rows `where` also selects, locked skipping those
+    locked already; with `order`, the first %(limit)s in that order."""
+    limit = (
+        sql.SQL(" ORDER BY {} LIMIT %(limit)s").format(order) if order is not None else sql.SQL("")
     )
-
-
-def _claim_in_order(source: Source, columns: Columns, shard: sql.Composable) -> sql.Composed:
-    """Application ids: oldest first by `order_column`, then id, always from the start: a
-    uuid has no successor and a timestamp order may get rows below the last claimed, so
-    there is no cursor (docs/relay.md: the cost under a held xmin)."""
-    order = [sql.Identifier(source.id_column)]
-    if source.order_column:
-        order.insert(0, sql.Identifier(source.order_column))
     return sql.SQL(
-        "SELECT {columns} FROM {table} WHERE {unpublished}{shard} "
-        "ORDER BY {order} LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
+        "SELECT {columns} FROM {table} WHERE {unpublished}{where}{limit} FOR UPDATE SKIP LOCKED"
     ).format(
         columns=claimed_columns(source, columns),
         table=source.claim_ident,
         unpublished=source.unpublished_filter(),
-        shard=shard,
-        order=sql.SQL(", ").join(order),
+        where=where,
+        limit=limit,
     )
 
 
@@ -290,15 +288,8 @@ def _headers_columns(columns: Columns) -> sql.Composable:
 def probe(source: Source, columns: Columns) -> sql.Composed:
     """Claim the given ids (param: ids) if unpublished now: gaps the cursor jumped over. No
     ORDER BY (the worker sorts the few rows); one index descent per id."""
-    return sql.SQL(
-        "SELECT {columns} FROM {table} WHERE {unpublished} AND {id} = ANY(%(ids)s::int8[]) "
-        "FOR UPDATE SKIP LOCKED"
-    ).format(
-        columns=claimed_columns(source, columns),
-        id=sql.Identifier(source.id_column),
-        table=source.claim_ident,
-        unpublished=source.unpublished_filter(),
-    )
+    where = sql.SQL(" AND {} = ANY(%(ids)s::int8[])").format(sql.Identifier(source.id_column))
+    return _locked(source, columns, where, None)
 
 
 def horizon() -> sql.Composed:

@@ -17,7 +17,7 @@ from psycopg import sql
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.cdc import pgoutput
-from outbox_migrate.relay.claimed import HEADERS_NOT_OBJECT, headers_from_text
+from outbox_migrate.relay.claimed import HEADERS_NOT_OBJECT, headers_from_text, text_or_bytes
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import CdcOptions
 from outbox_migrate.sql import query
@@ -103,18 +103,13 @@ def _id(value: Any) -> int:
     return int(value or 0)
 
 
-def _payload(value: str | bytes | None, bytea: bool) -> str | bytes:
+def _payload(value: str | None, bytea: bool) -> str | bytes:
     """The payload as the polling claim renders it: a bytea's bytes (`\\x` hex from the
     stream) as text when UTF-8, raw bytes otherwise."""
     if value is None:
         return "null"
-    if bytea and isinstance(value, str) and value.startswith("\\x"):
-        value = bytes.fromhex(value[2:])
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            return value
+    if bytea and value.startswith("\\x"):
+        return text_or_bytes(bytes.fromhex(value[2:]))
     return value
 
 
