@@ -369,31 +369,32 @@ class CdcRelay:
 
     def _sample(self) -> None:
         """Slot lag and activity for the metrics, readiness and a warning log line."""
-        warned = False
+        over = False
         while not self._stop.is_set():
             try:
                 with self._connect() as conn:
                     while not self._stop.is_set():
                         state = slot.slot_state(conn, self.options.slot)
                         if state is not None:
-                            over = self._report_lag(state)
-                            if over and not warned:
-                                log.warning(
-                                    "relay.cdc_slot_lag slot=%s bytes=%d (warning at %d)",
-                                    state.name, state.lag_bytes, self.options.lag_warn_bytes,
-                                )  # fmt: skip
-                            warned = over
+                            over = self._report_lag(state, warned=over)
                         self._stop.wait(METRICS_INTERVAL_S)
             except _RETRYABLE:
                 self._stop.wait(METRICS_INTERVAL_S)
 
-    def _report_lag(self, state: slot.SlotState) -> bool:
+    def _report_lag(self, state: slot.SlotState, *, warned: bool) -> bool:
+        """Report the slot's lag, warning as it goes over a threshold; True while over."""
         oldest = self.unconfirmed.commit_time
         lag_s = 0.0
         if oldest is not None:
             lag_s = (datetime.now(UTC) - pgoutput.pg_time(oldest)).total_seconds()
         self.observer.slot(state.lag_bytes, lag_s, state.active)
-        return state.lag_bytes > self.options.lag_warn_bytes or lag_s > self.options.lag_warn_s
+        over = state.lag_bytes > self.options.lag_warn_bytes or lag_s > self.options.lag_warn_s
+        if over and not warned:
+            log.warning(
+                "relay.cdc_slot_lag slot=%s bytes=%d (warning at %d)",
+                state.name, state.lag_bytes, self.options.lag_warn_bytes,
+            )  # fmt: skip
+        return over
 
 
 ID_FETCH_ROWS = 10_000
