@@ -154,7 +154,10 @@ class FailedMessages:
             (self.attempts_table, create_attempts),
         ):
             # `CREATE TABLE IF NOT EXISTS` checks the privilege first: look first.
-            if _exists(conn, self.schema, table):
+            found = conn.execute(
+                queries.named("table-exists"), {"schema": self.schema, "table": table}
+            ).fetchone()
+            if found and found[0]:
                 continue
             try:
                 conn.execute(create(self.schema, table, self.text_ids))
@@ -535,8 +538,3 @@ def _alter(conn: Any, statement: Any) -> Exception | None:
     except (psycopg.errors.InsufficientPrivilege, psycopg.errors.LockNotAvailable) as exc:
         return exc
     return None
-
-
-def _exists(conn: Any, schema: str, table: str) -> bool:
-    row = conn.execute(queries.named("table-exists"), {"schema": schema, "table": table}).fetchone()
-    return bool(row and row[0])

@@ -164,7 +164,8 @@ def _without_privilege_proof(
     hidden = sum(1 for s in bypass if s.hidden)
     if hidden:
         # Counted because their backend type is hidden: they may be background workers.
-        role = _current_role(conn)
+        row = conn.execute("SELECT current_user").fetchone()
+        role = str(row[0]) if row else "this role"
         nothing += (
             f" ({hidden} of them hidden from {role}, which cannot tell a client from a "
             f"background worker: {grant_to_see(role)})"
@@ -184,11 +185,6 @@ def _without_privilege_proof(
     if still:
         return ("bypassing-sessions+quiet", f"{nothing}; the old version is gone, waiting: {still}")
     return HOLDS
-
-
-def _current_role(conn: Any) -> str:
-    row = conn.execute("SELECT current_user").fetchone()
-    return str(row[0]) if row else "this role"
 
 
 def _old_sessions(conn: Any, old_app: str) -> NotYet:
