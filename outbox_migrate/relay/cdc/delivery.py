@@ -156,11 +156,8 @@ class Delivery:
         held (relay/bad_rows.py says why)."""
         reasons = dict.fromkeys((m.id for m in todo), crash_reason(exc))
         try:
-            with self._session() as conn:
-                if counted:  # counted before the publish: only the reason is new
-                    self.failures.note(conn, self.label, reasons)
-                else:
-                    self.failures.count(conn, self.label, reasons)
+            with self._session() as conn:  # `counted` before the publish: the reason is new
+                self.failures.record(conn, self.label, [], reasons, counted=counted)
         except (psycopg.Error, OutboxMigrateError) as failed:
             log.warning("relay.attempts_not_counted %s", one_line(str(failed)))
 
