@@ -8,7 +8,7 @@ kinds, each drained against a clean outbox of the same shape, runs interleaved, 
          primary key), so the batch's mark fails and is repaired by bisection;
   claim  a jsonb headers value that is not a JSON object: found while the claimed rows become
          messages, no statement fails;
-  bisect the mark kind without the conflict-key lookup (relay/conflict_key.py): the repair
+  bisect the mark kind without the conflict-key lookup (relay/mark_repair.py): the repair
          marks in halves, and a suspect is tried alone in a savepoint.
 
 Each bad row is tried `--max-attempts` times (default 5), then dead-lettered (the mark kind also
@@ -32,7 +32,7 @@ from pathlib import Path
 import psycopg
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.relay import conflict_key
+from outbox_migrate.relay import mark_repair
 from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay
@@ -40,7 +40,7 @@ from outbox_migrate.testing import server as pgserver
 
 SPEC = OutboxSpec()
 BAD_EVERY = 10_000
-of_error = conflict_key.of_error
+of_error = mark_repair.of_error
 
 
 def create(conn: psycopg.Connection) -> None:
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{'dead-lettered':>14}")  # fmt: skip
             for kind in args.kinds.split(","):
                 # `bisect`: as if no error named a key on the id alone.
-                conflict_key.of_error = (lambda *_: None) if kind == "bisect" else of_error
+                mark_repair.of_error = (lambda *_: None) if kind == "bisect" else of_error
                 rates: dict[bool, list[float]] = {False: [], True: []}
                 dead = 0
                 for _ in range(args.reps):

@@ -81,7 +81,7 @@ WATCH_APPLICATION_NAME = f"outbox-migrate/{__version__} status --watch"
 """`status --watch`'s sessions: each of its reads holds its lock for less than the lock
 timeout (watch.py), so it is never why an attempt timed out and is never named as a holder.
 Under the tool's prefix: a switching relay does not count a watch run as the owner as a
-writer no REVOKE stops (relay/switch_evidence.py TOOL_SESSIONS_LIKE)."""
+writer no REVOKE stops (relay/switching.py TOOL_SESSIONS_LIKE)."""
 LONG_TX_S = 1.0
 """A transaction open longer than this, holding a lock on our relations, is reported before
 an ACCESS EXCLUSIVE step (it would keep our queued lock — and all writers — waiting)."""

@@ -20,7 +20,9 @@ share one counter, and each copy is dead-lettered with its own content, under
 identical message already there is not kept twice.
 
 A dead letter is written in the caller's transaction and is a fact only once that commits:
-the caller logs it afterwards (`log_dead`). Nothing here commits, waits or sleeps.
+the caller logs it afterwards (`log_dead`). Nothing here commits, waits or sleeps. Every
+statement on the two tables is here (sql/relay.sql), so the two relays cannot drift apart; ids
+are `int8`, or `text` with application ids (`text_ids`).
 """
 
 from __future__ import annotations
@@ -36,15 +38,14 @@ from psycopg import sql
 
 from outbox_migrate.db import one_line
 from outbox_migrate.errors import RelayFailed
-from outbox_migrate.relay import attempts_sql, queries
-from outbox_migrate.relay.attempts_sql import (
-    ADDED_COLUMNS,
-    ATTEMPTS_COLUMNS,
-    DEAD_LETTER_COLUMNS,
-    HISTORY_COLUMNS,
-    PAYLOAD_BYTES_COLUMN,
+from outbox_migrate.patterns.kinds.dead_letter_tables import (
+    create_attempts,
+    create_dead_letter,
+    id_sql_type,
 )
+from outbox_migrate.relay import queries
 from outbox_migrate.relay.message import Message, MessageId
+from outbox_migrate.sql import query
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -53,6 +54,33 @@ ERROR_CHARS = 2000
 COPY_LABEL = "{source} copy {n}"
 """`source_table` of a second (third, …) copy of an id whose dead letter is taken."""
 MAX_COPIES = 1000
+PAYLOAD_BYTES_COLUMN = "payload_bytes"
+"""Dead-letter column for a raw (non-UTF-8 bytea) payload; `payload` then holds its hex text."""
+
+
+DEAD_LETTER_COLUMNS: dict[str, str] = {
+    "source_table": "text", "id": "", "event_type": "text", "message_key": "text",
+    "payload": "text", "payload_bytes": "bytea", "created_at": "timestamp with time zone",
+    "attempts": "integer", "last_error": "text", "dead_at": "timestamp with time zone",
+    "headers": "jsonb", "reasons": "text[]", "delivered": "integer",
+}  # fmt: skip
+"""What the relay writes to a dead-letter table, by column, and its type ("": the ids')."""
+ATTEMPTS_COLUMNS: dict[str, str] = {
+    "source_table": "text", "id": "", "attempts": "integer", "last_error": "text",
+    "updated_at": "timestamp with time zone", "reasons": "text[]", "delivered": "integer",
+}  # fmt: skip
+ADDED_COLUMNS: dict[str, str] = {
+    "headers": "jsonb", "reasons": "text[] NOT NULL DEFAULT '{}'",
+    "delivered": "int NOT NULL DEFAULT 0", "payload_bytes": "bytea",
+}  # fmt: skip
+"""Columns a table made by an earlier version may lack, as `ADD COLUMN` declares them."""
+HISTORY_COLUMNS: dict[str, str] = {
+    "headers": "%(headers)s::jsonb", "reasons": "%(reasons)s::text[]",
+    "delivered": "%(delivered)s",
+}  # fmt: skip
+"""Dead-letter columns an earlier version's table may lack, and the values they take."""
+REASONS_KEPT = 20
+"""An attempts row keeps the last this many reasons (a crash loop must not grow it for ever)."""
 
 __all__ = ["PAYLOAD_BYTES_COLUMN", "DeadLetter", "FailedMessages", "Verdict", "log_dead"]
 
@@ -122,11 +150,14 @@ class FailedMessages:
         import psycopg
 
         for table, create in (
-            (self.dead_letter_table, attempts_sql.create_dead_letter),
-            (self.attempts_table, attempts_sql.create_attempts),
+            (self.dead_letter_table, create_dead_letter),
+            (self.attempts_table, create_attempts),
         ):
             # `CREATE TABLE IF NOT EXISTS` checks the privilege first: look first.
-            if _exists(conn, self.schema, table):
+            found = conn.execute(
+                queries.named("table-exists"), {"schema": self.schema, "table": table}
+            ).fetchone()
+            if found and found[0]:
                 continue
             try:
                 conn.execute(create(self.schema, table, self.text_ids))
@@ -157,10 +188,7 @@ class FailedMessages:
         self.payload_bytes = self._payload_bytes_column(conn)
         id_of = self._id_of
         for label in sources:
-            rows = conn.execute(
-                attempts_sql.attempted(self.schema, self.attempts_table, self.kept_history),
-                {"source": label},
-            ).fetchall()
+            rows = conn.execute(self._sql("attempted"), {"source": label}).fetchall()
             self.known.update(((label, id_of(r[0])), (int(r[1]), str(r[2]))) for r in rows)
             self.history.update(((label, id_of(r[0])), (list(r[3] or []), int(r[4])))
                                 for r in rows)  # fmt: skip
@@ -186,8 +214,9 @@ class FailedMessages:
         are added where the role may (catalog-only), else warned about; returns those still
         missing."""
 
-        found = dict(conn.execute(attempts_sql.columns_of(self.schema, table)).fetchall())
         name = sql.Identifier(self.schema, table).as_string(conn)
+        columns_of = query("relay", "columns-of").compose(reg=sql.Literal(name))
+        found = dict(conn.execute(columns_of).fetchall())
         id_type = "text" if self.text_ids else "bigint"
         have = found.get("id")
         if have is not None and have != id_type:
@@ -291,10 +320,14 @@ class FailedMessages:
             )  # fmt: skip
         ids = list(reasons)
         errors = [reasons[i][:ERROR_CHARS] for i in ids]
+        # Each id once: an upsert cannot touch one row twice (21000).
+        statement = (
+            self._sql("count-attempts", kept=sql.Literal(REASONS_KEPT))
+            if self.kept_history
+            else self._sql("count-attempts-without-history")
+        )
         rows = conn.execute(
-            attempts_sql.count_attempts(
-                self.schema, self.attempts_table, self.text_ids, self.kept_history
-            ),
+            statement,
             {"source": label, "ids": ids, "errors": errors, "delivered": int(delivered)},
         ).fetchall()
         return self._counted(label, rows, dict(zip(ids, errors, strict=True)))
@@ -304,12 +337,14 @@ class FailedMessages:
         with no counter is counted now. Returns each id's attempts."""
         ids = list(reasons)
         errors = [reasons[i][:ERROR_CHARS] for i in ids]
-        rows = conn.execute(
-            attempts_sql.note_attempts(
-                self.schema, self.attempts_table, self.text_ids, self.kept_history
-            ),
-            {"source": label, "ids": ids, "errors": errors},
-        ).fetchall()
+        # The careful count's placeholder reason is replaced.
+        reasons_set = ", reasons = a.reasons[:cardinality(a.reasons) - 1] || r.error"
+        statement = self._sql(
+            "note-attempts",
+            reasons=sql.SQL(reasons_set if self.kept_history else ""),
+            history=self._history("a."),
+        )
+        rows = conn.execute(statement, {"source": label, "ids": ids, "errors": errors}).fetchall()
         attempts = self._counted(label, rows, dict(zip(ids, errors, strict=True)))
         missing = {i: reasons[i] for i in ids if i not in attempts}
         if missing:
@@ -320,8 +355,7 @@ class FailedMessages:
         """Take back attempts counted beforehand that never reached the messages (the broker
         was unavailable: not the messages' fault); a counter back at zero goes."""
         rows = conn.execute(
-            attempts_sql.uncount_attempts(self.schema, self.attempts_table, self.text_ids),
-            {"source": label, "ids": list(ids)},
+            self._sql("uncount-attempts"), {"source": label, "ids": list(ids)}
         ).fetchall()
         id_of = self._id_of
         gone = [id_of(r[0]) for r in rows if int(r[1]) <= 0]
@@ -366,12 +400,7 @@ class FailedMessages:
         """Dead-letter what `exhausted` found if the database agrees (another process may
         have settled them since)."""
         ids = list({m.id: 0 for m in messages})
-        rows = conn.execute(
-            attempts_sql.attempts_of(
-                self.schema, self.attempts_table, self.text_ids, self.kept_history
-            ),
-            {"source": label, "ids": ids},
-        ).fetchall()
+        rows = conn.execute(self._sql("attempts-of"), {"source": label, "ids": ids}).fetchall()
         on_record = {self._id_of(r[0]): (int(r[1]), str(r[2])) for r in rows}
         with self._lock:
             self.history.update(((label, self._id_of(r[0])), (list(r[3] or []), int(r[4])))
@@ -394,10 +423,7 @@ class FailedMessages:
             for i in ids:
                 self.known.pop((label, i), None)
                 self.history.pop((label, i), None)
-        conn.execute(
-            attempts_sql.forget_attempts(self.schema, self.attempts_table, self.text_ids),
-            {"source": label, "ids": list(ids)},
-        )
+        conn.execute(self._sql("forget-attempts"), {"source": label, "ids": list(ids)})
 
     def rewrite(self, conn: Any, letter: DeadLetter) -> DeadLetter:
         """Write again a dead letter whose transaction rolled back, as it was."""
@@ -435,12 +461,18 @@ class FailedMessages:
             "headers": json.dumps([list(pair) for pair in message.extra_headers]),
             "reasons": reasons, "delivered": delivered,
         }  # fmt: skip
-        insert = attempts_sql.insert_dead_letter(
-            self.schema,
-            self.dead_letter_table,
-            raw=raw is not None and self.payload_bytes,
-            extras=self.extras,
-        )
+        # The payload is an untyped parameter, so an older json table still takes it.
+        names = [PAYLOAD_BYTES_COLUMN] if raw is not None and self.payload_bytes else []
+        values = ["%(raw)s"] if names else []
+        for column, value in HISTORY_COLUMNS.items():
+            if column in self.extras:
+                names.append(column)
+                values.append(value)
+        insert = self._sql(
+            "insert-dead-letter", self.dead_letter_table,
+            columns=sql.SQL("").join(sql.SQL(", {}").format(sql.Identifier(n)) for n in names),
+            values=sql.SQL("").join(sql.SQL(", " + v) for v in values),
+        )  # fmt: skip
         written = conn.execute(insert, params).fetchone()
         kept = label if written else self._as_copy(conn, insert, params)
         return DeadLetter(message, attempts, kept, label, error, tuple(reasons), delivered)
@@ -451,8 +483,7 @@ class FailedMessages:
         label = params["source"]
         prefix = COPY_LABEL.format(source=label, n="")
         rows = conn.execute(
-            attempts_sql.dead_letters_of(self.schema, self.dead_letter_table),
-            {**params, "copies": prefix},
+            self._sql("dead-letters-of", self.dead_letter_table), {**params, "copies": prefix}
         ).fetchall()
         same = [str(r[0]) for r in rows if r[1]]
         if same:
@@ -465,6 +496,19 @@ class FailedMessages:
         raise RelayFailed(f"{MAX_COPIES} dead letters of id {params['id']} in {label}: no room")
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _sql(self, name: str, table: str = "", **parts: sql.Composable) -> sql.Composed:
+        """Statement `name` of sql/relay.sql on the attempts table (or `table`)."""
+        return query("relay", name).compose(
+            table=sql.Identifier(self.schema, table or self.attempts_table),
+            id_type=id_sql_type(self.text_ids), **{"history": self._history(), **parts},
+        )  # fmt: skip
+
+    def _history(self, alias: str = "") -> sql.SQL:
+        """The reasons and deliveries columns, or stand-ins where an older table lacks them."""
+        if not self.kept_history:
+            return sql.SQL("NULL::text[], 0")
+        return sql.SQL(f"{alias}reasons, {alias}delivered")
 
     def _id_of(self, value: Any) -> MessageId:
         return str(value) if self.text_ids else int(value)
@@ -494,8 +538,3 @@ def _alter(conn: Any, statement: Any) -> Exception | None:
     except (psycopg.errors.InsufficientPrivilege, psycopg.errors.LockNotAvailable) as exc:
         return exc
     return None
-
-
-def _exists(conn: Any, schema: str, table: str) -> bool:
-    row = conn.execute(queries.table_exists(), {"schema": schema, "table": table}).fetchone()
-    return bool(row and row[0])

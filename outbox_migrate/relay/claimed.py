@@ -43,7 +43,7 @@ def messages(rows: Sequence[Any], message: type[Message], columns: queries.Colum
     out: list[Message] = []
     bad: list[BadRow] = []
     for r in rows:
-        payload = _payload(r[4]) if raw else r[4]
+        payload = text_or_bytes(r[4]) if raw else r[4]
         reason = ""
         extra: tuple[tuple[str, str], ...] = ()
         if len(r) > at:
@@ -70,8 +70,8 @@ def messages(rows: Sequence[Any], message: type[Message], columns: queries.Colum
     return Claimed(out, bad)
 
 
-def _payload(body: bytes) -> str | bytes:
-    """A bytea body as text when it is UTF-8, else the bytes themselves."""
+def text_or_bytes(body: bytes) -> str | bytes:
+    """A bytea body as text when it is UTF-8, else the bytes themselves (both relays)."""
     try:
         return body.decode()
     except UnicodeDecodeError:

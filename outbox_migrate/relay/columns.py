@@ -26,7 +26,7 @@ def resolve(
     """The spec's column roles checked against the live table: a default one is used when
     the table has it, one configured by name must exist."""
     rows = conn.execute(
-        queries.table_columns(), {"schema": source.schema, "table": source.mark_table}
+        queries.named("table-columns"), {"schema": source.schema, "table": source.mark_table}
     ).fetchall()
     types = {str(r[0]): str(r[1]) for r in rows}
     if not types:

@@ -320,7 +320,7 @@ class Cursor:
 
 
 class NoCursor(Cursor):
-    """Application ids: every claim starts at the beginning (queries._claim_in_order); this
+    """Application ids: every claim starts at the beginning (queries.claim); this
     keeps the worker's bookkeeping uniform."""
 
     def __init__(self, *, now: float) -> None:

@@ -3,7 +3,7 @@
 A batch's mark is one UPDATE: one row that cannot move (an id the published partition's key
 holds already after the swap, a CHECK or trigger) fails it for all, and every run would
 re-send and fail the same batch. Here the rows are marked again: with a unique key on the id
-known (relay/conflict_key.py), the rows it holds are found with the lock and the rest marked
+known (`ConflictKey`), the rows it holds are found with the lock and the rest marked
 in one statement; otherwise in halves, each in a savepoint, until the failing rows stand alone
 (about 2·log2(batch) statements per bad row). Failing rows are bad rows (relay/bad_rows.py):
 counted, claimed again, and at `max_attempts` dead-lettered and removed — nothing is lost.
@@ -14,6 +14,12 @@ A failed row is a *suspect* until settled: in a later batch it is tried before t
 Runs in its own transaction, never waits on a lock (`SKIP LOCKED`: a row another relay holds
 is its business). The CDC marks use `mark_in_halves` and `remove_dead` too. Each statement is
 several commands sent as one simple query: one round trip is the point of their shape.
+
+The conflict key: after the swap a row whose id the published partition's key holds cannot
+move there. The error names the index in every language (its detail names only the first
+row, in English), so the relay asks which of a batch's ids the table holds, all at once,
+rather than bisect. Any other key or constraint, or one on a table the role may not read, has
+no `ConflictKey`: the repair bisects.
 """
 
 from __future__ import annotations
@@ -30,11 +36,90 @@ from psycopg import sql
 
 from outbox_migrate.errors import RelayFailed
 from outbox_migrate.patterns import marker
-from outbox_migrate.relay import conflict_key, queries
+from outbox_migrate.relay import queries
 from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages
-from outbox_migrate.relay.conflict_key import ConflictKey
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.parking import Parking
+
+_KEY_COLUMN = """
+SELECT a.attname, format_type(a.atttypid, a.atttypmod)
+FROM pg_index i
+JOIN pg_class ic ON ic.oid = i.indexrelid
+JOIN pg_class tc ON tc.oid = i.indrelid
+JOIN pg_namespace n ON n.oid = tc.relnamespace
+JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+WHERE n.nspname = %s AND tc.relname = %s AND ic.relname = %s AND ic.relnamespace = n.oid
+  AND i.indisunique AND i.indnkeyatts = 1 AND i.indexprs IS NULL AND i.indpred IS NULL
+  AND has_table_privilege(tc.oid, 'SELECT')
+"""
+
+
+@dataclass(frozen=True)
+class ConflictKey:
+    """A unique index on one column of the table a mark moves rows into."""
+
+    schema: str
+    table: str
+    index: str
+    column: str
+    type_sql: str
+
+    def lookup(self, ids: list[MessageId], text_ids: bool) -> sql.Composed:
+        """The ids the table holds, through its index whatever the statistics say (a
+        partition analyzed when small would be seq-scanned); rows in the second result."""
+        column = sql.Identifier(self.column)
+        return sql.SQL(
+            "SET LOCAL enable_seqscan = off; "
+            "SELECT {out} FROM {table} WHERE {column} = ANY({ids}::{type}[]); "
+            "SET LOCAL enable_seqscan = on"
+        ).format(
+            out=sql.SQL("{}::text").format(column) if text_ids else column,
+            table=sql.Identifier(self.schema, self.table),
+            column=column,
+            # A hand-made literal: adapting a list of ints costs more than the lookup.
+            ids=sql.Literal([str(i) for i in ids] if text_ids else _int_array(ids)),
+            type=sql.SQL(self.type_sql),
+        )
+
+    def taken(self, conn: Any, ids: list[MessageId], text_ids: bool) -> set[MessageId]:
+        """Those of `ids` the table holds already (in the caller's transaction)."""
+        if not ids:
+            return set()
+        return taken_rows(conn.execute(self.lookup(ids, text_ids)))
+
+    def reason(self, ident: MessageId) -> str:
+        """The server's words for a taken id, for the dead letter."""
+        return (
+            f'SQLSTATE 23505: duplicate key value violates unique constraint "{self.index}" '
+            f"(Key ({self.column})=({ident}) already exists in {self.schema}.{self.table}.)"
+        )
+
+
+def of_error(conn: Any, error: psycopg.Error | None, id_column: str) -> ConflictKey | None:
+    """The key a unique violation names, when it is a unique index on `id_column` alone."""
+    if error is None or error.sqlstate != "23505":
+        return None
+    diag = error.diag
+    schema, table, index = diag.schema_name, diag.table_name, diag.constraint_name
+    if not (schema and table and index):
+        return None
+    row = conn.execute(_KEY_COLUMN, (schema, table, index)).fetchone()
+    if row is None or row[0] != id_column:
+        return None
+    return ConflictKey(schema, table, index, row[0], row[1])
+
+
+def taken_rows(cursor: Any) -> set[MessageId]:
+    """The ids a `lookup` found: the next result with rows after the cursor's."""
+    cursor.nextset()
+    while cursor.description is None:
+        if not cursor.nextset():
+            raise RuntimeError("a conflict-key lookup returned no rows result")  # a bug
+    return {r[0] for r in cursor.fetchall()}
+
+
+def _int_array(ids: list[MessageId]) -> str:
+    return "{" + ",".join(str(int(i)) for i in ids) + "}"
 
 
 @dataclass
@@ -56,7 +141,7 @@ class Suspects:
         self._ids: set[tuple[str, MessageId]] = set()
         self._lock = threading.Lock()
         self._keys: dict[str, ConflictKey] = {}
-        """Per source: the unique key on the id its marks broke (relay/conflict_key.py)."""
+        """Per source: the unique key on the id its marks broke (`ConflictKey`)."""
 
     def key(self, label: str) -> ConflictKey | None:
         return self._keys.get(label)
@@ -103,7 +188,7 @@ def repair(
     with conn.transaction():
         key = suspects.key(source.label)
         if key is None:
-            key = conflict_key.of_error(conn, error, source.id_column)
+            key = of_error(conn, error, source.id_column)
             if key is not None:
                 suspects.learn(source.label, key)
         # One round trip: lock, key lookup, deferred constraints immediate (at COMMIT they
@@ -115,7 +200,7 @@ def repair(
         todo = [tid for tid in tids if tid in same]
         taken = None
         if key is not None:
-            ids = conflict_key.taken_rows(cursor)
+            ids = taken_rows(cursor)
             taken = {tid for tid in todo if tids[tid] in ids}
         failed = _mark_named_first(conn, source, todo, tids, taken, key)
         if failed is None:

@@ -27,11 +27,11 @@ def resolved(conn: Any, spec: OutboxSpec, state: SourceState) -> tuple[OutboxSpe
     found = marker_catalog.resolve(conn, spec, to_partition=False)
     if found != spec:
         state = SourceState(found, state.mode, state.gate, state.old_app)
-    state.resolve(lambda source: _with_oid(conn, source))
+    state.resolve(lambda source: with_oid(conn, source))
     return found, state
 
 
-def _with_oid(conn: Any, source: queries.Source) -> queries.Source:
+def with_oid(conn: Any, source: queries.Source) -> queries.Source:
     """`source` with the OID of its claim relation (0 when it does not exist)."""
     claim = queries.qualified(source.schema, source.claim_table)
     row = conn.execute("SELECT coalesce(to_regclass(%s)::oid, 0)::int8", (claim,)).fetchone()
@@ -65,7 +65,7 @@ def check_names(conn: Any, source: queries.Source) -> None:
     claim = queries.qualified(source.schema, source.claim_table)
     mark = queries.qualified(source.schema, source.mark_table)
     row = conn.execute(
-        queries.names_now(), {"claim": claim, "mark": mark, "claim_oid": source.claim_oid}
+        queries.named("names-now"), {"claim": claim, "mark": mark, "claim_oid": source.claim_oid}
     ).fetchone()
     now, reaches = (int(row[0]), bool(row[1])) if row else (0, False)
     if now == source.claim_oid and reaches:

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
+from outbox_migrate.backoff import backoff_s
 from outbox_migrate.config import DEFAULT_CHANNEL
 from outbox_migrate.errors import RelayError
 
@@ -112,6 +113,9 @@ class DeliveryOptions:
     @property
     def attempts_table(self) -> str:
         return self.dead_letter_table + ATTEMPTS_TABLE_SUFFIX
+
+    def backoff(self, failures: int) -> float:
+        return backoff_s(failures, base_s=self.backoff_base_s, cap_s=self.backoff_cap_s)
 
 
 @dataclass(frozen=True)

@@ -228,35 +228,33 @@ def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> s
         else sql.SQL("")
     )
     if source.text_ids:
-        return _claim_in_order(source, columns, shard)
-    return sql.SQL(
-        "SELECT {columns} FROM {table} WHERE {unpublished} AND {id} > %(after)s{shard} "
-        "ORDER BY {id} LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
-    ).format(
-        columns=claimed_columns(source, columns),
-        id=sql.Identifier(source.id_column),
-        table=source.claim_ident,
-        unpublished=source.unpublished_filter(),
-        shard=shard,
+        # Application ids: oldest first by `order_column`, then id, always from the start: a
+        # uuid has no successor and a timestamp order may get rows below the last claimed, so
+        # there is no cursor (docs/relay.md: the cost under a held xmin).
+        order = [sql.Identifier(source.id_column)]
+        if source.order_column:
+            order.insert(0, sql.Identifier(source.order_column))
+        return _locked(source, columns, shard, sql.SQL(", ").join(order))
+    ident = sql.Identifier(source.id_column)
+    return _locked(source, columns, sql.SQL(" AND {} > %(after)s{}").format(ident, shard), ident)
+
+
+def _locked(
+    source: Source, columns: Columns, where: sql.Composable, order: sql.Composable | None
+) -> sql.Composed:
+    """`claimed_columns` of the unpublished rows `where` also selects, locked skipping those
+    locked already; with `order`, the first %(limit)s in that order."""
+    limit = (
+        sql.SQL(" ORDER BY {} LIMIT %(limit)s").format(order) if order is not None else sql.SQL("")
     )
-
-
-def _claim_in_order(source: Source, columns: Columns, shard: sql.Composable) -> sql.Composed:
-    """Application ids: oldest first by `order_column`, then id, always from the start: a
-    uuid has no successor and a timestamp order may get rows below the last claimed, so
-    there is no cursor (docs/relay.md: the cost under a held xmin)."""
-    order = [sql.Identifier(source.id_column)]
-    if source.order_column:
-        order.insert(0, sql.Identifier(source.order_column))
     return sql.SQL(
-        "SELECT {columns} FROM {table} WHERE {unpublished}{shard} "
-        "ORDER BY {order} LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
+        "SELECT {columns} FROM {table} WHERE {unpublished}{where}{limit} FOR UPDATE SKIP LOCKED"
     ).format(
         columns=claimed_columns(source, columns),
         table=source.claim_ident,
         unpublished=source.unpublished_filter(),
-        shard=shard,
-        order=sql.SQL(", ").join(order),
+        where=where,
+        limit=limit,
     )
 
 
@@ -290,31 +288,19 @@ def _headers_columns(columns: Columns) -> sql.Composable:
 def probe(source: Source, columns: Columns) -> sql.Composed:
     """Claim the given ids (param: ids) if unpublished now: gaps the cursor jumped over. No
     ORDER BY (the worker sorts the few rows); one index descent per id."""
-    return sql.SQL(
-        "SELECT {columns} FROM {table} WHERE {unpublished} AND {id} = ANY(%(ids)s::int8[]) "
-        "FOR UPDATE SKIP LOCKED"
-    ).format(
-        columns=claimed_columns(source, columns),
-        id=sql.Identifier(source.id_column),
-        table=source.claim_ident,
-        unpublished=source.unpublished_filter(),
-    )
+    where = sql.SQL(" AND {} = ANY(%(ids)s::int8[])").format(sql.Identifier(source.id_column))
+    return _locked(source, columns, where, None)
 
 
 def horizon() -> sql.Composed:
     """The oldest running xid and the next xid to assign (relay/cursor.py)."""
-    return _named("horizon")
+    return named("horizon")
 
 
 def try_idle_lock() -> sql.Composed:
     """Raise the idle flag the wake-up trigger looks at (param: key). A try, never a wait:
     it fails while a writer that saw the relay busy is uncommitted; the worker looks again."""
-    return _named("try-idle-lock")
-
-
-def idle_unlock() -> sql.Composed:
-    """Lower the idle flag: writers stop notifying (the relay is claiming anyway)."""
-    return _named("idle-unlock")
+    return named("try-idle-lock")
 
 
 def mark(source: Source) -> sql.Composed:
@@ -359,61 +345,12 @@ def claim_and_mark(source: Source, *, sharded: bool) -> sql.Composed:
 
 def claim_session_settings() -> sql.Composed:
     """Settings of a claiming session: walk the id index, never scan-and-sort (see worker)."""
-    return _named("claim-session-settings")
-
-
-def try_lock_shards() -> sql.Composed:
-    """Locks on up to %(limit)s free shards; no ORDER BY, so no lock beyond the limit."""
-    return _named("try-lock-shards")
-
-
-def unlock_shards() -> sql.Composed:
-    return _named("unlock-shards")
-
-
-def end_idle_shard_holders() -> sql.Composed:
-    """End shard holders of this outbox silent for over %(after_s)s seconds (idle, idle in
-    transaction, or `active` in ClientRead: a frozen pipeline; `ShardLease.reap` says why);
-    returns (pid, silent seconds, ended). Silence counts from the later of state change and
-    statement start, so no session ends sooner than the server's timers would end it."""
-    return _named("end-idle-shard-holders")
-
-
-def join_members() -> sql.Composed:
-    """A shared session lock that marks this session as a live worker of the outbox."""
-    return _named("join-members")
-
-
-def leave_members() -> sql.Composed:
-    """Stop counting as a live worker (a worker whose broker is unreachable steps out)."""
-    return _named("leave-members")
+    return named("claim-session-settings")
 
 
 def qualified(schema: str, table: str) -> str:
     """Text that `to_regclass` resolves to exactly this relation (quoted identifiers)."""
     return ".".join('"' + name.replace('"', '""') + '"' for name in (schema, table))
-
-
-def names_now() -> sql.Composed:
-    """The OID of the claim's name, and whether the mark's name (itself, its partitioned
-    parent, or a view over one) reaches the claimed relation (params: claim, mark, claim_oid)."""
-    return _named("names-now")
-
-
-def table_exists() -> sql.Composed:
-    """Whether %(schema)s.%(table)s exists (needs no privilege on it)."""
-    return _named("table-exists")
-
-
-def count_members() -> sql.Composed:
-    """Live workers: sessions holding the shared membership lock (a two-int4 advisory lock is
-    classid = key1 compared unsigned, objid = key2, objsubid = 2 in pg_locks)."""
-    return _named("count-members")
-
-
-def table_columns() -> sql.Composed:
-    """Column names and base types of a relation (params: schema, table), or none."""
-    return _named("table-columns")
 
 
 def backlog(source: Source, columns: Columns) -> sql.Composed:
@@ -439,19 +376,8 @@ def lock_for_switch(source: Source) -> sql.Composed:
     return sql.SQL("LOCK TABLE {} IN SHARE MODE").format(source.mark_ident)
 
 
-def roles_that_can_insert() -> sql.Composed:
-    """Login roles a REVOKE can stop that may still INSERT (params: relation), column grants
-    included. Superusers and owners are left out: they grant themselves back, so their
-    sessions are the gate's business (relay/switch_evidence.py)."""
-    return _named("roles-that-can-insert")
-
-
-def old_app_sessions() -> sql.Composed:
-    """Sessions of the outgoing application in this database (param: pattern, a LIKE)."""
-    return _named("old-app-sessions")
-
-
 @cache
-def _named(name: str) -> sql.Composed:
-    """A statement of sql/relay.sql with nothing to compose."""
+def named(name: str) -> sql.Composed:
+    """A statement of sql/relay.sql with nothing to compose (its comment there says what it
+    does and takes)."""
     return query("relay", name).compose()

@@ -91,18 +91,18 @@ class ShardLease:
         self.checks += 1
         before = set(self.owned)
         if not self._member:
-            conn.execute(queries.join_members(), {"key": self.members_key})
+            conn.execute(queries.named("join-members"), {"key": self.members_key})
             self._member = True
             # First round: home shards only, so sibling workers starting a moment later
             # find theirs free; fair shares are settled from the next round on.
             self._take(conn, list(self.home), len(self.home))
             return self.owned != before
         self.reap(conn)
-        row = conn.execute(queries.count_members(), {"key": self.members_key}).fetchone()
+        row = conn.execute(queries.named("count-members"), {"key": self.members_key}).fetchone()
         keep = fair_share(self.count, int(row[0]) if row else 1)
         give_back = shards_to_release(self.owned, self.home, keep)
         if give_back:
-            conn.execute(queries.unlock_shards(), {"key": self.key, "shards": give_back})
+            conn.execute(queries.named("unlock-shards"), {"key": self.key, "shards": give_back})
             self.owned.difference_update(give_back)
         elif len(self.owned) < keep:
             candidates = [s for s in self.home if s not in self.owned]
@@ -127,7 +127,7 @@ class ShardLease:
             return []
         try:
             rows = conn.execute(
-                queries.end_idle_shard_holders(),
+                queries.named("end-idle-shard-holders"),
                 {"key": self.key, "after_s": self.reap_after_s},
             ).fetchall()
         except psycopg.errors.InsufficientPrivilege as exc:
@@ -152,7 +152,8 @@ class ShardLease:
         if not candidates or limit <= 0:
             return
         rows = conn.execute(
-            queries.try_lock_shards(), {"key": self.key, "shards": candidates, "limit": limit}
+            queries.named("try-lock-shards"),
+            {"key": self.key, "shards": candidates, "limit": limit},
         ).fetchall()
         self.owned.update(int(r[0]) for r in rows)
 
@@ -162,11 +163,13 @@ class ShardLease:
         fair share too small to take them all."""
         self.release_all(conn)
         if self._member:
-            conn.execute(queries.leave_members(), {"key": self.members_key})
+            conn.execute(queries.named("leave-members"), {"key": self.members_key})
             self._member = False
         self._next_check = 0.0
 
     def release_all(self, conn: Any) -> None:
         if self.owned:
-            conn.execute(queries.unlock_shards(), {"key": self.key, "shards": sorted(self.owned)})
+            conn.execute(
+                queries.named("unlock-shards"), {"key": self.key, "shards": sorted(self.owned)}
+            )
             self.owned.clear()

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from outbox_migrate.backoff import backoff_s
 from outbox_migrate.relay import keepalive, queries
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.metrics import Observer
@@ -62,9 +61,7 @@ class Shared:
         self.request_stop()
 
     def backoff(self, failures: int) -> float:
-        return backoff_s(
-            failures, base_s=self.options.backoff_base_s, cap_s=self.options.backoff_cap_s
-        )
+        return self.options.backoff(failures)
 
     def nothing_left(self, conn: Any) -> bool:
         """`until_empty`: this worker's table is empty; in switching mode, wait for the switch

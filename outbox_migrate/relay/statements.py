@@ -11,7 +11,7 @@ from typing import Any
 from outbox_migrate.relay import queries, wire
 
 HORIZON = queries.horizon().as_string().encode()
-IDLE_UNLOCK = queries.idle_unlock().as_string().encode()
+IDLE_UNLOCK = queries.named("idle-unlock").as_string().encode()
 TRY_IDLE_LOCK = queries.try_idle_lock().as_string().encode()
 
 

@@ -13,7 +13,9 @@ The gate makes sure no *later* transaction can insert:
 * `privilege` (default): no login role a REVOKE can stop holds INSERT; an INSERT queued
   behind our lock re-reads privileges and fails. Superusers and owners insert whatever is
   revoked: while a session of theirs is connected the gate waits instead for the old
-  version's sessions to go and the insert counter to stand still (relay/switch_evidence.py).
+  version's sessions to go and the insert counter to stand still (`QuietWindow`). A session
+  of one of those (other than the tool's own) could still insert after the switch, and its
+  rows would be stranded: while one is connected the privilege gate proves nothing.
 * `sessions`: no session of the old version's application_name is connected (trusts the
   deploy: a V1 instance that reconnects later is not stopped).
 
@@ -31,13 +33,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from outbox_migrate import sql as named
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.db import APPLICATION_NAME
 from outbox_migrate.errors import grant_to_see
 from outbox_migrate.relay import queries
 from outbox_migrate.relay.options import Mode, SwitchGate
-from outbox_migrate.relay.switch_evidence import QuietWindow, Session, bypassing_sessions
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -57,10 +61,63 @@ WAIT_CODES = {  # application_name holds 63 bytes, and the tool's prefix must st
     "writing": "writing",
 }
 MAX_APPLICATION_NAME = 63
+TOOL_SESSIONS_LIKE = APPLICATION_NAME.split("/", 1)[0] + "/%"
+"""`application_name` of the tool's own sessions (runner, relay, jobs): `outbox-migrate/…`."""
+QUIET_WINDOW_S = 10.0
+"""How long the insert counter must stay still: well above the statistics' flush (about a
+second); supporting evidence, never the only one."""
 
 NotYet = tuple[str, str]
 """(kind: the rate-limit key, reason: for the operator); ("", "") when the gate holds."""
 HOLDS: NotYet = ("", "")
+
+
+@dataclass(frozen=True)
+class Session:
+    pid: int
+    role: str
+    application_name: str
+    hidden: bool = False
+    """Its activity is hidden from our role: it may be a background worker, or a client."""
+
+    def describe(self) -> str:
+        return f"pid {self.pid} ({self.role}, {self.application_name or 'no application_name'})"
+
+
+def bypassing_sessions(conn: Any, relation: str) -> list[Session]:
+    """Sessions of roles a REVOKE cannot stop (superusers, the table's owner and members of
+    the owner role; `relation`: text ::regclass resolves), counting those whose kind is hidden
+    from us (`hidden`). Reads only."""
+    rows = conn.execute(
+        named.query("switch_gate", "bypassing-sessions").compose(),
+        {"relation": relation, "tool": TOOL_SESSIONS_LIKE},
+    ).fetchall()
+    return [Session(int(pid), str(role), str(app), bool(hidden)) for pid, role, app, hidden in rows]
+
+
+class QuietWindow:
+    """Whether the flat table's insert counter has stood still for `QUIET_WINDOW_S`, sampled
+    at every gate check (a move is seen at the next check whenever it happened)."""
+
+    def __init__(self) -> None:
+        self._count: int | None = None
+        self._since = 0.0
+
+    def not_quiet(self, conn: Any, relation: str) -> str:
+        """Why the window does not hold yet ("" once it does)."""
+        row = conn.execute(
+            named.query("switch_gate", "rows-inserted").compose(), {"relation": relation}
+        ).fetchone()
+        count = int(row[0]) if row and row[0] is not None else 0
+        now = time.monotonic()
+        if count != self._count:
+            self._count, self._since = count, now
+        quiet = now - self._since
+        if quiet >= QUIET_WINDOW_S:
+            return ""
+        return (
+            f"the table's insert counter has been still for {quiet:.0f} s of {QUIET_WINDOW_S:g} s"
+        )
 
 
 def writers_remaining(
@@ -68,13 +125,13 @@ def writers_remaining(
     source: queries.Source,
     gate: SwitchGate,
     old_app: str,
-    quiet: QuietWindow | None = None,
+    quiet: QuietWindow,
 ) -> NotYet:
     """Who can still insert into `source`, and what to do about it (HOLDS when nobody can)."""
     if gate is SwitchGate.sessions:
         return _old_sessions(conn, old_app)
     relation = queries.qualified(source.schema, source.mark_table)
-    rows = conn.execute(queries.roles_that_can_insert(), {"relation": relation}).fetchall()
+    rows = conn.execute(queries.named("roles-that-can-insert"), {"relation": relation}).fetchall()
     names = [str(r[0]) for r in rows]
     if names:
         return (
@@ -93,7 +150,7 @@ def _without_privilege_proof(
     source: queries.Source,
     bypass: list[Session],
     old_app: str,
-    quiet: QuietWindow | None,
+    quiet: QuietWindow,
 ) -> NotYet:
     """Sessions a REVOKE cannot stop are connected: wait for the old version's sessions to be
     gone and the table to stay quiet (without `old_app`, for those sessions to go)."""
@@ -107,7 +164,8 @@ def _without_privilege_proof(
     hidden = sum(1 for s in bypass if s.hidden)
     if hidden:
         # Counted because their backend type is hidden: they may be background workers.
-        role = _current_role(conn)
+        row = conn.execute("SELECT current_user").fetchone()
+        role = str(row[0]) if row else "this role"
         nothing += (
             f" ({hidden} of them hidden from {role}, which cannot tell a client from a "
             f"background worker: {grant_to_see(role)})"
@@ -123,19 +181,14 @@ def _without_privilege_proof(
     if kind:
         return ("bypassing-sessions+old-sessions", f"{nothing}; waiting: {why}")
     relation = queries.qualified(source.schema, source.mark_table)
-    still = quiet.not_quiet(conn, relation) if quiet is not None else ""
+    still = quiet.not_quiet(conn, relation)
     if still:
         return ("bypassing-sessions+quiet", f"{nothing}; the old version is gone, waiting: {still}")
     return HOLDS
 
 
-def _current_role(conn: Any) -> str:
-    row = conn.execute("SELECT current_user").fetchone()
-    return str(row[0]) if row else "this role"
-
-
 def _old_sessions(conn: Any, old_app: str) -> NotYet:
-    row = conn.execute(queries.old_app_sessions(), {"pattern": old_app}).fetchone()
+    row = conn.execute(queries.named("old-app-sessions"), {"pattern": old_app}).fetchone()
     count = int(row[0]) if row else 0
     if not count:
         return HOLDS
@@ -147,7 +200,7 @@ def check_switch(
     source: queries.Source,
     gate: SwitchGate,
     old_app: str,
-    quiet: QuietWindow | None = None,
+    quiet: QuietWindow,
 ) -> NotYet:
     """Why the relay may not leave `source` yet (HOLDS = it may). `conn` is autocommit."""
 

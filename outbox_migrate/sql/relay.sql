@@ -1,5 +1,5 @@
 -- The relay's statements on its attempts and dead-letter tables, shared by both delivery styles
--- (relay/attempts_sql.py composes them, relay/dead_letters.py runs the operator's commands).
+-- (relay/bad_rows.py composes them, relay/dead_letters.py runs the operator's commands).
 -- {table}: the attempts or dead-letter table; {id_type}: int8 or text (application ids);
 -- {history}: the reasons and deliveries columns, or stand-ins for a table of an earlier version.
 
@@ -112,7 +112,7 @@ FROM pg_current_snapshot() s
 SELECT pg_try_advisory_lock(%(key)s::int, 0)
 
 -- name: idle-unlock
--- Lower the idle flag: writers stop notifying.
+-- Lower the idle flag: writers stop notifying (the relay is claiming anyway).
 SELECT pg_advisory_unlock(%(key)s::int, 0)
 
 -- name: claim-session-settings
@@ -120,7 +120,8 @@ SELECT pg_advisory_unlock(%(key)s::int, 0)
 SET enable_sort = off
 
 -- name: try-lock-shards
--- Session advisory locks on up to %(limit)s free shards, in the order given.
+-- Session advisory locks on up to %(limit)s free shards, in the order given; no ORDER BY, so
+-- no lock beyond the limit.
 SELECT s FROM unnest(%(shards)s::int[]) AS s
 WHERE pg_try_advisory_lock(hashtext(%(key)s), s) LIMIT %(limit)s
 
@@ -130,6 +131,9 @@ SELECT pg_advisory_unlock(hashtext(%(key)s), s) FROM unnest(%(shards)s::int[]) A
 
 -- name: end-idle-shard-holders
 -- End the shard holders silent for longer than %(after_s)s seconds: pid, silence, ended.
+-- Silent: idle, idle in transaction, or `active` in ClientRead (a frozen pipeline;
+-- `ShardLease.reap` says why). Silence counts from the later of state change and statement
+-- start, so no session ends sooner than the server's timers would end it.
 SELECT a.pid, extract(epoch FROM now() - greatest(a.state_change, a.query_start))::float8,
     pg_terminate_backend(a.pid)
 FROM pg_stat_activity a
@@ -147,11 +151,12 @@ AND a.pid IN (
 SELECT pg_advisory_lock_shared(hashtext(%(key)s), 0)
 
 -- name: leave-members
--- Stop counting as a live worker.
+-- Stop counting as a live worker (a worker whose broker is unreachable steps out).
 SELECT pg_advisory_unlock_shared(hashtext(%(key)s), 0)
 
 -- name: names-now
--- The OID of the claim's name, and whether the mark's name reaches the relation claimed from.
+-- The OID of the claim's name, and whether the mark's name (itself, its partitioned parent,
+-- or a view over one) reaches the claimed relation (params: claim, mark, claim_oid).
 SELECT coalesce(to_regclass(%(claim)s)::oid, 0)::int8, EXISTS (
     SELECT FROM (SELECT to_regclass(%(mark)s) AS oid) m, LATERAL (
         SELECT m.oid UNION SELECT d.refobjid FROM pg_rewrite r JOIN pg_depend d
@@ -167,7 +172,8 @@ SELECT EXISTS (
     WHERE n.nspname = %(schema)s AND c.relname = %(table)s)
 
 -- name: count-members
--- Live workers of the outbox: sessions holding the shared membership lock.
+-- Live workers of the outbox: sessions holding the shared membership lock (a two-int4
+-- advisory lock is classid = key1 compared unsigned, objid = key2, objsubid = 2 in pg_locks).
 SELECT count(DISTINCT pid) FROM pg_locks WHERE locktype = 'advisory' AND granted
 AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
 AND classid::int8 = (hashtext(%(key)s)::int8 & 4294967295) AND objid::int8 = 0
@@ -182,7 +188,9 @@ WHERE n.nspname = %(schema)s AND c.relname = %(table)s AND a.attnum > 0
 AND NOT a.attisdropped
 
 -- name: roles-that-can-insert
--- Login roles a REVOKE can stop that may still INSERT into the table (params: relation).
+-- Login roles a REVOKE can stop that may still INSERT into the table (params: relation),
+-- column grants included. Superusers and owners are left out: they grant themselves back, so
+-- their sessions are the gate's business (relay/switching.py).
 SELECT rolname FROM pg_roles WHERE rolcanlogin AND NOT rolsuper
 AND NOT pg_has_role(oid, (SELECT relowner FROM pg_class WHERE oid = %(relation)s::regclass),
     'MEMBER')

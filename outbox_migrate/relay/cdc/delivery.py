@@ -11,6 +11,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -18,7 +19,7 @@ import psycopg
 from outbox_migrate.db import one_line
 from outbox_migrate.errors import OutboxMigrateError, SinkError, SinkUnavailable, crash_reason
 from outbox_migrate.relay import publishing
-from outbox_migrate.relay.bad_rows import FailedMessages, Verdict, log_dead
+from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages, log_dead
 from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
@@ -34,40 +35,29 @@ class Interrupted(OutboxMigrateError):
     """Stopped while waiting inside a batch: leave without confirming it."""
 
 
+@dataclass(eq=False, kw_only=True)
 class Delivery:
     """The sink's lifecycle and the retries, counting and dead-lettering of one relay."""
 
-    def __init__(
-        self,
-        sink_factory: SinkFactory,
-        failures: FailedMessages,
-        label: str,
-        marks: MarkSession,
-        *,
-        stats: CdcStats,
-        observer: Observer,
-        stop: threading.Event,
-        backoff: Callable[[int], float],
-        bad: dict[MessageId, str] | None = None,
-    ) -> None:
-        self.sink_factory = sink_factory
-        self.bad: dict[MessageId, str] = {} if bad is None else bad
-        """Rows the builder could not turn into a message (its own dict)."""
-        self.failures = failures
-        self.label = label
-        self.marks = marks
-        self.stats = stats
-        self.observer = observer
-        self.stop = stop
-        self.backoff = backoff
-        self._sink: Sink | None = None
+    sink_factory: SinkFactory
+    failures: FailedMessages
+    label: str
+    marks: MarkSession
+    stats: CdcStats
+    observer: Observer
+    stop: threading.Event
+    backoff: Callable[[int], float]
+    bad: dict[MessageId, str] = field(default_factory=dict)
+    """Rows the builder could not turn into a message (its own dict)."""
+    _sink: Sink | None = field(default=None, init=False)
 
     def deliver(self, batch: list[Message], *, careful: bool = False) -> None:
         """Publish until every message is acknowledged or dead-lettered. `SinkUnavailable`
         propagates (nothing of the batch is confirmed), and so does a sink crash once counted.
 
-        `careful` (`crash_guard`): each attempt is counted before the publish, so dying
-        during it counts too, and taken back when acknowledged (or the broker was away)."""
+        `careful` (the last run died, relay/cdc/relay.py): each attempt is counted before the
+        publish, so dying during it counts too, and taken back when acknowledged (or the broker
+        was away)."""
         if self.bad:
             batch = self._set_aside(batch)
             if not batch:
@@ -86,13 +76,16 @@ class Delivery:
         while todo:
             exhausted = failures.exhausted(label, todo)
             if exhausted:  # the relay went down during their last attempt
-                dead = self._dead_letter_exhausted(exhausted)
-                gone = {m.id for m in dead}
+                with self._session() as conn:
+                    letters = failures.dead_letter_exhausted(conn, label, exhausted)
+                self._dead(letters)
+                gone = {d.message.id for d in letters}
                 todo = [m for m in todo if m.id not in gone]
-                if dead:
+                if gone:
                     continue
             if careful:
-                self._count({m.id: KILLED_REASON for m in todo})
+                with self._session() as conn:
+                    failures.count(conn, label, {m.id: KILLED_REASON for m in todo})
             try:
                 rejected, unrepresentable = publishing.publish(sink, todo)
             except SinkError as exc:
@@ -141,7 +134,9 @@ class Delivery:
         self.stats.add(rejected=len(rejected), bad_rows=len(unrepresentable))
         reasons = {**unrepresentable, **rejected}
         refused = [m for m in todo if m.id in reasons]
-        verdict = self._record(refused, reasons, counted=counted)
+        with self._session() as conn:
+            verdict = self.failures.record(conn, self.label, refused, reasons, counted=counted)
+        self._dead(verdict.letters)
         retry = [m for m in refused if m.id in verdict.retry]
         log.warning("relay.rejected count=%d bad_rows=%d dead_lettered=%d",
                     len(rejected), len(unrepresentable), len(verdict.dead))  # fmt: skip
@@ -151,34 +146,18 @@ class Delivery:
             raise Interrupted from None
         return retry
 
-    def _record(
-        self, failed: list[Message], reasons: Mapping[MessageId, str], *, counted: bool = False
-    ) -> Verdict:
-        with self._session() as conn:
-            verdict = self.failures.record(conn, self.label, failed, reasons, counted=counted)
-        self.stats.add(dead_lettered=len(verdict.dead))
-        log_dead(verdict.letters)  # committed
-        return verdict
-
     def _uncount(self, ids: list[MessageId]) -> None:
         if ids:
             with self._session() as conn:
                 self.failures.uncount(conn, self.label, ids)
-
-    def _count(self, reasons: Mapping[MessageId, str]) -> None:
-        with self._session() as conn:
-            self.failures.count(conn, self.label, reasons)
 
     def _count_crash(self, todo: list[Message], exc: Exception, *, counted: bool) -> None:
         """The sink raised outside its protocol: the attempt counts against the messages it
         held (relay/bad_rows.py says why)."""
         reasons = dict.fromkeys((m.id for m in todo), crash_reason(exc))
         try:
-            with self._session() as conn:
-                if counted:  # counted before the publish: only the reason is new
-                    self.failures.note(conn, self.label, reasons)
-                else:
-                    self.failures.count(conn, self.label, reasons)
+            with self._session() as conn:  # `counted` before the publish: the reason is new
+                self.failures.record(conn, self.label, [], reasons, counted=counted)
         except (psycopg.Error, OutboxMigrateError) as failed:
             log.warning("relay.attempts_not_counted %s", one_line(str(failed)))
 
@@ -200,16 +179,13 @@ class Delivery:
                 for message in bad
             ]
             self.failures.forget(conn, self.label, list(reasons))
-        self.stats.add(dead_lettered=len(bad))
-        log_dead(letters)  # committed
+        self._dead(letters)
         return [m for m in batch if m.id not in reasons]
 
-    def _dead_letter_exhausted(self, messages: list[Message]) -> list[Message]:
-        with self._session() as conn:
-            letters = self.failures.dead_letter_exhausted(conn, self.label, messages)
+    def _dead(self, letters: list[DeadLetter]) -> None:
+        """Dead letters whose transaction committed: counted and logged (never before)."""
         self.stats.add(dead_lettered=len(letters))
-        log_dead(letters)  # committed
-        return [d.message for d in letters]
+        log_dead(letters)
 
     @contextmanager
     def _session(self) -> Iterator[Any]:

@@ -8,8 +8,17 @@ sessions see it (and with synchronous replication, before the standby answered):
 then misses its rows and reports success. So the mark returns its own snapshot, and the
 transactions it did not show (`unseen`) are marked again before the slot passes them.
 
-A mark that breaks a constraint is repaired on this session (relay/cdc/mark_repair.py);
-`unresolved` keeps the slot from being confirmed meanwhile. Any other failure stops the relay.
+A mark that breaks a constraint is repaired on this session (`MarkRepair`); `unresolved` keeps
+the slot from being confirmed meanwhile. Any other failure stops the relay.
+
+The repair: one row that cannot move fails the mark for all, and every restart would re-stream
+and fail the same rows. As in the polling relay (relay/mark_repair.py, whose bisection this
+uses), the rows are locked and marked again by ctid in halves (by ctid: two unpublished copies
+of one id are two rows). Each failing row counts one attempt (relay/bad_rows.py); at the last
+it is dead-lettered with its own content and deleted. An unsettled row stays `pending`: tried
+again alone before each later mark (no backoff: waiting does not change a row), and the slot is
+not confirmed past it, so a crash re-streams it and the count goes on from the database. A row
+locked by another session is skipped and stays pending without an attempt.
 """
 
 from __future__ import annotations
@@ -17,21 +26,23 @@ from __future__ import annotations
 import logging
 import select
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import one_line
 from outbox_migrate.errors import RelayFailed
 from outbox_migrate.patterns import marker
 from outbox_migrate.relay import queries
-from outbox_migrate.relay.cdc.mark_repair import MarkRepair
+from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages, log_dead
+from outbox_migrate.relay.cdc.messages import RowReader
+from outbox_migrate.relay.mark_repair import mark_in_halves, remove_dead
 from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.message import MessageId
+from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.run_stats import CdcStats
 from outbox_migrate.relay.shared import close_quietly
 from outbox_migrate.sql import query
@@ -40,51 +51,122 @@ log = logging.getLogger("outbox_migrate.relay")
 MARK_STATEMENT = b"outbox_migrate_cdc_mark"
 
 
+@dataclass(eq=False, kw_only=True)
+class MarkRepair:
+    """Rows of the CDC relay's marks that failed on a constraint, until each is settled."""
+
+    failures: FailedMessages
+    label: str
+    reader: Callable[[Any], RowReader]
+    stats: CdcStats
+    observer: Observer
+    pending: set[MessageId] = field(default_factory=set)
+    """Ids with a row whose mark failed and that is neither marked nor dead-lettered."""
+    _rows: RowReader | None = field(default=None, init=False)
+
+    def after_failure(
+        self, conn: Any, source: queries.Source, ids: Collection[MessageId], error: str
+    ) -> None:
+        """The mark of `ids` failed on a constraint (`error`): mark what can be marked."""
+        log.warning("relay.cdc_mark_failed ids=%d %s", len(ids), error)
+        self._settle(conn, source, ids, whole=True)
+
+    def retry(self, conn: Any, source: queries.Source) -> None:
+        """Each pending row alone again: marked, or one more attempt."""
+        if self.pending:
+            self._settle(conn, source, sorted(self.pending), whole=False)
+
+    def forget_marked(self, conn: Any, ids: Collection[MessageId]) -> None:
+        """Marked: their counters go — only now, not at the broker's ack: a crash before the
+        mark re-streams them, and the count must still be there."""
+        seen = self.failures.seen_before(self.label, list(ids))
+        self.failures.forget(conn, self.label, [i for i in seen if i not in self.pending])
+
+    def _settle(
+        self, conn: Any, source: queries.Source, ids: Collection[MessageId], *, whole: bool
+    ) -> None:
+        letters: list[DeadLetter] = []
+        with conn.transaction():
+            # A deferred constraint would fail at COMMIT, for all rows again.
+            conn.execute("SET CONSTRAINTS ALL IMMEDIATE")
+            rows = conn.execute(_lock(source, skip=True), {"ids": list(ids)}).fetchall()
+            tids = {str(tid): int(ident) for tid, ident in rows}
+            seen = conn.execute(_lock(source, skip=False), {"ids": list(ids)}).fetchall()
+            busy = {int(ident) for tid, ident in seen if str(tid) not in tids}
+            alone = [tid for tid, ident in tids.items() if not whole or ident in self.pending]
+            rest = [tid for tid in tids if tid not in alone]
+            failed: dict[str, str] = {}
+            for tid in alone:
+                failed.update(mark_in_halves(conn, source, [tid]))
+            if rest:
+                failed.update(mark_in_halves(conn, source, rest))
+            marked = {tids[tid] for tid in tids if tid not in failed}
+            if failed:
+                letters = self._count(conn, source, failed, tids)
+            dead = {d.message.id for d in letters}
+            still = {tids[tid] for tid in failed if tids[tid] not in dead}
+            self.pending = (self.pending - set(ids)) | still | busy
+            self.forget_marked(conn, marked)
+        # Committed: only now are the dead letters facts to report.
+        self.stats.add(marked=len(tids) - len(failed))
+        if failed:
+            self.stats.add(dead_lettered=len(letters), bad_rows=len(failed))
+            self.observer.failed("bad_row", len(failed))
+            log.warning("relay.cdc_mark_repaired bad_rows=%d dead_lettered=%d", len(failed),
+                        len(letters))  # fmt: skip
+            log_dead(letters)
+        if busy:
+            log.info("relay.cdc_mark_deferred ids=%d: rows locked by another session", len(busy))
+
+    def _count(
+        self, conn: Any, source: queries.Source, failed: dict[str, str], tids: dict[str, int]
+    ) -> list[DeadLetter]:
+        """One attempt per failing id; at the last, each failing copy is dead-lettered with
+        its own content and leaves the outbox."""
+        if self._rows is None:
+            self._rows = self.reader(conn)
+        messages = self._rows.by_ctids(conn, list(failed))
+        reasons: dict[MessageId, str] = {tids[tid]: r for tid, r in failed.items()}
+        verdict = self.failures.record(
+            conn, self.label, [messages[tid] for tid in failed if tid in messages], reasons,
+            delivered=True,
+        )  # fmt: skip
+        dead = {m.id for m in verdict.dead}
+        gone = {tid: why for tid, why in failed.items() if tids[tid] in dead}
+        if gone:
+            remove_dead(conn, source, gone)
+        return verdict.letters
+
+
+@dataclass(eq=False, kw_only=True)
 class MarkSession:
     """One normal session of the relay: marks, one at a time, and bad-row bookkeeping."""
 
-    def __init__(
-        self,
-        connect: Callable[[], Any],
-        spec: OutboxSpec,
-        *,
-        enabled: bool,
-        stats: CdcStats,
-        repair: MarkRepair | None = None,
-    ) -> None:
-        self._connect = connect
-        self._spec = spec
-        self._repair = repair
-        """None: a mark that breaks a constraint stops the relay."""
-        self._sent: list[MessageId] = []
-        self._xids: list[int] = []
-        """The 32-bit xids of the mark in flight, as the stream names them."""
-        self.unseen: set[int] = set()
-        """Transactions the last mark's snapshot did not show: to mark again."""
-        self.enabled = enabled
-        self._stats = stats
-        self._conn: Any = None
-        self._sql: bytes | None = None
-        self._in_flight = False
-        self._source = queries.partitioned_source(spec)
+    connect: Callable[[], Any]
+    source: queries.Source
+    """The unpublished partition, with its OID once resolved (`use_source`)."""
+    enabled: bool
+    stats: CdcStats
+    repair: MarkRepair
+    unseen: set[int] = field(default_factory=set, init=False)
+    """Transactions the last mark's snapshot did not show: to mark again."""
+    _sent: list[MessageId] = field(default_factory=list, init=False)
+    _xids: list[int] = field(default_factory=list, init=False)
+    """The 32-bit xids of the mark in flight, as the stream names them."""
+    _conn: Any = field(default=None, init=False)
+    _sql: bytes | None = field(default=None, init=False)
+    _in_flight: bool = field(default=False, init=False)
 
-    def use_spec(self, spec: OutboxSpec, claim_oid: int = 0) -> None:
-        """The resolved spec and the unpublished partition's OID at start: every mark is
-        confined to that relation, whatever the names mean by then."""
-        self._spec = spec
-        self._source = replace(queries.partitioned_source(spec), claim_oid=claim_oid)
+    def use_source(self, source: queries.Source) -> None:
+        """The resolved spec's source, with the unpublished partition's OID at start: every
+        mark is confined to that relation, whatever the names mean by then."""
+        self.source = source
         self._sql = None
-        if self._repair is not None:
-            self._repair.use_spec(spec, claim_oid)
-
-    @property
-    def in_flight(self) -> bool:
-        return self._in_flight
 
     @property
     def unresolved(self) -> bool:
         """A failed mark's row is unsettled: the slot must not be confirmed past it."""
-        return bool(self._repair is not None and self._repair.pending)
+        return bool(self.repair.pending)
 
     def session(self) -> Any:
         """The connection, with no mark in flight (it carries one statement at a time)."""
@@ -100,11 +182,11 @@ class MarkSession:
         """Wait for the mark in flight, then retry failed rows until settled (one attempt a
         round: at most `max_attempts` rounds) or `stop`."""
         self.wait()
-        repair = self._repair
-        for _ in range(repair.failures.max_attempts + 1 if repair is not None else 0):
+        repair = self.repair
+        for _ in range(repair.failures.max_attempts + 1):
             if not self.unresolved or stop.is_set():
                 return
-            repair.retry(self._open())  # type: ignore[union-attr]
+            repair.retry(self._open(), self.source)
 
     def send(self, ids: Sequence[MessageId], xids: Iterable[int] = ()) -> bool:
         """Send the mark of `ids` without waiting (False: nothing to send); one in flight at
@@ -112,15 +194,15 @@ class MarkSession:
         transactions, checked against the mark's snapshot. `--no-mark`: only the counters go."""
         self.unseen = set()
         if not self.enabled:
-            if self._repair is not None and ids and self._repair.failures.known:
-                self._repair.forget_marked(self.session(), ids)
+            if ids and self.repair.failures.known:
+                self.repair.forget_marked(self.session(), ids)
             return False
         if self._in_flight:
             raise RuntimeError("a mark is already in flight")  # a bug, not an input error
-        repair = self._repair
-        if repair is not None and repair.pending:
+        repair = self.repair
+        if repair.pending:
             retried = set(repair.pending)
-            repair.retry(self._open())
+            repair.retry(self._open(), self.source)
             ids = [i for i in ids if i not in retried]
         if not ids:
             return False
@@ -129,15 +211,15 @@ class MarkSession:
         if self._sql is None:
             # Prepared once and run through libpq: the cursor API cost more CPU per batch
             # than the rest of the loop (bench/README.md, cdc.py).
-            spec = self._spec
+            source = self.source
             self._sql = (
                 query("cdc", "mark")
                 .compose(
-                    table=sql.Identifier(spec.schema, spec.partitioned_table),
-                    mark=marker.mark(spec),
-                    id=sql.Identifier(spec.id_column),
-                    unpublished=marker.unpublished(spec),
-                    same=self._source.same_relation(),
+                    table=source.mark_ident,
+                    mark=marker.mark(source.marker),
+                    id=sql.Identifier(source.id_column),
+                    unpublished=marker.unpublished(source.marker),
+                    same=source.same_relation(),
                 )
                 .as_bytes(conn)
             )
@@ -153,7 +235,7 @@ class MarkSession:
         self._in_flight = True
         self._sent = list(ids)
         self._xids = list(xids)
-        self._stats.add(marks=1)
+        self.stats.add(marks=1)
         return True
 
     def socket(self) -> int | None:
@@ -193,25 +275,26 @@ class MarkSession:
             )
         sent, self._sent = self._sent, []
         xids, self._xids = self._xids, []
-        repair = self._repair
-        if repair is not None and repair.available and _broke_a_constraint(result, pgconn):
-            repair.after_failure(self._open(), sent, _error(result, pgconn))
+        repair = self.repair
+        # Without the attempts table a failing row cannot be counted: the error stops the relay.
+        if repair.failures.available and _broke_a_constraint(result, pgconn):
+            repair.after_failure(self._open(), self.source, sent, _error(result, pgconn))
             return
         result = _check(result, pgconn, rows=True)
         changed = int(result.get_value(0, 0) or 0)
-        self._stats.add(marked=changed)
+        self.stats.add(marked=changed)
         if xids:
             snapshot = (result.get_value(0, 1) or b"").decode()
             self.unseen = {x for x in xids if not visible(x, snapshot)}
         if changed < len(sent):
             # Marked already, not visible yet, or the names moved: then stop (`NamesMoved`).
-            check_names(self._open(), self._source)
-        if repair is not None and repair.failures.known:
+            check_names(self._open(), self.source)
+        if repair.failures.known:
             repair.forget_marked(self._open(), sent)
 
     def _open(self) -> Any:
         if self._conn is None or self._conn.closed:
-            self._conn = self._connect()
+            self._conn = self.connect()
         return self._conn
 
     def close(self) -> None:
@@ -260,3 +343,16 @@ def _broke_a_constraint(result: Any, pgconn: Any) -> bool:
         return False
     state = result.error_field(pq.DiagnosticField.SQLSTATE) or b""
     return bool(state.startswith(b"23"))
+
+
+def _lock(source: queries.Source, *, skip: bool) -> sql.Composed:
+    """ctid and id of the unpublished rows with these ids: locked skipping others' (`skip`),
+    or just read (to find the ones skipped)."""
+    ident = sql.Identifier(source.id_column)
+    locking = sql.SQL(" ORDER BY {}, ctid FOR UPDATE SKIP LOCKED").format(ident)
+    return query("cdc", "repair-lock").compose(
+        table=source.claim_ident,
+        id=ident,
+        same=source.same_relation(),
+        locking=locking if skip else sql.SQL(""),
+    )

@@ -1,7 +1,8 @@
 """Rows of the unpublished partition (pgoutput's text values) as `Message`s.
 
-Shared by the stream and the backlog, so both build the same messages; headers follow the
-polling relay's rules (relay/claimed.py), so a row is judged alike in both styles.
+Shared by the stream, the backlog and the mark repair (`RowReader`, rows read back by a normal
+session), so all build the same messages; headers follow the polling relay's rules
+(relay/claimed.py), so a row is judged alike in both styles.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from psycopg import sql
+
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.cdc import pgoutput
-from outbox_migrate.relay.claimed import HEADERS_NOT_OBJECT, headers_from_text
+from outbox_migrate.relay.claimed import HEADERS_NOT_OBJECT, headers_from_text, text_or_bytes
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import CdcOptions
+from outbox_migrate.sql import query
 
 
 @dataclass
@@ -62,13 +66,16 @@ class MessageBuilder:
                 key=names.get(optional["key"] or ""),
                 headers=names.get(optional["headers"] or ""),
                 metadata=tuple((c, names[c]) for c in spec.metadata_columns),
-                payload_bytea=_type_of(relation, names[spec.payload_column]) == BYTEA_OID,
+                payload_bytea=relation.types[names[spec.payload_column]] == BYTEA_OID,
             )
         except KeyError as exc:
             raise RelayError(f"{self.label} has no column {exc.args[0]}") from None
 
-    def message(self, columns: Columns, values: Sequence[Any]) -> Message:
-        """`values`: the stream's text per column, or the backlog SELECT's row."""
+    def message(
+        self, columns: Columns, values: Sequence[Any], bad: dict[MessageId, str] | None = None
+    ) -> Message:
+        """`values`: the stream's text per column, or the backlog SELECT's row. A row that
+        cannot be sent as it is goes into `bad` (default: the builder's own, `self.bad`)."""
         created = values[columns.created_at] if columns.created_at is not None else None
         # pgoutput's text ("2026-01-02 03:04:05.6+00") as RFC 3339, like the polling claim's
         created_at = datetime.fromisoformat(created) if created else datetime.now(UTC)
@@ -77,7 +84,7 @@ class MessageBuilder:
             try:
                 extra = _extra_headers(columns, values)
             except ValueError as exc:  # one row's problem, never the stream's
-                self.bad[_id(values[columns.id])] = str(exc)
+                (self.bad if bad is None else bad)[_id(values[columns.id])] = str(exc)
         return Message(
             _id(values[columns.id]),
             self.name,
@@ -96,22 +103,13 @@ def _id(value: Any) -> int:
     return int(value or 0)
 
 
-def _type_of(relation: pgoutput.Relation, index: int) -> int:
-    return relation.types[index] if index < len(relation.types) else 0
-
-
-def _payload(value: str | bytes | None, bytea: bool) -> str | bytes:
+def _payload(value: str | None, bytea: bool) -> str | bytes:
     """The payload as the polling claim renders it: a bytea's bytes (`\\x` hex from the
     stream) as text when UTF-8, raw bytes otherwise."""
     if value is None:
         return "null"
-    if bytea and isinstance(value, str) and value.startswith("\\x"):
-        value = bytes.fromhex(value[2:])
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            return value
+    if bytea and value.startswith("\\x"):
+        return text_or_bytes(bytes.fromhex(value[2:]))
     return value
 
 
@@ -127,3 +125,41 @@ def _extra_headers(columns: Columns, values: Sequence[str | None]) -> tuple[tupl
         if value is not None:
             out[name] = value
     return tuple(out.items())
+
+
+class RowReader:
+    """Every column as text, built by the stream's own builder: the backlog and the mark
+    repair's dead letters hold exactly what the stream would have sent."""
+
+    def __init__(self, conn: Any, spec: OutboxSpec, columns: list[str], builder: MessageBuilder):
+        names = sorted(columns)
+        partition = sql.Identifier(spec.schema, spec.unpublished_partition)
+        types = dict(
+            conn.execute(
+                "SELECT attname, atttypid::int8 FROM pg_attribute "
+                "WHERE attrelid = to_regclass(%s) AND attname = ANY(%s)",
+                (partition.as_string(conn), names),
+            ).fetchall()
+        )
+        self.columns = builder.columns_for(
+            pgoutput.Relation(
+                0, spec.schema, "", tuple(names), tuple(int(types.get(n, 0)) for n in names)
+            )
+        )
+        self.builder = builder
+        texts = sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(n)) for n in names)
+        ident = sql.Identifier(spec.id_column)
+        self._by_ids = query("cdc", "rows-by-ids").compose(columns=texts, table=partition, id=ident)
+        self._by_ctids = query("cdc", "rows-by-ctids").compose(columns=texts, table=partition)
+
+    def by_ids(self, conn: Any, ids: list[int]) -> list[Message]:
+        """The rows with these ids, in id order (the backlog)."""
+        build, columns = self.builder.message, self.columns
+        return [build(columns, tuple(r)) for r in conn.execute(self._by_ids, (ids,)).fetchall()]
+
+    def by_ctids(self, conn: Any, tids: list[str]) -> dict[str, Message]:
+        """The rows at these ctids, each copy with its own content; the builder's set-aside
+        for the stream is left as it was (these are being dead-lettered already)."""
+        build, columns = self.builder.message, self.columns
+        rows = conn.execute(self._by_ctids, (tids,)).fetchall()
+        return {str(r[0]): build(columns, tuple(r[1:]), bad={}) for r in rows}

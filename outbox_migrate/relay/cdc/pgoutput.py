@@ -18,10 +18,10 @@ PG_EPOCH_UNIX_S = 946_684_800
 _I16 = struct.Struct("!h")
 _I32 = struct.Struct("!i")
 _U32 = struct.Struct("!I")
-_BEGIN = struct.Struct("!QqI")
-_COMMIT = struct.Struct("!BQQq")
+BEGIN = struct.Struct("!QqI")
+COMMIT = struct.Struct("!BQQq")
 _XLOG = struct.Struct("!QQq")
-_KEEPALIVE = struct.Struct("!Qq?")
+KEEPALIVE = struct.Struct("!Qq?")
 _STATUS = struct.Struct("!cQQQq?")
 
 
@@ -89,12 +89,7 @@ def decode(data: bytes | memoryview) -> Decoded:
     buf = bytes(data)
     if not buf:
         raise DecodeError("empty pgoutput message")
-    return _decode(buf, 0)
-
-
-def decode_at(buf: bytes, at: int) -> Decoded:
-    """The pgoutput message at `buf[at]` (25: an XLogData frame's payload, not copied out)."""
-    return _decode(buf, at)
+    return decode_at(buf, 0)
 
 
 def insert_at(buf: bytes, at: int) -> Insert:
@@ -105,17 +100,18 @@ def insert_at(buf: bytes, at: int) -> Insert:
         raise DecodeError(f"malformed pgoutput 'I' message: {exc}") from None
 
 
-def _decode(buf: bytes, at: int) -> Decoded:
-    """The pgoutput message at `buf[at]`. On `bytes`, not a memoryview: slicing and decoding
-    bytes costs about half as much per value, more than copying the frame once."""
+def decode_at(buf: bytes, at: int) -> Decoded:
+    """The pgoutput message at `buf[at]` (25: an XLogData frame's payload, not copied out). On
+    `bytes`, not a memoryview: slicing and decoding bytes costs about half as much per value,
+    more than copying the frame once."""
     kind = buf[at]
     try:
         if kind == 0x49:  # 'I'
             return _insert(buf, at)
         if kind == 0x42:  # 'B'
-            return Begin._make(_BEGIN.unpack_from(buf, at + 1))
+            return Begin._make(BEGIN.unpack_from(buf, at + 1))
         if kind == 0x43:  # 'C'
-            _flags, commit_lsn, end_lsn, micros = _COMMIT.unpack_from(buf, at + 1)
+            _flags, commit_lsn, end_lsn, micros = COMMIT.unpack_from(buf, at + 1)
             return Commit(commit_lsn, end_lsn, micros)
         if kind == 0x52:  # 'R'
             return _relation(buf, at)
@@ -195,23 +191,15 @@ def frame(data: bytes | memoryview) -> XLogData | Keepalive:
         start, end, _sent = _XLOG.unpack_from(buf, 1)
         return XLogData(start, end, buf[25:])
     if buf[0] == 0x6B:  # 'k'
-        end, _sent, reply = _KEEPALIVE.unpack_from(buf, 1)
+        end, _sent, reply = KEEPALIVE.unpack_from(buf, 1)
         return Keepalive(end, reply)
     raise DecodeError(f"unexpected replication frame {chr(buf[0])!r}")
 
 
 def message(data: bytes | memoryview) -> Decoded | Keepalive:
     """A CopyData frame to its pgoutput message or Keepalive, in one step."""
-    buf = bytes(data)
-    tag = buf[0]
-    if tag == 0x77:  # 'w'
-        if len(buf) < 26:
-            raise DecodeError("empty pgoutput message")
-        return _decode(buf, 25)
-    if tag == 0x6B:  # 'k'
-        end, _sent, reply = _KEEPALIVE.unpack_from(buf, 1)
-        return Keepalive(end, reply)
-    raise DecodeError(f"unexpected replication frame {chr(tag)!r}")
+    framed = frame(data)
+    return decode(framed.payload) if isinstance(framed, XLogData) else framed
 
 
 def status_update(

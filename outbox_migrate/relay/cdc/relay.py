@@ -15,22 +15,27 @@ by a polling relay) are published and marked before the stream starts, so nothin
 between. Completion is recorded in the publication's comment: a first start that died
 half-way is redone; one that backs off from the sink goes on with its slot and ids. A slot of
 another database is never dropped or streamed (`slot.check_owned`, asked first).
+
+A relay killed outright counts nothing, and the message that maybe killed it comes again. So
+each run keeps one row in the attempts table (`RUN_SOURCE`) from its start until it stops
+cleanly; finding it at a start means the last run died, and until the stream passes this
+start's position each attempt is counted *before* the publish (`Delivery.deliver(careful=True)`):
+a message that kills the relay every time is dead-lettered after `--max-attempts` restarts.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from functools import partial
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from outbox_migrate.backoff import backoff_s
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME, one_line
 from outbox_migrate.errors import ConnectError, RelayError, RelayFailed, SinkUnavailable
@@ -38,28 +43,28 @@ from outbox_migrate.patterns import marker_catalog
 from outbox_migrate.relay import library_logs, queries
 from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.cdc import pgoutput, slot
-from outbox_migrate.relay.cdc.backlog import Backlog, IdRuns, snapshot_ids
-from outbox_migrate.relay.cdc.crash_guard import RunMarker
 from outbox_migrate.relay.cdc.delivery import Delivery, Interrupted
-from outbox_migrate.relay.cdc.mark_repair import MarkRepair
-from outbox_migrate.relay.cdc.marks import MarkSession
-from outbox_migrate.relay.cdc.messages import MessageBuilder
-from outbox_migrate.relay.cdc.rows import RowReader
+from outbox_migrate.relay.cdc.marks import MarkRepair, MarkSession
+from outbox_migrate.relay.cdc.messages import MessageBuilder, RowReader
 from outbox_migrate.relay.cdc.session import StreamSession
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost
+from outbox_migrate.relay.marker_source import with_oid
 from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
 from outbox_migrate.relay.options import CdcOptions
 from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed
+from outbox_migrate.relay.shared import connection_errors
 from outbox_migrate.relay.sinks import SinkFactory
 from outbox_migrate.sql import query
 
 __all__ = ["CdcRelay", "CdcStats", "running"]
 
 log = logging.getLogger("outbox_migrate.relay")
-_RETRYABLE = (StreamLost, ConnectError, psycopg.OperationalError, psycopg.InterfaceError)
+_RETRYABLE = connection_errors(StreamLost, ConnectError)
 
 CDC_APPLICATION_NAME = f"{APPLICATION_NAME} relay cdc"
 READY_COMMENT = "outbox-migrate cdc: backlog of slot {slot} published"
+RUN_SOURCE = "cdc-run:{slot}"
+"""`source_table` of a run's row; never a table's label (those are `schema.table`)."""
 
 
 class CdcRelay:
@@ -91,16 +96,16 @@ class CdcRelay:
             options.max_attempts, text_ids=False,  # --mode cdc takes bigint ids only
         )  # fmt: skip
         self.repair = MarkRepair(
-            self.failures, self.label, self._row_reader, stats=self.stats,
+            failures=self.failures, label=self.label, reader=self._row_reader, stats=self.stats,
             observer=self.observer,
         )  # fmt: skip
         self.marks = MarkSession(
-            self._connect, self.spec, enabled=options.mark, stats=self.stats, repair=self.repair
-        )
+            connect=self._connect, source=queries.partitioned_source(self.spec),
+            enabled=options.mark, stats=self.stats, repair=self.repair,
+        )  # fmt: skip
         self._delivery: Delivery | None = None
-        self.run_marker = RunMarker(self.spec.schema, self.failures.attempts_table, options.slot)
         self.careful_until = 0
-        """Set when the last run died without a trace (`crash_guard`)."""
+        """Set when the last run died without a trace (module doc)."""
         self._run_recorded = False
         self.target_lsn = 0
         self._server_version = 0
@@ -114,10 +119,6 @@ class CdcRelay:
     def stop(self) -> None:
         """Finish the batch in flight and exit (thread- and signal-safe)."""
         self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
 
     def run(self) -> CdcStats:
         """Stream until `stop()` (or, with `until_caught_up`, until caught up)."""
@@ -154,7 +155,7 @@ class CdcRelay:
                     self.observer.failed("connection")
                     log.warning("relay.connection_lost %s", one_line(str(exc)))
                     self.marks.close()
-                self._stop.wait(self._backoff(failures))
+                self._stop.wait(self.options.backoff(failures))
                 failures += 1
             clean = True
         finally:
@@ -173,21 +174,27 @@ class CdcRelay:
         """Built on first use: tests may swap the observer after construction."""
         if self._delivery is None:
             self._delivery = Delivery(
-                self.sink_factory, self.failures, self.label, self.marks, stats=self.stats,
-                observer=self.observer, stop=self._stop, backoff=self._backoff,
-                bad=self.builder.bad,
+                sink_factory=self.sink_factory, failures=self.failures, label=self.label,
+                marks=self.marks, stats=self.stats, observer=self.observer, stop=self._stop,
+                backoff=self.options.backoff, bad=self.builder.bad,
             )  # fmt: skip
         return self._delivery
 
+    def _run_row(self, conn: Any, statement: str) -> Any:
+        """This run's row (module doc): "begin-run" records it, "end-run" removes it."""
+        table = sql.Identifier(self.spec.schema, self.failures.attempts_table)
+        source = RUN_SOURCE.format(slot=self.options.slot)
+        return conn.execute(query("cdc", statement).compose(table=table), (source,))
+
     def _begin_run(self, conn: Any) -> bool:
-        """Record this run (`crash_guard`); True when the last one died without a trace."""
+        """Record this run; True when the last one died without a trace (module doc)."""
         try:
-            unclean = self.run_marker.begin(conn)
+            row = self._run_row(conn, "begin-run").fetchone()
         except psycopg.errors.InsufficientPrivilege as exc:
             log.warning("relay.cdc_run_unrecorded %s", one_line(str(exc)))
             return False
         self._run_recorded = True
-        return unclean
+        return bool(row) and int(row[0]) > 1
 
     def _end_run(self) -> None:
         """Stopped cleanly: the next start need not count before publishing."""
@@ -195,14 +202,9 @@ class CdcRelay:
             return
         try:
             with self._connect() as conn:
-                self.run_marker.end(conn)
+                self._run_row(conn, "end-run")
         except (psycopg.Error, ConnectError) as exc:  # the next start is careful, no more
             log.warning("relay.cdc_run_not_closed %s", one_line(str(exc)))
-
-    def _backoff(self, failures: int) -> float:
-        return backoff_s(
-            failures, base_s=self.options.backoff_base_s, cap_s=self.options.backoff_cap_s
-        )
 
     def _connect(self) -> Any:
         from outbox_migrate.db import connect
@@ -221,7 +223,7 @@ class CdcRelay:
             present = {
                 str(r[0])
                 for r in conn.execute(
-                    queries.table_columns(),
+                    queries.named("table-columns"),
                     {"schema": spec.schema, "table": spec.unpublished_partition},
                 ).fetchall()
             }
@@ -230,9 +232,7 @@ class CdcRelay:
                     f"--mode cdc streams the partitioned outbox; {spec.schema}."
                     f"{spec.unpublished_partition} does not exist"
                 )
-            claimed = queries.qualified(spec.schema, spec.unpublished_partition)
-            row = conn.execute("SELECT to_regclass(%s)::oid::int8", (claimed,)).fetchone()
-            self.marks.use_spec(spec, int(row[0]) if row and row[0] else 0)
+            self.marks.use_source(with_oid(conn, queries.partitioned_source(spec)))
             if spec.id_kind != "database":
                 raise RelayError("--mode cdc needs database-generated bigint ids (id_kind)")
             required = [spec.id_column, spec.payload_column, *spec.metadata_columns]
@@ -298,12 +298,7 @@ class CdcRelay:
                     stream.release_snapshot()  # the walsender's xmin goes with it
                     self._backlog = (point, runs)
                 if runs is not None:
-                    backlog = Backlog(
-                        conn, self._row_reader(conn), stats=self.stats,
-                        observer=self.observer, stop=self._stop,
-                    )  # fmt: skip
-                    deliver = partial(self.delivery.deliver, careful=self.careful_until > 0)
-                    backlog.publish(runs, options.batch_size, deliver, self.marks.mark)
+                    self._publish_backlog(conn, runs)
                     # Failed marks settle before the backlog counts as done.
                     self.marks.settle(self._stop)
                     if self._stop.is_set():
@@ -317,13 +312,30 @@ class CdcRelay:
                     self._backlog = None
             stream.start(options.slot, options.publication)
             StreamSession(
-                stream, options, builder=self.builder, delivery=self.delivery,
-                marks=self.marks, stats=self.stats, observer=self.observer, stop=self._stop,
+                stream=stream, options=options, builder=self.builder, delivery=self.delivery,
+                mark_session=self.marks, stats=self.stats, observer=self.observer, stop=self._stop,
                 target_lsn=self.target_lsn, unconfirmed=self.unconfirmed,
                 careful_until=self.careful_until,
             ).run()  # fmt: skip
         finally:
             stream.close()
+
+    def _publish_backlog(self, conn: Any, runs: IdRuns) -> None:
+        """Publish and mark the backlog batch by batch, each read by id in its own statement
+        (autocommit: its own transaction), none open while publishing; a row marked meanwhile
+        is not found again."""
+        reader = self._row_reader(conn)
+        for ids in chunks(runs, self.options.batch_size):
+            if self._stop.is_set():
+                raise Interrupted
+            batch = reader.by_ids(conn, ids)
+            if batch:
+                self.delivery.deliver(batch, careful=self.careful_until > 0)
+                self.marks.mark([m.id for m in batch])
+                self.stats.add(backlog=len(batch), published=len(batch), batches=1)
+                self.observer.published(len(batch))
+        if self._stop.is_set():
+            raise Interrupted
 
     def _row_reader(self, conn: Any) -> RowReader:
         """Rows of the unpublished partition as the stream sends them."""
@@ -357,33 +369,96 @@ class CdcRelay:
 
     def _sample(self) -> None:
         """Slot lag and activity for the metrics, readiness and a warning log line."""
-        warned = False
+        over = False
         while not self._stop.is_set():
             try:
                 with self._connect() as conn:
                     while not self._stop.is_set():
                         state = slot.slot_state(conn, self.options.slot)
                         if state is not None:
-                            over = self._report_lag(state)
-                            if over and not warned:
-                                log.warning(
-                                    "relay.cdc_slot_lag slot=%s bytes=%d (warning at %d)",
-                                    state.name, state.lag_bytes, self.options.lag_warn_bytes,
-                                )  # fmt: skip
-                            warned = over
+                            over = self._report_lag(state, warned=over)
                         self._stop.wait(METRICS_INTERVAL_S)
             except _RETRYABLE:
                 self._stop.wait(METRICS_INTERVAL_S)
 
-    def _report_lag(self, state: slot.SlotState) -> bool:
-        report = getattr(self.observer, "slot", None)
+    def _report_lag(self, state: slot.SlotState, *, warned: bool) -> bool:
+        """Report the slot's lag, warning as it goes over a threshold; True while over."""
         oldest = self.unconfirmed.commit_time
         lag_s = 0.0
         if oldest is not None:
             lag_s = (datetime.now(UTC) - pgoutput.pg_time(oldest)).total_seconds()
-        if report is not None:
-            report(state.lag_bytes, lag_s, state.active)
-        return state.lag_bytes > self.options.lag_warn_bytes or lag_s > self.options.lag_warn_s
+        self.observer.slot(state.lag_bytes, lag_s, state.active)
+        over = state.lag_bytes > self.options.lag_warn_bytes or lag_s > self.options.lag_warn_s
+        if over and not warned:
+            log.warning(
+                "relay.cdc_slot_lag slot=%s bytes=%d (warning at %d)",
+                state.name, state.lag_bytes, self.options.lag_warn_bytes,
+            )  # fmt: skip
+        return over
+
+
+ID_FETCH_ROWS = 10_000
+"""Ids fetched per round trip while the snapshot is imported."""
+
+
+class IdRuns:
+    """The backlog's ids as ascending runs of consecutive ids (16 bytes a run)."""
+
+    def __init__(self) -> None:
+        self.firsts = array("q")
+        self.lasts = array("q")
+
+    def add(self, i: int) -> None:
+        """Append an id (ascending); a repeated id is one message."""
+        lasts = self.lasts
+        if lasts and lasts[-1] + 1 == i:
+            lasts[-1] = i
+        elif not lasts or lasts[-1] != i:
+            self.firsts.append(i)
+            lasts.append(i)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return zip(self.firsts, self.lasts, strict=True)
+
+    def __len__(self) -> int:
+        return len(self.firsts)
+
+
+def snapshot_ids(conn: Any, snapshot: str, spec: OutboxSpec) -> IdRuns:
+    """The ids the exported snapshot shows in the unpublished partition: it defines *which*
+    rows are the backlog (everything later comes through the stream), no gap, no overlap. Used
+    for that alone, in one short transaction with no broker in it, then ended (its xmin holds
+    back VACUUM)."""
+    runs = IdRuns()
+    select = query("cdc", "backlog-ids").compose(
+        id=sql.Identifier(spec.id_column),
+        table=sql.Identifier(spec.schema, spec.unpublished_partition),
+    )
+    with conn.transaction():
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+        with conn.cursor(name="outbox_cdc_backlog_ids") as cursor:
+            cursor.itersize = ID_FETCH_ROWS
+            cursor.execute(select)
+            for (value,) in cursor:
+                runs.add(int(value))
+    return runs
+
+
+def chunks(runs: Iterable[tuple[int, int]], size: int) -> Iterator[list[int]]:
+    """The ids of `runs` in order, `size` at a time."""
+    chunk: list[int] = []
+    for first, last in runs:
+        i = first
+        while i <= last:
+            take = min(last, i + size - len(chunk) - 1)
+            chunk.extend(range(i, take + 1))
+            i = take + 1
+            if len(chunk) == size:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from dataclasses import dataclass, field
 
 from outbox_migrate.errors import SinkUnavailable
 from outbox_migrate.relay.cdc import pgoutput
@@ -40,77 +41,61 @@ from outbox_migrate.relay.options import (
 )
 from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed
 
-_I64 = struct.Struct("!q")
-_U64 = struct.Struct("!Q")
-_U32 = struct.Struct("!I")
 FLUSH_MARK_TRIES = 20
 """A stop's last mark is tried again while its snapshot misses some of its transactions;
 then the slot is left unconfirmed past them (re-streamed)."""
 FLUSH_RETRY_S = 0.05
-_KEEPALIVE = struct.Struct("!Qq?")
 
 
+@dataclass(eq=False, kw_only=True)
 class StreamSession:
     """Reads one stream until the relay stops (or, `until_caught_up`, catches up)."""
 
-    def __init__(
-        self,
-        stream: ReplicationStream,
-        options: CdcOptions,
-        *,
-        builder: MessageBuilder,
-        delivery: Delivery,
-        marks: MarkSession,
-        stats: CdcStats,
-        observer: Observer,
-        stop: threading.Event,
-        target_lsn: int,
-        unconfirmed: Unconfirmed,
-        careful_until: int = 0,
-    ) -> None:
-        self.stream = stream
-        self.options = options
-        self.builder = builder
-        self.delivery = delivery
-        self.mark_session = marks
-        self.stats = stats
-        self.observer = observer
-        self.stop = stop
-        self.target_lsn = target_lsn
-        self.unconfirmed = unconfirmed
-        self.careful_until = careful_until
-        """Before this position batches count their attempts first (`crash_guard`)."""
-        self.relations: dict[int, Columns | None] = {}
-        spec = builder.spec
+    stream: ReplicationStream
+    options: CdcOptions
+    builder: MessageBuilder
+    delivery: Delivery
+    mark_session: MarkSession
+    stats: CdcStats
+    observer: Observer
+    stop: threading.Event
+    target_lsn: int
+    unconfirmed: Unconfirmed
+    careful_until: int = 0
+    """Before this position batches count their attempts first (relay/cdc/relay.py)."""
+    relations: dict[int, Columns | None] = field(default_factory=dict, init=False)
+    txn: list[Message] | None = field(default=None, init=False)
+    txn_commit: int = field(default=0, init=False)
+    txn_xid: int = field(default=0, init=False)
+    txn_began: float = field(default=0.0, init=False)
+    pending: list[Message] = field(default_factory=list, init=False)
+    """Messages of complete transactions received and not yet published."""
+    pending_transactions: int = field(default=0, init=False)
+    pending_txns: dict[int, list[MessageId]] = field(default_factory=dict, init=False)
+    """The ids of `pending` by transaction (xid): what a mark must see."""
+    pending_end: int = field(default=0, init=False)
+    """End of the last complete transaction received (with or without outbox rows)."""
+    linger_from: float | None = field(default=None, init=False)
+    """When the first frame of what waits to be published arrived (None: nothing waits)."""
+    acked: list[MessageId] = field(default_factory=list, init=False)
+    """Acknowledged ids not yet sent in a mark."""
+    acked_txns: dict[int, list[MessageId]] = field(default_factory=dict, init=False)
+    """`acked` by transaction; `marking_txns`: those of the mark in flight."""
+    marking_txns: dict[int, list[MessageId]] = field(default_factory=dict, init=False)
+    acked_end: int = field(default=0, init=False)
+    marking_end: int | None = field(default=None, init=False)
+    """End of the last transaction the mark in flight covers (None: none in flight)."""
+    confirmed: int = field(default=0, init=False)
+    received: int = field(default=0, init=False)
+    """The furthest position the server said it sent (keepalives, commits): reported as
+    written, never as flushed."""
+    last_status: float = field(default_factory=time.monotonic, init=False)
+    last_mark: float = field(default_factory=time.monotonic, init=False)
+    last_idle_confirm: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        spec = self.builder.spec
         self.partition = (spec.schema, spec.unpublished_partition)
-        self.txn: list[Message] | None = None
-        self.txn_commit = 0
-        self.txn_xid = 0
-        self.pending: list[Message] = []
-        """Messages of complete transactions received and not yet published."""
-        self.pending_transactions = 0
-        self.pending_txns: dict[int, list[MessageId]] = {}
-        """The ids of `pending` by transaction (xid): what a mark must see."""
-        self.pending_end = 0
-        """End of the last complete transaction received (with or without outbox rows)."""
-        self.txn_began = 0.0
-        self.linger_from: float | None = None
-        """When the first frame of what waits to be published arrived (None: nothing waits)."""
-        self.acked: list[MessageId] = []
-        """Acknowledged ids not yet sent in a mark."""
-        self.acked_txns: dict[int, list[MessageId]] = {}
-        """`acked` by transaction; `marking_txns`: those of the mark in flight."""
-        self.marking_txns: dict[int, list[MessageId]] = {}
-        self.acked_end = 0
-        self.marking_end: int | None = None
-        """End of the last transaction the mark in flight covers (None: none in flight)."""
-        self.confirmed = 0
-        self.received = 0
-        """The furthest position the server said it sent (keepalives, commits): reported as
-        written, never as flushed."""
-        self.last_status = time.monotonic()
-        self.last_mark = time.monotonic()
-        self.last_idle_confirm = 0.0
 
     @property
     def in_flight(self) -> bool:
@@ -154,11 +139,8 @@ class StreamSession:
                 if not wait(self._timeout(), self.mark_session.socket()):
                     self._idle()
             self.flush()  # stopped: what the broker acknowledged is marked and confirmed
-        except SinkUnavailable:
+        except (SinkUnavailable, Interrupted):  # a broker outage, or stopped inside retries
             # Re-read from the confirmed position: settle what was acked, not to resend it.
-            self.flush()
-            raise
-        except Interrupted:  # stopped inside a batch's retries
             self.flush()
             raise
 
@@ -220,18 +202,17 @@ class StreamSession:
                             self.txn.append(build(columns, insert.values))
                     elif kind == 0x42:  # 'B': final LSN, then the commit time
                         self.txn = []
-                        self.txn_commit = _I64.unpack_from(data, 34)[0]
-                        self.txn_xid = _U32.unpack_from(data, 42)[0]
+                        _, self.txn_commit, self.txn_xid = pgoutput.BEGIN.unpack_from(data, 26)
                         self.txn_began = now
                         if self.linger_from is None:
                             self.linger_from = now
                     elif kind == 0x43:  # 'C': flags, commit LSN, then the end LSN
-                        self._commit(_U64.unpack_from(data, 35)[0])
+                        self._commit(pgoutput.COMMIT.unpack_from(data, 26)[2])
                     elif kind == 0x52:  # 'R'
                         self._relation(pgoutput.decode_at(data, 25))
                     # Origin, Type, Update, Delete, Truncate, logical messages: not ours
                 elif tag == 0x6B:  # 'k'
-                    wal_end, _sent, requested = _KEEPALIVE.unpack_from(data, 1)
+                    wal_end, _sent, requested = pgoutput.KEEPALIVE.unpack_from(data, 1)
                     self.received = max(self.received, wal_end)
                     keepalive = True
                     reply = reply or requested
@@ -370,7 +351,7 @@ class StreamSession:
 
     def _confirm_marked(self, lsn: int) -> None:
         """Confirm up to `lsn` unless a failed mark's row is not yet settled
-        (relay/cdc/mark_repair.py): a crash then re-streams it."""
+        (relay/cdc/marks.py): a crash then re-streams it."""
         if not self.mark_session.unresolved:
             self._confirm(lsn)
 

@@ -32,9 +32,9 @@ class SlotState:
     failover: bool
 
 
-def ensure_publication(conn: Any, publication: str, schema: str, partition: str) -> bool:
-    """Create the publication on the unpublished partition; True when created. An existing
-    one must publish exactly that table (else someone else's rows): checked, never altered."""
+def ensure_publication(conn: Any, publication: str, schema: str, partition: str) -> None:
+    """Create the publication on the unpublished partition. An existing one must publish
+    exactly that table (else someone else's rows): checked, never altered."""
     rows = conn.execute(
         "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s",
         (publication,),
@@ -48,7 +48,7 @@ def ensure_publication(conn: Any, publication: str, schema: str, partition: str)
                 publication=sql.Identifier(publication), table=sql.Identifier(schema, partition)
             )
         )
-        return True
+        return
     tables = {(str(r[0]), str(r[1])) for r in rows}
     if tables != {(schema, partition)} or not exists[0]:
         raise RelayError(
@@ -56,7 +56,6 @@ def ensure_publication(conn: Any, publication: str, schema: str, partition: str)
             f"{schema}.{partition} (it has {sorted(tables) or 'no tables'}): drop it or name "
             "another with --publication"
         )
-    return False
 
 
 def slot_state(conn: Any, slot: str) -> SlotState | None:

@@ -82,7 +82,7 @@ class ReplicationStream:
         self._conn.send_query(command)
         self._flush()
         while True:
-            self._consume()
+            self.receive()
             if not self._conn.is_busy():
                 break
             self._wait(1.0)
@@ -107,7 +107,7 @@ class ReplicationStream:
         if size == 0:
             if not self._wait(timeout_s, also):
                 return None
-            self._consume()
+            self.receive()
             size, data = self._conn.get_copy_data(1)
             if size == 0:
                 return None
@@ -135,12 +135,8 @@ class ReplicationStream:
         or only socket `also` (the marks session) is readable (False)."""
         if not self._wait(timeout_s, also):
             return False
-        self._consume()
+        self.receive()
         return True
-
-    def receive(self) -> None:
-        """Read whatever the socket holds into libpq's buffer, without waiting."""
-        self._consume()
 
     def confirm(self, lsn: int, *, reply: bool = False, received: int = 0) -> None:
         """Report `lsn` as flushed (the server may discard WAL before it), and `received` as
@@ -162,7 +158,8 @@ class ReplicationStream:
             raise StreamLost(f"replication socket: {exc}") from None
         return sock in ready
 
-    def _consume(self) -> None:
+    def receive(self) -> None:
+        """Read whatever the socket holds into libpq's buffer, without waiting."""
         try:
             self._conn.consume_input()
         except OperationalError as exc:  # the server went away

@@ -472,7 +472,7 @@ def test_dead_letter_tables_a_relay_made_before_the_migration_get_the_grants(
     """The tables exist already (a relay running as the owner made them): the step is not
     adopted on their existence alone — its postcondition is the grants — so the relay's
     role can still dead-letter after `run`."""
-    from outbox_migrate.relay.attempts_sql import create_attempts, create_dead_letter
+    from outbox_migrate.patterns.kinds.dead_letter_tables import create_attempts, create_dead_letter
 
     def made_by_a_relay(owner: psycopg.Connection) -> None:
         owner.execute(create_dead_letter("public", "outbox_dead_letter"))
@@ -499,7 +499,10 @@ def test_a_role_that_may_not_delete_from_a_flat_outbox_marks_its_dead_letters_in
     and the run ends with everything settled."""
     swapped = Swapped(dsn, "bigint")
     try:
-        from outbox_migrate.relay.attempts_sql import create_attempts, create_dead_letter
+        from outbox_migrate.patterns.kinds.dead_letter_tables import (
+            create_attempts,
+            create_dead_letter,
+        )
 
         with psycopg.connect(swapped.owner_dsn, autocommit=True) as owner:
             create_flat_outbox(owner, SPEC_FLAT)

@@ -157,8 +157,10 @@ def test_a_silent_shard_holder_whose_idle_timer_is_disarmed_is_ended_by_the_surv
     key = f"{queries.ADVISORY_NAMESPACE}:public.outbox_new"
     frozen = psycopg.connect(dsn, autocommit=True)
     frozen.execute("SET idle_session_timeout = 0")
-    frozen.execute(queries.join_members(), {"key": f"{key}:members"})
-    frozen.execute(queries.try_lock_shards(), {"key": key, "shards": [0, 1], "limit": 2}).fetchall()
+    frozen.execute(queries.named("join-members"), {"key": f"{key}:members"})
+    frozen.execute(
+        queries.named("try-lock-shards"), {"key": key, "shards": [0, 1], "limit": 2}
+    ).fetchall()
     insert_rows(partitioned, "outbox_new", 200, spec=SPEC)
     collected = Collected()
     options = RelayOptions(

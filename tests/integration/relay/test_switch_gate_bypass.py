@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_migrate.relay import switch_evidence
+from outbox_migrate.relay import switching
 from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.relay.writer import WritePhase
@@ -90,7 +90,7 @@ def test_with_old_app_name_it_waits_for_the_old_sessions_and_a_quiet_table(
 ) -> None:
     """A superuser's idle session stays (a DBA's psql): once V1's sessions are gone the gate
     still wants the flat table's insert counter to stand still for the window."""
-    monkeypatch.setattr(switch_evidence, "QUIET_WINDOW_S", 1.0)
+    monkeypatch.setattr(switching, "QUIET_WINDOW_S", 1.0)
     dsn = tables
     v1 = Writers()
     v1.start(dsn, WritePhase.flat, count=1, application_name="orders-v1")

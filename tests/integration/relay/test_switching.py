@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_migrate.relay import switch_evidence
+from outbox_migrate.relay import switching
 from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.relay.writer import WritePhase, insert_message
@@ -33,7 +33,7 @@ def _short_quiet_window(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests keep a superuser session open (`both`): the privilege gate then proves
     nothing and waits for the old version's sessions to leave and the flat table to stay
     quiet for a window, shortened here so the tests stay fast."""
-    monkeypatch.setattr(switch_evidence, "QUIET_WINDOW_S", QUIET_WINDOW_S)
+    monkeypatch.setattr(switching, "QUIET_WINDOW_S", QUIET_WINDOW_S)
 
 
 @pytest.fixture

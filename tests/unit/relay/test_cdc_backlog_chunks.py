@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox_migrate.relay.cdc.backlog import IdRuns, chunks
+from outbox_migrate.relay.cdc.relay import IdRuns, chunks
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_migrate.relay import attempts_sql, library_logs
+from outbox_migrate.patterns.kinds import dead_letter_tables
+from outbox_migrate.relay import library_logs
 from outbox_migrate.relay.cdc.relay import CdcRelay
 from outbox_migrate.relay.options import CdcOptions
 from outbox_migrate.relay.sinks import SinkFactory
@@ -113,8 +114,8 @@ def cdc_role(dsn: str, cdc_outbox: psycopg.Connection) -> Iterator[str]:
     conn = cdc_outbox
     conn.execute(sql.SQL("CREATE ROLE {} LOGIN REPLICATION").format(ident))
     conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
-    for create in (attempts_sql.create_dead_letter, attempts_sql.create_attempts):
-        suffix = "_attempts" if create is attempts_sql.create_attempts else ""
+    for create in (dead_letter_tables.create_dead_letter, dead_letter_tables.create_attempts):
+        suffix = "_attempts" if create is dead_letter_tables.create_attempts else ""
         conn.execute(create(SPEC.schema, "outbox_dead_letter" + suffix))
     conn.execute(
         sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {}")

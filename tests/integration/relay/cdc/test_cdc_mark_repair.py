@@ -149,7 +149,7 @@ def test_a_kill_while_a_row_cannot_be_marked_loses_nothing(
     dead = _dead(conn)
     assert [(d[1], json.loads(d[4])) for d in dead] == [(DUPLICATE, {"again": 13})]
     # The count went on from the database (the careful start's count before the publish,
-    # crash_guard, is taken back once the broker acknowledged it; the failed mark counts).
+    # is taken back once the broker acknowledged it; the failed mark counts).
     assert dead[0][2] == counted + 1
     assert "SQLSTATE 23505" in dead[0][3]
     assert ids_in(conn, "outbox_unpublished") == []

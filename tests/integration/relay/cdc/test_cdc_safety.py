@@ -264,7 +264,7 @@ def test_a_role_that_may_not_write_the_attempts_table_still_streams(
     cdc_role: str, cdc_outbox: psycopg.Connection, collected: Collected,
     caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
-    """The run's row (crash_guard) is one more write at the start: a role granted less than
+    """The run's row (relay/cdc/relay.py) is one more write at the start: a role granted less than
     that runs without the guard, as it ran before there was one, and is told at start what
     dead-lettering lacks."""
     from psycopg import sql
