@@ -21,8 +21,8 @@ from psycopg import sql
 from outbox_migrate import sql as queries
 from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns.kinds.base import CREATE_TIMEOUT_MS, BuildContext, kind, make_step
-from outbox_migrate.patterns.model import Created, Lock, Step, TxMode
+from outbox_migrate.patterns.kinds.base import BuildContext, kind
+from outbox_migrate.patterns.model import CREATE_TIMEOUT_MS, Created, Lock, Step
 from outbox_migrate.patterns.privileges import NO_PRIVILEGE, carry_privileges
 
 DEAD_LETTER_TABLE = "outbox_dead_letter"
@@ -97,9 +97,8 @@ def create_dead_letter_tables(ctx: BuildContext, params: Mapping[str, Any]) -> S
     dead, attempts = _tables(ctx, params)
     text_ids = n.spec.id_kind == "application"
     schema = n.spec.schema
-    return make_step(
-        ctx,
-        "create-dead-letter-tables",
+    return Step(
+        **ctx.place("create-dead-letter-tables"),
         summary=f"Create {dead} and {attempts}, the relay's dead letters",
         statements=(
             create_dead_letter(schema, dead, text_ids, if_not_exists=False),
@@ -107,7 +106,6 @@ def create_dead_letter_tables(ctx: BuildContext, params: Mapping[str, Any]) -> S
             carry_privileges(n, dead, NO_PRIVILEGE),
             carry_privileges(n, attempts, NO_PRIVILEGE),
         ),
-        tx=TxMode.TRANSACTION,
         locks=(Lock(dead, LockMode.ACCESS_EXCLUSIVE), Lock(attempts, LockMode.ACCESS_EXCLUSIVE)),
         preconditions=(c.relation_exists(n, n.table),),
         postcondition=(c.relation_exists(n, dead), c.relation_exists(n, attempts)),
@@ -133,13 +131,11 @@ def grant_dead_letters(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     dead, attempts = _tables(ctx, params)
     grants = dict(old_reg=n.reg(n.table), dead_reg=n.reg(dead), attempts_reg=n.reg(attempts),
                   unpublished_reg=n.reg(n.unpublished))  # fmt: skip
-    return make_step(
-        ctx,
-        "grant-dead-letters",
+    return Step(
+        **ctx.place("grant-dead-letters"),
         summary=f"Grant the relay's roles what dead-lettering needs on {dead}, {attempts} "
         f"and {n.unpublished}",
         statements=(queries.query("privileges", "grant-dead-letters").compose(**grants),),
-        tx=TxMode.TRANSACTION,
         # GRANT only updates the relations' catalog rows: it takes no relation lock.
         locks=(),
         preconditions=(

@@ -45,10 +45,10 @@ from psycopg import sql
 from outbox_migrate.db import GUARD_SETTING
 from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
-from outbox_migrate.patterns.kinds.copy_trigger import definer_rights
+from outbox_migrate.patterns.kinds.base import BuildContext, kind
+from outbox_migrate.patterns.kinds.copy_rows import definer_rights
 from outbox_migrate.patterns.kinds.partitioned_table import NULL_BOUND
-from outbox_migrate.patterns.model import Created, Lock, Step, TxMode
+from outbox_migrate.patterns.model import Created, Lock, Step
 from outbox_migrate.patterns.names import Names
 
 COST = (
@@ -130,12 +130,10 @@ def guard_unpublished(ctx: BuildContext, params: Mapping[str, Any]) -> Step | No
     if not n.spec.unpublished_guard:
         return None
     name = n.spec.guard_function
-    return make_step(
-        ctx,
-        "guard-unpublished",
+    return Step(
+        **ctx.place("guard-unpublished"),
         summary=f"Guard {n.unpublished}: unpublished rows other sessions DELETE are written back",
         statements=create_sql(n),
-        tx=TxMode.TRANSACTION,
         locks=(
             Lock(n.unpublished, LockMode.SHARE_ROW_EXCLUSIVE),
             Lock(n.parent, LockMode.SHARE_ROW_EXCLUSIVE),

@@ -42,9 +42,9 @@ from outbox_migrate.config import DEFAULT_CHANNEL
 from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns import marker, notify
-from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.base import BuildContext, kind
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND, NULL_BOUND
-from outbox_migrate.patterns.model import CheckPoint, Condition, Created, Lock, Step, TxMode
+from outbox_migrate.patterns.model import CheckPoint, Condition, Created, Lock, Step
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.patterns.privileges import EVERY_PRIVILEGE, NO_PRIVILEGE, carry_privileges
 
@@ -213,28 +213,19 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     else:
         old_table_checks = (c.partition_bound(n, n.table, DEFAULT_BOUND),)
         moved = f"{n.table} (the DEFAULT partition) becomes {target}"
-    sealing = (seal_sql(n),) if retired else ()
-    forward = (
-        *sealing,
-        rename_sql(n, n.table, target, if_exists=retired),
-        rename_sql(n, n.parent, n.table),
-        create_view_sql(n),
-        carry_grants_sql(n),
-        rekey_wake_up_sql(n, renamed(n)),
-    )
+    renames = (rename_sql(n, n.table, target, if_exists=retired), rename_sql(n, n.parent, n.table))
+    then = (carry_grants_sql(n), rekey_wake_up_sql(n, renamed(n)))
     reverse = (
         sql.SQL("DROP VIEW {}").format(n.q(n.parent)),
         rename_sql(n, n.table, n.parent),
         rename_sql(n, target, n.table, if_exists=retired),
         rekey_wake_up_sql(n, n),
     )
-    step = make_step(
-        ctx,
-        "take-original-name",
+    return Step(
+        **ctx.place("take-original-name"),
         summary=f"In one transaction: {moved}, {n.parent} becomes {n.table}, and a view "
         f"{n.parent} over it keeps the previous version's inserts working",
-        statements=forward,
-        tx=TxMode.TRANSACTION,
+        statements=(*((seal_sql(n),) if retired else ()), *renames, create_view_sql(n), *then),
         # The parent first, as the writers lock it (lock_declared orders it first too); RENAME
         # is catalog-only, so ACCESS EXCLUSIVE is held for milliseconds.
         locks=(Lock(n.parent, LockMode.ACCESS_EXCLUSIVE), Lock(n.table, LockMode.ACCESS_EXCLUSIVE)),
@@ -266,14 +257,11 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             f"exposes ctid for its marks); start new relays with --partitioned-table {n.table}.",
             f"SELECT * through the view {n.parent} returns two more columns, ctid and tableoid.",
         ),
+        # Earlier releases' view had no tableoid column (nor did they seal): a rename they did
+        # is adopted as done (a relay started with the former name then refuses to mark
+        # through it, and says so).
+        formerly=((*renames, create_view_sql(n, tableoid=False), *then),),
     )
-    # Earlier releases' view had no tableoid column: a rename they did is adopted as done
-    # (a relay started with the former name then refuses to mark through it, and says so).
-    earlier = tuple(
-        create_view_sql(n, tableoid=False) if index == 2 else statement
-        for index, statement in enumerate(forward[len(sealing) :])
-    )
-    return replace(step, former_checksums=(replace(step, statements=earlier).checksum(),))
 
 
 def count_view_writes_sql(n: Names) -> tuple[sql.Composed, ...]:
@@ -367,13 +355,11 @@ def _counter_created(n: Names) -> tuple[Created, ...]:
 @kind("count-view-writes")
 def count_view_writes(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     n = ctx.names
-    return make_step(
-        ctx,
-        "count-view-writes",
+    return Step(
+        **ctx.place("count-view-writes"),
         summary=f"Count every write through the view {n.parent}: rules tick "
         f"{n.spec.view_use_sequence} once per statement, the drop gate's evidence",
         statements=count_view_writes_sql(n),
-        tx=TxMode.TRANSACTION,
         # CREATE RULE takes ACCESS EXCLUSIVE on the view: catalog-only, held for milliseconds.
         locks=(Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
@@ -411,7 +397,7 @@ def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     and is still open: every write statement through the view is counted, whatever its
     timing; a read is seen only while its transaction holds the view's lock."""
     n = ctx.names
-    samples = max(1, round(ctx.sample_window_s / VIEW_SAMPLE_INTERVAL_S))
+    samples = max(1, round(ctx.options.sample_window_s / VIEW_SAMPLE_INTERVAL_S))
     counter = {
         "view_reg": n.reg(n.parent),
         "seq_reg": n.reg(n.spec.view_use_sequence),
@@ -423,7 +409,7 @@ def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         n.parent,
         samples=sql.Literal(samples),
         interval_s=sql.Literal(VIEW_SAMPLE_INTERVAL_S),
-        window_s=sql.Literal(ctx.sample_window_s),
+        window_s=sql.Literal(ctx.options.sample_window_s),
         **counter,
     )
     sampled = c.before_lock(
@@ -437,16 +423,14 @@ def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         sampled,
         _condition("no-view-writes-since-sample", n.parent, **counter),
     ]
-    if ctx.old_app_name:
-        gate.append(c.no_old_app_sessions(ctx.old_app_name, ctx.phase))
+    if ctx.options.old_app_name:
+        gate.append(c.no_old_app_sessions(ctx.options.old_app_name, ctx.phase))
     recreate = (create_view_sql(n), carry_grants_sql(n), *count_view_writes_sql(n))
-    return make_step(
-        ctx,
-        "drop-compat-view",
+    return Step(
+        **ctx.place("drop-compat-view"),
         summary=f"Gate and drop: no write went through the view {n.parent} during the window "
         "and nobody holds it; drop it and its use counter",
         statements=(sql.SQL("DROP VIEW {}").format(n.q(n.parent)), *drop_view_counter_sql(n)),
-        tx=TxMode.TRANSACTION,
         locks=(Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
         optional=True,

@@ -33,9 +33,9 @@ from psycopg import sql
 
 from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.base import BuildContext, kind
 from outbox_migrate.patterns.kinds.partitioned_table import NULL_BOUND
-from outbox_migrate.patterns.model import Created, Lock, PublicationFact, Step, TxMode
+from outbox_migrate.patterns.model import Created, Lock, PublicationFact, Step
 from outbox_migrate.patterns.names import Names
 
 KIND = "publish-unpublished-partition"
@@ -71,10 +71,10 @@ def _pub_parts(n: Names, publication: PublicationFact, relation: str) -> dict[st
 def publish_unpublished_partition(ctx: BuildContext, params: Mapping[str, Any]) -> Step | None:
     n = ctx.names
     with_published = bool(params.get("published", True))
-    adds = listed(ctx.publications)
-    full_unpublished = any(p.publishes_changes for p in ctx.publications)
+    adds = listed(ctx.options.publications)
+    full_unpublished = any(p.publishes_changes for p in ctx.options.publications)
     full_published = with_published and any(
-        p.publishes_changes for p in ctx.publications if p.covers_new_tables
+        p.publishes_changes for p in ctx.options.publications if p.covers_new_tables
     )
     if not adds and not full_unpublished:
         return None
@@ -112,7 +112,7 @@ def publish_unpublished_partition(ctx: BuildContext, params: Mapping[str, Any]) 
         f"Add {n.unpublished} to publication(s) {names} (the old table's CDC stream)"
         if adds
         else f"REPLICA IDENTITY FULL on {' and '.join(identity_targets)} (publications "
-        f"{', '.join(p.name for p in ctx.publications)} publish UPDATE/DELETE)"
+        f"{', '.join(p.name for p in ctx.options.publications)} publish UPDATE/DELETE)"
     )
     notes = [
         "Before V2 is deployed, so the first insert into the partitioned table is already in "
@@ -126,12 +126,10 @@ def publish_unpublished_partition(ctx: BuildContext, params: Mapping[str, Any]) 
             "REPLICA IDENTITY FULL: each mark's DELETE logs the whole old row to WAL "
             "(without it PostgreSQL refuses the mark under an UPDATE/DELETE publication)."
         )
-    return make_step(
-        ctx,
-        KIND,
+    return Step(
+        **ctx.place(KIND),
         summary=summary,
         statements=tuple(statements),
-        tx=TxMode.TRANSACTION,
         # REPLICA IDENTITY takes ACCESS EXCLUSIVE; ADD TABLE SHARE UPDATE EXCLUSIVE. The
         # partitions are empty and unused until V2 is deployed.
         locks=tuple(
