@@ -124,18 +124,20 @@ def rekey_wake_up_sql(n: Names, key_names: Names) -> sql.Composed:
     Relays compute the key from the name they are given; keyed to the original name, the
     next version's relays are woken and those still on the former name poll until stopped."""
     body = notify.create_sql(n.spec, DEFAULT_CHANNEL, key_spec=key_names.spec)[0]
+    function = sql.Identifier(n.spec.schema, notify.function_name(n.spec)).as_string(None)
+    test = sql.SQL("to_regprocedure({}) IS NOT NULL").format(sql.Literal(function + "()"))
+    return _execute_if("rekey", test, _text_expression(body.as_string(None)))
+
+
+def _execute_if(tag: str, test: sql.Composable, statement: sql.Composable) -> sql.Composed:
+    """A DO block that executes `statement` (a text expression) only if `test` holds."""
     return sql.SQL(
-        "DO $rekey$\nBEGIN\n"
-        "    IF to_regprocedure({function}) IS NOT NULL THEN\n"
-        "        EXECUTE {body};\n"
+        "DO ${tag}$\nBEGIN\n"
+        "    IF {test} THEN\n"
+        "        EXECUTE {statement};\n"
         "    END IF;\n"
-        "END\n$rekey$"
-    ).format(
-        function=sql.Literal(
-            sql.Identifier(n.spec.schema, notify.function_name(n.spec)).as_string(None) + "()"
-        ),
-        body=_text_expression(body.as_string(None)),
-    )
+        "END\n${tag}$"
+    ).format(tag=sql.SQL(tag), test=test, statement=statement)
 
 
 def _text_expression(text: str) -> sql.Composed:
@@ -171,18 +173,11 @@ def unseal_sql(n: Names) -> sql.Composed:
     drop = sql.SQL("ALTER TABLE {table} DROP CONSTRAINT {check}").format(
         table=n.q(n.table), check=sql.Identifier(n.spec.retired_check)
     )
-    return sql.SQL(
-        "DO $unseal$\nBEGIN\n"
-        "    IF EXISTS (SELECT FROM pg_constraint WHERE conrelid = to_regclass({table}) "
-        "AND conname = {check}) THEN\n"
-        "        EXECUTE {drop};\n"
-        "    END IF;\n"
-        "END\n$unseal$"
-    ).format(
-        table=n.reg(n.table),
-        check=sql.Literal(n.spec.retired_check),
-        drop=sql.Literal(drop.as_string(None)),
-    )
+    test = sql.SQL(
+        "EXISTS (SELECT FROM pg_constraint WHERE conrelid = to_regclass({table}) "
+        "AND conname = {check})"
+    ).format(table=n.reg(n.table), check=sql.Literal(n.spec.retired_check))
+    return _execute_if("unseal", test, sql.Literal(drop.as_string(None)))
 
 
 def carry_grants_sql(n: Names) -> sql.Composed:
