@@ -14,11 +14,13 @@ from outbox_migrate.patterns.model import CheckPoint, Condition
 from outbox_migrate.patterns.names import Names, gate_lock_keys
 
 
-def condition(name: str, label: str = "", /, **parts: sql.Composable) -> Condition:
-    """Bind `conditions.sql`'s query `name`; `label` distinguishes several uses of one query.
-    It is checked under the step's locks (`CheckPoint.LOCKED`) unless `before_lock` says
-    otherwise."""
-    named = queries.query("conditions", name)
+def condition(
+    name: str, label: str = "", /, *, file: str = "conditions", **parts: sql.Composable
+) -> Condition:
+    """Bind the query `name` of `sql/<file>.sql`; `label` distinguishes several uses of one
+    query. It is checked under the step's locks (`CheckPoint.LOCKED`) unless `before_lock`
+    says otherwise."""
+    named = queries.query(file, name)
     return Condition(
         name=f"{name}:{label}" if label else name,
         description=named.description,
@@ -32,10 +34,11 @@ def before_lock(condition: Condition, at: CheckPoint, kept_by: str) -> Condition
     return replace(condition, at=at, kept_by=kept_by)
 
 
-def _sample_key(n: Names, relation: str) -> sql.Literal:
-    """The session setting where a gate's sample is remembered until the step's lock."""
+def sample_key(n: Names, relation: str, prefix: str = "gate") -> sql.Literal:
+    """The session setting where a gate's sample of `relation` is remembered until the
+    step's lock (the runner makes both on one session)."""
     key = zlib.crc32(n.reg(relation).as_string(None).encode()) & 0xFFFFFFFF
-    return sql.Literal(f"outbox_migrate.gate_{key:08x}")
+    return sql.Literal(f"outbox_migrate.{prefix}_{key:08x}")
 
 
 def _on_relation(name: str, *, parent: bool = False) -> Callable[[Names, str], Condition]:
@@ -144,7 +147,7 @@ def _gate_parts(n: Names, relation: str, phase: str) -> dict[str, sql.Composable
         "key1": key1,
         "key2": key2,
         "phase": sql.Literal(phase),
-        "sample_key": _sample_key(n, relation),
+        "sample_key": sample_key(n, relation),
     }
 
 
@@ -219,14 +222,17 @@ def new_ids_above_old(n: Names) -> Condition:
     )
 
 
-def _on_copy_trigger(name: str) -> Callable[[Names], Condition]:
-    return lambda n: condition(
-        name, rel_reg=n.reg(n.published), trigger_name=sql.Literal(n.spec.copy_trigger)
-    )
+def on_trigger(query: str, n: Names, relation: str, trigger: str, label: str = "") -> Condition:
+    """`trigger-exists` or `trigger-absent`: the trigger `trigger` on `relation`."""
+    return condition(query, label, rel_reg=n.reg(relation), trigger_name=sql.Literal(trigger))
 
 
-trigger_exists = _on_copy_trigger("trigger-exists")
-trigger_absent = _on_copy_trigger("trigger-absent")
+def trigger_exists(n: Names) -> Condition:
+    return on_trigger("trigger-exists", n, n.published, n.spec.copy_trigger)
+
+
+def trigger_absent(n: Names) -> Condition:
+    return on_trigger("trigger-absent", n, n.published, n.spec.copy_trigger)
 
 
 def function_absent(n: Names, function: str = "") -> Condition:

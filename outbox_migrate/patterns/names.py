@@ -76,10 +76,6 @@ class Names:
         return sql.Identifier(self.spec.check_name)
 
     @property
-    def index_q(self) -> sql.Identifier:
-        return sql.Identifier(self.spec.schema, self.spec.unpublished_index)
-
-    @property
     def trigger_q(self) -> sql.Identifier:
         return sql.Identifier(self.spec.copy_trigger)
 

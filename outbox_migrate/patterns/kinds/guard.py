@@ -120,10 +120,6 @@ def drop_sql(n: Names) -> tuple[sql.Composed, ...]:
     )
 
 
-def _on(n: Names, trigger: str, relation: str) -> dict[str, sql.Composable]:
-    return {"rel_reg": n.reg(relation), "trigger_name": sql.Literal(trigger)}
-
-
 @kind("guard-unpublished")
 def guard_unpublished(ctx: BuildContext, params: Mapping[str, Any]) -> Step | None:
     n = ctx.names
@@ -141,11 +137,11 @@ def guard_unpublished(ctx: BuildContext, params: Mapping[str, Any]) -> Step | No
         catalog_only=True,
         preconditions=(
             c.partition_bound(n, n.unpublished, NULL_BOUND),
-            *(c.condition("trigger-absent", label, **_on(n, name, r)) for label, r in triggers(n)),
+            *(c.on_trigger("trigger-absent", n, r, name, label) for label, r in triggers(n)),
             c.condition("function-absent", "guard", function_reg=n.reg(n.spec.guard_function)),
         ),
         postcondition=tuple(
-            c.condition("trigger-exists", label, **_on(n, name, r)) for label, r in triggers(n)
+            c.on_trigger("trigger-exists", n, r, name, label) for label, r in triggers(n)
         ),
         reverse=drop_sql(n),
         reverse_note="drop the guard's triggers and function (ctid cleanups can then delete "

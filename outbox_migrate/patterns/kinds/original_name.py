@@ -30,14 +30,12 @@ non-transactional, so a rolled-back write counts too.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from psycopg import sql
 
-from outbox_migrate import sql as queries
 from outbox_migrate.config import DEFAULT_CHANNEL
 from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
@@ -65,13 +63,6 @@ OLD_TABLE_BECOMES = ("published", "retired")
 name; `retired`: it stands alone (COP, HOP) and takes `<table>_retired` (if it still exists)."""
 
 
-def _condition(name: str, label: str, **parts: sql.Composable) -> Condition:
-    named = queries.query("original_name", name)
-    return Condition(
-        name=f"{name}:{label}", description=named.description, query=named.compose(**parts)
-    )
-
-
 def renamed(n: Names) -> Names:
     """The names after the rename: the parent is called what the flat table was."""
     return Names(replace(n.spec, partitioned_table=n.spec.table))
@@ -79,7 +70,8 @@ def renamed(n: Names) -> Names:
 
 def view_over(n: Names) -> Condition:
     """The parent's former name is a view over the renamed parent."""
-    return _condition("view-over", n.parent, view_reg=n.reg(n.parent), rel_reg=n.reg(n.table))
+    parts = {"view_reg": n.reg(n.parent), "rel_reg": n.reg(n.table)}
+    return c.condition("view-over", n.parent, file="original_name", **parts)
 
 
 def end_state(n: Names) -> tuple[Condition, ...]:
@@ -320,9 +312,10 @@ def drop_view_counter_sql(n: Names) -> tuple[sql.Composed, ...]:
 
 
 def view_writes_counted(n: Names) -> Condition:
-    return _condition(
+    return c.condition(
         "view-writes-counted",
         n.parent,
+        file="original_name",
         view_reg=n.reg(n.parent),
         seq_reg=n.reg(n.spec.view_use_sequence),
         rules=sql.SQL("ARRAY[{}]::name[]").format(
@@ -397,11 +390,12 @@ def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         "view_reg": n.reg(n.parent),
         "seq_reg": n.reg(n.spec.view_use_sequence),
         "phase": sql.Literal(ctx.phase),
-        "sample_key": _view_sample_key(n),
+        "sample_key": c.sample_key(n, n.spec.view_use_sequence, "view"),
     }
-    unused = _condition(
+    unused = c.condition(
         "no-view-users",
         n.parent,
+        file="original_name",
         samples=sql.Literal(samples),
         interval_s=sql.Literal(VIEW_SAMPLE_INTERVAL_S),
         window_s=sql.Literal(ctx.options.sample_window_s),
@@ -416,7 +410,7 @@ def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     gate: list[Condition] = [
         view_over(n),
         sampled,
-        _condition("no-view-writes-since-sample", n.parent, **counter),
+        c.condition("no-view-writes-since-sample", n.parent, file="original_name", **counter),
     ]
     if ctx.options.old_app_name:
         gate.append(c.no_old_app_sessions(ctx.options.old_app_name, ctx.phase))
@@ -442,10 +436,3 @@ def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         reverse_creates=(Created("relation", n.parent), *_counter_created(n)),
         restates_end_state=True,
     )
-
-
-def _view_sample_key(n: Names) -> sql.Literal:
-    """The session setting where the drop gate keeps the counter's value from its window
-    until the check under the lock (the runner makes both on one session)."""
-    key = zlib.crc32(n.reg(n.spec.view_use_sequence).as_string(None).encode()) & 0xFFFFFFFF
-    return sql.Literal(f"outbox_migrate.view_{key:08x}")

@@ -261,7 +261,7 @@ def create_unpublished_index(ctx: BuildContext, params: Mapping[str, Any]) -> St
             c.relation_absent(n, n.spec.unpublished_index),
         ),
         postcondition=(c.unpublished_index_exists(n),),
-        reverse=(sql.SQL("DROP INDEX {}").format(n.index_q),),
+        reverse=(sql.SQL("DROP INDEX {}").format(n.q(n.spec.unpublished_index)),),
         reverse_note="drop the index",
         statement_timeout_ms=CREATE_TIMEOUT_MS,
         creates=(Created("relation", n.spec.unpublished_index),),
@@ -292,7 +292,6 @@ def install_notify_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step
     UPDATE (the relay's mark) does not fire them."""
     n = ctx.names
     channel = str(params.get("channel", DEFAULT_CHANNEL))
-    on_parent = {"rel_reg": n.reg(n.parent), "trigger_name": sql.Literal(notify.TRIGGER_NAME)}
     return Step(
         **ctx.place("install-notify-trigger"),
         summary=f"Statement-level AFTER INSERT trigger on {n.parent} waking an idle relay",
@@ -300,7 +299,7 @@ def install_notify_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step
         locks=(Lock(n.parent, LockMode.SHARE_ROW_EXCLUSIVE),),
         catalog_only=True,
         preconditions=(c.partitioned_by_list(n),),
-        postcondition=(c.condition("trigger-exists", "notify", **on_parent),),
+        postcondition=(c.on_trigger("trigger-exists", n, n.parent, notify.TRIGGER_NAME, "notify"),),
         reverse=notify.drop_sql(n.spec),
         reverse_note="drop the wake-up trigger and its function (the relay falls back to polling)",
         creates=(
