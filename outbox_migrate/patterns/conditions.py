@@ -15,7 +15,7 @@ from outbox_migrate.patterns.names import Names, gate_lock_keys
 
 
 def condition(
-    name: str, label: str = "", /, *, file: str = "conditions", **parts: sql.Composable
+    name: str, label: str = "", file: str = "conditions", /, **parts: sql.Composable
 ) -> Condition:
     """Bind the query `name` of `sql/<file>.sql`; `label` distinguishes several uses of one
     query. It is checked under the step's locks (`CheckPoint.LOCKED`) unless `before_lock`

@@ -71,7 +71,7 @@ def renamed(n: Names) -> Names:
 def view_over(n: Names) -> Condition:
     """The parent's former name is a view over the renamed parent."""
     parts = {"view_reg": n.reg(n.parent), "rel_reg": n.reg(n.table)}
-    return c.condition("view-over", n.parent, file="original_name", **parts)
+    return c.condition("view-over", n.parent, "original_name", **parts)
 
 
 def end_state(n: Names) -> tuple[Condition, ...]:
@@ -315,7 +315,7 @@ def view_writes_counted(n: Names) -> Condition:
     return c.condition(
         "view-writes-counted",
         n.parent,
-        file="original_name",
+        "original_name",
         view_reg=n.reg(n.parent),
         seq_reg=n.reg(n.spec.view_use_sequence),
         rules=sql.SQL("ARRAY[{}]::name[]").format(
@@ -395,7 +395,7 @@ def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     unused = c.condition(
         "no-view-users",
         n.parent,
-        file="original_name",
+        "original_name",
         samples=sql.Literal(samples),
         interval_s=sql.Literal(VIEW_SAMPLE_INTERVAL_S),
         window_s=sql.Literal(ctx.options.sample_window_s),
@@ -410,7 +410,7 @@ def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     gate: list[Condition] = [
         view_over(n),
         sampled,
-        c.condition("no-view-writes-since-sample", n.parent, file="original_name", **counter),
+        c.condition("no-view-writes-since-sample", n.parent, "original_name", **counter),
     ]
     if ctx.options.old_app_name:
         gate.append(c.no_old_app_sessions(ctx.options.old_app_name, ctx.phase))
