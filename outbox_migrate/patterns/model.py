@@ -329,11 +329,9 @@ class Pattern:
         if restating_ahead:
             return [(restating_ahead[-1], c) for c in restating_ahead[-1].postcondition]
         restating = [i for i, s in enumerate(steps) if s.restates_end_state]
-        first = restating[-1] if restating else 0
+        steps = steps[restating[-1] if restating else 0 :]
         held: list[tuple[Step, Condition]] = []
         for index, step in enumerate(steps):
-            if index < first:
-                continue
             later = {other.kind for other in steps[index + 1 :]} | ahead
             if later.intersection(step.undone_by):
                 continue
