@@ -84,14 +84,6 @@ def end_state(n: Names) -> tuple[Condition, ...]:
     )
 
 
-def _old_table_target(n: Names, becomes: str) -> str:
-    if becomes not in OLD_TABLE_BECOMES:
-        raise ValueError(
-            f"take-original-name: old_table_becomes must be one of {OLD_TABLE_BECOMES}"
-        )
-    return n.published if becomes == "published" else n.spec.retired_table
-
-
 def rename_sql(n: Names, relation: str, to: str, *, if_exists: bool = False) -> sql.Composed:
     return sql.SQL("ALTER TABLE {if_exists}{rel} RENAME TO {to}").format(
         if_exists=sql.SQL("IF EXISTS " if if_exists else ""),
@@ -184,8 +176,12 @@ def carry_grants_sql(n: Names) -> sql.Composed:
 def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     n = ctx.names
     becomes = str(params.get("old_table_becomes", "published"))
-    target = _old_table_target(n, becomes)
+    if becomes not in OLD_TABLE_BECOMES:
+        raise ValueError(
+            f"take-original-name: old_table_becomes must be one of {OLD_TABLE_BECOMES}"
+        )
     retired = becomes == "retired"
+    target = n.spec.retired_table if retired else n.published
     if retired:
         # COP/HOP: the old table stands alone (or was dropped by the operator already).
         old_table_checks: tuple[Condition, ...] = (

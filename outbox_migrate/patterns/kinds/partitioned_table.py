@@ -18,7 +18,7 @@ from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns import marker, notify
 from outbox_migrate.patterns.kinds.base import BuildContext, kind
-from outbox_migrate.patterns.model import CREATE_TIMEOUT_MS, Condition, Created, Lock, Step
+from outbox_migrate.patterns.model import CREATE_TIMEOUT_MS, Created, Lock, Step
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.patterns.privileges import (
     EVERY_PRIVILEGE,
@@ -113,7 +113,10 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
             c.relation_absent(n, n.parent),
             c.no_row_security(n),
             c.may_give_to_owner(n),
-            *_unique_id_needed(ctx, params),
+            # HOPER's copy-back skips rows already copied by `ON CONFLICT (id)`, which needs
+            # a unique index on the old table's id: checked here, in V2, not at copy-back
+            # after the swap.
+            *((c.unique_id_index(n, n.table),) if params.get("require_unique_id") else ()),
         ),
         postcondition=(c.relation_exists(n, n.parent), c.partitioned_by_list(n)),
         reverse=(sql.SQL("DROP TABLE {}").format(n.q(n.parent)),),
@@ -158,14 +161,6 @@ def _start_identity_sql(n: Names, old_seq: sql.Composable) -> sql.Composed:
     )
 
 
-def _unique_id_needed(ctx: BuildContext, params: Mapping[str, Any]) -> tuple[Condition, ...]:
-    """HOPER's copy-back skips rows already copied by `ON CONFLICT (id)`, which needs a unique
-    index on the old table's id: checked here, in V2, not at copy-back after the swap."""
-    if not params.get("require_unique_id"):
-        return ()
-    return (c.unique_id_index(ctx.names, ctx.names.table),)
-
-
 def _create_partition(
     ctx: BuildContext,
     kind_name: str,
@@ -205,20 +200,15 @@ def _create_partition(
         statement_timeout_ms=CREATE_TIMEOUT_MS,
         undone_by=undone_by,
         creates=(Created("relation", relation),),
-        notes=(_partition_privileges_note(n.table, privileges),),
+        notes=(
+            f"Owned by {n.table}'s owner, with the {' and '.join(privileges)} grants of "
+            f"{n.table}: the relay claims from this partition directly (SELECT … FOR UPDATE "
+            "SKIP LOCKED)."
+            if privileges
+            else f"Owned by {n.table}'s owner; no grant: the application reaches it only "
+            "through the parent, where PostgreSQL checks the parent's privileges.",
+        ),
         formerly=((create,),),
-    )
-
-
-def _partition_privileges_note(old: str, privileges: tuple[str, ...]) -> str:
-    if not privileges:
-        return (
-            f"Owned by {old}'s owner; no grant: the application reaches it only through the "
-            "parent, where PostgreSQL checks the parent's privileges."
-        )
-    return (
-        f"Owned by {old}'s owner, with the {' and '.join(privileges)} grants of {old}: the "
-        "relay claims from this partition directly (SELECT … FOR UPDATE SKIP LOCKED)."
     )
 
 
