@@ -47,8 +47,8 @@ def _created(n: Names) -> tuple[Created, ...]:
 
 def create_sql(n: Names) -> tuple[sql.Composed, ...]:
     key1, key2 = lock_keys(n)
-    sequence = sql.Identifier(n.spec.schema, n.spec.gate_sequence)
-    function = sql.Identifier(n.spec.schema, n.spec.gate_function)
+    sequence = n.q(n.spec.gate_sequence)
+    function = n.q(n.spec.gate_function)
     return (
         sql.SQL("CREATE SEQUENCE {} AS bigint CACHE 1").format(sequence),
         sql.SQL(
@@ -85,12 +85,8 @@ def drop_sql(n: Names) -> tuple[sql.Composed, ...]:
         sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(
             sql.Identifier(n.spec.gate_trigger), n.q(n.table)
         ),
-        sql.SQL("DROP FUNCTION IF EXISTS {}()").format(
-            sql.Identifier(n.spec.schema, n.spec.gate_function)
-        ),
-        sql.SQL("DROP SEQUENCE IF EXISTS {}").format(
-            sql.Identifier(n.spec.schema, n.spec.gate_sequence)
-        ),
+        sql.SQL("DROP FUNCTION IF EXISTS {}()").format(n.q(n.spec.gate_function)),
+        sql.SQL("DROP SEQUENCE IF EXISTS {}").format(n.q(n.spec.gate_sequence)),
     )
 
 

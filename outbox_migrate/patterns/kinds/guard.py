@@ -68,7 +68,7 @@ def triggers(n: Names) -> list[tuple[str, str]]:
 
 
 def create_sql(n: Names) -> tuple[sql.Composed, ...]:
-    function = sql.Identifier(n.spec.schema, n.spec.guard_function)
+    function = n.q(n.spec.guard_function)
     body = sql.SQL(
         "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql {definer}AS $om$\n"
         "DECLARE\n"
@@ -116,7 +116,7 @@ def drop_sql(n: Names) -> tuple[sql.Composed, ...]:
     name = sql.Identifier(n.spec.guard_function)
     return (
         *(sql.SQL("DROP TRIGGER {} ON {}").format(name, n.q(r)) for _, r in triggers(n)),
-        sql.SQL("DROP FUNCTION {}()").format(sql.Identifier(n.spec.schema, n.spec.guard_function)),
+        sql.SQL("DROP FUNCTION {}()").format(n.q(n.spec.guard_function)),
     )
 
 

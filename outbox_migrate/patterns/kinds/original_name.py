@@ -262,9 +262,9 @@ def count_view_writes_sql(n: Names) -> tuple[sql.Composed, ...]:
     even in a rule): writers need no grant, and the worst another role can do with it is tick
     the counter, which only keeps the gate shut. The sink is written by the rule as the view's
     owner, so it gets the table's owner and no grant."""
-    seq = sql.Identifier(n.spec.schema, n.spec.view_use_sequence)
-    sink = sql.Identifier(n.spec.schema, n.spec.view_use_sink)
-    function = sql.Identifier(n.spec.schema, n.spec.view_use_function)
+    seq = n.q(n.spec.view_use_sequence)
+    sink = n.q(n.spec.view_use_sink)
+    function = n.q(n.spec.view_use_function)
     rules = tuple(
         sql.SQL(
             "CREATE RULE {rule} AS ON {event} TO {view} "
@@ -299,11 +299,9 @@ def count_view_writes_sql(n: Names) -> tuple[sql.Composed, ...]:
 def drop_view_counter_sql(n: Names) -> tuple[sql.Composed, ...]:
     """The counter's sink, function and sequence (the rules go with the view, or first)."""
     return (
-        sql.SQL("DROP TABLE {}").format(sql.Identifier(n.spec.schema, n.spec.view_use_sink)),
-        sql.SQL("DROP FUNCTION {}()").format(
-            sql.Identifier(n.spec.schema, n.spec.view_use_function)
-        ),
-        sql.SQL("DROP SEQUENCE {}").format(sql.Identifier(n.spec.schema, n.spec.view_use_sequence)),
+        sql.SQL("DROP TABLE {}").format(n.q(n.spec.view_use_sink)),
+        sql.SQL("DROP FUNCTION {}()").format(n.q(n.spec.view_use_function)),
+        sql.SQL("DROP SEQUENCE {}").format(n.q(n.spec.view_use_sequence)),
     )
 
 
