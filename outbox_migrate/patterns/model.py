@@ -301,12 +301,8 @@ class Pattern:
 
     def steps_through(self, phase: str) -> list[Step]:
         """Every step up to and including `phase`."""
-        steps: list[Step] = []
-        for candidate in self.phases:
-            steps.extend(candidate.steps)
-            if candidate.name.lower() == phase.lower():
-                return steps
-        raise KeyError(phase)
+        last = self.phases.index(self.phase(phase))
+        return [step for earlier in self.phases[: last + 1] for step in earlier.steps]
 
     def invariants(
         self, phase: str, done: frozenset[str] | None = None

@@ -52,10 +52,10 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
     n = ctx.names
     statements: tuple[sql.Composed, ...] = (_create_parent_sql(n),)
     summary = f"Create {n.parent} PARTITION BY LIST ({n.spec.published_column})"
-    notes = [
-        "CHECK constraints of the old table are copied (a row the old table would refuse "
-        "must be refused at insert, not when the relay publishes it into the old table).",
-    ]
+    ids_note = (
+        "Ids come from the application (id_kind = application): no identity and no "
+        "headroom; the application must keep them unique across both tables."
+    )
     # Earlier releases created the parent without carrying privileges (and release 0.1 also
     # without CHECKs): a migration they started is adopted, its grants are the operator's.
     formerly: list[tuple[sql.Composed, ...]] = []
@@ -82,21 +82,10 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
         summary += (
             f", its own identity starting {n.spec.id_headroom:,} above the old table's highest id"
         )
-        notes.insert(
-            0,
+        ids_note = (
             "Ids stay unique across both tables in every pattern: sinks and consumers that "
-            "de-duplicate by outbox id would otherwise drop new messages reusing old ids.",
+            "de-duplicate by outbox id would otherwise drop new messages reusing old ids."
         )
-    else:
-        notes.insert(
-            0,
-            "Ids come from the application (id_kind = application): no identity and no "
-            "headroom; the application must keep them unique across both tables.",
-        )
-    notes.append(
-        f"{n.parent} gets {n.table}'s owner and every table and column grant, in this "
-        "transaction: V2 inserts, reads and marks through it with the privileges V1 had."
-    )
     formerly.append(statements)
     return Step(
         **ctx.place("create-partitioned-table"),
@@ -124,7 +113,13 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
         reverse_preconditions=(c.no_partitions(n, n.parent), c.relation_empty(n, n.parent)),
         statement_timeout_ms=CREATE_TIMEOUT_MS,
         creates=(Created("relation", n.parent),),
-        notes=tuple(notes),
+        notes=(
+            ids_note,
+            "CHECK constraints of the old table are copied (a row the old table would refuse "
+            "must be refused at insert, not when the relay publishes it into the old table).",
+            f"{n.parent} gets {n.table}'s owner and every table and column grant, in this "
+            "transaction: V2 inserts, reads and marks through it with the privileges V1 had.",
+        ),
         formerly=tuple(formerly),
     )
 
