@@ -71,14 +71,6 @@ class Names:
     def check_q(self) -> sql.Identifier:
         return sql.Identifier(self.spec.check_name)
 
-    @property
-    def trigger_q(self) -> sql.Identifier:
-        return sql.Identifier(self.spec.copy_trigger)
-
-    @property
-    def function_q(self) -> sql.Identifier:
-        return sql.Identifier(self.spec.schema, self.spec.copy_function)
-
     def id_sequence(self, relation: str) -> sql.Composed:
         """The sequence that hands out `relation`'s ids, as a regclass (NULL when none).
 

@@ -67,7 +67,7 @@ def create_trigger_sql(
         "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql "
         "{security}AS $om$\nBEGIN\n" + body + "    RETURN NULL;\nEND\n$om$"
     ).format(
-        function=n.function_q,
+        function=n.q(n.spec.copy_function),
         old=n.q(n.table),
         flag=sql.Literal(COPYING_FLAG),
         security=definer_rights(n) if security is None else security,
@@ -75,14 +75,20 @@ def create_trigger_sql(
     trigger = sql.SQL(
         "CREATE TRIGGER {trigger} AFTER INSERT ON {published} "
         "FOR EACH ROW EXECUTE FUNCTION {function}()"
-    ).format(trigger=n.trigger_q, published=n.q(n.published), function=n.function_q)
+    ).format(
+        trigger=sql.Identifier(n.spec.copy_trigger),
+        published=n.q(n.published),
+        function=n.q(n.spec.copy_function),
+    )
     return (function, trigger)
 
 
 def drop_trigger_sql(n: Names) -> tuple[sql.Composed, ...]:
     return (
-        sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(n.trigger_q, n.q(n.published)),
-        sql.SQL("DROP FUNCTION IF EXISTS {}()").format(n.function_q),
+        sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(
+            sql.Identifier(n.spec.copy_trigger), n.q(n.published)
+        ),
+        sql.SQL("DROP FUNCTION IF EXISTS {}()").format(n.q(n.spec.copy_function)),
     )
 
 
