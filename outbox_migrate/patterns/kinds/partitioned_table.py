@@ -174,7 +174,6 @@ def _create_partition(
         n.q(n.parent),
         marker.bound(n.spec) if bound == NULL_BOUND else sql.SQL(bound),
     )
-    # Earlier releases created the partition without carrying privileges: adopted as done.
     return Step(
         **ctx.place(kind_name),
         summary=summary,
@@ -203,6 +202,7 @@ def _create_partition(
             else f"Owned by {n.table}'s owner; no grant: the application reaches it only "
             "through the parent, where PostgreSQL checks the parent's privileges.",
         ),
+        # Earlier releases created the partition without carrying privileges: adopted as done.
         formerly=((create,),),
     )
 
