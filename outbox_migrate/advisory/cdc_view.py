@@ -21,7 +21,7 @@ from typing import Any
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns import marker
-from outbox_migrate.patterns.model import Pattern, PhaseKind, PublicationFact, Table
+from outbox_migrate.patterns.model import Pattern, Phase, PhaseKind, PublicationFact, Table
 
 ATTACH_KINDS = frozenset({"swap-default", "attach-old-as-default"})
 
@@ -76,7 +76,7 @@ def phase_views(
         if phase.kind is PhaseKind.JOB:
             inserts = {phase.app.inserts_into}
         views[phase.name] = [
-            _view(phase.name, pub, spec, inserts, attached, copying, phase, kinds_so_far)
+            _view(pub, spec, phase, inserts, attached, copying, kinds_so_far)
             for pub in publications
         ]
         previous_inserts = phase.app.inserts_into
@@ -84,42 +84,42 @@ def phase_views(
 
 
 def _view(
-    name: str,
     pub: PublicationFact,
     spec: OutboxSpec,
+    phase: Phase,
     inserts: set[Table],
     attached: bool,
     copying: bool,
-    phase: Any,
     kinds: set[str],
 ) -> PhaseView:
     old, unpub, pubd = spec.table, spec.unpublished_partition, spec.published_partition
-    new_live = Table.NEW in inserts or "publish-unpublished-partition" in kinds
-    messages: list[str] = []
-    if Table.OLD in inserts and (s := _streamed(pub, spec, old, attached)):
-        messages.append(s)
-    if Table.NEW in inserts and (s := _streamed(pub, spec, unpub, attached)):
-        messages.append(s)
+    streamed = {rel: _streamed(pub, spec, rel, attached) for rel in (old, unpub, pubd)}
+    messages = [
+        s for table, rel in ((Table.OLD, old), (Table.NEW, unpub))
+        if table in inserts and (s := streamed[rel]) is not None
+    ]  # fmt: skip
     also: list[Seen] = []
+
+    def seen(wanted: bool, event: str, relation: str, cause: str) -> None:
+        if wanted and (shown := streamed[relation]) is not None:
+            also.append(Seen(event, shown, cause))
+
+    marked = f"({spec.published_column} set)"
     publishes = {phase.app.publishes_from}
-    marks_old = publishes & {Table.OLD, Table.OLD_THEN_NEW} or Table.OLD in inserts
-    if marks_old and pub.update and not attached and (s := _streamed(pub, spec, old, attached)):
-        also.append(Seen("UPDATE", s, f"the relay's mark on {old} (row stays in place)"))
-    if new_live and (Table.NEW in publishes or Table.OLD_THEN_NEW in publishes or attached):
+    marks_old = bool(publishes & {Table.OLD, Table.OLD_THEN_NEW}) or Table.OLD in inserts
+    seen(marks_old and pub.update and not attached, "UPDATE", old,
+         f"the relay's mark on {old} (row stays in place)")  # fmt: skip
+    new_live = Table.NEW in inserts or "publish-unpublished-partition" in kinds
+    if new_live and (publishes & {Table.NEW, Table.OLD_THEN_NEW} or attached):
         target = old if attached else pubd
-        if pub.delete and (s := _streamed(pub, spec, unpub, attached)):
-            also.append(Seen("DELETE", s, f"the relay's mark moves the row out of {unpub}"))
-        if pub.insert and (s := _streamed(pub, spec, target, attached)):
-            also.append(Seen("INSERT", s, f"the relay's mark moves the row into {target} "
-                             f"({spec.published_column} set): a replay"))  # fmt: skip
-    if copying and pub.insert and (s := _streamed(pub, spec, old, attached)):
-        also.append(Seen("INSERT", s, f"HOPIA's copy trigger copies each published row into "
-                         f"{old} ({spec.published_column} set): a replay"))  # fmt: skip
-    copy_back = "copy-back" in {step.kind for step in phase.steps}
-    if copy_back and pub.insert and (s := _streamed(pub, spec, old, attached)):
-        also.append(Seen("INSERT", s, f"copy-back inserts the detached published rows "
-                             f"into {old} ({spec.published_column} set): replays"))  # fmt: skip
-    return PhaseView(name, pub.name, list(dict.fromkeys(messages)), also,
+        seen(pub.delete, "DELETE", unpub, f"the relay's mark moves the row out of {unpub}")
+        seen(pub.insert, "INSERT", target,
+             f"the relay's mark moves the row into {target} {marked}: a replay")  # fmt: skip
+    seen(copying and pub.insert, "INSERT", old, f"HOPIA's copy trigger copies each published "
+         f"row into {old} {marked}: a replay")  # fmt: skip
+    seen("copy-back" in {step.kind for step in phase.steps} and pub.insert, "INSERT", old,
+         f"copy-back inserts the detached published rows into {old} {marked}: replays")  # fmt: skip
+    return PhaseView(phase.name, pub.name, list(dict.fromkeys(messages)), also,
                      _advice(pub, spec, messages, also))  # fmt: skip
 
 

@@ -77,17 +77,10 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
         relkind=relkind,
         is_partition=bool(is_partition),
         columns=columns,
-        max_id=None,
-        sequence=None,
-        sequence_last_value=None,
         row_estimate=int(estimate),
-        unpublished=0,
         total_bytes=int(total),
         heap_bytes=int(heap),
         inserts=int(inserts),
-        indexes=[],
-        constraints=[],
-        triggers=[],
         foreign_keys_in=[(r[0], r[1]) for r in _rows(conn, "foreign-keys-in", **rel)],
         foreign_keys_out=[(r[0], r[1]) for r in _rows(conn, "foreign-keys-out", **rel)],
         publications=[r[0] for r in _rows(conn, "publications", **rel)],
@@ -106,7 +99,12 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
         facts.triggers.append((name, definition))
         facts.trigger_details.append((name, definition, enabled))
     facts.unique_keys = lost_rules.read_unique_keys(conn, spec)
-    spec = _sample_marker(conn, facts, spec)
+    # What the columns hold (bounded), and the marker the evidence names when the setting
+    # was left at its default and the table has no such column.
+    facts.samples, _counters = marker_catalog.read_samples(
+        conn, spec.schema, spec.table, (spec.id_column,)
+    )
+    spec = marker_from_samples(facts, spec)
     id_col = facts.column(spec.id_column)
     if id_col is not None and id_col.type in ID_TYPES:
         ids = _rows(
@@ -124,11 +122,11 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
             _rows(conn, "uuid-random", rel_q=n.q(spec.table), id_q=n.id_q)[0][0]
         )
     resolved = marker_judge.marker_spec(facts, spec)
-    value_problem = ""
-    if resolved is not None:
-        value_problem = marker_catalog.check_values(
-            conn, resolved, spec.table, marker_judge.shown(spec)
-        )
+    value_problem = (
+        ""
+        if resolved is None
+        else marker_catalog.check_values(conn, resolved, spec.table, marker_judge.shown(spec))
+    )
     if resolved is not None and not value_problem:
         facts.unpublished = int(
             _rows(
@@ -154,18 +152,9 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
     return facts
 
 
-def _sample_marker(conn: Connection[Any], facts: TableFacts, spec: OutboxSpec) -> OutboxSpec:
-    """Read what the columns hold (bounded), and the spec with the marker the evidence names
-    when the setting was left at its default and the table has no such column."""
-    facts.samples, _counters = marker_catalog.read_samples(
-        conn, spec.schema, spec.table, (spec.id_column,)
-    )
-    return marker_from_samples(facts, spec)
-
-
 def marker_from_samples(facts: TableFacts, spec: OutboxSpec) -> OutboxSpec:
-    """The spec with the marker the sampled evidence names (`_sample_marker` without the
-    read: the playbooks judge sample tables through it, so they say what `plan` says)."""
+    """The spec with the marker the sampled evidence names (the playbooks judge sample tables
+    through it, so they say what `plan` says)."""
     has_marker = facts.column(spec.published_column) is not None
     detected = marker_catalog.infer_from(spec, has_marker, facts.samples, facts.activity)
     if detected is None:

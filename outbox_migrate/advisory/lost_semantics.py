@@ -22,6 +22,7 @@ from outbox_migrate.advisory.table_facts import UniqueKey
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import GUARD_SETTING
 from outbox_migrate.patterns.kinds.guard import COST as GUARD_COST
+from outbox_migrate.patterns.marker_catalog import TIMESTAMP_TYPES
 from outbox_migrate.patterns.names import Names
 
 if TYPE_CHECKING:
@@ -34,7 +35,6 @@ MARKER_STEMS = (
 `ProcessedDate`, `completion_date`): what tells a misnamed marker from no marker at all."""
 STATUS_NAMES = ("status", "state")
 """A column named so, or ending `_status`/`_state`, is read as a message's status."""
-TIMESTAMP_TYPES = frozenset({"timestamp with time zone", "timestamp without time zone"})
 KINDS = {"p": "primary key", "u": "unique constraint", "": "unique index"}
 LAYOUT_WARNINGS = ("ctid-guarded", "mark-moves-row")
 """Warnings every table gets, last: what changes for any code that touches the rows (with

@@ -63,18 +63,6 @@ class MissingGrants(OutboxMigrateError):
     exit_code = ExitCode.PRECONDITION
 
 
-@dataclass
-class _Relations:
-    spec: OutboxSpec
-    existing: set[str]
-
-    def ident(self, name: str) -> str:
-        return f"{self.spec.schema}.{name}"
-
-    def has(self, name: str) -> bool:
-        return name in self.existing
-
-
 def check_roles(
     conn: Connection[Any],
     spec: OutboxSpec,
@@ -95,11 +83,11 @@ def check_roles(
         "WHERE n.nspname = %s AND c.relname = ANY(%s)",
         (spec.schema, list(names)),
     ).fetchall()
-    rel = _Relations(spec, {str(r[0]) for r in found})
-    outbox = next((t for t in (spec.table, spec.partitioned_table) if rel.has(t)), None)
+    existing = {str(r[0]) for r in found}
+    outbox = next((t for t in (spec.table, spec.partitioned_table) if t in existing), None)
     if outbox is None:
-        raise UsageError(f"neither {rel.ident(spec.table)} nor "
-                         f"{rel.ident(spec.partitioned_table)} exists")  # fmt: skip
+        raise UsageError(f"neither {spec.schema}.{spec.table} nor "
+                         f"{spec.schema}.{spec.partitioned_table} exists")  # fmt: skip
     held = read_table_privileges(conn, OutboxSpec(schema=spec.schema, table=outbox))
     grants = [g for g in held.grants if g.grantee != "PUBLIC"]
     owner = owner or held.owner
@@ -107,7 +95,7 @@ def check_roles(
     relays = list(relays) or sorted(
         {g.grantee for g in grants if g.privilege == "UPDATE" and g.column is None}
     )
-    checker = _Checker(conn, rel, outbox, publication)
+    checker = _Checker(conn, spec, existing, outbox, publication)
     for role in (owner, *apps, *relays, *cdc_relays):
         checker.require_role(role)
     checks = checker.runner(owner)
@@ -119,11 +107,11 @@ def check_roles(
     for role in cdc_relays:
         checks += checker.cdc_relay(role)
     if not apps:
-        checks.append(Check("-", "application", f"a role with INSERT on {rel.ident(outbox)}",
+        checks.append(Check("-", "application", f"a role with INSERT on {spec.schema}.{outbox}",
                             None, "none found: the application runs as the owner or a "
                             "superuser; name it with --app", ""))  # fmt: skip
     if not relays:
-        checks.append(Check("-", "relay", f"a role with UPDATE on {rel.ident(outbox)}", None,
+        checks.append(Check("-", "relay", f"a role with UPDATE on {spec.schema}.{outbox}", None,
                             "none found: the relay runs as the owner or a superuser; name it "
                             "with --relay", ""))  # fmt: skip
     return checks
@@ -149,10 +137,16 @@ def as_json(checks: Sequence[Check]) -> dict[str, Any]:
 
 class _Checker:
     def __init__(
-        self, conn: Connection[Any], rel: _Relations, outbox: str, publication: str
+        self,
+        conn: Connection[Any],
+        spec: OutboxSpec,
+        existing: set[str],
+        outbox: str,
+        publication: str,
     ) -> None:
-        self.conn, self.rel, self.outbox, self.publication = conn, rel, outbox, publication
-        self.outbox_reg = sql.Identifier(rel.spec.schema, outbox).as_string(conn)
+        self.conn, self.spec, self.existing = conn, spec, existing
+        self.outbox, self.publication = outbox, publication
+        self.outbox_reg = sql.Identifier(spec.schema, outbox).as_string(conn)
 
     def q(self, *name: str) -> str:
         """`name` quoted as an identifier (schema-qualified when two parts)."""
@@ -172,7 +166,7 @@ class _Checker:
         return tuple(row)
 
     def _may(self, role: str, relation: str, privilege: str) -> bool:
-        reg = self.q(self.rel.spec.schema, relation)
+        reg = self.q(self.spec.schema, relation)
         row = self.conn.execute(
             "SELECT has_table_privilege(%s::name, %s::regclass, %s)", (role, reg, privilege)
         ).fetchone()
@@ -182,9 +176,9 @@ class _Checker:
                cost: str) -> Check:  # fmt: skip
         """`privileges` on each of `relations` that exists; None when none exists yet (the
         migration carries the grants when it creates them)."""
-        there = [r for r in relations if self.rel.has(r)]
+        there = [r for r in relations if r in self.existing]
         wanted = [self._may(role, r, p.strip()) for r in there for p in privileges.split(",")]
-        quoted = ", ".join(self.q(self.rel.spec.schema, r) for r in there or relations)
+        quoted = ", ".join(self.q(self.spec.schema, r) for r in there or relations)
         what = f"{privileges} on {', '.join(there or relations)}"
         if not there:
             cost = "not created yet: the migration grants it when it creates it"
@@ -198,7 +192,7 @@ class _Checker:
     def runner(self, role: str) -> list[Check]:
         _s, _r, sees, owns, usage, create, db_create, ledger, owner = self._facts(role)
         quoted = self.q(role)
-        schema = self.rel.spec.schema
+        schema = self.spec.schema
         duty = "runner"
         return [
             Check(role, duty, f"owner of {self.outbox}", owns,
@@ -216,13 +210,13 @@ class _Checker:
         ]  # fmt: skip
 
     def application(self, role: str) -> list[Check]:
-        spec = self.rel.spec
-        tables = [t for t in (spec.table, spec.partitioned_table) if self.rel.has(t)]
+        spec = self.spec
+        tables = [t for t in (spec.table, spec.partitioned_table) if t in self.existing]
         return [self._grant(role, "application", "INSERT", tables or [spec.partitioned_table],
                             "its inserts fail")]  # fmt: skip
 
     def _claims(self, role: str, duty: str, *, flat: bool) -> list[Check]:
-        spec = self.rel.spec
+        spec = self.spec
         claimed = [spec.table] if flat else []
         claimed += [spec.partitioned_table, spec.unpublished_partition]
         dead = [DEAD_LETTER_TABLE, DEAD_LETTER_TABLE + ATTEMPTS_TABLE_SUFFIX]
@@ -234,7 +228,7 @@ class _Checker:
         ]
 
     def relay(self, role: str, *, see_sessions: bool) -> list[Check]:
-        found = self._claims(role, "relay", flat=self.rel.has(self.rel.spec.table))
+        found = self._claims(role, "relay", flat=self.spec.table in self.existing)
         if see_sessions:
             sees = bool(self._facts(role)[2])
             found.append(self._see(role, "relay", sees,
@@ -258,12 +252,12 @@ class _Checker:
             queries.query("privileges", "publication").compose(),
             {"role": role, "publication": self.publication},
         ).fetchone()
-        partition = self.rel.spec.unpublished_partition
-        partition_reg = self.q(self.rel.spec.schema, partition)
+        partition = self.spec.unpublished_partition
+        partition_reg = self.q(self.spec.schema, partition)
         ok: bool | None
         if row is not None:
             ok = bool(row[0])
-        elif not self.rel.has(partition):
+        elif partition not in self.existing:
             ok = None  # created at V2: checked once it exists
         else:  # it creates it: that takes the partition's owner and CREATE on the database
             db_create = self._facts(role)[6]

@@ -5,8 +5,7 @@ it (id_judge, marker_judge, lost_semantics), so none of them imports another for
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 from outbox_migrate.advisory import Finding
 from outbox_migrate.config import OutboxSpec
@@ -58,7 +57,7 @@ class ObjectFact:
     fate: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TableFacts:
     """Everything the plan, the wizard and the runner need to know about the live outbox."""
 
@@ -69,17 +68,17 @@ class TableFacts:
     relkind: str
     is_partition: bool
     columns: list[ColumnFact]
-    max_id: int | None
-    sequence: str | None
-    sequence_last_value: int | None
+    max_id: int | None = None
+    sequence: str | None = None
+    sequence_last_value: int | None = None
     row_estimate: int
-    unpublished: int
+    unpublished: int = 0
     total_bytes: int
     heap_bytes: int
     inserts: int
-    indexes: list[tuple[str, str]]
-    constraints: list[tuple[str, str, bool]]
-    triggers: list[tuple[str, str]]
+    indexes: list[tuple[str, str]] = field(default_factory=list)
+    constraints: list[tuple[str, str, bool]] = field(default_factory=list)
+    triggers: list[tuple[str, str]] = field(default_factory=list)
     foreign_keys_in: list[tuple[str, str]]
     foreign_keys_out: list[tuple[str, str]]
     publications: list[str]
@@ -161,6 +160,3 @@ class TableFacts:
 
     def estimated_scan_s(self) -> float:
         return self.heap_bytes / ASSUMED_SCAN_BYTES_PER_S
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)

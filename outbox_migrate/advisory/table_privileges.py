@@ -5,7 +5,6 @@ creating steps run (patterns/privileges.py), so this module never decides what i
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
@@ -100,13 +99,11 @@ def read_table_privileges(conn: Connection[Any], spec: OutboxSpec) -> TablePrivi
     security = conn.execute(queries.query("privileges", "row-security").compose(**rel)).fetchone()
     return TablePrivileges(
         owner=str(rows[0][0]) if rows else "",
-        grants=tuple(_grants(rows)),
+        grants=tuple(
+            Grant(str(grantee), str(privilege), column, bool(grantable))
+            for _owner, grantee, privilege, column, grantable in rows
+            if grantee is not None
+        ),
         row_security=bool(security and security[0]),
         policies=int(security[1]) if security else 0,
     )
-
-
-def _grants(rows: Iterable[tuple[Any, ...]]) -> Iterable[Grant]:
-    for _owner, grantee, privilege, column, grantable in rows:
-        if grantee is not None:
-            yield Grant(str(grantee), str(privilege), column, bool(grantable))

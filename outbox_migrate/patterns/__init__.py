@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import replace
 from functools import cache
 from importlib.resources import files
 from typing import Any
@@ -17,7 +17,8 @@ from typing import Any
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.errors import UsageError
 from outbox_migrate.patterns import conditions
-from outbox_migrate.patterns.kinds import BuildContext, load_all
+from outbox_migrate.patterns.kinds import load_all
+from outbox_migrate.patterns.kinds.base import BuildContext, BuildOptions
 from outbox_migrate.patterns.model import (
     AppBehaviour,
     Pattern,
@@ -30,31 +31,13 @@ from outbox_migrate.patterns.model import (
 from outbox_migrate.patterns.names import Names
 
 PATTERN_NAMES = ("cop", "copra", "hop", "hoper", "hopia")
-DEFAULT_SAMPLE_WINDOW_S = 2.0
-"""How long a deploy gate watches the old table's sequence for new ids."""
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    """Choices that change the concrete steps (and so their checksums)."""
-
-    sample_window_s: float = DEFAULT_SAMPLE_WINDOW_S
-    old_app_name: str = ""
-    include_optional: bool = False
-    identity_generation: str = "ALWAYS"
-    publications: tuple[PublicationFact, ...] = ()
-    """Publications covering the old table: a conditional step carries them (CDC users)."""
+HEADER = ("acronym", "title", "summary", "pause_publication", "keep_old_rows", "immediate_access")
+"""The pattern file's top-level keys a `Pattern` takes as they are."""
 
 
 @cache
 def _raw(name: str) -> Mapping[str, Any]:
-    try:
-        text = files(__package__).joinpath("catalog", f"{name}.toml").read_text("utf-8")
-    except FileNotFoundError:
-        raise UsageError(
-            f"unknown pattern {name!r}; choose one of {', '.join(PATTERN_NAMES)}"
-        ) from None
-    return tomllib.loads(text)
+    return tomllib.loads(files(__package__).joinpath("catalog", f"{name}.toml").read_text("utf-8"))
 
 
 def build_pattern(
@@ -72,107 +55,59 @@ def build_pattern(
     names = Names(spec)
     registry = load_all()
     phases: list[Phase] = []
-    previous: AppBehaviour | None = None
-    previous_name = ""
+    running = ""
     for raw_phase in raw["phase"]:
-        if raw_phase.get("optional", False) and not options.include_optional:
+        optional = raw_phase.get("optional", False)
+        if optional and not options.include_optional:
             # An optional phase (the original name) is left out whole: without it the
             # pattern, its plan and its golden files are exactly what they were.
             continue
+        phase_name = raw_phase["name"]
         app = AppBehaviour(
             Table(raw_phase["inserts_into"]),
             Table(raw_phase["publishes_from"]),
             renamed=raw_phase.get("renamed", False),
         )
-        running = previous or app
-        running_name = previous_name or raw_phase["name"]
-        running_text = running.describe(spec.table, spec.partitioned_table)
-        describe_running = f"{running_name} running: {running_text}"
-        entries = [e if isinstance(e, dict) else {"kind": e} for e in raw_phase.get("steps", [])]
-        steps: list[Step] = []
-        # A kind that does not apply to this outbox builds no step; the phase's last step is
-        # the last one that applies (it tells the operator the next deploy is ready).
-        final = max(
-            (
-                i
-                for i, e in enumerate(entries)
-                if _applies(registry, key, raw_phase, e, names, options)
-            ),
-            default=-1,
+        shown = app.describe(spec.table, spec.partitioned_table)
+        ctx = BuildContext(
+            names, key, phase_name, running or f"{phase_name} running: {shown}", options
         )
-        for index, entry in enumerate(entries):
-            last = index == final
-            after = (
-                f"ready to deploy {raw_phase['name']}: "
-                f"{app.describe(spec.table, spec.partitioned_table)}"
-                if last
-                else describe_running
-            )
-            ctx = BuildContext(
-                names=names,
-                pattern=key,
-                phase=raw_phase["name"],
-                app_before=describe_running,
-                app_after=after,
-                sample_window_s=options.sample_window_s,
-                old_app_name=options.old_app_name,
-                identity_generation=options.identity_generation,
-                publications=options.publications,
-            )
-            kind_name = entry["kind"]
+        built: list[Step] = []
+        for entry in raw_phase.get("steps", []):
+            params = dict(entry) if isinstance(entry, dict) else {"kind": entry}
+            kind_name = params.pop("kind")
             if kind_name not in registry:
                 raise ValueError(f"pattern {key}: unknown step kind {kind_name!r}")
-            params = {k: v for k, v in entry.items() if k != "kind"}
             step = registry[kind_name](ctx, params)
-            if step is None or (step.optional and not options.include_optional):
-                continue
-            steps.append(step)
+            if step is not None:  # a kind that does not apply to this outbox builds no step
+                built.append(step)
+        if built:
+            # The phase's last step that applies tells the operator the next deploy is ready
+            # (whether or not it is an optional step left out below).
+            built[-1] = replace(built[-1], app_after=f"ready to deploy {phase_name}: {shown}")
         phases.append(
             Phase(
-                name=raw_phase["name"],
+                name=phase_name,
                 kind=PhaseKind(raw_phase.get("kind", "deploy")),
                 title=raw_phase["title"],
                 app=app,
                 instructions=tuple(raw_phase.get("instructions", ())),
-                steps=tuple(steps),
-                optional=raw_phase.get("optional", False),
+                steps=tuple(s for s in built if options.include_optional or not s.optional),
+                optional=optional,
                 unread=(
-                    (conditions.no_unread_rows(names, raw_phase["name"]),)
+                    (conditions.no_unread_rows(names, phase_name),)
                     if app.publishes_from is Table.NEW
                     else ()
                 ),
             )
         )
-        previous, previous_name = app, raw_phase["name"]
+        running = f"{phase_name} running: {shown}"
     return Pattern(
         name=key,
-        acronym=raw["acronym"],
-        title=raw["title"],
-        summary=raw["summary"],
-        pause_publication=raw["pause_publication"],
-        keep_old_rows=raw["keep_old_rows"],
-        immediate_access=raw["immediate_access"],
         phases=tuple(phases),
         point_of_no_return=raw.get("point_of_no_return", ""),
+        **{k: raw[k] for k in HEADER},
     )
-
-
-def _applies(
-    registry: Mapping[str, Any],
-    pattern: str,
-    raw_phase: Mapping[str, Any],
-    entry: Mapping[str, Any],
-    names: Names,
-    options: BuildOptions,
-) -> bool:
-    """Whether the entry's kind builds a step for this outbox (kinds are pure and cheap)."""
-    builder = registry.get(entry["kind"])
-    if builder is None:
-        return True  # reported by the build itself
-    probe = BuildContext(names=names, pattern=pattern, phase=raw_phase["name"], app_before="",
-                         app_after="", sample_window_s=DEFAULT_SAMPLE_WINDOW_S,
-                         old_app_name="", publications=options.publications)  # fmt: skip
-    return builder(probe, {k: v for k, v in entry.items() if k != "kind"}) is not None
 
 
 def build_from_settings(

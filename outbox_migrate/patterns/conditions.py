@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import replace
 
 from psycopg import sql
@@ -13,11 +14,13 @@ from outbox_migrate.patterns.model import CheckPoint, Condition
 from outbox_migrate.patterns.names import Names, gate_lock_keys
 
 
-def condition(name: str, label: str = "", /, **parts: sql.Composable) -> Condition:
-    """Bind `conditions.sql`'s query `name`; `label` distinguishes several uses of one query.
-    It is checked under the step's locks (`CheckPoint.LOCKED`) unless `before_lock` says
-    otherwise."""
-    named = queries.query("conditions", name)
+def condition(
+    name: str, label: str = "", file: str = "conditions", /, **parts: sql.Composable
+) -> Condition:
+    """Bind the query `name` of `sql/<file>.sql`; `label` distinguishes several uses of one
+    query. It is checked under the step's locks (`CheckPoint.LOCKED`) unless `before_lock`
+    says otherwise."""
+    named = queries.query(file, name)
     return Condition(
         name=f"{name}:{label}" if label else name,
         description=named.description,
@@ -31,22 +34,31 @@ def before_lock(condition: Condition, at: CheckPoint, kept_by: str) -> Condition
     return replace(condition, at=at, kept_by=kept_by)
 
 
-def _sample_key(n: Names, relation: str) -> sql.Literal:
-    """The session setting where a gate's sample is remembered until the step's lock."""
+def sample_key(n: Names, relation: str, prefix: str = "gate") -> sql.Literal:
+    """The session setting where a gate's sample of `relation` is remembered until the
+    step's lock (the runner makes both on one session)."""
     key = zlib.crc32(n.reg(relation).as_string(None).encode()) & 0xFFFFFFFF
-    return sql.Literal(f"outbox_migrate.gate_{key:08x}")
+    return sql.Literal(f"outbox_migrate.{prefix}_{key:08x}")
 
 
-def relation_exists(n: Names, relation: str) -> Condition:
-    return condition("relation-exists", relation, rel_reg=n.reg(relation))
+def _on_relation(name: str, *, parent: bool = False) -> Callable[[Names, str], Condition]:
+    """The factory of a query that names only its relation (and, with `parent`, the parent)."""
+
+    def bound(n: Names, relation: str) -> Condition:
+        parts = {"rel_reg": n.reg(relation)} | ({"parent_reg": n.reg(n.parent)} if parent else {})
+        return condition(name, relation, **parts)
+
+    return bound
 
 
-def relation_absent(n: Names, relation: str) -> Condition:
-    return condition("relation-absent", relation, rel_reg=n.reg(relation))
-
-
-def is_plain_table(n: Names, relation: str) -> Condition:
-    return condition("is-plain-table", relation, rel_reg=n.reg(relation))
+relation_exists = _on_relation("relation-exists")
+relation_absent = _on_relation("relation-absent")
+is_plain_table = _on_relation("is-plain-table")
+no_partitions = _on_relation("no-partitions")
+no_fk_references = _on_relation("no-fk-references")
+no_enabled_user_triggers = _on_relation("no-enabled-user-triggers")
+not_a_partition = _on_relation("not-a-partition-of", parent=True)
+columns_match = _on_relation("columns-match", parent=True)
 
 
 def partitioned_by_list(n: Names) -> Condition:
@@ -59,22 +71,15 @@ def partitioned_by_list(n: Names) -> Condition:
 
 
 def partition_bound(n: Names, relation: str, bound: str) -> Condition:
-    if bound == marker.NULL_BOUND and marker.of(n.spec).is_flag:
-        # A flag's bound holds its value; its text depends on the column's type (`'0'`,
-        # `false`), so it is compared without quotes by a query of its own.
-        return condition(
-            "partition-bound-value",
-            relation,
-            rel_reg=n.reg(relation),
-            parent_reg=n.reg(n.parent),
-            bound=sql.Literal(marker.bound_text(n.spec)),
-        )
+    # A flag's bound holds its value; its text depends on the column's type (`'0'`,
+    # `false`), so it is compared without quotes by a query of its own.
+    flag = bound == marker.NULL_BOUND and marker.of(n.spec).is_flag
     return condition(
-        "partition-bound",
+        "partition-bound-value" if flag else "partition-bound",
         relation,
         rel_reg=n.reg(relation),
         parent_reg=n.reg(n.parent),
-        bound=sql.Literal(bound),
+        bound=sql.Literal(marker.bound_text(n.spec) if flag else bound),
     )
 
 
@@ -96,12 +101,6 @@ def marker_kind(n: Names, relation: str) -> Condition:
             else "set unpublished_value and published_value (or build the steps with a "
             "database, which reads the flag's DEFAULT)"
         ),
-    )
-
-
-def not_a_partition(n: Names, relation: str) -> Condition:
-    return condition(
-        "not-a-partition-of", relation, rel_reg=n.reg(relation), parent_reg=n.reg(n.parent)
     )
 
 
@@ -148,7 +147,7 @@ def _gate_parts(n: Names, relation: str, phase: str) -> dict[str, sql.Composable
         "key1": key1,
         "key2": key2,
         "phase": sql.Literal(phase),
-        "sample_key": _sample_key(n, relation),
+        "sample_key": sample_key(n, relation),
     }
 
 
@@ -166,10 +165,6 @@ def no_new_ticks_since_sample(n: Names, relation: str, phase: str) -> Condition:
     return condition("no-new-ticks-since-sample", relation, **_gate_parts(n, relation, phase))
 
 
-def no_partitions(n: Names, relation: str) -> Condition:
-    return condition("no-partitions", relation, rel_reg=n.reg(relation))
-
-
 def no_old_app_sessions(pattern: str, phase: str) -> Condition:
     return condition("no-old-app-sessions", pattern=sql.Literal(pattern), phase=sql.Literal(phase))
 
@@ -178,32 +173,24 @@ def _check_parts(n: Names) -> dict[str, sql.Composable]:
     return {"rel_reg": n.reg(n.table), "check_name": sql.Literal(n.spec.check_name)}
 
 
-def check_exists(n: Names) -> Condition:
-    return condition("check-exists", **_check_parts(n))
+def _on_check(name: str) -> Callable[[Names], Condition]:
+    return lambda n: condition(name, **_check_parts(n))
 
 
-def check_validated(n: Names) -> Condition:
-    return condition("check-validated", **_check_parts(n))
+check_exists = _on_check("check-exists")
+check_validated = _on_check("check-validated")
+check_absent = _on_check("check-absent")
 
 
 def check_implies_partition_constraint(n: Names) -> Condition:
+    """The flag's query also needs the unpublished value (the timestamp's ignores it)."""
     flag = marker.of(n.spec)
-    if flag.is_flag:
-        return condition(
-            "check-implies-partition-constraint-flag",
-            column_name=sql.Literal(n.spec.published_column),
-            value=sql.Literal(flag.unpublished_value),
-            **_check_parts(n),
-        )
     return condition(
-        "check-implies-partition-constraint",
+        "check-implies-partition-constraint" + ("-flag" if flag.is_flag else ""),
         column_name=sql.Literal(n.spec.published_column),
+        value=sql.Literal(flag.unpublished_value),
         **_check_parts(n),
     )
-
-
-def check_absent(n: Names) -> Condition:
-    return condition("check-absent", **_check_parts(n))
 
 
 def column_not_null(n: Names) -> Condition:
@@ -223,10 +210,6 @@ def no_identity(n: Names, relation: str) -> Condition:
     )
 
 
-def columns_match(n: Names, relation: str) -> Condition:
-    return condition("columns-match", relation, rel_reg=n.reg(relation), parent_reg=n.reg(n.parent))
-
-
 def new_ids_above_old(n: Names) -> Condition:
     return condition(
         "new-ids-above-old",
@@ -239,16 +222,17 @@ def new_ids_above_old(n: Names) -> Condition:
     )
 
 
-def _trigger_parts(n: Names) -> dict[str, sql.Composable]:
-    return {"rel_reg": n.reg(n.published), "trigger_name": sql.Literal(n.spec.copy_trigger)}
+def on_trigger(query: str, n: Names, relation: str, trigger: str, label: str = "") -> Condition:
+    """`trigger-exists` or `trigger-absent`: the trigger `trigger` on `relation`."""
+    return condition(query, label, rel_reg=n.reg(relation), trigger_name=sql.Literal(trigger))
 
 
 def trigger_exists(n: Names) -> Condition:
-    return condition("trigger-exists", **_trigger_parts(n))
+    return on_trigger("trigger-exists", n, n.published, n.spec.copy_trigger)
 
 
 def trigger_absent(n: Names) -> Condition:
-    return condition("trigger-absent", **_trigger_parts(n))
+    return on_trigger("trigger-absent", n, n.published, n.spec.copy_trigger)
 
 
 def function_absent(n: Names, function: str = "") -> Condition:
@@ -291,10 +275,6 @@ def all_rows_present(n: Names, source: str, target: str, kept_by: str = "") -> C
     return before_lock(scan, CheckPoint.SCAN, kept)
 
 
-def no_fk_references(n: Names, relation: str) -> Condition:
-    return condition("no-fk-references", relation, rel_reg=n.reg(relation))
-
-
 def no_trigger_name_clash(n: Names) -> Condition:
     """ATTACH clones the parent's row triggers onto the old table and fails on a name it
     already uses. Checked under the step's locks, which keep CREATE TRIGGER out until commit
@@ -313,10 +293,6 @@ def unique_id_index(n: Names, relation: str) -> Condition:
         rel_reg=n.reg(relation),
         id_name=sql.Literal(n.spec.id_column),
     )
-
-
-def no_enabled_user_triggers(n: Names, relation: str) -> Condition:
-    return condition("no-enabled-user-triggers", relation, rel_reg=n.reg(relation))
 
 
 def no_row_security(n: Names) -> Condition:

@@ -188,26 +188,19 @@ def read_column(conn: Connection[Any], spec: OutboxSpec) -> tuple[str, MarkerCol
     gone (a finished migration), on the partitioned one; None when neither has the column
     (introspection reports that)."""
     for relation in (spec.table, spec.partitioned_table):
-        found = _read_column(conn, spec, relation)
-        if found is not None:
-            return relation, found
+        row = conn.execute(
+            "SELECT format_type(a.atttypid, a.atttypmod), pg_get_expr(d.adbin, d.adrelid), "
+            "a.attnotnull, EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conrelid = a.attrelid "
+            "AND c.contype = 'c' AND c.convalidated AND pg_get_constraintdef(c.oid) = "
+            "format('CHECK ((%%I IS NOT NULL))', a.attname)) "
+            "FROM pg_attribute a LEFT JOIN pg_attrdef d "
+            "ON d.adrelid = a.attrelid AND d.adnum = a.attnum "
+            "WHERE a.attrelid = to_regclass(%s) AND a.attname = %s AND NOT a.attisdropped",
+            (sql.Identifier(spec.schema, relation).as_string(None), spec.published_column),
+        ).fetchone()
+        if row is not None:
+            return relation, MarkerColumn(str(row[0]), row[1], bool(row[2]), bool(row[3]))
     return None
-
-
-def _read_column(conn: Connection[Any], spec: OutboxSpec, relation: str) -> MarkerColumn | None:
-    row = conn.execute(
-        "SELECT format_type(a.atttypid, a.atttypmod), pg_get_expr(d.adbin, d.adrelid), "
-        "a.attnotnull, EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conrelid = a.attrelid "
-        "AND c.contype = 'c' AND c.convalidated AND pg_get_constraintdef(c.oid) = "
-        "format('CHECK ((%%I IS NOT NULL))', a.attname)) "
-        "FROM pg_attribute a LEFT JOIN pg_attrdef d "
-        "ON d.adrelid = a.attrelid AND d.adnum = a.attnum "
-        "WHERE a.attrelid = to_regclass(%s) AND a.attname = %s AND NOT a.attisdropped",
-        (sql.Identifier(spec.schema, relation).as_string(None), spec.published_column),
-    ).fetchone()
-    if row is None:
-        return None
-    return MarkerColumn(str(row[0]), row[1], bool(row[2]), bool(row[3]))
 
 
 def check_values(conn: Connection[Any], spec: OutboxSpec, relation: str, table: str) -> str:
@@ -378,10 +371,6 @@ def _named(name: str, stems: tuple[str, ...]) -> bool:
     return any(w.startswith(stems) for w in words(name))
 
 
-def _null_default(default: str | None) -> bool:
-    return default is None or default.strip().upper().startswith("NULL")
-
-
 def candidate(column: ColumnSample) -> Candidate | None:
     """The column as a marker, or None when its type, default or contents rule it out. A
     timestamp must be nullable with no default and no value ahead of now; a flag needs a
@@ -400,7 +389,7 @@ def _timestamp_candidate(column: ColumnSample) -> Candidate | None:
     named = _named(column.name, DELIVERY_STEMS)
     ruled_out = (
         column.not_null
-        or not _null_default(column.default)
+        or not (column.default is None or column.default.strip().upper().startswith("NULL"))
         or column.ahead
         or bool(set(words(column.name)) & set(DEADLINE_WORDS))
     )
@@ -445,19 +434,17 @@ def choose(candidates: list[Candidate]) -> Candidate | None:
     return usable[0] if len(usable) == 1 and not named else None
 
 
-def _sampled_types(column_type: str) -> bool:
-    """Types a marker can have: a timestamp, or what a partition bound can name as a flag."""
-    return column_type in TIMESTAMP_TYPES or not (
+def _worth_sampling(name: str, column_type: str, default: str | None) -> bool:
+    """A type a marker can have: a timestamp, or what a partition bound can name as a flag;
+    text only with a constant DEFAULT or named as a status, so a text payload is never sorted
+    for its distinct values."""
+    if column_type in TIMESTAMP_TYPES:
+        return True
+    if (
         column_type.endswith("[]")
         or column_type.startswith(NOT_A_FLAG)
         or column_type in ("uuid", "numeric", "real", "double precision")
-    )
-
-
-def _worth_sampling(name: str, column_type: str, default: str | None) -> bool:
-    """A marker's type; text only with a constant DEFAULT or named as a status, so a text
-    payload is never sorted for its distinct values."""
-    if not _sampled_types(column_type):
+    ):
         return False
     if column_type.startswith(CHARACTER_TYPES):
         return constant_default(default) is not None or _named(name, ("status", "state"))

@@ -8,7 +8,7 @@ exactly what runs.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 from psycopg import sql
@@ -155,7 +155,15 @@ class Created:
     """The relation a constraint or trigger belongs to."""
 
 
-@dataclass(frozen=True)
+CATALOG_TIMEOUT_MS = 2_000
+"""statement_timeout of catalog-only DDL: generous for catalog work, fatal for a table scan."""
+SCAN_GUARD_TIMEOUT_MS = 1_000
+"""ATTACH runs under this: if PostgreSQL decided to scan after all, it fails in a second
+instead of holding ACCESS EXCLUSIVE for minutes."""
+CREATE_TIMEOUT_MS = 10_000
+
+
+@dataclass(frozen=True, kw_only=True)
 class Step:
     """One database change between two deploys, described completely and inertly."""
 
@@ -166,9 +174,9 @@ class Step:
     app_before: str
     app_after: str
     statements: tuple[Statement, ...]
-    tx: TxMode
+    tx: TxMode = TxMode.TRANSACTION
     locks: tuple[Lock, ...]
-    scan: str
+    scan: str = ""
     """Empty when the step reads no table rows; else what it scans and what lets it skip."""
     preconditions: tuple[Condition, ...]
     postcondition: tuple[Condition, ...]
@@ -176,19 +184,19 @@ class Step:
     Empty only for steps whose proof is their ledger row (deploy gates)."""
     reverse: tuple[Statement, ...] | None
     reverse_note: str
-    reverse_preconditions: tuple[Condition, ...]
-    statement_timeout_ms: int | None
+    reverse_preconditions: tuple[Condition, ...] = ()
+    statement_timeout_ms: int | None = CATALOG_TIMEOUT_MS
     """None: unlimited (VALIDATE scans); else short, so a mistaken scan fails fast."""
     optional: bool = False
     catalog_only: bool = False
     """True when the ACCESS EXCLUSIVE part touches only the catalog (bounded, size-independent)."""
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    undone_by: tuple[str, ...] = field(default_factory=tuple)
+    notes: tuple[str, ...] = ()
+    undone_by: tuple[str, ...] = ()
     """Kinds of later steps that deliberately undo this step's effect (its postcondition then
     stops being an invariant of the migration)."""
-    creates: tuple[Created, ...] = field(default_factory=tuple)
+    creates: tuple[Created, ...] = ()
     """Objects this step creates (recorded by OID in the ledger when it commits)."""
-    reverse_creates: tuple[Created, ...] = field(default_factory=tuple)
+    reverse_creates: tuple[Created, ...] = ()
     """Objects this step's inverse re-creates (DROP CHECK's inverse adds the CHECK back): they
     are recorded too, so rolling back further may drop them again."""
     executor: str = "sql"
@@ -198,10 +206,10 @@ class Step:
     """Its postcondition states the migration's whole end state under new names (the rename to
     the original name): earlier steps' postconditions name relations that no longer carry
     those names, so they stop being invariants once this step is reached."""
-    former_checksums: tuple[str, ...] = field(default_factory=tuple)
-    """Checksums of earlier releases' definitions of this step whose effect the current one's
-    postcondition still describes: a migration started with such a release and past this
-    step is adopted (its ledger row takes the current checksum) instead of refused."""
+    formerly: tuple[tuple[Statement, ...], ...] = ()
+    """Earlier releases' statements for this step whose effect the current postcondition still
+    describes: a migration started with such a release and past this step is adopted (its
+    ledger row takes the current checksum) instead of refused."""
 
     def conditions_at(self, point: CheckPoint) -> tuple[Condition, ...]:
         return tuple(c for c in self.preconditions if c.at is point)
@@ -218,10 +226,12 @@ class Step:
     def sql_texts(self) -> list[str]:
         return [statement.as_string(None) for statement in self.statements]
 
-    def checksum(self) -> str:
-        """Fingerprint of what the step does; a step changed after it ran is refused."""
+    def checksum(self, statements: tuple[Statement, ...] | None = None) -> str:
+        """Fingerprint of what the step does (with `statements`: of an earlier release's
+        definition); a step changed after it ran is refused."""
+        chosen = self.statements if statements is None else statements
         digest = hashlib.sha256()
-        for part in (self.id, self.tx.value, *self.sql_texts()):
+        for part in (self.id, self.tx.value, *(s.as_string(None) for s in chosen)):
             digest.update(part.encode())
             digest.update(b"\x00")
         # Preconditions are left out on purpose: they say when a step may run (and embed
@@ -230,6 +240,11 @@ class Step:
             digest.update(condition.sql_text().encode())
             digest.update(b"\x00")
         return digest.hexdigest()[:16]
+
+    @property
+    def former_checksums(self) -> tuple[str, ...]:
+        """The checksums of `formerly`, the definitions a ledger row may have recorded."""
+        return tuple(self.checksum(statements) for statements in self.formerly)
 
 
 @dataclass(frozen=True)
@@ -286,12 +301,8 @@ class Pattern:
 
     def steps_through(self, phase: str) -> list[Step]:
         """Every step up to and including `phase`."""
-        steps: list[Step] = []
-        for candidate in self.phases:
-            steps.extend(candidate.steps)
-            if candidate.name.lower() == phase.lower():
-                return steps
-        raise KeyError(phase)
+        last = self.phases.index(self.phase(phase))
+        return [step for earlier in self.phases[: last + 1] for step in earlier.steps]
 
     def invariants(
         self, phase: str, done: frozenset[str] | None = None
@@ -314,11 +325,9 @@ class Pattern:
         if restating_ahead:
             return [(restating_ahead[-1], c) for c in restating_ahead[-1].postcondition]
         restating = [i for i, s in enumerate(steps) if s.restates_end_state]
-        first = restating[-1] if restating else 0
+        steps = steps[restating[-1] if restating else 0 :]
         held: list[tuple[Step, Condition]] = []
         for index, step in enumerate(steps):
-            if index < first:
-                continue
             later = {other.kind for other in steps[index + 1 :]} | ahead
             if later.intersection(step.undone_by):
                 continue

@@ -27,10 +27,6 @@ def gate_lock_keys(n: Names) -> tuple[sql.Composable, sql.Composable]:
     )
 
 
-def _reg(*parts: str) -> sql.Literal:
-    return sql.Literal(sql.Identifier(*parts).as_string(None))
-
-
 @dataclass(frozen=True)
 class Names:
     spec: OutboxSpec
@@ -39,7 +35,7 @@ class Names:
         return sql.Identifier(self.spec.schema, relation)
 
     def reg(self, relation: str) -> sql.Literal:
-        return _reg(self.spec.schema, relation)
+        return sql.Literal(ident(self.spec.schema, relation))
 
     def display(self, relation: str) -> str:
         """Human form used in lock tables: schema-qualified only outside `public`."""
@@ -74,18 +70,6 @@ class Names:
     @property
     def check_q(self) -> sql.Identifier:
         return sql.Identifier(self.spec.check_name)
-
-    @property
-    def index_q(self) -> sql.Identifier:
-        return sql.Identifier(self.spec.schema, self.spec.unpublished_index)
-
-    @property
-    def trigger_q(self) -> sql.Identifier:
-        return sql.Identifier(self.spec.copy_trigger)
-
-    @property
-    def function_q(self) -> sql.Identifier:
-        return sql.Identifier(self.spec.schema, self.spec.copy_function)
 
     def id_sequence(self, relation: str) -> sql.Composed:
         """The sequence that hands out `relation`'s ids, as a regclass (NULL when none).

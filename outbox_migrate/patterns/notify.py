@@ -41,33 +41,27 @@ from typing import Any
 
 from psycopg import sql
 
-from outbox_migrate.config import OutboxSpec
+from outbox_migrate.config import MAX_IDENTIFIER_BYTES, OutboxSpec
 
 TRIGGER_NAME = "relay_notify"
-IDLE_SUFFIX = ":idle"
-"""The idle lock's key is the relay's advisory namespace + table label + this suffix."""
 NEW_ROWS = "new_rows"
 """Transition table name inside the trigger function."""
-MAX_IDENTIFIER = 63
 
 
 def function_name(spec: OutboxSpec) -> str:
     """`<partitioned table>_relay_notify`, cut to PostgreSQL's identifier length."""
     suffix = "_relay_notify"
-    return spec.partitioned_table[: MAX_IDENTIFIER - len(suffix)] + suffix
-
-
-def idle_key(label: str) -> str:
-    """The text hashed into the idle lock's first key (`label` = schema.table)."""
-    from outbox_migrate.relay.queries import ADVISORY_NAMESPACE
-
-    return f"{ADVISORY_NAMESPACE}:{label}{IDLE_SUFFIX}"
+    return spec.partitioned_table[: MAX_IDENTIFIER_BYTES - len(suffix)] + suffix
 
 
 def idle_lock_key(label: str) -> int:
-    """The idle lock's first key for the table `label` (= schema.table): a CRC-32 of
-    `idle_key(label)` as a signed int4, computed here to be a literal (module docstring)."""
-    return int.from_bytes(zlib.crc32(idle_key(label).encode()).to_bytes(4, "big"), signed=True)
+    """The idle lock's first key for the table `label` (= schema.table): a CRC-32 of the
+    relay's advisory namespace, the label and `:idle`, as a signed int4, computed here to be
+    a literal (module docstring)."""
+    from outbox_migrate.relay.queries import ADVISORY_NAMESPACE
+
+    key = f"{ADVISORY_NAMESPACE}:{label}:idle"
+    return int.from_bytes(zlib.crc32(key.encode()).to_bytes(4, "big"), signed=True)
 
 
 def label(spec: OutboxSpec) -> str:

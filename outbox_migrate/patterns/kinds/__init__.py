@@ -8,49 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from outbox_migrate.patterns.kinds.base import (
-    CATALOG_TIMEOUT_MS,
-    CREATE_TIMEOUT_MS,
-    REGISTRY,
-    SCAN_GUARD_TIMEOUT_MS,
-    BuildContext,
-    StepBuilder,
-    kind,
-    make_step,
-)
+from outbox_migrate.patterns.kinds.base import REGISTRY, StepBuilder
 
 
 def load_all() -> Mapping[str, StepBuilder]:
     """Import every kind module so the registry is complete."""
     from outbox_migrate.patterns.kinds import (  # noqa: F401
         attach,
-        check_constraint,
-        copy_trigger,
+        copy_rows,
         dead_letter_tables,
-        gate,
         gate_sequence,
         guard,
-        identity,
-        jobs,
-        notify,
-        old_triggers,
         original_name,
         partitioned_table,
         publication,
-        tuning,
     )
 
     return REGISTRY
-
-
-__all__ = [
-    "CATALOG_TIMEOUT_MS",
-    "CREATE_TIMEOUT_MS",
-    "REGISTRY",
-    "SCAN_GUARD_TIMEOUT_MS",
-    "BuildContext",
-    "StepBuilder",
-    "kind",
-    "load_all",
-    "make_step",
-]

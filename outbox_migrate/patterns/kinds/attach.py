@@ -1,4 +1,5 @@
-"""Making the old table the DEFAULT partition: COPRA's attach and HOPER/HOPIA's swap.
+"""Making the old table the DEFAULT partition: the CHECK that lets ATTACH skip its scan, the
+old table's own triggers, COPRA's attach and HOPER/HOPIA's swap.
 
 ATTACH validates that every row of the attached table satisfies the partition constraint
 (for the DEFAULT partition here: `published_at IS NOT NULL`; for a flag marker
@@ -7,6 +8,13 @@ it — a full scan — unless a *validated* CHECK already implies that constrain
 (these steps' preconditions) proves the CHECK exists, is validated and implies the bound, that
 the columns match and that no identity is left; the statement then runs under a tight
 statement_timeout so that a scan PostgreSQL decided on anyway fails in a second.
+
+The CHECK (published_at IS NOT NULL; for a flag marker published IS NOT NULL AND published
+<> 0, see patterns/marker.py): NOT VALID first (a catalog change under a brief ACCESS
+EXCLUSIVE), VALIDATE in its own transaction (scans, but under SHARE UPDATE EXCLUSIVE, which
+blocks neither reads nor writes), optionally SET NOT NULL (PostgreSQL 12+ proves it from the
+validated CHECK without a scan), and after the attach DROP CONSTRAINT, since the partition
+constraint now says the same thing.
 
 DETACH … CONCURRENTLY is refused whenever the parent has a DEFAULT partition, so the swap uses
 a plain DETACH, which takes ACCESS EXCLUSIVE on the parent: it must be, and is, catalog-only.
@@ -22,14 +30,135 @@ from psycopg import sql
 from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns import marker
-from outbox_migrate.patterns.kinds.base import (
-    SCAN_GUARD_TIMEOUT_MS,
-    BuildContext,
-    kind,
-    make_step,
-)
+from outbox_migrate.patterns.kinds.base import BuildContext, kind
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND
-from outbox_migrate.patterns.model import Condition, Lock, Step, TxMode
+from outbox_migrate.patterns.model import SCAN_GUARD_TIMEOUT_MS, Condition, Created, Lock, Step
+from outbox_migrate.patterns.names import Names
+
+
+def add_check_sql(n: Names) -> sql.Composed:
+    return sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} CHECK ({}) NOT VALID").format(
+        n.q(n.table), n.check_q, marker.published(n.spec)
+    )
+
+
+def drop_check_sql(n: Names) -> sql.Composed:
+    return sql.SQL("ALTER TABLE {} DROP CONSTRAINT IF EXISTS {}").format(n.q(n.table), n.check_q)
+
+
+def not_null_sql(n: Names, action: str) -> sql.Composed:
+    return sql.SQL("ALTER TABLE {} ALTER COLUMN {} {} NOT NULL").format(
+        n.q(n.table), n.published_at_q, sql.SQL(action)
+    )
+
+
+@kind("add-not-valid-check")
+def add_not_valid_check(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    """New rows are checked at once, so every writer of unpublished rows into the old table
+    must be gone and the table drained before this runs."""
+    n = ctx.names
+    return Step(
+        **ctx.place("add-not-valid-check"),
+        summary=f"Add CHECK ({marker.describe_published(n.spec)}) NOT VALID to {n.table}",
+        statements=(add_check_sql(n),),
+        locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
+        catalog_only=True,
+        preconditions=(*ctx.deploy_gate(n.table), c.drained(n, n.table, ctx.phase)),
+        postcondition=(c.check_exists(n),),
+        reverse=(drop_check_sql(n),),
+        reverse_note="drop the constraint",
+        undone_by=("drop-check",),
+        creates=(Created("constraint", n.spec.check_name, on=n.table),),
+    )
+
+
+@kind("validate-check")
+def validate_check(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    n = ctx.names
+    return Step(
+        **ctx.place("validate-check"),
+        summary=f"VALIDATE the CHECK on {n.table} in its own transaction",
+        statements=(
+            sql.SQL("ALTER TABLE {} VALIDATE CONSTRAINT {}").format(n.q(n.table), n.check_q),
+        ),
+        locks=(Lock(n.table, LockMode.SHARE_UPDATE_EXCLUSIVE),),
+        scan=f"reads all of {n.table} under SHARE UPDATE EXCLUSIVE (reads and writes go on)",
+        statement_timeout_ms=None,
+        preconditions=(c.check_exists(n), c.drained(n, n.table, ctx.phase)),
+        postcondition=(c.check_exists(n), c.check_validated(n)),
+        reverse=(),
+        reverse_note="nothing to undo (reversing the add step drops the constraint)",
+        undone_by=("drop-check",),
+    )
+
+
+@kind("set-not-null")
+def set_not_null(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    n = ctx.names
+    return Step(
+        **ctx.place("set-not-null"),
+        summary=f"Optional: SET NOT NULL on {n.table}.{n.spec.published_column}, proven by the "
+        "validated CHECK",
+        statements=(not_null_sql(n, "SET"),),
+        locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
+        scan="none: the validated CHECK proves it (a scan would hit the statement_timeout)",
+        catalog_only=True,
+        statement_timeout_ms=SCAN_GUARD_TIMEOUT_MS,
+        preconditions=(c.check_exists(n), c.check_validated(n)),
+        postcondition=(c.column_not_null(n),),
+        reverse=(not_null_sql(n, "DROP"),),
+        reverse_note="drop the NOT NULL",
+        optional=True,
+    )
+
+
+@kind("drop-check")
+def drop_check(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    n = ctx.names
+    return Step(
+        **ctx.place("drop-check"),
+        summary=f"Drop the now-redundant CHECK from {n.table} (the partition bound says it)",
+        statements=(drop_check_sql(n),),
+        locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
+        catalog_only=True,
+        preconditions=(c.partition_bound(n, n.table, DEFAULT_BOUND),),
+        postcondition=(c.check_absent(n),),
+        reverse=(add_check_sql(n),),
+        reverse_note="re-add the CHECK as NOT VALID (catalog-only)",
+        reverse_creates=(Created("constraint", n.spec.check_name, on=n.table),),
+    )
+
+
+@kind("disable-old-triggers")
+def disable_old_triggers(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    """The old table's own triggers at the swap: offered, not imposed. Once the old table is
+    the DEFAULT partition, every publish moves a row into it (DELETE from the unpublished
+    partition + INSERT into the old table), so a row-level INSERT trigger there fires on every
+    publish, and HOPIA's copy trigger / HOPER's copy-back fire it for every copied row. `plan`
+    says which triggers exist and when they fire; this optional step disables them (the user
+    ones: internal constraint triggers stay), for an operator who re-created on the
+    partitioned parent what the application relies on."""
+    n = ctx.names
+    return Step(
+        **ctx.place("disable-old-triggers"),
+        summary=f"Optional: disable the user triggers of {n.table} before it becomes a "
+        "partition (they would fire on every publish)",
+        statements=(sql.SQL("ALTER TABLE {} DISABLE TRIGGER USER").format(n.q(n.table)),),
+        # ALTER TABLE … DISABLE TRIGGER takes SHARE ROW EXCLUSIVE: writers wait for the
+        # catalog change only.
+        locks=(Lock(n.table, LockMode.SHARE_ROW_EXCLUSIVE),),
+        catalog_only=True,
+        preconditions=(c.relation_exists(n, n.table),),
+        postcondition=(c.no_enabled_user_triggers(n, n.table),),
+        reverse=(sql.SQL("ALTER TABLE {} ENABLE TRIGGER USER").format(n.q(n.table)),),
+        reverse_note="enable the user triggers again (also any that were disabled before "
+        "the migration)",
+        optional=True,
+        notes=(
+            "Re-create on the partitioned table first whatever the application relies on; "
+            "`plan --dsn` lists the triggers and when each fires.",
+        ),
+    )
 
 
 def scan_guard(ctx: BuildContext) -> tuple[Condition, ...]:
@@ -51,25 +180,23 @@ def scan_guard(ctx: BuildContext) -> tuple[Condition, ...]:
     )
 
 
-def attach_old_sql(ctx: BuildContext) -> sql.Composed:
-    n = ctx.names
-    return sql.SQL("ALTER TABLE {} ATTACH PARTITION {} DEFAULT").format(n.q(n.parent), n.q(n.table))
+def attach_sql(n: Names, relation: str) -> sql.Composed:
+    return sql.SQL("ALTER TABLE {} ATTACH PARTITION {} DEFAULT").format(
+        n.q(n.parent), n.q(relation)
+    )
 
 
-def detach_sql(ctx: BuildContext, relation: str) -> sql.Composed:
-    n = ctx.names
+def detach_sql(n: Names, relation: str) -> sql.Composed:
     return sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(n.q(n.parent), n.q(relation))
 
 
 @kind("attach-old-as-default")
 def attach_old_as_default(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     n = ctx.names
-    return make_step(
-        ctx,
-        "attach-old-as-default",
+    return Step(
+        **ctx.place("attach-old-as-default"),
         summary=f"ATTACH {n.table} to {n.parent} as the DEFAULT partition (no scan)",
-        statements=(attach_old_sql(ctx),),
-        tx=TxMode.TRANSACTION,
+        statements=(attach_sql(n, n.table),),
         # ATTACH takes only SHARE UPDATE EXCLUSIVE on the parent (writers into the
         # partitioned table go on); ACCESS EXCLUSIVE falls on the table being attached.
         locks=(
@@ -82,7 +209,7 @@ def attach_old_as_default(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         statement_timeout_ms=SCAN_GUARD_TIMEOUT_MS,
         preconditions=(c.relation_absent(n, n.published), *scan_guard(ctx)),
         postcondition=(c.partition_bound(n, n.table, DEFAULT_BOUND),),
-        reverse=(detach_sql(ctx, n.table),),
+        reverse=(detach_sql(n, n.table),),
         reverse_note=f"detach {n.table} again; if the application already publishes from "
         f"{n.parent} (V4), create a DEFAULT partition right after",
     )
@@ -113,18 +240,14 @@ def swap_default(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} CHECK ({})").format(
             n.q(n.published), published_check, marker.published(n.spec)
         ),
-        detach_sql(ctx, n.table),
-        sql.SQL("ALTER TABLE {} ATTACH PARTITION {} DEFAULT").format(
-            n.q(n.parent), n.q(n.published)
-        ),
+        detach_sql(n, n.table),
+        attach_sql(n, n.published),
         sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(n.q(n.published), published_check),
     )
-    return make_step(
-        ctx,
-        "swap-default",
+    return Step(
+        **ctx.place("swap-default"),
         summary=f"In one transaction: DETACH {n.published} and ATTACH {n.table} as DEFAULT",
-        statements=(detach_sql(ctx, n.published), attach_old_sql(ctx)),
-        tx=TxMode.TRANSACTION,
+        statements=(detach_sql(n, n.published), attach_sql(n, n.table)),
         locks=(
             Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),
             Lock(n.published, LockMode.ACCESS_EXCLUSIVE),

@@ -21,8 +21,8 @@ from psycopg import sql
 from outbox_migrate import sql as queries
 from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns.kinds.base import CREATE_TIMEOUT_MS, BuildContext, kind, make_step
-from outbox_migrate.patterns.model import Created, Lock, Step, TxMode
+from outbox_migrate.patterns.kinds.base import BuildContext, kind
+from outbox_migrate.patterns.model import CREATE_TIMEOUT_MS, Created, Lock, Step
 from outbox_migrate.patterns.privileges import NO_PRIVILEGE, carry_privileges
 
 DEAD_LETTER_TABLE = "outbox_dead_letter"
@@ -36,8 +36,14 @@ def id_sql_type(text_ids: bool) -> sql.SQL:
     return sql.SQL("text" if text_ids else "int8")
 
 
-def _create(if_not_exists: bool) -> str:
-    return "CREATE TABLE IF NOT EXISTS" if if_not_exists else "CREATE TABLE"
+def _create(
+    columns: str, schema: str, table: str, text_ids: bool, if_not_exists: bool
+) -> sql.Composed:
+    return sql.SQL("{create} {table} (" + columns + ", PRIMARY KEY (source_table, id))").format(
+        create=sql.SQL("CREATE TABLE IF NOT EXISTS" if if_not_exists else "CREATE TABLE"),
+        table=sql.Identifier(schema, table),
+        id_type=id_sql_type(text_ids),
+    )
 
 
 def create_dead_letter(
@@ -48,19 +54,14 @@ def create_dead_letter(
     headers as [name, value] pairs, in order) and what happened (attempts, every reason, how
     often the sink acknowledged it before: a failed mark follows a delivery). A payload that is
     not UTF-8 (bytea) is kept in `payload_bytes`, `payload` then holding its hex text."""
-    return sql.SQL(
-        "{create} {table} ("
+    columns = (
         "source_table text NOT NULL, id {id_type} NOT NULL, event_type text, message_key text, "
         "payload text NOT NULL, payload_bytes bytea, created_at timestamptz NOT NULL, "
-        "attempts int NOT NULL, "
-        "last_error text NOT NULL, dead_at timestamptz NOT NULL DEFAULT now(), "
-        "headers jsonb, reasons text[] NOT NULL DEFAULT '{{}}', "
-        "delivered int NOT NULL DEFAULT 0, PRIMARY KEY (source_table, id))"
-    ).format(
-        create=sql.SQL(_create(if_not_exists)),
-        table=sql.Identifier(schema, table),
-        id_type=id_sql_type(text_ids),
+        "attempts int NOT NULL, last_error text NOT NULL, "
+        "dead_at timestamptz NOT NULL DEFAULT now(), headers jsonb, "
+        "reasons text[] NOT NULL DEFAULT '{{}}', delivered int NOT NULL DEFAULT 0"
     )
+    return _create(columns, schema, table, text_ids, if_not_exists)
 
 
 def create_attempts(
@@ -70,20 +71,15 @@ def create_attempts(
     restarts, so a message that makes the relay crash-loop still reaches the dead letters.
     `reasons` keeps each failure's reason (the last few), `delivered` how many of them came
     after the sink had acknowledged the message (a failed mark)."""
-    return sql.SQL(
-        "{create} {table} ("
+    columns = (
         "source_table text NOT NULL, id {id_type} NOT NULL, attempts int NOT NULL, "
         "last_error text NOT NULL, updated_at timestamptz NOT NULL DEFAULT now(), "
-        "reasons text[] NOT NULL DEFAULT '{{}}', delivered int NOT NULL DEFAULT 0, "
-        "PRIMARY KEY (source_table, id))"
-    ).format(
-        create=sql.SQL(_create(if_not_exists)),
-        table=sql.Identifier(schema, table),
-        id_type=id_sql_type(text_ids),
+        "reasons text[] NOT NULL DEFAULT '{{}}', delivered int NOT NULL DEFAULT 0"
     )
+    return _create(columns, schema, table, text_ids, if_not_exists)
 
 
-def _tables(ctx: BuildContext, params: Mapping[str, Any]) -> tuple[str, str]:
+def _tables(params: Mapping[str, Any]) -> tuple[str, str]:
     dead = str(params.get("table", DEAD_LETTER_TABLE))
     return dead, dead + ATTEMPTS_TABLE_SUFFIX
 
@@ -94,12 +90,11 @@ def create_dead_letter_tables(ctx: BuildContext, params: Mapping[str, Any]) -> S
     hold, and the step is adopted ("found": a rollback never drops them); tables this step
     created are dropped by its reverse, only while empty (dead letters are data)."""
     n = ctx.names
-    dead, attempts = _tables(ctx, params)
+    dead, attempts = _tables(params)
     text_ids = n.spec.id_kind == "application"
     schema = n.spec.schema
-    return make_step(
-        ctx,
-        "create-dead-letter-tables",
+    return Step(
+        **ctx.place("create-dead-letter-tables"),
         summary=f"Create {dead} and {attempts}, the relay's dead letters",
         statements=(
             create_dead_letter(schema, dead, text_ids, if_not_exists=False),
@@ -107,7 +102,6 @@ def create_dead_letter_tables(ctx: BuildContext, params: Mapping[str, Any]) -> S
             carry_privileges(n, dead, NO_PRIVILEGE),
             carry_privileges(n, attempts, NO_PRIVILEGE),
         ),
-        tx=TxMode.TRANSACTION,
         locks=(Lock(dead, LockMode.ACCESS_EXCLUSIVE), Lock(attempts, LockMode.ACCESS_EXCLUSIVE)),
         preconditions=(c.relation_exists(n, n.table),),
         postcondition=(c.relation_exists(n, dead), c.relation_exists(n, attempts)),
@@ -130,16 +124,14 @@ def create_dead_letter_tables(ctx: BuildContext, params: Mapping[str, Any]) -> S
 @kind("grant-dead-letters")
 def grant_dead_letters(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     n = ctx.names
-    dead, attempts = _tables(ctx, params)
+    dead, attempts = _tables(params)
     grants = dict(old_reg=n.reg(n.table), dead_reg=n.reg(dead), attempts_reg=n.reg(attempts),
                   unpublished_reg=n.reg(n.unpublished))  # fmt: skip
-    return make_step(
-        ctx,
-        "grant-dead-letters",
+    return Step(
+        **ctx.place("grant-dead-letters"),
         summary=f"Grant the relay's roles what dead-lettering needs on {dead}, {attempts} "
         f"and {n.unpublished}",
         statements=(queries.query("privileges", "grant-dead-letters").compose(**grants),),
-        tx=TxMode.TRANSACTION,
         # GRANT only updates the relations' catalog rows: it takes no relation lock.
         locks=(),
         preconditions=(

@@ -1,4 +1,5 @@
-"""The gate sequence: what the deploy gates watch to prove no writer of the old version is left.
+"""The gate sequence: what the deploy gates watch to prove no writer of the old version is left;
+and the gates themselves (`gate-old-table-retired`, and `drop-identity`, gated the same way).
 
 The id's own sequence cannot prove it: an INSERT that supplies its id (a snowflake id, a uuid,
 an id the application drew itself) never touches it, and a sequence can move with no row
@@ -25,8 +26,9 @@ from psycopg import sql
 
 from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
-from outbox_migrate.patterns.model import Created, Lock, Step, TxMode
+from outbox_migrate.patterns.kinds.base import BuildContext, kind
+from outbox_migrate.patterns.kinds.original_name import unseal_sql
+from outbox_migrate.patterns.model import Condition, Created, Lock, Step, TxMode
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.patterns.names import gate_lock_keys as lock_keys
 
@@ -45,8 +47,8 @@ def _created(n: Names) -> tuple[Created, ...]:
 
 def create_sql(n: Names) -> tuple[sql.Composed, ...]:
     key1, key2 = lock_keys(n)
-    sequence = sql.Identifier(n.spec.schema, n.spec.gate_sequence)
-    function = sql.Identifier(n.spec.schema, n.spec.gate_function)
+    sequence = n.q(n.spec.gate_sequence)
+    function = n.q(n.spec.gate_function)
     return (
         sql.SQL("CREATE SEQUENCE {} AS bigint CACHE 1").format(sequence),
         sql.SQL(
@@ -83,25 +85,19 @@ def drop_sql(n: Names) -> tuple[sql.Composed, ...]:
         sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(
             sql.Identifier(n.spec.gate_trigger), n.q(n.table)
         ),
-        sql.SQL("DROP FUNCTION IF EXISTS {}()").format(
-            sql.Identifier(n.spec.schema, n.spec.gate_function)
-        ),
-        sql.SQL("DROP SEQUENCE IF EXISTS {}").format(
-            sql.Identifier(n.spec.schema, n.spec.gate_sequence)
-        ),
+        sql.SQL("DROP FUNCTION IF EXISTS {}()").format(n.q(n.spec.gate_function)),
+        sql.SQL("DROP SEQUENCE IF EXISTS {}").format(n.q(n.spec.gate_sequence)),
     )
 
 
 @kind("install-gate-sequence")
 def install_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     n = ctx.names
-    return make_step(
-        ctx,
-        "install-gate-sequence",
+    return Step(
+        **ctx.place("install-gate-sequence"),
         summary=f"Sequence {n.spec.gate_sequence} ticked by every INSERT statement into "
         f"{n.table}: what the deploy gates watch (ids supplied or generated alike)",
         statements=create_sql(n),
-        tx=TxMode.TRANSACTION,
         # CREATE TRIGGER takes SHARE ROW EXCLUSIVE: it waits for the inserts in flight, so
         # every insert after it ticks.
         locks=(Lock(n.table, LockMode.SHARE_ROW_EXCLUSIVE),),
@@ -127,12 +123,10 @@ def install_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
 @kind("remove-gate-sequence")
 def remove_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     n = ctx.names
-    return make_step(
-        ctx,
-        "remove-gate-sequence",
+    return Step(
+        **ctx.place("remove-gate-sequence"),
         summary=f"Drop the gate trigger and {n.spec.gate_sequence}: the last deploy gate passed",
         statements=drop_sql(n),
-        tx=TxMode.TRANSACTION,
         # DROP TRIGGER takes ACCESS EXCLUSIVE (CREATE TRIGGER only SHARE ROW EXCLUSIVE)
         locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
@@ -142,4 +136,80 @@ def remove_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         reverse_note="re-create the sequence, its function and the trigger",
         reverse_creates=_created(n),
         reverse_preconditions=(c.relation_absent(n, n.spec.gate_sequence),),
+    )
+
+
+@kind("gate-old-table-retired")
+def gate_old_table_retired(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    """A deploy gate: no SQL; its preconditions stop a premature `run --to V3` (the old table
+    still taking new rows from a V1 writer, unpublished rows left in a table nobody will
+    publish from, or sessions of the outgoing version still connected)."""
+    n = ctx.names
+    # `unseal` (COP, HOP): going back before V3 the old version may insert into the flat
+    # table again, so the seal the rename to the original name left on it goes.
+    unseal = bool(params.get("unseal", False))
+    return Step(
+        **ctx.place("gate-old-table-retired"),
+        summary=f"Gate: no writer inserts into {n.table} any more and it is fully published",
+        statements=(),
+        tx=TxMode.NONE,
+        locks=(),
+        preconditions=(
+            c.relation_exists(n, n.table),
+            *ctx.deploy_gate(n.table),
+            c.drained(n, n.table, ctx.phase),
+        ),
+        postcondition=(),
+        reverse=(unseal_sql(n),) if unseal else (),
+        reverse_note="nothing to undo (but the original-name phase's seal, if any)"
+        if unseal
+        else "nothing to undo",
+        statement_timeout_ms=None,
+    )
+
+
+@kind("drop-identity")
+def drop_identity(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    """DROP IDENTITY on the old table: a partition may not have an identity column. Only safe
+    once no V1 instance inserts into the old table: V1's INSERTs rely on the identity default
+    and would fail on NOT NULL without it. The deploy gate is therefore this step's
+    precondition, checked right before it."""
+    n = ctx.names
+    gated: tuple[Condition, ...] = (c.relation_exists(n, n.table), *ctx.deploy_gate(n.table))
+    if n.spec.id_kind == "application":
+        # No identity to drop; the step stays for its deploy gate, re-proved under ACCESS
+        # EXCLUSIVE (no inserting transaction can be open) right before the swap.
+        return Step(
+            **ctx.place("drop-identity"),
+            summary=f"Gate under lock: no writer inserts into {n.table} any more "
+            "(application ids: no identity to drop)",
+            statements=(),
+            locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
+            catalog_only=True,
+            preconditions=gated,
+            postcondition=(c.no_identity(n, n.table),),
+            reverse=(),
+            reverse_note="nothing to undo",
+        )
+    readd = sql.SQL("ALTER TABLE {} ALTER COLUMN {} ADD GENERATED {} AS IDENTITY").format(
+        n.q(n.table), n.id_q, sql.SQL(ctx.options.identity_generation)
+    )
+    resync = sql.SQL(
+        "SELECT setval(pg_get_serial_sequence({}, {}), coalesce(max({}), 0) + 1, false) FROM {}"
+    ).format(n.reg(n.table), sql.Literal(n.spec.id_column), n.id_q, n.q(n.table))
+    return Step(
+        **ctx.place("drop-identity"),
+        summary=f"Drop IDENTITY from {n.table}.{n.spec.id_column} (a partition may not have one)",
+        statements=(
+            sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP IDENTITY IF EXISTS").format(
+                n.q(n.table), n.id_q
+            ),
+        ),
+        locks=(Lock(n.table, LockMode.ACCESS_EXCLUSIVE),),
+        catalog_only=True,
+        preconditions=(*gated, c.new_ids_above_old(n)),
+        postcondition=(c.no_identity(n, n.table),),
+        reverse=(readd, resync),
+        reverse_note="re-add the identity and move it past the table's highest id",
+        reverse_preconditions=(c.not_a_partition(n, n.table),),
     )

@@ -45,10 +45,10 @@ from psycopg import sql
 from outbox_migrate.db import GUARD_SETTING
 from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
-from outbox_migrate.patterns.kinds.copy_trigger import definer_rights
+from outbox_migrate.patterns.kinds.base import BuildContext, kind
+from outbox_migrate.patterns.kinds.copy_rows import definer_rights
 from outbox_migrate.patterns.kinds.partitioned_table import NULL_BOUND
-from outbox_migrate.patterns.model import Created, Lock, Step, TxMode
+from outbox_migrate.patterns.model import Created, Lock, Step
 from outbox_migrate.patterns.names import Names
 
 COST = (
@@ -68,7 +68,7 @@ def triggers(n: Names) -> list[tuple[str, str]]:
 
 
 def create_sql(n: Names) -> tuple[sql.Composed, ...]:
-    function = sql.Identifier(n.spec.schema, n.spec.guard_function)
+    function = n.q(n.spec.guard_function)
     body = sql.SQL(
         "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql {definer}AS $om$\n"
         "DECLARE\n"
@@ -116,12 +116,8 @@ def drop_sql(n: Names) -> tuple[sql.Composed, ...]:
     name = sql.Identifier(n.spec.guard_function)
     return (
         *(sql.SQL("DROP TRIGGER {} ON {}").format(name, n.q(r)) for _, r in triggers(n)),
-        sql.SQL("DROP FUNCTION {}()").format(sql.Identifier(n.spec.schema, n.spec.guard_function)),
+        sql.SQL("DROP FUNCTION {}()").format(n.q(n.spec.guard_function)),
     )
-
-
-def _on(n: Names, trigger: str, relation: str) -> dict[str, sql.Composable]:
-    return {"rel_reg": n.reg(relation), "trigger_name": sql.Literal(trigger)}
 
 
 @kind("guard-unpublished")
@@ -130,12 +126,10 @@ def guard_unpublished(ctx: BuildContext, params: Mapping[str, Any]) -> Step | No
     if not n.spec.unpublished_guard:
         return None
     name = n.spec.guard_function
-    return make_step(
-        ctx,
-        "guard-unpublished",
+    return Step(
+        **ctx.place("guard-unpublished"),
         summary=f"Guard {n.unpublished}: unpublished rows other sessions DELETE are written back",
         statements=create_sql(n),
-        tx=TxMode.TRANSACTION,
         locks=(
             Lock(n.unpublished, LockMode.SHARE_ROW_EXCLUSIVE),
             Lock(n.parent, LockMode.SHARE_ROW_EXCLUSIVE),
@@ -143,11 +137,11 @@ def guard_unpublished(ctx: BuildContext, params: Mapping[str, Any]) -> Step | No
         catalog_only=True,
         preconditions=(
             c.partition_bound(n, n.unpublished, NULL_BOUND),
-            *(c.condition("trigger-absent", label, **_on(n, name, r)) for label, r in triggers(n)),
+            *(c.on_trigger("trigger-absent", n, r, name, label) for label, r in triggers(n)),
             c.condition("function-absent", "guard", function_reg=n.reg(n.spec.guard_function)),
         ),
         postcondition=tuple(
-            c.condition("trigger-exists", label, **_on(n, name, r)) for label, r in triggers(n)
+            c.on_trigger("trigger-exists", n, r, name, label) for label, r in triggers(n)
         ),
         reverse=drop_sql(n),
         reverse_note="drop the guard's triggers and function (ctid cleanups can then delete "

@@ -30,21 +30,19 @@ non-transactional, so a rolled-back write counts too.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from psycopg import sql
 
-from outbox_migrate import sql as queries
 from outbox_migrate.config import DEFAULT_CHANNEL
 from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
 from outbox_migrate.patterns import marker, notify
-from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.base import BuildContext, kind
 from outbox_migrate.patterns.kinds.partitioned_table import DEFAULT_BOUND, NULL_BOUND
-from outbox_migrate.patterns.model import CheckPoint, Condition, Created, Lock, Step, TxMode
+from outbox_migrate.patterns.model import CheckPoint, Condition, Created, Lock, Step
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.patterns.privileges import EVERY_PRIVILEGE, NO_PRIVILEGE, carry_privileges
 
@@ -65,13 +63,6 @@ OLD_TABLE_BECOMES = ("published", "retired")
 name; `retired`: it stands alone (COP, HOP) and takes `<table>_retired` (if it still exists)."""
 
 
-def _condition(name: str, label: str, **parts: sql.Composable) -> Condition:
-    named = queries.query("original_name", name)
-    return Condition(
-        name=f"{name}:{label}", description=named.description, query=named.compose(**parts)
-    )
-
-
 def renamed(n: Names) -> Names:
     """The names after the rename: the parent is called what the flat table was."""
     return Names(replace(n.spec, partitioned_table=n.spec.table))
@@ -79,7 +70,8 @@ def renamed(n: Names) -> Names:
 
 def view_over(n: Names) -> Condition:
     """The parent's former name is a view over the renamed parent."""
-    return _condition("view-over", n.parent, view_reg=n.reg(n.parent), rel_reg=n.reg(n.table))
+    parts = {"view_reg": n.reg(n.parent), "rel_reg": n.reg(n.table)}
+    return c.condition("view-over", n.parent, "original_name", **parts)
 
 
 def end_state(n: Names) -> tuple[Condition, ...]:
@@ -90,14 +82,6 @@ def end_state(n: Names) -> tuple[Condition, ...]:
         c.partition_bound(after, after.unpublished, NULL_BOUND),
         c.partition_bound(after, after.published, DEFAULT_BOUND),
     )
-
-
-def _old_table_target(n: Names, becomes: str) -> str:
-    if becomes not in OLD_TABLE_BECOMES:
-        raise ValueError(
-            f"take-original-name: old_table_becomes must be one of {OLD_TABLE_BECOMES}"
-        )
-    return n.published if becomes == "published" else n.spec.retired_table
 
 
 def rename_sql(n: Names, relation: str, to: str, *, if_exists: bool = False) -> sql.Composed:
@@ -124,18 +108,20 @@ def rekey_wake_up_sql(n: Names, key_names: Names) -> sql.Composed:
     Relays compute the key from the name they are given; keyed to the original name, the
     next version's relays are woken and those still on the former name poll until stopped."""
     body = notify.create_sql(n.spec, DEFAULT_CHANNEL, key_spec=key_names.spec)[0]
+    function = sql.Identifier(n.spec.schema, notify.function_name(n.spec)).as_string(None)
+    test = sql.SQL("to_regprocedure({}) IS NOT NULL").format(sql.Literal(function + "()"))
+    return _execute_if("rekey", test, _text_expression(body.as_string(None)))
+
+
+def _execute_if(tag: str, test: sql.Composable, statement: sql.Composable) -> sql.Composed:
+    """A DO block that executes `statement` (a text expression) only if `test` holds."""
     return sql.SQL(
-        "DO $rekey$\nBEGIN\n"
-        "    IF to_regprocedure({function}) IS NOT NULL THEN\n"
-        "        EXECUTE {body};\n"
+        "DO ${tag}$\nBEGIN\n"
+        "    IF {test} THEN\n"
+        "        EXECUTE {statement};\n"
         "    END IF;\n"
-        "END\n$rekey$"
-    ).format(
-        function=sql.Literal(
-            sql.Identifier(n.spec.schema, notify.function_name(n.spec)).as_string(None) + "()"
-        ),
-        body=_text_expression(body.as_string(None)),
-    )
+        "END\n${tag}$"
+    ).format(tag=sql.SQL(tag), test=test, statement=statement)
 
 
 def _text_expression(text: str) -> sql.Composed:
@@ -171,18 +157,11 @@ def unseal_sql(n: Names) -> sql.Composed:
     drop = sql.SQL("ALTER TABLE {table} DROP CONSTRAINT {check}").format(
         table=n.q(n.table), check=sql.Identifier(n.spec.retired_check)
     )
-    return sql.SQL(
-        "DO $unseal$\nBEGIN\n"
-        "    IF EXISTS (SELECT FROM pg_constraint WHERE conrelid = to_regclass({table}) "
-        "AND conname = {check}) THEN\n"
-        "        EXECUTE {drop};\n"
-        "    END IF;\n"
-        "END\n$unseal$"
-    ).format(
-        table=n.reg(n.table),
-        check=sql.Literal(n.spec.retired_check),
-        drop=sql.Literal(drop.as_string(None)),
-    )
+    test = sql.SQL(
+        "EXISTS (SELECT FROM pg_constraint WHERE conrelid = to_regclass({table}) "
+        "AND conname = {check})"
+    ).format(table=n.reg(n.table), check=sql.Literal(n.spec.retired_check))
+    return _execute_if("unseal", test, sql.Literal(drop.as_string(None)))
 
 
 def carry_grants_sql(n: Names) -> sql.Composed:
@@ -197,8 +176,12 @@ def carry_grants_sql(n: Names) -> sql.Composed:
 def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     n = ctx.names
     becomes = str(params.get("old_table_becomes", "published"))
-    target = _old_table_target(n, becomes)
+    if becomes not in OLD_TABLE_BECOMES:
+        raise ValueError(
+            f"take-original-name: old_table_becomes must be one of {OLD_TABLE_BECOMES}"
+        )
     retired = becomes == "retired"
+    target = n.spec.retired_table if retired else n.published
     if retired:
         # COP/HOP: the old table stands alone (or was dropped by the operator already).
         old_table_checks: tuple[Condition, ...] = (
@@ -213,28 +196,19 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     else:
         old_table_checks = (c.partition_bound(n, n.table, DEFAULT_BOUND),)
         moved = f"{n.table} (the DEFAULT partition) becomes {target}"
-    sealing = (seal_sql(n),) if retired else ()
-    forward = (
-        *sealing,
-        rename_sql(n, n.table, target, if_exists=retired),
-        rename_sql(n, n.parent, n.table),
-        create_view_sql(n),
-        carry_grants_sql(n),
-        rekey_wake_up_sql(n, renamed(n)),
-    )
+    renames = (rename_sql(n, n.table, target, if_exists=retired), rename_sql(n, n.parent, n.table))
+    then = (carry_grants_sql(n), rekey_wake_up_sql(n, renamed(n)))
     reverse = (
         sql.SQL("DROP VIEW {}").format(n.q(n.parent)),
         rename_sql(n, n.table, n.parent),
         rename_sql(n, target, n.table, if_exists=retired),
         rekey_wake_up_sql(n, n),
     )
-    step = make_step(
-        ctx,
-        "take-original-name",
+    return Step(
+        **ctx.place("take-original-name"),
         summary=f"In one transaction: {moved}, {n.parent} becomes {n.table}, and a view "
         f"{n.parent} over it keeps the previous version's inserts working",
-        statements=forward,
-        tx=TxMode.TRANSACTION,
+        statements=(*((seal_sql(n),) if retired else ()), *renames, create_view_sql(n), *then),
         # The parent first, as the writers lock it (lock_declared orders it first too); RENAME
         # is catalog-only, so ACCESS EXCLUSIVE is held for milliseconds.
         locks=(Lock(n.parent, LockMode.ACCESS_EXCLUSIVE), Lock(n.table, LockMode.ACCESS_EXCLUSIVE)),
@@ -266,14 +240,11 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             f"exposes ctid for its marks); start new relays with --partitioned-table {n.table}.",
             f"SELECT * through the view {n.parent} returns two more columns, ctid and tableoid.",
         ),
+        # Earlier releases' view had no tableoid column (nor did they seal): a rename they did
+        # is adopted as done (a relay started with the former name then refuses to mark
+        # through it, and says so).
+        formerly=((*renames, create_view_sql(n, tableoid=False), *then),),
     )
-    # Earlier releases' view had no tableoid column: a rename they did is adopted as done
-    # (a relay started with the former name then refuses to mark through it, and says so).
-    earlier = tuple(
-        create_view_sql(n, tableoid=False) if index == 2 else statement
-        for index, statement in enumerate(forward[len(sealing) :])
-    )
-    return replace(step, former_checksums=(replace(step, statements=earlier).checksum(),))
 
 
 def count_view_writes_sql(n: Names) -> tuple[sql.Composed, ...]:
@@ -291,9 +262,9 @@ def count_view_writes_sql(n: Names) -> tuple[sql.Composed, ...]:
     even in a rule): writers need no grant, and the worst another role can do with it is tick
     the counter, which only keeps the gate shut. The sink is written by the rule as the view's
     owner, so it gets the table's owner and no grant."""
-    seq = sql.Identifier(n.spec.schema, n.spec.view_use_sequence)
-    sink = sql.Identifier(n.spec.schema, n.spec.view_use_sink)
-    function = sql.Identifier(n.spec.schema, n.spec.view_use_function)
+    seq = n.q(n.spec.view_use_sequence)
+    sink = n.q(n.spec.view_use_sink)
+    function = n.q(n.spec.view_use_function)
     rules = tuple(
         sql.SQL(
             "CREATE RULE {rule} AS ON {event} TO {view} "
@@ -328,18 +299,17 @@ def count_view_writes_sql(n: Names) -> tuple[sql.Composed, ...]:
 def drop_view_counter_sql(n: Names) -> tuple[sql.Composed, ...]:
     """The counter's sink, function and sequence (the rules go with the view, or first)."""
     return (
-        sql.SQL("DROP TABLE {}").format(sql.Identifier(n.spec.schema, n.spec.view_use_sink)),
-        sql.SQL("DROP FUNCTION {}()").format(
-            sql.Identifier(n.spec.schema, n.spec.view_use_function)
-        ),
-        sql.SQL("DROP SEQUENCE {}").format(sql.Identifier(n.spec.schema, n.spec.view_use_sequence)),
+        sql.SQL("DROP TABLE {}").format(n.q(n.spec.view_use_sink)),
+        sql.SQL("DROP FUNCTION {}()").format(n.q(n.spec.view_use_function)),
+        sql.SQL("DROP SEQUENCE {}").format(n.q(n.spec.view_use_sequence)),
     )
 
 
 def view_writes_counted(n: Names) -> Condition:
-    return _condition(
+    return c.condition(
         "view-writes-counted",
         n.parent,
+        "original_name",
         view_reg=n.reg(n.parent),
         seq_reg=n.reg(n.spec.view_use_sequence),
         rules=sql.SQL("ARRAY[{}]::name[]").format(
@@ -367,13 +337,11 @@ def _counter_created(n: Names) -> tuple[Created, ...]:
 @kind("count-view-writes")
 def count_view_writes(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     n = ctx.names
-    return make_step(
-        ctx,
-        "count-view-writes",
+    return Step(
+        **ctx.place("count-view-writes"),
         summary=f"Count every write through the view {n.parent}: rules tick "
         f"{n.spec.view_use_sequence} once per statement, the drop gate's evidence",
         statements=count_view_writes_sql(n),
-        tx=TxMode.TRANSACTION,
         # CREATE RULE takes ACCESS EXCLUSIVE on the view: catalog-only, held for milliseconds.
         locks=(Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
@@ -411,19 +379,20 @@ def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     and is still open: every write statement through the view is counted, whatever its
     timing; a read is seen only while its transaction holds the view's lock."""
     n = ctx.names
-    samples = max(1, round(ctx.sample_window_s / VIEW_SAMPLE_INTERVAL_S))
+    samples = max(1, round(ctx.options.sample_window_s / VIEW_SAMPLE_INTERVAL_S))
     counter = {
         "view_reg": n.reg(n.parent),
         "seq_reg": n.reg(n.spec.view_use_sequence),
         "phase": sql.Literal(ctx.phase),
-        "sample_key": _view_sample_key(n),
+        "sample_key": c.sample_key(n, n.spec.view_use_sequence, "view"),
     }
-    unused = _condition(
+    unused = c.condition(
         "no-view-users",
         n.parent,
+        "original_name",
         samples=sql.Literal(samples),
         interval_s=sql.Literal(VIEW_SAMPLE_INTERVAL_S),
-        window_s=sql.Literal(ctx.sample_window_s),
+        window_s=sql.Literal(ctx.options.sample_window_s),
         **counter,
     )
     sampled = c.before_lock(
@@ -435,18 +404,16 @@ def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     gate: list[Condition] = [
         view_over(n),
         sampled,
-        _condition("no-view-writes-since-sample", n.parent, **counter),
+        c.condition("no-view-writes-since-sample", n.parent, "original_name", **counter),
     ]
-    if ctx.old_app_name:
-        gate.append(c.no_old_app_sessions(ctx.old_app_name, ctx.phase))
+    if ctx.options.old_app_name:
+        gate.append(c.no_old_app_sessions(ctx.options.old_app_name, ctx.phase))
     recreate = (create_view_sql(n), carry_grants_sql(n), *count_view_writes_sql(n))
-    return make_step(
-        ctx,
-        "drop-compat-view",
+    return Step(
+        **ctx.place("drop-compat-view"),
         summary=f"Gate and drop: no write went through the view {n.parent} during the window "
         "and nobody holds it; drop it and its use counter",
         statements=(sql.SQL("DROP VIEW {}").format(n.q(n.parent)), *drop_view_counter_sql(n)),
-        tx=TxMode.TRANSACTION,
         locks=(Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),),
         catalog_only=True,
         optional=True,
@@ -463,10 +430,3 @@ def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
         reverse_creates=(Created("relation", n.parent), *_counter_created(n)),
         restates_end_state=True,
     )
-
-
-def _view_sample_key(n: Names) -> sql.Literal:
-    """The session setting where the drop gate keeps the counter's value from its window
-    until the check under the lock (the runner makes both on one session)."""
-    key = zlib.crc32(n.reg(n.spec.view_use_sequence).as_string(None).encode()) & 0xFFFFFFFF
-    return sql.Literal(f"outbox_migrate.view_{key:08x}")

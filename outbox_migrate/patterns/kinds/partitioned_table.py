@@ -1,23 +1,25 @@
-"""Kinds that build the new partitioned outbox: the parent, its two partitions, the index.
+"""Kinds that build the new partitioned outbox: the parent, its two partitions, the index; and
+what is set on them where they are created (the relay's wake-up trigger, autovacuum tuning).
 
-All of them create new, empty relations, so their ACCESS EXCLUSIVE locks are on objects no
-application uses yet (the parent's lock during CREATE … PARTITION OF is equally harmless
+The creating kinds make new, empty relations, so their ACCESS EXCLUSIVE locks are on objects
+no application uses yet (the parent's lock during CREATE … PARTITION OF is equally harmless
 before V2 is deployed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from psycopg import sql
 
+from outbox_migrate.config import DEFAULT_CHANNEL
 from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns import marker
-from outbox_migrate.patterns.kinds.base import CREATE_TIMEOUT_MS, BuildContext, kind, make_step
-from outbox_migrate.patterns.model import Condition, Created, Lock, Step, TxMode
+from outbox_migrate.patterns import marker, notify
+from outbox_migrate.patterns.kinds.base import BuildContext, kind
+from outbox_migrate.patterns.model import CREATE_TIMEOUT_MS, Created, Lock, Step
+from outbox_migrate.patterns.names import Names
 from outbox_migrate.patterns.privileges import (
     EVERY_PRIVILEGE,
     NO_PRIVILEGE,
@@ -42,72 +44,53 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
     depend on a sequence the old table owns (dropping the retired table would take it along).
     The identity starts above every id the old table holds or has handed out, plus headroom
     for V1 instances still inserting while V2 rolls out. It is GENERATED ALWAYS only when the
-    old id was (`ctx.identity_generation`): a serial or a BY DEFAULT identity accepted an id
+    old id was (`identity_generation`): a serial or a BY DEFAULT identity accepted an id
     the INSERT supplies, and the new table must too.
 
     Application-generated ids (uuid, ULID): nothing to move; the application keeps them unique.
     """
     n = ctx.names
-    create = sql.SQL(
-        "CREATE TABLE {parent} (LIKE {old} INCLUDING DEFAULTS INCLUDING IDENTITY "
-        "INCLUDING GENERATED INCLUDING CONSTRAINTS INCLUDING STORAGE INCLUDING COMMENTS) "
-        "PARTITION BY LIST ({published_at})"
-    ).format(parent=n.q(n.parent), old=n.q(n.table), published_at=n.published_at_q)
-    statements: tuple[sql.Composed, ...] = (create,)
+    statements: tuple[sql.Composed, ...] = (_create_parent_sql(n),)
     summary = f"Create {n.parent} PARTITION BY LIST ({n.spec.published_column})"
-    notes = [
-        "CHECK constraints of the old table are copied (a row the old table would refuse "
-        "must be refused at insert, not when the relay publishes it into the old table).",
-    ]
+    ids_note = (
+        "Ids come from the application (id_kind = application): no identity and no "
+        "headroom; the application must keep them unique across both tables."
+    )
+    # Earlier releases created the parent without carrying privileges (and release 0.1 also
+    # without CHECKs): a migration they started is adopted, its grants are the operator's.
+    formerly: list[tuple[sql.Composed, ...]] = []
     if n.spec.id_kind == "database":
         own_identity = tuple(
             sql.SQL("ALTER TABLE {} ALTER COLUMN {} {}").format(n.q(n.parent), n.id_q, action)
             for action in (
                 sql.SQL("DROP IDENTITY IF EXISTS"),
                 sql.SQL("DROP DEFAULT"),
-                sql.SQL("ADD GENERATED {} AS IDENTITY").format(sql.SQL(ctx.identity_generation)),
+                sql.SQL("ADD GENERATED {} AS IDENTITY").format(
+                    sql.SQL(ctx.options.identity_generation)
+                ),
             )
         )
-        start = sql.SQL(
-            "SELECT setval(seq, greatest((SELECT max({id}) FROM {old}), "
-            "pg_sequence_last_value({old_seq}), 0) + {headroom}) "
-            "FROM (SELECT pg_get_serial_sequence({parent_reg}, {id_name})::regclass AS seq) s "
-            "WHERE seq IS NOT NULL"
-        ).format(
-            id=n.id_q,
-            old=n.q(n.table),
-            old_seq=n.id_sequence(n.table),
-            headroom=sql.Literal(n.spec.id_headroom),
-            parent_reg=n.reg(n.parent),
-            id_name=sql.Literal(n.spec.id_column),
+        statements += (*own_identity, _start_identity_sql(n, n.id_sequence(n.table)))
+        # Release 0.1: the identity copied as the old table had it, no CHECK constraints,
+        # the old table's own identity sequence only. Its postcondition is today's, so a
+        # migration that ran it is adopted (its new identity was started above the old ids
+        # all the same; CHECKs are reported by `plan`, as ever).
+        old_seq = sql.SQL("pg_get_serial_sequence({}, {})::regclass").format(
+            n.reg(n.table), sql.Literal(n.spec.id_column)
         )
-        statements += (*own_identity, start)
+        formerly.append((_create_parent_sql(n, checks=False), _start_identity_sql(n, old_seq)))
         summary += (
             f", its own identity starting {n.spec.id_headroom:,} above the old table's highest id"
         )
-        notes.insert(
-            0,
+        ids_note = (
             "Ids stay unique across both tables in every pattern: sinks and consumers that "
-            "de-duplicate by outbox id would otherwise drop new messages reusing old ids.",
+            "de-duplicate by outbox id would otherwise drop new messages reusing old ids."
         )
-    else:
-        notes.insert(
-            0,
-            "Ids come from the application (id_kind = application): no identity and no "
-            "headroom; the application must keep them unique across both tables.",
-        )
-    notes.append(
-        f"{n.parent} gets {n.table}'s owner and every table and column grant, in this "
-        "transaction: V2 inserts, reads and marks through it with the privileges V1 had."
-    )
-    before_privileges = statements
-    statements += (carry_privileges(n, n.parent, EVERY_PRIVILEGE),)
-    step = make_step(
-        ctx,
-        "create-partitioned-table",
+    formerly.append(statements)
+    return Step(
+        **ctx.place("create-partitioned-table"),
         summary=summary,
-        statements=statements,
-        tx=TxMode.TRANSACTION,
+        statements=(*statements, carry_privileges(n, n.parent, EVERY_PRIVILEGE)),
         locks=(
             Lock(n.table, LockMode.ACCESS_SHARE),
             Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),
@@ -119,7 +102,10 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
             c.relation_absent(n, n.parent),
             c.no_row_security(n),
             c.may_give_to_owner(n),
-            *_unique_id_needed(ctx, params),
+            # HOPER's copy-back skips rows already copied by `ON CONFLICT (id)`, which needs
+            # a unique index on the old table's id: checked here, in V2, not at copy-back
+            # after the swap.
+            *((c.unique_id_index(n, n.table),) if params.get("require_unique_id") else ()),
         ),
         postcondition=(c.relation_exists(n, n.parent), c.partitioned_by_list(n)),
         reverse=(sql.SQL("DROP TABLE {}").format(n.q(n.parent)),),
@@ -127,50 +113,47 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
         reverse_preconditions=(c.no_partitions(n, n.parent), c.relation_empty(n, n.parent)),
         statement_timeout_ms=CREATE_TIMEOUT_MS,
         creates=(Created("relation", n.parent),),
-        notes=tuple(notes),
+        notes=(
+            ids_note,
+            "CHECK constraints of the old table are copied (a row the old table would refuse "
+            "must be refused at insert, not when the relay publishes it into the old table).",
+            f"{n.parent} gets {n.table}'s owner and every table and column grant, in this "
+            "transaction: V2 inserts, reads and marks through it with the privileges V1 had.",
+        ),
+        formerly=tuple(formerly),
     )
-    # Earlier releases created the parent without carrying privileges (and release 0.1 also
-    # without CHECKs): a migration they started is adopted, its grants are the operator's.
-    former = [replace(step, statements=before_privileges).checksum()]
-    if n.spec.id_kind == "database":
-        former.insert(0, replace(step, statements=_release_01(ctx)).checksum())
-    return replace(step, former_checksums=tuple(former))
 
 
-def _release_01(ctx: BuildContext) -> tuple[sql.Composed, ...]:
-    """The step as release 0.1 ran it: the identity copied as the old table had it, no CHECK
-    constraints, the old table's own identity sequence only. Its postcondition is today's, so
-    a migration that ran it is adopted by this release (its new identity was started above
-    the old ids all the same; CHECKs are reported by `plan`, as ever)."""
-    n = ctx.names
-    create = sql.SQL(
+def _create_parent_sql(n: Names, *, checks: bool = True) -> sql.Composed:
+    """`checks=False`: release 0.1's, which did not copy the CHECK constraints."""
+    return sql.SQL(
         "CREATE TABLE {parent} (LIKE {old} INCLUDING DEFAULTS INCLUDING IDENTITY "
-        "INCLUDING GENERATED INCLUDING STORAGE INCLUDING COMMENTS) "
+        "INCLUDING GENERATED {constraints}INCLUDING STORAGE INCLUDING COMMENTS) "
         "PARTITION BY LIST ({published_at})"
-    ).format(parent=n.q(n.parent), old=n.q(n.table), published_at=n.published_at_q)
-    start = sql.SQL(
+    ).format(
+        parent=n.q(n.parent),
+        old=n.q(n.table),
+        constraints=sql.SQL("INCLUDING CONSTRAINTS " if checks else ""),
+        published_at=n.published_at_q,
+    )
+
+
+def _start_identity_sql(n: Names, old_seq: sql.Composable) -> sql.Composed:
+    """Start the parent's identity above every id the old table holds or its sequence
+    `old_seq` has handed out, plus the headroom."""
+    return sql.SQL(
         "SELECT setval(seq, greatest((SELECT max({id}) FROM {old}), "
-        "pg_sequence_last_value(pg_get_serial_sequence({old_reg}, {id_name})::regclass), 0) "
-        "+ {headroom}) "
+        "pg_sequence_last_value({old_seq}), 0) + {headroom}) "
         "FROM (SELECT pg_get_serial_sequence({parent_reg}, {id_name})::regclass AS seq) s "
         "WHERE seq IS NOT NULL"
     ).format(
         id=n.id_q,
         old=n.q(n.table),
-        old_reg=n.reg(n.table),
+        old_seq=old_seq,
         headroom=sql.Literal(n.spec.id_headroom),
         parent_reg=n.reg(n.parent),
         id_name=sql.Literal(n.spec.id_column),
     )
-    return (create, start)
-
-
-def _unique_id_needed(ctx: BuildContext, params: Mapping[str, Any]) -> tuple[Condition, ...]:
-    """HOPER's copy-back skips rows already copied by `ON CONFLICT (id)`, which needs a unique
-    index on the old table's id: checked here, in V2, not at copy-back after the swap."""
-    if not params.get("require_unique_id"):
-        return ()
-    return (c.unique_id_index(ctx.names, ctx.names.table),)
 
 
 def _create_partition(
@@ -191,12 +174,10 @@ def _create_partition(
         n.q(n.parent),
         marker.bound(n.spec) if bound == NULL_BOUND else sql.SQL(bound),
     )
-    step = make_step(
-        ctx,
-        kind_name,
+    return Step(
+        **ctx.place(kind_name),
         summary=summary,
         statements=(create, carry_privileges(n, relation, privileges)),
-        tx=TxMode.TRANSACTION,
         locks=(
             Lock(n.parent, LockMode.ACCESS_EXCLUSIVE),
             Lock(relation, LockMode.ACCESS_EXCLUSIVE),
@@ -213,21 +194,16 @@ def _create_partition(
         statement_timeout_ms=CREATE_TIMEOUT_MS,
         undone_by=undone_by,
         creates=(Created("relation", relation),),
-        notes=(_partition_privileges_note(n.table, privileges),),
-    )
-    # Earlier releases created the partition without carrying privileges: adopted as done.
-    return replace(step, former_checksums=(replace(step, statements=(create,)).checksum(),))
-
-
-def _partition_privileges_note(old: str, privileges: tuple[str, ...]) -> str:
-    if not privileges:
-        return (
-            f"Owned by {old}'s owner; no grant: the application reaches it only through the "
-            "parent, where PostgreSQL checks the parent's privileges."
-        )
-    return (
-        f"Owned by {old}'s owner, with the {' and '.join(privileges)} grants of {old}: the "
-        "relay claims from this partition directly (SELECT … FOR UPDATE SKIP LOCKED)."
+        notes=(
+            f"Owned by {n.table}'s owner, with the {' and '.join(privileges)} grants of "
+            f"{n.table}: the relay claims from this partition directly (SELECT … FOR UPDATE "
+            "SKIP LOCKED)."
+            if privileges
+            else f"Owned by {n.table}'s owner; no grant: the application reaches it only "
+            "through the parent, where PostgreSQL checks the parent's privileges.",
+        ),
+        # Earlier releases created the partition without carrying privileges: adopted as done.
+        formerly=((create,),),
     )
 
 
@@ -254,9 +230,8 @@ def create_unpublished_index(ctx: BuildContext, params: Mapping[str, Any]) -> St
     keys = [n.spec.id_column]
     if n.spec.id_kind == "application" and n.spec.order_column:
         keys.insert(0, n.spec.order_column)
-    return make_step(
-        ctx,
-        "create-unpublished-index",
+    return Step(
+        **ctx.place("create-unpublished-index"),
         summary=f"Index {n.unpublished} ({', '.join(keys)}) for the relay's claim",
         statements=(
             sql.SQL("CREATE INDEX {} ON {} ({})").format(
@@ -265,14 +240,13 @@ def create_unpublished_index(ctx: BuildContext, params: Mapping[str, Any]) -> St
                 sql.SQL(", ").join(map(sql.Identifier, keys)),
             ),
         ),
-        tx=TxMode.TRANSACTION,
         locks=(Lock(n.unpublished, LockMode.SHARE),),
         preconditions=(
             c.partition_bound(n, n.unpublished, NULL_BOUND),
             c.relation_absent(n, n.spec.unpublished_index),
         ),
         postcondition=(c.unpublished_index_exists(n),),
-        reverse=(sql.SQL("DROP INDEX {}").format(n.index_q),),
+        reverse=(sql.SQL("DROP INDEX {}").format(n.q(n.spec.unpublished_index)),),
         reverse_note="drop the index",
         statement_timeout_ms=CREATE_TIMEOUT_MS,
         creates=(Created("relation", n.spec.unpublished_index),),
@@ -290,4 +264,60 @@ def create_published_partition(ctx: BuildContext, params: Mapping[str, Any]) -> 
         f"Create {n.published} as the DEFAULT partition (every published row)",
         NO_PRIVILEGE,
         undone_by=("swap-default",),
+    )
+
+
+@kind("install-notify-trigger")
+def install_notify_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    """The relay's wake-up trigger on the partitioned outbox (its DDL and key:
+    patterns/notify.py), installed where the partitioned table is created, so the relay of
+    that phase wakes on new rows without the application calling `pg_notify`. The trigger
+    only notifies while a relay is idle, so the commit-time cost of NOTIFY stays off busy
+    traffic. Statement-level triggers are not cloned to partitions and a cross-partition
+    UPDATE (the relay's mark) does not fire them."""
+    n = ctx.names
+    channel = str(params.get("channel", DEFAULT_CHANNEL))
+    return Step(
+        **ctx.place("install-notify-trigger"),
+        summary=f"Statement-level AFTER INSERT trigger on {n.parent} waking an idle relay",
+        statements=notify.create_sql(n.spec, channel),
+        locks=(Lock(n.parent, LockMode.SHARE_ROW_EXCLUSIVE),),
+        catalog_only=True,
+        preconditions=(c.partitioned_by_list(n),),
+        postcondition=(c.on_trigger("trigger-exists", n, n.parent, notify.TRIGGER_NAME, "notify"),),
+        reverse=notify.drop_sql(n.spec),
+        reverse_note="drop the wake-up trigger and its function (the relay falls back to polling)",
+        creates=(
+            Created("function", notify.function_name(n.spec)),
+            Created("trigger", notify.TRIGGER_NAME, on=n.parent),
+        ),
+    )
+
+
+@kind("tune-autovacuum")
+def tune_autovacuum(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
+    """Autovacuum settings for the insert-only published partition (and the old table once it
+    takes that role): vacuum and analyze every 100 k inserted rows regardless of table size,
+    where PostgreSQL's size-scaled defaults would wait ever longer as the partition grows."""
+    n = ctx.names
+    target = str(params.get("target", "published"))
+    if target not in ("published", "old"):
+        raise ValueError("tune-autovacuum target must be one of ['old', 'published']")
+    relation = n.published if target == "published" else n.table
+    settings = sql.SQL(", ").join(
+        sql.SQL("{} = {}").format(sql.SQL(key), sql.Literal(int(value)))
+        for key, value in c.AUTOVACUUM_INSERT_ONLY
+    )
+    keys = sql.SQL(", ").join(sql.SQL(key) for key, _ in c.AUTOVACUUM_INSERT_ONLY)
+    return Step(
+        **ctx.place("tune-autovacuum" if target == "published" else "tune-autovacuum-old"),
+        summary=f"Insert-only autovacuum settings on {relation} (every 100 k inserts)",
+        statements=(sql.SQL("ALTER TABLE {} SET ({})").format(n.q(relation), settings),),
+        locks=(Lock(relation, LockMode.SHARE_UPDATE_EXCLUSIVE),),
+        preconditions=(c.relation_exists(n, relation),),
+        postcondition=(c.autovacuum_tuned(n, relation),),
+        reverse=(sql.SQL("ALTER TABLE {} RESET ({})").format(n.q(relation), keys),),
+        reverse_note="reset the four settings to the server defaults",
+        # The published partition is detached by the swap and may be dropped afterwards.
+        undone_by=("swap-default",) if target == "published" else (),
     )

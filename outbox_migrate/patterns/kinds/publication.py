@@ -33,9 +33,9 @@ from psycopg import sql
 
 from outbox_migrate.lock_budget import LockMode
 from outbox_migrate.patterns import conditions as c
-from outbox_migrate.patterns.kinds.base import BuildContext, kind, make_step
+from outbox_migrate.patterns.kinds.base import BuildContext, kind
 from outbox_migrate.patterns.kinds.partitioned_table import NULL_BOUND
-from outbox_migrate.patterns.model import Created, Lock, PublicationFact, Step, TxMode
+from outbox_migrate.patterns.model import Condition, Created, Lock, PublicationFact, Step
 from outbox_migrate.patterns.names import Names
 
 KIND = "publish-unpublished-partition"
@@ -63,56 +63,50 @@ def add_table_sql(n: Names, publication: PublicationFact) -> sql.Composed:
     )
 
 
-def _pub_parts(n: Names, publication: PublicationFact, relation: str) -> dict[str, sql.Composable]:
-    return {"pub_name": sql.Literal(publication.name), "rel_reg": n.reg(relation)}
+def _membership(query: str, n: Names, p: PublicationFact, relation: str, label: str) -> Condition:
+    return c.condition(query, label, pub_name=sql.Literal(p.name), rel_reg=n.reg(relation))
 
 
 @kind(KIND)
 def publish_unpublished_partition(ctx: BuildContext, params: Mapping[str, Any]) -> Step | None:
     n = ctx.names
     with_published = bool(params.get("published", True))
-    adds = listed(ctx.publications)
-    full_unpublished = any(p.publishes_changes for p in ctx.publications)
+    adds = listed(ctx.options.publications)
+    full_unpublished = any(p.publishes_changes for p in ctx.options.publications)
     full_published = with_published and any(
-        p.publishes_changes for p in ctx.publications if p.covers_new_tables
+        p.publishes_changes for p in ctx.options.publications if p.covers_new_tables
     )
     if not adds and not full_unpublished:
         return None
     identity_targets = [n.unpublished] if full_unpublished else []
     if full_published:
         identity_targets.append(n.published)
-    statements = [add_table_sql(n, p) for p in adds]
-    statements += [
-        sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(n.q(rel)) for rel in identity_targets
-    ]
-    reverse = [
-        sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(
-            sql.Identifier(p.name), n.q(n.unpublished)
-        )
-        for p in adds
-    ]
-    reverse += [
-        sql.SQL("ALTER TABLE {} REPLICA IDENTITY DEFAULT").format(n.q(rel))
-        for rel in identity_targets
-    ]
+    statements: list[sql.Composed] = []
+    reverse: list[sql.Composed] = []
     preconditions = [c.partition_bound(n, n.unpublished, NULL_BOUND)]
+    postcondition: list[Condition] = []
     for p in adds:
-        preconditions.append(c.condition("publication-includes", f"{p.name}:old",
-                                         **_pub_parts(n, p, n.table)))  # fmt: skip
-        preconditions.append(c.condition("publication-excludes", p.name,
-                                         **_pub_parts(n, p, n.unpublished)))  # fmt: skip
-    postcondition = [
-        c.condition("publication-includes", p.name, **_pub_parts(n, p, n.unpublished)) for p in adds
-    ]
-    postcondition += [
-        c.condition("replica-identity-full", rel, rel_reg=n.reg(rel)) for rel in identity_targets
-    ]
+        statements.append(add_table_sql(n, p))
+        reverse.append(
+            sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(
+                sql.Identifier(p.name), n.q(n.unpublished)
+            )
+        )
+        preconditions += [
+            _membership("publication-includes", n, p, n.table, f"{p.name}:old"),
+            _membership("publication-excludes", n, p, n.unpublished, p.name),
+        ]
+        postcondition.append(_membership("publication-includes", n, p, n.unpublished, p.name))
+    for rel in identity_targets:
+        statements.append(sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(n.q(rel)))
+        reverse.append(sql.SQL("ALTER TABLE {} REPLICA IDENTITY DEFAULT").format(n.q(rel)))
+        postcondition.append(c.condition("replica-identity-full", rel, rel_reg=n.reg(rel)))
     names = ", ".join(p.name for p in adds)
     summary = (
         f"Add {n.unpublished} to publication(s) {names} (the old table's CDC stream)"
         if adds
         else f"REPLICA IDENTITY FULL on {' and '.join(identity_targets)} (publications "
-        f"{', '.join(p.name for p in ctx.publications)} publish UPDATE/DELETE)"
+        f"{', '.join(p.name for p in ctx.options.publications)} publish UPDATE/DELETE)"
     )
     notes = [
         "Before V2 is deployed, so the first insert into the partitioned table is already in "
@@ -126,12 +120,10 @@ def publish_unpublished_partition(ctx: BuildContext, params: Mapping[str, Any]) 
             "REPLICA IDENTITY FULL: each mark's DELETE logs the whole old row to WAL "
             "(without it PostgreSQL refuses the mark under an UPDATE/DELETE publication)."
         )
-    return make_step(
-        ctx,
-        KIND,
+    return Step(
+        **ctx.place(KIND),
         summary=summary,
         statements=tuple(statements),
-        tx=TxMode.TRANSACTION,
         # REPLICA IDENTITY takes ACCESS EXCLUSIVE; ADD TABLE SHARE UPDATE EXCLUSIVE. The
         # partitions are empty and unused until V2 is deployed.
         locks=tuple(
