@@ -72,7 +72,8 @@ class Blocked(SchemaError):
 
 
 class UsageError(OutboxMigrateError):
-    """A request that makes no sense in the current state (unknown pattern, step out of order)."""
+    """A request that makes no sense in the current state (unknown pattern, step out of order,
+    maintenance of a table without partitions, an unavailable measurement)."""
 
     exit_code = ExitCode.USAGE
 
@@ -199,10 +200,9 @@ class LongTransactionsPresent(OutboxMigrateError):
 
 
 class RunnerBusy(OutboxMigrateError):
-    exit_code = ExitCode.BUSY
+    """Another process runs the same migration or job (it holds its session advisory lock)."""
 
-    def __init__(self, table: str, holder: str) -> None:
-        super().__init__(f"another runner is migrating {table}: {holder}")
+    exit_code = ExitCode.BUSY
 
 
 class StepChanged(OutboxMigrateError):
@@ -228,22 +228,20 @@ class OutOfOrder(UsageError):
     """A phase asked for before the deploy that must precede it."""
 
 
+def first_of(items: Sequence[object]) -> str:
+    """The first of `items`, and how many more there are: `x (+2 more)`."""
+    return f"{items[0]}" + (f" (+{len(items) - 1} more)" if len(items) > 1 else "")
+
+
 class VerifyFailed(OutboxMigrateError):
     exit_code = ExitCode.FAILED
 
     def __init__(self, phase: str, violations: list[str]) -> None:
         self.violations = violations
-        more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""
-        super().__init__(f"invariants of phase {phase} do not hold: {violations[0]}{more}")
+        super().__init__(f"invariants of phase {phase} do not hold: {first_of(violations)}")
 
 
 # -- the maintenance job ---------------------------------------------------------------
-
-
-class MaintenanceError(OutboxMigrateError):
-    """Maintenance cannot run as asked (missing table, unavailable measurement)."""
-
-    exit_code = ExitCode.USAGE
 
 
 class ReindexRefused(OutboxMigrateError):
@@ -264,8 +262,7 @@ class MaintenanceProblems(OutboxMigrateError):
     def __init__(self, problems: list[str], *, failed: bool) -> None:
         self.problems = problems
         self.exit_code = ExitCode.FAILED if failed else ExitCode.PRECONDITION
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        super().__init__(f"{problems[0]}{more}")
+        super().__init__(first_of(problems))
 
 
 # -- the relay and its sinks -----------------------------------------------------------

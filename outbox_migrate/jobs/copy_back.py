@@ -32,7 +32,8 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import ExitCode, OutboxMigrateError, SchemaError, UsageError
+from outbox_migrate.db import try_session_lock
+from outbox_migrate.errors import OutboxMigrateError, RunnerBusy, SchemaError, UsageError
 from outbox_migrate.jobs import common
 from outbox_migrate.jobs.common import Relation
 from outbox_migrate.jobs.copy_back_ids import CopyIds, IdValue
@@ -61,7 +62,7 @@ RATE_WINDOW_S = 5.0
 """Window over which the reported rows/s (and so the ETA) is measured."""
 
 __all__ = [
-    "PROGRESS_TABLE", "CopyBack", "CopyBackBusy", "CopyBackError", "CopyBackOptions",
+    "PROGRESS_TABLE", "CopyBack", "CopyBackError", "CopyBackOptions",
     "CopyPlan", "CopyProgress", "CopyResult", "IdValue", "RangeCheck", "Verification",
     "VerificationFailed", "copy_back", "finished_and_dropped",
 ]  # fmt: skip
@@ -69,12 +70,6 @@ __all__ = [
 
 class CopyBackError(OutboxMigrateError):
     """The copy-back cannot proceed in the current state (names what is wrong)."""
-
-
-class CopyBackBusy(OutboxMigrateError):
-    """Another process is already copying this source into this target."""
-
-    exit_code = ExitCode.BUSY
 
 
 @dataclass(frozen=True)
@@ -113,15 +108,6 @@ class CopyProgress:
     eta_s: float | None
     pause_s: float
     impact: Impact | None
-
-    @property
-    def copied(self) -> int:
-        """Alias of `copied_rows` (the runner's progress events read `copied`/`total`)."""
-        return self.copied_rows
-
-    @property
-    def total(self) -> int:
-        return self.total_rows
 
 
 @dataclass(frozen=True)
@@ -191,13 +177,6 @@ class CopyBack:
         self.index_name = common.fit_identifier(spec.published_partition, "_copy_back_id_idx")
         self.ids = CopyIds(conn, spec, self.source)
         """Integer and application ids alike: carried as text, cast back to the id's type."""
-
-    def _key(self) -> tuple[str, str, str, str]:
-        return self.progress.key
-
-    def ensure_state_table(self) -> None:
-        """The progress table, created or upgraded once, at the job's start."""
-        self.progress.ensure()
 
     # -- plan ------------------------------------------------------------------------------
 
@@ -361,21 +340,17 @@ class CopyBack:
         target are skipped, missing ones (deleted after they were copied) are copied again.
 
         One copier per (source, target): a session advisory lock makes a second one raise
-        `CopyBackBusy` instead of copying the same batches in parallel.
+        `RunnerBusy` instead of copying the same batches in parallel.
         """
         # A plan the caller just made saves counting the source twice (a full scan).
         plan = plan or self.plan()
         if plan.state == "done":
             return CopyResult(0, 0, 0, 0.0, 0.0, plan.high_water, plan.high_water, False)
-        locked = self.conn.execute(
-            "SELECT pg_try_advisory_lock(hashtext(%s))", (self.lock_key,)
-        ).fetchone()
-        if not (locked and locked[0]):
-            raise CopyBackBusy(f"another copy-back of {self.source} into {self.target} is running")
-        try:
+        with try_session_lock(self.conn, self.lock_key) as locked:
+            if not locked:
+                busy = f"another copy-back of {self.source} into {self.target} is running"
+                raise RunnerBusy(busy)
             return self._run(plan, progress, stop, from_start)
-        finally:
-            self.conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (self.lock_key,))
 
     @property
     def lock_key(self) -> str:
@@ -389,7 +364,7 @@ class CopyBack:
         stop: threading.Event | None,
         from_start: bool,
     ) -> CopyResult:
-        self.ensure_state_table()
+        self.progress.ensure()  # created or upgraded once, at the job's start
         self.ensure_source_index()
         state = self.progress.start(plan.source_rows)
         high_water: str | None = None if from_start else state["high_water"]
@@ -399,7 +374,7 @@ class CopyBack:
         total = max(plan.source_rows, already + remaining)
         statement = self._batch_statement(plan.columns)
         first_batch = self._batch_statement(plan.columns, first=True)
-        key = dict(zip(("ss", "st", "ts", "tt"), self._key(), strict=True))
+        key = dict(zip(("ss", "st", "ts", "tt"), self.progress.key, strict=True))
 
         probe = self._start_probe()
         throttle = Throttle(self.conn, self.options.throttle, probe)
@@ -481,10 +456,7 @@ class CopyBack:
         compared with what was verified, so rows written to it after verification cannot be
         dropped unseen.
         """
-        if not verification.passed:
-            raise VerificationFailed(
-                verification.source, verification.target, list(verification.differing)
-            )
+        verification.check()
 
         def lock_check_drop(conn: psycopg.Connection[Any]) -> None:
             conn.execute(
@@ -532,10 +504,7 @@ def copy_back(
     if result.stopped or not common.exists(conn, job.source):
         return result, None
     verification = job.verify()
-    if not verification.passed:
-        raise VerificationFailed(
-            verification.source, verification.target, list(verification.differing)
-        )
+    verification.check()
     if drop:
         job.drop(verification)
     return result, verification

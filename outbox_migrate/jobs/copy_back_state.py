@@ -25,6 +25,10 @@ UPGRADE_LOCK_TIMEOUT_MS = 2_000
 """lock_timeout for adding the text mark column to an older progress table."""
 UPGRADE_LOCK_BUDGET_S = 30.0
 TEXT_MARK = "high_water_id"
+_PAIR = (
+    " WHERE source_schema = %s AND source_table = %s AND target_schema = %s AND target_table = %s"
+)
+"""The condition that picks one (source, target) pair's row, given `ProgressTable.key`."""
 
 
 class ProgressTable:
@@ -81,8 +85,7 @@ class ProgressTable:
         cur = self.conn.execute(
             sql.SQL(
                 "SELECT {mark} AS high_water, rows_inserted, rows_present, batches, total_rows,"
-                " copied_at, verified_at, dropped_at FROM {t} WHERE source_schema = %s"
-                " AND source_table = %s AND target_schema = %s AND target_table = %s"
+                " copied_at, verified_at, dropped_at FROM {t}" + _PAIR
             ).format(t=self.rel.ident, mark=mark),
             self.key,
         )
@@ -97,13 +100,7 @@ class ProgressTable:
         drop (a source with these names was copied and dropped before; this one is new)."""
         state = self.read()
         if state is not None and state["dropped_at"] is not None:
-            self.conn.execute(
-                sql.SQL(
-                    "DELETE FROM {t} WHERE source_schema = %s AND source_table = %s"
-                    " AND target_schema = %s AND target_table = %s"
-                ).format(t=self.rel.ident),
-                self.key,
-            )
+            self.conn.execute(sql.SQL("DELETE FROM {t}" + _PAIR).format(t=self.rel.ident), self.key)
             state = None
         if state is None:
             self.conn.execute(
@@ -123,11 +120,9 @@ class ProgressTable:
         if not common.exists(conn, self.rel):
             return
         conn.execute(
-            sql.SQL(
-                "UPDATE {t} SET {c} = now(), updated_at = now()"
-                " WHERE source_schema = %s AND source_table = %s AND target_schema = %s"
-                " AND target_table = %s"
-            ).format(t=self.rel.ident, c=sql.Identifier(column)),
+            sql.SQL("UPDATE {t} SET {c} = now(), updated_at = now()" + _PAIR).format(
+                t=self.rel.ident, c=sql.Identifier(column)
+            ),
             self.key,
         )
 
@@ -139,15 +134,7 @@ def finished_and_dropped(conn: psycopg.Connection[Any], spec: OutboxSpec) -> boo
     The runner's copy-back step counts this as proven, whoever ran the job (`outbox-migrate
     copy-back` or `run --to copy-back`)."""
     source = Relation(spec.schema, spec.published_partition)
-    progress = Relation(common.STATE_SCHEMA, PROGRESS_TABLE)
-    if common.exists(conn, source) or not common.exists(conn, progress):
+    if common.exists(conn, source):
         return False
-    row = conn.execute(
-        sql.SQL(
-            "SELECT dropped_at IS NOT NULL AND verified_at IS NOT NULL FROM {t} "
-            "WHERE source_schema = %s AND source_table = %s AND target_schema = %s "
-            "AND target_table = %s"
-        ).format(t=progress.ident),
-        (spec.schema, spec.published_partition, spec.schema, spec.table),
-    ).fetchone()
-    return bool(row and row[0])
+    state = ProgressTable(conn, source, Relation(spec.schema, spec.table)).read()
+    return state is not None and None not in (state["dropped_at"], state["verified_at"])

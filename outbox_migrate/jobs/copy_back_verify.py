@@ -57,6 +57,11 @@ class Verification:
     def passed(self) -> bool:
         return not self.differing and self.source_rows == self.matched_rows
 
+    def check(self) -> None:
+        """Raise `VerificationFailed` unless every source row matched."""
+        if not self.passed:
+            raise VerificationFailed(self.source, self.target, list(self.differing))
+
 
 class VerificationFailed(OutboxMigrateError):
     """The target does not hold every source row identically; the drop is refused."""

@@ -29,12 +29,8 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import (
-    MaintenanceError,
-    OutboxMigrateError,
-    ReindexFailed,
-    ReindexRefused,
-)
+from outbox_migrate.db import connect, lock_timeout, one_line
+from outbox_migrate.errors import OutboxMigrateError, ReindexFailed, ReindexRefused, UsageError
 from outbox_migrate.jobs import autovacuum, bloat, common, reindex, retention, time_partitions
 from outbox_migrate.jobs.autovacuum import DEFAULT_EVERY_ROWS
 from outbox_migrate.jobs.common import Relation
@@ -144,7 +140,7 @@ def find_partitions(conn: psycopg.Connection[Any], spec: OutboxSpec) -> Partitio
         elif _unpublished_bound(str(bound), spec):
             unpublished = Relation(str(schema), str(name))
     if unpublished is None:
-        raise MaintenanceError(
+        raise UsageError(
             f"{spec.schema}.{spec.partitioned_table} has no {marker.bound_text(spec)} partition "
             "(is it the partitioned outbox, and is it created yet?)"
         )
@@ -182,18 +178,15 @@ def _index_oid(conn: psycopg.Connection[Any], table: Relation, name: str) -> int
 
 def vacuum_analyze(conn: psycopg.Connection[Any], table: Relation) -> bool:
     """VACUUM (ANALYZE) under a lock_timeout; False when another vacuum holds the table."""
-    conn.execute(
-        sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{VACUUM_LOCK_TIMEOUT_MS}ms"))
-    )
     try:
-        # TRUNCATE false: truncating the empty tail needs ACCESS EXCLUSIVE on the busiest
-        # table of the outbox (and is replayed as such on replicas); vacuum would also spend up
-        # to 5 s retrying for it while any transaction holds the table. Autovacuum still may.
-        conn.execute(sql.SQL("VACUUM (ANALYZE, TRUNCATE false) {}").format(table.ident))
+        with lock_timeout(conn, VACUUM_LOCK_TIMEOUT_MS):
+            # TRUNCATE false: truncating the empty tail needs ACCESS EXCLUSIVE on the busiest
+            # table of the outbox (and is replayed as such on replicas); vacuum would also
+            # spend up to 5 s retrying for it while any transaction holds the table.
+            # Autovacuum still may.
+            conn.execute(sql.SQL("VACUUM (ANALYZE, TRUNCATE false) {}").format(table.ident))
     except psycopg.errors.LockNotAvailable:
         return False
-    finally:
-        conn.execute("RESET lock_timeout")
     return True
 
 
@@ -284,7 +277,7 @@ def maintain_once(
     """One maintenance pass. `conn` must be autocommit (VACUUM and REINDEX CONCURRENTLY)."""
     options = options or MaintenanceOptions()
     if not conn.autocommit:
-        raise MaintenanceError("maintenance needs an autocommit connection")
+        raise UsageError("maintenance needs an autocommit connection")
     started = time.monotonic()
     spec = marker_catalog.resolve(conn, spec, to_partition=False)  # a flag marker's values
     parts = find_partitions(conn, spec)
@@ -344,8 +337,6 @@ def maintain_loop(
 ) -> None:
     """Run a pass every `interval_s` until `stop` is set. A failed pass (the database is
     down, a table is missing) is reported and retried next interval, not fatal."""
-    from outbox_migrate.db import connect, one_line
-
     while not stop.is_set():
         try:
             with connect(dsn) as conn:
@@ -353,5 +344,5 @@ def maintain_loop(
         except OutboxMigrateError as exc:
             on_error(exc)
         except psycopg.Error as exc:
-            on_error(MaintenanceError(f"maintenance pass failed: {one_line(str(exc), dsn)}"))
+            on_error(UsageError(f"maintenance pass failed: {one_line(str(exc), dsn)}"))
         stop.wait(interval_s)

@@ -18,11 +18,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-from psycopg import errors, sql
+from psycopg import errors
 from psycopg.pq import TransactionStatus
 
 from outbox_migrate.config import Settings
-from outbox_migrate.db import one_line
+from outbox_migrate.db import lock_timeout, one_line
 from outbox_migrate.errors import (
     ConnectionLost,
     LockBudgetExceeded,
@@ -155,13 +155,9 @@ class StepApplier:
         """Statements that refuse a transaction block: run, then re-prove at the end — the
         postcondition, and every LOCKED precondition again — before recording done."""
         self.transition(step, "running", started=True)
-        lock_timeout = f"{self.options.settings.lock_timeout_ms}ms"
-        self.conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(lock_timeout)))
-        try:
+        with lock_timeout(self.conn, self.options.settings.lock_timeout_ms):
             for statement in step.statements:
                 self.conn.execute(statement)
-        finally:
-            self.conn.execute("RESET lock_timeout")
         self.prove_done(step)
         return 0.0
 

@@ -90,15 +90,12 @@ class CopyBackExecutor:
         return not host.violations(step.postcondition)
 
     def apply(self, host: ApplyHost, step: Step) -> float:
-        from outbox_migrate.jobs.copy_back import copy_back
+        from outbox_migrate.jobs.copy_back import CopyProgress, copy_back
 
         host.transition(step, "running", started=True)
 
-        def progress(update: Any) -> None:
-            host.events.progress(
-                step, int(getattr(update, "copied", 0)), int(getattr(update, "total", 0)),
-                float(getattr(update, "rows_per_s", 0.0)),
-            )  # fmt: skip
+        def progress(update: CopyProgress) -> None:
+            host.events.progress(step, update.copied_rows, update.total_rows, update.rows_per_s)
 
         copy_back(
             host.conn, host.spec, host.copy_back_options, dsn=host.job_dsn,

@@ -101,7 +101,7 @@ class Session:
                 f"pid {holder[0]} ({holder[1] or 'no application_name'}, from {holder[4]}, "
                 f"connected since {holder[5]:%Y-%m-%d %H:%M:%S})"
             )
-        raise RunnerBusy(self.table_label, who)
+        raise RunnerBusy(f"another runner is migrating {self.table_label}: {who}")
 
     def release(self) -> None:
         """Give the per-table advisory lock back without closing the session."""
