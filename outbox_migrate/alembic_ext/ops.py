@@ -52,6 +52,9 @@ class _OutboxOp(MigrateOperation):
             "in_revision_transaction": self.in_revision_transaction,
         }
 
+    def reverse(self) -> _OutboxOp:
+        return _REVERSES[type(self)](self.target, **self._kwargs())
+
     def render(self, indent: str = "") -> str:
         """The call as it appears in a revision file; continuation lines get `indent`."""
         args = [repr(self.target)]
@@ -94,9 +97,6 @@ class OutboxStepOp(_OutboxOp):
                  in_revision_transaction=in_revision_transaction)  # fmt: skip
         return operations.invoke(op)
 
-    def reverse(self) -> ReverseOutboxStepOp:
-        return ReverseOutboxStepOp(self.target, **self._kwargs())
-
 
 @Operations.register_operation("outbox_reverse_step")
 class ReverseOutboxStepOp(_OutboxOp):
@@ -118,9 +118,6 @@ class ReverseOutboxStepOp(_OutboxOp):
         op = cls(step_id, spec=spec, include_optional=include_optional,
                  in_revision_transaction=in_revision_transaction)  # fmt: skip
         return operations.invoke(op)
-
-    def reverse(self) -> OutboxStepOp:
-        return OutboxStepOp(self.target, **self._kwargs())
 
 
 @Operations.register_operation("outbox_phase")
@@ -145,9 +142,6 @@ class OutboxPhaseOp(_OutboxOp):
             cls(pattern, phase=phase, spec=spec, include_optional=include_optional)
         )
 
-    def reverse(self) -> ReverseOutboxPhaseOp:
-        return ReverseOutboxPhaseOp(self.target, **self._kwargs())
-
 
 @Operations.register_operation("outbox_reverse_phase")
 class ReverseOutboxPhaseOp(_OutboxOp):
@@ -170,8 +164,11 @@ class ReverseOutboxPhaseOp(_OutboxOp):
             cls(pattern, phase=phase, spec=spec, include_optional=include_optional)
         )
 
-    def reverse(self) -> OutboxPhaseOp:
-        return OutboxPhaseOp(self.target, **self._kwargs())
+
+_REVERSES: dict[type[_OutboxOp], type[_OutboxOp]] = {
+    OutboxStepOp: ReverseOutboxStepOp, ReverseOutboxStepOp: OutboxStepOp,
+    OutboxPhaseOp: ReverseOutboxPhaseOp, ReverseOutboxPhaseOp: OutboxPhaseOp,
+}  # fmt: skip
 
 
 # -- implementations -----------------------------------------------------------------------------
@@ -200,13 +197,12 @@ def _reported() -> Iterator[None]:
 def _run(operations: Operations, op: _OutboxOp) -> None:
     """A step op names its pattern in its id; a phase op names the pattern itself."""
     reverse = isinstance(op, ReverseOutboxStepOp | ReverseOutboxPhaseOp)
-    run = execute.downgrade_steps if reverse else execute.upgrade_steps
     pattern = execute.pattern_of(op.target) if op.phase is None else op.target
     steps = [op.target] if op.phase is None else None
     with _reported():
-        run(
+        execute.apply_steps(
             operations.get_context(), pattern, steps, op.phase, op.spec,
-            op.include_optional, op.in_revision_transaction,
+            op.include_optional, op.in_revision_transaction, reverse=reverse,
         )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from outbox_migrate.errors import OutOfOrder, PreconditionFailed, StepChanged
+from outbox_migrate.errors import OutOfOrder, PreconditionFailed, StepChanged, UsageError
 from outbox_migrate.patterns.model import Pattern, Phase, Step, TxMode
 from outbox_migrate.runner.evidence import asserts_presence
 
@@ -94,6 +94,17 @@ def completed_phase(pattern: Pattern, rows: Rows) -> str:
         else:
             break
     return reached
+
+
+def step_named(pattern: Pattern, step_id: str) -> Step:
+    """The pattern's step called `step_id` (a `UsageError` names the known ones)."""
+    for step in pattern.steps():
+        if step.id == step_id:
+            return step
+    raise UsageError(
+        f"pattern {pattern.acronym} has no step {step_id!r}; its steps are "
+        + ", ".join(s.id for s in pattern.steps())
+    )
 
 
 def phase_index(pattern: Pattern, name: str) -> int:

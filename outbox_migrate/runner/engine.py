@@ -13,13 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from outbox_migrate.config import Settings
-from outbox_migrate.errors import OutOfOrder, SchemaError, UsageError
+from outbox_migrate.errors import OutOfOrder
 from outbox_migrate.patterns.model import Pattern, Step
 from outbox_migrate.runner import ledger, ownership
-from outbox_migrate.runner.admission import admit, ledger_exists
+from outbox_migrate.runner.admission import admit, require_table
 from outbox_migrate.runner.apply import (
     FAULT_ENV,
     ApplyOptions,
@@ -35,6 +34,7 @@ from outbox_migrate.runner.decide import (
     phase_index,
     plan_execute_step,
     reached_phase,
+    step_named,
     steps_to_run,
 )
 from outbox_migrate.runner.events import RunnerEvents, SilentEvents
@@ -123,10 +123,6 @@ class Runner:
         self.session.close()
         self._facts = None
 
-    def release(self) -> None:
-        """Give the per-table advisory lock back without closing the session."""
-        self.session.release()
-
     def acquire(self) -> None:
         """The session advisory lock that admits one runner per table."""
         self.session.acquire()
@@ -162,15 +158,7 @@ class Runner:
         """Everything that can refuse a command before it writes: a wrong --table, a blocker
         `plan` reports, another pattern's migration, a step whose definition changed. Returns
         this migration's ledger rows, read-only (empty when there are none yet)."""
-        found = self.conn.execute(
-            "SELECT to_regclass(%s)",
-            (sql.Identifier(self.spec.schema, self.spec.table).as_string(None),),
-        ).fetchone()
-        if found is None or found[0] is None:
-            raise SchemaError(
-                f"table {self.table_label} does not exist in database "
-                f"{self.conn.info.dbname!r}; check --schema/--table (outbox-migrate config)"
-            )
+        require_table(self.conn, self.spec)
         # The admission reads the table (introspection); under the lock budget like a step,
         # so a session holding ACCESS EXCLUSIVE on it is named instead of waited on for ever.
         self._applier(None).read_under_budget(
@@ -202,7 +190,7 @@ class Runner:
     def _latest(self) -> ledger.MigrationRow | None:
         """This table's migration with this pattern; None before any ledger exists (reading
         never creates the ledger)."""
-        if not ledger_exists(self.conn):
+        if not ledger.ledger_exists(self.conn):
             return None
         return ledger.latest(self.conn, self.spec, self.pattern.name)
 
@@ -211,7 +199,7 @@ class Runner:
         return self._rows(migration) if migration is not None else {}
 
     def _rows(self, migration: ledger.MigrationRow) -> dict[str, ledger.StepRow]:
-        return {row.step_id: row for row in ledger.steps(self.conn, migration.id)}
+        return ledger.step_rows(self.conn, migration.id)
 
     def _holds(self, step: Step, rows: dict[str, ledger.StepRow]) -> bool | None:
         """The postcondition read just before the step's turn (None: the ledger says done)."""
@@ -258,13 +246,7 @@ class Runner:
 
     def step(self, step_id: str) -> Step:
         """The pattern's step called `step_id` (a `UsageError` names the known ones)."""
-        for step in self.pattern.steps():
-            if step.id == step_id:
-                return step
-        raise UsageError(
-            f"pattern {self.pattern.acronym} has no step {step_id!r}; its steps are "
-            + ", ".join(s.id for s in self.pattern.steps())
-        )
+        return step_named(self.pattern, step_id)
 
     def execute_step(self, step_id: str) -> RunResult:
         """Run one named step as `run` would: same deploy-boundary rule, preconditions, lock
@@ -295,7 +277,7 @@ class Runner:
     def _check_adoptions(self, steps: list[Step]) -> None:
         """Adopting refuses an object another live migration owns: asked (read-only) before
         the plan writes anything, so that refusal too leaves the ledger as it was."""
-        if not steps or not ledger_exists(self.conn):
+        if not steps or not ledger.ledger_exists(self.conn):
             return
         latest = self._latest()
         own = latest.id if latest is not None else 0  # 0: no migration id, nothing of ours
@@ -376,7 +358,7 @@ class Runner:
         Refused, `force` or not, for another pattern than the active one (`decide.check_reset`).
         """
         self.acquire()
-        if not ledger_exists(self.conn):
+        if not ledger.ledger_exists(self.conn):
             return False
         active = ledger.active_for_table(self.conn, self.spec)
         if active is None:

@@ -20,7 +20,6 @@ from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.patterns.model import Condition, Pattern, PublicationFact, Step
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.runner import ledger
-from outbox_migrate.runner.admission import ledger_exists
 from outbox_migrate.runner.checks import violations
 from outbox_migrate.runner.decide import HasState
 from outbox_migrate.runner.executors import executor_for
@@ -81,7 +80,7 @@ def live_pattern(
     was built from (recorded when the migration starts)."""
     from outbox_migrate.patterns import marker_catalog
 
-    readable = ledger_exists(conn) if ledger_readable is None else ledger_readable
+    readable = ledger.ledger_exists(conn) if ledger_readable is None else ledger_readable
     if readable and not include_optional:
         # Optional steps the ledger recorded (the original name) describe the catalog now.
         include_optional = optional_recorded(conn, settings.spec, name)
@@ -139,7 +138,7 @@ def optional_recorded(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> 
     refers to; a `status`, `verify` or `rollback` that left them out would read the catalog
     with the old names and report a healthy renamed outbox as broken, or undo earlier steps
     under names that now belong to other relations."""
-    if not ledger_exists(conn):
+    if not ledger.ledger_exists(conn):
         return False
     optional = [
         step.id

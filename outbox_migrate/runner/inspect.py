@@ -16,13 +16,13 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.db import connect
-from outbox_migrate.errors import NothingRecorded, SchemaError, UsageError, VerifyFailed
+from outbox_migrate.errors import NothingRecorded, UsageError, VerifyFailed
 from outbox_migrate.patterns.model import Pattern
-from outbox_migrate.runner import ledger
+from outbox_migrate.runner import checks, ledger
+from outbox_migrate.runner.admission import require_table
 from outbox_migrate.runner.decide import reached_phase
 from outbox_migrate.runner.facts import live_pattern
 from outbox_migrate.runner.status import recorded_document, unrecorded_document
@@ -108,19 +108,6 @@ def _ledger_readable(conn: psycopg.Connection[Any]) -> bool:
     return True
 
 
-def require_table(conn: psycopg.Connection[Any], settings: Settings) -> None:
-    """Inspection of a table that is not there must fail, not report an empty success."""
-    spec = settings.spec
-    found = conn.execute(
-        "SELECT to_regclass(%s)", (sql.Identifier(spec.schema, spec.table).as_string(None),)
-    ).fetchone()
-    if found is None or found[0] is None:
-        raise SchemaError(
-            f"table {table_label(settings)} does not exist in database {conn.info.dbname!r}; "
-            "check --schema/--table (outbox-migrate config)"
-        )
-
-
 def recorded(conn: psycopg.Connection[Any], settings: Settings, pattern: str | None) -> Recorded:
     """The migration to show: the given pattern's latest, else the table's active one, else
     its latest completed one."""
@@ -136,8 +123,7 @@ def recorded(conn: psycopg.Connection[Any], settings: Settings, pattern: str | N
         other = active if active is not None and active.pattern != pattern.lower() else None
     if migration is None:
         return Recorded(None, {}, other)
-    rows = {row.step_id: row for row in ledger.steps(conn, migration.id)}
-    return Recorded(migration, rows, other)
+    return Recorded(migration, ledger.step_rows(conn, migration.id), other)
 
 
 def _latest_any(conn: psycopg.Connection[Any], settings: Settings) -> ledger.MigrationRow | None:
@@ -173,7 +159,7 @@ def status(
         settings = _by_either_name(conn, settings)
         found = recorded(conn, settings, pattern)
         if found.migration is None:
-            require_table(conn, settings)
+            require_table(conn, settings.spec)
             return unrecorded_document(
                 table_label(settings), pattern.lower() if pattern else None, first_phase=None,
                 active_pattern=found.other.pattern if found.other is not None else None,
@@ -196,7 +182,7 @@ def verify(
     (a violation), `NothingRecorded` (no migration to verify) or `SchemaError` (no table)."""
     with open_read_only(dsn) as conn:
         settings = _by_either_name(conn, settings)
-        require_table(conn, settings)
+        require_table(conn, settings.spec)
         found = recorded(conn, settings, pattern)
         if found.migration is None:
             other = found.other.pattern if found.other else None
@@ -206,10 +192,8 @@ def verify(
             )
         built = _pattern(conn, settings, found.migration.pattern, include_optional)
         phase = reached_phase(built, found.migration.current_phase, found.steps)
-        violations: list[str] = []
         done = frozenset(i for i, row in found.steps.items() if row.state == "done")
-        for condition in built.verified(phase, done):
-            violations.extend(str(r[0]) for r in conn.execute(condition.query).fetchall())
+        violations = checks.violations(conn, built.verified(phase, done))
     if violations:
         raise VerifyFailed(phase, violations)
     return phase

@@ -66,6 +66,11 @@ class StepRow:
         return asdict(self)
 
 
+def ledger_exists(conn: Connection[Any]) -> bool:
+    row = conn.execute("SELECT to_regclass('outbox_migrate.migration') IS NOT NULL").fetchone()
+    return bool(row and row[0])
+
+
 def ensure_schema(conn: Connection[Any]) -> None:
     """Create or upgrade the ledger schema (idempotent; safe under concurrency)."""
     with conn.transaction():
@@ -117,6 +122,13 @@ def latest(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> MigrationRo
     return _migration(row) if row else None
 
 
+def another_active(spec: OutboxSpec, pattern: str, phase: str) -> UsageError:
+    return UsageError(
+        f"a {pattern.upper()} migration of {spec.schema}.{spec.table} is active (phase {phase}); "
+        "finish it, roll it back, or `outbox-migrate reset` it before starting another pattern"
+    )
+
+
 def open_migration(
     conn: Connection[Any],
     pattern: Pattern,
@@ -126,11 +138,7 @@ def open_migration(
     """Find this (table, pattern) migration or start it; refuse a different active pattern."""
     active = active_for_table(conn, spec)
     if active is not None and active.pattern != pattern.name:
-        raise UsageError(
-            f"a {active.pattern.upper()} migration of {spec.schema}.{spec.table} is active "
-            f"(phase {active.current_phase}); finish it, roll it back, or `outbox-migrate "
-            "reset` it before starting another pattern"
-        )
+        raise another_active(spec, active.pattern, active.current_phase)
     existing = latest(conn, spec, pattern.name)
     if existing is not None:
         return existing
@@ -199,6 +207,11 @@ def steps(conn: Connection[Any], migration_id: int) -> list[StepRow]:
     return [StepRow(**{k: r[k] for k in StepRow.__dataclass_fields__}) for r in rows]
 
 
+def step_rows(conn: Connection[Any], migration_id: int) -> dict[str, StepRow]:
+    """The migration's ledger rows by step id."""
+    return {row.step_id: row for row in steps(conn, migration_id)}
+
+
 def record_lock_wait(conn: Connection[Any], migration_id: int, step_id: str, ms: float) -> None:
     """Record the time a step's successful run lost waiting for its locks (not its state:
     see `transition`)."""
@@ -230,14 +243,20 @@ def record_attempt(
     )
 
 
-def recorded_identity_generation(conn: Connection[Any], spec: OutboxSpec) -> str | None:
-    """The old table's identity kind as recorded when its migration started."""
-    row = conn.execute(
-        "SELECT spec->>'identity_generation' FROM outbox_migrate.migration "
+def _recorded(conn: Connection[Any], spec: OutboxSpec, key: str) -> tuple[Any] | None:
+    """`key` of the spec the table's latest live migration recorded (None: no migration)."""
+    row: tuple[Any] | None = conn.execute(
+        "SELECT spec -> %s::text FROM outbox_migrate.migration "
         "WHERE table_schema = %s AND table_name = %s AND state <> 'abandoned' "
         "ORDER BY id DESC LIMIT 1",
-        (spec.schema, spec.table),
+        (key, spec.schema, spec.table),
     ).fetchone()
+    return row
+
+
+def recorded_identity_generation(conn: Connection[Any], spec: OutboxSpec) -> str | None:
+    """The old table's identity kind as recorded when its migration started."""
+    row = _recorded(conn, spec, "identity_generation")
     return str(row[0]) if row and row[0] else None
 
 
@@ -248,15 +267,9 @@ def recorded_publications(
     no migration or no ledger yet), so the CDC step stays what it was when the migration
     started even if a publication changes later. A migration started by a release that did
     not record them has none: its steps stay the ones it started with."""
-    found = conn.execute("SELECT to_regclass('outbox_migrate.migration')").fetchone()
-    if found is None or found[0] is None:
+    if not ledger_exists(conn):
         return None
-    row = conn.execute(
-        "SELECT spec->'publications' FROM outbox_migrate.migration "
-        "WHERE table_schema = %s AND table_name = %s AND state <> 'abandoned' "
-        "ORDER BY id DESC LIMIT 1",
-        (spec.schema, spec.table),
-    ).fetchone()
+    row = _recorded(conn, spec, "publications")
     if row is None:
         return None
     if row[0] is None:
