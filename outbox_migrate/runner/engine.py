@@ -16,6 +16,7 @@ import psycopg
 
 from outbox_migrate.config import Settings
 from outbox_migrate.errors import OutOfOrder
+from outbox_migrate.patterns import build_from_settings
 from outbox_migrate.patterns.model import Pattern, Step
 from outbox_migrate.runner import ledger, ownership
 from outbox_migrate.runner.admission import admit, require_table
@@ -38,7 +39,7 @@ from outbox_migrate.runner.decide import (
     steps_to_run,
 )
 from outbox_migrate.runner.events import RunnerEvents, SilentEvents
-from outbox_migrate.runner.facts import LiveFacts, offline_pattern
+from outbox_migrate.runner.facts import LiveFacts
 from outbox_migrate.runner.reverse import reverse_one
 from outbox_migrate.runner.reverse import rollback as rollback_to
 from outbox_migrate.runner.session import RUNNER_LOCK_CLASS, Session
@@ -68,8 +69,10 @@ class Runner:
         self.spec = settings.spec
         self._pattern_name = pattern
         self._include_optional = include_optional
-        self.pattern: Pattern = offline_pattern(settings, pattern, include_optional)
-        """Offline until the `with` block reads the live one (`facts.live_pattern`)."""
+        self.pattern: Pattern = build_from_settings(
+            pattern, settings, include_optional=include_optional
+        )
+        """Offline (names, phases, `--help`) until the `with` block reads the live one."""
         self.events: RunnerEvents = events or SilentEvents()
         self.on_long_tx = on_long_tx
         self.copy_back_options = copy_back_options

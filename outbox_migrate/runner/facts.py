@@ -11,12 +11,13 @@ cannot disagree about it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from psycopg import Connection, sql
 
 from outbox_migrate.config import OutboxSpec, Settings
-from outbox_migrate.patterns import BuildOptions, build_pattern
+from outbox_migrate.patterns import BuildOptions, build_from_settings, build_pattern
 from outbox_migrate.patterns.model import Condition, Pattern, PublicationFact, Step
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.runner import ledger
@@ -39,19 +40,6 @@ def identity_generation(conn: Connection[Any], spec: OutboxSpec, *, ledger_reada
         return "ALWAYS" if row[0] == "a" else "BY DEFAULT"
     recorded = ledger.recorded_identity_generation(conn, spec) if ledger_readable else None
     return recorded or "BY DEFAULT"
-
-
-def offline_pattern(settings: Settings, name: str, include_optional: bool) -> Pattern:
-    """The pattern before any database is looked at (names, phases, `--help`)."""
-    return build_pattern(
-        name,
-        settings.spec,
-        BuildOptions(
-            sample_window_s=settings.gate_window_s,
-            old_app_name=settings.old_app_name,
-            include_optional=include_optional,
-        ),
-    )
 
 
 def migration_publications(conn: Connection[Any], spec: OutboxSpec) -> tuple[PublicationFact, ...]:
@@ -87,17 +75,10 @@ def live_pattern(
     generation = identity_generation(conn, settings.spec, ledger_readable=readable)
     publications = migration_publications(conn, settings.spec)  # recorded, else live
     spec = marker_catalog.resolve(conn, settings.spec)  # a flag marker's values (its DEFAULT)
-    pattern = build_pattern(
-        name,
-        spec,
-        BuildOptions(
-            sample_window_s=settings.gate_window_s,
-            old_app_name=settings.old_app_name,
-            include_optional=include_optional,
-            identity_generation=generation,
-            publications=publications,
-        ),
-    )
+    pattern = build_from_settings(
+        name, replace(settings, spec=spec), include_optional=include_optional,
+        identity_generation=generation, publications=publications,
+    )  # fmt: skip
     return pattern, generation, publications
 
 
