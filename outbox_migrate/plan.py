@@ -186,22 +186,18 @@ def render_sql(pattern: Pattern, spec: OutboxSpec, lock_timeout_ms: int = 200) -
         "",
     ]
     for phase in pattern.phases:
-        lines.append(f"{PHASE_MARKER}{phase.name}")
-        lines.extend(f"-- {text}" for text in phase.instructions)
+        lines += [f"{PHASE_MARKER}{phase.name}", *(f"-- {text}" for text in phase.instructions)]
         if not phase.steps:
             lines.append("-- (no database steps in this phase)")
         for step in phase.steps:
-            lines.append("")
-            lines.append(f"-- step: {step.id}: {step.summary}")
-            lines.extend(
-                step_sql(step, lock_timeout_ms, schema=spec.schema, parent=spec.partitioned_table)
+            lines += ["", f"-- step: {step.id}: {step.summary}"]
+            lines += step_sql(
+                step, lock_timeout_ms, schema=spec.schema, parent=spec.partitioned_table
             )
             guard = cdc_guard(pattern, step, spec)
             if guard:
-                lines.append("")
-                lines.append(f"-- check: no publication lists {spec.table} without "
-                             f"{spec.unpublished_partition} (CDC consumers)")  # fmt: skip
-                lines.extend(guard)
+                lines += ["", f"-- check: no publication lists {spec.table} without "
+                          f"{spec.unpublished_partition} (CDC consumers)", *guard]  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 
@@ -219,22 +215,19 @@ def split_sql_phases(text: str) -> dict[str, str]:
 
 
 def _md_step(step: Step, lines: list[str]) -> None:
-    lines.append(f"#### `{step.id}`{' (optional)' if step.optional else ''}")
-    lines.append("")
-    lines.append(step.summary + ".")
-    lines.append("")
     locks = ", ".join(f"{lock.mode.sql_name} on `{lock.relation}`" for lock in step.locks)
     timeout = (
         "unlimited" if step.statement_timeout_ms is None else f"{step.statement_timeout_ms} ms"
     )
-    lines.append(f"- Application before: {step.app_before}")
-    lines.append(f"- Application after: {step.app_after}")
-    lines.append(f"- Transaction: {step.tx.value}; statement_timeout {timeout}")
-    lines.append(
-        f"- Locks: {locks or 'none'}"
-        + (" (catalog-only, independent of table size)" if step.catalog_only else "")
-    )
-    lines.append(f"- Scan: {step.scan or 'none'}")
+    catalog_only = " (catalog-only, independent of table size)" if step.catalog_only else ""
+    lines += [
+        f"#### `{step.id}`{' (optional)' if step.optional else ''}", "", step.summary + ".", "",
+        f"- Application before: {step.app_before}",
+        f"- Application after: {step.app_after}",
+        f"- Transaction: {step.tx.value}; statement_timeout {timeout}",
+        f"- Locks: {locks or 'none'}{catalog_only}",
+        f"- Scan: {step.scan or 'none'}",
+    ]  # fmt: skip
     if step.preconditions:
         lines.append("- Preconditions:")
         lines.extend(f"  - {c.description} (`{c.name}`)" for c in step.preconditions)
@@ -244,10 +237,7 @@ def _md_step(step: Step, lines: list[str]) -> None:
     lines.append(f"- Rollback: {rollback}")
     lines.extend(f"- Note: {note}" for note in step.notes)
     if step.statements:
-        lines.append("")
-        lines.append("```sql")
-        lines.extend(text.rstrip(";") + ";" for text in step.sql_texts())
-        lines.append("```")
+        lines += ["", "```sql", *(text.rstrip(";") + ";" for text in step.sql_texts()), "```"]
     lines.append("")
 
 
@@ -255,17 +245,15 @@ def _md_phase(
     phase: Phase, spec: OutboxSpec, lines: list[str], cdc: list[str] | None = None
 ) -> None:
     kind = "deploy" if phase.kind.value == "deploy" else "job"
-    lines.append(f"### {phase.name} ({kind}): {phase.title}")
-    lines.append("")
-    lines.append(f"Application: {phase.app.describe(spec.table, spec.partitioned_table)}.")
-    lines.append("")
-    lines.extend(f"- {text}" for text in phase.instructions)
-    lines.append("")
+    lines += [
+        f"### {phase.name} ({kind}): {phase.title}", "",
+        f"Application: {phase.app.describe(spec.table, spec.partitioned_table)}.", "",
+        *(f"- {text}" for text in phase.instructions), "",
+    ]  # fmt: skip
     if cdc:
         lines += ["```text", *cdc, "```", ""]
     if not phase.steps:
-        lines.append("No database steps in this phase.")
-        lines.append("")
+        lines += ["No database steps in this phase.", ""]
     for step in phase.steps:
         _md_step(step, lines)
 
@@ -309,8 +297,7 @@ def render_markdown(
             lines += [f"{h}# Objects on `{facts.table}` and what happens to each", ""]
             lines += [f"- {o.kind} `{o.name}`: {o.fate}" for o in facts.objects]
             lines.append("")
-    lines.append(f"{h}# Phases")
-    lines.append("")
+    lines += [f"{h}# Phases", ""]
     cdc = phase_views(pattern, spec, facts.publication_details) if facts is not None else {}
     for phase in pattern.phases:
         _md_phase(phase, spec, lines, render_lines(cdc, phase.name))

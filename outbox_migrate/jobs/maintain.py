@@ -169,13 +169,6 @@ def _btree_indexes(conn: psycopg.Connection[Any], table: Relation) -> list[tuple
     return [(int(r[0]), str(r[1])) for r in rows]
 
 
-def _index_oid(conn: psycopg.Connection[Any], table: Relation, name: str) -> int | None:
-    for oid, index in _btree_indexes(conn, table):
-        if index == name:
-            return oid
-    return None
-
-
 def vacuum_analyze(conn: psycopg.Connection[Any], table: Relation) -> bool:
     """VACUUM (ANALYZE) under a lock_timeout; False when another vacuum holds the table."""
     try:
@@ -228,7 +221,7 @@ def _maintain_index(
         return IndexOutcome(name, "refused", before, message=str(exc))
     except ReindexFailed as exc:
         return IndexOutcome(name, "failed", before, message=str(exc))
-    new_oid = _index_oid(conn, table, name)
+    new_oid = next((i for i, index in _btree_indexes(conn, table) if index == name), None)
     after = bloat.measure(conn, new_oid, options.bloat_method) if new_oid else None
     return IndexOutcome(name, "reindexed", before, after, done.seconds, window=done.window)
 

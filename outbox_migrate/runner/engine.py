@@ -10,6 +10,7 @@ through `RunnerEvents` and raises errors, never prints or exits.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import psycopg
@@ -184,7 +185,7 @@ class Runner:
             self.spec,
             {
                 "identity_generation": facts.identity_generation,
-                "publications": ledger.publications_json(facts.publications),
+                "publications": [asdict(p) for p in facts.publications],
             },
         )
         ledger.sync_steps(self.conn, migration, self.pattern)

@@ -51,19 +51,16 @@ def table_label(settings: Settings) -> str:
 
 
 def _by_either_name(conn: psycopg.Connection[Any], settings: Settings) -> Settings:
-    """After the rename to the original name, the migration's recorded configuration when the
-    given names are the outbox's new ones."""
-    return _recorded_settings(conn, settings) if _ledger_readable(conn) else settings
-
-
-def _recorded_settings(conn: psycopg.Connection[Any], settings: Settings) -> Settings:
     """`settings` with the recorded spec of a renamed migration the given names point at;
-    `settings` unchanged when a migration is recorded under `table` itself, or none matches.
+    `settings` unchanged when a migration is recorded under `table` itself, or none matches
+    (or there is no ledger).
 
     The ledger keys a migration by the flat table's name. After `take-original-name` an
     operator may name the outbox as it now is: the view under the partitioned table's former
     name (`--table outbox_new`), or the partitioned table under the original name
     (`--partitioned-table outbox`, as its relays do)."""
+    if not _ledger_readable(conn):
+        return settings
     spec = settings.spec
     row = conn.execute(
         "SELECT (SELECT m.spec::text FROM outbox_migrate.migration m "
@@ -116,7 +113,7 @@ def recorded(conn: psycopg.Connection[Any], settings: Settings, pattern: str | N
     spec = settings.spec
     active = ledger.active_for_table(conn, spec)
     if pattern is None:
-        migration = active or _latest_any(conn, settings)
+        migration = active or ledger.latest(conn, spec, None)
         other = None
     else:
         migration = ledger.latest(conn, spec, pattern.lower())
@@ -124,15 +121,6 @@ def recorded(conn: psycopg.Connection[Any], settings: Settings, pattern: str | N
     if migration is None:
         return Recorded(None, {}, other)
     return Recorded(migration, ledger.step_rows(conn, migration.id), other)
-
-
-def _latest_any(conn: psycopg.Connection[Any], settings: Settings) -> ledger.MigrationRow | None:
-    row = conn.execute(
-        "SELECT pattern FROM outbox_migrate.migration WHERE table_schema = %s AND "
-        "table_name = %s AND state <> 'abandoned' ORDER BY id DESC LIMIT 1",
-        (settings.spec.schema, settings.spec.table),
-    ).fetchone()
-    return ledger.latest(conn, settings.spec, str(row[0])) if row else None
 
 
 def active_pattern(dsn: str, settings: Settings) -> str | None:

@@ -13,15 +13,16 @@ import logging
 import socket
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, LiteralString
 
 from psycopg import Connection, sql
 from psycopg.rows import dict_row
 
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import StepChanged, UsageError
+from outbox_migrate.errors import UsageError
 from outbox_migrate.patterns.model import Pattern, PublicationFact
+from outbox_migrate.runner.decide import check_definitions
 
 log = logging.getLogger("outbox_migrate.runner")
 
@@ -76,50 +77,40 @@ def ensure_schema(conn: Connection[Any]) -> None:
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK_KEY,))
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
+        versions = sql.Identifier(SCHEMA, "ledger_version")
         conn.execute(
-            sql.SQL("CREATE TABLE IF NOT EXISTS {} (version int NOT NULL)").format(
-                sql.Identifier(SCHEMA, "ledger_version")
-            )
+            sql.SQL("CREATE TABLE IF NOT EXISTS {} (version int NOT NULL)").format(versions)
         )
-        row = conn.execute(
-            sql.SQL("SELECT max(version) FROM {}").format(sql.Identifier(SCHEMA, "ledger_version"))
-        ).fetchone()
+        row = conn.execute(sql.SQL("SELECT max(version) FROM {}").format(versions)).fetchone()
         current = int(row[0]) if row and row[0] is not None else 0
         for version in range(current + 1, LEDGER_VERSION + 1):
             for statement in queries.query("ledger", f"upgrade-{version}").text.split(";\n"):
                 if statement.strip():
                     conn.execute(statement)
-            conn.execute(
-                sql.SQL("INSERT INTO {} VALUES (%s)").format(
-                    sql.Identifier(SCHEMA, "ledger_version")
-                ),
-                (version,),
-            )
+            conn.execute(sql.SQL("INSERT INTO {} VALUES (%s)").format(versions), (version,))
 
 
-def _migration(row: dict[str, Any]) -> MigrationRow:
-    return MigrationRow(**{k: row[k] for k in MigrationRow.__dataclass_fields__})
+def _migration(conn: Connection[Any], query: LiteralString, *params: Any) -> MigrationRow | None:
+    """The one migration row `query` returns (`SELECT *`, `RETURNING *`), or None."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(query, params).fetchone()
+    return MigrationRow(**{k: row[k] for k in MigrationRow.__dataclass_fields__}) if row else None
 
 
 def active_for_table(conn: Connection[Any], spec: OutboxSpec) -> MigrationRow | None:
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(
-            "SELECT * FROM outbox_migrate.migration "
-            "WHERE table_schema = %s AND table_name = %s AND state = 'active'",
-            (spec.schema, spec.table),
-        ).fetchone()
-    return _migration(row) if row else None
+    return _migration(
+        conn, "SELECT * FROM outbox_migrate.migration "
+        "WHERE table_schema = %s AND table_name = %s AND state = 'active'", spec.schema, spec.table,
+    )  # fmt: skip
 
 
-def latest(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> MigrationRow | None:
-    """The active or completed migration of this table with this pattern."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(
-            "SELECT * FROM outbox_migrate.migration WHERE table_schema = %s AND table_name = %s "
-            "AND pattern = %s AND state <> 'abandoned' ORDER BY id DESC LIMIT 1",
-            (spec.schema, spec.table, pattern),
-        ).fetchone()
-    return _migration(row) if row else None
+def latest(conn: Connection[Any], spec: OutboxSpec, pattern: str | None) -> MigrationRow | None:
+    """The active or completed migration of this table with this pattern (None: any)."""
+    return _migration(
+        conn, "SELECT * FROM outbox_migrate.migration WHERE table_schema = %s AND table_name = %s "
+        "AND pattern = coalesce(%s, pattern) AND state <> 'abandoned' ORDER BY id DESC LIMIT 1",
+        spec.schema, spec.table, pattern,
+    )  # fmt: skip
 
 
 def another_active(spec: OutboxSpec, pattern: str, phase: str) -> UsageError:
@@ -143,15 +134,14 @@ def open_migration(
     if existing is not None:
         return existing
     spec_json = json.dumps({**asdict(spec), **(extra or {})}, sort_keys=True)
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(
-            "INSERT INTO outbox_migrate.migration "
-            "(table_schema, table_name, pattern, spec, current_phase, host) "
-            "VALUES (%s, %s, %s, %s, %s, %s) RETURNING *",
-            (spec.schema, spec.table, pattern.name, spec_json, pattern.phases[0].name, HOST),
-        ).fetchone()
-    assert row is not None
-    return _migration(row)
+    created = _migration(
+        conn, "INSERT INTO outbox_migrate.migration "
+        "(table_schema, table_name, pattern, spec, current_phase, host) "
+        "VALUES (%s, %s, %s, %s, %s, %s) RETURNING *",
+        spec.schema, spec.table, pattern.name, spec_json, pattern.phases[0].name, HOST,
+    )  # fmt: skip
+    assert created is not None
+    return created
 
 
 def sync_steps(conn: Connection[Any], migration: MigrationRow, pattern: Pattern) -> None:
@@ -161,8 +151,8 @@ def sync_steps(conn: Connection[Any], migration: MigrationRow, pattern: Pattern)
     whose checksum differs means the catalog or the configuration changed under a running
     migration: that is refused, because its postcondition may no longer describe reality.
     """
-    rows = steps(conn, migration.id)
-    by_id = {row.step_id: row for row in rows}
+    by_id = step_rows(conn, migration.id)
+    check_definitions(pattern, {i: (r.state, r.checksum) for i, r in by_id.items()})
     for position, step in enumerate(pattern.steps()):
         checksum = step.checksum()
         row = by_id.get(step.id)
@@ -174,28 +164,18 @@ def sync_steps(conn: Connection[Any], migration: MigrationRow, pattern: Pattern)
                 "ON CONFLICT (migration_id, step_id) DO NOTHING",
                 (migration.id, position, step.id, step.phase, step.kind, checksum),
             )
-        elif row.checksum != checksum:
-            if row.state in ("done", "running") and not (
-                row.state == "done" and row.checksum in step.former_checksums
-            ):
-                raise StepChanged(step.id, row.checksum, checksum)
-            if row.state == "done":
-                log.info(
-                    "runner.step_adopted step=%s recorded=%s current=%s (an earlier release's "
-                    "definition with the same effect)",
-                    step.id, row.checksum, checksum,
-                )  # fmt: skip
-            conn.execute(
-                "UPDATE outbox_migrate.step SET checksum = %s, position = %s "
-                "WHERE migration_id = %s AND step_id = %s",
-                (checksum, position, migration.id, step.id),
-            )
-        else:
-            conn.execute(
-                "UPDATE outbox_migrate.step SET position = %s "
-                "WHERE migration_id = %s AND step_id = %s",
-                (position, migration.id, step.id),
-            )
+            continue
+        if row.checksum != checksum and row.state == "done":
+            log.info(
+                "runner.step_adopted step=%s recorded=%s current=%s (an earlier release's "
+                "definition with the same effect)",
+                step.id, row.checksum, checksum,
+            )  # fmt: skip
+        conn.execute(
+            "UPDATE outbox_migrate.step SET checksum = %s, position = %s "
+            "WHERE migration_id = %s AND step_id = %s",
+            (checksum, position, migration.id, step.id),
+        )
 
 
 def steps(conn: Connection[Any], migration_id: int) -> list[StepRow]:
@@ -278,10 +258,6 @@ def recorded_publications(
         PublicationFact(**{**item, "columns": tuple(item["columns"]) if item["columns"] else None})
         for item in row[0]
     )
-
-
-def publications_json(publications: tuple[PublicationFact, ...]) -> list[dict[str, Any]]:
-    return [asdict(p) for p in publications]
 
 
 def set_phase(conn: Connection[Any], migration_id: int, phase: str, state: str = "active") -> None:

@@ -19,14 +19,15 @@ from outbox_migrate.runner.ledger import HOST
 
 STATES = ("pending", "running", "done", "failed", "rolled_back")
 
+_NOT_DONE = frozenset({"pending", "running", "failed", "rolled_back"})
 ALLOWED: dict[str, frozenset[str]] = {
     # target state: the states it may be reached from
-    "running": frozenset({"pending", "running", "failed", "rolled_back"}),
-    "done": frozenset({"pending", "running", "failed", "rolled_back"}),
-    "failed": frozenset({"pending", "running", "failed", "rolled_back"}),
+    "running": _NOT_DONE,
+    "done": _NOT_DONE,
+    "failed": _NOT_DONE,
     # A step that refused at run time did nothing: it stays (or goes back to) pending, with
     # the reason for `status`.
-    "pending": frozenset({"pending", "running", "failed", "rolled_back"}),
+    "pending": _NOT_DONE,
     # An inverse undoes a done step, or one proven applied outside the ledger (offline SQL).
     "rolled_back": frozenset(STATES),
 }
