@@ -16,7 +16,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from outbox_migrate.errors import ConfigError
 
@@ -199,6 +199,9 @@ def _fit(name: str) -> str:
     return name.encode()[:MAX_IDENTIFIER_BYTES].decode(errors="ignore")
 
 
+_N = TypeVar("_N", int, float)
+
+
 def _identifier(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError("must be a non-empty string")
@@ -209,27 +212,24 @@ def _identifier(value: Any) -> str:
     return value
 
 
-def _positive_int(value: Any) -> int:
+def _positive(value: Any, kind: type[_N], what: str) -> _N:
     if isinstance(value, bool):
-        raise ValueError("must be an integer")
+        raise ValueError(f"must be {what}")
     try:
-        number = int(value)
+        number = kind(value)
     except (TypeError, ValueError):
-        raise ValueError(f"must be an integer, got {value!r}") from None
-    if number <= 0:
+        raise ValueError(f"must be {what}, got {value!r}") from None
+    if not number > 0:
         raise ValueError(f"must be positive, got {number}")
     return number
 
 
+def _positive_int(value: Any) -> int:
+    return _positive(value, int, "an integer")
+
+
 def _positive_float(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError("must be a number")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"must be a number, got {value!r}") from None
-    if not number > 0:
-        raise ValueError(f"must be positive, got {number}")
+    number = _positive(value, float, "a number")
     if number == float("inf"):
         raise ValueError("must be finite (a number of seconds), got inf")
     return number

@@ -205,12 +205,12 @@ class Runner:
     def _rows(self, migration: ledger.MigrationRow) -> dict[str, ledger.StepRow]:
         return ledger.step_rows(self.conn, migration.id)
 
-    def _holds(self, step: Step, rows: dict[str, ledger.StepRow]) -> bool | None:
-        """The postcondition read just before the step's turn (None: the ledger says done)."""
-        row = rows.get(step.id)
-        if not step.postcondition or (row is not None and row.state == "done"):
-            return None
-        return self._facts_now().holds(step)
+    def _execute(
+        self, applier: StepApplier, step: Step, rows: dict[str, ledger.StepRow], result: RunResult
+    ) -> None:
+        """Skip, adopt or run `step`, its postcondition read just before its turn."""
+        holds = self._facts_now().holding([step], rows).get(step.id)
+        applier.execute(step, rows.get(step.id), holds, result)
 
     def _facts_now(self) -> LiveFacts:
         return self._facts or self._read_facts()
@@ -227,7 +227,7 @@ class Runner:
         applier = self._applier(migration.id)
         result = RunResult(self.pattern.name, to_phase)
         for step in pending:
-            applier.execute(step, rows.get(step.id), self._holds(step, rows), result)
+            self._execute(applier, step, rows, result)
         return self._finish(migration, result, to_phase)
 
     def next(self) -> RunResult:
@@ -243,8 +243,7 @@ class Runner:
         target = completed_phase(self.pattern, rows)
         if pending:
             step = pending[0]
-            applier = self._applier(migration.id)
-            applier.execute(step, rows.get(step.id), self._holds(step, rows), result)
+            self._execute(self._applier(migration.id), step, rows, result)
             target = step.phase
         return self._finish(migration, result, target)
 
@@ -275,7 +274,7 @@ class Runner:
             if action is Action.UNDONE:
                 applier.record_undone(planned, result)
                 continue
-            applier.execute(planned, rows.get(planned.id), self._holds(planned, rows), result)
+            self._execute(applier, planned, rows, result)
         return self._finish(migration, result, step.phase)
 
     def _check_adoptions(self, steps: list[Step]) -> None:
