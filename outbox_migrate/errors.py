@@ -103,9 +103,11 @@ class EmbeddedServerError(OutboxMigrateError):
     exit_code = ExitCode.FAILED
 
 
-class NothingRecorded(OutboxMigrateError):
-    """`verify` found no migration in the ledger for the table: nothing can be verified, and
-    a CI gate must not pass on nothing (a typo in --table, the wrong database)."""
+class NothingDone(OutboxMigrateError):
+    """The command did not do what was asked, and says so (exit 1) so that a script or a CI
+    gate does not carry on as if it had: `verify` found no migration in the ledger (a typo in
+    --table, the wrong database: a gate must not pass on nothing), a selection matched no
+    dead letter, a confirmation was answered no."""
 
     exit_code = ExitCode.FAILED
 

@@ -21,12 +21,12 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from outbox_migrate.config import OutboxSpec, Settings, load_settings
-from outbox_migrate.errors import OutOfOrder, UsageError
+from outbox_migrate.errors import UsageError
 from outbox_migrate.lock_budget import AttemptLog
 from outbox_migrate.offline import assertion, cdc_guard, lock_statements, step_sql
 from outbox_migrate.patterns import build_from_settings
 from outbox_migrate.patterns.model import Pattern, Step, TxMode
-from outbox_migrate.runner.decide import step_named
+from outbox_migrate.runner.decide import irreversible, step_named
 from outbox_migrate.runner.events import SilentEvents
 
 if TYPE_CHECKING:
@@ -114,10 +114,6 @@ def with_live_steps(
     return ids
 
 
-def irreversible(step: Step) -> OutOfOrder:
-    return OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
-
-
 # -- transactions ----------------------------------------------------------------------------
 
 
@@ -163,15 +159,11 @@ def _runner(
 
     from outbox_migrate.runner import Runner, ledger
 
-    if joined:
-        # Before the revision's transaction does anything: create the ledger in its own
-        # short transaction, so the setup lock is not held while the step runs.
-        with ctx.autocommit_block():
-            ledger.ensure_schema(_driver(ctx))
-    block = nullcontext() if joined else ctx.autocommit_block()
-    with block:
-        if not joined:
-            ledger.ensure_schema(_driver(ctx))
+    # Before the revision's transaction does anything: create the ledger in its own short
+    # transaction, so the setup lock is not held while the step runs.
+    with ctx.autocommit_block():
+        ledger.ensure_schema(_driver(ctx))
+    with nullcontext() if joined else ctx.autocommit_block():
         conn = _driver(ctx)
         if joined and conn.info.transaction_status == TransactionStatus.IDLE:
             # SQLAlchemy begins lazily; start the revision's transaction now so the step's
@@ -191,13 +183,10 @@ def _header(step: Step, verb: str) -> str:
     return f"-- outbox-migrate {verb}: {step.id}: {step.summary}"
 
 
-def forward_sql(
-    step: Step, lock_timeout_ms: int, *, joined: bool, spec: OutboxSpec | None = None
-) -> str:
+def forward_sql(step: Step, lock_timeout_ms: int, *, joined: bool, spec: OutboxSpec) -> str:
     """A step as psql text: its own BEGIN … COMMIT, or the body alone when it joins the
     revision's transaction. The declared locks come first inside it, then every check that
     must hold at commit, as assertions."""
-    spec = spec or OutboxSpec()
     lines = step_sql(step, lock_timeout_ms, schema=spec.schema, parent=spec.partitioned_table)
     if joined and step.tx is TxMode.TRANSACTION:
         if lines[-1] != "COMMIT;" or "BEGIN;" not in lines:  # pragma: no cover - step_sql's shape
@@ -207,16 +196,13 @@ def forward_sql(
     return "\n".join([_header(step, "step"), *lines])
 
 
-def reverse_sql(
-    step: Step, lock_timeout_ms: int, *, joined: bool, spec: OutboxSpec | None = None
-) -> str:
+def reverse_sql(step: Step, lock_timeout_ms: int, *, joined: bool, spec: OutboxSpec) -> str:
     """A step's reverse as psql text: its locks, then its reverse preconditions as
     assertions (so an emptiness check cannot be stale at COMMIT), then the statements."""
     if step.reverse is None:
         raise irreversible(step)
     if not step.reverse:
         return f"{_header(step, 'reverse')}\n-- nothing to undo: {step.reverse_note}"
-    spec = spec or OutboxSpec()
     locks = lock_statements(step, spec.schema, spec.partitioned_table, skip_created=False)
     body = [
         f"SET LOCAL lock_timeout = '{lock_timeout_ms}ms';",
@@ -231,8 +217,7 @@ def reverse_sql(
 
 
 def _emit(ctx: MigrationContext, texts: list[str], joined: bool) -> None:
-    block = nullcontext() if joined else ctx.autocommit_block()
-    with block:
+    with nullcontext() if joined else ctx.autocommit_block():
         for text in texts:
             ctx.impl.static_output(text)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import KW_ONLY, dataclass, fields
+from typing import Any, ClassVar
 
 from alembic.autogenerate import renderers
 from alembic.autogenerate.api import AutogenContext
@@ -24,36 +25,23 @@ IMPORT_LINE = (
 )
 
 
+@dataclass(eq=False)
 class _OutboxOp(MigrateOperation):
     """Shared fields: what to run, the names pinned at generation, the transaction wish."""
 
-    name = ""
+    name: ClassVar[str] = ""
+    target: str
+    _: KW_ONLY
+    phase: str | None = None
+    spec: Mapping[str, Any] | None = None
+    include_optional: bool = False
+    in_revision_transaction: bool = False
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        phase: str | None = None,
-        spec: Mapping[str, Any] | None = None,
-        include_optional: bool = False,
-        in_revision_transaction: bool = False,
-    ) -> None:
-        self.target = target
-        self.phase = phase
-        self.spec = dict(spec) if spec is not None else None
-        self.include_optional = include_optional
-        self.in_revision_transaction = in_revision_transaction
-
-    def _kwargs(self) -> dict[str, Any]:
-        return {
-            "phase": self.phase,
-            "spec": self.spec,
-            "include_optional": self.include_optional,
-            "in_revision_transaction": self.in_revision_transaction,
-        }
+    def __post_init__(self) -> None:
+        self.spec = dict(self.spec) if self.spec is not None else None
 
     def reverse(self) -> _OutboxOp:
-        return _REVERSES[type(self)](self.target, **self._kwargs())
+        return _REVERSES[type(self)](**{f.name: getattr(self, f.name) for f in fields(self)})
 
     def render(self, indent: str = "") -> str:
         """The call as it appears in a revision file; continuation lines get `indent`."""

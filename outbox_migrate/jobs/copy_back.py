@@ -219,11 +219,8 @@ class CopyBack:
                 "of it is recorded"
             )
         cols = self._check_shape()
-        row = self.conn.execute(
-            sql.SQL("SELECT {ends} FROM {s}").format(ends=self.ids.ends(), s=self.source.ident)
-        ).fetchone()
-        assert row is not None
-        total, lo, hi = int(row[0]), self.ids.value(row[1]), self.ids.value(row[2])
+        total, lowest, highest = self.ids.ends(self.conn)
+        lo, hi = self.ids.value(lowest), self.ids.value(highest)
         high_water = state["high_water"] if state and state["dropped_at"] is None else None
         if high_water is None:
             remaining = total
@@ -462,15 +459,13 @@ class CopyBack:
             conn.execute(
                 sql.SQL("LOCK TABLE {s} IN ACCESS EXCLUSIVE MODE").format(s=self.source.ident)
             )
-            row = conn.execute(
-                sql.SQL("SELECT {ends} FROM {s}").format(ends=self.ids.ends(), s=self.source.ident)
-            ).fetchone()
-            assert row is not None
-            max_id = self.ids.value(row[2])
-            if int(row[0]) != verification.source_rows or max_id != verification.source_max_id:
+            rows, _, highest = self.ids.ends(conn)
+            if rows != verification.source_rows or (
+                self.ids.value(highest) != verification.source_max_id
+            ):
                 raise CopyBackError(
                     f"{self.source} changed since verification ({verification.source_rows} "
-                    f"rows then, {row[0]} now); run copy-back again"
+                    f"rows then, {rows} now); run copy-back again"
                 )
             conn.execute(sql.SQL("DROP TABLE {s}").format(s=self.source.ident))
             # Same transaction as the DROP: "dropped" is recorded if and only if it happened.

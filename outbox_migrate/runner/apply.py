@@ -124,10 +124,8 @@ class StepApplier:
         self, step: Step, target: str, *, error: str | None = None, started: bool = False,
         started_at: datetime | None = None,
     ) -> None:  # fmt: skip
-        if self.migration_id is None:
-            raise RuntimeError(f"{step.id}: no migration to record it in")
         transition(
-            self.conn, self.migration_id, step.id, target, error=error, started=started,
+            self.conn, self._recording(), step.id, target, error=error, started=started,
             started_at=started_at,
         )  # fmt: skip
 

@@ -14,7 +14,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from outbox_migrate.errors import OutOfOrder, PreconditionFailed, StepChanged, UsageError
-from outbox_migrate.patterns.model import Pattern, Phase, Step, TxMode
+from outbox_migrate.patterns.model import Pattern, Step, TxMode
 from outbox_migrate.runner.evidence import asserts_presence
 
 
@@ -79,17 +79,13 @@ def skipped(pattern: Pattern, rows: Rows) -> frozenset[str]:
     return frozenset(left)
 
 
-def _required(phase: Phase, step: Step) -> bool:
-    """Whether `step` must be done for `phase` to be complete: an optional step of a required
-    phase is not (the migration is complete without it); an optional phase's steps are."""
-    return phase.optional or not step.optional
-
-
 def completed_phase(pattern: Pattern, rows: Rows) -> str:
-    """The last phase whose required steps (and all earlier ones) are done in the ledger."""
+    """The last phase whose required steps (and all earlier ones) are done in the ledger: an
+    optional step of a required phase is not required (the migration is complete without
+    it); an optional phase's steps are."""
     reached = pattern.phases[0].name
     for phase in pattern.phases:
-        if all(_done(rows, s.id) for s in phase.steps if _required(phase, s)):
+        if all(_done(rows, s.id) for s in phase.steps if phase.optional or not s.optional):
             reached = phase.name
         else:
             break
@@ -105,6 +101,10 @@ def step_named(pattern: Pattern, step_id: str) -> Step:
         f"pattern {pattern.acronym} has no step {step_id!r}; its steps are "
         + ", ".join(s.id for s in pattern.steps())
     )
+
+
+def irreversible(step: Step) -> OutOfOrder:
+    return OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
 
 
 def phase_index(pattern: Pattern, name: str) -> int:

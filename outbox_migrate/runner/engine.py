@@ -33,6 +33,7 @@ from outbox_migrate.runner.decide import (
     check_definitions,
     check_reset,
     completed_phase,
+    irreversible,
     phase_index,
     plan_execute_step,
     reached_phase,
@@ -292,7 +293,7 @@ class Runner:
         never applied (nothing to undo); `OutOfOrder` when it cannot be reversed."""
         step = self.step(step_id)
         if step.reverse is None:
-            raise OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
+            raise irreversible(step)
         self.acquire()
         migration = self._latest()
         rows = self._rows(migration) if migration is not None else {}

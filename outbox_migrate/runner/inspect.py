@@ -19,7 +19,7 @@ import psycopg
 
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.db import connect
-from outbox_migrate.errors import NothingRecorded, UsageError, VerifyFailed
+from outbox_migrate.errors import NothingDone, UsageError, VerifyFailed
 from outbox_migrate.patterns.model import Pattern
 from outbox_migrate.runner import checks, ledger
 from outbox_migrate.runner.admission import require_table
@@ -167,14 +167,14 @@ def verify(
     dsn: str, settings: Settings, pattern: str | None = None, *, include_optional: bool = False
 ) -> str:
     """Check the invariants of the recorded phase; return the phase, or raise `VerifyFailed`
-    (a violation), `NothingRecorded` (no migration to verify) or `SchemaError` (no table)."""
+    (a violation), `NothingDone` (no migration to verify) or `SchemaError` (no table)."""
     with open_read_only(dsn) as conn:
         settings = _by_either_name(conn, settings)
         require_table(conn, settings.spec)
         found = recorded(conn, settings, pattern)
         if found.migration is None:
             other = found.other.pattern if found.other else None
-            raise NothingRecorded(
+            raise NothingDone(
                 not_recorded_message(settings, pattern, other)
                 + "; nothing to verify — start it with `outbox-migrate run`"
             )

@@ -23,6 +23,7 @@ from outbox_migrate.runner.apply import StepApplier, connection_lost
 from outbox_migrate.runner.checks import check_conditions
 from outbox_migrate.runner.decide import (
     completed_phase,
+    irreversible,
     phase_index,
     reached_phase,
     steps_to_reverse,
@@ -73,7 +74,7 @@ def reverse_one(
 ) -> bool:
     """Undo one step (Alembic downgrade). False when it was never applied."""
     if step.reverse is None:
-        raise OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
+        raise irreversible(step)
     steps = pattern.steps()
     later = steps[steps.index(step) + 1 :]
     ahead = [s.id for s in later if s.id in rows and rows[s.id].state == "done"]
