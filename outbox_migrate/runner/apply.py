@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import errors
@@ -86,17 +86,16 @@ class RunResult:
     completed: bool = False
 
 
-@dataclass
-class ApplyOptions:
-    """How steps are applied: the operator's choices for one command."""
+class ApplyOptions(Protocol):
+    """How steps are applied: the operator's choices for one command (the `Runner`'s)."""
 
     settings: Settings
     dsn: str
     events: RunnerEvents
-    on_long_tx: str = "wait"
-    watch_blockers: bool = True
-    copy_back_options: Any = None
-    job_dsn: str | None = None
+    on_long_tx: str
+    watch_blockers: bool
+    copy_back_options: Any
+    job_dsn: str | None
 
 
 class StepApplier:

@@ -23,7 +23,6 @@ from outbox_migrate.runner import ledger, ownership
 from outbox_migrate.runner.admission import admit, require_table
 from outbox_migrate.runner.apply import (
     FAULT_ENV,
-    ApplyOptions,
     RunResult,
     StepApplier,
     connection_lost,
@@ -150,12 +149,7 @@ class Runner:
         return self._facts
 
     def _applier(self, migration_id: int | None) -> StepApplier:
-        options = ApplyOptions(
-            settings=self.settings, dsn=self.dsn, events=self.events, on_long_tx=self.on_long_tx,
-            watch_blockers=self.watch_blockers, copy_back_options=self.copy_back_options,
-            job_dsn=self.job_dsn,
-        )  # fmt: skip
-        return StepApplier(self.conn, options, migration_id)
+        return StepApplier(self.conn, self, migration_id)
 
     # -- plan → validate → record ------------------------------------------------------------
 
