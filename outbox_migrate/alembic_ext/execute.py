@@ -183,10 +183,13 @@ def _header(step: Step, verb: str) -> str:
     return f"-- outbox-migrate {verb}: {step.id}: {step.summary}"
 
 
-def forward_sql(step: Step, lock_timeout_ms: int, *, joined: bool, spec: OutboxSpec) -> str:
+def forward_sql(
+    step: Step, lock_timeout_ms: int, *, joined: bool, spec: OutboxSpec | None = None
+) -> str:
     """A step as psql text: its own BEGIN … COMMIT, or the body alone when it joins the
     revision's transaction. The declared locks come first inside it, then every check that
     must hold at commit, as assertions."""
+    spec = spec or OutboxSpec()
     lines = step_sql(step, lock_timeout_ms, schema=spec.schema, parent=spec.partitioned_table)
     if joined and step.tx is TxMode.TRANSACTION:
         if lines[-1] != "COMMIT;" or "BEGIN;" not in lines:  # pragma: no cover - step_sql's shape
@@ -196,13 +199,16 @@ def forward_sql(step: Step, lock_timeout_ms: int, *, joined: bool, spec: OutboxS
     return "\n".join([_header(step, "step"), *lines])
 
 
-def reverse_sql(step: Step, lock_timeout_ms: int, *, joined: bool, spec: OutboxSpec) -> str:
+def reverse_sql(
+    step: Step, lock_timeout_ms: int, *, joined: bool, spec: OutboxSpec | None = None
+) -> str:
     """A step's reverse as psql text: its locks, then its reverse preconditions as
     assertions (so an emptiness check cannot be stale at COMMIT), then the statements."""
     if step.reverse is None:
         raise irreversible(step)
     if not step.reverse:
         return f"{_header(step, 'reverse')}\n-- nothing to undo: {step.reverse_note}"
+    spec = spec or OutboxSpec()
     locks = lock_statements(step, spec.schema, spec.partitioned_table, skip_created=False)
     body = [
         f"SET LOCAL lock_timeout = '{lock_timeout_ms}ms';",
