@@ -49,7 +49,6 @@ from outbox_migrate.runner.checks import (
 from outbox_migrate.runner.decide import Action, action_for
 from outbox_migrate.runner.events import RunnerEvents
 from outbox_migrate.runner.executors import executor_for
-from outbox_migrate.runner.transition import transition
 
 FAULT_ENV = "OUTBOX_MIGRATE_FAULT"
 """Test hook: `<step-id>@<point>` SIGKILLs the runner at that point (before, after-ddl,
@@ -123,7 +122,7 @@ class StepApplier:
         self, step: Step, target: str, *, error: str | None = None, started: bool = False,
         started_at: datetime | None = None,
     ) -> None:  # fmt: skip
-        transition(
+        ledger.transition(
             self.conn, self._recording(), step.id, target, error=error, started=started,
             started_at=started_at,
         )  # fmt: skip
@@ -139,7 +138,7 @@ class StepApplier:
                 conn.execute(statement)
             # The locks were taken first, so the order of these last writes does not
             # lengthen any lock hold; the ledger row commits with the DDL.
-            transition(conn, migration_id, step.id, "done", started_at=self._started_at)
+            ledger.transition(conn, migration_id, step.id, "done", started_at=self._started_at)
             ownership.record(conn, migration_id, step, self.spec, "created")
             fault(step.id, "after-ddl")
 

@@ -41,10 +41,10 @@ from outbox_migrate.runner.decide import (
 )
 from outbox_migrate.runner.events import RunnerEvents, SilentEvents
 from outbox_migrate.runner.facts import LiveFacts
+from outbox_migrate.runner.inspect import recorded_document, unrecorded_document
 from outbox_migrate.runner.reverse import reverse_one
 from outbox_migrate.runner.reverse import rollback as rollback_to
 from outbox_migrate.runner.session import RUNNER_LOCK_CLASS, Session
-from outbox_migrate.runner.status import recorded_document, unrecorded_document
 
 __all__ = ["FAULT_ENV", "RUNNER_LOCK_CLASS", "RunResult", "Runner", "connection_lost"]
 

@@ -3,15 +3,15 @@ current phase's invariants hold — with nothing but SELECT and CONNECT.
 
 Unlike the `Runner`, nothing here creates or upgrades the ledger schema, takes the runner's
 advisory lock or writes a row: the session is read-only (`default_transaction_read_only`,
-which any role may set), a missing
-ledger schema simply means "no migration recorded", and a role without rights on it gets one
-line naming the grant. So an auditor's or a dashboard's role can watch a migration, and a CI
+which any role may set), a missing ledger schema simply means "no migration recorded", and a
+role without rights on it gets one line naming the grant. So an auditor's or a dashboard's role can watch a migration, and a CI
 gate cannot pass on a table that does not exist.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -23,11 +23,57 @@ from outbox_migrate.errors import NothingDone, UsageError, VerifyFailed
 from outbox_migrate.patterns.model import Pattern
 from outbox_migrate.runner import checks, ledger
 from outbox_migrate.runner.admission import require_table
-from outbox_migrate.runner.decide import reached_phase
+from outbox_migrate.runner.decide import phase_index, reached_phase
 from outbox_migrate.runner.facts import live_pattern
-from outbox_migrate.runner.status import recorded_document, unrecorded_document
 
 _TUPLES = ("metadata_columns", "accept_lost_unique")
+
+
+# -- the status document (`outbox-migrate status`, `Runner.status()`): pure, no I/O -------
+
+
+def recorded_document(
+    table: str, pattern: Pattern, migration: ledger.MigrationRow, rows: Mapping[str, ledger.StepRow]
+) -> dict[str, Any]:
+    """A migration the ledger records: its state, the phase its steps prove, every step."""
+    reached = reached_phase(pattern, migration.current_phase, rows)
+    index = phase_index(pattern, reached)
+    following = pattern.phases[index + 1].name if index + 1 < len(pattern.phases) else None
+    return {
+        "table": table,
+        "pattern": pattern.name,
+        "recorded": True,
+        "state": migration.state,
+        "phase": reached,
+        "next_phase": following,
+        "steps": [
+            {
+                "id": step.id,
+                "phase": step.phase,
+                "summary": step.summary,
+                **(rows[step.id].to_json() if step.id in rows else {"state": "pending"}),
+            }
+            for step in pattern.steps()
+        ],
+    }
+
+
+def unrecorded_document(
+    table: str, pattern: str | None, *, first_phase: str | None, active_pattern: str | None
+) -> dict[str, Any]:
+    """No migration of this pattern (or none at all) is recorded for the table."""
+    document: dict[str, Any] = {
+        "table": table,
+        "pattern": pattern,
+        "recorded": False,
+        "state": "not started",
+        "phase": first_phase,
+        "next_phase": None,
+        "steps": [],
+    }
+    if active_pattern is not None:
+        document["active_pattern"] = active_pattern
+    return document
 
 
 @dataclass(frozen=True)

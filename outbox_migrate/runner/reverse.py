@@ -28,7 +28,6 @@ from outbox_migrate.runner.decide import (
     reached_phase,
     steps_to_reverse,
 )
-from outbox_migrate.runner.transition import transition
 
 
 def run_inverse(applier: StepApplier, step: Step) -> None:
@@ -43,7 +42,7 @@ def run_inverse(applier: StepApplier, step: Step) -> None:
         if statements:
             ownership.check_droppable(conn, migration_id, step, applier.spec)
         if migration_id is not None:
-            transition(conn, migration_id, step.id, "rolled_back")
+            ledger.transition(conn, migration_id, step.id, "rolled_back")
             conn.execute(
                 "DELETE FROM outbox_migrate.owned_object WHERE migration_id = %s AND step_id = %s",
                 (migration_id, step.id),
