@@ -27,6 +27,7 @@ catalog (it imports only backoff and errors), and must import none of them.
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from typing import Any
 from psycopg import Connection, errors, sql
 
 from outbox_migrate import __version__
-from outbox_migrate.backoff import backoff_s as shared_backoff_s
+from outbox_migrate.backoff import backoff_s
 from outbox_migrate.errors import Blocker, LockBudgetExceeded
 
 
@@ -65,12 +66,7 @@ class LockMode(StrEnum):
     @property
     def sql_name(self) -> str:
         """The mode as written in LOCK TABLE (`ACCESS EXCLUSIVE`)."""
-        words: list[str] = []
-        for char in self.value.removesuffix("Lock"):
-            if char.isupper() and words:
-                words.append(" ")
-            words.append(char.upper())
-        return "".join(words)
+        return re.sub(r"(?<=.)(?=[A-Z])", " ", self.value.removesuffix("Lock")).upper()
 
 
 BACKOFF_BASE_S = 0.05
@@ -240,14 +236,6 @@ def wait_while_blocked(
         time.sleep(min(BLOCKER_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
-def backoff_s(attempt: int, rng: random.Random) -> float:
-    """The pause after failed lock attempt `attempt` (1 = first): the tool's one backoff
-    function, full jitter — uniform(0, min(cap, base * 2**attempt))."""
-    return shared_backoff_s(
-        attempt, base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S, rng=rng, full_jitter=True
-    )
-
-
 def run_with_lock_budget(
     conn: Connection[Any],
     step_id: str,
@@ -311,7 +299,10 @@ def run_with_lock_budget(
             last_blockers = find_blockers(conn, relations, schema)
             if on_attempt:
                 on_attempt(AttemptLog(attempt, elapsed_ms, "lock_timeout", last_blockers))
-            pause = backoff_s(attempt, rng)
+            # Full jitter: uniform(0, min(cap, base * 2**attempt)).
+            pause = backoff_s(
+                attempt, base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S, rng=rng, full_jitter=True
+            )
             if time.monotonic() + pause > deadline:
                 raise LockBudgetExceeded(
                     step_id, attempt, time.monotonic() - started, last_blockers

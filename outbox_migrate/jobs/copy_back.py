@@ -379,15 +379,15 @@ class CopyBack:
         meter = RateMeter(started)
         inserted = present = batches = 0
         stopped = False
-        after = high_water  # None: the first batch, without a lower bound
         try:
             while True:
                 if stop is not None and stop.is_set():
                     stopped = True
                     break
                 row = self.conn.execute(
-                    first_batch if after is None else statement,
-                    {"after": after, "limit": self.options.batch_rows, **key},
+                    # No mark yet: the first batch, without a lower bound.
+                    first_batch if high_water is None else statement,
+                    {"after": high_water, "limit": self.options.batch_rows, **key},
                 ).fetchone()
                 assert row is not None
                 count, batch_high, batch_inserted = int(row[0]), row[1], int(row[2])
@@ -396,7 +396,7 @@ class CopyBack:
                 batches += 1
                 inserted += batch_inserted
                 present += count - batch_inserted
-                after = high_water = str(batch_high)
+                high_water = str(batch_high)
                 done = inserted + present
                 pause = throttle.wait(done, stop)
                 if progress is not None:
