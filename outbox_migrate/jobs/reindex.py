@@ -89,7 +89,7 @@ def hidden_open_transactions(conn: psycopg.Connection[Any]) -> list[Blocker]:
     (autovacuum) are not clients."""
     from outbox_migrate.errors import grant_to_see
 
-    def look() -> dict[tuple[int, str], str]:
+    def look() -> dict[tuple[int, str], tuple[str, str]]:
         rows = conn.execute(
             "SELECT l.pid, l.virtualxid, coalesce(a.application_name, ''), current_user "
             "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
@@ -97,7 +97,7 @@ def hidden_open_transactions(conn: psycopg.Connection[Any]) -> list[Blocker]:
             "AND a.datname = current_database() AND a.backend_type IS NULL "
             "AND a.usesysid IS NOT NULL"
         ).fetchall()
-        return {(int(r[0]), str(r[1])): f"{r[2]}\0{r[3]}" for r in rows}
+        return {(int(r[0]), str(r[1])): (str(r[2]), str(r[3])) for r in rows}
 
     first = look()
     if not first:
@@ -106,7 +106,7 @@ def hidden_open_transactions(conn: psycopg.Connection[Any]) -> list[Blocker]:
     still = look()
     found: list[Blocker] = []
     for key in sorted(first.keys() & still.keys()):
-        app, role = still[key].split("\0", 1)
+        app, role = still[key]
         state = f"its start hidden from {role}: {grant_to_see(role)}"
         found.append(Blocker(key[0], HIDDEN_SAMPLE_S, state, app, at_least=True))
     return found

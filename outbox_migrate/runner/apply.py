@@ -38,12 +38,11 @@ from outbox_migrate.lock_budget import (
     long_transactions,
     run_with_lock_budget,
 )
-from outbox_migrate.patterns.model import Condition, Step
+from outbox_migrate.patterns.model import CheckPoint, Condition, Step
 from outbox_migrate.runner import ledger, ownership
 from outbox_migrate.runner.checks import (
     before_transaction,
     check_conditions,
-    under_lock,
     violations,
 )
 from outbox_migrate.runner.decide import Action, action_for
@@ -133,7 +132,7 @@ class StepApplier:
         migration_id = self._recording()
 
         def body(conn: psycopg.Connection[Any]) -> None:
-            check_conditions(conn, step.id, under_lock(step))
+            check_conditions(conn, step.id, step.conditions_at(CheckPoint.LOCKED))
             for statement in step.statements:
                 conn.execute(statement)
             # The locks were taken first, so the order of these last writes does not

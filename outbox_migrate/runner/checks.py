@@ -40,7 +40,3 @@ def before_transaction(step: Step) -> tuple[Condition, ...]:
     queueing for a lock (they are checked again under the lock)."""
     early = tuple(c for c in step.preconditions if c.at is not CheckPoint.LOCKED)
     return early + step.conditions_at(CheckPoint.LOCKED)
-
-
-def under_lock(step: Step) -> tuple[Condition, ...]:
-    return step.conditions_at(CheckPoint.LOCKED)
