@@ -11,7 +11,6 @@ Pure data and parsing; no database access.
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -323,6 +322,7 @@ _SETTINGS_KEYS: dict[str, Callable[[Any], Any]] = {
     "gate_window_s": _positive_float,
 }
 KEYS = frozenset(_SPEC_KEYS) | frozenset(_SETTINGS_KEYS)
+_UNKNOWN_KEY = f"unknown key; known keys: {', '.join(sorted(KEYS))}"
 
 
 def _from_files(cwd: Path) -> tuple[dict[str, Any], str]:
@@ -361,12 +361,9 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
             continue
         key = suffix.lower()
         if key not in KEYS:
-            raise ConfigError(key, name, f"unknown key; known keys: {', '.join(sorted(KEYS))}")
+            raise ConfigError(key, name, _UNKNOWN_KEY)
         found[key] = (value, name)
     return found
-
-
-_KEY_SHAPE = re.compile(r"^[a-z_]+$")
 
 
 def load_settings(
@@ -383,10 +380,8 @@ def load_settings(
     merged: dict[str, tuple[Any, str]] = {}
     file_values, file_source = _from_files(cwd or Path.cwd())
     for key, value in file_values.items():
-        if key not in KEYS or not _KEY_SHAPE.match(key):
-            raise ConfigError(
-                key, file_source, f"unknown key; known keys: {', '.join(sorted(KEYS))}"
-            )
+        if key not in KEYS:
+            raise ConfigError(key, file_source, _UNKNOWN_KEY)
         merged[key] = (value, file_source)
     for key, (value, source) in _from_env(env).items():
         merged[key] = (value, source)

@@ -19,8 +19,6 @@ from outbox_migrate.errors import UsageError
 from outbox_migrate.patterns import build_from_settings
 from outbox_migrate.plan import MARKER_KEYS
 
-INI_NAMES = ("alembic.ini",)
-
 
 @dataclass
 class Generated:
@@ -47,9 +45,8 @@ def load_config(directory: Path) -> Any:
     quiet = Namespace(quiet=True)  # Alembic prints "Generating …"; we report it ourselves
     if directory.is_file():
         return Config(str(directory), cmd_opts=quiet)
-    for name in INI_NAMES:
-        if (directory / name).is_file():
-            return Config(str(directory / name), cmd_opts=quiet)
+    if (directory / "alembic.ini").is_file():
+        return Config(str(directory / "alembic.ini"), cmd_opts=quiet)
     if (directory / "script.py.mako").is_file():
         config = Config(cmd_opts=quiet)
         config.set_main_option("script_location", str(directory))

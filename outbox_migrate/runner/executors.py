@@ -81,11 +81,9 @@ class CopyBackExecutor:
     def proven(self, host: ProofHost, step: Step) -> bool:
         if self._source_dropped_after_copy(host):
             return True
-        from outbox_migrate.jobs import common
-        from outbox_migrate.jobs.common import Relation
+        from outbox_migrate.jobs.common import Relation, exists
 
-        source = Relation(host.spec.schema, host.spec.published_partition)
-        if not common.exists(host.conn, source):
+        if not exists(host.conn, Relation(host.spec.schema, host.spec.published_partition)):
             return False
         return not host.violations(step.postcondition)
 
