@@ -6,15 +6,21 @@ what to change. Identifiers are always composed with `psycopg.sql`, never format
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.lock_budget import LockBudget, LockMode, run_with_lock_budget
+
 STATE_SCHEMA = "outbox_migrate"
 """Schema of the tool's own state tables (the runner's ledger lives there too)."""
+DDL_LOCK_BUDGET = LockBudget(lock_timeout_ms=2_000, budget_s=30.0)
+"""The copy-back's own DDL (its keyset index, the DROP of the source, the progress table's
+upgrade): each lock attempt waits at most 2 s — never long in front of a reader — and the
+attempts go on for 30 s, a known holder watched, not queued behind."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,18 @@ def has_unique_index_on(conn: psycopg.Connection[Any], rel: Relation, column: st
 def has_btree_leading(conn: psycopg.Connection[Any], rel: Relation, column: str) -> bool:
     """True when a valid, non-partial btree index starts with `column` (keyset scans)."""
     return _has_index(conn, rel, column, "am.amname = 'btree'")
+
+
+def ddl_under_budget(
+    conn: psycopg.Connection[Any],
+    label: str,
+    rel: Relation,
+    mode: LockMode,
+    body: Callable[[psycopg.Connection[Any]], object],
+) -> None:
+    """`body` in one transaction that holds `mode` on `rel`, under `DDL_LOCK_BUDGET`."""
+    run_with_lock_budget(conn, label, DDL_LOCK_BUDGET, body, relations=((rel.name, mode),),
+                         schema=rel.schema)  # fmt: skip
 
 
 def column_list(names: Sequence[str], alias: str | None = None) -> sql.Composed:

@@ -45,19 +45,12 @@ from outbox_migrate.jobs.copy_back_verify import (
     verify_ranges,
 )
 from outbox_migrate.jobs.throttle import Impact, LatencyProbe, Throttle, ThrottlePolicy
-from outbox_migrate.lock_budget import LockBudget, LockMode, run_with_lock_budget
+from outbox_migrate.lock_budget import LockMode
 
 DEFAULT_BATCH_ROWS = 10_000
 """Rows per batch: large enough to amortise the round trip, small enough for short locks."""
 DEFAULT_VERIFY_RANGE_IDS = 100_000
 """Width, in ids, of one verification range (one short query each)."""
-DROP_LOCK_TIMEOUT_MS = 2_000
-"""lock_timeout for the DROP of the source: never queue long behind a reader of it."""
-INDEX_LOCK_TIMEOUT_MS = 2_000
-"""lock_timeout for building the keyset index on the source."""
-LOCK_BUDGET_S = 30.0
-"""How long the DROP and the index build may keep retrying their short lock attempts (the
-tool's one lock-budget primitive: a known holder is watched, not queued behind)."""
 RATE_WINDOW_S = 5.0
 """Window over which the reported rows/s (and so the ETA) is measured."""
 
@@ -261,12 +254,8 @@ class CopyBack:
         statement = sql.SQL("CREATE INDEX IF NOT EXISTS {i} ON {s} ({id})").format(
             i=sql.Identifier(self.index_name), s=self.source.ident, id=self.ids.column
         )
-        run_with_lock_budget(
-            self.conn, "copy-back.source-index",
-            LockBudget(lock_timeout_ms=INDEX_LOCK_TIMEOUT_MS, budget_s=LOCK_BUDGET_S),
-            lambda conn: conn.execute(statement), relations=((self.source.name, LockMode.SHARE),),
-            schema=self.source.schema,
-        )  # fmt: skip
+        common.ddl_under_budget(self.conn, "copy-back.source-index", self.source, LockMode.SHARE,
+                                lambda conn: conn.execute(statement))  # fmt: skip
 
     def _batch_statement(self, cols: tuple[str, ...], *, first: bool = False) -> sql.Composed:
         """One keyset batch and its high-water mark, as one statement (one transaction): the
@@ -471,12 +460,8 @@ class CopyBack:
             # Same transaction as the DROP: "dropped" is recorded if and only if it happened.
             self.progress.stamp("dropped_at")
 
-        run_with_lock_budget(
-            self.conn, "copy-back.drop",
-            LockBudget(lock_timeout_ms=DROP_LOCK_TIMEOUT_MS, budget_s=LOCK_BUDGET_S),
-            lock_check_drop, relations=((self.source.name, LockMode.ACCESS_EXCLUSIVE),),
-            schema=self.source.schema,
-        )  # fmt: skip
+        common.ddl_under_budget(self.conn, "copy-back.drop", self.source,
+                                LockMode.ACCESS_EXCLUSIVE, lock_check_drop)  # fmt: skip
 
 
 def copy_back(

@@ -18,12 +18,9 @@ from psycopg import sql
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.jobs import common
 from outbox_migrate.jobs.common import Relation
-from outbox_migrate.lock_budget import LockBudget, LockMode, run_with_lock_budget
+from outbox_migrate.lock_budget import LockMode
 
 PROGRESS_TABLE = "copy_back_progress"
-UPGRADE_LOCK_TIMEOUT_MS = 2_000
-"""lock_timeout for adding the text mark column to an older progress table."""
-UPGRADE_LOCK_BUDGET_S = 30.0
 TEXT_MARK = "high_water_id"
 _PAIR = (
     " WHERE source_schema = %s AND source_table = %s AND target_schema = %s AND target_table = %s"
@@ -63,11 +60,9 @@ class ProgressTable:
         statement = sql.SQL("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c} text").format(
             t=self.rel.ident, c=sql.Identifier(TEXT_MARK)
         )
-        run_with_lock_budget(
-            self.conn, "copy-back.progress-table",
-            LockBudget(lock_timeout_ms=UPGRADE_LOCK_TIMEOUT_MS, budget_s=UPGRADE_LOCK_BUDGET_S),
+        common.ddl_under_budget(
+            self.conn, "copy-back.progress-table", self.rel, LockMode.ACCESS_EXCLUSIVE,
             lambda conn: conn.execute(statement),
-            relations=((self.rel.name, LockMode.ACCESS_EXCLUSIVE),), schema=self.rel.schema,
         )  # fmt: skip
 
     def _has_text_mark(self) -> bool:

@@ -25,7 +25,6 @@ from outbox_migrate.config import Settings
 from outbox_migrate.db import lock_timeout, one_line
 from outbox_migrate.errors import (
     ConnectionLost,
-    LockBudgetExceeded,
     LongTransactionsPresent,
     PreconditionFailed,
     StepFailed,
@@ -212,9 +211,6 @@ class StepApplier:
             raise
         except StepFailed:
             raise
-        except (LockBudgetExceeded, LongTransactionsPresent) as exc:
-            self.transition(step, "failed", error=str(exc))
-            raise
         except psycopg.Error as exc:
             if connection_lost(exc, self.conn):
                 raise ConnectionLost(
@@ -228,7 +224,7 @@ class StepApplier:
                 )
             self.transition(step, "failed", error=message)
             raise StepFailed(step.id, message) from None
-        except Exception as exc:
+        except Exception as exc:  # the lock budget, long transactions, a job's own error
             if not self.conn.closed:
                 self.transition(step, "failed", error=str(exc))
             raise
