@@ -19,6 +19,13 @@ from outbox_migrate.patterns.model import Pattern, Phase, Step
 PHASE_MARKER = "-- phase: "
 MARKER_KEYS = ("unpublished_value", "published_value", "status_column", "status_published_value")
 """Spec keys `plan` shows only when set: a flag marker's values and a status column."""
+SPEC_KEYS = (
+    "schema", "table", "partitioned_table", "unpublished_partition", "published_partition",
+    "id_column", "published_column", "id_headroom", "id_kind", "created_column",
+    "payload_column", "key_column", "event_type_column", "headers_column",
+)  # fmt: skip
+"""The spec keys `plan` always shows, in its order (the marker keys go after the 7th)."""
+COLUMN_KEYS = ("name", "type", "not_null", "default", "identity", "collation")
 
 
 def step_document(step: Step) -> dict[str, Any]:
@@ -56,17 +63,7 @@ def facts_document(facts: TableFacts, spec: OutboxSpec) -> dict[str, Any]:
     return {
         "server_version": facts.server_version_text,
         "table": f"{facts.schema}.{facts.table}",
-        "columns": [
-            {
-                "name": c.name,
-                "type": c.type,
-                "not_null": c.not_null,
-                "default": c.default,
-                "identity": c.identity,
-                "collation": c.collation,
-            }
-            for c in facts.columns
-        ],
+        "columns": [{key: getattr(c, key) for key in COLUMN_KEYS} for c in facts.columns],
         "id_kind": facts.id_kind(spec),
         **(
             {"claim_order": spec.claim_order, "gate_sequence": spec.gate_sequence}
@@ -129,22 +126,10 @@ def plan_document(
             "published_rows_always_readable": pattern.immediate_access,
         },
         "spec": {
-            "schema": spec.schema,
-            "table": spec.table,
-            "partitioned_table": spec.partitioned_table,
-            "unpublished_partition": spec.unpublished_partition,
-            "published_partition": spec.published_partition,
-            "id_column": spec.id_column,
-            "published_column": spec.published_column,
+            **{key: getattr(spec, key) for key in SPEC_KEYS[:7]},
             # a flag marker's values and a status column, only when there are any
             **{key: getattr(spec, key) for key in MARKER_KEYS if getattr(spec, key)},
-            "id_headroom": spec.id_headroom,
-            "id_kind": spec.id_kind,
-            "created_column": spec.created_column,
-            "payload_column": spec.payload_column,
-            "key_column": spec.key_column,
-            "event_type_column": spec.event_type_column,
-            "headers_column": spec.headers_column,
+            **{key: getattr(spec, key) for key in SPEC_KEYS[7:]},
             "metadata_columns": list(spec.metadata_columns),
         },
         "point_of_no_return": pattern.point_of_no_return or None,
