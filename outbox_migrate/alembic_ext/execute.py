@@ -26,7 +26,7 @@ from outbox_migrate.lock_budget import AttemptLog
 from outbox_migrate.offline import assertion, cdc_guard, lock_statements, step_sql
 from outbox_migrate.patterns import build_from_settings
 from outbox_migrate.patterns.model import Pattern, Step, TxMode
-from outbox_migrate.runner.decide import irreversible, step_named
+from outbox_migrate.runner.decide import irreversible, phase_index, step_named
 from outbox_migrate.runner.events import SilentEvents
 
 if TYPE_CHECKING:
@@ -81,13 +81,7 @@ def select(pattern: Pattern, step_ids: list[str] | None, phase: str | None) -> l
     """The named steps, or every step of `phase`, in pattern order."""
     if step_ids is not None:
         return [step_named(pattern, s) for s in step_ids]
-    try:
-        return list(pattern.phase(phase or "").steps)
-    except KeyError:
-        raise UsageError(
-            f"pattern {pattern.acronym} has no phase {phase!r}; its phases are "
-            + ", ".join(pattern.phase_names())
-        ) from None
+    return list(pattern.phases[phase_index(pattern, phase or "")].steps)
 
 
 def with_live_steps(
