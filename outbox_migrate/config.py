@@ -11,12 +11,11 @@ Pure data and parsing; no database access.
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from outbox_migrate.errors import ConfigError
 
@@ -199,6 +198,9 @@ def _fit(name: str) -> str:
     return name.encode()[:MAX_IDENTIFIER_BYTES].decode(errors="ignore")
 
 
+_N = TypeVar("_N", int, float)
+
+
 def _identifier(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError("must be a non-empty string")
@@ -209,27 +211,24 @@ def _identifier(value: Any) -> str:
     return value
 
 
-def _positive_int(value: Any) -> int:
+def _positive(value: Any, kind: type[_N], what: str) -> _N:
     if isinstance(value, bool):
-        raise ValueError("must be an integer")
+        raise ValueError(f"must be {what}")
     try:
-        number = int(value)
+        number = kind(value)
     except (TypeError, ValueError):
-        raise ValueError(f"must be an integer, got {value!r}") from None
-    if number <= 0:
+        raise ValueError(f"must be {what}, got {value!r}") from None
+    if not number > 0:
         raise ValueError(f"must be positive, got {number}")
     return number
 
 
+def _positive_int(value: Any) -> int:
+    return _positive(value, int, "an integer")
+
+
 def _positive_float(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError("must be a number")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"must be a number, got {value!r}") from None
-    if not number > 0:
-        raise ValueError(f"must be positive, got {number}")
+    number = _positive(value, float, "a number")
     if number == float("inf"):
         raise ValueError("must be finite (a number of seconds), got inf")
     return number
@@ -323,6 +322,7 @@ _SETTINGS_KEYS: dict[str, Callable[[Any], Any]] = {
     "gate_window_s": _positive_float,
 }
 KEYS = frozenset(_SPEC_KEYS) | frozenset(_SETTINGS_KEYS)
+_UNKNOWN_KEY = f"unknown key; known keys: {', '.join(sorted(KEYS))}"
 
 
 def _from_files(cwd: Path) -> tuple[dict[str, Any], str]:
@@ -361,12 +361,9 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
             continue
         key = suffix.lower()
         if key not in KEYS:
-            raise ConfigError(key, name, f"unknown key; known keys: {', '.join(sorted(KEYS))}")
+            raise ConfigError(key, name, _UNKNOWN_KEY)
         found[key] = (value, name)
     return found
-
-
-_KEY_SHAPE = re.compile(r"^[a-z_]+$")
 
 
 def load_settings(
@@ -383,10 +380,8 @@ def load_settings(
     merged: dict[str, tuple[Any, str]] = {}
     file_values, file_source = _from_files(cwd or Path.cwd())
     for key, value in file_values.items():
-        if key not in KEYS or not _KEY_SHAPE.match(key):
-            raise ConfigError(
-                key, file_source, f"unknown key; known keys: {', '.join(sorted(KEYS))}"
-            )
+        if key not in KEYS:
+            raise ConfigError(key, file_source, _UNKNOWN_KEY)
         merged[key] = (value, file_source)
     for key, (value, source) in _from_env(env).items():
         merged[key] = (value, source)

@@ -9,6 +9,8 @@ by deleting it), and (c) a failure never surfaces a password or a traceback.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from outbox_migrate import __version__
@@ -110,3 +112,29 @@ def one_line(message: str, dsn: str = "") -> str:
 def server_version(conn: psycopg.Connection[Any]) -> int:
     """Major version of the server (14, 15, ...)."""
     return int(conn.info.server_version // 10000)
+
+
+@contextmanager
+def lock_timeout(conn: psycopg.Connection[Any], ms: int) -> Iterator[None]:
+    """`SET lock_timeout` for the statements of the block (autocommit: each is its own
+    transaction, so `SET LOCAL` would not reach them), reset when it ends however it ends."""
+    from psycopg import sql
+
+    conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{ms}ms")))
+    try:
+        yield
+    finally:
+        conn.execute("RESET lock_timeout")
+
+
+@contextmanager
+def try_session_lock(conn: psycopg.Connection[Any], key: str) -> Iterator[bool]:
+    """The session advisory lock `hashtext(key)`, not waited for: yields whether it was
+    taken, and gives it back at the end of the block when it was."""
+    row = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (key,)).fetchone()
+    taken = bool(row and row[0])
+    try:
+        yield taken
+    finally:
+        if taken:
+            conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (key,))

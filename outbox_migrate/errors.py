@@ -72,7 +72,8 @@ class Blocked(SchemaError):
 
 
 class UsageError(OutboxMigrateError):
-    """A request that makes no sense in the current state (unknown pattern, step out of order)."""
+    """A request that makes no sense in the current state (unknown pattern, step out of order,
+    maintenance of a table without partitions, an unavailable measurement)."""
 
     exit_code = ExitCode.USAGE
 
@@ -102,9 +103,11 @@ class EmbeddedServerError(OutboxMigrateError):
     exit_code = ExitCode.FAILED
 
 
-class NothingRecorded(OutboxMigrateError):
-    """`verify` found no migration in the ledger for the table: nothing can be verified, and
-    a CI gate must not pass on nothing (a typo in --table, the wrong database)."""
+class NothingDone(OutboxMigrateError):
+    """The command did not do what was asked, and says so (exit 1) so that a script or a CI
+    gate does not carry on as if it had: `verify` found no migration in the ledger (a typo in
+    --table, the wrong database: a gate must not pass on nothing), a selection matched no
+    dead letter, a confirmation was answered no."""
 
     exit_code = ExitCode.FAILED
 
@@ -199,10 +202,9 @@ class LongTransactionsPresent(OutboxMigrateError):
 
 
 class RunnerBusy(OutboxMigrateError):
-    exit_code = ExitCode.BUSY
+    """Another process runs the same migration or job (it holds its session advisory lock)."""
 
-    def __init__(self, table: str, holder: str) -> None:
-        super().__init__(f"another runner is migrating {table}: {holder}")
+    exit_code = ExitCode.BUSY
 
 
 class StepChanged(OutboxMigrateError):
@@ -228,22 +230,20 @@ class OutOfOrder(UsageError):
     """A phase asked for before the deploy that must precede it."""
 
 
+def first_of(items: Sequence[object]) -> str:
+    """The first of `items`, and how many more there are: `x (+2 more)`."""
+    return f"{items[0]}" + (f" (+{len(items) - 1} more)" if len(items) > 1 else "")
+
+
 class VerifyFailed(OutboxMigrateError):
     exit_code = ExitCode.FAILED
 
     def __init__(self, phase: str, violations: list[str]) -> None:
         self.violations = violations
-        more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""
-        super().__init__(f"invariants of phase {phase} do not hold: {violations[0]}{more}")
+        super().__init__(f"invariants of phase {phase} do not hold: {first_of(violations)}")
 
 
 # -- the maintenance job ---------------------------------------------------------------
-
-
-class MaintenanceError(OutboxMigrateError):
-    """Maintenance cannot run as asked (missing table, unavailable measurement)."""
-
-    exit_code = ExitCode.USAGE
 
 
 class ReindexRefused(OutboxMigrateError):
@@ -264,8 +264,7 @@ class MaintenanceProblems(OutboxMigrateError):
     def __init__(self, problems: list[str], *, failed: bool) -> None:
         self.problems = problems
         self.exit_code = ExitCode.FAILED if failed else ExitCode.PRECONDITION
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        super().__init__(f"{problems[0]}{more}")
+        super().__init__(first_of(problems))
 
 
 # -- the relay and its sinks -----------------------------------------------------------

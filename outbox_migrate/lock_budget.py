@@ -27,6 +27,7 @@ catalog (it imports only backoff and errors), and must import none of them.
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from typing import Any
 from psycopg import Connection, errors, sql
 
 from outbox_migrate import __version__
-from outbox_migrate.backoff import backoff_s as shared_backoff_s
+from outbox_migrate.backoff import backoff_s
 from outbox_migrate.errors import Blocker, LockBudgetExceeded
 
 
@@ -65,12 +66,7 @@ class LockMode(StrEnum):
     @property
     def sql_name(self) -> str:
         """The mode as written in LOCK TABLE (`ACCESS EXCLUSIVE`)."""
-        words: list[str] = []
-        for char in self.value.removesuffix("Lock"):
-            if char.isupper() and words:
-                words.append(" ")
-            words.append(char.upper())
-        return "".join(words)
+        return re.sub(r"(?<=.)(?=[A-Z])", " ", self.value.removesuffix("Lock")).upper()
 
 
 BACKOFF_BASE_S = 0.05
@@ -109,10 +105,6 @@ _CONFLICTS: dict[LockMode, frozenset[LockMode]] = {
 }  # fmt: skip
 
 
-def conflicts_with(requested: LockMode) -> frozenset[LockMode]:
-    return _CONFLICTS[requested]
-
-
 @dataclass(frozen=True)
 class LockBudget:
     """The typed lock budget of one step, enforced by PostgreSQL itself."""
@@ -130,32 +122,43 @@ class AttemptLog:
     blockers: list[Blocker] = field(default_factory=list)
 
 
+_HIDDEN_FROM = "CASE WHEN a.pid IS NOT NULL AND a.backend_type IS NULL THEN current_user END"
+"""SQL: our role's name when pg_stat_activity hides the session's activity from it (every
+session, even a background worker's, has a backend_type for a viewer allowed to see it)."""
+
+
+def _holders(
+    conn: Connection[Any], schema: str, which: str, relations: Sequence[tuple[str, Any]]
+) -> list[Blocker]:
+    """Other sessions' granted locks on each relation for which `which` holds (SQL on `l`
+    pg_locks and `a` pg_stat_activity; its one parameter comes with the relation)."""
+    found: list[Blocker] = []
+    for relation, parameter in relations:
+        rows = conn.execute(
+            "SELECT DISTINCT l.pid, coalesce(a.application_name, ''), coalesce(a.state, ''), "
+            f"extract(epoch FROM now() - a.xact_start), l.mode, {_HIDDEN_FROM} "
+            "FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() "
+            "AND l.relation = to_regclass(%s) AND a.application_name IS DISTINCT FROM %s "
+            f"AND {which} ORDER BY l.pid",
+            (sql.Identifier(schema, relation).as_string(None), WATCH_APPLICATION_NAME, parameter),
+        ).fetchall()
+        found += [
+            Blocker(int(pid), str(app), str(state), float(age) if age is not None else None,
+                    str(mode), relation, str(hidden or ""))
+            for pid, app, state, age, mode, hidden in rows
+        ]  # fmt: skip
+    return found
+
+
 def find_blockers(
     conn: Connection[Any], relations: Sequence[tuple[str, LockMode]], schema: str
 ) -> list[Blocker]:
     """Sessions other than ours holding a lock that conflicts with what we request."""
-    found: list[Blocker] = []
-    for relation, requested in relations:
-        modes = [mode.value for mode in conflicts_with(requested)]
-        rows = conn.execute(
-            "SELECT l.pid, coalesce(a.application_name, ''), coalesce(a.state, ''), "
-            "extract(epoch FROM now() - a.xact_start), l.mode, "
-            f"{_HIDDEN_FROM} "
-            "FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() "
-            "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-            "AND l.relation = to_regclass(%s) AND l.mode = ANY(%s) "
-            "AND a.application_name IS DISTINCT FROM %s ORDER BY l.pid",
-            (sql.Identifier(schema, relation).as_string(None), modes, WATCH_APPLICATION_NAME),
-        ).fetchall()
-        for pid, app, state, age, mode, hidden_from in rows:
-            found.append(_blocker(pid, app, state, age, mode, relation, hidden_from))
-    return found
-
-
-_HIDDEN_FROM = "CASE WHEN a.pid IS NOT NULL AND a.backend_type IS NULL THEN current_user END"
-"""SQL: our role's name when pg_stat_activity hides the session's activity from it (every
-session, even a background worker's, has a backend_type for a viewer allowed to see it)."""
+    conflicting = "l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    conflicting += " AND l.mode = ANY(%s)"
+    wanted = [(relation, [m.value for m in _CONFLICTS[mode]]) for relation, mode in relations]
+    return _holders(conn, schema, conflicting, wanted)
 
 
 def long_transactions(
@@ -166,39 +169,11 @@ def long_transactions(
 
     A holder whose activity is hidden from our role is returned too (`hidden_from` set): we
     cannot tell whether it is one, and a guard must not pass on what it cannot see."""
-    found: list[Blocker] = []
-    for relation in relations:
-        rows = conn.execute(
-            "SELECT DISTINCT l.pid, coalesce(a.application_name, ''), coalesce(a.state, ''), "
-            f"extract(epoch FROM now() - a.xact_start), l.mode, {_HIDDEN_FROM} "
-            "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() "
-            "AND l.relation = to_regclass(%s) AND a.application_name IS DISTINCT FROM %s "
-            "AND (a.state LIKE 'idle in transaction%%' OR a.backend_type IS NULL "
-            "     OR now() - a.xact_start > make_interval(secs => %s)) ORDER BY l.pid",
-            (
-                sql.Identifier(schema, relation).as_string(None),
-                WATCH_APPLICATION_NAME,
-                older_than_s,
-            ),
-        ).fetchall()
-        for pid, app, state, age, mode, hidden_from in rows:
-            found.append(_blocker(pid, app, state, age, mode, relation, hidden_from))
-    return found
-
-
-def _blocker(
-    pid: Any, app: Any, state: Any, age: Any, mode: Any, relation: str, hidden_from: Any
-) -> Blocker:
-    return Blocker(
-        int(pid),
-        str(app),
-        str(state),
-        float(age) if age is not None else None,
-        str(mode),
-        relation,
-        str(hidden_from or ""),
+    long = (
+        "a.pid IS NOT NULL AND (a.state LIKE 'idle in transaction%%' OR a.backend_type IS NULL "
+        "OR now() - a.xact_start > make_interval(secs => %s))"
     )
+    return _holders(conn, schema, long, [(relation, older_than_s) for relation in relations])
 
 
 def lock_declared(
@@ -261,14 +236,6 @@ def wait_while_blocked(
         time.sleep(min(BLOCKER_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
-def backoff_s(attempt: int, rng: random.Random) -> float:
-    """The pause after failed lock attempt `attempt` (1 = first): the tool's one backoff
-    function, full jitter — uniform(0, min(cap, base * 2**attempt))."""
-    return shared_backoff_s(
-        attempt, base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S, rng=rng, full_jitter=True
-    )
-
-
 def run_with_lock_budget(
     conn: Connection[Any],
     step_id: str,
@@ -315,16 +282,11 @@ def run_with_lock_budget(
         attempt_started = time.monotonic()
         try:
             with conn.transaction():
+                # SET LOCAL both: they end with this transaction, whatever its end.
                 conn.execute(
-                    sql.SQL("SET LOCAL lock_timeout = {}").format(
-                        sql.Literal(f"{budget.lock_timeout_ms}ms")
-                    )
-                )
-                statement_ms = budget.statement_timeout_ms or 0
-                conn.execute(
-                    sql.SQL("SET LOCAL statement_timeout = {}").format(
-                        sql.Literal(f"{statement_ms}ms")
-                    )
+                    "SELECT set_config('lock_timeout', %s, true), "
+                    "set_config('statement_timeout', %s, true)",
+                    (f"{budget.lock_timeout_ms}ms", f"{budget.statement_timeout_ms or 0}ms"),
                 )
                 body(conn)
             if on_attempt:
@@ -337,7 +299,10 @@ def run_with_lock_budget(
             last_blockers = find_blockers(conn, relations, schema)
             if on_attempt:
                 on_attempt(AttemptLog(attempt, elapsed_ms, "lock_timeout", last_blockers))
-            pause = backoff_s(attempt, rng)
+            # Full jitter: uniform(0, min(cap, base * 2**attempt)).
+            pause = backoff_s(
+                attempt, base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S, rng=rng, full_jitter=True
+            )
             if time.monotonic() + pause > deadline:
                 raise LockBudgetExceeded(
                     step_id, attempt, time.monotonic() - started, last_blockers

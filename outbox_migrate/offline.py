@@ -66,7 +66,6 @@ def step_sql(
     step: Step,
     lock_timeout_ms: int,
     *,
-    with_assertions: bool = True,
     schema: str = "public",
     parent: str = "",
 ) -> list[str]:
@@ -79,8 +78,8 @@ def step_sql(
     """
     before = [c for c in step.preconditions if c.at is not CheckPoint.LOCKED]
     locked = step.conditions_at(CheckPoint.LOCKED)
-    early = [assertion(step.id, c) for c in before] if with_assertions else []
-    checks = [assertion(step.id, c) for c in locked] if with_assertions else []
+    early = [assertion(step.id, c) for c in before]
+    checks = [assertion(step.id, c) for c in locked]
     statements = [text.rstrip(";") + ";" for text in step.sql_texts()]
     if step.tx is TxMode.TRANSACTION:
         locks = lock_statements(step, schema, parent)

@@ -19,6 +19,13 @@ from outbox_migrate.patterns.model import Pattern, Phase, Step
 PHASE_MARKER = "-- phase: "
 MARKER_KEYS = ("unpublished_value", "published_value", "status_column", "status_published_value")
 """Spec keys `plan` shows only when set: a flag marker's values and a status column."""
+SPEC_KEYS = (
+    "schema", "table", "partitioned_table", "unpublished_partition", "published_partition",
+    "id_column", "published_column", "id_headroom", "id_kind", "created_column",
+    "payload_column", "key_column", "event_type_column", "headers_column",
+)  # fmt: skip
+"""The spec keys `plan` always shows, in its order (the marker keys go after the 7th)."""
+COLUMN_KEYS = ("name", "type", "not_null", "default", "identity", "collation")
 
 
 def step_document(step: Step) -> dict[str, Any]:
@@ -56,17 +63,7 @@ def facts_document(facts: TableFacts, spec: OutboxSpec) -> dict[str, Any]:
     return {
         "server_version": facts.server_version_text,
         "table": f"{facts.schema}.{facts.table}",
-        "columns": [
-            {
-                "name": c.name,
-                "type": c.type,
-                "not_null": c.not_null,
-                "default": c.default,
-                "identity": c.identity,
-                "collation": c.collation,
-            }
-            for c in facts.columns
-        ],
+        "columns": [{key: getattr(c, key) for key in COLUMN_KEYS} for c in facts.columns],
         "id_kind": facts.id_kind(spec),
         **(
             {"claim_order": spec.claim_order, "gate_sequence": spec.gate_sequence}
@@ -129,22 +126,10 @@ def plan_document(
             "published_rows_always_readable": pattern.immediate_access,
         },
         "spec": {
-            "schema": spec.schema,
-            "table": spec.table,
-            "partitioned_table": spec.partitioned_table,
-            "unpublished_partition": spec.unpublished_partition,
-            "published_partition": spec.published_partition,
-            "id_column": spec.id_column,
-            "published_column": spec.published_column,
+            **{key: getattr(spec, key) for key in SPEC_KEYS[:7]},
             # a flag marker's values and a status column, only when there are any
             **{key: getattr(spec, key) for key in MARKER_KEYS if getattr(spec, key)},
-            "id_headroom": spec.id_headroom,
-            "id_kind": spec.id_kind,
-            "created_column": spec.created_column,
-            "payload_column": spec.payload_column,
-            "key_column": spec.key_column,
-            "event_type_column": spec.event_type_column,
-            "headers_column": spec.headers_column,
+            **{key: getattr(spec, key) for key in SPEC_KEYS[7:]},
             "metadata_columns": list(spec.metadata_columns),
         },
         "point_of_no_return": pattern.point_of_no_return or None,
@@ -186,22 +171,18 @@ def render_sql(pattern: Pattern, spec: OutboxSpec, lock_timeout_ms: int = 200) -
         "",
     ]
     for phase in pattern.phases:
-        lines.append(f"{PHASE_MARKER}{phase.name}")
-        lines.extend(f"-- {text}" for text in phase.instructions)
+        lines += [f"{PHASE_MARKER}{phase.name}", *(f"-- {text}" for text in phase.instructions)]
         if not phase.steps:
             lines.append("-- (no database steps in this phase)")
         for step in phase.steps:
-            lines.append("")
-            lines.append(f"-- step: {step.id}: {step.summary}")
-            lines.extend(
-                step_sql(step, lock_timeout_ms, schema=spec.schema, parent=spec.partitioned_table)
+            lines += ["", f"-- step: {step.id}: {step.summary}"]
+            lines += step_sql(
+                step, lock_timeout_ms, schema=spec.schema, parent=spec.partitioned_table
             )
             guard = cdc_guard(pattern, step, spec)
             if guard:
-                lines.append("")
-                lines.append(f"-- check: no publication lists {spec.table} without "
-                             f"{spec.unpublished_partition} (CDC consumers)")  # fmt: skip
-                lines.extend(guard)
+                lines += ["", f"-- check: no publication lists {spec.table} without "
+                          f"{spec.unpublished_partition} (CDC consumers)", *guard]  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 
@@ -219,22 +200,19 @@ def split_sql_phases(text: str) -> dict[str, str]:
 
 
 def _md_step(step: Step, lines: list[str]) -> None:
-    lines.append(f"#### `{step.id}`{' (optional)' if step.optional else ''}")
-    lines.append("")
-    lines.append(step.summary + ".")
-    lines.append("")
     locks = ", ".join(f"{lock.mode.sql_name} on `{lock.relation}`" for lock in step.locks)
     timeout = (
         "unlimited" if step.statement_timeout_ms is None else f"{step.statement_timeout_ms} ms"
     )
-    lines.append(f"- Application before: {step.app_before}")
-    lines.append(f"- Application after: {step.app_after}")
-    lines.append(f"- Transaction: {step.tx.value}; statement_timeout {timeout}")
-    lines.append(
-        f"- Locks: {locks or 'none'}"
-        + (" (catalog-only, independent of table size)" if step.catalog_only else "")
-    )
-    lines.append(f"- Scan: {step.scan or 'none'}")
+    catalog_only = " (catalog-only, independent of table size)" if step.catalog_only else ""
+    lines += [
+        f"#### `{step.id}`{' (optional)' if step.optional else ''}", "", step.summary + ".", "",
+        f"- Application before: {step.app_before}",
+        f"- Application after: {step.app_after}",
+        f"- Transaction: {step.tx.value}; statement_timeout {timeout}",
+        f"- Locks: {locks or 'none'}{catalog_only}",
+        f"- Scan: {step.scan or 'none'}",
+    ]  # fmt: skip
     if step.preconditions:
         lines.append("- Preconditions:")
         lines.extend(f"  - {c.description} (`{c.name}`)" for c in step.preconditions)
@@ -244,10 +222,7 @@ def _md_step(step: Step, lines: list[str]) -> None:
     lines.append(f"- Rollback: {rollback}")
     lines.extend(f"- Note: {note}" for note in step.notes)
     if step.statements:
-        lines.append("")
-        lines.append("```sql")
-        lines.extend(text.rstrip(";") + ";" for text in step.sql_texts())
-        lines.append("```")
+        lines += ["", "```sql", *(text.rstrip(";") + ";" for text in step.sql_texts()), "```"]
     lines.append("")
 
 
@@ -255,17 +230,15 @@ def _md_phase(
     phase: Phase, spec: OutboxSpec, lines: list[str], cdc: list[str] | None = None
 ) -> None:
     kind = "deploy" if phase.kind.value == "deploy" else "job"
-    lines.append(f"### {phase.name} ({kind}): {phase.title}")
-    lines.append("")
-    lines.append(f"Application: {phase.app.describe(spec.table, spec.partitioned_table)}.")
-    lines.append("")
-    lines.extend(f"- {text}" for text in phase.instructions)
-    lines.append("")
+    lines += [
+        f"### {phase.name} ({kind}): {phase.title}", "",
+        f"Application: {phase.app.describe(spec.table, spec.partitioned_table)}.", "",
+        *(f"- {text}" for text in phase.instructions), "",
+    ]  # fmt: skip
     if cdc:
         lines += ["```text", *cdc, "```", ""]
     if not phase.steps:
-        lines.append("No database steps in this phase.")
-        lines.append("")
+        lines += ["No database steps in this phase.", ""]
     for step in phase.steps:
         _md_step(step, lines)
 
@@ -309,8 +282,7 @@ def render_markdown(
             lines += [f"{h}# Objects on `{facts.table}` and what happens to each", ""]
             lines += [f"- {o.kind} `{o.name}`: {o.fate}" for o in facts.objects]
             lines.append("")
-    lines.append(f"{h}# Phases")
-    lines.append("")
+    lines += [f"{h}# Phases", ""]
     cdc = phase_views(pattern, spec, facts.publication_details) if facts is not None else {}
     for phase in pattern.phases:
         _md_phase(phase, spec, lines, render_lines(cdc, phase.name))

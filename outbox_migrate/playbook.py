@@ -60,10 +60,8 @@ def _step_lines(number: int, step: Step) -> list[str]:
     if step.reverse is None:
         lines.append(f"   - Back out: **no** ({step.reverse_note}).")
     elif step.reverse:
-        lines.append(f"   - Back out: {step.reverse_note}:")
-        lines.append("")
-        lines.append("     ```sql")
-        lines.extend(f"     {s.as_string(None).rstrip(';')};" for s in step.reverse)
+        lines += [f"   - Back out: {step.reverse_note}:", "", "     ```sql"]
+        lines += [f"     {s.as_string(None).rstrip(';')};" for s in step.reverse]
         lines.append("     ```")
     else:
         lines.append(f"   - Back out: {step.reverse_note}.")
@@ -93,51 +91,45 @@ def _phase_section(
 ) -> None:
     previous = pattern.phases[index - 1] if index else None
     job = phase.kind is PhaseKind.JOB
-    lines.append(f"### {index + 1}. {phase.name} ({'job' if job else 'deploy'}): {phase.title}")
-    lines.append("")
-    lines.append(
-        f"Application once this phase is done: "
-        f"{phase.app.describe(spec.table, spec.partitioned_table)}."
-    )
-    lines.append("")
-    lines.extend(f"- {text}" for text in phase.instructions)
-    lines.append("")
+    app = phase.app.describe(spec.table, spec.partitioned_table)
+    lines += [
+        f"### {index + 1}. {phase.name} ({'job' if job else 'deploy'}): {phase.title}", "",
+        f"Application once this phase is done: {app}.", "",
+        *(f"- {text}" for text in phase.instructions), "",
+    ]  # fmt: skip
     if not phase.steps:
         if previous is None:
-            lines.append("This is where you are today; nothing to run.")
+            lines += ["This is where you are today; nothing to run.", ""]
         else:
-            lines.append(
-                f"No database steps: roll out {phase.name} once the previous phase is done."
-            )
-        lines.append("")
+            lines += [
+                f"No database steps: roll out {phase.name} once the previous phase is done.",
+                "",
+            ]
     else:
         when = (
             "Run as a job after the last deploy" if job else f"Run before rolling out {phase.name}"
         )
         optional = " --with-optional" if any(s.optional for s in phase.steps) else ""
         verb = f"run --to {phase.name}{optional}"
-        lines.append(
+        lines += [
             f"{when}: `outbox-migrate {verb} --pattern {pattern.name} --dsn <DSN>`. The runner "
             "records each step in its ledger, takes each lock with a short `lock_timeout` and "
             "retries, checks every precondition again where the step commits, and stops at the "
             f"end of {phase.name}; `outbox-migrate status` shows where the migration is, and the "
-            "same command run again resumes."
-        )
-        lines.append("")
-        lines.append(
+            "same command run again resumes.",
+            "",
             "For teams that must review the SQL first: `outbox-migrate plan --pattern "
             f"{pattern.name} --dsn <DSN> --format sql`, section `-- phase: {phase.name}`, applied "
             "with `psql -v ON_ERROR_STOP=1 -f` (docs/plan.md); its steps check the same "
-            "preconditions, but nothing records them in the ledger for `status` and `run`."
-        )
-        lines.append("")
+            "preconditions, but nothing records them in the ledger for `status` and `run`.",
+            "",
+        ]
         for number, step in enumerate(phase.steps, start=1):
             lines.extend(_step_lines(number, step))
         lines.append("")
     held = pattern.invariants(phase.name)
     if held and phase.steps:
-        lines.append(f"Check after {phase.name}: every one of these holds.")
-        lines.append("")
+        lines += [f"Check after {phase.name}: every one of these holds.", ""]
         seen: set[str] = set()
         for step, condition in held:
             if condition.name in seen:
@@ -149,8 +141,7 @@ def _phase_section(
     rollback = _application_rollback(previous, phase, spec)
     reversible = [s for s in phase.steps if s.reverse]
     if rollback or reversible:
-        lines.append(f"Backing out of {phase.name}:")
-        lines.append("")
+        lines += [f"Backing out of {phase.name}:", ""]
         if reversible:
             order = ", ".join(f"`{s.id}`" for s in reversed(reversible))
             lines.append(f"- Database: reverse the steps in reverse order ({order}).")
@@ -295,8 +286,13 @@ def render_playbook(name: str, spec: OutboxSpec | None = None) -> str:
         )
     else:
         lines.append("- No point of no return: every step can be reversed.")
-    lines += ["", "## Timeline", "", "| phase | kind | application | database steps |"]
-    lines.append("|---|---|---|---|")
+    lines += [
+        "",
+        "## Timeline",
+        "",
+        "| phase | kind | application | database steps |",
+        "|---|---|---|---|",
+    ]
     for phase in pattern.phases:
         steps = ", ".join(f"`{s.kind}`" for s in phase.steps) or "none"
         app = phase.app.describe(spec.table, spec.partitioned_table)
@@ -313,9 +309,8 @@ def render_playbook(name: str, spec: OutboxSpec | None = None) -> str:
     for index, phase in enumerate(pattern.phases):
         _phase_section(pattern, index, phase, spec, lines)
     lines += ["## Reference: every step in full", ""]
-    reference = render_markdown(pattern, spec)
     # Drop the reference's own title and summary: the playbook already starts with them.
-    lines.append(reference.split("\n## Phases\n", 1)[1].lstrip("\n"))
+    lines.append(render_markdown(pattern, spec).split("\n## Phases\n", 1)[1].lstrip("\n"))
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -212,13 +212,12 @@ def _counters(conn: Any, spec: OutboxSpec, sequence: str | None) -> tuple[int, i
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
-SCAN_BYTES_PER_S = 200 * 1024 * 1024
-
-
 def interpret(m: Measurements, pattern: str) -> list[str]:
     """How the measured facts bear on the choice (printed under the recommendation)."""
+    from outbox_migrate.advisory.table_facts import ASSUMED_SCAN_BYTES_PER_S
+
     notes: list[str] = []
-    scan_s = m.heap_bytes / SCAN_BYTES_PER_S
+    scan_s = m.heap_bytes / ASSUMED_SCAN_BYTES_PER_S
     notes.append(
         f"outbox: ~{m.row_estimate:,} rows, {m.total_bytes / 1024 / 1024:,.1f} MiB, "
         f"{m.unpublished:,} unpublished; {m.inserts_per_s:,.1f} inserts/s and "

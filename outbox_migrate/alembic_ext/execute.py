@@ -21,11 +21,12 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from outbox_migrate.config import OutboxSpec, Settings, load_settings
-from outbox_migrate.errors import OutOfOrder, UsageError
+from outbox_migrate.errors import UsageError
 from outbox_migrate.lock_budget import AttemptLog
 from outbox_migrate.offline import assertion, cdc_guard, lock_statements, step_sql
 from outbox_migrate.patterns import build_from_settings
 from outbox_migrate.patterns.model import Pattern, Step, TxMode
+from outbox_migrate.runner.decide import irreversible, phase_index, step_named
 from outbox_migrate.runner.events import SilentEvents
 
 if TYPE_CHECKING:
@@ -76,31 +77,11 @@ def settings_for(spec: Mapping[str, Any] | None) -> Settings:
     return load_settings(dict(spec or {}))
 
 
-def build(pattern: str, settings: Settings, include_optional: bool) -> Pattern:
-    return build_from_settings(pattern, settings, include_optional=include_optional)
-
-
-def find_step(pattern: Pattern, step_id: str) -> Step:
-    for step in pattern.steps():
-        if step.id == step_id:
-            return step
-    raise UsageError(
-        f"pattern {pattern.acronym} has no step {step_id!r}; its steps are "
-        + ", ".join(s.id for s in pattern.steps())
-    )
-
-
 def select(pattern: Pattern, step_ids: list[str] | None, phase: str | None) -> list[Step]:
     """The named steps, or every step of `phase`, in pattern order."""
     if step_ids is not None:
-        return [find_step(pattern, s) for s in step_ids]
-    try:
-        return list(pattern.phase(phase or "").steps)
-    except KeyError:
-        raise UsageError(
-            f"pattern {pattern.acronym} has no phase {phase!r}; its phases are "
-            + ", ".join(pattern.phase_names())
-        ) from None
+        return [step_named(pattern, s) for s in step_ids]
+    return list(pattern.phases[phase_index(pattern, phase or "")].steps)
 
 
 def with_live_steps(
@@ -125,10 +106,6 @@ def with_live_steps(
             ids += [i for i in before if i not in ids]
         ids.append(step.id)
     return ids
-
-
-def irreversible(step: Step) -> OutOfOrder:
-    return OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
 
 
 # -- transactions ----------------------------------------------------------------------------
@@ -176,15 +153,11 @@ def _runner(
 
     from outbox_migrate.runner import Runner, ledger
 
-    if joined:
-        # Before the revision's transaction does anything: create the ledger in its own
-        # short transaction, so the setup lock is not held while the step runs.
-        with ctx.autocommit_block():
-            ledger.ensure_schema(_driver(ctx))
-    block = nullcontext() if joined else ctx.autocommit_block()
-    with block:
-        if not joined:
-            ledger.ensure_schema(_driver(ctx))
+    # Before the revision's transaction does anything: create the ledger in its own short
+    # transaction, so the setup lock is not held while the step runs.
+    with ctx.autocommit_block():
+        ledger.ensure_schema(_driver(ctx))
+    with nullcontext() if joined else ctx.autocommit_block():
         conn = _driver(ctx)
         if joined and conn.info.transaction_status == TransactionStatus.IDLE:
             # SQLAlchemy begins lazily; start the revision's transaction now so the step's
@@ -244,8 +217,7 @@ def reverse_sql(
 
 
 def _emit(ctx: MigrationContext, texts: list[str], joined: bool) -> None:
-    block = nullcontext() if joined else ctx.autocommit_block()
-    with block:
+    with nullcontext() if joined else ctx.autocommit_block():
         for text in texts:
             ctx.impl.static_output(text)
 
@@ -253,7 +225,7 @@ def _emit(ctx: MigrationContext, texts: list[str], joined: bool) -> None:
 # -- the operations ----------------------------------------------------------------------------
 
 
-def upgrade_steps(
+def apply_steps(
     ctx: MigrationContext,
     pattern_name: str,
     step_ids: list[str] | None,
@@ -261,60 +233,37 @@ def upgrade_steps(
     spec: Mapping[str, Any] | None,
     include_optional: bool,
     in_revision_transaction: bool,
+    *,
+    reverse: bool = False,
 ) -> None:
-    """Apply the named steps (or every step of `phase`) in pattern order."""
+    """Apply the named steps (or every step of `phase`) in pattern order; with `reverse`,
+    undo them newest first, refused before touching anything when one is irreversible."""
     settings = settings_for(spec)
-    pattern = build(pattern_name, settings, include_optional)
+    pattern = build_from_settings(pattern_name, settings, include_optional=include_optional)
     steps = select(pattern, step_ids, phase)
+    if reverse:
+        steps.reverse()
+        for step in steps:
+            if step.reverse is None:
+                raise irreversible(step)
     joined = joins_revision(ctx, steps, in_revision_transaction)
     if ctx.as_sql:
-        _emit(
-            ctx,
-            [
-                text
-                for s in steps
-                for text in (
-                    forward_sql(s, settings.lock_timeout_ms, joined=joined, spec=settings.spec),
-                    *cdc_guard(pattern, s, settings.spec),
-                )
-            ],
-            joined,
-        )
+        timeout, names = settings.lock_timeout_ms, settings.spec
+        texts = [
+            text
+            for s in steps
+            for text in (
+                [reverse_sql(s, timeout, joined=joined, spec=names)]
+                if reverse
+                else [forward_sql(s, timeout, joined=joined, spec=names),
+                      *cdc_guard(pattern, s, names)]
+            )
+        ]  # fmt: skip
+        _emit(ctx, texts, joined)
         return
     with _runner(ctx, pattern_name, settings, include_optional, joined) as runner:
-        for step_id in with_live_steps(runner.pattern, pattern, steps):
-            runner.execute_step(step_id)
-
-
-def downgrade_steps(
-    ctx: MigrationContext,
-    pattern_name: str,
-    step_ids: list[str] | None,
-    phase: str | None,
-    spec: Mapping[str, Any] | None,
-    include_optional: bool,
-    in_revision_transaction: bool,
-) -> None:
-    """Undo the named steps (or `phase`'s), newest first; refuse before touching anything
-    when one of them is irreversible."""
-    settings = settings_for(spec)
-    pattern = build(pattern_name, settings, include_optional)
-    steps = select(pattern, step_ids, phase)
-    steps.reverse()
-    for step in steps:
-        if step.reverse is None:
-            raise irreversible(step)
-    joined = joins_revision(ctx, steps, in_revision_transaction)
-    if ctx.as_sql:
-        _emit(
-            ctx,
-            [
-                reverse_sql(s, settings.lock_timeout_ms, joined=joined, spec=settings.spec)
-                for s in steps
-            ],
-            joined,
-        )
-        return
-    with _runner(ctx, pattern_name, settings, include_optional, joined) as runner:
-        for step_id in with_live_steps(runner.pattern, pattern, steps, reverse=True):
-            runner.reverse_step(step_id)
+        for step_id in with_live_steps(runner.pattern, pattern, steps, reverse=reverse):
+            if reverse:
+                runner.reverse_step(step_id)
+            else:
+                runner.execute_step(step_id)

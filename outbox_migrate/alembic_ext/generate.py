@@ -17,8 +17,7 @@ from outbox_migrate.alembic_ext.revisions import Split, phase_targets, plan_revi
 from outbox_migrate.config import Settings
 from outbox_migrate.errors import UsageError
 from outbox_migrate.patterns import build_from_settings
-
-INI_NAMES = ("alembic.ini",)
+from outbox_migrate.plan import MARKER_KEYS
 
 
 @dataclass
@@ -46,9 +45,8 @@ def load_config(directory: Path) -> Any:
     quiet = Namespace(quiet=True)  # Alembic prints "Generating …"; we report it ourselves
     if directory.is_file():
         return Config(str(directory), cmd_opts=quiet)
-    for name in INI_NAMES:
-        if (directory / name).is_file():
-            return Config(str(directory / name), cmd_opts=quiet)
+    if (directory / "alembic.ini").is_file():
+        return Config(str(directory / "alembic.ini"), cmd_opts=quiet)
     if (directory / "script.py.mako").is_file():
         config = Config(cmd_opts=quiet)
         config.set_main_option("script_location", str(directory))
@@ -92,9 +90,6 @@ def _spec_of(settings: Settings) -> dict[str, Any]:
     return spec
 
 
-MARKER_KEYS = ("unpublished_value", "published_value", "status_column", "status_published_value")
-
-
 def generate(
     pattern_name: str,
     settings: Settings,
@@ -109,13 +104,7 @@ def generate(
     project's head (or `down_revision`); each one calls `op.outbox_step`."""
     from alembic.script import ScriptDirectory
 
-    from outbox_migrate.alembic_ext.ops import (
-        IMPORT_LINE,
-        OutboxPhaseOp,
-        OutboxStepOp,
-        ReverseOutboxPhaseOp,
-        ReverseOutboxStepOp,
-    )
+    from outbox_migrate.alembic_ext.ops import IMPORT_LINE, OutboxPhaseOp, OutboxStepOp
 
     config = load_config(directory)
     script = ScriptDirectory.from_config(config)
@@ -132,32 +121,22 @@ def generate(
     result = Generated(pattern.name, script.dir, parent)
     for plan in plans:
         forward: OutboxStepOp | OutboxPhaseOp
-        backward: ReverseOutboxStepOp | ReverseOutboxPhaseOp
         if split is Split.STEP:
             # One step per revision: it may share the revision's transaction (and commit
             # together with alembic_version) when the env gives each revision its own.
-            forward = OutboxStepOp(
-                plan.step_ids[0],
-                spec=spec,
-                include_optional=include_optional,
-                in_revision_transaction=True,
-            )
-            backward = ReverseOutboxStepOp(plan.step_ids[0], spec=spec,
-                                           include_optional=include_optional,
-                                           in_revision_transaction=True)  # fmt: skip
+            forward = OutboxStepOp(plan.step_ids[0], spec=spec, include_optional=include_optional,
+                                   in_revision_transaction=True)  # fmt: skip
         else:
             forward = OutboxPhaseOp(
                 pattern.name, phase=plan.phase, spec=spec, include_optional=include_optional
             )
-            backward = ReverseOutboxPhaseOp(pattern.name, phase=plan.phase, spec=spec,
-                                            include_optional=include_optional)  # fmt: skip
         written = script.generate_revision(
             plan.rev_id,
             plan.message,
             head=parent if parent is not None else "base",
             splice=splice,
             upgrades=forward.render("    "),
-            downgrades=backward.render("    "),
+            downgrades=forward.reverse().render("    "),
             imports=IMPORT_LINE,
         )
         splice = False

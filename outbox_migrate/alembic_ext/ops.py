@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import KW_ONLY, dataclass, fields
+from typing import Any, ClassVar
 
 from alembic.autogenerate import renderers
 from alembic.autogenerate.api import AutogenContext
@@ -24,33 +25,23 @@ IMPORT_LINE = (
 )
 
 
+@dataclass(eq=False)
 class _OutboxOp(MigrateOperation):
     """Shared fields: what to run, the names pinned at generation, the transaction wish."""
 
-    name = ""
+    name: ClassVar[str] = ""
+    target: str
+    _: KW_ONLY
+    phase: str | None = None
+    spec: Mapping[str, Any] | None = None
+    include_optional: bool = False
+    in_revision_transaction: bool = False
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        phase: str | None = None,
-        spec: Mapping[str, Any] | None = None,
-        include_optional: bool = False,
-        in_revision_transaction: bool = False,
-    ) -> None:
-        self.target = target
-        self.phase = phase
-        self.spec = dict(spec) if spec is not None else None
-        self.include_optional = include_optional
-        self.in_revision_transaction = in_revision_transaction
+    def __post_init__(self) -> None:
+        self.spec = dict(self.spec) if self.spec is not None else None
 
-    def _kwargs(self) -> dict[str, Any]:
-        return {
-            "phase": self.phase,
-            "spec": self.spec,
-            "include_optional": self.include_optional,
-            "in_revision_transaction": self.in_revision_transaction,
-        }
+    def reverse(self) -> _OutboxOp:
+        return _REVERSES[type(self)](**{f.name: getattr(self, f.name) for f in fields(self)})
 
     def render(self, indent: str = "") -> str:
         """The call as it appears in a revision file; continuation lines get `indent`."""
@@ -94,9 +85,6 @@ class OutboxStepOp(_OutboxOp):
                  in_revision_transaction=in_revision_transaction)  # fmt: skip
         return operations.invoke(op)
 
-    def reverse(self) -> ReverseOutboxStepOp:
-        return ReverseOutboxStepOp(self.target, **self._kwargs())
-
 
 @Operations.register_operation("outbox_reverse_step")
 class ReverseOutboxStepOp(_OutboxOp):
@@ -118,9 +106,6 @@ class ReverseOutboxStepOp(_OutboxOp):
         op = cls(step_id, spec=spec, include_optional=include_optional,
                  in_revision_transaction=in_revision_transaction)  # fmt: skip
         return operations.invoke(op)
-
-    def reverse(self) -> OutboxStepOp:
-        return OutboxStepOp(self.target, **self._kwargs())
 
 
 @Operations.register_operation("outbox_phase")
@@ -145,9 +130,6 @@ class OutboxPhaseOp(_OutboxOp):
             cls(pattern, phase=phase, spec=spec, include_optional=include_optional)
         )
 
-    def reverse(self) -> ReverseOutboxPhaseOp:
-        return ReverseOutboxPhaseOp(self.target, **self._kwargs())
-
 
 @Operations.register_operation("outbox_reverse_phase")
 class ReverseOutboxPhaseOp(_OutboxOp):
@@ -170,8 +152,11 @@ class ReverseOutboxPhaseOp(_OutboxOp):
             cls(pattern, phase=phase, spec=spec, include_optional=include_optional)
         )
 
-    def reverse(self) -> OutboxPhaseOp:
-        return OutboxPhaseOp(self.target, **self._kwargs())
+
+_REVERSES: dict[type[_OutboxOp], type[_OutboxOp]] = {
+    OutboxStepOp: ReverseOutboxStepOp, ReverseOutboxStepOp: OutboxStepOp,
+    OutboxPhaseOp: ReverseOutboxPhaseOp, ReverseOutboxPhaseOp: OutboxPhaseOp,
+}  # fmt: skip
 
 
 # -- implementations -----------------------------------------------------------------------------
@@ -200,13 +185,12 @@ def _reported() -> Iterator[None]:
 def _run(operations: Operations, op: _OutboxOp) -> None:
     """A step op names its pattern in its id; a phase op names the pattern itself."""
     reverse = isinstance(op, ReverseOutboxStepOp | ReverseOutboxPhaseOp)
-    run = execute.downgrade_steps if reverse else execute.upgrade_steps
     pattern = execute.pattern_of(op.target) if op.phase is None else op.target
     steps = [op.target] if op.phase is None else None
     with _reported():
-        run(
+        execute.apply_steps(
             operations.get_context(), pattern, steps, op.phase, op.spec,
-            op.include_optional, op.in_revision_transaction,
+            op.include_optional, op.in_revision_transaction, reverse=reverse,
         )  # fmt: skip
 
 

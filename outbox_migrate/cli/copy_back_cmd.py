@@ -156,7 +156,7 @@ def _recorded_migration(dsn: str, settings: Any) -> object | None:
     from outbox_migrate.db import connect
     from outbox_migrate.errors import UsageError
     from outbox_migrate.runner import ledger
-    from outbox_migrate.runner.admission import ledger_exists
+    from outbox_migrate.runner.ledger import ledger_exists
 
     with connect(dsn) as conn:
         if not ledger_exists(conn):

@@ -22,7 +22,7 @@ from outbox_migrate.cli.options import (
     settings_from,
     with_names,
 )
-from outbox_migrate.errors import OutboxMigrateError
+from outbox_migrate.errors import NothingDone
 
 GROUP_HELP = (
     "The relay's dead letters: list, show, requeue (same id or a new one; picked up at once), "
@@ -57,10 +57,6 @@ NewIdOption = Annotated[
 ChannelOption = Annotated[
     str, typer.Option("--channel", help="The relay's wake-up channel (relay --channel).")
 ]
-
-
-class NothingMatched(OutboxMigrateError):
-    """A selection that matched no dead letter: the command did not do what was asked."""
 
 
 def register(app: typer.Typer) -> None:
@@ -223,4 +219,4 @@ def _missing(asked: list[str] | None, found: list[str]) -> None:
     """Ids asked for by --id and not there: exit 1, naming them (after doing the rest)."""
     missing = [i for i in asked or () if i not in set(found)]
     if missing:
-        raise NothingMatched(f"no dead letter with id {', '.join(missing)}")
+        raise NothingDone(f"no dead letter with id {', '.join(missing)}")

@@ -40,13 +40,6 @@ _CLOSED_MESSAGES = ("connection is closed", "connection is lost", "server closed
                     "closed", "terminating connection")  # fmt: skip
 
 
-class Declined(OutboxMigrateError):
-    """The user answered no to a confirmation: nothing was done, but the command did not do
-    what was asked, so a script must not carry on as if it had."""
-
-    exit_code = ExitCode.FAILED
-
-
 @dataclass
 class _State:
     command: str = "outbox-migrate"

@@ -339,9 +339,9 @@ def reset(
         from outbox_migrate.cli.console import confirm
 
         if not confirm("Abandon the active migration record? Schema objects stay as they are."):
-            from outbox_migrate.cli.exits import Declined
+            from outbox_migrate.errors import NothingDone
 
-            raise Declined("reset not confirmed; the migration record is unchanged")
+            raise NothingDone("reset not confirmed; the migration record is unchanged")
     name = pattern.value if pattern else None
     if name is None:  # the record to abandon is the table's active one, whatever its pattern
         from outbox_migrate.runner import inspect

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import psycopg
 from psycopg import sql
 
-from outbox_migrate.errors import MaintenanceError
+from outbox_migrate.errors import UsageError
 
 BTREE_DEFAULT_FILLFACTOR_PCT = 90
 PAGE_HEADER_BYTES = 24
@@ -59,10 +59,22 @@ def _maxalign(n: float) -> float:
     return math.ceil(n / MAXALIGN_BYTES) * MAXALIGN_BYTES
 
 
-def _bloat_pct(size_pages: int, expected_pages: int) -> float:
-    if size_pages <= 0:
-        return 0.0
-    return round(100.0 * max(0, size_pages - expected_pages) / size_pages, 2)
+def _bloat(
+    facts: dict[str, Any],
+    size_bytes: int,
+    expected_pages: int,
+    method: Method,
+    trustworthy: bool,
+    detail: dict[str, float],
+) -> IndexBloat:
+    """The index's real size against the `expected_pages` a fresh build needs."""
+    block = int(facts["block_size"])
+    size_pages = size_bytes // block
+    share = max(0, size_pages - expected_pages) / size_pages if size_pages > 0 else 0.0
+    return IndexBloat(
+        str(facts["index"]), str(facts["table"]), int(facts["size_bytes"]),
+        expected_pages * block, round(100.0 * share, 2), method, trustworthy, detail,
+    )  # fmt: skip
 
 
 def pgstattuple_schema(conn: psycopg.Connection[Any], *, create: bool) -> str | None:
@@ -98,7 +110,7 @@ def _index_facts(conn: psycopg.Connection[Any], index_oid: int) -> dict[str, Any
     )
     row = cur.fetchone()
     if row is None:
-        raise MaintenanceError(f"no index with oid {index_oid}")
+        raise UsageError(f"no index with oid {index_oid}")
     return dict(zip([d.name for d in cur.description or []], row, strict=True))
 
 
@@ -118,7 +130,6 @@ def measure_pgstattuple(
     assert row is not None
     stats = dict(zip([d.name for d in cur.description or []], row, strict=True))
     block = int(facts["block_size"])
-    size_pages = int(stats["index_size"]) // block
     density = float(stats["avg_leaf_density"])
     if math.isnan(density):
         density = 0.0
@@ -130,21 +141,12 @@ def measure_pgstattuple(
     internal = int(stats["internal_pages"])
     expected_internal = math.ceil(internal * expected_leaf / leaf_pages) if leaf_pages else 0
     expected_pages = 1 + max(1, expected_leaf) + expected_internal
-    return IndexBloat(
-        index=str(facts["index"]),
-        table=str(facts["table"]),
-        size_bytes=int(facts["size_bytes"]),
-        expected_bytes=expected_pages * block,
-        bloat_pct=_bloat_pct(size_pages, expected_pages),
-        method="pgstattuple",
-        trustworthy=True,
-        detail={
-            "leaf_pages": leaf_pages,
-            "deleted_pages": int(stats["deleted_pages"]),
-            "empty_pages": int(stats["empty_pages"]),
-            "avg_leaf_density_pct": density,
-        },
-    )
+    return _bloat(facts, int(stats["index_size"]), expected_pages, "pgstattuple", True, {
+        "leaf_pages": leaf_pages,
+        "deleted_pages": int(stats["deleted_pages"]),
+        "empty_pages": int(stats["empty_pages"]),
+        "avg_leaf_density_pct": density,
+    })  # fmt: skip
 
 
 def measure_estimate(conn: psycopg.Connection[Any], index_oid: int) -> IndexBloat:
@@ -192,17 +194,8 @@ def measure_estimate(conn: psycopg.Connection[Any], index_oid: int) -> IndexBloa
         level = math.ceil(level / per_internal)
         internal += level
     expected_pages = 1 + leaf + internal
-    size_pages = int(facts["size_bytes"]) // block
-    return IndexBloat(
-        index=str(facts["index"]),
-        table=str(facts["table"]),
-        size_bytes=int(facts["size_bytes"]),
-        expected_bytes=expected_pages * block,
-        bloat_pct=_bloat_pct(size_pages, expected_pages),
-        method="estimate",
-        trustworthy=trustworthy,
-        detail={"reltuples": tuples, "entry_bytes": entry_bytes, "entries_per_leaf": per_leaf},
-    )
+    detail = {"reltuples": tuples, "entry_bytes": entry_bytes, "entries_per_leaf": per_leaf}
+    return _bloat(facts, int(facts["size_bytes"]), expected_pages, "estimate", trustworthy, detail)
 
 
 def measure(
@@ -216,5 +209,5 @@ def measure(
         if schema is not None:
             return measure_pgstattuple(conn, index_oid, schema)
         if method == "pgstattuple":
-            raise MaintenanceError("pgstattuple is not available and cannot be created")
+            raise UsageError("pgstattuple is not available and cannot be created")
     return measure_estimate(conn, index_oid)

@@ -6,15 +6,21 @@ what to change. Identifiers are always composed with `psycopg.sql`, never format
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.lock_budget import LockBudget, LockMode, run_with_lock_budget
+
 STATE_SCHEMA = "outbox_migrate"
 """Schema of the tool's own state tables (the runner's ledger lives there too)."""
+DDL_LOCK_BUDGET = LockBudget(lock_timeout_ms=2_000, budget_s=30.0)
+"""The copy-back's own DDL (its keyset index, the DROP of the source, the progress table's
+upgrade): each lock attempt waits at most 2 s — never long in front of a reader — and the
+attempts go on for 30 s, a known holder watched, not queued behind."""
 
 
 @dataclass(frozen=True)
@@ -32,22 +38,28 @@ class Relation:
         return f"{self.schema}.{self.name}"
 
 
-def exists(conn: psycopg.Connection[Any], rel: Relation) -> bool:
+def _pg_class(conn: psycopg.Connection[Any], rel: Relation) -> tuple[int, bool] | None:
+    """`rel`'s OID and whether it is a partition; None when it does not exist."""
     row = conn.execute(
-        "SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = %s AND c.relname = %s",
+        "SELECT c.oid::int8, c.relispartition FROM pg_class c"
+        " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
         (rel.schema, rel.name),
     ).fetchone()
-    return row is not None
+    return (int(row[0]), bool(row[1])) if row else None
+
+
+def exists(conn: psycopg.Connection[Any], rel: Relation) -> bool:
+    return _pg_class(conn, rel) is not None
 
 
 def oid_of(conn: psycopg.Connection[Any], rel: Relation) -> int | None:
-    row = conn.execute(
-        "SELECT c.oid::int8 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = %s AND c.relname = %s",
-        (rel.schema, rel.name),
-    ).fetchone()
-    return int(row[0]) if row else None
+    found = _pg_class(conn, rel)
+    return found[0] if found else None
+
+
+def is_partition(conn: psycopg.Connection[Any], rel: Relation) -> bool:
+    found = _pg_class(conn, rel)
+    return found is not None and found[1]
 
 
 def columns(conn: psycopg.Connection[Any], rel: Relation) -> list[str]:
@@ -63,40 +75,40 @@ def columns(conn: psycopg.Connection[Any], rel: Relation) -> list[str]:
     return [str(r[0]) for r in rows]
 
 
-def is_partition(conn: psycopg.Connection[Any], rel: Relation) -> bool:
-    row = conn.execute(
-        "SELECT c.relispartition FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = %s AND c.relname = %s",
-        (rel.schema, rel.name),
-    ).fetchone()
-    return bool(row and row[0])
-
-
-def has_unique_index_on(conn: psycopg.Connection[Any], rel: Relation, column: str) -> bool:
-    """True when a valid unique index covers exactly `column` (ON CONFLICT needs one)."""
-    row = conn.execute(
-        "SELECT 1 FROM pg_index i"
-        " JOIN pg_class c ON c.oid = i.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
-        " JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = i.indkey[0]"
-        " WHERE n.nspname = %s AND c.relname = %s AND i.indisunique AND i.indisvalid"
-        " AND i.indnatts = 1 AND i.indpred IS NULL AND a.attname = %s",
-        (rel.schema, rel.name, column),
-    ).fetchone()
-    return row is not None
-
-
-def has_btree_leading(conn: psycopg.Connection[Any], rel: Relation, column: str) -> bool:
-    """True when a valid, non-partial btree index starts with `column` (keyset scans)."""
+def _has_index(conn: psycopg.Connection[Any], rel: Relation, column: str, kind: str) -> bool:
+    """A valid, non-partial index of `rel` whose first key is `column`, and `kind` holds."""
     row = conn.execute(
         "SELECT 1 FROM pg_index i"
         " JOIN pg_class ic ON ic.oid = i.indexrelid JOIN pg_am am ON am.oid = ic.relam"
         " JOIN pg_class c ON c.oid = i.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
         " JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = i.indkey[0]"
-        " WHERE n.nspname = %s AND c.relname = %s AND i.indisvalid AND am.amname = 'btree'"
-        " AND i.indpred IS NULL AND a.attname = %s",
+        " WHERE n.nspname = %s AND c.relname = %s AND i.indisvalid AND i.indpred IS NULL"
+        f" AND a.attname = %s AND {kind}",
         (rel.schema, rel.name, column),
     ).fetchone()
     return row is not None
+
+
+def has_unique_index_on(conn: psycopg.Connection[Any], rel: Relation, column: str) -> bool:
+    """True when a valid unique index covers exactly `column` (ON CONFLICT needs one)."""
+    return _has_index(conn, rel, column, "i.indisunique AND i.indnatts = 1")
+
+
+def has_btree_leading(conn: psycopg.Connection[Any], rel: Relation, column: str) -> bool:
+    """True when a valid, non-partial btree index starts with `column` (keyset scans)."""
+    return _has_index(conn, rel, column, "am.amname = 'btree'")
+
+
+def ddl_under_budget(
+    conn: psycopg.Connection[Any],
+    label: str,
+    rel: Relation,
+    mode: LockMode,
+    body: Callable[[psycopg.Connection[Any]], object],
+) -> None:
+    """`body` in one transaction that holds `mode` on `rel`, under `DDL_LOCK_BUDGET`."""
+    run_with_lock_budget(conn, label, DDL_LOCK_BUDGET, body, relations=((rel.name, mode),),
+                         schema=rel.schema)  # fmt: skip
 
 
 def column_list(names: Sequence[str], alias: str | None = None) -> sql.Composed:

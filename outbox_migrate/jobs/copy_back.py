@@ -32,7 +32,8 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import ExitCode, OutboxMigrateError, SchemaError, UsageError
+from outbox_migrate.db import try_session_lock
+from outbox_migrate.errors import OutboxMigrateError, RunnerBusy, SchemaError, UsageError
 from outbox_migrate.jobs import common
 from outbox_migrate.jobs.common import Relation
 from outbox_migrate.jobs.copy_back_ids import CopyIds, IdValue
@@ -44,24 +45,17 @@ from outbox_migrate.jobs.copy_back_verify import (
     verify_ranges,
 )
 from outbox_migrate.jobs.throttle import Impact, LatencyProbe, Throttle, ThrottlePolicy
-from outbox_migrate.lock_budget import LockBudget, LockMode, run_with_lock_budget
+from outbox_migrate.lock_budget import LockMode
 
 DEFAULT_BATCH_ROWS = 10_000
 """Rows per batch: large enough to amortise the round trip, small enough for short locks."""
 DEFAULT_VERIFY_RANGE_IDS = 100_000
 """Width, in ids, of one verification range (one short query each)."""
-DROP_LOCK_TIMEOUT_MS = 2_000
-"""lock_timeout for the DROP of the source: never queue long behind a reader of it."""
-INDEX_LOCK_TIMEOUT_MS = 2_000
-"""lock_timeout for building the keyset index on the source."""
-LOCK_BUDGET_S = 30.0
-"""How long the DROP and the index build may keep retrying their short lock attempts (the
-tool's one lock-budget primitive: a known holder is watched, not queued behind)."""
 RATE_WINDOW_S = 5.0
 """Window over which the reported rows/s (and so the ETA) is measured."""
 
 __all__ = [
-    "PROGRESS_TABLE", "CopyBack", "CopyBackBusy", "CopyBackError", "CopyBackOptions",
+    "PROGRESS_TABLE", "CopyBack", "CopyBackError", "CopyBackOptions",
     "CopyPlan", "CopyProgress", "CopyResult", "IdValue", "RangeCheck", "Verification",
     "VerificationFailed", "copy_back", "finished_and_dropped",
 ]  # fmt: skip
@@ -69,12 +63,6 @@ __all__ = [
 
 class CopyBackError(OutboxMigrateError):
     """The copy-back cannot proceed in the current state (names what is wrong)."""
-
-
-class CopyBackBusy(OutboxMigrateError):
-    """Another process is already copying this source into this target."""
-
-    exit_code = ExitCode.BUSY
 
 
 @dataclass(frozen=True)
@@ -113,15 +101,6 @@ class CopyProgress:
     eta_s: float | None
     pause_s: float
     impact: Impact | None
-
-    @property
-    def copied(self) -> int:
-        """Alias of `copied_rows` (the runner's progress events read `copied`/`total`)."""
-        return self.copied_rows
-
-    @property
-    def total(self) -> int:
-        return self.total_rows
 
 
 @dataclass(frozen=True)
@@ -192,13 +171,6 @@ class CopyBack:
         self.ids = CopyIds(conn, spec, self.source)
         """Integer and application ids alike: carried as text, cast back to the id's type."""
 
-    def _key(self) -> tuple[str, str, str, str]:
-        return self.progress.key
-
-    def ensure_state_table(self) -> None:
-        """The progress table, created or upgraded once, at the job's start."""
-        self.progress.ensure()
-
     # -- plan ------------------------------------------------------------------------------
 
     def _check_shape(self) -> tuple[str, ...]:
@@ -240,11 +212,8 @@ class CopyBack:
                 "of it is recorded"
             )
         cols = self._check_shape()
-        row = self.conn.execute(
-            sql.SQL("SELECT {ends} FROM {s}").format(ends=self.ids.ends(), s=self.source.ident)
-        ).fetchone()
-        assert row is not None
-        total, lo, hi = int(row[0]), self.ids.value(row[1]), self.ids.value(row[2])
+        total, lowest, highest = self.ids.ends(self.conn)
+        lo, hi = self.ids.value(lowest), self.ids.value(highest)
         high_water = state["high_water"] if state and state["dropped_at"] is None else None
         if high_water is None:
             remaining = total
@@ -285,12 +254,8 @@ class CopyBack:
         statement = sql.SQL("CREATE INDEX IF NOT EXISTS {i} ON {s} ({id})").format(
             i=sql.Identifier(self.index_name), s=self.source.ident, id=self.ids.column
         )
-        run_with_lock_budget(
-            self.conn, "copy-back.source-index",
-            LockBudget(lock_timeout_ms=INDEX_LOCK_TIMEOUT_MS, budget_s=LOCK_BUDGET_S),
-            lambda conn: conn.execute(statement), relations=((self.source.name, LockMode.SHARE),),
-            schema=self.source.schema,
-        )  # fmt: skip
+        common.ddl_under_budget(self.conn, "copy-back.source-index", self.source, LockMode.SHARE,
+                                lambda conn: conn.execute(statement))  # fmt: skip
 
     def _batch_statement(self, cols: tuple[str, ...], *, first: bool = False) -> sql.Composed:
         """One keyset batch and its high-water mark, as one statement (one transaction): the
@@ -361,21 +326,17 @@ class CopyBack:
         target are skipped, missing ones (deleted after they were copied) are copied again.
 
         One copier per (source, target): a session advisory lock makes a second one raise
-        `CopyBackBusy` instead of copying the same batches in parallel.
+        `RunnerBusy` instead of copying the same batches in parallel.
         """
         # A plan the caller just made saves counting the source twice (a full scan).
         plan = plan or self.plan()
         if plan.state == "done":
             return CopyResult(0, 0, 0, 0.0, 0.0, plan.high_water, plan.high_water, False)
-        locked = self.conn.execute(
-            "SELECT pg_try_advisory_lock(hashtext(%s))", (self.lock_key,)
-        ).fetchone()
-        if not (locked and locked[0]):
-            raise CopyBackBusy(f"another copy-back of {self.source} into {self.target} is running")
-        try:
+        with try_session_lock(self.conn, self.lock_key) as locked:
+            if not locked:
+                busy = f"another copy-back of {self.source} into {self.target} is running"
+                raise RunnerBusy(busy)
             return self._run(plan, progress, stop, from_start)
-        finally:
-            self.conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (self.lock_key,))
 
     @property
     def lock_key(self) -> str:
@@ -389,7 +350,7 @@ class CopyBack:
         stop: threading.Event | None,
         from_start: bool,
     ) -> CopyResult:
-        self.ensure_state_table()
+        self.progress.ensure()  # created or upgraded once, at the job's start
         self.ensure_source_index()
         state = self.progress.start(plan.source_rows)
         high_water: str | None = None if from_start else state["high_water"]
@@ -399,7 +360,7 @@ class CopyBack:
         total = max(plan.source_rows, already + remaining)
         statement = self._batch_statement(plan.columns)
         first_batch = self._batch_statement(plan.columns, first=True)
-        key = dict(zip(("ss", "st", "ts", "tt"), self._key(), strict=True))
+        key = dict(zip(("ss", "st", "ts", "tt"), self.progress.key, strict=True))
 
         probe = self._start_probe()
         throttle = Throttle(self.conn, self.options.throttle, probe)
@@ -407,15 +368,15 @@ class CopyBack:
         meter = RateMeter(started)
         inserted = present = batches = 0
         stopped = False
-        after = high_water  # None: the first batch, without a lower bound
         try:
             while True:
                 if stop is not None and stop.is_set():
                     stopped = True
                     break
                 row = self.conn.execute(
-                    first_batch if after is None else statement,
-                    {"after": after, "limit": self.options.batch_rows, **key},
+                    # No mark yet: the first batch, without a lower bound.
+                    first_batch if high_water is None else statement,
+                    {"after": high_water, "limit": self.options.batch_rows, **key},
                 ).fetchone()
                 assert row is not None
                 count, batch_high, batch_inserted = int(row[0]), row[1], int(row[2])
@@ -424,7 +385,7 @@ class CopyBack:
                 batches += 1
                 inserted += batch_inserted
                 present += count - batch_inserted
-                after = high_water = str(batch_high)
+                high_water = str(batch_high)
                 done = inserted + present
                 pause = throttle.wait(done, stop)
                 if progress is not None:
@@ -481,35 +442,26 @@ class CopyBack:
         compared with what was verified, so rows written to it after verification cannot be
         dropped unseen.
         """
-        if not verification.passed:
-            raise VerificationFailed(
-                verification.source, verification.target, list(verification.differing)
-            )
+        verification.check()
 
         def lock_check_drop(conn: psycopg.Connection[Any]) -> None:
             conn.execute(
                 sql.SQL("LOCK TABLE {s} IN ACCESS EXCLUSIVE MODE").format(s=self.source.ident)
             )
-            row = conn.execute(
-                sql.SQL("SELECT {ends} FROM {s}").format(ends=self.ids.ends(), s=self.source.ident)
-            ).fetchone()
-            assert row is not None
-            max_id = self.ids.value(row[2])
-            if int(row[0]) != verification.source_rows or max_id != verification.source_max_id:
+            rows, _, highest = self.ids.ends(conn)
+            if rows != verification.source_rows or (
+                self.ids.value(highest) != verification.source_max_id
+            ):
                 raise CopyBackError(
                     f"{self.source} changed since verification ({verification.source_rows} "
-                    f"rows then, {row[0]} now); run copy-back again"
+                    f"rows then, {rows} now); run copy-back again"
                 )
             conn.execute(sql.SQL("DROP TABLE {s}").format(s=self.source.ident))
             # Same transaction as the DROP: "dropped" is recorded if and only if it happened.
             self.progress.stamp("dropped_at")
 
-        run_with_lock_budget(
-            self.conn, "copy-back.drop",
-            LockBudget(lock_timeout_ms=DROP_LOCK_TIMEOUT_MS, budget_s=LOCK_BUDGET_S),
-            lock_check_drop, relations=((self.source.name, LockMode.ACCESS_EXCLUSIVE),),
-            schema=self.source.schema,
-        )  # fmt: skip
+        common.ddl_under_budget(self.conn, "copy-back.drop", self.source,
+                                LockMode.ACCESS_EXCLUSIVE, lock_check_drop)  # fmt: skip
 
 
 def copy_back(
@@ -532,10 +484,7 @@ def copy_back(
     if result.stopped or not common.exists(conn, job.source):
         return result, None
     verification = job.verify()
-    if not verification.passed:
-        raise VerificationFailed(
-            verification.source, verification.target, list(verification.differing)
-        )
+    verification.check()
     if drop:
         job.drop(verification)
     return result, verification

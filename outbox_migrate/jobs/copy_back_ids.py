@@ -72,34 +72,31 @@ class CopyIds:
             return sql.SQL("{}::bigint").format(sql.Identifier(*expression.split(".")))
         return sql.SQL("NULL")
 
-    def ends(self) -> sql.Composed:
-        """`count(*), lowest id, highest id` of the source, ids as text."""
+    def ends(self, conn: psycopg.Connection[Any]) -> tuple[int, str | None, str | None]:
+        """The source's row count, lowest and highest id (as text), read on `conn`."""
         if self.integer:
-            return sql.SQL("count(*), min({id})::text, max({id})::text").format(id=self.column)
-        return sql.SQL(
-            "count(*), (SELECT {out} FROM {s} ORDER BY {id} LIMIT 1), "
-            "(SELECT {out} FROM {s} ORDER BY {id} DESC LIMIT 1)"
-        ).format(out=self.out(), s=self.source.ident, id=self.column)
+            ends = sql.SQL("count(*), min({id})::text, max({id})::text").format(id=self.column)
+        else:
+            ends = sql.SQL(
+                "count(*), (SELECT {out} FROM {s} ORDER BY {id} LIMIT 1), "
+                "(SELECT {out} FROM {s} ORDER BY {id} DESC LIMIT 1)"
+            ).format(out=self.out(), s=self.source.ident, id=self.column)
+        row = conn.execute(sql.SQL("SELECT {} FROM {}").format(ends, self.source.ident)).fetchone()
+        assert row is not None
+        return int(row[0]), row[1], row[2]
 
     def range_end(self, low: str, width: int) -> str | None:
         """The exclusive upper bound of the verification range starting at `low`: `width` ids
         above it, or the id `width` rows on (None: the rest of the source)."""
-        if self.integer:
-            return str(int(low) + width)
+        return str(int(low) + width) if self.integer else self.first_at_or_above(low, width)
+
+    def first_at_or_above(self, low: str, skip: int = 0) -> str | None:
+        """The lowest source id at or above `low` (ranges with no rows are skipped), or the
+        one `skip` rows after it."""
         row = self.conn.execute(
             sql.SQL(
-                "SELECT {out} FROM {s} WHERE {id} >= {low} ORDER BY {id} OFFSET %(width)s LIMIT 1"
+                "SELECT {out} FROM {s} WHERE {id} >= {low} ORDER BY {id} OFFSET %(skip)s LIMIT 1"
             ).format(out=self.out(), s=self.source.ident, id=self.column, low=self.bound("low")),
-            {"low": low, "width": width},
-        ).fetchone()
-        return str(row[0]) if row else None
-
-    def first_at_or_above(self, low: str) -> str | None:
-        """The lowest source id at or above `low` (ranges with no rows are skipped)."""
-        row = self.conn.execute(
-            sql.SQL("SELECT {out} FROM {s} WHERE {id} >= {low} ORDER BY {id} LIMIT 1").format(
-                out=self.out(), s=self.source.ident, id=self.column, low=self.bound("low")
-            ),
-            {"low": low},
+            {"low": low, "skip": skip},
         ).fetchone()
         return str(row[0]) if row else None

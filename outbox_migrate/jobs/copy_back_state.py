@@ -18,13 +18,14 @@ from psycopg import sql
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.jobs import common
 from outbox_migrate.jobs.common import Relation
-from outbox_migrate.lock_budget import LockBudget, LockMode, run_with_lock_budget
+from outbox_migrate.lock_budget import LockMode
 
 PROGRESS_TABLE = "copy_back_progress"
-UPGRADE_LOCK_TIMEOUT_MS = 2_000
-"""lock_timeout for adding the text mark column to an older progress table."""
-UPGRADE_LOCK_BUDGET_S = 30.0
 TEXT_MARK = "high_water_id"
+_PAIR = (
+    " WHERE source_schema = %s AND source_table = %s AND target_schema = %s AND target_table = %s"
+)
+"""The condition that picks one (source, target) pair's row, given `ProgressTable.key`."""
 
 
 class ProgressTable:
@@ -59,11 +60,9 @@ class ProgressTable:
         statement = sql.SQL("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c} text").format(
             t=self.rel.ident, c=sql.Identifier(TEXT_MARK)
         )
-        run_with_lock_budget(
-            self.conn, "copy-back.progress-table",
-            LockBudget(lock_timeout_ms=UPGRADE_LOCK_TIMEOUT_MS, budget_s=UPGRADE_LOCK_BUDGET_S),
+        common.ddl_under_budget(
+            self.conn, "copy-back.progress-table", self.rel, LockMode.ACCESS_EXCLUSIVE,
             lambda conn: conn.execute(statement),
-            relations=((self.rel.name, LockMode.ACCESS_EXCLUSIVE),), schema=self.rel.schema,
         )  # fmt: skip
 
     def _has_text_mark(self) -> bool:
@@ -81,8 +80,7 @@ class ProgressTable:
         cur = self.conn.execute(
             sql.SQL(
                 "SELECT {mark} AS high_water, rows_inserted, rows_present, batches, total_rows,"
-                " copied_at, verified_at, dropped_at FROM {t} WHERE source_schema = %s"
-                " AND source_table = %s AND target_schema = %s AND target_table = %s"
+                " copied_at, verified_at, dropped_at FROM {t}" + _PAIR
             ).format(t=self.rel.ident, mark=mark),
             self.key,
         )
@@ -97,13 +95,7 @@ class ProgressTable:
         drop (a source with these names was copied and dropped before; this one is new)."""
         state = self.read()
         if state is not None and state["dropped_at"] is not None:
-            self.conn.execute(
-                sql.SQL(
-                    "DELETE FROM {t} WHERE source_schema = %s AND source_table = %s"
-                    " AND target_schema = %s AND target_table = %s"
-                ).format(t=self.rel.ident),
-                self.key,
-            )
+            self.conn.execute(sql.SQL("DELETE FROM {t}" + _PAIR).format(t=self.rel.ident), self.key)
             state = None
         if state is None:
             self.conn.execute(
@@ -123,11 +115,9 @@ class ProgressTable:
         if not common.exists(conn, self.rel):
             return
         conn.execute(
-            sql.SQL(
-                "UPDATE {t} SET {c} = now(), updated_at = now()"
-                " WHERE source_schema = %s AND source_table = %s AND target_schema = %s"
-                " AND target_table = %s"
-            ).format(t=self.rel.ident, c=sql.Identifier(column)),
+            sql.SQL("UPDATE {t} SET {c} = now(), updated_at = now()" + _PAIR).format(
+                t=self.rel.ident, c=sql.Identifier(column)
+            ),
             self.key,
         )
 
@@ -139,15 +129,7 @@ def finished_and_dropped(conn: psycopg.Connection[Any], spec: OutboxSpec) -> boo
     The runner's copy-back step counts this as proven, whoever ran the job (`outbox-migrate
     copy-back` or `run --to copy-back`)."""
     source = Relation(spec.schema, spec.published_partition)
-    progress = Relation(common.STATE_SCHEMA, PROGRESS_TABLE)
-    if common.exists(conn, source) or not common.exists(conn, progress):
+    if common.exists(conn, source):
         return False
-    row = conn.execute(
-        sql.SQL(
-            "SELECT dropped_at IS NOT NULL AND verified_at IS NOT NULL FROM {t} "
-            "WHERE source_schema = %s AND source_table = %s AND target_schema = %s "
-            "AND target_table = %s"
-        ).format(t=progress.ident),
-        (spec.schema, spec.published_partition, spec.schema, spec.table),
-    ).fetchone()
-    return bool(row and row[0])
+    state = ProgressTable(conn, source, Relation(spec.schema, spec.table)).read()
+    return state is not None and None not in (state["dropped_at"], state["verified_at"])

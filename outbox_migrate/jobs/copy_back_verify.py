@@ -57,6 +57,11 @@ class Verification:
     def passed(self) -> bool:
         return not self.differing and self.source_rows == self.matched_rows
 
+    def check(self) -> None:
+        """Raise `VerificationFailed` unless every source row matched."""
+        if not self.passed:
+            raise VerificationFailed(self.source, self.target, list(self.differing))
+
 
 class VerificationFailed(OutboxMigrateError):
     """The target does not hold every source row identically; the drop is refused."""
@@ -117,11 +122,7 @@ def verify_ranges(
     application ids, the last one unbounded) and compare each with the target."""
     bounded = range_statement(ids, source, target, cols, bounded=True)
     unbounded = range_statement(ids, source, target, cols, bounded=False)
-    ends = conn.execute(
-        sql.SQL("SELECT {ends} FROM {s}").format(ends=ids.ends(), s=source.ident)
-    ).fetchone()
-    assert ends is not None
-    low: str | None = ends[1]
+    _, low, highest = ids.ends(conn)
     source_rows = matched = checked = 0
     differing: list[RangeCheck] = []
     while low is not None:
@@ -145,5 +146,5 @@ def verify_ranges(
         matched_rows=matched,
         ranges_checked=checked,
         differing=tuple(differing),
-        source_max_id=ids.value(ends[2]),
+        source_max_id=ids.value(highest),
     )

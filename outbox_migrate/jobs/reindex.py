@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.db import lock_timeout, try_session_lock
 from outbox_migrate.errors import ReindexFailed, ReindexRefused
 from outbox_migrate.jobs.common import Relation
 
@@ -88,7 +89,7 @@ def hidden_open_transactions(conn: psycopg.Connection[Any]) -> list[Blocker]:
     (autovacuum) are not clients."""
     from outbox_migrate.errors import grant_to_see
 
-    def look() -> dict[tuple[int, str], str]:
+    def look() -> dict[tuple[int, str], tuple[str, str]]:
         rows = conn.execute(
             "SELECT l.pid, l.virtualxid, coalesce(a.application_name, ''), current_user "
             "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
@@ -96,7 +97,7 @@ def hidden_open_transactions(conn: psycopg.Connection[Any]) -> list[Blocker]:
             "AND a.datname = current_database() AND a.backend_type IS NULL "
             "AND a.usesysid IS NOT NULL"
         ).fetchall()
-        return {(int(r[0]), str(r[1])): f"{r[2]}\0{r[3]}" for r in rows}
+        return {(int(r[0]), str(r[1])): (str(r[2]), str(r[3])) for r in rows}
 
     first = look()
     if not first:
@@ -105,7 +106,7 @@ def hidden_open_transactions(conn: psycopg.Connection[Any]) -> list[Blocker]:
     still = look()
     found: list[Blocker] = []
     for key in sorted(first.keys() & still.keys()):
-        app, role = still[key].split("\0", 1)
+        app, role = still[key]
         state = f"its start hidden from {role}: {grant_to_see(role)}"
         found.append(Blocker(key[0], HIDDEN_SAMPLE_S, state, app, at_least=True))
     return found
@@ -132,22 +133,15 @@ def drop_leftovers(conn: psycopg.Connection[Any], table: Relation) -> tuple[list
     """
     dropped, remaining = [], []
     for name in leftover_indexes(conn, table):
-        conn.execute(
-            sql.SQL("SET lock_timeout = {}").format(
-                sql.Literal(f"{DROP_LEFTOVER_LOCK_TIMEOUT_MS}ms")
-            )
+        drop = sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(
+            sql.Identifier(table.schema, name)
         )
         try:
-            conn.execute(
-                sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(
-                    sql.Identifier(table.schema, name)
-                )
-            )
+            with lock_timeout(conn, DROP_LEFTOVER_LOCK_TIMEOUT_MS):
+                conn.execute(drop)
             dropped.append(name)
         except psycopg.Error:
             remaining.append(name)
-        finally:
-            conn.execute("RESET lock_timeout")
     return dropped, remaining
 
 
@@ -158,17 +152,6 @@ class ReindexResult:
     leftovers_dropped: tuple[str, ...]
     window: tuple[float, float]
     """`time.monotonic()` when the REINDEX started and ended."""
-
-
-def _try_advisory_lock(conn: psycopg.Connection[Any], table: Relation) -> bool:
-    row = conn.execute(
-        "SELECT pg_try_advisory_lock(hashtext(%s))", (f"{ADVISORY_NAMESPACE}{table}",)
-    ).fetchone()
-    return bool(row and row[0])
-
-
-def _unlock(conn: psycopg.Connection[Any], table: Relation) -> None:
-    conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (f"{ADVISORY_NAMESPACE}{table}",))
 
 
 def reindex_concurrently(
@@ -186,9 +169,9 @@ def reindex_concurrently(
     """
     if not conn.autocommit:
         raise ReindexFailed("REINDEX CONCURRENTLY needs an autocommit connection")
-    if not _try_advisory_lock(conn, table):
-        raise ReindexRefused(f"another outbox-migrate maintain is reindexing {table}")
-    try:
+    with try_session_lock(conn, f"{ADVISORY_NAMESPACE}{table}") as locked:
+        if not locked:
+            raise ReindexRefused(f"another outbox-migrate maintain is reindexing {table}")
         # Leftovers from an earlier failure first: an invalid index costs every insert.
         dropped, remaining = drop_leftovers(conn, table)
         if remaining:
@@ -205,14 +188,12 @@ def reindex_concurrently(
                 f"than {max_xact_age_s:.0f}s{hidden} would block REINDEX CONCURRENTLY ({shown})"
             )
         started = time.monotonic()
-        conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{lock_timeout_ms}ms")))
+        target = sql.Identifier(table.schema, index)
         try:
-            conn.execute(
-                sql.SQL("REINDEX INDEX CONCURRENTLY {}").format(sql.Identifier(table.schema, index))
-            )
+            with lock_timeout(conn, lock_timeout_ms):
+                conn.execute(sql.SQL("REINDEX INDEX CONCURRENTLY {}").format(target))
         except psycopg.Error as exc:
             reason = (str(exc).strip().splitlines() or ["unknown error"])[0]
-            conn.execute("RESET lock_timeout")
             cleaned, left = drop_leftovers(conn, table)
             note = f"; dropped leftover {', '.join(cleaned)}" if cleaned else ""
             if left:
@@ -221,7 +202,4 @@ def reindex_concurrently(
                 f"REINDEX INDEX CONCURRENTLY {table.schema}.{index} failed: {reason}{note}"
             ) from None
         ended = time.monotonic()
-        conn.execute("RESET lock_timeout")
         return ReindexResult(index, ended - started, tuple(dropped), (started, ended))
-    finally:
-        _unlock(conn, table)

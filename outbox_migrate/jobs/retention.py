@@ -26,6 +26,7 @@ from psycopg import sql
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.jobs import common
 from outbox_migrate.jobs.common import Relation
+from outbox_migrate.jobs.throttle import pause, rate_pause_s
 from outbox_migrate.patterns import marker
 
 DEFAULT_BATCH_BLOCKS = 1_000
@@ -105,12 +106,7 @@ def delete_published_before(
         cur = conn.execute(statement, bounds)
         deleted += cur.rowcount
         batches += 1
-        owed = deleted / max_rows_per_s - (time.monotonic() - started)
-        if owed > 0:
-            if stop is not None:
-                stop.wait(owed)
-            else:
-                time.sleep(owed)
+        pause(rate_pause_s(deleted, time.monotonic() - started, max_rows_per_s), stop)
     return RetentionResult(str(table), age_s, deleted, batches, time.monotonic() - started)
 
 

@@ -79,6 +79,14 @@ def rate_pause_s(done: int, elapsed_s: float, rate_rows_per_s: float | None) -> 
     return max(0.0, due_s - elapsed_s)
 
 
+def pause(seconds: float, stop: threading.Event | None) -> None:
+    """Sleep `seconds`, or less when `stop` is set meanwhile."""
+    if stop is not None:
+        stop.wait(seconds)
+    else:
+        time.sleep(seconds)
+
+
 def next_backoff_s(current_s: float, over_budget: bool, policy: ThrottlePolicy) -> float:
     """Multiplicative increase while over budget, multiplicative decrease otherwise.
 
@@ -264,15 +272,12 @@ class Throttle:
         return max(owed, self._backoff_s)
 
     def wait(self, done: int, stop: threading.Event | None) -> float:
-        pause = self.pause_s(done)
-        if pause > 0:
-            self.paused_s += pause
+        owed = self.pause_s(done)
+        if owed > 0:
+            self.paused_s += owed
             if self._probe is not None:
                 self._probe.active = False
-            if stop is not None:
-                stop.wait(pause)
-            else:
-                time.sleep(pause)
+            pause(owed, stop)
         if self._probe is not None:
             self._probe.active = True  # the next batch starts right away
-        return pause
+        return owed

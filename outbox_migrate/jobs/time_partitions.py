@@ -18,7 +18,6 @@ Lock choices, because the publisher writes into this table continuously:
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -27,6 +26,8 @@ from typing import Any, Literal
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.backoff import backoff_s
+from outbox_migrate.db import lock_timeout
 from outbox_migrate.jobs import common
 from outbox_migrate.jobs.common import Relation
 
@@ -94,17 +95,13 @@ def sub_partitions(conn: psycopg.Connection[Any], table: Relation) -> list[SubPa
 def _with_lock_retries(conn: psycopg.Connection[Any], statement: sql.Composed) -> bool:
     """Run `statement` (autocommit) under a short lock_timeout, retrying with jittered
     back-off; False when the lock never came within the attempts."""
-    delay = RETRY_BASE_S
-    for _attempt in range(LOCK_ATTEMPTS):
-        conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{LOCK_TIMEOUT_MS}ms")))
+    for attempt in range(LOCK_ATTEMPTS):
         try:
-            conn.execute(statement)
+            with lock_timeout(conn, LOCK_TIMEOUT_MS):
+                conn.execute(statement)
             return True
         except psycopg.errors.LockNotAvailable:
-            time.sleep(delay * (0.5 + random.random()))  # noqa: S311 - jitter, not security
-            delay *= 2
-        finally:
-            conn.execute("RESET lock_timeout")
+            time.sleep(backoff_s(attempt, base_s=RETRY_BASE_S))
     return False
 
 

@@ -16,12 +16,19 @@ from psycopg import Connection, sql
 
 from outbox_migrate.advisory.introspect import introspect, raise_for_blockers
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import UsageError
+from outbox_migrate.errors import SchemaError, UsageError
+from outbox_migrate.runner.ledger import another_active, ledger_exists
 
 
-def ledger_exists(conn: Connection[Any]) -> bool:
-    row = conn.execute("SELECT to_regclass('outbox_migrate.migration') IS NOT NULL").fetchone()
-    return bool(row and row[0])
+def require_table(conn: Connection[Any], spec: OutboxSpec) -> None:
+    """A command on a table that is not there must fail, not report an empty success."""
+    name = sql.Identifier(spec.schema, spec.table).as_string(None)
+    found = conn.execute("SELECT to_regclass(%s)", (name,)).fetchone()
+    if found is None or found[0] is None:
+        raise SchemaError(
+            f"table {spec.schema}.{spec.table} does not exist in database "
+            f"{conn.info.dbname!r}; check --schema/--table (outbox-migrate config)"
+        )
 
 
 def admit(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> None:
@@ -42,11 +49,7 @@ def admit(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> None:
             if other == pattern:
                 return
             if state == "active":
-                raise UsageError(
-                    f"a {str(other).upper()} migration of {table} is active (phase {phase}); "
-                    "finish it, roll it back, or `outbox-migrate reset` it before starting "
-                    "another pattern"
-                )
+                raise another_active(spec, str(other), phase)
             raise UsageError(
                 f"{table} was already migrated by {str(other).upper()} (migration "
                 f"#{migration_id}, completed); nothing to migrate — its objects are left "

@@ -15,17 +15,16 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
-from psycopg import errors, sql
+from psycopg import errors
 from psycopg.pq import TransactionStatus
 
 from outbox_migrate.config import Settings
-from outbox_migrate.db import one_line
+from outbox_migrate.db import lock_timeout, one_line
 from outbox_migrate.errors import (
     ConnectionLost,
-    LockBudgetExceeded,
     LongTransactionsPresent,
     PreconditionFailed,
     StepFailed,
@@ -38,18 +37,16 @@ from outbox_migrate.lock_budget import (
     long_transactions,
     run_with_lock_budget,
 )
-from outbox_migrate.patterns.model import Condition, Step
+from outbox_migrate.patterns.model import CheckPoint, Condition, Step
 from outbox_migrate.runner import ledger, ownership
 from outbox_migrate.runner.checks import (
     before_transaction,
     check_conditions,
-    under_lock,
     violations,
 )
 from outbox_migrate.runner.decide import Action, action_for
 from outbox_migrate.runner.events import RunnerEvents
 from outbox_migrate.runner.executors import executor_for
-from outbox_migrate.runner.transition import transition
 
 FAULT_ENV = "OUTBOX_MIGRATE_FAULT"
 """Test hook: `<step-id>@<point>` SIGKILLs the runner at that point (before, after-ddl,
@@ -86,17 +83,16 @@ class RunResult:
     completed: bool = False
 
 
-@dataclass
-class ApplyOptions:
-    """How steps are applied: the operator's choices for one command."""
+class ApplyOptions(Protocol):
+    """How steps are applied: the operator's choices for one command (the `Runner`'s)."""
 
     settings: Settings
     dsn: str
     events: RunnerEvents
-    on_long_tx: str = "wait"
-    watch_blockers: bool = True
-    copy_back_options: Any = None
-    job_dsn: str | None = None
+    on_long_tx: str
+    watch_blockers: bool
+    copy_back_options: Any
+    job_dsn: str | None
 
 
 class StepApplier:
@@ -124,10 +120,8 @@ class StepApplier:
         self, step: Step, target: str, *, error: str | None = None, started: bool = False,
         started_at: datetime | None = None,
     ) -> None:  # fmt: skip
-        if self.migration_id is None:
-            raise RuntimeError(f"{step.id}: no migration to record it in")
-        transition(
-            self.conn, self.migration_id, step.id, target, error=error, started=started,
+        ledger.transition(
+            self.conn, self._recording(), step.id, target, error=error, started=started,
             started_at=started_at,
         )  # fmt: skip
 
@@ -137,12 +131,12 @@ class StepApplier:
         migration_id = self._recording()
 
         def body(conn: psycopg.Connection[Any]) -> None:
-            check_conditions(conn, step.id, under_lock(step))
+            check_conditions(conn, step.id, step.conditions_at(CheckPoint.LOCKED))
             for statement in step.statements:
                 conn.execute(statement)
             # The locks were taken first, so the order of these last writes does not
             # lengthen any lock hold; the ledger row commits with the DDL.
-            transition(conn, migration_id, step.id, "done", started_at=self._started_at)
+            ledger.transition(conn, migration_id, step.id, "done", started_at=self._started_at)
             ownership.record(conn, migration_id, step, self.spec, "created")
             fault(step.id, "after-ddl")
 
@@ -155,13 +149,9 @@ class StepApplier:
         """Statements that refuse a transaction block: run, then re-prove at the end — the
         postcondition, and every LOCKED precondition again — before recording done."""
         self.transition(step, "running", started=True)
-        lock_timeout = f"{self.options.settings.lock_timeout_ms}ms"
-        self.conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(lock_timeout)))
-        try:
+        with lock_timeout(self.conn, self.options.settings.lock_timeout_ms):
             for statement in step.statements:
                 self.conn.execute(statement)
-        finally:
-            self.conn.execute("RESET lock_timeout")
         self.prove_done(step)
         return 0.0
 
@@ -221,9 +211,6 @@ class StepApplier:
             raise
         except StepFailed:
             raise
-        except (LockBudgetExceeded, LongTransactionsPresent) as exc:
-            self.transition(step, "failed", error=str(exc))
-            raise
         except psycopg.Error as exc:
             if connection_lost(exc, self.conn):
                 raise ConnectionLost(
@@ -237,7 +224,7 @@ class StepApplier:
                 )
             self.transition(step, "failed", error=message)
             raise StepFailed(step.id, message) from None
-        except Exception as exc:
+        except Exception as exc:  # the lock budget, long transactions, a job's own error
             if not self.conn.closed:
                 self.transition(step, "failed", error=str(exc))
             raise

@@ -14,7 +14,7 @@ from typing import Any
 
 from psycopg import Connection
 
-from outbox_migrate.errors import PreconditionFailed
+from outbox_migrate.errors import PreconditionFailed, first_of
 from outbox_migrate.patterns.model import CheckPoint, Condition, Step
 
 
@@ -31,8 +31,7 @@ def check_conditions(conn: Connection[Any], label: str, conditions: Iterable[Con
     for condition in conditions:
         rows = conn.execute(condition.query).fetchall()
         if rows:
-            more = f" (+{len(rows) - 1} more)" if len(rows) > 1 else ""
-            raise PreconditionFailed(label, condition.name, f"{rows[0][0]}{more}")
+            raise PreconditionFailed(label, condition.name, first_of([r[0] for r in rows]))
 
 
 def before_transaction(step: Step) -> tuple[Condition, ...]:
@@ -41,7 +40,3 @@ def before_transaction(step: Step) -> tuple[Condition, ...]:
     queueing for a lock (they are checked again under the lock)."""
     early = tuple(c for c in step.preconditions if c.at is not CheckPoint.LOCKED)
     return early + step.conditions_at(CheckPoint.LOCKED)
-
-
-def under_lock(step: Step) -> tuple[Condition, ...]:
-    return step.conditions_at(CheckPoint.LOCKED)

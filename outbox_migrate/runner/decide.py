@@ -13,9 +13,66 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from outbox_migrate.errors import OutOfOrder, PreconditionFailed, StepChanged
-from outbox_migrate.patterns.model import Pattern, Phase, Step, TxMode
-from outbox_migrate.runner.evidence import asserts_presence
+from outbox_migrate.errors import OutOfOrder, PreconditionFailed, StepChanged, UsageError
+from outbox_migrate.patterns.model import Condition, Pattern, Step, TxMode
+
+# -- what a holding postcondition proves about the past ----------------------------------
+#
+# A postcondition that asserts a *presence* (the old table is the DEFAULT partition, the CHECK
+# is validated) is false until its step ran, so finding it true proves the step — and, since a
+# pattern's steps apply in order, every step before it — was applied. A postcondition that
+# asserts only *absences* (the CHECK is gone, the trigger is gone) is just as true before the
+# step it undoes was ever applied, so on its own it proves nothing.
+#
+# Conditions are classified by name. A name in neither set is treated as proving nothing, so a
+# new kind can only make the runner more careful, never adopt on a guess; the unit tests check
+# that every postcondition of every pattern is classified.
+
+PRESENCE = frozenset(
+    {
+        "all-rows-present",
+        "all-rows-present-by-order",
+        "autovacuum-tuned",
+        "check-exists",
+        "check-validated",
+        "column-not-null",
+        "index-exists",
+        "partition-bound",
+        "partitioned-by-list",
+        "publication-includes",
+        "relation-exists",
+        "replica-identity-full",
+        "trigger-exists",
+        "view-over",
+        "view-writes-counted",
+    }
+)
+"""Conditions false until the step that establishes them ran."""
+
+ABSENCE = frozenset(
+    {
+        "check-absent",
+        # Holds vacuously while no role has UPDATE on the old table: proves nothing.
+        "dead-letter-grants",
+        "function-absent",
+        "no-enabled-user-triggers",
+        "no-identity",
+        "not-a-partition-of",
+        "relation-absent",
+        "trigger-absent",
+    }
+)
+"""Conditions that say something is not there: true before anything was created too."""
+
+
+def base_name(condition: Condition) -> str:
+    """`partition-bound:outbox` → `partition-bound` (the label names the relation)."""
+    return condition.name.split(":", 1)[0]
+
+
+def asserts_presence(step: Step) -> bool:
+    """True when the step's postcondition, holding, proves the step was applied."""
+    return any(base_name(condition) in PRESENCE for condition in step.postcondition)
 
 
 class HasState(Protocol):
@@ -79,21 +136,32 @@ def skipped(pattern: Pattern, rows: Rows) -> frozenset[str]:
     return frozenset(left)
 
 
-def _required(phase: Phase, step: Step) -> bool:
-    """Whether `step` must be done for `phase` to be complete: an optional step of a required
-    phase is not (the migration is complete without it); an optional phase's steps are."""
-    return phase.optional or not step.optional
-
-
 def completed_phase(pattern: Pattern, rows: Rows) -> str:
-    """The last phase whose required steps (and all earlier ones) are done in the ledger."""
+    """The last phase whose required steps (and all earlier ones) are done in the ledger: an
+    optional step of a required phase is not required (the migration is complete without
+    it); an optional phase's steps are."""
     reached = pattern.phases[0].name
     for phase in pattern.phases:
-        if all(_done(rows, s.id) for s in phase.steps if _required(phase, s)):
+        if all(_done(rows, s.id) for s in phase.steps if phase.optional or not s.optional):
             reached = phase.name
         else:
             break
     return reached
+
+
+def step_named(pattern: Pattern, step_id: str) -> Step:
+    """The pattern's step called `step_id` (a `UsageError` names the known ones)."""
+    for step in pattern.steps():
+        if step.id == step_id:
+            return step
+    raise UsageError(
+        f"pattern {pattern.acronym} has no step {step_id!r}; its steps are "
+        + ", ".join(s.id for s in pattern.steps())
+    )
+
+
+def irreversible(step: Step) -> OutOfOrder:
+    return OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
 
 
 def phase_index(pattern: Pattern, name: str) -> int:

@@ -10,19 +10,19 @@ through `RunnerEvents` and raises errors, never prints or exits.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from outbox_migrate.config import Settings
-from outbox_migrate.errors import OutOfOrder, SchemaError, UsageError
+from outbox_migrate.errors import OutOfOrder
+from outbox_migrate.patterns import build_from_settings
 from outbox_migrate.patterns.model import Pattern, Step
 from outbox_migrate.runner import ledger, ownership
-from outbox_migrate.runner.admission import admit, ledger_exists
+from outbox_migrate.runner.admission import admit, require_table
 from outbox_migrate.runner.apply import (
     FAULT_ENV,
-    ApplyOptions,
     RunResult,
     StepApplier,
     connection_lost,
@@ -32,17 +32,19 @@ from outbox_migrate.runner.decide import (
     check_definitions,
     check_reset,
     completed_phase,
+    irreversible,
     phase_index,
     plan_execute_step,
     reached_phase,
+    step_named,
     steps_to_run,
 )
 from outbox_migrate.runner.events import RunnerEvents, SilentEvents
-from outbox_migrate.runner.facts import LiveFacts, offline_pattern
+from outbox_migrate.runner.facts import LiveFacts
+from outbox_migrate.runner.inspect import recorded_document, unrecorded_document
 from outbox_migrate.runner.reverse import reverse_one
 from outbox_migrate.runner.reverse import rollback as rollback_to
 from outbox_migrate.runner.session import RUNNER_LOCK_CLASS, Session
-from outbox_migrate.runner.status import recorded_document, unrecorded_document
 
 __all__ = ["FAULT_ENV", "RUNNER_LOCK_CLASS", "RunResult", "Runner", "connection_lost"]
 
@@ -68,8 +70,10 @@ class Runner:
         self.spec = settings.spec
         self._pattern_name = pattern
         self._include_optional = include_optional
-        self.pattern: Pattern = offline_pattern(settings, pattern, include_optional)
-        """Offline until the `with` block reads the live one (`facts.live_pattern`)."""
+        self.pattern: Pattern = build_from_settings(
+            pattern, settings, include_optional=include_optional
+        )
+        """Offline (names, phases, `--help`) until the `with` block reads the live one."""
         self.events: RunnerEvents = events or SilentEvents()
         self.on_long_tx = on_long_tx
         self.copy_back_options = copy_back_options
@@ -123,10 +127,6 @@ class Runner:
         self.session.close()
         self._facts = None
 
-    def release(self) -> None:
-        """Give the per-table advisory lock back without closing the session."""
-        self.session.release()
-
     def acquire(self) -> None:
         """The session advisory lock that admits one runner per table."""
         self.session.acquire()
@@ -149,12 +149,7 @@ class Runner:
         return self._facts
 
     def _applier(self, migration_id: int | None) -> StepApplier:
-        options = ApplyOptions(
-            settings=self.settings, dsn=self.dsn, events=self.events, on_long_tx=self.on_long_tx,
-            watch_blockers=self.watch_blockers, copy_back_options=self.copy_back_options,
-            job_dsn=self.job_dsn,
-        )  # fmt: skip
-        return StepApplier(self.conn, options, migration_id)
+        return StepApplier(self.conn, self, migration_id)
 
     # -- plan → validate → record ------------------------------------------------------------
 
@@ -162,15 +157,7 @@ class Runner:
         """Everything that can refuse a command before it writes: a wrong --table, a blocker
         `plan` reports, another pattern's migration, a step whose definition changed. Returns
         this migration's ledger rows, read-only (empty when there are none yet)."""
-        found = self.conn.execute(
-            "SELECT to_regclass(%s)",
-            (sql.Identifier(self.spec.schema, self.spec.table).as_string(None),),
-        ).fetchone()
-        if found is None or found[0] is None:
-            raise SchemaError(
-                f"table {self.table_label} does not exist in database "
-                f"{self.conn.info.dbname!r}; check --schema/--table (outbox-migrate config)"
-            )
+        require_table(self.conn, self.spec)
         # The admission reads the table (introspection); under the lock budget like a step,
         # so a session holding ACCESS EXCLUSIVE on it is named instead of waited on for ever.
         self._applier(None).read_under_budget(
@@ -193,7 +180,7 @@ class Runner:
             self.spec,
             {
                 "identity_generation": facts.identity_generation,
-                "publications": ledger.publications_json(facts.publications),
+                "publications": [asdict(p) for p in facts.publications],
             },
         )
         ledger.sync_steps(self.conn, migration, self.pattern)
@@ -202,7 +189,7 @@ class Runner:
     def _latest(self) -> ledger.MigrationRow | None:
         """This table's migration with this pattern; None before any ledger exists (reading
         never creates the ledger)."""
-        if not ledger_exists(self.conn):
+        if not ledger.ledger_exists(self.conn):
             return None
         return ledger.latest(self.conn, self.spec, self.pattern.name)
 
@@ -211,14 +198,14 @@ class Runner:
         return self._rows(migration) if migration is not None else {}
 
     def _rows(self, migration: ledger.MigrationRow) -> dict[str, ledger.StepRow]:
-        return {row.step_id: row for row in ledger.steps(self.conn, migration.id)}
+        return ledger.step_rows(self.conn, migration.id)
 
-    def _holds(self, step: Step, rows: dict[str, ledger.StepRow]) -> bool | None:
-        """The postcondition read just before the step's turn (None: the ledger says done)."""
-        row = rows.get(step.id)
-        if not step.postcondition or (row is not None and row.state == "done"):
-            return None
-        return self._facts_now().holds(step)
+    def _execute(
+        self, applier: StepApplier, step: Step, rows: dict[str, ledger.StepRow], result: RunResult
+    ) -> None:
+        """Skip, adopt or run `step`, its postcondition read just before its turn."""
+        holds = self._facts_now().holding([step], rows).get(step.id)
+        applier.execute(step, rows.get(step.id), holds, result)
 
     def _facts_now(self) -> LiveFacts:
         return self._facts or self._read_facts()
@@ -235,7 +222,7 @@ class Runner:
         applier = self._applier(migration.id)
         result = RunResult(self.pattern.name, to_phase)
         for step in pending:
-            applier.execute(step, rows.get(step.id), self._holds(step, rows), result)
+            self._execute(applier, step, rows, result)
         return self._finish(migration, result, to_phase)
 
     def next(self) -> RunResult:
@@ -251,20 +238,13 @@ class Runner:
         target = completed_phase(self.pattern, rows)
         if pending:
             step = pending[0]
-            applier = self._applier(migration.id)
-            applier.execute(step, rows.get(step.id), self._holds(step, rows), result)
+            self._execute(self._applier(migration.id), step, rows, result)
             target = step.phase
         return self._finish(migration, result, target)
 
     def step(self, step_id: str) -> Step:
         """The pattern's step called `step_id` (a `UsageError` names the known ones)."""
-        for step in self.pattern.steps():
-            if step.id == step_id:
-                return step
-        raise UsageError(
-            f"pattern {self.pattern.acronym} has no step {step_id!r}; its steps are "
-            + ", ".join(s.id for s in self.pattern.steps())
-        )
+        return step_named(self.pattern, step_id)
 
     def execute_step(self, step_id: str) -> RunResult:
         """Run one named step as `run` would: same deploy-boundary rule, preconditions, lock
@@ -289,13 +269,13 @@ class Runner:
             if action is Action.UNDONE:
                 applier.record_undone(planned, result)
                 continue
-            applier.execute(planned, rows.get(planned.id), self._holds(planned, rows), result)
+            self._execute(applier, planned, rows, result)
         return self._finish(migration, result, step.phase)
 
     def _check_adoptions(self, steps: list[Step]) -> None:
         """Adopting refuses an object another live migration owns: asked (read-only) before
         the plan writes anything, so that refusal too leaves the ledger as it was."""
-        if not steps or not ledger_exists(self.conn):
+        if not steps or not ledger.ledger_exists(self.conn):
             return
         latest = self._latest()
         own = latest.id if latest is not None else 0  # 0: no migration id, nothing of ours
@@ -307,7 +287,7 @@ class Runner:
         never applied (nothing to undo); `OutOfOrder` when it cannot be reversed."""
         step = self.step(step_id)
         if step.reverse is None:
-            raise OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
+            raise irreversible(step)
         self.acquire()
         migration = self._latest()
         rows = self._rows(migration) if migration is not None else {}
@@ -376,7 +356,7 @@ class Runner:
         Refused, `force` or not, for another pattern than the active one (`decide.check_reset`).
         """
         self.acquire()
-        if not ledger_exists(self.conn):
+        if not ledger.ledger_exists(self.conn):
             return False
         active = ledger.active_for_table(self.conn, self.spec)
         if active is None:

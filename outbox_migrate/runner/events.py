@@ -10,19 +10,7 @@ from outbox_migrate.patterns.model import Step
 
 
 class RunnerEvents(Protocol):
-    def step_started(self, step: Step, action: str) -> None: ...
-
-    def attempt(self, step: Step, log: AttemptLog) -> None: ...
-
-    def step_finished(self, step: Step, outcome: str, elapsed_s: float) -> None: ...
-
-    def warning(self, step: Step, message: str) -> None: ...
-
-    def progress(self, step: Step, done: int, total: int, rate_per_s: float) -> None: ...
-
-
-class SilentEvents:
-    """The default: record nothing, say nothing."""
+    """Every event is optional: a class deriving from it hears only what it overrides."""
 
     def step_started(self, step: Step, action: str) -> None:
         return None
@@ -38,3 +26,7 @@ class SilentEvents:
 
     def progress(self, step: Step, done: int, total: int, rate_per_s: float) -> None:
         return None
+
+
+class SilentEvents(RunnerEvents):
+    """The default: record nothing, say nothing."""

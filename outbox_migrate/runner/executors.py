@@ -81,24 +81,19 @@ class CopyBackExecutor:
     def proven(self, host: ProofHost, step: Step) -> bool:
         if self._source_dropped_after_copy(host):
             return True
-        from outbox_migrate.jobs import common
-        from outbox_migrate.jobs.common import Relation
+        from outbox_migrate.jobs.common import Relation, exists
 
-        source = Relation(host.spec.schema, host.spec.published_partition)
-        if not common.exists(host.conn, source):
+        if not exists(host.conn, Relation(host.spec.schema, host.spec.published_partition)):
             return False
         return not host.violations(step.postcondition)
 
     def apply(self, host: ApplyHost, step: Step) -> float:
-        from outbox_migrate.jobs.copy_back import copy_back
+        from outbox_migrate.jobs.copy_back import CopyProgress, copy_back
 
         host.transition(step, "running", started=True)
 
-        def progress(update: Any) -> None:
-            host.events.progress(
-                step, int(getattr(update, "copied", 0)), int(getattr(update, "total", 0)),
-                float(getattr(update, "rows_per_s", 0.0)),
-            )  # fmt: skip
+        def progress(update: CopyProgress) -> None:
+            host.events.progress(step, update.copied_rows, update.total_rows, update.rows_per_s)
 
         copy_back(
             host.conn, host.spec, host.copy_back_options, dsn=host.job_dsn,

@@ -11,16 +11,16 @@ cannot disagree about it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from psycopg import Connection, sql
 
 from outbox_migrate.config import OutboxSpec, Settings
-from outbox_migrate.patterns import BuildOptions, build_pattern
+from outbox_migrate.patterns import BuildOptions, build_from_settings, build_pattern
 from outbox_migrate.patterns.model import Condition, Pattern, PublicationFact, Step
 from outbox_migrate.patterns.names import Names
 from outbox_migrate.runner import ledger
-from outbox_migrate.runner.admission import ledger_exists
 from outbox_migrate.runner.checks import violations
 from outbox_migrate.runner.decide import HasState
 from outbox_migrate.runner.executors import executor_for
@@ -40,19 +40,6 @@ def identity_generation(conn: Connection[Any], spec: OutboxSpec, *, ledger_reada
         return "ALWAYS" if row[0] == "a" else "BY DEFAULT"
     recorded = ledger.recorded_identity_generation(conn, spec) if ledger_readable else None
     return recorded or "BY DEFAULT"
-
-
-def offline_pattern(settings: Settings, name: str, include_optional: bool) -> Pattern:
-    """The pattern before any database is looked at (names, phases, `--help`)."""
-    return build_pattern(
-        name,
-        settings.spec,
-        BuildOptions(
-            sample_window_s=settings.gate_window_s,
-            old_app_name=settings.old_app_name,
-            include_optional=include_optional,
-        ),
-    )
 
 
 def migration_publications(conn: Connection[Any], spec: OutboxSpec) -> tuple[PublicationFact, ...]:
@@ -81,24 +68,17 @@ def live_pattern(
     was built from (recorded when the migration starts)."""
     from outbox_migrate.patterns import marker_catalog
 
-    readable = ledger_exists(conn) if ledger_readable is None else ledger_readable
+    readable = ledger.ledger_exists(conn) if ledger_readable is None else ledger_readable
     if readable and not include_optional:
         # Optional steps the ledger recorded (the original name) describe the catalog now.
         include_optional = optional_recorded(conn, settings.spec, name)
     generation = identity_generation(conn, settings.spec, ledger_readable=readable)
     publications = migration_publications(conn, settings.spec)  # recorded, else live
     spec = marker_catalog.resolve(conn, settings.spec)  # a flag marker's values (its DEFAULT)
-    pattern = build_pattern(
-        name,
-        spec,
-        BuildOptions(
-            sample_window_s=settings.gate_window_s,
-            old_app_name=settings.old_app_name,
-            include_optional=include_optional,
-            identity_generation=generation,
-            publications=publications,
-        ),
-    )
+    pattern = build_from_settings(
+        name, replace(settings, spec=spec), include_optional=include_optional,
+        identity_generation=generation, publications=publications,
+    )  # fmt: skip
     return pattern, generation, publications
 
 
@@ -139,7 +119,7 @@ def optional_recorded(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> 
     refers to; a `status`, `verify` or `rollback` that left them out would read the catalog
     with the old names and report a healthy renamed outbox as broken, or undo earlier steps
     under names that now belong to other relations."""
-    if not ledger_exists(conn):
+    if not ledger.ledger_exists(conn):
         return False
     optional = [
         step.id

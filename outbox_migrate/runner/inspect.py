@@ -3,31 +3,77 @@ current phase's invariants hold — with nothing but SELECT and CONNECT.
 
 Unlike the `Runner`, nothing here creates or upgrades the ledger schema, takes the runner's
 advisory lock or writes a row: the session is read-only (`default_transaction_read_only`,
-which any role may set), a missing
-ledger schema simply means "no migration recorded", and a role without rights on it gets one
-line naming the grant. So an auditor's or a dashboard's role can watch a migration, and a CI
-gate cannot pass on a table that does not exist.
+which any role may set), a missing ledger schema simply means "no migration recorded", and a
+role without rights on it gets one line naming the grant. So an auditor's or a dashboard's
+role can watch a migration, and a CI gate cannot pass on a table that does not exist.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.db import connect
-from outbox_migrate.errors import NothingRecorded, SchemaError, UsageError, VerifyFailed
+from outbox_migrate.errors import NothingDone, UsageError, VerifyFailed
 from outbox_migrate.patterns.model import Pattern
-from outbox_migrate.runner import ledger
-from outbox_migrate.runner.decide import reached_phase
+from outbox_migrate.runner import checks, ledger
+from outbox_migrate.runner.admission import require_table
+from outbox_migrate.runner.decide import phase_index, reached_phase
 from outbox_migrate.runner.facts import live_pattern
-from outbox_migrate.runner.status import recorded_document, unrecorded_document
 
 _TUPLES = ("metadata_columns", "accept_lost_unique")
+
+
+# -- the status document (`outbox-migrate status`, `Runner.status()`): pure, no I/O -------
+
+
+def recorded_document(
+    table: str, pattern: Pattern, migration: ledger.MigrationRow, rows: Mapping[str, ledger.StepRow]
+) -> dict[str, Any]:
+    """A migration the ledger records: its state, the phase its steps prove, every step."""
+    reached = reached_phase(pattern, migration.current_phase, rows)
+    index = phase_index(pattern, reached)
+    following = pattern.phases[index + 1].name if index + 1 < len(pattern.phases) else None
+    return {
+        "table": table,
+        "pattern": pattern.name,
+        "recorded": True,
+        "state": migration.state,
+        "phase": reached,
+        "next_phase": following,
+        "steps": [
+            {
+                "id": step.id,
+                "phase": step.phase,
+                "summary": step.summary,
+                **(rows[step.id].to_json() if step.id in rows else {"state": "pending"}),
+            }
+            for step in pattern.steps()
+        ],
+    }
+
+
+def unrecorded_document(
+    table: str, pattern: str | None, *, first_phase: str | None, active_pattern: str | None
+) -> dict[str, Any]:
+    """No migration of this pattern (or none at all) is recorded for the table."""
+    document: dict[str, Any] = {
+        "table": table,
+        "pattern": pattern,
+        "recorded": False,
+        "state": "not started",
+        "phase": first_phase,
+        "next_phase": None,
+        "steps": [],
+    }
+    if active_pattern is not None:
+        document["active_pattern"] = active_pattern
+    return document
 
 
 @dataclass(frozen=True)
@@ -51,19 +97,16 @@ def table_label(settings: Settings) -> str:
 
 
 def _by_either_name(conn: psycopg.Connection[Any], settings: Settings) -> Settings:
-    """After the rename to the original name, the migration's recorded configuration when the
-    given names are the outbox's new ones."""
-    return _recorded_settings(conn, settings) if _ledger_readable(conn) else settings
-
-
-def _recorded_settings(conn: psycopg.Connection[Any], settings: Settings) -> Settings:
     """`settings` with the recorded spec of a renamed migration the given names point at;
-    `settings` unchanged when a migration is recorded under `table` itself, or none matches.
+    `settings` unchanged when a migration is recorded under `table` itself, or none matches
+    (or there is no ledger).
 
     The ledger keys a migration by the flat table's name. After `take-original-name` an
     operator may name the outbox as it now is: the view under the partitioned table's former
     name (`--table outbox_new`), or the partitioned table under the original name
     (`--partitioned-table outbox`, as its relays do)."""
+    if not _ledger_readable(conn):
+        return settings
     spec = settings.spec
     row = conn.execute(
         "SELECT (SELECT m.spec::text FROM outbox_migrate.migration m "
@@ -108,19 +151,6 @@ def _ledger_readable(conn: psycopg.Connection[Any]) -> bool:
     return True
 
 
-def require_table(conn: psycopg.Connection[Any], settings: Settings) -> None:
-    """Inspection of a table that is not there must fail, not report an empty success."""
-    spec = settings.spec
-    found = conn.execute(
-        "SELECT to_regclass(%s)", (sql.Identifier(spec.schema, spec.table).as_string(None),)
-    ).fetchone()
-    if found is None or found[0] is None:
-        raise SchemaError(
-            f"table {table_label(settings)} does not exist in database {conn.info.dbname!r}; "
-            "check --schema/--table (outbox-migrate config)"
-        )
-
-
 def recorded(conn: psycopg.Connection[Any], settings: Settings, pattern: str | None) -> Recorded:
     """The migration to show: the given pattern's latest, else the table's active one, else
     its latest completed one."""
@@ -129,24 +159,14 @@ def recorded(conn: psycopg.Connection[Any], settings: Settings, pattern: str | N
     spec = settings.spec
     active = ledger.active_for_table(conn, spec)
     if pattern is None:
-        migration = active or _latest_any(conn, settings)
+        migration = active or ledger.latest(conn, spec, None)
         other = None
     else:
         migration = ledger.latest(conn, spec, pattern.lower())
         other = active if active is not None and active.pattern != pattern.lower() else None
     if migration is None:
         return Recorded(None, {}, other)
-    rows = {row.step_id: row for row in ledger.steps(conn, migration.id)}
-    return Recorded(migration, rows, other)
-
-
-def _latest_any(conn: psycopg.Connection[Any], settings: Settings) -> ledger.MigrationRow | None:
-    row = conn.execute(
-        "SELECT pattern FROM outbox_migrate.migration WHERE table_schema = %s AND "
-        "table_name = %s AND state <> 'abandoned' ORDER BY id DESC LIMIT 1",
-        (settings.spec.schema, settings.spec.table),
-    ).fetchone()
-    return ledger.latest(conn, settings.spec, str(row[0])) if row else None
+    return Recorded(migration, ledger.step_rows(conn, migration.id), other)
 
 
 def active_pattern(dsn: str, settings: Settings) -> str | None:
@@ -173,7 +193,7 @@ def status(
         settings = _by_either_name(conn, settings)
         found = recorded(conn, settings, pattern)
         if found.migration is None:
-            require_table(conn, settings)
+            require_table(conn, settings.spec)
             return unrecorded_document(
                 table_label(settings), pattern.lower() if pattern else None, first_phase=None,
                 active_pattern=found.other.pattern if found.other is not None else None,
@@ -193,23 +213,21 @@ def verify(
     dsn: str, settings: Settings, pattern: str | None = None, *, include_optional: bool = False
 ) -> str:
     """Check the invariants of the recorded phase; return the phase, or raise `VerifyFailed`
-    (a violation), `NothingRecorded` (no migration to verify) or `SchemaError` (no table)."""
+    (a violation), `NothingDone` (no migration to verify) or `SchemaError` (no table)."""
     with open_read_only(dsn) as conn:
         settings = _by_either_name(conn, settings)
-        require_table(conn, settings)
+        require_table(conn, settings.spec)
         found = recorded(conn, settings, pattern)
         if found.migration is None:
             other = found.other.pattern if found.other else None
-            raise NothingRecorded(
+            raise NothingDone(
                 not_recorded_message(settings, pattern, other)
                 + "; nothing to verify — start it with `outbox-migrate run`"
             )
         built = _pattern(conn, settings, found.migration.pattern, include_optional)
         phase = reached_phase(built, found.migration.current_phase, found.steps)
-        violations: list[str] = []
         done = frozenset(i for i, row in found.steps.items() if row.state == "done")
-        for condition in built.verified(phase, done):
-            violations.extend(str(r[0]) for r in conn.execute(condition.query).fetchall())
+        violations = checks.violations(conn, built.verified(phase, done))
     if violations:
         raise VerifyFailed(phase, violations)
     return phase

@@ -1,9 +1,17 @@
 """The ledger: the runner's progress, stored in the target database beside the work.
 
 A transactional step updates its ledger row inside the step's own transaction, so the DDL and
-the record of it commit together; a step's state is written only by `transition.transition`.
-The schema is created and upgraded by the tool (numbered upgrades in `sql/ledger.sql`), under
-a transaction-level advisory lock so two first runs do not race.
+the record of it commit together. The schema is created and upgraded by the tool (numbered
+upgrades in `sql/ledger.sql`), under a transaction-level advisory lock so two first runs do
+not race.
+
+The one transition of a step's state: every ledger write of `step.state` goes through
+`transition`, which refuses a move the state machine does not allow. Why one place: writers
+with their own idea of which moves are fine can let a refused command mark steps done on its
+way to refusing. Here the allowed moves are one table (`ALLOWED`, pure and unit-tested), and
+the UPDATE itself only matches a row in an allowed state, so an illegal move fails loudly
+instead of rewriting history. Call it inside the step's own transaction to commit the state
+with the work.
 """
 
 from __future__ import annotations
@@ -13,15 +21,16 @@ import logging
 import socket
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, LiteralString
 
 from psycopg import Connection, sql
 from psycopg.rows import dict_row
 
 from outbox_migrate import sql as queries
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import StepChanged, UsageError
+from outbox_migrate.errors import UsageError
 from outbox_migrate.patterns.model import Pattern, PublicationFact
+from outbox_migrate.runner.decide import check_definitions
 
 log = logging.getLogger("outbox_migrate.runner")
 
@@ -66,55 +75,57 @@ class StepRow:
         return asdict(self)
 
 
+def ledger_exists(conn: Connection[Any]) -> bool:
+    row = conn.execute("SELECT to_regclass('outbox_migrate.migration') IS NOT NULL").fetchone()
+    return bool(row and row[0])
+
+
 def ensure_schema(conn: Connection[Any]) -> None:
     """Create or upgrade the ledger schema (idempotent; safe under concurrency)."""
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK_KEY,))
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
+        versions = sql.Identifier(SCHEMA, "ledger_version")
         conn.execute(
-            sql.SQL("CREATE TABLE IF NOT EXISTS {} (version int NOT NULL)").format(
-                sql.Identifier(SCHEMA, "ledger_version")
-            )
+            sql.SQL("CREATE TABLE IF NOT EXISTS {} (version int NOT NULL)").format(versions)
         )
-        row = conn.execute(
-            sql.SQL("SELECT max(version) FROM {}").format(sql.Identifier(SCHEMA, "ledger_version"))
-        ).fetchone()
+        row = conn.execute(sql.SQL("SELECT max(version) FROM {}").format(versions)).fetchone()
         current = int(row[0]) if row and row[0] is not None else 0
         for version in range(current + 1, LEDGER_VERSION + 1):
             for statement in queries.query("ledger", f"upgrade-{version}").text.split(";\n"):
                 if statement.strip():
                     conn.execute(statement)
-            conn.execute(
-                sql.SQL("INSERT INTO {} VALUES (%s)").format(
-                    sql.Identifier(SCHEMA, "ledger_version")
-                ),
-                (version,),
-            )
+            conn.execute(sql.SQL("INSERT INTO {} VALUES (%s)").format(versions), (version,))
 
 
-def _migration(row: dict[str, Any]) -> MigrationRow:
-    return MigrationRow(**{k: row[k] for k in MigrationRow.__dataclass_fields__})
+def _migration(conn: Connection[Any], query: LiteralString, *params: Any) -> MigrationRow | None:
+    """The one migration row `query` returns (`SELECT *`, `RETURNING *`), or None."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(query, params).fetchone()
+    return MigrationRow(**{k: row[k] for k in MigrationRow.__dataclass_fields__}) if row else None
 
 
 def active_for_table(conn: Connection[Any], spec: OutboxSpec) -> MigrationRow | None:
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(
-            "SELECT * FROM outbox_migrate.migration "
-            "WHERE table_schema = %s AND table_name = %s AND state = 'active'",
-            (spec.schema, spec.table),
-        ).fetchone()
-    return _migration(row) if row else None
+    return _migration(
+        conn, "SELECT * FROM outbox_migrate.migration "
+        "WHERE table_schema = %s AND table_name = %s AND state = 'active'", spec.schema, spec.table,
+    )  # fmt: skip
 
 
-def latest(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> MigrationRow | None:
-    """The active or completed migration of this table with this pattern."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(
-            "SELECT * FROM outbox_migrate.migration WHERE table_schema = %s AND table_name = %s "
-            "AND pattern = %s AND state <> 'abandoned' ORDER BY id DESC LIMIT 1",
-            (spec.schema, spec.table, pattern),
-        ).fetchone()
-    return _migration(row) if row else None
+def latest(conn: Connection[Any], spec: OutboxSpec, pattern: str | None) -> MigrationRow | None:
+    """The active or completed migration of this table with this pattern (None: any)."""
+    return _migration(
+        conn, "SELECT * FROM outbox_migrate.migration WHERE table_schema = %s AND table_name = %s "
+        "AND pattern = coalesce(%s, pattern) AND state <> 'abandoned' ORDER BY id DESC LIMIT 1",
+        spec.schema, spec.table, pattern,
+    )  # fmt: skip
+
+
+def another_active(spec: OutboxSpec, pattern: str, phase: str) -> UsageError:
+    return UsageError(
+        f"a {pattern.upper()} migration of {spec.schema}.{spec.table} is active (phase {phase}); "
+        "finish it, roll it back, or `outbox-migrate reset` it before starting another pattern"
+    )
 
 
 def open_migration(
@@ -126,24 +137,19 @@ def open_migration(
     """Find this (table, pattern) migration or start it; refuse a different active pattern."""
     active = active_for_table(conn, spec)
     if active is not None and active.pattern != pattern.name:
-        raise UsageError(
-            f"a {active.pattern.upper()} migration of {spec.schema}.{spec.table} is active "
-            f"(phase {active.current_phase}); finish it, roll it back, or `outbox-migrate "
-            "reset` it before starting another pattern"
-        )
+        raise another_active(spec, active.pattern, active.current_phase)
     existing = latest(conn, spec, pattern.name)
     if existing is not None:
         return existing
     spec_json = json.dumps({**asdict(spec), **(extra or {})}, sort_keys=True)
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(
-            "INSERT INTO outbox_migrate.migration "
-            "(table_schema, table_name, pattern, spec, current_phase, host) "
-            "VALUES (%s, %s, %s, %s, %s, %s) RETURNING *",
-            (spec.schema, spec.table, pattern.name, spec_json, pattern.phases[0].name, HOST),
-        ).fetchone()
-    assert row is not None
-    return _migration(row)
+    created = _migration(
+        conn, "INSERT INTO outbox_migrate.migration "
+        "(table_schema, table_name, pattern, spec, current_phase, host) "
+        "VALUES (%s, %s, %s, %s, %s, %s) RETURNING *",
+        spec.schema, spec.table, pattern.name, spec_json, pattern.phases[0].name, HOST,
+    )  # fmt: skip
+    assert created is not None
+    return created
 
 
 def sync_steps(conn: Connection[Any], migration: MigrationRow, pattern: Pattern) -> None:
@@ -153,8 +159,8 @@ def sync_steps(conn: Connection[Any], migration: MigrationRow, pattern: Pattern)
     whose checksum differs means the catalog or the configuration changed under a running
     migration: that is refused, because its postcondition may no longer describe reality.
     """
-    rows = steps(conn, migration.id)
-    by_id = {row.step_id: row for row in rows}
+    by_id = step_rows(conn, migration.id)
+    check_definitions(pattern, {i: (r.state, r.checksum) for i, r in by_id.items()})
     for position, step in enumerate(pattern.steps()):
         checksum = step.checksum()
         row = by_id.get(step.id)
@@ -166,28 +172,18 @@ def sync_steps(conn: Connection[Any], migration: MigrationRow, pattern: Pattern)
                 "ON CONFLICT (migration_id, step_id) DO NOTHING",
                 (migration.id, position, step.id, step.phase, step.kind, checksum),
             )
-        elif row.checksum != checksum:
-            if row.state in ("done", "running") and not (
-                row.state == "done" and row.checksum in step.former_checksums
-            ):
-                raise StepChanged(step.id, row.checksum, checksum)
-            if row.state == "done":
-                log.info(
-                    "runner.step_adopted step=%s recorded=%s current=%s (an earlier release's "
-                    "definition with the same effect)",
-                    step.id, row.checksum, checksum,
-                )  # fmt: skip
-            conn.execute(
-                "UPDATE outbox_migrate.step SET checksum = %s, position = %s "
-                "WHERE migration_id = %s AND step_id = %s",
-                (checksum, position, migration.id, step.id),
-            )
-        else:
-            conn.execute(
-                "UPDATE outbox_migrate.step SET position = %s "
-                "WHERE migration_id = %s AND step_id = %s",
-                (position, migration.id, step.id),
-            )
+            continue
+        if row.checksum != checksum and row.state == "done":
+            log.info(
+                "runner.step_adopted step=%s recorded=%s current=%s (an earlier release's "
+                "definition with the same effect)",
+                step.id, row.checksum, checksum,
+            )  # fmt: skip
+        conn.execute(
+            "UPDATE outbox_migrate.step SET checksum = %s, position = %s "
+            "WHERE migration_id = %s AND step_id = %s",
+            (checksum, position, migration.id, step.id),
+        )
 
 
 def steps(conn: Connection[Any], migration_id: int) -> list[StepRow]:
@@ -197,6 +193,11 @@ def steps(conn: Connection[Any], migration_id: int) -> list[StepRow]:
             (migration_id,),
         ).fetchall()
     return [StepRow(**{k: r[k] for k in StepRow.__dataclass_fields__}) for r in rows]
+
+
+def step_rows(conn: Connection[Any], migration_id: int) -> dict[str, StepRow]:
+    """The migration's ledger rows by step id."""
+    return {row.step_id: row for row in steps(conn, migration_id)}
 
 
 def record_lock_wait(conn: Connection[Any], migration_id: int, step_id: str, ms: float) -> None:
@@ -230,14 +231,20 @@ def record_attempt(
     )
 
 
-def recorded_identity_generation(conn: Connection[Any], spec: OutboxSpec) -> str | None:
-    """The old table's identity kind as recorded when its migration started."""
-    row = conn.execute(
-        "SELECT spec->>'identity_generation' FROM outbox_migrate.migration "
+def _recorded(conn: Connection[Any], spec: OutboxSpec, key: str) -> tuple[Any] | None:
+    """`key` of the spec the table's latest live migration recorded (None: no migration)."""
+    row: tuple[Any] | None = conn.execute(
+        "SELECT spec -> %s::text FROM outbox_migrate.migration "
         "WHERE table_schema = %s AND table_name = %s AND state <> 'abandoned' "
         "ORDER BY id DESC LIMIT 1",
-        (spec.schema, spec.table),
+        (key, spec.schema, spec.table),
     ).fetchone()
+    return row
+
+
+def recorded_identity_generation(conn: Connection[Any], spec: OutboxSpec) -> str | None:
+    """The old table's identity kind as recorded when its migration started."""
+    row = _recorded(conn, spec, "identity_generation")
     return str(row[0]) if row and row[0] else None
 
 
@@ -248,15 +255,9 @@ def recorded_publications(
     no migration or no ledger yet), so the CDC step stays what it was when the migration
     started even if a publication changes later. A migration started by a release that did
     not record them has none: its steps stay the ones it started with."""
-    found = conn.execute("SELECT to_regclass('outbox_migrate.migration')").fetchone()
-    if found is None or found[0] is None:
+    if not ledger_exists(conn):
         return None
-    row = conn.execute(
-        "SELECT spec->'publications' FROM outbox_migrate.migration "
-        "WHERE table_schema = %s AND table_name = %s AND state <> 'abandoned' "
-        "ORDER BY id DESC LIMIT 1",
-        (spec.schema, spec.table),
-    ).fetchone()
+    row = _recorded(conn, spec, "publications")
     if row is None:
         return None
     if row[0] is None:
@@ -265,10 +266,6 @@ def recorded_publications(
         PublicationFact(**{**item, "columns": tuple(item["columns"]) if item["columns"] else None})
         for item in row[0]
     )
-
-
-def publications_json(publications: tuple[PublicationFact, ...]) -> list[dict[str, Any]]:
-    return [asdict(p) for p in publications]
 
 
 def set_phase(conn: Connection[Any], migration_id: int, phase: str, state: str = "active") -> None:
@@ -284,3 +281,74 @@ def abandon(conn: Connection[Any], migration_id: int) -> None:
         "UPDATE outbox_migrate.migration SET state = 'abandoned', updated_at = now() WHERE id = %s",
         (migration_id,),
     )
+
+
+# -- the step state machine ------------------------------------------------------------
+
+STATES = ("pending", "running", "done", "failed", "rolled_back")
+
+_NOT_DONE = frozenset({"pending", "running", "failed", "rolled_back"})
+ALLOWED: dict[str, frozenset[str]] = {
+    # target state: the states it may be reached from
+    "running": _NOT_DONE,
+    "done": _NOT_DONE,
+    "failed": _NOT_DONE,
+    # A step that refused at run time did nothing: it stays (or goes back to) pending, with
+    # the reason for `status`.
+    "pending": _NOT_DONE,
+    # An inverse undoes a done step, or one proven applied outside the ledger (offline SQL).
+    "rolled_back": frozenset(STATES),
+}
+"""Never from `done` except by rolling back: a done step is only ever undone by its inverse."""
+
+
+class IllegalTransition(RuntimeError):
+    """A bug, not an operator error: the runner asked for a move the state machine forbids."""
+
+
+def allowed(current: str, target: str) -> bool:
+    return current in ALLOWED.get(target, frozenset())
+
+
+def transition(
+    conn: Connection[Any],
+    migration_id: int,
+    step_id: str,
+    target: str,
+    *,
+    error: str | None = None,
+    started: bool = False,
+    started_at: datetime | None = None,
+) -> None:
+    """Move one step to `target`, stamping who, where and when.
+
+    `started` stamps the start now; `started_at` gives it (a transactional step records its
+    whole life — checks, lock waits, DDL — in the one row it commits at the end). `done`
+    clears the last error; other states keep it unless a new one is given."""
+    if target not in ALLOWED:
+        raise IllegalTransition(f"{step_id}: unknown step state {target!r}")
+    if error is not None:
+        error = error[:500]
+    cursor = conn.execute(
+        "UPDATE outbox_migrate.step SET state = %s, "
+        "last_error = CASE WHEN %s::text IS NULL AND %s = 'done' THEN NULL "
+        "                  ELSE coalesce(%s, last_error) END, "
+        "started_at = CASE WHEN %s THEN clock_timestamp() "
+        "                  ELSE coalesce(%s::timestamptz, started_at) END, "
+        "finished_at = CASE WHEN %s IN ('done', 'failed', 'rolled_back') "
+        "                   THEN clock_timestamp() END, "
+        "duration_ms = CASE WHEN %s IN ('done', 'failed', 'rolled_back') "
+        "AND coalesce(%s::timestamptz, started_at) IS NOT NULL THEN 1000 * extract(epoch FROM "
+        "clock_timestamp() - coalesce(%s::timestamptz, started_at)) END, "
+        "operator = current_user, host = %s "
+        "WHERE migration_id = %s AND step_id = %s AND state = ANY(%s)",
+        (target, error, target, error, started, started_at, target, target,
+         started_at, started_at, HOST, migration_id, step_id, sorted(ALLOWED[target])),
+    )  # fmt: skip
+    if cursor.rowcount != 1:
+        row = conn.execute(
+            "SELECT state FROM outbox_migrate.step WHERE migration_id = %s AND step_id = %s",
+            (migration_id, step_id),
+        ).fetchone()
+        found = row[0] if row else "no ledger row"
+        raise IllegalTransition(f"{step_id}: {found} -> {target} is not a step transition")

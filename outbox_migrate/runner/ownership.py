@@ -10,7 +10,7 @@ re-created by someone else under the same name is a different object with a diff
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, LiteralString
 
 from psycopg import Connection, sql
 
@@ -27,34 +27,26 @@ class Owner:
     origin: str
 
 
+_OID_OF: dict[str, LiteralString] = {
+    # %(own)s: the object's schema-qualified name; %(on)s: its relation's; %(name)s: its name
+    "relation": "SELECT to_regclass(%(own)s)::oid::int8",
+    "constraint": "SELECT oid::int8 FROM pg_constraint "
+    "WHERE conrelid = to_regclass(%(on)s) AND conname = %(name)s",
+    "trigger": "SELECT oid::int8 FROM pg_trigger "
+    "WHERE tgrelid = to_regclass(%(on)s) AND tgname = %(name)s AND NOT tgisinternal",
+    "publication-rel": "SELECT r.oid::int8 FROM pg_publication_rel r JOIN pg_publication p "
+    "ON p.oid = r.prpubid WHERE p.pubname = %(name)s AND r.prrelid = to_regclass(%(on)s)",
+    "function": "SELECT to_regprocedure(%(own)s || '()')::oid::int8",
+}
+
+
 def current_oid(conn: Connection[Any], spec: OutboxSpec, obj: Created) -> int | None:
     """The OID the object has now, or None when it does not exist."""
-    if obj.kind == "relation":
-        query = "SELECT to_regclass(%s)::oid::int8"
-        params: tuple[Any, ...] = (sql.Identifier(spec.schema, obj.name).as_string(None),)
-    elif obj.kind == "constraint":
-        query = (
-            "SELECT oid::int8 FROM pg_constraint WHERE conrelid = to_regclass(%s) AND conname = %s"
-        )
-        params = (sql.Identifier(spec.schema, obj.on).as_string(None), obj.name)
-    elif obj.kind == "trigger":
-        query = (
-            "SELECT oid::int8 FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND tgname = %s "
-            "AND NOT tgisinternal"
-        )
-        params = (sql.Identifier(spec.schema, obj.on).as_string(None), obj.name)
-    elif obj.kind == "publication-rel":
-        query = (
-            "SELECT r.oid::int8 FROM pg_publication_rel r JOIN pg_publication p "
-            "ON p.oid = r.prpubid WHERE p.pubname = %s AND r.prrelid = to_regclass(%s)"
-        )
-        params = (obj.name, sql.Identifier(spec.schema, obj.on).as_string(None))
-    elif obj.kind == "function":
-        query = "SELECT to_regprocedure(%s)::oid::int8"
-        params = (sql.Identifier(spec.schema, obj.name).as_string(None) + "()",)
-    else:
+    if obj.kind not in _OID_OF:
         raise ValueError(f"unknown object kind {obj.kind!r}")
-    row = conn.execute(query, params).fetchone()
+    names = {"own": obj.name, "on": obj.on or obj.name}
+    params = {key: sql.Identifier(spec.schema, n).as_string(None) for key, n in names.items()}
+    row = conn.execute(_OID_OF[obj.kind], {**params, "name": obj.name}).fetchone()
     return int(row[0]) if row and row[0] is not None else None
 
 

@@ -23,11 +23,11 @@ from outbox_migrate.runner.apply import StepApplier, connection_lost
 from outbox_migrate.runner.checks import check_conditions
 from outbox_migrate.runner.decide import (
     completed_phase,
+    irreversible,
     phase_index,
     reached_phase,
     steps_to_reverse,
 )
-from outbox_migrate.runner.transition import transition
 
 
 def run_inverse(applier: StepApplier, step: Step) -> None:
@@ -42,7 +42,7 @@ def run_inverse(applier: StepApplier, step: Step) -> None:
         if statements:
             ownership.check_droppable(conn, migration_id, step, applier.spec)
         if migration_id is not None:
-            transition(conn, migration_id, step.id, "rolled_back")
+            ledger.transition(conn, migration_id, step.id, "rolled_back")
             conn.execute(
                 "DELETE FROM outbox_migrate.owned_object WHERE migration_id = %s AND step_id = %s",
                 (migration_id, step.id),
@@ -73,7 +73,7 @@ def reverse_one(
 ) -> bool:
     """Undo one step (Alembic downgrade). False when it was never applied."""
     if step.reverse is None:
-        raise OutOfOrder(f"cannot roll back {step.id}: {step.reverse_note}")
+        raise irreversible(step)
     steps = pattern.steps()
     later = steps[steps.index(step) + 1 :]
     ahead = [s.id for s in later if s.id in rows and rows[s.id].state == "done"]
@@ -86,14 +86,10 @@ def reverse_one(
     started = time.monotonic()
     run_inverse(applier, step)
     if migration is not None:
-        reached = completed_phase(pattern, _rows(applier, migration))
+        reached = completed_phase(pattern, ledger.step_rows(applier.conn, migration.id))
         ledger.set_phase(applier.conn, migration.id, reached, "active")
     applier.events.step_finished(step, "rolled back", time.monotonic() - started)
     return True
-
-
-def _rows(applier: StepApplier, migration: ledger.MigrationRow) -> dict[str, ledger.StepRow]:
-    return {row.step_id: row for row in ledger.steps(applier.conn, migration.id)}
 
 
 def rollback(
@@ -102,7 +98,7 @@ def rollback(
     """Undo, newest first, every done step after `to_phase`; refuse past an irreversible
     step (the pattern's point of no return) and refuse a phase that is ahead, not behind."""
     goal = phase_index(pattern, to_phase)
-    rows = _rows(applier, migration)
+    rows = ledger.step_rows(applier.conn, migration.id)
     current = reached_phase(pattern, migration.current_phase, rows)
     if goal > phase_index(pattern, current):
         raise OutOfOrder(
@@ -137,7 +133,7 @@ def rollback(
         except PreconditionFailed:
             # Whatever was undone so far stays undone and recorded; the ledger's phase says
             # where the migration now stands.
-            reached = completed_phase(pattern, _rows(applier, migration))
+            reached = completed_phase(pattern, ledger.step_rows(applier.conn, migration.id))
             ledger.set_phase(applier.conn, migration.id, reached, "active")
             raise
         reversed_ids.append(step.id)

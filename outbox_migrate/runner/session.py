@@ -65,14 +65,11 @@ class Session:
         """The connection is open (an error handler may still write to it)."""
         return self._conn is not None and not self._conn.closed
 
-    def lock_key(self) -> tuple[int, int]:
-        return runner_lock_key(self.table_label)
-
     def acquire(self) -> None:
         """The session advisory lock that admits one runner per table."""
         if self._locked:
             return
-        first, second = self.lock_key()
+        first, second = runner_lock_key(self.table_label)
         row = self.conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (first, second)).fetchone()
         if row and row[0]:
             self._locked = True
@@ -101,7 +98,7 @@ class Session:
                 f"pid {holder[0]} ({holder[1] or 'no application_name'}, from {holder[4]}, "
                 f"connected since {holder[5]:%Y-%m-%d %H:%M:%S})"
             )
-        raise RunnerBusy(self.table_label, who)
+        raise RunnerBusy(f"another runner is migrating {self.table_label}: {who}")
 
     def release(self) -> None:
         """Give the per-table advisory lock back without closing the session."""
@@ -114,6 +111,6 @@ class Session:
             and not conn.closed
             and conn.info.transaction_status is not TransactionStatus.INERROR
         ):
-            first, second = self.lock_key()
+            first, second = runner_lock_key(self.table_label)
             conn.execute("SELECT pg_advisory_unlock(%s, %s)", (first, second))
         self._locked = False

@@ -11,15 +11,18 @@ from outbox_migrate.errors import OutOfOrder, PreconditionFailed, StepChanged
 from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
 from outbox_migrate.patterns.model import PublicationFact
 from outbox_migrate.runner.decide import (
+    ABSENCE,
+    PRESENCE,
     Action,
     Assumed,
+    asserts_presence,
+    base_name,
     check_definitions,
     check_reset,
     plan_execute_step,
     undone_on_purpose,
 )
-from outbox_migrate.runner.evidence import ABSENCE, PRESENCE, asserts_presence, base_name
-from outbox_migrate.runner.transition import ALLOWED, STATES, allowed
+from outbox_migrate.runner.ledger import ALLOWED, STATES, allowed
 
 HOPER = build_pattern("hoper")
 COPY_BACK = "hoper.copy-back.copy-back"

@@ -16,10 +16,9 @@ import pytest
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import SchemaError
+from outbox_migrate.errors import RunnerBusy, SchemaError
 from outbox_migrate.jobs.copy_back import (
     CopyBack,
-    CopyBackBusy,
     CopyBackError,
     CopyBackOptions,
     VerificationFailed,
@@ -303,7 +302,7 @@ def test_a_second_copier_is_refused(conn: psycopg.Connection[Any], dsn: str) -> 
     job = CopyBack(conn, spec, UNTHROTTLED, dsn=dsn)
     with psycopg.connect(dsn, autocommit=True) as other:
         other.execute("SELECT pg_advisory_lock(hashtext(%s))", (job.lock_key,))
-        with pytest.raises(CopyBackBusy, match="another copy-back"):
+        with pytest.raises(RunnerBusy, match="another copy-back"):
             job.run()
         result = _cli("copy-back", "--dsn", dsn, "--no-adaptive")
         assert result.returncode == 3, result.stderr

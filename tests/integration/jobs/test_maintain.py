@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.jobs import autovacuum, reindex
+from outbox_migrate.jobs import maintain, reindex
 from outbox_migrate.jobs.common import Relation
 from outbox_migrate.jobs.maintain import MaintenanceOptions, find_partitions, maintain_once
 from outbox_migrate.testing.schema import create_partitioned_outbox, insert_rows
@@ -187,7 +187,7 @@ def test_autovacuum_settings_are_applied_to_the_default_partition_and_checked(
     create_partitioned_outbox(conn)
     published = find_partitions(conn, SPEC).published
     assert published == Relation("public", "outbox_published")
-    expected = autovacuum.published_settings(100_000)
+    expected = maintain.published_settings(100_000)
     unchanged = maintain_once(conn, SPEC, MaintenanceOptions(apply_autovacuum=False))
     [check] = unchanged.autovacuum
     assert not check.ok
@@ -195,13 +195,13 @@ def test_autovacuum_settings_are_applied_to_the_default_partition_and_checked(
     applied = maintain_once(conn, SPEC)
     [check] = applied.autovacuum
     assert check.applied and check.ok
-    assert autovacuum.current_settings(conn, published) == expected
+    assert maintain.autovacuum_settings(conn, published) == expected
     again = maintain_once(conn, SPEC)
     [check] = again.autovacuum
     assert check.ok and not check.applied
     assert again.problems == []
     # The unpublished partition keeps the defaults (small and churning: they suit it).
-    assert autovacuum.current_settings(conn, UNPUBLISHED) == {}
+    assert maintain.autovacuum_settings(conn, UNPUBLISHED) == {}
 
 
 def test_retention_deletes_only_rows_published_before_the_cutoff(
