@@ -53,16 +53,13 @@ class Scenario:
         return max(1.0, self.segment_s / 2)
 
 
-def relay_mode(phase: Phase) -> tuple[Mode, str] | None:
-    """How a version's relay runs: mode and which table name it publishes from."""
-    source = phase.app.publishes_from
-    if source is Table.OLD:
-        return Mode.flat, "old"
-    if source is Table.NEW:
-        return Mode.partitioned, "new"
-    if source is Table.OLD_THEN_NEW:
-        return Mode.switching, "old-then-new"
-    return None
+def relay_mode(phase: Phase) -> Mode | None:
+    """How a version's relay runs, by the table it publishes from; None: it has no relay."""
+    return {
+        Table.OLD: Mode.flat,
+        Table.NEW: Mode.partitioned,
+        Table.OLD_THEN_NEW: Mode.switching,
+    }.get(phase.app.publishes_from)
 
 
 def app_name(version: str, role: str, index: int) -> str:
