@@ -11,6 +11,7 @@ created fresh on each run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,6 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.rehearse.scratch import Rebuilt
 from outbox_migrate.rehearse.source import SourceShape
 
 DEFAULT_ROWS = 100_000
@@ -69,21 +69,17 @@ def rehearse(
     shape.rates = measure_rates(request.source_dsn, spec, request.measure_s)
     insert_sql, identity = scratch.insert_statement(shape, spec)
     rate = round(min(max(shape.rates.inserts_per_s, RATE_FLOOR_PER_S), RATE_CEILING_PER_S))
-    rebuilt = Rebuilt()
-    scratch_bytes: list[int] = []
-    scan_s: list[float] = []
+    rebuilt = scratch.Rebuilt()
 
     def prepare(dsn: str) -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            done = scratch.rebuild(conn, shape, spec)
-            rebuilt.skipped.extend(done.skipped)
+            rebuilt.skipped = scratch.rebuild(conn, shape, spec).skipped
             if request.sample:
                 with read_only_connect(request.source_dsn) as source:
                     rebuilt.rows = scratch.fill_sample(source, conn, shape, spec, request.rows)
             else:
                 rebuilt.rows = scratch.fill_synthetic(conn, shape, spec, request.rows)
-        scratch_bytes.append(_heap_bytes(dsn, spec))
-        scan_s.append(_scan_seconds(dsn, spec))
+            rebuilt.heap_bytes, rebuilt.scan_s = _measure_scan(conn, spec)
 
     scenario = Scenario(
         request.pattern,
@@ -119,8 +115,8 @@ def rehearse(
         "rate_per_s": rate,
         "identity": identity,
         "skipped": rebuilt.skipped,
-        "heap_bytes": scratch_bytes[0] if scratch_bytes else 0,
-        "scan_s": round(scan_s[0], 4) if scan_s else 0.0,
+        "heap_bytes": rebuilt.heap_bytes,
+        "scan_s": round(rebuilt.scan_s, 4),
     }
     report["extrapolated"] = extrapolate(report, request.scratch_dsn)
     return report
@@ -136,37 +132,27 @@ def check_source(source_dsn: str, spec: OutboxSpec, pattern: str) -> SourceShape
     return shape
 
 
-def _heap_bytes(dsn: str, spec: OutboxSpec) -> int:
-    """The old table's heap in the scratch database once filled, before the run: what the
-    scan steps of the run read (plus the few seconds of rows the writers add)."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT coalesce(pg_relation_size(to_regclass(%s)), 0)",
-            (sql.Identifier(spec.schema, spec.table).as_string(conn),),
-        ).fetchone()
-    return int(row[0]) if row else 0
-
-
 SURE_SCAN_S = 0.2
 """A scratch scan shorter than this is mostly timer and cache noise: its per-byte rate (and
 so an estimate scaled from it) is reported as a rough one."""
 
 
-def _scan_seconds(dsn: str, spec: OutboxSpec) -> float:
-    """The best of three full sequential reads of the filled old table: what a scan step's
-    per-byte cost is on this server, apart from the step's fixed cost (connecting, checks,
-    catalog reads, the commit), which the size of the table does not change."""
-    import time
-
+def _measure_scan(conn: psycopg.Connection[Any], spec: OutboxSpec) -> tuple[int, float]:
+    """The filled old table's heap before the run (what the run's scan steps read, plus the
+    few seconds of rows the writers add), and the best of three full sequential reads of it:
+    a scan step's per-byte cost on this server, apart from the step's fixed cost (connecting,
+    checks, catalog reads, the commit), which the size of the table does not change."""
     table = sql.Identifier(spec.schema, spec.table)
+    row = conn.execute(
+        "SELECT coalesce(pg_relation_size(to_regclass(%s)), 0)", (table.as_string(conn),)
+    ).fetchone()
+    conn.execute("SET max_parallel_workers_per_gather = 0")  # VALIDATE scans alone
     best = float("inf")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("SET max_parallel_workers_per_gather = 0")  # VALIDATE scans alone
-        for _ in range(3):
-            started = time.perf_counter()
-            conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table))
-            best = min(best, time.perf_counter() - started)
-    return best
+    for _ in range(3):
+        started = time.perf_counter()
+        conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table))
+        best = min(best, time.perf_counter() - started)
+    return (int(row[0]) if row else 0), best
 
 
 def extrapolate(report: dict[str, Any], scratch_dsn: str) -> list[dict[str, Any]]:
@@ -181,7 +167,20 @@ def extrapolate(report: dict[str, Any], scratch_dsn: str) -> list[dict[str, Any]
     out = scan_estimates(report)
     copied = _copy_back_rate(scratch_dsn)
     if copied is not None:
-        out.append(_copy_back_estimate(report["source"], *copied))
+        rows, seconds = copied
+        rate = rows / seconds if seconds > 0 else 0.0
+        per_hour = float(report["source"]["updates_per_s"]) * 3600
+        out.append({
+            "step": "copy-back",
+            "scratch_rows": rows,
+            "scratch_s": round(seconds, 3),
+            "rows_per_s": round(rate, 1),
+            "estimated_s_per_hour_between_v2_and_swap": (
+                round(per_hour / rate, 1) if rate > 0 else None
+            ),
+            "basis": "rows published per hour at the measured update rate, copied at the "
+            "scratch rate",
+        })  # fmt: skip
     return out
 
 
@@ -214,21 +213,6 @@ def scan_estimates(report: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )  # fmt: skip
     return out
-
-
-def _copy_back_estimate(source: dict[str, Any], rows: int, seconds: float) -> dict[str, Any]:
-    rate = rows / seconds if seconds > 0 else 0.0
-    per_hour = float(source["updates_per_s"]) * 3600
-    return {
-        "step": "copy-back",
-        "scratch_rows": rows,
-        "scratch_s": round(seconds, 3),
-        "rows_per_s": round(rate, 1),
-        "estimated_s_per_hour_between_v2_and_swap": (
-            round(per_hour / rate, 1) if rate > 0 else None
-        ),
-        "basis": "rows published per hour at the measured update rate, copied at the scratch rate",
-    }
 
 
 def _copy_back_rate(dsn: str) -> tuple[int, float] | None:

@@ -43,6 +43,9 @@ class Rebuilt:
 
     rows: int = 0
     skipped: list[str] = field(default_factory=list)
+    heap_bytes: int = 0
+    scan_s: float = 0.0
+    """The filled copy's heap and the seconds of its fastest full scan (`rehearse` measures)."""
 
 
 def _base(type_sql: str) -> str:
@@ -159,11 +162,6 @@ def _pad_bytes(shape: SourceShape) -> int:
     return min(facts.heap_bytes // facts.row_estimate - ROW_OVERHEAD_BYTES, 8_000)
 
 
-def _qualified(name: str) -> sql.Composable:
-    """`schema.name` as the catalog printed it (already quoted where needed) → SQL."""
-    return sql.SQL(name)
-
-
 def rebuild(conn: psycopg.Connection[Any], shape: SourceShape, spec: OutboxSpec) -> Rebuilt:
     """Create the table with its types, sequences, constraints, indexes, triggers and grants.
 
@@ -173,24 +171,25 @@ def rebuild(conn: psycopg.Connection[Any], shape: SourceShape, spec: OutboxSpec)
     done = Rebuilt()
     table = sql.Identifier(spec.schema, spec.table)
     conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(spec.schema)))
+    # Enum and sequence names are `schema.name` as the catalog printed them (quoted already).
     for name in [*shape.enums, *shape.sequences]:
         if "." in name and not name.startswith('"'):
             conn.execute(
-                sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_qualified(name.split(".")[0]))
+                sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.SQL(name.split(".")[0]))
             )
     for name, labels in shape.enums.items():
         conn.execute(
             sql.SQL("CREATE TYPE {} AS ENUM ({})").format(
-                _qualified(name), sql.SQL(", ").join(map(sql.Literal, labels))
+                sql.SQL(name), sql.SQL(", ").join(map(sql.Literal, labels))
             )
         )
     for sequence in shape.sequences:
-        conn.execute(sql.SQL("CREATE SEQUENCE {}").format(_qualified(sequence)))
+        conn.execute(sql.SQL("CREATE SEQUENCE {}").format(sql.SQL(sequence)))
     conn.execute(sql.SQL("CREATE TABLE {} ({})").format(table, _column_list(facts.columns)))
     if facts.sequence_owned and facts.sequence in shape.sequences:
         conn.execute(
             sql.SQL("ALTER SEQUENCE {} OWNED BY {}").format(
-                _qualified(facts.sequence), sql.Identifier(spec.schema, spec.table, spec.id_column)
+                sql.SQL(facts.sequence), sql.Identifier(spec.schema, spec.table, spec.id_column)
             )
         )
     constraint_names = set()

@@ -46,7 +46,6 @@ class SourceShape:
     trigger_functions: list[str] = field(default_factory=list)
     """`CREATE FUNCTION` text of every function the table's triggers call."""
     rates: Rates | None = None
-    exact_rows: int | None = None
 
 
 def read_only_connect(dsn: str) -> psycopg.Connection[Any]:
@@ -72,8 +71,8 @@ def read_shape(dsn: str, spec: OutboxSpec, pattern: str) -> SourceShape:
         ):
             shape.enums[str(name)] = list(labels)
         shape.sequences = [
-            str(row[0])
-            for row in conn.execute(
+            str(sequence)
+            for (sequence,) in conn.execute(
                 "SELECT DISTINCT d.refobjid::regclass::text FROM pg_depend d "
                 "JOIN pg_attrdef ad ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid "
                 "JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' "
