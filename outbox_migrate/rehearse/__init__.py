@@ -217,18 +217,18 @@ def scan_estimates(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _copy_back_rate(dsn: str) -> tuple[int, float] | None:
     """Rows copy-back inserted and the seconds it took, from its progress table (HOPER)."""
-    from outbox_migrate.jobs.common import STATE_SCHEMA
+    from outbox_migrate.jobs.common import STATE_SCHEMA, Relation, exists
     from outbox_migrate.jobs.copy_back import PROGRESS_TABLE
 
+    progress = Relation(STATE_SCHEMA, PROGRESS_TABLE)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        name = sql.Identifier(STATE_SCHEMA, PROGRESS_TABLE)
-        if conn.execute("SELECT to_regclass(%s)", (name.as_string(conn),)).fetchone() == (None,):
+        if not exists(conn, progress):
             return None
         row = conn.execute(
             sql.SQL(
                 "SELECT sum(rows_inserted), extract(epoch FROM max(coalesce(copied_at, "
                 "updated_at)) - min(started_at)) FROM {}"
-            ).format(name)
+            ).format(progress.ident)
         ).fetchone()
     if row is None or row[0] is None:
         return None

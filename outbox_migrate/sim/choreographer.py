@@ -24,6 +24,7 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.errors import PreconditionFailed
+from outbox_migrate.jobs.common import Relation, exists
 from outbox_migrate.lock_budget import AttemptLog
 from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import Phase, PhaseKind, Step, Table
@@ -415,12 +416,10 @@ def _demo_outbox(dsn: str) -> None:
 def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> int:
     """Unpublished rows in the old and the new outbox (whichever exist)."""
     total = 0
-    for table in (spec.table, spec.partitioned_table):
-        name = sql.Identifier(spec.schema, table)
-        exists = conn.execute("SELECT to_regclass(%s)", (name.as_string(conn),)).fetchone()
-        if exists and exists[0] is not None:
+    for table in (Relation(spec.schema, spec.table), Relation(spec.schema, spec.partitioned_table)):
+        if exists(conn, table):
             count = sql.SQL("SELECT count(*) FROM {} WHERE {}")
-            row = conn.execute(count.format(name, marker.unpublished(spec))).fetchone()
+            row = conn.execute(count.format(table.ident, marker.unpublished(spec))).fetchone()
             total += int(row[0]) if row else 0
     return total
 
