@@ -92,19 +92,6 @@ def value_sql(
     return None if template is None else sql.SQL(template).format(**parts)
 
 
-def _filled_columns(shape: SourceShape, spec: OutboxSpec) -> list[ColumnFact]:
-    """Columns a synthetic row sets: not generated, not identity, no default (the database
-    fills those as the application's INSERT would let it), and not the publication marker."""
-    return [
-        c
-        for c in shape.facts.columns
-        if not c.generated
-        and not c.identity
-        and c.default is None
-        and c.name != spec.published_column
-    ]
-
-
 def insert_statement(shape: SourceShape, spec: OutboxSpec) -> tuple[str, str]:
     """The rehearsal application's INSERT (see `Scenario.insert_sql`) and its identity mode.
 
@@ -135,14 +122,20 @@ _KEY_SENTINEL = "rehearsal_key_placeholder"
 def _made_up(
     shape: SourceShape, spec: OutboxSpec, n: str, own: Mapping[str, sql.Composable]
 ) -> tuple[list[sql.Composable], list[sql.Composable]]:
-    """The columns to fill and their made-up values (`n`: the row's number), `own` taking
-    precedence; a NOT NULL column of a type with no made-up value is refused."""
+    """The columns a synthetic row sets and their made-up values (`n`: the row's number),
+    `own` taking precedence; a NOT NULL column of a type with no made-up value is refused.
+
+    Not set: generated, identity and defaulted columns (the database fills those as the
+    application's INSERT would let it), and the publication marker."""
     names: list[sql.Composable] = []
     values: list[sql.Composable] = []
-    for column in _filled_columns(shape, spec):
-        value = own.get(column.name) or value_sql(
-            column, shape, spec, n=n, pad_bytes=_pad_bytes(shape)
-        )
+    pad_bytes = _pad_bytes(shape)
+    for column in shape.facts.columns:
+        if column.generated or column.identity or column.default is not None:
+            continue
+        if column.name == spec.published_column:
+            continue
+        value = own.get(column.name) or value_sql(column, shape, spec, n=n, pad_bytes=pad_bytes)
         if value is None:
             if column.not_null:
                 raise ScratchError(

@@ -116,29 +116,23 @@ def plot_png(data: RunData, path: Path) -> bool:
     """Insert latency and publish lag over time, deploys and steps marked. False without
     matplotlib (the `demo` extra)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+        from matplotlib.lines import Line2D
     except ImportError:
         return False
     t0 = data.started
     samples = [(t - t0, lat * 1000) for w in data.writers for t, lat in w.samples]
     timeline = [(t - t0, lag * 1000) for t, lag in data.received.get("timeline", [])]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
-    if samples:
-        top.scatter(*zip(*samples, strict=True), s=2, alpha=0.5, label="insert latency")
+    fig = Figure(figsize=(12, 7))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    for axis, points, color, label in ((top, samples, "tab:blue", "insert latency"),
+                                       (bottom, timeline, "tab:green", "publish lag")):  # fmt: skip
+        if points:
+            axis.scatter(*zip(*points, strict=True), s=2, alpha=0.5, color=color, label=label)
+        axis.set_ylabel(f"{label} (ms)")
+        axis.set_yscale("log")
     top.axhline(data.scenario.lock_timeout_ms, color="red", linestyle=":", label="lock_timeout")
-    top.set_ylabel("insert latency (ms)")
-    top.set_yscale("log")
-    if timeline:
-        bottom.scatter(*zip(*timeline, strict=True), s=2, alpha=0.5, color="tab:green",
-                       label="publish lag")  # fmt: skip
-    bottom.set_ylabel("publish lag (ms)")
-    bottom.set_yscale("log")
     bottom.set_xlabel("seconds since start")
-    from matplotlib.lines import Line2D
-
     seen: set[str] = set()
     for marker in data.markers:
         x = marker.at - t0
@@ -162,7 +156,6 @@ def plot_png(data: RunData, path: Path) -> bool:
     top.set_title(f"{data.scenario.pattern.upper()} under {data.scenario.rate_per_s} inserts/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return True
 
 
