@@ -350,18 +350,12 @@ def start_any(version: int) -> Server:
 
 def parse_versions(text: str | None) -> list[int]:
     """`OUTBOX_MIGRATE_TEST_PG` ("14,15,16,17,18" or "all") → versions, validated."""
-    if not text:
-        return [DEFAULT_VERSION]
-    if text.strip().lower() == "all":
+    if (text or "").strip().lower() == "all":
         return list(SUPPORTED_VERSIONS)
-    versions: list[int] = []
-    for raw in text.split(","):
-        part = raw.strip()
-        if not part:
-            continue
+    parts = [part.strip() for part in (text or "").split(",") if part.strip()]
+    for part in parts:
         if not part.isdigit() or int(part) not in RELEASES:
             raise ServerUnavailable(
                 f"OUTBOX_MIGRATE_TEST_PG: {part!r} is not one of {SUPPORTED_VERSIONS}"
             )
-        versions.append(int(part))
-    return versions or [DEFAULT_VERSION]
+    return [int(part) for part in parts] or [DEFAULT_VERSION]
