@@ -43,38 +43,29 @@ COLUMNS = """
 
 def create_flat_outbox(conn: Connection[Any], spec: OutboxSpec | None = None) -> None:
     """The traditional outbox: one table, a partial index on unpublished ids."""
-    spec = spec or OutboxSpec()
-    n = _names(spec)
-    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {schema}").format(**n))
-    conn.execute(
-        sql.SQL("CREATE TABLE {table} (" + COLUMNS + ", PRIMARY KEY ({id}))").format(
-            identity_options=sql.SQL(""), **n
-        )
+    statements = sql.SQL(
+        "CREATE SCHEMA IF NOT EXISTS {schema}; "
+        "CREATE TABLE {table} (" + COLUMNS + ", PRIMARY KEY ({id})); "
+        "CREATE INDEX {flat_index} ON {table} ({id}) WHERE {published_at} IS NULL"
     )
-    conn.execute(
-        sql.SQL("CREATE INDEX {flat_index} ON {table} ({id}) WHERE {published_at} IS NULL").format(
-            **n
-        )
-    )
+    conn.execute(statements.format(identity_options=sql.SQL(""), **_names(spec or OutboxSpec())))
 
 
 def create_partitioned_outbox(
     conn: Connection[Any], spec: OutboxSpec | None = None, *, start: int = 1
 ) -> None:
     """The revamped outbox: LIST (published_at), NULL partition + DEFAULT partition."""
-    spec = spec or OutboxSpec()
-    n = _names(spec)
-    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {schema}").format(**n))
-    conn.execute(
-        sql.SQL(
-            "CREATE TABLE {parent} (" + COLUMNS + ") PARTITION BY LIST ({published_at})"
-        ).format(identity_options=sql.SQL(" (START {})").format(sql.Literal(start)), **n)
+    statements = sql.SQL(
+        "CREATE SCHEMA IF NOT EXISTS {schema}; "
+        "CREATE TABLE {parent} (" + COLUMNS + ") PARTITION BY LIST ({published_at}); "
+        "CREATE TABLE {unpublished} PARTITION OF {parent} FOR VALUES IN (NULL); "
+        "CREATE TABLE {published} PARTITION OF {parent} DEFAULT; "
+        "CREATE INDEX {unpublished_index} ON {unpublished} ({id})"
     )
+    identity_options = sql.SQL(" (START {})").format(sql.Literal(start))
     conn.execute(
-        sql.SQL("CREATE TABLE {unpublished} PARTITION OF {parent} FOR VALUES IN (NULL)").format(**n)
+        statements.format(identity_options=identity_options, **_names(spec or OutboxSpec()))
     )
-    conn.execute(sql.SQL("CREATE TABLE {published} PARTITION OF {parent} DEFAULT").format(**n))
-    conn.execute(sql.SQL("CREATE INDEX {unpublished_index} ON {unpublished} ({id})").format(**n))
 
 
 def insert_rows(
