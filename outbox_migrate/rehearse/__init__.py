@@ -161,10 +161,23 @@ def extrapolate(report: dict[str, Any], scratch_dsn: str) -> list[dict[str, Any]
     the scan. Linear in bytes is the first-order model for a sequential scan or a keyset
     copy on the same hardware (no cache effects, no busier server); `sure` says when the
     scratch scan was too short to measure a rate at all."""
+    from outbox_migrate.jobs.common import STATE_SCHEMA, Relation, exists
+    from outbox_migrate.jobs.copy_back import PROGRESS_TABLE
+
     out = scan_estimates(report)
-    copied = _copy_back_rate(scratch_dsn)
-    if copied is not None:
-        rows, seconds = copied
+    progress = Relation(STATE_SCHEMA, PROGRESS_TABLE)  # copy-back's (HOPER's) progress table
+    with psycopg.connect(scratch_dsn, autocommit=True) as conn:
+        row = (
+            exists(conn, progress)
+            and conn.execute(
+                sql.SQL(
+                    "SELECT sum(rows_inserted), extract(epoch FROM max(coalesce(copied_at, "
+                    "updated_at)) - min(started_at)) FROM {}"
+                ).format(progress.ident)
+            ).fetchone()
+        )
+    if row and row[0] is not None:
+        rows, seconds = int(row[0]), float(row[1] or 0.0)
         rate = rows / seconds if seconds > 0 else 0.0
         per_hour = float(report["source"]["updates_per_s"]) * 3600
         out.append({
@@ -210,23 +223,3 @@ def scan_estimates(report: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )  # fmt: skip
     return out
-
-
-def _copy_back_rate(dsn: str) -> tuple[int, float] | None:
-    """Rows copy-back inserted and the seconds it took, from its progress table (HOPER)."""
-    from outbox_migrate.jobs.common import STATE_SCHEMA, Relation, exists
-    from outbox_migrate.jobs.copy_back import PROGRESS_TABLE
-
-    progress = Relation(STATE_SCHEMA, PROGRESS_TABLE)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        if not exists(conn, progress):
-            return None
-        row = conn.execute(
-            sql.SQL(
-                "SELECT sum(rows_inserted), extract(epoch FROM max(coalesce(copied_at, "
-                "updated_at)) - min(started_at)) FROM {}"
-            ).format(progress.ident)
-        ).fetchone()
-    if row is None or row[0] is None:
-        return None
-    return int(row[0]), float(row[1] or 0.0)
