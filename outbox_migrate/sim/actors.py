@@ -114,22 +114,17 @@ def relay_main(
         spec=scenario.spec, options=relay_options(mode, scenario.batch_size),
         application_name=name,
     )  # fmt: skip
-    result = RelayResult(version, instance)
-    failure: list[str] = []
 
-    def run() -> None:
-        try:
-            relay.run()
-        except Exception as exc:  # noqa: BLE001 - reported to the parent as data
-            failure.append(f"{type(exc).__name__}: {exc}")
+    def stop_when_told() -> None:
+        stop.wait()
+        relay.stop()
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    threading.Thread(target=stop_when_told, daemon=True).start()
     ready.set()
-    while not stop.is_set() and thread.is_alive():
-        stop.wait(0.1)
-    relay.stop()
-    thread.join(15)
+    result = RelayResult(version, instance)
+    try:
+        relay.run()  # returns once stopped, the in-flight batch finished (or abandoned)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as data
+        result.error = f"{type(exc).__name__}: {exc}"
     result.stats = relay.stats.as_dict()
-    result.error = failure[0] if failure else ""
     results.put(("relay", result))
