@@ -23,8 +23,6 @@ from psycopg import sql
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.rehearse.source import SourceShape
 
-DEFAULT_ROWS = 100_000
-DEFAULT_SECONDS = 40.0
 RATE_FLOOR_PER_S = 20
 RATE_CEILING_PER_S = 1_000
 """The scratch load's insert rate is the measured one, kept within these bounds: below the
@@ -42,8 +40,8 @@ class RehearsalRequest:
     scratch_dsn: str
     recording_dsn: str
     spec: OutboxSpec
-    rows: int = DEFAULT_ROWS
-    seconds: float = DEFAULT_SECONDS
+    rows: int = 100_000
+    seconds: float = 40.0
     measure_s: float = 5.0
     sample: bool = False
 

@@ -18,9 +18,6 @@ from psycopg import sql
 from outbox_migrate.advisory.introspect import TableFacts, introspect
 from outbox_migrate.config import OutboxSpec
 
-READ_ONLY_OPTIONS = "-c default_transaction_read_only=on"
-"""Passed as libpq `options`: the server refuses any write in these sessions."""
-
 
 @dataclass(frozen=True)
 class Rates:
@@ -50,11 +47,13 @@ class SourceShape:
 
 
 def read_only_connect(dsn: str) -> psycopg.Connection[Any]:
-    """An autocommit session that cannot write (each statement its own short transaction, so
-    statistics are re-read every time and no snapshot is held)."""
+    """An autocommit session that cannot write (libpq `options`: the server refuses any write)
+    and holds no snapshot (each statement its own short transaction: statistics are re-read
+    every time)."""
     return psycopg.connect(
-        dsn, autocommit=True, options=READ_ONLY_OPTIONS, application_name="outbox-migrate rehearse"
-    )
+        dsn, autocommit=True, options="-c default_transaction_read_only=on",
+        application_name="outbox-migrate rehearse",
+    )  # fmt: skip
 
 
 def read_shape(dsn: str, spec: OutboxSpec, pattern: str) -> SourceShape:
