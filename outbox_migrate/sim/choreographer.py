@@ -104,32 +104,9 @@ class RunData:
     """Stopped by Ctrl-C/SIGTERM: the report is partial and unpublished rows are backlog."""
 
 
-class _Events(SilentEvents):
-    def __init__(self, owner: Choreographer) -> None:
-        self.owner = owner
+class Choreographer(SilentEvents):
+    """Also the runner's events listener: each step's timing and lock attempts are recorded."""
 
-    def step_started(self, step: Step, action: str) -> None:
-        if action == "already-done":
-            return
-        self.owner.current_step = step.id
-        self.owner.data.steps.append(StepRecord(step.id, step.phase, time.time()))
-        self.owner.mark("step", step.id)
-
-    def attempt(self, step: Step, log: AttemptLog) -> None:
-        record = self.owner.data.steps[-1]
-        record.attempts += 1
-        if log.outcome == "lock_timeout":
-            record.lock_timeouts += 1
-            record.lock_wait_ms += log.waited_ms
-
-    def step_finished(self, step: Step, outcome: str, elapsed_s: float) -> None:
-        record = self.owner.data.steps[-1]
-        record.finished = time.time()
-        record.outcome = outcome
-        self.owner.current_step = ""
-
-
-class Choreographer:
     def __init__(
         self,
         dsn: str,
@@ -168,6 +145,26 @@ class Choreographer:
         self._stopped = 0
         self._collected = 0
         """Instances told to stop, and results received: each stopped instance sends one."""
+
+    def step_started(self, step: Step, action: str) -> None:
+        if action == "already-done":
+            return
+        self.current_step = step.id
+        self.data.steps.append(StepRecord(step.id, step.phase, time.time()))
+        self.mark("step", step.id)
+
+    def attempt(self, step: Step, log: AttemptLog) -> None:
+        record = self.data.steps[-1]
+        record.attempts += 1
+        if log.outcome == "lock_timeout":
+            record.lock_timeouts += 1
+            record.lock_wait_ms += log.waited_ms
+
+    def step_finished(self, step: Step, outcome: str, elapsed_s: float) -> None:
+        record = self.data.steps[-1]
+        record.finished = time.time()
+        record.outcome = outcome
+        self.current_step = ""
 
     def mark(self, kind: str, label: str, detail: str = "") -> None:
         self.data.markers.append(Marker(time.time(), kind, label, detail))
@@ -245,7 +242,7 @@ class Choreographer:
         while True:
             try:
                 with Runner(self.dsn, self.settings, self.scenario.pattern,
-                            events=_Events(self)) as runner:  # fmt: skip
+                            events=self) as runner:  # fmt: skip
                     runner.run(phase.name)
                 return True
             except PreconditionFailed as exc:

@@ -44,10 +44,11 @@ from outbox_migrate.patterns.model import Phase, Table
 from outbox_migrate.relay.options import CdcOptions, Mode
 from outbox_migrate.sim import recording
 from outbox_migrate.sim.actors import relay_options
-from outbox_migrate.sim.scenario import app_name, relay_mode
+from outbox_migrate.sim.scenario import APP_NAME_PREFIX, app_name, relay_mode
 
 DOCUMENTED_EXIT_CODES = frozenset({0, 1, 2, 3, 4, 5, 6})
 """docs/cli.md's codes a command may end with here (130/143 need a signal, none is sent)."""
+OLD_APP_PATTERN = f"{APP_NAME_PREFIX}/V1/%"
 WRITER_RATE_PER_S = 40.0
 MAX_HOLD_S = 0.15
 """Longest a writer's transaction stays open after its INSERT."""
