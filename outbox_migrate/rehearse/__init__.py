@@ -64,9 +64,9 @@ def rehearse(
 
     spec = request.spec
     shape = shape or check_source(request.source_dsn, spec, request.pattern)
-    shape.rates = measure_rates(request.source_dsn, spec, request.measure_s)
+    rates = measure_rates(request.source_dsn, spec, request.measure_s)
     insert_sql, identity = scratch.insert_statement(shape, spec)
-    rate = round(min(max(shape.rates.inserts_per_s, RATE_FLOOR_PER_S), RATE_CEILING_PER_S))
+    rate = round(min(max(rates.inserts_per_s, RATE_FLOOR_PER_S), RATE_CEILING_PER_S))
     rebuilt = scratch.Rebuilt()
 
     def prepare(dsn: str) -> None:
@@ -103,7 +103,7 @@ def rehearse(
         "unpublished": facts.unpublished,
         "heap_bytes": facts.heap_bytes,
         "total_bytes": facts.total_bytes,
-        **asdict(shape.rates),
+        **asdict(rates),
     }
     report["scratch"] = {
         "rows": rebuilt.rows,

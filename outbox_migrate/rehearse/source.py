@@ -43,7 +43,6 @@ class SourceShape:
     """(grantee, privilege) on the table, owner excluded."""
     trigger_functions: list[str] = field(default_factory=list)
     """`CREATE FUNCTION` text of every function the table's triggers call."""
-    rates: Rates | None = None
 
 
 def read_only_connect(dsn: str) -> psycopg.Connection[Any]:
