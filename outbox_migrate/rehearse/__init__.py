@@ -49,21 +49,20 @@ class RehearsalRequest:
 def rehearse(
     request: RehearsalRequest,
     *,
+    shape: SourceShape,
     on_snapshot: Callable[[Any], None] | None = None,
     output_dir: Path | None = None,
-    shape: SourceShape | None = None,
 ) -> dict[str, Any]:
-    """Read, rebuild, run; the demo's report plus `source`, `scratch` and `extrapolated`.
+    """Measure, rebuild, run; the demo's report plus `source`, `scratch` and `extrapolated`.
 
-    `shape`: the source as `check_source` already read it (the CLI reads it before it
-    replaces the scratch databases, so a refused source leaves the scratch server alone)."""
+    `shape`: the source as `check_source` read it (the CLI reads it before it replaces the
+    scratch databases, so a refused source leaves the scratch server alone)."""
     from outbox_migrate.rehearse import scratch
     from outbox_migrate.rehearse.source import measure_rates, read_only_connect
     from outbox_migrate.sim import simulate
     from outbox_migrate.sim.scenario import Scenario
 
     spec = request.spec
-    shape = shape or check_source(request.source_dsn, spec, request.pattern)
     rates = measure_rates(request.source_dsn, spec, request.measure_s)
     insert_sql, identity = scratch.insert_statement(shape, spec)
     rate = round(min(max(rates.inserts_per_s, RATE_FLOOR_PER_S), RATE_CEILING_PER_S))
