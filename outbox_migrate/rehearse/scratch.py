@@ -129,8 +129,12 @@ def _made_up(
     application's INSERT would let it), and the publication marker."""
     names: list[sql.Composable] = []
     values: list[sql.Composable] = []
-    pad_bytes = _pad_bytes(shape)
-    for column in shape.facts.columns:
+    facts = shape.facts
+    known = facts.row_estimate > 0 and facts.heap_bytes > 0
+    pad_bytes = (
+        min(facts.heap_bytes // facts.row_estimate - ROW_OVERHEAD_BYTES, 8_000) if known else 0
+    )
+    for column in facts.columns:
         if column.generated or column.identity or column.default is not None:
             continue
         if column.name == spec.published_column:
@@ -146,13 +150,6 @@ def _made_up(
         names.append(sql.Identifier(column.name))
         values.append(value)
     return names, values
-
-
-def _pad_bytes(shape: SourceShape) -> int:
-    facts = shape.facts
-    if facts.row_estimate <= 0 or facts.heap_bytes <= 0:
-        return 0
-    return min(facts.heap_bytes // facts.row_estimate - ROW_OVERHEAD_BYTES, 8_000)
 
 
 def rebuild(conn: psycopg.Connection[Any], shape: SourceShape, spec: OutboxSpec) -> Rebuilt:
