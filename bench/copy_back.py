@@ -32,7 +32,7 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions
 from outbox_migrate.jobs.throttle import ThrottlePolicy
 from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.hoper import build_after_v4
+from outbox_migrate.testing.schema import build_after_v4
 
 BATCH_ROWS = 10_000
 FOREGROUND_PACE_PER_S = 500

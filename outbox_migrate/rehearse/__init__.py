@@ -11,8 +11,9 @@ created fresh on each run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,8 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.rehearse.scratch import Rebuilt
 from outbox_migrate.rehearse.source import SourceShape
 
-DEFAULT_ROWS = 100_000
-DEFAULT_SECONDS = 40.0
 RATE_FLOOR_PER_S = 20
 RATE_CEILING_PER_S = 1_000
 """The scratch load's insert rate is the measured one, kept within these bounds: below the
@@ -42,8 +40,8 @@ class RehearsalRequest:
     scratch_dsn: str
     recording_dsn: str
     spec: OutboxSpec
-    rows: int = DEFAULT_ROWS
-    seconds: float = DEFAULT_SECONDS
+    rows: int = 100_000
+    seconds: float = 40.0
     measure_s: float = 5.0
     sample: bool = False
 
@@ -51,39 +49,34 @@ class RehearsalRequest:
 def rehearse(
     request: RehearsalRequest,
     *,
+    shape: SourceShape,
     on_snapshot: Callable[[Any], None] | None = None,
     output_dir: Path | None = None,
-    shape: SourceShape | None = None,
 ) -> dict[str, Any]:
-    """Read, rebuild, run; the demo's report plus `source`, `scratch` and `extrapolated`.
+    """Measure, rebuild, run; the demo's report plus `source`, `scratch` and `extrapolated`.
 
-    `shape`: the source as `check_source` already read it (the CLI reads it before it
-    replaces the scratch databases, so a refused source leaves the scratch server alone)."""
+    `shape`: the source as `check_source` read it (the CLI reads it before it replaces the
+    scratch databases, so a refused source leaves the scratch server alone)."""
     from outbox_migrate.rehearse import scratch
     from outbox_migrate.rehearse.source import measure_rates, read_only_connect
     from outbox_migrate.sim import simulate
     from outbox_migrate.sim.scenario import Scenario
 
     spec = request.spec
-    shape = shape or check_source(request.source_dsn, spec, request.pattern)
-    shape.rates = measure_rates(request.source_dsn, spec, request.measure_s)
+    rates = measure_rates(request.source_dsn, spec, request.measure_s)
     insert_sql, identity = scratch.insert_statement(shape, spec)
-    rate = round(min(max(shape.rates.inserts_per_s, RATE_FLOOR_PER_S), RATE_CEILING_PER_S))
-    rebuilt = Rebuilt()
-    scratch_bytes: list[int] = []
-    scan_s: list[float] = []
+    rate = round(min(max(rates.inserts_per_s, RATE_FLOOR_PER_S), RATE_CEILING_PER_S))
+    rebuilt = scratch.Rebuilt()
 
     def prepare(dsn: str) -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            done = scratch.rebuild(conn, shape, spec)
-            rebuilt.skipped.extend(done.skipped)
+            rebuilt.skipped = scratch.rebuild(conn, shape, spec).skipped
             if request.sample:
                 with read_only_connect(request.source_dsn) as source:
                     rebuilt.rows = scratch.fill_sample(source, conn, shape, spec, request.rows)
             else:
                 rebuilt.rows = scratch.fill_synthetic(conn, shape, spec, request.rows)
-        scratch_bytes.append(_heap_bytes(dsn, spec))
-        scan_s.append(_scan_seconds(dsn, spec))
+            rebuilt.heap_bytes, rebuilt.scan_s = _measure_scan(conn, spec)
 
     scenario = Scenario(
         request.pattern,
@@ -109,18 +102,15 @@ def rehearse(
         "unpublished": facts.unpublished,
         "heap_bytes": facts.heap_bytes,
         "total_bytes": facts.total_bytes,
-        "measured_over_s": shape.rates.seconds,
-        "inserts_per_s": shape.rates.inserts_per_s,
-        "updates_per_s": shape.rates.updates_per_s,
-        "deletes_per_s": shape.rates.deletes_per_s,
+        **asdict(rates),
     }
     report["scratch"] = {
         "rows": rebuilt.rows,
         "rate_per_s": rate,
         "identity": identity,
         "skipped": rebuilt.skipped,
-        "heap_bytes": scratch_bytes[0] if scratch_bytes else 0,
-        "scan_s": round(scan_s[0], 4) if scan_s else 0.0,
+        "heap_bytes": rebuilt.heap_bytes,
+        "scan_s": round(rebuilt.scan_s, 4),
     }
     report["extrapolated"] = extrapolate(report, request.scratch_dsn)
     return report
@@ -136,37 +126,27 @@ def check_source(source_dsn: str, spec: OutboxSpec, pattern: str) -> SourceShape
     return shape
 
 
-def _heap_bytes(dsn: str, spec: OutboxSpec) -> int:
-    """The old table's heap in the scratch database once filled, before the run: what the
-    scan steps of the run read (plus the few seconds of rows the writers add)."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT coalesce(pg_relation_size(to_regclass(%s)), 0)",
-            (sql.Identifier(spec.schema, spec.table).as_string(conn),),
-        ).fetchone()
-    return int(row[0]) if row else 0
-
-
 SURE_SCAN_S = 0.2
 """A scratch scan shorter than this is mostly timer and cache noise: its per-byte rate (and
 so an estimate scaled from it) is reported as a rough one."""
 
 
-def _scan_seconds(dsn: str, spec: OutboxSpec) -> float:
-    """The best of three full sequential reads of the filled old table: what a scan step's
-    per-byte cost is on this server, apart from the step's fixed cost (connecting, checks,
-    catalog reads, the commit), which the size of the table does not change."""
-    import time
-
+def _measure_scan(conn: psycopg.Connection[Any], spec: OutboxSpec) -> tuple[int, float]:
+    """The filled old table's heap before the run (what the run's scan steps read, plus the
+    few seconds of rows the writers add), and the best of three full sequential reads of it:
+    a scan step's per-byte cost on this server, apart from the step's fixed cost (connecting,
+    checks, catalog reads, the commit), which the size of the table does not change."""
     table = sql.Identifier(spec.schema, spec.table)
+    row = conn.execute(
+        "SELECT coalesce(pg_relation_size(to_regclass(%s)), 0)", (table.as_string(conn),)
+    ).fetchone()
+    conn.execute("SET max_parallel_workers_per_gather = 0")  # VALIDATE scans alone
     best = float("inf")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("SET max_parallel_workers_per_gather = 0")  # VALIDATE scans alone
-        for _ in range(3):
-            started = time.perf_counter()
-            conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table))
-            best = min(best, time.perf_counter() - started)
-    return best
+    for _ in range(3):
+        started = time.perf_counter()
+        conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table))
+        best = min(best, time.perf_counter() - started)
+    return (int(row[0]) if row else 0), best
 
 
 def extrapolate(report: dict[str, Any], scratch_dsn: str) -> list[dict[str, Any]]:
@@ -178,10 +158,36 @@ def extrapolate(report: dict[str, Any], scratch_dsn: str) -> list[dict[str, Any]
     the scan. Linear in bytes is the first-order model for a sequential scan or a keyset
     copy on the same hardware (no cache effects, no busier server); `sure` says when the
     scratch scan was too short to measure a rate at all."""
+    from outbox_migrate.jobs.common import STATE_SCHEMA, Relation, exists
+    from outbox_migrate.jobs.copy_back import PROGRESS_TABLE
+
     out = scan_estimates(report)
-    copied = _copy_back_rate(scratch_dsn)
-    if copied is not None:
-        out.append(_copy_back_estimate(report["source"], *copied))
+    progress = Relation(STATE_SCHEMA, PROGRESS_TABLE)  # copy-back's (HOPER's) progress table
+    with psycopg.connect(scratch_dsn, autocommit=True) as conn:
+        row = (
+            exists(conn, progress)
+            and conn.execute(
+                sql.SQL(
+                    "SELECT sum(rows_inserted), extract(epoch FROM max(coalesce(copied_at, "
+                    "updated_at)) - min(started_at)) FROM {}"
+                ).format(progress.ident)
+            ).fetchone()
+        )
+    if row and row[0] is not None:
+        rows, seconds = int(row[0]), float(row[1] or 0.0)
+        rate = rows / seconds if seconds > 0 else 0.0
+        per_hour = float(report["source"]["updates_per_s"]) * 3600
+        out.append({
+            "step": "copy-back",
+            "scratch_rows": rows,
+            "scratch_s": round(seconds, 3),
+            "rows_per_s": round(rate, 1),
+            "estimated_s_per_hour_between_v2_and_swap": (
+                round(per_hour / rate, 1) if rate > 0 else None
+            ),
+            "basis": "rows published per hour at the measured update rate, copied at the "
+            "scratch rate",
+        })  # fmt: skip
     return out
 
 
@@ -214,38 +220,3 @@ def scan_estimates(report: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )  # fmt: skip
     return out
-
-
-def _copy_back_estimate(source: dict[str, Any], rows: int, seconds: float) -> dict[str, Any]:
-    rate = rows / seconds if seconds > 0 else 0.0
-    per_hour = float(source["updates_per_s"]) * 3600
-    return {
-        "step": "copy-back",
-        "scratch_rows": rows,
-        "scratch_s": round(seconds, 3),
-        "rows_per_s": round(rate, 1),
-        "estimated_s_per_hour_between_v2_and_swap": (
-            round(per_hour / rate, 1) if rate > 0 else None
-        ),
-        "basis": "rows published per hour at the measured update rate, copied at the scratch rate",
-    }
-
-
-def _copy_back_rate(dsn: str) -> tuple[int, float] | None:
-    """Rows copy-back inserted and the seconds it took, from its progress table (HOPER)."""
-    from outbox_migrate.jobs.common import STATE_SCHEMA
-    from outbox_migrate.jobs.copy_back import PROGRESS_TABLE
-
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        name = sql.Identifier(STATE_SCHEMA, PROGRESS_TABLE)
-        if conn.execute("SELECT to_regclass(%s)", (name.as_string(conn),)).fetchone() == (None,):
-            return None
-        row = conn.execute(
-            sql.SQL(
-                "SELECT sum(rows_inserted), extract(epoch FROM max(coalesce(copied_at, "
-                "updated_at)) - min(started_at)) FROM {}"
-            ).format(name)
-        ).fetchone()
-    if row is None or row[0] is None:
-        return None
-    return int(row[0]), float(row[1] or 0.0)

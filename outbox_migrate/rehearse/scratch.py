@@ -43,6 +43,9 @@ class Rebuilt:
 
     rows: int = 0
     skipped: list[str] = field(default_factory=list)
+    heap_bytes: int = 0
+    scan_s: float = 0.0
+    """The filled copy's heap and the seconds of its fastest full scan (`rehearse` measures)."""
 
 
 def _base(type_sql: str) -> str:
@@ -89,19 +92,6 @@ def value_sql(
     return None if template is None else sql.SQL(template).format(**parts)
 
 
-def _filled_columns(shape: SourceShape, spec: OutboxSpec) -> list[ColumnFact]:
-    """Columns a synthetic row sets: not generated, not identity, no default (the database
-    fills those as the application's INSERT would let it), and not the publication marker."""
-    return [
-        c
-        for c in shape.facts.columns
-        if not c.generated
-        and not c.identity
-        and c.default is None
-        and c.name != spec.published_column
-    ]
-
-
 def insert_statement(shape: SourceShape, spec: OutboxSpec) -> tuple[str, str]:
     """The rehearsal application's INSERT (see `Scenario.insert_sql`) and its identity mode.
 
@@ -132,14 +122,24 @@ _KEY_SENTINEL = "rehearsal_key_placeholder"
 def _made_up(
     shape: SourceShape, spec: OutboxSpec, n: str, own: Mapping[str, sql.Composable]
 ) -> tuple[list[sql.Composable], list[sql.Composable]]:
-    """The columns to fill and their made-up values (`n`: the row's number), `own` taking
-    precedence; a NOT NULL column of a type with no made-up value is refused."""
+    """The columns a synthetic row sets and their made-up values (`n`: the row's number),
+    `own` taking precedence; a NOT NULL column of a type with no made-up value is refused.
+
+    Not set: generated, identity and defaulted columns (the database fills those as the
+    application's INSERT would let it), and the publication marker."""
     names: list[sql.Composable] = []
     values: list[sql.Composable] = []
-    for column in _filled_columns(shape, spec):
-        value = own.get(column.name) or value_sql(
-            column, shape, spec, n=n, pad_bytes=_pad_bytes(shape)
-        )
+    facts = shape.facts
+    known = facts.row_estimate > 0 and facts.heap_bytes > 0
+    pad_bytes = (
+        min(facts.heap_bytes // facts.row_estimate - ROW_OVERHEAD_BYTES, 8_000) if known else 0
+    )
+    for column in facts.columns:
+        if column.generated or column.identity or column.default is not None:
+            continue
+        if column.name == spec.published_column:
+            continue
+        value = own.get(column.name) or value_sql(column, shape, spec, n=n, pad_bytes=pad_bytes)
         if value is None:
             if column.not_null:
                 raise ScratchError(
@@ -152,18 +152,6 @@ def _made_up(
     return names, values
 
 
-def _pad_bytes(shape: SourceShape) -> int:
-    facts = shape.facts
-    if facts.row_estimate <= 0 or facts.heap_bytes <= 0:
-        return 0
-    return min(facts.heap_bytes // facts.row_estimate - ROW_OVERHEAD_BYTES, 8_000)
-
-
-def _qualified(name: str) -> sql.Composable:
-    """`schema.name` as the catalog printed it (already quoted where needed) → SQL."""
-    return sql.SQL(name)
-
-
 def rebuild(conn: psycopg.Connection[Any], shape: SourceShape, spec: OutboxSpec) -> Rebuilt:
     """Create the table with its types, sequences, constraints, indexes, triggers and grants.
 
@@ -173,24 +161,25 @@ def rebuild(conn: psycopg.Connection[Any], shape: SourceShape, spec: OutboxSpec)
     done = Rebuilt()
     table = sql.Identifier(spec.schema, spec.table)
     conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(spec.schema)))
+    # Enum and sequence names are `schema.name` as the catalog printed them (quoted already).
     for name in [*shape.enums, *shape.sequences]:
         if "." in name and not name.startswith('"'):
             conn.execute(
-                sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_qualified(name.split(".")[0]))
+                sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.SQL(name.split(".")[0]))
             )
     for name, labels in shape.enums.items():
         conn.execute(
             sql.SQL("CREATE TYPE {} AS ENUM ({})").format(
-                _qualified(name), sql.SQL(", ").join(map(sql.Literal, labels))
+                sql.SQL(name), sql.SQL(", ").join(map(sql.Literal, labels))
             )
         )
     for sequence in shape.sequences:
-        conn.execute(sql.SQL("CREATE SEQUENCE {}").format(_qualified(sequence)))
+        conn.execute(sql.SQL("CREATE SEQUENCE {}").format(sql.SQL(sequence)))
     conn.execute(sql.SQL("CREATE TABLE {} ({})").format(table, _column_list(facts.columns)))
     if facts.sequence_owned and facts.sequence in shape.sequences:
         conn.execute(
             sql.SQL("ALTER SEQUENCE {} OWNED BY {}").format(
-                _qualified(facts.sequence), sql.Identifier(spec.schema, spec.table, spec.id_column)
+                sql.SQL(facts.sequence), sql.Identifier(spec.schema, spec.table, spec.id_column)
             )
         )
     constraint_names = set()

@@ -18,15 +18,13 @@ from psycopg import sql
 from outbox_migrate.advisory.introspect import TableFacts, introspect
 from outbox_migrate.config import OutboxSpec
 
-READ_ONLY_OPTIONS = "-c default_transaction_read_only=on"
-"""Passed as libpq `options`: the server refuses any write in these sessions."""
-
 
 @dataclass(frozen=True)
 class Rates:
-    """Rows per second seen in the statistics views over `seconds`."""
+    """Rows per second seen in the statistics views over `measured_over_s` (the names are
+    the report's)."""
 
-    seconds: float
+    measured_over_s: float
     inserts_per_s: float
     updates_per_s: float
     deletes_per_s: float
@@ -45,16 +43,16 @@ class SourceShape:
     """(grantee, privilege) on the table, owner excluded."""
     trigger_functions: list[str] = field(default_factory=list)
     """`CREATE FUNCTION` text of every function the table's triggers call."""
-    rates: Rates | None = None
-    exact_rows: int | None = None
 
 
 def read_only_connect(dsn: str) -> psycopg.Connection[Any]:
-    """An autocommit session that cannot write (each statement its own short transaction, so
-    statistics are re-read every time and no snapshot is held)."""
+    """An autocommit session that cannot write (libpq `options`: the server refuses any write)
+    and holds no snapshot (each statement its own short transaction: statistics are re-read
+    every time)."""
     return psycopg.connect(
-        dsn, autocommit=True, options=READ_ONLY_OPTIONS, application_name="outbox-migrate rehearse"
-    )
+        dsn, autocommit=True, options="-c default_transaction_read_only=on",
+        application_name="outbox-migrate rehearse",
+    )  # fmt: skip
 
 
 def read_shape(dsn: str, spec: OutboxSpec, pattern: str) -> SourceShape:
@@ -72,8 +70,8 @@ def read_shape(dsn: str, spec: OutboxSpec, pattern: str) -> SourceShape:
         ):
             shape.enums[str(name)] = list(labels)
         shape.sequences = [
-            str(row[0])
-            for row in conn.execute(
+            str(sequence)
+            for (sequence,) in conn.execute(
                 "SELECT DISTINCT d.refobjid::regclass::text FROM pg_depend d "
                 "JOIN pg_attrdef ad ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid "
                 "JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S' "

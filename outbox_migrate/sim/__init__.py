@@ -29,8 +29,7 @@ def simulate(
     prepare: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the scenario and return its report; write PNG and HTML plots to `output_dir`.
-
-    `prepare(dsn)` builds and fills the outbox instead of the demo's spec table."""
+    `prepare`: see `Choreographer`."""
     from outbox_migrate.sim import report
     from outbox_migrate.sim.choreographer import Choreographer
 

@@ -20,14 +20,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.errors import PreconditionFailed
+from outbox_migrate.jobs.common import Relation, exists
 from outbox_migrate.lock_budget import AttemptLog
 from outbox_migrate.patterns import marker
 from outbox_migrate.patterns.model import Phase, PhaseKind, Step, Table
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner.events import SilentEvents
+from outbox_migrate.runner.facts import offline_pattern
 from outbox_migrate.sim import recording
 from outbox_migrate.sim.actors import RelayResult, WriterResult, relay_main, writer_main
 from outbox_migrate.sim.scenario import APP_NAME_PREFIX, Scenario, relay_mode
@@ -101,32 +104,9 @@ class RunData:
     """Stopped by Ctrl-C/SIGTERM: the report is partial and unpublished rows are backlog."""
 
 
-class _Events(SilentEvents):
-    def __init__(self, owner: Choreographer) -> None:
-        self.owner = owner
+class Choreographer(SilentEvents):
+    """Also the runner's events listener: each step's timing and lock attempts are recorded."""
 
-    def step_started(self, step: Step, action: str) -> None:
-        if action == "already-done":
-            return
-        self.owner.current_step = step.id
-        self.owner.data.steps.append(StepRecord(step.id, step.phase, time.time()))
-        self.owner.mark("step", step.id)
-
-    def attempt(self, step: Step, log: AttemptLog) -> None:
-        record = self.owner.data.steps[-1]
-        record.attempts += 1
-        if log.outcome == "lock_timeout":
-            record.lock_timeouts += 1
-            record.lock_wait_ms += log.waited_ms
-
-    def step_finished(self, step: Step, outcome: str, elapsed_s: float) -> None:
-        record = self.owner.data.steps[-1]
-        record.finished = time.time()
-        record.outcome = outcome
-        self.owner.current_step = ""
-
-
-class Choreographer:
     def __init__(
         self,
         dsn: str,
@@ -139,19 +119,13 @@ class Choreographer:
         """`prepare(dsn)` builds and fills the outbox before the run; by default the spec's
         table with 2,000 published rows (`rehearse` passes a copy of the user's table)."""
         self.dsn = dsn
-        self._prepare = prepare
+        self._prepare = prepare or _demo_outbox
         self.recording_dsn = recording_dsn
         self.scenario = scenario
         self.on_snapshot = on_snapshot
-        self.settings = load_settings(
-            {
-                "gate_window_s": scenario.gate_window_s,
-                "lock_timeout_ms": scenario.lock_timeout_ms,
-                "old_app_name": f"{APP_NAME_PREFIX}/V1/%",
-            },
-            environ={},
-        )
-        self.settings = replace(self.settings, spec=scenario.spec)
+        flags = {"gate_window_s": scenario.gate_window_s, "old_app_name": f"{APP_NAME_PREFIX}/V1/%",
+                 "lock_timeout_ms": scenario.lock_timeout_ms}  # fmt: skip
+        self.settings = replace(load_settings(flags, environ={}), spec=scenario.spec)
         self.data = RunData(scenario, time.time())
         self.current_phase = "V1"
         self.current_step = ""
@@ -168,47 +142,50 @@ class Choreographer:
         self._done = threading.Event()
         self._stray_since = 0
         self._window: tuple[str, float] | None = None
-        """The phase window in progress: the version whose deploy opened it, and when."""
         self._stopped = 0
         self._collected = 0
         """Instances told to stop, and results received: each stopped instance sends one."""
 
-    # -- timeline ----------------------------------------------------------------------------
+    def step_started(self, step: Step, action: str) -> None:
+        if action == "already-done":
+            return
+        self.current_step = step.id
+        self.data.steps.append(StepRecord(step.id, step.phase, time.time()))
+        self.mark("step", step.id)
+
+    def attempt(self, step: Step, log: AttemptLog) -> None:
+        record = self.data.steps[-1]
+        record.attempts += 1
+        if log.outcome == "lock_timeout":
+            record.lock_timeouts += 1
+            record.lock_wait_ms += log.waited_ms
+
+    def step_finished(self, step: Step, outcome: str, elapsed_s: float) -> None:
+        record = self.data.steps[-1]
+        record.finished = time.time()
+        record.outcome = outcome
+        self.current_step = ""
 
     def mark(self, kind: str, label: str, detail: str = "") -> None:
         self.data.markers.append(Marker(time.time(), kind, label, detail))
 
-    # -- instances ---------------------------------------------------------------------------
-
     def _start_version(self, phase: Phase) -> None:
         s = self.scenario
-        spec = s.spec
-        table = spec.table if phase.app.inserts_into is Table.OLD else spec.partitioned_table
+        table = s.spec.table if phase.app.inserts_into is Table.OLD else s.spec.partitioned_table
         procs: list[tuple[str, Any, Any]] = []
         ready: list[Any] = []
+
+        def add(role: str, target: Callable[..., None], *args: Any) -> None:
+            stop, up = self._ctx.Event(), self._ctx.Event()
+            args = (*args, s, stop, self._results, up)
+            procs.append((role, self._ctx.Process(target=target, args=args, daemon=True), stop))
+            ready.append(up)
+
         for index in range(s.writers):
-            stop = self._ctx.Event()
-            ready.append(self._ctx.Event())
-            proc = self._ctx.Process(
-                target=writer_main,
-                args=(self.dsn, table, phase.name, index, s.rate_per_s / s.writers, stop,
-                      self._results, ready[-1], spec.schema, s.insert_sql, s.identity),
-                daemon=True,
-            )  # fmt: skip
-            procs.append(("writer", proc, stop))
+            add("writer", writer_main, self.dsn, table, phase.name, index)
         mode = relay_mode(phase)
-        if mode is not None:
-            for index in range(s.relays):
-                stop = self._ctx.Event()
-                ready.append(self._ctx.Event())
-                proc = self._ctx.Process(
-                    target=relay_main,
-                    args=(self.dsn, self.recording_dsn, phase.name, index, mode[0].value,
-                          f"{APP_NAME_PREFIX}/V1/%", s.batch_size, stop, self._results,
-                          ready[-1], spec, s.identity),
-                    daemon=True,
-                )  # fmt: skip
-                procs.append(("relay", proc, stop))
+        for index in range(s.relays if mode is not None else 0):
+            add("relay", relay_main, self.dsn, self.recording_dsn, phase.name, index, mode)
         # Registered as each one starts, so an interrupt during the rollout still stops
         # (and counts) every instance that exists.
         started = self._instances.setdefault(phase.name, [])
@@ -220,7 +197,7 @@ class Choreographer:
         # old and new really overlap before the old ones are stopped.
         for event in ready:
             event.wait(READY_TIMEOUT_S)
-        self.mark("deploy", phase.name, phase.app.describe(spec.table, spec.partitioned_table))
+        self.mark("deploy", phase.name, phase.app.describe(s.spec.table, s.spec.partitioned_table))
 
     def _stop(self, version: str, role: str, *, keep: int | None = None) -> None:
         chosen = [
@@ -240,7 +217,7 @@ class Choreographer:
         # while waiting, or join() would wait for ever on a full pipe.
         deadline = time.monotonic() + 60
         while any(proc.is_alive() for proc, _ in chosen) and time.monotonic() < deadline:
-            self._collect(timeout_s=COLLECT_POLL_S)
+            self._collect()
         for proc, _ in chosen:
             proc.join(5)
 
@@ -254,9 +231,9 @@ class Choreographer:
         self._stop(version, "relay")
         if forgotten is not None:
             self.mark("deploy", "V1 writer left running", "the rollout forgot one V1 instance")
-            self._stray_since = self._max_old_id()
-
-    # -- runner ------------------------------------------------------------------------------
+            with psycopg.connect(self.dsn) as conn:
+                row = conn.execute("SELECT coalesce(max(id), 0) FROM outbox").fetchone()
+            self._stray_since = int(row[0]) if row else 0
 
     def _run_phase(self, phase: Phase, patience_s: float = GATE_PATIENCE_S) -> bool:
         """Apply the phase's steps, retrying while a deploy gate says "not yet"."""
@@ -265,7 +242,7 @@ class Choreographer:
         while True:
             try:
                 with Runner(self.dsn, self.settings, self.scenario.pattern,
-                            events=_Events(self)) as runner:  # fmt: skip
+                            events=self) as runner:  # fmt: skip
                     runner.run(phase.name)
                 return True
             except PreconditionFailed as exc:
@@ -277,8 +254,6 @@ class Choreographer:
                                          "observed": exc.observed}  # fmt: skip
                     return False
                 time.sleep(GATE_RETRY_S)
-
-    # -- monitor -----------------------------------------------------------------------------
 
     def _monitor(self) -> None:
         if self.on_snapshot is None:
@@ -300,47 +275,26 @@ class Choreographer:
                 now = time.monotonic()
                 inserted = received + backlog
                 span = max(now - previous_at, 1e-6)
-                self.on_snapshot(
-                    Snapshot(
-                        elapsed_s=time.time() - self.data.started,
-                        phase=self.current_phase,
-                        step=self.current_step,
-                        received=received,
-                        backlog=backlog,
-                        max_lag_s=lag,
-                        insert_rate_per_s=max(inserted - previous_inserted, 0) / span,
-                        publish_rate_per_s=max(received - previous_received, 0) / span,
-                    )
-                )
+                self.on_snapshot(Snapshot(
+                    time.time() - self.data.started, self.current_phase, self.current_step,
+                    received, backlog, lag, max(inserted - previous_inserted, 0) / span,
+                    max(received - previous_received, 0) / span,
+                ))  # fmt: skip
                 previous_received, previous_inserted, previous_at = received, inserted, now
 
-    # -- the run -----------------------------------------------------------------------------
-
-    def prepare(self) -> None:
-        if self._prepare is not None:
-            self._prepare(self.dsn)
-            recording.create(self.recording_dsn)
-            return
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            create_flat_outbox(conn)
-            insert_rows(conn, "outbox", 2_000, published=True)
-        recording.create(self.recording_dsn)
-
     def run(self) -> RunData:
-        self.prepare()
+        self._prepare(self.dsn)
+        recording.create(self.recording_dsn)
         monitor = threading.Thread(target=self._monitor, daemon=True)
         monitor.start()
-        probe = Runner(self.dsn, self.settings, self.scenario.pattern)
-        pattern = probe.pattern
         try:
-            self._walk(pattern.phases)
+            self._walk(offline_pattern(self.settings, self.scenario.pattern, False).phases)
         except KeyboardInterrupt:
             # Stop at once, but cleanly: every instance stopped and its results collected,
             # so the partial report is written; the caller re-raises the interrupt.
             self.data.interrupted = True
             self.mark("interrupted", self.current_step or self.current_phase)
-            if self._window is not None:  # labelled with the version whose deploy opened it
-                self.data.phase_windows.append((*self._window, time.time()))
+            self._next_window(None)
         finally:
             self._shutdown(drain=not self.data.interrupted)
             self._done.set()
@@ -351,7 +305,8 @@ class Choreographer:
 
     def _walk(self, phases: tuple[Phase, ...]) -> None:
         s = self.scenario
-        self._window = (phases[0].name, time.time())
+        deployed = phases[0].name
+        self._next_window(deployed)
         self._start_version(phases[0])
         time.sleep(s.segment_s)
         for phase in phases[1:]:
@@ -364,22 +319,22 @@ class Choreographer:
                 self._wrong_v3(phase)
             if not self._run_phase(phase):
                 return
-            previous, opened = self._window or (phases[0].name, self.data.started)
-            self.data.phase_windows.append((previous, opened, time.time()))
-            self._window = (phase.name, time.time())
+            self._next_window(phase.name)
             self.current_phase = phase.name
             self._start_version(phase)
             time.sleep(s.coexist_s)
-            self._retire(previous)
+            self._retire(deployed)
+            deployed = phase.name
             time.sleep(s.segment_s)
-        if self._window is not None:
-            self.data.phase_windows.append((*self._window, time.time()))
-            self._window = None
+        self._next_window(None)
 
-    def _max_old_id(self) -> int:
-        with psycopg.connect(self.dsn) as conn:
-            row = conn.execute("SELECT coalesce(max(id), 0) FROM outbox").fetchone()
-        return int(row[0]) if row else 0
+    def _next_window(self, version: str | None) -> None:
+        """Close the phase window in progress, labelled with the version whose deploy opened
+        it, and open one for `version` (None: none)."""
+        now = time.time()
+        if self._window is not None:
+            self.data.phase_windows.append((*self._window, now))
+        self._window = None if version is None else (version, now)
 
     def _wrong_v3(self, phase: Phase) -> None:
         """Try V3 while the forgotten V1 writer still inserts into the old table: the runner
@@ -409,73 +364,59 @@ class Choreographer:
             },
         }
 
-    def _collect(self, timeout_s: float) -> list[WriterResult]:
-        """Move finished instances' results from the queue into the run data."""
-        writers: list[WriterResult] = []
-        while True:
-            try:
-                with _signals_deferred():  # an interrupt mid-message would corrupt the pipe
-                    kind, result = self._results.get(timeout=timeout_s)
-            except queue.Empty:
-                return writers
-            self._collected += 1
-            if kind == "writer":
-                self.data.writers.append(result)
-                writers.append(result)
-            else:
-                self.data.relays.append(result)
-
-    def _drain_results(self) -> list[WriterResult]:
-        """Every stopped instance's result: wait for exactly those (not a fixed time), so
-        the report counts every message written and an interrupt ends promptly."""
-        writers: list[WriterResult] = []
-        deadline = time.monotonic() + RESULTS_TIMEOUT_S
-        while self._collected < self._stopped and time.monotonic() < deadline:
-            writers += self._collect(timeout_s=COLLECT_POLL_S)
-        return writers
+    def _collect(self) -> None:
+        """Move a finished instance's result, if one comes, from the queue into the run data."""
+        try:
+            with _signals_deferred():  # an interrupt mid-message would corrupt the pipe
+                kind, result = self._results.get(timeout=COLLECT_POLL_S)
+        except queue.Empty:
+            return
+        self._collected += 1
+        (self.data.writers if kind == "writer" else self.data.relays).append(result)
 
     def _shutdown(self, *, drain: bool = True) -> None:
         """Stop writers, let the relays drain what is left, then stop them. Interrupted:
-        every instance is stopped at once and what is left is counted as backlog."""
-        if not drain:
+        every instance is stopped at once and what is left is counted as backlog.
+
+        Then every stopped instance's result: wait for exactly those (not a fixed time), so
+        the report counts every message written and an interrupt ends promptly."""
+        if drain:
+            for version in list(self._instances):
+                self._stop(version, "writer")
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            while (backlog := self._backlog()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            self.data.backlog_left = backlog
+            for version in list(self._instances):
+                self._stop(version, "relay")
+        else:
             everyone = [(proc, stop) for procs in self._instances.values()
                         for _, proc, stop in procs]  # fmt: skip
             self._stop_and_wait(everyone)
             self.mark("stop", "every instance")
             self.data.backlog_left = self._backlog()
-            self._drain_results()
-            return
-        for version in list(self._instances):
-            self._stop(version, "writer")
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        self.data.backlog_left = self._backlog()
-        while time.monotonic() < deadline:
-            self.data.backlog_left = self._backlog()
-            if self.data.backlog_left == 0:
-                break
-            time.sleep(0.2)
-        for version in list(self._instances):
-            self._stop(version, "relay")
-        self._drain_results()
+        deadline = time.monotonic() + RESULTS_TIMEOUT_S
+        while self._collected < self._stopped and time.monotonic() < deadline:
+            self._collect()
 
     def _backlog(self) -> int:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             return _backlog(conn, self.scenario.spec)
 
 
+def _demo_outbox(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        insert_rows(conn, "outbox", 2_000, published=True)
+
+
 def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> int:
     """Unpublished rows in the old and the new outbox (whichever exist)."""
     total = 0
-    for table in (spec.table, spec.partitioned_table):
-        name = psycopg.sql.Identifier(spec.schema, table).as_string(conn)
-        exists = conn.execute("SELECT to_regclass(%s)", (name,)).fetchone()
-        if exists and exists[0] is not None:
-            row = conn.execute(
-                psycopg.sql.SQL("SELECT count(*) FROM {} WHERE {}").format(
-                    psycopg.sql.Identifier(spec.schema, table),
-                    marker.unpublished(spec),
-                )
-            ).fetchone()
+    for table in (Relation(spec.schema, spec.table), Relation(spec.schema, spec.partitioned_table)):
+        if exists(conn, table):
+            count = sql.SQL("SELECT count(*) FROM {} WHERE {}")
+            row = conn.execute(count.format(table.ident, marker.unpublished(spec))).fetchone()
             total += int(row[0]) if row else 0
     return total
 

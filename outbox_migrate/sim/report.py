@@ -7,7 +7,6 @@ sink; it must be 0. Latencies are client-side insert times, as the application f
 from __future__ import annotations
 
 import base64
-import io
 import json
 from itertools import pairwise
 from pathlib import Path
@@ -16,25 +15,16 @@ from typing import Any
 from outbox_migrate.sim.choreographer import RunData
 
 COLD = {"cop", "copra"}
-MARKER_COLORS = {
-    "deploy": "tab:blue",
-    "step": "tab:gray",
-    "gate": "tab:orange",
-    "stop": "tab:purple",
-    "job": "tab:brown",
-    "refused": "red",
-    "interrupted": "black",
+MARKERS = {
+    "deploy": ("tab:blue", "deploy of a version"),
+    "step": ("tab:gray", "runner step"),
+    "gate": ("tab:orange", "deploy gate said 'not yet'"),
+    "stop": ("tab:purple", "old instances stopped"),
+    "job": ("tab:brown", "job phase (copy-back)"),
+    "refused": ("red", "runner refused"),
+    "interrupted": ("black", "interrupted"),
 }
-MARKER_LEGEND = {
-    "deploy": "deploy of a version",
-    "step": "runner step",
-    "gate": "deploy gate said 'not yet'",
-    "stop": "old instances stopped",
-    "job": "job phase (copy-back)",
-    "refused": "runner refused",
-    "interrupted": "interrupted",
-}
-"""Timeline marker colours and their legend entries (every kind shown gets one)."""
+"""Timeline marker kinds: colour and legend entry (every kind shown gets one)."""
 
 
 def _percentile(values: list[float], pct: float) -> float:
@@ -126,36 +116,30 @@ def plot_png(data: RunData, path: Path) -> bool:
     """Insert latency and publish lag over time, deploys and steps marked. False without
     matplotlib (the `demo` extra)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+        from matplotlib.lines import Line2D
     except ImportError:
         return False
     t0 = data.started
     samples = [(t - t0, lat * 1000) for w in data.writers for t, lat in w.samples]
     timeline = [(t - t0, lag * 1000) for t, lag in data.received.get("timeline", [])]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
-    if samples:
-        top.scatter(*zip(*samples, strict=True), s=2, alpha=0.5, label="insert latency")
+    fig = Figure(figsize=(12, 7))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    for axis, points, color, label in ((top, samples, "tab:blue", "insert latency"),
+                                       (bottom, timeline, "tab:green", "publish lag")):  # fmt: skip
+        if points:
+            axis.scatter(*zip(*points, strict=True), s=2, alpha=0.5, color=color, label=label)
+        axis.set_ylabel(f"{label} (ms)")
+        axis.set_yscale("log")
     top.axhline(data.scenario.lock_timeout_ms, color="red", linestyle=":", label="lock_timeout")
-    top.set_ylabel("insert latency (ms)")
-    top.set_yscale("log")
-    if timeline:
-        bottom.scatter(*zip(*timeline, strict=True), s=2, alpha=0.5, color="tab:green",
-                       label="publish lag")  # fmt: skip
-    bottom.set_ylabel("publish lag (ms)")
-    bottom.set_yscale("log")
     bottom.set_xlabel("seconds since start")
-    from matplotlib.lines import Line2D
-
     seen: set[str] = set()
     for marker in data.markers:
         x = marker.at - t0
-        color = MARKER_COLORS.get(marker.kind, MARKER_COLORS["gate"])
-        seen.add(marker.kind if marker.kind in MARKER_COLORS else "gate")
+        kind = marker.kind if marker.kind in MARKERS else "gate"
+        seen.add(kind)
         for axis in (top, bottom):
-            axis.axvline(x, color=color, alpha=0.4, linewidth=0.8)
+            axis.axvline(x, color=MARKERS[kind][0], alpha=0.4, linewidth=0.8)
         if marker.kind in ("deploy", "refused", "job", "interrupted"):
             top.annotate(marker.label, (x, 0.98), xycoords=("data", "axes fraction"),
                          rotation=90, va="top", ha="right", fontsize=7,
@@ -164,15 +148,14 @@ def plot_png(data: RunData, path: Path) -> bool:
                                "alpha": 0.7})  # fmt: skip
     handles, _ = top.get_legend_handles_labels()
     handles += [
-        Line2D([0], [0], color=MARKER_COLORS[kind], linewidth=1.5, label=MARKER_LEGEND[kind])
-        for kind in MARKER_COLORS
+        Line2D([0], [0], color=color, linewidth=1.5, label=legend)
+        for kind, (color, legend) in MARKERS.items()
         if kind in seen
     ]
     top.legend(handles=handles, loc="lower right", fontsize=7, framealpha=0.8)
     top.set_title(f"{data.scenario.pattern.upper()} under {data.scenario.rate_per_s} inserts/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return True
 
 
@@ -189,14 +172,13 @@ def write_html(report: dict[str, Any], png: Path | None, path: Path) -> None:
     )
     summary = {k: report[k] for k in ("produced", "published", "lost", "duplicated",
                                       "max_insert_latency_ms", "max_publish_gap_ms")}  # fmt: skip
-    buffer = io.StringIO()
-    buffer.write(
+    path.write_text(
         "<!doctype html><meta charset=utf-8><title>outbox-migrate demo</title>"
         "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}"
         "td,th{padding:2px 8px;border-bottom:1px solid #ddd}</style>"
         f"<h1>{report['pattern'].upper()} under live load</h1>"
         f"<pre>{json.dumps(summary, indent=2)}</pre>{image}"
         "<h2>Steps</h2><table><tr><th>step</th><th>outcome</th><th>ms</th><th>attempts</th>"
-        f"<th>lock wait ms</th><th>max insert ms during</th></tr>{rows}</table>"
+        f"<th>lock wait ms</th><th>max insert ms during</th></tr>{rows}</table>",
+        encoding="utf-8",
     )
-    path.write_text(buffer.getvalue(), encoding="utf-8")

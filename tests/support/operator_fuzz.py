@@ -41,8 +41,9 @@ from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.patterns.model import Phase, Table
-from outbox_migrate.relay.options import CdcOptions, Mode, RelayOptions, SwitchGate
+from outbox_migrate.relay.options import CdcOptions, Mode
 from outbox_migrate.sim import recording
+from outbox_migrate.sim.actors import relay_options
 from outbox_migrate.sim.scenario import APP_NAME_PREFIX, app_name, relay_mode
 
 DOCUMENTED_EXIT_CODES = frozenset({0, 1, 2, 3, 4, 5, 6})
@@ -481,8 +482,7 @@ class Publisher:
 
     @property
     def mode(self) -> Mode | None:
-        found = relay_mode(self.phase)
-        return None if found is None else found[0]
+        return relay_mode(self.phase)
 
     def start(self) -> None:
         from outbox_migrate.relay.worker import Relay
@@ -499,13 +499,9 @@ class Publisher:
         if self.outbox.cdc and mode is Mode.partitioned:
             self._start_cdc(spec, name)
             return
-        options = RelayOptions(
-            mode=mode, batch_size=RELAY_BATCH, workers=1, shards=2, poll_interval_s=0.05,
-            switch_gate=SwitchGate.sessions, old_app_name=OLD_APP_PATTERN, shutdown_timeout_s=5.0,
-        )  # fmt: skip
         relay = Relay(
             self.dsn, lambda: recording.RecordingSink(self.dsn, name), spec=spec,
-            options=options, application_name=name,
+            options=relay_options(mode, RELAY_BATCH), application_name=name,
         )  # fmt: skip
         self._launch(relay, f"relay-{self.phase.name}")
 

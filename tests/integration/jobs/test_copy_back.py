@@ -25,7 +25,7 @@ from outbox_migrate.jobs.copy_back import (
     copy_back,
 )
 from outbox_migrate.jobs.throttle import ThrottlePolicy
-from outbox_migrate.testing.hoper import build_after_v4
+from outbox_migrate.testing.schema import build_after_v4
 
 UNTHROTTLED = CopyBackOptions(throttle=ThrottlePolicy(adaptive=False))
 

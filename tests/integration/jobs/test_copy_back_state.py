@@ -12,7 +12,7 @@ import pytest
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions
 from outbox_migrate.jobs.throttle import ThrottlePolicy
-from outbox_migrate.testing.hoper import build_after_v4
+from outbox_migrate.testing.schema import build_after_v4
 
 OPTIONS = CopyBackOptions(batch_rows=400, throttle=ThrottlePolicy(adaptive=False))
 PROGRESS = "outbox_migrate.copy_back_progress"

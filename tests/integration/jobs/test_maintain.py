@@ -231,7 +231,7 @@ def test_retention_deletes_only_rows_published_before_the_cutoff(
 def test_retention_waits_for_a_pending_copy_back(conn: psycopg.Connection[Any], dsn: str) -> None:
     from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions
     from outbox_migrate.jobs.throttle import ThrottlePolicy
-    from outbox_migrate.testing.hoper import build_after_v4
+    from outbox_migrate.testing.schema import build_after_v4
 
     spec = build_after_v4(conn, old_rows=1_000, published_rows=1_000)
     conn.execute("UPDATE outbox SET published_at = now() - interval '30 days'")
