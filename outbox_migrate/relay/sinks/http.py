@@ -2,29 +2,25 @@
 
 Body per the `envelope` option: the relay's JSON envelope (`json`, the default), the payload
 as stored (`raw`), or CloudEvents 1.0 binary content mode (`cloudevents`: the payload as body,
-the attributes as `ce-` headers). Headers: `Idempotency-Key` and `X-Outbox-Id` = outbox id,
-`X-Event-Type`, then `Message.headers()` (outbox-id, outbox-table, event-type and the row's
-extra headers such as `traceparent`, unchanged); a value that is not printable ASCII
-(`X-Event-Type` included) is percent-encoded, as the CloudEvents HTTP binding does, since
-HTTP headers cannot carry it raw, and a message with a header name that is not an HTTP token
-is rejected without a request. Any 2xx is an acknowledgement. Connection errors, timeouts,
-408, 429 and 5xx are retried `extra["retries"]` times (default 3) with backoff, then the
-whole batch is `SinkUnavailable`; any other 4xx is a permanent refusal of that message
-(`MessagesRejected`, which leads to the dead-letter table after the relay's max attempts).
+the attributes as `ce-` headers). Headers (`request_headers`): `Idempotency-Key` and
+`X-Outbox-Id` = outbox id, `X-Event-Type`, then `Message.headers()`; a value that is not
+printable ASCII is percent-encoded, as the CloudEvents HTTP binding does, and a message with a
+header name that is not an HTTP token is rejected without a request. Any 2xx is an
+acknowledgement. Connection errors, timeouts, 408, 429 and 5xx are retried `extra["retries"]`
+times (default 3) with backoff, then the whole batch is `SinkUnavailable`; any other 4xx is a
+permanent refusal of that message (`MessagesRejected`).
 
 One `publish` takes at most `timeout_s` (`--sink-timeout`) in all, retries included: each
 request gets what is left of it, and no retry starts that could not end in it. The polling
 relay holds the batch's transaction open while it publishes, and its session ends at its
-idle-in-transaction timeout (at least `--sink-timeout` + 2 s, relay/keepalive.py); a webhook
-slow enough, or retries long enough, to outlast that lost the session and sent the batch
-again. When the time runs out the batch is `SinkUnavailable` naming the messages answered
-with a 2xx meanwhile (`acknowledged`): the relay marks them and claims the rest again.
+idle-in-transaction timeout (at least `--sink-timeout` + 2 s, relay/keepalive.py): a publish
+that outlasted it would lose the session and send the batch again. When the time runs out the
+batch is `SinkUnavailable` naming the messages answered with a 2xx meanwhile
+(`acknowledged`): the relay marks them and claims the rest again.
 
 Refused before sending (`MessagesRejected`, no request made): a body over
-`--max-message-bytes` when it is given (the HTTP sink has no limit of its own), and a payload
-that is bytes rather than text with `envelope=json` or `batch=true` (a JSON envelope cannot
-carry it; with `raw` or `cloudevents` the bytes are the body, Content-Type
-`application/octet-stream`).
+`--max-message-bytes`, and a bytes payload with `envelope=json` or `batch=true` (with `raw`
+or `cloudevents` the bytes are the body, Content-Type `application/octet-stream`).
 
 Concurrency: the batch is split into groups (`posting_groups`); a group is posted one message
 after the other, in batch (id) order, each only once the previous one was answered; up to
@@ -35,11 +31,11 @@ follows `SinkConfig.ordering`, the relay's `--ordering`:
 * `key`: one group per key; messages without a key form one group of their own;
 * `none`: one group per key; a message without a key is a group by itself.
 
-A 4xx refusal does not hold back the rest of its group (as before: the relay re-claims the
-refused message later). When one message exhausts its retries the batch is `SinkUnavailable`:
-no new request of it starts, and `publish` raises once the requests already in flight are
-answered (each within `timeout_s`). So when `publish` returns or raises, none of the batch's
-requests is still in flight, and the relay's re-send cannot overtake one of them.
+A 4xx refusal does not hold back the rest of its group (the relay re-claims the refused
+message later). When one message exhausts its retries the batch is `SinkUnavailable`: no new
+request of it starts, and `publish` raises once the requests already in flight are answered
+(each within `timeout_s`). So when `publish` returns or raises, none of the batch's requests
+is still in flight, and the relay's re-send cannot overtake one of them.
 
 `extra["batch"]="true"`: one POST per batch instead, the body a JSON array of the envelopes in
 id order (no `Idempotency-Key`: de-duplicate on each envelope's `id`; with
@@ -51,19 +47,15 @@ is not pinned on every message of it: the sink posts the refused messages again 
 other 4xx (401, 403, 404: the endpoint, not the content) still refuses the whole array.
 
 The client is the standard library's `http.client`, one keep-alive connection per lane, each
-lane a thread: the client's CPU per request is what limits a relay process (it runs under the
-GIL beside the claim and the mark), and http.client spends a fraction of what httpx, urllib3 or
-aiohttp spend per POST (bench/producers_http.py; figures in bench/README.md); lanes as threads
-cost no more than one thread multiplexing the same connections. Waiting for the requests in
-flight is a join, and requests run while the worker thread waits, so they overlap
-PostgreSQL's work too. The lanes live in a small pool owned by the sink (created on the first
-concurrent batch); one group is posted from the calling thread.
+lane a thread of a small pool the sink owns (one group is posted from the calling thread): the
+client's CPU per request is what limits a relay process, and http.client spends a fraction of
+what httpx, urllib3 or aiohttp spend per POST (docs/sinks.md). Requests run while the worker
+thread waits, so they overlap PostgreSQL's work too.
 
-What the sink does itself, as a general-purpose client would: credentials in the URL
-(`https://user:pass@host/…`) become `Authorization: Basic`; `https` verifies the server's
-certificate and host name against the system's CA store (`SSL_CERT_FILE` / `SSL_CERT_DIR`
-honoured) and certifi's bundle when it is installed; an `http_proxy` / `https_proxy` /
-`all_proxy` from the environment (with `no_proxy`) is used as an HTTP proxy — absolute-form
+What the sink does itself, as a general-purpose client would: credentials in the URL become
+`Authorization: Basic`; `https` verifies the server's certificate and host name against the
+system's CA store and certifi's bundle when it is installed; an `http_proxy` / `https_proxy`
+/ `all_proxy` from the environment (with `no_proxy`) is used as an HTTP proxy — absolute-form
 requests for `http`, a CONNECT tunnel for `https`. A connection idle for a while is checked
 before reuse, so a webhook that closed it meanwhile costs a reconnect, not a retry.
 """
@@ -87,11 +79,16 @@ from outbox_migrate.backoff import backoff_s
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import Ordering
-from outbox_migrate.relay.sinks import SinkConfig
-from outbox_migrate.relay.sinks.bodies import NotRepresentable, content_type, require_text
-from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks import SinkConfig, int_option, size_over, too_large
+from outbox_migrate.relay.sinks.envelopes import (
+    CloudEvents,
+    Envelope,
+    NotRepresentable,
+    content_type,
+    envelope_option,
+    require_text,
+)
 from outbox_migrate.relay.sinks.isolation import isolate
-from outbox_migrate.relay.sinks.limits import text_size_over, too_large
 from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
 
 RETRYABLE_STATUS = frozenset({408, 429})
@@ -160,19 +157,6 @@ def posting_groups(batch: Sequence[Message], ordering: Ordering | None) -> list[
             group = ("no key", None)
         groups.setdefault(group, []).append(message)
     return list(groups.values())
-
-
-def _int_option(extra: Mapping[str, str], name: str, default: int, minimum: int) -> int:
-    raw = extra.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise RelayError(f"http sink: {name} must be an integer >= {minimum}, got {raw!r}")
-    return value
 
 
 def _bool_option(extra: Mapping[str, str], name: str) -> bool:
@@ -328,8 +312,10 @@ class HttpSink:
         self.cloudevents = CloudEvents(config.extra)
         self.timeout_s = config.timeout_s
         self.ordering = config.ordering
-        self.retries = _int_option(config.extra, "retries", DEFAULT_RETRIES, 0)
-        self.concurrency = _int_option(config.extra, "concurrency", DEFAULT_CONCURRENCY, 1)
+        self.retries = int_option(config.extra, self.name, "retries", DEFAULT_RETRIES, 0)
+        self.concurrency = int_option(
+            config.extra, self.name, "concurrency", DEFAULT_CONCURRENCY, 1
+        )
         self.batch_mode = _bool_option(config.extra, "batch")
         self.config = config
         self.limit = config.max_message_bytes
@@ -451,10 +437,8 @@ class HttpSink:
         except NotRepresentable as exc:
             return Refusal(f"http {exc}")
         limit = self.limit
-        if limit is not None:
-            size = len(body) if isinstance(body, bytes) else text_size_over(body, limit)
-            if size is not None and size > limit:
-                return Refusal(too_large(size, limit, self.config, "http"))
+        if limit is not None and (size := size_over(body, limit)) is not None:
+            return Refusal(too_large(size, limit, self.config, "http"))
         return body
 
     def _publish_each(self, batch: Sequence[Message]) -> dict[MessageId, str]:
