@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from outbox_migrate.errors import RelayError
-from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import Ordering
 
 _D = TypeVar("_D", int, None)
+_T = TypeVar("_T")
 DEFAULT_TARGET = "outbox"
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -127,6 +128,24 @@ def int_option(
     if value < minimum:
         raise RelayError(f"{sink} sink: {name} must be an integer >= {minimum}, got {raw!r}")
     return value
+
+
+class NotSent(Exception):
+    """A message refused before it is sent (it could never be delivered): the reason."""
+
+
+def prepare(
+    batch: Sequence[Message], build: Callable[[Message], _T]
+) -> tuple[dict[MessageId, str], list[tuple[Message, _T]]]:
+    """Each message's wire form, built once, and the ids `build` refused (`NotSent`)."""
+    refused: dict[MessageId, str] = {}
+    ready: list[tuple[Message, _T]] = []
+    for message in batch:
+        try:
+            ready.append((message, build(message)))
+        except NotSent as exc:
+            refused[message.id] = str(exc)
+    return refused, ready
 
 
 MIB = 1024 * 1024

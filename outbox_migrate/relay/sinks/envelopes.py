@@ -38,6 +38,7 @@ from json.encoder import encode_basestring
 
 from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.sinks import NotSent
 
 SPEC_VERSION = "1.0"
 DEFAULT_TYPE = "outbox.message"
@@ -51,26 +52,22 @@ _EXTENSION_NAME = re.compile(r"[a-z0-9]+")
 """What CloudEvents 1.0 allows as an attribute name."""
 
 
-class NotRepresentable(Exception):
-    """The message's payload cannot be embedded in a JSON envelope (it is not text)."""
-
-
 def content_type(message: Message) -> str:
     """What a raw body is: JSON text from PostgreSQL, or bytes of unknown format."""
     return BINARY_CONTENT_TYPE if isinstance(message.payload, bytes) else JSON_CONTENT_TYPE
 
 
-def require_text(message: Message) -> None:
-    """Raise `NotRepresentable` for a payload a JSON envelope cannot carry."""
+def require_text(message: Message, sink: str) -> None:
+    """`NotSent` for a payload a JSON envelope cannot carry (it is not text)."""
     if isinstance(message.payload, bytes):
-        raise NotRepresentable(NOT_TEXT)
+        raise NotSent(f"{sink} {NOT_TEXT}")
 
 
-def body_bytes(message: Message, envelope: Envelope) -> bytes:
+def body_bytes(message: Message, envelope: Envelope, sink: str) -> bytes:
     """The body of a sink that sends bytes and headers: the relay's JSON envelope for `json`,
     else (`raw`, CloudEvents binary mode) the payload as stored."""
     if envelope is Envelope.json:
-        require_text(message)
+        require_text(message, sink)
         return message.envelope().encode()
     return message.payload_bytes
 

@@ -71,7 +71,6 @@ import time
 from base64 import b64encode
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import NamedTuple
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 from urllib.request import getproxies, proxy_bypass
 
@@ -79,11 +78,17 @@ from outbox_migrate.backoff import backoff_s
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import Ordering
-from outbox_migrate.relay.sinks import SinkConfig, int_option, size_over, too_large
+from outbox_migrate.relay.sinks import (
+    NotSent,
+    SinkConfig,
+    int_option,
+    prepare,
+    size_over,
+    too_large,
+)
 from outbox_migrate.relay.sinks.envelopes import (
     CloudEvents,
     Envelope,
-    NotRepresentable,
     content_type,
     envelope_option,
     require_text,
@@ -193,12 +198,6 @@ class _Lanes:
             self.acked.append(outbox_id)
 
 
-class Refusal(NamedTuple):
-    """Why a message is refused without a request."""
-
-    reason: str
-
-
 def tls_context() -> ssl.SSLContext:
     """Certificate and host name verified: the system's CA store, and certifi's when installed
     (a slim container may have no system store)."""
@@ -231,8 +230,9 @@ class Endpoint:
         self.context = tls_context() if self.https else None
         self.proxy: tuple[str, int] | None = None
         self.proxy_headers: dict[str, str] = {}
-        proxy = proxy_for(parts.scheme.lower(), self.host)
-        if proxy is not None:
+        proxies = getproxies()  # from the environment; `no_proxy` is `proxy_bypass`
+        proxy = proxies.get(parts.scheme.lower()) or proxies.get("all")
+        if proxy and not proxy_bypass(self.host):
             pparts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
             if pparts.scheme.lower() != "http" or not pparts.hostname:
                 raise RelayError(
@@ -266,15 +266,6 @@ def basic_auth(username: str | None, password: str | None) -> str:
     """`Authorization: Basic` from a URL's (percent-encoded) user and password."""
     pair = f"{unquote(username or '')}:{unquote(password or '')}"
     return "Basic " + b64encode(pair.encode()).decode("ascii")
-
-
-def proxy_for(scheme: str, host: str) -> str | None:
-    """The proxy the environment names for this scheme and host, or None (`no_proxy`)."""
-    proxies = getproxies()
-    proxy = proxies.get(scheme) or proxies.get("all")
-    if not proxy or proxy_bypass(host):
-        return None
-    return proxy
 
 
 class _Lane(threading.local):
@@ -402,9 +393,10 @@ class HttpSink:
                 for message in group:
                     if lanes.stop.is_set():
                         return
-                    body = self._body(message)
-                    if isinstance(body, Refusal):
-                        lanes.reject(message.id, body.reason)
+                    try:
+                        body = self._body(message)
+                    except NotSent as exc:
+                        lanes.reject(message.id, str(exc))
                         continue
                     headers = request_headers(message, self.envelope, self.cloudevents)
                     bad = bad_header_name(headers)
@@ -422,24 +414,26 @@ class HttpSink:
             lanes.stop.set()
             raise
 
-    def _body(self, message: Message, *, structured: bool = False) -> str | bytes | Refusal:
+    def _body(self, message: Message, *, structured: bool = False) -> str | bytes:
         """The body of one message's POST (`structured`: its element of a batch array), or
-        why it is refused without a request."""
-        try:
-            if structured and self.envelope is Envelope.cloudevents:
-                require_text(message)
-                body: str | bytes = self.cloudevents.structured(message)
-            elif structured or self.envelope is Envelope.json:
-                require_text(message)
-                body = message.envelope()
-            else:
-                body = message.payload  # text or bytes; text is sent as UTF-8
-        except NotRepresentable as exc:
-            return Refusal(f"http {exc}")
+        `NotSent`: refused without a request."""
+        if structured and self.envelope is Envelope.cloudevents:
+            require_text(message, self.name)
+            body: str | bytes = self.cloudevents.structured(message)
+        elif structured or self.envelope is Envelope.json:
+            require_text(message, self.name)
+            body = message.envelope()
+        else:
+            body = message.payload  # text or bytes; text is sent as UTF-8
         limit = self.limit
         if limit is not None and (size := size_over(body, limit)) is not None:
-            return Refusal(too_large(size, limit, self.config, "http"))
+            raise NotSent(too_large(size, limit, self.config, "http"))
         return body
+
+    def _element(self, message: Message) -> str:
+        element = self._body(message, structured=True)
+        assert isinstance(element, str)  # structured: JSON text
+        return element
 
     def _publish_each(self, batch: Sequence[Message]) -> dict[MessageId, str]:
         groups = posting_groups(batch, self.ordering)
@@ -464,16 +458,9 @@ class HttpSink:
 
     def _publish_batch(self, batch: Sequence[Message]) -> dict[MessageId, str]:
         deadline = time.monotonic() + self.timeout_s
-        refused: dict[MessageId, str] = {}
-        elements: dict[MessageId, str] = {}
-        sent: list[Message] = []
-        for message in batch:
-            element = self._body(message, structured=True)
-            if isinstance(element, Refusal):
-                refused[message.id] = element.reason
-            elif isinstance(element, str):
-                elements[message.id] = element
-                sent.append(message)
+        refused, ready = prepare(batch, self._element)
+        elements = {message.id: element for message, element in ready}
+        sent = [message for message, _ in ready]
         status = self._post_array(sent, elements, deadline)
         if status is None:
             return refused

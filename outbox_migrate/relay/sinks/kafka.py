@@ -33,11 +33,10 @@ from typing import Any
 
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.sinks import SinkConfig, client, too_large
+from outbox_migrate.relay.sinks import NotSent, SinkConfig, client, too_large
 from outbox_migrate.relay.sinks.envelopes import (
     CloudEvents,
     Envelope,
-    NotRepresentable,
     body_bytes,
     content_type,
     envelope_option,
@@ -109,7 +108,7 @@ class KafkaSink:
             headers["content-type"] = content_type(message)
         else:
             headers = message.headers()
-        return body_bytes(message, self.envelope), list(headers.items())
+        return body_bytes(message, self.envelope, self.name), list(headers.items())
 
     def publish(self, batch: Sequence[Message]) -> None:
         deadline = time.monotonic() + self.config.timeout_s
@@ -190,8 +189,8 @@ class KafkaSink:
             else:
                 try:
                     value, headers = self._body_and_headers(message)
-                except NotRepresentable as exc:
-                    rejected[message.id] = f"kafka {exc}"
+                except NotSent as exc:
+                    rejected[message.id] = str(exc)
                     refused += 1
                     continue
             if limit is not None and len(value) > limit:

@@ -42,14 +42,8 @@ from typing import Any
 
 from outbox_migrate.errors import MessagesRejected, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.sinks import SinkConfig, client, too_large
-from outbox_migrate.relay.sinks.envelopes import (
-    CloudEvents,
-    Envelope,
-    NotRepresentable,
-    body_bytes,
-    envelope_option,
-)
+from outbox_migrate.relay.sinks import NotSent, SinkConfig, client, prepare, too_large
+from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, body_bytes, envelope_option
 from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -120,6 +114,8 @@ class NatsSink:
         self._nc: Any = None
         self._js: Any = None
         self._acks: _Acks | None = None
+        self._max_payload = 0
+        """The `max_payload` the server announced (checked per message, `_build`)."""
         self.duplicates = 0
         """Messages JetStream acknowledged as already stored (re-sent after a crash)."""
 
@@ -155,38 +151,23 @@ class NatsSink:
         self._acks, self._js = acks, js
         return js
 
-    def _body_and_headers(self, message: Message) -> tuple[bytes, dict[str, str]]:
+    def _build(self, message: Message) -> tuple[bytes, dict[str, str]]:
+        """The message's body and headers, or `NotSent` (see the module docstring)."""
         if self.envelope is Envelope.cloudevents:
             headers = self.cloudevents.binary_headers(message, "ce-")
         else:
             headers = message.headers()
         headers["Nats-Msg-Id"] = str(message.id)
-        return body_bytes(message, self.envelope), headers
-
-    def _prepare(
-        self, batch: Sequence[Message], max_payload: int
-    ) -> tuple[dict[MessageId, str], list[tuple[Message, bytes, dict[str, str]]]]:
-        """Each message's body and headers; those refused before sending, with the reason."""
-        refused: dict[MessageId, str] = {}
-        ready: list[tuple[Message, bytes, dict[str, str]]] = []
-        limit = self.config.max_message_bytes
-        for message in batch:
-            try:
-                body, headers = self._body_and_headers(message)
-            except NotRepresentable as exc:
-                refused[message.id] = f"nats {exc}"
-                continue
-            if limit is not None and len(body) > limit:
-                refused[message.id] = f"nats {too_large(len(body), limit, self.config, 'nats')}"
-                continue
-            # A body alone over it is nats-py's to refuse (MaxPayloadError, before sending).
-            size = wire_size(body, headers, max_payload) if len(body) <= max_payload else None
-            if size is not None:
-                what = "the server's max_payload, headers included"
-                refused[message.id] = f"nats {too_large(size, max_payload, self.config, what)}"
-                continue
-            ready.append((message, body, headers))
-        return refused, ready
+        body = body_bytes(message, self.envelope, self.name)
+        limit, max_payload = self.config.max_message_bytes, self._max_payload
+        if limit is not None and len(body) > limit:
+            raise NotSent(f"nats {too_large(len(body), limit, self.config, 'nats')}")
+        # A body alone over it is nats-py's to refuse (MaxPayloadError, before sending).
+        size = wire_size(body, headers, max_payload) if len(body) <= max_payload else None
+        if size is not None:
+            what = "the server's max_payload, headers included"
+            raise NotSent(f"nats {too_large(size, max_payload, self.config, what)}")
+        return body, headers
 
     async def _publish(
         self, batch: Sequence[Message]
@@ -194,9 +175,10 @@ class NatsSink:
         await self._connect()
         nc, acks, subject = self._nc, self._acks, self.subject
         assert acks is not None
-        refused, ready = self._prepare(batch, int(nc.max_payload))
+        self._max_payload = int(nc.max_payload)
+        refused, ready = prepare(batch, self._build)
         pending: list[asyncio.Future[bool]] = []
-        for _, body, headers in ready:
+        for _, (body, headers) in ready:
             reply, future = acks.expect(self._loop)
             try:
                 await nc.publish(subject, body, reply=reply, headers=headers)
@@ -207,7 +189,7 @@ class NatsSink:
         outcomes = await asyncio.wait_for(
             asyncio.gather(*pending, return_exceptions=True), self.config.timeout_s
         )
-        return refused, [message for message, _, _ in ready], list(outcomes)
+        return refused, [message for message, _ in ready], list(outcomes)
 
     def publish(self, batch: Sequence[Message]) -> None:
         try:

@@ -49,11 +49,18 @@ from typing import Any
 from outbox_migrate.dsn import mask
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.sinks import SinkConfig, client, max_bytes, smaller, too_large
+from outbox_migrate.relay.sinks import (
+    NotSent,
+    SinkConfig,
+    client,
+    max_bytes,
+    prepare,
+    smaller,
+    too_large,
+)
 from outbox_migrate.relay.sinks.envelopes import (
     CloudEvents,
     Envelope,
-    NotRepresentable,
     body_bytes,
     content_type,
     envelope_option,
@@ -333,25 +340,15 @@ class RabbitMQSink:
             if (size := len(body)) > limit
         }
 
-    def _bodies(
-        self, batch: Sequence[Message]
-    ) -> tuple[dict[MessageId, str], list[tuple[Message, bytes]]]:
-        """Each message's body, built once; those AMQP cannot carry are refused."""
-        refused: dict[MessageId, str] = {}
-        bodies: list[tuple[Message, bytes]] = []
-        for message in batch:
-            reason = short_string_refusal(message)
-            if reason is not None:
-                refused[message.id] = reason
-                continue
-            try:
-                bodies.append((message, body_bytes(message, self.envelope)))
-            except NotRepresentable as exc:
-                refused[message.id] = f"rabbitmq {exc}"
-        return refused, bodies
+    def _body(self, message: Message) -> bytes:
+        """The message's body, or `NotSent` when AMQP cannot carry it."""
+        reason = short_string_refusal(message)
+        if reason is not None:
+            raise NotSent(reason)
+        return body_bytes(message, self.envelope, self.name)
 
     def publish(self, batch: Sequence[Message]) -> None:
-        refused, bodies = self._bodies(batch)
+        refused, bodies = prepare(batch, self._body)
         refused.update(self._oversized(bodies))
         sending = [mb for mb in bodies if mb[0].id not in refused] if refused else bodies
         try:

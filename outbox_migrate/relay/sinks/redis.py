@@ -38,10 +38,12 @@ from typing import Any
 from outbox_migrate.errors import MessagesRejected, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import (
+    NotSent,
     SinkConfig,
     client,
     int_option,
     max_bytes,
+    prepare,
     size_over,
     smaller,
     too_large,
@@ -49,7 +51,6 @@ from outbox_migrate.relay.sinks import (
 from outbox_migrate.relay.sinks.envelopes import (
     CloudEvents,
     Envelope,
-    NotRepresentable,
     envelope_option,
     require_text,
 )
@@ -121,6 +122,7 @@ class RedisSink:
         )
 
     def _fields(self, message: Message) -> dict[str, Any]:
+        """The XADD's fields, or `NotSent` (see the module docstring)."""
         fields: dict[str, Any] = {
             "id": message.id,
             "table": message.table,
@@ -132,33 +134,25 @@ class RedisSink:
             if name not in BUILT_IN_FIELDS:
                 fields.setdefault(name, value)
         if self.envelope is Envelope.cloudevents:
-            require_text(message)
-            fields["payload"] = self.cloudevents.structured(message)
+            require_text(message, self.name)
+            payload: str | bytes = self.cloudevents.structured(message)
         elif self.envelope is Envelope.json:
-            require_text(message)
-            fields["payload"] = message.envelope()
+            require_text(message, self.name)
+            payload = message.envelope()
         else:
-            fields["payload"] = message.payload  # text or bytes: redis-py sends either
+            payload = message.payload  # text or bytes: redis-py sends either
+        limit = self.limit
+        if limit is not None and (size := size_over(payload, limit)) is not None:
+            what = f"redis {LIMIT_SETTING}"
+            raise NotSent(f"redis {too_large(size, limit, self.config, what)}")
+        fields["payload"] = payload
         return fields
 
     def publish(self, batch: Sequence[Message]) -> None:
         deadline = time.monotonic() + self.config.timeout_s
         if not self._server_limit_read:
             self._read_server_limit()
-        rejected: dict[MessageId, str] = {}
-        sending: list[tuple[Message, dict[str, Any]]] = []
-        limit = self.limit
-        for message in batch:
-            try:
-                fields = self._fields(message)
-            except NotRepresentable as exc:
-                rejected[message.id] = f"redis {exc}"
-                continue
-            if limit is not None and (size := size_over(fields["payload"], limit)) is not None:
-                what = f"redis {LIMIT_SETTING}"
-                rejected[message.id] = f"redis {too_large(size, limit, self.config, what)}"
-            else:
-                sending.append((message, fields))
+        rejected, sending = prepare(batch, self._fields)
         try:
             rejected.update(self._send(sending))
         except _Dropped:
