@@ -62,6 +62,7 @@ before reuse, so a webhook that closed it meanwhile costs a reconnect, not a ret
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import re
 import select
@@ -198,18 +199,6 @@ class _Lanes:
             self.acked.append(outbox_id)
 
 
-def tls_context() -> ssl.SSLContext:
-    """Certificate and host name verified: the system's CA store, and certifi's when installed
-    (a slim container may have no system store)."""
-    context = ssl.create_default_context()
-    try:
-        import certifi
-    except ImportError:
-        return context
-    context.load_verify_locations(cafile=certifi.where())
-    return context
-
-
 class Endpoint:
     """Where the POSTs go, parsed once: host, port, request target, TLS, proxy, credentials."""
 
@@ -227,7 +216,12 @@ class Endpoint:
         """Set on every request, replacing a message's header of the same name."""
         if parts.username is not None or parts.password is not None:
             self.headers["Authorization"] = basic_auth(parts.username, parts.password)
-        self.context = tls_context() if self.https else None
+        self.context = ssl.create_default_context() if self.https else None
+        if self.context is not None:  # and certifi's CA bundle: a slim container may have none
+            with contextlib.suppress(ImportError):
+                import certifi
+
+                self.context.load_verify_locations(cafile=certifi.where())
         self.proxy: tuple[str, int] | None = None
         self.proxy_headers: dict[str, str] = {}
         proxies = getproxies()  # from the environment; `no_proxy` is `proxy_bypass`

@@ -55,6 +55,7 @@ from outbox_migrate.relay.sinks import (
     client,
     max_bytes,
     prepare,
+    size_over,
     smaller,
     too_large,
 )
@@ -133,24 +134,18 @@ class _Closed(Exception):
         """Set when the broker closed the channel for a body over this many bytes."""
 
 
-def short_string_refusal(message: Message) -> str | None:
-    """Why AMQP cannot carry this message's properties, or None.
-
-    The event type (`type`), the outbox id (`message_id`) and every header name are AMQP short
-    strings, at most 255 bytes; pika raises ShortStringTooLong while encoding a longer one.
-    A character is at most 4 bytes, so short texts are judged without encoding them."""
+def check_short_strings(message: Message) -> None:
+    """`NotSent` when AMQP cannot carry this message's properties: the event type (`type`),
+    the outbox id (`message_id`) and every header name are AMQP short strings, at most 255
+    bytes; pika raises ShortStringTooLong while encoding a longer one."""
     fields = [("event type", message.event_type), ("outbox id", str(message.id))]
     fields += [("header name", name) for name, _ in message.extra_headers]
     for what, text in fields:
-        if text is None or len(text) * 4 <= SHORT_STRING_BYTES:
-            continue
-        size = len(text.encode())
-        if size > SHORT_STRING_BYTES:
-            return (
+        if text is not None and (size := size_over(text, SHORT_STRING_BYTES)) is not None:
+            raise NotSent(
                 f"rabbitmq {what} of {size} bytes: AMQP carries at most {SHORT_STRING_BYTES} "
                 f"(a short string); not sent: {text[:40]!r}…"
             )
-    return None
 
 
 def too_large_limit(reply_code: object, reply_text: object) -> int | None:
@@ -342,9 +337,7 @@ class RabbitMQSink:
 
     def _body(self, message: Message) -> bytes:
         """The message's body, or `NotSent` when AMQP cannot carry it."""
-        reason = short_string_refusal(message)
-        if reason is not None:
-            raise NotSent(reason)
+        check_short_strings(message)
         return body_bytes(message, self.envelope, self.name)
 
     def publish(self, batch: Sequence[Message]) -> None:
