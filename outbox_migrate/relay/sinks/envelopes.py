@@ -65,11 +65,14 @@ def require_text(message: Message, sink: str) -> None:
 
 def body_bytes(message: Message, envelope: Envelope, sink: str) -> bytes:
     """The body of a sink that sends bytes and headers: the relay's JSON envelope for `json`,
-    else (`raw`, CloudEvents binary mode) the payload as stored."""
-    if envelope is Envelope.json:
-        require_text(message, sink)
-        return message.envelope().encode()
-    return message.payload_bytes
+    else (`raw`, CloudEvents binary mode) the payload as stored. Per message: no call
+    beyond what the body needs."""
+    payload = message.payload
+    if envelope is not Envelope.json:
+        return payload if isinstance(payload, bytes) else payload.encode()
+    if isinstance(payload, bytes):
+        raise NotSent(f"{sink} {NOT_TEXT}")
+    return message.envelope().encode()
 
 
 class Envelope(StrEnum):

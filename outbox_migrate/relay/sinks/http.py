@@ -297,11 +297,10 @@ class HttpSink:
         self.cloudevents = CloudEvents(config.extra)
         self.timeout_s = config.timeout_s
         self.ordering = config.ordering
-        self.retries = int_option(config.extra, self.name, "retries", DEFAULT_RETRIES, 0)
-        self.concurrency = int_option(
-            config.extra, self.name, "concurrency", DEFAULT_CONCURRENCY, 1
-        )
-        self.batch_mode = _bool_option(config.extra, "batch")
+        extra = config.extra
+        self.retries = int_option(extra, self.name, "retries", DEFAULT_RETRIES, 0)
+        self.concurrency = int_option(extra, self.name, "concurrency", DEFAULT_CONCURRENCY, 1)
+        self.batch_mode = _bool_option(extra, "batch")
         self.config = config
         self.limit = config.max_message_bytes
         self._pool: ThreadPoolExecutor | None = None
