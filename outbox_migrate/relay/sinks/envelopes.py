@@ -16,7 +16,8 @@ The attributes: `id` = outbox id (unique within `source`, which is what consumer
 on), `source` = the `ce_source` option or `/outbox/<table>`, `type` = the event type (or the
 `ce_type` option, `outbox.message` by default, when the row has none), `specversion` 1.0,
 `time` = created_at (RFC 3339), `subject` = the message key when there is one, and
-`datacontenttype` the payload's content type (`content_type`).
+`datacontenttype` application/json (the payload is JSON text from PostgreSQL; NATS, which keeps
+the attribute as a header, sets it per message, `content_type`).
 
 A bytea payload that is not UTF-8 reaches a sink as `bytes`. Sinks that send bytes send it as
 it is; a JSON envelope (the relay's own, CloudEvents structured mode, a stdout line) cannot
@@ -107,7 +108,7 @@ class CloudEvents:
             "id": str(message.id),
             "source": self.source or f"/outbox/{message.table}",
             "type": message.event_type or self.default_type,
-            "datacontenttype": content_type(message),
+            "datacontenttype": JSON_CONTENT_TYPE,
             "time": message.created,
         }
         if message.key is not None:

@@ -43,7 +43,13 @@ from typing import Any
 from outbox_migrate.errors import MessagesRejected, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import NotSent, SinkConfig, client, prepare, too_large
-from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, body_bytes, envelope_option
+from outbox_migrate.relay.sinks.envelopes import (
+    CloudEvents,
+    Envelope,
+    body_bytes,
+    content_type,
+    envelope_option,
+)
 from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -155,6 +161,7 @@ class NatsSink:
         """The message's body and headers, or `NotSent` (see the module docstring)."""
         if self.envelope is Envelope.cloudevents:
             headers = self.cloudevents.binary_headers(message, "ce-")
+            headers["ce-datacontenttype"] = content_type(message)
         else:
             headers = message.headers()
         headers["Nats-Msg-Id"] = str(message.id)
