@@ -19,6 +19,7 @@ Redis's `proto-max-bulk-len`, a RabbitMQ channel close) uses the smaller.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -96,12 +97,7 @@ def factory(name: str, config: SinkConfig | None = None) -> SinkFactory:
     build = getattr(module, attribute, None)
     if build is None:
         raise RelayError(f"sink {name!r}: {module_name} has no {attribute}")
-
-    def make() -> Sink:
-        sink: Sink = build(config)
-        return sink
-
-    return make
+    return functools.partial(build, config)
 
 
 def client(sink: str, module: str, package: str) -> Any:

@@ -173,7 +173,16 @@ class RabbitMQSink:
         self.url = require_scheme(self.name, config.url, ("amqp", "amqps")) or DEFAULT_URL
         self.envelope = envelope_option(config.extra, self.name, Envelope.raw)
         self.cloudevents = CloudEvents(config.extra)
-        self._params = self._parameters()
+        try:
+            self._params = params = self._pika.URLParameters(self.url)
+        except Exception as exc:  # noqa: BLE001 - pika raises ValueError, KeyError, …
+            raise RelayError(f"sink rabbitmq: bad URL {mask(self.url)!r}: {exc}") from None
+        params.socket_timeout = config.timeout_s
+        params.stack_timeout = config.timeout_s
+        params.blocked_connection_timeout = config.timeout_s
+        params.connection_attempts = 1
+        if "heartbeat=" not in self.url:
+            params.heartbeat = 0
         self._loop = asyncio.new_event_loop()
         self._connection: Any = None
         self._channel: Any = None
@@ -184,20 +193,6 @@ class RabbitMQSink:
         self._max_size: int | None = None
         """The broker's max_message_size, once a channel close told it (see the module doc)."""
         self.limit = max_bytes(config, self.name)
-
-    def _parameters(self) -> Any:
-        url = self.url
-        try:
-            params = self._pika.URLParameters(url)
-        except Exception as exc:  # noqa: BLE001 - pika raises ValueError, KeyError, …
-            raise RelayError(f"sink rabbitmq: bad URL {mask(url)!r}: {exc}") from None
-        params.socket_timeout = self.config.timeout_s
-        params.stack_timeout = self.config.timeout_s
-        params.blocked_connection_timeout = self.config.timeout_s
-        params.connection_attempts = 1
-        if "heartbeat=" not in url:
-            params.heartbeat = 0
-        return params
 
     # -- callbacks (run by the event loop) ------------------------------------------------
 
