@@ -479,7 +479,7 @@ class BatchLoop:
         unmarked.committed(relay, commit.batch)
         relay.stats.batch(commit.published)
         relay.observer.published(commit.published)
-        relay.observer.batch_seconds((commit.sent or time.perf_counter()) - commit.started)
+        relay.observer.batch_seconds((commit.sent or time.perf_counter()) - commit.batch.started)
 
     def _end_transaction(self) -> None:
         """After a failed run: roll back whatever transaction the session is still in."""
