@@ -70,10 +70,6 @@ class Commit:
     def mark_failed(self) -> bool:
         return self.mark is not None and self.mark.failed
 
-    @property
-    def started(self) -> float:
-        return self.batch.started
-
     def fell_short(self) -> MarkFellShort | None:
         """What to raise when the mark changed fewer rows than given (a failed one is
         repaired instead)."""

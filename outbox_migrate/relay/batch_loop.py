@@ -185,7 +185,7 @@ class BatchLoop:
         sharded = self.lease.sharded and not self.lease.owns_all
         claim, probe, mark = self.statements.of(self.conn, pipe, source, sharded)
         linger = self._linger_s(source)
-        run = _Run(source, claim, probe, mark, sharded, linger, self._flag_rows(source, linger),
+        run = _Run(source, claim, probe, mark, sharded, linger, self._flag_rows(source),
                    self._read_ahead_allowed(source), self.conn, pipe)  # fmt: skip
         self.flag.run_key = notify.idle_lock_key(source.label)
         try:
@@ -285,7 +285,7 @@ class BatchLoop:
         relay = self.relay
         return relay.stopping or self.lease.due(now) or relay.state.current is not source
 
-    def _flag_rows(self, source: queries.Source, linger: float) -> int:
+    def _flag_rows(self, source: queries.Source) -> int:
         """How many rows a claim with the flag up may return for the worker to sleep in the
         run; -1: flag only after the run. Not while the switching relay drains the flat table
         (its empty claim starts the switch)."""
@@ -479,7 +479,7 @@ class BatchLoop:
         unmarked.committed(relay, commit.batch)
         relay.stats.batch(commit.published)
         relay.observer.published(commit.published)
-        relay.observer.batch_seconds((commit.sent or time.perf_counter()) - commit.started)
+        relay.observer.batch_seconds((commit.sent or time.perf_counter()) - commit.batch.started)
 
     def _end_transaction(self) -> None:
         """After a failed run: roll back whatever transaction the session is still in."""

@@ -23,18 +23,9 @@ from typing import Any
 from psycopg.errors import IntegrityError
 
 from outbox_migrate.backoff import jitter_s
-from outbox_migrate.errors import (
-    MarkFellShort,
-    RelayFailed,
-    SinkCrashed,
-    SinkUnavailable,
-)
+from outbox_migrate.errors import MarkFellShort, RelayFailed, SinkCrashed, SinkUnavailable
 from outbox_migrate.patterns import notify
-from outbox_migrate.relay import (
-    keepalive,
-    queries,
-    wire,
-)
+from outbox_migrate.relay import keepalive, queries, wire
 from outbox_migrate.relay.batch import Phase, WorkerState
 from outbox_migrate.relay.batch_loop import Abandoned, BatchLoop, ahead_key
 from outbox_migrate.relay.cursor import Cursor, NoCursor

@@ -26,14 +26,12 @@ def publish(
     while todo:
         try:
             sink.publish(todo)
+            break
         except MessagesRejected as exc:
             return exc.rejected, unrepresentable
         except UnrepresentableMessage as exc:
-            culprits = _culprits(todo, exc)
-            unrepresentable.update((m.id, exc.reason) for m in culprits)
+            unrepresentable.update((m.id, exc.reason) for m in _culprits(todo, exc))
             todo = [m for m in todo if m.id not in unrepresentable]
-            continue
-        break
     return {}, unrepresentable
 
 

@@ -106,7 +106,9 @@ class Relay:
     def run(self) -> RelayStats:
         """Run the workers until `stop()` (or, with `until_empty`, until nothing is left)."""
         library_logs.route()
-        self._check_sink()
+        # One sink built and closed first: a configuration error is a `RelayError` at start
+        # (exit 2), not a worker failure or an "outage" retried for ever later.
+        close_sink(self.sink_factory())
         self._prepare()
         options = self.options
         log.info(
@@ -178,11 +180,6 @@ class Relay:
                 log.debug("relay.cancel_failed", exc_info=True)
         for thread in late:
             thread.join(timeout=ABANDON_GRACE_S)
-
-    def _check_sink(self) -> None:
-        """Build one sink and close it: a configuration error is a `RelayError` at start
-        (exit 2), not a worker failure or an "outage" retried for ever later."""
-        close_sink(self.sink_factory())
 
     def _prepare(self) -> None:
         """Check the tables and resolve optional columns once, before any worker starts."""

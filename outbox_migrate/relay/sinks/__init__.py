@@ -5,20 +5,32 @@ A sink's `publish(batch)` returns only once the broker acknowledged every messag
 trusted as delivered, or `MessagesRejected` naming the ids it refused. Each relay worker gets its
 own sink instance from a factory, so sinks need not be thread-safe. A sink that sends a batch's
 messages concurrently (http) keeps the order `SinkConfig.ordering` asks for. Broker clients are
-imported only when their sink is built.
+imported only when their sink is built (`client`).
+
+Message size limits: a body larger than the broker takes is rejected before it is sent. Such a
+message can never be delivered, and sending it costs more than a refusal: RabbitMQ closes the
+channel, Redis resets the connection (both without naming the message), a Kafka broker refuses
+the whole record batch. So a sink checks each body against the limit it knows and reports the
+ones over it in `MessagesRejected` (→ attempts → dead-letter table) without sending them. The
+limit is the relay's `--max-message-bytes` when given, else the broker's usual one
+(`USUAL_LIMIT_BYTES`); a sink that learns the broker's real limit (NATS's `max_payload`,
+Redis's `proto-max-bulk-len`, a RabbitMQ channel close) uses the smaller.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from outbox_migrate.errors import RelayError
-from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import Ordering
 
+_D = TypeVar("_D", int, None)
+_T = TypeVar("_T")
 DEFAULT_TARGET = "outbox"
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -52,7 +64,7 @@ class SinkConfig:
     the strongest promise, rather than guess."""
     max_message_bytes: int | None = None
     """The relay's `--max-message-bytes`: a body larger than this is rejected before it is sent.
-    None = the broker's usual limit, where the sink knows one (sinks/limits.py)."""
+    None = the broker's usual limit, where the sink knows one (`max_bytes`)."""
 
 
 BUILTIN: dict[str, str] = {
@@ -85,9 +97,98 @@ def factory(name: str, config: SinkConfig | None = None) -> SinkFactory:
     build = getattr(module, attribute, None)
     if build is None:
         raise RelayError(f"sink {name!r}: {module_name} has no {attribute}")
+    return functools.partial(build, config)
 
-    def make() -> Sink:
-        sink: Sink = build(config)
-        return sink
 
-    return make
+def client(sink: str, module: str, package: str) -> Any:
+    """Import a sink's broker client: a missing one is a configuration error naming the extra."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise RelayError(
+            f"the {sink} sink needs {package}: install outbox-migrate[{sink}]"
+        ) from None
+
+
+def int_option(
+    extra: Mapping[str, str], sink: str, name: str, default: _D, minimum: int
+) -> int | _D:
+    """A whole-number sink option; anything else is a configuration error."""
+    raw = extra.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise RelayError(f"{sink} sink: {name} must be an integer >= {minimum}, got {raw!r}")
+    return value
+
+
+class NotSent(Exception):
+    """A message refused before it is sent (it could never be delivered): the reason."""
+
+
+def prepare(
+    batch: Sequence[Message], build: Callable[[Message], _T]
+) -> tuple[dict[MessageId, str], list[tuple[Message, _T]]]:
+    """Each message's wire form, built once, and the ids `build` refused (`NotSent`)."""
+    refused: dict[MessageId, str] = {}
+    ready: list[tuple[Message, _T]] = []
+    for message in batch:
+        try:
+            ready.append((message, build(message)))
+        except NotSent as exc:
+            refused[message.id] = str(exc)
+    return refused, ready
+
+
+MIB = 1024 * 1024
+USUAL_LIMIT_BYTES: dict[str, int] = {
+    "rabbitmq": 128 * MIB,
+    "redis": 512 * MIB,
+}
+"""The broker's default, where the sink itself checks it when `--max-message-bytes` is not
+given. RabbitMQ: the node's `max_message_size` on 3.8-3.13 (4.x: 16 MiB, learned from the
+first channel close); Redis: `proto-max-bulk-len` (the sink reads the server's value where
+CONFIG GET is allowed). Kafka and NATS need no entry: their client libraries check the limit
+before sending (librdkafka its `message.max.bytes`, 1,000,000 by default; nats-py the
+`max_payload` the server announces, 1 MiB by default). HTTP and stdout have none."""
+
+
+def max_bytes(config: SinkConfig, sink: str) -> int | None:
+    """The limit a sink checks bodies against: `--max-message-bytes`, else the usual one."""
+    if config.max_message_bytes is not None:
+        return config.max_message_bytes
+    return USUAL_LIMIT_BYTES.get(sink)
+
+
+def smaller(limit: int | None, learned: int | None) -> int | None:
+    """The stricter of two limits (None = no limit)."""
+    if limit is None:
+        return learned
+    return limit if learned is None else min(limit, learned)
+
+
+def size_over(body: str | bytes, limit: int) -> int | None:
+    """The size of `body` (UTF-8 for text) when it is over `limit`, else None.
+
+    A character is at most 4 bytes in UTF-8, so most texts are judged from their length
+    without encoding them (the check runs per message in the hot loop)."""
+    if isinstance(body, bytes):
+        return len(body) if len(body) > limit else None
+    if len(body) * 4 <= limit:
+        return None
+    size = len(body.encode())
+    return size if size > limit else None
+
+
+def too_large(size: int, limit: int, config: SinkConfig, what: str) -> str:
+    """The rejection reason: the sizes and where the limit came from."""
+    source = (
+        "--max-message-bytes"
+        if config.max_message_bytes is not None and limit == config.max_message_bytes
+        else what
+    )
+    return f"message too large: {size} bytes over the limit of {limit} ({source}); not sent"

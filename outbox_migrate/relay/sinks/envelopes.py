@@ -16,13 +16,17 @@ The attributes: `id` = outbox id (unique within `source`, which is what consumer
 on), `source` = the `ce_source` option or `/outbox/<table>`, `type` = the event type (or the
 `ce_type` option, `outbox.message` by default, when the row has none), `specversion` 1.0,
 `time` = created_at (RFC 3339), `subject` = the message key when there is one, and
-`datacontenttype` application/json (the payload is JSON text from PostgreSQL).
+`datacontenttype` application/json (the payload is JSON text from PostgreSQL; NATS, which keeps
+the attribute as a header, sets it per message, `content_type`).
 
-Why not the `cloudevents` SDK from PyPI: it builds and validates a CloudEvent object per
-message and then converts it through a per-protocol adapter (its Kafka one returns its own
-message type), which costs far more than the dozen string operations below in the relay's hot
-loop (bench/sinks.py), and it would be one more dependency for every sink extra; the mapping
-is small, fixed by the 1.0 spec, and unit-tested here against it.
+A bytea payload that is not UTF-8 reaches a sink as `bytes`. Sinks that send bytes send it as
+it is; a JSON envelope (the relay's own, CloudEvents structured mode, a stdout line) cannot
+embed it, and that message is rejected under its id (→ attempts → dead-letter table) while
+the rest of the batch is sent — never an outage, and never a mangled body.
+
+Not the `cloudevents` SDK: a CloudEvent object and a protocol adapter per message cost far
+more than these string operations in the hot loop, and the 1.0 mapping is small and fixed
+(docs/sinks.md).
 """
 
 from __future__ import annotations
@@ -35,13 +39,41 @@ from json.encoder import encode_basestring
 
 from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.sinks import NotSent
 
 SPEC_VERSION = "1.0"
 DEFAULT_TYPE = "outbox.message"
-CONTENT_TYPE = "application/json"
-STRUCTURED_CONTENT_TYPE = "application/cloudevents+json; charset=utf-8"
+JSON_CONTENT_TYPE = "application/json"
+BINARY_CONTENT_TYPE = "application/octet-stream"
+NOT_TEXT = (
+    "payload is not text (non-UTF-8 bytes): a JSON envelope cannot carry it; "
+    "use --sink-option envelope=raw"
+)
 _EXTENSION_NAME = re.compile(r"[a-z0-9]+")
 """What CloudEvents 1.0 allows as an attribute name."""
+
+
+def content_type(message: Message) -> str:
+    """What a raw body is: JSON text from PostgreSQL, or bytes of unknown format."""
+    return BINARY_CONTENT_TYPE if isinstance(message.payload, bytes) else JSON_CONTENT_TYPE
+
+
+def require_text(message: Message, sink: str) -> None:
+    """`NotSent` for a payload a JSON envelope cannot carry (it is not text)."""
+    if isinstance(message.payload, bytes):
+        raise NotSent(f"{sink} {NOT_TEXT}")
+
+
+def body_bytes(message: Message, envelope: Envelope, sink: str) -> bytes:
+    """The body of a sink that sends bytes and headers: the relay's JSON envelope for `json`,
+    else (`raw`, CloudEvents binary mode) the payload as stored. Per message: no call
+    beyond what the body needs."""
+    payload = message.payload
+    if envelope is not Envelope.json:
+        return payload if isinstance(payload, bytes) else payload.encode()
+    if isinstance(payload, bytes):
+        raise NotSent(f"{sink} {NOT_TEXT}")
+    return message.envelope().encode()
 
 
 class Envelope(StrEnum):
@@ -76,7 +108,7 @@ class CloudEvents:
             "id": str(message.id),
             "source": self.source or f"/outbox/{message.table}",
             "type": message.event_type or self.default_type,
-            "datacontenttype": CONTENT_TYPE,
+            "datacontenttype": JSON_CONTENT_TYPE,
             "time": message.created,
         }
         if message.key is not None:

@@ -2,29 +2,25 @@
 
 Body per the `envelope` option: the relay's JSON envelope (`json`, the default), the payload
 as stored (`raw`), or CloudEvents 1.0 binary content mode (`cloudevents`: the payload as body,
-the attributes as `ce-` headers). Headers: `Idempotency-Key` and `X-Outbox-Id` = outbox id,
-`X-Event-Type`, then `Message.headers()` (outbox-id, outbox-table, event-type and the row's
-extra headers such as `traceparent`, unchanged); a value that is not printable ASCII
-(`X-Event-Type` included) is percent-encoded, as the CloudEvents HTTP binding does, since
-HTTP headers cannot carry it raw, and a message with a header name that is not an HTTP token
-is rejected without a request. Any 2xx is an acknowledgement. Connection errors, timeouts,
-408, 429 and 5xx are retried `extra["retries"]` times (default 3) with backoff, then the
-whole batch is `SinkUnavailable`; any other 4xx is a permanent refusal of that message
-(`MessagesRejected`, which leads to the dead-letter table after the relay's max attempts).
+the attributes as `ce-` headers). Headers (`request_headers`): `Idempotency-Key` and
+`X-Outbox-Id` = outbox id, `X-Event-Type`, then `Message.headers()`; a value that is not
+printable ASCII is percent-encoded, as the CloudEvents HTTP binding does, and a message with a
+header name that is not an HTTP token is rejected without a request. Any 2xx is an
+acknowledgement. Connection errors, timeouts, 408, 429 and 5xx are retried `extra["retries"]`
+times (default 3) with backoff, then the whole batch is `SinkUnavailable`; any other 4xx is a
+permanent refusal of that message (`MessagesRejected`).
 
 One `publish` takes at most `timeout_s` (`--sink-timeout`) in all, retries included: each
 request gets what is left of it, and no retry starts that could not end in it. The polling
 relay holds the batch's transaction open while it publishes, and its session ends at its
-idle-in-transaction timeout (at least `--sink-timeout` + 2 s, relay/keepalive.py); a webhook
-slow enough, or retries long enough, to outlast that lost the session and sent the batch
-again. When the time runs out the batch is `SinkUnavailable` naming the messages answered
-with a 2xx meanwhile (`acknowledged`): the relay marks them and claims the rest again.
+idle-in-transaction timeout (at least `--sink-timeout` + 2 s, relay/keepalive.py): a publish
+that outlasted it would lose the session and send the batch again. When the time runs out the
+batch is `SinkUnavailable` naming the messages answered with a 2xx meanwhile
+(`acknowledged`): the relay marks them and claims the rest again.
 
 Refused before sending (`MessagesRejected`, no request made): a body over
-`--max-message-bytes` when it is given (the HTTP sink has no limit of its own), and a payload
-that is bytes rather than text with `envelope=json` or `batch=true` (a JSON envelope cannot
-carry it; with `raw` or `cloudevents` the bytes are the body, Content-Type
-`application/octet-stream`).
+`--max-message-bytes`, and a bytes payload with `envelope=json` or `batch=true` (with `raw`
+or `cloudevents` the bytes are the body, Content-Type `application/octet-stream`).
 
 Concurrency: the batch is split into groups (`posting_groups`); a group is posted one message
 after the other, in batch (id) order, each only once the previous one was answered; up to
@@ -35,11 +31,11 @@ follows `SinkConfig.ordering`, the relay's `--ordering`:
 * `key`: one group per key; messages without a key form one group of their own;
 * `none`: one group per key; a message without a key is a group by itself.
 
-A 4xx refusal does not hold back the rest of its group (as before: the relay re-claims the
-refused message later). When one message exhausts its retries the batch is `SinkUnavailable`:
-no new request of it starts, and `publish` raises once the requests already in flight are
-answered (each within `timeout_s`). So when `publish` returns or raises, none of the batch's
-requests is still in flight, and the relay's re-send cannot overtake one of them.
+A 4xx refusal does not hold back the rest of its group (the relay re-claims the refused
+message later). When one message exhausts its retries the batch is `SinkUnavailable`: no new
+request of it starts, and `publish` raises once the requests already in flight are answered
+(each within `timeout_s`). So when `publish` returns or raises, none of the batch's requests
+is still in flight, and the relay's re-send cannot overtake one of them.
 
 `extra["batch"]="true"`: one POST per batch instead, the body a JSON array of the envelopes in
 id order (no `Idempotency-Key`: de-duplicate on each envelope's `id`; with
@@ -51,25 +47,22 @@ is not pinned on every message of it: the sink posts the refused messages again 
 other 4xx (401, 403, 404: the endpoint, not the content) still refuses the whole array.
 
 The client is the standard library's `http.client`, one keep-alive connection per lane, each
-lane a thread: the client's CPU per request is what limits a relay process (it runs under the
-GIL beside the claim and the mark), and http.client spends a fraction of what httpx, urllib3 or
-aiohttp spend per POST (bench/producers_http.py; figures in bench/README.md); lanes as threads
-cost no more than one thread multiplexing the same connections. Waiting for the requests in
-flight is a join, and requests run while the worker thread waits, so they overlap
-PostgreSQL's work too. The lanes live in a small pool owned by the sink (created on the first
-concurrent batch); one group is posted from the calling thread.
+lane a thread of a small pool the sink owns (one group is posted from the calling thread): the
+client's CPU per request is what limits a relay process, and http.client spends a fraction of
+what httpx, urllib3 or aiohttp spend per POST (docs/sinks.md). Requests run while the worker
+thread waits, so they overlap PostgreSQL's work too.
 
-What the sink does itself, as a general-purpose client would: credentials in the URL
-(`https://user:pass@host/…`) become `Authorization: Basic`; `https` verifies the server's
-certificate and host name against the system's CA store (`SSL_CERT_FILE` / `SSL_CERT_DIR`
-honoured) and certifi's bundle when it is installed; an `http_proxy` / `https_proxy` /
-`all_proxy` from the environment (with `no_proxy`) is used as an HTTP proxy — absolute-form
+What the sink does itself, as a general-purpose client would: credentials in the URL become
+`Authorization: Basic`; `https` verifies the server's certificate and host name against the
+system's CA store and certifi's bundle when it is installed; an `http_proxy` / `https_proxy`
+/ `all_proxy` from the environment (with `no_proxy`) is used as an HTTP proxy — absolute-form
 requests for `http`, a CONNECT tunnel for `https`. A connection idle for a while is checked
 before reuse, so a webhook that closed it meanwhile costs a reconnect, not a retry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import re
 import select
@@ -79,7 +72,6 @@ import time
 from base64 import b64encode
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import NamedTuple
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 from urllib.request import getproxies, proxy_bypass
 
@@ -87,11 +79,22 @@ from outbox_migrate.backoff import backoff_s
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.options import Ordering
-from outbox_migrate.relay.sinks import SinkConfig
-from outbox_migrate.relay.sinks.bodies import NotRepresentable, content_type, require_text
-from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks import (
+    NotSent,
+    SinkConfig,
+    int_option,
+    prepare,
+    size_over,
+    too_large,
+)
+from outbox_migrate.relay.sinks.envelopes import (
+    CloudEvents,
+    Envelope,
+    content_type,
+    envelope_option,
+    require_text,
+)
 from outbox_migrate.relay.sinks.isolation import isolate
-from outbox_migrate.relay.sinks.limits import text_size_over, too_large
 from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
 
 RETRYABLE_STATUS = frozenset({408, 429})
@@ -162,19 +165,6 @@ def posting_groups(batch: Sequence[Message], ordering: Ordering | None) -> list[
     return list(groups.values())
 
 
-def _int_option(extra: Mapping[str, str], name: str, default: int, minimum: int) -> int:
-    raw = extra.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise RelayError(f"http sink: {name} must be an integer >= {minimum}, got {raw!r}")
-    return value
-
-
 def _bool_option(extra: Mapping[str, str], name: str) -> bool:
     raw = extra.get(name, "").strip().lower()
     if raw not in _TRUE | _FALSE:
@@ -209,24 +199,6 @@ class _Lanes:
             self.acked.append(outbox_id)
 
 
-class Refusal(NamedTuple):
-    """Why a message is refused without a request."""
-
-    reason: str
-
-
-def tls_context() -> ssl.SSLContext:
-    """Certificate and host name verified: the system's CA store, and certifi's when installed
-    (a slim container may have no system store)."""
-    context = ssl.create_default_context()
-    try:
-        import certifi
-    except ImportError:
-        return context
-    context.load_verify_locations(cafile=certifi.where())
-    return context
-
-
 class Endpoint:
     """Where the POSTs go, parsed once: host, port, request target, TLS, proxy, credentials."""
 
@@ -244,11 +216,17 @@ class Endpoint:
         """Set on every request, replacing a message's header of the same name."""
         if parts.username is not None or parts.password is not None:
             self.headers["Authorization"] = basic_auth(parts.username, parts.password)
-        self.context = tls_context() if self.https else None
+        self.context = ssl.create_default_context() if self.https else None
+        if self.context is not None:  # and certifi's CA bundle: a slim container may have none
+            with contextlib.suppress(ImportError):
+                import certifi
+
+                self.context.load_verify_locations(cafile=certifi.where())
         self.proxy: tuple[str, int] | None = None
         self.proxy_headers: dict[str, str] = {}
-        proxy = proxy_for(parts.scheme.lower(), self.host)
-        if proxy is not None:
+        proxies = getproxies()  # from the environment; `no_proxy` is `proxy_bypass`
+        proxy = proxies.get(parts.scheme.lower()) or proxies.get("all")
+        if proxy and not proxy_bypass(self.host):
             pparts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
             if pparts.scheme.lower() != "http" or not pparts.hostname:
                 raise RelayError(
@@ -282,15 +260,6 @@ def basic_auth(username: str | None, password: str | None) -> str:
     """`Authorization: Basic` from a URL's (percent-encoded) user and password."""
     pair = f"{unquote(username or '')}:{unquote(password or '')}"
     return "Basic " + b64encode(pair.encode()).decode("ascii")
-
-
-def proxy_for(scheme: str, host: str) -> str | None:
-    """The proxy the environment names for this scheme and host, or None (`no_proxy`)."""
-    proxies = getproxies()
-    proxy = proxies.get(scheme) or proxies.get("all")
-    if not proxy or proxy_bypass(host):
-        return None
-    return proxy
 
 
 class _Lane(threading.local):
@@ -328,9 +297,10 @@ class HttpSink:
         self.cloudevents = CloudEvents(config.extra)
         self.timeout_s = config.timeout_s
         self.ordering = config.ordering
-        self.retries = _int_option(config.extra, "retries", DEFAULT_RETRIES, 0)
-        self.concurrency = _int_option(config.extra, "concurrency", DEFAULT_CONCURRENCY, 1)
-        self.batch_mode = _bool_option(config.extra, "batch")
+        extra = config.extra
+        self.retries = int_option(extra, self.name, "retries", DEFAULT_RETRIES, 0)
+        self.concurrency = int_option(extra, self.name, "concurrency", DEFAULT_CONCURRENCY, 1)
+        self.batch_mode = _bool_option(extra, "batch")
         self.config = config
         self.limit = config.max_message_bytes
         self._pool: ThreadPoolExecutor | None = None
@@ -416,9 +386,10 @@ class HttpSink:
                 for message in group:
                     if lanes.stop.is_set():
                         return
-                    body = self._body(message)
-                    if isinstance(body, Refusal):
-                        lanes.reject(message.id, body.reason)
+                    try:
+                        body = self._body(message)
+                    except NotSent as exc:
+                        lanes.reject(message.id, str(exc))
                         continue
                     headers = request_headers(message, self.envelope, self.cloudevents)
                     bad = bad_header_name(headers)
@@ -436,26 +407,26 @@ class HttpSink:
             lanes.stop.set()
             raise
 
-    def _body(self, message: Message, *, structured: bool = False) -> str | bytes | Refusal:
+    def _body(self, message: Message, *, structured: bool = False) -> str | bytes:
         """The body of one message's POST (`structured`: its element of a batch array), or
-        why it is refused without a request."""
-        try:
-            if structured and self.envelope is Envelope.cloudevents:
-                require_text(message)
-                body: str | bytes = self.cloudevents.structured(message)
-            elif structured or self.envelope is Envelope.json:
-                require_text(message)
-                body = message.envelope()
-            else:
-                body = message.payload  # text or bytes; text is sent as UTF-8
-        except NotRepresentable as exc:
-            return Refusal(f"http {exc}")
+        `NotSent`: refused without a request."""
+        if structured and self.envelope is Envelope.cloudevents:
+            require_text(message, self.name)
+            body: str | bytes = self.cloudevents.structured(message)
+        elif structured or self.envelope is Envelope.json:
+            require_text(message, self.name)
+            body = message.envelope()
+        else:
+            body = message.payload  # text or bytes; text is sent as UTF-8
         limit = self.limit
-        if limit is not None:
-            size = len(body) if isinstance(body, bytes) else text_size_over(body, limit)
-            if size is not None and size > limit:
-                return Refusal(too_large(size, limit, self.config, "http"))
+        if limit is not None and (size := size_over(body, limit)) is not None:
+            raise NotSent(too_large(size, limit, self.config, "http"))
         return body
+
+    def _element(self, message: Message) -> str:
+        element = self._body(message, structured=True)
+        assert isinstance(element, str)  # structured: JSON text
+        return element
 
     def _publish_each(self, batch: Sequence[Message]) -> dict[MessageId, str]:
         groups = posting_groups(batch, self.ordering)
@@ -480,16 +451,9 @@ class HttpSink:
 
     def _publish_batch(self, batch: Sequence[Message]) -> dict[MessageId, str]:
         deadline = time.monotonic() + self.timeout_s
-        refused: dict[MessageId, str] = {}
-        elements: dict[MessageId, str] = {}
-        sent: list[Message] = []
-        for message in batch:
-            element = self._body(message, structured=True)
-            if isinstance(element, Refusal):
-                refused[message.id] = element.reason
-            elif isinstance(element, str):
-                elements[message.id] = element
-                sent.append(message)
+        refused, ready = prepare(batch, self._element)
+        elements = {message.id: element for message, element in ready}
+        sent = [message for message, _ in ready]
         status = self._post_array(sent, elements, deadline)
         if status is None:
             return refused

@@ -2,32 +2,30 @@
 
 Every message of the batch is produced, then `flush` waits for the delivery reports; a
 message counts as acknowledged only when its report came back without error. Key: the key
-column (`message_key` by default); headers: `Message.headers()` (outbox id, table, event type,
-the row's extra headers); body per the `envelope` option (`raw` by default, see envelopes.py;
+column; headers: `Message.headers()`; body per the `envelope` option (`raw` by default;
 `cloudevents` = binary content mode with `ce_` headers). Bootstrap servers: `url` (host:port,
 or kafka:// / tcp:// URLs); topic: `target`; any option with a dot is a librdkafka setting.
 
-Failures are sorted per message (`classify`): a message the broker or the client refuses for
-what it *is* — too large (`message.max.bytes`), an invalid record, a topic this producer may
-not write, a topic that does not exist when auto-create is off — is `MessagesRejected` under
-its id (attempts → dead-letter table), and the rest of the batch is still acknowledged. A
-flush that times out or any other delivery error (broker down, leader moving) is
-`SinkUnavailable`: the batch is re-sent later, consumers de-duplicate on `outbox-id`.
+A message the broker or the client refuses for what it *is* (`is_permanent`: too large, an
+invalid record, a topic this producer may not write or that does not exist) is
+`MessagesRejected` under its id, and the rest of the batch is still acknowledged. A flush that
+times out or any other delivery error (broker down, leader moving) is `SinkUnavailable`: the
+batch is re-sent later, consumers de-duplicate on `outbox-id`.
 
 Each message's delivery callback carries its outbox id: a failed report may come without the
-headers it was sent with (seen with `INVALID_RECORD`), so the id cannot be read back from it.
-A broker refuses a whole record batch for one bad record (`BATCH_WIDE_CODES`): when several
-messages come back refused that way, the sink finds the refused one(s) by sending them again
-in halves (isolation.py), so their good batch-mates are delivered, not dead-lettered. After
-any refusal by the broker the idempotent producer is replaced: its sequence numbers now have a
-gap, and a broker may fence it (Tansu answers every later batch with `PRODUCER_FENCED`). So is
-a producer that reported a fatal error or was fenced: it would fail every later batch.
-With `--max-message-bytes` a value over it is rejected before `produce`; without, librdkafka
-checks its own `message.max.bytes` (1,000,000 by default) before queuing.
+headers it was sent with (`INVALID_RECORD`), so the id cannot be read back from it. A broker
+refuses a whole record batch for one bad record (`BATCH_WIDE_CODES`): the sink then sends those
+messages again in halves (isolation.py), so their good batch-mates are delivered, not
+dead-lettered. After any refusal by the broker the idempotent producer is replaced: its
+sequence numbers now have a gap, and a broker may fence it (Tansu answers every later batch
+with `PRODUCER_FENCED`). So is a producer that reported a fatal error or was fenced: it would
+fail every later batch. With `--max-message-bytes` a value over it is rejected before
+`produce`; without, librdkafka checks its own `message.max.bytes` before queuing.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -35,16 +33,15 @@ from typing import Any
 
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.sinks import SinkConfig
-from outbox_migrate.relay.sinks.bodies import (
-    NotRepresentable,
+from outbox_migrate.relay.sinks import NotSent, SinkConfig, client, too_large
+from outbox_migrate.relay.sinks.envelopes import (
+    CloudEvents,
+    Envelope,
+    body_bytes,
     content_type,
-    payload_bytes,
-    require_text,
+    envelope_option,
 )
-from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
 from outbox_migrate.relay.sinks.isolation import isolate
-from outbox_migrate.relay.sinks.limits import too_large
 from outbox_migrate.relay.sinks.urls import require_scheme
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
@@ -78,13 +75,7 @@ class KafkaSink:
     name = "kafka"
 
     def __init__(self, config: SinkConfig) -> None:
-        try:
-            import confluent_kafka
-        except ImportError:
-            raise RelayError(
-                "the kafka sink needs confluent-kafka: install outbox-migrate[kafka]"
-            ) from None
-        self._kafka = confluent_kafka
+        self._kafka = client(self.name, "confluent_kafka", "confluent-kafka")
         self.config = config
         self.topic = config.target
         bootstrap = require_scheme(self.name, config.url, ("kafka", "tcp", "plaintext"), bare=True)
@@ -97,7 +88,7 @@ class KafkaSink:
             "linger.ms": 2,
             "message.timeout.ms": int(config.timeout_s * 1000),
             "socket.timeout.ms": int(config.timeout_s * 1000),
-            "logger": _library_logger(),
+            "logger": logging.getLogger("outbox_migrate.relay.sink.kafka"),  # not stderr
         }
         settings.update({k: v for k, v in config.extra.items() if "." in k})
         self._settings = settings
@@ -115,11 +106,9 @@ class KafkaSink:
         if self.envelope is Envelope.cloudevents:
             headers = self.cloudevents.binary_headers(message, "ce_", content_type=False)
             headers["content-type"] = content_type(message)
-            return payload_bytes(message), list(headers.items())
-        if self.envelope is Envelope.json:
-            require_text(message)
-            return message.envelope().encode(), list(message.headers().items())
-        return payload_bytes(message), list(message.headers().items())
+        else:
+            headers = message.headers()
+        return body_bytes(message, self.envelope, self.name), list(headers.items())
 
     def publish(self, batch: Sequence[Message]) -> None:
         deadline = time.monotonic() + self.config.timeout_s
@@ -200,8 +189,8 @@ class KafkaSink:
             else:
                 try:
                     value, headers = self._body_and_headers(message)
-                except NotRepresentable as exc:
-                    rejected[message.id] = f"kafka {exc}"
+                except NotSent as exc:
+                    rejected[message.id] = str(exc)
                     refused += 1
                     continue
             if limit is not None and len(value) > limit:
@@ -232,10 +221,3 @@ class KafkaSink:
 
     def close(self) -> None:
         self.producer.flush(1.0)
-
-
-def _library_logger() -> Any:
-    """librdkafka's own log lines, through the relay's logger instead of stderr."""
-    import logging
-
-    return logging.getLogger("outbox_migrate.relay.sink.kafka")

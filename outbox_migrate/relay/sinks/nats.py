@@ -8,35 +8,26 @@ stream (`extra["stream"]`, default derived from the subject) is created when mis
 `extra["create_stream"]` is false. Headers: `Message.headers()`; body per the `envelope`
 option (`raw` by default; `cloudevents` = binary content mode, `ce-` headers).
 
-Failures, per message (the batch's publishes run concurrently, each has its own outcome):
+Failures, per message (each publish of the batch has its own outcome):
 
-* refused for what the message is — larger than the server's `max_payload`
-  (`MaxPayloadError`, raised by the client before sending), no stream listening on the
-  subject (`NoStreamResponseError`), or a JetStream API error 400 (e.g. over the stream's
-  `max_msg_size`, a header it cannot take) — `MessagesRejected` under its id;
-* over `--max-message-bytes` when it is given, or body and headers together over the
-  `max_payload` the server announced (checked before publishing: nats-py checks the body
-  alone, and the server answers a larger message by closing the connection, which failed
-  the whole batch as an outage, again on every retry), or a payload that is
-  bytes with `envelope=json` (no JSON envelope can carry it; `raw` and `cloudevents` send the
-  bytes as they are): `MessagesRejected` under its id, never sent;
+* refused for what the message is (`is_permanent`: over the server's `max_payload`, no stream
+  listening on the subject, a JetStream API error 400) — `MessagesRejected` under its id;
+* over `--max-message-bytes`, body and headers together over the server's `max_payload`
+  (`wire_size`), or a bytes payload with `envelope=json`: `MessagesRejected`, never sent;
 * anything else (not connected, a timeout, JetStream 503 while a leader is elected):
   `SinkUnavailable` for the whole batch.
 
 A batch is pipelined: every message is written with its own reply subject under one inbox
 the sink subscribed to once per connection, then the acks are awaited together, at most
-`timeout_s` for the batch (no ack in time: `SinkUnavailable`). nats-py's `js.publish` waits
-per message — a task, a timer and a `PubAck` dataclass each, more Python than the publish
-itself (bench/producers.py); its `publish_async` pipelines too, but a message it refuses
-before sending (`MaxPayloadError`, a bad header name) keeps one of its 4,000 slots and a
-future for ever, so a relay that met 4,000 such messages would stall. The sink's own map
-drops the message's future when nats-py refuses to send it, and reads only what it needs
-(`error`, `duplicate`) from the ack's JSON.
+`timeout_s` for the batch. Not nats-py's `js.publish` (it waits per message, with a task, a
+timer and a dataclass each) nor its `publish_async`: a message it refuses before sending
+keeps one of its 4,000 slots for ever, so a relay that met 4,000 such messages would stall.
+The sink's own map (`_Acks`) drops the future of a message nats-py refused to send.
 
 Connecting is bounded by the sink timeout: nats-py treats `max_reconnect_attempts=0` as
-"unlimited" and would loop on a dead server for ever (logging a traceback every 2 s), so the
-sink allows one attempt per server, no reconnect wait, reports errors through its own one-line
-callback, and wraps the whole connect in `asyncio.wait_for`.
+"unlimited" and would loop on a dead server for ever, so the sink allows one attempt per
+server, no reconnect wait, reports errors through its own one-line callback, and wraps the
+whole connect in `asyncio.wait_for`.
 """
 
 from __future__ import annotations
@@ -49,17 +40,16 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
+from outbox_migrate.errors import MessagesRejected, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.sinks import SinkConfig
-from outbox_migrate.relay.sinks.bodies import (
-    NotRepresentable,
+from outbox_migrate.relay.sinks import NotSent, SinkConfig, client, prepare, too_large
+from outbox_migrate.relay.sinks.envelopes import (
+    CloudEvents,
+    Envelope,
+    body_bytes,
     content_type,
-    payload_bytes,
-    require_text,
+    envelope_option,
 )
-from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
-from outbox_migrate.relay.sinks.limits import too_large
 from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -93,8 +83,8 @@ def wire_size(body: bytes, headers: dict[str, str], max_payload: int) -> int | N
     nats-py checks the body alone; the server counts the headers too, and answers a larger
     message with `-ERR 'Maximum Payload Violation'` and a closed connection: every publish of
     the batch then fails, again on every retry. The header block is `NATS/1.0\\r\\n`, a
-    `name: value\\r\\n` line per header, `\\r\\n`. Characters bound bytes (4 per character
-    in UTF-8), so most messages are judged without encoding a header."""
+    `name: value\\r\\n` line per header, `\\r\\n`; most messages are judged from their
+    length without encoding a header (4 bytes per character at most)."""
     chars = sum(len(name) + len(value) + 4 for name, value in headers.items())
     if len(body) + HEADER_BLOCK_BYTES + 4 * chars <= max_payload:
         return None
@@ -118,10 +108,7 @@ class NatsSink:
     name = "nats"
 
     def __init__(self, config: SinkConfig) -> None:
-        try:
-            import nats  # noqa: F401 - fail early with a clear message
-        except ImportError:
-            raise RelayError("the nats sink needs nats-py: install outbox-migrate[nats]") from None
+        client(self.name, "nats", "nats-py")  # fail early with a clear message
         self.config = config
         self.url = require_scheme(self.name, config.url, SCHEMES) or DEFAULT_URL
         self.subject = config.target
@@ -133,6 +120,8 @@ class NatsSink:
         self._nc: Any = None
         self._js: Any = None
         self._acks: _Acks | None = None
+        self._max_payload = 0
+        """The `max_payload` the server announced (checked per message, `_build`)."""
         self.duplicates = 0
         """Messages JetStream acknowledged as already stored (re-sent after a crash)."""
 
@@ -168,43 +157,24 @@ class NatsSink:
         self._acks, self._js = acks, js
         return js
 
-    def _body_and_headers(self, message: Message) -> tuple[bytes, dict[str, str]]:
+    def _build(self, message: Message) -> tuple[bytes, dict[str, str]]:
+        """The message's body and headers, or `NotSent` (see the module docstring)."""
         if self.envelope is Envelope.cloudevents:
             headers = self.cloudevents.binary_headers(message, "ce-")
             headers["ce-datacontenttype"] = content_type(message)
-            body = payload_bytes(message)
-        elif self.envelope is Envelope.json:
-            require_text(message)
-            headers, body = message.headers(), message.envelope().encode()
         else:
-            headers, body = message.headers(), payload_bytes(message)
+            headers = message.headers()
         headers["Nats-Msg-Id"] = str(message.id)
+        body = body_bytes(message, self.envelope, self.name)
+        limit, max_payload = self.config.max_message_bytes, self._max_payload
+        if limit is not None and len(body) > limit:
+            raise NotSent(f"nats {too_large(len(body), limit, self.config, 'nats')}")
+        # A body alone over it is nats-py's to refuse (MaxPayloadError, before sending).
+        size = wire_size(body, headers, max_payload) if len(body) <= max_payload else None
+        if size is not None:
+            what = "the server's max_payload, headers included"
+            raise NotSent(f"nats {too_large(size, max_payload, self.config, what)}")
         return body, headers
-
-    def _prepare(
-        self, batch: Sequence[Message], max_payload: int
-    ) -> tuple[dict[MessageId, str], list[tuple[Message, bytes, dict[str, str]]]]:
-        """Each message's body and headers; those refused before sending, with the reason."""
-        refused: dict[MessageId, str] = {}
-        ready: list[tuple[Message, bytes, dict[str, str]]] = []
-        limit = self.config.max_message_bytes
-        for message in batch:
-            try:
-                body, headers = self._body_and_headers(message)
-            except NotRepresentable as exc:
-                refused[message.id] = f"nats {exc}"
-                continue
-            if limit is not None and len(body) > limit:
-                refused[message.id] = f"nats {too_large(len(body), limit, self.config, 'nats')}"
-                continue
-            # A body alone over it is nats-py's to refuse (MaxPayloadError, before sending).
-            size = wire_size(body, headers, max_payload) if len(body) <= max_payload else None
-            if size is not None:
-                what = "the server's max_payload, headers included"
-                refused[message.id] = f"nats {too_large(size, max_payload, self.config, what)}"
-                continue
-            ready.append((message, body, headers))
-        return refused, ready
 
     async def _publish(
         self, batch: Sequence[Message]
@@ -212,9 +182,10 @@ class NatsSink:
         await self._connect()
         nc, acks, subject = self._nc, self._acks, self.subject
         assert acks is not None
-        refused, ready = self._prepare(batch, int(nc.max_payload))
+        self._max_payload = int(nc.max_payload)
+        refused, ready = prepare(batch, self._build)
         pending: list[asyncio.Future[bool]] = []
-        for _, body, headers in ready:
+        for _, (body, headers) in ready:
             reply, future = acks.expect(self._loop)
             try:
                 await nc.publish(subject, body, reply=reply, headers=headers)
@@ -225,7 +196,7 @@ class NatsSink:
         outcomes = await asyncio.wait_for(
             asyncio.gather(*pending, return_exceptions=True), self.config.timeout_s
         )
-        return refused, [message for message, _, _ in ready], list(outcomes)
+        return refused, [message for message, _ in ready], list(outcomes)
 
     def publish(self, batch: Sequence[Message]) -> None:
         try:

@@ -3,18 +3,16 @@
 The channel is in confirm mode and every message goes out `mandatory`, persistent
 (delivery_mode 2) to the default exchange with the queue as routing key — the queue (`target`)
 declared durable — or to `extra["exchange"]` (nothing declared then). Properties: message_id =
-outbox id (consumers de-duplicate on it), type = event type, headers from `Message.headers()`
-(the row's extra headers, e.g. `traceparent`, among them); body per the `envelope` option
-(`raw` payload by default, `json`, or `cloudevents`: binary content mode, the CloudEvents
-attributes as `cloudEvents:`-prefixed application properties, as the AMQP binding names them,
-and datacontenttype as the content_type property).
+outbox id (consumers de-duplicate on it), type = event type, headers from `Message.headers()`;
+body per the `envelope` option (`raw` payload by default, `json`, or `cloudevents`: binary
+content mode, the attributes as `cloudEvents:`-prefixed application properties, as the AMQP
+binding names them, and datacontenttype as the content_type property).
 `publish` writes the batch without waiting, then waits (at most `timeout_s`) until the broker
 confirmed every delivery tag — one round trip per batch, not per message. Outcomes:
 
 * every message acked: published;
 * a message returned (`mandatory`, no queue bound): RabbitMQ sends basic.return before its
-  ack, so it is reported in `MessagesRejected` by outbox id (→ dead letters after the relay's
-  max attempts); the others were acked;
+  ack, so it is reported in `MessagesRejected` by outbox id; the others were acked;
 * any message nacked: `SinkUnavailable` for the whole batch. RabbitMQ nacks when it cannot take
   responsibility for a message — an internal error, or a queue full with `x-overflow:
   reject-publish` — which is back-pressure, not a poisonous message: the relay must back off
@@ -23,29 +21,22 @@ confirmed every delivery tag — one round trip per batch, not per message. Outc
 * a body over the broker's `max_message_size`: RabbitMQ closes the *channel* (406
   PRECONDITION_FAILED, "message size N is larger than configured max size M"), which says
   nothing about the other messages. The sink learns M from that text, reports every message
-  of the batch whose body exceeds it in `MessagesRejected` (→ dead letters after the relay's
-  max attempts: the message can never be delivered), and sends the rest again on a fresh
-  channel within the same call. Later batches are checked against M before sending, so a
-  poisonous message no longer closes the channel at all. Before the broker said so, bodies are
-  checked against `--max-message-bytes`, or 128 MiB (the node default on 3.8-3.13; limits.py);
-* an event type, a text outbox id or a header name longer than AMQP's 255-byte short string:
-  rejected before sending (pika cannot encode it; it used to fail the whole batch as an
-  outage, again on every retry);
-* a payload that is bytes, not text, with `envelope=json`: rejected (no JSON envelope can
-  carry it); with `raw` or `cloudevents` it is the body as is, content_type
-  `application/octet-stream`;
+  of the batch whose body exceeds it in `MessagesRejected` (it can never be delivered), and
+  sends the rest again on a fresh channel within the same call. Later batches are checked
+  against M before sending, so the channel is not closed again. Before the broker said so,
+  bodies are checked against `--max-message-bytes`, or 128 MiB (`USUAL_LIMIT_BYTES`);
+* an event type, a text outbox id or a header name longer than AMQP's 255-byte short string
+  (pika cannot encode it), or a bytes payload with `envelope=json`: rejected before sending;
 * the connection or channel closes otherwise, or the confirms do not arrive in `timeout_s`:
   `SinkUnavailable` (the connection is dropped; the next publish reconnects).
 
-Why pika's own asyncio adapter rather than aio-pika/aiormq: measured on the same broker with the
-same pipelining (bench/sinks.py, docs/sinks.md), aiormq spends ~240 µs of client CPU per message
-(a task, a lock, a future and pamqp marshalling per publish) against ~60 µs for pika, and
-publishes half as many messages per second; that CPU is taken from the relay's worker threads.
-pika was already this sink's dependency. The price is callbacks, which this module turns into
-futures on a private event loop driven from the worker thread (as the NATS sink does). That
-loop runs only inside `publish`, so AMQP heartbeats are turned off unless the URL sets
-`heartbeat=`: neither side could honour them while the relay idles, and a dead connection is
-found by the next publish instead (a reset one at once, a silent one by the timeout).
+pika's own asyncio adapter rather than aio-pika/aiormq: the client's CPU per message is taken
+from the relay's worker threads, and aiormq spends about four times pika's (docs/sinks.md).
+Its callbacks become futures on a private event loop driven from the worker thread (as the
+NATS sink does). That loop runs only inside `publish`, so AMQP heartbeats are turned off unless
+the URL sets `heartbeat=`: neither side could honour them while the relay idles, and a dead
+connection is found by the next publish instead (a reset one at once, a silent one by the
+timeout).
 """
 
 from __future__ import annotations
@@ -58,15 +49,23 @@ from typing import Any
 from outbox_migrate.dsn import mask
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.sinks import SinkConfig
-from outbox_migrate.relay.sinks.bodies import (
-    NotRepresentable,
-    content_type,
-    payload_bytes,
-    require_text,
+from outbox_migrate.relay.sinks import (
+    NotSent,
+    SinkConfig,
+    client,
+    max_bytes,
+    prepare,
+    size_over,
+    smaller,
+    too_large,
 )
-from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
-from outbox_migrate.relay.sinks.limits import max_bytes, smaller, too_large
+from outbox_migrate.relay.sinks.envelopes import (
+    CloudEvents,
+    Envelope,
+    body_bytes,
+    content_type,
+    envelope_option,
+)
 from outbox_migrate.relay.sinks.urls import require_scheme
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -135,24 +134,22 @@ class _Closed(Exception):
         """Set when the broker closed the channel for a body over this many bytes."""
 
 
-def short_string_refusal(message: Message) -> str | None:
-    """Why AMQP cannot carry this message's properties, or None.
-
-    The event type (`type`), the outbox id (`message_id`) and every header name are AMQP short
-    strings, at most 255 bytes; pika raises ShortStringTooLong while encoding a longer one.
-    A character is at most 4 bytes, so short texts are judged without encoding them."""
+def check_short_strings(message: Message) -> None:
+    """`NotSent` when AMQP cannot carry this message's properties: the event type (`type`),
+    the outbox id (`message_id`) and every header name are AMQP short strings, at most 255
+    bytes; pika raises ShortStringTooLong while encoding a longer one. A character is at
+    most 4 bytes, so short texts are judged without a call (this runs per message)."""
     fields = [("event type", message.event_type), ("outbox id", str(message.id))]
     fields += [("header name", name) for name, _ in message.extra_headers]
     for what, text in fields:
         if text is None or len(text) * 4 <= SHORT_STRING_BYTES:
             continue
-        size = len(text.encode())
-        if size > SHORT_STRING_BYTES:
-            return (
+        size = size_over(text, SHORT_STRING_BYTES)
+        if size is not None:
+            raise NotSent(
                 f"rabbitmq {what} of {size} bytes: AMQP carries at most {SHORT_STRING_BYTES} "
                 f"(a short string); not sent: {text[:40]!r}…"
             )
-    return None
 
 
 def too_large_limit(reply_code: object, reply_text: object) -> int | None:
@@ -167,22 +164,25 @@ class RabbitMQSink:
     name = "rabbitmq"
 
     def __init__(self, config: SinkConfig) -> None:
-        try:
-            import pika
-            from pika.adapters.asyncio_connection import AsyncioConnection
-        except ImportError:
-            raise RelayError(
-                "the rabbitmq sink needs pika: install outbox-migrate[rabbitmq]"
-            ) from None
-        self._pika = pika
-        self._connection_class = AsyncioConnection
+        self._pika = client(self.name, "pika", "pika")
+        adapter = client(self.name, "pika.adapters.asyncio_connection", "pika")
+        self._connection_class = adapter.AsyncioConnection
         self.config = config
         self.exchange = config.extra.get("exchange", "")
         self.routing_key = config.target
         self.url = require_scheme(self.name, config.url, ("amqp", "amqps")) or DEFAULT_URL
         self.envelope = envelope_option(config.extra, self.name, Envelope.raw)
         self.cloudevents = CloudEvents(config.extra)
-        self._params = self._parameters()
+        try:
+            self._params = params = self._pika.URLParameters(self.url)
+        except Exception as exc:  # noqa: BLE001 - pika raises ValueError, KeyError, …
+            raise RelayError(f"sink rabbitmq: bad URL {mask(self.url)!r}: {exc}") from None
+        params.socket_timeout = config.timeout_s
+        params.stack_timeout = config.timeout_s
+        params.blocked_connection_timeout = config.timeout_s
+        params.connection_attempts = 1
+        if "heartbeat=" not in self.url:
+            params.heartbeat = 0
         self._loop = asyncio.new_event_loop()
         self._connection: Any = None
         self._channel: Any = None
@@ -193,20 +193,6 @@ class RabbitMQSink:
         self._max_size: int | None = None
         """The broker's max_message_size, once a channel close told it (see the module doc)."""
         self.limit = max_bytes(config, self.name)
-
-    def _parameters(self) -> Any:
-        url = self.url
-        try:
-            params = self._pika.URLParameters(url)
-        except Exception as exc:  # noqa: BLE001 - pika raises ValueError, KeyError, …
-            raise RelayError(f"sink rabbitmq: bad URL {mask(url)!r}: {exc}") from None
-        params.socket_timeout = self.config.timeout_s
-        params.stack_timeout = self.config.timeout_s
-        params.blocked_connection_timeout = self.config.timeout_s
-        params.connection_attempts = 1
-        if "heartbeat=" not in url:
-            params.heartbeat = 0
-        return params
 
     # -- callbacks (run by the event loop) ------------------------------------------------
 
@@ -235,9 +221,8 @@ class RabbitMQSink:
             outbox_id = int(properties.message_id)
         except (TypeError, ValueError):  # not one of ours; nothing to report
             return
-        self._confirms.was_returned(
-            outbox_id, f"unroutable: {method.reply_code} {method.reply_text}"
-        )
+        reason = f"unroutable: {method.reply_code} {method.reply_text}"
+        self._confirms.was_returned(outbox_id, reason)
 
     # -- connection ------------------------------------------------------------------------
 
@@ -327,12 +312,6 @@ class RabbitMQSink:
         async with asyncio.timeout(self.config.timeout_s):
             await self._wait(publish_all)
 
-    def _body(self, message: Message) -> bytes:
-        if self.envelope is Envelope.json:
-            require_text(message)
-            return message.envelope().encode()
-        return payload_bytes(message)
-
     def _headers(self, message: Message) -> Any:
         if self.envelope is Envelope.cloudevents:
             return self.cloudevents.binary_headers(message, CLOUDEVENTS_PREFIX, content_type=False)
@@ -355,25 +334,13 @@ class RabbitMQSink:
             if (size := len(body)) > limit
         }
 
-    def _bodies(
-        self, batch: Sequence[Message]
-    ) -> tuple[dict[MessageId, str], list[tuple[Message, bytes]]]:
-        """Each message's body, built once; those AMQP cannot carry are refused."""
-        refused: dict[MessageId, str] = {}
-        bodies: list[tuple[Message, bytes]] = []
-        for message in batch:
-            reason = short_string_refusal(message)
-            if reason is not None:
-                refused[message.id] = reason
-                continue
-            try:
-                bodies.append((message, self._body(message)))
-            except NotRepresentable as exc:
-                refused[message.id] = f"rabbitmq {exc}"
-        return refused, bodies
+    def _body(self, message: Message) -> bytes:
+        """The message's body, or `NotSent` when AMQP cannot carry it."""
+        check_short_strings(message)
+        return body_bytes(message, self.envelope, self.name)
 
     def publish(self, batch: Sequence[Message]) -> None:
-        refused, bodies = self._bodies(batch)
+        refused, bodies = prepare(batch, self._body)
         refused.update(self._oversized(bodies))
         sending = [mb for mb in bodies if mb[0].id not in refused] if refused else bodies
         try:
@@ -406,7 +373,8 @@ class RabbitMQSink:
                 reason = str(exc)
             else:
                 reason = f"{type(exc).__name__}: {exc}"
-            raise SinkUnavailable(self.name, self._mask(reason)) from None
+            password = self._params.credentials.password
+            raise SinkUnavailable(self.name, mask(reason, password)) from None
         confirms = self._confirms
         if confirms.nacked:
             raise SinkUnavailable(
@@ -421,9 +389,6 @@ class RabbitMQSink:
             self._loop.run_until_complete(self._publish(batch))
         else:
             self._confirms.start_batch()  # nothing left to send: no stale outcomes either
-
-    def _mask(self, text: str) -> str:
-        return mask(text, self._params.credentials.password)
 
     # -- closing ---------------------------------------------------------------------------
 

@@ -12,18 +12,16 @@ message (`orders.{event_type}`), so one outbox can feed several streams. `extra[
 caps each stream (approximate trimming).
 
 Every reply is looked at on its own (`raise_on_error=False`): an error that belongs to the
-message or its stream key — WRONGTYPE (the key holds a list, a string…), NOPERM (the ACL
-user may not write that key), any other `ERR` about the command (an invalid argument, an
-entry id Redis refuses) — is `MessagesRejected` under its id, and the other messages of the
-batch are acknowledged. A lost connection, a timeout, or a refusal about the server's state
-(OOM under `maxmemory`, LOADING, BUSY, READONLY replica, MISCONF, TRYAGAIN, CLUSTERDOWN,
-MASTERDOWN) is `SinkUnavailable`: nothing of the batch is marked and the relay backs off.
+message or its stream key (WRONGTYPE, NOPERM, any other `ERR` about the command) is
+`MessagesRejected` under its id, and the other messages of the batch are acknowledged. A lost
+connection, a timeout, or a refusal about the server's state (`RETRYABLE_PREFIXES`) is
+`SinkUnavailable`: nothing of the batch is marked and the relay backs off.
 
 Size. Redis does not answer a bulk over its `proto-max-bulk-len` (512 MiB by default) with an
 error: it drops the connection, which loses the replies of the whole pipeline and, retried,
 would fail the same way for ever. So the sink reads the server's limit once (`CONFIG GET`,
 where the ACL allows it) and rejects a payload over it — or over `--max-message-bytes` —
-before sending (limits.py). Where CONFIG is refused and a pipeline still drops the
+before sending. Where CONFIG is refused and a pipeline still drops the
 connection, the sink asks the server for a PING: when it answers, the connection was dropped
 for what the batch holds, not because Redis is away, and the batch is sent again in halves
 (isolation.py) to find the message that drops it (rejected; its batch-mates are added —
@@ -37,13 +35,26 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
+from outbox_migrate.errors import MessagesRejected, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.sinks import SinkConfig
-from outbox_migrate.relay.sinks.bodies import NotRepresentable, require_text
-from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
+from outbox_migrate.relay.sinks import (
+    NotSent,
+    SinkConfig,
+    client,
+    int_option,
+    max_bytes,
+    prepare,
+    size_over,
+    smaller,
+    too_large,
+)
+from outbox_migrate.relay.sinks.envelopes import (
+    CloudEvents,
+    Envelope,
+    envelope_option,
+    require_text,
+)
 from outbox_migrate.relay.sinks.isolation import isolate
-from outbox_migrate.relay.sinks.limits import max_bytes, smaller, text_size_over, too_large
 from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -68,20 +79,11 @@ class RedisSink:
     name = "redis"
 
     def __init__(self, config: SinkConfig) -> None:
-        try:
-            import redis
-        except ImportError:
-            raise RelayError(
-                "the redis sink needs redis-py: install outbox-migrate[redis]"
-            ) from None
-        self._redis = redis
+        self._redis = redis = client(self.name, "redis", "redis-py")
         url = require_scheme(self.name, config.url, SCHEMES) or DEFAULT_URL
         self.stream = config.target
         self.routed = "{event_type}" in self.stream or "{key}" in self.stream
-        maxlen = config.extra.get("maxlen")
-        if maxlen is not None and not maxlen.isdigit():
-            raise RelayError(f"sink redis: maxlen={maxlen!r} is not a whole number")
-        self.maxlen = int(maxlen) if maxlen is not None else None
+        self.maxlen = int_option(config.extra, self.name, "maxlen", None, 0)
         self.envelope = envelope_option(config.extra, self.name, Envelope.raw)
         self.cloudevents = CloudEvents(config.extra)
         self.config = config
@@ -120,6 +122,7 @@ class RedisSink:
         )
 
     def _fields(self, message: Message) -> dict[str, Any]:
+        """The XADD's fields, or `NotSent` (see the module docstring)."""
         fields: dict[str, Any] = {
             "id": message.id,
             "table": message.table,
@@ -131,41 +134,25 @@ class RedisSink:
             if name not in BUILT_IN_FIELDS:
                 fields.setdefault(name, value)
         if self.envelope is Envelope.cloudevents:
-            require_text(message)
-            fields["payload"] = self.cloudevents.structured(message)
+            require_text(message, self.name)
+            payload: str | bytes = self.cloudevents.structured(message)
         elif self.envelope is Envelope.json:
-            require_text(message)
-            fields["payload"] = message.envelope()
+            require_text(message, self.name)
+            payload = message.envelope()
         else:
-            fields["payload"] = message.payload  # text or bytes: redis-py sends either
-        return fields
-
-    def _too_large(self, payload: str | bytes) -> str | None:
+            payload = message.payload  # text or bytes: redis-py sends either
         limit = self.limit
-        if limit is None:
-            return None
-        size = len(payload) if isinstance(payload, bytes) else text_size_over(payload, limit)
-        if size is None or size <= limit:
-            return None
-        return too_large(size, limit, self.config, f"redis {LIMIT_SETTING}")
+        if limit is not None and (size := size_over(payload, limit)) is not None:
+            what = f"redis {LIMIT_SETTING}"
+            raise NotSent(f"redis {too_large(size, limit, self.config, what)}")
+        fields["payload"] = payload
+        return fields
 
     def publish(self, batch: Sequence[Message]) -> None:
         deadline = time.monotonic() + self.config.timeout_s
         if not self._server_limit_read:
             self._read_server_limit()
-        rejected: dict[MessageId, str] = {}
-        sending: list[tuple[Message, dict[str, Any]]] = []
-        for message in batch:
-            try:
-                fields = self._fields(message)
-            except NotRepresentable as exc:
-                rejected[message.id] = f"redis {exc}"
-                continue
-            reason = self._too_large(fields["payload"])
-            if reason is not None:
-                rejected[message.id] = f"redis {reason}"
-            else:
-                sending.append((message, fields))
+        rejected, sending = prepare(batch, self._fields)
         try:
             rejected.update(self._send(sending))
         except _Dropped:

@@ -22,10 +22,8 @@ from typing import TextIO
 
 from outbox_migrate.errors import MessagesRejected, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.sinks import SinkConfig
-from outbox_migrate.relay.sinks.bodies import is_binary
+from outbox_migrate.relay.sinks import SinkConfig, size_over, too_large
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
-from outbox_migrate.relay.sinks.limits import text_size_over, too_large
 
 NOT_TEXT = "stdout: payload is not text (non-UTF-8 bytes): it cannot be written as a line"
 
@@ -52,11 +50,11 @@ class StdoutSink:
         limit = self.config.max_message_bytes
         lines: list[str] = []
         for message in batch:
-            if is_binary(message):
+            if isinstance(message.payload, bytes):
                 rejected[message.id] = NOT_TEXT
                 continue
             line = self._line(message)
-            if limit is not None and (size := text_size_over(line, limit)) is not None:
+            if limit is not None and (size := size_over(line, limit)) is not None:
                 rejected[message.id] = f"stdout {too_large(size, limit, self.config, 'stdout')}"
                 continue
             lines.append(line)

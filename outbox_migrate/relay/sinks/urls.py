@@ -1,8 +1,8 @@
 """Sink URL checks at construction: a wrong scheme is a configuration error, not an outage.
 
-Without this, `--sink-url ftp://x` reached the broker client, which failed to connect, and the
-relay retried it for ever as "sink unavailable". A sink calls `require_scheme` in its
-constructor; the `RelayError` it raises stops the relay at start with one line (exit 2).
+A sink calls `require_scheme` in its constructor: the `RelayError` it raises stops the relay at
+start with one line (exit 2), where the broker client would fail to connect and the relay
+retry it for ever as "sink unavailable".
 """
 
 from __future__ import annotations
