@@ -26,11 +26,10 @@ from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.errors import PreconditionFailed
 from outbox_migrate.jobs.common import Relation, exists
 from outbox_migrate.lock_budget import AttemptLog
-from outbox_migrate.patterns import marker
+from outbox_migrate.patterns import build_from_settings, marker
 from outbox_migrate.patterns.model import Phase, PhaseKind, Step, Table
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner.events import SilentEvents
-from outbox_migrate.runner.facts import offline_pattern
 from outbox_migrate.sim import recording
 from outbox_migrate.sim.actors import RelayResult, WriterResult, relay_main, writer_main
 from outbox_migrate.sim.scenario import APP_NAME_PREFIX, Scenario, relay_mode
@@ -288,7 +287,7 @@ class Choreographer(SilentEvents):
         monitor = threading.Thread(target=self._monitor, daemon=True)
         monitor.start()
         try:
-            self._walk(offline_pattern(self.settings, self.scenario.pattern, False).phases)
+            self._walk(build_from_settings(self.scenario.pattern, self.settings).phases)
         except KeyboardInterrupt:
             # Stop at once, but cleanly: every instance stopped and its results collected,
             # so the partial report is written; the caller re-raises the interrupt.
