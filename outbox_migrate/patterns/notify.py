@@ -43,6 +43,10 @@ from psycopg import sql
 
 from outbox_migrate.config import MAX_IDENTIFIER_BYTES, OutboxSpec
 
+ADVISORY_NAMESPACE = "outbox-migrate.relay"
+"""The relay's advisory-lock namespace (its shard and idle locks). Here, below the relay,
+because the wake-up trigger this module writes takes the idle lock by a key derived from it."""
+
 TRIGGER_NAME = "relay_notify"
 NEW_ROWS = "new_rows"
 """Transition table name inside the trigger function."""
@@ -58,8 +62,6 @@ def idle_lock_key(label: str) -> int:
     """The idle lock's first key for the table `label` (= schema.table): a CRC-32 of the
     relay's advisory namespace, the label and `:idle`, as a signed int4, computed here to be
     a literal (module docstring)."""
-    from outbox_migrate.relay.queries import ADVISORY_NAMESPACE
-
     key = f"{ADVISORY_NAMESPACE}:{label}:idle"
     return int.from_bytes(zlib.crc32(key.encode()).to_bytes(4, "big"), signed=True)
 

@@ -61,7 +61,7 @@ class Worker:
         self.relay = relay
         self.index = index
         self.lease = ShardLease(
-            key=f"{queries.ADVISORY_NAMESPACE}:{table.label}",
+            key=f"{notify.ADVISORY_NAMESPACE}:{table.label}",
             shards=options.shard_count,
             home=home_shards(index, options.workers, options.shard_count),
             reap_after_s=(

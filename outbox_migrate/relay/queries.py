@@ -25,7 +25,6 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns import marker
 from outbox_migrate.sql import query
 
-ADVISORY_NAMESPACE = "outbox-migrate.relay"
 CLAIM_CTID_COLUMN = 6
 """Position of `ctid` in a claimed row; the columns before it are a `Message`."""
 CLAIM_HEADERS_COLUMN = 7

@@ -17,7 +17,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from outbox_migrate.relay.queries import ADVISORY_NAMESPACE
+from outbox_migrate.patterns.notify import ADVISORY_NAMESPACE
 from outbox_migrate.testing import server as pgserver
 
 from .bed import FAULTS, Bed, Consumer, Relay, analyse, start_relay, stop_relay

@@ -118,3 +118,21 @@ def test_only_demo_and_rehearse_use_the_proof_harness() -> None:
         if _inside(t, HARNESS)
     )
     assert not users, users
+
+
+def test_no_layer_is_crossed_by_an_import_inside_a_function_either() -> None:
+    """An import in a function runs too, only later: every import a module writes keeps to
+    the layers (type-only imports included: they name what the module depends on)."""
+    broken = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for sources, forbidden in NEVER:
+                if _inside(name, sources) and any(_inside(t, forbidden) for t in targets):
+                    broken.append(f"{name} imports {targets[0]}")
+    assert not broken, broken

@@ -152,9 +152,10 @@ def test_a_silent_shard_holder_whose_idle_timer_is_disarmed_is_ended_by_the_surv
     session with no idle timer at all holds two of the four shards and the membership lock,
     as such a relay would. Before: its shards stayed with it for good and their rows were
     never published; now the live relay ends it after session timeout + poll interval."""
+    from outbox_migrate.patterns.notify import ADVISORY_NAMESPACE
     from outbox_migrate.relay import queries
 
-    key = f"{queries.ADVISORY_NAMESPACE}:public.outbox_new"
+    key = f"{ADVISORY_NAMESPACE}:public.outbox_new"
     frozen = psycopg.connect(dsn, autocommit=True)
     frozen.execute("SET idle_session_timeout = 0")
     frozen.execute(queries.named("join-members"), {"key": f"{key}:members"})
