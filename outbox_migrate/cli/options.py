@@ -162,6 +162,17 @@ FormatOption = Annotated[
 ]
 
 
+def report(output: OutputFormat, data: Any, *lines: str) -> None:
+    """`data` as JSON for `--format json`, else `lines` for people."""
+    from outbox_migrate.cli.console import print_json, text
+
+    if output is OutputFormat.json:
+        print_json(data)
+        return
+    for line in lines:
+        text(line)
+
+
 OptionalOption = Annotated[
     bool, typer.Option(help="Include optional steps (SET NOT NULL, final drops).")
 ]
