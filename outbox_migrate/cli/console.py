@@ -372,12 +372,12 @@ def _attempt_line(attempt: dict[str, Any]) -> str:
 
 
 @contextmanager
-def demo_live(pattern: str, what: str = "demo") -> Iterator[Callable[[Any], None]]:
+def demo_live(title: str) -> Iterator[Callable[[Any], None]]:
     """A live view of the simulation: phase, step, rates, backlog and lag."""
     from rich.live import Live
 
     def view(snapshot: Any) -> Table:
-        grid = Table(title=f"outbox-migrate {what}: {pattern.upper()}", show_header=False)
+        grid = Table(title=title, show_header=False)
         grid.add_column("what")
         grid.add_column("value")
         grid.add_row("elapsed", f"{snapshot.elapsed_s:5.1f} s")
@@ -390,7 +390,7 @@ def demo_live(pattern: str, what: str = "demo") -> Iterator[Callable[[Any], None
         grid.add_row("max lag (2 s)", f"{snapshot.max_lag_s * 1000:,.0f} ms")
         return grid
 
-    with Live(Table(title=f"outbox-migrate {what}: {pattern.upper()} starting…"),
+    with Live(Table(title=f"{title} starting…"),
               console=err(), refresh_per_second=4, transient=False) as live:  # fmt: skip
 
         def update(snapshot: Any) -> None:

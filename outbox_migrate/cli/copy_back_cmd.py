@@ -11,6 +11,7 @@ from outbox_migrate.cli.options import (
     DsnOption,
     FormatOption,
     OutputFormat,
+    report,
     require_dsn,
     settings_from,
     with_names,
@@ -84,21 +85,20 @@ def copy_back(
             rate_rows_per_s=rate, adaptive=not no_adaptive, max_replica_lag_s=max_replica_lag
         ),
     )
-    human = output is OutputFormat.text
     if _recorded_migration(target, settings) is not None:
         # One path for the job: with a HOPER migration in the ledger, this command is
         # `run --to copy-back` (or, with --no-drop, the copy-back step alone), so the ledger
         # records it whichever entry point ran it, and either can finish the other's work.
-        _through_the_runner(target, settings, options, no_drop, human)
+        _through_the_runner(target, settings, options, no_drop, output)
         return
     with connect(target) as conn:
         job = CopyBack(conn, settings.spec, options, dsn=target)
         plan = job.plan()
         if plan.state == "done":
             done = {"state": "done", "source": plan.source, "dropped": True}
-            _report(done, human, f"{plan.source} was already copied back and dropped")
+            report(output, done, f"{plan.source} was already copied back and dropped")
             return
-        if human:
+        if output is OutputFormat.text:
             from outbox_migrate.cli.console import RowProgress, text
 
             if plan.high_water is not None and not from_start:
@@ -131,8 +131,7 @@ def copy_back(
             "dropped": False,
         }
         if not verification.passed:
-            if not human:
-                _report(summary, human, "")
+            report(output, summary)  # JSON only: the error below is the line for people
             from outbox_migrate.jobs.copy_back import VerificationFailed
 
             raise VerificationFailed(
@@ -141,9 +140,9 @@ def copy_back(
         if not no_drop:
             job.drop(verification)
             summary["dropped"] = True
-    _report(
+    report(
+        output,
         summary,
-        human,
         f"copied {result.inserted_rows:,} rows ({result.present_rows:,} already present) "
         f"at {result.rows_per_s:,.0f} rows/s; verified {verification.source_rows:,} rows in "
         f"{verification.ranges_checked} ranges; "
@@ -171,13 +170,15 @@ def _recorded_migration(dsn: str, settings: Any) -> object | None:
         return ledger.latest(conn, settings.spec, "hoper")
 
 
-def _through_the_runner(dsn: str, settings: Any, options: Any, no_drop: bool, human: bool) -> None:
+def _through_the_runner(
+    dsn: str, settings: Any, options: Any, no_drop: bool, output: OutputFormat
+) -> None:
     from dataclasses import asdict
 
     from outbox_migrate.cli.console import runner_events
     from outbox_migrate.runner import Runner
 
-    events = runner_events(json_lines=not human)
+    events = runner_events(json_lines=output is OutputFormat.json)
     with Runner(dsn, settings, "hoper", events=events, copy_back_options=options) as runner:
         if no_drop:
             result = runner.execute_step("hoper.copy-back.copy-back")
@@ -190,15 +191,4 @@ def _through_the_runner(dsn: str, settings: Any, options: Any, no_drop: bool, hu
         f"adopted {len(result.adopted)}; "
         + ("migration complete" if result.completed else f"at the end of {result.phase}")
     )
-    _report({"through": "runner", **asdict(result)}, human, line)
-
-
-def _report(data: dict[str, object], human: bool, line: str) -> None:
-    if human:
-        from outbox_migrate.cli.console import text
-
-        text(line)
-    else:
-        from outbox_migrate.cli.console import print_json
-
-        print_json(data)
+    report(output, {"through": "runner", **asdict(result)}, line)

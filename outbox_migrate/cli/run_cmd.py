@@ -16,6 +16,7 @@ from outbox_migrate.cli.options import (
     OptionalOption,
     OutputFormat,
     ToOption,
+    report,
     require_dsn,
     settings_from,
     with_names,
@@ -269,14 +270,9 @@ def verify(
     settings = settings_from(**names)
     name = pattern.value if pattern else None
     phase = inspect.verify(require_dsn(dsn), settings, name, include_optional=with_optional)
-    if output is OutputFormat.json:
-        from outbox_migrate.cli.console import print_json
-
-        print_json({"table": inspect.table_label(settings), "phase": phase, "violations": []})
-    else:
-        from outbox_migrate.cli.console import text
-
-        text(f"every invariant of phase {phase} holds on {inspect.table_label(settings)}")
+    table = inspect.table_label(settings)
+    data = {"table": table, "phase": phase, "violations": []}
+    report(output, data, f"every invariant of phase {phase} holds on {table}")
 
 
 def rollback(
@@ -303,15 +299,10 @@ def rollback(
                      on_long_tx=on_long_tx.value)  # fmt: skip
     with runner:
         undone = runner.rollback(to.value)
-    if output is OutputFormat.json:
-        from outbox_migrate.cli.console import print_json
+    from outbox_migrate.cli.wording import count
 
-        print_json({"rolled_back": undone, "phase": to.value})
-    else:
-        from outbox_migrate.cli.console import text
-        from outbox_migrate.cli.wording import count
-
-        text(f"rolled back {count(len(undone), 'step')}; now at the end of {to.value}")
+    report(output, {"rolled_back": undone, "phase": to.value},
+           f"rolled back {count(len(undone), 'step')}; now at the end of {to.value}")  # fmt: skip
 
 
 def reset(
