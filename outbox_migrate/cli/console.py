@@ -29,15 +29,10 @@ def err() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def print_json(data: Any) -> None:
-    """Machine output: plain JSON on stdout, no colour, no wrapping."""
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
-    sys.stdout.flush()
-
-
-def print_json_line(data: Any) -> None:
-    """One compact JSON object per line (JSON-lines streams such as `run --format json`)."""
-    sys.stdout.write(json.dumps(data, default=str) + "\n")
+def print_json(data: Any, *, indent: int | None = 2) -> None:
+    """Machine output: plain JSON on stdout, no colour, no wrapping; `indent=None` writes one
+    compact object per line (JSON-lines streams such as `run --format json`)."""
+    sys.stdout.write(json.dumps(data, indent=indent, default=str) + "\n")
     sys.stdout.flush()
 
 
@@ -136,10 +131,6 @@ def advice(following: str, label: str = "Next:") -> None:
     for command in commands:
         for line in command_lines(command, console.width):
             console.print(line, markup=False, highlight=False)
-
-
-def markup(message: str) -> None:
-    out().print(message)
 
 
 class RowProgress:
@@ -301,8 +292,7 @@ class _JsonRunnerEvents:
     """Runner progress for CI logs: one JSON object per line on stdout."""
 
     def _emit(self, **fields: Any) -> None:
-        sys.stdout.write(json.dumps(fields, default=str) + "\n")
-        sys.stdout.flush()
+        print_json(fields, indent=None)
 
     def step_started(self, step: Any, action: str) -> None:
         self._emit(event="step_started", step=step.id, action=action)

@@ -147,16 +147,9 @@ def _as_dict(report: MaintenanceReport) -> dict[str, Any]:
 
 def _show(report: MaintenanceReport, as_json: bool, *, compact: bool = False) -> None:
     if as_json:
-        if compact:
-            import json
-            import sys
+        from outbox_migrate.cli.console import print_json
 
-            sys.stdout.write(json.dumps(_as_dict(report), default=str) + "\n")
-            sys.stdout.flush()
-        else:
-            from outbox_migrate.cli.console import print_json
-
-            print_json(_as_dict(report))
+        print_json(_as_dict(report), indent=None if compact else 2)
         return
     from outbox_migrate.cli.console import table, text
     from outbox_migrate.cli.wording import count

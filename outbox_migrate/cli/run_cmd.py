@@ -112,9 +112,9 @@ def _report(result: Any, output: OutputFormat, runner: Runner | None = None) -> 
 
     following = _what_next(result, runner) if runner is not None else None
     if output is OutputFormat.json:
-        from outbox_migrate.cli.console import print_json_line
+        from outbox_migrate.cli.console import print_json
 
-        print_json_line({"event": "result", **asdict(result), "next": following})
+        print_json({"event": "result", **asdict(result), "next": following}, indent=None)
         return
     from outbox_migrate.cli.console import text
     from outbox_migrate.cli.wording import count
