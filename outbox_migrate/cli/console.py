@@ -323,14 +323,10 @@ def render_status(doc: dict[str, Any], latest: dict[str, dict[str, Any]] | None 
     say — its latest lock attempt when that is newer than its recorded error (`latest`, from
     `attempt_log.latest_attempts`), else the error."""
     from outbox_migrate.attempt_log import newer_than_error
-    from outbox_migrate.cli.wording import without_prefix
+    from outbox_migrate.cli.wording import status_line, without_prefix
 
     console = out()
-    _say(console,
-        f"{doc['pattern'].upper()} migration of {doc['table']}: {doc['state']}, completed "
-        f"through {doc['phase']}"
-        + (f", next {doc['next_phase']}" if doc.get("next_phase") else ""),
-    )  # fmt: skip
+    _say(console, status_line(doc))
     rows = [
         (s["id"], s["state"], s.get("attempts", 0),
          f"{s['duration_ms']:.0f}" if s.get("duration_ms") is not None else "",

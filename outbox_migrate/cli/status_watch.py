@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox_migrate.cli.signals import Terminated
+from outbox_migrate.cli.wording import status_line
 
 CLEAR = "\x1b[H\x1b[2J"
 BAR_WIDTH = 20
@@ -100,14 +101,7 @@ def render(doc: dict[str, Any], width: int, now: float | None = None) -> list[st
     """One frame as lines no wider than `width`; step ids are never cut (an id longer than
     the width stands alone on its line)."""
     clock = time.strftime("%H:%M:%S", time.localtime(now))
-    if not doc["recorded"]:
-        head = f"no migration recorded for {doc['table']}"
-    else:
-        head = (
-            f"{doc['pattern'].upper()} migration of {doc['table']}: {doc['state']}, "
-            f"completed through {doc['phase']}"
-            + (f", next {doc['next_phase']}" if doc.get("next_phase") else "")
-        )
+    head = status_line(doc) if doc["recorded"] else f"no migration recorded for {doc['table']}"
     raw = [
         f"{clock}  {head}",
         *_runner_lines(doc),

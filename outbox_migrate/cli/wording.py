@@ -10,12 +10,20 @@ from __future__ import annotations
 import re
 import shlex
 import textwrap
+from typing import Any
 
 
 def count(number: int, noun: str, plural: str | None = None) -> str:
     """`count(1, "step")` → "1 step"; `count(3, "step")` → "3 steps"."""
     word = noun if number == 1 else (plural or noun + "s")
     return f"{number:,} {word}"
+
+
+def status_line(doc: dict[str, Any]) -> str:
+    """The first line of `status` (and of each `status --watch` frame) for a recorded run."""
+    following = f", next {doc['next_phase']}" if doc.get("next_phase") else ""
+    return (f"{doc['pattern'].upper()} migration of {doc['table']}: {doc['state']}, completed "
+            f"through {doc['phase']}{following}")  # fmt: skip
 
 
 def without_prefix(message: str, prefix: str) -> str:
