@@ -17,36 +17,6 @@ from outbox_migrate.cli.options import (
     with_names,
 )
 
-BatchSizeOption = Annotated[
-    int, typer.Option("--batch-size", min=1, help="Rows per batch (one transaction each).")
-]
-RateOption = Annotated[
-    float | None,
-    typer.Option("--rate", min=1, help="Ceiling in rows/s. Default: as fast as impact allows."),
-]
-NoDropOption = Annotated[
-    bool, typer.Option("--no-drop", help="Copy and verify, but keep the source table.")
-]
-NoAdaptiveOption = Annotated[
-    bool,
-    typer.Option(
-        "--no-adaptive",
-        help="Do not back off on replica lag or probe latency (the --rate ceiling still holds).",
-    ),
-]
-FromStartOption = Annotated[
-    bool,
-    typer.Option(
-        "--from-start",
-        help="Ignore the high-water mark and walk the whole source again (re-copies rows "
-        "missing from the target; rows present are skipped).",
-    ),
-]
-MaxLagOption = Annotated[
-    float,
-    typer.Option("--max-replica-lag", min=0, help="Pause while a replica lags more (seconds)."),
-]
-
 
 def register(app: typer.Typer) -> None:
     app.command(
@@ -61,12 +31,35 @@ def register(app: typer.Typer) -> None:
 
 def copy_back(
     dsn: DsnOption = None,
-    batch_size: BatchSizeOption = 10_000,
-    rate: RateOption = None,
-    no_drop: NoDropOption = False,
-    no_adaptive: NoAdaptiveOption = False,
-    from_start: FromStartOption = False,
-    max_replica_lag: MaxLagOption = 5.0,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", min=1, help="Rows per batch (one transaction each).")
+    ] = 10_000,
+    rate: Annotated[
+        float | None,
+        typer.Option("--rate", min=1, help="Ceiling in rows/s. Default: as fast as impact allows."),
+    ] = None,
+    no_drop: Annotated[
+        bool, typer.Option("--no-drop", help="Copy and verify, but keep the source table.")
+    ] = False,
+    no_adaptive: Annotated[
+        bool,
+        typer.Option(
+            "--no-adaptive",
+            help="Do not back off on replica lag or probe latency (the --rate ceiling still holds).",
+        ),
+    ] = False,
+    from_start: Annotated[
+        bool,
+        typer.Option(
+            "--from-start",
+            help="Ignore the high-water mark and walk the whole source again (re-copies rows "
+            "missing from the target; rows present are skipped).",
+        ),
+    ] = False,
+    max_replica_lag: Annotated[
+        float,
+        typer.Option("--max-replica-lag", min=0, help="Pause while a replica lags more (seconds)."),
+    ] = 5.0,
     output: FormatOption = OutputFormat.text,
     *,
     names: dict[str, Any],
