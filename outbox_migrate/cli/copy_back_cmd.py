@@ -45,7 +45,8 @@ def copy_back(
         bool,
         typer.Option(
             "--no-adaptive",
-            help="Do not back off on replica lag or probe latency (the --rate ceiling still holds).",
+            help="Do not back off on replica lag or probe latency (the --rate ceiling still "
+            "holds).",
         ),
     ] = False,
     from_start: Annotated[
