@@ -88,10 +88,9 @@ def _runner(
     pattern: str,
     dsn: str | None,
     output: OutputFormat,
-    *,
     names: dict[str, Any],
     with_optional: bool = False,
-    on_long_tx: str = "wait",
+    on_long_tx: LongTx = LongTx.wait,
 ) -> Runner:
     from outbox_migrate.cli.console import runner_events
     from outbox_migrate.cli.exits import TrackedEvents
@@ -103,7 +102,7 @@ def _runner(
         pattern,
         include_optional=with_optional,
         events=TrackedEvents(runner_events(json_lines=output is OutputFormat.json)),
-        on_long_tx=on_long_tx,
+        on_long_tx=on_long_tx.value,
     )
 
 
@@ -183,10 +182,7 @@ def run(
             f"{to.value} is an optional phase: run it with --with-optional (`plan "
             "--with-optional` lists every optional step that flag includes)"
         )
-    runner = _runner(
-        pattern.value, dsn, output, names=names, with_optional=with_optional,
-        on_long_tx=on_long_tx.value,
-    )  # fmt: skip
+    runner = _runner(pattern.value, dsn, output, names, with_optional, on_long_tx)
     with runner:
         result = runner.run(to.value)
     _report(result, output, runner)
@@ -201,8 +197,7 @@ def next_step(
     *,
     names: dict[str, Any],
 ) -> None:
-    runner = _runner(pattern.value, dsn, output, names=names, with_optional=with_optional,
-                     on_long_tx=on_long_tx.value)  # fmt: skip
+    runner = _runner(pattern.value, dsn, output, names, with_optional, on_long_tx)
     with runner:
         result = runner.next()
     _report(result, output, runner)
@@ -295,8 +290,7 @@ def rollback(
         if name is None:
             raise UsageError(f"no migration recorded for {inspect.table_label(settings)} to "
                              "roll back")  # fmt: skip
-    runner = _runner(name, dsn, output, names=names, with_optional=with_optional,
-                     on_long_tx=on_long_tx.value)  # fmt: skip
+    runner = _runner(name, dsn, output, names, with_optional, on_long_tx)
     with runner:
         undone = runner.rollback(to.value)
     from outbox_migrate.cli.wording import count
@@ -343,7 +337,7 @@ def reset(
 
             text("no active migration to reset")
             return
-    runner = _runner(name, dsn, OutputFormat.text, names=names)
+    runner = _runner(name, dsn, OutputFormat.text, names)
     with runner:
         changed = runner.reset(force=force)
     from outbox_migrate.cli.console import text
