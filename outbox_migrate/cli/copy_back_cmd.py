@@ -32,11 +32,11 @@ def register(app: typer.Typer) -> None:
 def copy_back(
     dsn: DsnOption = None,
     batch_size: Annotated[
-        int, typer.Option("--batch-size", min=1, help="Rows per batch (one transaction each).")
+        int, typer.Option(min=1, help="Rows per batch (one transaction each).")
     ] = 10_000,
     rate: Annotated[
         float | None,
-        typer.Option("--rate", min=1, help="Ceiling in rows/s. Default: as fast as impact allows."),
+        typer.Option(min=1, help="Ceiling in rows/s. Default: as fast as impact allows."),
     ] = None,
     no_drop: Annotated[
         bool, typer.Option("--no-drop", help="Copy and verify, but keep the source table.")
@@ -59,7 +59,7 @@ def copy_back(
     ] = False,
     max_replica_lag: Annotated[
         float,
-        typer.Option("--max-replica-lag", min=0, help="Pause while a replica lags more (seconds)."),
+        typer.Option(min=0, help="Pause while a replica lags more (seconds)."),
     ] = 5.0,
     output: FormatOption = OutputFormat.text,
     *,

@@ -38,17 +38,15 @@ def maintain(
     dsn: DsnOption = None,
     once: Annotated[bool, typer.Option("--once", help="One pass, then exit (for cron).")] = False,
     interval: Annotated[
-        float, typer.Option("--interval", min=1, help="Seconds between passes in loop mode.")
+        float, typer.Option(min=1, help="Seconds between passes in loop mode.")
     ] = 300.0,
     bloat_threshold: Annotated[
         float,
-        typer.Option("--bloat-threshold", min=0, max=100, help="Rebuild above this bloat (%)."),
+        typer.Option(min=0, max=100, help="Rebuild above this bloat (%)."),
     ] = 50.0,
     bloat_method: Annotated[
         str,
-        typer.Option(
-            "--bloat-method", help="auto (pgstattuple when available), pgstattuple or estimate."
-        ),
+        typer.Option(help="auto (pgstattuple when available), pgstattuple or estimate."),
     ] = "auto",
     no_reindex: Annotated[
         bool, typer.Option("--no-reindex", help="Measure and report, never rebuild.")
@@ -58,16 +56,14 @@ def maintain(
     ] = False,
     max_xact_age: Annotated[
         float,
-        typer.Option(
-            "--max-xact-age", min=0, help="Refuse to rebuild while a transaction is older."
-        ),
+        typer.Option(min=0, help="Refuse to rebuild while a transaction is older."),
     ] = 60.0,
     retention_days: Annotated[
         float | None,
-        typer.Option("--retention-days", min=0, help="Delete rows published longer ago than this."),
+        typer.Option(min=0, help="Delete rows published longer ago than this."),
     ] = None,
     retention_rate: Annotated[
-        float, typer.Option("--retention-rate", min=1, help="Ceiling on deleted rows/s.")
+        float, typer.Option(min=1, help="Ceiling on deleted rows/s.")
     ] = 50_000.0,
     output: FormatOption = OutputFormat.text,
     *,

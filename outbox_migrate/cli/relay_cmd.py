@@ -131,7 +131,7 @@ class RelayFlags:
         str | None, typer.Option(help="Column sent as the event-type header [event_type].")
     ] = None
     poll_interval: Annotated[float, typer.Option(help="Seconds between idle polls.")] = 1.0
-    listen: Annotated[bool, typer.Option("--listen/--no-listen", help="Wake on NOTIFY.")] = True
+    listen: Annotated[bool, typer.Option(help="Wake on NOTIFY.")] = True
     linger_ms: Annotated[
         float | None,
         typer.Option(
@@ -146,9 +146,8 @@ class RelayFlags:
     read_ahead: Annotated[
         bool,
         typer.Option(
-            "--read-ahead/--no-read-ahead",
             help="While a backlog fills every batch, claim the next batch on a second session "
-            "while one is published (one more connection per worker).",
+            "while one is published (one more connection per worker)."
         ),
     ] = True
     install_notify: Annotated[
@@ -198,9 +197,8 @@ class RelayFlags:
     mark: Annotated[
         bool,
         typer.Option(
-            "--mark/--no-mark",
-            help="cdc: move delivered rows to the published "
-            "partition (off: append-only outbox, retention drops partitions).",
+            help="cdc: move delivered rows to the published partition (off: append-only "
+            "outbox, retention drops partitions)."
         ),
     ] = True
     mark_interval: Annotated[
@@ -214,18 +212,14 @@ class RelayFlags:
         int, typer.Option(help="cdc: warn (log, /readyz 503) above this much retained WAL.")
     ] = 1024
     failover_slot: Annotated[
-        bool,
-        typer.Option(
-            "--failover-slot/--no-failover-slot",
-            help="cdc: create a failover slot (PostgreSQL 17+).",
-        ),
+        bool, typer.Option(help="cdc: create a failover slot (PostgreSQL 17+).")
     ] = True
     drop_slot: Annotated[
         bool,
         typer.Option(
             "--drop-slot",
-            help="Decommission the CDC relay: drop its slot and "
-            "publication (asks for confirmation), then exit.",
+            help="Decommission the CDC relay: drop its slot and publication (asks for "
+            "confirmation), then exit.",
         ),
     ] = False
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Confirm --drop-slot.")] = False

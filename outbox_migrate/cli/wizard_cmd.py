@@ -24,19 +24,17 @@ def register(app: typer.Typer) -> None:
 def wizard(
     pause: Annotated[
         bool | None,
-        typer.Option("--pause/--no-pause", help="Publication can pause for a few minutes."),
+        typer.Option(help="Publication can pause for a few minutes."),
     ] = None,
     keep_old_rows: Annotated[
         bool | None,
         typer.Option(
-            "--keep-old-rows/--no-keep-old-rows",
             help="The old rows must become part of the partitioned table.",
         ),
     ] = None,
     immediate_access: Annotated[
         bool | None,
         typer.Option(
-            "--immediate-access/--no-immediate-access",
             help="Every published row must be readable from the final table at all times.",
         ),
     ] = None,
@@ -45,7 +43,6 @@ def wizard(
     interactive: Annotated[
         bool | None,
         typer.Option(
-            "--interactive/--no-interactive",
             help="Ask for missing answers on stdin. Default: only when stdin is a terminal "
             "and --format is text.",
             show_default=False,
