@@ -1,17 +1,10 @@
-"""The exit-code table, enforced in one place (`classify`), and the signals that feed it.
+"""The exit-code table, enforced in one place (`classify`).
 
-Every command returns through `cli.app.main`, which hands whatever ended the command (a
-return, an error, an interrupt) to `classify` and exits with the code it gives. Nothing else
-in the CLI decides an exit code (`cli.launch` passes it on, and after an interrupt leaves at
-once), so a script can trust the code: `run --to V3 && deploy-v3` never deploys after a
-failure, a Ctrl-C or a lost connection.
-
-Signals (`cli.signals`, installed by the launcher before anything heavy is imported): SIGINT
-raises `KeyboardInterrupt` and SIGTERM raises `Terminated` (a subclass) at
-the point the main thread is at, so `with` blocks unwind and an open transaction is rolled
-back (psycopg cancels the running query first) before the process exits with 130 or 143.
-Commands that run as services (`relay`, `maintain` without `--once`) install their own
-handlers and treat a signal as the normal way to stop (exit 0).
+`cli.app.main` hands `classify` whatever ended a command (a return, an error, an interrupt)
+and exits with the code it gives; nothing else in the CLI decides an exit code, so a script
+can trust it: `run --to V3 && deploy-v3` never deploys after a failure, a Ctrl-C or a lost
+connection. Signals arrive as `KeyboardInterrupt` or `signals.Terminated` (cli/signals.py;
+services stop on them gracefully, `signals.GracefulStop`).
 
 Imports stay light: no rich, and psycopg only if a command already loaded it.
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any
 
 import typer
@@ -64,20 +65,19 @@ def wizard(
     if interactive and output is not OutputFormat.text:
         raise UsageError("--interactive asks its questions on stdout; use it with --format text")
     if interactive is None:
-        interactive = output is OutputFormat.text and _stdin_is_tty()
+        interactive = output is OutputFormat.text and sys.stdin.isatty()
 
     def ask(key: str, given: bool | None) -> bool:
+        flag = key.replace("_", "-")
         if given is not None:
             return given
         if not interactive:
-            flag = key.replace("_", "-")
             raise UsageError(f"answer {QUESTIONS[key]!r} with --{flag} or --no-{flag}")
         from outbox_migrate.cli.console import confirm
 
         try:
             return confirm(QUESTIONS[key])
         except EOFError:
-            flag = key.replace("_", "-")
             raise UsageError(
                 f"stdin ended before {QUESTIONS[key]!r} was answered; answer y or n, or pass "
                 f"--{flag} / --no-{flag}"
@@ -112,9 +112,3 @@ def wizard(
     from outbox_migrate.cli.console import render_recommendation
 
     render_recommendation(document)
-
-
-def _stdin_is_tty() -> bool:
-    import sys
-
-    return sys.stdin.isatty()
