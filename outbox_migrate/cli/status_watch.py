@@ -139,7 +139,22 @@ def watch(
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        _frames(get_frame, interval_s=interval_s, count=count, json_lines=json_lines)
+        terminal = sys.stdout.isatty() and not json_lines
+        shown = 0
+        while count is None or shown < count:
+            started = time.monotonic()
+            document = get_frame()
+            if json_lines:
+                sys.stdout.write(json.dumps(document, default=str) + "\n")
+            else:
+                lines = render(document, shutil.get_terminal_size((80, 24)).columns)
+                lead = CLEAR if terminal else ("\n" if shown else "")
+                sys.stdout.write(lead + "\n".join(lines) + "\n")
+            sys.stdout.flush()
+            shown += 1
+            if count is not None and shown >= count:
+                break
+            time.sleep(max(interval_s - (time.monotonic() - started), 0.0))
     except KeyboardInterrupt as exc:
         if isinstance(exc, Terminated):
             raise
@@ -147,28 +162,3 @@ def watch(
         sys.stdout.flush()
     finally:
         quiet.setLevel(level)
-
-
-def _frames(
-    get_frame: Callable[[], dict[str, Any]],
-    *,
-    interval_s: float,
-    count: int | None,
-    json_lines: bool,
-) -> None:
-    terminal = sys.stdout.isatty() and not json_lines
-    shown = 0
-    while count is None or shown < count:
-        started = time.monotonic()
-        document = get_frame()
-        if json_lines:
-            sys.stdout.write(json.dumps(document, default=str) + "\n")
-        else:
-            lines = render(document, shutil.get_terminal_size((80, 24)).columns)
-            lead = CLEAR if terminal else ("\n" if shown else "")
-            sys.stdout.write(lead + "\n".join(lines) + "\n")
-        sys.stdout.flush()
-        shown += 1
-        if count is not None and shown >= count:
-            break
-        time.sleep(max(interval_s - (time.monotonic() - started), 0.0))
