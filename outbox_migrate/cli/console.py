@@ -10,10 +10,13 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from outbox_migrate.jobs.copy_back import CopyProgress
 
 # Lines are wrapped here (`_say`, `table`), to the terminal's width — 80 when it is not a
 # terminal — so rich's own soft wrapping stays off: it would cut words it cannot place.
@@ -133,53 +136,33 @@ def advice(following: str, label: str = "Next:") -> None:
             console.print(line, markup=False, highlight=False)
 
 
-class RowProgress:
-    """A progress bar for a row-copying job on stderr: rows, rows/s and an ETA.
+@contextmanager
+def copy_progress(total: int, done: int) -> Iterator[Callable[[CopyProgress], None]]:
+    """A progress bar for copy-back on stderr (rows, rows/s, an ETA, a pause), and the
+    callback that moves it.
 
-    The rate and ETA are the job's own measurements (passed in), not rich's estimate, so the
-    bar shows the same figures the job reports in JSON.
+    The rate and ETA are the job's own measurements, not rich's estimate, so the bar shows
+    the same figures the job reports in JSON.
     """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    def __init__(self, description: str, total: int) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-        self._progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("rows"),
-            TextColumn("{task.fields[rate]}"),
-            TextColumn("ETA {task.fields[eta]}"),
-            TextColumn("{task.fields[note]}"),
-            console=err(),
-            transient=False,
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("rows"), TextColumn("{task.fields[rate]}"),
+               TextColumn("ETA {task.fields[eta]}"), TextColumn("{task.fields[note]}")]  # fmt: skip
+    with Progress(*columns, console=err(), transient=False) as progress:
+        task = progress.add_task(
+            "copy-back", total=total, completed=done, rate="0 rows/s", eta="?", note=""
         )
-        self._task = self._progress.add_task(description, total=total, rate="", eta="?", note="")
 
-    def __enter__(self) -> RowProgress:
-        self._progress.start()
-        return self
+        def show(p: CopyProgress) -> None:
+            progress.update(
+                task, completed=p.copied_rows, total=p.total_rows,
+                rate=f"{p.rows_per_s:,.0f} rows/s",
+                eta="?" if p.eta_s is None else _duration(p.eta_s),
+                note=f"paused {p.pause_s:.2f}s" if p.pause_s >= 0.05 else "",
+            )  # fmt: skip
 
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
-
-    def update(
-        self,
-        completed: int,
-        total: int,
-        rows_per_s: float,
-        eta_s: float | None,
-        note: str = "",
-    ) -> None:
-        eta = "?" if eta_s is None else _duration(eta_s)
-        self._progress.update(
-            self._task,
-            completed=completed,
-            total=total,
-            rate=f"{rows_per_s:,.0f} rows/s",
-            eta=eta,
-            note=note,
-        )
+        yield show
 
 
 def _duration(seconds: float) -> str:

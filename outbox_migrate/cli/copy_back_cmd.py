@@ -68,7 +68,7 @@ def copy_back(
     from dataclasses import asdict
 
     from outbox_migrate.db import connect
-    from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions, CopyProgress
+    from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions
     from outbox_migrate.jobs.throttle import ThrottlePolicy
 
     settings = settings_from(**names)
@@ -93,20 +93,14 @@ def copy_back(
             report(output, done, f"{plan.source} was already copied back and dropped")
             return
         if output is OutputFormat.text:
-            from outbox_migrate.cli.console import RowProgress, text
+            from outbox_migrate.cli.console import copy_progress, text
 
             if plan.high_water is not None and not from_start:
                 text(f"resuming after id {plan.high_water}: {plan.remaining_rows:,} of "
                      f"{plan.source_rows:,} rows left")  # fmt: skip
             text(f"copying {plan.source} → {plan.target}")
-            with RowProgress("copy-back", plan.source_rows) as bar:
-                done_before = 0 if from_start else plan.source_rows - plan.remaining_rows
-                bar.update(done_before, plan.source_rows, 0.0, None)
-
-                def show(p: CopyProgress) -> None:
-                    note = f"paused {p.pause_s:.2f}s" if p.pause_s >= 0.05 else ""
-                    bar.update(p.copied_rows, p.total_rows, p.rows_per_s, p.eta_s, note)
-
+            done_before = 0 if from_start else plan.source_rows - plan.remaining_rows
+            with copy_progress(plan.source_rows, done_before) as show:
                 result = job.run(progress=show, from_start=from_start, plan=plan)
         else:
             result = job.run(from_start=from_start, plan=plan)
