@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -314,32 +315,23 @@ def reset(
     *,
     names: dict[str, Any],
 ) -> None:
+    from outbox_migrate.cli.console import confirm, text
+    from outbox_migrate.cli.exits import Declined
+    from outbox_migrate.errors import UsageError
+    from outbox_migrate.runner import inspect
+
     if not yes:
-        import sys
-
-        from outbox_migrate.errors import UsageError
-
         if not sys.stdin.isatty():
             raise UsageError("reset needs confirmation: pass --yes")
-        from outbox_migrate.cli.console import confirm
-
         if not confirm("Abandon the active migration record? Schema objects stay as they are."):
-            from outbox_migrate.cli.exits import Declined
-
             raise Declined("reset not confirmed; the migration record is unchanged")
     name = pattern.value if pattern else None
     if name is None:  # the record to abandon is the table's active one, whatever its pattern
-        from outbox_migrate.runner import inspect
-
         name = inspect.active_pattern(require_dsn(dsn), settings_from(**names))
-        if name is None:
-            from outbox_migrate.cli.console import text
-
-            text("no active migration to reset")
-            return
+    if name is None:
+        text("no active migration to reset")
+        return
     runner = _runner(name, dsn, OutputFormat.text, names)
     with runner:
         changed = runner.reset(force=force)
-    from outbox_migrate.cli.console import text
-
     text("migration record abandoned" if changed else "no active migration to reset")
