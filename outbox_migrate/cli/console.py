@@ -306,7 +306,7 @@ def render_status(doc: dict[str, Any], latest: dict[str, dict[str, Any]] | None 
     say — its latest lock attempt when that is newer than its recorded error (`latest`, from
     `attempt_log.latest_attempts`), else the error."""
     from outbox_migrate.attempt_log import newer_than_error
-    from outbox_migrate.cli.wording import status_line, without_prefix
+    from outbox_migrate.cli.wording import status_line
 
     console = out()
     _say(console, status_line(doc))
@@ -323,7 +323,7 @@ def render_status(doc: dict[str, Any], latest: dict[str, dict[str, Any]] | None 
             _say(console, f"{s['id']}: {_attempt_line(attempt)}")
         elif s.get("last_error"):
             # The error itself often starts with the step id: say it once.
-            _say(console, f"{s['id']}: {without_prefix(str(s['last_error']), s['id'])}")
+            _say(console, f"{s['id']}: {str(s['last_error']).removeprefix(s['id'] + ': ')}")
 
 
 def _attempt_line(attempt: dict[str, Any]) -> str:

@@ -26,12 +26,6 @@ def status_line(doc: dict[str, Any]) -> str:
             f"through {doc['phase']}{following}")  # fmt: skip
 
 
-def without_prefix(message: str, prefix: str) -> str:
-    """`message` without a leading `prefix: ` (a step id the line already names)."""
-    lead = prefix + ": "
-    return message[len(lead) :] if message.startswith(lead) else message
-
-
 _BULLET = re.compile(r"^(\s*(?:[-*] |\d+\. )?)")
 _NBSP = "\u00a0"  # textwrap splits on ASCII whitespace only: a no-break space holds words
 
