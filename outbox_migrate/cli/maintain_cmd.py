@@ -125,19 +125,13 @@ def maintain(
     )
 
 
-def _as_dict(report: MaintenanceReport) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    data = asdict(report)
-    data["problems"] = report.problems
-    return data
-
-
 def _show(report: MaintenanceReport, as_json: bool, *, compact: bool = False) -> None:
     if as_json:
+        from dataclasses import asdict
+
         from outbox_migrate.cli.console import print_json
 
-        print_json(_as_dict(report), indent=None if compact else 2)
+        print_json({**asdict(report), "problems": report.problems}, indent=None if compact else 2)
         return
     from outbox_migrate.cli.console import table, text
     from outbox_migrate.cli.wording import count
