@@ -250,7 +250,6 @@ def relay(flags: RelayFlags, names: dict[str, Any]) -> None:
     # First: a SIGTERM while the relay starts is its normal stop too (exit 0, nothing begun).
     stopping = None if flags.drop_slot else signals.GracefulStop()
     import logging
-    import sys
 
     from outbox_migrate.cli.options import require_dsn, settings_from
     from outbox_migrate.errors import UsageError
