@@ -63,13 +63,14 @@ def roles(
     ] = None,
     publication: Annotated[str | None, typer.Option(help="The CDC relay's publication.")] = None,
     output: FormatOption = OutputFormat.text,
-    names: dict[str, Any] | None = None,
+    *,
+    names: dict[str, Any],
 ) -> None:
     from outbox_migrate.advisory import role_check
     from outbox_migrate.db import connect
     from outbox_migrate.relay.options import DEFAULT_PUBLICATION
 
-    spec = settings_from(**(names or {})).spec
+    spec = settings_from(**names).spec
     target = require_dsn(dsn)
     with connect(target) as conn:
         conn.execute("SET default_transaction_read_only = on")
