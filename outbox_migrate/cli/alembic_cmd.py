@@ -58,16 +58,16 @@ def generate(
     ] = Path(),
     down_revision: Annotated[
         str | None,
-        typer.Option("--down-revision", help="Chain after this revision instead of the head."),
+        typer.Option(help="Chain after this revision instead of the head."),
     ] = None,
     split: Annotated[
         SplitChoice,
-        typer.Option("--split", help="step: one revision per step, each one transaction with "
+        typer.Option(help="step: one revision per step, each one transaction with "
                      "alembic_version (default); phase: one revision per phase."),
     ] = SplitChoice.step,
     tag: Annotated[
         str | None,
-        typer.Option("--tag", help="Prefix of the revision ids (<tag>_hoper_v2_01) [random].",
+        typer.Option(help="Prefix of the revision ids (<tag>_hoper_v2_01) [random].",
                      show_default=False),
     ] = None,
     with_optional: OptionalOption = False,

@@ -97,19 +97,11 @@ def root(
         raise typer.Exit(0)
 
 
-demo_cmd.register(app)
-rehearse_cmd.register(app)
-wizard_cmd.register(app)
-plan_cmd.register(app)
-run_cmd.register(app)
-config_cmd.register(app)
-ping_cmd.register(app)
-roles_cmd.register(app)
-relay_cmd.register(app)
-copy_back_cmd.register(app)
-maintain_cmd.register(app)
-dead_letters_cmd.register(app)
-alembic_cmd.register(app)
+# In the order --help lists them.
+for module in (demo_cmd, rehearse_cmd, wizard_cmd, plan_cmd, run_cmd, config_cmd, ping_cmd,
+               roles_cmd, relay_cmd, copy_back_cmd, maintain_cmd, dead_letters_cmd,
+               alembic_cmd):  # fmt: skip
+    module.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,32 +23,18 @@ def register(app: typer.Typer) -> None:
     )(with_names(config, settings=RUNNER_SETTINGS))
 
 
-def config(
-    output: FormatOption = OutputFormat.text,
-    *,
-    names: dict[str, Any],
-) -> None:
+def config(output: FormatOption = OutputFormat.text, *, names: dict[str, Any]) -> None:
     from dataclasses import asdict
 
     settings = settings_from(**names)
-    values = asdict(settings.spec)
-    values.update(
-        lock_timeout_ms=settings.lock_timeout_ms,
-        lock_budget_s=settings.lock_budget_s,
-        old_app_name=settings.old_app_name,
-        gate_window_s=settings.gate_window_s,
-    )
+    values = asdict(settings.spec) | {key: getattr(settings, key) for key in RUNNER_SETTINGS}
+    source = {key: settings.sources.get(key, "default") for key in values}
     if output is OutputFormat.json:
         from outbox_migrate.cli.console import print_json
 
-        print_json(
-            {
-                key: {"value": value, "source": settings.sources.get(key, "default")}
-                for key, value in values.items()
-            }
-        )
+        print_json({key: {"value": v, "source": source[key]} for key, v in values.items()})
         return
-    from outbox_migrate.cli.console import table as print_table
+    from outbox_migrate.cli.console import table
 
-    rows = [(k, v, settings.sources.get(k, "default")) for k, v in values.items()]
-    print_table("outbox-migrate configuration", ["key", "value", "source"], rows)
+    rows = [(key, v, source[key]) for key, v in values.items()]
+    table("outbox-migrate configuration", ["key", "value", "source"], rows)

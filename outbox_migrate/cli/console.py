@@ -10,10 +10,13 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from outbox_migrate.jobs.copy_back import CopyProgress
 
 # Lines are wrapped here (`_say`, `table`), to the terminal's width — 80 when it is not a
 # terminal — so rich's own soft wrapping stays off: it would cut words it cannot place.
@@ -29,15 +32,10 @@ def err() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def print_json(data: Any) -> None:
-    """Machine output: plain JSON on stdout, no colour, no wrapping."""
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
-    sys.stdout.flush()
-
-
-def print_json_line(data: Any) -> None:
-    """One compact JSON object per line (JSON-lines streams such as `run --format json`)."""
-    sys.stdout.write(json.dumps(data, default=str) + "\n")
+def print_json(data: Any, *, indent: int | None = 2) -> None:
+    """Machine output: plain JSON on stdout, no colour, no wrapping; `indent=None` writes one
+    compact object per line (JSON-lines streams such as `run --format json`)."""
+    sys.stdout.write(json.dumps(data, indent=indent, default=str) + "\n")
     sys.stdout.flush()
 
 
@@ -138,57 +136,33 @@ def advice(following: str, label: str = "Next:") -> None:
             console.print(line, markup=False, highlight=False)
 
 
-def markup(message: str) -> None:
-    out().print(message)
+@contextmanager
+def copy_progress(total: int, done: int) -> Iterator[Callable[[CopyProgress], None]]:
+    """A progress bar for copy-back on stderr (rows, rows/s, an ETA, a pause), and the
+    callback that moves it.
 
-
-class RowProgress:
-    """A progress bar for a row-copying job on stderr: rows, rows/s and an ETA.
-
-    The rate and ETA are the job's own measurements (passed in), not rich's estimate, so the
-    bar shows the same figures the job reports in JSON.
+    The rate and ETA are the job's own measurements, not rich's estimate, so the bar shows
+    the same figures the job reports in JSON.
     """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    def __init__(self, description: str, total: int) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-        self._progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("rows"),
-            TextColumn("{task.fields[rate]}"),
-            TextColumn("ETA {task.fields[eta]}"),
-            TextColumn("{task.fields[note]}"),
-            console=err(),
-            transient=False,
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("rows"), TextColumn("{task.fields[rate]}"),
+               TextColumn("ETA {task.fields[eta]}"), TextColumn("{task.fields[note]}")]  # fmt: skip
+    with Progress(*columns, console=err(), transient=False) as progress:
+        task = progress.add_task(
+            "copy-back", total=total, completed=done, rate="0 rows/s", eta="?", note=""
         )
-        self._task = self._progress.add_task(description, total=total, rate="", eta="?", note="")
 
-    def __enter__(self) -> RowProgress:
-        self._progress.start()
-        return self
+        def show(p: CopyProgress) -> None:
+            progress.update(
+                task, completed=p.copied_rows, total=p.total_rows,
+                rate=f"{p.rows_per_s:,.0f} rows/s",
+                eta="?" if p.eta_s is None else _duration(p.eta_s),
+                note=f"paused {p.pause_s:.2f}s" if p.pause_s >= 0.05 else "",
+            )  # fmt: skip
 
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
-
-    def update(
-        self,
-        completed: int,
-        total: int,
-        rows_per_s: float,
-        eta_s: float | None,
-        note: str = "",
-    ) -> None:
-        eta = "?" if eta_s is None else _duration(eta_s)
-        self._progress.update(
-            self._task,
-            completed=completed,
-            total=total,
-            rate=f"{rows_per_s:,.0f} rows/s",
-            eta=eta,
-            note=note,
-        )
+        yield show
 
 
 def _duration(seconds: float) -> str:
@@ -301,8 +275,7 @@ class _JsonRunnerEvents:
     """Runner progress for CI logs: one JSON object per line on stdout."""
 
     def _emit(self, **fields: Any) -> None:
-        sys.stdout.write(json.dumps(fields, default=str) + "\n")
-        sys.stdout.flush()
+        print_json(fields, indent=None)
 
     def step_started(self, step: Any, action: str) -> None:
         self._emit(event="step_started", step=step.id, action=action)
@@ -333,14 +306,10 @@ def render_status(doc: dict[str, Any], latest: dict[str, dict[str, Any]] | None 
     say — its latest lock attempt when that is newer than its recorded error (`latest`, from
     `attempt_log.latest_attempts`), else the error."""
     from outbox_migrate.attempt_log import newer_than_error
-    from outbox_migrate.cli.wording import without_prefix
+    from outbox_migrate.cli.wording import status_line
 
     console = out()
-    _say(console,
-        f"{doc['pattern'].upper()} migration of {doc['table']}: {doc['state']}, completed "
-        f"through {doc['phase']}"
-        + (f", next {doc['next_phase']}" if doc.get("next_phase") else ""),
-    )  # fmt: skip
+    _say(console, status_line(doc))
     rows = [
         (s["id"], s["state"], s.get("attempts", 0),
          f"{s['duration_ms']:.0f}" if s.get("duration_ms") is not None else "",
@@ -354,7 +323,7 @@ def render_status(doc: dict[str, Any], latest: dict[str, dict[str, Any]] | None 
             _say(console, f"{s['id']}: {_attempt_line(attempt)}")
         elif s.get("last_error"):
             # The error itself often starts with the step id: say it once.
-            _say(console, f"{s['id']}: {without_prefix(str(s['last_error']), s['id'])}")
+            _say(console, f"{s['id']}: {str(s['last_error']).removeprefix(s['id'] + ': ')}")
 
 
 def _attempt_line(attempt: dict[str, Any]) -> str:
@@ -372,12 +341,12 @@ def _attempt_line(attempt: dict[str, Any]) -> str:
 
 
 @contextmanager
-def demo_live(pattern: str, what: str = "demo") -> Iterator[Callable[[Any], None]]:
+def demo_live(title: str) -> Iterator[Callable[[Any], None]]:
     """A live view of the simulation: phase, step, rates, backlog and lag."""
     from rich.live import Live
 
     def view(snapshot: Any) -> Table:
-        grid = Table(title=f"outbox-migrate {what}: {pattern.upper()}", show_header=False)
+        grid = Table(title=title, show_header=False)
         grid.add_column("what")
         grid.add_column("value")
         grid.add_row("elapsed", f"{snapshot.elapsed_s:5.1f} s")
@@ -390,7 +359,7 @@ def demo_live(pattern: str, what: str = "demo") -> Iterator[Callable[[Any], None
         grid.add_row("max lag (2 s)", f"{snapshot.max_lag_s * 1000:,.0f} ms")
         return grid
 
-    with Live(Table(title=f"outbox-migrate {what}: {pattern.upper()} starting…"),
+    with Live(Table(title=f"{title} starting…"),
               console=err(), refresh_per_second=4, transient=False) as live:  # fmt: skip
 
         def update(snapshot: Any) -> None:

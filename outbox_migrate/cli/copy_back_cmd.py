@@ -11,40 +11,11 @@ from outbox_migrate.cli.options import (
     DsnOption,
     FormatOption,
     OutputFormat,
+    report,
     require_dsn,
     settings_from,
     with_names,
 )
-
-BatchSizeOption = Annotated[
-    int, typer.Option("--batch-size", min=1, help="Rows per batch (one transaction each).")
-]
-RateOption = Annotated[
-    float | None,
-    typer.Option("--rate", min=1, help="Ceiling in rows/s. Default: as fast as impact allows."),
-]
-NoDropOption = Annotated[
-    bool, typer.Option("--no-drop", help="Copy and verify, but keep the source table.")
-]
-NoAdaptiveOption = Annotated[
-    bool,
-    typer.Option(
-        "--no-adaptive",
-        help="Do not back off on replica lag or probe latency (the --rate ceiling still holds).",
-    ),
-]
-FromStartOption = Annotated[
-    bool,
-    typer.Option(
-        "--from-start",
-        help="Ignore the high-water mark and walk the whole source again (re-copies rows "
-        "missing from the target; rows present are skipped).",
-    ),
-]
-MaxLagOption = Annotated[
-    float,
-    typer.Option("--max-replica-lag", min=0, help="Pause while a replica lags more (seconds)."),
-]
 
 
 def register(app: typer.Typer) -> None:
@@ -60,12 +31,36 @@ def register(app: typer.Typer) -> None:
 
 def copy_back(
     dsn: DsnOption = None,
-    batch_size: BatchSizeOption = 10_000,
-    rate: RateOption = None,
-    no_drop: NoDropOption = False,
-    no_adaptive: NoAdaptiveOption = False,
-    from_start: FromStartOption = False,
-    max_replica_lag: MaxLagOption = 5.0,
+    batch_size: Annotated[
+        int, typer.Option(min=1, help="Rows per batch (one transaction each).")
+    ] = 10_000,
+    rate: Annotated[
+        float | None,
+        typer.Option(min=1, help="Ceiling in rows/s. Default: as fast as impact allows."),
+    ] = None,
+    no_drop: Annotated[
+        bool, typer.Option("--no-drop", help="Copy and verify, but keep the source table.")
+    ] = False,
+    no_adaptive: Annotated[
+        bool,
+        typer.Option(
+            "--no-adaptive",
+            help="Do not back off on replica lag or probe latency (the --rate ceiling still "
+            "holds).",
+        ),
+    ] = False,
+    from_start: Annotated[
+        bool,
+        typer.Option(
+            "--from-start",
+            help="Ignore the high-water mark and walk the whole source again (re-copies rows "
+            "missing from the target; rows present are skipped).",
+        ),
+    ] = False,
+    max_replica_lag: Annotated[
+        float,
+        typer.Option(min=0, help="Pause while a replica lags more (seconds)."),
+    ] = 5.0,
     output: FormatOption = OutputFormat.text,
     *,
     names: dict[str, Any],
@@ -73,7 +68,7 @@ def copy_back(
     from dataclasses import asdict
 
     from outbox_migrate.db import connect
-    from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions, CopyProgress
+    from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions
     from outbox_migrate.jobs.throttle import ThrottlePolicy
 
     settings = settings_from(**names)
@@ -84,35 +79,28 @@ def copy_back(
             rate_rows_per_s=rate, adaptive=not no_adaptive, max_replica_lag_s=max_replica_lag
         ),
     )
-    human = output is OutputFormat.text
     if _recorded_migration(target, settings) is not None:
         # One path for the job: with a HOPER migration in the ledger, this command is
         # `run --to copy-back` (or, with --no-drop, the copy-back step alone), so the ledger
         # records it whichever entry point ran it, and either can finish the other's work.
-        _through_the_runner(target, settings, options, no_drop, human)
+        _through_the_runner(target, settings, options, no_drop, output)
         return
     with connect(target) as conn:
         job = CopyBack(conn, settings.spec, options, dsn=target)
         plan = job.plan()
         if plan.state == "done":
             done = {"state": "done", "source": plan.source, "dropped": True}
-            _report(done, human, f"{plan.source} was already copied back and dropped")
+            report(output, done, f"{plan.source} was already copied back and dropped")
             return
-        if human:
-            from outbox_migrate.cli.console import RowProgress, text
+        if output is OutputFormat.text:
+            from outbox_migrate.cli.console import copy_progress, text
 
             if plan.high_water is not None and not from_start:
                 text(f"resuming after id {plan.high_water}: {plan.remaining_rows:,} of "
                      f"{plan.source_rows:,} rows left")  # fmt: skip
             text(f"copying {plan.source} → {plan.target}")
-            with RowProgress("copy-back", plan.source_rows) as bar:
-                done_before = 0 if from_start else plan.source_rows - plan.remaining_rows
-                bar.update(done_before, plan.source_rows, 0.0, None)
-
-                def show(p: CopyProgress) -> None:
-                    note = f"paused {p.pause_s:.2f}s" if p.pause_s >= 0.05 else ""
-                    bar.update(p.copied_rows, p.total_rows, p.rows_per_s, p.eta_s, note)
-
+            done_before = 0 if from_start else plan.source_rows - plan.remaining_rows
+            with copy_progress(plan.source_rows, done_before) as show:
                 result = job.run(progress=show, from_start=from_start, plan=plan)
         else:
             result = job.run(from_start=from_start, plan=plan)
@@ -131,8 +119,7 @@ def copy_back(
             "dropped": False,
         }
         if not verification.passed:
-            if not human:
-                _report(summary, human, "")
+            report(output, summary)  # JSON only: the error below is the line for people
             from outbox_migrate.jobs.copy_back import VerificationFailed
 
             raise VerificationFailed(
@@ -141,9 +128,9 @@ def copy_back(
         if not no_drop:
             job.drop(verification)
             summary["dropped"] = True
-    _report(
+    report(
+        output,
         summary,
-        human,
         f"copied {result.inserted_rows:,} rows ({result.present_rows:,} already present) "
         f"at {result.rows_per_s:,.0f} rows/s; verified {verification.source_rows:,} rows in "
         f"{verification.ranges_checked} ranges; "
@@ -171,13 +158,15 @@ def _recorded_migration(dsn: str, settings: Any) -> object | None:
         return ledger.latest(conn, settings.spec, "hoper")
 
 
-def _through_the_runner(dsn: str, settings: Any, options: Any, no_drop: bool, human: bool) -> None:
+def _through_the_runner(
+    dsn: str, settings: Any, options: Any, no_drop: bool, output: OutputFormat
+) -> None:
     from dataclasses import asdict
 
     from outbox_migrate.cli.console import runner_events
     from outbox_migrate.runner import Runner
 
-    events = runner_events(json_lines=not human)
+    events = runner_events(json_lines=output is OutputFormat.json)
     with Runner(dsn, settings, "hoper", events=events, copy_back_options=options) as runner:
         if no_drop:
             result = runner.execute_step("hoper.copy-back.copy-back")
@@ -190,15 +179,4 @@ def _through_the_runner(dsn: str, settings: Any, options: Any, no_drop: bool, hu
         f"adopted {len(result.adopted)}; "
         + ("migration complete" if result.completed else f"at the end of {result.phase}")
     )
-    _report({"through": "runner", **asdict(result)}, human, line)
-
-
-def _report(data: dict[str, object], human: bool, line: str) -> None:
-    if human:
-        from outbox_migrate.cli.console import text
-
-        text(line)
-    else:
-        from outbox_migrate.cli.console import print_json
-
-        print_json(data)
+    report(output, {"through": "runner", **asdict(result)}, line)

@@ -9,6 +9,8 @@ exist); 6 connection lost.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -18,6 +20,7 @@ from outbox_migrate.cli.options import (
     DsnOption,
     FormatOption,
     OutputFormat,
+    report,
     require_dsn,
     settings_from,
     with_names,
@@ -64,10 +67,10 @@ def register(app: typer.Typer) -> None:
                         rich_markup_mode=None, add_completion=False)  # fmt: skip
     group.command("list", help="The dead letters, oldest message first.\n\n"
                   "Example: outbox-migrate dead-letters list --since 2026-11-28 --format json "
-                  "--dsn $DATABASE_URL")(with_names(list_command))  # fmt: skip
+                  "--dsn $DATABASE_URL")(with_names(_reader(detailed=False)))  # fmt: skip
     group.command("show", help="Every field of the dead letters selected.\n\n"
                   "Example: outbox-migrate dead-letters show --reason 23505 --dsn $DATABASE_URL")(
-        with_names(show_command))  # fmt: skip
+        with_names(_reader(detailed=True)))  # fmt: skip
     group.command(
         "requeue",
         help="Write the selected dead letters back into the outbox, oldest first (key order), "
@@ -88,80 +91,51 @@ def _selection(ids: list[str] | None, reason: str | None, since: datetime | None
     return Selection(tuple(ids or ()), reason, since, until, source)
 
 
-def _connect(dsn: str | None) -> Any:
-    from outbox_migrate.db import connect
-
-    return connect(require_dsn(dsn), autocommit=True)
-
-
-def _checked(conn: Any, schema: str, table: str) -> None:
+@contextmanager
+def _opened(dsn: str | None, table: str, names: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+    """A connection and the spec, once the dead-letter table is known to exist."""
     from psycopg import sql
 
+    from outbox_migrate.db import connect
     from outbox_migrate.errors import UsageError
 
-    name = sql.Identifier(schema, table).as_string(conn)
-    if conn.execute("SELECT to_regclass(%s)", (name,)).fetchone() == (None,):
-        raise UsageError(f"{name} does not exist (created by the migration's "
-                         "create-dead-letter-tables step, or by the relay)")  # fmt: skip
-
-
-def _letters(
-    dsn: str | None, table: str, selection: Any, limit: int, names: dict[str, Any]
-) -> list[dict[str, Any]]:
-    from outbox_migrate.relay.dead_letters import listed
-
     spec = settings_from(**names).spec
-    with _connect(dsn) as conn:
-        _checked(conn, spec.schema, table)
-        return listed(conn, spec.schema, table, selection, limit)
+    with connect(require_dsn(dsn), autocommit=True) as conn:
+        name = sql.Identifier(spec.schema, table).as_string(conn)
+        if conn.execute("SELECT to_regclass(%s)", (name,)).fetchone() == (None,):
+            raise UsageError(f"{name} does not exist (created by the migration's "
+                             "create-dead-letter-tables step, or by the relay)")  # fmt: skip
+        yield conn, spec
 
 
-def list_command(
-    dsn: DsnOption = None, ids: IdsOption = None, reason: ReasonOption = None,
-    since: SinceOption = None, until: UntilOption = None, source: SourceOption = None,
-    dead_letter_table: TableOption = "outbox_dead_letter", limit: LimitOption = 100,
-    output: FormatOption = OutputFormat.text, *, names: dict[str, Any],
-) -> None:  # fmt: skip
-    letters = _letters(dsn, dead_letter_table, _selection(ids, reason, since, until, source),
-                       limit, names)  # fmt: skip
-    if output is OutputFormat.json:
-        from outbox_migrate.cli.console import print_json
+def _reader(*, detailed: bool) -> Callable[..., None]:
+    """`list` (a line each) or `show` (every field; exit 1 for an --id not there)."""
 
-        print_json(letters)
-        return
-    from outbox_migrate.cli.console import text
+    def read(
+        dsn: DsnOption = None, ids: IdsOption = None, reason: ReasonOption = None,
+        since: SinceOption = None, until: UntilOption = None, source: SourceOption = None,
+        dead_letter_table: TableOption = "outbox_dead_letter", limit: LimitOption = 100,
+        output: FormatOption = OutputFormat.text, *, names: dict[str, Any],
+    ) -> None:  # fmt: skip
+        from outbox_migrate.relay.dead_letters import listed
 
-    for d in letters:
-        text(f"{d['source_table']} id={d['id']} key={d['message_key']} type={d['event_type']} "
-             f"attempts={d['attempts']} delivered={d['delivered']} dead_at={d['dead_at']} "
-             f"{d['last_error']}")  # fmt: skip
-    text(f"{len(letters)} dead letter(s)")
+        selection = _selection(ids, reason, since, until, source)
+        with _opened(dsn, dead_letter_table, names) as (conn, spec):
+            letters = listed(conn, spec.schema, dead_letter_table, selection, limit)
+        if detailed:  # every field, a blank line after each letter
+            lines = [line for d in letters for line in (*(f"{k}: {v}" for k, v in d.items()), "")]
+        else:
+            lines = [
+                f"{d['source_table']} id={d['id']} key={d['message_key']} type={d['event_type']} "
+                f"attempts={d['attempts']} delivered={d['delivered']} dead_at={d['dead_at']} "
+                f"{d['last_error']}"
+                for d in letters
+            ] + [f"{len(letters)} dead letter(s)"]
+        report(output, letters, *lines)
+        if detailed:
+            _missing(ids, [d["id"] for d in letters])
 
-
-def show_command(
-    dsn: DsnOption = None, ids: IdsOption = None, reason: ReasonOption = None,
-    since: SinceOption = None, until: UntilOption = None, source: SourceOption = None,
-    dead_letter_table: TableOption = "outbox_dead_letter", limit: LimitOption = 100,
-    output: FormatOption = OutputFormat.text, *, names: dict[str, Any],
-) -> None:  # fmt: skip
-    letters = _letters(dsn, dead_letter_table, _selection(ids, reason, since, until, source),
-                       limit, names)  # fmt: skip
-    _show(letters, output)
-    _missing(ids, [d["id"] for d in letters])
-
-
-def _show(letters: list[dict[str, Any]], output: OutputFormat) -> None:
-    if output is OutputFormat.json:
-        from outbox_migrate.cli.console import print_json
-
-        print_json(letters)
-        return
-    from outbox_migrate.cli.console import text
-
-    for d in letters:
-        for key, value in d.items():
-            text(f"{key}: {value}")
-        text()
+    return read
 
 
 def requeue_command(
@@ -174,10 +148,8 @@ def requeue_command(
     from outbox_migrate.relay.dead_letters import requeue
     from outbox_migrate.relay.options import ATTEMPTS_TABLE_SUFFIX
 
-    spec = settings_from(**names).spec
     selection = _selection(ids, reason, since, until, source)
-    with _connect(dsn) as conn:
-        _checked(conn, spec.schema, dead_letter_table)
+    with _opened(dsn, dead_letter_table, names) as (conn, spec):
         done = requeue(conn, spec, dead_letter_table, dead_letter_table + ATTEMPTS_TABLE_SUFFIX,
                        selection, new_id=new_id, channel=channel)  # fmt: skip
     _report("requeued", [{"source_table": r.source_table, "id": r.old_id, "new_id": r.new_id}
@@ -193,26 +165,16 @@ def purge_command(
 ) -> None:  # fmt: skip
     from outbox_migrate.relay.dead_letters import purge
 
-    spec = settings_from(**names).spec
-    with _connect(dsn) as conn:
-        _checked(conn, spec.schema, dead_letter_table)
-        gone = purge(conn, spec.schema, dead_letter_table,
-                     _selection(ids, reason, since, until, source))  # fmt: skip
+    selection = _selection(ids, reason, since, until, source)
+    with _opened(dsn, dead_letter_table, names) as (conn, spec):
+        gone = purge(conn, spec.schema, dead_letter_table, selection)
     _report("purged", [{"id": i} for i in gone], output)
     _missing(ids, gone)
 
 
 def _report(what: str, done: list[dict[str, Any]], output: OutputFormat) -> None:
-    if output is OutputFormat.json:
-        from outbox_migrate.cli.console import print_json
-
-        print_json({what: done})
-        return
-    from outbox_migrate.cli.console import text
-
-    for item in done:
-        text(f"{what} " + " ".join(f"{k}={v}" for k, v in item.items()))
-    text(f"{len(done)} dead letter(s) {what}")
+    lines = [f"{what} " + " ".join(f"{k}={v}" for k, v in item.items()) for item in done]
+    report(output, {what: done}, *lines, f"{len(done)} dead letter(s) {what}")
 
 
 def _missing(asked: list[str] | None, found: list[str]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -53,31 +53,19 @@ def demo(
     ] = False,
     output: FormatOption = OutputFormat.text,
 ) -> None:
+    from outbox_migrate.cli.console import render_demo_report
     from outbox_migrate.sim import simulate
     from outbox_migrate.sim.scenario import Scenario
 
     scenario = Scenario(
         pattern.value, rate_per_s=rate, duration_s=duration, wrong_choreography=wrong_choreography
     )
-    with run_databases(dsn) as (main_dsn, recording_dsn):
-        if output is OutputFormat.json:
-            result = simulate(main_dsn, recording_dsn, scenario, output_dir=output_dir)
-            from psycopg.conninfo import conninfo_to_dict
 
-            from outbox_migrate.cli.console import print_json
+    def run(db: str, recording: str, on_snapshot: Snapshots | None) -> dict[str, Any]:
+        return simulate(db, recording, scenario, on_snapshot=on_snapshot, output_dir=output_dir)
 
-            result.pop("markers", None)
-            result["database"] = conninfo_to_dict(main_dsn).get("dbname")
-            print_json(result)
-        else:
-            from outbox_migrate.cli.console import demo_live, render_demo_report
-
-            with demo_live(pattern.value) as on_snapshot:
-                result = simulate(
-                    main_dsn, recording_dsn, scenario, on_snapshot=on_snapshot,
-                    output_dir=output_dir,
-                )  # fmt: skip
-            render_demo_report(result)
+    title = f"outbox-migrate demo: {pattern.value.upper()}"
+    result = run_live(run, dsn, DEMO_DB, output, title, render_demo_report)
     if result.get("interrupted"):
         from outbox_migrate.cli.exits import set_interrupt_note
 
@@ -93,6 +81,38 @@ def demo(
             f"the demo lost {count(result['lost'], 'message')} (see the report above); a correct "
             "choreography loses none"
         )
+
+
+Snapshots = Callable[[Any], None]
+
+
+def run_live(
+    run: Callable[[str, str, Snapshots | None], dict[str, Any]],
+    dsn: str,
+    prefix: str,
+    output: OutputFormat,
+    title: str,
+    render: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """`run` (a demo or a rehearsal) on its own databases (`run_databases`): a live view on
+    stderr and `render`ed report for people, or the report as JSON; returns the report."""
+    with run_databases(dsn, prefix) as (main_dsn, recording_dsn):
+        if output is OutputFormat.json:
+            from psycopg.conninfo import conninfo_to_dict
+
+            from outbox_migrate.cli.console import print_json
+
+            result = run(main_dsn, recording_dsn, None)
+            result.pop("markers", None)
+            result["database"] = conninfo_to_dict(main_dsn).get("dbname")
+            print_json(result)
+        else:
+            from outbox_migrate.cli.console import demo_live
+
+            with demo_live(title) as on_snapshot:
+                result = run(main_dsn, recording_dsn, on_snapshot)
+            render(result)
+    return result
 
 
 @contextmanager

@@ -1,17 +1,10 @@
-"""The exit-code table, enforced in one place (`classify`), and the signals that feed it.
+"""The exit-code table, enforced in one place (`classify`).
 
-Every command returns through `cli.app.main`, which hands whatever ended the command (a
-return, an error, an interrupt) to `classify` and exits with the code it gives. Nothing else
-in the CLI decides an exit code (`cli.launch` passes it on, and after an interrupt leaves at
-once), so a script can trust the code: `run --to V3 && deploy-v3` never deploys after a
-failure, a Ctrl-C or a lost connection.
-
-Signals (`cli.signals`, installed by the launcher before anything heavy is imported): SIGINT
-raises `KeyboardInterrupt` and SIGTERM raises `Terminated` (a subclass) at
-the point the main thread is at, so `with` blocks unwind and an open transaction is rolled
-back (psycopg cancels the running query first) before the process exits with 130 or 143.
-Commands that run as services (`relay`, `maintain` without `--once`) install their own
-handlers and treat a signal as the normal way to stop (exit 0).
+`cli.app.main` hands `classify` whatever ended a command (a return, an error, an interrupt)
+and exits with the code it gives; nothing else in the CLI decides an exit code, so a script
+can trust it: `run --to V3 && deploy-v3` never deploys after a failure, a Ctrl-C or a lost
+connection. Signals arrive as `KeyboardInterrupt` or `signals.Terminated` (cli/signals.py;
+services stop on them gracefully, `signals.GracefulStop`).
 
 Imports stay light: no rich, and psycopg only if a command already loaded it.
 """
@@ -20,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,32 +84,33 @@ def interrupt_message() -> str:
     return f"{name} during {doing()}; nothing was left half-done — re-run the same command"
 
 
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc`, then its cause (or context), and so on; each once, should the chain loop."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def connection_error(exc: BaseException | None) -> BaseException | None:
     """The psycopg error in `exc`'s chain that means the server connection broke, if any:
     SQLSTATE class 08, an administrator/crash shutdown (57P01-57P03), or a client-side
     OperationalError without SQLSTATE (the socket closed under a query)."""
     psycopg = sys.modules.get("psycopg")
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen and psycopg is not None:
-        seen.add(id(exc))
-        if isinstance(exc, psycopg.Error) and _breaks_connection(exc, psycopg):
-            found: BaseException = exc
-            return found
-        exc = exc.__cause__ or exc.__context__
-    return None
+    if psycopg is None:
+        return None
+    return next(
+        (e for e in _chain(exc) if isinstance(e, psycopg.Error) and _breaks_connection(e, psycopg)),
+        None,
+    )
 
 
 def _interrupt_in_chain(exc: BaseException | None) -> bool:
     """Whether a signal ended the command, even where Python wrapped it: CPython 3.11
     re-raises an exception from `__set_name__` as a RuntimeError caused by it, so a Ctrl-C
     while a lazily imported module builds a class arrives as that RuntimeError."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(isinstance(e, KeyboardInterrupt) for e in _chain(exc))
 
 
 def _breaks_connection(exc: Any, psycopg: Any) -> bool:

@@ -23,38 +23,6 @@ from outbox_migrate.cli.options import (
 if TYPE_CHECKING:
     from outbox_migrate.jobs.maintain import MaintenanceReport
 
-OnceOption = Annotated[bool, typer.Option("--once", help="One pass, then exit (for cron).")]
-IntervalOption = Annotated[
-    float, typer.Option("--interval", min=1, help="Seconds between passes in loop mode.")
-]
-ThresholdOption = Annotated[
-    float,
-    typer.Option("--bloat-threshold", min=0, max=100, help="Rebuild above this bloat (%)."),
-]
-MethodOption = Annotated[
-    str,
-    typer.Option(
-        "--bloat-method", help="auto (pgstattuple when available), pgstattuple or estimate."
-    ),
-]
-NoReindexOption = Annotated[
-    bool, typer.Option("--no-reindex", help="Measure and report, never rebuild.")
-]
-NoAutovacuumOption = Annotated[
-    bool, typer.Option("--no-autovacuum", help="Check the settings, never change them.")
-]
-MaxXactAgeOption = Annotated[
-    float,
-    typer.Option("--max-xact-age", min=0, help="Refuse to rebuild while a transaction is older."),
-]
-RetentionOption = Annotated[
-    float | None,
-    typer.Option("--retention-days", min=0, help="Delete rows published longer ago than this."),
-]
-RetentionRateOption = Annotated[
-    float, typer.Option("--retention-rate", min=1, help="Ceiling on deleted rows/s.")
-]
-
 
 def register(app: typer.Typer) -> None:
     app.command(
@@ -68,15 +36,35 @@ def register(app: typer.Typer) -> None:
 
 def maintain(
     dsn: DsnOption = None,
-    once: OnceOption = False,
-    interval: IntervalOption = 300.0,
-    bloat_threshold: ThresholdOption = 50.0,
-    bloat_method: MethodOption = "auto",
-    no_reindex: NoReindexOption = False,
-    no_autovacuum: NoAutovacuumOption = False,
-    max_xact_age: MaxXactAgeOption = 60.0,
-    retention_days: RetentionOption = None,
-    retention_rate: RetentionRateOption = 50_000.0,
+    once: Annotated[bool, typer.Option("--once", help="One pass, then exit (for cron).")] = False,
+    interval: Annotated[
+        float, typer.Option(min=1, help="Seconds between passes in loop mode.")
+    ] = 300.0,
+    bloat_threshold: Annotated[
+        float,
+        typer.Option(min=0, max=100, help="Rebuild above this bloat (%)."),
+    ] = 50.0,
+    bloat_method: Annotated[
+        str,
+        typer.Option(help="auto (pgstattuple when available), pgstattuple or estimate."),
+    ] = "auto",
+    no_reindex: Annotated[
+        bool, typer.Option("--no-reindex", help="Measure and report, never rebuild.")
+    ] = False,
+    no_autovacuum: Annotated[
+        bool, typer.Option("--no-autovacuum", help="Check the settings, never change them.")
+    ] = False,
+    max_xact_age: Annotated[
+        float,
+        typer.Option(min=0, help="Refuse to rebuild while a transaction is older."),
+    ] = 60.0,
+    retention_days: Annotated[
+        float | None,
+        typer.Option(min=0, help="Delete rows published longer ago than this."),
+    ] = None,
+    retention_rate: Annotated[
+        float, typer.Option(min=1, help="Ceiling on deleted rows/s.")
+    ] = 50_000.0,
     output: FormatOption = OutputFormat.text,
     *,
     names: dict[str, Any],
@@ -137,26 +125,13 @@ def maintain(
     )
 
 
-def _as_dict(report: MaintenanceReport) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    data = asdict(report)
-    data["problems"] = report.problems
-    return data
-
-
 def _show(report: MaintenanceReport, as_json: bool, *, compact: bool = False) -> None:
     if as_json:
-        if compact:
-            import json
-            import sys
+        from dataclasses import asdict
 
-            sys.stdout.write(json.dumps(_as_dict(report), default=str) + "\n")
-            sys.stdout.flush()
-        else:
-            from outbox_migrate.cli.console import print_json
+        from outbox_migrate.cli.console import print_json
 
-            print_json(_as_dict(report))
+        print_json({**asdict(report), "problems": report.problems}, indent=None if compact else 2)
         return
     from outbox_migrate.cli.console import table, text
     from outbox_migrate.cli.wording import count

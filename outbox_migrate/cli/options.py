@@ -121,15 +121,12 @@ def with_names(command: _F, *, settings: tuple[str, ...] = ()) -> _F:
         for f in _generated_fields(settings)
         if f.name not in taken
     ]
-    generated = {p.name for p in added}
 
     @wraps(command)
     def wrapper(**kwargs: Any) -> Any:
         # In the spec's field order, so advice built from them reads the same every time.
-        given = {p.name: _given(kwargs.get(p.name)) for p in added}
+        given = {p.name: _given(kwargs.pop(p.name, None)) for p in added}
         names = {name: value for name, value in given.items() if value is not None}
-        for k in generated:
-            kwargs.pop(k, None)
         return command(**kwargs, **{NAMES_PARAMETER: names})
 
     parameters = own + added
@@ -160,6 +157,17 @@ class OutputFormat(StrEnum):
 FormatOption = Annotated[
     OutputFormat, typer.Option("--format", help="Output format: text for people, json for tools.")
 ]
+
+
+def report(output: OutputFormat, data: Any, *lines: str) -> None:
+    """`data` as JSON for `--format json`, else `lines` for people."""
+    from outbox_migrate.cli.console import print_json, text
+
+    if output is OutputFormat.json:
+        print_json(data)
+        return
+    for line in lines:
+        text(line)
 
 
 OptionalOption = Annotated[

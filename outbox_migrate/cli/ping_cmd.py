@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from outbox_migrate.cli.options import DsnOption, FormatOption, OutputFormat, require_dsn
+from outbox_migrate.cli.options import DsnOption, FormatOption, OutputFormat, report, require_dsn
 
 
 def register(app: typer.Typer) -> None:
@@ -28,12 +28,5 @@ def ping(dsn: DsnOption = None, output: FormatOption = OutputFormat.text) -> Non
             "current_database": conn.info.dbname,
             "user": conn.info.user,
         }
-    if output is OutputFormat.json:
-        from outbox_migrate.cli.console import print_json
-
-        print_json(info)
-    else:
-        from outbox_migrate.cli.console import text
-
-        text(f"connected to {info['database']}: PostgreSQL {info['server_version']} "
-             f"(database {info['current_database']}, user {info['user']})")  # fmt: skip
+    report(output, info, f"connected to {info['database']}: PostgreSQL {info['server_version']} "
+           f"(database {info['current_database']}, user {info['user']})")  # fmt: skip

@@ -68,7 +68,8 @@ def rehearse(
     *,
     names: dict[str, Any],
 ) -> None:
-    from outbox_migrate.cli.demo_cmd import run_databases
+    from outbox_migrate.cli.console import render_rehearsal_report
+    from outbox_migrate.cli.demo_cmd import Snapshots, run_live
     from outbox_migrate.cli.options import settings_from
     from outbox_migrate.dsn import resolve
     from outbox_migrate.errors import OutboxMigrateError, UsageError
@@ -81,7 +82,8 @@ def rehearse(
     spec = settings_from(**names).spec
     base = _scratch_server(scratch_dsn, source.dsn)
     shape = check_source(source.dsn, spec, pattern.value)  # before the scratch is replaced
-    with run_databases(base, SCRATCH_DB) as (scratch, recording):
+
+    def run(scratch: str, recording: str, on_snapshot: Snapshots | None) -> dict[str, Any]:
         request = RehearsalRequest(
             pattern=pattern.value,
             source_dsn=source.dsn,
@@ -93,23 +95,10 @@ def rehearse(
             measure_s=measure_seconds,
             sample=sample,
         )
-        if output is OutputFormat.json:
-            from psycopg.conninfo import conninfo_to_dict
+        return run_rehearsal(request, on_snapshot=on_snapshot, output_dir=output_dir, shape=shape)
 
-            from outbox_migrate.cli.console import print_json
-
-            result = run_rehearsal(request, output_dir=output_dir, shape=shape)
-            result.pop("markers", None)
-            result["database"] = conninfo_to_dict(scratch).get("dbname")
-            print_json(result)
-        else:
-            from outbox_migrate.cli.console import demo_live, render_rehearsal_report
-
-            with demo_live(pattern.value, "rehearsal") as on_snapshot:
-                result = run_rehearsal(
-                    request, on_snapshot=on_snapshot, output_dir=output_dir, shape=shape
-                )
-            render_rehearsal_report(result)
+    title = f"outbox-migrate rehearsal: {pattern.value.upper()}"
+    result = run_live(run, base, SCRATCH_DB, output, title, render_rehearsal_report)
     if result.get("interrupted"):
         from outbox_migrate.cli.exits import set_interrupt_note
 

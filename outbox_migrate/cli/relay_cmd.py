@@ -1,27 +1,41 @@
 """`outbox-migrate relay`: run the publisher (claim → publish → mark) until stopped.
 
-A thin shell over `outbox_migrate.relay.worker.Relay`: parse options, build the sink factory,
-wire SIGTERM/SIGINT to a graceful stop, and expose metrics when asked. Messages go to the sink
-(stdout for `--sink stdout`); log lines go to stderr.
+A thin shell over `relay.worker.Relay` and, with `--mode cdc`, `relay.cdc.relay.CdcRelay`:
+parse options, build the sink factory, wire SIGTERM/SIGINT to a graceful stop, and expose
+metrics when asked. `--drop-slot` decommissions the CDC relay. Messages go to the sink (stdout
+for `--sink stdout`); log lines go to stderr.
 """
 
 from __future__ import annotations
 
-from enum import Enum, StrEnum
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+import inspect
+import sys
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
 
 import typer
 
-from outbox_migrate.cli.options import (
-    DsnOption,
-    with_names,
+from outbox_migrate.cli.options import NAMES_PARAMETER, DsnOption, with_names
+from outbox_migrate.relay.options import (
+    DEFAULT_CDC_LINGER_S,
+    LINGER_S,
+    CdcOptions,
+    Mode,
+    Ordering,
+    RelayOptions,
+    SwitchGate,
+    check_name,
 )
 
 if TYPE_CHECKING:
-    from outbox_migrate.relay.options import Ordering
-    from outbox_migrate.relay.sinks import SinkConfig
+    from http.server import ThreadingHTTPServer
 
-_E = TypeVar("_E", bound=Enum)
+    from outbox_migrate.config import OutboxSpec, Settings
+    from outbox_migrate.relay.cdc.relay import CdcRelay
+    from outbox_migrate.relay.sinks import SinkConfig
+    from outbox_migrate.relay.worker import Relay
+
 RELAY_SWITCH_INTERVAL_S = 0.0005
 
 HELP = (
@@ -36,21 +50,12 @@ HELP = (
 
 
 class ModeChoice(StrEnum):
+    """`relay.options.Mode`, and cdc (the CDC relay)."""
+
     partitioned = "partitioned"
     switching = "switching"
     flat = "flat"
     cdc = "cdc"
-
-
-class OrderingChoice(StrEnum):
-    none = "none"
-    key = "key"
-    global_ = "global"
-
-
-class SwitchGateChoice(StrEnum):
-    privilege = "privilege"
-    sessions = "sessions"
 
 
 class LogLevel(StrEnum):
@@ -60,21 +65,20 @@ class LogLevel(StrEnum):
     error = "error"
 
 
-def register(app: typer.Typer) -> None:
-    app.command("relay", help=HELP)(with_names(relay))
+@dataclass(frozen=True)
+class RelayFlags:
+    """Every flag of `relay`, in --help order: the command's parameters are these fields."""
 
-
-def relay(
     sink: Annotated[
         str | None,
         typer.Option(
             help="stdout, kafka, rabbitmq, nats, redis, http, or module:callable for your own."
         ),
-    ] = None,
+    ] = None
     mode: Annotated[
         ModeChoice, typer.Option(help="partitioned, switching, flat, or cdc (stream from the WAL).")
-    ] = ModeChoice.partitioned,
-    dsn: DsnOption = None,
+    ] = ModeChoice.partitioned
+    dsn: DsnOption = None
     until_empty: Annotated[
         bool,
         typer.Option(
@@ -82,26 +86,26 @@ def relay(
             "--once",
             help="Exit 0 once nothing is left to publish (--once, as for maintain, is the same).",
         ),
-    ] = False,
-    batch_size: Annotated[int, typer.Option(help="Rows per claim.", min=1)] = 500,
-    workers: Annotated[int, typer.Option(help="Concurrent claimers in this process.", min=1)] = 1,
+    ] = False
+    batch_size: Annotated[int, typer.Option(help="Rows per claim.", min=1)] = 500
+    workers: Annotated[int, typer.Option(help="Concurrent claimers in this process.", min=1)] = 1
     shards: Annotated[
         int | None,
         typer.Option(
             help="Shards across all relay processes of this outbox [max(8, workers)].", min=1
         ),
-    ] = None,
+    ] = None
     ordering: Annotated[
-        OrderingChoice,
+        Ordering,
         typer.Option(help="none (shard by id), key (per-key order), global (one claimer)."),
-    ] = OrderingChoice.none,
+    ] = Ordering.none
     sink_url: Annotated[
         str | None, typer.Option(help="Broker address (bootstrap servers, amqp://, nats://, …).")
-    ] = None,
-    target: Annotated[
-        str, typer.Option(help="Topic / routing key / subject / stream name.")
-    ] = "outbox",
-    sink_timeout: Annotated[float, typer.Option(help="Seconds to wait for acks (> 0).")] = 10.0,
+    ] = None
+    target: Annotated[str, typer.Option(help="Topic / routing key / subject / stream name.")] = (
+        "outbox"
+    )
+    sink_timeout: Annotated[float, typer.Option(help="Seconds to wait for acks (> 0).")] = 10.0
     max_message_bytes: Annotated[
         int | None,
         typer.Option(
@@ -111,7 +115,7 @@ def relay(
             min=1,
             show_default=False,
         ),
-    ] = None,
+    ] = None
     sink_option: Annotated[
         list[str] | None,
         typer.Option(
@@ -119,15 +123,15 @@ def relay(
             "maxlen (redis), retries, concurrency, batch (http), librdkafka settings such as "
             "linger.ms (kafka)."
         ),
-    ] = None,
+    ] = None
     key_column: Annotated[
         str | None, typer.Option(help="Column used as the broker key [message_key].")
-    ] = None,
+    ] = None
     event_type_column: Annotated[
         str | None, typer.Option(help="Column sent as the event-type header [event_type].")
-    ] = None,
-    poll_interval: Annotated[float, typer.Option(help="Seconds between idle polls.")] = 1.0,
-    listen: Annotated[bool, typer.Option("--listen/--no-listen", help="Wake on NOTIFY.")] = True,
+    ] = None
+    poll_interval: Annotated[float, typer.Option(help="Seconds between idle polls.")] = 1.0
+    listen: Annotated[bool, typer.Option(help="Wake on NOTIFY.")] = True
     linger_ms: Annotated[
         float | None,
         typer.Option(
@@ -138,15 +142,14 @@ def relay(
             "never waits; 0 publishes at once [cdc: 2].",
             show_default=False,
         ),
-    ] = None,
+    ] = None
     read_ahead: Annotated[
         bool,
         typer.Option(
-            "--read-ahead/--no-read-ahead",
             help="While a backlog fills every batch, claim the next batch on a second session "
-            "while one is published (one more connection per worker).",
+            "while one is published (one more connection per worker)."
         ),
-    ] = True,
+    ] = True
     install_notify: Annotated[
         bool,
         typer.Option(
@@ -154,24 +157,24 @@ def relay(
             help="Install the wake-up trigger on the partitioned outbox first (plain INSERTs "
             "then wake the relay; docs/relay.md).",
         ),
-    ] = False,
-    channel: Annotated[str, typer.Option(help="NOTIFY channel.")] = "outbox_migrate_relay",
+    ] = False
+    channel: Annotated[str, typer.Option(help="NOTIFY channel.")] = "outbox_migrate_relay"
     max_attempts: Annotated[
         int, typer.Option(help="Rejections before a message goes to the dead-letter table.", min=1)
-    ] = 5,
-    dead_letter_table: Annotated[
-        str, typer.Option(help="Dead-letter table.")
-    ] = "outbox_dead_letter",
+    ] = 5
+    dead_letter_table: Annotated[str, typer.Option(help="Dead-letter table.")] = (
+        "outbox_dead_letter"
+    )
     switch_gate: Annotated[
-        SwitchGateChoice,
+        SwitchGate,
         typer.Option(help="privilege (INSERT revoked) or sessions (old app disconnected)."),
-    ] = SwitchGateChoice.privilege,
+    ] = SwitchGate.privilege
     old_app_name: Annotated[
         str | None, typer.Option(help="application_name LIKE pattern of the old app version.")
-    ] = None,
+    ] = None
     shutdown_timeout: Annotated[
         float, typer.Option(help="Seconds a stop waits for the batch in flight.")
-    ] = 10.0,
+    ] = 10.0
     session_timeout: Annotated[
         float | None,
         typer.Option(
@@ -179,144 +182,97 @@ def relay(
             "move (keepalives, tcp_user_timeout); 0 = OS defaults, no fencing "
             "[max(12, sink timeout + 2)]."
         ),
-    ] = None,
+    ] = None
     metrics_port: Annotated[
         int | None, typer.Option(help="Serve /metrics and /healthz on this port.", min=1, max=65535)
-    ] = None,
-    metrics_host: Annotated[str, typer.Option(help="Address for /metrics.")] = "127.0.0.1",
-    log_level: Annotated[LogLevel, typer.Option(help="Log level for stderr.")] = LogLevel.warning,
-    slot: Annotated[
-        str, typer.Option(help="cdc: the relay's replication slot.")
-    ] = "outbox_migrate_cdc",
+    ] = None
+    metrics_host: Annotated[str, typer.Option(help="Address for /metrics.")] = "127.0.0.1"
+    log_level: Annotated[LogLevel, typer.Option(help="Log level for stderr.")] = LogLevel.warning
+    slot: Annotated[str, typer.Option(help="cdc: the relay's replication slot.")] = (
+        "outbox_migrate_cdc"
+    )
     publication: Annotated[
         str, typer.Option(help="cdc: the publication on the unpublished partition.")
-    ] = "outbox_migrate_cdc",
+    ] = "outbox_migrate_cdc"
     mark: Annotated[
         bool,
         typer.Option(
-            "--mark/--no-mark",
-            help="cdc: move delivered rows to the published "
-            "partition (off: append-only outbox, retention drops partitions).",
+            help="cdc: move delivered rows to the published partition (off: append-only "
+            "outbox, retention drops partitions)."
         ),
-    ] = True,
+    ] = True
     mark_interval: Annotated[
         float,
         typer.Option(
             help="cdc: seconds acknowledged ids collect before one mark (sent behind the "
             "stream; the slot is confirmed once it committed)."
         ),
-    ] = 0.1,
+    ] = 0.1
     slot_lag_warn_mb: Annotated[
         int, typer.Option(help="cdc: warn (log, /readyz 503) above this much retained WAL.")
-    ] = 1024,
+    ] = 1024
     failover_slot: Annotated[
-        bool,
-        typer.Option(
-            "--failover-slot/--no-failover-slot",
-            help="cdc: create a failover slot (PostgreSQL 17+).",
-        ),
-    ] = True,
+        bool, typer.Option(help="cdc: create a failover slot (PostgreSQL 17+).")
+    ] = True
     drop_slot: Annotated[
         bool,
         typer.Option(
             "--drop-slot",
-            help="Decommission the CDC relay: drop its slot and "
-            "publication (asks for confirmation), then exit.",
+            help="Decommission the CDC relay: drop its slot and publication (asks for "
+            "confirmation), then exit.",
         ),
-    ] = False,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Confirm --drop-slot.")] = False,
-    *,
-    names: dict[str, Any],
-) -> None:
+    ] = False
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Confirm --drop-slot.")] = False
+
+
+def register(app: typer.Typer) -> None:
+    hints = get_type_hints(RelayFlags, include_extras=True)
+    parameters = [
+        inspect.Parameter(f.name, _KEYWORD, default=f.default, annotation=hints[f.name])
+        for f in fields(RelayFlags)
+    ]
+
+    def command(**given: Any) -> None:
+        names = given.pop(NAMES_PARAMETER)
+        relay(RelayFlags(**given), names)
+
+    names = inspect.Parameter(NAMES_PARAMETER, inspect.Parameter.KEYWORD_ONLY, annotation=dict)
+    command.__signature__ = inspect.Signature([*parameters, names])  # type: ignore[attr-defined]
+    app.command("relay", help=HELP)(with_names(command))
+
+
+_KEYWORD = inspect.Parameter.POSITIONAL_OR_KEYWORD
+
+
+def relay(flags: RelayFlags, names: dict[str, Any]) -> None:
     from outbox_migrate.cli import signals
 
     # First: a SIGTERM while the relay starts is its normal stop too (exit 0, nothing begun).
-    stopping = None if drop_slot else signals.GracefulStop()
+    stopping = None if flags.drop_slot else signals.GracefulStop()
     import logging
-    import sys
 
-    from outbox_migrate.cli.options import settings_from
-    from outbox_migrate.dsn import resolve
+    from outbox_migrate.cli.options import require_dsn, settings_from
     from outbox_migrate.errors import UsageError
-    from outbox_migrate.relay import metrics as relay_metrics
-    from outbox_migrate.relay import sinks
-    from outbox_migrate.relay.options import LINGER_S, Mode, Ordering, RelayOptions, SwitchGate
-    from outbox_migrate.relay.worker import Relay
 
     logging.basicConfig(
         stream=sys.stderr,
-        level=getattr(logging, log_level.value.upper(), logging.WARNING),
+        level=getattr(logging, flags.log_level.value.upper(), logging.WARNING),
         format="%(asctime)s %(levelname)s %(message)s",
     )
-    _check_ranges(sink_timeout, poll_interval, shutdown_timeout, workers, shards)
-    resolved = resolve(dsn)
-    if resolved is None:
-        raise UsageError("no database given: pass --dsn, set OUTBOX_MIGRATE_DSN or PG* variables")
-    settings = settings_from(**names, old_app_name=old_app_name)
+    _check_ranges(flags)
+    dsn = require_dsn(flags.dsn)
+    settings = settings_from(**names, old_app_name=flags.old_app_name)
     # A bad --sink-option is refused before anything connects, in either delivery style.
-    config = _sink_config(sink_option, sink_url, target, sink_timeout, max_message_bytes)
-    if mode is ModeChoice.cdc or drop_slot:
-        _cdc(locals(), resolved.dsn, config)
+    config = _sink_config(flags)
+    if flags.drop_slot:
+        _drop_slot(dsn, settings.spec, flags)
         return
-    if sink is None:
+    if flags.sink is None:
         raise UsageError("--sink is required: where should the relay publish?")
-    options = RelayOptions(
-        mode=_choice(Mode, mode.value, "--mode"),
-        batch_size=batch_size,
-        workers=workers,
-        shards=shards,
-        ordering=_choice(
-            Ordering, "global_" if ordering == "global" else ordering.value, "--ordering"
-        ),
-        until_empty=until_empty,
-        poll_interval_s=poll_interval,
-        linger_s=LINGER_S if linger_ms is None else linger_ms / 1000.0,
-        read_ahead=read_ahead,
-        listen=listen,
-        channel=channel,
-        shutdown_timeout_s=shutdown_timeout,
-        sink_timeout_s=sink_timeout,
-        session_timeout_s=session_timeout,
-        max_message_bytes=max_message_bytes,
-        max_attempts=max_attempts,
-        dead_letter_table=dead_letter_table,
-        key_column=key_column,
-        event_type_column=event_type_column,
-        switch_gate=_choice(SwitchGate, switch_gate.value, "--switch-gate"),
-        old_app_name=settings.old_app_name,
-    )
-    # The sink is told the ordering so a concurrent one (http) keeps exactly what it promises.
-    config = _sink_config(
-        sink_option, sink_url, target, sink_timeout, max_message_bytes, options.ordering
-    )
-    observer: relay_metrics.Observer | None = None
-    server = None
-    if metrics_port is not None:
-        prometheus = relay_metrics.PrometheusObserver()
-        server = relay_metrics.serve(prometheus, metrics_host, metrics_port)
-        observer = prometheus
-    runner = Relay(
-        resolved.dsn,
-        sinks.factory(sink, config),
-        spec=settings.spec,
-        options=options,
-        observer=observer,
-    )
-    if workers > 1:
-        # Worker threads alternate between Python work and waiting on PostgreSQL or the
-        # broker; with the default 5 ms switch interval a thread whose reply has arrived
-        # waits for another thread's time slice. The process is the relay's own, so it may
-        # change this global (bench/relay.py, "Concurrent claimers", shows what it buys).
-        sys.setswitchinterval(RELAY_SWITCH_INTERVAL_S)
-    if install_notify:
-        from outbox_migrate.db import connect
-        from outbox_migrate.patterns import notify
-
-        with connect(resolved.dsn, application_name=runner.application_name) as conn:
-            notify.install(conn, settings.spec, channel)
+    runner, server = _runner(flags, dsn, settings, config)
     assert stopping is not None
     if stopping.attach(runner.stop):
-        return  # stopped while starting: nothing was claimed
+        return  # stopped while starting: nothing was claimed or streamed
     try:
         runner.run()
     finally:
@@ -324,84 +280,172 @@ def relay(
             server.shutdown()
 
 
-def _cdc(given: dict[str, object], dsn: str, config: SinkConfig) -> None:
-    """Hand over to relay_cdc.py: the CDC relay, or decommissioning its slot."""
-
-    from outbox_migrate.cli import relay_cdc
-    from outbox_migrate.errors import UsageError
+def _runner(
+    flags: RelayFlags, dsn: str, settings: Settings, config: SinkConfig
+) -> tuple[Relay | CdcRelay, ThreadingHTTPServer | None]:
+    """The relay to run (polling, or CDC with `--mode cdc`), and its metrics server if asked."""
+    from outbox_migrate.relay import metrics as relay_metrics
     from outbox_migrate.relay import sinks
+    from outbox_migrate.relay.cdc.relay import CdcRelay
+    from outbox_migrate.relay.worker import Relay
 
-    a: dict[str, Any] = given
-    args = relay_cdc.CdcArgs(
-        slot=a["slot"], publication=a["publication"], mark=a["mark"],
-        mark_interval_s=a["mark_interval"], lag_warn_mb=a["slot_lag_warn_mb"],
-        failover=a["failover_slot"],
-        linger_s=None if a["linger_ms"] is None else a["linger_ms"] / 1000.0,
-    )  # fmt: skip
-    if a["drop_slot"]:
-        relay_cdc.drop_slot(dsn, a["settings"].spec, args, yes=a["yes"])
-        return
-    if a["sink"] is None:
-        raise UsageError("--sink is required: where should the relay publish?")
-    metrics = (a["metrics_host"], a["metrics_port"]) if a["metrics_port"] is not None else None
-    relay_cdc.run(
-        dsn, a["settings"].spec, args, sink_factory=sinks.factory(a["sink"], config),
-        batch_size=a["batch_size"], until_empty=a["until_empty"],
-        max_attempts=a["max_attempts"], dead_letter_table=a["dead_letter_table"],
-        key_column=a["key_column"], event_type_column=a["event_type_column"], metrics=metrics,
-        stopping=a["stopping"],
-    )  # fmt: skip
+    assert flags.sink is not None
+    options: RelayOptions | CdcOptions
+    if flags.mode is ModeChoice.cdc:
+        make_sink = sinks.factory(flags.sink, config)
+        options = _cdc_options(flags)
+    else:
+        options = _relay_options(flags, settings.old_app_name)
+        # The sink is told the ordering so a concurrent one (http) keeps exactly what it
+        # promises.
+        make_sink = sinks.factory(flags.sink, _sink_config(flags, options.ordering))
+    observer: relay_metrics.PrometheusObserver | None = None
+    server = None
+    if flags.metrics_port is not None:
+        observer = (
+            relay_metrics.CdcObserver(options.lag_warn_bytes, options.lag_warn_s)
+            if isinstance(options, CdcOptions)
+            else relay_metrics.PrometheusObserver()
+        )
+        server = relay_metrics.serve(observer, flags.metrics_host, flags.metrics_port)
+    if isinstance(options, CdcOptions):
+        cdc = CdcRelay(dsn, make_sink, spec=settings.spec, options=options, observer=observer)
+        return cdc, server
+    runner = Relay(dsn, make_sink, spec=settings.spec, options=options, observer=observer)
+    if flags.workers > 1:
+        # Worker threads alternate between Python work and waiting on PostgreSQL or the
+        # broker; with the default 5 ms switch interval a thread whose reply has arrived
+        # waits for another thread's time slice. The process is the relay's own, so it may
+        # change this global (bench/relay.py, "Concurrent claimers", shows what it buys).
+        sys.setswitchinterval(RELAY_SWITCH_INTERVAL_S)
+    if flags.install_notify:
+        from outbox_migrate.db import connect
+        from outbox_migrate.patterns import notify
+
+        with connect(dsn, application_name=runner.application_name) as conn:
+            notify.install(conn, settings.spec, flags.channel)
+    return runner, server
 
 
-def _sink_config(
-    options: list[str] | None,
-    url: str | None,
-    target: str,
-    timeout_s: float,
-    max_message_bytes: int | None,
-    ordering: Ordering | None = None,
-) -> SinkConfig:
+def _relay_options(flags: RelayFlags, old_app_name: str) -> RelayOptions:
+    return RelayOptions(
+        mode=Mode(flags.mode.value),
+        batch_size=flags.batch_size,
+        workers=flags.workers,
+        shards=flags.shards,
+        ordering=flags.ordering,
+        until_empty=flags.until_empty,
+        poll_interval_s=flags.poll_interval,
+        linger_s=LINGER_S if flags.linger_ms is None else flags.linger_ms / 1000.0,
+        read_ahead=flags.read_ahead,
+        listen=flags.listen,
+        channel=flags.channel,
+        shutdown_timeout_s=flags.shutdown_timeout,
+        sink_timeout_s=flags.sink_timeout,
+        session_timeout_s=flags.session_timeout,
+        max_message_bytes=flags.max_message_bytes,
+        max_attempts=flags.max_attempts,
+        dead_letter_table=flags.dead_letter_table,
+        key_column=flags.key_column,
+        event_type_column=flags.event_type_column,
+        switch_gate=flags.switch_gate,
+        old_app_name=old_app_name,
+    )
+
+
+def _cdc_options(flags: RelayFlags) -> CdcOptions:
+    return CdcOptions(
+        slot=flags.slot,
+        publication=flags.publication,
+        batch_size=flags.batch_size,
+        mark=flags.mark,
+        mark_interval_s=flags.mark_interval,
+        failover=flags.failover_slot,
+        linger_s=DEFAULT_CDC_LINGER_S if flags.linger_ms is None else flags.linger_ms / 1000.0,
+        until_caught_up=flags.until_empty,
+        lag_warn_bytes=flags.slot_lag_warn_mb * 1024 * 1024,
+        max_attempts=flags.max_attempts,
+        dead_letter_table=flags.dead_letter_table,
+        key_column=flags.key_column,
+        event_type_column=flags.event_type_column,
+    )
+
+
+def _drop_slot(dsn: str, spec: OutboxSpec, flags: RelayFlags) -> None:
+    """Decommission: drop the relay's slot and publication after a clear confirmation.
+
+    Dropping the slot forgets the stream position: rows committed after the last confirmed
+    position and not yet published are still in the unpublished partition, so a polling
+    relay (or a new CDC relay, whose first start publishes that backlog) picks them up.
+    """
+    from psycopg import sql
+
+    from outbox_migrate.cli.console import text
+    from outbox_migrate.db import connect
+    from outbox_migrate.errors import UsageError
+    from outbox_migrate.relay.cdc import slot
+
+    check_name("slot", flags.slot)
+    check_name("publication", flags.publication)
+    with connect(dsn) as conn:
+        state = slot.slot_state(conn, flags.slot)
+        if state is None:
+            text(f"no replication slot {flags.slot}; dropping publication {flags.publication}")
+            slot.drop_publication(conn, flags.publication)
+            return
+        # Refused before the question: the slot of another database is not ours to drop.
+        slot.check_database(state, conn.info.dbname, "run --drop-slot against that database")
+        row = conn.execute(
+            sql.SQL("SELECT count(*) FROM {}").format(
+                sql.Identifier(spec.schema, spec.unpublished_partition)
+            )
+        ).fetchone()
+        waiting = int(row[0]) if row else 0
+        question = (
+            f"Drop replication slot {flags.slot} (holding {state.lag_bytes:,} bytes of WAL, "
+            f"{'active' if state.active else 'inactive'}) and publication {flags.publication}? "
+            f"{waiting:,} rows are still in the unpublished partition; they stay there for "
+            "the next relay to publish."
+        )
+        if not flags.yes:
+            if not sys.stdin.isatty():
+                raise UsageError(f"{question} Pass --yes to confirm.")
+            from outbox_migrate.cli.console import confirm
+
+            if not confirm(question):
+                raise typer.Exit(1)
+        slot.drop_slot(conn, flags.slot)
+        slot.drop_publication(conn, flags.publication)
+    text(f"dropped replication slot {flags.slot} and publication {flags.publication}")
+
+
+def _sink_config(flags: RelayFlags, ordering: Ordering | None = None) -> SinkConfig:
     """The `SinkConfig` from the command's sink flags, for both delivery styles;
     `--sink-option` must be KEY=VALUE."""
     from outbox_migrate.errors import UsageError
     from outbox_migrate.relay import sinks
 
     extra: dict[str, str] = {}
-    for item in options or []:
+    for item in flags.sink_option or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UsageError(f"--sink-option: expected KEY=VALUE, got {item!r}")
         extra[key] = value
     return sinks.SinkConfig(
-        url=url, target=target, timeout_s=timeout_s, extra=extra, ordering=ordering,
-        max_message_bytes=max_message_bytes,
+        url=flags.sink_url, target=flags.target, timeout_s=flags.sink_timeout, extra=extra,
+        ordering=ordering, max_message_bytes=flags.max_message_bytes,
     )  # fmt: skip
 
 
-def _check_ranges(
-    sink_timeout: float,
-    poll_interval: float,
-    shutdown_timeout: float,
-    workers: int,
-    shards: int | None,
-) -> None:
+def _check_ranges(flags: RelayFlags) -> None:
     """Values the relay would only trip over at runtime, refused before it starts."""
     from outbox_migrate.cli.options import require_positive
     from outbox_migrate.errors import UsageError
 
-    require_positive("--sink-timeout", sink_timeout)
-    require_positive("--poll-interval", poll_interval)
-    require_positive("--shutdown-timeout", shutdown_timeout)
+    require_positive("--sink-timeout", flags.sink_timeout)
+    require_positive("--poll-interval", flags.poll_interval)
+    require_positive("--shutdown-timeout", flags.shutdown_timeout)
+    shards, workers = flags.shards, flags.workers
     if shards is not None and shards < workers:
         raise UsageError(f"--shards {shards} is fewer than --workers {workers}: "
                          f"{workers - shards} workers would never claim anything")  # fmt: skip
-
-
-def _choice(enum: type[_E], value: str, flag: str) -> _E:
-    from outbox_migrate.errors import UsageError
-
-    try:
-        return enum[value]
-    except KeyError:
-        names = ", ".join(n.rstrip("_") for n in enum.__members__)
-        raise UsageError(f"{flag}: {value!r} is not one of {names}") from None

@@ -37,19 +37,19 @@ def register(app: typer.Typer) -> None:
 def roles(
     dsn: DsnOption = None,
     owner: Annotated[
-        str | None, typer.Option("--owner", help="The runner's role (default: the owner).")
+        str | None, typer.Option(help="The runner's role (default: the owner).")
     ] = None,
     app: Annotated[
         list[str] | None,
-        typer.Option("--app", help="An application role (repeatable; default: roles with INSERT)."),
+        typer.Option(help="An application role (repeatable; default: roles with INSERT)."),
     ] = None,
     relay: Annotated[
         list[str] | None,
-        typer.Option("--relay", help="A relay role (repeatable; default: roles with UPDATE)."),
+        typer.Option(help="A relay role (repeatable; default: roles with UPDATE)."),
     ] = None,
     cdc_relay: Annotated[
         list[str] | None,
-        typer.Option("--cdc-relay", help="A CDC relay role (repeatable; default: none)."),
+        typer.Option(help="A CDC relay role (repeatable; default: none)."),
     ] = None,
     pattern: Annotated[
         PatternName | None,
@@ -61,17 +61,16 @@ def roles(
             "other roles' sessions (no switching relay). Default: checked.",
         ),
     ] = None,
-    publication: Annotated[
-        str | None, typer.Option("--publication", help="The CDC relay's publication.")
-    ] = None,
+    publication: Annotated[str | None, typer.Option(help="The CDC relay's publication.")] = None,
     output: FormatOption = OutputFormat.text,
-    names: dict[str, Any] | None = None,
+    *,
+    names: dict[str, Any],
 ) -> None:
     from outbox_migrate.advisory import role_check
     from outbox_migrate.db import connect
     from outbox_migrate.relay.options import DEFAULT_PUBLICATION
 
-    spec = settings_from(**(names or {})).spec
+    spec = settings_from(**names).spec
     target = require_dsn(dsn)
     with connect(target) as conn:
         conn.execute("SET default_transaction_read_only = on")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -16,6 +17,7 @@ from outbox_migrate.cli.options import (
     OptionalOption,
     OutputFormat,
     ToOption,
+    report,
     require_dsn,
     settings_from,
     with_names,
@@ -87,10 +89,9 @@ def _runner(
     pattern: str,
     dsn: str | None,
     output: OutputFormat,
-    *,
     names: dict[str, Any],
     with_optional: bool = False,
-    on_long_tx: str = "wait",
+    on_long_tx: LongTx = LongTx.wait,
 ) -> Runner:
     from outbox_migrate.cli.console import runner_events
     from outbox_migrate.cli.exits import TrackedEvents
@@ -102,7 +103,7 @@ def _runner(
         pattern,
         include_optional=with_optional,
         events=TrackedEvents(runner_events(json_lines=output is OutputFormat.json)),
-        on_long_tx=on_long_tx,
+        on_long_tx=on_long_tx.value,
     )
 
 
@@ -111,9 +112,9 @@ def _report(result: Any, output: OutputFormat, runner: Runner | None = None) -> 
 
     following = _what_next(result, runner) if runner is not None else None
     if output is OutputFormat.json:
-        from outbox_migrate.cli.console import print_json_line
+        from outbox_migrate.cli.console import print_json
 
-        print_json_line({"event": "result", **asdict(result), "next": following})
+        print_json({"event": "result", **asdict(result), "next": following}, indent=None)
         return
     from outbox_migrate.cli.console import text
     from outbox_migrate.cli.wording import count
@@ -182,10 +183,7 @@ def run(
             f"{to.value} is an optional phase: run it with --with-optional (`plan "
             "--with-optional` lists every optional step that flag includes)"
         )
-    runner = _runner(
-        pattern.value, dsn, output, names=names, with_optional=with_optional,
-        on_long_tx=on_long_tx.value,
-    )  # fmt: skip
+    runner = _runner(pattern.value, dsn, output, names, with_optional, on_long_tx)
     with runner:
         result = runner.run(to.value)
     _report(result, output, runner)
@@ -200,8 +198,7 @@ def next_step(
     *,
     names: dict[str, Any],
 ) -> None:
-    runner = _runner(pattern.value, dsn, output, names=names, with_optional=with_optional,
-                     on_long_tx=on_long_tx.value)  # fmt: skip
+    runner = _runner(pattern.value, dsn, output, names, with_optional, on_long_tx)
     with runner:
         result = runner.next()
     _report(result, output, runner)
@@ -269,14 +266,9 @@ def verify(
     settings = settings_from(**names)
     name = pattern.value if pattern else None
     phase = inspect.verify(require_dsn(dsn), settings, name, include_optional=with_optional)
-    if output is OutputFormat.json:
-        from outbox_migrate.cli.console import print_json
-
-        print_json({"table": inspect.table_label(settings), "phase": phase, "violations": []})
-    else:
-        from outbox_migrate.cli.console import text
-
-        text(f"every invariant of phase {phase} holds on {inspect.table_label(settings)}")
+    table = inspect.table_label(settings)
+    data = {"table": table, "phase": phase, "violations": []}
+    report(output, data, f"every invariant of phase {phase} holds on {table}")
 
 
 def rollback(
@@ -299,19 +291,13 @@ def rollback(
         if name is None:
             raise UsageError(f"no migration recorded for {inspect.table_label(settings)} to "
                              "roll back")  # fmt: skip
-    runner = _runner(name, dsn, output, names=names, with_optional=with_optional,
-                     on_long_tx=on_long_tx.value)  # fmt: skip
+    runner = _runner(name, dsn, output, names, with_optional, on_long_tx)
     with runner:
         undone = runner.rollback(to.value)
-    if output is OutputFormat.json:
-        from outbox_migrate.cli.console import print_json
+    from outbox_migrate.cli.wording import count
 
-        print_json({"rolled_back": undone, "phase": to.value})
-    else:
-        from outbox_migrate.cli.console import text
-        from outbox_migrate.cli.wording import count
-
-        text(f"rolled back {count(len(undone), 'step')}; now at the end of {to.value}")
+    report(output, {"rolled_back": undone, "phase": to.value},
+           f"rolled back {count(len(undone), 'step')}; now at the end of {to.value}")  # fmt: skip
 
 
 def reset(
@@ -329,32 +315,22 @@ def reset(
     *,
     names: dict[str, Any],
 ) -> None:
+    from outbox_migrate.cli.console import confirm, text
+    from outbox_migrate.errors import NothingDone, UsageError
+    from outbox_migrate.runner import inspect
+
     if not yes:
-        import sys
-
-        from outbox_migrate.errors import UsageError
-
         if not sys.stdin.isatty():
             raise UsageError("reset needs confirmation: pass --yes")
-        from outbox_migrate.cli.console import confirm
-
         if not confirm("Abandon the active migration record? Schema objects stay as they are."):
-            from outbox_migrate.errors import NothingDone
-
             raise NothingDone("reset not confirmed; the migration record is unchanged")
     name = pattern.value if pattern else None
     if name is None:  # the record to abandon is the table's active one, whatever its pattern
-        from outbox_migrate.runner import inspect
-
         name = inspect.active_pattern(require_dsn(dsn), settings_from(**names))
-        if name is None:
-            from outbox_migrate.cli.console import text
-
-            text("no active migration to reset")
-            return
-    runner = _runner(name, dsn, OutputFormat.text, names=names)
+    if name is None:
+        text("no active migration to reset")
+        return
+    runner = _runner(name, dsn, OutputFormat.text, names)
     with runner:
         changed = runner.reset(force=force)
-    from outbox_migrate.cli.console import text
-
     text("migration record abandoned" if changed else "no active migration to reset")

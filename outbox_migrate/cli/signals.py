@@ -7,7 +7,8 @@ of an import can land where Python ignores it (a module lock's weakref callback 
 "Exception ignored" and carries on) or leave a module half built. Once the imports are done,
 `install()` raises a recorded signal at once, and from then on SIGINT raises
 `KeyboardInterrupt` and SIGTERM `Terminated` where the main thread is, so `with` blocks
-unwind and transactions roll back.
+unwind and transactions roll back (psycopg cancels the running query first) before the
+process exits with 130 or 143.
 
 Only the C `_signal` module is used: the `signal` module imports `enum`, time in which Python's
 default handler would still turn a Ctrl-C into a traceback. Importing this module changes no

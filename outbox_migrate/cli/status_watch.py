@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outbox_migrate.cli.signals import Terminated
+from outbox_migrate.cli.wording import status_line
 
 CLEAR = "\x1b[H\x1b[2J"
 BAR_WIDTH = 20
@@ -100,14 +101,7 @@ def render(doc: dict[str, Any], width: int, now: float | None = None) -> list[st
     """One frame as lines no wider than `width`; step ids are never cut (an id longer than
     the width stands alone on its line)."""
     clock = time.strftime("%H:%M:%S", time.localtime(now))
-    if not doc["recorded"]:
-        head = f"no migration recorded for {doc['table']}"
-    else:
-        head = (
-            f"{doc['pattern'].upper()} migration of {doc['table']}: {doc['state']}, "
-            f"completed through {doc['phase']}"
-            + (f", next {doc['next_phase']}" if doc.get("next_phase") else "")
-        )
+    head = status_line(doc) if doc["recorded"] else f"no migration recorded for {doc['table']}"
     raw = [
         f"{clock}  {head}",
         *_runner_lines(doc),
@@ -145,7 +139,22 @@ def watch(
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        _frames(get_frame, interval_s=interval_s, count=count, json_lines=json_lines)
+        terminal = sys.stdout.isatty() and not json_lines
+        shown = 0
+        while count is None or shown < count:
+            started = time.monotonic()
+            document = get_frame()
+            if json_lines:
+                sys.stdout.write(json.dumps(document, default=str) + "\n")
+            else:
+                lines = render(document, shutil.get_terminal_size((80, 24)).columns)
+                lead = CLEAR if terminal else ("\n" if shown else "")
+                sys.stdout.write(lead + "\n".join(lines) + "\n")
+            sys.stdout.flush()
+            shown += 1
+            if count is not None and shown >= count:
+                break
+            time.sleep(max(interval_s - (time.monotonic() - started), 0.0))
     except KeyboardInterrupt as exc:
         if isinstance(exc, Terminated):
             raise
@@ -153,28 +162,3 @@ def watch(
         sys.stdout.flush()
     finally:
         quiet.setLevel(level)
-
-
-def _frames(
-    get_frame: Callable[[], dict[str, Any]],
-    *,
-    interval_s: float,
-    count: int | None,
-    json_lines: bool,
-) -> None:
-    terminal = sys.stdout.isatty() and not json_lines
-    shown = 0
-    while count is None or shown < count:
-        started = time.monotonic()
-        document = get_frame()
-        if json_lines:
-            sys.stdout.write(json.dumps(document, default=str) + "\n")
-        else:
-            lines = render(document, shutil.get_terminal_size((80, 24)).columns)
-            lead = CLEAR if terminal else ("\n" if shown else "")
-            sys.stdout.write(lead + "\n".join(lines) + "\n")
-        sys.stdout.flush()
-        shown += 1
-        if count is not None and shown >= count:
-            break
-        time.sleep(max(interval_s - (time.monotonic() - started), 0.0))

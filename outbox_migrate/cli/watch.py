@@ -24,7 +24,6 @@ application_name (relay/switching.py `mark_waiting`), which every role can read.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -48,16 +47,6 @@ it switched, or that session no longer does the checks)."""
 ASSUMED_SCAN_BYTES_PER_S = 200 * 1024 * 1024
 """VALIDATE reports no progress of its own: its ETA assumes this sequential read rate (the
 figure `plan` estimates with), and says so."""
-
-
-@dataclass(frozen=True)
-class Holder:
-    pid: int
-    application: str
-    state: str
-    for_s: float | None
-    mode: str
-    relation: str
 
 
 def read_budget_ms(settings: Settings) -> int:
@@ -128,7 +117,7 @@ def _live(conn: psycopg.Connection[Any], document: dict[str, Any], settings: Set
         "id": step.id,
         "locks": [{"relation": lock.relation, "mode": lock.mode.sql_name} for lock in step.locks],
     }
-    document["holders"] = [vars(h) for h in holders(conn, step, spec.schema)]
+    document["holders"] = holders(conn, step, spec.schema)
     document["checks"] = failing_checks(conn, step, settings)
 
 
@@ -156,7 +145,7 @@ def _runner_session(conn: psycopg.Connection[Any], label: str) -> dict[str, Any]
     }
 
 
-def holders(conn: psycopg.Connection[Any], step: Step, schema: str) -> list[Holder]:
+def holders(conn: psycopg.Connection[Any], step: Step, schema: str) -> list[dict[str, Any]]:
     """Sessions holding a lock that conflicts with one the step needs: what it waits for.
 
     The runner does not queue behind them (it watches them go), so they are found from
@@ -165,9 +154,10 @@ def holders(conn: psycopg.Connection[Any], step: Step, schema: str) -> list[Hold
 
     found = find_blockers(conn, [(lock.relation, lock.mode) for lock in step.locks], schema)
     return [
-        Holder(b.pid, b.application_name, shown_state(b.state, b.hidden_from),
-               round(b.xact_age_s, 1) if b.xact_age_s is not None else None,
-               LockMode(b.mode).sql_name, b.relation)
+        {"pid": b.pid, "application": b.application_name,
+         "state": shown_state(b.state, b.hidden_from),
+         "for_s": round(b.xact_age_s, 1) if b.xact_age_s is not None else None,
+         "mode": LockMode(b.mode).sql_name, "relation": b.relation}
         for b in found
     ]  # fmt: skip
 

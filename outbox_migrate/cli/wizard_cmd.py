@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any
 
 import typer
@@ -24,19 +25,17 @@ def register(app: typer.Typer) -> None:
 def wizard(
     pause: Annotated[
         bool | None,
-        typer.Option("--pause/--no-pause", help="Publication can pause for a few minutes."),
+        typer.Option(help="Publication can pause for a few minutes."),
     ] = None,
     keep_old_rows: Annotated[
         bool | None,
         typer.Option(
-            "--keep-old-rows/--no-keep-old-rows",
             help="The old rows must become part of the partitioned table.",
         ),
     ] = None,
     immediate_access: Annotated[
         bool | None,
         typer.Option(
-            "--immediate-access/--no-immediate-access",
             help="Every published row must be readable from the final table at all times.",
         ),
     ] = None,
@@ -45,7 +44,6 @@ def wizard(
     interactive: Annotated[
         bool | None,
         typer.Option(
-            "--interactive/--no-interactive",
             help="Ask for missing answers on stdin. Default: only when stdin is a terminal "
             "and --format is text.",
             show_default=False,
@@ -67,20 +65,19 @@ def wizard(
     if interactive and output is not OutputFormat.text:
         raise UsageError("--interactive asks its questions on stdout; use it with --format text")
     if interactive is None:
-        interactive = output is OutputFormat.text and _stdin_is_tty()
+        interactive = output is OutputFormat.text and sys.stdin.isatty()
 
     def ask(key: str, given: bool | None) -> bool:
+        flag = key.replace("_", "-")
         if given is not None:
             return given
         if not interactive:
-            flag = key.replace("_", "-")
             raise UsageError(f"answer {QUESTIONS[key]!r} with --{flag} or --no-{flag}")
         from outbox_migrate.cli.console import confirm
 
         try:
             return confirm(QUESTIONS[key])
         except EOFError:
-            flag = key.replace("_", "-")
             raise UsageError(
                 f"stdin ended before {QUESTIONS[key]!r} was answered; answer y or n, or pass "
                 f"--{flag} / --no-{flag}"
@@ -115,9 +112,3 @@ def wizard(
     from outbox_migrate.cli.console import render_recommendation
 
     render_recommendation(document)
-
-
-def _stdin_is_tty() -> bool:
-    import sys
-
-    return sys.stdin.isatty()

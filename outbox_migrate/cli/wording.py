@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shlex
 import textwrap
+from typing import Any
 
 
 def count(number: int, noun: str, plural: str | None = None) -> str:
@@ -18,10 +19,11 @@ def count(number: int, noun: str, plural: str | None = None) -> str:
     return f"{number:,} {word}"
 
 
-def without_prefix(message: str, prefix: str) -> str:
-    """`message` without a leading `prefix: ` (a step id the line already names)."""
-    lead = prefix + ": "
-    return message[len(lead) :] if message.startswith(lead) else message
+def status_line(doc: dict[str, Any]) -> str:
+    """The first line of `status` (and of each `status --watch` frame) for a recorded run."""
+    following = f", next {doc['next_phase']}" if doc.get("next_phase") else ""
+    return (f"{doc['pattern'].upper()} migration of {doc['table']}: {doc['state']}, completed "
+            f"through {doc['phase']}{following}")  # fmt: skip
 
 
 _BULLET = re.compile(r"^(\s*(?:[-*] |\d+\. )?)")

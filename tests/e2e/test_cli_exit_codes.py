@@ -155,7 +155,7 @@ def test_demo_that_lost_messages_exits_1(monkeypatch: pytest.MonkeyPatch, capsys
     monkeypatch.setattr(
         demo_cmd,
         "run_databases",
-        lambda dsn: contextlib.nullcontext(("dbname=main", "dbname=recording")),
+        lambda dsn, prefix: contextlib.nullcontext(("dbname=main", "dbname=recording")),
     )
     monkeypatch.setattr(sim, "simulate", lambda *a, **k: {"lost": 3, "produced": 10})
     with pytest.raises(SystemExit) as ended:
