@@ -152,6 +152,9 @@ class StepApplier:
         with lock_timeout(self.conn, self.options.settings.lock_timeout_ms):
             for statement in step.statements:
                 self.conn.execute(statement)
+        broken = self.violations(step.conditions_at(CheckPoint.LOCKED))
+        if broken:  # each statement committed alone: nothing held them while it ran
+            raise StepFailed(step.id, f"ran, but a precondition no longer holds: {broken[0]}")
         self.prove_done(step)
         return 0.0
 

@@ -287,3 +287,43 @@ def test_copy_back_started_by_run_is_finished_by_the_command(dsn: str) -> None:
         migration = conn.execute("SELECT state FROM outbox_migrate.migration").fetchone()
         assert migration == ("completed",)
         assert conn.execute("SELECT to_regclass('outbox_published')").fetchone() == (None,)
+
+
+def test_an_autocommit_step_whose_locked_precondition_broke_by_its_end_is_not_done(
+    dsn: str,
+) -> None:
+    """A step run outside a transaction block commits statement by statement, so nothing
+    holds its preconditions while it runs: they are proved again once it ended, and a step
+    whose LOCKED precondition no longer holds is not recorded done (here its own statement
+    breaks it; in the field a concurrent session would)."""
+    from dataclasses import replace
+
+    from psycopg import sql
+
+    from outbox_migrate.errors import StepFailed
+    from outbox_migrate.patterns.model import CheckPoint, Condition, TxMode
+    from outbox_migrate.runner import ledger
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        insert_rows(conn, "outbox", 5, published=True)
+        forward(dsn, "hoper", "V3")
+        conn.execute("CREATE TABLE canary (id int)")
+        canary = Condition(
+            "canary-exists", "the canary table is there",
+            sql.SQL("SELECT 'canary is gone' WHERE to_regclass('canary') IS NULL"),
+            at=CheckPoint.LOCKED,
+        )  # fmt: skip
+        with Runner(dsn, SETTINGS, "hoper") as runner:
+            real = next(s for p in runner.pattern.phases for s in p.steps if s.phase == "V4")
+            step = replace(real, tx=TxMode.AUTOCOMMIT, statements=(sql.SQL("DROP TABLE canary"),),
+                           preconditions=(canary,), postcondition=())  # fmt: skip
+            migration = ledger.active_for_table(runner.conn, SETTINGS.spec)
+            assert migration is not None
+            applier = runner._applier(migration.id)
+            with pytest.raises(StepFailed, match="canary is gone"):
+                applier.apply_autocommit(step)
+        state = conn.execute(
+            "SELECT state FROM outbox_migrate.step WHERE step_id = %s", (real.id,)
+        ).fetchone()
+        assert state is not None and state[0] != "done"
