@@ -168,11 +168,8 @@ class OutboxSpec:
         return _fit(f"{self.table}_gate_seq")
 
     @property
-    def gate_function(self) -> str:
-        return _fit(f"{self.table}_gate_tick")
-
-    @property
-    def gate_trigger(self) -> str:
+    def gate_tick(self) -> str:
+        """The gate's trigger on the old table and the function it runs: one name for both."""
         return _fit(f"{self.table}_gate_tick")
 
 

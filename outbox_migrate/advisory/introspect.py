@@ -272,7 +272,7 @@ def _judge_objects(facts: TableFacts, spec: OutboxSpec, table: str, pattern: str
             f"{table}"
         )))  # fmt: skip
     for name, definition, enabled in facts.trigger_details:
-        if name == spec.gate_trigger:
+        if name == spec.gate_tick:
             facts.objects.append(ObjectFact("trigger", name, definition, (
                 "installed by this migration (V2) so the deploy gates see every old writer, "
                 "whether it supplies its ids or not; removed after the last gate"

@@ -39,7 +39,7 @@ def marker_spec(facts: TableFacts, spec: OutboxSpec) -> OutboxSpec | None:
     if column is None:
         return None
     decided = marker_catalog.decide(spec, column, shown(spec))
-    return None if isinstance(decided, marker_catalog.Refusal) else decided
+    return None if isinstance(decided, Finding) else decided
 
 
 def judge_marker(facts: TableFacts, spec: OutboxSpec, table: str) -> OutboxSpec:
@@ -68,10 +68,8 @@ def judge_marker(facts: TableFacts, spec: OutboxSpec, table: str) -> OutboxSpec:
         ))  # fmt: skip
         return spec
     decided = marker_catalog.decide(spec, column, table)
-    if isinstance(decided, marker_catalog.Refusal):
-        facts.blockers.append(
-            Finding(decided.code, decided.message, decided.remedy, decided.fix_sql)
-        )
+    if isinstance(decided, Finding):
+        facts.blockers.append(decided)
         return spec
     if decided.unpublished_value:
         facts.notes.append(Finding(

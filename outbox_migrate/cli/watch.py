@@ -29,10 +29,12 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.advisory.table_facts import ASSUMED_SCAN_BYTES_PER_S
 from outbox_migrate.config import OutboxSpec, Settings
-from outbox_migrate.errors import SchemaError, shown_state
+from outbox_migrate.errors import SchemaError, first_of, shown_state
+from outbox_migrate.jobs.common import backlog
 from outbox_migrate.lock_budget import WATCH_APPLICATION_NAME, LockMode
-from outbox_migrate.patterns import marker, marker_catalog
+from outbox_migrate.patterns import marker_catalog
 from outbox_migrate.patterns.model import CheckPoint, Step
 from outbox_migrate.runner.session import runner_lock_key
 
@@ -44,9 +46,6 @@ WATCH_LOCK_TIMEOUT_MS = 20
 SWITCH_MARK_FRESH_S = 30.0
 """A switching relay's "waits" mark older than this is not shown (the relay stopped checking:
 it switched, or that session no longer does the checks)."""
-ASSUMED_SCAN_BYTES_PER_S = 200 * 1024 * 1024
-"""VALIDATE reports no progress of its own: its ETA assumes this sequential read rate (the
-figure `plan` estimates with), and says so."""
 
 
 def read_budget_ms(settings: Settings) -> int:
@@ -183,8 +182,8 @@ def failing_checks(
             failing.append({"check": condition.name, "observed": _unreadable(exc, settings)})
             continue
         if rows:
-            more = f" (+{len(rows) - 1} more)" if len(rows) > 1 else ""
-            failing.append({"check": condition.name, "observed": f"{rows[0][0]}{more}"})
+            observed = first_of([row[0] for row in rows])
+            failing.append({"check": condition.name, "observed": observed})
     return failing
 
 
@@ -203,27 +202,14 @@ def _backlog(
     except psycopg.Error as exc:  # deparsing the column's DEFAULT locks the table
         return [{"table": spec.table, "error": _unreadable(exc, settings)}]
     for table in dict.fromkeys((spec.table, spec.partitioned_table)):
-        name = sql.Identifier(spec.schema, table)
-        found = conn.execute("SELECT to_regclass(%s)", (name.as_string(conn),)).fetchone()
-        if not found or found[0] is None:
-            continue
         try:
-            row = conn.execute(
-                sql.SQL(
-                    "SELECT count(*), extract(epoch FROM now() - min({created})) FROM {t} "
-                    "WHERE {unpublished}"
-                ).format(
-                    t=name,
-                    created=sql.Identifier(spec.created_column),
-                    unpublished=marker.unpublished(spec),
-                )
-            ).fetchone()
+            found = backlog(conn, spec, table)
         except psycopg.Error as exc:
             out.append({"table": table, "error": _unreadable(exc, settings)})
             continue
-        if row is not None:
-            age = round(float(row[1]), 1) if row[1] is not None else None
-            out.append({"table": table, "unpublished": int(row[0]), "oldest_s": age})
+        if found is not None:
+            age = round(found[1], 1) if found[1] is not None else None
+            out.append({"table": table, "unpublished": found[0], "oldest_s": age})
     return out
 
 
@@ -271,6 +257,7 @@ def _validate(conn: psycopg.Connection[Any], spec: OutboxSpec) -> dict[str, Any]
     if row is None:
         return None
     pid, elapsed, size = row
+    # VALIDATE reports no progress of its own: its ETA assumes the read rate `plan` uses.
     expected = float(size or 0) / ASSUMED_SCAN_BYTES_PER_S
     return {
         "pid": int(pid),

@@ -13,7 +13,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.config import OutboxSpec
 from outbox_migrate.lock_budget import LockBudget, LockMode, run_with_lock_budget
+from outbox_migrate.patterns import marker
 
 STATE_SCHEMA = "outbox_migrate"
 """Schema of the tool's own state tables (the runner's ledger lives there too)."""
@@ -50,6 +52,24 @@ def _pg_class(conn: psycopg.Connection[Any], rel: Relation) -> tuple[int, bool] 
 
 def exists(conn: psycopg.Connection[Any], rel: Relation) -> bool:
     return _pg_class(conn, rel) is not None
+
+
+def backlog(
+    conn: psycopg.Connection[Any], spec: OutboxSpec, table: str
+) -> tuple[int, float | None] | None:
+    """`table`'s unpublished rows and the oldest one's age in seconds (None with no row);
+    None when the table does not exist. The partial index on unpublished ids makes it cheap."""
+    name = sql.Identifier(spec.schema, table)
+    found = conn.execute("SELECT to_regclass(%s)", (name.as_string(conn),)).fetchone()
+    if not found or found[0] is None:
+        return None
+    query = sql.SQL("SELECT count(*), extract(epoch FROM now() - min({})) FROM {} WHERE {}")
+    row = conn.execute(
+        query.format(sql.Identifier(spec.created_column), name, marker.unpublished(spec))
+    ).fetchone()
+    if row is None:
+        return None
+    return int(row[0]), float(row[1]) if row[1] is not None else None
 
 
 def oid_of(conn: psycopg.Connection[Any], rel: Relation) -> int | None:

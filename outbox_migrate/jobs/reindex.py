@@ -38,7 +38,7 @@ ADVISORY_NAMESPACE = "outbox-migrate:reindex:"
 
 
 @dataclass(frozen=True)
-class Blocker:
+class OldTransaction:
     """A transaction that would make REINDEX CONCURRENTLY wait."""
 
     pid: int | None
@@ -57,7 +57,7 @@ class Blocker:
         return f"pid {self.pid}{app}, {self.state}, transaction {old}{self.age_s:.0f}s old"
 
 
-def old_transactions(conn: psycopg.Connection[Any], max_age_s: float) -> list[Blocker]:
+def old_transactions(conn: psycopg.Connection[Any], max_age_s: float) -> list[OldTransaction]:
     """Transactions in this database older than `max_age_s`, ours excluded.
 
     Any open transaction counts, even a read-only one without a snapshot between statements:
@@ -72,17 +72,17 @@ def old_transactions(conn: psycopg.Connection[Any], max_age_s: float) -> list[Bl
         " ORDER BY xact_start",
         (max_age_s,),
     ).fetchall()
-    blockers = [Blocker(int(r[0]), float(r[1]), str(r[2]), str(r[3])) for r in rows]
+    blockers = [OldTransaction(int(r[0]), float(r[1]), str(r[2]), str(r[3])) for r in rows]
     prepared = conn.execute(
         "SELECT gid, extract(epoch FROM now() - prepared)::float8 FROM pg_prepared_xacts"
         " WHERE database = current_database() AND prepared < now() - make_interval(secs => %s)",
         (max_age_s,),
     ).fetchall()
-    blockers += [Blocker(None, float(r[1]), "prepared", "", str(r[0])) for r in prepared]
+    blockers += [OldTransaction(None, float(r[1]), "prepared", "", str(r[0])) for r in prepared]
     return blockers + hidden_open_transactions(conn)
 
 
-def hidden_open_transactions(conn: psycopg.Connection[Any]) -> list[Blocker]:
+def hidden_open_transactions(conn: psycopg.Connection[Any]) -> list[OldTransaction]:
     """Client transactions of other roles whose start PostgreSQL hides from us (without
     pg_read_all_stats) and that stay open across `HIDDEN_SAMPLE_S`: the same virtual
     transaction id in pg_locks (visible to every role) at both looks. Sessions without a role
@@ -104,11 +104,11 @@ def hidden_open_transactions(conn: psycopg.Connection[Any]) -> list[Blocker]:
         return []
     time.sleep(HIDDEN_SAMPLE_S)
     still = look()
-    found: list[Blocker] = []
+    found: list[OldTransaction] = []
     for key in sorted(first.keys() & still.keys()):
         app, role = still[key]
         state = f"its start hidden from {role}: {grant_to_see(role)}"
-        found.append(Blocker(key[0], HIDDEN_SAMPLE_S, state, app, at_least=True))
+        found.append(OldTransaction(key[0], HIDDEN_SAMPLE_S, state, app, at_least=True))
     return found
 
 

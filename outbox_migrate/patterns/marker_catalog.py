@@ -57,13 +57,16 @@ def constant_default(default: str | None) -> str | None:
 
 
 @dataclass(frozen=True)
-class Refusal:
-    """Why a column cannot be the marker as configured: a `plan` blocker, or one line."""
+class Finding:
+    """A blocker or warning: what was found and what to do. Here, why a column cannot be the
+    marker as configured: a `plan` blocker, or one line; the advisory layer's vocabulary."""
 
     code: str
     message: str
     remedy: str
     fix_sql: str = ""
+    """The SQL the remedy prints, verbatim (the tests run it against the table it names):
+    empty when the fix is a setting or a decision, not a statement."""
 
     def line(self) -> str:
         return f"{self.message}: {self.remedy}"
@@ -71,7 +74,7 @@ class Refusal:
 
 def decide(
     spec: OutboxSpec, column: MarkerColumn, table: str, *, to_partition: bool = True
-) -> OutboxSpec | Refusal:
+) -> OutboxSpec | Finding:
     """The spec with the marker's values filled in, or why the column cannot be a marker.
     `to_partition=False` (a relay or a reader of the flat table) accepts a nullable flag:
     only partitioning needs NOT NULL (a NULL row would land in the published partition)."""
@@ -79,7 +82,7 @@ def decide(
     if column.type in TIMESTAMP_TYPES:
         return _decide_timestamp(spec, column, name)
     if column.type.endswith("[]") or column.type.startswith(NOT_A_FLAG):
-        return Refusal(
+        return Finding(
             "published-type",
             f"{name} is {column.type}, neither a timestamp nor a flag",
             "the partition key must be the nullable publication timestamp or a flag "
@@ -88,15 +91,15 @@ def decide(
     return _decide_flag(spec, column, table, to_partition)
 
 
-def _decide_timestamp(spec: OutboxSpec, column: MarkerColumn, name: str) -> OutboxSpec | Refusal:
+def _decide_timestamp(spec: OutboxSpec, column: MarkerColumn, name: str) -> OutboxSpec | Finding:
     if spec.unpublished_value or spec.published_value:
-        return Refusal(
+        return Finding(
             "published-value",
             f"{name} is a timestamp (NULL = unpublished, the relay sets now())",
             "unset unpublished_value and published_value",
         )
     if column.not_null:
-        return Refusal(
+        return Finding(
             "published-not-null",
             f"{name} is NOT NULL",
             "unpublished rows need NULL there; this is not an outbox the patterns apply to",
@@ -106,7 +109,7 @@ def _decide_timestamp(spec: OutboxSpec, column: MarkerColumn, name: str) -> Outb
 
 def _decide_flag(
     spec: OutboxSpec, column: MarkerColumn, table: str, to_partition: bool
-) -> OutboxSpec | Refusal:
+) -> OutboxSpec | Finding:
     """A flag needs an unpublished value, NOT NULL (a NULL row would sit in the DEFAULT =
     published partition, never relayed) and a published value different from it."""
     name = f"{table}.{spec.published_column}"
@@ -114,14 +117,14 @@ def _decide_flag(
         column.type, spec.unpublished_value or constant_default(column.default) or ""
     )
     if not unpublished:
-        return Refusal(
+        return Finding(
             "published-flag-value",
             f"{name} is a {column.type} flag with no constant DEFAULT",
             "set unpublished_value to the value a new (unpublished) row has",
         )
     if to_partition and not (column.not_null or column.not_null_check):
         recipe = not_null_recipe(spec.schema, spec.table, spec.published_column)
-        return Refusal(
+        return Finding(
             "published-flag-nullable",
             f"{name} is a nullable flag: a NULL row would land in the published (DEFAULT) "
             "partition and never be relayed",
@@ -132,13 +135,13 @@ def _decide_flag(
         column.type, spec.published_value or _obvious_published(column.type, unpublished)
     )
     if not published:
-        return Refusal(
+        return Finding(
             "published-flag-value",
             f"{name} is a {column.type} flag (unpublished is {unpublished})",
             "set published_value to the value the relay sets on publish",
         )
     if published == unpublished:
-        return Refusal(
+        return Finding(
             "published-flag-value",
             f"published_value and unpublished_value of {name} are both {published!r}",
             "the relay must set a value other than the unpublished one",
@@ -247,7 +250,7 @@ def resolve(conn: Connection[Any], spec: OutboxSpec, *, to_partition: bool = Tru
         # step makes the old table's marker NOT NULL, and the runner must go on after it.
         column = replace(column, not_null=False)
     decided = decide(spec, column, table, to_partition=to_partition)
-    if isinstance(decided, Refusal):
+    if isinstance(decided, Finding):
         raise SchemaError(decided.line())
     problem = check_values(conn, decided, relation, table)
     if problem:

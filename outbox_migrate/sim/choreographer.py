@@ -20,13 +20,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.errors import PreconditionFailed
-from outbox_migrate.jobs.common import Relation, exists
+from outbox_migrate.jobs.common import backlog
 from outbox_migrate.lock_budget import AttemptLog
-from outbox_migrate.patterns import build_from_settings, marker
+from outbox_migrate.patterns import build_from_settings
 from outbox_migrate.patterns.model import Phase, PhaseKind, Step, Table
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner.events import SilentEvents
@@ -411,13 +410,8 @@ def _demo_outbox(dsn: str) -> None:
 
 def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> int:
     """Unpublished rows in the old and the new outbox (whichever exist)."""
-    total = 0
-    for table in (Relation(spec.schema, spec.table), Relation(spec.schema, spec.partitioned_table)):
-        if exists(conn, table):
-            count = sql.SQL("SELECT count(*) FROM {} WHERE {}")
-            row = conn.execute(count.format(table.ident, marker.unpublished(spec))).fetchone()
-            total += int(row[0]) if row else 0
-    return total
+    found = (backlog(conn, spec, t) for t in (spec.table, spec.partitioned_table))
+    return sum(f[0] for f in found if f is not None)
 
 
 @contextmanager

@@ -19,8 +19,8 @@ from outbox_migrate.patterns.marker_catalog import (
     Activity,
     Candidate,
     ColumnSample,
+    Finding,
     MarkerColumn,
-    Refusal,
     candidate,
     choose,
     constant_default,
@@ -111,7 +111,7 @@ def test_a_flag_that_could_be_null_is_refused_with_the_recipe() -> None:
     """A NULL flag would land in the DEFAULT (published) partition and never be relayed."""
     spec = OutboxSpec(table="message", published_column="published")
     refused = decide(spec, MarkerColumn("smallint", "0", not_null=False), "message")
-    assert isinstance(refused, Refusal)
+    assert isinstance(refused, Finding)
     assert refused.code == "published-flag-nullable"
     assert 'ALTER TABLE "public"."message" ALTER COLUMN "published" SET NOT NULL' in refused.remedy
     assert refused.fix_sql in refused.remedy
@@ -146,7 +146,7 @@ def test_what_cannot_be_a_marker_is_refused_with_what_to_set(
     spec: OutboxSpec, column: MarkerColumn, code: str
 ) -> None:
     refused = decide(spec, column, "outbox")
-    assert isinstance(refused, Refusal)
+    assert isinstance(refused, Finding)
     assert refused.code == code
     assert refused.line().startswith("outbox.") or refused.line().startswith("published_value")
 

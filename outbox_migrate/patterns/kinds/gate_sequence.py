@@ -40,15 +40,15 @@ published row into the old table: that insert is the migration's, not a writer's
 def _created(n: Names) -> tuple[Created, ...]:
     return (
         Created("relation", n.spec.gate_sequence),
-        Created("function", n.spec.gate_function),
-        Created("trigger", n.spec.gate_trigger, on=n.table),
+        Created("function", n.spec.gate_tick),
+        Created("trigger", n.spec.gate_tick, on=n.table),
     )
 
 
 def create_sql(n: Names) -> tuple[sql.Composed, ...]:
     key1, key2 = lock_keys(n)
     sequence = n.q(n.spec.gate_sequence)
-    function = n.q(n.spec.gate_function)
+    function = n.q(n.spec.gate_tick)
     return (
         sql.SQL("CREATE SEQUENCE {} AS bigint CACHE 1").format(sequence),
         sql.SQL(
@@ -74,18 +74,16 @@ def create_sql(n: Names) -> tuple[sql.Composed, ...]:
         sql.SQL(
             "CREATE TRIGGER {trigger} AFTER INSERT ON {table} "
             "FOR EACH STATEMENT EXECUTE FUNCTION {function}()"
-        ).format(
-            trigger=sql.Identifier(n.spec.gate_trigger), table=n.q(n.table), function=function
-        ),
+        ).format(trigger=sql.Identifier(n.spec.gate_tick), table=n.q(n.table), function=function),
     )
 
 
 def drop_sql(n: Names) -> tuple[sql.Composed, ...]:
     return (
         sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(
-            sql.Identifier(n.spec.gate_trigger), n.q(n.table)
+            sql.Identifier(n.spec.gate_tick), n.q(n.table)
         ),
-        sql.SQL("DROP FUNCTION IF EXISTS {}()").format(n.q(n.spec.gate_function)),
+        sql.SQL("DROP FUNCTION IF EXISTS {}()").format(n.q(n.spec.gate_tick)),
         sql.SQL("DROP SEQUENCE IF EXISTS {}").format(n.q(n.spec.gate_sequence)),
     )
 
