@@ -29,12 +29,10 @@ from outbox_migrate.relay import keepalive, queries, wire
 from outbox_migrate.relay.batch import Phase, WorkerState
 from outbox_migrate.relay.batch_loop import Abandoned, BatchLoop, ahead_key
 from outbox_migrate.relay.cursor import Cursor, NoCursor
-from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.idle_flag import Idle, IdleFlag
-from outbox_migrate.relay.listener import Listener
+from outbox_migrate.relay.keepalive import Fence, LeaseUnproven, back_off_keeping_session
 from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.options import Mode, Ordering
-from outbox_migrate.relay.outage_wait import back_off_keeping_session
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
 from outbox_migrate.relay.shared import (
     Shared,
@@ -44,7 +42,7 @@ from outbox_migrate.relay.shared import (
     serialization_errors,
 )
 from outbox_migrate.relay.sinks import Sink
-from outbox_migrate.relay.waits import Session, Waits
+from outbox_migrate.relay.waits import Listener, Session, Waits
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -217,7 +215,7 @@ class Worker:
     def _back_off(self, *, keep_session: bool = False) -> None:
         """`keep_session` (the broker is away, PostgreSQL is not): keep the session alive
         through the wait, or drop it before the wake-up if it died, so that the wake-up tries
-        the broker instead of failing on a dead session (relay/outage_wait.py)."""
+        the broker instead of failing on a dead session (relay/keepalive.py)."""
         delay = self.relay.backoff(self.state.back_off())
         conn = self.conn
         if keep_session and conn is not None:
@@ -339,7 +337,7 @@ class Worker:
             return True
         return False
 
-    # -- notifications: a LISTEN session per worker (relay/listener.py) --------------------
+    # -- notifications: a LISTEN session per worker (relay/waits.py) -----------------------
 
     def _listen(self) -> None:
         """(Re)open the worker's LISTEN session when notifications are on."""
