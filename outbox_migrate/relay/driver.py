@@ -33,6 +33,7 @@ from outbox_migrate.relay.idle_flag import Idle, IdleFlag
 from outbox_migrate.relay.keepalive import Fence, LeaseUnproven, back_off_keeping_session
 from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.options import Mode, Ordering
+from outbox_migrate.relay.run_stats import count_failures
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
 from outbox_migrate.relay.shared import (
     Shared,
@@ -158,8 +159,7 @@ class Worker:
             relay.observer.failed("fenced")
             log.warning("relay.fenced worker=%d %s", self.index, exc)
         except SinkUnavailable as exc:
-            relay.stats.add(sink_failures=1)
-            relay.observer.failed("sink")
+            count_failures(relay.stats, relay.observer, sink=1)
             log.warning("relay.sink_unavailable worker=%d %s", self.index, exc)
             close_sink(self.sink)
             self.sink = None

@@ -23,7 +23,7 @@ from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages, log_dead
 from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
-from outbox_migrate.relay.run_stats import CdcStats
+from outbox_migrate.relay.run_stats import CdcStats, count_failures
 from outbox_migrate.relay.shared import close_sink
 from outbox_migrate.relay.sinks import Sink, SinkFactory
 
@@ -110,8 +110,7 @@ class Delivery:
         or a webhook slower than the timeout per batch would never get through it."""
         done = set(exc.acknowledged)
         rest = [m for m in todo if m.id not in done]
-        self.stats.add(sink_failures=1)
-        self.observer.failed("sink")
+        count_failures(self.stats, self.observer, sink=1)
         log.warning("relay.sink_unavailable %s; %d of %d acknowledged, the rest sent again",
                     " ".join(str(exc).split()), len(todo) - len(rest), len(todo))  # fmt: skip
         if rest and self.stop.wait(self.backoff(0)):
@@ -128,10 +127,7 @@ class Delivery:
     ) -> list[Message]:
         """Count the refused messages' attempts, dead-letter those at the limit, back off
         after a rejection (not for an unrepresentable one); returns those to publish again."""
-        for reason, count in (("rejected", len(rejected)), ("bad_row", len(unrepresentable))):
-            if count:
-                self.observer.failed(reason, count)
-        self.stats.add(rejected=len(rejected), bad_rows=len(unrepresentable))
+        count_failures(self.stats, self.observer, rejected=len(rejected), bad=len(unrepresentable))
         reasons = {**unrepresentable, **rejected}
         refused = [m for m in todo if m.id in reasons]
         with self._session() as conn:
@@ -168,8 +164,7 @@ class Delivery:
         if not bad:
             return batch
         reasons = {m.id: self.bad.pop(m.id) for m in bad}
-        self.observer.failed("bad_row", len(bad))
-        self.stats.add(bad_rows=len(bad))
+        count_failures(self.stats, self.observer, bad=len(bad))
         with self._session() as conn:
             attempts = self.failures.count(conn, self.label, reasons)
             letters = [
