@@ -216,7 +216,7 @@ class Worker:
         """`keep_session` (the broker is away, PostgreSQL is not): keep the session alive
         through the wait, or drop it before the wake-up if it died, so that the wake-up tries
         the broker instead of failing on a dead session (relay/keepalive.py)."""
-        delay = self.relay.backoff(self.state.back_off())
+        delay = self.relay.options.backoff(self.state.back_off())
         conn = self.conn
         if keep_session and conn is not None:
             if conn.closed:

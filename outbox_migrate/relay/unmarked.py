@@ -56,7 +56,7 @@ def repair(
             raise RelayFailed(f"repairing a failed mark: {one_line(exc)}") from exc
         unmarked.pop(0)
         log_dead(done.letters)  # committed by the repair's transaction
-        mark_repair.park(refusals.parking, source.label, batch, done, relay.backoff,
+        mark_repair.park(refusals.parking, source.label, batch, done, relay.options.backoff,
                          by_key=by_key)  # fmt: skip
         relay.stats.batch(done.marked)
         count_failures(relay.stats, relay.observer, bad=len(done.bad), dead=len(done.letters))
@@ -104,5 +104,5 @@ def mark_suspects(
     claim.letters += done.letters
     count_failures(relay.stats, relay.observer, bad=len(done.bad))
     held = mark_repair.park(refusals.parking, claim.source.label, claim.messages, done,
-                            relay.backoff, by_key=by_key)  # fmt: skip
+                            relay.options.backoff, by_key=by_key)  # fmt: skip
     return [i for i in acked if i not in done.bad and i not in held], done.retry
