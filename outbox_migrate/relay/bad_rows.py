@@ -282,10 +282,6 @@ class FailedMessages:
             mine = {i for source, i in self.known if source == label}
         return [i for i in ids if i in mine] if mine else []
 
-    def suspect(self, label: str, message_id: MessageId) -> bool:
-        """Failed before: published alone, so a crash it causes counts against it only."""
-        return (label, message_id) in self.known
-
     def exhausted(self, label: str, messages: Sequence[Message]) -> list[Message]:
         """Messages already at `max_attempts` (a crash counted their last attempt): to
         dead-letter rather than publish again."""

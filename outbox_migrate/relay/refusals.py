@@ -168,11 +168,7 @@ class Refusals:
         """Publish, a message with a failure on record alone; (rejected, unrepresentable) as
         id → reason. An exception outside the sink's protocol becomes `SinkCrashed`, naming
         the messages it held (`count_crash`)."""
-        parts = [batch]
-        if self.failures.known:
-            seen = set(self.failures.seen_before(label, [m.id for m in batch]))
-            if seen:
-                parts = list(publishing.split_suspects(batch, seen.__contains__))
+        parts = publishing.suspects_apart(self.failures, label, batch)
         rejected: dict[MessageId, str] = {}
         unrepresentable: dict[MessageId, str] = {}
         for i, part in enumerate(parts):

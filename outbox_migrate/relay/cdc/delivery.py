@@ -64,12 +64,8 @@ class Delivery:
                 return
         if self._sink is None:
             self._sink = self.sink_factory()
-        failures, label = self.failures, self.label
-        if failures.known and any(failures.suspect(label, m.id) for m in batch):
-            for part in publishing.split_suspects(batch, lambda i: failures.suspect(label, i)):
-                self._deliver(self._sink, part, careful)
-        else:
-            self._deliver(self._sink, batch, careful)
+        for part in publishing.suspects_apart(self.failures, self.label, batch):
+            self._deliver(self._sink, part, careful)
 
     def _deliver(self, sink: Sink, todo: list[Message], careful: bool) -> None:
         failures, label = self.failures, self.label
