@@ -138,7 +138,9 @@ class Worker:
         if conn is None or conn.closed:
             return
         try:
-            self.relay.refusals.count_crash(conn, crashed)
+            with conn.transaction():
+                reasons = dict.fromkeys(crashed.ids, crashed.reason)
+                self.relay.refusals.failures.count(conn, crashed.label, reasons)
         except (psycopg.Error, RelayFailed) as failed:
             log.warning("relay.attempts_not_counted worker=%d %s", self.index, one_line(failed))
 

@@ -167,7 +167,7 @@ class Refusals:
     ) -> tuple[dict[MessageId, str], dict[MessageId, str]]:
         """Publish, a message with a failure on record alone; (rejected, unrepresentable) as
         id → reason. An exception outside the sink's protocol becomes `SinkCrashed`, naming
-        the messages it held (`count_crash`)."""
+        the messages it held (`driver.Worker._count_crash`)."""
         parts = publishing.suspects_apart(self.failures, label, batch)
         rejected: dict[MessageId, str] = {}
         unrepresentable: dict[MessageId, str] = {}
@@ -200,11 +200,6 @@ class Refusals:
             pending = self.suspects.among(label, [m.id for m in worn])
             worn = [m for m in worn if m.id not in pending]
         return self.failures.dead_letter_exhausted(conn, label, worn) if worn else []
-
-    def count_crash(self, conn: Any, crashed: SinkCrashed) -> None:
-        """After the batch rolled back: one attempt against each message the sink held."""
-        with conn.transaction():
-            self.failures.count(conn, crashed.label, dict.fromkeys(crashed.ids, crashed.reason))
 
     def forget(self, conn: Any, label: str, acked: list[MessageId]) -> None:
         """Counters of messages that went through go, unless their mark is yet to be tried."""
