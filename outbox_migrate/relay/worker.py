@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from outbox_migrate.backoff import backoff_s
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
 from outbox_migrate.errors import NamesMoved, RelayFailed
@@ -79,11 +78,8 @@ class Relay:
         self.shared = Shared(
             dsn=dsn, application_name=application_name, options=options, state=self.state,
             stats=self.stats, observer=self.observer, sink_factory=sink_factory,
-            refusals=Refusals(
-                self.failures, self.stats, self.observer,
-                lambda n: backoff_s(n, base_s=options.backoff_base_s, cap_s=options.backoff_cap_s),
-                by_key=options.ordering is Ordering.key,
-            ),
+            refusals=Refusals(self.failures, self.stats, self.observer, options.backoff,
+                              by_key=options.ordering is Ordering.key),
             text_ids=text_ids, message=TextIdMessage if text_ids else Message,
             stopped=self._stop, request_stop=self.stop, wake_fd=self.wake_fd,
         )  # fmt: skip
