@@ -162,15 +162,8 @@ class Delivery:
         reasons = {m.id: self.bad.pop(m.id) for m in bad}
         count_failures(self.stats, self.observer, bad=len(bad))
         with self._session() as conn:
-            attempts = self.failures.count(conn, self.label, reasons)
-            letters = [
-                self.failures.dead_letter(
-                    conn, self.label, message, attempts[message.id], reasons[message.id]
-                )
-                for message in bad
-            ]
-            self.failures.forget(conn, self.label, list(reasons))
-        self._dead(letters)
+            verdict = self.failures.record(conn, self.label, bad, reasons, now=True)
+        self._dead(verdict.letters)
         return [m for m in batch if m.id not in reasons]
 
     def _dead(self, letters: list[DeadLetter]) -> None:
