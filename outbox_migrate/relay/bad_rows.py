@@ -282,10 +282,6 @@ class FailedMessages:
             mine = {i for source, i in self.known if source == label}
         return [i for i in ids if i in mine] if mine else []
 
-    def suspect(self, label: str, message_id: MessageId) -> bool:
-        """Failed before: published alone, so a crash it causes counts against it only."""
-        return (label, message_id) in self.known
-
     def exhausted(self, label: str, messages: Sequence[Message]) -> list[Message]:
         """Messages already at `max_attempts` (a crash counted their last attempt): to
         dead-letter rather than publish again."""
@@ -376,16 +372,18 @@ class FailedMessages:
         counted: bool = False,
         keep: Collection[MessageId] = (),
         delivered: bool = False,
+        now: bool = False,
     ) -> Verdict:
         """Add one attempt per failed id (`counted`: only the reason is new); dead-letter
-        each copy at `max_attempts` in the same transaction as its mark or removal. `keep`:
-        counters that stay, another copy of the id being unsettled."""
+        each copy at `max_attempts` (`now`: whatever its attempts) in the same transaction as
+        its mark or removal. `keep`: counters that stay, another copy of the id being
+        unsettled."""
         if counted:
             attempts = self.note(conn, label, reasons)
         else:
             attempts = self.count(conn, label, reasons, delivered=delivered)
         most = self.max_attempts
-        dead = [m for m in failed if attempts[m.id] >= most]
+        dead = list(failed) if now else [m for m in failed if attempts[m.id] >= most]
         letters = [
             self.dead_letter(conn, label, message, attempts[message.id], reasons[message.id])
             for message in dead

@@ -18,20 +18,62 @@ from outbox_migrate.patterns import notify
 from outbox_migrate.relay import claimed, queries, read_ahead, unmarked, wire
 from outbox_migrate.relay.batch import Batch, Commit, Phase, WorkerState, mark_and_commit
 from outbox_migrate.relay.cursor import Cursor
-from outbox_migrate.relay.fencing import Fence
 from outbox_migrate.relay.idle_flag import SPARSE_ROWS, Idle, IdleFlag
-from outbox_migrate.relay.listener import Listener
+from outbox_migrate.relay.keepalive import Fence
 from outbox_migrate.relay.options import Mode, Ordering
 from outbox_migrate.relay.shards import ShardLease
 from outbox_migrate.relay.shared import Shared
 from outbox_migrate.relay.sinks import Sink
-from outbox_migrate.relay.statements import HORIZON, IDLE_UNLOCK, TRY_IDLE_LOCK, Statements
-from outbox_migrate.relay.waits import Waits
+from outbox_migrate.relay.waits import Listener, Waits
 
 log = logging.getLogger("outbox_migrate.relay")
 
 HOLD_S = 0.05
 """How long an idle worker leaves its last COMMIT's result unread (`BatchLoop._hold`)."""
+
+
+HORIZON = queries.horizon().as_string().encode()
+IDLE_UNLOCK = queries.named("idle-unlock").as_string().encode()
+TRY_IDLE_LOCK = queries.try_idle_lock().as_string().encode()
+
+
+class Statements:
+    """Claim, gap probe and mark of each source, for one claim session: rendered once per
+    session, source and shard layout, and prepared on it before the pipeline starts
+    (PQprepare is synchronous). Rendering and preparing cost more than a small batch's SQL."""
+
+    def __init__(self, columns: dict[str, queries.Columns], *, by_key: bool, text_ids: bool):
+        self._columns = columns
+        self._by_key = by_key
+        self._text_ids = text_ids
+        self._rendered: dict[tuple[str, bool], tuple[bytes, bytes, bytes]] = {}
+
+    def reset(self) -> None:
+        """A new session: nothing is prepared on it yet."""
+        self._rendered.clear()
+
+    def of(
+        self, conn: Any, pipe: wire.Wire, source: queries.Source, sharded: bool
+    ) -> tuple[bytes, bytes, bytes]:
+        """(claim, gap probe, mark) of `source`, prepared on `pipe`'s session."""
+        key = (source.label, sharded)
+        rendered = self._rendered.get(key)
+        if rendered is None:
+            columns = self._columns[source.label]
+            claim = queries.claim(source, columns, sharded=sharded, by_key=self._by_key)
+            rendered = (
+                claim.as_bytes(conn),
+                queries.probe(source, columns).as_bytes(conn),
+                queries.mark(source).as_bytes(conn),
+            )
+            self._rendered[key] = rendered
+            # The gap probe and the horizon only where the cursor uses them (integer ids).
+            used = [rendered[0], rendered[2], IDLE_UNLOCK, TRY_IDLE_LOCK]
+            if not self._text_ids:
+                used += [rendered[1], HORIZON]
+            for statement in used:
+                pipe.prepare(statement)
+        return rendered
 
 
 class Abandoned(Exception):

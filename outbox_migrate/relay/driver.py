@@ -29,12 +29,11 @@ from outbox_migrate.relay import keepalive, queries, wire
 from outbox_migrate.relay.batch import Phase, WorkerState
 from outbox_migrate.relay.batch_loop import Abandoned, BatchLoop, ahead_key
 from outbox_migrate.relay.cursor import Cursor, NoCursor
-from outbox_migrate.relay.fencing import Fence, LeaseUnproven
 from outbox_migrate.relay.idle_flag import Idle, IdleFlag
-from outbox_migrate.relay.listener import Listener
+from outbox_migrate.relay.keepalive import Fence, LeaseUnproven, back_off_keeping_session
 from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.options import Mode, Ordering
-from outbox_migrate.relay.outage_wait import back_off_keeping_session
+from outbox_migrate.relay.run_stats import count_failures
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
 from outbox_migrate.relay.shared import (
     Shared,
@@ -44,7 +43,7 @@ from outbox_migrate.relay.shared import (
     serialization_errors,
 )
 from outbox_migrate.relay.sinks import Sink
-from outbox_migrate.relay.waits import Session, Waits
+from outbox_migrate.relay.waits import Listener, Session, Waits
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -139,7 +138,9 @@ class Worker:
         if conn is None or conn.closed:
             return
         try:
-            self.relay.refusals.count_crash(conn, crashed)
+            with conn.transaction():
+                reasons = dict.fromkeys(crashed.ids, crashed.reason)
+                self.relay.refusals.failures.count(conn, crashed.label, reasons)
         except (psycopg.Error, RelayFailed) as failed:
             log.warning("relay.attempts_not_counted worker=%d %s", self.index, one_line(failed))
 
@@ -160,8 +161,7 @@ class Worker:
             relay.observer.failed("fenced")
             log.warning("relay.fenced worker=%d %s", self.index, exc)
         except SinkUnavailable as exc:
-            relay.stats.add(sink_failures=1)
-            relay.observer.failed("sink")
+            count_failures(relay.stats, relay.observer, sink=1)
             log.warning("relay.sink_unavailable worker=%d %s", self.index, exc)
             close_sink(self.sink)
             self.sink = None
@@ -217,8 +217,8 @@ class Worker:
     def _back_off(self, *, keep_session: bool = False) -> None:
         """`keep_session` (the broker is away, PostgreSQL is not): keep the session alive
         through the wait, or drop it before the wake-up if it died, so that the wake-up tries
-        the broker instead of failing on a dead session (relay/outage_wait.py)."""
-        delay = self.relay.backoff(self.state.back_off())
+        the broker instead of failing on a dead session (relay/keepalive.py)."""
+        delay = self.relay.options.backoff(self.state.back_off())
         conn = self.conn
         if keep_session and conn is not None:
             if conn.closed:
@@ -339,7 +339,7 @@ class Worker:
             return True
         return False
 
-    # -- notifications: a LISTEN session per worker (relay/listener.py) --------------------
+    # -- notifications: a LISTEN session per worker (relay/waits.py) -----------------------
 
     def _listen(self) -> None:
         """(Re)open the worker's LISTEN session when notifications are on."""

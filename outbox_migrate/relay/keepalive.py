@@ -12,16 +12,36 @@ session timeout T (`--session-timeout`), each worker session gets:
   pending statement fails instead of waiting for hours.
 
 None of these ends a session *earlier* than T after the client's last message, which
-`fencing.Fence` relies on. Shards are free at most T plus one probe interval (or plus the poll
+`Fence` below relies on. Shards are free at most T plus one probe interval (or plus the poll
 interval for an idle relay) later.
+
+Fencing (`Fence`): never hand a batch to the broker unless this session provably still owns
+it. Shards and batch rows are locks of the worker's session, which the server ends no earlier
+than T after its last message from the worker. So when a claim sent at `t` returns, every lock
+is safe until at least `t + T`, and a batch is published only if the publish (bounded by the
+sink's timeout) ends before `t + T - MARGIN_S`: a relay cut off from PostgreSQL stops
+publishing before another can have claimed its shards. Not covered: a process paused *inside*
+a sink call resumes after its session may have ended; those messages arrive late, as
+duplicates (docs/relay.md, "Fleet guarantees").
+
+A worker's backoff while its broker is away (`back_off_keeping_session`) keeps its session
+usable: the backoff can outlast the server's `idle_session_timeout`, and a session found dead
+at the wake-up costs another full backoff, so a broker back briefly between outages is missed
+time after time. So the wait is cut into slices shorter than a third of that timeout, with a
+bare `SELECT` between them (autocommit: never in a transaction); a session lost anyway is
+reported before the wake-up, so the worker reconnects first instead of failing again.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from psycopg import sql
+
+from outbox_migrate.errors import RelayError
 
 CHECK_INTERVAL_MS = 1000
 """client_connection_check_interval: a running statement polls its socket once a second."""
@@ -98,3 +118,90 @@ def configure_session(
         )
     )
     conn.execute(statement)
+
+
+# -- fencing -----------------------------------------------------------------------------
+
+MARGIN_S = 1.0
+"""Clock and scheduling slack between our monotonic clock and the server's timers."""
+
+
+class LeaseUnproven(RelayError):
+    """The batch was not published: the lease could expire before the publish ends."""
+
+
+class Fence:
+    """When this worker last proved its session alive, and whether a publish still fits."""
+
+    def __init__(self, session_timeout_s: float, publish_budget_s: float) -> None:
+        self.session_timeout_s = session_timeout_s
+        self.publish_budget_s = publish_budget_s
+        self.proven_at = float("-inf")
+        """Monotonic time a round trip that succeeded was sent."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.session_timeout_s > 0
+
+    def proven(self, sent_at: float) -> None:
+        """A statement sent at `sent_at` came back: the session was alive after that."""
+        self.proven_at = max(self.proven_at, sent_at)
+
+    def lost(self) -> None:
+        """A new session holds nothing yet: no proof carries over."""
+        self.proven_at = float("-inf")
+
+    def deadline(self) -> float:
+        """The last moment a publish may *start*."""
+        return self.proven_at + self.session_timeout_s - MARGIN_S - self.publish_budget_s
+
+    def check(self, now: float) -> None:
+        """Raise `LeaseUnproven` when a publish starting `now` could outlive the lease."""
+        if self.enabled and now > self.deadline():
+            raise LeaseUnproven(
+                f"shard lease proven {now - self.proven_at:.1f} s ago; a publish of up to "
+                f"{self.publish_budget_s:g} s could end after the session timeout "
+                f"({self.session_timeout_s:g} s)"
+            )
+
+
+# -- outage waits ------------------------------------------------------------------------
+
+PING_SHARE = 3
+"""Pings per idle-session timeout: the session speaks at least this often within it."""
+MIN_PING_S = 0.2
+"""No faster than this, however short the server's timeout."""
+
+
+def idle_timeout_s(conn: Any) -> float:
+    """The session's `idle_session_timeout` in seconds; 0 when off (or before PostgreSQL 14)."""
+    row = conn.execute(
+        "SELECT setting::float8 / 1000 FROM pg_settings WHERE name = 'idle_session_timeout'"
+    ).fetchone()
+    return float(row[0]) if row and row[0] else 0.0
+
+
+def ping_interval_s(timeout_s: float) -> float | None:
+    """How often to ping a session with this idle timeout; None: never needed."""
+    if timeout_s <= 0:
+        return None
+    return max(MIN_PING_S, timeout_s / PING_SHARE)
+
+
+def back_off_keeping_session(wait: Callable[[float], bool], seconds: float, conn: Any) -> bool:
+    """Wait `seconds` through `wait` (True when stopping), keeping `conn` from being ended as
+    idle. True: the session is usable; False: it was lost (the wait still runs its full
+    length), and the caller reopens it."""
+    import psycopg
+
+    deadline = time.monotonic() + seconds
+    try:
+        every = ping_interval_s(idle_timeout_s(conn))
+        while (left := deadline - time.monotonic()) > 0:
+            if wait(left if every is None else min(left, every)):
+                return True  # stopping: the worker's shutdown closes the session anyway
+            conn.execute(b"SELECT")
+    except (psycopg.OperationalError, psycopg.InterfaceError):
+        wait(max(0.0, deadline - time.monotonic()))
+        return False
+    return True

@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from outbox_migrate.errors import RelayError
+from outbox_migrate.errors import ConnectError, RelayError
 
 HEALTH_STALE_S = 60.0
 READY_STALE_S = 40.0
 """A lease check older than this makes the process unready: longer than the sink backoff cap
 (30 s), during which a worker does not come back to its lease."""
 METRICS_INTERVAL_S = 5.0
-"""How often the backlog size and oldest unpublished age are sampled."""
+"""How often the backlog (polling) or the slot's lag (CDC) is sampled."""
 BATCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -55,6 +57,35 @@ class Observer:
 
     def ready(self) -> bool:
         return True
+
+
+def start_sampler(
+    observer: Observer,
+    stop: threading.Event,
+    connect: Callable[[], AbstractContextManager[Any]],
+    look: Callable[[Any], None],
+    name: str,
+) -> threading.Thread | None:
+    """A daemon thread calling `look(conn)` every METRICS_INTERVAL_S on a session of its own,
+    reconnecting after a lost one, until `stop`; None for the base `Observer` (ignores it)."""
+    if type(observer) is Observer:
+        return None
+
+    def sample() -> None:
+        import psycopg
+
+        while not stop.is_set():
+            try:
+                with connect() as conn:
+                    while not stop.is_set():
+                        look(conn)
+                        stop.wait(METRICS_INTERVAL_S)
+            except (psycopg.OperationalError, psycopg.InterfaceError, ConnectError):
+                stop.wait(METRICS_INTERVAL_S)
+
+    thread = threading.Thread(target=sample, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 class PrometheusObserver(Observer):

@@ -10,10 +10,14 @@ causes again counts against it only.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from outbox_migrate.errors import MessagesRejected, UnrepresentableMessage
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import Sink
+
+if TYPE_CHECKING:
+    from outbox_migrate.relay.bad_rows import FailedMessages
 
 
 def publish(
@@ -33,6 +37,17 @@ def publish(
             unrepresentable.update((m.id, exc.reason) for m in _culprits(todo, exc))
             todo = [m for m in todo if m.id not in unrepresentable]
     return {}, unrepresentable
+
+
+def suspects_apart(
+    failures: FailedMessages, label: str, batch: list[Message]
+) -> list[list[Message]]:
+    """`batch` as the parts to publish one after another (`split_suspects`); no work per
+    message while no failure is on record."""
+    if not failures.known:
+        return [batch]
+    seen = set(failures.seen_before(label, [m.id for m in batch]))
+    return list(split_suspects(batch, seen.__contains__)) if seen else [batch]
 
 
 def split_suspects(

@@ -19,7 +19,7 @@ from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.parking import PARKED_BATCH_WAIT_S, Parking
-from outbox_migrate.relay.run_stats import RelayStats
+from outbox_migrate.relay.run_stats import RelayStats, count_failures
 from outbox_migrate.relay.sinks import Sink
 
 log = logging.getLogger("outbox_migrate.relay")
@@ -112,7 +112,8 @@ class Refusals:
         reasons.update(unrepresentable)
         reasons.update(rejected)
         refused = [m for m in sent if m.id in reasons] + [b.message for b in bad]
-        self.count_failures(len(rejected), len(reasons) - len(rejected))
+        count_failures(self.stats, self.observer, rejected=len(rejected),
+                       bad=len(reasons) - len(rejected))  # fmt: skip
         verdict = failures.record(conn, label, refused, reasons)
         letters = verdict.letters + worn
         acked = [m.id for m in sent if m.id not in reasons]
@@ -156,8 +157,7 @@ class Refusals:
             return None
         rest = [m.id for m in sent if m.id not in done]
         self.forget(conn, label, acked)
-        self.stats.add(sink_failures=1)
-        self.observer.failed("sink")
+        count_failures(self.stats, self.observer, sink=1)
         log.warning("relay.sink_unavailable %s; %d of %d acknowledged and marked, the rest "
                     "claimed again", " ".join(str(exc).split()), len(acked), len(sent))  # fmt: skip
         return Outcome(acked, worn, [], self.backoff(0), min(rest, default=None), {})
@@ -167,12 +167,8 @@ class Refusals:
     ) -> tuple[dict[MessageId, str], dict[MessageId, str]]:
         """Publish, a message with a failure on record alone; (rejected, unrepresentable) as
         id → reason. An exception outside the sink's protocol becomes `SinkCrashed`, naming
-        the messages it held (`count_crash`)."""
-        parts = [batch]
-        if self.failures.known:
-            seen = set(self.failures.seen_before(label, [m.id for m in batch]))
-            if seen:
-                parts = list(publishing.split_suspects(batch, seen.__contains__))
+        the messages it held (`driver.Worker._count_crash`)."""
+        parts = publishing.suspects_apart(self.failures, label, batch)
         rejected: dict[MessageId, str] = {}
         unrepresentable: dict[MessageId, str] = {}
         for i, part in enumerate(parts):
@@ -204,17 +200,6 @@ class Refusals:
             pending = self.suspects.among(label, [m.id for m in worn])
             worn = [m for m in worn if m.id not in pending]
         return self.failures.dead_letter_exhausted(conn, label, worn) if worn else []
-
-    def count_crash(self, conn: Any, crashed: SinkCrashed) -> None:
-        """After the batch rolled back: one attempt against each message the sink held."""
-        with conn.transaction():
-            self.failures.count(conn, crashed.label, dict.fromkeys(crashed.ids, crashed.reason))
-
-    def count_failures(self, rejected: int, bad: int, dead: int = 0) -> None:
-        self.stats.add(rejected=rejected, bad_rows=bad, dead_lettered=dead)
-        for reason, count in (("rejected", rejected), ("bad_row", bad)):
-            if count:
-                self.observer.failed(reason, count)
 
     def forget(self, conn: Any, label: str, acked: list[MessageId]) -> None:
         """Counters of messages that went through go, unless their mark is yet to be tried."""

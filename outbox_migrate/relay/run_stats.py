@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from outbox_migrate.relay.metrics import Observer
 
 
 @dataclass
@@ -31,6 +35,17 @@ class Counters:
     def as_dict(self) -> dict[str, int]:
         with self._lock:
             return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+
+def count_failures(
+    stats: Counters, observer: Observer, *, rejected: int = 0, bad: int = 0, dead: int = 0,
+    sink: int = 0,
+) -> None:  # fmt: skip
+    """Failures of either delivery style, in the run's counters and the metrics alike."""
+    stats.add(rejected=rejected, bad_rows=bad, dead_lettered=dead, sink_failures=sink)
+    for reason, count in (("rejected", rejected), ("bad_row", bad), ("sink", sink)):
+        if count:
+            observer.failed(reason, count)
 
 
 @dataclass

@@ -60,9 +60,6 @@ class Shared:
             self.fatal = exc
         self.request_stop()
 
-    def backoff(self, failures: int) -> float:
-        return self.options.backoff(failures)
-
     def nothing_left(self, conn: Any) -> bool:
         """`until_empty`: this worker's table is empty; in switching mode, wait for the switch
         unless the partitioned table is empty too (nothing to publish either way)."""

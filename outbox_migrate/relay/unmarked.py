@@ -20,6 +20,7 @@ from outbox_migrate.relay.bad_rows import log_dead
 from outbox_migrate.relay.batch import Batch, Commit
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.options import Ordering
+from outbox_migrate.relay.run_stats import count_failures
 from outbox_migrate.relay.shared import Shared, one_line
 
 log = logging.getLogger("outbox_migrate.relay")
@@ -55,10 +56,10 @@ def repair(
             raise RelayFailed(f"repairing a failed mark: {one_line(exc)}") from exc
         unmarked.pop(0)
         log_dead(done.letters)  # committed by the repair's transaction
-        mark_repair.park(refusals.parking, source.label, batch, done, relay.backoff,
+        mark_repair.park(refusals.parking, source.label, batch, done, relay.options.backoff,
                          by_key=by_key)  # fmt: skip
         relay.stats.batch(done.marked)
-        refusals.count_failures(0, len(done.bad), dead=len(done.letters))
+        count_failures(relay.stats, relay.observer, bad=len(done.bad), dead=len(done.letters))
         relay.observer.published(done.marked)
         retry += done.retry
         log.warning(
@@ -101,7 +102,7 @@ def mark_suspects(
     if not (done.bad or done.marked):
         return acked, []  # no suspect in this batch: the common case, kept cheap
     claim.letters += done.letters
-    refusals.count_failures(0, len(done.bad))
+    count_failures(relay.stats, relay.observer, bad=len(done.bad))
     held = mark_repair.park(refusals.parking, claim.source.label, claim.messages, done,
-                            relay.backoff, by_key=by_key)  # fmt: skip
+                            relay.options.backoff, by_key=by_key)  # fmt: skip
     return [i for i in acked if i not in done.bad and i not in held], done.retry

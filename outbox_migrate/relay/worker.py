@@ -14,11 +14,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from outbox_migrate.backoff import backoff_s
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.db import APPLICATION_NAME
 from outbox_migrate.errors import NamesMoved, RelayFailed
@@ -28,7 +27,7 @@ from outbox_migrate.relay.bad_rows import FailedMessages
 from outbox_migrate.relay.columns import resolve as resolve_columns
 from outbox_migrate.relay.driver import Worker
 from outbox_migrate.relay.message import Message, TextIdMessage
-from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
+from outbox_migrate.relay.metrics import Observer, start_sampler
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.refusals import Refusals
 from outbox_migrate.relay.run_stats import RelayStats
@@ -79,11 +78,8 @@ class Relay:
         self.shared = Shared(
             dsn=dsn, application_name=application_name, options=options, state=self.state,
             stats=self.stats, observer=self.observer, sink_factory=sink_factory,
-            refusals=Refusals(
-                self.failures, self.stats, self.observer,
-                lambda n: backoff_s(n, base_s=options.backoff_base_s, cap_s=options.backoff_cap_s),
-                by_key=options.ordering is Ordering.key,
-            ),
+            refusals=Refusals(self.failures, self.stats, self.observer, options.backoff,
+                              by_key=options.ordering is Ordering.key),
             text_ids=text_ids, message=TextIdMessage if text_ids else Message,
             stopped=self._stop, request_stop=self.stop, wake_fd=self.wake_fd,
         )  # fmt: skip
@@ -119,15 +115,14 @@ class Relay:
             threading.Thread(target=self._worker, args=(i,), name=f"relay-{i}", daemon=True)
             for i in range(options.workers)
         ]
-        helpers: list[threading.Thread] = []
         read, write = os.pipe()
         os.set_blocking(write, False)
         self._wake_fds = (read, write)
-        if type(self.observer) is not Observer:
-            helpers.append(threading.Thread(target=self._sample, name="relay-sample", daemon=True))
-        for thread in threads + helpers:
+        for thread in threads:
             thread.start()
-        names = _NamesWatch(self.dsn, self.application_name)
+        sampler = start_sampler(self.observer, self._stop, self._connect, self._sample,
+                                "relay-sample")  # fmt: skip
+        names = _NamesWatch(self._connect)
         try:
             while any(t.is_alive() for t in threads) and not self._stop.is_set():
                 for thread in threads:
@@ -136,8 +131,8 @@ class Relay:
         finally:
             self.stop()
             self._shutdown(threads)
-            for helper in helpers:
-                helper.join(timeout=2.0)
+            if sampler is not None:
+                sampler.join(timeout=2.0)
             self._close_wake_pipe()
         self.stats.switches = self.state.switches
         fatal = self.shared.fatal
@@ -183,9 +178,7 @@ class Relay:
 
     def _prepare(self) -> None:
         """Check the tables and resolve optional columns once, before any worker starts."""
-        from outbox_migrate.db import connect
-
-        with connect(self.dsn, application_name=self.application_name) as conn:
+        with self._connect() as conn:
             self.spec, self.state = marker_source.resolved(conn, self.spec, self.state)
             self.shared.state = self.state  # what the workers see (relay/shared.py)
             sources = [self.state.current]
@@ -215,36 +208,28 @@ class Relay:
 
     # -- helpers threads ------------------------------------------------------------------
 
-    def _sample(self) -> None:
-        """Sample backlog size and oldest unpublished age for the metrics."""
+    def _connect(self) -> Any:
         from outbox_migrate.db import connect
-        from outbox_migrate.errors import ConnectError
 
-        while not self._stop.is_set():
-            try:
-                with connect(self.dsn, application_name=self.application_name) as conn:
-                    while not self._stop.is_set():
-                        source = self.state.current
-                        row = conn.execute(
-                            queries.backlog(source, self.shared.columns[source.label])
-                        ).fetchone()
-                        if row:
-                            self.observer.backlog(int(row[0]), float(row[1]))
-                        self._stop.wait(METRICS_INTERVAL_S)
-            except connection_errors(ConnectError):
-                self._stop.wait(METRICS_INTERVAL_S)
+        return connect(self.dsn, application_name=self.application_name)
+
+    def _sample(self, conn: Any) -> None:
+        """Backlog size and oldest unpublished age for the metrics."""
+        source = self.state.current
+        row = conn.execute(queries.backlog(source, self.shared.columns[source.label])).fetchone()
+        if row:
+            self.observer.backlog(int(row[0]), float(row[1]))
 
 
 class _NamesWatch:
     """A look at the relay's names every NAMES_CHECK_S on a short session of its own, off the
     workers' runs: a claim relation renamed away would leave the workers idle for ever."""
 
-    def __init__(self, dsn: str, application_name: str) -> None:
-        self.dsn, self.application_name = dsn, application_name
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self.connect = connect
         self.due = time.monotonic() + marker_source.NAMES_CHECK_S
 
     def look(self, source: queries.Source, shared: Shared) -> None:
-        from outbox_migrate.db import connect
         from outbox_migrate.errors import ConnectError
 
         now = time.monotonic()
@@ -252,7 +237,7 @@ class _NamesWatch:
             return
         self.due = now + marker_source.NAMES_CHECK_S
         try:
-            with connect(self.dsn, application_name=self.application_name) as conn:
+            with self.connect() as conn:
                 marker_source.check_names(conn, source)
         except NamesMoved as exc:
             shared.fail(exc)

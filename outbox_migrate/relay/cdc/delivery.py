@@ -23,7 +23,7 @@ from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages, log_dead
 from outbox_migrate.relay.cdc.marks import MarkSession
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
-from outbox_migrate.relay.run_stats import CdcStats
+from outbox_migrate.relay.run_stats import CdcStats, count_failures
 from outbox_migrate.relay.shared import close_sink
 from outbox_migrate.relay.sinks import Sink, SinkFactory
 
@@ -64,12 +64,8 @@ class Delivery:
                 return
         if self._sink is None:
             self._sink = self.sink_factory()
-        failures, label = self.failures, self.label
-        if failures.known and any(failures.suspect(label, m.id) for m in batch):
-            for part in publishing.split_suspects(batch, lambda i: failures.suspect(label, i)):
-                self._deliver(self._sink, part, careful)
-        else:
-            self._deliver(self._sink, batch, careful)
+        for part in publishing.suspects_apart(self.failures, self.label, batch):
+            self._deliver(self._sink, part, careful)
 
     def _deliver(self, sink: Sink, todo: list[Message], careful: bool) -> None:
         failures, label = self.failures, self.label
@@ -110,8 +106,7 @@ class Delivery:
         or a webhook slower than the timeout per batch would never get through it."""
         done = set(exc.acknowledged)
         rest = [m for m in todo if m.id not in done]
-        self.stats.add(sink_failures=1)
-        self.observer.failed("sink")
+        count_failures(self.stats, self.observer, sink=1)
         log.warning("relay.sink_unavailable %s; %d of %d acknowledged, the rest sent again",
                     " ".join(str(exc).split()), len(todo) - len(rest), len(todo))  # fmt: skip
         if rest and self.stop.wait(self.backoff(0)):
@@ -128,10 +123,7 @@ class Delivery:
     ) -> list[Message]:
         """Count the refused messages' attempts, dead-letter those at the limit, back off
         after a rejection (not for an unrepresentable one); returns those to publish again."""
-        for reason, count in (("rejected", len(rejected)), ("bad_row", len(unrepresentable))):
-            if count:
-                self.observer.failed(reason, count)
-        self.stats.add(rejected=len(rejected), bad_rows=len(unrepresentable))
+        count_failures(self.stats, self.observer, rejected=len(rejected), bad=len(unrepresentable))
         reasons = {**unrepresentable, **rejected}
         refused = [m for m in todo if m.id in reasons]
         with self._session() as conn:
@@ -168,18 +160,10 @@ class Delivery:
         if not bad:
             return batch
         reasons = {m.id: self.bad.pop(m.id) for m in bad}
-        self.observer.failed("bad_row", len(bad))
-        self.stats.add(bad_rows=len(bad))
+        count_failures(self.stats, self.observer, bad=len(bad))
         with self._session() as conn:
-            attempts = self.failures.count(conn, self.label, reasons)
-            letters = [
-                self.failures.dead_letter(
-                    conn, self.label, message, attempts[message.id], reasons[message.id]
-                )
-                for message in bad
-            ]
-            self.failures.forget(conn, self.label, list(reasons))
-        self._dead(letters)
+            verdict = self.failures.record(conn, self.label, bad, reasons, now=True)
+        self._dead(verdict.letters)
         return [m for m in batch if m.id not in reasons]
 
     def _dead(self, letters: list[DeadLetter]) -> None:

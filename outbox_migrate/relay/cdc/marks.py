@@ -43,7 +43,7 @@ from outbox_migrate.relay.mark_repair import mark_in_halves, remove_dead
 from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.metrics import Observer
-from outbox_migrate.relay.run_stats import CdcStats
+from outbox_migrate.relay.run_stats import CdcStats, count_failures
 from outbox_migrate.relay.shared import close_quietly
 from outbox_migrate.sql import query
 
@@ -110,8 +110,7 @@ class MarkRepair:
         # Committed: only now are the dead letters facts to report.
         self.stats.add(marked=len(tids) - len(failed))
         if failed:
-            self.stats.add(dead_lettered=len(letters), bad_rows=len(failed))
-            self.observer.failed("bad_row", len(failed))
+            count_failures(self.stats, self.observer, bad=len(failed), dead=len(letters))
             log.warning("relay.cdc_mark_repaired bad_rows=%d dead_lettered=%d", len(failed),
                         len(letters))  # fmt: skip
             log_dead(letters)

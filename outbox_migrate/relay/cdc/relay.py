@@ -49,9 +49,9 @@ from outbox_migrate.relay.cdc.messages import MessageBuilder, RowReader
 from outbox_migrate.relay.cdc.session import StreamSession
 from outbox_migrate.relay.cdc.stream import ReplicationStream, StreamLost
 from outbox_migrate.relay.marker_source import with_oid
-from outbox_migrate.relay.metrics import METRICS_INTERVAL_S, Observer
+from outbox_migrate.relay.metrics import Observer, start_sampler
 from outbox_migrate.relay.options import CdcOptions
-from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed
+from outbox_migrate.relay.run_stats import CdcStats, Unconfirmed, count_failures
 from outbox_migrate.relay.shared import connection_errors
 from outbox_migrate.relay.sinks import SinkFactory
 from outbox_migrate.sql import query
@@ -113,6 +113,8 @@ class CdcRelay:
         self._present: set[str] = set()
         self._backlog: tuple[int, IdRuns] | None = None
         """Consistent point and ids of the slot this process created, until done."""
+        self._lag_over = False
+        """The slot's lag was over a warning threshold at the last sample."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -128,10 +130,8 @@ class CdcRelay:
             "relay.started mode=cdc slot=%s publication=%s batch=%d",
             self.options.slot, self.options.publication, self.options.batch_size,
         )  # fmt: skip
-        sampler = None
-        if type(self.observer) is not Observer:
-            sampler = threading.Thread(target=self._sample, name="relay-cdc-lag", daemon=True)
-            sampler.start()
+        sampler = start_sampler(self.observer, self._stop, self._connect, self._sample,
+                                "relay-cdc-lag")  # fmt: skip
         failures = 0
         progress = -1
         clean = False
@@ -146,8 +146,7 @@ class CdcRelay:
                 except Interrupted:
                     break
                 except SinkUnavailable as exc:
-                    self.stats.add(sink_failures=1)
-                    self.observer.failed("sink")
+                    count_failures(self.stats, self.observer, sink=1)
                     log.warning("relay.sink_unavailable %s", " ".join(str(exc).split()))
                     self.delivery.close()
                 except _RETRYABLE as exc:
@@ -367,19 +366,11 @@ class CdcRelay:
 
     # -- slot lag --------------------------------------------------------------------------
 
-    def _sample(self) -> None:
+    def _sample(self, conn: Any) -> None:
         """Slot lag and activity for the metrics, readiness and a warning log line."""
-        over = False
-        while not self._stop.is_set():
-            try:
-                with self._connect() as conn:
-                    while not self._stop.is_set():
-                        state = slot.slot_state(conn, self.options.slot)
-                        if state is not None:
-                            over = self._report_lag(state, warned=over)
-                        self._stop.wait(METRICS_INTERVAL_S)
-            except _RETRYABLE:
-                self._stop.wait(METRICS_INTERVAL_S)
+        state = slot.slot_state(conn, self.options.slot)
+        if state is not None:
+            self._lag_over = self._report_lag(state, warned=self._lag_over)
 
     def _report_lag(self, state: slot.SlotState, *, warned: bool) -> bool:
         """Report the slot's lag, warning as it goes over a threshold; True while over."""

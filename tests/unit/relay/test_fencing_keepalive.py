@@ -6,7 +6,7 @@ import pytest
 
 from outbox_migrate.errors import RelayError
 from outbox_migrate.relay import keepalive
-from outbox_migrate.relay.fencing import MARGIN_S, Fence, LeaseUnproven
+from outbox_migrate.relay.keepalive import MARGIN_S, Fence, LeaseUnproven
 from outbox_migrate.relay.options import RelayOptions
 
 

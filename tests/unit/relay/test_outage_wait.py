@@ -1,8 +1,8 @@
-"""How often a backing-off worker pings its session (relay/outage_wait.py)."""
+"""How often a backing-off worker pings its session (relay/keepalive.py)."""
 
 from __future__ import annotations
 
-from outbox_migrate.relay.outage_wait import MIN_PING_S, PING_SHARE, ping_interval_s
+from outbox_migrate.relay.keepalive import MIN_PING_S, PING_SHARE, ping_interval_s
 
 
 def test_a_session_is_pinged_several_times_within_its_idle_timeout() -> None:

@@ -8,7 +8,7 @@ from tests.unit.test_runner_layers import MAX_LINES, ROOT, _graph, _reaches
 
 PARTS = (
     "worker", "driver", "batch_loop", "batch", "shared", "refusals", "run_stats",
-    "idle_flag", "listener", "waits", "statements", "wire", "read_ahead",
+    "idle_flag", "waits", "wire", "read_ahead",
 )  # fmt: skip
 
 
