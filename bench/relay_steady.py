@@ -261,6 +261,8 @@ class SteadyResult:
     rows_per_batch: float
     messages: int
     wakes_per_msg: float
+    traced: dict[str, Any] | None = None
+    """`--trace`: Python lines and calls per batch (`_LineCounter.report`)."""
 
 
 def _paced(
@@ -614,6 +616,9 @@ def _child_main(dsn: str, linger_ms: float) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         notify.install(conn, SPEC, channel)  # this build's trigger, as it shipped
     seen: list[tuple[int, float]] = []
+    tracer = _LineCounter() if os.environ.get(TRACE_ENV) else None
+    if tracer is not None:
+        threading.settrace(tracer.trace)  # the relay's threads, started below
     with Path(os.devnull).open("w") as devnull:
         relay = Relay(
             dsn,
@@ -625,12 +630,53 @@ def _child_main(dsn: str, linger_ms: float) -> None:
             time.sleep(WARM_UP_S)
             print("ready", outbox_migrate.__file__, flush=True)
             sys.stdin.readline()
-            cpu0, wakes0 = sum(os.times()[:2]), _wakes()
+            cpu0, wakes0, batches0 = sum(os.times()[:2]), _wakes(), relay.stats.batches
+            seen0 = len(seen)
+            if tracer is not None:
+                tracer.on = True
             sys.stdin.readline()
+            if tracer is not None:
+                tracer.on = False
             cpu, wakes = sum(os.times()[:2]) - cpu0, _wakes() - wakes0
+            window = (relay.stats.batches - batches0, len(seen) - seen0)
             time.sleep(DRAIN_WAIT_S)
             batches = relay.stats.batches
-    print(json.dumps({"cpu": cpu, "wakes": wakes, "batches": batches, "seen": seen}), flush=True)
+    traced = tracer.report(window) if tracer is not None else None
+    print(json.dumps({"cpu": cpu, "wakes": wakes, "batches": batches, "seen": seen,
+                      "traced": traced}), flush=True)  # fmt: skip
+
+
+TRACE_ENV = "OUTBOX_BENCH_TRACE"
+
+
+class _LineCounter:
+    """Python lines and calls the relay's threads execute, per function: what a build does
+    per batch, counted rather than timed, so two builds compare alike on a loaded machine
+    (its own cost slows the relay several-fold, so it runs apart from the timed rounds)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.lines: dict[str, int] = {}
+        self.calls = 0
+
+    def trace(self, frame: Any, event: str, arg: Any) -> Any:
+        if self.on:
+            code = frame.f_code
+            name = f"{Path(code.co_filename).name}:{code.co_name}"
+            self.lines[name] = self.lines.get(name, 0) + 1
+            self.calls += event == "call"
+        return self.trace
+
+    def report(self, window: tuple[int, int]) -> dict[str, Any]:
+        """Per batch of the traced window (batches, messages)."""
+        per = max(1, window[0])
+        top = sorted(self.lines.items(), key=lambda kv: -kv[1])[:80]
+        return {
+            "rows": window[1] / per,
+            "lines": sum(self.lines.values()) / per,
+            "calls": self.calls / per,
+            "functions": {name: count / per for name, count in top},
+        }
 
 
 def extract(commit: str, into: Path) -> Path:
@@ -658,11 +704,21 @@ class _Signal:
 
 
 def build_run(
-    dsn: str, source: Path, rate: float, writers: int, seconds: float, linger_ms: float
+    dsn: str,
+    source: Path,
+    rate: float,
+    writers: int,
+    seconds: float,
+    linger_ms: float,
+    *,
+    trace: bool = False,
 ) -> SteadyResult:
-    """`steady_run` with the relay of the build at `source`, in a process of its own."""
+    """`steady_run` with the relay of the build at `source`, in a process of its own; `trace`:
+    counting its Python lines per batch (`SteadyResult.traced`) instead of timing it."""
     _prepare(dsn, trigger=False)
     env = {**os.environ, "PYTHONPATH": str(source)}
+    if trace:
+        env[TRACE_ENV] = "1"
     child = subprocess.Popen(
         [sys.executable, __file__, "--child", dsn, str(linger_ms)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
@@ -693,12 +749,62 @@ def build_run(
         rows_per_batch=len(seen) / max(1, result["batches"]),
         messages=n,
         wakes_per_msg=result["wakes"] / max(1, n),
+        traced=result.get("traced"),
     )
 
 
+def section_trace(
+    dsn: str, builds: list[str], sources: dict[str, Path], seconds: float, rate: int,
+    writers: int, linger_ms: float, rows: dict[str, float],
+) -> None:  # fmt: skip
+    """Python lines per batch, counted: each build traced at a quarter of `rate` and at
+    `rate`. The tracer slows a relay, and a slower relay claims bigger batches, so the two
+    runs fit lines = per batch + per message * rows, read at the rows per batch of the timed
+    rounds (`rows`): builds compare at equal batches, whatever the tracer did to them."""
+    print(f"\n## Python work per batch, counted: each build traced at {rate // 4:,} and "
+          f"{rate:,} msg/s ({seconds:.0f} s each), lines fitted as a + b * rows and read at "
+          f"the timed rounds' rows per batch")  # fmt: skip
+    print(f"{'build':<10} {'per batch a':>11} {'per msg b':>9} {'rows/batch':>10} "
+          f"{'lines/batch':>11} {'vs first':>8}")  # fmt: skip
+    fitted: dict[str, dict[str, float]] = {}
+    for build in builds:
+        runs = [
+            build_run(dsn, sources[build], r, writers, seconds, linger_ms, trace=True).traced
+            or {"rows": 0.0, "lines": 0.0, "functions": {}}
+            for r in (rate // 4, rate)
+        ]
+        at = rows[build]
+
+        def fit(low: float, high: float, runs: list[dict[str, Any]] = runs) -> tuple[float, float]:
+            spread = runs[1]["rows"] - runs[0]["rows"]
+            per_msg = (high - low) / spread if spread > 0.5 else 0.0
+            return low - per_msg * runs[0]["rows"], per_msg
+
+        a, b = fit(runs[0]["lines"], runs[1]["lines"])
+        names = set(runs[0]["functions"]) | set(runs[1]["functions"])
+        fitted[build] = {}
+        for name in names:
+            fa, fb = fit(runs[0]["functions"].get(name, 0.0), runs[1]["functions"].get(name, 0.0))
+            fitted[build][name] = fa + fb * at
+        total = fitted[build][""] = a + b * at
+        first = fitted[builds[0]][""] or 1.0
+        print(f"{build:<10} {a:>11.0f} {b:>9.1f} {at:>10.1f} {total:>11.0f} "
+              f"{total / first:>7.0%}")  # fmt: skip
+    base = fitted[builds[0]]
+    for build in builds[1:]:
+        now = fitted[build]
+        names = sorted((set(base) | set(now)) - {""},
+                       key=lambda f: -abs(now.get(f, 0.0) - base.get(f, 0.0)))  # fmt: skip
+        print(f"lines/batch, {builds[0]} → {build}, largest differences (file:function; a "
+              f"function moved between files shows twice):")  # fmt: skip
+        for name in names[:14]:
+            print(f"  {base.get(name, 0.0):>6.1f} → {now.get(name, 0.0):>6.1f}  {name}")
+
+
 def section_compare(
-    dsn: str, builds: list[str], rounds: int, seconds: float, rate: int, writers: int
-) -> None:
+    dsn: str, builds: list[str], rounds: int, seconds: float, rate: int, writers: int,
+    *, trace: bool = False,
+) -> None:  # fmt: skip
     linger_ms = RelayOptions().linger_s * 1000
     print(f"\n## Builds side by side: {rate:,} msg/s of plain INSERTs from {writers} interleaved "
           f"writer processes, the wake-up trigger, stdout sink into /dev/null, linger "
@@ -716,6 +822,10 @@ def section_compare(
                       f"{r.relay.p99:>7.2f} {r.relay.max:>7.1f} {r.rows_per_batch:>10.1f} "
                       f"{r.wakes_per_msg:>9.2f} {r.relay.missing:>4}  "
                       f"{os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+        if trace:
+            rows = {b: median([r.rows_per_batch for r in rs]) for b, rs in results.items()}
+            section_trace(dsn, builds, sources, min(seconds, 10.0), rate, writers, linger_ms,
+                          rows)  # fmt: skip
     print(f"{'median':>5} {'build':<10} {'CPU-s/100k':>10} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'vs first':>8}")  # fmt: skip
     first = median([r.cpu_per_100k for r in results[builds[0]]])
@@ -734,6 +844,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=35.0)
     parser.add_argument("--rate", type=int, default=1000)
     parser.add_argument("--writers", type=int, default=4)
+    parser.add_argument("--trace", action="store_true",
+                        help="also count each build's Python lines, calls per batch")  # fmt: skip
     parser.add_argument("--child", nargs=2, metavar=("DSN", "LINGER_MS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -750,7 +862,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"PostgreSQL {srv.full_version}, fsync off (throwaway); {load_note()} at start")
         with psycopg.connect(dsn, autocommit=True) as conn:
             create_partitioned_outbox(conn, SPEC, start=1_000_000_000)
-        section_compare(dsn, args.compare, args.rounds, args.seconds, args.rate, args.writers)
+        section_compare(
+            dsn, args.compare, args.rounds, args.seconds, args.rate, args.writers, trace=args.trace
+        )
         print(f"({load_note()})")
     finally:
         srv.stop()
