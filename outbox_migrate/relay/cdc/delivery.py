@@ -1,9 +1,6 @@
-"""Hand a batch to the sink until every message is acknowledged or dead-lettered.
-
-The policy is the polling relay's (relay/bad_rows.py). CDC's own: the stream cannot offer a
-message again, so retries happen here, each count a short transaction of its own on the
-marks session between publishes: no transaction is open while the sink waits on the broker.
-"""
+"""Hand a batch to the sink until every message is acknowledged or dead-lettered, by the
+polling relay's policy (relay/bad_rows.py). Retries happen here, each count a short transaction
+on the marks session: no transaction is open while the sink waits on the broker."""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
 """The CDC relay's second session: the marks (and the short bad-row transactions between them).
 
-A mark is one prepared UPDATE sent without waiting, so the stream keeps going while the
-server works. Each statement is its own transaction (autocommit).
-
-A transaction reaches the stream once its commit record is flushed, a moment *before* other
-sessions see it (and with synchronous replication, before the standby answered): a mark sent
-then misses its rows and reports success. So the mark returns its own snapshot, and the
-transactions it did not show (`unseen`) are marked again before the slot passes them.
-
-A mark that breaks a constraint is repaired on this session (`MarkRepair`); `unresolved` keeps
-the slot from being confirmed meanwhile. Any other failure stops the relay.
-
-The repair: one row that cannot move fails the mark for all, and every restart would re-stream
-and fail the same rows. As in the polling relay (relay/mark_repair.py, whose bisection this
-uses), the rows are locked and marked again by ctid in halves (by ctid: two unpublished copies
-of one id are two rows). Each failing row counts one attempt (relay/bad_rows.py); at the last
-it is dead-lettered with its own content and deleted. An unsettled row stays `pending`: tried
-again alone before each later mark (no backoff: waiting does not change a row), and the slot is
-not confirmed past it, so a crash re-streams it and the count goes on from the database. A row
-locked by another session is skipped and stays pending without an attempt.
+Each statement is its own transaction (autocommit). A failure other than a broken constraint
+stops the relay; a broken one is repaired here (docs/relay.md, "CDC mode").
 """
 
 from __future__ import annotations
@@ -72,7 +55,8 @@ class MarkRepair:
         self._settle(conn, source, ids, whole=True)
 
     def retry(self, conn: Any, source: queries.Source) -> None:
-        """Each pending row alone again: marked, or one more attempt."""
+        """Each pending row alone again, before every later mark (no backoff: waiting does not
+        change a row): marked, or one more attempt."""
         if self.pending:
             self._settle(conn, source, sorted(self.pending), whole=False)
 
@@ -89,6 +73,8 @@ class MarkRepair:
         with conn.transaction():
             # A deferred constraint would fail at COMMIT, for all rows again.
             conn.execute("SET CONSTRAINTS ALL IMMEDIATE")
+            # By ctid, not id: two unpublished copies of one id are two rows. A row locked by
+            # another session is skipped and stays pending, without an attempt.
             rows = conn.execute(_lock(source, skip=True), {"ids": list(ids)}).fetchall()
             tids = {str(tid): int(ident) for tid, ident in rows}
             seen = conn.execute(_lock(source, skip=False), {"ids": list(ids)}).fetchall()
@@ -284,6 +270,8 @@ class MarkSession:
         self.stats.add(marked=changed)
         if xids:
             snapshot = (result.get_value(0, 1) or b"").decode()
+            # The stream carries a commit a moment before other sessions see it: transactions
+            # this snapshot did not show are marked again before the slot passes them.
             self.unseen = {x for x in xids if not visible(x, snapshot)}
         if changed < len(sent):
             # Marked already, not visible yet, or the names moved: then stop (`NamesMoved`).

@@ -1,9 +1,5 @@
-"""Rows of the unpublished partition (pgoutput's text values) as `Message`s.
-
-Shared by the stream, the backlog and the mark repair (`RowReader`, rows read back by a normal
-session), so all build the same messages; headers follow the polling relay's rules
-(relay/claimed.py), so a row is judged alike in both styles.
-"""
+"""Rows of the unpublished partition as `Message`s, alike for the stream, the backlog and the
+mark repair; headers follow the polling relay's rules (relay/claimed.py)."""
 
 from __future__ import annotations
 

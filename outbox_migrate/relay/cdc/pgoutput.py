@@ -1,7 +1,7 @@
 """Decode the pgoutput messages a CDC relay needs: Begin, Commit, Relation, Insert.
 
 Protocol version 1 is small and stable since PostgreSQL 10: a decoder over `struct` needs no
-dependency (docs/relay.md, "CDC mode: the dependency decision"). Values arrive as text.
+dependency. Values arrive as text.
 """
 
 from __future__ import annotations

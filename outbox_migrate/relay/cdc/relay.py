@@ -1,26 +1,7 @@
 """`CdcRelay`: stream the outbox's inserts from a logical replication slot to a sink.
 
-The loop (one thread, one replication connection, one session for marks): collect each
-transaction's outbox inserts; publish complete transactions as one batch and wait for the
-broker; behind the stream, mark the acknowledged ids (moving them to the published partition,
-invisible to the stream), sent without waiting; once a mark committed, confirm the end of the
-last transaction it covers (relay/cdc/session.py).
-
-A crash before the confirmation re-streams from the slot's confirmed position: at-least-once,
-duplicating what was acknowledged since the last committed mark. A broker outage marks and
-confirms what was acknowledged, then drops the stream and backs off.
-
-First start: the slot is created with an exported snapshot, whose unpublished rows (e.g. left
-by a polling relay) are published and marked before the stream starts, so nothing falls in
-between. Completion is recorded in the publication's comment: a first start that died
-half-way is redone; one that backs off from the sink goes on with its slot and ids. A slot of
-another database is never dropped or streamed (`slot.check_owned`, asked first).
-
-A relay killed outright counts nothing, and the message that maybe killed it comes again. So
-each run keeps one row in the attempts table (`RUN_SOURCE`) from its start until it stops
-cleanly; finding it at a start means the last run died, and until the stream passes this
-start's position each attempt is counted *before* the publish (`Delivery.deliver(careful=True)`):
-a message that kills the relay every time is dead-lettered after `--max-attempts` restarts.
+It wires the parts together (docs/relay.md, "CDC mode"); it must never confirm a position
+whose rows were not acknowledged and marked, nor stream or drop another database's slot.
 """
 
 from __future__ import annotations
@@ -64,7 +45,8 @@ _RETRYABLE = connection_errors(StreamLost, ConnectError)
 CDC_APPLICATION_NAME = f"{APPLICATION_NAME} relay cdc"
 READY_COMMENT = "outbox-migrate cdc: backlog of slot {slot} published"
 RUN_SOURCE = "cdc-run:{slot}"
-"""`source_table` of a run's row; never a table's label (those are `schema.table`)."""
+"""`source_table` of a run's row in the attempts table, kept from start to clean stop: found at
+a start, the last run died (maybe of what it was publishing). Never a table's label."""
 
 
 class CdcRelay:
@@ -105,7 +87,8 @@ class CdcRelay:
         )  # fmt: skip
         self._delivery: Delivery | None = None
         self.careful_until = 0
-        """Set when the last run died without a trace (module doc)."""
+        """Set when the last run died without a trace: until the stream passes this position,
+        each attempt is counted before the publish (`Delivery.deliver(careful=True)`)."""
         self._run_recorded = False
         self.target_lsn = 0
         self._server_version = 0
@@ -180,13 +163,13 @@ class CdcRelay:
         return self._delivery
 
     def _run_row(self, conn: Any, statement: str) -> Any:
-        """This run's row (module doc): "begin-run" records it, "end-run" removes it."""
+        """This run's row (`RUN_SOURCE`): "begin-run" records it, "end-run" removes it."""
         table = sql.Identifier(self.spec.schema, self.failures.attempts_table)
         source = RUN_SOURCE.format(slot=self.options.slot)
         return conn.execute(query("cdc", statement).compose(table=table), (source,))
 
     def _begin_run(self, conn: Any) -> bool:
-        """Record this run; True when the last one died without a trace (module doc)."""
+        """Record this run; True when the last one died without a trace."""
         try:
             row = self._run_row(conn, "begin-run").fetchone()
         except psycopg.errors.InsufficientPrivilege as exc:

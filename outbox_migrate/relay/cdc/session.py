@@ -1,20 +1,7 @@
 """One replication connection's stream loop: transactions in, batches out, positions back.
 
-The state machine behind `CdcRelay` (see its module doc for the guarantees); it imports
-nothing of the relay that owns it:
-
-* per wake-up, every frame libpq holds is taken and decoded in one call: the loop's cost is
-  per wake-up, not per frame (docs/relay.md, "CDC mode: CPU"); complete transactions collect
-  in `pending`, published at the batch size (at a transaction boundary) or after the linger;
-* the linger is a plain timed sleep from a transaction's first frame, so one wake-up serves
-  several transactions; a backlog is read before sleeping and a full batch goes at once, so
-  nothing waits longer than `linger_s`;
-* marks run *behind* the stream, one in flight at a time, sent without waiting; only once
-  a mark committed and its snapshot showed every transaction it covers (relay/cdc/marks.py)
-  is their end confirmed: confirmation trails the marks, never the other way round;
-* with nothing in flight, a keepalive's position is confirmed, so the slot follows the server
-  while only other tables are written;
-* a stop, a broker outage or catching up first flushes: marks and confirms what was acked.
+The state machine behind `CdcRelay` (docs/relay.md, "CDC mode"); it imports nothing of the
+relay that owns it. Confirmation trails the marks, never the other way round.
 """
 
 from __future__ import annotations

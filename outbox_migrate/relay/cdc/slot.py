@@ -1,9 +1,7 @@
 """Publication, slot, lag and decommissioning: plain SQL over a normal session.
 
-Only the **unpublished partition** is published, inserts only: its inserts are exactly the
-messages, and the mark's move decodes as a DELETE there and an INSERT into the published one,
-neither in the publication, so the stream never sees marking. Publishing the parent via its
-root would report the move as a second INSERT: every message twice.
+Only the unpublished partition is published, inserts only, so a mark's move never reaches the
+stream (docs/relay.md, "CDC mode").
 """
 
 from __future__ import annotations

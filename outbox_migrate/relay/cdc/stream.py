@@ -1,8 +1,6 @@
-"""The logical replication protocol over psycopg 3's libpq layer.
+"""The logical replication protocol over psycopg 3's libpq layer, no other dependency.
 
-psycopg 3 has no replication API, but libpq speaks the protocol: a `replication=database`
-connection turns into a COPY BOTH stream on `START_REPLICATION`, so no other dependency is
-needed (docs/relay.md). Its commands are the walsender's grammar, not SQL: they stay here.
+Its commands are the walsender's grammar, not SQL: they stay here.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""Sinks: where the relay publishes. One small protocol; one module per broker.
+"""Sinks: where the relay publishes. One small protocol (`Sink`), one module per broker.
 
-A sink's `publish(batch)` returns only once the broker acknowledged every message of the batch
-(that is what lets the relay mark them published), raises `SinkUnavailable` when nothing can be
-trusted as delivered, or `MessagesRejected` naming the ids it refused. Each relay worker gets its
-own sink instance from a factory, so sinks need not be thread-safe. A sink that sends a batch's
-messages concurrently (http) keeps the order `SinkConfig.ordering` asks for. Broker clients are
-imported only when their sink is built (`client`).
-
-Message size limits: a body larger than the broker takes is rejected before it is sent. Such a
-message can never be delivered, and sending it costs more than a refusal: RabbitMQ closes the
-channel, Redis resets the connection (both without naming the message), a Kafka broker refuses
-the whole record batch. So a sink checks each body against the limit it knows and reports the
-ones over it in `MessagesRejected` (→ attempts → dead-letter table) without sending them. The
-limit is the relay's `--max-message-bytes` when given, else the broker's usual one
-(`USUAL_LIMIT_BYTES`); a sink that learns the broker's real limit (NATS's `max_payload`,
-Redis's `proto-max-bulk-len`, a RabbitMQ channel close) uses the smaller.
+A sink must not report a message acknowledged before its broker did, nor send a body it knows
+the broker refuses (docs/sinks.md); broker clients are imported only when a sink is built.
 """
 
 from __future__ import annotations

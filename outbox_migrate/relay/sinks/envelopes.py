@@ -1,33 +1,5 @@
-"""How a message's payload and metadata are laid out on the wire: the `envelope` sink option.
-
-* `raw`: the payload as stored; the metadata travels in broker headers (`Message.headers()`).
-* `json`: the relay's own JSON envelope (`Message.envelope()`: id, table, event_type, key,
-  created_at, payload) as the body, headers as with `raw`.
-* `cloudevents`: CloudEvents 1.0. Where the protocol carries headers (Kafka, AMQP, HTTP, NATS)
-  in *binary content mode*: the payload is the event's data, each context attribute is a
-  header with the prefix its protocol binding names — Kafka `ce_`, HTTP and NATS `ce-`, AMQP
-  `cloudEvents:` — and the relay's own headers (outbox id, table, event type, the row's
-  extra headers such as a W3C `traceparent`) are sent unchanged beside them. stdout and Redis
-  have no per-message headers here, so they get *structured mode*: one JSON object
-  (`application/cloudevents+json`) holding the attributes, the row's headers (see
-  `CloudEvents.structured`) and `data`.
-
-The attributes: `id` = outbox id (unique within `source`, which is what consumers de-duplicate
-on), `source` = the `ce_source` option or `/outbox/<table>`, `type` = the event type (or the
-`ce_type` option, `outbox.message` by default, when the row has none), `specversion` 1.0,
-`time` = created_at (RFC 3339), `subject` = the message key when there is one, and
-`datacontenttype` application/json (the payload is JSON text from PostgreSQL; NATS, which keeps
-the attribute as a header, sets it per message, `content_type`).
-
-A bytea payload that is not UTF-8 reaches a sink as `bytes`. Sinks that send bytes send it as
-it is; a JSON envelope (the relay's own, CloudEvents structured mode, a stdout line) cannot
-embed it, and that message is rejected under its id (→ attempts → dead-letter table) while
-the rest of the batch is sent — never an outage, and never a mangled body.
-
-Not the `cloudevents` SDK: a CloudEvent object and a protocol adapter per message cost far
-more than these string operations in the hot loop, and the 1.0 mapping is small and fixed
-(docs/sinks.md).
-"""
+"""How a message's payload and metadata are laid out on the wire: the `envelope` sink option
+(docs/sinks.md, "Envelopes"). Plain string work per message, no CloudEvents SDK objects."""
 
 from __future__ import annotations
 

@@ -1,64 +1,6 @@
-"""HTTP webhook sink: a batch's POSTs run concurrently, per-key order kept, with retries.
-
-Body per the `envelope` option: the relay's JSON envelope (`json`, the default), the payload
-as stored (`raw`), or CloudEvents 1.0 binary content mode (`cloudevents`: the payload as body,
-the attributes as `ce-` headers). Headers (`request_headers`): `Idempotency-Key` and
-`X-Outbox-Id` = outbox id, `X-Event-Type`, then `Message.headers()`; a value that is not
-printable ASCII is percent-encoded, as the CloudEvents HTTP binding does, and a message with a
-header name that is not an HTTP token is rejected without a request. Any 2xx is an
-acknowledgement. Connection errors, timeouts, 408, 429 and 5xx are retried `extra["retries"]`
-times (default 3) with backoff, then the whole batch is `SinkUnavailable`; any other 4xx is a
-permanent refusal of that message (`MessagesRejected`).
-
-One `publish` takes at most `timeout_s` (`--sink-timeout`) in all, retries included: each
-request gets what is left of it, and no retry starts that could not end in it. The polling
-relay holds the batch's transaction open while it publishes, and its session ends at its
-idle-in-transaction timeout (at least `--sink-timeout` + 2 s, relay/keepalive.py): a publish
-that outlasted it would lose the session and send the batch again. When the time runs out the
-batch is `SinkUnavailable` naming the messages answered with a 2xx meanwhile
-(`acknowledged`): the relay marks them and claims the rest again.
-
-Refused before sending (`MessagesRejected`, no request made): a body over
-`--max-message-bytes`, and a bytes payload with `envelope=json` or `batch=true` (with `raw`
-or `cloudevents` the bytes are the body, Content-Type `application/octet-stream`).
-
-Concurrency: the batch is split into groups (`posting_groups`); a group is posted one message
-after the other, in batch (id) order, each only once the previous one was answered; up to
-`extra["concurrency"]` groups (default 16) are in flight at once. Which order a group keeps
-follows `SinkConfig.ordering`, the relay's `--ordering`:
-
-* `global`, or not told (None): one group — one POST at a time, strict id order;
-* `key`: one group per key; messages without a key form one group of their own;
-* `none`: one group per key; a message without a key is a group by itself.
-
-A 4xx refusal does not hold back the rest of its group (the relay re-claims the refused
-message later). When one message exhausts its retries the batch is `SinkUnavailable`: no new
-request of it starts, and `publish` raises once the requests already in flight are answered
-(each within `timeout_s`). So when `publish` returns or raises, none of the batch's requests
-is still in flight, and the relay's re-send cannot overtake one of them.
-
-`extra["batch"]="true"`: one POST per batch instead, the body a JSON array of the envelopes in
-id order (no `Idempotency-Key`: de-duplicate on each envelope's `id`; with
-`envelope=cloudevents`, the binding's batched mode, an `application/cloudevents-batch+json`
-array of structured events); a 2xx acknowledges them all, a non-retryable 4xx refuses them
-all, retries as above. A refusal that can be about what the array holds (400, 413, 422)
-is not pinned on every message of it: the sink posts the refused messages again in halves
-(isolation.py) until the one refused alone is found, so its batch-mates are delivered; any
-other 4xx (401, 403, 404: the endpoint, not the content) still refuses the whole array.
-
-The client is the standard library's `http.client`, one keep-alive connection per lane, each
-lane a thread of a small pool the sink owns (one group is posted from the calling thread): the
-client's CPU per request is what limits a relay process, and http.client spends a fraction of
-what httpx, urllib3 or aiohttp spend per POST (docs/sinks.md). Requests run while the worker
-thread waits, so they overlap PostgreSQL's work too.
-
-What the sink does itself, as a general-purpose client would: credentials in the URL become
-`Authorization: Basic`; `https` verifies the server's certificate and host name against the
-system's CA store and certifi's bundle when it is installed; an `http_proxy` / `https_proxy`
-/ `all_proxy` from the environment (with `no_proxy`) is used as an HTTP proxy — absolute-form
-requests for `http`, a CONNECT tunnel for `https`. A connection idle for a while is checked
-before reuse, so a webhook that closed it meanwhile costs a reconnect, not a retry.
-"""
+"""HTTP webhook sink: a batch's POSTs run concurrently, per-key order kept, with retries
+(docs/sinks.md, "HTTP webhook"). No request of a batch may still be in flight once `publish`
+returns or raises: the relay's re-send would overtake it."""
 
 from __future__ import annotations
 
@@ -120,7 +62,7 @@ def header_value(value: str) -> str:
 
 
 def request_headers(message: Message, envelope: Envelope, ce: CloudEvents) -> dict[str, str]:
-    """The headers of one message's POST (see the module docstring)."""
+    """The headers of one message's POST (docs/sinks.md, "Metadata")."""
     out = {
         "Content-Type": "application/json" if envelope is Envelope.json else content_type(message),
         "Idempotency-Key": str(message.id),
@@ -430,6 +372,8 @@ class HttpSink:
 
     def _publish_each(self, batch: Sequence[Message]) -> dict[MessageId, str]:
         groups = posting_groups(batch, self.ordering)
+        # At most `timeout_s` in all, retries included: the polling relay's session ends at its
+        # idle-in-transaction timeout (sink timeout + 2 s), and the batch would be sent again.
         lanes = _Lanes(groups, time.monotonic() + self.timeout_s)
         try:
             self._run_lanes(lanes, min(self.concurrency, len(groups)))

@@ -1,20 +1,5 @@
-"""Finding the one message a broker refused a whole request for: bisection, within a deadline.
-
-Some brokers refuse a request as a whole for one bad message in it (a Kafka record batch
-failed with `INVALID_RECORD` or `MSG_SIZE_TOO_LARGE`; Redis dropping the connection on a bulk
-over `proto-max-bulk-len`, losing the replies of the whole pipeline). Rejecting all of them
-would dead-letter good messages with the bad one; calling it an outage would retry the same
-refusal for ever. So the sink sends the suspects again in halves: a half the broker takes is
-acknowledged, a refused half is split again, and a message refused alone is the refused one
-(about 2·log2(n) round trips for one among n).
-
-The search must not outlive the sink's timeout, the time the relay allows one publish (its
-session fence leaves room for exactly that). When the deadline comes first the batch is
-`SinkUnavailable` — retried later, nothing dead-lettered by guesswork — naming as
-`acknowledged` the messages the halves delivered so far: the relay marks them and claims only
-the rest again, so the next publish searches fewer messages and a search that never fits in
-the timeout still ends. No I/O here: `send` does it.
-"""
+"""Finding the one message a broker refused a whole request for: bisection within the sink's
+timeout (docs/sinks.md, "Refused or too large"). No I/O here: `send` does it."""
 
 from __future__ import annotations
 

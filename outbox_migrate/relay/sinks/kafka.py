@@ -1,26 +1,7 @@
 """Kafka-protocol sink (confluent-kafka / librdkafka), idempotent producer, acks=all.
 
-Every message of the batch is produced, then `flush` waits for the delivery reports; a
-message counts as acknowledged only when its report came back without error. Key: the key
-column; headers: `Message.headers()`; body per the `envelope` option (`raw` by default;
-`cloudevents` = binary content mode with `ce_` headers). Bootstrap servers: `url` (host:port,
-or kafka:// / tcp:// URLs); topic: `target`; any option with a dot is a librdkafka setting.
-
-A message the broker or the client refuses for what it *is* (`is_permanent`: too large, an
-invalid record, a topic this producer may not write or that does not exist) is
-`MessagesRejected` under its id, and the rest of the batch is still acknowledged. A flush that
-times out or any other delivery error (broker down, leader moving) is `SinkUnavailable`: the
-batch is re-sent later, consumers de-duplicate on `outbox-id`.
-
-Each message's delivery callback carries its outbox id: a failed report may come without the
-headers it was sent with (`INVALID_RECORD`), so the id cannot be read back from it. A broker
-refuses a whole record batch for one bad record (`BATCH_WIDE_CODES`): the sink then sends those
-messages again in halves (isolation.py), so their good batch-mates are delivered, not
-dead-lettered. After any refusal by the broker the idempotent producer is replaced: its
-sequence numbers now have a gap, and a broker may fence it (Tansu answers every later batch
-with `PRODUCER_FENCED`). So is a producer that reported a fatal error or was fenced: it would
-fail every later batch. With `--max-message-bytes` a value over it is rejected before
-`produce`; without, librdkafka checks its own `message.max.bytes` before queuing.
+A message counts as acknowledged only once its delivery report came back without error; a
+refusal of one message never fails its batch-mates (docs/sinks.md).
 """
 
 from __future__ import annotations
@@ -204,6 +185,8 @@ class KafkaSink:
                         value=value,
                         key=message.key.encode() if message.key is not None else None,
                         headers=headers,
+                        # The id rides with the callback: a failed report may come back
+                        # without the headers it was sent with (INVALID_RECORD).
                         on_delivery=partial(report, message.id),
                     )
                     break

@@ -1,33 +1,7 @@
 """NATS JetStream sink: `Nats-Msg-Id` = outbox id, so the broker drops re-sent duplicates.
 
-JetStream acknowledges each publish once the message is stored in the stream; a message whose
-id it saw within the stream's duplicate window is acknowledged as a duplicate and not stored
-again — the relay's at-least-once becomes effectively-once downstream. nats-py is asyncio;
-each sink owns a private event loop driven from its worker thread. Subject: `target`; the
-stream (`extra["stream"]`, default derived from the subject) is created when missing, unless
-`extra["create_stream"]` is false. Headers: `Message.headers()`; body per the `envelope`
-option (`raw` by default; `cloudevents` = binary content mode, `ce-` headers).
-
-Failures, per message (each publish of the batch has its own outcome):
-
-* refused for what the message is (`is_permanent`: over the server's `max_payload`, no stream
-  listening on the subject, a JetStream API error 400) — `MessagesRejected` under its id;
-* over `--max-message-bytes`, body and headers together over the server's `max_payload`
-  (`wire_size`), or a bytes payload with `envelope=json`: `MessagesRejected`, never sent;
-* anything else (not connected, a timeout, JetStream 503 while a leader is elected):
-  `SinkUnavailable` for the whole batch.
-
-A batch is pipelined: every message is written with its own reply subject under one inbox
-the sink subscribed to once per connection, then the acks are awaited together, at most
-`timeout_s` for the batch. Not nats-py's `js.publish` (it waits per message, with a task, a
-timer and a dataclass each) nor its `publish_async`: a message it refuses before sending
-keeps one of its 4,000 slots for ever, so a relay that met 4,000 such messages would stall.
-The sink's own map (`_Acks`) drops the future of a message nats-py refused to send.
-
-Connecting is bounded by the sink timeout: nats-py treats `max_reconnect_attempts=0` as
-"unlimited" and would loop on a dead server for ever, so the sink allows one attempt per
-server, no reconnect wait, reports errors through its own one-line callback, and wraps the
-whole connect in `asyncio.wait_for`.
+nats-py is asyncio: each sink owns a private event loop driven from its worker thread. A batch
+is pipelined and its acks awaited together (docs/sinks.md, "Sink by sink").
 """
 
 from __future__ import annotations
@@ -67,7 +41,7 @@ def stream_name(subject: str) -> str:
 
 
 def is_permanent(exc: BaseException) -> bool:
-    """True when NATS refused this one message for what it is (see the module docstring)."""
+    """True when NATS refused this one message for what it is: retrying cannot help."""
     from nats.errors import BadHeaderError, BadSubjectError, MaxPayloadError
     from nats.js.errors import APIError, NoStreamResponseError
 
@@ -140,7 +114,7 @@ class NatsSink:
                 self.url,
                 connect_timeout=timeout,
                 allow_reconnect=False,
-                max_reconnect_attempts=1,
+                max_reconnect_attempts=1,  # 0 would be "unlimited": a dead server, for ever
                 reconnect_time_wait=0,
                 error_cb=_quiet_error,
             ),
@@ -158,7 +132,7 @@ class NatsSink:
         return js
 
     def _build(self, message: Message) -> tuple[bytes, dict[str, str]]:
-        """The message's body and headers, or `NotSent` (see the module docstring)."""
+        """The message's body and headers, or `NotSent` when it is too large to send."""
         if self.envelope is Envelope.cloudevents:
             headers = self.cloudevents.binary_headers(message, "ce-")
             headers["ce-datacontenttype"] = content_type(message)
@@ -240,7 +214,11 @@ class NatsSink:
 class _Acks:
     """JetStream acks of pipelined publishes on one connection: a reply subject and a future
     per message, under one inbox subscription. A future resolves to whether JetStream stored
-    the message as a duplicate, or fails with the error nats-py would have raised."""
+    the message as a duplicate, or fails with the error nats-py would have raised.
+
+    Not nats-py's `js.publish` (a task, a timer and a dataclass per message) nor its
+    `publish_async`: a message it refuses before sending keeps one of its 4,000 slots for ever,
+    so a relay that met 4,000 of them would stall. Here a refused message's future is dropped."""
 
     def __init__(self, inbox: str) -> None:
         self.inbox = inbox

@@ -1,42 +1,7 @@
 """RabbitMQ sink (pika, AMQP 0-9-1): a whole batch published, then every confirm awaited at once.
 
-The channel is in confirm mode and every message goes out `mandatory`, persistent
-(delivery_mode 2) to the default exchange with the queue as routing key — the queue (`target`)
-declared durable — or to `extra["exchange"]` (nothing declared then). Properties: message_id =
-outbox id (consumers de-duplicate on it), type = event type, headers from `Message.headers()`;
-body per the `envelope` option (`raw` payload by default, `json`, or `cloudevents`: binary
-content mode, the attributes as `cloudEvents:`-prefixed application properties, as the AMQP
-binding names them, and datacontenttype as the content_type property).
-`publish` writes the batch without waiting, then waits (at most `timeout_s`) until the broker
-confirmed every delivery tag — one round trip per batch, not per message. Outcomes:
-
-* every message acked: published;
-* a message returned (`mandatory`, no queue bound): RabbitMQ sends basic.return before its
-  ack, so it is reported in `MessagesRejected` by outbox id; the others were acked;
-* any message nacked: `SinkUnavailable` for the whole batch. RabbitMQ nacks when it cannot take
-  responsibility for a message — an internal error, or a queue full with `x-overflow:
-  reject-publish` — which is back-pressure, not a poisonous message: the relay must back off
-  and retry, not dead-letter five quick refusals. Acked messages of that batch are re-sent
-  (consumers de-duplicate on message_id, as after any at-least-once retry);
-* a body over the broker's `max_message_size`: RabbitMQ closes the *channel* (406
-  PRECONDITION_FAILED, "message size N is larger than configured max size M"), which says
-  nothing about the other messages. The sink learns M from that text, reports every message
-  of the batch whose body exceeds it in `MessagesRejected` (it can never be delivered), and
-  sends the rest again on a fresh channel within the same call. Later batches are checked
-  against M before sending, so the channel is not closed again. Before the broker said so,
-  bodies are checked against `--max-message-bytes`, or 128 MiB (`USUAL_LIMIT_BYTES`);
-* an event type, a text outbox id or a header name longer than AMQP's 255-byte short string
-  (pika cannot encode it), or a bytes payload with `envelope=json`: rejected before sending;
-* the connection or channel closes otherwise, or the confirms do not arrive in `timeout_s`:
-  `SinkUnavailable` (the connection is dropped; the next publish reconnects).
-
-pika's own asyncio adapter rather than aio-pika/aiormq: the client's CPU per message is taken
-from the relay's worker threads, and aiormq spends about four times pika's (docs/sinks.md).
-Its callbacks become futures on a private event loop driven from the worker thread (as the
-NATS sink does). That loop runs only inside `publish`, so AMQP heartbeats are turned off unless
-the URL sets `heartbeat=`: neither side could honour them while the relay idles, and a dead
-connection is found by the next publish instead (a reset one at once, a silent one by the
-timeout).
+A nack is back-pressure, never a reason to dead-letter; the outcomes are in docs/sinks.md,
+"RabbitMQ".
 """
 
 from __future__ import annotations
@@ -182,6 +147,8 @@ class RabbitMQSink:
         params.blocked_connection_timeout = config.timeout_s
         params.connection_attempts = 1
         if "heartbeat=" not in self.url:
+            # The loop runs only inside `publish`: neither side could honour heartbeats while
+            # the relay idles; the next publish finds a dead connection instead.
             params.heartbeat = 0
         self._loop = asyncio.new_event_loop()
         self._connection: Any = None
@@ -191,7 +158,7 @@ class RabbitMQSink:
         self._waiter: asyncio.Future[Any] | None = None
         """What the sink awaits now; a close callback fails it (callbacks cannot raise)."""
         self._max_size: int | None = None
-        """The broker's max_message_size, once a channel close told it (see the module doc)."""
+        """The broker's max_message_size, once a channel close told it."""
         self.limit = max_bytes(config, self.name)
 
     # -- callbacks (run by the event loop) ------------------------------------------------
@@ -318,8 +285,8 @@ class RabbitMQSink:
         return message.headers()
 
     def _oversized(self, batch: Sequence[tuple[Message, bytes]]) -> dict[MessageId, str]:
-        """Messages whose body the broker refuses for good: over the limit in force (see the
-        module docstring)."""
+        """Messages whose body the broker refuses for good: over `--max-message-bytes` (else
+        128 MiB) or the `max_message_size` a channel close named."""
         limit = smaller(self.limit, self._max_size)
         if limit is None:
             return {}

@@ -1,33 +1,6 @@
-"""Redis Streams sink: one XADD per message, pipelined per batch.
-
-Acknowledged = Redis replied with the entry id for the message's XADD. Redis answers from
-memory; whether the entry survives a Redis crash depends on its own persistence (`appendonly
-yes` + `appendfsync always` for the strictest). Fields: id, table, event_type, key,
-created_at, then the row's extra headers (e.g. `traceparent`; a name already taken is
-skipped), then `payload`: the payload as stored (`envelope=raw`, the default), the relay's
-JSON envelope (`json`) or a CloudEvents 1.0 structured-mode JSON object (`cloudevents`).
-
-The stream key is `SinkConfig.target`; it may name `{event_type}` or `{key}`, filled per
-message (`orders.{event_type}`), so one outbox can feed several streams. `extra["maxlen"]`
-caps each stream (approximate trimming).
-
-Every reply is looked at on its own (`raise_on_error=False`): an error that belongs to the
-message or its stream key (WRONGTYPE, NOPERM, any other `ERR` about the command) is
-`MessagesRejected` under its id, and the other messages of the batch are acknowledged. A lost
-connection, a timeout, or a refusal about the server's state (`RETRYABLE_PREFIXES`) is
-`SinkUnavailable`: nothing of the batch is marked and the relay backs off.
-
-Size. Redis does not answer a bulk over its `proto-max-bulk-len` (512 MiB by default) with an
-error: it drops the connection, which loses the replies of the whole pipeline and, retried,
-would fail the same way for ever. So the sink reads the server's limit once (`CONFIG GET`,
-where the ACL allows it) and rejects a payload over it — or over `--max-message-bytes` —
-before sending. Where CONFIG is refused and a pipeline still drops the
-connection, the sink asks the server for a PING: when it answers, the connection was dropped
-for what the batch holds, not because Redis is away, and the batch is sent again in halves
-(isolation.py) to find the message that drops it (rejected; its batch-mates are added —
-those XADDs that ran before the drop once more, at least once as after any retry). When the
-PING fails it is an outage.
-"""
+"""Redis Streams sink: one XADD per message, pipelined per batch, each reply judged on its own
+(docs/sinks.md). It must not send a payload over the server's `proto-max-bulk-len`: Redis
+would drop the connection and the replies of the whole pipeline with it."""
 
 from __future__ import annotations
 
@@ -70,7 +43,7 @@ DROPPED = "redis dropped the connection on this message (larger than its proto-m
 
 
 def is_permanent_reply(error: BaseException) -> bool:
-    """True for an error reply that refuses this message (see the module docstring)."""
+    """True for an error reply about the message or its stream key, not the server's state."""
     text = str(error).lstrip()
     return not text.startswith(RETRYABLE_PREFIXES)
 
@@ -122,7 +95,7 @@ class RedisSink:
         )
 
     def _fields(self, message: Message) -> dict[str, Any]:
-        """The XADD's fields, or `NotSent` (see the module docstring)."""
+        """The XADD's fields, or `NotSent`: a payload no envelope can carry or one too large."""
         fields: dict[str, Any] = {
             "id": message.id,
             "table": message.table,

@@ -1,17 +1,5 @@
-"""The stdout sink: one JSON object per message and line. The only core module that writes to
-stdout — that is its job.
-
-The object is the relay's envelope (id, table, event_type, key, created_at, payload) by
-default (`envelope=json`); `envelope=cloudevents` writes CloudEvents 1.0 structured-mode JSON
-(attributes and `data`), `envelope=raw` the payload alone. Extra headers have no place in the
-line for `json`/`raw`; use `cloudevents` or another sink when consumers need them.
-
-"Acknowledged" means written and flushed. Workers share one lock so lines never interleave.
-A payload that is bytes, not text, cannot be a line of text in any envelope, and a line over
-`--max-message-bytes` (when given; stdout has no limit of its own) is not written: both are
-`MessagesRejected` under their ids (→ attempts → dead-letter table), the other lines are
-written.
-"""
+"""The stdout sink: one JSON object per message and line, written and flushed. The only core
+module that writes to stdout — that is its job."""
 
 from __future__ import annotations
 
@@ -27,7 +15,7 @@ from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope
 
 NOT_TEXT = "stdout: payload is not text (non-UTF-8 bytes): it cannot be written as a line"
 
-_WRITE_LOCK = threading.Lock()
+_WRITE_LOCK = threading.Lock()  # shared by every worker's sink: lines never interleave
 
 
 class StdoutSink:

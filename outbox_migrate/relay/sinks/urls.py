@@ -1,9 +1,5 @@
-"""Sink URL checks at construction: a wrong scheme is a configuration error, not an outage.
-
-A sink calls `require_scheme` in its constructor: the `RelayError` it raises stops the relay at
-start with one line (exit 2), where the broker client would fail to connect and the relay
-retry it for ever as "sink unavailable".
-"""
+"""Sink URL checks at construction: a wrong scheme stops the relay at start (exit 2) rather
+than being retried for ever as "sink unavailable"."""
 
 from __future__ import annotations
 
