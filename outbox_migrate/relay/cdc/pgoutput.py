@@ -196,12 +196,6 @@ def frame(data: bytes | memoryview) -> XLogData | Keepalive:
     raise DecodeError(f"unexpected replication frame {chr(buf[0])!r}")
 
 
-def message(data: bytes | memoryview) -> Decoded | Keepalive:
-    """A CopyData frame to its pgoutput message or Keepalive, in one step."""
-    framed = frame(data)
-    return decode(framed.payload) if isinstance(framed, XLogData) else framed
-
-
 def status_update(
     flush_lsn: int, now: datetime | None = None, *, reply: bool = False, written_lsn: int = 0
 ) -> bytes:

@@ -394,9 +394,6 @@ class IdRuns:
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return zip(self.firsts, self.lasts, strict=True)
 
-    def __len__(self) -> int:
-        return len(self.firsts)
-
 
 def snapshot_ids(conn: Any, snapshot: str, spec: OutboxSpec) -> IdRuns:
     """The ids the exported snapshot shows in the unpublished partition: it defines *which*

@@ -39,15 +39,14 @@ class ReplicationStream:
             raise ConnectError(f"cannot open a replication connection: {one_line(reason, real)}")
         self._conn.nonblocking = 1
 
-    def start(self, slot: str, publication: str, from_lsn: int = 0) -> None:
-        """Begin streaming after the slot's confirmed position (`from_lsn` 0 = the slot's)."""
+    def start(self, slot: str, publication: str) -> None:
+        """Begin streaming after the slot's confirmed position (0/0 means the slot's)."""
         from psycopg import sql
 
         command = sql.SQL(
-            "START_REPLICATION SLOT {} LOGICAL {} (proto_version '1', publication_names {})"
+            "START_REPLICATION SLOT {} LOGICAL 0/0 (proto_version '1', publication_names {})"
         ).format(
             sql.Identifier(slot),
-            sql.SQL(pgoutput.lsn_text(from_lsn)),
             sql.Literal(publication),  # names are checked to be plain lower-case identifiers
         )
         self._command(command.as_string(None).encode(), pq.ExecStatus.COPY_BOTH)

@@ -71,22 +71,6 @@ def test_lsn_notation_round_trips() -> None:
     assert pgoutput.parse_lsn("16/B374D848") == (0x16 << 32) | 0xB374D848
 
 
-def test_message_decodes_a_copydata_frame_in_one_step() -> None:
-    """`message` (the stream loop's path) gives what `frame` then `decode` give."""
-    header = b"w" + struct.pack("!QQq", 0x10, 0x99, 0)
-    values = ["1000001", '{"ä": 1}', None]
-    insert = b"I" + struct.pack("!I", 16400) + b"N" + struct.pack("!h", 3)
-    insert += b"".join(_text(v) for v in values)
-    commit = b"C" + struct.pack("!BQQq", 0, 0x20, 0x48, 7)
-    for payload in (insert, commit, b"U\0\0"):
-        assert pgoutput.message(memoryview(header + payload)) == pgoutput.decode(payload)
-    keepalive = b"k" + struct.pack("!Qq?", 0x77, 0, False)
-    assert pgoutput.message(keepalive) == pgoutput.Keepalive(0x77, False)
-    for bad in (header, header + b"I" + struct.pack("!I", 1) + b"K", b"x\0"):
-        with pytest.raises(pgoutput.DecodeError):
-            pgoutput.message(bad)
-
-
 def test_status_update_reports_what_was_received_as_written_and_only_the_confirmed_as_flushed() -> (
     None
 ):
