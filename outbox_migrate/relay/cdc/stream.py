@@ -53,8 +53,7 @@ class ReplicationStream:
 
     def create_slot(self, slot: str, *, failover: bool, server_version: int) -> tuple[int, str]:
         """Create the slot with an exported snapshot, which shows exactly the rows committed
-        before its first streamed change, until the next command (docs/relay.md,
-        "Hand-off"); returns the consistent point and the snapshot's name."""
+        before its first streamed change, until the next command: (consistent point, name)."""
         from psycopg import sql
 
         if server_version >= 150000:

@@ -65,10 +65,8 @@ BUILTIN: dict[str, str] = {
 
 
 def factory(name: str, config: SinkConfig | None = None) -> SinkFactory:
-    """A factory for sink `name` (a built-in, or `package.module:Callable` for your own).
-
-    The callable is called with the `SinkConfig` once per worker.
-    """
+    """A factory for sink `name`: a built-in, or `package.module:Callable` for your own, which
+    is called with the `SinkConfig` once per worker."""
     config = config or SinkConfig()
     path = BUILTIN.get(name, name)
     module_name, _, attribute = path.partition(":")
@@ -137,11 +135,7 @@ USUAL_LIMIT_BYTES: dict[str, int] = {
     "redis": 512 * MIB,
 }
 """The broker's default, where the sink itself checks it when `--max-message-bytes` is not
-given. RabbitMQ: the node's `max_message_size` on 3.8-3.13 (4.x: 16 MiB, learned from the
-first channel close); Redis: `proto-max-bulk-len` (the sink reads the server's value where
-CONFIG GET is allowed). Kafka and NATS need no entry: their client libraries check the limit
-before sending (librdkafka its `message.max.bytes`, 1,000,000 by default; nats-py the
-`max_payload` the server announces, 1 MiB by default). HTTP and stdout have none."""
+given; Kafka's and NATS's clients check their own (docs/sinks.md, "Refused or too large")."""
 
 
 def max_bytes(config: SinkConfig, sink: str) -> int | None:
@@ -159,10 +153,8 @@ def smaller(limit: int | None, learned: int | None) -> int | None:
 
 
 def size_over(body: str | bytes, limit: int) -> int | None:
-    """The size of `body` (UTF-8 for text) when it is over `limit`, else None.
-
-    A character is at most 4 bytes in UTF-8, so most texts are judged from their length
-    without encoding them (the check runs per message in the hot loop)."""
+    """The size of `body` (UTF-8 for text) when it is over `limit`, else None. Per message: a
+    character is at most 4 bytes, so most texts are judged without encoding them."""
     if isinstance(body, bytes):
         return len(body) if len(body) > limit else None
     if len(body) * 4 <= limit:

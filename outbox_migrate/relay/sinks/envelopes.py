@@ -91,12 +91,7 @@ class CloudEvents:
         self, message: Message, prefix: str, *, content_type: bool = True
     ) -> dict[str, str]:
         """Binary content mode: the attributes as prefixed headers, then the relay's headers.
-
-        `datacontenttype` maps to the protocol's own content type where it has one (AMQP's
-        content_type property, HTTP's Content-Type): those callers set it themselves and pass
-        `content_type=False`. Kafka's binding names a `content-type` header; NATS keeps the
-        attribute as `ce-datacontenttype`.
-        """
+        `content_type=False`: the caller maps `datacontenttype` to its protocol's own header."""
         attributes = self.attributes(message)
         if not content_type:
             del attributes["datacontenttype"]
@@ -105,13 +100,9 @@ class CloudEvents:
         return out
 
     def structured(self, message: Message) -> str:
-        """Structured content mode: one JSON object; `data` is the payload, verbatim.
-
-        A sink that writes this mode has no headers beside the object, so the row's own
-        headers (a W3C `traceparent`, a tenant) go into it as extension attributes — those
-        whose name is one (lower-case ASCII letters and digits, as the spec requires); a
-        header named otherwise is carried under `outboxheaders`, a JSON object, so that
-        nothing the row holds is dropped. The spec's own attributes win a name clash."""
+        """Structured content mode: one JSON object; `data` is the payload, verbatim. With no
+        headers beside it, the row's headers go inside (docs/sinks.md, "Metadata"), so nothing
+        the row holds is dropped; the spec's own attributes win a name clash."""
         attributes = self.attributes(message)
         if message.extra_headers:
             others: dict[str, str] = {}

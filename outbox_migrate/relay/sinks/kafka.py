@@ -41,12 +41,9 @@ FENCED = "PRODUCER_FENCED"
 
 
 def is_permanent(error: Any) -> bool:
-    """True for a KafkaError that refuses the message itself (not the broker being away).
-
-    By name, not number: the client's own check of `message.max.bytes` and the broker's
-    answer are different codes with the same name, and names read better in tests and logs.
-    A fatal producer error (the idempotent producer lost its sequence) is never per message.
-    """
+    """True for a KafkaError that refuses the message itself (not the broker being away). By
+    name: the client's own `message.max.bytes` check and the broker's answer differ in code
+    only. A fatal producer error (its sequence lost) is never per message."""
     if error.fatal():
         return False
     return str(error.name()) in PERMANENT_CODES

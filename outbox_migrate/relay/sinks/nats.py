@@ -52,12 +52,8 @@ def is_permanent(exc: BaseException) -> bool:
 
 def wire_size(body: bytes, headers: dict[str, str], max_payload: int) -> int | None:
     """The size the server counts against `max_payload` — body and header block — when it is
-    over, else None.
-
-    nats-py checks the body alone; the server counts the headers too, and answers a larger
-    message with `-ERR 'Maximum Payload Violation'` and a closed connection: every publish of
-    the batch then fails, again on every retry. The header block is `NATS/1.0\\r\\n`, a
-    `name: value\\r\\n` line per header, `\\r\\n`; most messages are judged from their
+    over, else None. nats-py checks the body alone, and the server closes the connection on a
+    larger message, failing the whole batch on every retry. Most messages are judged from their
     length without encoding a header (4 bytes per character at most)."""
     chars = sum(len(name) + len(value) + 4 for name, value in headers.items())
     if len(body) + HEADER_BLOCK_BYTES + 4 * chars <= max_payload:

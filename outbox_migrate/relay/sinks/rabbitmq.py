@@ -45,11 +45,8 @@ TOO_LARGE = re.compile(r"larger than configured max size (\d+)")
 
 
 class Confirms:
-    """Publisher-confirm bookkeeping for one confirm-mode channel. Pure data; no I/O.
-
-    After Confirm.Select the broker numbers the channel's publishes 1, 2, …; an ack or nack
-    settles one tag or, with `multiple`, every tag up to it.
-    """
+    """Publisher-confirm bookkeeping for one confirm-mode channel (tags 1, 2, … after
+    Confirm.Select; `multiple` settles every tag up to one). Pure data; no I/O."""
 
     def __init__(self) -> None:
         self.last_tag = 0
@@ -100,10 +97,8 @@ class _Closed(Exception):
 
 
 def check_short_strings(message: Message) -> None:
-    """`NotSent` when AMQP cannot carry this message's properties: the event type (`type`),
-    the outbox id (`message_id`) and every header name are AMQP short strings, at most 255
-    bytes; pika raises ShortStringTooLong while encoding a longer one. A character is at
-    most 4 bytes, so short texts are judged without a call (this runs per message)."""
+    """`NotSent` when the event type, the outbox id or a header name is over an AMQP short
+    string's 255 bytes (pika cannot encode it). Per message: short texts are judged by length."""
     fields = [("event type", message.event_type), ("outbox id", str(message.id))]
     fields += [("header name", name) for name, _ in message.extra_headers]
     for what, text in fields:

@@ -70,12 +70,8 @@ class RedisSink:
 
     def _read_server_limit(self) -> None:
         """Lower `limit` to the server's proto-max-bulk-len, once, when CONFIG GET is allowed.
-
-        The sink's first question to Redis: unanswered, Redis is away (`SinkUnavailable`)
-        and no XADD is written. Passed over, the XADDs went on after a timeout of silence
-        into a connection a frozen (SIGSTOPped) Redis still accepts: two timeouts per
-        attempt, and a publish longer than `--sink-timeout`, which the polling relay's fence
-        and session timeout count on."""
+        Asked before any XADD: unanswered, Redis is away and nothing is written, so a frozen
+        Redis costs one timeout per publish, within what the polling relay's fence allows."""
         try:
             value = self.client.config_get(LIMIT_SETTING).get(LIMIT_SETTING)
         except self._redis.ResponseError:  # NOPERM, CONFIG renamed away: keep the usual one

@@ -23,11 +23,8 @@ def require_scheme(
     sink: str, url: str | None, schemes: Sequence[str], *, bare: bool = False
 ) -> str | None:
     """`url` (None = the sink's default) if its scheme is one of `schemes`, else RelayError.
-
-    `bare=True` (Kafka): a list of `host:port` without any scheme is accepted as it is, and a
-    URL with an accepted scheme comes back as its `host:port` list, which is what librdkafka
-    reads as bootstrap servers.
-    """
+    `bare=True` (Kafka): a `host:port` list is accepted too, and URLs come back as one, which
+    is what librdkafka reads as bootstrap servers."""
     if url is None or not url.strip():
         return None
     if bare and "://" not in url:
