@@ -51,10 +51,8 @@ class Delivery:
     def deliver(self, batch: list[Message], *, careful: bool = False) -> None:
         """Publish until every message is acknowledged or dead-lettered. `SinkUnavailable`
         propagates (nothing of the batch is confirmed), and so does a sink crash once counted.
-
-        `careful` (the last run died, relay/cdc/relay.py): each attempt is counted before the
-        publish, so dying during it counts too, and taken back when acknowledged (or the broker
-        was away)."""
+        `careful` (the last run died): each attempt is counted before the publish, so dying
+        during it counts too, and taken back when acknowledged or the broker was away."""
         if self.bad:
             batch = self._set_aside(batch)
             if not batch:

@@ -245,7 +245,6 @@ class MarkSession:
         return True
 
     def wait(self) -> None:
-        """Block until the mark in flight has committed."""
         while not self.done():
             select.select([self._conn.pgconn.socket], [], [], 1.0)
 

@@ -85,7 +85,7 @@ Decoded = Begin | Commit | Relation | Insert | Other
 
 
 def decode(data: bytes | memoryview) -> Decoded:
-    """Decode one pgoutput message (the payload of an XLogData frame)."""
+    """One pgoutput message: the payload of an XLogData frame."""
     buf = bytes(data)
     if not buf:
         raise DecodeError("empty pgoutput message")

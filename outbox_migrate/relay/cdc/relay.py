@@ -325,8 +325,8 @@ class CdcRelay:
 
     def _kept_backlog(self, state: slot.SlotState) -> IdRuns | None:
         """The kept backlog ids while the slot is still the one this process created (never
-        streamed): a sink back-off goes on with it rather than a new slot per back-off, each
-        waiting for the transactions running at its creation."""
+        streamed), rather than a new slot per sink back-off, each waiting for the transactions
+        running at its creation."""
         if self._backlog is None or state.confirmed_lsn is None:
             return None
         point, runs = self._backlog
@@ -350,25 +350,23 @@ class CdcRelay:
     # -- slot lag --------------------------------------------------------------------------
 
     def _sample(self, conn: Any) -> None:
-        """Slot lag and activity for the metrics, readiness and a warning log line."""
+        """Slot lag and activity for the metrics, readiness and a warning log line (as the lag
+        goes over a threshold)."""
         state = slot.slot_state(conn, self.options.slot)
-        if state is not None:
-            self._lag_over = self._report_lag(state, warned=self._lag_over)
-
-    def _report_lag(self, state: slot.SlotState, *, warned: bool) -> bool:
-        """Report the slot's lag, warning as it goes over a threshold; True while over."""
+        if state is None:
+            return
         oldest = self.unconfirmed.commit_time
         lag_s = 0.0
         if oldest is not None:
             lag_s = (datetime.now(UTC) - pgoutput.pg_time(oldest)).total_seconds()
         self.observer.slot(state.lag_bytes, lag_s, state.active)
         over = state.lag_bytes > self.options.lag_warn_bytes or lag_s > self.options.lag_warn_s
-        if over and not warned:
+        if over and not self._lag_over:
             log.warning(
                 "relay.cdc_slot_lag slot=%s bytes=%d (warning at %d)",
                 state.name, state.lag_bytes, self.options.lag_warn_bytes,
             )  # fmt: skip
-        return over
+        self._lag_over = over
 
 
 ID_FETCH_ROWS = 10_000
@@ -396,10 +394,9 @@ class IdRuns:
 
 
 def snapshot_ids(conn: Any, snapshot: str, spec: OutboxSpec) -> IdRuns:
-    """The ids the exported snapshot shows in the unpublished partition: it defines *which*
-    rows are the backlog (everything later comes through the stream), no gap, no overlap. Used
-    for that alone, in one short transaction with no broker in it, then ended (its xmin holds
-    back VACUUM)."""
+    """The ids the exported snapshot shows in the unpublished partition: the backlog, no gap
+    and no overlap with the stream. One short transaction, no broker in it: its xmin holds
+    back VACUUM."""
     runs = IdRuns()
     select = query("cdc", "backlog-ids").compose(
         id=sql.Identifier(spec.id_column),

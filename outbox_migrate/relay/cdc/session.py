@@ -249,7 +249,6 @@ class StreamSession:
             self._status(self.confirmed)
 
     def publish(self) -> None:
-        """Publish the pending transactions and wait for the broker's acknowledgement."""
         messages, observer = self.pending, self.observer
         if messages:
             careful = max(self.acked_end, self.confirmed) < self.careful_until

@@ -94,14 +94,11 @@ class ReplicationStream:
                 pass
         return result
 
-    def read(
-        self, timeout_s: float, also: int | None = None
-    ) -> pgoutput.XLogData | pgoutput.Keepalive | None:
-        """The next frame, or None when nothing arrived within `timeout_s` or socket `also`
-        (the marks session) became readable first."""
+    def read(self, timeout_s: float) -> pgoutput.XLogData | pgoutput.Keepalive | None:
+        """The next frame, or None when nothing arrived within `timeout_s`."""
         size, data = self._conn.get_copy_data(1)
         if size == 0:
-            if not self._wait(timeout_s, also):
+            if not self._wait(timeout_s):
                 return None
             self.receive()
             size, data = self._conn.get_copy_data(1)

@@ -20,7 +20,6 @@ def isolate(
     """The messages among `suspects` — refused together already — the broker refuses on
     their own; the rest are delivered. The search starts from their halves: sending them all
     again would only repeat the refusal, and cost the round trip the timeout may lack.
-
     `deadline` is a `time.monotonic()` value."""
     rejected: dict[MessageId, str] = {}
     delivered: list[MessageId] = []

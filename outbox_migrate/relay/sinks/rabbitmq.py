@@ -79,9 +79,6 @@ class Confirms:
             settled = [] if outbox_id is None else [outbox_id]
         (self.acked if ack else self.nacked).extend(settled)
 
-    def was_returned(self, outbox_id: MessageId, reason: str) -> None:
-        self.returned[outbox_id] = reason
-
     @property
     def settled(self) -> bool:
         return not self.pending
@@ -183,8 +180,7 @@ class RabbitMQSink:
             outbox_id = int(properties.message_id)
         except (TypeError, ValueError):  # not one of ours; nothing to report
             return
-        reason = f"unroutable: {method.reply_code} {method.reply_text}"
-        self._confirms.was_returned(outbox_id, reason)
+        self._confirms.returned[outbox_id] = f"unroutable: {method.reply_code} {method.reply_text}"
 
     # -- connection ------------------------------------------------------------------------
 

@@ -80,7 +80,7 @@ def test_confirms_nacks_name_outbox_ids_and_tags_continue_across_batches() -> No
     confirms.start_batch()
     confirms.sent(20)  # the channel's 4th publish
     assert confirms.pending == {4: 20} and confirms.nacked == []
-    confirms.was_returned(20, "unroutable: 312 NO_ROUTE")
+    confirms.returned[20] = "unroutable: 312 NO_ROUTE"
     confirms.confirmed(4, multiple=True, ack=True)
     assert confirms.settled and confirms.returned == {20: "unroutable: 312 NO_ROUTE"}
 
