@@ -128,7 +128,8 @@ class NatsSink:
         return js
 
     def _build(self, message: Message) -> tuple[bytes, dict[str, str]]:
-        """The message's body and headers, or `NotSent` when it is too large to send."""
+        """The message's body and headers, or `NotSent`: too large, or not what the envelope
+        can carry."""
         if self.envelope is Envelope.cloudevents:
             headers = self.cloudevents.binary_headers(message, "ce-")
             headers["ce-datacontenttype"] = content_type(message)
