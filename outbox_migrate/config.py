@@ -1,11 +1,6 @@
-"""Configuration: which tables and columns the migration is about, and how careful to be.
-
-Sources, strongest first: CLI flags > `OUTBOX_MIGRATE_*` environment variables >
-`outbox-migrate.toml` (or `[tool.outbox-migrate]` in pyproject.toml) in the working
-directory > defaults equal to the names the spec uses. Every value remembers its source so an
-invalid one is reported as "key, where it came from, what is wrong" in one line.
-
-Pure data and parsing; no database access.
+"""Configuration: which tables and columns the migration is about, and how careful to be, from
+the sources in docs/configuration.md; every value remembers its source, so an invalid one is
+reported in one line. Pure data and parsing; no database access.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Connections: psycopg 3, tagged with our application_name, errors masked and one line long.
-
-Every connection the tool opens goes through `connect` so that (a) `pg_stat_activity` shows
-`outbox-migrate/<version>` and the deploy gates can tell our sessions from the application's,
-(b) the unpublished partition's guard lets our sessions through (the relay dead-letters a row
-by deleting it), and (c) a failure never surfaces a password or a traceback.
+"""Connections: every one the tool opens goes through `connect`, so `pg_stat_activity` shows
+`outbox-migrate/<version>` (the deploy gates tell our sessions apart), the unpublished guard
+lets our sessions through, and a failure is one masked line, never a password or a traceback.
 """
 
 from __future__ import annotations

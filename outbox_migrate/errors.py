@@ -1,10 +1,6 @@
 """The package's one error hierarchy: errors that carry facts, and the exit code each maps to.
-
-Core code raises these and never prints or exits; the CLI turns them into one line on stderr
-and the exit code below. Messages must never contain a password: anything derived from a DSN
-goes through `outbox_migrate.dsn.mask` before it lands here. Below every other module, so any
-of them can raise any of these. Message ids are `int | str` (a database id, or an
-application id as text).
+Core code raises these and never prints or exits; messages never contain a password (anything
+from a DSN goes through `dsn.mask`). Below every other module, so any of them can raise these.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""`plan`: a pattern rendered for one schema — phases, app instructions, steps with SQL,
-locks, scans, preconditions and rollback — as JSON, Markdown or psql-runnable SQL.
-
-Pure rendering over inert `Pattern` data (and `TableFacts` when a DSN was given); the table
-view for terminals lives in the CLI, the only layer that may import rich.
+"""`plan`: a pattern rendered for one schema as JSON, Markdown or psql-runnable SQL. Pure
+rendering; the table view for terminals lives in the CLI, the only layer that may import rich.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""The spec's decision flowchart as a pure function: three answers → a pattern, with reasons.
-
-1. Can publication pause for a few minutes?        yes → 2a, no → 2b
-2a. Must the old rows join the partitioned table?  no → COP,  yes → COPRA
-2b. Must the old rows join the partitioned table?  no → HOP,  yes → 3
-3. Must every published row be readable from the final table at all times?
-                                                   no → HOPER, yes → HOPIA
-
-`measure` adds facts from a live database and what they mean for the choice.
+"""The decision flowchart (docs/wizard.md) as a pure function: three answers → a pattern, with
+reasons; `measure` adds facts from a live database and what they mean for the choice.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Read the live outbox into `TableFacts`, and judge what stands in the migration's way.
-
-Read-only: catalog queries plus `max(id)` and an exact unpublished count (cheap thanks to the
-relay's partial index). Blockers are facts that make the patterns unsafe or impossible, each
-with what to do; warnings are facts the operator must know but that do not stop the plan.
+"""Read the live outbox into `TableFacts`, and judge what stands in the migration's way:
+blockers (each with what to do) and warnings. Read-only: catalog queries plus `max(id)` and an
+exact unpublished count (cheap thanks to the relay's partial index).
 """
 
 from __future__ import annotations

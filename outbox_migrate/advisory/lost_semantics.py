@@ -1,13 +1,6 @@
-"""What a flat outbox means that the partitioned layout cannot keep, judged for `plan` (and
-so for `run`'s admission, which refuses what `plan` calls a blocker).
-
-Frameworks hang meaning on their outbox table that no column role describes: a unique
-MessageId for deduplication, `ctid` in their cleanup, row locks in their own publisher, a
-status column beside the timestamp. Partitioned by the publication marker, the table keeps
-the rows but not these rules, and nothing fails until a duplicate commits or a cleanup
-deletes undelivered rows. This module names each loss; it reads one catalog query and
-otherwise judges `TableFacts` without I/O. It must not decide anything about ids, CHECKs or
-triggers (introspect.py does).
+"""What a flat outbox means that the partitioned layout cannot keep (a unique MessageId, `ctid`
+in a cleanup, row locks, a status beside the timestamp), judged for `plan` and so for `run`'s
+admission. One catalog query, otherwise no I/O; ids, CHECKs and triggers are introspect.py's.
 """
 
 from __future__ import annotations

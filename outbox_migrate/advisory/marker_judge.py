@@ -1,9 +1,6 @@
-"""What `plan` says about the publication marker, judged from `TableFacts` without I/O: a
-flag's values (a note), or why the column cannot be the marker (a blocker), which partial
-index of the old table serves the relay, and — from the evidence (the columns' types, defaults
-and contents, the table's own counters) — whether the table has a marker at all or deletes
-what it delivers. The decisions themselves are in marker_catalog; this module must not read
-the database.
+"""What `plan` says about the publication marker: a flag's values, why a column cannot be the
+marker, which partial index serves the relay, and whether the table has a marker at all or
+deletes what it delivers. Judged from `TableFacts` (decisions in marker_catalog); no I/O.
 """
 
 from __future__ import annotations

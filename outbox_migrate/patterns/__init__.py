@@ -1,8 +1,5 @@
-"""The pattern catalog: COP, COPRA, HOP, HOPER and HOPIA as data (`catalog/*.toml`).
-
-A pattern file lists phases (deploys V1..V4 and jobs) and, per phase, step kinds by name;
-`build_pattern` turns it into concrete, inert `Step`s for one `OutboxSpec`. A sixth pattern
-is a new TOML file (plus a test), not new code.
+"""The pattern catalog: COP, COPRA, HOP, HOPER and HOPIA as data (`catalog/*.toml`), built into
+inert `Step`s for one `OutboxSpec`. A sixth pattern is a TOML file and a test, not new code.
 """
 
 from __future__ import annotations

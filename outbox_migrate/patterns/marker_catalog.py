@@ -1,10 +1,7 @@
-"""Resolve the spec's publication marker against the live column: a timestamp stays as it is
-(NULL = unpublished); a flag gets its unpublished value from the settings, else from the
-column's constant DEFAULT, and its published value from the settings, else `1`/`true`.
-
-`decide` is pure (the judge and unit tests use it); `resolve` reads the column and asks the
-server to read each value as the column's type, so a typo (`PENDNG` for an enum) is refused
-here in one line instead of failing a step later. Nothing here writes.
+"""Resolve the spec's publication marker against the live column, and infer it from the
+evidence when the spec left it at its default name. `decide` is pure; `resolve` also asks the
+server to read each configured value as the column's type, so a typo is refused here in one
+line instead of failing a step later. Nothing here writes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The vocabulary of a migration: patterns → phases → steps → conditions. Inert data only.
-
-A `Step` describes; it never holds a connection. The runner, `plan`, Alembic (online and
-offline) and the golden tests all read the same objects, so what the operator reviews is
-exactly what runs.
+"""The vocabulary of a migration: patterns → phases → steps → conditions. Inert data only: the
+runner, `plan`, Alembic and the golden tests read the same objects, so what the operator
+reviews is exactly what runs.
 """
 
 from __future__ import annotations
@@ -105,7 +103,7 @@ class Condition:
 
 @dataclass(frozen=True)
 class Lock:
-    """A lock a step takes on one relation, and why it is acceptable."""
+    """A lock a step takes on one relation."""
 
     relation: str
     mode: LockMode

@@ -1,8 +1,5 @@
-"""Every identifier a step needs, composed once from the `OutboxSpec` with `psycopg.sql`.
-
-Two forms per relation: `*_q` (an Identifier for SQL text) and `*_reg` (a text literal of the
-quoted, schema-qualified name, for `to_regclass` in catalog queries). Both come from psycopg's
-quoting, never from string formatting.
+"""Every identifier a step needs, composed once from the `OutboxSpec` with `psycopg.sql`: `q`
+(an Identifier for SQL text) and `reg` (a text literal of the quoted name, for `to_regclass`).
 """
 
 from __future__ import annotations

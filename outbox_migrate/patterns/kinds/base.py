@@ -1,7 +1,6 @@
 """The step-kind toolkit every kind module builds with: the build options and context, and the
-`kind` registry decorator. Kept apart from the package's `__init__` (which loads every kind)
-so a kind module imports this, never the package: no import circle between the registry and
-the kinds it registers.
+`kind` registry decorator. Apart from the package's `__init__` (which loads every kind), so the
+kinds import this and there is no import circle.
 """
 
 from __future__ import annotations

@@ -1,31 +1,7 @@
-"""The optional last phases: the partitioned outbox takes the flat table's original name.
-
-Frameworks with a fixed (or prefix-derived) table name cannot follow the migration to
-`outbox_new`. `take-original-name` renames, in one short catalog-only transaction, the relation
-that holds the old name out of the way (the old table: the DEFAULT partition in COPRA, HOPER
-and HOPIA, a retired standalone table in COP and HOP), the parent to the old name, and leaves a
-view under the parent's former name so the previous application version keeps inserting
-through it (a simple view is auto-updatable; an INSERT through it takes the base table's
-defaults and identity). `drop-compat-view` drops that view once no session uses it.
-
-The view also exposes the base rows' `ctid` and `tableoid`: a relay started before the rename
-marks published rows through the partitioned table's former name *by ctid* within the relation
-it claimed them from, and a view has no system columns.
-Both kinds restate the whole end state in their postcondition, under the new names: the
-earlier steps' postconditions name relations that no longer carry those names.
-
-`count-view-writes` gives the drop gate evidence a busy writer cannot slip past: a writer's
-statement locks the view only for its own short transaction, so a gate that samples `pg_locks`
-misses most of a writer inserting back to back. Three DO ALSO rules (INSERT, UPDATE, DELETE)
-on the view tick a sequence once per statement (per matched row for UPDATE and DELETE), and the
-gate compares it across its window and again under its lock. Rules, not triggers: a statement
-trigger on an auto-updatable view never fires (the statement is rewritten onto the table), and
-an INSTEAD OF trigger would change what an INSERT through the view does (defaults, identity,
-ON CONFLICT). A DO ALSO rule leaves the automatic update as it is (RETURNING and ON CONFLICT
-through the view keep working). A rule's action must be a statement whose result the client
-never sees, so it is an INSERT of no rows into an empty table, gated by a function that ticks
-the sequence (`count_view_writes_sql` says why it runs once per statement); the sequence is
-non-transactional, so a rolled-back write counts too.
+"""The optional last phases: the partitioned outbox takes the flat table's original name, a view
+under its former name keeps the previous version working, and the view is dropped once no
+session uses it (docs/patterns.md, "The final name"). Both renaming kinds restate the whole end
+state in their postcondition: earlier steps' postconditions name relations since renamed.
 """
 
 from __future__ import annotations
