@@ -75,12 +75,9 @@ class UsageError(OutboxMigrateError):
 
 
 class ConnectionLost(OutboxMigrateError):
-    """The server connection broke (server restart, terminated backend, network) mid-command.
-
-    Raised by core code that knows what it was doing, so the one line names the step. The
-    runner only raises it where a re-run converges: a transactional step either committed with
-    its ledger row or not at all, and a non-transactional one is proven by its postcondition.
-    """
+    """The server connection broke mid-command. Raised only where a re-run converges: a
+    transactional step committed with its ledger row or not at all, and a non-transactional
+    one is proven by its postcondition."""
 
     exit_code = ExitCode.CONNECTION_LOST
 
@@ -332,12 +329,9 @@ class MessagesRejected(SinkError):
 
 
 class UnrepresentableMessage(SinkError):
-    """A message cannot be rendered the way the sink sends it: its payload is raw bytes (a
-    bytea payload that is not UTF-8) and the sink needs text (a JSON envelope).
-
-    Retrying cannot change the row, so the relay treats it as a rejection of this message
-    alone (counted, then dead-lettered with `reason`); the rest of the batch flows. Raised by
-    `Message.envelope()`, which fills `message_id`; a sink may raise it itself."""
+    """A message's payload is raw bytes (bytea, not UTF-8) and the sink needs text. Retrying
+    cannot change the row, so the relay rejects this message alone (counted, then
+    dead-lettered with `reason`); the rest of the batch flows."""
 
     def __init__(self, reason: str, message_id: int | str | None = None) -> None:
         self.reason = reason
