@@ -141,9 +141,9 @@ def find_blockers(
 
 
 def long_transactions(
-    conn: Connection[Any], relations: Sequence[str], schema: str, older_than_s: float = LONG_TX_S
+    conn: Connection[Any], relations: Sequence[str], schema: str
 ) -> list[Blocker]:
-    """Sessions in a transaction older than `older_than_s` holding any lock on `relations`,
+    """Sessions in a transaction older than `LONG_TX_S` holding any lock on `relations`,
     or idle in transaction: an ACCESS EXCLUSIVE request would queue behind them.
 
     A holder whose activity is hidden from our role is returned too (`hidden_from` set): we
@@ -152,7 +152,7 @@ def long_transactions(
         "a.pid IS NOT NULL AND (a.state LIKE 'idle in transaction%%' OR a.backend_type IS NULL "
         "OR now() - a.xact_start > make_interval(secs => %s))"
     )
-    return _holders(conn, schema, long, [(relation, older_than_s) for relation in relations])
+    return _holders(conn, schema, long, [(relation, LONG_TX_S) for relation in relations])
 
 
 def lock_declared(

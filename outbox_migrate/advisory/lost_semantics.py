@@ -46,10 +46,8 @@ def read_unique_keys(conn: Connection[Any], spec: OutboxSpec) -> list[UniqueKey]
 
 
 def id_unique_by_construction(facts: TableFacts, spec: OutboxSpec) -> bool:
-    """Generated ids (identity, sequence, uuid default) stay unique without an index: the new
-    identity starts above the old ids. Application-supplied ids were kept unique by the
-    index alone, which is how a framework deduplicates (NServiceBus's key on MessageId);
-    ungenerated database ids have their own blocker. A uuid or text id is judged
+    """Generated ids (identity, sequence, uuid default) stay unique without an index; ids the
+    application supplies were kept unique by the index alone. A uuid or text id is judged
     application-supplied before id_kind says so, so this blocker comes in the same round as
     the one asking for id_kind."""
     if spec.id_kind != "application" and facts.id_kind(spec) != "application":

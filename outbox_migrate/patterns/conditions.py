@@ -293,11 +293,3 @@ def unique_id_index(n: Names, relation: str) -> Condition:
         rel_reg=n.reg(relation),
         id_name=sql.Literal(n.spec.id_column),
     )
-
-
-def no_row_security(n: Names) -> Condition:
-    return condition("no-row-security", n.table, rel_reg=n.reg(n.table), parent_reg=n.reg(n.parent))
-
-
-def may_give_to_owner(n: Names) -> Condition:
-    return condition("may-give-to-owner", n.table, rel_reg=n.reg(n.table))

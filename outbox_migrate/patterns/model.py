@@ -67,11 +67,9 @@ class AppBehaviour:
 
 
 class CheckPoint(StrEnum):
-    """When the runner evaluates a precondition, relative to the step's locks.
-
-    A check made before waiting for a lock proves nothing about the moment of commit, so the
-    default is LOCKED. The two exceptions must name what keeps them true until commit.
-    """
+    """When the runner evaluates a precondition. A check made before waiting for a lock proves
+    nothing about the moment of commit, so the default is LOCKED; the two exceptions must name
+    what keeps them true until commit."""
 
     LOCKED = "locked"
     """In the step's transaction, after its declared locks are held, on every attempt."""
@@ -85,11 +83,8 @@ class CheckPoint(StrEnum):
 
 @dataclass(frozen=True)
 class Condition:
-    """A named check on the live database: its query returns one text row per violation.
-
-    No rows means the condition holds. The same query runs in the runner, in Alembic online
-    mode, and compiles to a `DO … RAISE EXCEPTION` block for offline SQL.
-    """
+    """A named check on the live database: its query returns one text row per violation (none:
+    it holds), online and compiled to a `DO … RAISE EXCEPTION` block for offline SQL."""
 
     name: str
     description: str
@@ -111,9 +106,8 @@ class Lock:
 
 @dataclass(frozen=True)
 class PublicationFact:
-    """A logical-replication publication that covers the old outbox, as introspected: what
-    the catalog must carry to the partitioned outbox so an existing CDC consumer keeps
-    receiving every new message (see the `publish-unpublished-partition` kind)."""
+    """A logical-replication publication that covers the old outbox, as introspected (the
+    `publish-unpublished-partition` kind carries it to the partitioned outbox)."""
 
     name: str
     explicit: bool = True
@@ -258,8 +252,7 @@ class Phase:
     without it."""
     unread: tuple[Condition, ...] = ()
     """What `verify` checks besides the steps' postconditions while this phase's version
-    runs: no unpublished row waits in a table no relay reads then (conditions.py
-    `no_unread_rows`; phases that publish from the partitioned table only)."""
+    runs: no unpublished row waits in a table no relay reads then (`no_unread_rows`)."""
 
 
 @dataclass(frozen=True)

@@ -80,9 +80,7 @@ def create_view_sql(n: Names, *, tableoid: bool = True) -> sql.Composed:
 
 def rekey_wake_up_sql(n: Names, key_names: Names) -> sql.Composed:
     """Re-create the wake-up trigger's function (same name, same OID: it stays the migration's
-    own) with the idle lock key of `key_names`' partitioned table, if the function exists.
-    Relays compute the key from the name they are given; keyed to the original name, the
-    next version's relays are woken and those still on the former name poll until stopped."""
+    own) with the idle lock key of `key_names`' partitioned table, if the function exists."""
     body = notify.create_sql(n.spec, DEFAULT_CHANNEL, key_spec=key_names.spec)[0]
     function = sql.Identifier(n.spec.schema, notify.function_name(n.spec)).as_string(None)
     test = sql.SQL("to_regprocedure({}) IS NOT NULL").format(sql.Literal(function + "()"))
@@ -141,10 +139,9 @@ def unseal_sql(n: Names) -> sql.Composed:
 
 
 def carry_grants_sql(n: Names) -> sql.Composed:
-    """Give the view the renamed table's owner and every table and column grant
-    (patterns/privileges.py): the view runs with its owner's rights on the table, so the
-    previous version's role needs on the view what it had on the table. At this point of the
-    step `n.table` names the renamed partitioned table, which carries the old table's grants."""
+    """Give the view the renamed table's owner and every table and column grant: the view runs
+    with its owner's rights on the table, so the previous version's role needs on the view
+    what it had on the table (`n.table` is by then the renamed partitioned table)."""
     return carry_privileges(n, n.parent, EVERY_PRIVILEGE)
 
 
@@ -350,10 +347,8 @@ def count_view_writes(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
 
 @kind("drop-compat-view")
 def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
-    """The gate compares the view's use counter (`count-view-writes`) across its window and
-    again under the step's lock, and watches `pg_locks` for a transaction that used the view
-    and is still open: every write statement through the view is counted, whatever its
-    timing; a read is seen only while its transaction holds the view's lock."""
+    """The gate compares the view's use counter across its window and again under the step's
+    lock, and watches `pg_locks` for a transaction that used the view and is still open."""
     n = ctx.names
     samples = max(1, round(ctx.options.sample_window_s / VIEW_SAMPLE_INTERVAL_S))
     counter = {

@@ -88,8 +88,10 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
             c.is_plain_table(n, n.table),
             c.no_fk_references(n, n.table),
             c.relation_absent(n, n.parent),
-            c.no_row_security(n),
-            c.may_give_to_owner(n),
+            c.condition(
+                "no-row-security", n.table, rel_reg=n.reg(n.table), parent_reg=n.reg(n.parent)
+            ),
+            c.condition("may-give-to-owner", n.table, rel_reg=n.reg(n.table)),
             # HOPER's copy-back skips rows already copied by `ON CONFLICT (id)`, which needs
             # a unique index on the old table's id: checked here, in V2, not at copy-back
             # after the swap.
