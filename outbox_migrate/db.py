@@ -38,14 +38,13 @@ def resolve_embedded(dsn: str) -> str:
 def connect(
     dsn: str,
     *,
-    autocommit: bool = True,
     application_name: str = APPLICATION_NAME,
     row_factory: RowFactory[Any] | None = None,
     params: dict[str, Any] | None = None,
 ) -> psycopg.Connection[Any]:
     """Open a connection, or raise `ConnectError` with a masked, single-line reason.
 
-    Autocommit by default: the tool manages its transactions explicitly
+    Autocommit: the tool manages its transactions explicitly
     (`with conn.transaction():`) so that no statement ever runs in an implicit, forgotten
     transaction that would hold locks or an old snapshot. `params` are further libpq
     connection parameters (the relay's keepalives).
@@ -54,7 +53,7 @@ def connect(
 
     real = resolve_embedded(dsn)
     kwargs: dict[str, Any] = {
-        "autocommit": autocommit,
+        "autocommit": True,
         "application_name": application_name,
         "connect_timeout": CONNECT_TIMEOUT_S,
     }
@@ -67,8 +66,6 @@ def connect(
             # A SET, not `options=-c …` at startup: PgBouncer refuses a startup option it
             # does not track; this costs one round trip per connection, none per statement.
             conn.execute(GUARD_OFF)
-            if not autocommit:
-                conn.commit()
         except BaseException:
             conn.close()
             raise

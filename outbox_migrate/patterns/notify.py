@@ -107,10 +107,8 @@ def drop_sql(spec: OutboxSpec) -> tuple[sql.Composed, ...]:
 
 def install(conn: Any, spec: OutboxSpec, channel: str) -> None:
     """Install (or replace) the trigger on an existing partitioned outbox, in one transaction.
-
-    CREATE TRIGGER takes SHARE ROW EXCLUSIVE on the parent: inserts wait for it, briefly; a
-    short lock_timeout keeps the application from queueing behind a long transaction.
-    """
+    CREATE TRIGGER makes inserts wait: a short lock_timeout keeps them from queueing behind
+    a long transaction and us."""
     import psycopg
 
     from outbox_migrate.errors import RelayError

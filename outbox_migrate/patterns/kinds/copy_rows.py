@@ -130,11 +130,8 @@ def remove_copy_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
 
 
 def copy_back_loop(n: Names) -> sql.Composed:
-    """SQL-only copy-back (offline SQL, psql): keyset batches with a commit per batch.
-
-    The library job adds throttling, a persisted high-water mark and range checksums; this
-    loop is the plain equivalent a DBA can run by hand. It needs autocommit (COMMIT in DO).
-    """
+    """The copy-back job's plain equivalent for offline SQL: keyset batches with a commit per
+    batch (COMMIT in DO needs autocommit), without its throttling, resume and verification."""
     if n.spec.id_kind == "application":
         return _copy_back_loop_by_order(n)
     return sql.SQL(

@@ -125,9 +125,8 @@ def remove_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
 
 @kind("gate-old-table-retired")
 def gate_old_table_retired(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
-    """A deploy gate: no SQL; its preconditions stop a premature `run --to V3` (the old table
-    still taking new rows from a V1 writer, unpublished rows left in a table nobody will
-    publish from, or sessions of the outgoing version still connected)."""
+    """A deploy gate: no SQL; its preconditions stop a premature `run --to V3` (a V1 writer
+    left, unpublished rows in the old table, or sessions of the outgoing version)."""
     n = ctx.names
     # `unseal` (COP, HOP): going back before V3 the old version may insert into the flat
     # table again, so the seal the rename to the original name left on it goes.
