@@ -91,8 +91,6 @@ class ConnectionLost(OutboxMigrateError):
 
 
 class EmbeddedServerError(OutboxMigrateError):
-    """The embedded PostgreSQL could not be installed or started."""
-
     exit_code = ExitCode.FAILED
 
 
@@ -297,8 +295,6 @@ def crash_reason(exc: BaseException) -> str:
 
 
 class SinkError(OutboxMigrateError):
-    """Base class for failures reported by a sink."""
-
     exit_code = ExitCode.FAILED
 
 

@@ -40,7 +40,7 @@ class _Token:
 
 
 def layout(text: str, width: int) -> str:
-    """`text` with every line longer than `width` re-flowed (see the module docstring)."""
+    """`text` with every line longer than `width` re-flowed, breaking only between tokens."""
     out: list[str] = []
     for line in text.split("\n"):
         out.extend(_line(line, width))

@@ -179,17 +179,14 @@ def _suggested_id(facts: TableFacts, spec: OutboxSpec) -> str:
 
 
 def _counters(conn: Any, spec: OutboxSpec, sequence: str | None) -> tuple[int, int]:
-    """(rows inserted, rows updated). Inserts come from the id's sequence when it has one
-    (it moves the moment a writer inserts), else from the table's counters; pg_stat counters
-    lag by up to a second and are frozen inside a transaction, so they are read after
-    clearing the snapshot. Whatever the id column is (or if it is missing), nothing here
-    fails: introspection named the sequence, or there is none."""
+    """(rows inserted, rows updated), from the sources docs/wizard.md names; nothing here
+    fails, whatever the id column is: introspection named the sequence, or there is none."""
     from psycopg import sql
 
     from outbox_migrate.patterns.names import Names
 
     reg = Names(spec).reg(spec.table)
-    conn.execute("SELECT pg_stat_clear_snapshot()")
+    conn.execute("SELECT pg_stat_clear_snapshot()")  # the counters freeze in a transaction
     stats = sql.SQL("(SELECT {col} FROM pg_stat_user_tables WHERE relid = to_regclass({reg}))")
     inserts = stats.format(col=sql.SQL("n_tup_ins"), reg=reg)
     if sequence:  # a role that may not read the sequence falls back to the counters

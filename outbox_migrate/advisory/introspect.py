@@ -356,7 +356,6 @@ def _warnings(facts: TableFacts, table: str) -> None:
 
 
 def inspect(dsn: str, spec: OutboxSpec, pattern: str = "") -> TableFacts:
-    """Connect, introspect, disconnect."""
     from outbox_migrate.db import connect
 
     with connect(dsn) as conn:

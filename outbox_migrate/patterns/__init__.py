@@ -42,7 +42,6 @@ def build_pattern(
     spec: OutboxSpec | None = None,
     options: BuildOptions | None = None,
 ) -> Pattern:
-    """The named pattern with every step built for `spec`."""
     key = name.lower().strip()
     if key not in PATTERN_NAMES:
         raise UsageError(f"unknown pattern {name!r}; choose one of {', '.join(PATTERN_NAMES)}")

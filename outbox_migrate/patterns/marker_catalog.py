@@ -27,8 +27,6 @@ _NUMBER = re.compile(r"^\(?(-?\d+)\)?(?:::[\w ]+)?$")
 
 @dataclass(frozen=True)
 class MarkerColumn:
-    """What the catalog says about the marker column."""
-
     type: str
     default: str | None
     not_null: bool

@@ -18,8 +18,6 @@ Statement = sql.Composed | sql.SQL
 
 
 class TxMode(StrEnum):
-    """How a step's statements are executed."""
-
     TRANSACTION = "transaction"
     """All statements and the ledger row commit together, or none do."""
     AUTOCOMMIT = "autocommit"
@@ -291,7 +289,6 @@ class Pattern:
         return held + list(self.phase(phase).unread)
 
     def steps_through(self, phase: str) -> list[Step]:
-        """Every step up to and including `phase`."""
         last = self.phases.index(self.phase(phase))
         return [step for earlier in self.phases[: last + 1] for step in earlier.steps]
 
