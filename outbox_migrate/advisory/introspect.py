@@ -320,7 +320,6 @@ def _trigger_fate(definition: str, enabled: str, spec: OutboxSpec) -> str:
 
 
 def _warnings(facts: TableFacts, table: str) -> None:
-    """Facts the operator must know that do not stop the plan."""
     warn = facts.warnings
     for pub in facts.publication_details:
         how = ("FOR ALL TABLES" if pub.all_tables else "TABLES IN SCHEMA" if pub.by_schema

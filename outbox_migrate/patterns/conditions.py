@@ -223,7 +223,6 @@ def new_ids_above_old(n: Names) -> Condition:
 
 
 def on_trigger(query: str, n: Names, relation: str, trigger: str, label: str = "") -> Condition:
-    """`trigger-exists` or `trigger-absent`: the trigger `trigger` on `relation`."""
     return condition(query, label, rel_reg=n.reg(relation), trigger_name=sql.Literal(trigger))
 
 

@@ -44,8 +44,6 @@ class Table(StrEnum):
 
 @dataclass(frozen=True)
 class AppBehaviour:
-    """What an application version does: where it inserts and where it publishes from."""
-
     inserts_into: Table
     publishes_from: Table
     renamed: bool = False
@@ -96,8 +94,6 @@ class Condition:
 
 @dataclass(frozen=True)
 class Lock:
-    """A lock a step takes on one relation."""
-
     relation: str
     mode: LockMode
 

@@ -230,7 +230,6 @@ def copy_back(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
 def _drop_published(
     ctx: BuildContext, kind_name: str, summary: str, reverse_note: str, optional: bool = False
 ) -> Step:
-    """DROP the detached published partition once every row of it is in the old table."""
     n = ctx.names
     return Step(
         **ctx.place(kind_name),
