@@ -123,7 +123,7 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
     value_problem = (
         ""
         if resolved is None
-        else marker_catalog.check_values(conn, resolved, spec.table, marker_judge.shown(spec))
+        else marker_catalog.check_values(conn, resolved, spec.table, n.display(spec.table))
     )
     if resolved is not None and not value_problem:
         facts.unpublished = int(
@@ -164,7 +164,7 @@ def marker_from_samples(facts: TableFacts, spec: OutboxSpec) -> OutboxSpec:
 def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
     """Fill `blockers`, `warnings`, `notes` and `objects` from the facts (pure; unit-testable).
     With a `pattern`, what only that pattern needs is a blocker (HOPER: a unique id index)."""
-    table = spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
+    table = Names(spec).display(spec.table)
     block = facts.blockers
     if facts.relkind == "p" or facts.is_partition:
         already = "partitioned" if facts.relkind == "p" else "a partition"

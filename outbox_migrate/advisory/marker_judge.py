@@ -10,14 +10,10 @@ from typing import TYPE_CHECKING
 from outbox_migrate.advisory import Finding
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns import marker, marker_catalog
+from outbox_migrate.patterns.names import Names
 
 if TYPE_CHECKING:
     from outbox_migrate.advisory.table_facts import TableFacts
-
-
-def shown(spec: OutboxSpec) -> str:
-    """The table as messages name it: schema-qualified only outside `public`."""
-    return spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
 
 
 def column_of(facts: TableFacts, spec: OutboxSpec) -> marker_catalog.MarkerColumn | None:
@@ -35,7 +31,7 @@ def marker_spec(facts: TableFacts, spec: OutboxSpec) -> OutboxSpec | None:
     column = column_of(facts, spec)
     if column is None:
         return None
-    decided = marker_catalog.decide(spec, column, shown(spec))
+    decided = marker_catalog.decide(spec, column, Names(spec).display(spec.table))
     return None if isinstance(decided, Finding) else decided
 
 

@@ -15,7 +15,7 @@ from psycopg import Connection, sql
 
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.errors import SchemaError
-from outbox_migrate.patterns.names import ident
+from outbox_migrate.patterns.names import Names, ident
 
 TIMESTAMP_TYPES = frozenset({"timestamp with time zone", "timestamp without time zone"})
 INTEGER_TYPES = frozenset({"smallint", "integer", "bigint"})
@@ -239,7 +239,7 @@ def resolve(conn: Connection[Any], spec: OutboxSpec, *, to_partition: bool = Tru
     if found is None:
         return spec
     relation, column = found
-    table = spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
+    table = Names(spec).display(spec.table)
     if column.type in TIMESTAMP_TYPES:
         # A NOT NULL timestamp is plan's blocker, not ours: HOPER's optional set-not-null
         # step makes the old table's marker NOT NULL, and the runner must go on after it.

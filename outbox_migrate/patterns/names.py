@@ -35,7 +35,7 @@ class Names:
         return sql.Literal(ident(self.spec.schema, relation))
 
     def display(self, relation: str) -> str:
-        """Human form used in lock tables: schema-qualified only outside `public`."""
+        """Human form, in lock tables and messages: schema-qualified only outside `public`."""
         if self.spec.schema == "public":
             return relation
         return f"{self.spec.schema}.{relation}"
