@@ -1,11 +1,5 @@
-"""The ledger's attempt log, read only: each step's latest lock attempt, for `status`.
-
-A step's `last_error` is written when a run ends with the step failed or refused; a later
-run that is interrupted or loses its connection while it retries records its attempts but
-no error, so the error shown was the *first* run's. The latest attempt is the newer truth
-(when, how long it waited, who held the lock): `status` shows it instead when it is newer.
-
-Reads only; never creates the ledger. Nothing here prints.
+"""The ledger's attempt log, read only: each step's latest lock attempt, for `status`. Never
+creates the ledger; nothing here prints.
 """
 
 from __future__ import annotations
@@ -64,7 +58,8 @@ def _readable(conn: Connection[Any]) -> bool:
 
 def newer_than_error(attempt: dict[str, Any] | None, step: dict[str, Any]) -> bool:
     """Whether `attempt` happened after the step's recorded error (or there is none) and
-    did not succeed: then it, not the error, says where the step stands."""
+    did not succeed: then it, not the error, says where the step stands (a run interrupted
+    while it retries records its attempts but no error)."""
     if attempt is None or attempt["outcome"] == "done":
         return False
     if not step.get("last_error"):

@@ -1,12 +1,5 @@
 """Exponential backoff with jitter: one pure function for every retry loop of the tool (the
-relay's broker and database retries, the runner's and the jobs' lock retries), unit-tested,
-not slept through.
-
-Two jitters, chosen by the caller. "Equal jitter" (the default) keeps half the exponential
-delay fixed and draws the other half, so a fleet of relays that lost the broker together does
-not come back in lock-step yet each one waits long enough. "Full jitter" draws the whole delay
-from [0, d]: a lock retry wants its next attempt soon, not a guaranteed minimum wait, and two
-runners' attempts spread out without any floor.
+relay's broker and database retries, the runner's and the jobs' lock retries).
 """
 
 from __future__ import annotations
@@ -27,8 +20,9 @@ def backoff_s(
     rng: random.Random | None = None,
     full_jitter: bool = False,
 ) -> float:
-    """Delay before retry `attempt` (0 = first), with d = min(cap, base·2^n): in [d/2, d], or
-    in [0, d] with `full_jitter`."""
+    """Delay before retry `attempt` (0 = first), with d = min(cap, base·2^n): in [d/2, d], so a
+    fleet that lost the broker together does not come back in lock-step yet each waits long
+    enough; or in [0, d] with `full_jitter`, for a lock retry that wants its next try soon."""
     if attempt < 0:
         raise ValueError("attempt must be >= 0")
     ceiling = min(cap_s, base_s * float(2 ** min(attempt, 62)))

@@ -1,11 +1,6 @@
-"""Configuration: which tables and columns the migration is about, and how careful to be.
-
-Sources, strongest first: CLI flags > `OUTBOX_MIGRATE_*` environment variables >
-`outbox-migrate.toml` (or `[tool.outbox-migrate]` in pyproject.toml) in the working
-directory > defaults equal to the names the spec uses. Every value remembers its source so an
-invalid one is reported as "key, where it came from, what is wrong" in one line.
-
-Pure data and parsing; no database access.
+"""Configuration: which tables and columns the migration is about, and how careful to be, from
+the sources in docs/configuration.md; every value remembers its source, so an invalid one is
+reported in one line. Pure data and parsing; no database access.
 """
 
 from __future__ import annotations
@@ -35,7 +30,8 @@ pattern step that installs the trigger and the relay, so neither imports the oth
 
 @dataclass(frozen=True)
 class OutboxSpec:
-    """Names of everything the migration touches. Defaults are the spec's names."""
+    """Names of everything the migration touches, and the column roles; each key's meaning
+    is in docs/configuration.md. Defaults are the spec's names."""
 
     schema: str = "public"
     table: str = "outbox"
@@ -45,11 +41,9 @@ class OutboxSpec:
     id_column: str = "id"
     published_column: str = "published_at"
     unpublished_value: str = ""
-    """A flag marker's unpublished value (`0`, `false`, `PENDING`); "" = inferred from the
-    column's constant DEFAULT when the marker is not a timestamp (NULL = unpublished)."""
+    """A flag marker's unpublished value; "" = the column's constant DEFAULT."""
     published_value: str = ""
-    """What the relay sets on a flag marker (`1`, `true`, `PUBLISHED`); "" = `1` for an
-    integer, `true` for a boolean. A timestamp marker is set to `now()`."""
+    """What the relay sets on a flag marker; "" = `1` for an integer, `true` for a boolean."""
     status_column: str = ""
     """A status column beside the marker that the relay's mark sets too ("" = none)."""
     status_published_value: str = ""
@@ -66,30 +60,18 @@ class OutboxSpec:
     event_type_column: str = "event_type"
     """Sent as the event-type header; used only when the table has it, unless set."""
     headers_column: str = "headers"
-    """A JSON object (jsonb, json, or text holding one) whose entries become broker headers;
-    used only when the table has it. A row whose value is not an object is a bad row."""
+    """A JSON object whose entries become broker headers; used only when the table has it."""
     metadata_columns: tuple[str, ...] = ()
     """Further columns sent as broker headers (`trace_id`, `tenant_id`), name = value."""
     id_kind: str = "database"
-    """`database`: ids come from an identity or a sequence default (bigint, integer);
-    `application`: the application supplies them (uuid, ULID, text). No headroom is needed
-    for those; the deploy gates watch a small sequence the migration installs on the old
-    table (ticked by a statement trigger), and the relay claims in `order_column` order."""
+    """`database` (an identity or a sequence default) or `application` (uuid, ULID, text)."""
     order_column: str = ""
-    """The relay's claim order for application ids: "" = the id itself (right for uuidv7 and
-    ULID, which sort by time); random uuids (v4) need a creation timestamp or a bigint column
-    here. Database ids are always claimed by id and refuse this setting."""
+    """The relay's claim order for application ids; "" = the id itself (uuidv7, ULID)."""
     accept_lost_unique: tuple[str, ...] = ()
-    """Unique indexes or constraints (by name) whose rule the operator accepts to lose: a
-    partitioned table cannot enforce uniqueness without its partition key, so any other
-    unique key of the old table (a MessageId used for deduplication) is a blocker until it
-    is named here, deliberately, after the rule has moved elsewhere."""
+    """Unique keys (by name) the partitioned table cannot enforce, whose loss is accepted."""
     unpublished_guard: bool = True
-    """Create the guard on the unpublished partition: a DELETE that would remove an
-    unpublished row is skipped unless it is part of a mark (the row moving to the published
-    partition) or its session turned the guard off (outbox-migrate's own sessions do). A
-    framework's cleanup by `ctid` otherwise deletes unsent messages: a ctid names a row only
-    within one partition (docs/patterns.md, "The unpublished-row guard")."""
+    """Create the unpublished partition's guard (docs/patterns.md, "The unpublished-row
+    guard")."""
 
     @property
     def check_name(self) -> str:
@@ -144,22 +126,17 @@ class OutboxSpec:
 
     @property
     def outbox_name(self) -> str:
-        """The outbox's name in messages (the CloudEvents `source`, `table`, `outbox-table`):
-        the flat table's — the name the application's outbox has at both ends of the
-        migration — and, for a relay configured after the rename to the original name
-        (`--partitioned-table outbox --table outbox_retired`), the partitioned table's, which
-        is then that same name. A message sent again by the next version's relay (a batch
-        whose mark did not commit across the rename) keeps its (source, id)."""
+        """The outbox's name in messages (CloudEvents `source`, `outbox-table`): the name the
+        application's outbox has at both ends of the migration, also for a relay configured
+        after the rename, so a message sent again across the rename keeps its (source, id)."""
         if self.table == _fit(f"{self.partitioned_table}_retired"):
             return self.partitioned_table
         return self.table
 
     @property
     def retired_check(self) -> str:
-        """COP/HOP: the NOT VALID CHECK that seals the retired flat table against unpublished
-        rows (`outbox_is_retired`): no relay reads it once the partitioned table took its
-        name, so a row inserted there — by a version of the original name after the rename
-        was rolled back — fails loudly instead of waiting unseen."""
+        """COP/HOP: the NOT VALID CHECK sealing the retired flat table, which no relay reads,
+        against unpublished rows (`outbox_is_retired`)."""
         return _fit(f"{self.table}_is_retired")
 
     @property

@@ -1,9 +1,6 @@
-"""Connections: psycopg 3, tagged with our application_name, errors masked and one line long.
-
-Every connection the tool opens goes through `connect` so that (a) `pg_stat_activity` shows
-`outbox-migrate/<version>` and the deploy gates can tell our sessions from the application's,
-(b) the unpublished partition's guard lets our sessions through (the relay dead-letters a row
-by deleting it), and (c) a failure never surfaces a password or a traceback.
+"""Connections: every one the tool opens goes through `connect`, so `pg_stat_activity` shows
+`outbox-migrate/<version>` (the deploy gates tell our sessions apart), the unpublished guard
+lets our sessions through, and a failure is one masked line, never a password or a traceback.
 """
 
 from __future__ import annotations
@@ -41,14 +38,13 @@ def resolve_embedded(dsn: str) -> str:
 def connect(
     dsn: str,
     *,
-    autocommit: bool = True,
     application_name: str = APPLICATION_NAME,
     row_factory: RowFactory[Any] | None = None,
     params: dict[str, Any] | None = None,
 ) -> psycopg.Connection[Any]:
     """Open a connection, or raise `ConnectError` with a masked, single-line reason.
 
-    Autocommit by default: the tool manages its transactions explicitly
+    Autocommit: the tool manages its transactions explicitly
     (`with conn.transaction():`) so that no statement ever runs in an implicit, forgotten
     transaction that would hold locks or an old snapshot. `params` are further libpq
     connection parameters (the relay's keepalives).
@@ -57,7 +53,7 @@ def connect(
 
     real = resolve_embedded(dsn)
     kwargs: dict[str, Any] = {
-        "autocommit": autocommit,
+        "autocommit": True,
         "application_name": application_name,
         "connect_timeout": CONNECT_TIMEOUT_S,
     }
@@ -70,8 +66,6 @@ def connect(
             # A SET, not `options=-c …` at startup: PgBouncer refuses a startup option it
             # does not track; this costs one round trip per connection, none per statement.
             conn.execute(GUARD_OFF)
-            if not autocommit:
-                conn.commit()
         except BaseException:
             conn.close()
             raise

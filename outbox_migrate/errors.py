@@ -1,10 +1,6 @@
 """The package's one error hierarchy: errors that carry facts, and the exit code each maps to.
-
-Core code raises these and never prints or exits; the CLI turns them into one line on stderr
-and the exit code below. Messages must never contain a password: anything derived from a DSN
-goes through `outbox_migrate.dsn.mask` before it lands here. Below every other module, so any
-of them can raise any of these. Message ids are `int | str` (a database id, or an
-application id as text).
+Core code raises these and never prints or exits; messages never contain a password (anything
+from a DSN goes through `dsn.mask`). Below every other module, so any of them can raise these.
 """
 
 from __future__ import annotations
@@ -79,12 +75,9 @@ class UsageError(OutboxMigrateError):
 
 
 class ConnectionLost(OutboxMigrateError):
-    """The server connection broke (server restart, terminated backend, network) mid-command.
-
-    Raised by core code that knows what it was doing, so the one line names the step. The
-    runner only raises it where a re-run converges: a transactional step either committed with
-    its ledger row or not at all, and a non-transactional one is proven by its postcondition.
-    """
+    """The server connection broke mid-command. Raised only where a re-run converges: a
+    transactional step committed with its ledger row or not at all, and a non-transactional
+    one is proven by its postcondition."""
 
     exit_code = ExitCode.CONNECTION_LOST
 
@@ -98,8 +91,6 @@ class ConnectionLost(OutboxMigrateError):
 
 
 class EmbeddedServerError(OutboxMigrateError):
-    """The embedded PostgreSQL could not be installed or started."""
-
     exit_code = ExitCode.FAILED
 
 
@@ -304,8 +295,6 @@ def crash_reason(exc: BaseException) -> str:
 
 
 class SinkError(OutboxMigrateError):
-    """Base class for failures reported by a sink."""
-
     exit_code = ExitCode.FAILED
 
 
@@ -336,12 +325,9 @@ class MessagesRejected(SinkError):
 
 
 class UnrepresentableMessage(SinkError):
-    """A message cannot be rendered the way the sink sends it: its payload is raw bytes (a
-    bytea payload that is not UTF-8) and the sink needs text (a JSON envelope).
-
-    Retrying cannot change the row, so the relay treats it as a rejection of this message
-    alone (counted, then dead-lettered with `reason`); the rest of the batch flows. Raised by
-    `Message.envelope()`, which fills `message_id`; a sink may raise it itself."""
+    """A message's payload is raw bytes (bytea, not UTF-8) and the sink needs text. Retrying
+    cannot change the row, so the relay rejects this message alone (counted, then
+    dead-lettered with `reason`); the rest of the batch flows."""
 
     def __init__(self, reason: str, message_id: int | str | None = None) -> None:
         self.reason = reason

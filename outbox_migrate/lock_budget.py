@@ -1,27 +1,6 @@
-"""Lock-safe execution: never sit in PostgreSQL's lock queue for long.
-
-An ALTER TABLE waiting for ACCESS EXCLUSIVE blocks every later INSERT behind it, so each
-attempt runs under `SET LOCAL lock_timeout` (default 200 ms): a writer waits at most that long.
-On SQLSTATE 55P03 (lock_not_available) the transaction is rolled back and retried after an
-exponential backoff with full jitter, inside a per-step budget; every other error fails at
-once. Each failed attempt names who held the lock, read from pg_locks + pg_stat_activity.
-
-While a session that holds a conflicting lock is still there (an idle-in-transaction client,
-a long report), attempting at all is what hurts: every attempt queues for the lock and stalls
-every writer behind it for up to lock_timeout. So before each attempt the holders are read from
-pg_locks, and while one is visible we only watch it (a cheap catalog read every
-`BLOCKER_POLL_S`); the attempt is made once it is gone. lock_timeout still bounds the race in
-which a new holder appears between the look and the attempt.
-
-What a role may see: PostgreSQL shows another role's `state`, `xact_start`, `backend_type` and
-`query` in pg_stat_activity only to members of that role or of `pg_read_all_stats` (pg_locks
-is visible to all). A holder whose activity is hidden is marked `hidden` and named as such
-with the grant that would show it (`SEE_OTHER_SESSIONS`); a guard that needs its state does
-not pass on it (runner/apply.py `_preflight`).
-
-The one lock-budget primitive: the runner's steps and inverses, the jobs and the relay's
-switch all go through `run_with_lock_budget`. It sits below all of them and the pattern
-catalog (it imports only backoff and errors), and must import none of them.
+"""Lock-safe execution: never sit in PostgreSQL's lock queue for long (docs/runner.md, "Lock
+safety"). The one lock-budget primitive, used by the runner's steps and inverses, the jobs and
+the relay's switch: it sits below all of them and the pattern catalog and imports none of them.
 """
 
 from __future__ import annotations
@@ -162,9 +141,9 @@ def find_blockers(
 
 
 def long_transactions(
-    conn: Connection[Any], relations: Sequence[str], schema: str, older_than_s: float = LONG_TX_S
+    conn: Connection[Any], relations: Sequence[str], schema: str
 ) -> list[Blocker]:
-    """Sessions in a transaction older than `older_than_s` holding any lock on `relations`,
+    """Sessions in a transaction older than `LONG_TX_S` holding any lock on `relations`,
     or idle in transaction: an ACCESS EXCLUSIVE request would queue behind them.
 
     A holder whose activity is hidden from our role is returned too (`hidden_from` set): we
@@ -173,7 +152,7 @@ def long_transactions(
         "a.pid IS NOT NULL AND (a.state LIKE 'idle in transaction%%' OR a.backend_type IS NULL "
         "OR now() - a.xact_start > make_interval(secs => %s))"
     )
-    return _holders(conn, schema, long, [(relation, older_than_s) for relation in relations])
+    return _holders(conn, schema, long, [(relation, LONG_TX_S) for relation in relations])
 
 
 def lock_declared(

@@ -1,8 +1,5 @@
-"""Compile steps to plain SQL for psql and Alembic `--sql`: preconditions become assertions.
-
-Each precondition turns into a `DO` block that raises the violation's own message, so the
-safety checks travel with SQL a DBA applies by hand. Inside BEGIN … COMMIT the raise aborts the
-whole step: nothing is half-applied.
+"""Compile steps to plain SQL for psql and Alembic `--sql`: each precondition becomes a `DO`
+block that raises the violation's own message, so the safety checks travel with the SQL.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""`plan`: a pattern rendered for one schema — phases, app instructions, steps with SQL,
-locks, scans, preconditions and rollback — as JSON, Markdown or psql-runnable SQL.
-
-Pure rendering over inert `Pattern` data (and `TableFacts` when a DSN was given); the table
-view for terminals lives in the CLI, the only layer that may import rich.
+"""`plan`: a pattern rendered for one schema as JSON, Markdown or psql-runnable SQL. Pure
+rendering; the table view for terminals lives in the CLI, the only layer that may import rich.
 """
 
 from __future__ import annotations
@@ -158,12 +155,7 @@ def plan_document(
 
 
 def render_sql(pattern: Pattern, spec: OutboxSpec, lock_timeout_ms: int = 200) -> str:
-    """psql-runnable SQL, one `-- phase: NAME` section per phase.
-
-    Apply one phase at a time (`psql -v ON_ERROR_STOP=1 -f phase.sql`) between deploys; a
-    transactional step is wrapped in BEGIN/COMMIT with its preconditions as assertions inside,
-    so a failed check leaves nothing behind.
-    """
+    """psql-runnable SQL, one `-- phase: NAME` section per phase (docs/plan.md)."""
     lines = [
         f"-- outbox-migrate plan: {pattern.acronym} ({pattern.title})",
         f"-- {spec.schema}.{spec.table} -> {spec.schema}.{spec.partitioned_table}",
@@ -258,16 +250,13 @@ def _id_line(doc: dict[str, Any]) -> str:
     )
 
 
-def render_markdown(
-    pattern: Pattern, spec: OutboxSpec, facts: TableFacts | None = None, heading: int = 1
-) -> str:
-    h = "#" * heading
-    lines = [f"{h} {pattern.acronym}: {pattern.title}", "", pattern.summary, ""]
+def render_markdown(pattern: Pattern, spec: OutboxSpec, facts: TableFacts | None = None) -> str:
+    lines = [f"# {pattern.acronym}: {pattern.title}", "", pattern.summary, ""]
     lines += [duplicate_ids_text(pattern, spec), ""]
     if facts is not None:
         doc = facts_document(facts, spec)
         lines += [
-            f"{h}# Your outbox",
+            "## Your outbox",
             "",
             f"- PostgreSQL {doc['server_version']}, `{doc['table']}`: ~{doc['row_estimate']:,} "
             f"rows, {doc['total_bytes']:,} bytes, {doc['unpublished']:,} unpublished",
@@ -279,10 +268,10 @@ def render_markdown(
         lines += [f"- Note: {n.message} — {n.remedy}" for n in facts.notes]
         lines.append("")
         if facts.objects:
-            lines += [f"{h}# Objects on `{facts.table}` and what happens to each", ""]
+            lines += [f"## Objects on `{facts.table}` and what happens to each", ""]
             lines += [f"- {o.kind} `{o.name}`: {o.fate}" for o in facts.objects]
             lines.append("")
-    lines += [f"{h}# Phases", ""]
+    lines += ["## Phases", ""]
     cdc = phase_views(pattern, spec, facts.publication_details) if facts is not None else {}
     for phase in pattern.phases:
         _md_phase(phase, spec, lines, render_lines(cdc, phase.name))

@@ -1,9 +1,5 @@
-"""Operator runbooks (`playbooks/<pattern>.md`) generated from the pattern catalog.
-
-A runbook says when to deploy what, what to check before and after each phase, and how to back
-out; the step lists and SQL come from the same `Step` objects the runner executes, so a
-playbook cannot drift from the catalog (a test regenerates and diffs them). Pure rendering:
-no database, no I/O.
+"""Operator runbooks (`playbooks/<pattern>.md`) generated from the same `Step` objects the
+runner executes, so they cannot drift from the catalog. Pure rendering: no database, no I/O.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Lay SQL text out to a width: long lines broken at clause boundaries, never inside a token.
-
-`plan --format sql` is read in terminals and code review as much as it is run by psql. This
-re-flows only the lines longer than the width and changes nothing SQL sees except
-whitespace: a line is broken before a clause keyword (FROM, WHERE, AND, THEN, …) at the
-shallowest parenthesis depth, else after a comma, else at any space — never inside a quoted
-identifier, a dollar-quoted string or a comment. A string constant that alone is too long is
-split (at a space inside it where there is one) into constants on consecutive lines, which
-SQL and PL/pgSQL join back into one (two constants separated only by whitespace with a
-newline are one constant). Comments wrap as comments; psql meta-commands are left alone.
-
-Pure text in, text out: no database, no rich. Not a formatter — short lines keep the
-catalog's own layout.
+"""Lay SQL text out to a width (docs/plan.md, "Applying `--format sql` with psql"): only lines
+longer than the width are re-flowed, and only whitespace changes. Pure text in, text out; not
+a formatter.
 """
 
 from __future__ import annotations
@@ -50,7 +40,7 @@ class _Token:
 
 
 def layout(text: str, width: int) -> str:
-    """`text` with every line longer than `width` re-flowed (see the module docstring)."""
+    """`text` with every line longer than `width` re-flowed, breaking only between tokens."""
     out: list[str] = []
     for line in text.split("\n"):
         out.extend(_line(line, width))

@@ -1,12 +1,5 @@
-"""The spec's decision flowchart as a pure function: three answers → a pattern, with reasons.
-
-1. Can publication pause for a few minutes?        yes → 2a, no → 2b
-2a. Must the old rows join the partitioned table?  no → COP,  yes → COPRA
-2b. Must the old rows join the partitioned table?  no → HOP,  yes → 3
-3. Must every published row be readable from the final table at all times?
-                                                   no → HOPER, yes → HOPIA
-
-`measure` adds facts from a live database and what they mean for the choice.
+"""The decision flowchart (docs/wizard.md) as a pure function: three answers → a pattern, with
+reasons; `measure` adds facts from a live database and what they mean for the choice.
 """
 
 from __future__ import annotations
@@ -186,17 +179,14 @@ def _suggested_id(facts: TableFacts, spec: OutboxSpec) -> str:
 
 
 def _counters(conn: Any, spec: OutboxSpec, sequence: str | None) -> tuple[int, int]:
-    """(rows inserted, rows updated). Inserts come from the id's sequence when it has one
-    (it moves the moment a writer inserts), else from the table's counters; pg_stat counters
-    lag by up to a second and are frozen inside a transaction, so they are read after
-    clearing the snapshot. Whatever the id column is (or if it is missing), nothing here
-    fails: introspection named the sequence, or there is none."""
+    """(rows inserted, rows updated), from the sources docs/wizard.md names; nothing here
+    fails, whatever the id column is: introspection named the sequence, or there is none."""
     from psycopg import sql
 
     from outbox_migrate.patterns.names import Names
 
     reg = Names(spec).reg(spec.table)
-    conn.execute("SELECT pg_stat_clear_snapshot()")
+    conn.execute("SELECT pg_stat_clear_snapshot()")  # the counters freeze in a transaction
     stats = sql.SQL("(SELECT {col} FROM pg_stat_user_tables WHERE relid = to_regclass({reg}))")
     inserts = stats.format(col=sql.SQL("n_tup_ins"), reg=reg)
     if sequence:  # a role that may not read the sequence falls back to the counters

@@ -1,17 +1,6 @@
-"""What an existing CDC consumer of the old outbox sees in each phase (shown by `plan`).
-
-Pure: derived from the built pattern (which steps have run by the end of each phase) and the
-introspected publications. The rule a consumer can always rely on, whatever the phase and
-the publication's shape: **an INSERT whose publication column is NULL is a new message**;
-every other INSERT on the stream is a row the migration or the relay moved or copied (it has
-its publication time set) and must not be emitted again.
-
-Facts behind the wording (PostgreSQL 14-18, shown by tests/integration/relay/cdc/
-test_publication_shapes.py and tests/integration/patterns/test_cdc_consumer.py): a publishing
-mark on the partitioned outbox is a cross-partition UPDATE, decoded as a DELETE from the
-unpublished partition and an INSERT into the partition that receives the row; each half
-reaches the stream only if that partition is published (leaf by leaf, or under the parent's
-name when the publication has `publish_via_partition_root = true`).
+"""What an existing CDC consumer of the old outbox sees in each phase (shown by `plan`; the rule
+and the table are in docs/patterns.md, "CDC consumers"). Pure: derived from the built pattern
+and the introspected publications.
 """
 
 from __future__ import annotations

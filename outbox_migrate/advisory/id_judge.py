@@ -1,8 +1,6 @@
-"""What `plan` says about the outbox's id, judged from `TableFacts` without I/O: a database id
-(identity, serial, a sequence default — the new parent gets an identity of its own above it)
-or an application id (uuid, text, ULID, or an integer the application makes, such as a
-snowflake id; `id_kind = application`), and the blockers that stop either, each with what to
-run or set. Must not read the database.
+"""What `plan` says about the outbox's id, a database id or an application id, and the blockers
+that stop either, each with what to run or set. Judged from `TableFacts`; must not read the
+database.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Read the live outbox into `TableFacts`, and judge what stands in the migration's way.
-
-Read-only: catalog queries plus `max(id)` and an exact unpublished count (cheap thanks to the
-relay's partial index). Blockers are facts that make the patterns unsafe or impossible, each
-with what to do; warnings are facts the operator must know but that do not stop the plan.
+"""Read the live outbox into `TableFacts`, and judge what stands in the migration's way:
+blockers (each with what to do) and warnings. Read-only: catalog queries plus `max(id)` and an
+exact unpublished count (cheap thanks to the relay's partial index).
 """
 
 from __future__ import annotations
@@ -125,7 +123,7 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
     value_problem = (
         ""
         if resolved is None
-        else marker_catalog.check_values(conn, resolved, spec.table, marker_judge.shown(spec))
+        else marker_catalog.check_values(conn, resolved, spec.table, n.display(spec.table))
     )
     if resolved is not None and not value_problem:
         facts.unpublished = int(
@@ -166,7 +164,7 @@ def marker_from_samples(facts: TableFacts, spec: OutboxSpec) -> OutboxSpec:
 def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
     """Fill `blockers`, `warnings`, `notes` and `objects` from the facts (pure; unit-testable).
     With a `pattern`, what only that pattern needs is a blocker (HOPER: a unique id index)."""
-    table = spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
+    table = Names(spec).display(spec.table)
     block = facts.blockers
     if facts.relkind == "p" or facts.is_partition:
         already = "partitioned" if facts.relkind == "p" else "a partition"
@@ -322,7 +320,6 @@ def _trigger_fate(definition: str, enabled: str, spec: OutboxSpec) -> str:
 
 
 def _warnings(facts: TableFacts, table: str) -> None:
-    """Facts the operator must know that do not stop the plan."""
     warn = facts.warnings
     for pub in facts.publication_details:
         how = ("FOR ALL TABLES" if pub.all_tables else "TABLES IN SCHEMA" if pub.by_schema
@@ -358,7 +355,6 @@ def _warnings(facts: TableFacts, table: str) -> None:
 
 
 def inspect(dsn: str, spec: OutboxSpec, pattern: str = "") -> TableFacts:
-    """Connect, introspect, disconnect."""
     from outbox_migrate.db import connect
 
     with connect(dsn) as conn:

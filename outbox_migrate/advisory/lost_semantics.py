@@ -1,13 +1,6 @@
-"""What a flat outbox means that the partitioned layout cannot keep, judged for `plan` (and
-so for `run`'s admission, which refuses what `plan` calls a blocker).
-
-Frameworks hang meaning on their outbox table that no column role describes: a unique
-MessageId for deduplication, `ctid` in their cleanup, row locks in their own publisher, a
-status column beside the timestamp. Partitioned by the publication marker, the table keeps
-the rows but not these rules, and nothing fails until a duplicate commits or a cleanup
-deletes undelivered rows. This module names each loss; it reads one catalog query and
-otherwise judges `TableFacts` without I/O. It must not decide anything about ids, CHECKs or
-triggers (introspect.py does).
+"""What a flat outbox means that the partitioned layout cannot keep (a unique MessageId, `ctid`
+in a cleanup, row locks, a status beside the timestamp), judged for `plan` and so for `run`'s
+admission. One catalog query, otherwise no I/O; ids, CHECKs and triggers are introspect.py's.
 """
 
 from __future__ import annotations
@@ -53,10 +46,8 @@ def read_unique_keys(conn: Connection[Any], spec: OutboxSpec) -> list[UniqueKey]
 
 
 def id_unique_by_construction(facts: TableFacts, spec: OutboxSpec) -> bool:
-    """Generated ids (identity, sequence, uuid default) stay unique without an index: the new
-    identity starts above the old ids. Application-supplied ids were kept unique by the
-    index alone, which is how a framework deduplicates (NServiceBus's key on MessageId);
-    ungenerated database ids have their own blocker. A uuid or text id is judged
+    """Generated ids (identity, sequence, uuid default) stay unique without an index; ids the
+    application supplies were kept unique by the index alone. A uuid or text id is judged
     application-supplied before id_kind says so, so this blocker comes in the same round as
     the one asking for id_kind."""
     if spec.id_kind != "application" and facts.id_kind(spec) != "application":

@@ -1,9 +1,6 @@
-"""What `plan` says about the publication marker, judged from `TableFacts` without I/O: a
-flag's values (a note), or why the column cannot be the marker (a blocker), which partial
-index of the old table serves the relay, and — from the evidence (the columns' types, defaults
-and contents, the table's own counters) — whether the table has a marker at all or deletes
-what it delivers. The decisions themselves are in marker_catalog; this module must not read
-the database.
+"""What `plan` says about the publication marker: a flag's values, why a column cannot be the
+marker, which partial index serves the relay, and whether the table has a marker at all or
+deletes what it delivers. Judged from `TableFacts` (decisions in marker_catalog); no I/O.
 """
 
 from __future__ import annotations
@@ -13,14 +10,10 @@ from typing import TYPE_CHECKING
 from outbox_migrate.advisory import Finding
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns import marker, marker_catalog
+from outbox_migrate.patterns.names import Names
 
 if TYPE_CHECKING:
     from outbox_migrate.advisory.table_facts import TableFacts
-
-
-def shown(spec: OutboxSpec) -> str:
-    """The table as messages name it: schema-qualified only outside `public`."""
-    return spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
 
 
 def column_of(facts: TableFacts, spec: OutboxSpec) -> marker_catalog.MarkerColumn | None:
@@ -38,7 +31,7 @@ def marker_spec(facts: TableFacts, spec: OutboxSpec) -> OutboxSpec | None:
     column = column_of(facts, spec)
     if column is None:
         return None
-    decided = marker_catalog.decide(spec, column, shown(spec))
+    decided = marker_catalog.decide(spec, column, Names(spec).display(spec.table))
     return None if isinstance(decided, Finding) else decided
 
 

@@ -1,25 +1,7 @@
-"""The role check (`outbox-migrate roles`): for each role the docs name — the runner as the
-table's owner, the application, the relay, the CDC relay — what it can and cannot do and see
-on this database, and what each missing grant will cost.
-
-Read from the catalog only (`has_table_privilege`, `pg_has_role`, …) in a read-only session:
-the server says what it would allow, so the check cannot disagree with what a step or the
-relay meets. Relations not created yet are not checked (their grants are carried from the old
-table, patterns/privileges.py); what a role must see is, because no step grants it.
-
-What each role needs, and why:
-
-* runner: to own the outbox (every step's DDL needs the owner), CREATE on its schema (the new
-  tables, partitions, view and dead-letter tables), CREATE on the database (the ledger schema),
-  and to see other roles' sessions (`pg_read_all_stats`): the long-transaction guard and the
-  naming of lock holders read their state, and refuse on what they cannot see (lock_budget.py).
-* application: INSERT on the tables it writes.
-* relay: SELECT and UPDATE where it claims and marks, DELETE on the unpublished partition and
-  the dead-letter tables (a row it can neither send nor mark is moved there, else it stops the
-  outbox), and — as V2's switching relay — the sessions of superusers and of the owner
-  (sql/switch_gate.sql: a hidden one may be a writer the REVOKE does not stop, so it refuses).
-* CDC relay: the relay's grants on the partitioned outbox, REPLICATION (its slot and stream),
-  `wal_level = logical`, and a publication it owns or can create.
+"""The role check (`outbox-migrate roles`): what each role in docs/roles.md can and cannot do
+and see on this database, and what each missing grant will cost. Catalog reads only, in a
+read-only session: the server says what it would allow, so the check cannot disagree with what
+a step or the relay meets. Relations not created yet are not checked (their grants are carried).
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def _opened(dsn: str | None, table: str, names: dict[str, Any]) -> Iterator[tupl
     from outbox_migrate.errors import UsageError
 
     spec = settings_from(**names).spec
-    with connect(require_dsn(dsn), autocommit=True) as conn:
+    with connect(require_dsn(dsn)) as conn:
         name = sql.Identifier(spec.schema, table).as_string(conn)
         if conn.execute("SELECT to_regclass(%s)", (name,)).fetchone() == (None,):
             raise UsageError(f"{name} does not exist (created by the migration's "

@@ -1,8 +1,5 @@
-"""The pattern catalog: COP, COPRA, HOP, HOPER and HOPIA as data (`catalog/*.toml`).
-
-A pattern file lists phases (deploys V1..V4 and jobs) and, per phase, step kinds by name;
-`build_pattern` turns it into concrete, inert `Step`s for one `OutboxSpec`. A sixth pattern
-is a new TOML file (plus a test), not new code.
+"""The pattern catalog: COP, COPRA, HOP, HOPER and HOPIA as data (`catalog/*.toml`), built into
+inert `Step`s for one `OutboxSpec`. A sixth pattern is a TOML file and a test, not new code.
 """
 
 from __future__ import annotations
@@ -45,7 +42,6 @@ def build_pattern(
     spec: OutboxSpec | None = None,
     options: BuildOptions | None = None,
 ) -> Pattern:
-    """The named pattern with every step built for `spec`."""
     key = name.lower().strip()
     if key not in PATTERN_NAMES:
         raise UsageError(f"unknown pattern {name!r}; choose one of {', '.join(PATTERN_NAMES)}")

@@ -223,7 +223,6 @@ def new_ids_above_old(n: Names) -> Condition:
 
 
 def on_trigger(query: str, n: Names, relation: str, trigger: str, label: str = "") -> Condition:
-    """`trigger-exists` or `trigger-absent`: the trigger `trigger` on `relation`."""
     return condition(query, label, rel_reg=n.reg(relation), trigger_name=sql.Literal(trigger))
 
 
@@ -293,11 +292,3 @@ def unique_id_index(n: Names, relation: str) -> Condition:
         rel_reg=n.reg(relation),
         id_name=sql.Literal(n.spec.id_column),
     )
-
-
-def no_row_security(n: Names) -> Condition:
-    return condition("no-row-security", n.table, rel_reg=n.reg(n.table), parent_reg=n.reg(n.parent))
-
-
-def may_give_to_owner(n: Names) -> Condition:
-    return condition("may-give-to-owner", n.table, rel_reg=n.reg(n.table))

@@ -1,15 +1,9 @@
 """The publication marker, rendered: the one place that knows what "unpublished", "published"
-and "mark it published" mean in SQL for an outbox.
+and "mark it published" mean in SQL, for a timestamp (NULL = unpublished) or a flag marker.
+Pure; `marker_catalog.py` resolves a spec against the catalog.
 
-A marker is either a timestamp (NULL = unpublished; the relay sets `now()`) or a flag
-(`smallint`, `integer`, `boolean`, a text or enum status) with an unpublished value (the
-relay sets the published value). Every step, gate, relay query and job asks this module
-instead of writing `IS NULL` itself, so both kinds of marker take one code path with two
-renderings. Pure: no database access (`marker_catalog.py` resolves a spec against the catalog).
-
-Values are `sql.Literal` strings, so PostgreSQL reads them as untyped literals: next to the
-column (`=`, `<>`, `IN`, `SET`) an untyped literal takes the column's own type, enum included,
-exactly as a cast to it would, without us composing a type name.
+Values are untyped `sql.Literal`s: next to the column an untyped literal takes the column's own
+type, enum included, without us composing a type name.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Resolve the spec's publication marker against the live column: a timestamp stays as it is
-(NULL = unpublished); a flag gets its unpublished value from the settings, else from the
-column's constant DEFAULT, and its published value from the settings, else `1`/`true`.
-
-`decide` is pure (the judge and unit tests use it); `resolve` reads the column and asks the
-server to read each value as the column's type, so a typo (`PENDNG` for an enum) is refused
-here in one line instead of failing a step later. Nothing here writes.
+"""Resolve the spec's publication marker against the live column, and infer it from the
+evidence when the spec left it at its default name. `decide` is pure; `resolve` also asks the
+server to read each configured value as the column's type, so a typo is refused here in one
+line instead of failing a step later. Nothing here writes.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from psycopg import Connection, sql
 
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.errors import SchemaError
-from outbox_migrate.patterns.names import ident
+from outbox_migrate.patterns.names import Names, ident
 
 TIMESTAMP_TYPES = frozenset({"timestamp with time zone", "timestamp without time zone"})
 INTEGER_TYPES = frozenset({"smallint", "integer", "bigint"})
@@ -30,8 +27,6 @@ _NUMBER = re.compile(r"^\(?(-?\d+)\)?(?:::[\w ]+)?$")
 
 @dataclass(frozen=True)
 class MarkerColumn:
-    """What the catalog says about the marker column."""
-
     type: str
     default: str | None
     not_null: bool
@@ -244,7 +239,7 @@ def resolve(conn: Connection[Any], spec: OutboxSpec, *, to_partition: bool = Tru
     if found is None:
         return spec
     relation, column = found
-    table = spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}"
+    table = Names(spec).display(spec.table)
     if column.type in TIMESTAMP_TYPES:
         # A NOT NULL timestamp is plan's blocker, not ours: HOPER's optional set-not-null
         # step makes the old table's marker NOT NULL, and the runner must go on after it.

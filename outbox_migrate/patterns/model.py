@@ -1,8 +1,6 @@
-"""The vocabulary of a migration: patterns → phases → steps → conditions. Inert data only.
-
-A `Step` describes; it never holds a connection. The runner, `plan`, Alembic (online and
-offline) and the golden tests all read the same objects, so what the operator reviews is
-exactly what runs.
+"""The vocabulary of a migration: patterns → phases → steps → conditions. Inert data only: the
+runner, `plan`, Alembic and the golden tests read the same objects, so what the operator
+reviews is exactly what runs.
 """
 
 from __future__ import annotations
@@ -20,8 +18,6 @@ Statement = sql.Composed | sql.SQL
 
 
 class TxMode(StrEnum):
-    """How a step's statements are executed."""
-
     TRANSACTION = "transaction"
     """All statements and the ledger row commit together, or none do."""
     AUTOCOMMIT = "autocommit"
@@ -48,8 +44,6 @@ class Table(StrEnum):
 
 @dataclass(frozen=True)
 class AppBehaviour:
-    """What an application version does: where it inserts and where it publishes from."""
-
     inserts_into: Table
     publishes_from: Table
     renamed: bool = False
@@ -69,11 +63,9 @@ class AppBehaviour:
 
 
 class CheckPoint(StrEnum):
-    """When the runner evaluates a precondition, relative to the step's locks.
-
-    A check made before waiting for a lock proves nothing about the moment of commit, so the
-    default is LOCKED. The two exceptions must name what keeps them true until commit.
-    """
+    """When the runner evaluates a precondition. A check made before waiting for a lock proves
+    nothing about the moment of commit, so the default is LOCKED; the two exceptions must name
+    what keeps them true until commit."""
 
     LOCKED = "locked"
     """In the step's transaction, after its declared locks are held, on every attempt."""
@@ -87,11 +79,8 @@ class CheckPoint(StrEnum):
 
 @dataclass(frozen=True)
 class Condition:
-    """A named check on the live database: its query returns one text row per violation.
-
-    No rows means the condition holds. The same query runs in the runner, in Alembic online
-    mode, and compiles to a `DO … RAISE EXCEPTION` block for offline SQL.
-    """
+    """A named check on the live database: its query returns one text row per violation (none:
+    it holds), online and compiled to a `DO … RAISE EXCEPTION` block for offline SQL."""
 
     name: str
     description: str
@@ -105,17 +94,14 @@ class Condition:
 
 @dataclass(frozen=True)
 class Lock:
-    """A lock a step takes on one relation, and why it is acceptable."""
-
     relation: str
     mode: LockMode
 
 
 @dataclass(frozen=True)
 class PublicationFact:
-    """A logical-replication publication that covers the old outbox, as introspected: what
-    the catalog must carry to the partitioned outbox so an existing CDC consumer keeps
-    receiving every new message (see the `publish-unpublished-partition` kind)."""
+    """A logical-replication publication that covers the old outbox, as introspected (the
+    `publish-unpublished-partition` kind carries it to the partitioned outbox)."""
 
     name: str
     explicit: bool = True
@@ -260,8 +246,7 @@ class Phase:
     without it."""
     unread: tuple[Condition, ...] = ()
     """What `verify` checks besides the steps' postconditions while this phase's version
-    runs: no unpublished row waits in a table no relay reads then (conditions.py
-    `no_unread_rows`; phases that publish from the partitioned table only)."""
+    runs: no unpublished row waits in a table no relay reads then (`no_unread_rows`)."""
 
 
 @dataclass(frozen=True)
@@ -300,7 +285,6 @@ class Pattern:
         return held + list(self.phase(phase).unread)
 
     def steps_through(self, phase: str) -> list[Step]:
-        """Every step up to and including `phase`."""
         last = self.phases.index(self.phase(phase))
         return [step for earlier in self.phases[: last + 1] for step in earlier.steps]
 

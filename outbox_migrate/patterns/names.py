@@ -1,8 +1,5 @@
-"""Every identifier a step needs, composed once from the `OutboxSpec` with `psycopg.sql`.
-
-Two forms per relation: `*_q` (an Identifier for SQL text) and `*_reg` (a text literal of the
-quoted, schema-qualified name, for `to_regclass` in catalog queries). Both come from psycopg's
-quoting, never from string formatting.
+"""Every identifier a step needs, composed once from the `OutboxSpec` with `psycopg.sql`: `q`
+(an Identifier for SQL text) and `reg` (a text literal of the quoted name, for `to_regclass`).
 """
 
 from __future__ import annotations
@@ -38,7 +35,7 @@ class Names:
         return sql.Literal(ident(self.spec.schema, relation))
 
     def display(self, relation: str) -> str:
-        """Human form used in lock tables: schema-qualified only outside `public`."""
+        """Human form, in lock tables and messages: schema-qualified only outside `public`."""
         if self.spec.schema == "public":
             return relation
         return f"{self.spec.schema}.{relation}"

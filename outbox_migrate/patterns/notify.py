@@ -1,37 +1,7 @@
 """The wake-up trigger: the partitioned outbox wakes an idle relay without application changes.
 
-An ORM inserting its outbox row does not call `pg_notify`, so without help the relay learns of
-new rows only at its next poll (up to `--poll-interval`, 1 s). This statement-level AFTER INSERT
-trigger on the partitioned parent notifies once per inserting statement, with the statement's
-lowest id as the payload — the same payload the application helpers send, so a relay can reach
-a row below its claim cursor at once (a row whose transaction committed late).
-
-Why it does not notify every time: a transaction that executed NOTIFY takes a cluster-wide lock
-while it commits (PostgreSQL queues notifications in commit order), so notifying from every
-inserting transaction serializes the application's commits at high write rates. The trigger
-therefore notifies only when a relay may be idle. An idle relay holds the session advisory lock
-`(idle_lock_key('<schema>.<table>'), 0)` exclusively while it waits; the trigger tries to take it
-*shared* for the rest of its transaction:
-
-* the try fails → a relay is idle (or about to be): notify;
-* it succeeds → no relay is idle; the writer keeps the shared lock until its transaction ends,
-  which stops a relay from going idle while this row is still uncommitted (the relay's
-  `pg_try_advisory_lock` fails, and it polls again shortly instead of sleeping). When the lock
-  is free, every writer that saw "busy" has committed, so the relay's last claim before it
-  sleeps sees their rows: no lost wake-up.
-
-A busy relay — one that keeps finding rows, lingering between small batches — never holds the
-lock, so steady traffic commits without NOTIFY.
-
-The key is a literal in the trigger function, computed by the client from the table's name (a
-CRC-32 of the label the relay uses): hashing that string on every application INSERT is a
-large share of the trigger's cost (bench/trigger_parts.py), and `plan` can print the exact
-function. The price: after renaming the partitioned table, reinstall the trigger (`relay
---install-notify`); the relay warns at start when the installed key is not its own
-(`key_matches`), and without it still finds rows by polling.
-
-Inserts straight into the unpublished partition bypass the parent's statement triggers; the
-application helpers insert through the parent.
+Inert SQL, install and inspection only; why it notifies only while a relay is idle is in
+docs/relay.md ("Wake-ups").
 """
 
 from __future__ import annotations
@@ -59,9 +29,11 @@ def function_name(spec: OutboxSpec) -> str:
 
 
 def idle_lock_key(label: str) -> int:
-    """The idle lock's first key for the table `label` (= schema.table): a CRC-32 of the
-    relay's advisory namespace, the label and `:idle`, as a signed int4, computed here to be
-    a literal (module docstring)."""
+    """The idle lock's first key for the table `label` (= schema.table), as a signed int4.
+
+    Computed here to be a literal in the trigger: hashing the name on every INSERT was most of
+    its cost (bench/README.md, trigger_parts.py). A renamed table needs the trigger reinstalled
+    (`relay --install-notify`); `key_matches` lets the relay warn."""
     key = f"{ADVISORY_NAMESPACE}:{label}:idle"
     return int.from_bytes(zlib.crc32(key.encode()).to_bytes(4, "big"), signed=True)
 
@@ -135,10 +107,8 @@ def drop_sql(spec: OutboxSpec) -> tuple[sql.Composed, ...]:
 
 def install(conn: Any, spec: OutboxSpec, channel: str) -> None:
     """Install (or replace) the trigger on an existing partitioned outbox, in one transaction.
-
-    CREATE TRIGGER takes SHARE ROW EXCLUSIVE on the parent: inserts wait for it, briefly; a
-    short lock_timeout keeps the application from queueing behind a long transaction.
-    """
+    CREATE TRIGGER makes inserts wait: a short lock_timeout keeps them from queueing behind
+    a long transaction and us."""
     import psycopg
 
     from outbox_migrate.errors import RelayError

@@ -1,7 +1,6 @@
-"""Step kinds: the code behind the catalog's data. One module per family of kinds.
-
-A kind is a function `(ctx, params) -> Step` registered under its name; pattern files refer
-to kinds by that name. Kinds build inert `Step` objects and never touch a database.
+"""Step kinds: the code behind the catalog's data, one module per family of kinds. A kind is a
+function `(ctx, params) -> Step` registered under the name pattern files use; it builds inert
+`Step`s and never touches a database.
 """
 
 from __future__ import annotations

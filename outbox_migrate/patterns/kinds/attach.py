@@ -1,23 +1,7 @@
 """Making the old table the DEFAULT partition: the CHECK that lets ATTACH skip its scan, the
-old table's own triggers, COPRA's attach and HOPER/HOPIA's swap.
-
-ATTACH validates that every row of the attached table satisfies the partition constraint
-(for the DEFAULT partition here: `published_at IS NOT NULL`; for a flag marker
-`NOT (published IS NOT NULL AND published = 0)`) while holding ACCESS EXCLUSIVE on
-it — a full scan — unless a *validated* CHECK already implies that constraint. The scan guard
-(these steps' preconditions) proves the CHECK exists, is validated and implies the bound, that
-the columns match and that no identity is left; the statement then runs under a tight
-statement_timeout so that a scan PostgreSQL decided on anyway fails in a second.
-
-The CHECK (published_at IS NOT NULL; for a flag marker published IS NOT NULL AND published
-<> 0, see patterns/marker.py): NOT VALID first (a catalog change under a brief ACCESS
-EXCLUSIVE), VALIDATE in its own transaction (scans, but under SHARE UPDATE EXCLUSIVE, which
-blocks neither reads nor writes), optionally SET NOT NULL (PostgreSQL 12+ proves it from the
-validated CHECK without a scan), and after the attach DROP CONSTRAINT, since the partition
-constraint now says the same thing.
-
-DETACH … CONCURRENTLY is refused whenever the parent has a DEFAULT partition, so the swap uses
-a plain DETACH, which takes ACCESS EXCLUSIVE on the parent: it must be, and is, catalog-only.
+old table's own triggers, COPRA's attach and HOPER/HOPIA's swap (docs/patterns.md, "PostgreSQL
+facts the catalog relies on"). The scan guard proves the CHECK implies the bound; the statement
+still runs under a tight statement_timeout, so a scan PostgreSQL chose anyway fails fast.
 """
 
 from __future__ import annotations
@@ -131,13 +115,9 @@ def drop_check(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
 
 @kind("disable-old-triggers")
 def disable_old_triggers(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
-    """The old table's own triggers at the swap: offered, not imposed. Once the old table is
-    the DEFAULT partition, every publish moves a row into it (DELETE from the unpublished
-    partition + INSERT into the old table), so a row-level INSERT trigger there fires on every
-    publish, and HOPIA's copy trigger / HOPER's copy-back fire it for every copied row. `plan`
-    says which triggers exist and when they fire; this optional step disables them (the user
-    ones: internal constraint triggers stay), for an operator who re-created on the
-    partitioned parent what the application relies on."""
+    """Offered, not imposed: as the DEFAULT partition the old table gets a row on every
+    publish, so its INSERT triggers would fire for each (docs/patterns.md, "Objects on the old
+    table"). Internal constraint triggers stay."""
     n = ctx.names
     return Step(
         **ctx.place("disable-old-triggers"),

@@ -1,7 +1,6 @@
 """The step-kind toolkit every kind module builds with: the build options and context, and the
-`kind` registry decorator. Kept apart from the package's `__init__` (which loads every kind)
-so a kind module imports this, never the package: no import circle between the registry and
-the kinds it registers.
+`kind` registry decorator. Apart from the package's `__init__` (which loads every kind), so the
+kinds import this and there is no import circle.
 """
 
 from __future__ import annotations
@@ -60,10 +59,9 @@ class BuildContext:
                      app_after=self.running)  # fmt: skip
 
     def deploy_gate(self, relation: str) -> tuple[Condition, ...]:
-        """The checks that prove the previous version stopped writing to `relation`: the
-        gate sequence's window and its re-check under the step's lock
-        (kinds/gate_sequence.py), never the id's sequence, which an INSERT that supplies its
-        id does not touch; and the outgoing version's sessions when their name is known."""
+        """The checks that prove the previous version stopped writing to `relation`: the gate
+        sequence's window, its re-check under the step's lock, and the outgoing version's
+        sessions when their name is known."""
         checks = [
             c.no_new_ticks(self.names, relation, self.phase, self.options.sample_window_s),
             c.no_new_ticks_since_sample(self.names, relation, self.phase),

@@ -1,24 +1,6 @@
-"""Published rows into the old table: HOPIA's copy trigger and HOPER's copy-back job, and the
-drop of the detached published partition once every row of it is there.
-
-HOPIA's copy trigger: every row that lands in the published partition is also written to
-the old table, so the old table (the future DEFAULT partition) is complete at all times.
-Rows reach the published partition by the relay's cross-partition UPDATE, which PostgreSQL
-executes as DELETE from `outbox_unpublished` + INSERT into `outbox_published`; the INSERT fires
-row-level AFTER INSERT triggers on the destination partition.
-
-The spec's trigger inserts explicit ids; while the old table still has its identity (until
-V4) that needs `OVERRIDING SYSTEM VALUE`, otherwise GENERATED ALWAYS rejects the insert and the
-relay's UPDATE fails. `ON CONFLICT DO NOTHING` keeps the copy idempotent.
-
-The function is SECURITY DEFINER (search_path pinned): the trigger fires in the relay's
-session, and the relay's role has had INSERT on the old table revoked for the switch gate, so
-the copy runs with the rights of the role that installed it (the table's owner, as the runner
-asks), not the relay's.
-
-HOPER's copy-back is a job step: the step only describes the job and its proof; the runner
-hands it to `outbox_migrate.jobs` (keyset batches, throttling, resumable high-water mark,
-verification).
+"""Published rows into the old table: HOPIA's copy trigger, HOPER's copy-back (described here,
+carried out by `outbox_migrate.jobs`) and the drop of the detached published partition once
+every row of it is there (docs/patterns.md, "HOPIA's trigger and `OVERRIDING SYSTEM VALUE`").
 """
 
 from __future__ import annotations
@@ -40,10 +22,10 @@ COPY_BATCH_ROWS = 10_000
 
 
 def definer_rights(n: Names) -> sql.Composed:
-    """Copy with the installer's rights, not the relay's (see the module docstring). The
-    search_path is pinned (pg_catalog first, so a caller cannot shadow a built-in) and ends
-    with the outbox's schema, where the old table's own triggers, which fire inside the copy,
-    found their unqualified names before."""
+    """Copy with the installer's rights: the trigger fires in the relay's session, whose role
+    lost INSERT on the old table for the switch gate. The search_path is pinned (pg_catalog
+    first, so a caller cannot shadow a built-in) and ends with the outbox's schema, where the
+    old table's own triggers, which fire inside the copy, found their unqualified names before."""
     return sql.SQL("SECURITY DEFINER SET search_path = pg_catalog, {} ").format(
         sql.Identifier(n.spec.schema)
     )
@@ -148,11 +130,8 @@ def remove_copy_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
 
 
 def copy_back_loop(n: Names) -> sql.Composed:
-    """SQL-only copy-back (offline SQL, psql): keyset batches with a commit per batch.
-
-    The library job adds throttling, a persisted high-water mark and range checksums; this
-    loop is the plain equivalent a DBA can run by hand. It needs autocommit (COMMIT in DO).
-    """
+    """The copy-back job's plain equivalent for offline SQL: keyset batches with a commit per
+    batch (COMMIT in DO needs autocommit), without its throttling, resume and verification."""
     if n.spec.id_kind == "application":
         return _copy_back_loop_by_order(n)
     return sql.SQL(
@@ -251,7 +230,6 @@ def copy_back(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
 def _drop_published(
     ctx: BuildContext, kind_name: str, summary: str, reverse_note: str, optional: bool = False
 ) -> Step:
-    """DROP the detached published partition once every row of it is in the old table."""
     n = ctx.names
     return Step(
         **ctx.place(kind_name),

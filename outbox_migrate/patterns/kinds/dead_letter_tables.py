@@ -1,14 +1,6 @@
 """The relay's dead-letter and attempts tables, created by the migration with the grants
-dead-lettering needs: a least-privilege relay (no CREATE in the schema, PostgreSQL 15's
-default) can then dead-letter from its first bad row, with no DDL written by hand.
-
-The DDL itself lives here (the relay creates the same tables when it may, relay/bad_rows.py):
-ids are `int8` for database ids and `text` for application ids (uuid, ULID), as the relay
-binds them. What the relay's roles (every role with UPDATE on the old table: they mark) get:
-SELECT, INSERT, UPDATE, DELETE on both tables, and DELETE on the unpublished partition — a
-dead-lettered row whose mark breaks a constraint (a duplicate id after the swap) cannot be
-moved to the published partition, and leaves the outbox by DELETE. Dead letters are data:
-the reverse never drops the tables.
+dead-lettering needs, so a least-privilege relay (no CREATE in the schema) can dead-letter from
+its first bad row. The DDL lives here; the relay creates the same tables when it may.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""The gate sequence: what the deploy gates watch to prove no writer of the old version is left;
-and the gates themselves (`gate-old-table-retired`, and `drop-identity`, gated the same way).
-
-The id's own sequence cannot prove it: an INSERT that supplies its id (a snowflake id, a uuid,
-an id the application drew itself) never touches it, and a sequence can move with no row
-written. So the migration gives the old table a witness no INSERT can bypass: a FOR EACH
-STATEMENT AFTER INSERT trigger that calls `nextval` on a small sequence of its own, and takes a
-transaction-level *shared* advisory lock. `nextval` is not
-transactional, so an insert is seen when its statement ends, committed or not; the advisory
-lock is held until the inserting transaction ends, so a gate also sees an insert that is still
-uncommitted (`no-new-ticks` and `no-new-ticks-since-sample` in sql/conditions.sql).
-
-HOPIA's copy trigger raises a transaction-local flag (`COPYING_FLAG`) around its INSERT: that
-insert is the migration's own, not a writer's, and does not tick. Inserts made by the
-application's own triggers (an outbox row written by a trigger on a business table) do tick.
-The function is SECURITY DEFINER so application roles need no privilege on the sequence.
-Every outbox gets it, whatever its id kind: the writers, not the ids, are what a gate watches.
+"""The gate sequence: what the deploy gates watch to prove no writer of the old version is left
+(never the id's own sequence, which an INSERT that supplies its id does not touch); and the
+gates themselves (docs/patterns.md, "What the deploy gates watch").
 """
 
 from __future__ import annotations
@@ -139,9 +125,8 @@ def remove_gate_sequence(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
 
 @kind("gate-old-table-retired")
 def gate_old_table_retired(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
-    """A deploy gate: no SQL; its preconditions stop a premature `run --to V3` (the old table
-    still taking new rows from a V1 writer, unpublished rows left in a table nobody will
-    publish from, or sessions of the outgoing version still connected)."""
+    """A deploy gate: no SQL; its preconditions stop a premature `run --to V3` (a V1 writer
+    left, unpublished rows in the old table, or sessions of the outgoing version)."""
     n = ctx.names
     # `unseal` (COP, HOP): going back before V3 the old version may insert into the flat
     # table again, so the seal the rename to the original name left on it goes.
@@ -168,10 +153,8 @@ def gate_old_table_retired(ctx: BuildContext, params: Mapping[str, Any]) -> Step
 
 @kind("drop-identity")
 def drop_identity(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
-    """DROP IDENTITY on the old table: a partition may not have an identity column. Only safe
-    once no V1 instance inserts into the old table: V1's INSERTs rely on the identity default
-    and would fail on NOT NULL without it. The deploy gate is therefore this step's
-    precondition, checked right before it."""
+    """Only safe once no V1 instance inserts into the old table (its INSERTs rely on the
+    identity default): the deploy gate is this step's precondition."""
     n = ctx.names
     gated: tuple[Condition, ...] = (c.relation_exists(n, n.table), *ctx.deploy_gate(n.table))
     if n.spec.id_kind == "application":

@@ -1,38 +1,8 @@
 """The unpublished rows' guard: a DELETE that would remove an unsent message removes nothing,
-unless the session turned the guard off.
+unless the session turned the guard off (docs/patterns.md, "The unpublished-row guard").
 
-Why: a `ctid` names a row only within one partition. A framework's batched cleanup on the
-partitioned outbox — NServiceBus's `DELETE FROM t WHERE ctid IN (SELECT ctid FROM t WHERE
-"Dispatched" AND … LIMIT n)` — selects ctids of published rows and then deletes, in every
-partition, the rows at those ctids: unpublished ones included.
-
-How: a statement-level AFTER DELETE trigger with a transition table, on the partitioned table
-and on the unpublished partition (a DELETE names one or the other, or a view of the first).
-Its function writes the unpublished rows the statement deleted back into the table they were
-deleted from, in the same transaction, with their own ids (OVERRIDING SYSTEM VALUE) and every
-stored column; the statement goes on to remove the published rows it meant. Nothing outside
-the transaction ever sees the row gone.
-
-Why this shape: a mark is an UPDATE that moves its row out of the unpublished partition, which
-PostgreSQL executes as a DELETE there — firing that partition's row-level DELETE triggers, and
-every row trigger makes the executor fetch and lock the moving row again, whether or not its
-WHEN clause passes: a cost the relay's drain would pay per message (bench/guard.py). Statement
-triggers of a DELETE do not fire for an UPDATE, and an UPDATE does not fill a DELETE's
-transition table, so a mark pays nothing. Row-level security would skip the rows instead of
-writing them back, but superusers and BYPASSRLS roles pass it, `COPY FROM` into the table
-stops working for every other role, and `pg_dump` as the owner fails on it.
-
-What it costs: a DELETE on the guarded tables keeps the rows it deletes until the statement
-ends; an unpublished row written back has a new ctid and fires insert triggers (the wake-up
-trigger wakes the relay); a DELETE's row count and RETURNING still list it. The function is
-SECURITY DEFINER (search_path pinned, as the copy trigger's): a role that may delete from the
-unpublished partition but not insert there — a relay's dead-letter grant — is written back too.
-
-Who passes: outbox-migrate's own sessions — `db.connect` sets `outbox_migrate.unpublished_guard
-= off`, the triggers' WHEN clause reads it, and the function is never called — and an operator
-who means it: `SET LOCAL outbox_migrate.unpublished_guard = off` in the DELETE's transaction
-(docs/patterns.md). TRUNCATE is not a row delete and is not guarded; neither is an UPDATE by
-ctid.
+Statement-level DELETE triggers, not row-level ones or row-level security: a mark (an UPDATE
+moving its row out of the partition) must fire nothing.
 """
 
 from __future__ import annotations
@@ -63,7 +33,8 @@ TRANSITION = "om_deleted"
 
 def triggers(n: Names) -> list[tuple[str, str]]:
     """(label, relation) of the guard's two triggers, both named like the function: the short
-    label names their conditions in `plan`'s SQL."""
+    label names their conditions in `plan`'s SQL. A DELETE names the partitioned table (or a
+    view of it) or the partition itself, so both are guarded."""
     return [("guard", n.unpublished), ("guard-parent", n.parent)]
 
 

@@ -1,31 +1,7 @@
-"""The optional last phases: the partitioned outbox takes the flat table's original name.
-
-Frameworks with a fixed (or prefix-derived) table name cannot follow the migration to
-`outbox_new`. `take-original-name` renames, in one short catalog-only transaction, the relation
-that holds the old name out of the way (the old table: the DEFAULT partition in COPRA, HOPER
-and HOPIA, a retired standalone table in COP and HOP), the parent to the old name, and leaves a
-view under the parent's former name so the previous application version keeps inserting
-through it (a simple view is auto-updatable; an INSERT through it takes the base table's
-defaults and identity). `drop-compat-view` drops that view once no session uses it.
-
-The view also exposes the base rows' `ctid` and `tableoid`: a relay started before the rename
-marks published rows through the partitioned table's former name *by ctid* within the relation
-it claimed them from, and a view has no system columns.
-Both kinds restate the whole end state in their postcondition, under the new names: the
-earlier steps' postconditions name relations that no longer carry those names.
-
-`count-view-writes` gives the drop gate evidence a busy writer cannot slip past: a writer's
-statement locks the view only for its own short transaction, so a gate that samples `pg_locks`
-misses most of a writer inserting back to back. Three DO ALSO rules (INSERT, UPDATE, DELETE)
-on the view tick a sequence once per statement (per matched row for UPDATE and DELETE), and the
-gate compares it across its window and again under its lock. Rules, not triggers: a statement
-trigger on an auto-updatable view never fires (the statement is rewritten onto the table), and
-an INSTEAD OF trigger would change what an INSERT through the view does (defaults, identity,
-ON CONFLICT). A DO ALSO rule leaves the automatic update as it is (RETURNING and ON CONFLICT
-through the view keep working). A rule's action must be a statement whose result the client
-never sees, so it is an INSERT of no rows into an empty table, gated by a function that ticks
-the sequence (`count_view_writes_sql` says why it runs once per statement); the sequence is
-non-transactional, so a rolled-back write counts too.
+"""The optional last phases: the partitioned outbox takes the flat table's original name, a view
+under its former name keeps the previous version working, and the view is dropped once no
+session uses it (docs/patterns.md, "The final name"). Both renaming kinds restate the whole end
+state in their postcondition: earlier steps' postconditions name relations since renamed.
 """
 
 from __future__ import annotations
@@ -104,9 +80,7 @@ def create_view_sql(n: Names, *, tableoid: bool = True) -> sql.Composed:
 
 def rekey_wake_up_sql(n: Names, key_names: Names) -> sql.Composed:
     """Re-create the wake-up trigger's function (same name, same OID: it stays the migration's
-    own) with the idle lock key of `key_names`' partitioned table, if the function exists.
-    Relays compute the key from the name they are given; keyed to the original name, the
-    next version's relays are woken and those still on the former name poll until stopped."""
+    own) with the idle lock key of `key_names`' partitioned table, if the function exists."""
     body = notify.create_sql(n.spec, DEFAULT_CHANNEL, key_spec=key_names.spec)[0]
     function = sql.Identifier(n.spec.schema, notify.function_name(n.spec)).as_string(None)
     test = sql.SQL("to_regprocedure({}) IS NOT NULL").format(sql.Literal(function + "()"))
@@ -165,10 +139,9 @@ def unseal_sql(n: Names) -> sql.Composed:
 
 
 def carry_grants_sql(n: Names) -> sql.Composed:
-    """Give the view the renamed table's owner and every table and column grant
-    (patterns/privileges.py): the view runs with its owner's rights on the table, so the
-    previous version's role needs on the view what it had on the table. At this point of the
-    step `n.table` names the renamed partitioned table, which carries the old table's grants."""
+    """Give the view the renamed table's owner and every table and column grant: the view runs
+    with its owner's rights on the table, so the previous version's role needs on the view
+    what it had on the table (`n.table` is by then the renamed partitioned table)."""
     return carry_privileges(n, n.parent, EVERY_PRIVILEGE)
 
 
@@ -374,10 +347,8 @@ def count_view_writes(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
 
 @kind("drop-compat-view")
 def drop_compat_view(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
-    """The gate compares the view's use counter (`count-view-writes`) across its window and
-    again under the step's lock, and watches `pg_locks` for a transaction that used the view
-    and is still open: every write statement through the view is counted, whatever its
-    timing; a read is seen only while its transaction holds the view's lock."""
+    """The gate compares the view's use counter across its window and again under the step's
+    lock, and watches `pg_locks` for a transaction that used the view and is still open."""
     n = ctx.names
     samples = max(1, round(ctx.options.sample_window_s / VIEW_SAMPLE_INTERVAL_S))
     counter = {

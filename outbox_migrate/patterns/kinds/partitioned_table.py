@@ -1,9 +1,6 @@
-"""Kinds that build the new partitioned outbox: the parent, its two partitions, the index; and
-what is set on them where they are created (the relay's wake-up trigger, autovacuum tuning).
-
-The creating kinds make new, empty relations, so their ACCESS EXCLUSIVE locks are on objects
-no application uses yet (the parent's lock during CREATE … PARTITION OF is equally harmless
-before V2 is deployed).
+"""Kinds that build the new partitioned outbox: the parent, its two partitions, the index, and
+what is set on them where they are created (the wake-up trigger, autovacuum tuning). Their
+ACCESS EXCLUSIVE locks fall on new, empty relations no application uses before V2.
 """
 
 from __future__ import annotations
@@ -36,19 +33,7 @@ DEFAULT_BOUND = "DEFAULT"
 def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
     """`LIKE` the old table so columns, types, defaults, collations, CHECK constraints and
     identity match exactly (ATTACH later demands identical columns and the parent's CHECKs on
-    the attached table).
-
-    Database-generated ids: the parent's id becomes an identity of its own whatever the old
-    table had (an identity, a serial, a `nextval` default on any sequence). `LIKE … INCLUDING
-    DEFAULTS` would otherwise copy a serial's `nextval('outbox_id_seq')`: the new table would
-    depend on a sequence the old table owns (dropping the retired table would take it along).
-    The identity starts above every id the old table holds or has handed out, plus headroom
-    for V1 instances still inserting while V2 rolls out. It is GENERATED ALWAYS only when the
-    old id was (`identity_generation`): a serial or a BY DEFAULT identity accepted an id
-    the INSERT supplies, and the new table must too.
-
-    Application-generated ids (uuid, ULID): nothing to move; the application keeps them unique.
-    """
+    the attached table). Ids: docs/patterns.md, "Why ids start above the old maximum"."""
     n = ctx.names
     statements: tuple[sql.Composed, ...] = (_create_parent_sql(n),)
     summary = f"Create {n.parent} PARTITION BY LIST ({n.spec.published_column})"
@@ -60,6 +45,9 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
     # without CHECKs): a migration they started is adopted, its grants are the operator's.
     formerly: list[tuple[sql.Composed, ...]] = []
     if n.spec.id_kind == "database":
+        # An identity of its own, not the copied `nextval('outbox_id_seq')` default: the new
+        # table must not depend on a sequence the old table owns (dropping the old table would
+        # take it along).
         own_identity = tuple(
             sql.SQL("ALTER TABLE {} ALTER COLUMN {} {}").format(n.q(n.parent), n.id_q, action)
             for action in (
@@ -100,8 +88,10 @@ def create_partitioned_table(ctx: BuildContext, params: Mapping[str, Any]) -> St
             c.is_plain_table(n, n.table),
             c.no_fk_references(n, n.table),
             c.relation_absent(n, n.parent),
-            c.no_row_security(n),
-            c.may_give_to_owner(n),
+            c.condition(
+                "no-row-security", n.table, rel_reg=n.reg(n.table), parent_reg=n.reg(n.parent)
+            ),
+            c.condition("may-give-to-owner", n.table, rel_reg=n.reg(n.table)),
             # HOPER's copy-back skips rows already copied by `ON CONFLICT (id)`, which needs
             # a unique index on the old table's id: checked here, in V2, not at copy-back
             # after the swap.
@@ -269,12 +259,9 @@ def create_published_partition(ctx: BuildContext, params: Mapping[str, Any]) -> 
 
 @kind("install-notify-trigger")
 def install_notify_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
-    """The relay's wake-up trigger on the partitioned outbox (its DDL and key:
-    patterns/notify.py), installed where the partitioned table is created, so the relay of
-    that phase wakes on new rows without the application calling `pg_notify`. The trigger
-    only notifies while a relay is idle, so the commit-time cost of NOTIFY stays off busy
-    traffic. Statement-level triggers are not cloned to partitions and a cross-partition
-    UPDATE (the relay's mark) does not fire them."""
+    """Installed where the partitioned table is created, so that phase's relay wakes on new
+    rows. Statement-level triggers are not cloned to partitions and a cross-partition UPDATE
+    (the relay's mark) does not fire them."""
     n = ctx.names
     channel = str(params.get("channel", DEFAULT_CHANNEL))
     return Step(
@@ -296,9 +283,8 @@ def install_notify_trigger(ctx: BuildContext, params: Mapping[str, Any]) -> Step
 
 @kind("tune-autovacuum")
 def tune_autovacuum(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
-    """Autovacuum settings for the insert-only published partition (and the old table once it
-    takes that role): vacuum and analyze every 100 k inserted rows regardless of table size,
-    where PostgreSQL's size-scaled defaults would wait ever longer as the partition grows."""
+    """`AUTOVACUUM_INSERT_ONLY` on the published partition, or the old table once it takes
+    that role."""
     n = ctx.names
     target = str(params.get("target", "published"))
     if target not in ("published", "old"):

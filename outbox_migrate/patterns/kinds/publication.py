@@ -1,27 +1,8 @@
 """CDC users migrating: carry the old outbox's publications to the partitioned outbox.
 
-Teams that stream the flat outbox through their own logical-replication consumer (Debezium's
-outbox event router and the like) must keep receiving every new message once V2 inserts into
-the partitioned table. The step is conditional: it exists only when introspection found a
-publication covering the old table, so no other migration's checksums change.
-
-Which relation is published, and why (docs/patterns.md, "CDC consumers"): the **unpublished
-partition**, leaf by leaf, with the old table's row filter and column list carried as they
-are. Not the parent with `publish_via_partition_root = true`: every publishing mark is a
-cross-partition UPDATE, which that shape streams as a DELETE *and a second INSERT of the
-parent*, so an insert-driven consumer would emit every message twice; and the option is
-publication-wide, so setting it would rename the stream of every other partitioned table in
-the user's publication. With the leaf, a mark reaches the stream as a DELETE of the
-unpublished partition only (when the publication publishes deletes), never as an insert.
-
-Where: in V2, before the deploy that first writes to the partitioned table, so its first
-insert is already in the stream. A publication `FOR ALL TABLES` (or `TABLES IN SCHEMA`)
-covers the new tables by itself; for it and for a listed one that publishes UPDATE or
-DELETE the step sets `REPLICA IDENTITY FULL` on the partitions it publishes, since without a
-replica identity PostgreSQL refuses the relay's mark (and retention's DELETE).
-
-The inverse removes only what this step added: the publication memberships it recorded in
-`outbox_migrate.owned_object` (checked by OID before dropping) and the replica identity.
+The step exists only when introspection found a publication covering the old table, so no
+other migration's checksums change; why the unpublished partition and not the parent is in
+docs/patterns.md ("CDC consumers").
 """
 
 from __future__ import annotations
