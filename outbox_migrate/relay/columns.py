@@ -1,6 +1,5 @@
-"""The outbox's columns as the relay reads them: the `OutboxSpec`'s column roles checked
-against the live table before any worker starts, so a wrong name or type is one line and exit 2
-(`RelayError`), never a worker failure. Reads the catalog; writes nothing.
+"""The spec's column roles checked against the live table before any worker starts: a wrong
+name or type is one line and exit 2, never a worker failure. Reads the catalog, writes nothing.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ def resolve(
     event_type_column: str | None,
     ordering: Ordering,
 ) -> queries.Columns:
-    """The spec's column roles checked against the live table: a default one is used when
-    the table has it, one configured by name must exist."""
+    """A default column role is used when the table has it; one configured must exist."""
     rows = conn.execute(
         queries.named("table-columns"), {"schema": source.schema, "table": source.mark_table}
     ).fetchall()

@@ -1,9 +1,5 @@
-"""The relay's sources resolved against the live database, and checked against it later.
-
-A flag's values and what each name means are known only to the live database. Marks are by
-ctid, which means nothing without its table, so each source keeps its claim relation's OID
-from the start. Names can change under a running relay (a rename or its rollback):
-`check_names` says whether they still mean what they meant.
+"""The relay's sources resolved against the live database, each with its claim relation's OID
+(marks by ctid are confined to it), and checked later: names can change under a running relay.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ def resolved(conn: Any, spec: OutboxSpec, state: SourceState) -> tuple[OutboxSpe
 
 
 def with_oid(conn: Any, source: queries.Source) -> queries.Source:
-    """`source` with the OID of its claim relation (0 when it does not exist)."""
     claim = queries.qualified(source.schema, source.claim_table)
     row = conn.execute("SELECT coalesce(to_regclass(%s)::oid, 0)::int8", (claim,)).fetchone()
     return replace(source, claim_oid=int(row[0]) if row else 0)

@@ -1,10 +1,5 @@
-"""Published batches whose mark did not commit: find the rows at fault, mark the rest; and
-what a batch settles before its mark (dead-lettered rows, suspects).
-
-When a published batch's mark breaks a constraint, its transaction rolls back, its rows
-published but unmarked: `repair` marks them again in a transaction of its own
-(relay/mark_repair.py) and counts what the COMMIT would have. On a session in no transaction
-and not in pipeline mode; never waits.
+"""The polling worker's side of mark repair: published batches whose mark did not commit, and
+what a batch settles before its mark. On a session out of pipeline mode; never waits.
 """
 
 from __future__ import annotations
@@ -29,8 +24,8 @@ log = logging.getLogger("outbox_migrate.relay")
 def repair(
     relay: Shared, index: int, conn: Any, unmarked: list[Commit], error: Exception | None
 ) -> list[MessageId]:
-    """Repair the batches of `unmarked` (emptied as done); returns the bad rows to claim
-    again. `error`: what failed when a batch has no mark error (a deferred constraint)."""
+    """Mark the batches of `unmarked` again (emptied as done), counting what the COMMIT would
+    have; the bad rows to claim again. `error`: a deferred constraint's failure."""
     refusals, by_key = relay.refusals, relay.options.ordering is Ordering.key
     encoding = conn.info.encoding
     retry: list[MessageId] = []
@@ -71,7 +66,7 @@ def repair(
 
 
 def committed(relay: Shared, claim: Batch) -> None:
-    """The batch's dead letters committed: count and log them (not before: bad_rows.py)."""
+    """The batch's dead letters committed: count and log them (not before)."""
     if not claim.letters:
         return
     relay.stats.add(dead_lettered=len(claim.letters))
@@ -83,7 +78,7 @@ def before_mark(
 ) -> tuple[list[MessageId], list[MessageId]]:
     """Before the batch's mark: dead-lettered rows leave the outbox on their own (one failing
     in the mark would roll all their dead letters back), then suspects are marked alone.
-    Returns the ids left for the batch's mark and the ids to claim again."""
+    Returns the ids left for the mark and the ids to claim again."""
     if claim.letters:
         dead = {d.message.id for d in claim.letters}
         mark_repair.settle_dead(conn, claim.source, claim.rows, dead)
@@ -95,7 +90,6 @@ def before_mark(
 def mark_suspects(
     relay: Shared, conn: Any, claim: Batch, acked: list[MessageId]
 ) -> tuple[list[MessageId], list[MessageId]]:
-    """Before the batch's mark: suspects are marked alone first; returns as `before_mark`."""
     refusals, by_key = relay.refusals, relay.options.ordering is Ordering.key
     done = mark_repair.mark_suspects(conn, claim.source, refusals.failures, refusals.suspects,
                                      claim.rows, claim.messages, acked)  # fmt: skip

@@ -1,10 +1,5 @@
-"""The polling relay's lifecycle: start, stop, the workers' threads, the shutdown timeout,
-the metrics sampler. A worker (and how it sorts failures) is relay/driver.py.
-
-One batch is one transaction, and nothing is marked before the broker acknowledged it, so a
-crash anywhere re-sends at most the batch in flight (at-least-once). `Relay.stop()` lets every
-worker finish its batch; after `shutdown_timeout_s` the rest are abandoned before their mark
-(re-sent later).
+"""The polling relay's lifecycle: start, stop, the workers' threads, the shutdown timeout, the
+metrics sampler. A worker is relay/driver.py.
 """
 
 from __future__ import annotations
@@ -67,7 +62,6 @@ class Relay:
         self.stats = RelayStats()
         self._stop = threading.Event()
         self._wake_fds: tuple[int, int] | None = None
-        """A pipe a stop writes to: idle workers wait on it beside their own session."""
         self._wake_lock = threading.RLock()
         """Re-entrant: a signal handler may call `stop` on the thread that holds it."""
         text_ids = self.spec.id_kind == "application"
@@ -152,7 +146,6 @@ class Relay:
                     os.close(fd)
 
     def wake_fd(self) -> int | None:
-        """The read end of the stop pipe (readable once `stop` was called), while running."""
         fds = self._wake_fds
         return None if fds is None else fds[0]
 
@@ -177,7 +170,6 @@ class Relay:
             thread.join(timeout=ABANDON_GRACE_S)
 
     def _prepare(self) -> None:
-        """Check the tables and resolve optional columns once, before any worker starts."""
         with self._connect() as conn:
             self.spec, self.state = marker_source.resolved(conn, self.spec, self.state)
             self.shared.state = self.state  # what the workers see (relay/shared.py)
@@ -214,7 +206,6 @@ class Relay:
         return connect(self.dsn, application_name=self.application_name)
 
     def _sample(self, conn: Any) -> None:
-        """Backlog size and oldest unpublished age for the metrics."""
         source = self.state.current
         row = conn.execute(queries.backlog(source, self.shared.columns[source.label])).fetchone()
         if row:
