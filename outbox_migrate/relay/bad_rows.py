@@ -121,8 +121,7 @@ class FailedMessages:
 
     def prepare(self, conn: Any, sources: Iterable[str]) -> bool:
         """Create the tables if missing (outside any batch: relays racing on CREATE would
-        fail it), check their columns, load the counters. False: not usable, a failure then
-        stops the relay."""
+        fail it), check their columns, load the counters. False: not usable."""
         import psycopg
 
         for table, create in (
@@ -347,8 +346,7 @@ class FailedMessages:
     ) -> Verdict:
         """Add one attempt per failed id (`counted`: only the reason is new); dead-letter
         each copy at `max_attempts` (`now`: whatever its attempts) in the same transaction as
-        its mark or removal. `keep`: counters that stay, another copy of the id being
-        unsettled."""
+        its mark or removal. `keep`: counters that stay, another copy being unsettled."""
         if counted:
             attempts = self.note(conn, label, reasons)
         else:

@@ -141,8 +141,7 @@ class BatchLoop:
     # -- the hot path: batches back to back, one round trip each --------------------------
 
     def _claim(self, run: _Run) -> None:
-        """BEGIN, the due gap probe, the range claim and the idle flag's move in one round
-        trip."""
+        """BEGIN, the due gap probe, the range claim and the idle flag's move: one round trip."""
         relay, cursor, pipe = self.relay, self.cursor, self.wire
         assert pipe is not None
         run.started, run.sent = time.perf_counter(), time.monotonic()
@@ -223,8 +222,7 @@ class BatchLoop:
         return run.empty_after
 
     def _batch(self, run: _Run) -> bool:
-        """Publish the batch in hand, queue its mark and COMMIT, have the next one claimed.
-        False: the run ends."""
+        """Publish the batch in hand, queue its mark and COMMIT, claim the next. False: run ends."""
         state = self.state
         if run.pending:
             self._count_committed(run.pending)
@@ -352,8 +350,7 @@ class BatchLoop:
         return woken
 
     def _abort_run(self, pending: list[Commit]) -> None:
-        """A run failed: roll back both sessions, count what committed, keep the rest for
-        the worker's repair."""
+        """A run failed: roll back both sessions, count what committed, keep the rest to repair."""
         self.read_ahead.abandon()
         for commit in pending:
             if commit.succeeded:

@@ -8,9 +8,10 @@ import logging
 import time
 from typing import Any
 
-from psycopg.errors import IntegrityError
+from psycopg.errors import IntegrityError, SerializationFailure
 
 from outbox_migrate.backoff import jitter_s
+from outbox_migrate.db import one_line
 from outbox_migrate.errors import MarkFellShort, RelayFailed, SinkCrashed, SinkUnavailable
 from outbox_migrate.patterns import notify
 from outbox_migrate.relay import keepalive, queries, wire
@@ -23,13 +24,7 @@ from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.options import Mode, Ordering
 from outbox_migrate.relay.run_stats import count_failures
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
-from outbox_migrate.relay.shared import (
-    Shared,
-    close_sink,
-    connection_errors,
-    one_line,
-    serialization_errors,
-)
+from outbox_migrate.relay.shared import Shared, close_sink, connection_errors
 from outbox_migrate.relay.sinks import Sink
 from outbox_migrate.relay.waits import Listener, Session, Waits
 
@@ -127,7 +122,9 @@ class Worker:
                 reasons = dict.fromkeys(crashed.ids, crashed.reason)
                 self.relay.refusals.failures.count(conn, crashed.label, reasons)
         except (psycopg.Error, RelayFailed) as failed:
-            log.warning("relay.attempts_not_counted worker=%d %s", self.index, one_line(failed))
+            log.warning(
+                "relay.attempts_not_counted worker=%d %s", self.index, one_line(str(failed))
+            )
 
     def _step_guarded(self) -> bool:
         """One loop iteration with its failures sorted. True: this worker is done."""
@@ -157,7 +154,7 @@ class Worker:
             if not self.state.unmarked:
                 raise  # no batch to repair: not a mark's failure
             self.state.mark_failure = exc
-        except serialization_errors():
+        except SerializationFailure:
             # Another claimer moved a row we were about to lock (queries.py). Before
             # connection errors: SerializationFailure is an OperationalError too.
             relay.stats.add(serialization_retries=1)
@@ -167,7 +164,7 @@ class Worker:
         except connection_errors(ConnectError) as exc:
             relay.stats.add(connection_retries=1)
             relay.observer.failed("connection")
-            log.warning("relay.connection_lost worker=%d %s", self.index, one_line(exc))
+            log.warning("relay.connection_lost worker=%d %s", self.index, one_line(str(exc)))
             self._forget_session()
             self._back_off()
         return False
@@ -293,7 +290,7 @@ class Worker:
         try:
             check_names(self.conn, self.relay.state.current)
         except connection_errors() as exc:  # the main thread's look covers it
-            log.debug("relay.names_unchecked worker=%d %s", self.index, one_line(exc))
+            log.debug("relay.names_unchecked worker=%d %s", self.index, one_line(str(exc)))
 
     def _idle(self, source: queries.Source) -> None:
         if self.cursor.due(time.monotonic()):
@@ -324,8 +321,7 @@ class Worker:
             self.listener.open()
 
     def _sleep(self, timeout_s: float | None = None) -> bool:
-        """Wait for a notification calling for a claim, a stop, or `timeout_s` (default: the
-        poll interval). True: woken."""
+        """Wait for a notification calling for a claim, a stop, or `timeout_s`. True: woken."""
         relay = self.relay
         if relay.stopping:
             return True
@@ -352,6 +348,6 @@ class Worker:
         try:
             self._listen()
         except connection_errors(ConnectError) as exc:
-            log.debug("relay.listen_failed worker=%d %s", self.index, one_line(exc))
+            log.debug("relay.listen_failed worker=%d %s", self.index, one_line(str(exc)))
             return False
         return True

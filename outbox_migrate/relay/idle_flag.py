@@ -15,8 +15,7 @@ SPARSE_ROWS = 8
 idle relay anyway): the flag stays up. More, and it comes down: dense writers skip NOTIFY."""
 AWAKE_WAITS = 2
 """Idle waits in a row that never had to block mean continuous traffic: the flag comes down,
-or every writer keeps paying a NOTIFY, slowing them until the claims look like a trickle for
-good."""
+or every writer keeps paying a NOTIFY, slowed until the claims look like a trickle for good."""
 
 
 class Idle(enum.Enum):

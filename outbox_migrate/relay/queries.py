@@ -42,8 +42,7 @@ class Source:
     flag: marker.Marker | None = None
     """None: a timestamp marker."""
     name: str = ""
-    """The outbox's name in messages, stable across flat/partitioned and the rename; "" =
-    `label`."""
+    """The outbox's name in messages, stable across flat/partitioned and the rename ("": label)."""
     claim_oid: int = 0
     """The OID `claim_table` named at start (0: unresolved). Marks by ctid are confined to it:
     a ctid means nothing without its table, and a rolled-back rename may repoint the name."""
@@ -284,8 +283,7 @@ def try_idle_lock() -> sql.Composed:
 def mark(source: Source) -> sql.Composed:
     """Mark claimed rows by ctid (param: tids). The claim's lock keeps ctids stable until
     commit, and a TID scan skips one index descent per row. Through the parent, so the row
-    moves partition; the unpublished filter prunes the scan and makes a re-run a no-op. A
-    short row count is looked into (relay/marker_source.py `check_names`)."""
+    moves partition; the unpublished filter prunes the scan and makes a re-run a no-op."""
     return sql.SQL(
         "UPDATE {table} SET {mark} WHERE {unpublished} AND ctid = ANY(%(tids)s::tid[]){same}"
     ).format(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Any
 
 from outbox_migrate.relay import queries
@@ -69,9 +68,8 @@ class ShardLease:
         self._member = False
         self._next_check = 0.0
 
-    def maintain(self, conn: Any, *, now: float | None = None) -> bool:
+    def maintain(self, conn: Any, *, now: float) -> bool:
         """Rebalance when due. True: this worker's shards changed."""
-        now = time.monotonic() if now is None else now
         if now < self._next_check:
             return False
         self._next_check = now + REBALANCE_S
@@ -99,14 +97,14 @@ class ShardLease:
             self._take(conn, candidates, keep - len(self.owned))
         return self.owned != before
 
-    def reap(self, conn: Any) -> list[int]:
+    def reap(self, conn: Any) -> None:
         """End sessions that hold shards but have been silent past `reap_after_s`: the
         server arms its idle timers only after a Sync, so a relay frozen between a statement
         and its Sync (or after a Flush) would keep its shards for good."""
         import psycopg
 
         if self.reap_after_s is None:
-            return []
+            return
         try:
             rows = conn.execute(
                 queries.named("end-idle-shard-holders"),
@@ -118,17 +116,14 @@ class ShardLease:
                 str(exc).strip().splitlines()[0],
             )
             self.reap_after_s = None
-            return []
-        ended = []
+            return
         for pid, idle_s, done in rows:
             if done:
-                ended.append(int(pid))
                 log.warning(
                     "relay.reaped_session pid=%d silent_s=%.1f (held shards, client silent)",
                     pid,
                     idle_s,
                 )
-        return ended
 
     def _take(self, conn: Any, candidates: list[int], limit: int) -> None:
         if not candidates or limit <= 0:

@@ -92,15 +92,3 @@ def connection_errors(*more: type[BaseException]) -> tuple[type[BaseException], 
     import psycopg
 
     return (psycopg.OperationalError, psycopg.InterfaceError, *more)
-
-
-def serialization_errors() -> type[BaseException]:
-    import psycopg
-
-    return psycopg.errors.SerializationFailure
-
-
-def one_line(exc: BaseException) -> str:
-    from outbox_migrate.db import one_line as db_one_line
-
-    return db_one_line(str(exc))

@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 
+from outbox_migrate.db import one_line
 from outbox_migrate.errors import RelayFailed
 from outbox_migrate.relay import mark_repair
 from outbox_migrate.relay.bad_rows import log_dead
@@ -16,7 +17,7 @@ from outbox_migrate.relay.batch import Batch, Commit
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.options import Ordering
 from outbox_migrate.relay.run_stats import count_failures
-from outbox_migrate.relay.shared import Shared, one_line
+from outbox_migrate.relay.shared import Shared
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -48,7 +49,7 @@ def repair(
                                       claim.rows, batch, claim.acked, failed,
                                       by_key=by_key)  # fmt: skip
         except psycopg.errors.IntegrityError as exc:  # the repair broke one: no loop of repairs
-            raise RelayFailed(f"repairing a failed mark: {one_line(exc)}") from exc
+            raise RelayFailed(f"repairing a failed mark: {one_line(str(exc))}") from exc
         unmarked.pop(0)
         log_dead(done.letters)  # committed by the repair's transaction
         mark_repair.park(refusals.parking, source.label, batch, done, relay.options.backoff,
@@ -60,7 +61,7 @@ def repair(
         log.warning(
             "relay.mark_repaired worker=%d marked=%d bad_rows=%d dead_lettered=%d %s",
             index, done.marked, len(done.bad), len(done.letters),
-            one_line(failed or error or RelayFailed("a COMMIT failed")),
+            one_line(str(failed or error or RelayFailed("a COMMIT failed"))),
         )  # fmt: skip
     return retry
 
@@ -84,12 +85,6 @@ def before_mark(
         mark_repair.settle_dead(conn, claim.source, claim.rows, dead)
     if not (relay.refusals.suspects and acked):
         return acked, []
-    return mark_suspects(relay, conn, claim, acked)
-
-
-def mark_suspects(
-    relay: Shared, conn: Any, claim: Batch, acked: list[MessageId]
-) -> tuple[list[MessageId], list[MessageId]]:
     refusals, by_key = relay.refusals, relay.options.ordering is Ordering.key
     done = mark_repair.mark_suspects(conn, claim.source, refusals.failures, refusals.suspects,
                                      claim.rows, claim.messages, acked)  # fmt: skip

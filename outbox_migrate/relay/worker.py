@@ -14,19 +14,18 @@ from contextlib import contextmanager
 from typing import Any
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.db import APPLICATION_NAME
+from outbox_migrate.db import APPLICATION_NAME, one_line
 from outbox_migrate.errors import NamesMoved, RelayFailed
 from outbox_migrate.patterns import notify
 from outbox_migrate.relay import library_logs, marker_source, queries
 from outbox_migrate.relay.bad_rows import FailedMessages
-from outbox_migrate.relay.columns import resolve as resolve_columns
 from outbox_migrate.relay.driver import Worker
 from outbox_migrate.relay.message import Message, TextIdMessage
 from outbox_migrate.relay.metrics import Observer, start_sampler
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.refusals import Refusals
 from outbox_migrate.relay.run_stats import RelayStats
-from outbox_migrate.relay.shared import Shared, close_sink, connection_errors, one_line
+from outbox_migrate.relay.shared import Shared, close_sink, connection_errors
 from outbox_migrate.relay.sinks import SinkFactory
 from outbox_migrate.relay.switching import SourceState
 
@@ -134,7 +133,7 @@ class Relay:
             # A fault while running is a failure (exit 1), not bad input (exit 2).
             if isinstance(fatal, RelayFailed):
                 raise fatal
-            raise RelayFailed(f"relay worker failed: {one_line(fatal)}") from fatal
+            raise RelayFailed(f"relay worker failed: {one_line(str(fatal))}") from fatal
         log.info("relay.stopped %s", " ".join(f"{k}={v}" for k, v in self.stats.as_dict().items()))
         return self.stats
 
@@ -179,8 +178,9 @@ class Relay:
             options = self.options
             for source in sources:
                 marker_source.check_markable(conn, source)
-                self.shared.columns[source.label] = resolve_columns(conn, source, self.spec,
-                    options.key_column, options.event_type_column, options.ordering)  # fmt: skip
+                self.shared.columns[source.label] = marker_source.resolve_columns(conn, source,
+                    self.spec, options.key_column, options.event_type_column,
+                    options.ordering)  # fmt: skip
             self.failures.prepare(conn, [source.label for source in sources])
             if self.options.listen and self.options.mode is not Mode.flat:
                 self._check_trigger_key(conn)
