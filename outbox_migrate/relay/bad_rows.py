@@ -1,6 +1,7 @@
 """Attempts and dead letters of failed messages, one policy for the polling and CDC relays
-(docs/relay.md, "Bad rows" and "Dead letters"). Every statement on the two tables is here, so
-the relays cannot drift apart; nothing here commits, waits or sleeps.
+(docs/relay.md, "Failures" and "Bad rows"). A sink crash counts against the messages it held
+(uncounted, one bad message would stop the outbox on every restart); `SinkUnavailable` never
+counts. Every statement on the two tables is here; nothing here commits, waits or sleeps.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outbox_migrate.errors import MarkFellShort
-from outbox_migrate.relay import claimed, queries, wire
+from outbox_migrate.relay import queries, wire
 from outbox_migrate.relay.bad_rows import DeadLetter
 from outbox_migrate.relay.message import Message, MessageId
 
@@ -25,14 +25,10 @@ class Batch:
     started: float
     """perf_counter when the claim was sent: the batch's time starts there."""
     messages: list[Message] = field(default_factory=list)
-    bad: list[claimed.BadRow] = field(default_factory=list)
     acked: list[MessageId] = field(default_factory=list)
     letters: list[DeadLetter] = field(default_factory=list)
     """Dead-lettered in this transaction, their rows settled apart from the batch's mark;
     logged once the COMMIT succeeded, written again by the repair if the mark failed."""
-    retry: list[MessageId] = field(default_factory=list)
-    pause: float = 0.0
-    rewind: MessageId | None = None
 
     def to_mark(self) -> list[str]:
         at = queries.CLAIM_CTID_COLUMN

@@ -366,7 +366,7 @@ class BatchLoop:
         relay, cursor = self.relay, self.cursor
         source, rows, after = claim.source, claim.rows, claim.after
         batch, bad = claimed.messages(rows, relay.message, relay.columns[source.label])
-        claim.messages, claim.bad = batch, bad
+        claim.messages = batch
         self.fence.check(time.monotonic())
         assert self.sink is not None
         direct = wire.direct(conn, pipe)
@@ -377,7 +377,7 @@ class BatchLoop:
         if claim.letters or (relay.refusals.suspects and acked):
             acked, again = unmarked.before_mark(relay, direct, claim, acked)
             retry += again
-        claim.acked, claim.retry, claim.pause, claim.rewind = acked, retry, pause, rewind
+        claim.acked = acked
         if relay.abandon.is_set():
             raise Abandoned
         now = time.monotonic()

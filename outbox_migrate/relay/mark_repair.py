@@ -104,7 +104,6 @@ def _int_array(ids: list[MessageId]) -> str:
 class Repaired:
     marked: int = 0
     bad: dict[MessageId, str] = field(default_factory=dict)
-    dead: list[Message] = field(default_factory=list)
     letters: list[DeadLetter] = field(default_factory=list)
     retry: list[MessageId] = field(default_factory=list)
     attempts: dict[MessageId, int] = field(default_factory=dict)
@@ -359,7 +358,7 @@ def _count(
     verdict = failures.record(conn, source.label, list(held.values()), done.bad, keep=others,
                              delivered=True)  # fmt: skip
     dead = {m.id for m in verdict.dead}
-    done.dead, done.attempts, done.letters = verdict.dead, verdict.attempts, verdict.letters
+    done.attempts, done.letters = verdict.attempts, verdict.letters
     done.retry = verdict.retry + [i for i in others if i not in verdict.retry]
     suspects.update(source.label, done.retry, [i for i in dead if i not in others])
     gone = {last[i]: failed[last[i]] for i in dead}

@@ -28,7 +28,8 @@ def resolve_columns(
     event_type_column: str | None,
     ordering: Ordering,
 ) -> queries.Columns:
-    """A default column role is used when the table has it; one configured must exist."""
+    """The spec's column roles checked against the live table: a default one is used when
+    the table has it, one configured must exist."""
     rows = conn.execute(
         queries.named("table-columns"), {"schema": source.schema, "table": source.mark_table}
     ).fetchall()
@@ -116,6 +117,7 @@ def resolved(conn: Any, spec: OutboxSpec, state: SourceState) -> tuple[OutboxSpe
 
 
 def with_oid(conn: Any, source: queries.Source) -> queries.Source:
+    """`source` with the OID of its claim relation (0 when it does not exist)."""
     claim = queries.qualified(source.schema, source.claim_table)
     row = conn.execute("SELECT coalesce(to_regclass(%s)::oid, 0)::int8", (claim,)).fetchone()
     return replace(source, claim_oid=int(row[0]) if row else 0)

@@ -36,6 +36,7 @@ class Shared:
     message: type[Message]
     stopped: threading.Event
     request_stop: Callable[[], None]
+    """`Relay.stop`: sets `stopped` and wakes idle workers through the stop pipe."""
     wake_fd: Callable[[], int | None]
     columns: dict[str, queries.Columns] = field(default_factory=dict)
     conns: dict[int, Any] = field(default_factory=dict)

@@ -88,10 +88,6 @@ class Relay:
                 with contextlib.suppress(OSError):  # full: a byte is there already
                     os.write(fds[1], b"x")
 
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
     def run(self) -> RelayStats:
         """Run the workers until `stop()` (or, with `until_empty`, until nothing is left)."""
         library_logs.route()
