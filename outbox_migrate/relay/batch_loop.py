@@ -185,8 +185,10 @@ class BatchLoop:
         run.rows, run.after, run.ranged = rows, after, ranged
 
     def _queue_flag(self, pipe: wire.Wire, flag_rows: int) -> wire.Slot | None:
-        """Queue the idle flag's move ahead of the claim's BEGIN (docs/relay.md, "Why the
-        trigger is usually quiet"); the slot of its raise."""
+        """Queue the idle flag's move ahead of the claim's BEGIN; the slot of its raise. Raised
+        so, the claim's snapshot is taken with the flag up: every row it cannot see will
+        notify, so an empty claim may sleep at once (docs/relay.md, "Why the trigger is
+        usually quiet")."""
         flag = self.flag
         unlock, try_raise = flag.before_claim(flag_rows)
         if unlock is not None:
@@ -200,7 +202,8 @@ class BatchLoop:
 
     def run(self, source: queries.Source, sink: Sink) -> int | None:
         """Batch after batch until a claim comes back empty (returns its `after`) or the
-        worker must look up (None). A batch counts once its COMMIT's result arrived."""
+        worker must look up (None). A batch counts once its COMMIT's result arrived: results
+        come in order, so a failing next claim leaves no doubt about it."""
         pipe, self.sink = self.wire, sink
         assert pipe is not None  # opened by `Worker._step` before any run
         sharded = self.lease.sharded and not self.lease.owns_all
