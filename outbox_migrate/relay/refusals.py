@@ -63,7 +63,9 @@ class Refusals:
     ) -> Outcome:
         """Publish a batch claimed above `after`. A refusal pauses the worker by the backoff of
         the most attempts among the refused, then claims again from the lowest; with key
-        ordering it parks the key instead. The pause is taken after the COMMIT, never here."""
+        ordering it parks the key instead. The pause is taken after the COMMIT, never here:
+        waiting in the transaction would hold the claimed rows' locks against a migration
+        step's DDL."""
         parking, label = self.parking, source.label
         claim = sorted(batch + [b.message for b in bad], key=_BY_ID) if bad else batch
         last = claim[-1].id if claim else None
