@@ -1,16 +1,5 @@
-"""How an outbox-migrate operation runs inside Alembic, online and offline (`--sql`).
-
-Online, the step goes through the runner on Alembic's own psycopg connection, so
-preconditions, the lock budget, the advisory lock and the ledger behave exactly as with
-`outbox-migrate run`. Offline, the same step compiles to SQL in which every precondition is
-a `DO … RAISE EXCEPTION` assertion inside the step's transaction.
-
-Transactions: a step either joins the revision's own transaction (generated revisions hold
-one step each and ask for it, when `transaction_per_migration` gives every revision its own
-transaction) — then the step, its ledger row and alembic_version commit together — or it runs
-in its own transaction inside `autocommit_block()`. `SET LOCAL` timeouts therefore end with
-the step's transaction and never reach the next step. Non-transactional steps (CONCURRENTLY,
-the copy-back job) always run inside `autocommit_block()`.
+"""How an outbox-migrate operation runs inside Alembic: online through the runner on Alembic's
+own connection, offline (`--sql`) as SQL with every precondition an assertion (docs/alembic.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The Alembic operations `op.outbox_step`, `op.outbox_reverse_step`, `op.outbox_phase` and
-`op.outbox_reverse_phase` (Alembic's operation-plugin API), and how autogenerate renders them.
-
-The op objects are inert (a step id, the pinned names); `execute.py` runs them. Each op knows
-its `reverse()`, so a revision written from them gets its downgrade for free.
+"""The Alembic operations `op.outbox_*` and how autogenerate renders them. The op objects are
+inert (`execute.py` runs them); each knows its `reverse()`, so a revision gets its downgrade.
 """
 
 from __future__ import annotations

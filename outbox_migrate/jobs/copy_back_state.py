@@ -1,11 +1,5 @@
 """Copy-back's progress table: one row per (source, target) with the high-water mark and the
-copied / verified / dropped stamps.
-
-Reading the state never runs DDL. The table is created, or given its `high_water_id` (the
-mark as text; integer ids keep `high_water` too), once at the job's start (`ensure`): only
-when the catalog says it is missing, under the lock budget — `ADD COLUMN IF NOT EXISTS` on
-every read would queue an ACCESS EXCLUSIVE lock behind any reader and block every later one.
-A read of a table without it falls back to `high_water`.
+copied / verified / dropped stamps. Reading the state never runs DDL.
 """
 
 from __future__ import annotations
@@ -55,6 +49,8 @@ class ProgressTable:
                 " PRIMARY KEY (source_schema, source_table, target_schema, target_table))"
             ).format(t=self.rel.ident)
         )
+        # Only when the catalog says it is missing: ADD COLUMN IF NOT EXISTS would queue an
+        # ACCESS EXCLUSIVE lock behind any reader and block every later one.
         if self._has_text_mark():
             return
         statement = sql.SQL("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c} text").format(

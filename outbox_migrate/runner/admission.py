@@ -1,11 +1,5 @@
 """The one admission check: what `plan` reports as a blocker stops `run`, `next`, the Alembic
 operations and the jobs too, before anything is written — the ledger included.
-
-A migration already under way (this table, this pattern, not abandoned) was admitted when it
-started; its own later states (the old table attached as a partition, say) are not blockers.
-Another pattern's migration that completed on the table is: the table is migrated. After a
-`reset` (an abandoned record) a new run gets exactly `plan`'s check: the exception for
-offline SQL below is for a table no ledger has ever recorded.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The `Runner`: a thin façade that puts the runner's parts together for one command.
-
-Every command goes plan → validate → apply: the session takes the table's runner lock; the
-live facts (the pattern as this database needs it, which postconditions hold) are read once;
-the pure decisions in `decide.py` admit the whole command or refuse it — with nothing
-written, not even the ledger schema; only then is the migration recorded and the plan
-applied (`apply.StepApplier`, every step state through `transition`). Core code: it reports
-through `RunnerEvents` and raises errors, never prints or exits.
+"""The `Runner`: a thin façade that wires the runner's parts together for one command,
+plan → validate → apply. It reports through `RunnerEvents`; it never prints or exits.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
 """The live facts a command decides from, read once: the pattern as this database needs it,
 and which steps' postconditions hold. Read-only — it creates nothing, not even the ledger.
-
-The pattern depends on the database: reversing DROP IDENTITY must restore the old id's own
-kind (ALWAYS or BY DEFAULT: read live while the identity exists, afterwards from what the
-ledger recorded), and the CDC step exists only when a publication covers the old table.
-Every command (the runner's start, its admission, `status`) builds it here, once, so they
-cannot disagree about it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,5 @@
-"""The ledger: the runner's progress, stored in the target database beside the work.
-
-A transactional step updates its ledger row inside the step's own transaction, so the DDL and
-the record of it commit together. The schema is created and upgraded by the tool (numbered
-upgrades in `sql/ledger.sql`), under a transaction-level advisory lock so two first runs do
-not race.
-
-The one transition of a step's state: every ledger write of `step.state` goes through
-`transition`, which refuses a move the state machine does not allow. Why one place: writers
-with their own idea of which moves are fine can let a refused command mark steps done on its
-way to refusing. Here the allowed moves are one table (`ALLOWED`, pure and unit-tested), and
-the UPDATE itself only matches a row in an allowed state, so an illegal move fails loudly
-instead of rewriting history. Call it inside the step's own transaction to commit the state
-with the work.
+"""The ledger: the runner's progress, stored in the target database beside the work. Every
+write of a step's state goes through `transition`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """The runner's session: its connection (own or borrowed from Alembic) and the session-level
 advisory lock that admits one runner per table. It knows nothing of patterns or steps.
-
-The lock is a session lock on purpose: it dies with the session, so a crashed runner never
-leaves it behind, and it is held across the many short transactions of a run.
 """
 
 from __future__ import annotations
