@@ -99,7 +99,6 @@ class ReverseOutboxStepOp(_OutboxOp):
         include_optional: bool = False,
         in_revision_transaction: bool = False,
     ) -> Any:
-        """Run the step's reverse; raise `OutOfOrder` when the step is irreversible."""
         op = cls(step_id, spec=spec, include_optional=include_optional,
                  in_revision_transaction=in_revision_transaction)  # fmt: skip
         return operations.invoke(op)
@@ -144,7 +143,6 @@ class ReverseOutboxPhaseOp(_OutboxOp):
         spec: Mapping[str, Any] | None = None,
         include_optional: bool = False,
     ) -> Any:
-        """Reverse `phase`'s steps, newest first."""
         return operations.invoke(
             cls(pattern, phase=phase, spec=spec, include_optional=include_optional)
         )

@@ -29,8 +29,6 @@ Method = Literal["pgstattuple", "estimate"]
 
 @dataclass(frozen=True)
 class IndexBloat:
-    """One index's size and how much of it is bloat."""
-
     index: str
     table: str
     size_bytes: int

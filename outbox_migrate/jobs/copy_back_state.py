@@ -105,12 +105,11 @@ class ProgressTable:
         assert state is not None
         return state
 
-    def stamp(self, column: str, conn: psycopg.Connection[Any] | None = None) -> None:
-        """Stamp `copied_at`, `verified_at` or `dropped_at` (on `conn`: inside its transaction)."""
-        conn = conn or self.conn
-        if not common.exists(conn, self.rel):
+    def stamp(self, column: str) -> None:
+        """Stamp `copied_at`, `verified_at` or `dropped_at`."""
+        if not common.exists(self.conn, self.rel):
             return
-        conn.execute(
+        self.conn.execute(
             sql.SQL("UPDATE {t} SET {c} = now(), updated_at = now()" + _PAIR).format(
                 t=self.rel.ident, c=sql.Identifier(column)
             ),

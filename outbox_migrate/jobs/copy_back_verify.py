@@ -55,7 +55,6 @@ class Verification:
         return not self.differing and self.source_rows == self.matched_rows
 
     def check(self) -> None:
-        """Raise `VerificationFailed` unless every source row matched."""
         if not self.passed:
             raise VerificationFailed(self.source, self.target, list(self.differing))
 

@@ -64,7 +64,6 @@ def delete_published_before(
     max_rows_per_s: float = DEFAULT_MAX_ROWS_PER_S,
     stop: threading.Event | None = None,
 ) -> RetentionResult:
-    """Delete rows of `table` whose `published_column` is older than `older_than`."""
     age_s = older_than.total_seconds()
     if copy_back_pending(conn, table):
         pending = "HOPER copy-back into this table is not finished"

@@ -56,8 +56,6 @@ class ThrottlePolicy:
 
 @dataclass(frozen=True)
 class Impact:
-    """One reading of foreground impact."""
-
     source: Literal["replica_lag", "latency_probe", "none"]
     value: float
     """Seconds of replica lag, or milliseconds of probe latency."""
@@ -74,7 +72,6 @@ def rate_pause_s(done: int, elapsed_s: float, rate_rows_per_s: float | None) -> 
 
 
 def pause(seconds: float, stop: threading.Event | None) -> None:
-    """Sleep `seconds`, or less when `stop` is set meanwhile."""
     if stop is not None:
         stop.wait(seconds)
     else:

@@ -129,6 +129,8 @@ def ensure_ahead(
         sub = Relation(table.schema, name)
         check = sql.Identifier(common.fit_identifier(name, "_bounds"))
         bounds = {"lo": sql.Literal(start), "hi": sql.Literal(end), "col": sql.Identifier(column)}
+        # Built standalone, then ATTACHed: ATTACH takes SHARE UPDATE EXCLUSIVE on the parent,
+        # which the publisher does not conflict with (PARTITION OF takes ACCESS EXCLUSIVE).
         conn.execute(
             sql.SQL("CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS)").format(
                 sub.ident, table.ident

@@ -122,7 +122,6 @@ class Runner:
         self._facts = None
 
     def acquire(self) -> None:
-        """The session advisory lock that admits one runner per table."""
         self.session.acquire()
 
     @property
@@ -237,7 +236,6 @@ class Runner:
         return self._finish(migration, result, target)
 
     def step(self, step_id: str) -> Step:
-        """The pattern's step called `step_id` (a `UsageError` names the known ones)."""
         return step_named(self.pattern, step_id)
 
     def execute_step(self, step_id: str) -> RunResult:

@@ -71,6 +71,7 @@ def ledger_exists(conn: Connection[Any]) -> bool:
 def ensure_schema(conn: Connection[Any]) -> None:
     """Create or upgrade the ledger schema (idempotent; safe under concurrency)."""
     with conn.transaction():
+        # Two first runs would race on the schema's creation and upgrades.
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK_KEY,))
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
         versions = sql.Identifier(SCHEMA, "ledger_version")
@@ -184,7 +185,6 @@ def steps(conn: Connection[Any], migration_id: int) -> list[StepRow]:
 
 
 def step_rows(conn: Connection[Any], migration_id: int) -> dict[str, StepRow]:
-    """The migration's ledger rows by step id."""
     return {row.step_id: row for row in steps(conn, migration_id)}
 
 
@@ -231,7 +231,6 @@ def _recorded(conn: Connection[Any], spec: OutboxSpec, key: str) -> tuple[Any] |
 
 
 def recorded_identity_generation(conn: Connection[Any], spec: OutboxSpec) -> str | None:
-    """The old table's identity kind as recorded when its migration started."""
     row = _recorded(conn, spec, "identity_generation")
     return str(row[0]) if row and row[0] else None
 
@@ -308,7 +307,8 @@ def transition(
     started: bool = False,
     started_at: datetime | None = None,
 ) -> None:
-    """Move one step to `target`, stamping who, where and when.
+    """Move one step to `target`, stamping who, where and when. Call it inside the step's own
+    transaction, so the state commits with the work.
 
     `started` stamps the start now; `started_at` gives it (a transactional step records its
     whole life — checks, lock waits, DDL — in the one row it commits at the end). `done`
@@ -333,6 +333,8 @@ def transition(
         (target, error, target, error, started, started_at, target, target,
          started_at, started_at, HOST, migration_id, step_id, sorted(ALLOWED[target])),
     )  # fmt: skip
+    # The UPDATE matches only a row in a state the move is allowed from: an illegal move fails
+    # loudly instead of rewriting history.
     if cursor.rowcount != 1:
         row = conn.execute(
             "SELECT state FROM outbox_migrate.step WHERE migration_id = %s AND step_id = %s",

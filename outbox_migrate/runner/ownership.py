@@ -36,7 +36,6 @@ _OID_OF: dict[str, LiteralString] = {
 
 
 def current_oid(conn: Connection[Any], spec: OutboxSpec, obj: Created) -> int | None:
-    """The OID the object has now, or None when it does not exist."""
     if obj.kind not in _OID_OF:
         raise ValueError(f"unknown object kind {obj.kind!r}")
     names = {"own": obj.name, "on": obj.on or obj.name}
