@@ -108,7 +108,8 @@ def revision_has_own_transaction(ctx: MigrationContext) -> bool:
 
 
 def joins_revision(ctx: MigrationContext, steps: list[Step], requested: bool) -> bool:
-    """Whether the steps run inside the revision's transaction (else: their own)."""
+    """Whether the steps run inside the revision's transaction (else: their own). A step that
+    refuses a transaction block (CONCURRENTLY, the copy-back job) never joins it."""
     return (
         requested
         and len(steps) == 1
