@@ -41,6 +41,8 @@ def admit(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> None:
             if state == "abandoned":
                 continue
             if other == pattern:
+                # Admitted when it started: its own later states (the old table a partition,
+                # say) are no blockers.
                 return
             if state == "active":
                 raise another_active(spec, str(other), phase)
