@@ -108,11 +108,8 @@ class LiveFacts:
 
 def optional_recorded(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> bool:
     """True when the table's latest live migration with `pattern` has an optional step that is
-    done or running: then every command builds the pattern with them, asked or not. Optional
-    steps (the original-name phases above all) change the names every later check and inverse
-    refers to; a `status`, `verify` or `rollback` that left them out would read the catalog
-    with the old names and report a healthy renamed outbox as broken, or undo earlier steps
-    under names that now belong to other relations."""
+    done or running: then every command builds the pattern with them, asked or not, since
+    they change the names every later check and inverse refers to (docs/runner.md)."""
     if not ledger.ledger_exists(conn):
         return False
     optional = [

@@ -142,12 +142,8 @@ def open_migration(
 
 
 def sync_steps(conn: Connection[Any], migration: MigrationRow, pattern: Pattern) -> None:
-    """Make the ledger list exactly the pattern's steps; refuse steps changed after applying.
-
-    A pending step whose definition changed is simply updated (it has not run). A done step
-    whose checksum differs means the catalog or the configuration changed under a running
-    migration: that is refused, because its postcondition may no longer describe reality.
-    """
+    """Make the ledger list exactly the pattern's steps. A pending step whose definition
+    changed is updated (it has not run); an applied one is refused (`check_definitions`)."""
     by_id = step_rows(conn, migration.id)
     check_definitions(pattern, {i: (r.state, r.checksum) for i, r in by_id.items()})
     for position, step in enumerate(pattern.steps()):
