@@ -1,10 +1,6 @@
-"""The `outbox-migrate` console script: command registry and the error boundary.
-
-Imports stay lazy (each command imports its library module inside the function) so that
-`--help` starts fast and loads neither rich, psycopg nor SQLAlchemy. Every error the library
-raises becomes one line on stderr and a documented exit code; no traceback reaches the user
-unless OUTBOX_MIGRATE_DEBUG=1.
-"""
+"""The `outbox-migrate` console script: the command registry and the error boundary (`main`).
+Commands import their library inside the function, so `--help` loads no rich, psycopg or
+SQLAlchemy."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The only module that imports rich: everything printed for people goes through here.
-
-Kept apart so `--help` and core code never pay for rich, and so core code stays silent.
-"""
+"""The only module that imports rich: everything printed for people goes through here, so
+`--help` and core code never load rich, and core code stays silent."""
 
 from __future__ import annotations
 

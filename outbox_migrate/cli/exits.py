@@ -1,13 +1,6 @@
-"""The exit-code table, enforced in one place (`classify`).
-
-`cli.app.main` hands `classify` whatever ended a command (a return, an error, an interrupt)
-and exits with the code it gives; nothing else in the CLI decides an exit code, so a script
-can trust it: `run --to V3 && deploy-v3` never deploys after a failure, a Ctrl-C or a lost
-connection. Signals arrive as `KeyboardInterrupt` or `signals.Terminated` (cli/signals.py;
-services stop on them gracefully, `signals.GracefulStop`).
-
-Imports stay light: no rich, and psycopg only if a command already loaded it.
-"""
+"""The exit-code table, enforced in one place (`classify`): nothing else in the CLI decides an
+exit code (docs/cli.md, "Exit codes"). Imports stay light: no rich, and psycopg only if a
+command already loaded it."""
 
 from __future__ import annotations
 

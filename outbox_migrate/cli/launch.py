@@ -1,10 +1,6 @@
-"""The console script's entry point: signal handling first, then the CLI.
-
-`outbox-migrate` (pyproject's `[project.scripts]`) and `python -m outbox_migrate` start
-here so that SIGINT/SIGTERM are handled before typer, rich or psycopg are imported — a
-Ctrl-C at any instant of the program's own code exits 130 (SIGTERM 143) with one line,
-never a traceback. This module imports nothing heavy itself; it must stay that way.
-"""
+"""The console script's entry point: signal handling first, then the CLI (`cli.app`). It imports
+nothing heavy itself, so a Ctrl-C at any instant of the program's own code exits 130 (SIGTERM
+143) with one line; it must stay that way."""
 
 from __future__ import annotations
 

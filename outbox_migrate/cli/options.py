@@ -1,10 +1,5 @@
-"""Options shared by several commands, and turning them into `Settings`.
-
-The naming options are generated once from the fields of `OutboxSpec` (`with_names`), so
-every command that touches a table takes the same set. Only the options the user passed are
-forwarded, so env and config files keep their place (flags > env > file > defaults), and
-every value is validated by `config.load_settings` before a command does any work.
-"""
+"""Options shared by several commands, and turning them into `Settings`: every value is
+validated by `config.load_settings` before a command does any work."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""`outbox-migrate relay`: run the publisher (claim → publish → mark) until stopped.
-
-A thin shell over `relay.worker.Relay` and, with `--mode cdc`, `relay.cdc.relay.CdcRelay`:
-parse options, build the sink factory, wire SIGTERM/SIGINT to a graceful stop, and expose
-metrics when asked. `--drop-slot` decommissions the CDC relay. Messages go to the sink (stdout
-for `--sink stdout`); log lines go to stderr.
-"""
+"""`outbox-migrate relay`: a thin shell over `relay.worker.Relay` and `relay.cdc.relay.CdcRelay`
+(options, the sink factory, a graceful stop, metrics, `--drop-slot`). Logs go to stderr."""
 
 from __future__ import annotations
 

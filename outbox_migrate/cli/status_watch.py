@@ -1,9 +1,6 @@
-"""`status --watch`: a frame every `--interval` seconds until Ctrl-C (or `--count` frames).
-
-Frames are plain text wrapped to the terminal's width (80 when unknown), so they read the same
-in a terminal, a log file or a CI job; on a terminal the screen is cleared between frames, as
-watch(1) does. Nothing here writes to the database (see outbox_migrate/cli/watch.py).
-"""
+"""`status --watch`: a frame every `--interval` seconds until Ctrl-C (or `--count` frames), as
+plain text wrapped to the terminal. Nothing here reads or writes the database (cli/watch.py
+reads the frames)."""
 
 from __future__ import annotations
 

@@ -1,25 +1,6 @@
-"""`status --watch`: one frame of what a migration is doing and waiting for, read live.
-
-A frame adds to `status` what only the live server knows: whether a runner is at work on the
-table (the session holding its advisory lock) and what it is doing; which sessions hold a lock
-the next step needs, and for how long; which of the next step's checks fail right now (a gate's
-"not yet": old-version sessions connected, ids still arriving, rows left unpublished); the
-relay's backlog and the age of its oldest unpublished row; copy-back's and a running
-VALIDATE's progress with rate and ETA.
-
-Only reads, in autocommit sessions marked read-only, each query its own short transaction
-(no snapshot held between frames): a watch must never be what a migration waits for. A read
-of a table takes ACCESS SHARE, which a step's ACCESS EXCLUSIVE queues behind, so every query
-runs under a statement_timeout below half the runner's lock_timeout (`read_budget_ms`) and a
-lock_timeout that keeps it out of any lock queue: a read that would hold or wait longer is
-given up and the frame says so. A step's sampled gates are not read (their window would hold
-the table for seconds); the runner evaluates them. The runner does not name the watch's
-sessions as holders (lock_budget.WATCH_APPLICATION_NAME), nor does the watch.
-
-Another role's session state is hidden unless our role may see it (pg_read_all_stats); such a
-session is shown as hidden, with the grant. A switching relay that waits records why in its
-application_name (relay/switching.py `mark_waiting`), which every role can read.
-"""
+"""`status --watch`: one frame of what a migration is doing and waiting for, read live
+(docs/cli.md, "Watch a migration live"). Only reads, and must never be what a migration waits
+for."""
 
 from __future__ import annotations
 
@@ -54,6 +35,8 @@ def read_budget_ms(settings: Settings) -> int:
 
 
 def _connect(dsn: str, settings: Settings) -> psycopg.Connection[Any]:
+    # Autocommit: each query its own short transaction, no snapshot held between frames. A
+    # read's ACCESS SHARE queues a step's ACCESS EXCLUSIVE behind it, hence the timeouts.
     return psycopg.connect(
         dsn,
         autocommit=True,

@@ -1,9 +1,5 @@
-"""Small words for people-facing lines: counts with the right plural ("1 step", "2 steps"),
-prose wrapped to the terminal without cutting a word, commands split where the shell joins.
-
-Plain text only: kept apart from console.py (the one module that imports rich) so commands
-and tests can use it without loading rich.
-"""
+"""Plain-text wording for people-facing lines: plurals, prose wrapped without cutting a word,
+commands split where the shell joins them. No rich here (console.py has it)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""`rehearse`: the whole migration on a copy of the user's outbox before it meets production.
-
-The live table's shape and load are read (read-only sessions; see `source`), the same table is
-rebuilt and filled in a scratch database (`scratch`), and the demo's harness runs the pattern
-there — writers and relays of every application version at the measured insert rate, the
-runner's steps between rolling deploys — with the same report. On top: the source's size and
-rates, and how long the steps that scan or copy the table would take at the real size,
-extrapolated from the scratch run. Must never write to the source; the scratch database is
-created fresh on each run.
-"""
+"""`rehearse`: the whole migration on a copy of the user's outbox, under its measured load
+(docs/cli.md, "Rehearse on a copy"). Must never write to the source."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The scratch copy: the live outbox's schema rebuilt in another database, and rows to fill it.
-
-What cannot be carried is left out and said (`Rebuilt.skipped`), never silently dropped from
-the report: foreign keys (their targets are not copied), trigger functions that depend on
-other objects, grants to roles the scratch server cannot create. Types, defaults and the
-definitions of indexes, constraints and triggers come verbatim from the source's catalog
-(`format_type`, `pg_get_expr`, `pg_get_indexdef`, …): SQL PostgreSQL itself rendered, so
-they are used as SQL text; every name we compose is quoted with `psycopg.sql`.
-"""
+"""The scratch copy: the live outbox's schema rebuilt in another database, and rows to fill it;
+what cannot be carried is listed (`Rebuilt.skipped`). Types, defaults and definitions are SQL
+PostgreSQL itself rendered, used as SQL text; every name we compose is quoted with `psycopg.sql`."""
 
 from __future__ import annotations
 

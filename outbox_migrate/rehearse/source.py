@@ -1,10 +1,6 @@
-"""What `rehearse` reads from the live database: the outbox's shape and how busy it is.
-
-Only reads. Every session opened here runs with `default_transaction_read_only=on`, so even
-a bug in this module cannot write to the source: PostgreSQL itself refuses. A role with
-SELECT on the table (and none of CREATE) is enough; nothing here takes a lock stronger than
-the ACCESS SHARE of a plain SELECT.
-"""
+"""What `rehearse` reads from the live database: the outbox's shape and how busy it is. Only
+reads: every session runs with `default_transaction_read_only=on`, so PostgreSQL itself
+refuses a write."""
 
 from __future__ import annotations
 

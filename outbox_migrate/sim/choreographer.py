@@ -1,11 +1,5 @@
 """The choreographer: rolls application versions like a rolling deploy and runs the runner's
-steps at each boundary, while writers and relays keep the outbox busy.
-
-Per phase: the runner applies the phase's database steps (waiting, as an operator would,
-while a deploy gate says the previous rollout is not finished), then the new version's
-instances start, old and new coexist for a while, and the old ones stop — writers first,
-relays after, so what the old version wrote is still published by someone.
-"""
+steps at each boundary, while writers and relays keep the outbox busy (docs/demo.md)."""
 
 from __future__ import annotations
 
