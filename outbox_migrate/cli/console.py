@@ -136,12 +136,8 @@ def advice(following: str, label: str = "Next:") -> None:
 
 @contextmanager
 def copy_progress(total: int, done: int) -> Iterator[Callable[[CopyProgress], None]]:
-    """A progress bar for copy-back on stderr (rows, rows/s, an ETA, a pause), and the
-    callback that moves it.
-
-    The rate and ETA are the job's own measurements, not rich's estimate, so the bar shows
-    the same figures the job reports in JSON.
-    """
+    """A progress bar for copy-back on stderr, and the callback that moves it. Its rate and
+    ETA are the job's own measurements, not rich's estimate: the figures its JSON reports."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -171,15 +167,12 @@ def _duration(seconds: float) -> str:
 
 
 def confirm(question: str) -> bool:
-    """A yes/no question on the terminal (the wizard's interactive mode)."""
     from rich.prompt import Confirm
 
     return bool(Confirm.ask(question, console=out()))
 
 
 def render_plan(doc: dict[str, Any]) -> None:
-    """The terminal view of `plan`: one table per phase, steps with locks and rollback (a
-    block per step where the table cannot fit the terminal)."""
     console = out()
     _say(console, f": {doc['title']}", bold=doc["acronym"])
     _say(console, doc["summary"])
@@ -241,8 +234,6 @@ def render_recommendation(doc: dict[str, Any]) -> None:
 
 
 class _TextRunnerEvents:
-    """Runner progress for people: one line per step and per lock attempt."""
-
     def step_started(self, step: Any, action: str) -> None:
         if action == "already-done":
             return
@@ -270,8 +261,6 @@ class _TextRunnerEvents:
 
 
 class _JsonRunnerEvents:
-    """Runner progress for CI logs: one JSON object per line on stdout."""
-
     def _emit(self, **fields: Any) -> None:
         print_json(fields, indent=None)
 
@@ -340,7 +329,6 @@ def _attempt_line(attempt: dict[str, Any]) -> str:
 
 @contextmanager
 def demo_live(title: str) -> Iterator[Callable[[Any], None]]:
-    """A live view of the simulation: phase, step, rates, backlog and lag."""
     from rich.live import Live
 
     def view(snapshot: Any) -> Table:
@@ -421,8 +409,6 @@ def render_demo_report(report: dict[str, Any]) -> None:
 
 
 def render_rehearsal_report(report: dict[str, Any]) -> None:
-    """The demo's report for the scratch run, then what was read from the source and what the
-    size-bound steps would take there."""
     source, scratch = report["source"], report["scratch"]
     render_demo_report(report)
     table(

@@ -44,8 +44,7 @@ def debug_enabled() -> bool:
 
 
 def set_command(argv: list[str]) -> None:
-    """Remember the command's name (`run`, `alembic generate`) for interrupt and lost-
-    connection lines."""
+    """The command's name (`run`, `alembic generate`) for interrupt and lost-connection lines."""
     words = [a for a in argv if not a.startswith("-")]
     name = " ".join(words[:2]) if words[:1] == ["alembic"] else " ".join(words[:1])
     _state.command = name or "outbox-migrate"
@@ -126,7 +125,6 @@ def _first_line(text: str) -> str:
 
 
 def classify(exc: BaseException) -> tuple[int, str]:
-    """The exit code and the one line for whatever ended a command (see docs/cli.md)."""
     if _interrupt_in_chain(exc):
         return signals.exit_code(), interrupt_message()
     if isinstance(exc, ConnectionLost):

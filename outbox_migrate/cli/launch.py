@@ -35,11 +35,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _leave_at_once(code: int) -> None:
-    """An interrupted command leaves as soon as its cleanup is done: exit functions run (the
-    embedded server stops, multiprocessing reaps its helpers), streams are flushed, and the
-    interpreter's slow teardown of every module is skipped; every `with` block has already
-    unwound and rolled back. It also keeps CPython from re-raising SIGINT at exit after a
-    KeyboardInterrupt went through an `exec()` (exit status -2 instead of 130)."""
+    """Exit functions run and streams flushed, the interpreter's slow teardown skipped (every
+    `with` block has unwound already). It also keeps CPython from re-raising SIGINT at exit
+    after a KeyboardInterrupt went through an `exec()` (exit status -2 instead of 130)."""
     import atexit
     import os
 

@@ -72,7 +72,6 @@ def install() -> None:
 
 
 def last() -> int | None:
-    """The last signal received since `defer()`/`install()`, if any."""
     return _received[-1] if _received else None
 
 
@@ -81,7 +80,6 @@ def exit_code() -> int:
 
 
 def name() -> str:
-    """How the last signal is named in the one-line message."""
     return "terminated (SIGTERM)" if last() == SIGTERM else "interrupted"
 
 
@@ -101,11 +99,9 @@ def say_interrupted(message: str) -> int:
 
 
 class GracefulStop:
-    """A service's stop (`relay`, `maintain` in loop mode): from the command's first
-    statement on, SIGTERM and SIGINT call the service's `stop` once there is one (`attach`)
-    and are remembered until then. So a signal while the service starts (its sink imported,
-    its wake-up trigger installed) starts nothing and exits 0, and one while it works lets
-    the batch or pass in flight finish: docs/cli.md promises both for a service's stop."""
+    """A service's stop (`relay`, `maintain` in loop mode; docs/cli.md, "Exit codes"): from
+    the command's first statement on, SIGTERM and SIGINT call the service's `stop` once there
+    is one (`attach`) and are remembered until then."""
 
     def __init__(self) -> None:
         self.requested = False

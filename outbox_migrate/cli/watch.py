@@ -30,7 +30,6 @@ it switched, or that session no longer does the checks)."""
 
 
 def read_budget_ms(settings: Settings) -> int:
-    """A watch query's statement_timeout: under half the runner's lock_timeout."""
     return max(10, min(WATCH_READ_MS, settings.lock_timeout_ms // 2))
 
 
@@ -48,7 +47,6 @@ def _connect(dsn: str, settings: Settings) -> psycopg.Connection[Any]:
 
 
 def _unreadable(exc: psycopg.Error, settings: Settings | None) -> str:
-    """Why a read was given up, in the frame's words."""
     if isinstance(exc, psycopg.errors.LockNotAvailable):
         return "not read: a lock on it is held or requested by the migration (next frame)"
     if isinstance(exc, psycopg.errors.QueryCanceled):
@@ -128,10 +126,8 @@ def _runner_session(conn: psycopg.Connection[Any], label: str) -> dict[str, Any]
 
 
 def holders(conn: psycopg.Connection[Any], step: Step, schema: str) -> list[dict[str, Any]]:
-    """Sessions holding a lock that conflicts with one the step needs: what it waits for.
-
-    The runner does not queue behind them (it watches them go), so they are found from
-    pg_locks' granted locks with the runner's own look (`lock_budget.find_blockers`)."""
+    """Sessions holding a lock that conflicts with one the step needs, found with the runner's
+    own look (`lock_budget.find_blockers`): the runner does not queue behind them."""
     from outbox_migrate.lock_budget import find_blockers
 
     found = find_blockers(conn, [(lock.relation, lock.mode) for lock in step.locks], schema)
@@ -147,11 +143,9 @@ def holders(conn: psycopg.Connection[Any], step: Step, schema: str) -> list[dict
 def failing_checks(
     conn: psycopg.Connection[Any], step: Step, settings: Settings
 ) -> list[dict[str, str]]:
-    """The step's checks that fail now, with what they saw (a gate's "not yet").
-
-    Checks that scan the table are left out (a watch must stay cheap), and so are sampled ones
-    and the checks that compare with their sample: a window would hold the table's lock for
-    seconds, and only the runner's session has the sample."""
+    """The step's checks that fail now, with what they saw. Left out: scan checks, sampled ones
+    (a window would hold the table's lock for seconds) and those that compare with their
+    sample (only the runner's session has it)."""
     failing: list[dict[str, str]] = []
     sampled = {c.name for c in step.preconditions if c.at is CheckPoint.SAMPLED}
     for condition in step.preconditions:
@@ -197,7 +191,6 @@ def _backlog(
 
 
 def _copy_back(conn: psycopg.Connection[Any]) -> dict[str, Any] | None:
-    """Copy-back's progress from its progress table: rows, rate, ETA."""
     from outbox_migrate.jobs.common import STATE_SCHEMA
     from outbox_migrate.jobs.copy_back import PROGRESS_TABLE
 

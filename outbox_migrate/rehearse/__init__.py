@@ -46,9 +46,7 @@ def rehearse(
     output_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Measure, rebuild, run; the demo's report plus `source`, `scratch` and `extrapolated`.
-
-    `shape`: the source as `check_source` read it (the CLI reads it before it replaces the
-    scratch databases, so a refused source leaves the scratch server alone)."""
+    `shape` is read first (`check_source`), so a refused source leaves the scratch server alone."""
     from outbox_migrate.rehearse import scratch
     from outbox_migrate.rehearse.source import measure_rates, read_only_connect
     from outbox_migrate.sim import simulate
@@ -142,14 +140,9 @@ def _measure_scan(conn: psycopg.Connection[Any], spec: OutboxSpec) -> tuple[int,
 
 
 def extrapolate(report: dict[str, Any], scratch_dsn: str) -> list[dict[str, Any]]:
-    """How long the size-bound steps would take on the source: a fixed part (the step's
-    scratch time less its scan) plus the scan scaled by heap bytes; copy-back by its
-    measured copy rate.
-
-    A small copy's step time is almost all fixed cost, so scaling it whole would overstate
-    the scan. Linear in bytes is the first-order model for a sequential scan or a keyset
-    copy on the same hardware (no cache effects, no busier server); `sure` says when the
-    scratch scan was too short to measure a rate at all."""
+    """How long the size-bound steps would take on the source (docs/cli.md, "Rehearse on a
+    copy"). The fixed part is kept apart from the scan: a small copy's step time is almost all
+    fixed cost, and scaling it whole would overstate the scan."""
     from outbox_migrate.jobs.common import STATE_SCHEMA, Relation, exists
     from outbox_migrate.jobs.copy_back import PROGRESS_TABLE
 

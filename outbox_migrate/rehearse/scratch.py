@@ -33,8 +33,6 @@ class ScratchError(OutboxMigrateError):
 
 @dataclass
 class Rebuilt:
-    """What the scratch copy carries, and what it had to leave out (with the reason)."""
-
     rows: int = 0
     skipped: list[str] = field(default_factory=list)
     heap_bytes: int = 0

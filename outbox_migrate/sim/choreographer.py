@@ -65,8 +65,6 @@ class StepRecord:
 
 @dataclass
 class Snapshot:
-    """What the live view shows."""
-
     elapsed_s: float
     phase: str
     step: str
@@ -79,8 +77,6 @@ class Snapshot:
 
 @dataclass
 class RunData:
-    """Everything the report is computed from."""
-
     scenario: Scenario
     started: float
     finished: float = 0.0
@@ -321,8 +317,8 @@ class Choreographer(SilentEvents):
         self._next_window(None)
 
     def _next_window(self, version: str | None) -> None:
-        """Close the phase window in progress, labelled with the version whose deploy opened
-        it, and open one for `version` (None: none)."""
+        """Close the phase window in progress (labelled with the version whose deploy opened
+        it), and open one for `version`."""
         now = time.time()
         if self._window is not None:
             self.data.phase_windows.append((*self._window, now))
@@ -367,11 +363,9 @@ class Choreographer(SilentEvents):
         (self.data.writers if kind == "writer" else self.data.relays).append(result)
 
     def _shutdown(self, *, drain: bool = True) -> None:
-        """Stop writers, let the relays drain what is left, then stop them. Interrupted:
-        every instance is stopped at once and what is left is counted as backlog.
-
-        Then every stopped instance's result: wait for exactly those (not a fixed time), so
-        the report counts every message written and an interrupt ends promptly."""
+        """Stop writers, let the relays drain what is left, then stop them (interrupted: every
+        instance at once, what is left counted as backlog). Then wait for exactly the stopped
+        instances' results, not a fixed time: every message written counted, an interrupt prompt."""
         if drain:
             for version in list(self._instances):
                 self._stop(version, "writer")
@@ -403,7 +397,6 @@ def _demo_outbox(dsn: str) -> None:
 
 
 def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> int:
-    """Unpublished rows in the old and the new outbox (whichever exist)."""
     found = (backlog(conn, spec, t) for t in (spec.table, spec.partitioned_table))
     return sum(f[0] for f in found if f is not None)
 

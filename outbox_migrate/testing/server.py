@@ -76,7 +76,7 @@ def cache_dir() -> Path:
 
 
 def binaries(version: int) -> Path:
-    """Return the `bin/` directory of PostgreSQL `version`, downloading it once if needed."""
+    """The `bin/` directory of PostgreSQL `version`, downloaded once."""
     if version not in RELEASES:
         raise ServerUnavailable(
             f"PostgreSQL {version} is not supported; choose from {SUPPORTED_VERSIONS}"
