@@ -44,14 +44,12 @@ def table(
     *,
     keep: Sequence[str] = (),
     lines: bool = False,
-    console: Console | None = None,
 ) -> None:
-    """A table for people that fits the terminal. Columns in `keep` (identifiers such as step
-    ids) never wrap; the others wrap at spaces, never inside a word (a table name, a header).
-    When even that cannot fit, each row is printed as a block instead (`_records`)."""
+    """A table for people that fits the terminal: columns in `keep` (step ids) never wrap, the
+    others never inside a word; where even that cannot fit, a block per row (`_records`)."""
     from rich import box
 
-    console = console or out()
+    console = out()
     cells = [["" if cell is None else str(cell) for cell in row] for row in rows]
     narrowest = [
         _narrowest(column, [row[index] for row in cells], whole=column in keep)
@@ -82,8 +80,7 @@ def _narrowest(header: str, values: Sequence[str], *, whole: bool) -> int:
 def _records(
     console: Console, title: str | None, columns: Sequence[str], cells: Sequence[Sequence[str]]
 ) -> None:
-    """A table too wide for the terminal, one block per row: the first cell on a line of its
-    own (a step id stays whole), then `column: value` lines, wrapped with a hanging indent."""
+    """A table too wide for the terminal, one block per row (docs/cli.md, "Output for people")."""
     from outbox_migrate.cli.wording import wrap_text
 
     if title:
@@ -114,13 +111,11 @@ def _say(console: Console, message: str, *, style: str | None = None, bold: str 
         console.print(shown)
 
 
-def text(message: str = "", *, style: str | None = None) -> None:
-    _say(out(), message, style=style)
+def text(message: str = "") -> None:
+    _say(out(), message)
 
 
 def advice(following: str, label: str = "Next:") -> None:
-    """A `Next:` line: its prose wraps, the commands it names follow on lines of their own
-    (long ones split with ` \\` continuations, so a copy and paste still runs)."""
     from outbox_migrate.cli.wording import command_lines, split_advice
 
     console = out()
@@ -289,9 +284,8 @@ def runner_events(*, json_lines: bool) -> Any:
 
 
 def render_status(doc: dict[str, Any], latest: dict[str, dict[str, Any]] | None = None) -> None:
-    """`status` for people: the table of steps, then one line per step that has something to
-    say — its latest lock attempt when that is newer than its recorded error (`latest`, from
-    `attempt_log.latest_attempts`), else the error."""
+    """`status` for people (docs/cli.md, "Output for people"); `latest` from
+    `attempt_log.latest_attempts`."""
     from outbox_migrate.attempt_log import newer_than_error
     from outbox_migrate.cli.wording import status_line
 

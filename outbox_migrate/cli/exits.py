@@ -38,7 +38,6 @@ _state = _State()
 
 
 def debug_enabled() -> bool:
-    """`OUTBOX_MIGRATE_DEBUG=1` (any value but empty/0/false/no/off) prints tracebacks."""
     value = os.environ.get(DEBUG_ENV, "").strip().lower()
     return value not in ("", "0", "false", "no", "off")
 

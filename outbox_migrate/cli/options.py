@@ -150,7 +150,6 @@ FormatOption = Annotated[
 
 
 def report(output: OutputFormat, data: Any, *lines: str) -> None:
-    """`data` as JSON for `--format json`, else `lines` for people."""
     from outbox_migrate.cli.console import print_json, text
 
     if output is OutputFormat.json:
@@ -235,7 +234,6 @@ def settings_from(**flags: Any) -> Settings:
 
 
 def require_dsn(flag: str | None) -> str:
-    """The DSN to use, or a usage error (exit 2) when nothing names a database."""
     from outbox_migrate.dsn import resolve
     from outbox_migrate.errors import UsageError
 

@@ -145,10 +145,9 @@ def _made_up(
 
 
 def rebuild(conn: psycopg.Connection[Any], shape: SourceShape, spec: OutboxSpec) -> Rebuilt:
-    """Create the table with its types, sequences, constraints, indexes, triggers and grants.
-
-    Runs in one transaction per object that may fail (a savepoint), so one object the scratch
-    server cannot take is skipped and reported while the rest is built."""
+    """Create the table with its types, sequences, constraints, indexes, triggers and grants;
+    an object that may fail gets a savepoint, so one the scratch server cannot take is skipped
+    and reported while the rest is built."""
     facts = shape.facts
     done = Rebuilt()
     table = sql.Identifier(spec.schema, spec.table)

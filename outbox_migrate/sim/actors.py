@@ -95,7 +95,6 @@ def relay_main(
     dsn: str, recording_dsn: str, version: str, instance: int, mode: Mode, scenario: Scenario,
     stop: Any, results: Any, ready: Any,
 ) -> None:  # fmt: skip
-    """Run a `Relay` of this version until `stop`, publishing into the recording sink."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from outbox_migrate.relay.worker import Relay
     from outbox_migrate.sim.recording import RecordingSink

@@ -325,10 +325,8 @@ class Choreographer(SilentEvents):
         self._window = None if version is None else (version, now)
 
     def _wrong_v3(self, phase: Phase) -> None:
-        """Try V3 while the forgotten V1 writer still inserts into the old table: the runner
-        must refuse. Then name the rows V3 would have stranded (written by V1 after the
-        rollout thought it was done; with V3 publishing only from the new table nobody would
-        ever publish them), and finish the rollout properly: stop the writer, retry."""
+        """Try V3 while the forgotten V1 writer still inserts into the old table (the runner
+        must refuse), name the rows V3 would have stranded, then stop the writer and retry."""
         tried_at = time.time()
         ok = self._run_phase(phase, patience_s=WRONG_CHOREOGRAPHY_PATIENCE_S)
         refusal = self.data.refusal or {}
@@ -353,7 +351,6 @@ class Choreographer(SilentEvents):
         }
 
     def _collect(self) -> None:
-        """Move a finished instance's result, if one comes, from the queue into the run data."""
         try:
             with _signals_deferred():  # an interrupt mid-message would corrupt the pipe
                 kind, result = self._results.get(timeout=COLLECT_POLL_S)
