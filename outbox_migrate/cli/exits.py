@@ -30,7 +30,7 @@ _CLOSED_MESSAGES = ("connection is closed", "connection is lost", "server closed
 @dataclass
 class _State:
     command: str = "outbox-migrate"
-    activity: str | None = None
+    activity: str | None = None  # what the command is doing now: `step hoper.v2.…`
     note: str | None = None
 
 
@@ -47,11 +47,6 @@ def set_command(argv: list[str]) -> None:
     words = [a for a in argv if not a.startswith("-")]
     name = " ".join(words[:2]) if words[:1] == ["alembic"] else " ".join(words[:1])
     _state.command = name or "outbox-migrate"
-
-
-def set_activity(what: str | None) -> None:
-    """What the command is doing right now (`step hoper.v2.create_partitioned`), or None."""
-    _state.activity = what
 
 
 def set_interrupt_note(note: str) -> None:
@@ -156,11 +151,11 @@ class TrackedEvents:
 
     def step_started(self, step: Any, action: str) -> None:
         if action != "already-done":
-            set_activity(f"step {step.id}")
+            _state.activity = f"step {step.id}"
         self._inner.step_started(step, action)
 
     def step_finished(self, step: Any, outcome: str, elapsed_s: float) -> None:
-        set_activity(None)
+        _state.activity = None
         self._inner.step_finished(step, outcome, elapsed_s)
 
     def __getattr__(self, name: str) -> Any:
