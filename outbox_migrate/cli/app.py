@@ -1,10 +1,6 @@
-"""The `outbox-migrate` console script: command registry and the error boundary.
-
-Imports stay lazy (each command imports its library module inside the function) so that
-`--help` starts fast and loads neither rich, psycopg nor SQLAlchemy. Every error the library
-raises becomes one line on stderr and a documented exit code; no traceback reaches the user
-unless OUTBOX_MIGRATE_DEBUG=1.
-"""
+"""The `outbox-migrate` console script: the command registry and the error boundary (`main`).
+Commands import their library inside the function, so `--help` loads no rich, psycopg or
+SQLAlchemy."""
 
 from __future__ import annotations
 
@@ -91,7 +87,6 @@ def root(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
 ) -> None:
-    """Move a live PostgreSQL outbox to a LIST-partitioned table, with zero downtime."""
     if ctx.invoked_subcommand is None:
         sys.stdout.write(ctx.get_help() + "\n")
         raise typer.Exit(0)
@@ -105,12 +100,8 @@ for module in (demo_cmd, rehearse_cmd, wizard_cmd, plan_cmd, run_cmd, config_cmd
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the command, then exit with the code `exits.classify` gives.
-
-    This is the only place the CLI exits: typer runs in non-standalone mode and whatever it
-    returns (an exit code from `typer.Exit`, 130 from an interrupt it caught) or raises is
-    mapped here, so no path can turn a failure into exit 0.
-    """
+    """Run the command, then exit with the code `exits.classify` gives: the only place the
+    CLI exits (typer runs in non-standalone mode), so no path turns a failure into exit 0."""
     from outbox_migrate.cli import exits, signals
 
     args = list(sys.argv[1:] if argv is None else argv)

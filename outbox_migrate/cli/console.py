@@ -1,7 +1,5 @@
-"""The only module that imports rich: everything printed for people goes through here.
-
-Kept apart so `--help` and core code never pay for rich, and so core code stays silent.
-"""
+"""The only module that imports rich: everything printed for people goes through here, so
+`--help` and core code never load rich, and core code stays silent."""
 
 from __future__ import annotations
 
@@ -46,14 +44,12 @@ def table(
     *,
     keep: Sequence[str] = (),
     lines: bool = False,
-    console: Console | None = None,
 ) -> None:
-    """A table for people that fits the terminal. Columns in `keep` (identifiers such as step
-    ids) never wrap; the others wrap at spaces, never inside a word (a table name, a header).
-    When even that cannot fit, each row is printed as a block instead (`_records`)."""
+    """A table for people that fits the terminal: columns in `keep` (step ids) never wrap, the
+    others never inside a word; where even that cannot fit, a block per row (`_records`)."""
     from rich import box
 
-    console = console or out()
+    console = out()
     cells = [["" if cell is None else str(cell) for cell in row] for row in rows]
     narrowest = [
         _narrowest(column, [row[index] for row in cells], whole=column in keep)
@@ -84,8 +80,7 @@ def _narrowest(header: str, values: Sequence[str], *, whole: bool) -> int:
 def _records(
     console: Console, title: str | None, columns: Sequence[str], cells: Sequence[Sequence[str]]
 ) -> None:
-    """A table too wide for the terminal, one block per row: the first cell on a line of its
-    own (a step id stays whole), then `column: value` lines, wrapped with a hanging indent."""
+    """A table too wide for the terminal, one block per row (docs/cli.md, "Output for people")."""
     from outbox_migrate.cli.wording import wrap_text
 
     if title:
@@ -116,13 +111,11 @@ def _say(console: Console, message: str, *, style: str | None = None, bold: str 
         console.print(shown)
 
 
-def text(message: str = "", *, style: str | None = None) -> None:
-    _say(out(), message, style=style)
+def text(message: str = "") -> None:
+    _say(out(), message)
 
 
 def advice(following: str, label: str = "Next:") -> None:
-    """A `Next:` line: its prose wraps, the commands it names follow on lines of their own
-    (long ones split with ` \\` continuations, so a copy and paste still runs)."""
     from outbox_migrate.cli.wording import command_lines, split_advice
 
     console = out()
@@ -138,12 +131,8 @@ def advice(following: str, label: str = "Next:") -> None:
 
 @contextmanager
 def copy_progress(total: int, done: int) -> Iterator[Callable[[CopyProgress], None]]:
-    """A progress bar for copy-back on stderr (rows, rows/s, an ETA, a pause), and the
-    callback that moves it.
-
-    The rate and ETA are the job's own measurements, not rich's estimate, so the bar shows
-    the same figures the job reports in JSON.
-    """
+    """A progress bar for copy-back on stderr, and the callback that moves it. Its rate and
+    ETA are the job's own measurements, not rich's estimate: the figures its JSON reports."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -173,15 +162,12 @@ def _duration(seconds: float) -> str:
 
 
 def confirm(question: str) -> bool:
-    """A yes/no question on the terminal (the wizard's interactive mode)."""
     from rich.prompt import Confirm
 
     return bool(Confirm.ask(question, console=out()))
 
 
 def render_plan(doc: dict[str, Any]) -> None:
-    """The terminal view of `plan`: one table per phase, steps with locks and rollback (a
-    block per step where the table cannot fit the terminal)."""
     console = out()
     _say(console, f": {doc['title']}", bold=doc["acronym"])
     _say(console, doc["summary"])
@@ -243,8 +229,6 @@ def render_recommendation(doc: dict[str, Any]) -> None:
 
 
 class _TextRunnerEvents:
-    """Runner progress for people: one line per step and per lock attempt."""
-
     def step_started(self, step: Any, action: str) -> None:
         if action == "already-done":
             return
@@ -272,8 +256,6 @@ class _TextRunnerEvents:
 
 
 class _JsonRunnerEvents:
-    """Runner progress for CI logs: one JSON object per line on stdout."""
-
     def _emit(self, **fields: Any) -> None:
         print_json(fields, indent=None)
 
@@ -302,9 +284,8 @@ def runner_events(*, json_lines: bool) -> Any:
 
 
 def render_status(doc: dict[str, Any], latest: dict[str, dict[str, Any]] | None = None) -> None:
-    """`status` for people: the table of steps, then one line per step that has something to
-    say — its latest lock attempt when that is newer than its recorded error (`latest`, from
-    `attempt_log.latest_attempts`), else the error."""
+    """`status` for people (docs/cli.md, "Output for people"); `latest` from
+    `attempt_log.latest_attempts`."""
     from outbox_migrate.attempt_log import newer_than_error
     from outbox_migrate.cli.wording import status_line
 
@@ -342,7 +323,6 @@ def _attempt_line(attempt: dict[str, Any]) -> str:
 
 @contextmanager
 def demo_live(title: str) -> Iterator[Callable[[Any], None]]:
-    """A live view of the simulation: phase, step, rates, backlog and lag."""
     from rich.live import Live
 
     def view(snapshot: Any) -> Table:
@@ -423,8 +403,6 @@ def render_demo_report(report: dict[str, Any]) -> None:
 
 
 def render_rehearsal_report(report: dict[str, Any]) -> None:
-    """The demo's report for the scratch run, then what was read from the source and what the
-    size-bound steps would take there."""
     source, scratch = report["source"], report["scratch"]
     render_demo_report(report)
     table(

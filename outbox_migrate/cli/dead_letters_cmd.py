@@ -1,11 +1,5 @@
-"""`outbox-migrate dead-letters`: list, show, requeue and purge the relay's dead letters.
-
-A thin shell over relay/dead_letters.py. Exit codes: 0 done — a selection by reason, time or
-source that matches nothing is an empty answer, not a failure (a cron job purging old dead
-letters has nothing to do most days) —; 1 an `--id` asked for is not there (what was there
-is still done); 2 bad input (no selection for requeue or purge, a table that does not
-exist); 6 connection lost.
-"""
+"""`outbox-migrate dead-letters`: list, show, requeue and purge, over relay/dead_letters.py
+(exit codes: docs/cli.md, "Dead letters")."""
 
 from __future__ import annotations
 

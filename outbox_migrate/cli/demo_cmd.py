@@ -13,8 +13,7 @@ import typer
 from outbox_migrate.cli.options import FormatOption, OutputFormat, ReportDirOption
 from outbox_migrate.cli.plan_cmd import PatternName
 
-DEMO_DB = "outbox_demo"
-"""The prefix of a demo run's databases: `outbox_demo_<run id>` and `…_recording`."""
+DEMO_DB = "outbox_demo"  # a run's databases: `outbox_demo_<run id>` and `…_recording`
 
 
 def register(app: typer.Typer) -> None:
@@ -118,15 +117,7 @@ def run_live(
 @contextmanager
 def run_databases(dsn: str, prefix: str = DEMO_DB) -> Iterator[tuple[str, str]]:
     """A run's own two databases (`<prefix>_<run id>` and `…_recording`) on the chosen
-    server, and their DSNs, for as long as the run lasts.
-
-    Named per run so that two demos (or rehearsals) on one server never replace each other's:
-    fixed names dropped `WITH (FORCE)` ended whichever run was already there. A run's
-    databases stay after it for inspection and are dropped by the next run on that server —
-    never while anybody is connected to them, and never while their run holds its advisory
-    lock (taken before they exist, so a run that has created them but not yet connected is
-    safe too). Only databases whose comment marks them as such a run's are ever dropped.
-    """
+    server, and their DSNs, for as long as the run lasts (docs/demo.md)."""
     import secrets
 
     from psycopg import sql
@@ -139,6 +130,7 @@ def run_databases(dsn: str, prefix: str = DEMO_DB) -> Iterator[tuple[str, str]]:
     names = (run, f"{run}_recording")
     comment = _RUN_COMMENT.format(prefix=prefix)
     with connect(base) as keeper:  # autocommit and idle: it only holds the run's lock
+        # Taken before the databases exist: no later run drops them while this one holds it.
         keeper.execute("SELECT pg_advisory_lock(hashtext(%s))", (run,))
         _drop_ended_runs(keeper, comment)
         for name in names:
@@ -155,9 +147,8 @@ _RUN_COMMENT = "outbox-migrate {prefix} run: dropped by a later run once this on
 
 
 def _drop_ended_runs(conn: Any, comment: str) -> None:
-    """Drop what earlier runs of this kind left, where their run is over (see
-    `run_databases`): a database somebody is connected to stays (DROP without FORCE refuses),
-    and so does one whose run still holds its lock."""
+    """Drop what earlier runs of this kind left, where their run is over: a database somebody
+    is connected to stays (DROP without FORCE refuses), and so does one whose run holds its lock."""
     import psycopg
     from psycopg import sql
 

@@ -1,13 +1,6 @@
-"""The exit-code table, enforced in one place (`classify`).
-
-`cli.app.main` hands `classify` whatever ended a command (a return, an error, an interrupt)
-and exits with the code it gives; nothing else in the CLI decides an exit code, so a script
-can trust it: `run --to V3 && deploy-v3` never deploys after a failure, a Ctrl-C or a lost
-connection. Signals arrive as `KeyboardInterrupt` or `signals.Terminated` (cli/signals.py;
-services stop on them gracefully, `signals.GracefulStop`).
-
-Imports stay light: no rich, and psycopg only if a command already loaded it.
-"""
+"""The exit-code table, enforced in one place (`classify`): nothing else in the CLI decides an
+exit code (docs/cli.md, "Exit codes"). Imports stay light: no rich, and psycopg only if a
+command already loaded it."""
 
 from __future__ import annotations
 
@@ -37,7 +30,7 @@ _CLOSED_MESSAGES = ("connection is closed", "connection is lost", "server closed
 @dataclass
 class _State:
     command: str = "outbox-migrate"
-    activity: str | None = None
+    activity: str | None = None  # what the command is doing now: `step hoper.v2.…`
     note: str | None = None
 
 
@@ -45,22 +38,15 @@ _state = _State()
 
 
 def debug_enabled() -> bool:
-    """`OUTBOX_MIGRATE_DEBUG=1` (any value but empty/0/false/no/off) prints tracebacks."""
     value = os.environ.get(DEBUG_ENV, "").strip().lower()
     return value not in ("", "0", "false", "no", "off")
 
 
 def set_command(argv: list[str]) -> None:
-    """Remember the command's name (`run`, `alembic generate`) for interrupt and lost-
-    connection lines."""
+    """The command's name (`run`, `alembic generate`) for interrupt and lost-connection lines."""
     words = [a for a in argv if not a.startswith("-")]
     name = " ".join(words[:2]) if words[:1] == ["alembic"] else " ".join(words[:1])
     _state.command = name or "outbox-migrate"
-
-
-def set_activity(what: str | None) -> None:
-    """What the command is doing right now (`step hoper.v2.create_partitioned`), or None."""
-    _state.activity = what
 
 
 def set_interrupt_note(note: str) -> None:
@@ -133,7 +119,6 @@ def _first_line(text: str) -> str:
 
 
 def classify(exc: BaseException) -> tuple[int, str]:
-    """The exit code and the one line for whatever ended a command (see docs/cli.md)."""
     if _interrupt_in_chain(exc):
         return signals.exit_code(), interrupt_message()
     if isinstance(exc, ConnectionLost):
@@ -166,11 +151,11 @@ class TrackedEvents:
 
     def step_started(self, step: Any, action: str) -> None:
         if action != "already-done":
-            set_activity(f"step {step.id}")
+            _state.activity = f"step {step.id}"
         self._inner.step_started(step, action)
 
     def step_finished(self, step: Any, outcome: str, elapsed_s: float) -> None:
-        set_activity(None)
+        _state.activity = None
         self._inner.step_finished(step, outcome, elapsed_s)
 
     def __getattr__(self, name: str) -> Any:

@@ -1,10 +1,6 @@
-"""The console script's entry point: signal handling first, then the CLI.
-
-`outbox-migrate` (pyproject's `[project.scripts]`) and `python -m outbox_migrate` start
-here so that SIGINT/SIGTERM are handled before typer, rich or psycopg are imported — a
-Ctrl-C at any instant of the program's own code exits 130 (SIGTERM 143) with one line,
-never a traceback. This module imports nothing heavy itself; it must stay that way.
-"""
+"""The console script's entry point: signal handling first, then the CLI (`cli.app`). It imports
+nothing heavy itself, so a Ctrl-C at any instant of the program's own code exits 130 (SIGTERM
+143) with one line; it must stay that way."""
 
 from __future__ import annotations
 
@@ -39,11 +35,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _leave_at_once(code: int) -> None:
-    """An interrupted command leaves as soon as its cleanup is done: exit functions run (the
-    embedded server stops, multiprocessing reaps its helpers), streams are flushed, and the
-    interpreter's slow teardown of every module is skipped; every `with` block has already
-    unwound and rolled back. It also keeps CPython from re-raising SIGINT at exit after a
-    KeyboardInterrupt went through an `exec()` (exit status -2 instead of 130)."""
+    """Exit functions run and streams flushed, the interpreter's slow teardown skipped (every
+    `with` block has unwound already). It also keeps CPython from re-raising SIGINT at exit
+    after a KeyboardInterrupt went through an `exec()` (exit status -2 instead of 130)."""
     import atexit
     import os
 

@@ -1,9 +1,5 @@
-"""`outbox-migrate maintain`: autovacuum settings, unpublished-index bloat and REINDEX, retention.
-
-`--once` runs one pass and exits (cron, Kubernetes CronJob): exit 0 when all is well, 5 when a
-needed rebuild was refused or the settings could not be applied, 1 when a rebuild failed.
-Without `--once` it runs a pass every `--interval` seconds until interrupted.
-"""
+"""`outbox-migrate maintain`: autovacuum settings, unpublished-index bloat and REINDEX,
+retention; `--once` for cron (exit codes: docs/maintenance.md), else a pass every `--interval`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Options shared by several commands, and turning them into `Settings`.
-
-The naming options are generated once from the fields of `OutboxSpec` (`with_names`), so
-every command that touches a table takes the same set. Only the options the user passed are
-forwarded, so env and config files keep their place (flags > env > file > defaults), and
-every value is validated by `config.load_settings` before a command does any work.
-"""
+"""Options shared by several commands, and turning them into `Settings`: every value is
+validated by `config.load_settings` before a command does any work."""
 
 from __future__ import annotations
 
@@ -22,7 +17,6 @@ from outbox_migrate.config import ID_KINDS, OutboxSpec, Settings, load_settings
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 NAMES_PARAMETER = "names"
-"""The parameter through which a `@with_names` command receives the naming flags given."""
 
 NAME_HELP: dict[str, str] = {
     "schema": "Schema of the outbox tables",
@@ -57,11 +51,9 @@ SETTING_HELP: dict[str, str] = {
     "old_app_name": "application_name (SQL LIKE) of the outgoing app version",
     "gate_window_s": "How long a deploy gate watches the old table for new ids, s",
 }
-"""The settings beyond the names, each an option of the commands that read it."""
 
 RUNNER_SETTINGS = ("lock_timeout_ms", "lock_budget_s", "old_app_name", "gate_window_s")
-"""Commands that build the pattern and run or undo its steps (`run`, `next`, `rollback`,
-`reset`, `copy-back`), `plan` (its SQL sets the lock timeout) and `config` read all four."""
+"""`plan` reads all four too: its SQL sets the lock timeout."""
 
 PATTERN_SETTINGS = ("old_app_name", "gate_window_s")
 """`status` and `verify` build the pattern's checks, which these two shape."""
@@ -148,8 +140,6 @@ DsnOption = Annotated[
 
 
 class OutputFormat(StrEnum):
-    """Human output or machine-readable JSON."""
-
     text = "text"
     json = "json"
 
@@ -160,7 +150,6 @@ FormatOption = Annotated[
 
 
 def report(output: OutputFormat, data: Any, *lines: str) -> None:
-    """`data` as JSON for `--format json`, else `lines` for people."""
     from outbox_migrate.cli.console import print_json, text
 
     if output is OutputFormat.json:
@@ -193,7 +182,6 @@ class Phase(StrEnum):
 
 
 OPTIONAL_PHASES = frozenset({Phase.original_name, Phase.drop_view})
-"""Phases that exist only with --with-optional."""
 
 
 def parse_phase(value: str) -> Phase:
@@ -242,12 +230,10 @@ def command_line(*words: str, dsn: str | None = None, names: dict[str, Any] | No
 
 
 def settings_from(**flags: Any) -> Settings:
-    """Merge the flags the user passed with env, config file and defaults."""
     return load_settings({k: v for k, v in flags.items() if v is not None})
 
 
 def require_dsn(flag: str | None) -> str:
-    """The DSN to use, or a usage error (exit 2) when nothing names a database."""
     from outbox_migrate.dsn import resolve
     from outbox_migrate.errors import UsageError
 

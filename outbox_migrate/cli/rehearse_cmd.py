@@ -16,8 +16,7 @@ from outbox_migrate.cli.options import (
 )
 from outbox_migrate.cli.plan_cmd import PatternOption
 
-SCRATCH_DB = "outbox_rehearsal"
-"""The prefix of a rehearsal's databases: `outbox_rehearsal_<run id>` and `…_recording`."""
+SCRATCH_DB = "outbox_rehearsal"  # a run's databases: `outbox_rehearsal_<run id>`, `…_recording`
 
 
 def register(app: typer.Typer) -> None:

@@ -1,10 +1,5 @@
-"""`outbox-migrate relay`: run the publisher (claim → publish → mark) until stopped.
-
-A thin shell over `relay.worker.Relay` and, with `--mode cdc`, `relay.cdc.relay.CdcRelay`:
-parse options, build the sink factory, wire SIGTERM/SIGINT to a graceful stop, and expose
-metrics when asked. `--drop-slot` decommissions the CDC relay. Messages go to the sink (stdout
-for `--sink stdout`); log lines go to stderr.
-"""
+"""`outbox-migrate relay`: a thin shell over `relay.worker.Relay` and `relay.cdc.relay.CdcRelay`
+(options, the sink factory, a graceful stop, metrics, `--drop-slot`). Logs go to stderr."""
 
 from __future__ import annotations
 
@@ -50,8 +45,6 @@ HELP = (
 
 
 class ModeChoice(StrEnum):
-    """`relay.options.Mode`, and cdc (the CDC relay)."""
-
     partitioned = "partitioned"
     switching = "switching"
     flat = "flat"
@@ -67,7 +60,7 @@ class LogLevel(StrEnum):
 
 @dataclass(frozen=True)
 class RelayFlags:
-    """Every flag of `relay`, in --help order: the command's parameters are these fields."""
+    """Every flag of `relay`, in --help order."""
 
     sink: Annotated[
         str | None,
@@ -283,7 +276,6 @@ def relay(flags: RelayFlags, names: dict[str, Any]) -> None:
 def _runner(
     flags: RelayFlags, dsn: str, settings: Settings, config: SinkConfig
 ) -> tuple[Relay | CdcRelay, ThreadingHTTPServer | None]:
-    """The relay to run (polling, or CDC with `--mode cdc`), and its metrics server if asked."""
     from outbox_migrate.relay import metrics as relay_metrics
     from outbox_migrate.relay import sinks
     from outbox_migrate.relay.cdc.relay import CdcRelay
@@ -372,12 +364,7 @@ def _cdc_options(flags: RelayFlags) -> CdcOptions:
 
 
 def _drop_slot(dsn: str, spec: OutboxSpec, flags: RelayFlags) -> None:
-    """Decommission: drop the relay's slot and publication after a clear confirmation.
-
-    Dropping the slot forgets the stream position: rows committed after the last confirmed
-    position and not yet published are still in the unpublished partition, so a polling
-    relay (or a new CDC relay, whose first start publishes that backlog) picks them up.
-    """
+    """Drop the relay's slot and publication after a clear confirmation (docs/relay.md)."""
     from psycopg import sql
 
     from outbox_migrate.cli.console import text
@@ -420,8 +407,6 @@ def _drop_slot(dsn: str, spec: OutboxSpec, flags: RelayFlags) -> None:
 
 
 def _sink_config(flags: RelayFlags, ordering: Ordering | None = None) -> SinkConfig:
-    """The `SinkConfig` from the command's sink flags, for both delivery styles;
-    `--sink-option` must be KEY=VALUE."""
     from outbox_migrate.errors import UsageError
     from outbox_migrate.relay import sinks
 

@@ -1,9 +1,5 @@
-"""`outbox-migrate roles`: what each role the docs name can and cannot do and see on this
-database, and what each missing grant costs (role_check.py). Reads only.
-
-Exit codes: 0 every named role can do its job; 5 a grant or a view is missing (a precondition
-on the live database), after the table; 2 bad input (no such role or table).
-"""
+"""`outbox-migrate roles`: what each role the docs name can do and see on this database, and
+what each missing grant costs (role_check.py; exit codes: docs/roles.md). Reads only."""
 
 from __future__ import annotations
 

@@ -226,10 +226,9 @@ def status(
     name = pattern.value if pattern else None
     if watch:
         from outbox_migrate.cli import watch as live
-        from outbox_migrate.cli.status_watch import watch as show
 
         target = require_dsn(dsn)
-        show(
+        live.watch(
             lambda: live.frame(target, settings, name),
             interval_s=interval,
             count=count,

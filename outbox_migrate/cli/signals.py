@@ -1,23 +1,11 @@
-"""SIGINT and SIGTERM handling, in place before anything heavy is imported.
-
-The CLI's entry points (`cli.launch.main`, `python -m outbox_migrate`) call `defer()` as
-their first statement: from then on a signal is recorded, never lost and never a traceback.
-While the CLI's modules load, a signal is only recorded — an exception raised in the middle
-of an import can land where Python ignores it (a module lock's weakref callback prints
-"Exception ignored" and carries on) or leave a module half built. Once the imports are done,
-`install()` raises a recorded signal at once, and from then on SIGINT raises
-`KeyboardInterrupt` and SIGTERM `Terminated` where the main thread is, so `with` blocks
-unwind and transactions roll back (psycopg cancels the running query first) before the
-process exits with 130 or 143.
-
-Only the C `_signal` module is used: the `signal` module imports `enum`, time in which Python's
-default handler would still turn a Ctrl-C into a traceback. Importing this module changes no
-handler: tests and Alembic import the CLI's modules in-process.
-"""
+"""SIGINT and SIGTERM handling, in place before anything heavy is imported (docs/cli.md, "Exit
+codes"). Importing this module changes no handler: tests and Alembic import the CLI in-process."""
 
 from __future__ import annotations
 
-import _signal  # type: ignore[import-not-found]  # the C module: see the docstring
+# The C module: `signal` imports enum, time in which Python's default handler would still
+# turn a Ctrl-C into a traceback.
+import _signal  # type: ignore[import-not-found]
 import os  # loaded by the interpreter before any program: free
 import sys
 
@@ -60,8 +48,9 @@ def _handle(handler: Any) -> None:
 
 
 def defer() -> None:
-    """Record SIGINT/SIGTERM without raising (see the module docstring): the first thing a
-    CLI process does."""
+    """Record SIGINT/SIGTERM without raising, while the CLI's modules load: an exception
+    raised mid-import can land where Python ignores it (a module lock's weakref callback) or
+    leave a module half built. The first thing a CLI process does."""
     _raising[0] = False
     _received.clear()
     _handle(_on_signal)
@@ -83,7 +72,6 @@ def install() -> None:
 
 
 def last() -> int | None:
-    """The last signal received since `defer()`/`install()`, if any."""
     return _received[-1] if _received else None
 
 
@@ -92,7 +80,6 @@ def exit_code() -> int:
 
 
 def name() -> str:
-    """How the last signal is named in the one-line message."""
     return "terminated (SIGTERM)" if last() == SIGTERM else "interrupted"
 
 
@@ -112,11 +99,9 @@ def say_interrupted(message: str) -> int:
 
 
 class GracefulStop:
-    """A service's stop (`relay`, `maintain` in loop mode): from the command's first
-    statement on, SIGTERM and SIGINT call the service's `stop` once there is one (`attach`)
-    and are remembered until then. So a signal while the service starts (its sink imported,
-    its wake-up trigger installed) starts nothing and exits 0, and one while it works lets
-    the batch or pass in flight finish: docs/cli.md promises both for a service's stop."""
+    """A service's stop (`relay`, `maintain` in loop mode; docs/cli.md, "Exit codes"): from
+    the command's first statement on, SIGTERM and SIGINT call the service's `stop` once there
+    is one (`attach`) and are remembered until then."""
 
     def __init__(self) -> None:
         self.requested = False

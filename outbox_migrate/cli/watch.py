@@ -1,35 +1,24 @@
-"""`status --watch`: one frame of what a migration is doing and waiting for, read live.
-
-A frame adds to `status` what only the live server knows: whether a runner is at work on the
-table (the session holding its advisory lock) and what it is doing; which sessions hold a lock
-the next step needs, and for how long; which of the next step's checks fail right now (a gate's
-"not yet": old-version sessions connected, ids still arriving, rows left unpublished); the
-relay's backlog and the age of its oldest unpublished row; copy-back's and a running
-VALIDATE's progress with rate and ETA.
-
-Only reads, in autocommit sessions marked read-only, each query its own short transaction
-(no snapshot held between frames): a watch must never be what a migration waits for. A read
-of a table takes ACCESS SHARE, which a step's ACCESS EXCLUSIVE queues behind, so every query
-runs under a statement_timeout below half the runner's lock_timeout (`read_budget_ms`) and a
-lock_timeout that keeps it out of any lock queue: a read that would hold or wait longer is
-given up and the frame says so. A step's sampled gates are not read (their window would hold
-the table for seconds); the runner evaluates them. The runner does not name the watch's
-sessions as holders (lock_budget.WATCH_APPLICATION_NAME), nor does the watch.
-
-Another role's session state is hidden unless our role may see it (pg_read_all_stats); such a
-session is shown as hidden, with the grant. A switching relay that waits records why in its
-application_name (relay/switching.py `mark_waiting`), which every role can read.
-"""
+"""`status --watch`: what a migration is doing and waiting for, read live and shown every
+`--interval` seconds (docs/cli.md, "Watch a migration live"). Only reads, and must never be
+what a migration waits for."""
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
+import sys
+import textwrap
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
 from outbox_migrate.advisory.table_facts import ASSUMED_SCAN_BYTES_PER_S
+from outbox_migrate.cli.signals import Terminated
+from outbox_migrate.cli.wording import status_line
 from outbox_migrate.config import OutboxSpec, Settings
 from outbox_migrate.errors import SchemaError, first_of, shown_state
 from outbox_migrate.jobs.common import backlog
@@ -49,11 +38,12 @@ it switched, or that session no longer does the checks)."""
 
 
 def read_budget_ms(settings: Settings) -> int:
-    """A watch query's statement_timeout: under half the runner's lock_timeout."""
     return max(10, min(WATCH_READ_MS, settings.lock_timeout_ms // 2))
 
 
 def _connect(dsn: str, settings: Settings) -> psycopg.Connection[Any]:
+    # Autocommit: each query its own short transaction, no snapshot held between frames. A
+    # read's ACCESS SHARE queues a step's ACCESS EXCLUSIVE behind it, hence the timeouts.
     return psycopg.connect(
         dsn,
         autocommit=True,
@@ -65,7 +55,6 @@ def _connect(dsn: str, settings: Settings) -> psycopg.Connection[Any]:
 
 
 def _unreadable(exc: psycopg.Error, settings: Settings | None) -> str:
-    """Why a read was given up, in the frame's words."""
     if isinstance(exc, psycopg.errors.LockNotAvailable):
         return "not read: a lock on it is held or requested by the migration (next frame)"
     if isinstance(exc, psycopg.errors.QueryCanceled):
@@ -145,10 +134,8 @@ def _runner_session(conn: psycopg.Connection[Any], label: str) -> dict[str, Any]
 
 
 def holders(conn: psycopg.Connection[Any], step: Step, schema: str) -> list[dict[str, Any]]:
-    """Sessions holding a lock that conflicts with one the step needs: what it waits for.
-
-    The runner does not queue behind them (it watches them go), so they are found from
-    pg_locks' granted locks with the runner's own look (`lock_budget.find_blockers`)."""
+    """Sessions holding a lock that conflicts with one the step needs, found with the runner's
+    own look (`lock_budget.find_blockers`): the runner does not queue behind them."""
     from outbox_migrate.lock_budget import find_blockers
 
     found = find_blockers(conn, [(lock.relation, lock.mode) for lock in step.locks], schema)
@@ -164,11 +151,9 @@ def holders(conn: psycopg.Connection[Any], step: Step, schema: str) -> list[dict
 def failing_checks(
     conn: psycopg.Connection[Any], step: Step, settings: Settings
 ) -> list[dict[str, str]]:
-    """The step's checks that fail now, with what they saw (a gate's "not yet").
-
-    Checks that scan the table are left out (a watch must stay cheap), and so are sampled ones
-    and the checks that compare with their sample: a window would hold the table's lock for
-    seconds, and only the runner's session has the sample."""
+    """The step's checks that fail now, with what they saw. Left out: scan checks, sampled ones
+    (a window would hold the table's lock for seconds) and those that compare with their
+    sample (only the runner's session has it)."""
     failing: list[dict[str, str]] = []
     sampled = {c.name for c in step.preconditions if c.at is CheckPoint.SAMPLED}
     for condition in step.preconditions:
@@ -214,7 +199,6 @@ def _backlog(
 
 
 def _copy_back(conn: psycopg.Connection[Any]) -> dict[str, Any] | None:
-    """Copy-back's progress from its progress table: rows, rate, ETA."""
     from outbox_migrate.jobs.common import STATE_SCHEMA
     from outbox_migrate.jobs.copy_back import PROGRESS_TABLE
 
@@ -308,3 +292,148 @@ SWITCH_WAIT_REASONS = {
     "writing": "a transaction is still writing the flat table",
 }
 """What each of the relay's short codes means (relay/switching.py WAIT_CODES)."""
+
+
+CLEAR = "\x1b[H\x1b[2J"
+BAR_WIDTH = 20
+
+
+def _bar(fraction: float) -> str:
+    filled = round(max(0.0, min(fraction, 1.0)) * BAR_WIDTH)
+    return "[" + "#" * filled + "-" * (BAR_WIDTH - filled) + f"] {fraction:4.0%}"
+
+
+def _age(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds:,.1f} s"
+
+
+def _runner_lines(doc: dict[str, Any]) -> list[str]:
+    runner = doc.get("runner")
+    if runner is None:
+        return ["runner: none at work on this table"]
+    state = runner["state"] or "?"
+    line = f"runner: pid {runner['pid']} ({runner['application'] or 'no name'}), {state}"
+    line += f" for {_age(runner['for_s'])}"
+    if runner["waiting_for_lock"]:
+        line += f", waiting for a lock held by pid {', '.join(map(str, runner['blocked_by']))}"
+    return [line]
+
+
+def _step_lines(doc: dict[str, Any]) -> list[str]:
+    step = doc.get("next_step")
+    if step is None:
+        return []
+    lines = [f"next step: {step['id']}"]
+    lines += [f"  needs {lock['mode']} on {lock['relation']}" for lock in step["locks"]]
+    lines += [
+        f"  blocked by pid {h['pid']} ({h['application'] or 'no name'}, {h['state'] or '?'}, "
+        f"for {_age(h['for_s'])}) holding {h['mode']} on {h['relation']}"
+        for h in doc.get("holders", [])
+    ]
+    if doc.get("checks"):
+        lines.append("  not yet:")
+        lines += [f"    {c['check']}: {c['observed']}" for c in doc["checks"]]
+    return lines
+
+
+def _switch_lines(doc: dict[str, Any]) -> list[str]:
+    skipped = [f"rest of this frame skipped: {doc['skipped']}"] if doc.get("skipped") else []
+    return skipped + [
+        f"switching relay pid {r['pid']} waits ({r['seen_s_ago']:g} s ago): {r['why']}"
+        for r in doc.get("switching_relays") or []
+    ]
+
+
+def _job_lines(doc: dict[str, Any]) -> list[str]:
+    lines = []
+    for table in doc.get("relay") or []:
+        if "error" in table:
+            lines.append(f"backlog of {table['table']}: unreadable ({table['error']})")
+        else:
+            oldest = f", oldest {_age(table['oldest_s'])}" if table["oldest_s"] is not None else ""
+            lines.append(
+                f"backlog of {table['table']}: {table['unpublished']:,} unpublished{oldest}"
+            )
+    copy = doc.get("copy_back")
+    if copy is not None:
+        total = copy["total"]
+        done = f"{copy['rows']:,}" + (f"/{total:,}" if total else "") + " rows"
+        bar = _bar(copy["rows"] / total) + " " if total else ""
+        rate = f", {copy['rows_per_s']:,} rows/s" if copy["rows_per_s"] else ""
+        eta = f", ETA {_age(copy['eta_s'])}" if copy["eta_s"] is not None else ""
+        lines.append(f"copy-back ({copy['state']}): {bar}{done}{rate}{eta}")
+    validate = doc.get("validate")
+    if validate is not None:
+        bar = _bar(validate["fraction"]) + " " if validate["fraction"] is not None else ""
+        lines.append(
+            f"VALIDATE (pid {validate['pid']}): {bar}{_age(validate['running_s'])} of "
+            f"~{_age(validate['expected_s'])} ({validate['basis']})"
+        )
+    return lines
+
+
+def render(doc: dict[str, Any], width: int, now: float | None = None) -> list[str]:
+    """One frame as lines no wider than `width`; step ids are never cut (an id longer than
+    the width stands alone on its line)."""
+    clock = time.strftime("%H:%M:%S", time.localtime(now))
+    head = status_line(doc) if doc["recorded"] else f"no migration recorded for {doc['table']}"
+    raw = [
+        f"{clock}  {head}",
+        *_runner_lines(doc),
+        *_step_lines(doc),
+        *_switch_lines(doc),
+        *_job_lines(doc),
+    ]
+    if doc["steps"]:
+        widest = max(len(s["id"]) for s in doc["steps"])
+        raw.append("steps:")
+        raw += [f"  {s['id']:<{widest}}  {s.get('state', 'pending')}" for s in doc["steps"]]
+    lines: list[str] = []
+    for line in raw:
+        lead = " " * (len(line) - len(line.lstrip()))
+        lines += textwrap.wrap(
+            line.lstrip(), width, initial_indent=lead, subsequent_indent=lead + "  ",
+            break_long_words=False, break_on_hyphens=False,
+        ) or [""]  # fmt: skip
+    return lines
+
+
+def watch(
+    get_frame: Callable[[], dict[str, Any]],
+    *,
+    interval_s: float,
+    count: int | None,
+    json_lines: bool = False,
+) -> None:
+    """Print frames until Ctrl-C or until `count` frames were shown; with `json_lines`, one
+    JSON document per frame and line. Ctrl-C is how a watch is left, not an error: it returns
+    normally (exit 0). SIGTERM still ends it as the CLI's termination."""
+    # A Ctrl-C mid-query leaves psycopg unable to roll back the read-only session as it
+    # closes, which it reports at WARNING; for a watch that is the normal way out.
+    quiet = logging.getLogger("psycopg")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        terminal = sys.stdout.isatty() and not json_lines
+        shown = 0
+        while count is None or shown < count:
+            started = time.monotonic()
+            document = get_frame()
+            if json_lines:
+                sys.stdout.write(json.dumps(document, default=str) + "\n")
+            else:
+                lines = render(document, shutil.get_terminal_size((80, 24)).columns)
+                lead = CLEAR if terminal else ("\n" if shown else "")
+                sys.stdout.write(lead + "\n".join(lines) + "\n")
+            sys.stdout.flush()
+            shown += 1
+            if count is not None and shown >= count:
+                break
+            time.sleep(max(interval_s - (time.monotonic() - started), 0.0))
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Terminated):
+            raise
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    finally:
+        quiet.setLevel(level)

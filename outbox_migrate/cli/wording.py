@@ -1,9 +1,5 @@
-"""Small words for people-facing lines: counts with the right plural ("1 step", "2 steps"),
-prose wrapped to the terminal without cutting a word, commands split where the shell joins.
-
-Plain text only: kept apart from console.py (the one module that imports rich) so commands
-and tests can use it without loading rich.
-"""
+"""Plain-text wording for people-facing lines: plurals, prose wrapped without cutting a word,
+commands split where the shell joins them. No rich here (console.py has it)."""
 
 from __future__ import annotations
 
@@ -31,10 +27,8 @@ _NBSP = "\u00a0"  # textwrap splits on ASCII whitespace only: a no-break space h
 
 
 def wrap_text(message: str, width: int, *, hang: int | None = None) -> list[str]:
-    """`message` wrapped to `width` at spaces, each line on its own: a line's leading indent
-    and bullet ("  - ") become the hanging indent of its continuation (or `hang` spaces).
-    Words are never cut — a step id or a path longer than the terminal stays whole on a line
-    of its own."""
+    """Each line of `message` wrapped to `width` at spaces, never inside a word; its leading
+    indent and bullet ("  - ") become the hanging indent of its continuation (or `hang`)."""
     out: list[str] = []
     for line in message.split("\n"):
         if len(line) <= width or not line.strip():

@@ -1,13 +1,5 @@
-"""`rehearse`: the whole migration on a copy of the user's outbox before it meets production.
-
-The live table's shape and load are read (read-only sessions; see `source`), the same table is
-rebuilt and filled in a scratch database (`scratch`), and the demo's harness runs the pattern
-there — writers and relays of every application version at the measured insert rate, the
-runner's steps between rolling deploys — with the same report. On top: the source's size and
-rates, and how long the steps that scan or copy the table would take at the real size,
-extrapolated from the scratch run. Must never write to the source; the scratch database is
-created fresh on each run.
-"""
+"""`rehearse`: the whole migration on a copy of the user's outbox, under its measured load
+(docs/cli.md, "Rehearse on a copy"). Must never write to the source."""
 
 from __future__ import annotations
 
@@ -54,9 +46,7 @@ def rehearse(
     output_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Measure, rebuild, run; the demo's report plus `source`, `scratch` and `extrapolated`.
-
-    `shape`: the source as `check_source` read it (the CLI reads it before it replaces the
-    scratch databases, so a refused source leaves the scratch server alone)."""
+    `shape` is read first (`check_source`), so a refused source leaves the scratch server alone."""
     from outbox_migrate.rehearse import scratch
     from outbox_migrate.rehearse.source import measure_rates, read_only_connect
     from outbox_migrate.sim import simulate
@@ -150,14 +140,9 @@ def _measure_scan(conn: psycopg.Connection[Any], spec: OutboxSpec) -> tuple[int,
 
 
 def extrapolate(report: dict[str, Any], scratch_dsn: str) -> list[dict[str, Any]]:
-    """How long the size-bound steps would take on the source: a fixed part (the step's
-    scratch time less its scan) plus the scan scaled by heap bytes; copy-back by its
-    measured copy rate.
-
-    A small copy's step time is almost all fixed cost, so scaling it whole would overstate
-    the scan. Linear in bytes is the first-order model for a sequential scan or a keyset
-    copy on the same hardware (no cache effects, no busier server); `sure` says when the
-    scratch scan was too short to measure a rate at all."""
+    """How long the size-bound steps would take on the source (docs/cli.md, "Rehearse on a
+    copy"). The fixed part is kept apart from the scan: a small copy's step time is almost all
+    fixed cost, and scaling it whole would overstate the scan."""
     from outbox_migrate.jobs.common import STATE_SCHEMA, Relation, exists
     from outbox_migrate.jobs.copy_back import PROGRESS_TABLE
 

@@ -1,12 +1,6 @@
-"""The scratch copy: the live outbox's schema rebuilt in another database, and rows to fill it.
-
-What cannot be carried is left out and said (`Rebuilt.skipped`), never silently dropped from
-the report: foreign keys (their targets are not copied), trigger functions that depend on
-other objects, grants to roles the scratch server cannot create. Types, defaults and the
-definitions of indexes, constraints and triggers come verbatim from the source's catalog
-(`format_type`, `pg_get_expr`, `pg_get_indexdef`, …): SQL PostgreSQL itself rendered, so
-they are used as SQL text; every name we compose is quoted with `psycopg.sql`.
-"""
+"""The scratch copy: the live outbox's schema rebuilt in another database, and rows to fill it;
+what cannot be carried is listed (`Rebuilt.skipped`). Types, defaults and definitions are SQL
+PostgreSQL itself rendered, used as SQL text; every name we compose is quoted with `psycopg.sql`."""
 
 from __future__ import annotations
 
@@ -39,8 +33,6 @@ class ScratchError(OutboxMigrateError):
 
 @dataclass
 class Rebuilt:
-    """What the scratch copy carries, and what it had to leave out (with the reason)."""
-
     rows: int = 0
     skipped: list[str] = field(default_factory=list)
     heap_bytes: int = 0
@@ -153,10 +145,9 @@ def _made_up(
 
 
 def rebuild(conn: psycopg.Connection[Any], shape: SourceShape, spec: OutboxSpec) -> Rebuilt:
-    """Create the table with its types, sequences, constraints, indexes, triggers and grants.
-
-    Runs in one transaction per object that may fail (a savepoint), so one object the scratch
-    server cannot take is skipped and reported while the rest is built."""
+    """Create the table with its types, sequences, constraints, indexes, triggers and grants;
+    an object that may fail gets a savepoint, so one the scratch server cannot take is skipped
+    and reported while the rest is built."""
     facts = shape.facts
     done = Rebuilt()
     table = sql.Identifier(spec.schema, spec.table)

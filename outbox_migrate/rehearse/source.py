@@ -1,10 +1,6 @@
-"""What `rehearse` reads from the live database: the outbox's shape and how busy it is.
-
-Only reads. Every session opened here runs with `default_transaction_read_only=on`, so even
-a bug in this module cannot write to the source: PostgreSQL itself refuses. A role with
-SELECT on the table (and none of CREATE) is enough; nothing here takes a lock stronger than
-the ACCESS SHARE of a plain SELECT.
-"""
+"""What `rehearse` reads from the live database: the outbox's shape and how busy it is. Only
+reads: every session runs with `default_transaction_read_only=on`, so PostgreSQL itself
+refuses a write."""
 
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ from outbox_migrate.config import OutboxSpec
 
 @dataclass(frozen=True)
 class Rates:
-    """Rows per second seen in the statistics views over `measured_over_s` (the names are
-    the report's)."""
+    """Rows per second in the statistics views over `measured_over_s` (the report's names)."""
 
     measured_over_s: float
     inserts_per_s: float
@@ -101,12 +96,9 @@ def read_shape(dsn: str, spec: OutboxSpec, pattern: str) -> SourceShape:
 
 
 def measure_rates(dsn: str, spec: OutboxSpec, seconds: float) -> Rates:
-    """Inserts, updates and deletes per second from `pg_stat_user_tables` over `seconds`.
-
-    Counters reach the view when a backend flushes its statistics (within about a second
-    of a commit), so a window of a few seconds is needed for a steady figure; each read is
-    its own transaction, so the view's snapshot is fresh every time.
-    """
+    """Inserts, updates and deletes per second from `pg_stat_user_tables` over `seconds`: a
+    backend flushes its counters within about a second of a commit, so a steady figure needs
+    a few seconds; each read is its own transaction, so the view's snapshot is fresh."""
     query = (
         "SELECT coalesce(n_tup_ins, 0), coalesce(n_tup_upd, 0), coalesce(n_tup_del, 0) "
         "FROM pg_stat_user_tables WHERE relid = to_regclass(%s)"

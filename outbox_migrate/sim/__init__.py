@@ -1,11 +1,5 @@
-"""The proof harness: the spec's application under live load, rolled like a real deploy.
-
-Writers and relays of each application version V1..V4 run as separate processes against a
-real PostgreSQL; a choreographer rolls versions (old and new coexist, then the old drains
-away), runs the runner's steps at each boundary, and every published message lands in a
-recording table in another database. The report counts produced, published, lost and
-duplicated messages and measures insert latency and publish gaps around every step.
-"""
+"""The proof harness: the spec's application under live load, rolled like a real deploy, and
+its report (docs/demo.md)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""The simulated application instances: writer and relay processes of one version.
-
-Each runs in its own process (forked from a clean forkserver, so no state leaks from the
-parent), with its own connection and `application_name`, so deploy gates see them exactly as
-they would see real instances. Results come back through a queue when the instance stops.
-
-Ctrl-C in a terminal reaches the whole process group: each instance ignores SIGINT and
-leaves stopping to the parent (through its `stop` event), so it reports its results instead
-of dying with a traceback.
-"""
+"""The simulated application instances: writer and relay processes of one version, each with
+its own connection and `application_name`, so deploy gates see them as real instances."""
 
 from __future__ import annotations
 
@@ -103,7 +95,6 @@ def relay_main(
     dsn: str, recording_dsn: str, version: str, instance: int, mode: Mode, scenario: Scenario,
     stop: Any, results: Any, ready: Any,
 ) -> None:  # fmt: skip
-    """Run a `Relay` of this version until `stop`, publishing into the recording sink."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from outbox_migrate.relay.worker import Relay
     from outbox_migrate.sim.recording import RecordingSink

@@ -1,11 +1,5 @@
 """The choreographer: rolls application versions like a rolling deploy and runs the runner's
-steps at each boundary, while writers and relays keep the outbox busy.
-
-Per phase: the runner applies the phase's database steps (waiting, as an operator would,
-while a deploy gate says the previous rollout is not finished), then the new version's
-instances start, old and new coexist for a while, and the old ones stop — writers first,
-relays after, so what the old version wrote is still published by someone.
-"""
+steps at each boundary, while writers and relays keep the outbox busy (docs/demo.md)."""
 
 from __future__ import annotations
 
@@ -71,8 +65,6 @@ class StepRecord:
 
 @dataclass
 class Snapshot:
-    """What the live view shows."""
-
     elapsed_s: float
     phase: str
     step: str
@@ -85,8 +77,6 @@ class Snapshot:
 
 @dataclass
 class RunData:
-    """Everything the report is computed from."""
-
     scenario: Scenario
     started: float
     finished: float = 0.0
@@ -327,18 +317,16 @@ class Choreographer(SilentEvents):
         self._next_window(None)
 
     def _next_window(self, version: str | None) -> None:
-        """Close the phase window in progress, labelled with the version whose deploy opened
-        it, and open one for `version` (None: none)."""
+        """Close the phase window in progress (labelled with the version whose deploy opened
+        it), and open one for `version`."""
         now = time.time()
         if self._window is not None:
             self.data.phase_windows.append((*self._window, now))
         self._window = None if version is None else (version, now)
 
     def _wrong_v3(self, phase: Phase) -> None:
-        """Try V3 while the forgotten V1 writer still inserts into the old table: the runner
-        must refuse. Then name the rows V3 would have stranded (written by V1 after the
-        rollout thought it was done; with V3 publishing only from the new table nobody would
-        ever publish them), and finish the rollout properly: stop the writer, retry."""
+        """Try V3 while the forgotten V1 writer still inserts into the old table (the runner
+        must refuse), name the rows V3 would have stranded, then stop the writer and retry."""
         tried_at = time.time()
         ok = self._run_phase(phase, patience_s=WRONG_CHOREOGRAPHY_PATIENCE_S)
         refusal = self.data.refusal or {}
@@ -363,7 +351,6 @@ class Choreographer(SilentEvents):
         }
 
     def _collect(self) -> None:
-        """Move a finished instance's result, if one comes, from the queue into the run data."""
         try:
             with _signals_deferred():  # an interrupt mid-message would corrupt the pipe
                 kind, result = self._results.get(timeout=COLLECT_POLL_S)
@@ -373,11 +360,9 @@ class Choreographer(SilentEvents):
         (self.data.writers if kind == "writer" else self.data.relays).append(result)
 
     def _shutdown(self, *, drain: bool = True) -> None:
-        """Stop writers, let the relays drain what is left, then stop them. Interrupted:
-        every instance is stopped at once and what is left is counted as backlog.
-
-        Then every stopped instance's result: wait for exactly those (not a fixed time), so
-        the report counts every message written and an interrupt ends promptly."""
+        """Stop writers, let the relays drain what is left, then stop them (interrupted: every
+        instance at once, what is left counted as backlog). Then wait for exactly the stopped
+        instances' results, not a fixed time: every message written counted, an interrupt prompt."""
         if drain:
             for version in list(self._instances):
                 self._stop(version, "writer")
@@ -409,7 +394,6 @@ def _demo_outbox(dsn: str) -> None:
 
 
 def _backlog(conn: psycopg.Connection[Any], spec: OutboxSpec) -> int:
-    """Unpublished rows in the old and the new outbox (whichever exist)."""
     found = (backlog(conn, spec, t) for t in (spec.table, spec.partitioned_table))
     return sum(f[0] for f in found if f is not None)
 

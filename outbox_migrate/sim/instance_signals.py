@@ -1,15 +1,10 @@
-"""Imported by the demo's forkserver only (its preload list), for this side effect: SIGINT
-ignored from the moment an instance process exists.
-
-The forkserver records the SIGINT disposition it had after its preload imports and restores
-it in every child it forks. With the default handler restored, a Ctrl-C (sent to the whole
-terminal process group) that lands while a child is still in multiprocessing's bootstrap —
-before the instance's own code ignores it — printed a KeyboardInterrupt traceback from that
-child. Instances are stopped by the parent through their `stop` event instead.
-"""
+"""Preloaded by the demo's forkserver for this side effect: SIGINT ignored from the moment an
+instance process exists (instances are stopped through their `stop` event)."""
 
 from __future__ import annotations
 
 import signal
 
+# The forkserver restores its post-preload disposition in every child: with the default one, a
+# Ctrl-C during a child's multiprocessing bootstrap would print a traceback from that child.
 signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,9 +1,5 @@
-"""The recording sink: every published message lands in a table in a separate database.
-
-The sink is a real at-least-once consumer: it commits the batch before returning, and the
-relay marks rows published only after that, exactly as with a broker acknowledgement.
-Duplicates are kept (one row per delivery) so the report can count them.
-"""
+"""The recording sink: every published message lands, one row per delivery, in a table in a
+separate database (docs/demo.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The proof: counts, latencies and gaps computed from a simulation run, plus the plots.
-
-`lost` is the number of message keys a writer committed that never reached the recording
-sink; it must be 0. Latencies are client-side insert times, as the application feels them.
-"""
+"""The proof: counts, latencies (client-side, as the application feels them) and gaps from a
+simulation run, and its plots; `lost` must be 0."""
 
 from __future__ import annotations
 

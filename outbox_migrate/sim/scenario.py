@@ -46,7 +46,6 @@ class Scenario:
 
     @property
     def coexist_s(self) -> float:
-        """How long old and new instances run side by side during a rollout."""
         return max(1.0, self.segment_s / 2)
 
 

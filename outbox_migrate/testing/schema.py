@@ -1,11 +1,6 @@
-"""Reference outbox schemas for tests, benchmarks and the simulator.
-
-The flat table is the spec's traditional outbox plus two columns relays commonly need
-(`event_type` for headers, `message_key` for broker keys / de-duplication). The partitioned
-layout is the spec's target, built directly here (the migration builds it through the
-catalog's steps instead), and so is the state HOPER's copy-back starts from
-(`build_after_v4`).
-"""
+"""Reference outbox schemas for tests, benchmarks and the simulator: the spec's flat outbox
+(plus `event_type` and `message_key`), its partitioned target built directly, and the state
+HOPER's copy-back starts from (`build_after_v4`)."""
 
 from __future__ import annotations
 

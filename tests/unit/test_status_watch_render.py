@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from outbox_migrate.cli.status_watch import render
+from outbox_migrate.cli.watch import render
 
 LONG_ID = "hoper.copy-back.a-step-id-longer-than-any-terminal-is-wide-" + "x" * 40
 
