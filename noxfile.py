@@ -21,7 +21,7 @@ EXTRAS = ".[dev,embedded,demo,kafka,rabbitmq,nats,redis,http,metrics,test-broker
 
 
 def _install(session: nox.Session) -> None:
-    session.install("-e", EXTRAS)
+    session.install("-e", EXTRAS, "-e", "./harness")
 
 
 @nox.session
