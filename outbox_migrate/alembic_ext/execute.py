@@ -1,16 +1,5 @@
-"""How an outbox-migrate operation runs inside Alembic, online and offline (`--sql`).
-
-Online, the step goes through the runner on Alembic's own psycopg connection, so
-preconditions, the lock budget, the advisory lock and the ledger behave exactly as with
-`outbox-migrate run`. Offline, the same step compiles to SQL in which every precondition is
-a `DO … RAISE EXCEPTION` assertion inside the step's transaction.
-
-Transactions: a step either joins the revision's own transaction (generated revisions hold
-one step each and ask for it, when `transaction_per_migration` gives every revision its own
-transaction) — then the step, its ledger row and alembic_version commit together — or it runs
-in its own transaction inside `autocommit_block()`. `SET LOCAL` timeouts therefore end with
-the step's transaction and never reach the next step. Non-transactional steps (CONCURRENTLY,
-the copy-back job) always run inside `autocommit_block()`.
+"""How an outbox-migrate operation runs inside Alembic: online through the runner on Alembic's
+own connection, offline (`--sql`) as SQL with every precondition an assertion (docs/alembic.md).
 """
 
 from __future__ import annotations
@@ -119,7 +108,8 @@ def revision_has_own_transaction(ctx: MigrationContext) -> bool:
 
 
 def joins_revision(ctx: MigrationContext, steps: list[Step], requested: bool) -> bool:
-    """Whether the steps run inside the revision's transaction (else: their own)."""
+    """Whether the steps run inside the revision's transaction (else: their own). A step that
+    refuses a transaction block (CONCURRENTLY, the copy-back job) never joins it."""
     return (
         requested
         and len(steps) == 1

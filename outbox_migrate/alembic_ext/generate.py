@@ -1,8 +1,5 @@
-"""`outbox-migrate alembic generate`: write a pattern's revisions into an Alembic project.
-
-Uses Alembic's own machinery (`ScriptDirectory` for the head, `command.revision` with the
-project's `script.py.mako`, filename template and post-write hooks), so the files look like
-the project's other revisions. Library code: returns what it wrote, never prints.
+"""`outbox-migrate alembic generate`: write a pattern's revisions with Alembic's own machinery,
+so they look like the project's other revisions. Returns what it wrote; never prints.
 """
 
 from __future__ import annotations

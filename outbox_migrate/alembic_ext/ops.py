@@ -1,8 +1,5 @@
-"""The Alembic operations `op.outbox_step`, `op.outbox_reverse_step`, `op.outbox_phase` and
-`op.outbox_reverse_phase` (Alembic's operation-plugin API), and how autogenerate renders them.
-
-The op objects are inert (a step id, the pinned names); `execute.py` runs them. Each op knows
-its `reverse()`, so a revision written from them gets its downgrade for free.
+"""The Alembic operations `op.outbox_*` and how autogenerate renders them. The op objects are
+inert (`execute.py` runs them); each knows its `reverse()`, so a revision gets its downgrade.
 """
 
 from __future__ import annotations
@@ -102,7 +99,6 @@ class ReverseOutboxStepOp(_OutboxOp):
         include_optional: bool = False,
         in_revision_transaction: bool = False,
     ) -> Any:
-        """Run the step's reverse; raise `OutOfOrder` when the step is irreversible."""
         op = cls(step_id, spec=spec, include_optional=include_optional,
                  in_revision_transaction=in_revision_transaction)  # fmt: skip
         return operations.invoke(op)
@@ -147,7 +143,6 @@ class ReverseOutboxPhaseOp(_OutboxOp):
         spec: Mapping[str, Any] | None = None,
         include_optional: bool = False,
     ) -> Any:
-        """Reverse `phase`'s steps, newest first."""
         return operations.invoke(
             cls(pattern, phase=phase, spec=spec, include_optional=include_optional)
         )

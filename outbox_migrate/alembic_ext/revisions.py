@@ -1,7 +1,5 @@
-"""Which Alembic revisions a pattern becomes: pure planning over inert `Pattern` data.
-
-No Alembic import and no I/O, so the split rules are unit-tested directly. Writing the files
-is `generate.py`'s job; running them is `execute.py`'s.
+"""Which Alembic revisions a pattern becomes: pure planning over inert `Pattern` data, with no
+Alembic import and no I/O.
 """
 
 from __future__ import annotations

@@ -1,6 +1,3 @@
-"""Background jobs that run beside the application: HOPER's copy-back and outbox maintenance.
-
-Each job is a library object (no printing, no exiting) that a CLI command, a test or a
-benchmark drives; the job owns its own state table under the `outbox_migrate` schema so a
-restart continues where the previous process stopped.
+"""Background jobs beside the application: HOPER's copy-back and outbox maintenance. Library
+code that a CLI command, a test or a benchmark drives: it never prints or exits.
 """

@@ -1,17 +1,5 @@
-"""How bloated a btree index is: measured with pgstattuple, or estimated from statistics.
-
-The unpublished partition's index is the outbox's hot spot: every publish deletes a row from
-that partition (the cross-partition UPDATE), and VACUUM can mark the emptied leaf pages
-deleted but never gives the space back, so the index keeps its peak size. Two ways to see it:
-
-- `pgstattuple`'s `pgstatindex()`: exact, but needs the extension (a superuser creates it)
-  and reads every index page.
-- A statistics-based estimate (in the spirit of ioguix's btree bloat query): the size the
-  index would have if freshly built — the table's `reltuples` times the entry width from
-  `pg_stats`, packed at the index's fillfactor — against its real size. Cheap and available
-  to any role that may read the table, but only as fresh as the last ANALYZE/VACUUM.
-
-Read-only: this module never changes the index; `reindex` decides what to do about it.
+"""How bloated a btree index is: measured with pgstattuple, or estimated from statistics
+(docs/maintenance.md). Read-only: `reindex` decides what to do about it.
 """
 
 from __future__ import annotations
@@ -41,8 +29,6 @@ Method = Literal["pgstattuple", "estimate"]
 
 @dataclass(frozen=True)
 class IndexBloat:
-    """One index's size and how much of it is bloat."""
-
     index: str
     table: str
     size_bytes: int

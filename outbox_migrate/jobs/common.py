@@ -1,7 +1,5 @@
-"""Small catalog and session helpers shared by the jobs (copy-back, maintenance).
-
-Only read-only catalog look-ups and session settings live here; each job decides on its own
-what to change. Identifiers are always composed with `psycopg.sql`, never formatted as text.
+"""Read-only catalog look-ups and session helpers shared by the jobs; each job decides on its
+own what to change. Identifiers are composed with `psycopg.sql`, never formatted as text.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
-"""HOPER's copy-back: move every row of the detached published partition into the old table.
-
-After HOPER's V4 swap the old flat table is the DEFAULT partition of the partitioned outbox
-and the former DEFAULT partition (the *source*) is a detached, standalone table holding the
-rows published between V2 and V4. This job copies those rows into the old table (the
-*target*) in keyset batches by id, verifies the copy range by range, and only then drops the
-source. It must never drop a source whose rows are not all, identically, in the target.
-
-Safety properties, and how they are kept:
-- Idempotent: `ON CONFLICT (id) DO NOTHING` on the target's primary key, so a batch copied
-  twice (a crash between commit and acknowledgement) is harmless.
-- Resumable: each batch and its high-water mark commit in one statement (one transaction), so
-  the persisted mark never runs ahead of, nor behind, the data.
-- Gentle: every batch is its own short transaction (no long snapshot holds back vacuum of
-  the busy unpublished partition); a `Throttle` caps the rate and backs off on measured
-  foreground impact.
-- Verified: per-id-range row counts and md5 checksums, source vs target; a mismatch names
-  the ranges and the drop is refused.
-
-Table and column names come from `OutboxSpec`; this module never prints and never exits.
+"""HOPER's copy-back: copy the detached published partition into the old table, verify, drop
+(docs/copy-back.md). It must never drop a source whose rows are not all, identically, in the
+target.
 """
 
 from __future__ import annotations

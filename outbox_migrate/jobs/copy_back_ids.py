@@ -1,12 +1,5 @@
-"""How copy-back carries ids: one strategy for integer and application ids (uuid, ULID).
-
-Every id leaves the server as text and every bound goes back cast to the id column's own type
-(read from the catalog), so the batch statement, the high-water mark, resuming and
-verification are one code path whatever the ids are. Integer ids differ in two facts only,
-kept here: they have `min()`/`max()` (one scan for the source's ends instead of three; uuid
-has neither) and arithmetic (a verification range is `width` ids wide; an application-id
-range is `width` rows, the last one unbounded). Composes SQL; runs only catalog and read-only
-queries on the source, never DDL.
+"""How copy-back carries ids: one code path for integer and application ids (uuid, ULID), as
+text cast back to the id column's type. Composes SQL; runs only read-only queries, never DDL.
 """
 
 from __future__ import annotations
@@ -74,6 +67,7 @@ class CopyIds:
 
     def ends(self, conn: psycopg.Connection[Any]) -> tuple[int, str | None, str | None]:
         """The source's row count, lowest and highest id (as text), read on `conn`."""
+        # Integer ids have min()/max(): one scan instead of three (uuid has neither).
         if self.integer:
             ends = sql.SQL("count(*), min({id})::text, max({id})::text").format(id=self.column)
         else:

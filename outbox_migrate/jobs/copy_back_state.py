@@ -1,11 +1,5 @@
 """Copy-back's progress table: one row per (source, target) with the high-water mark and the
-copied / verified / dropped stamps.
-
-Reading the state never runs DDL. The table is created, or given its `high_water_id` (the
-mark as text; integer ids keep `high_water` too), once at the job's start (`ensure`): only
-when the catalog says it is missing, under the lock budget — `ADD COLUMN IF NOT EXISTS` on
-every read would queue an ACCESS EXCLUSIVE lock behind any reader and block every later one.
-A read of a table without it falls back to `high_water`.
+copied / verified / dropped stamps. Reading the state never runs DDL.
 """
 
 from __future__ import annotations
@@ -55,6 +49,8 @@ class ProgressTable:
                 " PRIMARY KEY (source_schema, source_table, target_schema, target_table))"
             ).format(t=self.rel.ident)
         )
+        # Only when the catalog says it is missing: ADD COLUMN IF NOT EXISTS would queue an
+        # ACCESS EXCLUSIVE lock behind any reader and block every later one.
         if self._has_text_mark():
             return
         statement = sql.SQL("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {c} text").format(
@@ -109,12 +105,11 @@ class ProgressTable:
         assert state is not None
         return state
 
-    def stamp(self, column: str, conn: psycopg.Connection[Any] | None = None) -> None:
-        """Stamp `copied_at`, `verified_at` or `dropped_at` (on `conn`: inside its transaction)."""
-        conn = conn or self.conn
-        if not common.exists(conn, self.rel):
+    def stamp(self, column: str) -> None:
+        """Stamp `copied_at`, `verified_at` or `dropped_at`."""
+        if not common.exists(self.conn, self.rel):
             return
-        conn.execute(
+        self.conn.execute(
             sql.SQL("UPDATE {t} SET {c} = now(), updated_at = now()" + _PAIR).format(
                 t=self.rel.ident, c=sql.Identifier(column)
             ),

@@ -1,8 +1,5 @@
-"""Copy-back's verification: every source row compared with the target, range by range.
-
-Each range is one short statement (row counts and md5 checksums of both sides), so verifying
-a large source never holds a snapshot for long — which would stop vacuum from cleaning the
-busy unpublished partition. Reads only; the job stamps `verified_at` when this passes.
+"""Copy-back's verification: every source row compared with the target, one short statement
+per range. Reads only; the job stamps `verified_at` when this passes.
 """
 
 from __future__ import annotations
@@ -58,7 +55,6 @@ class Verification:
         return not self.differing and self.source_rows == self.matched_rows
 
     def check(self) -> None:
-        """Raise `VerificationFailed` unless every source row matched."""
         if not self.passed:
             raise VerificationFailed(self.source, self.target, list(self.differing))
 

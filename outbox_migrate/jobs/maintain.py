@@ -1,19 +1,5 @@
-"""Outbox maintenance, one pass at a time: autovacuum settings, index bloat, REINDEX, retention.
-
-A pass finds the partitions from the catalog (the `FOR VALUES IN (NULL)` partition and the
-DEFAULT partition of the partitioned outbox), so it is right both for a fresh layout and after
-HOPER/HOPIA/COPRA, where the DEFAULT partition is the old table. What a pass does, in order:
-
-1. the published partition gets the spec's insert-only autovacuum settings (checked, and
-   applied unless told not to);
-2. the unpublished partition is vacuumed and analyzed (it is small by design, so this is
-   cheap) — that is what turns the dead entries of published rows into measurable index
-   bloat and refreshes the statistics the estimate needs;
-3. each btree index of the unpublished partition is measured and, above the threshold,
-   rebuilt with REINDEX CONCURRENTLY, one at a time (see `reindex` for the guards);
-4. optionally, rows published before a retention cutoff are deleted in gentle batches.
-
-The pass returns a report; it never prints. `maintain_loop` repeats it on an interval.
+"""Outbox maintenance, one pass at a time: autovacuum settings, index bloat, REINDEX, retention
+(docs/maintenance.md). A pass returns a report; it never prints.
 """
 
 from __future__ import annotations
@@ -53,20 +39,7 @@ DEFAULT_INTERVAL_S = 300.0
 VACUUM_LOCK_TIMEOUT_MS = 5_000
 
 
-# -- autovacuum settings -------------------------------------------------------------------
-#
-# Per-partition autovacuum settings for the outbox: the spec's insert-only tuning, applied and
-# checked.
-#
-# The published partition only ever receives inserts (the publisher's cross-partition UPDATE
-# lands there as an insert) and can grow without bound. With the default scale factors its
-# vacuum and analyze runs get rarer as it grows (20 % / 10 % of an ever larger table); the spec
-# instead runs both every fixed number of inserted rows, whatever the size. The unpublished
-# partition is small and churns, so the defaults suit it and we leave it alone.
-#
-# Setting storage parameters takes SHARE UPDATE EXCLUSIVE: it does not block the application's
-# reads or writes, but it waits for a running (auto)vacuum, so it runs under a lock_timeout and
-# reports "busy" instead of queueing.
+# -- autovacuum settings of the published partition (docs/maintenance.md, section 1) --------
 
 DEFAULT_EVERY_ROWS = 100_000
 """Vacuum and analyze the published partition every this many inserted rows (the spec's)."""

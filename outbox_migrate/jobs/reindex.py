@@ -1,14 +1,5 @@
-"""REINDEX INDEX CONCURRENTLY for the outbox's hot index, done so it cannot hurt the writers.
-
-REINDEX CONCURRENTLY takes only SHARE UPDATE EXCLUSIVE on the table (inserts, updates and
-deletes carry on), but it waits, several times, for every transaction that could still see
-the old index. A transaction left open for hours would hold it in those waits for hours, so
-we refuse to start while any transaction in this database is older than a budget. If it
-fails anyway (a lock timeout, a cancel, a crash of this process) PostgreSQL leaves an invalid
-`<index>_ccnew` (or `_ccold`) behind that every write still has to maintain; we drop such
-leftovers after any failure and before every start.
-
-One index at a time, and one maintainer at a time (a session advisory lock per table).
+"""REINDEX INDEX CONCURRENTLY for the outbox's hot index, done so it cannot hurt the writers:
+refused under an old transaction, leftovers dropped, one maintainer per table.
 """
 
 from __future__ import annotations

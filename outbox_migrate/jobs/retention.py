@@ -1,15 +1,5 @@
-"""Retention for the published partition: delete rows published before a cutoff, gently.
-
-The generic path works on any table, indexed or not: it walks the heap in ranges of blocks
-(`ctid` range conditions, a TID Range Scan on PostgreSQL 14+), deleting the old rows of one
-range per transaction and sleeping to stay under a rows/s ceiling. Each batch's work is
-bounded by the block range, not by how many old rows there are, and nothing long-lived holds
-a snapshot. A full pass still reads the whole partition; where the partition is the tool's
-own table, sub-partitioning it by time makes retention a partition drop instead
-(docs/maintenance.md).
-
-Retention refuses to touch a table that HOPER's copy-back is still filling: deleting rows
-the copy has written would make its verification fail.
+"""Retention for the published partition: delete rows published before a cutoff in block-range
+batches, gently. It must not touch a table that HOPER's copy-back is still filling.
 """
 
 from __future__ import annotations
@@ -74,7 +64,6 @@ def delete_published_before(
     max_rows_per_s: float = DEFAULT_MAX_ROWS_PER_S,
     stop: threading.Event | None = None,
 ) -> RetentionResult:
-    """Delete rows of `table` whose `published_column` is older than `older_than`."""
     age_s = older_than.total_seconds()
     if copy_back_pending(conn, table):
         pending = "HOPER copy-back into this table is not finished"

@@ -1,11 +1,5 @@
 """How fast a background job may go: a target rate plus back-off on measured foreground impact.
-
-The decision functions are pure (what pause follows from these numbers) and unit-tested; the
-drivers below them only measure. Impact is read from replica lag when the primary has
-streaming replicas (`pg_stat_replication`), because a lagging replica is what a bulk copy
-hurts first there; without replicas a background thread times a tiny query shaped like the
-relay's hot query, so a copy that slows the foreground shows up while the copy is running,
-not only in the gaps between batches.
+The decision functions are pure; the drivers below them only measure.
 """
 
 from __future__ import annotations
@@ -62,8 +56,6 @@ class ThrottlePolicy:
 
 @dataclass(frozen=True)
 class Impact:
-    """One reading of foreground impact."""
-
     source: Literal["replica_lag", "latency_probe", "none"]
     value: float
     """Seconds of replica lag, or milliseconds of probe latency."""
@@ -80,7 +72,6 @@ def rate_pause_s(done: int, elapsed_s: float, rate_rows_per_s: float | None) -> 
 
 
 def pause(seconds: float, stop: threading.Event | None) -> None:
-    """Sleep `seconds`, or less when `stop` is set meanwhile."""
     if stop is not None:
         stop.wait(seconds)
     else:
@@ -252,6 +243,7 @@ class Throttle:
     def measure(self) -> Impact:
         if not self.policy.adaptive:
             return Impact("none", 0.0, 0.0, False)
+        # Replica lag first where there are replicas: that is what a bulk copy hurts first.
         replica = replica_impact(self._conn, self.policy)
         if replica is not None:
             return replica

@@ -1,19 +1,5 @@
-"""Retention as a partition drop: a published partition sub-partitioned by publication time.
-
-Where the published (DEFAULT) partition is the tool's own table it can itself be
-`PARTITION BY RANGE (published_at)`, one sub-partition per month (or week, or day). Then
-retention detaches and drops whole sub-partitions instead of deleting rows, and maintenance
-keeps the next few sub-partitions created ahead, so the publisher's cross-partition UPDATE
-always finds the current period's table.
-
-Lock choices, because the publisher writes into this table continuously:
-- a new sub-partition is built standalone (`CREATE TABLE … LIKE`, with a CHECK matching its
-  bounds) and then ATTACHed: ATTACH takes SHARE UPDATE EXCLUSIVE on the parent, which does
-  not block the publisher (CREATE TABLE … PARTITION OF would take ACCESS EXCLUSIVE);
-- an expired sub-partition is DETACHed CONCURRENTLY (no ACCESS EXCLUSIVE on the parent) when
-  the parent has no DEFAULT sub-partition; PostgreSQL forbids CONCURRENTLY otherwise, and then
-  a plain DETACH runs under a short lock_timeout with retries, so it never queues in front of
-  the publisher for long. The detached table is dropped afterwards (nobody uses it).
+"""Retention as a partition drop: a published partition sub-partitioned by publication time,
+its sub-partitions created ahead and dropped when expired, never blocking the publisher.
 """
 
 from __future__ import annotations
@@ -143,6 +129,8 @@ def ensure_ahead(
         sub = Relation(table.schema, name)
         check = sql.Identifier(common.fit_identifier(name, "_bounds"))
         bounds = {"lo": sql.Literal(start), "hi": sql.Literal(end), "col": sql.Identifier(column)}
+        # Built standalone, then ATTACHed: ATTACH takes SHARE UPDATE EXCLUSIVE on the parent,
+        # which the publisher does not conflict with (PARTITION OF takes ACCESS EXCLUSIVE).
         conn.execute(
             sql.SQL("CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS)").format(
                 sub.ident, table.ident

@@ -1,28 +1,7 @@
-"""Failed messages, counted in the database until they are published or dead-lettered.
-
-One policy for the polling and CDC relays: each failure adds one attempt in
-`<dead_letter_table>_attempts` (a restart cannot reset it); at `max_attempts` the message goes
-to the dead-letter table with its reasons. What counts as an attempt:
-
-* the sink refused it (`MessagesRejected`): with a backoff, a refusal may be transient;
-* the row cannot become a message, the sink cannot represent it, or its mark breaks a
-  constraint: no backoff, waiting does not change a row;
-* the sink raised outside its protocol while holding it: the relay stops, and the attempt
-  counts against the messages it held — uncounted, one bad message would stop the outbox on
-  every restart. A message with a failure on record is then published alone
-  (`publishing.split_suspects`), so the next crash counts against it only;
-* never `SinkUnavailable`: the broker's fault; counting it would dead-letter healthy
-  messages during an outage.
-
-Two unpublished rows can share an id (the unpublished partition has no primary key): they
-share one counter, and each copy is dead-lettered with its own content, under
-`<source> copy 2` (3, …) when the (source_table, id) key holds a different message; an
-identical message already there is not kept twice.
-
-A dead letter is written in the caller's transaction and is a fact only once that commits:
-the caller logs it afterwards (`log_dead`). Nothing here commits, waits or sleeps. Every
-statement on the two tables is here (sql/relay.sql), so the two relays cannot drift apart; ids
-are `int8`, or `text` with application ids (`text_ids`).
+"""Attempts and dead letters of failed messages, one policy for the polling and CDC relays
+(docs/relay.md, "Failures" and "Bad rows"). A sink crash counts against the messages it held
+(uncounted, one bad message would stop the outbox on every restart); `SinkUnavailable` never
+counts. Every statement on the two tables is here; nothing here commits, waits or sleeps.
 """
 
 from __future__ import annotations
@@ -101,8 +80,7 @@ class DeadLetter:
 
 @dataclass(frozen=True)
 class Verdict:
-    """One round of failures: attempts per id, messages dead-lettered now (every copy), ids
-    to try again, and the dead letters written."""
+    """One round of failures (`FailedMessages.record`)."""
 
     attempts: dict[MessageId, int]
     dead: list[Message]
@@ -111,7 +89,7 @@ class Verdict:
 
 
 def log_dead(letters: Sequence[DeadLetter]) -> None:
-    """Log dead letters whose transaction committed (never before: module doc)."""
+    """Log dead letters whose transaction committed: never before, it may roll back."""
     for d in letters:
         copy = "" if d.kept_as == d.label else f" as={d.kept_as!r}"
         log.warning("relay.dead_lettered id=%s attempts=%d%s", d.message.id, d.attempts, copy)
@@ -120,7 +98,7 @@ def log_dead(letters: Sequence[DeadLetter]) -> None:
 @dataclass
 class FailedMessages:
     """Attempts and dead letters of one outbox, shared by a relay's workers. `known` mirrors
-    the counters on record, so the hot path needs no statement for messages without one."""
+    the counters on record: the hot path needs no statement for messages without one."""
 
     schema: str
     dead_letter_table: str
@@ -128,7 +106,6 @@ class FailedMessages:
     max_attempts: int
     text_ids: bool
     payload_bytes: bool = False
-    """The dead-letter table has a `payload_bytes` column (see `prepare`)."""
     available: bool = True
     """False when this role may not create or write the tables (`unavailable` says why)."""
     unavailable: str = ""
@@ -145,8 +122,7 @@ class FailedMessages:
 
     def prepare(self, conn: Any, sources: Iterable[str]) -> bool:
         """Create the tables if missing (outside any batch: relays racing on CREATE would
-        fail it), check their columns, load the counters. False: not usable, a failure then
-        stops the relay."""
+        fail it), check their columns, load the counters. False: not usable."""
         import psycopg
 
         for table, create in (
@@ -195,8 +171,7 @@ class FailedMessages:
         return True
 
     def _missing_privileges(self, conn: Any) -> str:
-        """What this role may not do on the tables ("" if nothing): said at start, not as a
-        failed batch at the first bad row."""
+        """What this role may not do on the tables: said at start, not at the first bad row."""
         wanted = ((self.dead_letter_table, ("SELECT", "INSERT")),
                   (self.attempts_table, ("SELECT", "INSERT", "UPDATE", "DELETE")))  # fmt: skip
         missing = []
@@ -210,10 +185,8 @@ class FailedMessages:
 
     def _check_columns(self, conn: Any, table: str, wanted: Mapping[str, str]) -> set[str]:
         """Refuse to start on a table without the id type or columns the relay needs (not
-        at the first bad row, rolling back its batch on every restart). Later optional columns
-        are added where the role may (catalog-only), else warned about; returns those still
-        missing."""
-
+        at the first bad row, on every restart); add the later optional columns where the role
+        may, else warn. Returns those still missing."""
         name = sql.Identifier(self.schema, table).as_string(conn)
         columns_of = query("relay", "columns-of").compose(reg=sql.Literal(name))
         found = dict(conn.execute(columns_of).fetchall())
@@ -247,8 +220,7 @@ class FailedMessages:
         return set()
 
     def _payload_bytes_column(self, conn: Any) -> bool:
-        """Whether raw payloads can be kept as bytes (the column added if the role may);
-        otherwise they are kept as hex text, which loses nothing either."""
+        """Whether raw payloads can be kept as bytes (else as hex text, which loses nothing)."""
         found = conn.execute(
             "SELECT 1 FROM pg_attribute WHERE attrelid = %s::regclass AND attname = %s "
             "AND NOT attisdropped",
@@ -283,8 +255,7 @@ class FailedMessages:
         return [i for i in ids if i in mine] if mine else []
 
     def exhausted(self, label: str, messages: Sequence[Message]) -> list[Message]:
-        """Messages already at `max_attempts` (a crash counted their last attempt): to
-        dead-letter rather than publish again."""
+        """Messages at `max_attempts` (a crash counted their last one): dead-letter, not send."""
         if not self.known:
             return []
         most = self.max_attempts
@@ -329,8 +300,8 @@ class FailedMessages:
         return self._counted(label, rows, dict(zip(ids, errors, strict=True)))
 
     def note(self, conn: Any, label: str, reasons: Mapping[MessageId, str]) -> dict[MessageId, int]:
-        """The reason of attempts counted beforehand (the CDC relay's careful publish); an id
-        with no counter is counted now. Returns each id's attempts."""
+        """The reason of attempts counted beforehand (CDC's careful publish); returns each
+        id's attempts."""
         ids = list(reasons)
         errors = [reasons[i][:ERROR_CHARS] for i in ids]
         # The careful count's placeholder reason is replaced.
@@ -376,8 +347,7 @@ class FailedMessages:
     ) -> Verdict:
         """Add one attempt per failed id (`counted`: only the reason is new); dead-letter
         each copy at `max_attempts` (`now`: whatever its attempts) in the same transaction as
-        its mark or removal. `keep`: counters that stay, another copy of the id being
-        unsettled."""
+        its mark or removal. `keep`: counters that stay, another copy being unsettled."""
         if counted:
             attempts = self.note(conn, label, reasons)
         else:
@@ -496,7 +466,6 @@ class FailedMessages:
     # -- helpers ---------------------------------------------------------------------------
 
     def _sql(self, name: str, table: str = "", **parts: sql.Composable) -> sql.Composed:
-        """Statement `name` of sql/relay.sql on the attempts table (or `table`)."""
         return query("relay", name).compose(
             table=sql.Identifier(self.schema, table or self.attempts_table),
             id_type=id_sql_type(self.text_ids), **{"history": self._history(), **parts},
@@ -525,8 +494,7 @@ class FailedMessages:
 
 
 def _alter(conn: Any, statement: Any) -> Exception | None:
-    """Run an ALTER under a short lock timeout; the refusal, if the role may not or the lock
-    is not free."""
+    """Run an ALTER under a 1 s lock timeout; returns the refusal, if any."""
     import psycopg
 
     try:

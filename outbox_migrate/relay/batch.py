@@ -1,8 +1,5 @@
-"""One batch of the relay's hot loop, and the polling worker's state around it, as data.
-
-`Batch` goes from claim to mark (and to `mark_repair` if the mark fails); `Commit` is a batch
-whose mark and COMMIT were queued; `WorkerState` is the one place a worker's state is moved.
-Nothing here publishes, waits or reads results.
+"""One batch of the relay's hot loop and the polling worker's state around it, as data
+(docs/relay.md, "How it is built"). Nothing here publishes, waits or reads results.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outbox_migrate.errors import MarkFellShort
-from outbox_migrate.relay import claimed, queries, wire
+from outbox_migrate.relay import queries, wire
 from outbox_migrate.relay.bad_rows import DeadLetter
 from outbox_migrate.relay.message import Message, MessageId
 
@@ -28,17 +25,12 @@ class Batch:
     started: float
     """perf_counter when the claim was sent: the batch's time starts there."""
     messages: list[Message] = field(default_factory=list)
-    bad: list[claimed.BadRow] = field(default_factory=list)
     acked: list[MessageId] = field(default_factory=list)
     letters: list[DeadLetter] = field(default_factory=list)
     """Dead-lettered in this transaction, their rows settled apart from the batch's mark;
     logged once the COMMIT succeeded, written again by the repair if the mark failed."""
-    retry: list[MessageId] = field(default_factory=list)
-    pause: float = 0.0
-    rewind: MessageId | None = None
 
     def to_mark(self) -> list[str]:
-        """The ctids of the claimed rows that are acknowledged."""
         at = queries.CLAIM_CTID_COLUMN
         rows, acked = self.rows, self.acked
         if len(acked) == len(rows):
@@ -71,8 +63,7 @@ class Commit:
         return self.mark is not None and self.mark.failed
 
     def fell_short(self) -> MarkFellShort | None:
-        """What to raise when the mark changed fewer rows than given (a failed one is
-        repaired instead)."""
+        """The error when the mark changed fewer rows than given (a failed one is repaired)."""
         mark = self.mark
         if mark is None or mark.result is None or not mark.succeeded:
             return None
@@ -83,8 +74,8 @@ class Commit:
 
 
 def mark_and_commit(pipe: wire.Wire, batch: Batch) -> Commit:
-    """Queue the mark of the acknowledged rows and the COMMIT. The mark is tolerated: a row
-    that breaks a constraint rolls back this batch only, and the next claim runs as usual."""
+    """Queue the mark and the COMMIT. The mark is tolerated: a row that breaks a constraint
+    rolls back this batch only, and the next claim runs as usual."""
     tids = batch.to_mark()
     mark = None
     if tids:
@@ -108,8 +99,7 @@ class Phase(enum.Enum):
 
 @dataclass
 class WorkerState:
-    """A polling worker's phase and what a phase leaves for the next, shared by the worker
-    and its runs."""
+    """A polling worker's phase and what a phase leaves for the next (docs/relay.md)."""
 
     phase: Phase = Phase.CONNECTING
     pause_s: float = 0.0
@@ -126,7 +116,6 @@ class WorkerState:
     """The last batch set the cursor back (no read-ahead then)."""
 
     def to(self, phase: Phase) -> None:
-        """Move to `phase`; STOPPING is final."""
         if self.phase is not Phase.STOPPING:
             self.phase = phase
 
@@ -146,7 +135,6 @@ class WorkerState:
         return self.failures - 1
 
     def served(self) -> None:
-        """A run ended without failing: the backoff starts over."""
         self.failures = 0
 
     def must_repair(self) -> bool:

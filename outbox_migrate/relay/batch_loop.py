@@ -1,8 +1,5 @@
-"""A polling worker's runs of batches: claim → publish → mark, back to back, one round trip each.
-
-The worker (relay/driver.py) starts runs and handles what comes between them; a run goes on
-until a claim comes back empty or the worker must look up (stop, rebalance, source switch).
-A run never waits with a transaction open (relay/waits.py).
+"""A polling worker's runs of batches: claim → publish → mark, one round trip each, until a
+claim comes back empty or the worker must look up. A run never waits in a transaction.
 """
 
 from __future__ import annotations
@@ -38,9 +35,8 @@ TRY_IDLE_LOCK = queries.try_idle_lock().as_string().encode()
 
 
 class Statements:
-    """Claim, gap probe and mark of each source, for one claim session: rendered once per
-    session, source and shard layout, and prepared on it before the pipeline starts
-    (PQprepare is synchronous). Rendering and preparing cost more than a small batch's SQL."""
+    """Claim, gap probe and mark of each source, rendered and prepared once per session
+    (PQprepare is synchronous): both cost more than a small batch's SQL."""
 
     def __init__(self, columns: dict[str, queries.Columns], *, by_key: bool, text_ids: bool):
         self._columns = columns
@@ -49,13 +45,11 @@ class Statements:
         self._rendered: dict[tuple[str, bool], tuple[bytes, bytes, bytes]] = {}
 
     def reset(self) -> None:
-        """A new session: nothing is prepared on it yet."""
         self._rendered.clear()
 
     def of(
         self, conn: Any, pipe: wire.Wire, source: queries.Source, sharded: bool
     ) -> tuple[bytes, bytes, bytes]:
-        """(claim, gap probe, mark) of `source`, prepared on `pipe`'s session."""
         key = (source.label, sharded)
         rendered = self._rendered.get(key)
         if rendered is None:
@@ -82,8 +76,6 @@ class Abandoned(Exception):
 
 @dataclass
 class _Run:
-    """A run in progress: what its loop carries from one batch to the next."""
-
     source: queries.Source
     claim: bytes
     probe: bytes
@@ -106,8 +98,6 @@ class _Run:
 
 
 class BatchLoop:
-    """One worker's runs of batches (one per worker, across its sessions)."""
-
     def __init__(
         self,
         relay: Shared,
@@ -145,15 +135,13 @@ class BatchLoop:
         )
 
     def new_session(self, conn: Any, pipe: wire.Wire) -> None:
-        """The worker (re)opened its claim session: statements are prepared anew."""
         self.conn, self.wire = conn, pipe
         self.statements.reset()
 
     # -- the hot path: batches back to back, one round trip each --------------------------
 
     def _claim(self, run: _Run) -> None:
-        """BEGIN, the due gap probe, the range claim and the idle flag's move in one round
-        trip; the rows, `after` and the range claim's row count go to `run`."""
+        """BEGIN, the due gap probe, the range claim and the idle flag's move: one round trip."""
         relay, cursor, pipe = self.relay, self.cursor, self.wire
         assert pipe is not None
         run.started, run.sent = time.perf_counter(), time.monotonic()
@@ -197,12 +185,10 @@ class BatchLoop:
         run.rows, run.after, run.ranged = rows, after, ranged
 
     def _queue_flag(self, pipe: wire.Wire, flag_rows: int) -> wire.Slot | None:
-        """Queue the idle flag's move ahead of the claim's BEGIN; the slot of its raise.
-
-        After an empty claim the flag goes up with the next one, so a claim that finds
-        nothing (or a trickle, SPARSE_ROWS) lets the worker sleep at once: its snapshot was
-        taken with the flag up, and every row it cannot see will notify. It comes down the
-        same way after a bigger claim, or when traffic no longer lets it sleep (AWAKE_WAITS)."""
+        """Queue the idle flag's move ahead of the claim's BEGIN; the slot of its raise. Raised
+        so, the claim's snapshot is taken with the flag up: every row it cannot see will
+        notify, so an empty claim may sleep at once (docs/relay.md, "Why the trigger is
+        usually quiet")."""
         flag = self.flag
         unlock, try_raise = flag.before_claim(flag_rows)
         if unlock is not None:
@@ -216,12 +202,8 @@ class BatchLoop:
 
     def run(self, source: queries.Source, sink: Sink) -> int | None:
         """Batch after batch until a claim comes back empty (returns its `after`) or the
-        worker must look up (None).
-
-        One transaction per batch, in pipeline mode: a batch's mark and COMMIT travel with
-        the next BEGIN and claim, one round trip per batch. A batch counts as published once
-        its COMMIT's result arrived (results come in order), so a failing next claim leaves
-        no doubt about it. A failed mark rolls back its batch only (`_repair_in_run`)."""
+        worker must look up (None). A batch counts once its COMMIT's result arrived: results
+        come in order, so a failing next claim leaves no doubt about it."""
         pipe, self.sink = self.wire, sink
         assert pipe is not None  # opened by `Worker._step` before any run
         sharded = self.lease.sharded and not self.lease.owns_all
@@ -243,8 +225,7 @@ class BatchLoop:
         return run.empty_after
 
     def _batch(self, run: _Run) -> bool:
-        """Publish the batch in hand, queue its mark and COMMIT, have the next one claimed
-        (maybe ahead: relay/read_ahead.py). False: the run ends."""
+        """Publish the batch in hand, queue its mark and COMMIT, claim the next. False: run ends."""
         state = self.state
         if run.pending:
             self._count_committed(run.pending)
@@ -270,8 +251,7 @@ class BatchLoop:
     def _after_publish(
         self, run: _Run, ahead: read_ahead.Pending | None, pause: float, look_up: bool
     ) -> bool:
-        """Take the batch claimed ahead, end the run, or claim on the lease session. False:
-        the run ends."""
+        """Take the batch claimed ahead, end the run (False), or claim on the lease session."""
         if ahead is not None and (pause or look_up or self.state.rewound):
             # The batch claimed ahead rolls back unpublished, to be claimed again later.
             ahead.pipe.send_plain(b"ROLLBACK")
@@ -302,7 +282,6 @@ class BatchLoop:
         return True
 
     def _claimed_nothing(self, run: _Run) -> bool:
-        """An empty claim: end the run, or (idle flag in the run) wait and claim again."""
         run.cur.send_plain(b"ROLLBACK")
         if run.flag_rows < 0:
             run.empty_after = run.after
@@ -323,23 +302,20 @@ class BatchLoop:
             run.conn, run.cur = self.conn, pipe
 
     def _must_look_up(self, source: queries.Source, now: float) -> bool:
-        """The worker must leave the run: stop, rebalance due, source switched."""
         relay = self.relay
         return relay.stopping or self.lease.due(now) or relay.state.current is not source
 
     def _flag_rows(self, source: queries.Source) -> int:
-        """How many rows a claim with the flag up may return for the worker to sleep in the
-        run; -1: flag only after the run. Not while the switching relay drains the flat table
-        (its empty claim starts the switch)."""
+        """Rows a claim with the flag up may return for the worker to sleep in the run; -1:
+        not in the run (the switching relay's empty flat claim starts the switch)."""
         state = self.relay.state
         if not self.flag.enabled or (state.mode is Mode.switching and source is state.flat):
             return -1
         return SPARSE_ROWS
 
     def _wait_in_run(self, run: _Run) -> bool:
-        """Wait in the run: until notified or the poll interval with the flag up, briefly
-        without it (the next claim raises it), so an idle worker costs one round trip per
-        wake-up. True: the worker must go back to `_step` first."""
+        """Wait in the run, so an idle worker costs one round trip per wake-up. True: the
+        worker must go back to `_step` first."""
         action = self.flag.in_run(self.cursor.due(time.monotonic()))
         pipe, pending, linger = run.cur, run.pending, run.linger
         self.state.to(Phase.IDLE)
@@ -357,9 +333,8 @@ class BatchLoop:
         return bool(self.state.pause_s) or self._must_look_up(run.source, time.monotonic())
 
     def _hold(self, pipe: wire.Wire, pending: list[Commit], timeout_s: float | None) -> bool:
-        """Sleep once the last COMMIT (or ROLLBACK) went out, its result read with the next
-        claim's. Sent now, not with that claim: sleeping in the transaction would hold its
-        locks against a migration step's DDL. Results are read after HOLD_S. True: woken."""
+        """Sleep once the last COMMIT (or ROLLBACK) went out: sleeping in the transaction
+        would hold its locks against a migration step's DDL. True: woken."""
         relay = self.relay
         pipe.send_sync()
         if pending:
@@ -378,8 +353,7 @@ class BatchLoop:
         return woken
 
     def _abort_run(self, pending: list[Commit]) -> None:
-        """A run failed: roll back both sessions, count what committed, keep the published
-        batches whose mark did not commit for the worker's repair."""
+        """A run failed: roll back both sessions, count what committed, keep the rest to repair."""
         self.read_ahead.abandon()
         for commit in pending:
             if commit.succeeded:
@@ -390,12 +364,12 @@ class BatchLoop:
     def _publish_batch(
         self, conn: Any, pipe: wire.Wire, claim: Batch, pending: list[Commit]
     ) -> tuple[float, float]:
-        """Publish the claimed rows, queue their mark and COMMIT. Returns the pause due after
-        the transaction (`Refusals.publish`) and the time after."""
+        """Publish the claimed rows, queue their mark and COMMIT; the pause due after the
+        transaction, and the time."""
         relay, cursor = self.relay, self.cursor
         source, rows, after = claim.source, claim.rows, claim.after
         batch, bad = claimed.messages(rows, relay.message, relay.columns[source.label])
-        claim.messages, claim.bad = batch, bad
+        claim.messages = batch
         self.fence.check(time.monotonic())
         assert self.sink is not None
         direct = wire.direct(conn, pipe)
@@ -406,7 +380,7 @@ class BatchLoop:
         if claim.letters or (relay.refusals.suspects and acked):
             acked, again = unmarked.before_mark(relay, direct, claim, acked)
             retry += again
-        claim.acked, claim.retry, claim.pause, claim.rewind = acked, retry, pause, rewind
+        claim.acked = acked
         if relay.abandon.is_set():
             raise Abandoned
         now = time.monotonic()
@@ -423,8 +397,7 @@ class BatchLoop:
         return pause, now
 
     def retry_bad_rows(self) -> None:
-        """Claim bad rows again by id with the next lease-session claim (a claim with a probe
-        is not read ahead)."""
+        """Claim bad rows again by id with the next lease-session claim."""
         state = self.state
         if state.later:
             self.cursor.retry_ids(state.later, time.monotonic())
@@ -432,8 +405,7 @@ class BatchLoop:
 
     def _read_ahead_allowed(self, source: queries.Source) -> bool:
         """Not with ordering (a rejection would meet a batch claimed behind it), application
-        ids (no cursor), or while the switching relay drains the flat table (that run must
-        end with an empty claim)."""
+        ids (no cursor), or while the switching relay drains the flat table."""
         relay, options = self.relay, self.relay.options
         return (
             options.read_ahead
@@ -443,7 +415,6 @@ class BatchLoop:
         )
 
     def _send_ahead(self, run: _Run) -> read_ahead.Pending | None:
-        """While claims come back full, send the next range claim on the other session."""
         now, relay = time.monotonic(), self.relay
         if not (
             run.ahead_ok
@@ -472,8 +443,8 @@ class BatchLoop:
         return relay.options.linger_s
 
     def _linger(self, pending: list[Commit], until: float) -> bool:
-        """Send the mark and COMMIT, then wait until `until` (True: a stop). Not lingering in
-        the transaction: it would hold row locks the migration runner will not queue behind."""
+        """Send the mark and COMMIT, then wait until `until` (True: a stop): a linger in the
+        transaction would hold locks the migration runner will not queue behind."""
         assert self.wire is not None
         self.wire.send_sync()
         if pending:
@@ -482,7 +453,6 @@ class BatchLoop:
         return self.relay.stopping
 
     def _count_committed(self, pending: list[Commit]) -> None:
-        """Count the batches whose COMMIT came back (a failed mark: `unmarked`; short: raise)."""
         done = [c for c in pending if c.commit.result is not None]
         for commit in done:
             pending.remove(commit)
@@ -495,7 +465,7 @@ class BatchLoop:
 
     def _repair_in_run(self, run: _Run) -> bool:
         """Repair a failed mark on the other session and go on (ending the run would drop the
-        batch claimed ahead). False (no read-ahead): the worker repairs."""
+        batch claimed ahead). False: the worker repairs."""
         if not run.ahead_ok:
             return False
         while self.state.unmarked:
@@ -512,7 +482,6 @@ class BatchLoop:
         return True
 
     def repair(self, conn: Any, error: Exception | None = None) -> None:
-        """Repair the `unmarked` batches on `conn` (relay/unmarked.py)."""
         state = self.state
         state.later += unmarked.repair(self.relay, self.index, conn, state.unmarked, error)
 
@@ -524,7 +493,6 @@ class BatchLoop:
         relay.observer.batch_seconds((commit.sent or time.perf_counter()) - commit.batch.started)
 
     def _end_transaction(self) -> None:
-        """After a failed run: roll back whatever transaction the session is still in."""
         import psycopg
 
         conn = self.conn

@@ -1,8 +1,5 @@
-"""Claimed rows → `Message`s, and the rows that cannot become one (bad rows, with a reason).
-
-The claim renders what cannot fail on a row; what fails row by row is judged here (a bytea
-payload that is not UTF-8 stays bytes; text headers that are not a JSON object make a bad
-row), so one row never fails the claim and the rest of its batch flows.
+"""Claimed rows → `Message`s, and the bad rows apart with a reason: what can fail row by row
+is judged here, never in the claim, so one row never fails its batch.
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ HEADERS_NOT_OBJECT = "the headers column does not hold a JSON object"
 
 
 class BadRow(NamedTuple):
-    """A claimed row the relay cannot send: the message as far as it could be built (for the
-    dead-letter table) and why."""
+    """A claimed row the relay cannot send: the message as far as it could be built, and why."""
 
     message: Message
     reason: str
@@ -71,7 +67,6 @@ def messages(rows: Sequence[Any], message: type[Message], columns: queries.Colum
 
 
 def text_or_bytes(body: bytes) -> str | bytes:
-    """A bytea body as text when it is UTF-8, else the bytes themselves (both relays)."""
     try:
         return body.decode()
     except UnicodeDecodeError:
@@ -79,8 +74,8 @@ def text_or_bytes(body: bytes) -> str | bytes:
 
 
 def headers_from_text(text: str | None) -> list[tuple[str, str]] | None:
-    """A text headers value as `jsonb_each_text` would render it (nulls left out; NULL and
-    JSON null: no headers); None if not an object. Both relays judge a row here alike."""
+    """A text headers value as `jsonb_each_text` would render it; None if not an object.
+    Both relays judge a row here alike."""
     if text is None:
         return []
     try:

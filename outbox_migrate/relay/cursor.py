@@ -1,23 +1,5 @@
-"""Where a worker's next claim starts: a pure decision, unit-tested without a database.
-
-Why a cursor: a published row leaves a dead index entry until vacuum, and a held xmin keeps
-it there; a claim from the lowest id walks them all. Claims start after the last id this
-worker claimed (the *frontier*) instead.
-
-Ids are handed out at INSERT and visible at COMMIT, so a row may appear below the frontier.
-The cursor remembers the ids it jumped over in its shards (gaps) and probes exactly those
-every GAP_PROBE_S; a gap empty for GAP_TTL_S is dropped, and a rescan from id 0 every
-FULL_RESCAN_S catches the rest. With key-hash shards gaps cannot be attributed: a rescan
-every KEY_SHARD_RESCAN_S stands in.
-
-Ids passed without a gap list (the first claim from id 0, an overflow) and expired gaps form
-an *unaccounted region*: their writers may still commit. While one is open each claim reads
-the transaction horizon; once xmin reaches the xmax read REGION_SETTLE_S after it opened,
-every such writer has ended and the region is claimed once more, then closed. A notified id
-below the frontier makes the probe due, or starts the next claim just below it.
-
-A parked key's message goes on the cursor's clock (`retry_at`): left to the rescan, whose
-own cost defers it, a key would stay parked the longer the busier the outbox.
+"""Where a worker's next claim starts (docs/relay.md, "The cursor" and "Late rows"): a pure
+decision, unit-tested without a database; no I/O.
 """
 
 from __future__ import annotations
@@ -45,7 +27,7 @@ after `nextval`; a writer stalled longer between the two is left to the rescan."
 
 
 class _Region:
-    """Ids a transaction may still commit that the cursor has no gap list for."""
+    """The unaccounted region: ids a transaction may still commit, with no gap list."""
 
     def __init__(self, opened: float) -> None:
         self.full = False
@@ -58,8 +40,6 @@ class _Region:
 
 
 class Cursor:
-    """The claim start (`after`) of one worker, given its shards."""
-
     def __init__(self, *, shards: int, mine: Sequence[int], track_gaps: bool, now: float) -> None:
         self.shards = shards
         self.mine = sorted(mine)
@@ -87,7 +67,6 @@ class Cursor:
         """Id → when a claim must start just below it (`retry_at`)."""
 
     def reset(self, mine: Sequence[int], now: float) -> None:
-        """Shards changed or the session was lost: start over from id 0."""
         self.mine = sorted(mine)
         self.frontier = 0
         self.pending.clear()
@@ -99,12 +78,11 @@ class Cursor:
         self._final.clear()
 
     def retry_at(self, due: Mapping[Any, float]) -> None:
-        """Id → when: the first claim at or after that time starts just below the id. Kept
-        through `reset`: a claim from id 0 before that time does not stand in for it."""
+        """Id → when the first claim starts just below it: a parked key's message, on a clock
+        rather than left to the rescan, which its own cost defers. Kept through `reset`."""
         self._scheduled.update(due)
 
     def _take_scheduled(self, now: float) -> Any:
-        """The lowest id whose time has come (forgotten once taken), or None."""
         if not self._scheduled:
             return None
         ready = [i for i, when in self._scheduled.items() if when <= now]
@@ -113,13 +91,11 @@ class Cursor:
         return min(ready) if ready else None
 
     def wait_s(self, now: float) -> float | None:
-        """How long a worker may sleep before a scheduled claim is due (None: nothing is)."""
         if not self._scheduled:
             return None
         return max(0.0, min(self._scheduled.values()) - now)
 
     def start(self, now: float) -> int:
-        """`after` for the next claim (`id > after`)."""
         self._next_look = now + GAP_PROBE_S
         scheduled = self._take_scheduled(now)
         if scheduled is not None:
@@ -137,7 +113,6 @@ class Cursor:
         return self.frontier
 
     def probe(self, now: float) -> list[int] | None:
-        """The remembered gaps to claim by id now (lowest first), or None."""
         if not (self.pending or self._final) or now < self._next_probe:
             return None
         self._next_probe = now + GAP_PROBE_S
@@ -228,11 +203,9 @@ class Cursor:
         return region
 
     def wants_horizon(self) -> bool:
-        """Whether the next claim should read the transaction horizon (a region is open)."""
         return self._region is not None
 
     def horizon(self, xmin: int, xmax: int, now: float) -> None:
-        """The transaction horizon read after a claim."""
         region = self._region
         if region is None:
             return
@@ -251,8 +224,7 @@ class Cursor:
             self._next_probe = 0.0
 
     def plain(self, now: float) -> bool:
-        """Whether the next claim is a plain range claim from the frontier (what read-ahead
-        may claim)."""
+        """Whether the next claim is a plain range claim from the frontier (read-ahead's)."""
         return not (
             self._lowered is not None
             or self.wait_s(now) == 0.0
@@ -264,7 +236,6 @@ class Cursor:
         )
 
     def due(self, now: float) -> bool:
-        """A claim below the frontier is due now: the worker should not sleep first."""
         return (
             self._overflow
             or self._settled
@@ -286,7 +257,6 @@ class Cursor:
         return above == expected
 
     def rescanned(self, seconds: float, now: float) -> None:
-        """A claim from id 0 took `seconds`: space the timed rescans by their cost."""
         self._next_full_rescan = max(self._next_full_rescan, now + RESCAN_COST_FACTOR * seconds)
 
     def force_full_rescan(self) -> None:
@@ -294,18 +264,15 @@ class Cursor:
         self._overflow = True
 
     def retry_from(self, lowest: Any) -> None:
-        """Messages from `lowest` on must be claimed again (the sink rejected them)."""
         self.frontier = min(self.frontier, lowest - 1)
 
     def retry_ids(self, ids: Sequence[Any], now: float) -> None:
-        """Claim these rows by id with the next claim, as gaps: no rewind of the frontier."""
         for row_id in ids:
             self.pending.setdefault(row_id, now)
         if ids:
             self._next_probe = 0.0
 
     def _remember_gaps(self, low: int, high: int, now: float) -> None:
-        """Ids strictly between low and high that belong to this worker's shards."""
         n = self.shards
         for shard in self.mine if n > 1 else [0]:
             first = low + 1 + ((shard - (low + 1)) % n) if n > 1 else low + 1
@@ -320,8 +287,7 @@ class Cursor:
 
 
 class NoCursor(Cursor):
-    """Application ids: every claim starts at the beginning (queries.claim); this
-    keeps the worker's bookkeeping uniform."""
+    """Application ids: every claim starts at the beginning (queries.claim)."""
 
     def __init__(self, *, now: float) -> None:
         super().__init__(shards=1, mine=[], track_gaps=False, now=now)

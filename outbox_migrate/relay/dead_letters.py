@@ -1,14 +1,6 @@
-"""The dead letters a team operates: list, show, requeue and purge (the `dead-letters` command).
-
-A requeue writes a dead letter back into the table it came from as a new unpublished row,
-every column the relay reads filled from it, so the relay sends the same message again
-(`new_id`: the id column's default). The dead letter and its counter go in the same
-transaction: a message is waiting or dead-lettered, never both, never neither. Oldest first,
-so a key's messages keep their order; the transaction ends with a NOTIFY of the lowest
-requeued id, so an idle relay claims from just below it at once (relay/cursor.py).
-
-One function, one transaction, never waiting long on a lock (`lock_timeout`). The composed
-parts stay here: which appear depends on the selection and the target table.
+"""The `dead-letters` command's work: list, show, requeue and purge (docs/relay.md, "Dead
+letters and attempts"). One call, one transaction, never waiting long on a lock; the SQL is
+composed here because its parts depend on the selection and the target table.
 """
 
 from __future__ import annotations
@@ -126,8 +118,9 @@ def requeue(
     new_id: bool,
     channel: str,
 ) -> list[Requeued]:
-    """Write the selected dead letters back as unpublished rows and drop them and their
-    counters (module doc). Refuses an empty selection, a source table that is gone, and
+    """Write the selected dead letters back as unpublished rows, oldest first, and drop them
+    and their counters in the same transaction: a message is waiting or dead-lettered, never
+    both, never neither. Refuses an empty selection, a source table that is gone, and
     `new_id` without an id default (`UsageError`)."""
     schema = spec.schema
     where, params = _where("requeue", selection)

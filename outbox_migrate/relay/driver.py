@@ -1,17 +1,5 @@
-"""One polling relay worker: claim → publish → mark, batch after batch, with its failures sorted.
-
-Each worker is a thread with its own sessions (claim, read-ahead, LISTEN), sink, shards and
-id cursor; it sees its relay only through `Shared` (relay/shared.py). One batch is one
-transaction (relay/batch.py): nothing is marked before the broker acknowledged it. Failures:
-
-* SQLSTATE 40001 (row moved to another partition by a concurrent mark): retried at once
-  after a short jitter — the shard scheme makes it rare, the retry makes it harmless;
-* a lost connection: reconnect with exponential backoff (shards are re-acquired);
-* the sink unavailable: the batch rolls back, the worker backs off and retries, forever;
-* messages the sink rejects: attempts are counted; after `max_attempts` the row goes to the
-  dead-letter table and is marked in the same transaction (nothing lost);
-* the sink raising outside its protocol (`SinkCrashed`): once the batch rolled back, one
-  attempt is counted against the messages it held, then the relay stops (relay/bad_rows.py).
+"""One polling relay worker: a thread with its own sessions, sink, shards and cursor, which
+sorts its failures (docs/relay.md, "Failures"). It sees its relay only through `Shared`.
 """
 
 from __future__ import annotations
@@ -20,9 +8,10 @@ import logging
 import time
 from typing import Any
 
-from psycopg.errors import IntegrityError
+from psycopg.errors import IntegrityError, SerializationFailure
 
 from outbox_migrate.backoff import jitter_s
+from outbox_migrate.db import one_line
 from outbox_migrate.errors import MarkFellShort, RelayFailed, SinkCrashed, SinkUnavailable
 from outbox_migrate.patterns import notify
 from outbox_migrate.relay import keepalive, queries, wire
@@ -35,13 +24,7 @@ from outbox_migrate.relay.marker_source import check_names
 from outbox_migrate.relay.options import Mode, Ordering
 from outbox_migrate.relay.run_stats import count_failures
 from outbox_migrate.relay.shards import UNTIL_EMPTY_PATIENCE_CHECKS, ShardLease, home_shards
-from outbox_migrate.relay.shared import (
-    Shared,
-    close_sink,
-    connection_errors,
-    one_line,
-    serialization_errors,
-)
+from outbox_migrate.relay.shared import Shared, close_sink, connection_errors
 from outbox_migrate.relay.sinks import Sink
 from outbox_migrate.relay.waits import Listener, Session, Waits
 
@@ -52,8 +35,6 @@ REAP_MARGIN_S = 0.5
 
 
 class Worker:
-    """One worker thread's state: its session, sink, shards and id cursor."""
-
     def __init__(self, relay: Shared, index: int) -> None:
         options = relay.options
         table = relay.state.flat if options.mode is Mode.flat else relay.state.partitioned
@@ -131,7 +112,6 @@ class Worker:
             self.loop.read_ahead.close()
 
     def _count_crash(self, crashed: SinkCrashed) -> None:
-        """The batch rolled back: count the attempt against the messages the sink held."""
         import psycopg
 
         conn = self.conn
@@ -142,10 +122,12 @@ class Worker:
                 reasons = dict.fromkeys(crashed.ids, crashed.reason)
                 self.relay.refusals.failures.count(conn, crashed.label, reasons)
         except (psycopg.Error, RelayFailed) as failed:
-            log.warning("relay.attempts_not_counted worker=%d %s", self.index, one_line(failed))
+            log.warning(
+                "relay.attempts_not_counted worker=%d %s", self.index, one_line(str(failed))
+            )
 
     def _step_guarded(self) -> bool:
-        """One loop iteration with its failures sorted. True = this worker is done."""
+        """One loop iteration with its failures sorted. True: this worker is done."""
         from outbox_migrate.errors import ConnectError
 
         relay = self.relay
@@ -172,7 +154,7 @@ class Worker:
             if not self.state.unmarked:
                 raise  # no batch to repair: not a mark's failure
             self.state.mark_failure = exc
-        except serialization_errors():
+        except SerializationFailure:
             # Another claimer moved a row we were about to lock (queries.py). Before
             # connection errors: SerializationFailure is an OperationalError too.
             relay.stats.add(serialization_retries=1)
@@ -182,14 +164,14 @@ class Worker:
         except connection_errors(ConnectError) as exc:
             relay.stats.add(connection_retries=1)
             relay.observer.failed("connection")
-            log.warning("relay.connection_lost worker=%d %s", self.index, one_line(exc))
+            log.warning("relay.connection_lost worker=%d %s", self.index, one_line(str(exc)))
             self._forget_session()
             self._back_off()
         return False
 
     def _repair_marks(self) -> None:
-        """Repair the last run's batches whose mark did not commit, as a step of its own so
-        its failures are sorted as anywhere else (no session: the rows are sent again)."""
+        """A step of its own, so its failures are sorted as anywhere else (no session: the
+        rows are sent again)."""
         state = self.state
         exc, state.mark_failure = state.mark_failure, None
         if self.conn is None or self.conn.closed:
@@ -198,7 +180,6 @@ class Worker:
         self.loop.repair(self.conn, exc)
 
     def _step_out(self) -> None:
-        """The broker is out of reach: other relays serve this worker's shards meanwhile."""
         if self.conn is None or self.conn.closed:
             return
         try:
@@ -207,7 +188,6 @@ class Worker:
             log.debug("relay.step_out_failed", exc_info=True)
 
     def _forget_session(self) -> None:
-        """Drop a lost session (its shard locks died with it): `_step` opens a new one."""
         self.relay.close_conn(self.index, self.conn)
         self.listener.close()
         self.conn = None
@@ -216,8 +196,7 @@ class Worker:
 
     def _back_off(self, *, keep_session: bool = False) -> None:
         """`keep_session` (the broker is away, PostgreSQL is not): keep the session alive
-        through the wait, or drop it before the wake-up if it died, so that the wake-up tries
-        the broker instead of failing on a dead session (relay/keepalive.py)."""
+        through the wait, or drop it if it died, so the wake-up tries the broker first."""
         delay = self.relay.options.backoff(self.state.back_off())
         conn = self.conn
         if keep_session and conn is not None:
@@ -231,8 +210,7 @@ class Worker:
         self.waits.wait(delay)
 
     def _step(self) -> bool:
-        """Open what is missing, keep the shard lease, then one run of batches. True = this
-        worker is done."""
+        """Open what is missing, keep the shard lease, then one run of batches. True: done."""
         relay, options, lease = self.relay, self.relay.options, self.lease
         if self.conn is None:
             self._open_session()
@@ -262,8 +240,7 @@ class Worker:
         return self._after_run(source, empty_after)
 
     def _after_run(self, source: queries.Source, empty_after: int | None) -> bool:
-        """A run ended: retry bad rows, look up, prove the source drained, switch, or go idle.
-        True = this worker is done."""
+        """Retry bad rows, look up, prove the source drained, switch, or go idle. True: done."""
         relay, options, state = self.relay, self.relay.options, self.state
         if state.later or state.unmarked:
             # Bad rows and failed marks go before any idle wait.
@@ -288,7 +265,6 @@ class Worker:
         return False
 
     def _open_session(self) -> None:
-        """(Re)open the claim session, its wire and LISTEN session; the shards are taken anew."""
         relay, options, lease = self.relay, self.relay.options, self.lease
         timeout_s = options.dead_session_s
         self.conn = relay.connect_worker()
@@ -308,17 +284,15 @@ class Worker:
         self.flag.session_lost()
 
     def _look_at_names(self) -> None:
-        """A mark fell short: stop the relay (`NamesMoved`) if a name of the source no longer
-        means what it meant at start (relay/marker_source.py)."""
+        """A mark fell short: stop the relay (`NamesMoved`) if the source's names moved."""
         if self.conn is None or self.conn.closed:
             return
         try:
             check_names(self.conn, self.relay.state.current)
         except connection_errors() as exc:  # the main thread's look covers it
-            log.debug("relay.names_unchecked worker=%d %s", self.index, one_line(exc))
+            log.debug("relay.names_unchecked worker=%d %s", self.index, one_line(str(exc)))
 
     def _idle(self, source: queries.Source) -> None:
-        """Nothing to claim: sleep with the idle flag up, so the wake-up trigger notifies."""
         if self.cursor.due(time.monotonic()):
             return  # a claim below the cursor is due (a late row may be visible): no sleep
         self.state.to(Phase.IDLE)
@@ -342,14 +316,12 @@ class Worker:
     # -- notifications: a LISTEN session per worker (relay/waits.py) -----------------------
 
     def _listen(self) -> None:
-        """(Re)open the worker's LISTEN session when notifications are on."""
         self.listener.close()
         if self.flag.enabled:
             self.listener.open()
 
     def _sleep(self, timeout_s: float | None = None) -> bool:
-        """Wait for a notification calling for a claim, a stop, or `timeout_s` (default: the
-        poll interval). True: woken (or stopping)."""
+        """Wait for a notification calling for a claim, a stop, or `timeout_s`. True: woken."""
         relay = self.relay
         if relay.stopping:
             return True
@@ -376,6 +348,6 @@ class Worker:
         try:
             self._listen()
         except connection_errors(ConnectError) as exc:
-            log.debug("relay.listen_failed worker=%d %s", self.index, one_line(exc))
+            log.debug("relay.listen_failed worker=%d %s", self.index, one_line(str(exc)))
             return False
         return True

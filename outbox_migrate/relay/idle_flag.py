@@ -1,8 +1,5 @@
-"""A worker's idle flag as a pure state machine: when to raise it, keep it, lower it, sleep.
-
-The flag is a session advisory lock (patterns/notify.py): while a relay holds it, the wake-up
-trigger notifies at every writer's commit; while the relay claims, writers commit without a
-NOTIFY. No I/O: the worker sends the lock statements this returns.
+"""A worker's idle flag as a pure state machine: when to raise it, keep it, lower it, sleep
+(docs/relay.md, "Why the trigger is usually quiet"). No I/O: the worker sends the locks.
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ SPARSE_ROWS = 8
 idle relay anyway): the flag stays up. More, and it comes down: dense writers skip NOTIFY."""
 AWAKE_WAITS = 2
 """Idle waits in a row that never had to block mean continuous traffic: the flag comes down,
-or every writer keeps paying a NOTIFY, slowing them until the claims look like a trickle for
-good."""
+or every writer keeps paying a NOTIFY, slowed until the claims look like a trickle for good."""
 
 
 class Idle(enum.Enum):
@@ -54,18 +50,16 @@ class IdleFlag:
         return self.key is not None
 
     def session_lost(self) -> None:
-        """Session advisory locks die with their session."""
         self.key, self.sleeping = None, False
 
     def looked_up(self) -> None:
-        """The worker went back to its loop's top (stop, lease check, switch)."""
         self.busy_polls = 0
 
     def raised(self, key: int) -> None:
         self.key, self.sleeping, self.busy_polls = key, False, 0
 
     def lower(self) -> int | None:
-        """Lower the flag; returns the key to unlock (None: it was not up)."""
+        """The key to unlock (None: the flag was not up)."""
         key = self.key
         if key is not None:
             self.key, self.sleeping = None, False
@@ -95,7 +89,7 @@ class IdleFlag:
     # -- inside a run of batches (`BatchLoop._claim` and `_wait_in_run`) -----------------
 
     def before_claim(self, flag_rows: int) -> tuple[int | None, bool]:
-        """(Key to unlock with the claim, or None; whether to try raising `run_key` with it)."""
+        """(The key to unlock with the claim, or None; whether to try raising `run_key`)."""
         unlock, raising = None, False
         if flag_rows < 0:
             if self.sleeping:
@@ -116,7 +110,6 @@ class IdleFlag:
         self.sparse = self.empty = not rows
 
     def in_run(self, claim_due: bool) -> Idle:
-        """Nothing more to claim now, inside a run: what next."""
         if claim_due or (self.key is None and not self.tried):
             return Idle.CLAIM
         if self.key is not None:

@@ -1,35 +1,6 @@
-"""Dead-session detection with a bound: how long a vanished relay host can keep its shards.
-
-Shards are session advisory locks, released only when the server ends the session; after a
-partition, a power cut or a paused process, default keepalives keep it for hours. So for a
-session timeout T (`--session-timeout`), each worker session gets:
-
-* server side (settable by any role): `tcp_user_timeout = T` with frequent keepalive probes,
-  for a peer that stops answering; `idle_in_transaction_session_timeout = T`, for one that
-  answers TCP but stopped talking mid-batch; on PostgreSQL 14+, `idle_session_timeout =
-  T + poll interval` for the same between batches, and `client_connection_check_interval`;
-* client side, through libpq: the same keepalives and `tcp_user_timeout`, so the relay's own
-  pending statement fails instead of waiting for hours.
-
-None of these ends a session *earlier* than T after the client's last message, which
-`Fence` below relies on. Shards are free at most T plus one probe interval (or plus the poll
-interval for an idle relay) later.
-
-Fencing (`Fence`): never hand a batch to the broker unless this session provably still owns
-it. Shards and batch rows are locks of the worker's session, which the server ends no earlier
-than T after its last message from the worker. So when a claim sent at `t` returns, every lock
-is safe until at least `t + T`, and a batch is published only if the publish (bounded by the
-sink's timeout) ends before `t + T - MARGIN_S`: a relay cut off from PostgreSQL stops
-publishing before another can have claimed its shards. Not covered: a process paused *inside*
-a sink call resumes after its session may have ended; those messages arrive late, as
-duplicates (docs/relay.md, "Fleet guarantees").
-
-A worker's backoff while its broker is away (`back_off_keeping_session`) keeps its session
-usable: the backoff can outlast the server's `idle_session_timeout`, and a session found dead
-at the wake-up costs another full backoff, so a broker back briefly between outages is missed
-time after time. So the wait is cut into slices shorter than a third of that timeout, with a
-bare `SELECT` between them (autocommit: never in a transaction); a session lost anyway is
-reported before the wake-up, so the worker reconnects first instead of failing again.
+"""How long a vanished relay host can keep its shards: a worker session's timeouts, the
+fence that publishes only while its shard lease provably holds, and a broker backoff that
+keeps the session alive (docs/relay.md, "A fleet across hosts: shards and fencing").
 """
 
 from __future__ import annotations
@@ -48,17 +19,14 @@ CHECK_INTERVAL_MS = 1000
 
 
 def probe_interval_s(timeout_s: float) -> int:
-    """Seconds between keepalive probes: about six probes fit in the timeout."""
     return max(1, math.floor(timeout_s / 6))
 
 
 def probe_idle_s(timeout_s: float) -> int:
-    """Seconds of silence before the first probe: a quarter of the timeout."""
     return max(1, math.floor(timeout_s / 4))
 
 
 def libpq_params(timeout_s: float) -> dict[str, Any]:
-    """Connection parameters for the client side (libpq's own names)."""
     if timeout_s <= 0:
         return {}
     return {
@@ -71,7 +39,8 @@ def libpq_params(timeout_s: float) -> dict[str, Any]:
 
 
 def server_settings(timeout_s: float, poll_interval_s: float, major: int) -> dict[str, str]:
-    """Per-session settings for the server side of a worker session."""
+    # None of these ends a session earlier than T after the client's last message: `Fence`
+    # relies on it.
     if timeout_s <= 0:
         return {}
     ms = int(timeout_s * 1000)
@@ -99,10 +68,8 @@ def configure_session(
     conn: Any, timeout_s: float, poll_interval_s: float, *, idle_session: bool = True
 ) -> None:
     """Apply `server_settings` to a worker session (autocommit, before any transaction).
-
-    `idle_session=False` turns `idle_session_timeout` off explicitly (a server, database or
-    role setting would apply otherwise) for a session holding no shards (read-ahead): cut
-    after every quiet spell, it would cost a full backoff each time."""
+    `idle_session=False` turns `idle_session_timeout` off explicitly, for a session holding
+    no shards (read-ahead): cut after every quiet spell, it would cost a backoff each time."""
     from outbox_migrate.db import server_version
 
     major = server_version(conn)
@@ -131,7 +98,8 @@ class LeaseUnproven(RelayError):
 
 
 class Fence:
-    """When this worker last proved its session alive, and whether a publish still fits."""
+    """When this worker last proved its session alive, and whether a publish still fits:
+    the server ends the session no earlier than T after a claim sent at `t` came back."""
 
     def __init__(self, session_timeout_s: float, publish_budget_s: float) -> None:
         self.session_timeout_s = session_timeout_s
@@ -144,19 +112,15 @@ class Fence:
         return self.session_timeout_s > 0
 
     def proven(self, sent_at: float) -> None:
-        """A statement sent at `sent_at` came back: the session was alive after that."""
         self.proven_at = max(self.proven_at, sent_at)
 
     def lost(self) -> None:
-        """A new session holds nothing yet: no proof carries over."""
         self.proven_at = float("-inf")
 
     def deadline(self) -> float:
-        """The last moment a publish may *start*."""
         return self.proven_at + self.session_timeout_s - MARGIN_S - self.publish_budget_s
 
     def check(self, now: float) -> None:
-        """Raise `LeaseUnproven` when a publish starting `now` could outlive the lease."""
         if self.enabled and now > self.deadline():
             raise LeaseUnproven(
                 f"shard lease proven {now - self.proven_at:.1f} s ago; a publish of up to "
@@ -174,7 +138,6 @@ MIN_PING_S = 0.2
 
 
 def idle_timeout_s(conn: Any) -> float:
-    """The session's `idle_session_timeout` in seconds; 0 when off (or before PostgreSQL 14)."""
     row = conn.execute(
         "SELECT setting::float8 / 1000 FROM pg_settings WHERE name = 'idle_session_timeout'"
     ).fetchone()
@@ -182,16 +145,15 @@ def idle_timeout_s(conn: Any) -> float:
 
 
 def ping_interval_s(timeout_s: float) -> float | None:
-    """How often to ping a session with this idle timeout; None: never needed."""
     if timeout_s <= 0:
         return None
     return max(MIN_PING_S, timeout_s / PING_SHARE)
 
 
 def back_off_keeping_session(wait: Callable[[float], bool], seconds: float, conn: Any) -> bool:
-    """Wait `seconds` through `wait` (True when stopping), keeping `conn` from being ended as
-    idle. True: the session is usable; False: it was lost (the wait still runs its full
-    length), and the caller reopens it."""
+    """Wait `seconds`, pinging `conn` (autocommit) so the server does not end it as idle: a
+    session found dead at the wake-up would cost another full backoff. False: it was lost
+    anyway (the wait still runs its full length), and the caller reopens it first."""
     import psycopg
 
     deadline = time.monotonic() + seconds

@@ -1,13 +1,6 @@
-"""Broker libraries' own log output, routed through the relay's event log as single lines.
-
-The relay reports each broker failure as its own `relay.sink_unavailable` event, so library
-lines only add noise, and a traceback in an operator's log reads as a crash. Each library
-record is re-emitted as `relay.sink_library logger=<name> <message>`, a traceback (attached or
-formatted into the text, as pika does) reduced to its last line; errors and warnings become
-warnings (the relay decides what is an error), the rest debug lines.
-
-A library repeats itself through an outage, so a warning of one shape (numbers blanked) is
-written at most once per REPEAT_INTERVAL_S, the next saying how many were left out.
+"""Broker libraries' log records as one-line `relay.sink_library` events (docs/relay.md,
+"Metrics, health and log events"): the relay reports each broker failure itself, so errors
+and warnings become warnings, the rest debug lines, and a traceback only its last line.
 """
 
 from __future__ import annotations
@@ -37,8 +30,6 @@ _relay_log = logging.getLogger("outbox_migrate.relay")
 
 
 class _OneLine(logging.Handler):
-    """Re-emit a library record on the relay's logger (module doc)."""
-
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.clock = clock
@@ -86,7 +77,7 @@ class _OneLine(logging.Handler):
 
 
 def _without_traceback(text: str) -> str:
-    """`text` with a formatted traceback in it replaced by that traceback's last line."""
+    """A traceback formatted into the text (as pika does) replaced by its last line."""
     found = _EMBEDDED_TRACEBACK.search(text)
     if found is None:
         return text

@@ -1,25 +1,6 @@
-"""Find the rows whose mark breaks a constraint, mark the rest: one bad row, not a crash loop.
-
-A batch's mark is one UPDATE: one row that cannot move (an id the published partition's key
-holds already after the swap, a CHECK or trigger) fails it for all, and every run would
-re-send and fail the same batch. Here the rows are marked again: with a unique key on the id
-known (`ConflictKey`), the rows it holds are found with the lock and the rest marked
-in one statement; otherwise in halves, each in a savepoint, until the failing rows stand alone
-(about 2·log2(batch) statements per bad row). Failing rows are bad rows (relay/bad_rows.py):
-counted, claimed again, and at `max_attempts` dead-lettered and removed — nothing is lost.
-
-A failed row is a *suspect* until settled: in a later batch it is tried before the mark
-(`mark_suspects`).
-
-Runs in its own transaction, never waits on a lock (`SKIP LOCKED`: a row another relay holds
-is its business). The CDC marks use `mark_in_halves` and `remove_dead` too. Each statement is
-several commands sent as one simple query: one round trip is the point of their shape.
-
-The conflict key: after the swap a row whose id the published partition's key holds cannot
-move there. The error names the index in every language (its detail names only the first
-row, in English), so the relay asks which of a batch's ids the table holds, all at once,
-rather than bisect. Any other key or constraint, or one on a table the role may not read, has
-no `ConflictKey`: the repair bisects.
+"""A mark that broke a constraint: find the rows at fault, mark the rest (docs/relay.md, "Bad
+rows"). Never waits on a lock (`SKIP LOCKED`: a row another relay holds is its business);
+each statement is several commands in one simple query, for one round trip.
 """
 
 from __future__ import annotations
@@ -56,7 +37,8 @@ WHERE n.nspname = %s AND tc.relname = %s AND ic.relname = %s AND ic.relnamespace
 
 @dataclass(frozen=True)
 class ConflictKey:
-    """A unique index on one column of the table a mark moves rows into."""
+    """A unique index on the id of the table a mark moves rows into. The error names it in
+    every language (its detail names only the first row, in English)."""
 
     schema: str
     table: str
@@ -82,13 +64,11 @@ class ConflictKey:
         )
 
     def taken(self, conn: Any, ids: list[MessageId], text_ids: bool) -> set[MessageId]:
-        """Those of `ids` the table holds already (in the caller's transaction)."""
         if not ids:
             return set()
         return taken_rows(conn.execute(self.lookup(ids, text_ids)))
 
     def reason(self, ident: MessageId) -> str:
-        """The server's words for a taken id, for the dead letter."""
         return (
             f'SQLSTATE 23505: duplicate key value violates unique constraint "{self.index}" '
             f"(Key ({self.column})=({ident}) already exists in {self.schema}.{self.table}.)"
@@ -96,7 +76,6 @@ class ConflictKey:
 
 
 def of_error(conn: Any, error: psycopg.Error | None, id_column: str) -> ConflictKey | None:
-    """The key a unique violation names, when it is a unique index on `id_column` alone."""
     if error is None or error.sqlstate != "23505":
         return None
     diag = error.diag
@@ -110,7 +89,6 @@ def of_error(conn: Any, error: psycopg.Error | None, id_column: str) -> Conflict
 
 
 def taken_rows(cursor: Any) -> set[MessageId]:
-    """The ids a `lookup` found: the next result with rows after the cursor's."""
     cursor.nextset()
     while cursor.description is None:
         if not cursor.nextset():
@@ -126,7 +104,6 @@ def _int_array(ids: list[MessageId]) -> str:
 class Repaired:
     marked: int = 0
     bad: dict[MessageId, str] = field(default_factory=dict)
-    dead: list[Message] = field(default_factory=list)
     letters: list[DeadLetter] = field(default_factory=list)
     retry: list[MessageId] = field(default_factory=list)
     attempts: dict[MessageId, int] = field(default_factory=dict)
@@ -135,7 +112,7 @@ class Repaired:
 
 
 class Suspects:
-    """(source, id) of rows whose mark failed, to try again; thread-safe (workers share it)."""
+    """Rows whose mark failed, tried alone before a later batch's mark; shared by workers."""
 
     def __init__(self) -> None:
         self._ids: set[tuple[str, MessageId]] = set()
@@ -153,7 +130,6 @@ class Suspects:
         return bool(self._ids)
 
     def among(self, label: str, ids: Sequence[MessageId]) -> set[MessageId]:
-        """The suspects among `ids`."""
         with self._lock:
             mine = {i for source, i in self._ids if source == label}
         return {i for i in ids if i in mine} if mine else set()
@@ -177,8 +153,7 @@ def repair(
     by_key: bool = False,
 ) -> Repaired:
     """Mark the acknowledged rows of a batch whose mark failed (`error`, when known); count
-    the rows at fault. `by_key` (key ordering): rows after a bad row of the same key are not
-    marked either — they go out again after it, as after a rejection (relay/parking.py)."""
+    the rows at fault. `by_key`: rows after a bad row of their key are not marked either."""
     wanted = set(acked)
     by_id = {m.id: m for m in batch}
     tids = {r[queries.CLAIM_CTID_COLUMN]: r[0] for r in rows if r[0] in wanted}
@@ -227,10 +202,7 @@ def settle_dead(
 ) -> None:
     """Take dead-lettered rows out of the unpublished partition, in the transaction that
     wrote their dead letters, before the batch's mark (whose failure would roll them back).
-
-    Deleted: marked, a dead letter would sit in the published partition, where a requeue of
-    its id meets it again. Where the role may not delete (a flat table) they are marked
-    instead; a row that can be neither stops the relay (`RelayFailed`)."""
+    Deleted, not marked: in the published partition a requeue of its id would meet it."""
     wanted = set(dead)
     at = queries.CLAIM_CTID_COLUMN
     tids = [r[at] for r in rows if r[0] in wanted]
@@ -309,7 +281,7 @@ def park(
     *,
     by_key: bool,
 ) -> set[MessageId]:
-    """Key ordering: failed marks park their keys as rejections do; returns ids not to mark."""
+    """Key ordering: failed marks park their keys as rejections do; the ids not to mark."""
     if not (by_key and done.retry and batch):
         return set()
     settled = parking.settle(
@@ -320,7 +292,6 @@ def park(
 
 
 def _behind_bad_keys(batch: Sequence[Message], bad: set[MessageId]) -> set[MessageId]:
-    """Ids of the batch that follow (claim order) a bad row of their key."""
     first: dict[str | None, MessageId] = {}
     held: set[MessageId] = set()
     for message in batch:  # claim order
@@ -377,10 +348,8 @@ def _count(
     done: Repaired,
 ) -> None:
     """One attempt for each row that could not be marked; at the last, dead-letter it.
-
-    Copies of one id share an attempt; `by_id` holds the last copy's content, so only that
-    copy is dead-lettered here. Another copy keeps the counter (`keep`) and is dead-lettered
-    with its own content when next claimed: deleting it now would lose it."""
+    `by_id` holds the last copy's content, so only that copy is dead-lettered here; another
+    copy keeps the counter and is dead-lettered when next claimed (deleted now, it is lost)."""
     done.bad = {tids[tid]: reason for tid, reason in failed.items()}
     last = {ident: tid for tid, ident in tids.items()}  # claim order: the last copy's tid
     held = {i: by_id[i] for i in done.bad if last[i] in failed}
@@ -389,7 +358,7 @@ def _count(
     verdict = failures.record(conn, source.label, list(held.values()), done.bad, keep=others,
                              delivered=True)  # fmt: skip
     dead = {m.id for m in verdict.dead}
-    done.dead, done.attempts, done.letters = verdict.dead, verdict.attempts, verdict.letters
+    done.attempts, done.letters = verdict.attempts, verdict.letters
     done.retry = verdict.retry + [i for i in others if i not in verdict.retry]
     suspects.update(source.label, done.retry, [i for i in dead if i not in others])
     gone = {last[i]: failed[last[i]] for i in dead}
@@ -405,8 +374,7 @@ def _mark_named_first(
     taken: set[str] | None,
     key: ConflictKey | None,
 ) -> dict[str, str] | None:
-    """Mark every row but the `taken` ones (which cannot move) in one statement. None: no
-    key known, or the rest failed too (the caller bisects)."""
+    """Mark every row but the `taken` ones in one statement. None: the caller bisects."""
     if not taken or key is None:
         return None
     rest = [tid for tid in todo if tid not in taken]
@@ -447,7 +415,6 @@ _ROLLBACK_TO_OUTER = sql.SQL("ROLLBACK TO SAVEPOINT om_relay_repair")
 
 
 def _marked_in_savepoint(source: queries.Source, tids: Sequence[str]) -> sql.Composed:
-    """`queries.mark` for these rows, between a savepoint and its release."""
     return sql.SQL(
         "SAVEPOINT om_relay_mark; UPDATE {table} SET {mark} "
         "WHERE {unpublished} AND ctid = ANY({tids}::tid[]){same}; "
@@ -486,8 +453,7 @@ def _lock(
     source: queries.Source, tids: dict[str, MessageId], key: ConflictKey | None
 ) -> sql.Composed:
     """Lock the claimed rows still unpublished, with their id; with `key`, which ids its
-    table holds already; then constraints immediate and the outer savepoint. One round trip;
-    the lock's rows are the first result."""
+    table holds already; then constraints immediate and the outer savepoint."""
     ident = sql.Identifier(source.id_column)
     lookup = key.lookup(list(set(tids.values())), source.text_ids) if key else sql.SQL("")
     return sql.SQL(

@@ -1,8 +1,5 @@
-"""One outbox row as the relay hands it to a sink. Pure data; no I/O.
-
-The payload stays the JSON text PostgreSQL returned: parsing it would only cost CPU. A bytea
-payload that is not UTF-8 stays `bytes`, refused (`UnrepresentableMessage`) where a JSON
-envelope would have to embed it.
+"""One outbox row as the relay hands it to a sink; pure data, no I/O. The payload stays the
+text PostgreSQL returned (parsing it would only cost CPU), or `bytes` when not UTF-8.
 """
 
 from __future__ import annotations
@@ -21,12 +18,9 @@ def _json_text(value: str | None) -> str:
 
 
 class Message(NamedTuple):
-    """An outbox row: its id (the de-duplication key downstream), routing fields, payload.
-    `extra_headers` are (name, value) pairs in sending order, last and defaulted so a claim
-    without metadata builds a `Message` from six columns.
-
-    A NamedTuple, built per row straight from the claim's tuple (`Message(*row)`): a frozen
-    dataclass's `__init__` costs several times as much in the hot loop (bench/relay.py)."""
+    """An outbox row. A NamedTuple, built per row from the claim's tuple: a frozen dataclass's
+    `__init__` costs several times as much. `extra_headers` are (name, value) pairs in sending
+    order, last and defaulted so a claim without metadata builds one from six columns."""
 
     id: MessageId
     table: str
@@ -39,7 +33,6 @@ class Message(NamedTuple):
 
     @property
     def created_at(self) -> datetime:
-        """The creation time as an aware datetime (parsed on demand)."""
         return datetime.fromisoformat(self.created)
 
     @property

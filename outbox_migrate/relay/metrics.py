@@ -1,14 +1,6 @@
-"""Observability: Prometheus metrics and a health endpoint, both optional.
-
-The base `Observer` does nothing, so the relay runs without prometheus-client;
-`PrometheusObserver` keeps its own registry (several relays in one process do not clash).
-Health: every live worker finished a loop iteration within HEALTH_STALE_S (a worker backing
-off from a dead broker still iterates).
-
-Readiness (`/readyz`) asks "is this process part of the fleet?": a worker's shard-lease check
-(holding shards or a live standby) succeeded within READY_STALE_S. A CDC relay holds no
-leases: it is ready while healthy and its slot lag is under the warning thresholds — a signal
-for the operator (docs/relay.md, "Slot safety"), not a restart trigger.
+"""Prometheus metrics and the health endpoints, both optional (docs/relay.md, "Metrics, health
+and log events"). The base `Observer` does nothing, so the relay runs without
+prometheus-client; each `PrometheusObserver` has its own registry, so relays do not clash.
 """
 
 from __future__ import annotations
@@ -23,6 +15,7 @@ from typing import Any
 from outbox_migrate.errors import ConnectError, RelayError
 
 HEALTH_STALE_S = 60.0
+"""A worker backing off from a dead broker still finishes loop iterations: it stays healthy."""
 READY_STALE_S = 40.0
 """A lease check older than this makes the process unready: longer than the sink backoff cap
 (30 s), during which a worker does not come back to its lease."""
@@ -32,8 +25,6 @@ BATCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class Observer:
-    """Receives the relay's events. The default ignores them."""
-
     def published(self, count: int) -> None: ...
 
     def failed(self, reason: str, count: int = 1) -> None: ...
@@ -66,8 +57,8 @@ def start_sampler(
     look: Callable[[Any], None],
     name: str,
 ) -> threading.Thread | None:
-    """A daemon thread calling `look(conn)` every METRICS_INTERVAL_S on a session of its own,
-    reconnecting after a lost one, until `stop`; None for the base `Observer` (ignores it)."""
+    """A daemon thread calling `look(conn)` every METRICS_INTERVAL_S on a session of its own
+    until `stop`; None for the base `Observer`."""
     if type(observer) is Observer:
         return None
 
@@ -89,8 +80,6 @@ def start_sampler(
 
 
 class PrometheusObserver(Observer):
-    """Counters, a latency histogram and backlog gauges in a private registry."""
-
     def __init__(self) -> None:
         try:
             import prometheus_client as prom
@@ -174,7 +163,8 @@ class PrometheusObserver(Observer):
 
 
 class CdcObserver(PrometheusObserver):
-    """PrometheusObserver plus the slot gauges; `ready()` is the CDC readiness above."""
+    """Plus the slot gauges. A CDC relay holds no leases: ready while healthy and under the
+    slot lag warnings, a signal for the operator, not a restart trigger."""
 
     def __init__(self, lag_warn_bytes: int, lag_warn_s: float) -> None:
         super().__init__()
@@ -204,7 +194,6 @@ class CdcObserver(PrometheusObserver):
 
 
 def serve(observer: PrometheusObserver, host: str, port: int) -> ThreadingHTTPServer:
-    """Start `/metrics`, `/healthz` and `/readyz` in a daemon thread; the caller shuts it down."""
     probes = (
         ("/healthz", "healthy", b"ok\n", b"stale\n"),
         ("/readyz", "ready", b"ready\n", b"no lease check\n"),

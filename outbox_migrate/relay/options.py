@@ -1,7 +1,5 @@
-"""What a relay run is asked to do: mode, batching, workers, ordering, retries. Pure data.
-
-`DeliveryOptions` holds what both delivery styles share; `RelayOptions` adds polling's
-workers, shards and switching, `CdcOptions` the slot, publication and marks.
+"""What a relay run is asked to do, validated on construction: `DeliveryOptions` for both
+delivery styles, `RelayOptions` for polling, `CdcOptions` for CDC. Pure data.
 """
 
 from __future__ import annotations
@@ -17,19 +15,14 @@ from outbox_migrate.errors import RelayError
 DEFAULT_BATCH_SIZE = 500
 MAX_BATCH_SIZE = 100_000
 POLL_INTERVAL_S = 1.0
-"""Idle wait between claims when no NOTIFY arrives (the fallback to LISTEN/NOTIFY)."""
 LINGER_S = 0.005
-"""After a batch that did not fill, wait this long before the next claim, so steady traffic
-forms batches instead of one claim per message; a backlog never waits."""
 SHUTDOWN_TIMEOUT_S = 10.0
-"""How long a stop waits for the in-flight batch before cancelling it (it is then re-sent)."""
 DEFAULT_SHARDS = 8
 """Default shard count (or `workers`, when more): a second relay process started with the
 defaults finds shards to take instead of claiming the same rows (SQLSTATE 40001)."""
 DEFAULT_DEAD_LETTER_TABLE = "outbox_dead_letter"
 DEFAULT_SESSION_TIMEOUT_S = 12.0
-"""How long a silent session keeps its shards at most (relay/keepalive.py): the fence needs
-more than the 10 s sink timeout + 1 s, and 12 s serves the shards again within about 15 s."""
+"""The fence needs more than the 10 s sink timeout + 1 s; 12 s frees the shards within 15 s."""
 SESSION_TIMEOUT_HEADROOM_S = 2.0
 """The session timeout must exceed the sink timeout by this: the fence's margin (1 s) plus
 time for the claim that precedes a publish."""
@@ -37,8 +30,6 @@ ATTEMPTS_TABLE_SUFFIX = "_attempts"
 
 
 class Mode(StrEnum):
-    """Which table(s) the relay publishes from."""
-
     partitioned = "partitioned"
     switching = "switching"
     """Drain the flat table, then switch to the partitioned one, once."""
@@ -74,7 +65,6 @@ IDLE_CONFIRM_S = 0.5
 often (a reply the server asks for is sent at once)."""
 DEFAULT_MARK_INTERVAL_S = 0.1
 DEFAULT_CDC_LINGER_S = 0.002
-"""Chosen by `bench/cdc.py` (docs/relay.md, "CDC mode: linger")."""
 CDC_LINGER_MAX_S = 1.0
 MARK_MAX_IDS = 10_000
 """CDC: a mark goes early once this many acknowledged ids wait, and the stream waits behind a
@@ -91,16 +81,12 @@ def check_name(kind: str, name: str) -> str:
 
 @dataclass(frozen=True)
 class DeliveryOptions:
-    """What both delivery styles are asked: batches, rejections, dead letters, backoff."""
-
     batch_size: int = DEFAULT_BATCH_SIZE
     linger_s: float = LINGER_S
     max_attempts: int = 5
     dead_letter_table: str = DEFAULT_DEAD_LETTER_TABLE
     key_column: str | None = None
-    """None = `message_key` when the table has it."""
     event_type_column: str | None = None
-    """None = `event_type` when the table has it."""
     backoff_base_s: float = 0.1
     backoff_cap_s: float = 8.0
     """The longest pause between tries of a down broker or a rejected message, so a short
@@ -120,17 +106,13 @@ class DeliveryOptions:
 
 @dataclass(frozen=True)
 class RelayOptions(DeliveryOptions):
-    """Options of one polling relay run; validated on construction."""
-
     mode: Mode = Mode.partitioned
     workers: int = 1
     shards: int | None = None
-    """Total shards across every relay process of the outbox: all must use the same value."""
     ordering: Ordering = Ordering.none
     until_empty: bool = False
     poll_interval_s: float = POLL_INTERVAL_S
     read_ahead: bool = True
-    """Claim the next batch on a second session while one is published (relay/read_ahead.py)."""
     listen: bool = True
     channel: str = DEFAULT_CHANNEL
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
@@ -139,10 +121,8 @@ class RelayOptions(DeliveryOptions):
     """SQL LIKE pattern of the old application's `application_name`."""
     sink_timeout_s: float = 10.0
     session_timeout_s: float | None = None
-    """Dead-session bound T (relay/keepalive.py): None = max(12 s, sink timeout + 2 s); 0 = off."""
+    """None: max(12 s, sink timeout + 2 s); 0: off (docs/relay.md, "Options")."""
     max_message_bytes: int | None = None
-    """A larger body is rejected by the sink unsent (it could never be delivered); None = each
-    broker's usual limit (docs/sinks.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -175,14 +155,12 @@ class RelayOptions(DeliveryOptions):
 
     @property
     def dead_session_s(self) -> float:
-        """The session timeout in force (0 = off)."""
         if self.session_timeout_s is not None:
             return self.session_timeout_s
         return max(DEFAULT_SESSION_TIMEOUT_S, self.sink_timeout_s + SESSION_TIMEOUT_HEADROOM_S)
 
     @property
     def shard_count(self) -> int:
-        """Shards the id space is split into; `global` ordering always uses one."""
         if self.ordering is Ordering.global_:
             return 1
         return self.shards or max(self.workers, DEFAULT_SHARDS)
@@ -190,23 +168,13 @@ class RelayOptions(DeliveryOptions):
 
 @dataclass(frozen=True)
 class CdcOptions(DeliveryOptions):
-    """Options of one `relay --mode cdc` run."""
-
     slot: str = DEFAULT_SLOT
     publication: str = DEFAULT_PUBLICATION
     linger_s: float = DEFAULT_CDC_LINGER_S
-    """Publish this long after a transaction's first frame, all complete transactions as one
-    batch: fewer wake-ups (CPU) for at most this much latency. A full batch never waits. A
-    batch holds whole transactions, so a large one is one batch whatever `batch_size`."""
     mark: bool = True
-    """Move delivered rows to the published partition behind the stream. Off: the outbox is
-    append-only and retention drops or truncates partitions."""
     mark_interval_s: float = DEFAULT_MARK_INTERVAL_S
-    """Acknowledged ids collect this long, then go out as one mark that delivery does not wait
-    for; the slot is confirmed once it committed, so a SIGKILL re-sends what was acknowledged
-    since the last mark. 0: next mark as soon as the previous one committed."""
+    """0: the next mark as soon as the previous one committed (docs/relay.md, "CDC mode")."""
     failover: bool = True
-    """A failover slot where the server supports it (PostgreSQL 17+)."""
     until_caught_up: bool = False
     lag_warn_bytes: int = LAG_WARN_BYTES
     lag_warn_s: float = LAG_WARN_S

@@ -1,23 +1,5 @@
-"""`--ordering key` and rejected messages: a refused message parks its key, the others flow.
-
-Key ordering promises per-key order: a key's message n+1 must not reach consumers before
-message n. So:
-
-* after a batch, a key with a message to retry is *parked* at that message until its next
-  attempt is due (the backoff); its later messages in the batch are not marked (`held`):
-  sent again after it, de-duplicated downstream on the outbox id (at-least-once);
-* before a batch is published, a parked key's later messages, and the parked message before
-  it is due, are *withheld* (neither sent nor marked); the cursor claims from just below the
-  parked message when due (`Cursor.retry_at`), on a clock rather than the costly rescan;
-* held and withheld messages lie below the cursor, so a parked key's messages go out only in
-  a batch whose claim reached back to the park, in id order ahead of newer ones; released
-  only once that claim also reached the highest id the key left behind, else the key
-  *drains*: parked just after the claim's last id, due at once;
-* a park ends when its message has not come back PARK_STALE_S after due (another relay
-  process took it after a rebalance).
-
-Other keys flow meanwhile; a message without a key belongs to one "no key" group. Pure
-bookkeeping, shared by a relay's workers.
+"""`--ordering key` after a refusal: a refused message parks its key, the others flow
+(docs/relay.md, "Key ordering through a refusal"). Pure bookkeeping, shared by the workers.
 """
 
 from __future__ import annotations
@@ -58,7 +40,7 @@ class Settled(NamedTuple):
 
 
 def _before(a: MessageId, b: MessageId) -> bool:
-    """Claim order of two ids (key ordering claims application ids by id)."""
+    """Claim order (key ordering claims application ids by id)."""
     if isinstance(a, int) and isinstance(b, int):
         return a < b
     return str(a) < str(b)
@@ -69,20 +51,16 @@ def _later(a: MessageId, b: MessageId) -> MessageId:
 
 
 def _behind(park: Park, message_id: MessageId) -> bool:
-    """Whether a message of the parked key waits behind the park (is not earlier than it)."""
     return _before(park.id, message_id) if park.draining else not _before(message_id, park.id)
 
 
 def _covers(after: MessageId, park: Park) -> bool:
-    """Whether a claim above `after` (0: from the start) reaches back to the park."""
     if after == 0 or not (isinstance(after, int) and isinstance(park.id, int)):
         return True
     return after <= park.id if park.draining else after < park.id
 
 
 class Parking:
-    """Parked keys per source table; thread-safe (a relay's workers share it)."""
-
     def __init__(self) -> None:
         self._parked: dict[tuple[str, str | None], Park] = {}
         self._lock = threading.Lock()
@@ -122,7 +100,6 @@ class Parking:
     def _bound(
         self, key: tuple[str, str | None], batch: Sequence[Message], *, now: float, after: MessageId
     ) -> Park | None:
-        """The park a key's messages in this batch must stay behind (None: send them all)."""
         park = self._parked.get(key)
         if park is None:
             return None

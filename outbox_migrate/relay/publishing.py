@@ -1,10 +1,5 @@
-"""One publish of a batch through a sink, with the refusals sorted per message.
-
-`UnrepresentableMessage` comes while the batch is rendered, so nothing of it can be trusted
-as acknowledged: the message is set aside and the rest published again (duplicates are
-de-duplicated downstream on the outbox id). No waiting here: the caller holds a transaction.
-`split_suspects` publishes a message with a failure on record alone, so a sink crash it
-causes again counts against it only.
+"""One publish of a batch through a sink, with the refusals sorted per message. No waiting
+here: the caller holds a transaction.
 """
 
 from __future__ import annotations
@@ -34,6 +29,8 @@ def publish(
         except MessagesRejected as exc:
             return exc.rejected, unrepresentable
         except UnrepresentableMessage as exc:
+            # Raised while the batch is rendered: nothing of it is acknowledged, so the rest
+            # goes again (downstream de-duplicates on the outbox id).
             unrepresentable.update((m.id, exc.reason) for m in _culprits(todo, exc))
             todo = [m for m in todo if m.id not in unrepresentable]
     return {}, unrepresentable
@@ -42,8 +39,8 @@ def publish(
 def suspects_apart(
     failures: FailedMessages, label: str, batch: list[Message]
 ) -> list[list[Message]]:
-    """`batch` as the parts to publish one after another (`split_suspects`); no work per
-    message while no failure is on record."""
+    """`batch` as the parts to publish one after another; no work per message while no
+    failure is on record."""
     if not failures.known:
         return [batch]
     seen = set(failures.seen_before(label, [m.id for m in batch]))
@@ -53,8 +50,8 @@ def suspects_apart(
 def split_suspects(
     batch: Sequence[Message], suspect: Callable[[MessageId], bool]
 ) -> Iterator[list[Message]]:
-    """The batch in order, each suspect alone, the messages between them together (the order
-    within a key is kept)."""
+    """The batch in order, each suspect alone, so a sink crash it causes again counts against
+    it only; the messages between them together."""
     run: list[Message] = []
     for m in batch:
         if suspect(m.id):

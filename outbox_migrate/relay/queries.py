@@ -1,16 +1,6 @@
-"""Every SQL statement the relay runs, composed with `psycopg.sql` from the names in force.
-
-Builders return inert `Composed` objects. A statement with nothing to compose is a named block
-of sql/relay.sql; the claim, mark, backlog and switch statements are built here because each
-is assembled from outbox-dependent parts (marker, id kind, payload and headers types,
-relations, sharding) that a named block would reduce to a skeleton of placeholders.
-
-Claim design (why the claim is sharded, see docs/relay.md): on a LIST-partitioned outbox the
-mark moves a row to another partition. A claimer whose statement snapshot predates another
-claimer's commit then tries to lock a row that has *moved*, and PostgreSQL raises SQLSTATE 40001
-even under SKIP LOCKED. Claimers therefore never compete for the same rows: the id space is split
-into shards (`id % shards`, or a hash of the key), each owned by one session through an advisory
-lock, and `FOR UPDATE SKIP LOCKED` stays as the safety net against claimers outside the scheme.
+"""Every SQL statement the relay runs, as inert `Composed` objects. A statement with nothing
+to compose is a named block of sql/relay.sql; the others are built here from outbox-dependent
+parts (marker, id kind, column types, relations, sharding) a named block would only skeleton.
 """
 
 from __future__ import annotations
@@ -36,8 +26,6 @@ CLAIM_TEXT_HEADERS_COLUMN = 8
 
 @dataclass(frozen=True)
 class Source:
-    """One table the relay publishes from: where it claims and where it marks."""
-
     label: str
     """schema.table: in logs, keys and the attempts and dead-letter rows."""
     schema: str
@@ -54,8 +42,7 @@ class Source:
     flag: marker.Marker | None = None
     """None: a timestamp marker."""
     name: str = ""
-    """The outbox's name in messages, stable across flat/partitioned and the rename; "" =
-    `label`."""
+    """The outbox's name in messages, stable across flat/partitioned and the rename ("": label)."""
     claim_oid: int = 0
     """The OID `claim_table` named at start (0: unresolved). Marks by ctid are confined to it:
     a ctid means nothing without its table, and a rolled-back rename may repoint the name."""
@@ -79,7 +66,6 @@ class Source:
         return sql.SQL(" AND tableoid = {}::oid").format(sql.Literal(self.claim_oid))
 
     def unpublished_filter(self) -> sql.Composable:
-        """The unpublished partition holds nothing else; the flat table needs the marker."""
         if self.partitioned:
             return sql.SQL("true")
         return marker.unpublished(self.marker)
@@ -115,8 +101,6 @@ def _source(spec: OutboxSpec, label: str, claim: str, mark: str, partitioned: bo
 
 @dataclass(frozen=True)
 class Columns:
-    """The columns the relay reads besides the id (`columns.resolve`)."""
-
     event_type: str | None
     key: str | None
     payload: str = "payload"
@@ -134,7 +118,6 @@ class Columns:
 
     @property
     def text_headers(self) -> bool:
-        """The headers column is parsed by the relay (not json/jsonb)."""
         return bool(self.headers) and self.headers_type not in ("json", "jsonb")
 
 
@@ -217,10 +200,7 @@ def shard_expression(source: Source, columns: Columns, *, by_key: bool) -> sql.C
 
 def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> sql.Composed:
     """Claim and lock the next batch of this session's shards, oldest id first (params:
-    after, limit; sharded: shards, mine). Columns: `claimed_columns`.
-
-    The cursor (`id > %(after)s`) skips index entries of rows just moved out (they stay until
-    vacuum, longer under a held xmin); relay/cursor.py finds rows that committed late."""
+    after, limit; sharded: shards, mine)."""
     shard = (
         sql.SQL(" AND {} = ANY(%(mine)s)").format(shard_expression(source, columns, by_key=by_key))
         if sharded
@@ -241,8 +221,8 @@ def claim(source: Source, columns: Columns, *, sharded: bool, by_key: bool) -> s
 def _locked(
     source: Source, columns: Columns, where: sql.Composable, order: sql.Composable | None
 ) -> sql.Composed:
-    """`claimed_columns` of the unpublished rows `where` also selects, locked skipping those
-    locked already; with `order`, the first %(limit)s in that order."""
+    """The unpublished rows `where` selects, locked skipping those locked already; with
+    `order`, the first %(limit)s in that order."""
     limit = (
         sql.SQL(" ORDER BY {} LIMIT %(limit)s").format(order) if order is not None else sql.SQL("")
     )
@@ -258,7 +238,6 @@ def _locked(
 
 
 def claimed_columns(source: Source, columns: Columns) -> sql.Composed:
-    """What a claim returns: `Message` fields, ctid, and the extra headers if any."""
     return sql.SQL(
         "{id}, {label}::text, {event_type}, {key}, {payload}, {created_at}, ctid{headers}"
     ).format(
@@ -292,7 +271,6 @@ def probe(source: Source, columns: Columns) -> sql.Composed:
 
 
 def horizon() -> sql.Composed:
-    """The oldest running xid and the next xid to assign (relay/cursor.py)."""
     return named("horizon")
 
 
@@ -305,8 +283,7 @@ def try_idle_lock() -> sql.Composed:
 def mark(source: Source) -> sql.Composed:
     """Mark claimed rows by ctid (param: tids). The claim's lock keeps ctids stable until
     commit, and a TID scan skips one index descent per row. Through the parent, so the row
-    moves partition; the unpublished filter prunes the scan and makes a re-run a no-op. A
-    short row count is looked into (relay/marker_source.py `check_names`)."""
+    moves partition; the unpublished filter prunes the scan and makes a re-run a no-op."""
     return sql.SQL(
         "UPDATE {table} SET {mark} WHERE {unpublished} AND ctid = ANY(%(tids)s::tid[]){same}"
     ).format(
@@ -343,7 +320,6 @@ def claim_and_mark(source: Source, *, sharded: bool) -> sql.Composed:
 
 
 def claim_session_settings() -> sql.Composed:
-    """Settings of a claiming session: walk the id index, never scan-and-sort (see worker)."""
     return named("claim-session-settings")
 
 
@@ -353,7 +329,6 @@ def qualified(schema: str, table: str) -> str:
 
 
 def backlog(source: Source, columns: Columns) -> sql.Composed:
-    """Unpublished rows and the age of the oldest one, in seconds (for the metrics)."""
     return sql.SQL(
         "SELECT count(*), coalesce(extract(epoch FROM now() - min({created_at})), 0)::float8 "
         "FROM {table} WHERE {unpublished}"
@@ -377,6 +352,5 @@ def lock_for_switch(source: Source) -> sql.Composed:
 
 @cache
 def named(name: str) -> sql.Composed:
-    """A statement of sql/relay.sql with nothing to compose (its comment there says what it
-    does and takes)."""
+    """A statement of sql/relay.sql (its comment there says what it does and takes)."""
     return query("relay", name).compose()

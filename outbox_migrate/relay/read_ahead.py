@@ -1,17 +1,5 @@
-"""A worker's second session: it claims the next batch while the current one is published.
-
-On one session claim, publish, mark and commit are serial; here the claim of batch k+1 runs
-on the server while the relay publishes k, batches alternating between the two sessions, each
-in a transaction of the session that claimed it (docs/relay.md, "Read-ahead"). Safe because:
-
-* only a plain range claim runs ahead (ids above the last in hand, same shards), so the two
-  sessions never lock or move each other's rows; everything else stays on the lease session,
-  which alone proves the fence;
-* only with `--ordering none`, integer ids and full claims: publishing stays in id order;
-* a rejection, stop, rebalance or switch rolls the read-ahead back unpublished; any error
-  closes both sessions and the worker starts over.
-
-This session holds no shard lock, so the idle-session timeout is off here.
+"""A worker's second session, which claims the next batch while the one in hand is published
+(docs/relay.md, "Read-ahead"). It only ever runs a plain range claim ahead.
 """
 
 from __future__ import annotations
@@ -32,8 +20,6 @@ log = logging.getLogger("outbox_migrate.relay")
 
 @dataclass
 class Pending:
-    """A claim sent ahead and not read yet."""
-
     pipe: wire.Wire
     conn: Any
     slot: wire.Slot
@@ -42,7 +28,7 @@ class Pending:
 
 
 class ReadAhead:
-    """The second session of one worker: opened at its first use, closed on any error."""
+    """Opened at its first use, closed on any error."""
 
     def __init__(self, open_session: Callable[[], Any]) -> None:
         self._open_session = open_session
@@ -50,7 +36,6 @@ class ReadAhead:
         self.pipe: wire.Wire | None = None
 
     def session(self, statements: Iterable[bytes]) -> tuple[Any, wire.Wire]:
-        """The session, connected and with `statements` prepared."""
         if self.conn is None or self.conn.closed or self.pipe is None:
             self.close()
             conn = self._open_session()
@@ -63,7 +48,6 @@ class ReadAhead:
     def send(
         self, pipe: wire.Wire, conn: Any, claim: bytes, params: dict[str, Any], after: int
     ) -> Pending:
-        """Queue BEGIN and the range claim from `after` on `pipe`, and send them now."""
         sent = time.monotonic()
         pipe.send_plain(b"BEGIN")
         slot = pipe.send(claim, {**params, "after": after})
@@ -72,12 +56,10 @@ class ReadAhead:
 
     @staticmethod
     def receive(pending: Pending) -> list[tuple[Any, ...]]:
-        """Read the claim's rows (and whatever that session had in flight before it)."""
         pending.pipe.sync()
         return pending.pipe.rows(pending.slot)
 
     def settle(self) -> None:
-        """After a run: read what is in flight here and leave pipeline mode."""
         pipe = self.pipe
         if pipe is None:
             return
@@ -105,7 +87,6 @@ class ReadAhead:
             self.close()
 
     def close(self) -> None:
-        """Drop the session: the server rolls back whatever it held."""
         close_quietly(self.conn, "relay.read_ahead_close_failed")
         self.conn, self.pipe = None, None
 
@@ -113,7 +94,8 @@ class ReadAhead:
 def open_session(
     connect: Callable[[], Any], timeout_s: float, poll_interval_s: float
 ) -> Callable[[], Any]:
-    """Open a read-ahead session like the lease session, without the idle-session timeout."""
+    """Open a read-ahead session like the lease session, without the idle-session timeout:
+    it holds no shard lock."""
 
     def opened() -> Any:
         conn = connect()

@@ -1,8 +1,5 @@
-"""The polling relay's rejection policy: what a batch the broker refused in part becomes.
-
-One object shared by a relay's workers, owning what outlives a batch: attempts and dead
-letters (relay/bad_rows.py), the rows whose mark failed (relay/mark_repair.py) and the parked
-keys (relay/parking.py). It never waits itself (relay/waits.py: no wait in a transaction).
+"""The polling relay's rejection policy: what a batch the broker refused in part becomes. One
+object shared by the workers; it never waits itself (the caller holds a transaction).
 """
 
 from __future__ import annotations
@@ -28,8 +25,6 @@ _BY_ID = operator.attrgetter("id")  # claim order with key ordering
 
 
 class Outcome(NamedTuple):
-    """What `Refusals.publish` decided for a batch (see there)."""
-
     acked: list[MessageId]
     letters: list[DeadLetter]
     """Dead letters written; their rows are the caller's to take out before the mark."""
@@ -40,8 +35,6 @@ class Outcome(NamedTuple):
 
 
 class Refusals:
-    """Publishes a batch and settles its refusals (one per relay, shared by its workers)."""
-
     def __init__(
         self,
         failures: FailedMessages,
@@ -68,14 +61,11 @@ class Refusals:
         bad: list[claimed.BadRow],
         after: MessageId = 0,
     ) -> Outcome:
-        """Publish a batch claimed above `after`; the `Outcome`. A refusal pauses the worker
-        by the backoff of the most attempts among the refused, then claims again from the
-        lowest; with key ordering it parks the key instead (parking.py), no pause. `bad`
-        rows and unrepresentable messages count attempts without the backoff: the row is
-        at fault, waiting changes nothing.
-
-        The pause is taken after the COMMIT, never here: waiting in the transaction would
-        hold the claimed rows' locks, which the migration runner will not queue behind."""
+        """Publish a batch claimed above `after`. A refusal pauses the worker by the backoff of
+        the most attempts among the refused, then claims again from the lowest; with key
+        ordering it parks the key instead. The pause is taken after the COMMIT, never here:
+        waiting in the transaction would hold the claimed rows' locks against a migration
+        step's DDL."""
         parking, label = self.parking, source.label
         claim = sorted(batch + [b.message for b in bad], key=_BY_ID) if bad else batch
         last = claim[-1].id if claim else None
@@ -165,9 +155,8 @@ class Refusals:
     def _send(
         self, sink: Sink, label: str, batch: list[Message]
     ) -> tuple[dict[MessageId, str], dict[MessageId, str]]:
-        """Publish, a message with a failure on record alone; (rejected, unrepresentable) as
-        id → reason. An exception outside the sink's protocol becomes `SinkCrashed`, naming
-        the messages it held (`driver.Worker._count_crash`)."""
+        """Publish, a message with a failure on record alone; (rejected, unrepresentable). An
+        exception outside the sink's protocol becomes `SinkCrashed`, naming what it held."""
         parts = publishing.suspects_apart(self.failures, label, batch)
         rejected: dict[MessageId, str] = {}
         unrepresentable: dict[MessageId, str] = {}
@@ -193,8 +182,8 @@ class Refusals:
     def _dead_letter_exhausted(
         self, conn: Any, label: str, batch: list[Message]
     ) -> list[DeadLetter]:
-        """Messages out of attempts, dead-lettered in the batch's transaction. Not suspects:
-        `mark_repair.mark_suspects` settles those."""
+        """Messages out of attempts, dead-lettered in the batch's transaction (not suspects:
+        `mark_repair.mark_suspects` settles those)."""
         worn = self.failures.exhausted(label, batch)
         if worn and self.suspects:
             pending = self.suspects.among(label, [m.id for m in worn])

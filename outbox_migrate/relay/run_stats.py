@@ -1,7 +1,5 @@
-"""What a relay run did, counted by its threads (`Relay.stats`, the `relay.stopped` line).
-
-`Counters` holds what every delivery counts; `RelayStats` and `CdcStats` add their own. Its
-own module so that every part that counts needs no relay lifecycle import.
+"""What a relay run did, counted by its threads (`Relay.stats`, the `relay.stopped` line); a
+module of its own so that a part that counts needs no relay lifecycle import.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Counters:
-    """A run's counters, added to by several threads; every public field is an int."""
+    """Every public field is an int."""
 
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     published: int = 0
@@ -59,7 +57,7 @@ class RelayStats(Counters):
     read_ahead: int = 0
 
     def batch(self, published: int) -> None:
-        """One batch committed (the per-batch path: no keyword dispatch)."""
+        """One batch committed (per batch: no keyword dispatch)."""
         with self._lock:
             self.published += published
             self.batches += 1

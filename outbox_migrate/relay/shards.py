@@ -1,19 +1,11 @@
-"""Shard ownership: which slice of the id space this session may claim from.
-
-Each shard is a session advisory lock: its holder is the only claimer of that shard, so two
-claimers never lock the same row (SQLSTATE 40001 on the partitioned outbox). Locks die with
-their session, so a crashed relay's shards are free at once.
-
-Every worker session also holds a shared membership lock, so any worker can count the live
-workers in `pg_locks`; each aims at ceil(shards / live workers), taking free shards (home
-first) or giving some back, so processes balance within a few REBALANCE_S.
+"""Shard ownership through session advisory locks: which slice of the id space this session
+may claim from (docs/relay.md, "The claim, shards and ordering").
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Any
 
 from outbox_migrate.relay import queries
@@ -27,7 +19,6 @@ UNTIL_EMPTY_PATIENCE_CHECKS = 3
 
 
 def home_shards(worker_index: int, workers: int, shards: int) -> list[int]:
-    """Shards a worker prefers: every `workers`-th one, starting at its index."""
     return [s for s in range(shards) if s % workers == worker_index]
 
 
@@ -36,7 +27,7 @@ def fair_share(shards: int, live_workers: int) -> int:
 
 
 def shards_to_release(owned: set[int], home: list[int], keep: int) -> list[int]:
-    """Which shards to give back to get down to `keep`: foreign ones first, highest first."""
+    """Foreign ones first, highest first."""
     surplus = len(owned) - keep
     if surplus <= 0:
         return []
@@ -45,8 +36,6 @@ def shards_to_release(owned: set[int], home: list[int], keep: int) -> list[int]:
 
 
 class ShardLease:
-    """The shards one worker's session holds."""
-
     def __init__(
         self, key: str, shards: int, home: list[int], reap_after_s: float | None = None
     ) -> None:
@@ -69,22 +58,18 @@ class ShardLease:
 
     @property
     def owns_all(self) -> bool:
-        """Every shard is this session's: its claim needs no shard filter."""
         return len(self.owned) == self.count
 
     def due(self, now: float) -> bool:
-        """A rebalance check is due: the worker should come back to `maintain`."""
         return now >= self._next_check
 
     def lost(self) -> None:
-        """The session ended: every advisory lock went with it."""
         self.owned.clear()
         self._member = False
         self._next_check = 0.0
 
-    def maintain(self, conn: Any, *, now: float | None = None) -> bool:
-        """Rebalance when due. True when this worker's shards changed."""
-        now = time.monotonic() if now is None else now
+    def maintain(self, conn: Any, *, now: float) -> bool:
+        """Rebalance when due. True: this worker's shards changed."""
         if now < self._next_check:
             return False
         self._next_check = now + REBALANCE_S
@@ -112,19 +97,14 @@ class ShardLease:
             self._take(conn, candidates, keep - len(self.owned))
         return self.owned != before
 
-    def reap(self, conn: Any) -> list[int]:
-        """End sessions that hold shards but have been silent past `reap_after_s`; their pids.
-
-        The server's idle timers (relay/keepalive.py) are armed only after a Sync: a relay
-        frozen between a pipelined statement and its Sync, or after leaving pipeline mode
-        (a Flush disarms them), would keep its shards for good, while the kernel still
-        answers keepalives. A live worker is never silent longer than its poll interval, so
-        survivors end such a session after the bound the server keeps (fencing unaffected).
-        Without the right to signal it, one warning, and reaping stops."""
+    def reap(self, conn: Any) -> None:
+        """End sessions that hold shards but have been silent past `reap_after_s`: the
+        server arms its idle timers only after a Sync, so a relay frozen between a statement
+        and its Sync (or after a Flush) would keep its shards for good."""
         import psycopg
 
         if self.reap_after_s is None:
-            return []
+            return
         try:
             rows = conn.execute(
                 queries.named("end-idle-shard-holders"),
@@ -136,17 +116,14 @@ class ShardLease:
                 str(exc).strip().splitlines()[0],
             )
             self.reap_after_s = None
-            return []
-        ended = []
+            return
         for pid, idle_s, done in rows:
             if done:
-                ended.append(int(pid))
                 log.warning(
                     "relay.reaped_session pid=%d silent_s=%.1f (held shards, client silent)",
                     pid,
                     idle_s,
                 )
-        return ended
 
     def _take(self, conn: Any, candidates: list[int], limit: int) -> None:
         if not candidates or limit <= 0:
@@ -158,9 +135,8 @@ class ShardLease:
         self.owned.update(int(r[0]) for r in rows)
 
     def step_out(self, conn: Any) -> None:
-        """Give back every shard and leave the members until the next `maintain`: a worker
-        whose broker is away would stall its shards, and as a member keep the survivors'
-        fair share too small to take them all."""
+        """Give back every shard and leave the members until the next `maintain`: as a
+        member, a worker whose broker is away keeps the others' fair share too small."""
         self.release_all(conn)
         if self._member:
             conn.execute(queries.named("leave-members"), {"key": self.members_key})

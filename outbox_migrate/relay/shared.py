@@ -1,7 +1,5 @@
-"""What the workers of one polling relay share, and the one way they reach it.
-
-The lifecycle (relay/worker.py `Relay`) builds one `Shared` and starts its workers with it;
-a worker never sees the `Relay` itself, so neither reaches into the other (no import circle).
+"""What the workers of one polling relay share: the one way they reach it, so a worker never
+sees the `Relay` itself (no import circle).
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ log = logging.getLogger("outbox_migrate.relay")
 
 @dataclass(eq=False)
 class Shared:
-    """One relay run's shared state (built by `Relay`, used by its workers)."""
-
     dsn: str
     application_name: str
     options: RelayOptions
@@ -48,14 +44,12 @@ class Shared:
     abandon: threading.Event = field(default_factory=threading.Event)
     """Set after the shutdown timeout: in-flight batches roll back before their mark."""
     fatal: BaseException | None = None
-    """The first fault a worker could not handle; the relay reports it."""
 
     @property
     def stopping(self) -> bool:
         return self.stopped.is_set()
 
     def fail(self, exc: BaseException) -> None:
-        """A worker met a fault it cannot retry: stop the whole relay and report the first."""
         if self.fatal is None:
             self.fatal = exc
         self.request_stop()
@@ -69,7 +63,6 @@ class Shared:
         return not (row and row[0])
 
     def connect_worker(self) -> Any:
-        """A worker session, with keepalives for its session timeout."""
         from outbox_migrate.db import connect
 
         return connect(
@@ -100,15 +93,3 @@ def connection_errors(*more: type[BaseException]) -> tuple[type[BaseException], 
     import psycopg
 
     return (psycopg.OperationalError, psycopg.InterfaceError, *more)
-
-
-def serialization_errors() -> type[BaseException]:
-    import psycopg
-
-    return psycopg.errors.SerializationFailure
-
-
-def one_line(exc: BaseException) -> str:
-    from outbox_migrate.db import one_line as db_one_line
-
-    return db_one_line(str(exc))

@@ -1,30 +1,5 @@
-"""The switching rule: when the relay may stop publishing from the flat table, exactly once.
-
-Switching at the first empty batch would strand rows a V1 instance still inserts during a
-rolling deploy. The rule:
-
-    switch when, inside one transaction holding LOCK TABLE flat IN SHARE MODE,
-    (1) no writer can insert any more (the gate), and (2) no unpublished row remains.
-
-Sound because SHARE conflicts with the ROW EXCLUSIVE every INSERT holds to its transaction's
-end: once granted, every transaction that inserted has ended, and (2) sees all their rows.
-The gate makes sure no *later* transaction can insert:
-
-* `privilege` (default): no login role a REVOKE can stop holds INSERT; an INSERT queued
-  behind our lock re-reads privileges and fails. Superusers and owners insert whatever is
-  revoked: while a session of theirs is connected the gate waits instead for the old
-  version's sessions to go and the insert counter to stand still (`QuietWindow`). A session
-  of one of those (other than the tool's own) could still insert after the switch, and its
-  rows would be stranded: while one is connected the privilege gate proves nothing.
-* `sessions`: no session of the old version's application_name is connected (trusts the
-  deploy: a V1 instance that reconnects later is not stopped).
-
-Every "not yet" is logged at most once a minute per kind, and recorded in the session's
-`application_name` (`… waits:privilege @<epoch>`), readable by every role: how `status
---watch` shows why a switching relay waits.
-
-Both conditions only move from false to true, so a switch is never undone; a restarted relay
-re-proves the rule. The short lock_timeout keeps V1 writers from queueing behind us for long.
+"""The switching rule: when the relay may leave the flat table, exactly once and for good
+(docs/relay.md, "The switching rule"). It writes nothing but its session's application_name.
 """
 
 from __future__ import annotations
@@ -78,7 +53,6 @@ class Session:
     role: str
     application_name: str
     hidden: bool = False
-    """Its activity is hidden from our role: it may be a background worker, or a client."""
 
     def describe(self) -> str:
         return f"pid {self.pid} ({self.role}, {self.application_name or 'no application_name'})"
@@ -86,8 +60,7 @@ class Session:
 
 def bypassing_sessions(conn: Any, relation: str) -> list[Session]:
     """Sessions of roles a REVOKE cannot stop (superusers, the table's owner and members of
-    the owner role; `relation`: text ::regclass resolves), counting those whose kind is hidden
-    from us (`hidden`). Reads only."""
+    the owner role), counting those whose kind is hidden from us."""
     rows = conn.execute(
         named.query("switch_gate", "bypassing-sessions").compose(),
         {"relation": relation, "tool": TOOL_SESSIONS_LIKE},
@@ -97,14 +70,13 @@ def bypassing_sessions(conn: Any, relation: str) -> list[Session]:
 
 class QuietWindow:
     """Whether the flat table's insert counter has stood still for `QUIET_WINDOW_S`, sampled
-    at every gate check (a move is seen at the next check whenever it happened)."""
+    at every gate check."""
 
     def __init__(self) -> None:
         self._count: int | None = None
         self._since = 0.0
 
     def not_quiet(self, conn: Any, relation: str) -> str:
-        """Why the window does not hold yet ("" once it does)."""
         row = conn.execute(
             named.query("switch_gate", "rows-inserted").compose(), {"relation": relation}
         ).fetchone()
@@ -127,7 +99,6 @@ def writers_remaining(
     old_app: str,
     quiet: QuietWindow,
 ) -> NotYet:
-    """Who can still insert into `source`, and what to do about it (HOLDS when nobody can)."""
     if gate is SwitchGate.sessions:
         return _old_sessions(conn, old_app)
     relation = queries.qualified(source.schema, source.mark_table)
@@ -152,8 +123,6 @@ def _without_privilege_proof(
     old_app: str,
     quiet: QuietWindow,
 ) -> NotYet:
-    """Sessions a REVOKE cannot stop are connected: wait for the old version's sessions to be
-    gone and the table to stay quiet (without `old_app`, for those sessions to go)."""
     who = ", ".join(s.describe() for s in bypass[:MAX_SESSIONS_NAMED])
     if len(bypass) > MAX_SESSIONS_NAMED:
         who += f" and {len(bypass) - MAX_SESSIONS_NAMED} more"
@@ -202,8 +171,7 @@ def check_switch(
     old_app: str,
     quiet: QuietWindow,
 ) -> NotYet:
-    """Why the relay may not leave `source` yet (HOLDS = it may). `conn` is autocommit."""
-
+    """Why the relay may not leave `source` yet (HOLDS: it may). `conn` is autocommit."""
     from outbox_migrate.errors import LockBudgetExceeded
     from outbox_migrate.lock_budget import LockBudget, run_with_lock_budget
 
@@ -260,8 +228,6 @@ class RateLimitedLog:
 
 
 class SourceState:
-    """Which table the relay's workers claim from; in switching mode it changes once."""
-
     def __init__(self, spec: OutboxSpec, mode: Mode, gate: SwitchGate, old_app: str) -> None:
         self.flat = queries.flat_source(spec)
         self.partitioned = queries.partitioned_source(spec)
@@ -278,7 +244,6 @@ class SourceState:
         self.warn = RateLimitedLog(log)
 
     def resolve(self, resolve: Callable[[queries.Source], queries.Source]) -> None:
-        """Replace both sources by `resolve`d copies, before any worker starts."""
         flat_current = self._current is self.flat
         self.flat, self.partitioned = resolve(self.flat), resolve(self.partitioned)
         self._current = self.flat if flat_current else self.partitioned
@@ -292,7 +257,7 @@ class SourceState:
         return self._current is self.partitioned
 
     def try_switch(self, conn: Any) -> bool:
-        """After an empty claim on the flat table: switch if the rule holds. True = switched."""
+        """After an empty claim on the flat table: switch if the rule holds. True: switched."""
         if self.mode is not Mode.switching:
             return False
         with self._lock:  # one check at a time; the first that passes switches for all
@@ -314,8 +279,8 @@ class SourceState:
 
 
 def mark_waiting(conn: Any, kind: str) -> None:
-    """Record in the session's application_name why the switch waits, with the time (empty
-    `kind`: remove it). The tool's prefix, by which its sessions are known, is kept."""
+    """Record in the session's application_name, readable by every role, why the switch
+    waits (empty `kind`: remove it), keeping the tool's prefix its sessions are known by."""
     code = WAIT_CODES.get(kind, kind)[:16]
     conn.execute(
         "SELECT set_config('application_name', CASE WHEN %(code)s = '' THEN base ELSE "

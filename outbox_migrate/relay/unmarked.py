@@ -1,10 +1,5 @@
-"""Published batches whose mark did not commit: find the rows at fault, mark the rest; and
-what a batch settles before its mark (dead-lettered rows, suspects).
-
-When a published batch's mark breaks a constraint, its transaction rolls back, its rows
-published but unmarked: `repair` marks them again in a transaction of its own
-(relay/mark_repair.py) and counts what the COMMIT would have. On a session in no transaction
-and not in pipeline mode; never waits.
+"""The polling worker's side of mark repair: published batches whose mark did not commit, and
+what a batch settles before its mark. On a session out of pipeline mode; never waits.
 """
 
 from __future__ import annotations
@@ -14,6 +9,7 @@ from typing import Any
 
 import psycopg
 
+from outbox_migrate.db import one_line
 from outbox_migrate.errors import RelayFailed
 from outbox_migrate.relay import mark_repair
 from outbox_migrate.relay.bad_rows import log_dead
@@ -21,7 +17,7 @@ from outbox_migrate.relay.batch import Batch, Commit
 from outbox_migrate.relay.message import MessageId
 from outbox_migrate.relay.options import Ordering
 from outbox_migrate.relay.run_stats import count_failures
-from outbox_migrate.relay.shared import Shared, one_line
+from outbox_migrate.relay.shared import Shared
 
 log = logging.getLogger("outbox_migrate.relay")
 
@@ -29,8 +25,8 @@ log = logging.getLogger("outbox_migrate.relay")
 def repair(
     relay: Shared, index: int, conn: Any, unmarked: list[Commit], error: Exception | None
 ) -> list[MessageId]:
-    """Repair the batches of `unmarked` (emptied as done); returns the bad rows to claim
-    again. `error`: what failed when a batch has no mark error (a deferred constraint)."""
+    """Mark the batches of `unmarked` again (emptied as done), counting what the COMMIT would
+    have; the bad rows to claim again. `error`: a deferred constraint's failure."""
     refusals, by_key = relay.refusals, relay.options.ordering is Ordering.key
     encoding = conn.info.encoding
     retry: list[MessageId] = []
@@ -53,7 +49,7 @@ def repair(
                                       claim.rows, batch, claim.acked, failed,
                                       by_key=by_key)  # fmt: skip
         except psycopg.errors.IntegrityError as exc:  # the repair broke one: no loop of repairs
-            raise RelayFailed(f"repairing a failed mark: {one_line(exc)}") from exc
+            raise RelayFailed(f"repairing a failed mark: {one_line(str(exc))}") from exc
         unmarked.pop(0)
         log_dead(done.letters)  # committed by the repair's transaction
         mark_repair.park(refusals.parking, source.label, batch, done, relay.options.backoff,
@@ -65,13 +61,13 @@ def repair(
         log.warning(
             "relay.mark_repaired worker=%d marked=%d bad_rows=%d dead_lettered=%d %s",
             index, done.marked, len(done.bad), len(done.letters),
-            one_line(failed or error or RelayFailed("a COMMIT failed")),
+            one_line(str(failed or error or RelayFailed("a COMMIT failed"))),
         )  # fmt: skip
     return retry
 
 
 def committed(relay: Shared, claim: Batch) -> None:
-    """The batch's dead letters committed: count and log them (not before: bad_rows.py)."""
+    """The batch's dead letters committed: count and log them (not before)."""
     if not claim.letters:
         return
     relay.stats.add(dead_lettered=len(claim.letters))
@@ -83,19 +79,12 @@ def before_mark(
 ) -> tuple[list[MessageId], list[MessageId]]:
     """Before the batch's mark: dead-lettered rows leave the outbox on their own (one failing
     in the mark would roll all their dead letters back), then suspects are marked alone.
-    Returns the ids left for the batch's mark and the ids to claim again."""
+    Returns the ids left for the mark and the ids to claim again."""
     if claim.letters:
         dead = {d.message.id for d in claim.letters}
         mark_repair.settle_dead(conn, claim.source, claim.rows, dead)
     if not (relay.refusals.suspects and acked):
         return acked, []
-    return mark_suspects(relay, conn, claim, acked)
-
-
-def mark_suspects(
-    relay: Shared, conn: Any, claim: Batch, acked: list[MessageId]
-) -> tuple[list[MessageId], list[MessageId]]:
-    """Before the batch's mark: suspects are marked alone first; returns as `before_mark`."""
     refusals, by_key = relay.refusals, relay.options.ordering is Ordering.key
     done = mark_repair.mark_suspects(conn, claim.source, refusals.failures, refusals.suspects,
                                      claim.rows, claim.messages, acked)  # fmt: skip

@@ -1,18 +1,5 @@
-"""The one way a relay worker waits: never while one of its sessions is in a transaction.
-
-A session waiting inside its transaction holds the claimed rows' locks, and the migration
-runner does not queue a step's lock behind it (lock_budget.py): under steady traffic a step
-would never find its moment. So every wait of a worker first checks its sessions and raises
-`WaitInTransaction`, a programming error, rather than wait.
-
-In pipeline mode libpq says "active" until results are read: a session passes when all it
-queued went out with a Sync and ended with COMMIT or ROLLBACK (`Wire.ends_transactions`).
-
-`Listener`, a worker's LISTEN session, is waited on here too: notifications wake an idle
-worker. Polled by the worker thread itself: a listener thread would cost a GIL hand-off per wake-up.
-Not the claim session: the server notifies a session only between its transactions, and a
-worker sleeps with its last COMMIT's result unread. The notified ids go to the cursor through
-`notified`, which says whether they call for a claim.
+"""The one way a relay worker waits: never while one of its sessions is in a transaction,
+whose locks the migration runner would not queue a step's lock behind (docs/relay.md).
 """
 
 from __future__ import annotations
@@ -37,7 +24,6 @@ PLAIN_SLEEP_MAX_S = 0.05
 per batch by the linger); a stop waits at most this long for them."""
 
 Session = tuple[Any, Wire | None]
-"""A connection and its pipeline (None: the session is not pipelined)."""
 
 
 class WaitInTransaction(RuntimeError):
@@ -45,8 +31,7 @@ class WaitInTransaction(RuntimeError):
 
 
 def check_outside_transaction(sessions: Iterable[Session]) -> None:
-    """Raise `WaitInTransaction` if one of `sessions` is, or will stay, in a transaction (a
-    closed or broken one holds nothing)."""
+    """Raise `WaitInTransaction` if one of `sessions` is, or will stay, in a transaction."""
     for conn, pipe in sessions:
         if conn is None or conn.closed:
             continue
@@ -56,6 +41,7 @@ def check_outside_transaction(sessions: Iterable[Session]) -> None:
         status = pg.transaction_status
         if status == pq.TransactionStatus.IDLE:
             continue
+        # In pipeline mode libpq says "active" until results are read.
         if status == pq.TransactionStatus.ACTIVE and pipe is not None and pipe.ends_transactions:
             continue
         raise WaitInTransaction(
@@ -65,8 +51,6 @@ def check_outside_transaction(sessions: Iterable[Session]) -> None:
 
 
 class Waits:
-    """A worker's waits; `sessions` returns those that must not be in a transaction."""
-
     def __init__(self, stop: threading.Event, sessions: Callable[[], Iterable[Session]]) -> None:
         self.stop = stop
         self._sessions = sessions
@@ -75,7 +59,6 @@ class Waits:
         check_outside_transaction(self._sessions())
 
     def wait(self, seconds: float) -> bool:
-        """Wait `seconds` or until a stop; True: stopping."""
         self.check()
         return self.stop.wait(seconds)
 
@@ -89,7 +72,6 @@ class Waits:
         return self.stop.is_set()
 
     def poll(self, poller: select.poll, timeout_ms: int) -> list[tuple[int, int]]:
-        """`poller.poll(timeout_ms)` (the LISTEN session's socket and the stop pipe)."""
         self.check()
         return poller.poll(timeout_ms)
 
@@ -98,7 +80,9 @@ _POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
 
 
 class Listener:
-    """One worker's LISTEN session (None until `open`, and again once lost or closed)."""
+    """One worker's LISTEN session, polled by the worker thread itself (a listener thread
+    would cost a GIL hand-off per wake-up). Not the claim session: the server notifies a
+    session only between its transactions, and a worker sleeps with its COMMIT unread."""
 
     def __init__(
         self,
@@ -125,7 +109,6 @@ class Listener:
         return self.conn is not None
 
     def open(self) -> None:
-        """(Re)open the session and LISTEN (after the claim session was (re)opened)."""
         from psycopg import sql
 
         self.close()

@@ -1,13 +1,6 @@
-"""The worker's hot path at the libpq level: prepared statements in one pipeline.
-
-Not psycopg's pipeline: each `execute` there builds a cursor and polls the socket twice for
-one statement; here a batch's statements leave in one network write (bench/README.md,
-"Accelerators"). Still psycopg's: the connection, the row loading (`Transformer`: the same
-types as `conn.execute`) and the error classes (40001 is still `SerializationFailure`).
-Values go as text of unknown type, as psycopg sends `str`, so the server infers them alike.
-
-The first failed statement's error is raised once the pipeline was read up to its Sync; the
-caller then rolls the aborted transaction back, as with psycopg's pipeline.
+"""The worker's hot path at the libpq level: prepared statements in one pipeline, a batch's in
+one network write (docs/relay.md, "Accelerators"). Still psycopg's connection, row loading and
+error classes; values go as text of unknown type, as psycopg sends `str`.
 """
 
 from __future__ import annotations
@@ -59,8 +52,6 @@ _QUEUE_SYNC = _queue_sync_function()
 
 
 class Statement:
-    """A `%(name)s` statement in `$n` form, with its parameter names in order."""
-
     __slots__ = ("names", "text")
 
     def __init__(self, rendered: bytes) -> None:
@@ -94,8 +85,6 @@ def dump(value: Any, encoding: str) -> bytes | None:
 
 
 class Slot:
-    """Where one statement's result lands when the pipeline is read."""
-
     __slots__ = ("result", "tolerated")
 
     def __init__(self, tolerated: bool = False) -> None:
@@ -114,7 +103,6 @@ class Slot:
         return result is not None and result.status == pq.ExecStatus.FATAL_ERROR
 
     def error(self, encoding: str) -> pg_errors.Error | None:
-        """The statement's error, as psycopg would raise it (None: it did not fail)."""
         result = self.result
         if result is None or result.status != pq.ExecStatus.FATAL_ERROR:
             return None
@@ -122,8 +110,6 @@ class Slot:
 
 
 class Wire:
-    """One session's pipeline of prepared statements (one worker thread uses it)."""
-
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.pg: pq.abc.PGconn = conn.pgconn
@@ -191,7 +177,6 @@ class Wire:
         return slot
 
     def send_plain(self, command: bytes) -> Slot:
-        """Queue a parameterless command (BEGIN, COMMIT, ROLLBACK)."""
         if command == b"BEGIN":
             self._in_block = True
         elif command in _ENDS_BLOCK:
@@ -203,7 +188,6 @@ class Wire:
         return slot
 
     def rows(self, slot: Slot) -> list[tuple[Any, ...]]:
-        """A read slot's rows, loaded as psycopg loads them for this connection."""
         result = slot.result
         if result is None or result.status != pq.ExecStatus.TUPLES_OK:
             return []
@@ -232,7 +216,8 @@ class Wire:
         self._unflushed = False
 
     def sync(self) -> None:
-        """Send a Sync with everything queued, read every result; raise the first error."""
+        """Send a Sync with everything queued, read every result; raise the first error (the
+        caller rolls the aborted transaction back, as with psycopg's pipeline)."""
         self.send_sync()
         if not self._syncs:
             return

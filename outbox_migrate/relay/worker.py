@@ -1,10 +1,5 @@
-"""The polling relay's lifecycle: start, stop, the workers' threads, the shutdown timeout,
-the metrics sampler. A worker (and how it sorts failures) is relay/driver.py.
-
-One batch is one transaction, and nothing is marked before the broker acknowledged it, so a
-crash anywhere re-sends at most the batch in flight (at-least-once). `Relay.stop()` lets every
-worker finish its batch; after `shutdown_timeout_s` the rest are abandoned before their mark
-(re-sent later).
+"""The polling relay's lifecycle: start, stop, the workers' threads, the shutdown timeout, the
+metrics sampler. A worker is relay/driver.py.
 """
 
 from __future__ import annotations
@@ -19,19 +14,18 @@ from contextlib import contextmanager
 from typing import Any
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.db import APPLICATION_NAME
+from outbox_migrate.db import APPLICATION_NAME, one_line
 from outbox_migrate.errors import NamesMoved, RelayFailed
 from outbox_migrate.patterns import notify
 from outbox_migrate.relay import library_logs, marker_source, queries
 from outbox_migrate.relay.bad_rows import FailedMessages
-from outbox_migrate.relay.columns import resolve as resolve_columns
 from outbox_migrate.relay.driver import Worker
 from outbox_migrate.relay.message import Message, TextIdMessage
 from outbox_migrate.relay.metrics import Observer, start_sampler
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.refusals import Refusals
 from outbox_migrate.relay.run_stats import RelayStats
-from outbox_migrate.relay.shared import Shared, close_sink, connection_errors, one_line
+from outbox_migrate.relay.shared import Shared, close_sink, connection_errors
 from outbox_migrate.relay.sinks import SinkFactory
 from outbox_migrate.relay.switching import SourceState
 
@@ -67,7 +61,6 @@ class Relay:
         self.stats = RelayStats()
         self._stop = threading.Event()
         self._wake_fds: tuple[int, int] | None = None
-        """A pipe a stop writes to: idle workers wait on it beside their own session."""
         self._wake_lock = threading.RLock()
         """Re-entrant: a signal handler may call `stop` on the thread that holds it."""
         text_ids = self.spec.id_kind == "application"
@@ -94,10 +87,6 @@ class Relay:
             if fds is not None:
                 with contextlib.suppress(OSError):  # full: a byte is there already
                     os.write(fds[1], b"x")
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
 
     def run(self) -> RelayStats:
         """Run the workers until `stop()` (or, with `until_empty`, until nothing is left)."""
@@ -140,7 +129,7 @@ class Relay:
             # A fault while running is a failure (exit 1), not bad input (exit 2).
             if isinstance(fatal, RelayFailed):
                 raise fatal
-            raise RelayFailed(f"relay worker failed: {one_line(fatal)}") from fatal
+            raise RelayFailed(f"relay worker failed: {one_line(str(fatal))}") from fatal
         log.info("relay.stopped %s", " ".join(f"{k}={v}" for k, v in self.stats.as_dict().items()))
         return self.stats
 
@@ -152,7 +141,6 @@ class Relay:
                     os.close(fd)
 
     def wake_fd(self) -> int | None:
-        """The read end of the stop pipe (readable once `stop` was called), while running."""
         fds = self._wake_fds
         return None if fds is None else fds[0]
 
@@ -177,7 +165,6 @@ class Relay:
             thread.join(timeout=ABANDON_GRACE_S)
 
     def _prepare(self) -> None:
-        """Check the tables and resolve optional columns once, before any worker starts."""
         with self._connect() as conn:
             self.spec, self.state = marker_source.resolved(conn, self.spec, self.state)
             self.shared.state = self.state  # what the workers see (relay/shared.py)
@@ -187,8 +174,9 @@ class Relay:
             options = self.options
             for source in sources:
                 marker_source.check_markable(conn, source)
-                self.shared.columns[source.label] = resolve_columns(conn, source, self.spec,
-                    options.key_column, options.event_type_column, options.ordering)  # fmt: skip
+                self.shared.columns[source.label] = marker_source.resolve_columns(conn, source,
+                    self.spec, options.key_column, options.event_type_column,
+                    options.ordering)  # fmt: skip
             self.failures.prepare(conn, [source.label for source in sources])
             if self.options.listen and self.options.mode is not Mode.flat:
                 self._check_trigger_key(conn)
@@ -214,7 +202,6 @@ class Relay:
         return connect(self.dsn, application_name=self.application_name)
 
     def _sample(self, conn: Any) -> None:
-        """Backlog size and oldest unpublished age for the metrics."""
         source = self.state.current
         row = conn.execute(queries.backlog(source, self.shared.columns[source.label])).fetchone()
         if row:

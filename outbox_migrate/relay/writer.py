@@ -1,13 +1,5 @@
-"""Application-side helpers: write an outbox row into the right table for the deploy phase.
-
-During a migration the application version decides where it writes: V1 into the flat table,
-V2 and later into the partitioned parent (rows land in the unpublished partition). These
-helpers take that decision as a parameter, so the same code ships in every version and the
-phase comes from configuration. The insert runs in the caller's transaction — the outbox row
-must commit or roll back with the business change — and optionally sends a NOTIFY so a
-listening relay wakes at once (delivered at commit, dropped on rollback).
-
-psycopg and SQLAlchemy Core are supported; SQLAlchemy `Table`s describe both layouts.
+"""Application-side helpers: write an outbox row into the table of the deploy phase, in the
+caller's transaction, so the row commits or rolls back with the business change.
 """
 
 from __future__ import annotations

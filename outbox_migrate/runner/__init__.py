@@ -1,7 +1,5 @@
-"""The step runner: executes a pattern's steps between deploys, safely and resumably.
-
-Library entry points mirror the CLI: `Runner(dsn, settings, pattern)` then `.run(to_phase)`,
-`.next()`, `.status()`, `.verify()`, `.rollback(to_phase)`, `.reset()`.
+"""The step runner: executes a pattern's steps between deploys, safely and resumably
+(docs/runner.md).
 """
 
 from outbox_migrate.runner.engine import Runner, RunResult

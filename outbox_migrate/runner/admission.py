@@ -1,11 +1,5 @@
 """The one admission check: what `plan` reports as a blocker stops `run`, `next`, the Alembic
 operations and the jobs too, before anything is written — the ledger included.
-
-A migration already under way (this table, this pattern, not abandoned) was admitted when it
-started; its own later states (the old table attached as a partition, say) are not blockers.
-Another pattern's migration that completed on the table is: the table is migrated. After a
-`reset` (an abandoned record) a new run gets exactly `plan`'s check: the exception for
-offline SQL below is for a table no ledger has ever recorded.
 """
 
 from __future__ import annotations
@@ -47,6 +41,8 @@ def admit(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> None:
             if state == "abandoned":
                 continue
             if other == pattern:
+                # Admitted when it started: its own later states (the old table a partition,
+                # say) are no blockers.
                 return
             if state == "active":
                 raise another_active(spec, str(other), phase)

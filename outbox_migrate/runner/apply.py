@@ -1,10 +1,5 @@
-"""Applying an admitted plan, one step at a time: checks, lock budget, DDL, ledger row.
-
-Nothing here decides whether a command may run — that was settled, with nothing written, by
-the pure decisions in `decide.py`. The applier carries a step out the one way every step is
-carried out (locks first, then the checks that must hold at commit, then the work and its
-ledger row, in one transaction), records every state through `transition`, and reports
-through `RunnerEvents`. It never prints or exits.
+"""Applying an admitted plan, one step at a time: locks, checks, DDL and ledger row in one
+transaction. It decides nothing (`decide.py` did) and never prints or exits.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Evaluating a step's conditions: which run before its transaction, which under its locks.
-
-The rule (docs/runner.md): a precondition proves something about the moment the step
-commits only when it is evaluated after the step's locks are held, in the same transaction.
-So every LOCKED condition is evaluated there, on every attempt. SAMPLED and SCAN conditions
-run before the transaction — a gate's window or a full scan must not hold ACCESS EXCLUSIVE —
-and each names (`kept_by`) the LOCKED condition or lock that keeps it true until commit.
+"""Evaluating a step's conditions: which run before its transaction, which under its locks
+(docs/runner.md, "What is guaranteed at commit").
 """
 
 from __future__ import annotations

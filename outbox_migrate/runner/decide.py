@@ -1,9 +1,7 @@
 """What happens next: pure functions of (pattern, ledger rows, observed facts). No I/O.
 
-The runner gathers the facts, asks these questions, and writes nothing until the whole
-command is admitted (plan → validate → apply); keeping them pure lets the unit tests walk
-every combination of ledger state and postcondition outcome. A ledger row is anything with a
-`state` (`StepRow`, or `Assumed` for "as the plan will leave it").
+A ledger row is anything with a `state` (`StepRow`, or `Assumed` for "as the plan will leave
+it").
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The `Runner`: a thin façade that puts the runner's parts together for one command.
-
-Every command goes plan → validate → apply: the session takes the table's runner lock; the
-live facts (the pattern as this database needs it, which postconditions hold) are read once;
-the pure decisions in `decide.py` admit the whole command or refuse it — with nothing
-written, not even the ledger schema; only then is the migration recorded and the plan
-applied (`apply.StepApplier`, every step state through `transition`). Core code: it reports
-through `RunnerEvents` and raises errors, never prints or exits.
+"""The `Runner`: a thin façade that wires the runner's parts together for one command,
+plan → validate → apply. It reports through `RunnerEvents`; it never prints or exits.
 """
 
 from __future__ import annotations
@@ -128,7 +122,6 @@ class Runner:
         self._facts = None
 
     def acquire(self) -> None:
-        """The session advisory lock that admits one runner per table."""
         self.session.acquire()
 
     @property
@@ -243,15 +236,11 @@ class Runner:
         return self._finish(migration, result, target)
 
     def step(self, step_id: str) -> Step:
-        """The pattern's step called `step_id` (a `UsageError` names the known ones)."""
         return step_named(self.pattern, step_id)
 
     def execute_step(self, step_id: str) -> RunResult:
-        """Run one named step as `run` would: same deploy-boundary rule, preconditions, lock
-        budget, ledger. Every earlier step must be done; one done outside the ledger (offline
-        SQL) is adopted when its postcondition holds (or a later step evidently undid it),
-        and an earlier deploy gate is checked again. Decided in full before anything is
-        written (`decide.plan_execute_step`): a refusal leaves the ledger as it was."""
+        """Run one named step as `run` would (deploy-boundary rule, preconditions, lock budget,
+        ledger), decided in full by `decide.plan_execute_step` before anything is written."""
         self.step(step_id)  # an unknown step is refused before the lock is taken
         self.acquire()
         rows = self._admit()
@@ -349,12 +338,8 @@ class Runner:
 
     def reset(self, *, force: bool = False) -> bool:
         """Abandon the table's active migration record (schema objects are left as they are).
-
-        Refused while steps of it are applied, unless `force`: the record is the only thing
-        that knows how to undo them (after COPRA's `drop-identity`, V1's inserts would fail
-        for want of an id default). `rollback --to V1` first; then the record can go.
-        Refused, `force` or not, for another pattern than the active one (`decide.check_reset`).
-        """
+        Refused while steps of it are applied, unless `force` — the record is what knows how
+        to undo them — and for another pattern, `force` or not (`decide.check_reset`)."""
         self.acquire()
         if not ledger.ledger_exists(self.conn):
             return False

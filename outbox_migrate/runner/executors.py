@@ -1,12 +1,5 @@
-"""Who carries a step out. The applier looks the executor up by `Step.executor` and never
-branches on step kinds: SQL steps (transactional or not) and job steps (the copy-back) share
-one small protocol — prove it is done, apply it.
-
-A job step cannot run in one transaction, so it states what it re-proves at its end: the
-copy-back proves every row of the source is in the target (its postcondition) before the
-ledger says done; a copy-back finished by the standalone `outbox-migrate copy-back` command
-(source verified and dropped, recorded in the job's own progress table) counts as proven, so
-either entry point finishes what the other started.
+"""Who carries a step out: SQL steps and job steps (the copy-back) behind one protocol — prove
+it is done, apply it — so the applier never branches on step kinds.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
 """The live facts a command decides from, read once: the pattern as this database needs it,
 and which steps' postconditions hold. Read-only — it creates nothing, not even the ledger.
-
-The pattern depends on the database: reversing DROP IDENTITY must restore the old id's own
-kind (ALWAYS or BY DEFAULT: read live while the identity exists, afterwards from what the
-ledger recorded), and the CDC step exists only when a publication covers the old table.
-Every command (the runner's start, its admission, `status`) builds it here, once, so they
-cannot disagree about it.
 """
 
 from __future__ import annotations
@@ -114,11 +108,8 @@ class LiveFacts:
 
 def optional_recorded(conn: Connection[Any], spec: OutboxSpec, pattern: str) -> bool:
     """True when the table's latest live migration with `pattern` has an optional step that is
-    done or running: then every command builds the pattern with them, asked or not. Optional
-    steps (the original-name phases above all) change the names every later check and inverse
-    refers to; a `status`, `verify` or `rollback` that left them out would read the catalog
-    with the old names and report a healthy renamed outbox as broken, or undo earlier steps
-    under names that now belong to other relations."""
+    done or running: then every command builds the pattern with them, asked or not, since
+    they change the names every later check and inverse refers to (docs/runner.md)."""
     if not ledger.ledger_exists(conn):
         return False
     optional = [

@@ -1,11 +1,5 @@
-"""Read-only inspection for `status` and `verify`: what the ledger records, and whether the
-current phase's invariants hold — with nothing but SELECT and CONNECT.
-
-Unlike the `Runner`, nothing here creates or upgrades the ledger schema, takes the runner's
-advisory lock or writes a row: the session is read-only (`default_transaction_read_only`,
-which any role may set), a missing ledger schema simply means "no migration recorded", and a
-role without rights on it gets one line naming the grant. So an auditor's or a dashboard's
-role can watch a migration, and a CI gate cannot pass on a table that does not exist.
+"""Read-only inspection for `status` and `verify`: what the ledger records and whether the
+current phase's invariants hold. It must not create the ledger, take the runner's lock or write.
 """
 
 from __future__ import annotations

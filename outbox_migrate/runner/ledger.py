@@ -1,17 +1,5 @@
-"""The ledger: the runner's progress, stored in the target database beside the work.
-
-A transactional step updates its ledger row inside the step's own transaction, so the DDL and
-the record of it commit together. The schema is created and upgraded by the tool (numbered
-upgrades in `sql/ledger.sql`), under a transaction-level advisory lock so two first runs do
-not race.
-
-The one transition of a step's state: every ledger write of `step.state` goes through
-`transition`, which refuses a move the state machine does not allow. Why one place: writers
-with their own idea of which moves are fine can let a refused command mark steps done on its
-way to refusing. Here the allowed moves are one table (`ALLOWED`, pure and unit-tested), and
-the UPDATE itself only matches a row in an allowed state, so an illegal move fails loudly
-instead of rewriting history. Call it inside the step's own transaction to commit the state
-with the work.
+"""The ledger: the runner's progress, stored in the target database beside the work. Every
+write of a step's state goes through `transition`.
 """
 
 from __future__ import annotations
@@ -83,6 +71,7 @@ def ledger_exists(conn: Connection[Any]) -> bool:
 def ensure_schema(conn: Connection[Any]) -> None:
     """Create or upgrade the ledger schema (idempotent; safe under concurrency)."""
     with conn.transaction():
+        # Two first runs would race on the schema's creation and upgrades.
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK_KEY,))
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
         versions = sql.Identifier(SCHEMA, "ledger_version")
@@ -153,12 +142,8 @@ def open_migration(
 
 
 def sync_steps(conn: Connection[Any], migration: MigrationRow, pattern: Pattern) -> None:
-    """Make the ledger list exactly the pattern's steps; refuse steps changed after applying.
-
-    A pending step whose definition changed is simply updated (it has not run). A done step
-    whose checksum differs means the catalog or the configuration changed under a running
-    migration: that is refused, because its postcondition may no longer describe reality.
-    """
+    """Make the ledger list exactly the pattern's steps. A pending step whose definition
+    changed is updated (it has not run); an applied one is refused (`check_definitions`)."""
     by_id = step_rows(conn, migration.id)
     check_definitions(pattern, {i: (r.state, r.checksum) for i, r in by_id.items()})
     for position, step in enumerate(pattern.steps()):
@@ -196,7 +181,6 @@ def steps(conn: Connection[Any], migration_id: int) -> list[StepRow]:
 
 
 def step_rows(conn: Connection[Any], migration_id: int) -> dict[str, StepRow]:
-    """The migration's ledger rows by step id."""
     return {row.step_id: row for row in steps(conn, migration_id)}
 
 
@@ -243,7 +227,6 @@ def _recorded(conn: Connection[Any], spec: OutboxSpec, key: str) -> tuple[Any] |
 
 
 def recorded_identity_generation(conn: Connection[Any], spec: OutboxSpec) -> str | None:
-    """The old table's identity kind as recorded when its migration started."""
     row = _recorded(conn, spec, "identity_generation")
     return str(row[0]) if row and row[0] else None
 
@@ -320,7 +303,8 @@ def transition(
     started: bool = False,
     started_at: datetime | None = None,
 ) -> None:
-    """Move one step to `target`, stamping who, where and when.
+    """Move one step to `target`, stamping who, where and when. Call it inside the step's own
+    transaction, so the state commits with the work.
 
     `started` stamps the start now; `started_at` gives it (a transactional step records its
     whole life — checks, lock waits, DDL — in the one row it commits at the end). `done`
@@ -345,6 +329,8 @@ def transition(
         (target, error, target, error, started, started_at, target, target,
          started_at, started_at, HOST, migration_id, step_id, sorted(ALLOWED[target])),
     )  # fmt: skip
+    # The UPDATE matches only a row in a state the move is allowed from: an illegal move fails
+    # loudly instead of rewriting history.
     if cursor.rowcount != 1:
         row = conn.execute(
             "SELECT state FROM outbox_migrate.step WHERE migration_id = %s AND step_id = %s",

@@ -1,10 +1,5 @@
 """Which objects a migration owns: recorded by OID when a step creates them, consulted before
-anything is adopted or dropped.
-
-The rule it enforces: a rollback drops only what this migration created (or took over from an
-abandoned migration of the same tool), and a re-run adopts an existing object only when no
-live (active or completed) migration owns it. Names are not enough — an object dropped and
-re-created by someone else under the same name is a different object with a different OID.
+anything is adopted or dropped (a name is not enough).
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ _OID_OF: dict[str, LiteralString] = {
 
 
 def current_oid(conn: Connection[Any], spec: OutboxSpec, obj: Created) -> int | None:
-    """The OID the object has now, or None when it does not exist."""
     if obj.kind not in _OID_OF:
         raise ValueError(f"unknown object kind {obj.kind!r}")
     names = {"own": obj.name, "on": obj.on or obj.name}

@@ -1,10 +1,5 @@
-"""Going back: `rollback --to` and Alembic downgrades, one step's inverse at a time.
-
-An inverse follows the forward rule: its transaction takes the step's locks first, then
-checks its reverse preconditions (an emptiness check made under ACCESS EXCLUSIVE cannot be
-stale: no writer can have a row in flight), then proves the objects it drops are this
-migration's own (by OID, from the ledger), then acts — all in one transaction, retried
-under the lock budget.
+"""Going back: `rollback --to` and Alembic downgrades, one step's inverse at a time, by the
+forward rule (locks, checks, ownership, then the work, in one transaction).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """The runner's session: its connection (own or borrowed from Alembic) and the session-level
 advisory lock that admits one runner per table. It knows nothing of patterns or steps.
-
-The lock is a session lock on purpose: it dies with the session, so a crashed runner never
-leaves it behind, and it is held across the many short transactions of a run.
 """
 
 from __future__ import annotations
@@ -70,6 +67,8 @@ class Session:
         if self._locked:
             return
         first, second = runner_lock_key(self.table_label)
+        # A session lock on purpose: it dies with the session (a crashed runner never leaves it
+        # behind) and is held across the many short transactions of a run.
         row = self.conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (first, second)).fetchone()
         if row and row[0]:
             self._locked = True

@@ -220,12 +220,6 @@ WHERE NOT EXISTS (
     SELECT 1 FROM pg_class c
     WHERE c.oid = to_regclass({rel_reg}) AND wanted = ANY (coalesce(c.reloptions, '{{}}')))
 
--- name: autovacuum-default
--- The relation carries none of the insert-only autovacuum settings.
-SELECT format('%s still has autovacuum setting %s', {rel_reg}, opt)
-FROM pg_class c, unnest(c.reloptions) AS opt
-WHERE c.oid = to_regclass({rel_reg}) AND opt LIKE 'autovacuum_%'
-
 -- name: all-rows-present
 -- Every row of the source is present in the target (by id).
 SELECT format('%s rows of %s are missing from %s (ids %s..%s); copy them before dropping the source',
@@ -240,14 +234,6 @@ SELECT format('foreign key %I on %s references %s; drop it or point it elsewhere
               conname, conrelid::regclass, {rel_reg})
 FROM pg_constraint
 WHERE contype = 'f' AND confrelid = to_regclass({rel_reg})
-
--- name: no-id-clash
--- No id exists in both the table and the parent's other partitions.
-SELECT format('id %s exists in both %s and %s; ids must be unique across partitions', n.{id_q}, {rel_reg}, {parent_reg})
-FROM {parent_q} n
-WHERE n.tableoid <> to_regclass({rel_reg})
-  AND EXISTS (SELECT 1 FROM {rel_q} o WHERE o.{id_q} = n.{id_q})
-LIMIT 5
 
 -- name: relation-empty
 -- The relation holds no rows (dropping it loses nothing).
