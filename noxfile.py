@@ -21,7 +21,7 @@ EXTRAS = ".[dev,embedded,demo,kafka,rabbitmq,nats,redis,http,metrics,test-broker
 
 
 def _install(session: nox.Session) -> None:
-    session.install("-e", EXTRAS)
+    session.install("-e", EXTRAS, "-e", "./harness")
 
 
 @nox.session
@@ -34,9 +34,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict on the package."""
+    """mypy --strict on the package and the harness."""
     _install(session)
-    session.run("mypy", "--strict", "outbox_migrate")
+    session.run("mypy", "--strict", "outbox_migrate", "harness/outbox_migrate_harness")
 
 
 @nox.session
@@ -67,7 +67,7 @@ def ci(session: nox.Session) -> None:
     _install(session)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    session.run("mypy", "--strict", "outbox_migrate")
+    session.run("mypy", "--strict", "outbox_migrate", "harness/outbox_migrate_harness")
     env = {"OUTBOX_MIGRATE_TEST_PG": os.environ.get("OUTBOX_MIGRATE_TEST_PG", ALL_PG)}
     session.run(
         "pytest", "-p", "no:cacheprovider", "--durations=40",

@@ -30,13 +30,13 @@ import time
 from pathlib import Path
 
 import psycopg
+from outbox_migrate_harness.testing import server as pgserver
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay import mark_repair
 from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay
-from outbox_migrate.testing import server as pgserver
 
 SPEC = OutboxSpec()
 BAD_EVERY = 10_000

@@ -41,12 +41,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import create_partitioned_outbox
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay.cdc import pgoutput
 from outbox_migrate.relay.cdc.stream import ReplicationStream
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import create_partitioned_outbox
 
 SPEC = OutboxSpec()
 REPO = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """Benchmark HOPER's copy-back against the SQL-only limit, and its effect on the foreground.
 
-Starts its own PostgreSQL 18 (`outbox_migrate.testing.server.start(18)`), and for each size
+Starts its own PostgreSQL 18 (`outbox_migrate_harness.testing.server.start(18)`), and for each size
 builds the post-V4 state once as a template database, then clones it for every measurement
 so each run starts from identical data:
 
@@ -26,13 +26,13 @@ import uuid
 from typing import Any
 
 import psycopg
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import build_after_v4
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions
 from outbox_migrate.jobs.throttle import ThrottlePolicy
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import build_after_v4
 
 BATCH_ROWS = 10_000
 FOREGROUND_PACE_PER_S = 500

@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import create_partitioned_outbox, insert_rows
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import create_partitioned_outbox, insert_rows
 
 SPEC = OutboxSpec()
 SHARDS = 8

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import create_partitioned_outbox
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns.kinds import guard
@@ -43,8 +45,6 @@ from outbox_migrate.patterns.names import Names
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import create_partitioned_outbox
 
 SPEC = OutboxSpec()
 NAMES = Names(SPEC)

@@ -5,7 +5,7 @@ that blocks writers) for at most 50 ms at every size, and at 10 M rows at least 
 than a naive `ALTER TABLE outbox_new ATTACH PARTITION outbox DEFAULT` without the validated
 CHECK, which scans the whole table under ACCESS EXCLUSIVE.
 
-Method. The script starts its own PostgreSQL 18 (`outbox_migrate.testing.server.start(18)`,
+Method. The script starts its own PostgreSQL 18 (`outbox_migrate_harness.testing.server.start(18)`,
 fsync off). For each size it builds one seed database — the flat outbox with N published rows
 plus `OLD_UNPUBLISHED` unpublished ones, vacuumed and analysed — and clones it three times
 (`CREATE DATABASE … TEMPLATE`, so all three hold the very same table):
@@ -69,6 +69,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import (
+    create_flat_outbox,
+    create_partitioned_outbox,
+    insert_rows,
+)
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
@@ -78,8 +84,6 @@ from outbox_migrate.jobs.throttle import ThrottlePolicy
 from outbox_migrate.lock_budget import AttemptLog
 from outbox_migrate.patterns.model import Step
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned_outbox, insert_rows
 
 DEFAULT_SIZES = (100_000, 1_000_000)
 BIG_SIZE = 10_000_000

@@ -11,7 +11,7 @@ only attempts the lock once it is gone. Both are measured side by side in one ru
   back off, retry);
 - `watching`: `Runner.watch_blockers = True`.
 
-Method. The script starts its own PostgreSQL 18 (`outbox_migrate.testing.server.start(18)`,
+Method. The script starts its own PostgreSQL 18 (`outbox_migrate_harness.testing.server.start(18)`,
 fsync off) and builds one seed database: the flat outbox with `SEED_PUBLISHED` published and
 `SEED_UNPUBLISHED` unpublished rows. Each behaviour gets a clone of it (`CREATE DATABASE …
 TEMPLATE`), taken through HOPER V2 and V3 by the real `Runner` (the script plays the
@@ -67,6 +67,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import psycopg
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 from psycopg import sql
 
 from outbox_migrate.config import load_settings
@@ -77,8 +79,6 @@ from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 
 WRITERS = 4
 RATE_PER_WRITER = 50.0

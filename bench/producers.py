@@ -61,14 +61,14 @@ from typing import Any
 import psycopg
 import relay as relay_bench
 import relay_steady as steady
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import create_partitioned_outbox
+from outbox_migrate_harness.testing.tansu import listening, tansu
 
 from outbox_migrate.cli.relay_cmd import RELAY_SWITCH_INTERVAL_S
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode
 from outbox_migrate.relay.sinks import Sink, SinkConfig, factory
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import create_partitioned_outbox
-from outbox_migrate.testing.tansu import listening, tansu
 
 SINKS = ("kafka", "rabbitmq", "nats", "redis")
 TABLE = "public.outbox_new"

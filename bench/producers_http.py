@@ -49,6 +49,8 @@ from typing import Any
 
 import psycopg
 import relay_steady as steady
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import create_partitioned_outbox, insert_rows
 from psycopg import sql
 from relay import INDEX_PLAN, SPEC, sql_only
 
@@ -59,8 +61,6 @@ from outbox_migrate.relay.options import Ordering, RelayOptions
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope
 from outbox_migrate.relay.sinks.http import DEFAULT_CONCURRENCY, request_headers
 from outbox_migrate.relay.worker import Relay
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import create_partitioned_outbox, insert_rows
 
 TABLE = "outbox_new"
 ID_START = 1_000_000_000

@@ -50,6 +50,12 @@ from typing import Any
 import psycopg
 import relay_steady as steady
 from fleet import cpu_s
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import (
+    create_flat_outbox,
+    create_partitioned_outbox,
+    insert_rows,
+)
 from psycopg import sql
 
 from outbox_migrate.cli.relay_cmd import RELAY_SWITCH_INTERVAL_S
@@ -59,12 +65,6 @@ from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.sinks import SinkFactory
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import (
-    create_flat_outbox,
-    create_partitioned_outbox,
-    insert_rows,
-)
 
 SPEC = OutboxSpec()
 INSERT_CHUNK = 200_000

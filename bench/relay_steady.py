@@ -853,8 +853,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.compare:
         parser.error("--compare COMMIT ... is required (the other sections: bench/relay.py)")
-    from outbox_migrate.testing import server as pgserver
-    from outbox_migrate.testing.schema import create_partitioned_outbox
+    from outbox_migrate_harness.testing import server as pgserver
+    from outbox_migrate_harness.testing.schema import create_partitioned_outbox
 
     srv = pgserver.start(18)
     try:

@@ -3,7 +3,7 @@
     python bench/soak.py                         # 5 patterns x 300 s at 1000 inserts/s
     python bench/soak.py --patterns hopia --duration 900 --rate 2000 --pg 16
 
-Starts its own throwaway PostgreSQL, runs the proof harness (outbox_migrate.sim) per pattern
+Starts its own throwaway PostgreSQL, runs the proof harness (outbox_migrate_harness.sim) per pattern
 and prints one line per pattern: produced, lost, duplicated, worst insert stall, longest
 publish gap, pause. Exit status 1 if anything was lost, or if a hot pattern stalled inserts
 beyond lock_timeout + 100 ms or paused publication for more than 2 s.
@@ -18,12 +18,12 @@ import tempfile
 from pathlib import Path
 
 import psycopg
+from outbox_migrate_harness.sim import simulate
+from outbox_migrate_harness.sim.scenario import Scenario
+from outbox_migrate_harness.testing import server as pgserver
 from psycopg import sql
 
 from outbox_migrate.patterns import PATTERN_NAMES
-from outbox_migrate.sim import simulate
-from outbox_migrate.sim.scenario import Scenario
-from outbox_migrate.testing import server as pgserver
 
 HOT = {"hop", "hoper", "hopia"}
 

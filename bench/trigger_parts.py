@@ -37,11 +37,11 @@ import time
 from pathlib import Path
 
 import psycopg
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import create_partitioned_outbox
 
 from outbox_migrate.config import DEFAULT_CHANNEL, OutboxSpec
 from outbox_migrate.patterns import notify
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import create_partitioned_outbox
 
 SPEC = OutboxSpec()
 INSERT = (

@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 
 import psycopg
+from outbox_migrate_harness.testing import server as pgserver
 
 from outbox_migrate.relay.wire import Wire
-from outbox_migrate.testing import server as pgserver
 
 CLAIM = (
     b"SELECT id, payload, ctid::text FROM bench_wire WHERE published_at IS NULL "

@@ -67,6 +67,17 @@ class Blocked(SchemaError):
         super().__init__("\n".join([summary, *details]))
 
 
+def harness_missing(command: str, exc: ModuleNotFoundError) -> UsageError:
+    """`demo` and `rehearse` run the proof harness, a distribution of its own (harness/) that a
+    production install leaves out; any other missing module is not this error's to explain."""
+    if not (exc.name or "").startswith("outbox_migrate_harness"):
+        raise exc
+    return UsageError(
+        f"{command} needs the proof harness: pip install 'outbox-migrate[demo]' "
+        "(from a checkout: pip install '.[demo]' ./harness)"
+    )
+
+
 class UsageError(OutboxMigrateError):
     """A request that makes no sense in the current state (unknown pattern, step out of order,
     maintenance of a table without partitions, an unavailable measurement)."""

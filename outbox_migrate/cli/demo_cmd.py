@@ -12,6 +12,7 @@ import typer
 
 from outbox_migrate.cli.options import FormatOption, OutputFormat, ReportDirOption
 from outbox_migrate.cli.plan_cmd import PatternName
+from outbox_migrate.errors import harness_missing
 
 DEMO_DB = "outbox_demo"  # a run's databases: `outbox_demo_<run id>` and `…_recording`
 
@@ -53,8 +54,12 @@ def demo(
     output: FormatOption = OutputFormat.text,
 ) -> None:
     from outbox_migrate.cli.console import render_demo_report
-    from outbox_migrate.sim import simulate
-    from outbox_migrate.sim.scenario import Scenario
+
+    try:
+        from outbox_migrate_harness.sim import simulate
+        from outbox_migrate_harness.sim.scenario import Scenario
+    except ModuleNotFoundError as exc:
+        raise harness_missing("demo", exc) from None
 
     scenario = Scenario(
         pattern.value, rate_per_s=rate, duration_s=duration, wrong_choreography=wrong_choreography

@@ -13,6 +13,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
+from outbox_migrate.errors import harness_missing
 from outbox_migrate.rehearse.source import SourceShape
 
 RATE_FLOOR_PER_S = 20
@@ -49,8 +50,12 @@ def rehearse(
     `shape` is read first (`check_source`), so a refused source leaves the scratch server alone."""
     from outbox_migrate.rehearse import scratch
     from outbox_migrate.rehearse.source import measure_rates, read_only_connect
-    from outbox_migrate.sim import simulate
-    from outbox_migrate.sim.scenario import Scenario
+
+    try:
+        from outbox_migrate_harness.sim import simulate
+        from outbox_migrate_harness.sim.scenario import Scenario
+    except ModuleNotFoundError as exc:
+        raise harness_missing("rehearse", exc) from None
 
     spec = request.spec
     rates = measure_rates(request.source_dsn, spec, request.measure_s)

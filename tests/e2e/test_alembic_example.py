@@ -20,13 +20,13 @@ from pathlib import Path
 import psycopg
 import pytest
 from alembic.config import main as alembic_main
+from outbox_migrate_harness.testing.schema import insert_rows
+from outbox_migrate_harness.testing.server import Server
 
 from outbox_migrate.alembic_ext.generate import generate
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import insert_rows
-from outbox_migrate.testing.server import Server
 from tests.support.alembic_project import (
     GATE_ENV,
     other_dsn,  # noqa: F401 - fixture

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import subprocess
 
-from outbox_migrate.testing.server import PASSWORD_ROLE, Server, free_port
+from outbox_migrate_harness.testing.server import PASSWORD_ROLE, Server, free_port
+
 from tests.support.cli import error_line, run_cli
 
 
@@ -37,7 +38,7 @@ def test_wrong_password(pg_server: Server) -> None:
 
 
 def test_right_password_connects(pg_server: Server) -> None:
-    from outbox_migrate.testing.server import PASSWORD_ROLE_SECRET
+    from outbox_migrate_harness.testing.server import PASSWORD_ROLE_SECRET
 
     if pg_server.origin != "binaries":
         import pytest

@@ -17,10 +17,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
+from outbox_migrate_harness.testing.server import free_port
 
 from outbox_migrate.errors import ExitCode
-from outbox_migrate.testing.schema import create_flat_outbox
-from outbox_migrate.testing.server import free_port
 from tests.support.cli import ERROR_PREFIX, error_line, run_cli
 from tests.support.cli_process import LiveCli, terminate_backends, wait_for_backend
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 
 WIDTH = 80
 SPEC = replace(

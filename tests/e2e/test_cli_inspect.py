@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from outbox_migrate.errors import ExitCode
-from outbox_migrate.testing.schema import create_flat_outbox
 from tests.support.cli import error_line, run_cli
 
 pytestmark = pytest.mark.newest_pg_only  # permissions and catalog reads, not version behaviour

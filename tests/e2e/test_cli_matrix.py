@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.errors import ExitCode
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.cli import run_cli
 from tests.support.cli_process import LiveCli, terminate_backends, wait_for_backend
 

@@ -9,10 +9,10 @@ from dataclasses import fields, replace
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import ExitCode
-from outbox_migrate.testing.schema import create_flat_outbox
 from tests.support.cli import error_line, run_cli
 
 TABLE_COMMANDS = [

@@ -7,9 +7,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 
 from outbox_migrate.patterns import PATTERN_NAMES, build_pattern
-from outbox_migrate.testing.schema import create_flat_outbox
 from tests.support.cli import run_cli
 
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from outbox_migrate_harness.sim import simulate
+from outbox_migrate_harness.sim.scenario import Scenario
+from outbox_migrate_harness.testing.server import Server
 from psycopg import sql
 
 from outbox_migrate.patterns import PATTERN_NAMES
-from outbox_migrate.sim import simulate
-from outbox_migrate.sim.scenario import Scenario
-from outbox_migrate.testing.server import Server
 
 HOT = {"hop", "hoper", "hopia"}
 CI_DURATION_S = 10.0

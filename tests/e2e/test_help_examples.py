@@ -17,8 +17,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-
-from outbox_migrate.testing.schema import create_flat_outbox
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 
 pytestmark = pytest.mark.newest_pg_only
 

@@ -8,8 +8,8 @@ import json
 import subprocess
 
 import psycopg
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.cli import error_line, run_cli
 
 

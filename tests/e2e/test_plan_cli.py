@@ -9,9 +9,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.advisory.lost_semantics import LAYOUT_WARNINGS
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.cli import error_line, run_cli
 
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.server import Server
 
 from outbox_migrate.advisory.introspect import introspect
 from outbox_migrate.config import load_settings
-from outbox_migrate.testing.server import Server
 from tests.e2e.test_plan_sql_with_psql import psql
 from tests.support.cli import run_cli
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
+from outbox_migrate_harness.testing.server import Server
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
 from outbox_migrate.patterns.model import Table
 from outbox_migrate.plan import split_sql_phases
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
-from outbox_migrate.testing.server import Server
 from tests.e2e.test_plan_sql_with_psql import psql
 from tests.golden.regenerate import run_plan
 from tests.support.app import violations

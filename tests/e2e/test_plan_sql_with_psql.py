@@ -13,12 +13,12 @@ import sys
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
+from outbox_migrate_harness.testing.server import Server
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
 from outbox_migrate.plan import split_sql_phases
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
-from outbox_migrate.testing.server import Server
 from tests.support.app import act_as, count, publish_all, violations
 
 ATTACHES_OLD = {"copra", "hoper", "hopia"}

@@ -13,10 +13,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 
 from outbox_migrate.patterns import PATTERN_NAMES
 from outbox_migrate.playbook import render_playbook
-from outbox_migrate.testing.schema import create_flat_outbox
 from tests.support.cli import run_cli
 
 COMMAND = re.compile(r"`outbox-migrate (run --to [^`]*?) --dsn <DSN>`")

@@ -15,10 +15,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.server import Server
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from outbox_migrate.testing.server import Server
 from tests.support.cli import run_cli
 
 SOURCE_DDL = """

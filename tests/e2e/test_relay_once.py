@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_partitioned_outbox, insert_rows
 
-from outbox_migrate.testing.schema import create_partitioned_outbox, insert_rows
 from tests.support.cli import run_cli
 
 

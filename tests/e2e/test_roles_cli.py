@@ -10,11 +10,11 @@ import subprocess
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 from psycopg import sql
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox
 from tests.support.cli import run_cli
 from tests.support.roles import DocumentedRoles
 

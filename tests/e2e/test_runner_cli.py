@@ -6,12 +6,12 @@ import json
 import subprocess
 
 import psycopg
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
+from outbox_migrate_harness.testing.server import free_port
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.patterns import build_pattern
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
-from outbox_migrate.testing.server import free_port
 from tests.support.cli import error_line, run_cli
 
 

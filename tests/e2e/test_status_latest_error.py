@@ -9,9 +9,9 @@ import json
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 
 from outbox_migrate.errors import ExitCode
-from outbox_migrate.testing.schema import create_flat_outbox
 from tests.support.cli import run_cli
 
 STEP = "hoper.v4.drop-identity"

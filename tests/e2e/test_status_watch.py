@@ -14,8 +14,8 @@ import time
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.cli import run_cli
 
 GATE_ENV = {"OUTBOX_MIGRATE_GATE_WINDOW_S": "0.1"}

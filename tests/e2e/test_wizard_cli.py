@@ -12,8 +12,8 @@ import time
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from outbox_migrate.wizard import QUESTIONS
 from tests.support.cli import error_line, run_cli
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.advisory.introspect import introspect
 from outbox_migrate.advisory.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.config import Settings, load_settings
 from outbox_migrate.errors import PreconditionFailed, SchemaError
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.cli import error_line, run_cli
 
 

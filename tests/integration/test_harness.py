@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import psycopg
+from outbox_migrate_harness.testing.server import Server
 
 from outbox_migrate.db import APPLICATION_NAME, connect, server_version
-from outbox_migrate.testing.server import Server
 
 
 def test_database_is_fresh_and_isolated(dsn: str) -> None:

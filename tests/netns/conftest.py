@@ -10,10 +10,9 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import create_partitioned_outbox
 from psycopg import sql
-
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import create_partitioned_outbox
 
 from .bed import SUBNET, missing_tools
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing import server as pgserver
 
 from outbox_migrate.patterns.notify import ADVISORY_NAMESPACE
-from outbox_migrate.testing import server as pgserver
 
 from .bed import FAULTS, Bed, Consumer, Relay, analyse, start_relay, stop_relay
 

@@ -15,11 +15,11 @@ import pytest
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
+from outbox_migrate_harness.testing.server import Server
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.engine import URL
 
-from outbox_migrate.testing.server import Server
 from tests.fixtures.postgres import TEMPLATE_DB
 
 GATE_ENV = {"OUTBOX_MIGRATE_GATE_WINDOW_S": "0.1", "OUTBOX_MIGRATE_LOCK_BUDGET_S": "10"}

@@ -1,15 +1,15 @@
 """A tiny stand-in for the application between deploys: what each version does to the outbox.
 
 Used by the catalog/plan tests to simulate a rolling deploy phase by phase (the proof harness
-under load lives in outbox_migrate.sim).
+under load lives in outbox_migrate_harness.sim).
 """
 
 from __future__ import annotations
 
 import psycopg
+from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.patterns.model import Phase, Table
-from outbox_migrate.testing.schema import insert_rows
 
 ROWS_PER_PHASE = 7
 

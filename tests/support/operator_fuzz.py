@@ -37,14 +37,14 @@ from typing import Any
 
 import psycopg
 from hypothesis import strategies as st
+from outbox_migrate_harness.sim import recording
+from outbox_migrate_harness.sim.actors import relay_options
+from outbox_migrate_harness.sim.scenario import APP_NAME_PREFIX, app_name, relay_mode
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.patterns.model import Phase, Table
 from outbox_migrate.relay.options import CdcOptions, Mode
-from outbox_migrate.sim import recording
-from outbox_migrate.sim.actors import relay_options
-from outbox_migrate.sim.scenario import APP_NAME_PREFIX, app_name, relay_mode
 
 DOCUMENTED_EXIT_CODES = frozenset({0, 1, 2, 3, 4, 5, 6})
 """docs/cli.md's codes a command may end with here (130/143 need a signal, none is sent)."""

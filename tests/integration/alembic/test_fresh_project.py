@@ -13,6 +13,8 @@ from pathlib import Path
 import psycopg
 import pytest
 from alembic import command
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
+from outbox_migrate_harness.testing.server import Server
 
 from outbox_migrate.alembic_ext import AlembicStepError
 from outbox_migrate.alembic_ext.generate import generate
@@ -21,8 +23,6 @@ from outbox_migrate.errors import LockBudgetExceeded, OutOfOrder, PreconditionFa
 from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.patterns.model import Pattern
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
-from outbox_migrate.testing.server import Server
 from tests.integration.alembic.conftest import APP_REVISION
 from tests.support.alembic_project import (
     chain,

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import psycopg
 from alembic import command
+from outbox_migrate_harness.testing.schema import create_flat_outbox
+from outbox_migrate_harness.testing.server import Server
 from psycopg import sql
 
 from outbox_migrate.alembic_ext.generate import generate
 from outbox_migrate.config import load_settings
-from outbox_migrate.testing.schema import create_flat_outbox
-from outbox_migrate.testing.server import Server
 from tests.integration.alembic.conftest import APP_REVISION
 from tests.integration.catalog.test_privileges_travel import acl
 from tests.support.alembic_project import config_for, offline_sql, psql

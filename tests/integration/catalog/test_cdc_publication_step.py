@@ -9,12 +9,12 @@ import json
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
+from outbox_migrate_harness.testing.server import Server
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.plan import split_sql_phases
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
-from outbox_migrate.testing.server import Server
 from tests.support.alembic_project import psql
 from tests.support.app import publish_all
 from tests.support.cli import run_cli

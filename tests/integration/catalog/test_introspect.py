@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
+from outbox_migrate_harness.testing.server import Server
 
 from outbox_migrate.advisory.introspect import TableFacts, introspect, raise_for_blockers
 from outbox_migrate.advisory.lost_semantics import LAYOUT_WARNINGS
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import SchemaError
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
-from outbox_migrate.testing.server import Server
 
 SPEC = OutboxSpec()
 

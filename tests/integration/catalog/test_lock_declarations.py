@@ -16,6 +16,7 @@ import re
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
@@ -26,7 +27,6 @@ from outbox_migrate.patterns.kinds.dead_letter_tables import (
     DEAD_LETTER_TABLE,
 )
 from outbox_migrate.patterns.model import Step, TxMode
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.app import act_as, count, publish_all, violations
 
 SPEC = OutboxSpec()

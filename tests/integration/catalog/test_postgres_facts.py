@@ -11,9 +11,12 @@ import time
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import (
+    create_flat_outbox,
+    create_partitioned_outbox,
+    insert_rows,
+)
 from psycopg import errors
-
-from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned_outbox, insert_rows
 
 
 def test_detach_concurrently_refused_when_default_partition_exists(

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
+from outbox_migrate_harness.testing.server import Server
 from psycopg import sql
 
 from outbox_migrate.advisory.introspect import introspect
@@ -22,8 +24,6 @@ from outbox_migrate.errors import PreconditionFailed, SchemaError
 from outbox_migrate.patterns import BuildOptions, build_pattern
 from outbox_migrate.plan import render_sql, split_sql_phases
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox
-from outbox_migrate.testing.server import Server
 
 SPEC = OutboxSpec()
 NEW_TABLES = ("outbox_new", "outbox_unpublished", "outbox_published")

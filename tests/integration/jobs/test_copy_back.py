@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import build_after_v4
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec
@@ -25,7 +26,6 @@ from outbox_migrate.jobs.copy_back import (
     copy_back,
 )
 from outbox_migrate.jobs.throttle import ThrottlePolicy
-from outbox_migrate.testing.schema import build_after_v4
 
 UNTHROTTLED = CopyBackOptions(throttle=ThrottlePolicy(adaptive=False))
 
@@ -188,7 +188,7 @@ def test_rows_already_in_the_target_are_skipped_not_duplicated(
 
 
 def test_refuses_a_source_that_is_still_attached(conn: psycopg.Connection[Any]) -> None:
-    from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned_outbox
+    from outbox_migrate_harness.testing.schema import create_flat_outbox, create_partitioned_outbox
 
     create_flat_outbox(conn)
     create_partitioned_outbox(conn, start=1_000_000)
@@ -197,7 +197,7 @@ def test_refuses_a_source_that_is_still_attached(conn: psycopg.Connection[Any]) 
 
 
 def test_missing_source_without_record_is_a_schema_error(conn: psycopg.Connection[Any]) -> None:
-    from outbox_migrate.testing.schema import create_flat_outbox
+    from outbox_migrate_harness.testing.schema import create_flat_outbox
 
     create_flat_outbox(conn)
     with pytest.raises(SchemaError, match="does not exist"):

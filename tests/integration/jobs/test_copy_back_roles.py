@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 
-from outbox_migrate.testing.schema import create_flat_outbox
 from tests.support.cli import run_cli
 from tests.support.roles import DocumentedRoles
 

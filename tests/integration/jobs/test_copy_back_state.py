@@ -8,11 +8,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import build_after_v4
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions
 from outbox_migrate.jobs.throttle import ThrottlePolicy
-from outbox_migrate.testing.schema import build_after_v4
 
 OPTIONS = CopyBackOptions(batch_rows=400, throttle=ThrottlePolicy(adaptive=False))
 PROGRESS = "outbox_migrate.copy_back_progress"

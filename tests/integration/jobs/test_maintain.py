@@ -14,12 +14,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_partitioned_outbox, insert_rows
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.jobs import maintain, reindex
 from outbox_migrate.jobs.common import Relation
 from outbox_migrate.jobs.maintain import MaintenanceOptions, find_partitions, maintain_once
-from outbox_migrate.testing.schema import create_partitioned_outbox, insert_rows
 
 SPEC = OutboxSpec()
 UNPUBLISHED = Relation("public", "outbox_unpublished")
@@ -229,9 +229,10 @@ def test_retention_deletes_only_rows_published_before_the_cutoff(
 
 
 def test_retention_waits_for_a_pending_copy_back(conn: psycopg.Connection[Any], dsn: str) -> None:
+    from outbox_migrate_harness.testing.schema import build_after_v4
+
     from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions
     from outbox_migrate.jobs.throttle import ThrottlePolicy
-    from outbox_migrate.testing.schema import build_after_v4
 
     spec = build_after_v4(conn, old_rows=1_000, published_rows=1_000)
     conn.execute("UPDATE outbox SET published_at = now() - interval '30 days'")

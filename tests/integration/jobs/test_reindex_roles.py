@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_partitioned_outbox, insert_rows
 
 from outbox_migrate.errors import ReindexRefused
 from outbox_migrate.jobs import reindex
 from outbox_migrate.jobs.common import Relation
-from outbox_migrate.testing.schema import create_partitioned_outbox, insert_rows
 from tests.support.roles import DocumentedRoles
 
 UNPUBLISHED = Relation("public", "outbox_unpublished")

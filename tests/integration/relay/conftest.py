@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, create_partitioned_outbox
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.relay.message import Message
-from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned_outbox
 
 SPEC = OutboxSpec()
 PARTITIONED_START = 1_000_001

@@ -22,13 +22,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import MessagesRejected
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
-from outbox_migrate.testing.schema import insert_rows
 
 from .conftest import PARTITIONED_START, SPEC, Collected, ids_in, swapped_outbox
 

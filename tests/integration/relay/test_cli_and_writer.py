@@ -11,6 +11,7 @@ import time
 import psycopg
 import pytest
 import sqlalchemy as sa
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.relay.writer import (
     WritePhase,
@@ -19,7 +20,6 @@ from outbox_migrate.relay.writer import (
     outbox_tables,
     target_table,
 )
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 
 from .conftest import PARTITIONED_START, SPEC, ids_in
 
@@ -132,7 +132,7 @@ def test_cli_sigterm_stops_gracefully_and_serves_metrics(
 ) -> None:
     import urllib.request
 
-    from outbox_migrate.testing.server import free_port
+    from outbox_migrate_harness.testing.server import free_port
 
     pytest.importorskip("prometheus_client")
     insert_rows(partitioned, "outbox_new", 40, spec=SPEC)

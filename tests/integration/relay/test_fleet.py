@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.errors import SinkUnavailable
 from outbox_migrate.relay import keepalive
@@ -35,7 +36,6 @@ from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.worker import Relay, running
-from outbox_migrate.testing.schema import insert_rows
 
 from .conftest import SPEC, Collected, ids_in
 
@@ -211,8 +211,9 @@ def test_a_relay_without_its_broker_leaves_its_shards_to_the_others(
 def test_readyz_means_holding_shards_or_standing_by(
     dsn: str, partitioned: psycopg.Connection
 ) -> None:
+    from outbox_migrate_harness.testing.server import free_port
+
     from outbox_migrate.relay.metrics import PrometheusObserver, serve
-    from outbox_migrate.testing.server import free_port
 
     pytest.importorskip("prometheus_client")
     observers = [PrometheusObserver(), PrometheusObserver()]

@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 from psycopg import sql
 
 from outbox_migrate.config import load_settings
@@ -24,7 +25,6 @@ from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.relay.writer import WritePhase
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.roles import DocumentedRoles
 
 from .conftest import SPEC, Collected, ids_in

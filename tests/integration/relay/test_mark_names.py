@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, load_settings
@@ -25,7 +26,6 @@ from outbox_migrate.errors import NamesMoved
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.worker import Relay
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox
 from tests.support.roles import DocumentedRoles
 
 from .conftest import Collected

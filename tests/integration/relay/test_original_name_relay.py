@@ -13,12 +13,12 @@ import time
 from typing import Any
 
 import psycopg
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.worker import Relay
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.integration.relay.conftest import Collected
 
 SETTINGS: Any = load_settings({"gate_window_s": 0.1, "lock_budget_s": 10.0}, environ={})

@@ -10,12 +10,12 @@ from collections.abc import Sequence
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.errors import MessagesRejected
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.worker import Relay
-from outbox_migrate.testing.schema import insert_rows
 
 from .conftest import SPEC, Collected, ids_in
 
@@ -52,7 +52,7 @@ def locked_rows(conn: psycopg.Connection) -> int:
 def test_a_backlog_is_claimed_ahead_and_published_once_in_id_order(
     dsn: str, conn: psycopg.Connection, collected: Collected, mode: Mode
 ) -> None:
-    from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned_outbox
+    from outbox_migrate_harness.testing.schema import create_flat_outbox, create_partitioned_outbox
 
     if mode is Mode.flat:
         create_flat_outbox(conn, SPEC)

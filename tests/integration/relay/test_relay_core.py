@@ -8,12 +8,12 @@ from collections.abc import Sequence
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.worker import Relay, running
-from outbox_migrate.testing.schema import insert_rows
 
 from .conftest import SPEC, Collected, ids_in
 

@@ -101,9 +101,10 @@ def test_a_slow_webhook_never_outlasts_the_claim_session(
     batch went out again (connection retries, duplicates)."""
     from collections import Counter
 
+    from outbox_migrate_harness.testing.schema import insert_rows
+
     from outbox_migrate.relay.options import Ordering
     from outbox_migrate.relay.sinks import SinkConfig, factory
-    from outbox_migrate.testing.schema import insert_rows
     from tests.support.webhook import Webhook
 
     from .conftest import ids_in

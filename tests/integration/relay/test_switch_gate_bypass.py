@@ -14,13 +14,17 @@ import uuid
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import (
+    create_flat_outbox,
+    create_partitioned_outbox,
+    insert_rows,
+)
 from psycopg import sql
 
 from outbox_migrate.relay import switching
 from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.relay.writer import WritePhase
-from outbox_migrate.testing.schema import create_flat_outbox, create_partitioned_outbox, insert_rows
 from tests.support.roles import DocumentedRoles
 
 from .conftest import PARTITIONED_START, SPEC, Collected, ids_in

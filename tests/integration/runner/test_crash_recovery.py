@@ -17,14 +17,14 @@ import time
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
+from outbox_migrate_harness.testing.server import Server
 from psycopg import sql
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.patterns.model import Pattern, TxMode
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner.apply import FAULT_ENV
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
-from outbox_migrate.testing.server import Server
 from tests.support.app import act_as, publish_all
 
 SETTINGS = load_settings({"gate_window_s": 0.05, "lock_budget_s": 10.0}, environ={})

@@ -15,10 +15,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 
 from outbox_migrate.errors import PreconditionFailed
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox
 from tests.integration.runner.test_original_name import relkinds, run_through_base, settings
 from tests.support.roles import DocumentedRoles
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.errors import OutOfOrder, PreconditionFailed, StepChanged
 from outbox_migrate.patterns import build_pattern
 from outbox_migrate.runner import Runner, ledger
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 
 RELEASE_01 = {
     # Computed by release 0.1's own code (commit 33fbda0) for the spec's table.

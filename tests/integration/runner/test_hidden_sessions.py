@@ -13,12 +13,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.errors import LockBudgetExceeded, LongTransactionsPresent, RunnerBusy
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner.session import runner_lock_key
-from outbox_migrate.testing.schema import create_flat_outbox
 from tests.integration.runner.test_lock_safety import prepare_hoper_v3
 from tests.support.roles import DocumentedRoles
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import psycopg
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.app import publish_all
 
 SETTINGS = load_settings({"gate_window_s": 0.05}, environ={})

@@ -15,10 +15,10 @@ import threading
 import time
 
 import psycopg
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.app import publish_all
 
 LOCK_TIMEOUT_MS = 200

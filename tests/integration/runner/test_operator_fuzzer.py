@@ -48,13 +48,13 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 from psycopg import sql
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.patterns import PATTERN_NAMES, BuildOptions, build_pattern
 from outbox_migrate.patterns.model import Pattern, PhaseKind
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import create_flat_outbox
 from tests.support.operator_fuzz import (
     DOCUMENTED_EXIT_CODES,
     ID_KINDS,

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.app import publish_all
 from tests.support.operator_fuzz import CliResult, cli
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.config import OutboxSpec, load_settings
 from outbox_migrate.errors import PreconditionFailed
@@ -18,7 +19,6 @@ from outbox_migrate.patterns import PATTERN_NAMES, notify
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner import inspect as read_only
 from outbox_migrate.runner.apply import FAULT_ENV
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.integration.runner.test_crash_recovery import terminate_runner_backends
 from tests.support.app import act_as, count, publish_all
 

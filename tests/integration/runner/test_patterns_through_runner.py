@@ -12,13 +12,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.patterns import PATTERN_NAMES
 from outbox_migrate.patterns.model import Pattern, Step
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner.events import SilentEvents
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.app import act_as, count, exercise, publish_all
 
 FAST = {"gate_window_s": 0.1, "lock_budget_s": 10.0}

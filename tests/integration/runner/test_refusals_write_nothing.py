@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 from psycopg import sql
 
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.integration.runner.test_operator_regressions import ENV, om
 from tests.support.app import publish_all
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, load_settings
@@ -26,7 +27,6 @@ from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.worker import Relay, running
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner import inspect as read_only
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.integration.relay.conftest import Collected
 from tests.support.app import act_as, count, publish_all
 from tests.support.roles import DocumentedRoles

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.errors import OutOfOrder
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.app import act_as, exercise, publish_all
 
 SETTINGS = load_settings({"gate_window_s": 0.05, "lock_budget_s": 10.0}, environ={})

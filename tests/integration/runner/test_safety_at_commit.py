@@ -14,11 +14,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.errors import OutOfOrder, PreconditionFailed, SchemaError, UsageError
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.support.app import act_as, publish_all
 from tests.support.cli import run_cli
 

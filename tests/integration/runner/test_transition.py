@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox
 
 from outbox_migrate.config import load_settings
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner.ledger import IllegalTransition, transition
-from outbox_migrate.testing.schema import create_flat_outbox
 
 SETTINGS = load_settings({"gate_window_s": 0.05}, environ={})
 FIRST = "hop.v2.create-partitioned-table"

@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 from psycopg import sql
 
 from outbox_migrate.config import OutboxSpec, load_settings
@@ -29,7 +30,6 @@ from outbox_migrate.relay.options import Mode, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay
 from outbox_migrate.runner import Runner
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
 from tests.e2e.test_zoo_frameworks import NSERVICEBUS
 from tests.e2e.test_zoo_frameworks_load import NSB_SET_AS_DISPATCHED, NSB_STORE
 from tests.integration.relay.conftest import swapped_outbox

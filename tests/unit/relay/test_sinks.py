@@ -262,7 +262,7 @@ def test_retries_stop_when_the_publish_has_no_time_left(http_sink) -> None:
 
 
 def test_unreachable_webhook_is_unavailable(http_sink) -> None:
-    from outbox_migrate.testing.server import free_port
+    from outbox_migrate_harness.testing.server import free_port
 
     sink = http_sink(f"http://127.0.0.1:{free_port()}/hook", retries="1")
     with pytest.raises(SinkUnavailable, match="ConnectionRefusedError"):

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import create_partitioned_outbox
 from psycopg import sql
 
 from outbox_migrate.patterns.kinds import dead_letter_tables
@@ -18,8 +20,6 @@ from outbox_migrate.relay import library_logs
 from outbox_migrate.relay.cdc.relay import CdcRelay
 from outbox_migrate.relay.options import CdcOptions
 from outbox_migrate.relay.sinks import SinkFactory
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import create_partitioned_outbox
 from tests.integration.relay.conftest import PARTITIONED_START, SPEC
 
 

@@ -12,10 +12,10 @@ import time
 from collections.abc import Sequence
 
 import psycopg
+from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.relay.cdc.relay import READY_COMMENT, running
 from outbox_migrate.relay.message import Message
-from outbox_migrate.testing.schema import insert_rows
 from tests.integration.relay.conftest import SPEC, Collected, ids_in
 
 from .conftest import cdc_relay, slot_row, wait_for

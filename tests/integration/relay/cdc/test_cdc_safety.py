@@ -13,11 +13,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.cdc.relay import running
 from outbox_migrate.relay.message import Message
-from outbox_migrate.testing.schema import insert_rows
 from tests.integration.relay.conftest import SPEC, Collected, ids_in
 
 from .conftest import cdc_relay, slot_row, wait_for

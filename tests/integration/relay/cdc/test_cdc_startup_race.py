@@ -20,11 +20,11 @@ from collections.abc import Iterator, Sequence
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing import server as pgserver
+from outbox_migrate_harness.testing.schema import create_partitioned_outbox, insert_rows
 
 from outbox_migrate.relay.cdc.relay import running
 from outbox_migrate.relay.message import Message
-from outbox_migrate.testing import server as pgserver
-from outbox_migrate.testing.schema import create_partitioned_outbox, insert_rows
 from tests.integration.relay.conftest import SPEC, Collected
 
 from .conftest import cdc_relay, drop_slots, wait_for

@@ -24,9 +24,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-
-from outbox_migrate.testing.server import free_port
-from outbox_migrate.testing.tansu import TansuDidNotStart, tansu
+from outbox_migrate_harness.testing.server import free_port
+from outbox_migrate_harness.testing.tansu import TansuDidNotStart, tansu
 
 START_TIMEOUT_S = 60.0
 SERVICES: dict[str, tuple[int, str]] = {
@@ -224,7 +223,7 @@ def nats_url() -> str:
 def _tansu(
     workdir: Path, schema_registry: bool = False, port: int | None = None, advertised: int = 0
 ) -> Iterator[str]:
-    """A Tansu broker (`outbox_migrate.testing.tansu`); a missing wheel or a broker that does
+    """A Tansu broker (`outbox_migrate_harness.testing.tansu`); a missing wheel or a broker that does
     not start is reported as the suite reports any missing service."""
     client("confluent_kafka", "kafka")
     try:

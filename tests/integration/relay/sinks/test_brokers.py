@@ -10,11 +10,11 @@ from collections import Counter
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.relay.options import Ordering, RelayOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
 from outbox_migrate.relay.worker import Relay, running
-from outbox_migrate.testing.schema import insert_rows
 from tests.integration.relay.conftest import SPEC, ids_in
 from tests.support.webhook import Webhook
 

@@ -10,11 +10,11 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.relay.cdc.relay import CdcRelay, running
 from outbox_migrate.relay.options import CdcOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
-from outbox_migrate.testing.schema import insert_rows
 from tests.integration.relay.cdc.conftest import drop_slots, slot_row, unrouted, wait_for
 from tests.integration.relay.conftest import SPEC, ids_in
 from tests.support.tcp_proxy import TcpProxy

@@ -33,12 +33,12 @@ from typing import Any, ClassVar
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
+from outbox_migrate_harness.testing.server import free_port
 
 from outbox_migrate.relay.options import Ordering, RelayOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
 from outbox_migrate.relay.worker import Relay, running
-from outbox_migrate.testing.schema import insert_rows
-from outbox_migrate.testing.server import free_port
 from tests.integration.relay.conftest import SPEC, ids_in
 from tests.integration.relay.sinks.conftest import client, run_bounded
 from tests.integration.relay.sinks.test_crashes import own_redis  # noqa: F401 - a fixture

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
+from outbox_migrate_harness.testing.server import free_port
 
 from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
 from outbox_migrate.relay.worker import Relay, running
-from outbox_migrate.testing.schema import insert_rows
-from outbox_migrate.testing.server import free_port
 from tests.integration.relay.conftest import SPEC, ids_in
 
 from .conftest import client, unavailable, wait_port

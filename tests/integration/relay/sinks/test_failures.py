@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
+from outbox_migrate_harness.testing.server import free_port
 from psycopg import sql
 
 from outbox_migrate.errors import MessagesRejected, SinkUnavailable
@@ -24,8 +26,6 @@ from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Ordering, RelayOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
 from outbox_migrate.relay.worker import Relay, running
-from outbox_migrate.testing.schema import insert_rows
-from outbox_migrate.testing.server import free_port
 from tests.integration.relay.conftest import SPEC, Collected, ids_in
 from tests.support.tcp_proxy import TcpProxy
 

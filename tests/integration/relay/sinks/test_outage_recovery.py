@@ -21,6 +21,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
+from outbox_migrate_harness.testing.server import free_port
 from psycopg import sql
 
 from outbox_migrate.errors import SinkUnavailable
@@ -28,8 +30,6 @@ from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
 from outbox_migrate.relay.worker import Relay, running
-from outbox_migrate.testing.schema import insert_rows
-from outbox_migrate.testing.server import free_port
 from tests.integration.relay.conftest import SPEC, Collected, ids_in
 from tests.integration.relay.sinks.conftest import client, unavailable, wait_port
 from tests.integration.relay.sinks.test_crashes import own_redis  # noqa: F401 - a fixture

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.relay.sinks import SinkConfig
 from outbox_migrate.relay.worker import Relay
-from outbox_migrate.testing.schema import insert_rows
 from tests.integration.relay.conftest import SPEC, ids_in
 from tests.integration.relay.sinks.test_brokers import relay_to
 

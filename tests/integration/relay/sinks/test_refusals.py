@@ -10,11 +10,11 @@ import time
 
 import psycopg
 import pytest
+from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
 from outbox_migrate.relay.worker import Relay
-from outbox_migrate.testing.schema import insert_rows
 from tests.integration.relay.conftest import SPEC, ids_in
 from tests.integration.relay.sinks.conftest import run_bounded
 from tests.integration.relay.sinks.test_brokers import DEFAULTS, assert_exactly

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from outbox_migrate.sim.choreographer import Snapshot
-    from outbox_migrate.sim.scenario import Scenario
+    from outbox_migrate_harness.sim.choreographer import Snapshot
+    from outbox_migrate_harness.sim.scenario import Scenario
 
 
 def simulate(
@@ -24,8 +24,8 @@ def simulate(
 ) -> dict[str, Any]:
     """Run the scenario and return its report; write PNG and HTML plots to `output_dir`.
     `prepare`: see `Choreographer`."""
-    from outbox_migrate.sim import report
-    from outbox_migrate.sim.choreographer import Choreographer
+    from outbox_migrate_harness.sim import report
+    from outbox_migrate_harness.sim.choreographer import Choreographer
 
     data = Choreographer(
         dsn, recording_dsn, scenario, on_snapshot=on_snapshot, prepare=prepare

@@ -23,10 +23,10 @@ from outbox_migrate.patterns import build_from_settings
 from outbox_migrate.patterns.model import Phase, PhaseKind, Step, Table
 from outbox_migrate.runner import Runner
 from outbox_migrate.runner.events import SilentEvents
-from outbox_migrate.sim import recording
-from outbox_migrate.sim.actors import RelayResult, WriterResult, relay_main, writer_main
-from outbox_migrate.sim.scenario import APP_NAME_PREFIX, Scenario, relay_mode
-from outbox_migrate.testing.schema import create_flat_outbox, insert_rows
+from outbox_migrate_harness.sim import recording
+from outbox_migrate_harness.sim.actors import RelayResult, WriterResult, relay_main, writer_main
+from outbox_migrate_harness.sim.scenario import APP_NAME_PREFIX, Scenario, relay_mode
+from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 
 GATE_RETRY_S = 0.5
 GATE_PATIENCE_S = 60.0
@@ -122,8 +122,8 @@ class Choreographer(SilentEvents):
         # everything per process (and nothing leaks from this, possibly threaded, process).
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(
-            ["outbox_migrate.sim.instance_signals", "psycopg", "outbox_migrate.sim.actors",
-             "outbox_migrate.relay.worker"]
+            ["outbox_migrate_harness.sim.instance_signals", "psycopg",
+             "outbox_migrate_harness.sim.actors", "outbox_migrate.relay.worker"]
         )  # fmt: skip
         self._results: Any = self._ctx.Queue()
         self._instances: dict[str, list[tuple[str, Any, Any]]] = {}

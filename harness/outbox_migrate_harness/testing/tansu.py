@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from outbox_migrate.testing.server import free_port
+from outbox_migrate_harness.testing.server import free_port
 
 
 class TansuDidNotStart(RuntimeError):

@@ -9,7 +9,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from outbox_migrate.sim.choreographer import RunData
+from outbox_migrate_harness.sim.choreographer import RunData
 
 COLD = {"cop", "copra"}
 MARKERS = {

@@ -13,7 +13,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_migrate.relay.options import Mode, RelayOptions, SwitchGate
-from outbox_migrate.sim.scenario import APP_NAME_PREFIX, Scenario, app_name
+from outbox_migrate_harness.sim.scenario import APP_NAME_PREFIX, Scenario, app_name
 
 DEMO_INSERT = (
     "INSERT INTO {table} (event_type, message_key, payload) VALUES ('demo', %(key)s, '{{}}')"
@@ -97,7 +97,7 @@ def relay_main(
 ) -> None:  # fmt: skip
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from outbox_migrate.relay.worker import Relay
-    from outbox_migrate.sim.recording import RecordingSink
+    from outbox_migrate_harness.sim.recording import RecordingSink
 
     name = app_name(version, "relay", instance)
     relay = Relay(
