@@ -149,7 +149,8 @@ def test_ctrl_c_in_the_wizard_exits_130() -> None:
 
 def test_demo_that_lost_messages_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     """The exit path only: the simulation itself is exercised by test_demo_under_load."""
-    from outbox_migrate import sim
+    from outbox_migrate_harness import sim
+
     from outbox_migrate.cli import app, demo_cmd
 
     monkeypatch.setattr(

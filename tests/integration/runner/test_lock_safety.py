@@ -137,10 +137,29 @@ def test_budget_exhausted_names_blocker_and_applies_nothing(dsn: str) -> None:
         assert recorded is not None and recorded[0] >= 1  # watched, never queued
 
 
+def _release_once_watched(dsn: str, blocker: psycopg.Connection, watched_s: float) -> None:
+    """Close `blocker` `watched_s` after the runner recorded that it is watching it, not after
+    a fixed time: on a loaded machine the runner may reach the step only as a timer fires."""
+    deadline = time.monotonic() + 60
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            seen = conn.execute(
+                "SELECT count(*) FROM outbox_migrate.attempt "
+                "WHERE step_id = 'hoper.v4.swap-default' AND outcome = 'waiting'"
+            ).fetchone()
+            if seen and seen[0]:
+                break
+            time.sleep(0.05)
+    time.sleep(watched_s)
+    blocker.close()
+
+
 def test_retries_succeed_once_the_blocker_leaves(dsn: str) -> None:
     prepare_hoper_v3(dsn)
     blocker = hold_lock_on_published(dsn)
-    releaser = threading.Timer(1.0, blocker.close)
+    releaser = threading.Thread(
+        target=_release_once_watched, args=(dsn, blocker, 2 * LOCK_TIMEOUT_MS / 1000)
+    )
     releaser.start()
     settings = load_settings({"gate_window_s": 0.1, "lock_budget_s": 30}, environ={})
     try:
