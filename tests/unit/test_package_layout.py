@@ -102,6 +102,17 @@ def test_no_import_circle_between_subpackages_at_import_time() -> None:
     assert not circles, circles
 
 
+def _every_import() -> Iterator[tuple[str, list[str]]]:
+    """(module, the absolute modules one of its import statements names), for every import
+    statement of the package: at import time, in a function or under TYPE_CHECKING."""
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                yield name, [node.module]
+            elif isinstance(node, ast.Import):
+                yield name, [a.name for a in node.names]
+
+
 HARNESS = "outbox_migrate_harness"
 HARNESS_USERS = ("cli.demo_cmd", "rehearse")
 
@@ -110,18 +121,9 @@ def test_only_demo_and_rehearse_use_the_proof_harness() -> None:
     """The harness is a distribution of its own (harness/, docs/demo.md): a production install
     has none, so no other module may import it, at import time or in a function."""
     users = []
-    for name, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                targets = [node.module]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            if any(t.split(".")[0] == HARNESS for t in targets) and not _inside(
-                name, HARNESS_USERS
-            ):
-                users.append(f"{name} imports {targets[0]}")
+    for name, targets in _every_import():
+        if any(t.split(".")[0] == HARNESS for t in targets) and not _inside(name, HARNESS_USERS):
+            users.append(f"{name} imports {targets[0]}")
     assert not users, users
     assert not (Path("outbox_migrate") / "sim").exists()
     assert not (Path("outbox_migrate") / "testing").exists()
@@ -131,15 +133,8 @@ def test_no_layer_is_crossed_by_an_import_inside_a_function_either() -> None:
     """An import in a function runs too, only later: every import a module writes keeps to
     the layers (type-only imports included: they name what the module depends on)."""
     broken = []
-    for name, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                targets = [node.module]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            for sources, forbidden in NEVER:
-                if _inside(name, sources) and any(_inside(t, forbidden) for t in targets):
-                    broken.append(f"{name} imports {targets[0]}")
+    for name, targets in _every_import():
+        for sources, forbidden in NEVER:
+            if _inside(name, sources) and any(_inside(t, forbidden) for t in targets):
+                broken.append(f"{name} imports {targets[0]}")
     assert not broken, broken
