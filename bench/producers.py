@@ -17,7 +17,8 @@ side by side, interleaved, `--reps` times (median):
     most by default) with `Nats-Msg-Id` and the relay's headers, then every ack awaited;
   - redis: redis-py, XADD of the sink's fields (id, table, event_type, key, created_at,
     payload) in non-transactional pipelines of `--redis-pipeline` commands;
-* relay: `outbox_migrate.relay.Relay` (1 worker, batch `--batch`, until empty, partitioned
+* relay: `outbox_migrate.relay.Relay` (`--workers`, 1 by default, batch `--batch`, until empty,
+  --ordering none; each worker its own session and sink; partitioned
   outbox) with the real sink from the sink factory, draining the same number of rows of the
   same payload size from a throwaway PostgreSQL 18; the sink is built and has published one
   warm-up message before the timing starts, which ends when the last batch is acknowledged;
@@ -454,15 +455,15 @@ class NullSink:
 
 
 def relay_drain(
-    dsn: str, broker: Broker | None, target: str, batch: int, rows: int
+    dsn: str, broker: Broker | None, target: str, batch: int, rows: int, workers: int = 1
 ) -> tuple[float, float, float]:
     """The relay draining `rows` through `broker`'s sink (None: `NullSink`), timed from its
     start to its last acknowledged batch: (wall s, CPU s, wall s inside the sink's publish)."""
     build = factory(broker.name, broker.config(target)) if broker else NullSink
-    # Two sinks connected and warmed up beforehand: the relay builds one at start to check its
+    # Sinks connected and warmed up beforehand: the relay builds one at start to check its
     # configuration (and closes it), then one per worker. A later call gets a new one.
     spare: list[TimedSink] = []
-    for _ in range(2):
+    for _ in range(workers + 1):
         sink = TimedSink(build())
         sink.publish([WARM_UP])
         sink.in_publish_s = 0.0
@@ -475,11 +476,13 @@ def relay_drain(
         return sink
 
     wall, cpu = time.perf_counter(), time.process_time()
-    _secs, relay = relay_bench.relay_run(dsn, batch, 1, Mode.partitioned, sink_factory=make)
+    _secs, relay = relay_bench.relay_run(dsn, batch, workers, Mode.partitioned, sink_factory=make)
     assert relay.stats.published == rows, (relay.stats.published, rows)
     last = max(sink.acked_at for sink in made)
     assert last[0] > wall, "no batch published through the sinks made"
-    return last[0] - wall, last[1] - cpu, sum(sink.in_publish_s for sink in made)
+    # With several workers their publishes overlap: the share is per worker, on average.
+    in_sink = sum(sink.in_publish_s for sink in made) / workers
+    return last[0] - wall, last[1] - cpu, in_sink
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -550,7 +553,11 @@ def one_round(
              lambda: (relay_bench.sql_only(dsn, args.batch, 1, sharded=False)[0], 0.0))  # fmt: skip
     assert relay_bench.unpublished(conn) == 0
     relay_bench.reset(conn, rows, payload_bytes=pad)
-    measured((size, "-", "null"), None, partial(relay_drain, dsn, None, "", args.batch, rows))
+    measured(
+        (size, "-", "null"),
+        None,
+        partial(relay_drain, dsn, None, "", args.batch, rows, args.workers),
+    )
     for name, broker in chosen.items():
         # Producer first on even rounds, relay first on odd ones: drift lands on both.
         order = ("producer", "relay") if rep % 2 == 0 else ("relay", "producer")
@@ -564,7 +571,7 @@ def one_round(
                     messages = outbox_messages(conn)
                     run = partial(broker.produce, broker.url, target, messages)
                 else:
-                    run = partial(relay_drain, dsn, broker, target, args.batch, rows)
+                    run = partial(relay_drain, dsn, broker, target, args.batch, rows, args.workers)
                 measured((size, name, who), name, run)
             finally:
                 broker.cleanup(broker.url, target)
@@ -581,6 +588,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=20_000, help="messages per run")
     parser.add_argument("--reps", type=int, default=3, help="runs per figure (median)")
     parser.add_argument("--batch", type=int, default=500, help="the relay's batch size")
+    parser.add_argument("--workers", type=int, default=1, help="the relay's workers")
     parser.add_argument("--redis-pipeline", type=int, default=1000, help="XADDs per pipeline")
     parser.add_argument("--rabbitmq-url", default="amqp://guest:guest@127.0.0.1:5672/%2F")
     parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
@@ -610,7 +618,7 @@ def main(argv: list[str] | None = None) -> None:
         share = CpuShare(srv.data_dir)
         dsn = srv.dsn()
         print(f"PostgreSQL {srv.full_version}, {os.cpu_count()} CPUs; {args.rows:,} messages per "
-              f"run, relay batch {args.batch}, 1 worker; median of {args.reps}; "
+              f"run, relay batch {args.batch}, {args.workers} worker(s); median of {args.reps}; "
               f"{steady.load_note()} at start")  # fmt: skip
         results: dict[tuple[int, str, str], Runs] = {}
         for size in sizes:
