@@ -4,6 +4,7 @@ advisory lock that admits one runner per table. It knows nothing of patterns or 
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Any
 
@@ -47,7 +48,11 @@ class Session:
             self._conn = None
             return
         if self._conn is not None:
-            self._conn.close()  # closing the session releases the advisory lock
+            # Unlock first: after a close the server process ends (and its locks go) only a
+            # moment later, and an operator's next command must not be refused meanwhile.
+            with contextlib.suppress(psycopg.Error):
+                self.release()
+            self._conn.close()  # a lock the unlock could not give back goes with the session
             self._conn = None
         self._locked = False
 
