@@ -50,10 +50,12 @@ class Session:
         if self._conn is not None:
             # Unlock first: after a close the server process ends (and its locks go) only a
             # moment later, and an operator's next command must not be refused meanwhile.
-            with contextlib.suppress(psycopg.Error):
-                self.release()
-            self._conn.close()  # a lock the unlock could not give back goes with the session
-            self._conn = None
+            try:
+                with contextlib.suppress(psycopg.Error):
+                    self.release()
+            finally:
+                self._conn.close()  # a lock the unlock could not give back goes with it
+                self._conn = None
         self._locked = False
 
     @property

@@ -9,7 +9,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 
@@ -111,21 +113,36 @@ def terminate_backends(dsn: str) -> int:
     return len(rows)
 
 
+def until_counted(
+    conn: psycopg.Connection[Any],
+    query: str,
+    params: Sequence[object] | None = None,
+    *,
+    timeout: float = 60,
+    what: str = "",
+) -> None:
+    """Poll `query` (a count) until it is positive; fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = conn.execute(query, params).fetchone()
+        if row and row[0]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not seen within {timeout:g} s: {what or query}")
+
+
 def wait_for_backend(
     dsn: str, *, query_like: str = "%", waiting: bool = False, timeout: float = 60
 ) -> None:
     """Until an outbox-migrate session of this database runs a query matching `query_like`
     (with `waiting`, while it waits for a lock)."""
-    deadline = time.monotonic() + timeout
     with psycopg.connect(dsn, autocommit=True) as conn:
-        while time.monotonic() < deadline:
-            row = conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                "AND application_name LIKE %s AND query LIKE %s AND pid <> pg_backend_pid() "
-                "AND state = 'active' AND (NOT %s OR wait_event_type = 'Lock')",
-                (APP_NAME_LIKE, query_like, waiting),
-            ).fetchone()
-            if row and row[0]:
-                return
-            time.sleep(0.05)
-    raise AssertionError(f"no outbox-migrate session ran a query like {query_like!r}")
+        until_counted(
+            conn,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name LIKE %s AND query LIKE %s AND pid <> pg_backend_pid() "
+            "AND state = 'active' AND (NOT %s OR wait_event_type = 'Lock')",
+            (APP_NAME_LIKE, query_like, waiting),
+            timeout=timeout,
+            what=f"an outbox-migrate session running a query like {query_like!r}",
+        )

@@ -20,6 +20,7 @@ from outbox_migrate.relay.writer import (
     outbox_tables,
     target_table,
 )
+from tests.support.cli_process import until_counted
 
 from .conftest import PARTITIONED_START, SPEC, ids_in
 
@@ -48,17 +49,13 @@ def test_a_sigterm_while_the_relay_starts_is_its_normal_stop(
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                waiting = partitioned.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND application_name LIKE '%relay%' AND datname = current_database()"
-                ).fetchone()
-                if waiting and waiting[0]:
-                    break
-                time.sleep(0.02)
-            else:
-                raise AssertionError("the relay never waited for its lock")
+            until_counted(
+                partitioned,
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND application_name LIKE '%relay%' AND datname = current_database()",
+                timeout=30,
+                what="the relay waiting for its lock",
+            )
             process.send_signal(signal.SIGTERM)
             time.sleep(0.3)
             blocker.rollback()  # within the install's 2-s lock timeout

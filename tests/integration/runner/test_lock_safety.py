@@ -20,6 +20,7 @@ from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_row
 from outbox_migrate.config import load_settings
 from outbox_migrate.runner import Runner
 from tests.support.app import publish_all
+from tests.support.cli_process import until_counted
 
 LOCK_TIMEOUT_MS = 200
 BLOCKER_APP = "nightly-report-job"
@@ -140,16 +141,13 @@ def test_budget_exhausted_names_blocker_and_applies_nothing(dsn: str) -> None:
 def _release_once_watched(dsn: str, blocker: psycopg.Connection, watched_s: float) -> None:
     """Close `blocker` `watched_s` after the runner recorded that it is watching it, not after
     a fixed time: on a loaded machine the runner may reach the step only as a timer fires."""
-    deadline = time.monotonic() + 60
     with psycopg.connect(dsn, autocommit=True) as conn:
-        while time.monotonic() < deadline:
-            seen = conn.execute(
-                "SELECT count(*) FROM outbox_migrate.attempt "
-                "WHERE step_id = 'hoper.v4.swap-default' AND outcome = 'waiting'"
-            ).fetchone()
-            if seen and seen[0]:
-                break
-            time.sleep(0.05)
+        until_counted(
+            conn,
+            "SELECT count(*) FROM outbox_migrate.attempt "
+            "WHERE step_id = 'hoper.v4.swap-default' AND outcome = 'waiting'",
+            what="the runner's waiting attempt",
+        )
     time.sleep(watched_s)
     blocker.close()
 
