@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,8 @@ from outbox_migrate.errors import MarkFellShort
 from outbox_migrate.relay import queries, wire
 from outbox_migrate.relay.bad_rows import DeadLetter
 from outbox_migrate.relay.message import Message, MessageId
+
+_CTID = operator.itemgetter(queries.CLAIM_CTID_COLUMN)
 
 
 @dataclass(slots=True)
@@ -31,12 +34,11 @@ class Batch:
     logged once the COMMIT succeeded, written again by the repair if the mark failed."""
 
     def to_mark(self) -> list[str]:
-        at = queries.CLAIM_CTID_COLUMN
         rows, acked = self.rows, self.acked
         if len(acked) == len(rows):
-            return [r[at] for r in rows]
+            return list(map(_CTID, rows))
         wanted = set(acked)
-        return [r[at] for r in rows if r[0] in wanted]
+        return [r[queries.CLAIM_CTID_COLUMN] for r in rows if r[0] in wanted]
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ HOLD_S = 0.05
 
 HORIZON = queries.horizon().as_string().encode()
 IDLE_UNLOCK = queries.named("idle-unlock").as_string().encode()
+_ID = operator.itemgetter(0)
 TRY_IDLE_LOCK = queries.try_idle_lock().as_string().encode()
 
 
@@ -384,7 +385,7 @@ class BatchLoop:
         if relay.abandon.is_set():
             raise Abandoned
         now = time.monotonic()
-        cursor.claimed(after, [r[0] for r in rows], now)
+        cursor.claimed(after, list(map(_ID, rows)), now)
         self.state.rewound = rewind is not None
         if rewind is not None:
             cursor.retry_from(rewind)
@@ -449,8 +450,7 @@ class BatchLoop:
         self.wire.send_sync()
         if pending:
             pending[-1].sent = time.perf_counter()
-        self.waits.sleep(until - time.monotonic())  # a plain sleep when short (waits.py)
-        return self.relay.stopping
+        return self.waits.sleep(until - time.monotonic())  # plain when short (waits.py)
 
     def _count_committed(self, pending: list[Commit]) -> None:
         done = [c for c in pending if c.commit.result is not None]

@@ -69,7 +69,7 @@ class Refusals:
         parking, label = self.parking, source.label
         claim = sorted(batch + [b.message for b in bad], key=_BY_ID) if bad else batch
         last = claim[-1].id if claim else None
-        if parking:  # only ever non-empty with key ordering
+        if self.by_key and parking:  # only ever non-empty with key ordering
             send = parking.withhold(label, claim, now=time.monotonic(), after=after)[0]
             if not send:  # every message waits for its key: no busy loop meanwhile
                 return Outcome([], [], [], PARKED_BATCH_WAIT_S, None, {})
@@ -79,10 +79,12 @@ class Refusals:
                 bad = [b for b in bad if b.message.id in free]
         failures = self.failures
         worn: list[DeadLetter] = []
+        sent = batch
         if failures.known:  # a crash counted the last attempt of some: dead-letter, not send
             worn = self._dead_letter_exhausted(conn, label, batch)
-        gone = {d.message.id for d in worn}
-        sent = [m for m in batch if m.id not in gone] if worn else batch
+            if worn:
+                gone = {d.message.id for d in worn}
+                sent = [m for m in batch if m.id not in gone]
         try:
             rejected, unrepresentable = self._send(sink, label, sent)
         except SinkUnavailable as exc:
@@ -91,9 +93,10 @@ class Refusals:
                 raise  # nothing acknowledged: the batch rolls back, the worker backs off
             return partly
         if not (rejected or unrepresentable or bad or worn):
-            acked = [m.id for m in batch]
-            self.forget(conn, label, acked)
-            if parking:
+            acked = list(map(_BY_ID, batch))
+            if failures.known:
+                self.forget(conn, label, acked)
+            if self.by_key and parking:
                 settled = parking.settle(label, batch, {}, now=time.monotonic(),
                                          backoff=self.backoff, last=last)  # fmt: skip
                 return Outcome(acked, [], [], 0.0, settled.claim_again_from, settled.due)
@@ -157,6 +160,13 @@ class Refusals:
     ) -> tuple[dict[MessageId, str], dict[MessageId, str]]:
         """Publish, a message with a failure on record alone; (rejected, unrepresentable). An
         exception outside the sink's protocol becomes `SinkCrashed`, naming what it held."""
+        if not self.failures.known:  # the usual batch: one part
+            try:
+                return publishing.publish(sink, batch)
+            except SinkError:
+                raise
+            except Exception as exc:
+                raise _crashed(sink, label, batch, exc) from exc
         parts = publishing.suspects_apart(self.failures, label, batch)
         rejected: dict[MessageId, str] = {}
         unrepresentable: dict[MessageId, str] = {}
@@ -173,8 +183,7 @@ class Refusals:
             except SinkError:
                 raise  # a sink naming nothing here (a bug)
             except Exception as exc:
-                name = str(getattr(sink, "name", type(sink).__name__))
-                raise SinkCrashed(name, label, [m.id for m in part], exc) from exc
+                raise _crashed(sink, label, part, exc) from exc
             rejected.update(refused)
             unrepresentable.update(unfit)
         return rejected, unrepresentable
@@ -197,3 +206,9 @@ class Refusals:
             pending = self.suspects.among(label, seen)
             seen = [i for i in seen if i not in pending]
         self.failures.forget(conn, label, seen)
+
+
+def _crashed(sink: Sink, label: str, part: list[Message], exc: Exception) -> SinkCrashed:
+    """An exception outside the sink's protocol, naming the messages the sink held."""
+    name = str(getattr(sink, "name", type(sink).__name__))
+    return SinkCrashed(name, label, [m.id for m in part], exc)

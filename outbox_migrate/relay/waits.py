@@ -24,6 +24,8 @@ PLAIN_SLEEP_MAX_S = 0.05
 per batch by the linger); a stop waits at most this long for them."""
 
 Session = tuple[Any, Wire | None]
+_IDLE = pq.TransactionStatus.IDLE
+_UNKNOWN = pq.TransactionStatus.UNKNOWN
 
 
 class WaitInTransaction(RuntimeError):
@@ -33,13 +35,12 @@ class WaitInTransaction(RuntimeError):
 def check_outside_transaction(sessions: Iterable[Session]) -> None:
     """Raise `WaitInTransaction` if one of `sessions` is, or will stay, in a transaction."""
     for conn, pipe in sessions:
-        if conn is None or conn.closed:
+        if conn is None:
             continue
         pg = conn.pgconn
-        if pg.status != pq.ConnStatus.OK:
-            continue
         status = pg.transaction_status
-        if status == pq.TransactionStatus.IDLE:
+        # UNKNOWN: closed or broken, a session that holds nothing.
+        if status in (_IDLE, _UNKNOWN):
             continue
         # In pipeline mode libpq says "active" until results are read.
         if status == pq.TransactionStatus.ACTIVE and pipe is not None and pipe.ends_transactions:

@@ -26,6 +26,8 @@ _NAMES = itertools.count()
 _PLACEHOLDER = re.compile(rb"%\((\w+)\)s|%%")
 _ENDS_BLOCK = (b"COMMIT", b"ROLLBACK")
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+_SYNCED = pq.ExecStatus.PIPELINE_SYNC
+_FAILED = pq.ExecStatus.FATAL_ERROR
 _POLL_IN = select.POLLIN | select.POLLERR | select.POLLHUP
 
 
@@ -71,14 +73,16 @@ class Statement:
 
 def dump(value: Any, encoding: str) -> bytes | None:
     """A parameter as text: ints and strings as such, int lists as array literals."""
-    if value is None:
-        return None
+    if type(value) is int:  # the usual parameter (ids, limits, lock keys) first
+        return b"%d" % value
     if isinstance(value, str):
         return value.encode(encoding)
+    if value is None:
+        return None
     if isinstance(value, bool):
         return b"t" if value else b"f"
     if isinstance(value, int):
-        return str(value).encode()
+        return b"%d" % value
     if isinstance(value, list | tuple) and all(type(v) is int for v in value):
         return ("{" + ",".join(map(str, value)) + "}").encode()
     raise TypeError(f"no text form for a {type(value).__name__} parameter")
@@ -160,7 +164,8 @@ class Wire:
             known = self._prepared[rendered]
         name, names = known
         values = [dump(params[n], self.encoding) for n in names] if names and params else None
-        self._enter()
+        if not self._active:
+            self._enter()
         self.pg.send_query_prepared(name, values)
         slot = Slot(tolerate)
         self._slots.append(slot)
@@ -181,7 +186,8 @@ class Wire:
             self._in_block = True
         elif command in _ENDS_BLOCK:
             self._in_block = False
-        self._enter()
+        if not self._active:
+            self._enter()
         self.pg.send_query_params(command, None)
         slot = Slot()
         self._slots.append(slot)
@@ -222,22 +228,24 @@ class Wire:
         if not self._syncs:
             return
         error: pq.abc.PGresult | None = None
-        slots = self._slots
+        slots, next_result, end_of = self._slots, self._next_result, self.pg.get_result
         while self._syncs:
-            result = self._next_result()
-            if result is None:  # the end of one statement's results
-                if slots and slots[0].result is not None:
-                    slots.popleft()
+            result = next_result()
+            if result is None:
                 continue
             status = result.status
-            if status == pq.ExecStatus.PIPELINE_SYNC:
+            if status == _SYNCED:
                 self._syncs -= 1
                 continue
+            # One result per statement (or "aborted"), then the None that ends its results:
+            # libpq has it without reading more.
+            if end_of() is not None:
+                raise pg_errors.InterfaceError("the relay sent a statement with two results")
+            slot = slots.popleft() if slots else None
             tolerated = False
-            if slots:
-                slots[0].result = result
-                tolerated = slots[0].tolerated
-            if status == pq.ExecStatus.FATAL_ERROR and error is None and not tolerated:
+            if slot is not None:
+                slot.result, tolerated = result, slot.tolerated
+            if status == _FAILED and error is None and not tolerated:
                 error = result
         slots.clear()
         self._sent = 0

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from outbox_migrate.errors import RelayError
-from outbox_migrate.relay.message import Message
+from outbox_migrate.relay.message import Message, TextIdMessage
 from outbox_migrate.relay.sinks import SinkConfig
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
 from outbox_migrate.relay.sinks.http import header_value
@@ -64,6 +64,16 @@ def test_stdout_writes_structured_cloudevents_on_request() -> None:
     out = io.StringIO()
     StdoutSink(SinkConfig(extra={"envelope": "cloudevents"}), stream=out).publish([MESSAGE])
     assert json.loads(out.getvalue())["data"] == {"a": [1, 2]}
+
+
+@pytest.mark.parametrize("limit", [None, 1_000_000])
+def test_stdout_quotes_application_ids(limit: int | None) -> None:
+    """A text id is a JSON string on the line, with or without a size limit (found: the fast
+    path wrote `"id":a-1`, which no consumer can parse)."""
+    out = io.StringIO()
+    sink = StdoutSink(SinkConfig(max_message_bytes=limit), stream=out)
+    sink.publish([TextIdMessage("a-1", "outbox", None, None, '{"n":1}', "2026-01-01T00:00:00Z")])
+    assert json.loads(out.getvalue())["id"] == "a-1"
 
 
 def test_http_header_values_are_percent_encoded_only_when_needed() -> None:
