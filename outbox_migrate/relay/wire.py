@@ -89,12 +89,12 @@ def dump(value: Any, encoding: str) -> bytes | None:
 
 
 class Slot:
-    __slots__ = ("result", "tolerated")
+    """A statement's result, once `sync` read it. Defaults as class attributes: a slot per
+    statement, built with no Python `__init__`."""
 
-    def __init__(self, tolerated: bool = False) -> None:
-        self.result: pq.abc.PGresult | None = None
-        self.tolerated = tolerated
-        """Its error is the caller's to read (`error`), not raised by `sync`."""
+    result: pq.abc.PGresult | None = None
+    tolerated = False
+    """Its error is the caller's to read (`error`), not raised by `sync`."""
 
     @property
     def succeeded(self) -> bool:
@@ -167,9 +167,10 @@ class Wire:
         if not self._active:
             self._enter()
         self.pg.send_query_prepared(name, values)
-        slot = Slot(tolerate)
+        slot = Slot()
         self._slots.append(slot)
         if tolerate:
+            slot.tolerated = True
             if _QUEUE_SYNC is not None:
                 if _QUEUE_SYNC(self.pg.pgconn_ptr) != 1:  # type: ignore[attr-defined]
                     raise pg_errors.OperationalError(self.pg.get_error_message(self.encoding))
