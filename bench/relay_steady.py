@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -703,6 +704,43 @@ class _Signal:
         self.pipe.flush()
 
 
+def _start_build(dsn: str, source: Path, linger_ms: float, *, trace: bool) -> Any:
+    """The relay of the build at `source` in a process of its own, warmed up and waiting."""
+    _prepare(dsn, trigger=False)
+    env = {**os.environ, "PYTHONPATH": str(source)}
+    if trace:
+        env[TRACE_ENV] = "1"
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--child", dsn, str(linger_ms)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert child.stdin is not None and child.stdout is not None
+    ready = child.stdout.readline().split()
+    if not ready or ready[0] != "ready":
+        child.kill()
+        raise SystemExit(f"the relay of {source} did not start (its error is above)")
+    if not Path(ready[1]).resolve().is_relative_to(source):
+        child.kill()
+        raise SystemExit(f"{source}: the child imported {ready[1]}, another build")
+    return child
+
+
+def _build_measured(
+    child: Any, dsn: str, rate: float, writers: int, seconds: float
+) -> tuple[dict[int, float], dict[str, Any]]:
+    """Paced writers into `dsn` while `child` counts; (committed, the child's report)."""
+    try:
+        signal = _Signal(child.stdin)
+        committed = _paced(dsn, rate, writers, seconds, signal)
+        signal.set()
+        result = json.loads(child.stdout.readline())
+        child.wait(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    return committed, result
+
+
 def build_run(
     dsn: str,
     source: Path,
@@ -715,29 +753,29 @@ def build_run(
 ) -> SteadyResult:
     """`steady_run` with the relay of the build at `source`, in a process of its own; `trace`:
     counting its Python lines per batch (`SteadyResult.traced`) instead of timing it."""
-    _prepare(dsn, trigger=False)
-    env = {**os.environ, "PYTHONPATH": str(source)}
-    if trace:
-        env[TRACE_ENV] = "1"
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--child", dsn, str(linger_ms)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    assert child.stdin is not None and child.stdout is not None
-    try:
-        ready = child.stdout.readline().split()
-        if not ready or ready[0] != "ready":
-            raise SystemExit(f"the relay of {source} did not start (its error is above)")
-        if not Path(ready[1]).resolve().is_relative_to(source):
-            raise SystemExit(f"{source}: the child imported {ready[1]}, another build")
-        signal = _Signal(child.stdin)
-        committed = _paced(dsn, rate, writers, seconds, signal)
-        signal.set()
-        result = json.loads(child.stdout.readline())
-        child.wait(30)
-    finally:
-        if child.poll() is None:
-            child.kill()
+    child = _start_build(dsn, source, linger_ms, trace=trace)
+    return _result(*_build_measured(child, dsn, rate, writers, seconds), rate, writers)
+
+
+def builds_together(
+    dsns: list[str], sources: list[Path], rate: float, writers: int, seconds: float,
+    linger_ms: float,
+) -> list[SteadyResult]:  # fmt: skip
+    """Every build's relay at once, each on its own database under writers of its own at
+    `rate`: a drift of the machine (another tenant, the CPU's clock) falls on all of them
+    alike, where runs one after the other each meet their own."""
+    children = [
+        _start_build(d, s, linger_ms, trace=False) for d, s in zip(dsns, sources, strict=True)
+    ]
+    with ThreadPoolExecutor(len(children)) as pool:
+        runs = [pool.submit(_build_measured, c, d, rate, writers, seconds)
+                for c, d in zip(children, dsns, strict=True)]  # fmt: skip
+        return [_result(*run.result(), rate, writers) for run in runs]
+
+
+def _result(
+    committed: dict[int, float], result: dict[str, Any], rate: float, writers: int
+) -> SteadyResult:
     seen = {int(i): t for i, t in result["seen"]}
     n = len(committed)
     return SteadyResult(
@@ -802,21 +840,34 @@ def section_trace(
 
 
 def section_compare(
-    dsn: str, builds: list[str], rounds: int, seconds: float, rate: int, writers: int,
-    *, trace: bool = False,
+    dsns: list[str], builds: list[str], rounds: int, seconds: float, rate: int, writers: int,
+    *, trace: bool = False, together: bool = False,
 ) -> None:  # fmt: skip
+    """`dsns`: one database per build (`together`), else the first for all."""
+    dsn = dsns[0]
     linger_ms = RelayOptions().linger_s * 1000
+    how = (f"{rounds} rounds, the builds at the same time, each on its own database under "
+           f"{writers} writers of its own (databases swapped round by round)" if together
+           else f"{rounds} interleaved rounds")  # fmt: skip
     print(f"\n## Builds side by side: {rate:,} msg/s of plain INSERTs from {writers} interleaved "
           f"writer processes, the wake-up trigger, stdout sink into /dev/null, linger "
-          f"{linger_ms:g} ms, {seconds:.0f} s per run, {rounds} interleaved rounds")  # fmt: skip
+          f"{linger_ms:g} ms, {seconds:.0f} s per run, {how}")  # fmt: skip
     print(f"{'round':>5} {'build':<10} {'CPU-s/100k':>10} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'max ms':>7} {'rows/batch':>10} {'wakes/msg':>9} {'lost':>4}  load")  # fmt: skip
     results: dict[str, list[SteadyResult]] = {b: [] for b in builds}
     with tempfile.TemporaryDirectory(prefix="relay-steady-") as tmp:
         sources = {b: extract(b, Path(tmp)) for b in builds}
         for round_ in range(1, rounds + 1):
-            for build in builds:
-                r = build_run(dsn, sources[build], rate, writers, seconds, linger_ms)
+            if together:
+                shift = round_ % len(builds)
+                order = dsns[shift:] + dsns[:shift]
+                both = builds_together(order[: len(builds)], [sources[b] for b in builds],
+                                       rate, writers, seconds, linger_ms)  # fmt: skip
+            for k, build in enumerate(builds):
+                if together:
+                    r = both[k]
+                else:
+                    r = build_run(dsn, sources[build], rate, writers, seconds, linger_ms)
                 results[build].append(r)
                 print(f"{round_:>5} {build:<10} {r.cpu_per_100k:>10.2f} {r.relay.p50:>7.2f} "
                       f"{r.relay.p99:>7.2f} {r.relay.max:>7.1f} {r.rows_per_batch:>10.1f} "
@@ -827,13 +878,18 @@ def section_compare(
             section_trace(dsn, builds, sources, min(seconds, 10.0), rate, writers, linger_ms,
                           rows)  # fmt: skip
     print(f"{'median':>5} {'build':<10} {'CPU-s/100k':>10} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'vs first':>8}")  # fmt: skip
-    first = median([r.cpu_per_100k for r in results[builds[0]]])
+          f"{'vs first':>8} {'pairs: median':>13} {'mean':>5}  each round")  # fmt: skip
+    firsts = [r.cpu_per_100k for r in results[builds[0]]]
+    first = median(firsts)
     for build in builds:
         rs = results[build]
         cpu = median([r.cpu_per_100k for r in rs])
+        # Each round's ratio to the first build's: what a drift between rounds cannot move.
+        pairs = [r.cpu_per_100k / f for r, f in zip(rs, firsts, strict=True) if f]
+        each = " ".join(f"{p - 1:+.0%}" for p in pairs)
         print(f"{'':>5} {build:<10} {cpu:>10.2f} {median([r.relay.p50 for r in rs]):>7.2f} "
-              f"{median([r.relay.p99 for r in rs]):>7.2f} {cpu / first:>7.0%}")  # fmt: skip
+              f"{median([r.relay.p99 for r in rs]):>7.2f} {cpu / first:>7.0%} "
+              f"{median(pairs):>13.0%} {statistics.fmean(pairs):>5.0%}  {each}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -844,6 +900,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=35.0)
     parser.add_argument("--rate", type=int, default=1000)
     parser.add_argument("--writers", type=int, default=4)
+    parser.add_argument("--together", action="store_true",
+                        help="run the builds at the same time, each on a database and writers "
+                             "of its own, instead of one after the other")  # fmt: skip
     parser.add_argument("--trace", action="store_true",
                         help="also count each build's Python lines, calls per batch")  # fmt: skip
     parser.add_argument("--child", nargs=2, metavar=("DSN", "LINGER_MS"), help=argparse.SUPPRESS)
@@ -860,11 +919,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         dsn = srv.dsn()
         print(f"PostgreSQL {srv.full_version}, fsync off (throwaway); {load_note()} at start")
+        dsns = [dsn]
         with psycopg.connect(dsn, autocommit=True) as conn:
             create_partitioned_outbox(conn, SPEC, start=1_000_000_000)
-        section_compare(
-            dsn, args.compare, args.rounds, args.seconds, args.rate, args.writers, trace=args.trace
-        )
+            for k in range(1, len(args.compare) if args.together else 1):
+                conn.execute(f"CREATE DATABASE steady_{k} TEMPLATE template0")
+                dsns.append(srv.dsn(f"steady_{k}"))
+                with psycopg.connect(dsns[-1], autocommit=True) as other:
+                    create_partitioned_outbox(other, SPEC, start=1_000_000_000)
+        section_compare(dsns, args.compare, args.rounds, args.seconds, args.rate, args.writers,
+                        trace=args.trace, together=args.together)  # fmt: skip
         print(f"({load_note()})")
     finally:
         srv.stop()

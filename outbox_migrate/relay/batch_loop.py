@@ -416,13 +416,15 @@ class BatchLoop:
         )
 
     def _send_ahead(self, run: _Run) -> read_ahead.Pending | None:
-        now, relay = time.monotonic(), self.relay
-        if not (
-            run.ahead_ok
-            and run.ranged == relay.options.batch_size
-            and not (self.state.pause_s or self._must_look_up(run.source, now))
-            and not self.listener.take()
-            and self.cursor.plain(now)
+        relay = self.relay
+        if not run.ahead_ok or run.ranged < relay.options.batch_size:
+            return None  # a short claim: rows are not waiting
+        now = time.monotonic()
+        if (
+            self.state.pause_s
+            or self._must_look_up(run.source, now)
+            or self.listener.take()
+            or not self.cursor.plain(now)
         ):
             return None
         after = max(self.cursor.frontier, run.rows[-1][0])

@@ -21,7 +21,7 @@ def publish(
     """Publish `batch`; returns (rejected by the broker, unrepresentable) as id → reason.
     Every other message was acknowledged. `SinkUnavailable` propagates."""
     unrepresentable: dict[MessageId, str] = {}
-    todo = list(batch)
+    todo = batch
     while todo:
         try:
             sink.publish(todo)

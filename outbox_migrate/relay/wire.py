@@ -229,10 +229,14 @@ class Wire:
         if not self._syncs:
             return
         error: pq.abc.PGresult | None = None
-        slots, next_result, end_of = self._slots, self._next_result, self.pg.get_result
+        slots, pg = self._slots, self.pg
         while self._syncs:
-            result = next_result()
+            while pg.is_busy():  # read inline, not through a call: this runs per result
+                self._wait_readable()
+                pg.consume_input()
+            result = pg.get_result()
             if result is None:
+                self._check_alive()
                 continue
             status = result.status
             if status == _SYNCED:
@@ -240,7 +244,7 @@ class Wire:
                 continue
             # One result per statement (or "aborted"), then the None that ends its results:
             # libpq has it without reading more.
-            if end_of() is not None:
+            if pg.get_result() is not None:
                 raise pg_errors.InterfaceError("the relay sent a statement with two results")
             slot = slots.popleft() if slots else None
             tolerated = False
@@ -253,17 +257,12 @@ class Wire:
         if error is not None:
             raise pg_errors.error_from_result(error, encoding=self.encoding)
 
-    def _next_result(self) -> pq.abc.PGresult | None:
+    def _check_alive(self) -> None:
         pg = self.pg
-        while pg.is_busy():
-            self._wait_readable()
-            pg.consume_input()
-        result = pg.get_result()
-        if result is None and pg.status == pq.ConnStatus.BAD:
+        if pg.status == pq.ConnStatus.BAD:
             # A Sync never to be answered: a second read (cleanup) would spin for ever.
             message = pg.get_error_message(self.encoding) or "the server closed the session"
             raise pg_errors.OperationalError(f"connection lost: {message.strip()}")
-        return result
 
     def _wait_readable(self) -> None:
         while not self._poll.poll(1000):

@@ -4,13 +4,13 @@ database connection, and collect how it ended."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from signal import Signals
 from typing import Any
 
 import psycopg
@@ -75,10 +75,10 @@ class LiveCli:
             time.sleep(0.05)
         raise AssertionError(f"{text!r} never appeared; stderr: {b''.join(self._err)!r}")
 
-    def signal(self, signum: signal.Signals) -> None:
+    def signal(self, signum: Signals) -> None:
         self.proc.send_signal(signum)
 
-    def signal_group(self, signum: signal.Signals) -> None:
+    def signal_group(self, signum: Signals) -> None:
         """What Ctrl-C in a terminal does: the signal to every process of the job."""
         os.killpg(self.proc.pid, signum)
 
