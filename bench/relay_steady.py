@@ -25,7 +25,10 @@ beside the CDC floor; the wake-up trigger's cost to the application's commits; l
   `git archive` into a temporary directory, or `.` for the code this file sits beside; each
   run's relay is a process of its own that imports that build's package (this file with
   `--child`, the build first on PYTHONPATH) and installs that build's wake-up trigger, so each
-  relay is measured as it was released.
+  relay is measured as it was released. `--together`: the builds at the same time instead,
+  each on a database of its own under writers of its own (the databases swapped round by
+  round), so a drift of the machine between runs falls on every build alike; the summary
+  prints each round's ratio to the first build's.
 """
 
 from __future__ import annotations
