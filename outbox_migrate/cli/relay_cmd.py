@@ -303,7 +303,9 @@ def _runner(
     if isinstance(options, CdcOptions):
         cdc = CdcRelay(dsn, make_sink, spec=settings.spec, options=options, observer=observer)
         return cdc, server
-    runner = Relay(dsn, make_sink, spec=settings.spec, options=options, observer=observer)
+    # The process is the relay's own: its start-up objects may leave the collector's reach.
+    runner = Relay(dsn, make_sink, spec=settings.spec, options=options, observer=observer,
+                   freeze_gc=True)  # fmt: skip
     if flags.workers > 1:
         # Worker threads alternate between Python work and waiting on PostgreSQL or the
         # broker; with the default 5 ms switch interval a thread whose reply has arrived

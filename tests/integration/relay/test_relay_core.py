@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Sequence
@@ -44,6 +45,25 @@ def test_partitioned_publishes_every_row_once_in_id_order(
     assert first.table == "public.outbox"  # the outbox's name, not the partitioned table's
     assert first.event_type == "event" and first.key and first.key.startswith("k-")
     assert '"n"' in first.payload
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_freeze_gc_only_where_the_process_is_the_relays(
+    dsn: str, partitioned: psycopg.Connection, collected: Collected, freeze: bool
+) -> None:
+    """The CLI's relay takes its start-up objects out of the collector's reach; a relay
+    embedded in someone's process (the default) leaves that process's collector alone."""
+    gc.unfreeze()
+    insert_rows(partitioned, "outbox_new", 20, spec=SPEC)
+    options = RelayOptions(until_empty=True, listen=False, poll_interval_s=0.05,
+                           mode=Mode.partitioned)  # fmt: skip
+    relay = Relay(dsn, collected.factory(None), spec=SPEC, options=options, freeze_gc=freeze)
+    try:
+        relay.run()
+        assert (gc.get_freeze_count() > 0) is freeze
+    finally:
+        gc.unfreeze()
+    assert collected.ids == ids_in(partitioned, "outbox_new")
 
 
 def test_flat_mode_marks_rows_in_place(
