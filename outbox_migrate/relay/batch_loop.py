@@ -31,8 +31,8 @@ HOLD_S = 0.05
 
 HORIZON = queries.horizon().as_string().encode()
 IDLE_UNLOCK = queries.named("idle-unlock").as_string().encode()
-_ID = operator.itemgetter(0)
 TRY_IDLE_LOCK = queries.try_idle_lock().as_string().encode()
+_ID = operator.itemgetter(0)
 
 
 class Statements:
