@@ -89,19 +89,21 @@ def order_violations(first_deliveries: Sequence[tuple[int, str]]) -> list[tuple[
 
 def _write(dsn: str, stop: threading.Event, victim: list[int]) -> None:
     """The application: one row every WRITE_EVERY_S, keys A, B, C in turn; B's third row is
-    the victim."""
+    the victim. Its id is recorded before its transaction commits: recorded after, a relay
+    that claims the row at once could publish it before the sink knows it is the victim."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         n = 0
         while not stop.is_set():
             key = KEYS[n % len(KEYS)]
-            row = conn.execute(
-                "INSERT INTO outbox_new (event_type, message_key, payload) "
-                "VALUES ('event', %s, '{}') RETURNING id",
-                (key,),
-            ).fetchone()
-            assert row is not None
-            if key == "B" and n // len(KEYS) == 2:
-                victim.append(row[0])
+            with conn.transaction():
+                row = conn.execute(
+                    "INSERT INTO outbox_new (event_type, message_key, payload) "
+                    "VALUES ('event', %s, '{}') RETURNING id",
+                    (key,),
+                ).fetchone()
+                assert row is not None
+                if key == "B" and n // len(KEYS) == 2:
+                    victim.append(row[0])
             n += 1
             time.sleep(WRITE_EVERY_S)
 
