@@ -1,11 +1,19 @@
 """Redis Streams sink: one XADD per message, pipelined per batch, each reply judged on its own
 (docs/sinks.md). It must not send a payload over the server's `proto-max-bulk-len`: Redis
-would drop the connection and the replies of the whole pipeline with it."""
+would drop the connection and the replies of the whole pipeline with it.
+
+The batch goes out on one of redis-py's pooled connections, its commands packed by hiredis
+where installed, rather than through `client.pipeline()`: the pipeline's per-command Python
+(argument flattening, the packer's type checks, the response callbacks) cost about four times
+the relay's own work per message, and its client-side pipeline adds nothing a batch needs
+(bench/README.md, "producers.py"). The connection, its AUTH, TLS and retries stay redis-py's."""
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from outbox_migrate.errors import MessagesRejected, SinkUnavailable
@@ -30,6 +38,19 @@ from outbox_migrate.relay.sinks.envelopes import (
 from outbox_migrate.relay.sinks.isolation import isolate
 from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
 
+
+def _hiredis_packer() -> Callable[[tuple[Any, ...]], bytes] | None:
+    """hiredis's command packer (redis-py's own speed-up, which the `redis` extra installs),
+    or None: redis-py's pure-Python packer then."""
+    try:
+        from hiredis import pack_command
+    except ImportError:  # pragma: no cover - installed with the extra
+        return None
+    return pack_command
+
+
+_hiredis_pack = _hiredis_packer()
+
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 SCHEMES = ("redis", "rediss", "unix")
 RETRYABLE_PREFIXES = (
@@ -37,15 +58,26 @@ RETRYABLE_PREFIXES = (
     "NOREPLICAS", "MOVED", "ASK",
 )  # fmt: skip
 """Error replies about the server's state, not the message: back off and retry."""
+RETRYABLE_CLASSES = frozenset({
+    "OutOfMemoryError", "BusyLoadingError", "ReadOnlyError", "TryAgainError", "ClusterDownError",
+    "MasterDownError", "MovedError", "AskError",
+})  # fmt: skip
+"""redis-py's classes for those replies (by name: the module imports redis only when used)."""
 BUILT_IN_FIELDS = frozenset({"id", "table", "event_type", "key", "created_at", "payload"})
 LIMIT_SETTING = "proto-max-bulk-len"
 DROPPED = "redis dropped the connection on this message (larger than its proto-max-bulk-len?)"
 
 
 def is_permanent_reply(error: BaseException) -> bool:
-    """True for an error reply about the message or its stream key, not the server's state."""
-    text = str(error).lstrip()
-    return not text.startswith(RETRYABLE_PREFIXES)
+    """True for an error reply about the message or its stream key, not the server's state.
+    redis-py cuts the code off the replies it has a class for (`OOM …` arrives as an
+    `OutOfMemoryError` reading "command not allowed …"), so the code is read from the error's
+    `status_code` where redis-py keeps it, else from its class, else from the text."""
+    code = getattr(error, "status_code", None)
+    text = code if isinstance(code, str) else str(error).lstrip()
+    if text.startswith(RETRYABLE_PREFIXES):
+        return False
+    return type(error).__name__ not in RETRYABLE_CLASSES
 
 
 class RedisSink:
@@ -57,6 +89,7 @@ class RedisSink:
         self.stream = config.target
         self.routed = "{event_type}" in self.stream or "{key}" in self.stream
         self.maxlen = int_option(config.extra, self.name, "maxlen", None, 0)
+        self._head = self._head_of(self.stream)
         self.envelope = envelope_option(config.extra, self.name, Envelope.raw)
         self.cloudevents = CloudEvents(config.extra)
         self.config = config
@@ -90,18 +123,10 @@ class RedisSink:
             "{key}", message.key or ""
         )
 
-    def _fields(self, message: Message) -> dict[str, Any]:
-        """The XADD's fields, or `NotSent`: a payload no envelope can carry or one too large."""
-        fields: dict[str, Any] = {
-            "id": message.id,
-            "table": message.table,
-            "event_type": message.event_type or "",
-            "key": message.key or "",
-            "created_at": message.created,
-        }
-        for name, value in message.extra_headers:
-            if name not in BUILT_IN_FIELDS:
-                fields.setdefault(name, value)
+    def _command(self, message: Message) -> tuple[Any, ...]:
+        """The message's XADD, or `NotSent`: a payload no envelope can carry or one too large.
+        Fields: id, table, event_type, key, created_at, the extra headers whose names these do
+        not take, payload."""
         if self.envelope is Envelope.cloudevents:
             require_text(message, self.name)
             payload: str | bytes = self.cloudevents.structured(message)
@@ -109,24 +134,39 @@ class RedisSink:
             require_text(message, self.name)
             payload = message.envelope()
         else:
-            payload = message.payload  # text or bytes: redis-py sends either
+            payload = message.payload  # text or bytes: either goes as it is
         limit = self.limit
         if limit is not None and (size := size_over(payload, limit)) is not None:
             what = f"redis {LIMIT_SETTING}"
             raise NotSent(f"redis {too_large(size, limit, self.config, what)}")
-        fields["payload"] = payload
-        return fields
+        head = self._head if not self.routed else self._head_of(self._stream_of(message))
+        built_in = (
+            "id", message.id, "table", message.table, "event_type", message.event_type or "",
+            "key", message.key or "", "created_at", message.created,
+        )  # fmt: skip
+        if not message.extra_headers:
+            return (*head, *built_in, "payload", payload)
+        extra: dict[str, str] = {}
+        for name, value in message.extra_headers:
+            if name not in BUILT_IN_FIELDS:
+                extra.setdefault(name, value)
+        return (*head, *built_in, *itertools.chain.from_iterable(extra.items()), "payload", payload)
+
+    def _head_of(self, stream: str) -> tuple[Any, ...]:
+        """`XADD <stream> [MAXLEN ~ n] *`: what every command to that stream starts with."""
+        trim = () if self.maxlen is None else ("MAXLEN", "~", self.maxlen)
+        return ("XADD", stream, *trim, "*")
 
     def publish(self, batch: Sequence[Message]) -> None:
         deadline = time.monotonic() + self.config.timeout_s
         if not self._server_limit_read:
             self._read_server_limit()
-        rejected, sending = prepare(batch, self._fields)
+        rejected, sending = prepare(batch, self._command)
         try:
             rejected.update(self._send(sending))
         except _Dropped:
             # Redis is up but dropped the connection on something this batch holds.
-            by_id = {message.id: (message, fields) for message, fields in sending}
+            by_id = {message.id: (message, command) for message, command in sending}
 
             def send_group(group: Sequence[Message]) -> dict[MessageId, str]:
                 try:
@@ -139,19 +179,24 @@ class RedisSink:
         if rejected:
             raise MessagesRejected(self.name, rejected)
 
-    def _send(self, sending: Sequence[tuple[Message, dict[str, Any]]]) -> dict[MessageId, str]:
-        """XADD each message in one pipeline: the ids Redis refused, with the reply. Raises
-        `_Dropped` when Redis dropped the connection yet answers a PING, else
-        `SinkUnavailable` for an outage."""
+    def _send(self, sending: Sequence[tuple[Message, tuple[Any, ...]]]) -> dict[MessageId, str]:
+        """XADD each message, all sent before the first reply is read: the ids Redis refused,
+        with the reply. Raises `_Dropped` when Redis dropped the connection yet answers a PING,
+        else `SinkUnavailable` for an outage. A dropped connection is retried as redis-py's
+        own pipeline retries it (the client's `retry`), resending the whole batch: what went
+        in before the drop goes in twice, which at-least-once delivery allows."""
         if not sending:
             return {}
-        pipe = self.client.pipeline(transaction=False)
-        for message, fields in sending:
-            pipe.xadd(
-                self._stream_of(message), fields, maxlen=self.maxlen, approximate=True,
-            )  # fmt: skip
+        commands = list(map(_COMMAND, sending))
+        pool = self.client.connection_pool
         try:
-            replies = pipe.execute(raise_on_error=False)
+            conn = pool.get_connection()
+        except self._redis.RedisError as exc:
+            raise SinkUnavailable(self.name, mask_url(str(exc))) from None
+        try:
+            replies = conn.retry.call_with_retry(
+                lambda: self._exchange(conn, commands), lambda _error: conn.disconnect()
+            )
         except self._redis.ConnectionError as exc:
             # A timeout is never taken for a drop (a slow Redis is an outage, not a bad message).
             if not isinstance(exc, self._redis.TimeoutError) and self._answers_ping():
@@ -159,8 +204,8 @@ class RedisSink:
             raise SinkUnavailable(self.name, mask_url(str(exc))) from None
         except self._redis.RedisError as exc:
             raise SinkUnavailable(self.name, mask_url(str(exc))) from None
-        if len(replies) != len(sending):
-            raise SinkUnavailable(self.name, "not every XADD was answered")
+        finally:
+            pool.release(conn)
         rejected: dict[MessageId, str] = {}
         for (message, _), reply in zip(sending, replies, strict=True):
             if isinstance(reply, BaseException):
@@ -173,6 +218,23 @@ class RedisSink:
                 raise SinkUnavailable(self.name, "an XADD returned no entry id")
         return rejected
 
+    def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send every command, then read one reply per command: an entry id, or the
+        `ResponseError` Redis answered that command with."""
+        if _hiredis_pack is not None:
+            conn.send_packed_command((b"".join(map(_hiredis_pack, commands)),))
+        else:
+            conn.send_packed_command(conn.pack_commands(commands))
+        replies: list[Any] = []
+        response_error = self._redis.ResponseError
+        read = conn.read_response
+        for _ in commands:
+            try:
+                replies.append(read())
+            except response_error as exc:
+                replies.append(exc)
+        return replies
+
     def _answers_ping(self) -> bool:
         try:
             return bool(self.client.ping())
@@ -181,6 +243,9 @@ class RedisSink:
 
     def close(self) -> None:
         self.client.close()
+
+
+_COMMAND = operator.itemgetter(1)
 
 
 class _Dropped(Exception):

@@ -44,10 +44,15 @@ def test_kafka_fatal_errors_are_never_per_message() -> None:
     ],
 )
 def test_redis_classification(reply: str, permanent: bool) -> None:
+    """As a plain ResponseError and as redis-py's parser hands the reply over: a class of its
+    own for OOM, LOADING, READONLY …, with the code cut off the text."""
     redis = pytest.importorskip("redis")
+    from redis.connection import DefaultParser
+
     from outbox_migrate.relay.sinks.redis import is_permanent_reply
 
     assert is_permanent_reply(redis.ResponseError(reply)) is permanent
+    assert is_permanent_reply(DefaultParser.parse_error(reply)) is permanent
 
 
 def test_nats_classification() -> None:

@@ -7,6 +7,7 @@ here the paths particular to one broker or option."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -14,7 +15,7 @@ from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.relay.options import RelayOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
-from outbox_migrate.relay.worker import Relay
+from outbox_migrate.relay.worker import Relay, running
 from tests.integration.relay.conftest import SPEC, ids_in
 from tests.integration.relay.sinks.conftest import run_bounded
 from tests.integration.relay.sinks.test_brokers import DEFAULTS, assert_exactly
@@ -106,6 +107,56 @@ def test_redis_without_config_a_dropped_connection_is_traced_to_its_message(
     # reply is read before the drop is a race, and either names the message.
     reason = "dropped the connection" if "dropped" in last_error(partitioned) else "Protocol error"
     assert_dead_lettered_alone(partitioned, victim, reason)
+
+
+@pytest.mark.broker("redis")
+def test_redis_out_of_memory_is_an_outage_not_a_bad_message(
+    dsn: str, partitioned: psycopg.Connection, small_redis_url: str
+) -> None:
+    """A Redis at its maxmemory (noeviction) answers every XADD with `OOM …`: the server's
+    state, not the message's. redis-py hands that reply over as an `OutOfMemoryError` whose
+    text has lost its `OOM` code; read by its text, every message was dead-lettered. The
+    relay must back off and deliver everything once Redis has room again."""
+    import redis
+
+    insert_rows(partitioned, "outbox_new", COUNT, spec=SPEC)
+    stream = f"om-oom-{time.time_ns()}"
+    admin = redis.Redis.from_url(small_redis_url)
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", "1")
+    relay = Relay(
+        dsn, factory("redis", SinkConfig(url=small_redis_url, target=stream)), spec=SPEC,
+        options=RelayOptions(batch_size=10, listen=False, poll_interval_s=0.05,
+                             backoff_base_s=0.05, backoff_cap_s=0.2, max_attempts=2),
+    )  # fmt: skip
+    try:
+        with running(relay):
+            _poll(lambda: relay.stats.sink_failures >= 3, "three failed publishes")
+            assert dead_letter_count(partitioned) == 0
+            assert len(ids_in(partitioned, "outbox_published")) == 0
+            admin.config_set("maxmemory", "0")
+            _poll(lambda: not ids_in(partitioned, "outbox_unpublished"), "the outbox drained")
+    finally:
+        admin.config_set("maxmemory", "0")
+        admin.close()
+    assert sorted(set(redis_ids(small_redis_url, stream))) == ids_in(partitioned, "outbox_new")
+    assert dead_letter_count(partitioned) == 0
+
+
+def dead_letter_count(conn: psycopg.Connection) -> int:
+    """Rows in the dead-letter table; 0 while the relay has not made one."""
+    if conn.execute("SELECT to_regclass('outbox_dead_letter')").fetchone() == (None,):
+        return 0
+    row = conn.execute("SELECT count(*) FROM outbox_dead_letter").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _poll(condition: Callable[[], object], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.05)
 
 
 LIMIT_BYTES = 2000
