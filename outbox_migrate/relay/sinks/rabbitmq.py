@@ -7,8 +7,9 @@ A nack is back-pressure, never a reason to dead-letter; the outcomes are in docs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from outbox_migrate.dsn import mask
@@ -248,27 +249,46 @@ class RabbitMQSink:
         exchange, routing_key = self.exchange, self.routing_key
 
         def publish_all(done: Callable[..., None]) -> None:
-            for message, body in batch:
-                channel.basic_publish(
-                    exchange,
-                    routing_key,
-                    body,
-                    properties(
-                        message_id=str(message.id),
-                        type=message.event_type,
-                        content_type=content_type(message),
-                        delivery_mode=2,
-                        headers=self._headers(message),
-                    ),
-                    mandatory=True,
-                )
-                confirms.sent(message.id)
+            with self._one_write():
+                for message, body in batch:
+                    channel.basic_publish(
+                        exchange,
+                        routing_key,
+                        body,
+                        properties(
+                            message_id=str(message.id),
+                            type=message.event_type,
+                            content_type=content_type(message),
+                            delivery_mode=2,
+                            headers=self._headers(message),
+                        ),
+                        mandatory=True,
+                    )
+                    confirms.sent(message.id)
             if confirms.settled:  # an empty batch
                 done()
 
         # One wait for the whole batch: `_on_confirm` resolves it when the last tag settles.
         async with asyncio.timeout(self.config.timeout_s):
             await self._wait(publish_all)
+
+    @contextlib.contextmanager
+    def _one_write(self) -> Iterator[None]:
+        """The batch's frames handed to the socket as one write. pika queues every frame (three
+        per message) as a write of its own, and its writer sends each with a `send` call: a
+        system call and a TCP segment per frame, for the relay and for the broker reading
+        them. The frames are collected in order and written together, also when a publish
+        raises half-way (what the channel counted as sent is then on the wire)."""
+        connection = self._connection
+        emit = connection._adapter_emit_data
+        frames: list[bytes] = []
+        connection._adapter_emit_data = frames.append
+        try:
+            yield
+        finally:
+            del connection._adapter_emit_data  # the class's own again
+            if frames:
+                emit(b"".join(frames))
 
     def _headers(self, message: Message) -> Any:
         if self.envelope is Envelope.cloudevents:
