@@ -51,6 +51,10 @@ def _hiredis_packer() -> Callable[[tuple[Any, ...]], bytes] | None:
 
 _hiredis_pack = _hiredis_packer()
 
+SEND_CHUNK = 64
+"""XADDs packed and written at a time: Redis runs a chunk's commands while the next one is
+packed, rather than starting once the whole batch is written (sink alone, batches of 500:
++30 % at 200 B and +50 % at 2 KB against one write; chunks of 16 or 32 gain no more)."""
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 SCHEMES = ("redis", "rediss", "unix")
 RETRYABLE_PREFIXES = (
@@ -219,12 +223,16 @@ class RedisSink:
         return rejected
 
     def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Send every command, then read one reply per command: an entry id, or the
-        `ResponseError` Redis answered that command with."""
-        if _hiredis_pack is not None:
-            conn.send_packed_command((b"".join(map(_hiredis_pack, commands)),))
-        else:
-            conn.send_packed_command(conn.pack_commands(commands))
+        """Send every command (`SEND_CHUNK` at a time), then read one reply per command: an
+        entry id, or the `ResponseError` Redis answered that command with. Redis buffers the
+        replies of what it has run while the rest is written, so the writes never wait."""
+        send, step = conn.send_packed_command, SEND_CHUNK
+        for start in range(0, len(commands), step):
+            chunk = commands[start : start + step]
+            if _hiredis_pack is not None:
+                send((b"".join(map(_hiredis_pack, chunk)),))
+            else:
+                send(conn.pack_commands(chunk))
         replies: list[Any] = []
         response_error = self._redis.ResponseError
         read = conn.read_response
