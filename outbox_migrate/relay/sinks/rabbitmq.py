@@ -35,6 +35,9 @@ from outbox_migrate.relay.sinks.envelopes import (
 from outbox_migrate.relay.sinks.urls import require_scheme
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+PUBLISH_CHUNK = 64
+"""Messages built and handed to the loop's writer at a time, so the broker stores and confirms
+one chunk while the next is built rather than starting once the whole batch is written."""
 CLOSE_TIMEOUT_S = 2.0
 """How long closing a connection may wait for the broker's Close-Ok before it is dropped."""
 PRECONDITION_FAILED = 406
@@ -149,6 +152,8 @@ class RabbitMQSink:
         self._closed: asyncio.Future[None] | None = None
         self._confirms = Confirms()
         self._waiter: asyncio.Future[Any] | None = None
+        self._all_sent = True
+        """False while a batch is being written: its confirms so far do not settle it."""
         """What the sink awaits now; a close callback fails it (callbacks cannot raise)."""
         self._max_size: int | None = None
         """The broker's max_message_size, once a channel close told it."""
@@ -173,8 +178,9 @@ class RabbitMQSink:
         method = frame.method
         ack = isinstance(method, self._pika.spec.Basic.Ack)
         self._confirms.confirmed(method.delivery_tag, multiple=method.multiple, ack=ack)
-        if self._confirms.settled and self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        waiter = self._waiter
+        if self._all_sent and self._confirms.settled and waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
         try:
@@ -248,29 +254,38 @@ class RabbitMQSink:
         properties = self._pika.BasicProperties
         exchange, routing_key = self.exchange, self.routing_key
 
-        def publish_all(done: Callable[..., None]) -> None:
-            with self._one_write():
-                for message, body in batch:
-                    channel.basic_publish(
-                        exchange,
-                        routing_key,
-                        body,
-                        properties(
-                            message_id=str(message.id),
-                            type=message.event_type,
-                            content_type=content_type(message),
-                            delivery_mode=2,
-                            headers=self._headers(message),
-                        ),
-                        mandatory=True,
-                    )
-                    confirms.sent(message.id)
-            if confirms.settled:  # an empty batch
-                done()
-
-        # One wait for the whole batch: `_on_confirm` resolves it when the last tag settles.
-        async with asyncio.timeout(self.config.timeout_s):
-            await self._wait(publish_all)
+        waiter: asyncio.Future[Any] = self._loop.create_future()
+        self._waiter, self._all_sent = waiter, False
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                for start in range(0, len(batch), PUBLISH_CHUNK):
+                    with self._one_write():
+                        for message, body in batch[start : start + PUBLISH_CHUNK]:
+                            channel.basic_publish(
+                                exchange,
+                                routing_key,
+                                body,
+                                properties(
+                                    message_id=str(message.id),
+                                    type=message.event_type,
+                                    content_type=content_type(message),
+                                    delivery_mode=2,
+                                    headers=self._headers(message),
+                                ),
+                                mandatory=True,
+                            )
+                            confirms.sent(message.id)
+                    if waiter.done():  # the channel or connection closed meanwhile
+                        break
+                    # The loop writes this chunk while the next one is built.
+                    await asyncio.sleep(0)
+                self._all_sent = True
+                if confirms.settled and not waiter.done():  # an empty or confirmed batch
+                    waiter.set_result(None)
+                # One wait for the whole batch: `_on_confirm` resolves it at the last tag.
+                await waiter
+        finally:
+            self._waiter = None
 
     @contextlib.contextmanager
     def _one_write(self) -> Iterator[None]:
