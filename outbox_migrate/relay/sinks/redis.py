@@ -194,7 +194,7 @@ class RedisSink:
         commands = list(map(_COMMAND, sending))
         pool = self.client.connection_pool
         try:
-            conn = pool.get_connection()
+            conn = pool.get_connection()  # no arguments since redis-py 5.3 (the extra's floor)
         except self._redis.RedisError as exc:
             raise SinkUnavailable(self.name, mask_url(str(exc))) from None
         try:
