@@ -285,15 +285,15 @@ class RabbitMQSink:
                 # One wait for the whole batch: `_on_confirm` resolves it at the last tag.
                 await waiter
         finally:
-            self._waiter = None
+            self._waiter, self._all_sent = None, True
 
     @contextlib.contextmanager
     def _one_write(self) -> Iterator[None]:
-        """The batch's frames handed to the socket as one write. pika queues every frame (three
-        per message) as a write of its own, and its writer sends each with a `send` call: a
-        system call and a TCP segment per frame, for the relay and for the broker reading
-        them. The frames are collected in order and written together, also when a publish
-        raises half-way (what the channel counted as sent is then on the wire)."""
+        """The frames published inside, handed to the socket as one write. pika queues every
+        frame (three per message) as a write of its own, and its writer sends each with a
+        `send` call: a system call and a TCP segment per frame, for the relay and for the
+        broker reading them. The frames are collected in order and written together, also
+        when a publish raises half-way (what the channel counted as sent is then on the wire)."""
         connection = self._connection
         emit = connection._adapter_emit_data
         frames: list[bytes] = []
