@@ -6,8 +6,10 @@ the broker refuses (docs/sinks.md); broker clients are imported only when a sink
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -93,6 +95,24 @@ def client(sink: str, module: str, package: str) -> Any:
         raise RelayError(
             f"the {sink} sink needs {package}: install outbox-migrate[{sink}]"
         ) from None
+
+
+def event_loop(sink: str) -> asyncio.AbstractEventLoop:
+    """A private event loop for a sink's asyncio client. An exception escaping one of the
+    library's callbacks (pika's connect workflow meeting a socket reset under it) is logged
+    on the sink's library logger, one line through `relay.sink_library`, rather than by
+    asyncio's default handler as an ERROR with a traceback: the sink reports the failure
+    itself, as an outage, when its publish notices it."""
+    loop = asyncio.new_event_loop()
+    log = logging.getLogger(f"outbox_migrate.relay.sink.{sink}")
+
+    def handle(_loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        log.warning(
+            "%s", context.get("message") or "error in a callback", exc_info=context.get("exception")
+        )
+
+    loop.set_exception_handler(handle)
+    return loop
 
 
 def int_option(

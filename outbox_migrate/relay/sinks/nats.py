@@ -16,7 +16,14 @@ from typing import Any
 
 from outbox_migrate.errors import MessagesRejected, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.sinks import NotSent, SinkConfig, client, prepare, too_large
+from outbox_migrate.relay.sinks import (
+    NotSent,
+    SinkConfig,
+    client,
+    event_loop,
+    prepare,
+    too_large,
+)
 from outbox_migrate.relay.sinks.envelopes import (
     CloudEvents,
     Envelope,
@@ -86,7 +93,7 @@ class NatsSink:
         self.create_stream = config.extra.get("create_stream", "true").lower() not in _FALSE
         self.envelope = envelope_option(config.extra, self.name, Envelope.raw)
         self.cloudevents = CloudEvents(config.extra)
-        self._loop = asyncio.new_event_loop()
+        self._loop = event_loop(self.name)
         self._nc: Any = None
         self._js: Any = None
         self._acks: _Acks | None = None

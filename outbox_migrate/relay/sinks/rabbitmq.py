@@ -19,6 +19,7 @@ from outbox_migrate.relay.sinks import (
     NotSent,
     SinkConfig,
     client,
+    event_loop,
     max_bytes,
     prepare,
     size_over,
@@ -146,7 +147,7 @@ class RabbitMQSink:
             # The loop runs only inside `publish`: neither side could honour heartbeats while
             # the relay idles; the next publish finds a dead connection instead.
             params.heartbeat = 0
-        self._loop = asyncio.new_event_loop()
+        self._loop = event_loop(self.name)
         self._connection: Any = None
         self._channel: Any = None
         self._closed: asyncio.Future[None] | None = None

@@ -3,6 +3,7 @@ fragment — including a traceback a library formats into the message text itsel
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
 
@@ -89,3 +90,39 @@ def test_a_library_repeating_itself_through_an_outage_is_written_once_per_interv
     library_logs.route()  # a new relay run starts afresh
     blocking.error("Connection workflow failed: again")
     assert relay_lines[-1].endswith("Connection workflow failed: again")
+
+
+def test_an_error_escaping_a_callback_on_a_sinks_loop_is_one_line(relay_lines: list[str]) -> None:
+    """pika's connect workflow raised from a loop callback when a socket was reset under it
+    (`getpeername()` failing); asyncio's default handler logged that as an ERROR with the
+    traceback, past the routing (CI saw it in test_failures.py). Fails before: the record
+    reaches the root logger from `asyncio` and no relay line is written."""
+    from outbox_migrate.relay.sinks import event_loop
+
+    def on_writable() -> None:
+        raise ValueError("Expected connected socket, but getpeername() failed")
+
+    root, seen = logging.getLogger(), Records()
+    root.addHandler(seen)
+    loop = event_loop("rabbitmq")
+    try:
+        loop.call_soon(on_writable)
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+        root.removeHandler(seen)
+    assert not [r for r in seen.records if r.name == "asyncio" or r.exc_info], seen.records
+    (line,) = relay_lines
+    assert line.startswith("relay.sink_library logger=outbox_migrate.relay.sink.rabbitmq ")
+    assert line.endswith("ValueError: Expected connected socket, but getpeername() failed")
+
+
+class Records(logging.Handler):
+    """What an operator's root handler (stderr in the CLI) would receive."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
