@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from outbox_migrate.relay import library_logs
+from tests.support.log_records import Records
 
 
 class Collect(logging.Handler):
@@ -115,14 +116,3 @@ def test_an_error_escaping_a_callback_on_a_sinks_loop_is_one_line(relay_lines: l
     (line,) = relay_lines
     assert line.startswith("relay.sink_library logger=outbox_migrate.relay.sink.rabbitmq ")
     assert line.endswith("ValueError: Expected connected socket, but getpeername() failed")
-
-
-class Records(logging.Handler):
-    """What an operator's root handler (stderr in the CLI) would receive."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)

@@ -27,6 +27,7 @@ from outbox_migrate.relay.options import Ordering, RelayOptions
 from outbox_migrate.relay.sinks import SinkConfig, factory
 from outbox_migrate.relay.worker import Relay, running
 from tests.integration.relay.conftest import SPEC, Collected, ids_in
+from tests.support.log_records import Records
 from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.newest_pg_only
@@ -168,21 +169,10 @@ def test_nats_down_no_long_transaction_no_traceback_and_sigterm_ends_cleanly(
     assert len(ids_in(partitioned, "outbox_unpublished")) == 20
 
 
-class Collect(logging.Handler):
-    """What an operator's root handler (stderr in the CLI) would receive."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture
 def root_records() -> Iterator[list[logging.LogRecord]]:
     root = logging.getLogger()
-    handler, level = Collect(), root.level
+    handler, level = Records(), root.level
     root.addHandler(handler)
     root.setLevel(logging.DEBUG)
     try:
