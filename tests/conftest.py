@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -38,3 +40,21 @@ def _logging_restored() -> Iterator[None]:
             if handler not in root.handlers:
                 root.addHandler(handler)
         root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """Put back SIGINT's and SIGTERM's handlers after each test. A CLI command run in-process
+    installs the CLI's handlers and, on its way out, ignores both signals; left in place,
+    every later test's subprocess inherited SIGINT ignored (a launcher test that checks the
+    handler a fresh interpreter starts with failed whenever it ran after one in its worker)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in saved.items():
+            if handler is not None and signal.getsignal(number) is not handler:
+                signal.signal(number, handler)
