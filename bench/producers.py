@@ -22,6 +22,9 @@ side by side, interleaved, `--reps` times (median):
   outbox) with the real sink from the sink factory, draining the same number of rows of the
   same payload size from a throwaway PostgreSQL 18; the sink is built and has published one
   warm-up message before the timing starts, which ends when the last batch is acknowledged;
+* sink: the relay's sink alone (no relay, no PostgreSQL work beside it), publishing the
+  producer's messages in batches of `--batch` one after the other, timed to the last
+  acknowledged batch: how much of the gap is the sink's, how much the relay's around it;
 * SQL-only: claim+mark as one statement until empty, no broker (bench/relay.py `sql_only`):
   what the database allows, the relay's other limit.
 
@@ -485,6 +488,21 @@ def relay_drain(
     return last[0] - wall, last[1] - cpu, in_sink
 
 
+def sink_alone(broker: Broker, target: str, messages: Sequence[Message], batch: int) -> Timing:
+    """The relay's sink with no relay: the same messages published in batches of `batch`,
+    one after the other, timed to the last acknowledged one. What the sink itself can do
+    (no claim, no mark, no PostgreSQL beside it on the cores), beside its client's limit."""
+    sink = factory(broker.name, broker.config(target))()
+    try:
+        sink.publish([WARM_UP])
+        wall, cpu = time.perf_counter(), time.process_time()
+        for start in range(0, len(messages), batch):
+            sink.publish(messages[start : start + batch])
+        return time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        sink.close()
+
+
 # -- the run -----------------------------------------------------------------------------------
 
 
@@ -560,7 +578,7 @@ def one_round(
     )
     for name, broker in chosen.items():
         # Producer first on even rounds, relay first on odd ones: drift lands on both.
-        order = ("producer", "relay") if rep % 2 == 0 else ("relay", "producer")
+        order = ("producer", "sink", "relay") if rep % 2 == 0 else ("relay", "sink", "producer")
         for who in order:
             relay_bench.reset(conn, rows, payload_bytes=pad)
             target = f"om-bench-{uuid.uuid4().hex[:8]}"
@@ -570,6 +588,9 @@ def one_round(
                 if who == "producer":
                     messages = outbox_messages(conn)
                     run = partial(broker.produce, broker.url, target, messages)
+                elif who == "sink":
+                    messages = outbox_messages(conn)
+                    run = partial(sink_alone, broker, target, messages, args.batch)
                 else:
                     run = partial(relay_drain, dsn, broker, target, args.batch, rows, args.workers)
                 measured((size, name, who), name, run)
@@ -625,7 +646,7 @@ def main(argv: list[str] | None = None) -> None:
             results[size, "-", "sql"] = Runs()
             results[size, "-", "null"] = Runs()
             for name in chosen:
-                for who in ("producer", "relay"):
+                for who in ("producer", "sink", "relay"):
                     results[size, name, who] = Runs()
         with psycopg.connect(dsn, autocommit=True) as conn:
             create_partitioned_outbox(conn, relay_bench.SPEC, start=1_000_000_000)
@@ -679,7 +700,10 @@ def print_table(
         rows_of = [("-", "SQL-only", results[size, "-", "sql"]),
                    ("-", "no sink", results[size, "-", "null"])]  # fmt: skip
         for name in chosen:
-            rows_of += [(name, w, results[size, name, w]) for w in ("producer", "relay")]
+            rows_of += [
+                (name, label, results[size, name, w])
+                for w, label in (("producer", "producer"), ("sink", "sink"), ("relay", "relay"))
+            ]
         for name, label, contender in rows_of:
             own, pg, brk = contender.median_cores()
             print(f"{payload.get(size, size):>7}B {name:<9} {label:<9} {contender.rate:>9,.0f} "
@@ -687,7 +711,8 @@ def print_table(
     print("(msg/s; CPU µs = this process's CPU per message, every thread; relay/limit = relay ÷ "
           "min(producer, SQL-only), goal ≥ 80 %; in sink = share of the relay's time spent in "
           "the sink's publish (median); no sink = the relay acknowledged at once, no "
-          "broker: its own ceiling)")  # fmt: skip
+          "broker: its own ceiling; sink = the relay's sink alone, the same messages in "
+          "batches of --batch, no relay)")  # fmt: skip
 
 
 if __name__ == "__main__":
