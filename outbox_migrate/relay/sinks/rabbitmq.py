@@ -153,9 +153,9 @@ class RabbitMQSink:
         self._closed: asyncio.Future[None] | None = None
         self._confirms = Confirms()
         self._waiter: asyncio.Future[Any] | None = None
+        """What the sink awaits now; a close callback fails it (callbacks cannot raise)."""
         self._all_sent = True
         """False while a batch is being written: its confirms so far do not settle it."""
-        """What the sink awaits now; a close callback fails it (callbacks cannot raise)."""
         self._max_size: int | None = None
         """The broker's max_message_size, once a channel close told it."""
         self.limit = max_bytes(config, self.name)
