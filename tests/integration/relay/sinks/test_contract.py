@@ -403,7 +403,7 @@ class NatsHarness(Harness):
         if case == "oversize":
             assert victim is not None
             self.big(conn, victim, 2 * MIB)  # over the server's max_payload (1 MiB)
-            self.reason = "MaxPayloadError"
+            self.reason = "max_payload"
         return SinkConfig(url=url, target=subject, extra={"stream": self.stream},
                           timeout_s=self.timeout_s(case))  # fmt: skip
 
