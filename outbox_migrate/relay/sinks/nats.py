@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from outbox_migrate.errors import MessagesRejected, SinkUnavailable
+from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import (
     NotSent,
@@ -66,6 +66,19 @@ def is_permanent(exc: BaseException) -> bool:
     if isinstance(exc, MaxPayloadError | NoStreamResponseError | BadHeaderError | BadSubjectError):
         return True
     return isinstance(exc, APIError) and exc.code == 400
+
+
+def publish_subject(subject: str) -> str:
+    """The subject, checked once here: the sink writes it into every frame as it is, and a
+    blank or a line break in it would break the protocol line (the server closes the
+    connection: every batch an outage), a wildcard the server refuses to publish to."""
+    tokens = subject.split(".")
+    if not subject or re.search(r"\s", subject) or any(t in ("", "*", ">") for t in tokens):
+        raise RelayError(
+            f"sink nats: --target {subject!r} is not a subject to publish to "
+            "(dot-separated names, no blanks, no empty name, no wildcard)"
+        )
+    return subject
 
 
 @functools.lru_cache(maxsize=1024)
@@ -120,7 +133,7 @@ class NatsSink:
         client(self.name, "nats", "nats-py")  # fail early with a clear message
         self.config = config
         self.url = require_scheme(self.name, config.url, SCHEMES) or DEFAULT_URL
-        self.subject = config.target
+        self.subject = publish_subject(config.target)
         self.stream = config.extra.get("stream") or stream_name(config.target)
         self.create_stream = config.extra.get("create_stream", "true").lower() not in _FALSE
         self.envelope = envelope_option(config.extra, self.name, Envelope.raw)

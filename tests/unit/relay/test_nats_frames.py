@@ -13,6 +13,7 @@ from nats.aio.client import Client
 from nats.errors import BadHeaderError
 from nats.js.errors import BadRequestError, NoStreamResponseError
 
+from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.sinks import NotSent, SinkConfig
 from outbox_migrate.relay.sinks.nats import (
@@ -139,3 +140,19 @@ def test_an_empty_batch_waits_for_nothing() -> None:
 def test_bad_header_error_is_what_nats_py_raises() -> None:
     with pytest.raises(BadHeaderError):
         header_block({"bad name": "x"})
+
+
+@pytest.mark.parametrize(
+    "target", ["", "orders created", "orders\r\nPUB x 1", "orders.*", "a..b", ">"]
+)
+def test_a_subject_the_frames_cannot_carry_is_refused_when_the_sink_is_built(target: str) -> None:
+    """Written into every frame as it is: a line break would inject protocol lines."""
+    with pytest.raises(RelayError, match="not a subject to publish to") as raised:
+        NatsSink(SinkConfig(url="nats://127.0.0.1:1", target=target))
+    assert "\n" not in str(raised.value)  # one line, whatever the target holds
+
+
+def test_a_subject_with_dashes_and_unicode_is_fine() -> None:
+    built = NatsSink(SinkConfig(url="nats://127.0.0.1:1", target="orders-v2.créé"))
+    built.close()
+    assert built.subject == "orders-v2.créé"
