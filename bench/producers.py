@@ -695,7 +695,8 @@ def print_table(
         f"{os.cpu_count()}: this process (the client or the relay) / PostgreSQL / the broker"
     )
     print(f"{'payload':>8} {'sink':<9} {'who':<9} {'msg/s':>9} {'process':>8} {'PG':>6} "
-          f"{'broker':>7} {'total':>6}")  # fmt: skip
+          f"{'broker':>7} {'total':>6} {'ceiling':>9} {'of limit':>8}")  # fmt: skip
+    cpus = os.cpu_count() or 1
     for size in sizes:
         rows_of = [("-", "SQL-only", results[size, "-", "sql"]),
                    ("-", "no sink", results[size, "-", "null"])]  # fmt: skip
@@ -704,15 +705,27 @@ def print_table(
                 (name, label, results[size, name, w])
                 for w, label in (("producer", "producer"), ("sink", "sink"), ("relay", "relay"))
             ]
+        sql = results[size, "-", "sql"]
         for name, label, contender in rows_of:
             own, pg, brk = contender.median_cores()
+            total = own + pg + brk
+            ceiling = ""
+            if label == "relay" and total > 0:
+                # The rate at this CPU per message with every stage overlapped and every CPU
+                # busy: what no scheduling of the relay's work could beat on this machine.
+                top = contender.rate * cpus / total
+                limit = min(results[size, name, "producer"].rate, sql.rate)
+                ceiling = f"{top:>9,.0f} {top / limit:>8.0%}"
             print(f"{payload.get(size, size):>7}B {name:<9} {label:<9} {contender.rate:>9,.0f} "
-                  f"{own:>8.2f} {pg:>6.2f} {brk:>7.2f} {own + pg + brk:>6.2f}")  # fmt: skip
+                  f"{own:>8.2f} {pg:>6.2f} {brk:>7.2f} {total:>6.2f} {ceiling}")  # fmt: skip
     print("(msg/s; CPU µs = this process's CPU per message, every thread; relay/limit = relay ÷ "
           "min(producer, SQL-only), goal ≥ 80 %; in sink = share of the relay's time spent in "
           "the sink's publish (median); no sink = the relay acknowledged at once, no "
           "broker: its own ceiling; sink = the relay's sink alone, the same messages in "
-          "batches of --batch, no relay)")  # fmt: skip
+          "batches of --batch, no relay; ceiling = the relay's msg/s * CPUs ÷ total: its rate "
+          "at the same CPU per message (relay, PostgreSQL, broker) with every stage overlapped "
+          "and every CPU busy, and that ceiling ÷ min(producer, SQL-only): below 80 %, no "
+          "scheduling of the relay's work meets the goal on this machine)")  # fmt: skip
 
 
 if __name__ == "__main__":
