@@ -35,7 +35,10 @@ def resolve_columns(
     ).fetchall()
     types = {str(r[0]): str(r[1]) for r in rows}
     if not types:
-        raise RelayError(f"table {source.label} does not exist")
+        option = "--partitioned-table" if source.partitioned else "--table"
+        raise RelayError(
+            f"table {source.label} does not exist; name the outbox with --schema and {option}"
+        )
     defaults = OutboxSpec()
     required = [source.id_column, source.published_column, spec.payload_column]
     required += [spec.created_column] if spec.created_column else []

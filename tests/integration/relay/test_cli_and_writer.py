@@ -100,11 +100,19 @@ def test_cli_rejects_unknown_mode_with_usage_exit(dsn: str) -> None:
     assert "'--mode'" in result.stderr and "'sideways' is not one of" in result.stderr
 
 
-def test_cli_missing_table_is_one_line(dsn: str) -> None:
+def test_cli_missing_table_is_one_line_naming_the_options(dsn: str) -> None:
     result = relay_cli("--sink", "stdout", "--until-empty", "--dsn", dsn)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "outbox-migrate: error: table public.outbox_new does not exist"
+        "outbox-migrate: error: table public.outbox_new does not exist; "
+        "name the outbox with --schema and --partitioned-table"
+    ]
+    flat = relay_cli("--sink", "stdout", "--until-empty", "--dsn", dsn, "--mode", "flat",
+                     "--table", "nope")  # fmt: skip
+    assert flat.returncode == 2
+    assert flat.stderr.strip().splitlines() == [
+        "outbox-migrate: error: table public.nope does not exist; "
+        "name the outbox with --schema and --table"
     ]
 
 
