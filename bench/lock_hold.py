@@ -478,7 +478,7 @@ def attribute(pattern: str, size: int, windows: list[Window], probe: Probe) -> l
 # -- databases -------------------------------------------------------------------------------
 
 
-def admin_execute(srv: pgserver.Server, statement: sql.Composable) -> None:
+def admin_execute(srv: pgserver.Server, statement: sql.Composed | sql.SQL) -> None:
     with psycopg.connect(srv.dsn(), autocommit=True) as admin:
         admin.execute(statement)
 
@@ -592,7 +592,7 @@ def ratio(naive_ms: float, hold_ms: float) -> float:
 def summarise(
     holds: list[StepHold], naive: dict[int, NaiveResult], sizes: list[int], version: str
 ) -> dict[str, Any]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for h in holds:
         naive_ms = naive[h.size].hold.lock_wait_ms
         blocker = h.main_blocker()

@@ -174,7 +174,8 @@ def kafka_settings(bootstrap: str) -> dict[str, Any]:
 
 
 def kafka_prepare(bootstrap: str, topic: str) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.cimpl import NewTopic
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
     admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(
@@ -193,7 +194,7 @@ def kafka_cleanup(bootstrap: str, topic: str) -> None:
 def kafka_produce(bootstrap: str, topic: str, messages: Sequence[Message]) -> Timing:
     from confluent_kafka import Producer
 
-    items = [
+    items: list[tuple[bytes, bytes | None, list[tuple[str, str | bytes | None]]]] = [
         (m.payload_bytes, m.key.encode() if m.key else None, list(m.headers().items()))
         for m in messages
     ]
@@ -253,6 +254,8 @@ def rabbitmq_produce(url: str, queue: str, messages: Sequence[Message]) -> Timin
     params = pika.URLParameters(url)
     params.heartbeat = 0
     state: dict[str, Any] = {"acked": 0, "nacked": 0, "last": 0, "timing": None}
+    channel: Any = None
+    connection: Any = None
 
     def on_confirm(frame: Any) -> None:
         method = frame.method
@@ -287,7 +290,6 @@ def rabbitmq_produce(url: str, queue: str, messages: Sequence[Message]) -> Timin
     def warm_up() -> None:
         channel.basic_publish("", queue, b"warm-up", pika.BasicProperties(delivery_mode=2))
 
-    channel: Any = None
     connection = pika.SelectConnection(
         params,
         on_open_callback=lambda conn: conn.channel(on_open_callback=on_channel),
@@ -295,9 +297,9 @@ def rabbitmq_produce(url: str, queue: str, messages: Sequence[Message]) -> Timin
         on_close_callback=lambda _conn, _reason: connection.ioloop.stop(),
     )
     connection.ioloop.start()
-    timing = state["timing"]
+    timing: Timing = state["timing"]
     assert timing and state["nacked"] == 0, state
-    return timing  # type: ignore[no-any-return]
+    return timing
 
 
 def nats_stream(subject: str) -> str:

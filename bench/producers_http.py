@@ -331,10 +331,10 @@ class Runs:
     runs: list[Run] = field(default_factory=list)
 
     def median(self, attr: str) -> float:
-        return statistics.median(getattr(r, attr) for r in self.runs)
+        return float(statistics.median(getattr(r, attr) for r in self.runs))
 
 
-def timed(webhook: Webhook, rows: int, go: Callable[[], None]) -> Run:
+def timed(webhook: Webhook, rows: int, go: Callable[[], object]) -> Run:
     """Run `go` and time it: wall, this process's CPU, what the webhook got meanwhile."""
     before = webhook.stats()
     cpu0 = time.process_time()

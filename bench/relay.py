@@ -262,10 +262,11 @@ def pgqueuer_run(dsn: str, rows: int, batch: int) -> float | None:
             qm = QueueManager(q)
             done = {"jobs": 0, "last": 0.0}
 
-            @qm.entrypoint("publish")
             async def publish(job: Any) -> None:
                 done["jobs"] += 1
                 done["last"] = time.perf_counter()
+
+            qm.entrypoint("publish")(publish)  # not as a decorator: untyped without pgqueuer
 
             started = time.perf_counter()
             await qm.run(batch_size=batch, mode=QueueExecutionMode.drain)
@@ -457,7 +458,7 @@ def wait_drained(conn: psycopg.Connection, children: Sequence[Any] = ()) -> None
         now = time.monotonic()
         if now >= next_check:
             next_check = now + 1.0
-            left = conn.execute(count).fetchone()[0]
+            (left,) = conn.execute(count).fetchone() or (0,)
             if left != last:
                 last, moved = left, now
             dead = [c.exitcode for c in children if not c.is_alive()]

@@ -626,7 +626,9 @@ def _child_main(dsn: str, linger_ms: float) -> None:
         threading.settrace(tracer.trace)  # the relay's threads, started below
     with Path(os.devnull).open("w") as devnull:
         # As the CLI runs it, where the build has the option (bench/README.md).
-        as_cli = {"freeze_gc": True} if "freeze_gc" in inspect.signature(Relay).parameters else {}
+        as_cli: dict[str, Any] = {}
+        if "freeze_gc" in inspect.signature(Relay).parameters:  # (an older build may not)
+            as_cli["freeze_gc"] = True
         relay = Relay(
             dsn,
             lambda: _RecordingSink(devnull, seen),
@@ -838,11 +840,11 @@ def section_trace(
     base = fitted[builds[0]]
     for build in builds[1:]:
         now = fitted[build]
-        names = sorted((set(base) | set(now)) - {""},
+        changed = sorted((set(base) | set(now)) - {""},
                        key=lambda f: -abs(now.get(f, 0.0) - base.get(f, 0.0)))  # fmt: skip
         print(f"lines/batch, {builds[0]} → {build}, largest differences (file:function; a "
               f"function moved between files shows twice):")  # fmt: skip
-        for name in names[:14]:
+        for name in changed[:14]:
             print(f"  {base.get(name, 0.0):>6.1f} → {now.get(name, 0.0):>6.1f}  {name}")
 
 

@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any, cast
 
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Ordering
@@ -51,6 +52,10 @@ from outbox_migrate.relay.sinks import SinkConfig
 
 DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 PAYLOAD = '{"order": 42, "status": "created", "pad": "xxxxxxxxxxxxxxxxxxxxxxxx"}'
+
+
+Built = tuple[Callable[[Sequence[Message]], None], Callable[[], None]]
+"""A way to publish, built: its publish and its close."""
 
 
 @dataclass
@@ -106,7 +111,7 @@ def finish(loop: asyncio.AbstractEventLoop) -> None:
 # -- RabbitMQ ----------------------------------------------------------------------------------
 
 
-def old_rabbitmq(url: str, queue: str) -> tuple[Callable[[Sequence[Message]], None], Callable]:
+def old_rabbitmq(url: str, queue: str) -> Built:
     """The previous sink's loop: BlockingConnection, confirm mode, a confirm per message."""
     import pika
 
@@ -127,14 +132,14 @@ def old_rabbitmq(url: str, queue: str) -> tuple[Callable[[Sequence[Message]], No
     return publish, connection.close
 
 
-def new_rabbitmq(url: str, queue: str) -> tuple[Callable[[Sequence[Message]], None], Callable]:
+def new_rabbitmq(url: str, queue: str) -> Built:
     from outbox_migrate.relay.sinks.rabbitmq import RabbitMQSink
 
     sink = RabbitMQSink(SinkConfig(url=url, target=queue))
     return sink.publish, sink.close
 
 
-def aiormq_rabbitmq(url: str, queue: str) -> tuple[Callable[[Sequence[Message]], None], Callable]:
+def aiormq_rabbitmq(url: str, queue: str) -> Built:
     """Pipelined confirms with aiormq: a gather of publishes, each awaiting its confirm."""
     import aiormq
     from pamqp.commands import Basic
@@ -144,13 +149,16 @@ def aiormq_rabbitmq(url: str, queue: str) -> tuple[Callable[[Sequence[Message]],
     channel = loop.run_until_complete(connection.channel())
     loop.run_until_complete(channel.queue_declare(queue, durable=True))
 
+    publish = cast(Any, channel).basic_publish  # `wait` is the Channel's, not its base's
+
     async def publish_all(batch: Sequence[Message]) -> None:
         await asyncio.gather(*(
-            channel.basic_publish(
+            publish(
                 message.payload_bytes, routing_key=queue, mandatory=True, wait=False,
                 properties=Basic.Properties(
                     message_id=str(message.id), message_type=message.event_type,
-                    content_type="application/json", delivery_mode=2, headers=message.headers(),
+                    content_type="application/json", delivery_mode=2,
+                    headers=cast(dict[str, Any], message.headers()),
                 ),
             )
             for message in batch
@@ -176,7 +184,9 @@ def bench_rabbitmq(url: str, work: list[list[Message]], rounds: int) -> list[Fig
     figures = []
     for way, build in ways.items():
 
-        def run(work: list[list[Message]], build=build) -> tuple[float, float]:
+        def run(
+            work: list[list[Message]], build: Callable[[str, str], Built] = build
+        ) -> tuple[float, float]:
             queue = f"om-bench-{uuid.uuid4().hex[:8]}"
             publish, close = build(url, queue)
             try:
@@ -240,7 +250,7 @@ class Webhook:
         self.thread.join(5)
 
 
-def old_http(url: str) -> tuple[Callable[[Sequence[Message]], None], Callable]:
+def old_http(url: str) -> Built:
     """The previous sink's loop: httpx.Client, one POST after the other."""
     import httpx
 
@@ -260,7 +270,7 @@ def old_http(url: str) -> tuple[Callable[[Sequence[Message]], None], Callable]:
     return publish, client.close
 
 
-def new_http(url: str, **extra: str) -> tuple[Callable[[Sequence[Message]], None], Callable]:
+def new_http(url: str, **extra: str) -> Built:
     from outbox_migrate.relay.sinks.http import HttpSink
 
     sink = HttpSink(SinkConfig(url=url, extra=extra, ordering=Ordering.none))
@@ -269,7 +279,7 @@ def new_http(url: str, **extra: str) -> tuple[Callable[[Sequence[Message]], None
 
 def bench_http(latency_ms: float, work: list[list[Message]], rounds: int) -> list[Figure]:
     webhook = Webhook(latency_ms / 1000)
-    ways: dict[str, Callable[[str], tuple[Callable[[Sequence[Message]], None], Callable]]] = {
+    ways: dict[str, Callable[[str], Built]] = {
         "old": old_http,
         "new": new_http,
         "batch": lambda url: new_http(url, batch="true"),
@@ -278,7 +288,9 @@ def bench_http(latency_ms: float, work: list[list[Message]], rounds: int) -> lis
     try:
         for way, build in ways.items():
 
-            def run(work: list[list[Message]], build=build) -> tuple[float, float]:
+            def run(
+                work: list[list[Message]], build: Callable[[str], Built] = build
+            ) -> tuple[float, float]:
                 publish, close = build(webhook.url)
                 try:
                     publish(work[0])

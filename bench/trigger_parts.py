@@ -39,6 +39,7 @@ from pathlib import Path
 import psycopg
 from outbox_migrate_harness.testing import server as pgserver
 from outbox_migrate_harness.testing.schema import create_partitioned_outbox
+from psycopg import sql
 
 from outbox_migrate.config import DEFAULT_CHANNEL, OutboxSpec
 from outbox_migrate.patterns import notify
@@ -66,7 +67,7 @@ def _function(body: str) -> str:
     )
 
 
-VARIANTS: dict[str, list[str] | None] = {
+VARIANTS: dict[str, list[str | sql.Composed] | None] = {
     "none": [],
     "empty": [_function(""), _TRIGGER.format(tt="", channel=DEFAULT_CHANNEL)],
     "empty+tt": [_function(""), _TRIGGER.format(tt=_TT, channel=DEFAULT_CHANNEL)],
@@ -92,8 +93,8 @@ VARIANTS: dict[str, list[str] | None] = {
 def _install(dsn: str, variant: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("TRUNCATE outbox_new")
-        for statement in notify.drop_sql(SPEC):
-            conn.execute(statement)
+        for drop in notify.drop_sql(SPEC):
+            conn.execute(drop)
         conn.execute("DROP FUNCTION IF EXISTS bench_parts()")
         statements = VARIANTS[variant]
         if statements is None:

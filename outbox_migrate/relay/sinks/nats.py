@@ -338,9 +338,11 @@ def _answer(data: bytes) -> bool | BaseException:
         answer = json.loads(data)
     except ValueError as exc:
         return exc
-    if "error" in answer:
-        try:  # nats-py 2.x raises the error's own subclass (BadRequestError, …) from here
-            return APIError.from_error(answer["error"])  # type: ignore[no-any-return]
-        except APIError as raised:
-            return raised
-    return bool(answer.get("duplicate"))
+    if "error" not in answer:
+        return bool(answer.get("duplicate"))
+    error: BaseException
+    try:  # nats-py 2.x raises the error's own subclass (BadRequestError, …) from here
+        error = APIError.from_error(answer["error"])
+    except APIError as raised:
+        error = raised
+    return error

@@ -14,7 +14,7 @@ import itertools
 import operator
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from outbox_migrate.errors import MessagesRejected, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
@@ -46,7 +46,7 @@ def _hiredis_packer() -> Callable[[tuple[Any, ...]], bytes] | None:
         from hiredis import pack_command
     except ImportError:  # pragma: no cover - installed with the extra
         return None
-    return pack_command
+    return cast("Callable[[tuple[Any, ...]], bytes]", pack_command)  # untyped without hiredis
 
 
 _hiredis_pack = _hiredis_packer()
