@@ -97,6 +97,25 @@ def client(sink: str, module: str, package: str) -> Any:
         ) from None
 
 
+def require_internals(sink: str, package: str, owner: type, names: Sequence[str]) -> None:
+    """Refuse at start, with one line, a client library whose `owner` class lacks the methods
+    (not its public API) a sink writes through: every publish would otherwise fail as an
+    outage, retried for ever. The sink's unit tests pin what those methods must do."""
+    missing = [name for name in names if not callable(getattr(owner, name, None))]
+    if missing:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            installed = f"{package} {version(package)}"
+        except PackageNotFoundError:
+            installed = package
+        listed = ", ".join(f"{owner.__name__}.{name}" for name in missing)
+        raise RelayError(
+            f"sink {sink}: {installed} has no {listed}, which the sink writes through; install "
+            f"the {package} release pyproject.toml names for outbox-migrate[{sink}]"
+        )
+
+
 def event_loop(sink: str) -> asyncio.AbstractEventLoop:
     """A private event loop for a sink's asyncio client. An exception escaping one of the
     library's callbacks (pika's connect workflow meeting a socket reset under it) is logged

@@ -29,6 +29,7 @@ from outbox_migrate.relay.sinks import (
     client,
     event_loop,
     prepare,
+    require_internals,
     too_large,
 )
 from outbox_migrate.relay.sinks.envelopes import (
@@ -123,24 +124,6 @@ async def _quiet_error(exc: Exception) -> None:
     log.debug("relay.sink_library nats %s", _describe(exc))
 
 
-WRITER = ("_send_command", "_flush_pending")
-"""nats-py's Client methods the sink writes its frames through (not public API)."""
-
-
-def require_writer(client_class: Any) -> None:
-    """Refuse at start, with one line, a nats-py whose Client no longer has the writer the
-    sink uses: every publish would otherwise fail as an outage, retried for ever."""
-    missing = [name for name in WRITER if not callable(getattr(client_class, name, None))]
-    if missing:
-        from importlib.metadata import version
-
-        raise RelayError(
-            f"sink nats: nats-py {version('nats-py')} has no Client.{', '.join(missing)}, "
-            "which the sink writes through; install a nats-py 2.x release (2.7 or later; CI "
-            "tests 2.16)"
-        )
-
-
 class NatsSink:
     name = "nats"
 
@@ -148,7 +131,7 @@ class NatsSink:
         client(self.name, "nats", "nats-py")  # fail early with a clear message
         from nats.aio.client import Client
 
-        require_writer(Client)
+        require_internals(self.name, "nats-py", Client, ("_send_command", "_flush_pending"))
         self.config = config
         self.url = require_scheme(self.name, config.url, SCHEMES) or DEFAULT_URL
         self.subject = publish_subject(config.target)

@@ -22,6 +22,7 @@ from outbox_migrate.relay.sinks import (
     event_loop,
     max_bytes,
     prepare,
+    require_internals,
     size_over,
     smaller,
     too_large,
@@ -129,6 +130,7 @@ class RabbitMQSink:
         self._pika = client(self.name, "pika", "pika")
         adapter = client(self.name, "pika.adapters.asyncio_connection", "pika")
         self._connection_class = adapter.AsyncioConnection
+        require_internals(self.name, "pika", adapter.AsyncioConnection, ("_adapter_emit_data",))
         self.config = config
         self.exchange = config.extra.get("exchange", "")
         self.routing_key = config.target

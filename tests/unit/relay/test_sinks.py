@@ -370,3 +370,25 @@ def test_an_http_proxy_from_the_environment_carries_the_posts(http_sink, monkeyp
         http_sink("http://webhook.invalid:8080/hook").publish(batch(3, keys=3))
     assert sorted(hook.accepted) == [1, 2, 3]
     assert {h["Host"] for h in hook.headers} == {"webhook.invalid:8080"}
+
+
+def test_a_client_library_without_the_internals_a_sink_writes_through_is_refused_at_start() -> None:
+    """The NATS and RabbitMQ sinks write through methods that are not their library's public
+    API: a release that renamed them must stop the relay with one line, not fail every
+    publish as an outage retried for ever."""
+    from nats.aio.client import Client
+    from pika.adapters.asyncio_connection import AsyncioConnection
+
+    from outbox_migrate.relay.sinks import require_internals
+
+    require_internals("nats", "nats-py", Client, ("_send_command", "_flush_pending"))
+    require_internals("rabbitmq", "pika", AsyncioConnection, ("_adapter_emit_data",))
+
+    class Renamed:
+        async def _flush_pending(self) -> None: ...
+
+    with pytest.raises(RelayError) as raised:
+        require_internals("nats", "nats-py", Renamed, ("_send_command", "_flush_pending"))
+    line = str(raised.value)
+    assert line.startswith("sink nats: nats-py 2.") and "has no Renamed._send_command," in line
+    assert "_flush_pending" not in line and "outbox-migrate[nats]" in line and "\n" not in line
