@@ -134,6 +134,26 @@ def event_loop(sink: str) -> asyncio.AbstractEventLoop:
     return loop
 
 
+ENVELOPE_OPTIONS = ("envelope", "ce_source", "ce_type")
+"""The options every built-in sink takes: its body's envelope and the CloudEvents attributes."""
+
+
+def check_options(
+    sink: str, extra: Mapping[str, str], own: Sequence[str], *, dotted: str | None = None
+) -> None:
+    """Refuse an option the sink does not read: a misspelt one (`maxlenn=10`) would otherwise
+    be ignored in silence while the operator believes it applies. `dotted`: what names with a
+    dot are passed to (Kafka: librdkafka, which checks them itself)."""
+    known = (*own, *ENVELOPE_OPTIONS)
+    unknown = sorted(k for k in extra if k not in known and not (dotted and "." in k))
+    if unknown:
+        also = f", or a {dotted} setting (a name with a dot)" if dotted else ""
+        raise RelayError(
+            f"sink {sink}: unknown --sink-option {', '.join(map(repr, unknown))}: it takes "
+            f"{', '.join(sorted(known))}{also}"
+        )
+
+
 def int_option(
     extra: Mapping[str, str], sink: str, name: str, default: _D, minimum: int
 ) -> int | _D:

@@ -24,6 +24,7 @@ from outbox_migrate.relay.options import Ordering
 from outbox_migrate.relay.sinks import (
     NotSent,
     SinkConfig,
+    check_options,
     int_option,
     prepare,
     size_over,
@@ -233,6 +234,7 @@ class HttpSink:
     def __init__(self, config: SinkConfig) -> None:
         if not config.url:
             raise RelayError("the http sink needs --sink-url (the webhook address)")
+        check_options(self.name, config.extra, ("retries", "concurrency", "batch"))
         self.url = require_scheme(self.name, config.url, ("http", "https")) or config.url
         self.endpoint = Endpoint(self.url)
         self.envelope = envelope_option(config.extra, self.name, Envelope.json)

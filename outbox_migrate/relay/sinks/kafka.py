@@ -14,7 +14,7 @@ from typing import Any
 
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.sinks import NotSent, SinkConfig, client, too_large
+from outbox_migrate.relay.sinks import NotSent, SinkConfig, check_options, client, too_large
 from outbox_migrate.relay.sinks.envelopes import (
     CloudEvents,
     Envelope,
@@ -56,6 +56,7 @@ class KafkaSink:
         self._kafka = client(self.name, "confluent_kafka", "confluent-kafka")
         self.config = config
         self.topic = config.target
+        check_options(self.name, config.extra, (), dotted="librdkafka")
         bootstrap = require_scheme(self.name, config.url, ("kafka", "tcp", "plaintext"), bare=True)
         self.envelope = envelope_option(config.extra, self.name, Envelope.raw)
         self.cloudevents = CloudEvents(config.extra)

@@ -26,6 +26,7 @@ from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import (
     NotSent,
     SinkConfig,
+    check_options,
     client,
     event_loop,
     prepare,
@@ -132,6 +133,7 @@ class NatsSink:
         internals = ("_send_command", "_flush_pending")
         require_internals(self.name, "nats-py", nats_client.Client, internals)
         self.config = config
+        check_options(self.name, config.extra, ("stream", "create_stream"))
         self.url = require_scheme(self.name, config.url, SCHEMES) or DEFAULT_URL
         self.subject = publish_subject(config.target)
         self.stream = config.extra.get("stream") or stream_name(config.target)

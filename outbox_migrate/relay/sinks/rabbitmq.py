@@ -13,11 +13,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from outbox_migrate.dsn import mask
-from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
+from outbox_migrate.errors import MessagesRejected, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import (
     NotSent,
     SinkConfig,
+    check_options,
     client,
     event_loop,
     max_bytes,
@@ -34,7 +35,7 @@ from outbox_migrate.relay.sinks.envelopes import (
     content_type,
     envelope_option,
 )
-from outbox_migrate.relay.sinks.urls import require_scheme
+from outbox_migrate.relay.sinks.urls import bad_url, require_scheme
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 PUBLISH_CHUNK = 64
@@ -132,6 +133,7 @@ class RabbitMQSink:
         self._connection_class = adapter.AsyncioConnection
         require_internals(self.name, "pika", adapter.AsyncioConnection, ("_adapter_emit_data",))
         self.config = config
+        check_options(self.name, config.extra, ("exchange",))
         self.exchange = config.extra.get("exchange", "")
         self.routing_key = config.target
         self.url = require_scheme(self.name, config.url, ("amqp", "amqps")) or DEFAULT_URL
@@ -140,7 +142,7 @@ class RabbitMQSink:
         try:
             self._params = params = self._pika.URLParameters(self.url)
         except Exception as exc:  # noqa: BLE001 - pika raises ValueError, KeyError, …
-            raise RelayError(f"sink rabbitmq: bad URL {mask(self.url)!r}: {exc}") from None
+            raise bad_url(self.name, self.url, exc) from None
         params.socket_timeout = config.timeout_s
         params.stack_timeout = config.timeout_s
         params.blocked_connection_timeout = config.timeout_s

@@ -15,12 +15,14 @@ import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
+from urllib.parse import unquote, urlsplit
 
-from outbox_migrate.errors import MessagesRejected, SinkUnavailable
+from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.sinks import (
     NotSent,
     SinkConfig,
+    check_options,
     client,
     int_option,
     max_bytes,
@@ -36,7 +38,7 @@ from outbox_migrate.relay.sinks.envelopes import (
     require_text,
 )
 from outbox_migrate.relay.sinks.isolation import isolate
-from outbox_migrate.relay.sinks.urls import mask_url, require_scheme
+from outbox_migrate.relay.sinks.urls import bad_url, mask_url, require_scheme
 
 
 def _hiredis_packer() -> Callable[[tuple[Any, ...]], bytes] | None:
@@ -84,12 +86,28 @@ def is_permanent_reply(error: BaseException) -> bool:
     return type(error).__name__ not in RETRYABLE_CLASSES
 
 
+def require_database_number(url: str) -> None:
+    """redis-py reads the database from a redis:// URL's path and, when that is not a number,
+    silently uses database 0: the stream would go where nobody reads it."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() == "unix":
+        return
+    database = unquote(parts.path).strip("/")
+    if database and not database.isdigit():
+        raise RelayError(
+            f"sink redis: {mask_url(url)!r}: the path names the database, a number (/0), "
+            f"not {database!r}"
+        )
+
+
 class RedisSink:
     name = "redis"
 
     def __init__(self, config: SinkConfig) -> None:
         self._redis = redis = client(self.name, "redis", "redis-py")
         url = require_scheme(self.name, config.url, SCHEMES) or DEFAULT_URL
+        require_database_number(url)
+        check_options(self.name, config.extra, ("maxlen",))
         self.stream = config.target
         self.routed = "{event_type}" in self.stream or "{key}" in self.stream
         self.maxlen = int_option(config.extra, self.name, "maxlen", None, 0)
@@ -97,11 +115,14 @@ class RedisSink:
         self.envelope = envelope_option(config.extra, self.name, Envelope.raw)
         self.cloudevents = CloudEvents(config.extra)
         self.config = config
-        self.client: Any = redis.Redis.from_url(
-            url,
-            socket_timeout=config.timeout_s,
-            socket_connect_timeout=config.timeout_s,
-        )
+        try:
+            self.client: Any = redis.Redis.from_url(
+                url,
+                socket_timeout=config.timeout_s,
+                socket_connect_timeout=config.timeout_s,
+            )
+        except ValueError as exc:  # redis-py's own URL parsing: a bad port, db or option
+            raise bad_url(self.name, url, exc) from None
         self.limit = max_bytes(config, self.name)
         self._server_limit_read = False
 

@@ -11,7 +11,7 @@ from typing import TextIO
 
 from outbox_migrate.errors import MessagesRejected, SinkUnavailable
 from outbox_migrate.relay.message import Message, MessageId
-from outbox_migrate.relay.sinks import SinkConfig, size_over, too_large
+from outbox_migrate.relay.sinks import SinkConfig, check_options, size_over, too_large
 from outbox_migrate.relay.sinks.envelopes import CloudEvents, Envelope, envelope_option
 
 NOT_TEXT = "stdout: payload is not text (non-UTF-8 bytes): it cannot be written as a line"
@@ -27,6 +27,7 @@ class StdoutSink:
         self._stream = stream
         self.config = config or SinkConfig()
         extra = self.config.extra
+        check_options(self.name, extra, ())
         envelope = envelope_option(extra, self.name, Envelope.json)
         # Bound per message (a text id's subclass quotes its id), without a Python frame.
         self._line: Callable[[Message], str] = operator.methodcaller("envelope")

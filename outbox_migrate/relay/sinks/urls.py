@@ -19,6 +19,11 @@ def mask_url(text: str) -> str:
     return mask(_URL_PASSWORD.sub(lambda m: f"{m['head']}****{m['tail']}", text))
 
 
+def bad_url(sink: str, url: str, exc: Exception) -> RelayError:
+    """The one-line error for a URL its parser refused, the password masked in both."""
+    return RelayError(f"sink {sink}: bad URL {mask_url(url)!r}: {mask_url(str(exc))}")
+
+
 def require_scheme(
     sink: str, url: str | None, schemes: Sequence[str], *, bare: bool = False
 ) -> str | None:
@@ -27,9 +32,18 @@ def require_scheme(
     is what librdkafka reads as bootstrap servers."""
     if url is None or not url.strip():
         return None
-    if bare and "://" not in url:
+    listed = bare and "://" not in url
+    try:
+        if listed:
+            parts = [urlsplit("//" + u.strip()) for u in url.split(",")]
+        else:
+            parts = [urlsplit(u.strip()) for u in url.split(",")] if bare else [urlsplit(url)]
+        for part in parts:
+            _ = part.port  # a port that is not a number in 0-65535 raises here, not at connect
+    except ValueError as exc:
+        raise bad_url(sink, url, exc) from None
+    if listed:
         return url
-    parts = [urlsplit(u.strip()) for u in url.split(",")] if bare else [urlsplit(url)]
     for part in parts:
         if part.scheme.lower() not in schemes:
             raise RelayError(

@@ -12,7 +12,7 @@ import pytest
 from outbox_migrate.errors import MessagesRejected, RelayError, SinkUnavailable
 from outbox_migrate.relay.message import Message
 from outbox_migrate.relay.options import Ordering
-from outbox_migrate.relay.sinks import SinkConfig
+from outbox_migrate.relay.sinks import SinkConfig, factory
 from outbox_migrate.relay.sinks.http import posting_groups
 from outbox_migrate.relay.sinks.rabbitmq import Confirms
 from tests.support.webhook import Webhook
@@ -392,3 +392,64 @@ def test_a_client_library_without_the_internals_a_sink_writes_through_is_refused
     line = str(raised.value)
     assert line.startswith("sink nats: nats-py 2.") and "has no Renamed._send_command," in line
     assert "_flush_pending" not in line and "outbox-migrate[nats]" in line and "\n" not in line
+
+
+# -- URLs and options, checked when the sink is built -------------------------------------
+
+BAD_URLS = [
+    ("redis", "redis://:s3cret@127.0.0.1:notaport/0", "Port could not be cast"),
+    ("redis", "redis://127.0.0.1:6379/abc", "the path names the database"),
+    ("http", "http://u:s3cret@[::1", "Invalid IPv6 URL"),
+    ("nats", "nats://u:s3cret@127.0.0.1:notaport", "Port could not be cast"),
+    ("rabbitmq", "amqp://guest:s3cret@127.0.0.1:99999/%2F", "Port out of range"),
+    ("rabbitmq", "amqp://guest:s3cret@127.0.0.1:5672/%2F?heartbeat=abc", "heartbeat"),
+    ("kafka", "127.0.0.1:9092,127.0.0.1:x", "Port could not be cast"),
+]
+
+
+@pytest.mark.parametrize(("sink", "url", "why"), BAD_URLS)
+def test_a_malformed_sink_url_stops_the_relay_at_start_with_the_password_masked(
+    sink: str, url: str, why: str
+) -> None:
+    """A bad port or database was an internal error (exit 1), an outage retried for ever
+    (nats) or, for a Redis database that is not a number, database 0 in silence; RabbitMQ's
+    message printed the URL's password."""
+    with pytest.raises(RelayError) as caught:
+        factory(sink, SinkConfig(url=url))()
+    assert why in str(caught.value)
+    assert "s3cret" not in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("sink", "url", "typo"),
+    [
+        ("stdout", None, "maxlenn"),
+        ("kafka", None, "linger_ms"),
+        ("rabbitmq", None, "exchnage"),
+        ("nats", None, "streams"),
+        ("redis", None, "maxlenn"),
+        ("http", "http://127.0.0.1:9/hook", "retires"),
+    ],
+)
+def test_an_option_the_sink_does_not_read_is_refused_naming_it(
+    sink: str, url: str | None, typo: str
+) -> None:
+    """A misspelt option was ignored in silence while the operator believed it applied."""
+    with pytest.raises(RelayError, match=f"unknown --sink-option '{typo}'"):
+        factory(sink, SinkConfig(url=url, extra={typo: "1"}))()
+
+
+def test_every_documented_option_and_librdkafka_settings_are_accepted() -> None:
+    common = {"envelope": "raw", "ce_source": "/svc", "ce_type": "t"}
+    http_options = {"retries": "0", "concurrency": "2", "batch": "true"}
+    configs = {
+        "kafka": SinkConfig(extra={**common, "message.max.bytes": "2000000"}),
+        "redis": SinkConfig(url="redis://127.0.0.1:6379/3", extra={**common, "maxlen": "9"}),
+        "nats": SinkConfig(extra={**common, "stream": "S", "create_stream": "false"}),
+        "rabbitmq": SinkConfig(extra={**common, "exchange": "x"}),
+        "http": SinkConfig(url="http://127.0.0.1:9/h", extra={**common, **http_options}),
+        "stdout": SinkConfig(extra=common),
+    }
+    for name, config in configs.items():
+        factory(name, config)().close()  # nothing was connected: close only frees the loop
