@@ -16,7 +16,10 @@ EMBEDDED = "embedded"
 DSN_ENV = "OUTBOX_MIGRATE_DSN"
 MASK = "****"
 
-_URI_PASSWORD = re.compile(r"(?P<head>postgres(?:ql)?://[^:/@\s]*:)(?P<pw>[^@\s]*)(?P<tail>@)")
+_URI_PASSWORD = re.compile(
+    r"(?P<head>postgres(?:ql)?(?:\+\w+)?://[^:/@\s]*:)(?P<pw>[^@\s]*)(?P<tail>@)"
+)
+_SQLALCHEMY_DRIVER = re.compile(r"^\s*(?P<scheme>postgres(?:ql)?)\+\w+://")
 _KV_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)(?P<pw>'(?:[^'\\]|\\.)*'|\S+)", re.I)
 _QUERY_PASSWORD = re.compile(r"(?P<head>[?&]password=)(?P<pw>[^&\s]*)", re.I)
 
@@ -38,12 +41,18 @@ def resolve(flag: str | None, environ: Mapping[str, str] | None = None) -> Resol
     """
     env = os.environ if environ is None else environ
     if flag:
-        return ResolvedDsn(flag, "--dsn")
+        return ResolvedDsn(libpq_form(flag), "--dsn")
     if env.get(DSN_ENV):
-        return ResolvedDsn(env[DSN_ENV], DSN_ENV)
+        return ResolvedDsn(libpq_form(env[DSN_ENV]), DSN_ENV)
     if any(env.get(k) for k in ("PGHOST", "PGDATABASE", "PGSERVICE", "PGPORT", "PGUSER")):
         return ResolvedDsn("", "PG* environment variables")
     return None
+
+
+def libpq_form(dsn: str) -> str:
+    """`dsn` with a SQLAlchemy driver suffix dropped (`postgresql+psycopg://` → `postgresql://`):
+    the Alembic setup keeps one URL in DATABASE_URL, and libpq refuses the suffixed form."""
+    return _SQLALCHEMY_DRIVER.sub(lambda m: f"{m['scheme']}://", dsn, count=1)
 
 
 def mask(text: str, *secrets: str) -> str:

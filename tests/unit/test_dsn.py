@@ -53,3 +53,15 @@ def test_one_line_strips_libpq_prefixes_and_password() -> None:
         "connection to server at ... second attempt"
     )
     assert one_line(message, "password=s3cret") == ('password authentication failed for user "app"')
+
+
+def test_the_sqlalchemy_url_alembic_keeps_is_accepted_and_its_password_masked() -> None:
+    """docs/alembic.md keeps one `postgresql+psycopg://` DATABASE_URL and passes it to
+    `--dsn`: libpq refused it and the error printed the password, twice."""
+    url = "postgresql+psycopg://owner:S3cretPW@127.0.0.1:5432/app"
+    resolved = resolve(url, {})
+    assert resolved is not None and resolved.dsn == "postgresql://owner:S3cretPW@127.0.0.1:5432/app"
+    env = resolve(None, {"OUTBOX_MIGRATE_DSN": "postgres+psycopg2://o@h/d"})
+    assert env is not None and env.dsn == "postgres://o@h/d"
+    shown = mask(f'missing "=" after "{url}" in connection info string')
+    assert "S3cretPW" not in shown and "postgresql+psycopg://owner:****@" in shown
