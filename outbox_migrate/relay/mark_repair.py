@@ -15,6 +15,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from outbox_migrate.db import one_line
 from outbox_migrate.errors import RelayFailed
 from outbox_migrate.patterns import marker
 from outbox_migrate.relay import queries
@@ -73,6 +74,20 @@ class ConflictKey:
             f'SQLSTATE 23505: duplicate key value violates unique constraint "{self.index}" '
             f"(Key ({self.column})=({ident}) already exists in {self.schema}.{self.table}.)"
         )
+
+
+def table_fault(error: BaseException | None, source: queries.Source) -> RelayFailed | None:
+    """The relay's stop when a mark failed for the table, not for a row: no partition takes a
+    published row (SQLSTATE 23514 without a constraint name, in any server language: a CHECK
+    always names its constraint). Repairing would split the batch down to single rows, all
+    failing alike, and dead-letter the whole backlog after sending it once per try."""
+    if not isinstance(error, psycopg.errors.CheckViolation) or error.diag.constraint_name:
+        return None
+    return RelayFailed(
+        f"relay stopped: {source.mark_table} has no partition for published rows, so no row "
+        f"can be marked ({one_line(str(error))}); COPRA publishes from the partitioned table "
+        "only from V4 on: run the relay with --mode flat until then"
+    )
 
 
 def of_error(conn: Any, error: psycopg.Error | None, id_column: str) -> ConflictKey | None:
@@ -401,6 +416,9 @@ def mark_in_halves(conn: Any, source: queries.Source, tids: list[str]) -> dict[s
         try:
             conn.execute(_marked_in_savepoint(source, part))
         except psycopg.errors.IntegrityError as exc:
+            stop = table_fault(exc, source)
+            if stop is not None:
+                raise stop from exc
             conn.execute(_ROLLBACK_TO)
             if len(part) == 1:
                 failed[part[0]] = _reason(exc)

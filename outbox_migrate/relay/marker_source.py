@@ -143,6 +143,20 @@ def check_markable(conn: Any, source: queries.Source) -> None:
             "release's rename): start the relay with the original name "
             "(--partitioned-table), which the rename gave the partitioned table"
         )
+    claim = queries.qualified(source.schema, source.claim_table)
+    row = conn.execute(
+        "SELECT c.relkind = 'p' AND NOT EXISTS (SELECT FROM pg_inherits i WHERE i.inhparent = "
+        "c.oid AND i.inhrelid IS DISTINCT FROM to_regclass(%s)) FROM pg_class c "
+        "WHERE c.oid = to_regclass(%s)",
+        (claim, mark),
+    ).fetchone()
+    if row and row[0]:
+        # COPRA's V2 layout: the old table becomes the DEFAULT partition only before V4.
+        raise RelayError(
+            f"{mark} has no partition for published rows besides {claim}: a mark would have "
+            "nowhere to move them; COPRA publishes from the partitioned table from V4 on, "
+            "run the relay with --mode flat until then"
+        )
 
 
 def check_names(conn: Any, source: queries.Source) -> None:

@@ -39,6 +39,9 @@ def repair(
             failed = commit.mark.error(encoding)
         if failed is None and isinstance(error, psycopg.Error):
             failed = error
+        stop = mark_repair.table_fault(failed, source)
+        if stop is not None:  # the rows stay unpublished: sent again once the table is fixed
+            raise stop
         try:
             if claim.letters:
                 # Rolled back with the mark that failed on another row: written again.

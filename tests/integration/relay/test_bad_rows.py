@@ -16,6 +16,7 @@ import json
 import pickle
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -25,7 +26,7 @@ import pytest
 from outbox_migrate_harness.testing.schema import insert_rows
 
 from outbox_migrate.config import OutboxSpec
-from outbox_migrate.errors import MessagesRejected
+from outbox_migrate.errors import MessagesRejected, RelayFailed
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
@@ -551,3 +552,61 @@ def test_a_failed_mark_costs_its_batch_not_the_run(
     # session, all the others ahead (ending the run at a failed mark: 18).
     assert relay.stats.read_ahead == 20, relay.stats.as_dict()
     assert relay.stats.published == 197 and relay.stats.bad_rows == 9
+
+
+# -- a table with nowhere to put a published row is the table's fault, not the rows' -------
+
+
+def _unpublished_partition_only(conn: psycopg.Connection) -> None:
+    """COPRA's V2 layout: the partitioned table's published rows go to the old table once it
+    is attached as DEFAULT (before V4); until then it has the unpublished partition alone."""
+    conn.execute(
+        "CREATE TABLE outbox_new (id bigserial, payload jsonb NOT NULL, created_at "
+        "timestamptz NOT NULL DEFAULT now(), published_at timestamptz) "
+        "PARTITION BY LIST (published_at)"
+    )
+    conn.execute("CREATE TABLE outbox_unpublished PARTITION OF outbox_new FOR VALUES IN (NULL)")
+    conn.execute("INSERT INTO outbox_new (payload) SELECT '{}' FROM generate_series(1, 14)")
+    conn.commit()
+
+
+def test_the_relay_refuses_a_partitioned_table_without_a_partition_for_published_rows(
+    dsn: str, conn: psycopg.Connection
+) -> None:
+    """The relay in its default mode during COPRA's V2 sent each message once per try, then
+    dead-lettered all 14 and deleted them from the outbox, exit 0."""
+    _unpublished_partition_only(conn)
+    result = subprocess.run(
+        [sys.executable, "-m", "outbox_migrate", "relay", "--sink", "stdout", "--until-empty",
+         "--no-listen", "--dsn", dsn],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""  # nothing sent
+    (line,) = result.stderr.strip().splitlines()
+    assert "has no partition for published rows" in line and "--mode flat" in line
+    assert len(ids_in(conn, "outbox_unpublished")) == 14
+
+
+def test_a_published_partition_detached_while_the_relay_runs_stops_it_and_keeps_the_rows(
+    dsn: str, conn: psycopg.Connection, collected: Collected
+) -> None:
+    """The same fault met mid-run (the DEFAULT partition detached under a running relay):
+    every row failed alone, so all were dead-lettered. Now the relay stops with exit 1's
+    error and the rows stay in the outbox, unpublished."""
+    _unpublished_partition_only(conn)
+    conn.execute("CREATE TABLE outbox_published PARTITION OF outbox_new DEFAULT")
+    conn.commit()
+    sent_once = threading.Event()
+
+    def detach_after_the_first_batch(_batch: Any) -> None:
+        if not sent_once.is_set():
+            sent_once.set()
+            with psycopg.connect(dsn, autocommit=True) as other:
+                other.execute("ALTER TABLE outbox_new DETACH PARTITION outbox_published")
+
+    relay = _relay(dsn, collected.factory(detach_after_the_first_batch), SPEC, batch_size=5)
+    with pytest.raises(RelayFailed, match="has no partition for published rows"):
+        relay.run()
+    assert conn.execute("SELECT count(*) FROM outbox_dead_letter").fetchone() == (0,)
+    assert len(ids_in(conn, "outbox_unpublished")) == 14
