@@ -9,9 +9,11 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from outbox_migrate.relay import queries
-from outbox_migrate.relay.message import Message, MessageId
+from outbox_migrate.relay.message import Message, MessageId, UncheckedText
 
 HEADERS_NOT_OBJECT = "the headers column does not hold a JSON object"
+JSON_TYPES = ("json", "jsonb")
+"""Payload columns whose every value is JSON: embedded in a JSON envelope unchecked."""
 
 
 class BadRow(NamedTuple):
@@ -31,7 +33,8 @@ def messages(rows: Sequence[Any], message: type[Message], columns: queries.Colum
     the NamedTuple's own `__new__` is a Python function, and this runs per message."""
     new = tuple.__new__
     raw = columns.payload_type == "bytea"
-    if not columns.carries_headers and not raw:
+    unchecked = columns.payload_type not in JSON_TYPES
+    if not columns.carries_headers and not unchecked:
         return Claimed([new(message, (r[0], r[1], r[2], r[3], r[4], r[5], ())) for r in rows], [])
     at = queries.CLAIM_HEADERS_COLUMN
     text_at = queries.CLAIM_TEXT_HEADERS_COLUMN if columns.text_headers else 0
@@ -39,7 +42,7 @@ def messages(rows: Sequence[Any], message: type[Message], columns: queries.Colum
     out: list[Message] = []
     bad: list[BadRow] = []
     for r in rows:
-        payload = text_or_bytes(r[4]) if raw else r[4]
+        payload = text_or_bytes(r[4]) if raw else UncheckedText(r[4]) if unchecked else r[4]
         reason = ""
         extra: tuple[tuple[str, str], ...] = ()
         if len(r) > at:
@@ -68,7 +71,7 @@ def messages(rows: Sequence[Any], message: type[Message], columns: queries.Colum
 
 def text_or_bytes(body: bytes) -> str | bytes:
     try:
-        return body.decode()
+        return UncheckedText(body.decode())
     except UnicodeDecodeError:
         return bytes(body)
 

@@ -4,6 +4,7 @@ text PostgreSQL returned (parsing it would only cost CPU), or `bytes` when not U
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from json.encoder import encode_basestring  # C-accelerated: quotes and escapes one string
 from typing import NamedTuple
@@ -15,6 +16,20 @@ MessageId = int | str  # an application id (uuid, ULID) as text
 
 def _json_text(value: str | None) -> str:
     return "null" if value is None else encode_basestring(value)
+
+
+class UncheckedText(str):
+    """A payload from a column that does not promise JSON (text, or bytea that is UTF-8). Its
+    own type, so an envelope that embeds the payload as JSON checks it first (`payload_json`),
+    while a json or jsonb payload keeps the unchecked hot path (`type(payload) is str`)."""
+
+    __slots__ = ()
+
+
+NOT_JSON = (
+    "the payload is not JSON (its column is not json or jsonb) and this envelope embeds it as "
+    "JSON: send it as it is with --sink-option envelope=raw"
+)
 
 
 class Message(NamedTuple):
@@ -52,12 +67,25 @@ class Message(NamedTuple):
             )
         return payload  # type: ignore[return-value]  # str: the only other type
 
+    def payload_json(self) -> str:
+        """The payload as a JSON text to embed verbatim; `UnrepresentableMessage` for one that
+        is not JSON (a text column holds any text: embedded as it is, it made the whole
+        document invalid, and was acknowledged and marked) or not text."""
+        text = self.payload_text()
+        if type(text) is UncheckedText:
+            try:
+                json.loads(text)
+            except ValueError:
+                raise UnrepresentableMessage(NOT_JSON, self.id) from None
+        return text
+
     def envelope(self) -> str:
-        """One JSON object: id, table, event_type, key, created_at, payload (verbatim: valid
-        JSON from PostgreSQL). By hand: json.dumps per message costs several times more."""
+        """One JSON object: id, table, event_type, key, created_at, payload (verbatim: JSON from
+        PostgreSQL, or checked first: `payload_json`). By hand: json.dumps per message costs
+        several times more."""
         event_type, key, payload = self.event_type, self.key, self.payload
-        # The check inline: a call per message for text, which nearly every payload is.
-        text = payload if type(payload) is str else self.payload_text()
+        # The check inline: a call per message only for payloads of other types than jsonb.
+        text = payload if type(payload) is str else self.payload_json()
         return (
             f'{{"id":{self.id},"table":{encode_basestring(self.table)},"event_type":'
             f'{"null" if event_type is None else encode_basestring(event_type)},"key":'
@@ -89,4 +117,4 @@ class TextIdMessage(Message):
         return f'{{"id":{_json_text(str(self.id))},' + text[len(number) :]
 
 
-__all__ = ["Message", "MessageId", "TextIdMessage"]
+__all__ = ["Message", "MessageId", "TextIdMessage", "UncheckedText"]

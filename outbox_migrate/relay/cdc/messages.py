@@ -14,7 +14,7 @@ from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import RelayError
 from outbox_migrate.relay.cdc import pgoutput
 from outbox_migrate.relay.claimed import HEADERS_NOT_OBJECT, headers_from_text, text_or_bytes
-from outbox_migrate.relay.message import Message, MessageId
+from outbox_migrate.relay.message import Message, MessageId, UncheckedText
 from outbox_migrate.relay.options import CdcOptions
 from outbox_migrate.sql import query
 
@@ -31,6 +31,8 @@ class Columns:
     headers: int | None
     metadata: tuple[tuple[str, int], ...]
     payload_bytea: bool = False
+    payload_json: bool = True
+    """A json or jsonb payload column: every value is JSON (others are checked when embedded)."""
 
 
 class MessageBuilder:
@@ -63,6 +65,7 @@ class MessageBuilder:
                 headers=names.get(optional["headers"] or ""),
                 metadata=tuple((c, names[c]) for c in spec.metadata_columns),
                 payload_bytea=relation.types[names[spec.payload_column]] == BYTEA_OID,
+                payload_json=relation.types[names[spec.payload_column]] in JSON_OIDS,
             )
         except KeyError as exc:
             raise RelayError(f"{self.label} has no column {exc.args[0]}") from None
@@ -86,27 +89,28 @@ class MessageBuilder:
             self.name,
             values[columns.event_type] if columns.event_type is not None else None,
             values[columns.key] if columns.key is not None else None,
-            _payload(values[columns.payload], columns.payload_bytea),
+            _payload(values[columns.payload], columns.payload_bytea, columns.payload_json),
             created_at.isoformat(),
             extra,
         )
 
 
 BYTEA_OID = 17
+JSON_OIDS = (114, 3802)  # json, jsonb
 
 
 def _id(value: Any) -> int:
     return int(value or 0)
 
 
-def _payload(value: str | None, bytea: bool) -> str | bytes:
+def _payload(value: str | None, bytea: bool, is_json: bool) -> str | bytes:
     """The payload as the polling claim renders it: a bytea's bytes (`\\x` hex from the
-    stream) as text when UTF-8, raw bytes otherwise."""
+    stream) as text when UTF-8, raw bytes otherwise; a text column's value marked unchecked."""
     if value is None:
         return "null"
     if bytea and value.startswith("\\x"):
         return text_or_bytes(bytes.fromhex(value[2:]))
-    return value
+    return value if is_json else UncheckedText(value)
 
 
 def _extra_headers(columns: Columns, values: Sequence[str | None]) -> tuple[tuple[str, str], ...]:

@@ -117,4 +117,4 @@ class CloudEvents:
             f"{encode_basestring(name)}:{encode_basestring(value)}"
             for name, value in attributes.items()
         )
-        return f'{{{fields},"data":{message.payload_text()}}}'
+        return f'{{{fields},"data":{message.payload_json()}}}'

@@ -163,7 +163,7 @@ class KafkaSink:
         for message in batch:
             if raw:  # the hot path: no envelope to build; the client takes headers as a dict
                 payload = message.payload
-                value = payload.encode() if type(payload) is str else payload
+                value = payload.encode() if isinstance(payload, str) else payload
                 headers: Any = message.headers()
             else:
                 try:

@@ -28,6 +28,7 @@ from outbox_migrate_harness.testing.schema import insert_rows
 from outbox_migrate.config import OutboxSpec
 from outbox_migrate.errors import MessagesRejected, RelayFailed
 from outbox_migrate.relay.options import Mode, Ordering, RelayOptions
+from outbox_migrate.relay.sinks import SinkConfig
 from outbox_migrate.relay.sinks.stdout import StdoutSink
 from outbox_migrate.relay.worker import Relay, running
 
@@ -610,3 +611,40 @@ def test_a_published_partition_detached_while_the_relay_runs_stops_it_and_keeps_
         relay.run()
     assert conn.execute("SELECT count(*) FROM outbox_dead_letter").fetchone() == (0,)
     assert len(ids_in(conn, "outbox_unpublished")) == 14
+
+
+# -- a text payload that is not JSON, in an envelope that embeds JSON ------------------------
+
+
+@pytest.mark.parametrize("envelope", ["json", "cloudevents", "raw"])
+def test_a_text_payload_that_is_not_json_is_dead_lettered_by_a_json_envelope(
+    dsn: str, conn: psycopg.Connection, envelope: str
+) -> None:
+    """A text payload column holds any text. Embedded verbatim in the JSON envelope (stdout's
+    and HTTP's default) or CloudEvents' `data`, `hello "world` made a line no consumer could
+    parse, and it was acknowledged and marked. Now that row is dead-lettered with the reason,
+    the JSON ones flow, every line parses; `raw` sends every payload as it is."""
+    conn.execute(
+        "CREATE TABLE outbox (id bigserial PRIMARY KEY, payload text NOT NULL, "
+        "created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz)"
+    )
+    payloads = ['{"n": 1}', 'hello "world', '"a JSON string"', "", "[1, 2]"]
+    for payload in payloads:
+        conn.execute("INSERT INTO outbox (payload) VALUES (%s)", (payload,))
+    conn.commit()
+    stream = io.StringIO()
+    sink = lambda: StdoutSink(SinkConfig(extra={"envelope": envelope}), stream=stream)  # noqa: E731
+    _relay(dsn, sink, OutboxSpec(table="outbox"), mode=Mode.flat).run()
+    lines = stream.getvalue().splitlines()
+    if envelope == "raw":
+        assert sorted(lines) == sorted(payloads) and _dead(conn) == []
+        return
+    documents = [json.loads(line) for line in lines]  # every line is JSON
+    body = "payload" if envelope == "json" else "data"
+    assert sorted(json.dumps(d[body]) for d in documents) == sorted(
+        json.dumps(json.loads(p)) for p in ('{"n": 1}', '"a JSON string"', "[1, 2]")
+    )
+    dead = _dead(conn)
+    assert [d[0] for d in dead] == [2, 4]
+    assert all("not JSON" in d[2] and "envelope=raw" in d[2] for d in dead)
+    assert conn.execute("SELECT count(*) FROM outbox WHERE published_at IS NULL").fetchone() == (0,)
