@@ -264,13 +264,26 @@ def relay(flags: RelayFlags, names: dict[str, Any]) -> None:
         raise UsageError("--sink is required: where should the relay publish?")
     runner, server = _runner(flags, dsn, settings, config)
     assert stopping is not None
-    if stopping.attach(runner.stop):
-        return  # stopped while starting: nothing was claimed or streamed
-    try:
-        runner.run()
-    finally:
-        if server is not None:
-            server.shutdown()
+    if not stopping.attach(runner.stop):  # else stopped while starting: nothing begun
+        try:
+            runner.run()
+        finally:
+            if server is not None:
+                server.shutdown()
+    if flags.until_empty and stopping.requested:
+        _stopped_before_empty()
+
+
+def _stopped_before_empty() -> None:
+    """`--until-empty` promises an empty outbox at exit 0, which a script's next step relies
+    on (`relay --once && next-step`): a stop before that exits as the signal (130/143)."""
+    from outbox_migrate.cli import exits, signals
+
+    exits.set_interrupt_note(
+        "the relay stopped before nothing was left to publish (a batch in flight was "
+        "finished first) — re-run the same command to publish the rest"
+    )
+    raise signals.Terminated() if signals.last() == signals.SIGTERM else KeyboardInterrupt()
 
 
 def _runner(

@@ -113,6 +113,7 @@ class GracefulStop:
         # bytecodes, maybe while that thread holds a lock the stop takes (an Event's), so
         # the stop itself runs on a thread of its own (`attach`).
         self.requested = True
+        _received.append(_signum)  # the exit code of a stop that is not the service's normal end
         if self._wake_fd is not None:
             try:
                 os.write(self._wake_fd, b"x")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -224,3 +225,46 @@ def test_sqlalchemy_tables_and_insert(dsn: str, partitioned: psycopg.Connection)
     assert {c.name for c in reflected.columns} == {
         c.name for c in tables[WritePhase.partitioned].columns
     }
+
+
+SLOW_SINK = """
+import sys, time
+
+class Slow:
+    def publish(self, batch):
+        sys.stdout.write("".join(f"{m.id}\\n" for m in batch))
+        sys.stdout.flush()
+        time.sleep(0.2)
+
+    def close(self):
+        pass
+
+def build(config):
+    return Slow()
+"""
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_before_the_outbox_is_empty_is_not_a_successful_until_empty(
+    dsn: str, partitioned: psycopg.Connection, tmp_path, signum: int, code: int
+) -> None:
+    """`relay --once` stopped by a signal with rows left exited 0, so `relay --once &&
+    next-step` went on with an outbox that was not empty. Now it exits as the signal, one
+    line; the batch in flight was finished and marked, the rest left for the next run."""
+    (tmp_path / "slow_sink.py").write_text(SLOW_SINK)
+    insert_rows(partitioned, "outbox_new", 30, spec=SPEC)
+    partitioned.commit()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "outbox_migrate", "relay", "--dsn", dsn, "--sink",
+         "slow_sink:build", "--once", "--no-listen", "--batch-size", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert process.stdout is not None
+    process.stdout.readline()  # the first batch is being published
+    process.send_signal(signum)
+    _out, err = process.communicate(timeout=60)
+    assert process.returncode == code, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("outbox-migrate: error: ") and "re-run the same command" in line
+    assert 0 < len(ids_in(partitioned, "outbox_unpublished")) < 30
