@@ -445,6 +445,8 @@ def _check_ranges(flags: RelayFlags) -> None:
     require_positive("--sink-timeout", flags.sink_timeout)
     require_positive("--poll-interval", flags.poll_interval)
     require_positive("--shutdown-timeout", flags.shutdown_timeout)
+    if flags.session_timeout != 0:  # 0: the OS defaults, no fencing (its help)
+        require_positive("--session-timeout", flags.session_timeout)
     shards, workers = flags.shards, flags.workers
     if shards is not None and shards < workers:
         raise UsageError(f"--shards {shards} is fewer than --workers {workers}: "

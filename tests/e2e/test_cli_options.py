@@ -69,6 +69,8 @@ BAD_INPUT = [
     (["relay", "--sink", "stdout", "--ordering", "alphabetical"], {}, "--ordering"),
     (["relay", "--sink", "stdout", "--metrics-port", "70000"], {}, "--metrics-port"),
     (["relay", "--sink", "stdout", "--sink-timeout", "-1"], {}, "--sink-timeout"),
+    (["relay", "--sink", "stdout", "--session-timeout", "-3"], {}, "--session-timeout"),
+    (["relay", "--sink", "stdout", "--session-timeout", "nan"], {}, "--session-timeout"),
     (["relay", "--sink", "stdout", "--workers", "4", "--shards", "2"], {}, "--shards"),
     (["relay", "--sink", "stdout", "--log-level", "loud"], {}, "--log-level"),
     (["wizard", "--no-pause", "--table", ""], {}, "table"),
