@@ -343,11 +343,22 @@ SELECT format('%s has no REPLICA IDENTITY FULL: a publication of its UPDATEs/DEL
 WHERE NOT EXISTS (SELECT 1 FROM pg_class WHERE oid = to_regclass({rel_reg}) AND relreplident = 'f')
 
 -- name: publications-carried
--- Every publication that lists the old outbox also lists the unpublished partition (offline SQL has no CDC step of its own).
-SELECT format('publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD TABLE %s) before deploying V2', p.pubname, {rel_reg}, {unpublished_reg}, p.pubname, {unpublished_reg})
+-- Every publication that lists the old outbox also lists the unpublished partition, which logs whole old rows where the publication publishes UPDATEs (offline SQL has no CDC step of its own).
+SELECT format('publication %I lists %s but %s; apply the step publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or %s) before deploying V2',
+              p.pubname, {rel_reg},
+              CASE WHEN NOT l.listed
+                   THEN format('not %s: its consumer would miss every message V2 writes', {unpublished_reg})
+                   ELSE format('%s has no REPLICA IDENTITY FULL: every mark of the V2 relay would fail (cannot update a table that publishes updates without a replica identity)', {unpublished_reg}) END,
+              concat_ws('; ',
+                        CASE WHEN NOT l.full_identity THEN format('ALTER TABLE %s REPLICA IDENTITY FULL', {unpublished_reg}) END,
+                        CASE WHEN NOT l.listed THEN format('ALTER PUBLICATION %I ADD TABLE %s', p.pubname, {unpublished_reg}) END))
 FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass({rel_reg})
-WHERE NOT EXISTS (
-    SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid AND u.prrelid = to_regclass({unpublished_reg}))
+CROSS JOIN LATERAL (
+    SELECT EXISTS (SELECT 1 FROM pg_publication_rel u
+                   WHERE u.prpubid = p.oid AND u.prrelid = to_regclass({unpublished_reg})) AS listed,
+           EXISTS (SELECT 1 FROM pg_class c
+                   WHERE c.oid = to_regclass({unpublished_reg}) AND c.relreplident = 'f') AS full_identity) l
+WHERE NOT l.listed OR ((p.pubupdate OR p.pubdelete) AND NOT l.full_identity)
 
 -- name: no-row-security
 -- The table has no row-level security: its policies are not carried to the partitioned table.

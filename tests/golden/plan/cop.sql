@@ -737,14 +737,31 @@ DECLARE violation text;
 BEGIN
     FOR violation IN SELECT
         format(
-        'publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step '
-        'publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD '
-        'TABLE %s) before deploying V2', p.pubname, '"public"."outbox"', '"public"."outbox_unpublished"', p.pubname,
-        '"public"."outbox_unpublished"')
+        'publication %I lists %s but %s; apply the step publish-unpublished-partition from `outbox-migrate plan --dsn '
+        '... --format sql` (or %s) before deploying V2',
+              p.pubname, '"public"."outbox"',
+              CASE WHEN NOT l.listed
+                   THEN
+                       format('not %s: its consumer would miss every message V2 writes',
+                       '"public"."outbox_unpublished"')
+                   ELSE
+                       format(
+                       '%s has no REPLICA IDENTITY FULL: every mark of the V2 relay would fail (cannot update a table '
+                       'that publishes updates without a replica identity)', '"public"."outbox_unpublished"') END,
+              concat_ws('; ',
+                        CASE WHEN NOT l.full_identity THEN
+                            format('ALTER TABLE %s REPLICA IDENTITY FULL', '"public"."outbox_unpublished"') END,
+                        CASE WHEN NOT l.listed THEN
+                            format('ALTER PUBLICATION %I ADD TABLE %s', p.pubname, '"public"."outbox_unpublished"')
+                            END))
 FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass('"public"."outbox"')
-WHERE NOT EXISTS (
-    SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid
-        AND u.prrelid = to_regclass('"public"."outbox_unpublished"'))
+CROSS JOIN LATERAL (
+    SELECT EXISTS (SELECT 1 FROM pg_publication_rel u
+                   WHERE u.prpubid = p.oid AND u.prrelid = to_regclass('"public"."outbox_unpublished"')) AS listed,
+           EXISTS (SELECT 1 FROM pg_class c
+                   WHERE c.oid = to_regclass('"public"."outbox_unpublished"')
+                       AND c.relreplident = 'f') AS full_identity) l
+WHERE NOT l.listed OR ((p.pubupdate OR p.pubdelete) AND NOT l.full_identity)
     LOOP
         RAISE EXCEPTION
             'outbox-migrate: precondition of cop.v2.install-gate-sequence (CDC) [publications-carried] failed: %',

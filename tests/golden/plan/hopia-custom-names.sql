@@ -800,13 +800,27 @@ DECLARE violation text;
 BEGIN
     FOR violation IN SELECT
         format(
-        'publication %I lists %s but not %s: its consumer would miss every message V2 writes; apply the step '
-        'publish-unpublished-partition from `outbox-migrate plan --dsn ... --format sql` (or ALTER PUBLICATION %I ADD '
-        'TABLE %s) before deploying V2', p.pubname, '"billing"."Events"', '"billing"."events_todo"', p.pubname,
-        '"billing"."events_todo"')
+        'publication %I lists %s but %s; apply the step publish-unpublished-partition from `outbox-migrate plan --dsn '
+        '... --format sql` (or %s) before deploying V2',
+              p.pubname, '"billing"."Events"',
+              CASE WHEN NOT l.listed
+                   THEN format('not %s: its consumer would miss every message V2 writes', '"billing"."events_todo"')
+                   ELSE
+                       format(
+                       '%s has no REPLICA IDENTITY FULL: every mark of the V2 relay would fail (cannot update a table '
+                       'that publishes updates without a replica identity)', '"billing"."events_todo"') END,
+              concat_ws('; ',
+                        CASE WHEN NOT l.full_identity THEN
+                            format('ALTER TABLE %s REPLICA IDENTITY FULL', '"billing"."events_todo"') END,
+                        CASE WHEN NOT l.listed THEN
+                            format('ALTER PUBLICATION %I ADD TABLE %s', p.pubname, '"billing"."events_todo"') END))
 FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = to_regclass('"billing"."Events"')
-WHERE NOT EXISTS (
-    SELECT 1 FROM pg_publication_rel u WHERE u.prpubid = p.oid AND u.prrelid = to_regclass('"billing"."events_todo"'))
+CROSS JOIN LATERAL (
+    SELECT EXISTS (SELECT 1 FROM pg_publication_rel u
+                   WHERE u.prpubid = p.oid AND u.prrelid = to_regclass('"billing"."events_todo"')) AS listed,
+           EXISTS (SELECT 1 FROM pg_class c
+                   WHERE c.oid = to_regclass('"billing"."events_todo"') AND c.relreplident = 'f') AS full_identity) l
+WHERE NOT l.listed OR ((p.pubupdate OR p.pubdelete) AND NOT l.full_identity)
     LOOP
         RAISE EXCEPTION
             'outbox-migrate: precondition of hopia.v2.install-gate-sequence (CDC) [publications-carried] failed: %',

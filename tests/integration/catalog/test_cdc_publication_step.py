@@ -199,7 +199,17 @@ def test_offline_sql_without_a_dsn_stops_before_v2_is_deployed(dsn: str, pg_serv
     assert "publication dbz lists" in applied.stderr and "publish-unpublished-partition" in (
         applied.stderr
     )
+    assert "ALTER TABLE" in applied.stderr and "REPLICA IDENTITY FULL" in applied.stderr
+    guard = v2[v2.index("-- check: no publication lists") :]
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("ALTER PUBLICATION dbz ADD TABLE outbox_unpublished")
-        guard = v2[v2.index("-- check: no publication lists") :]
+    # Listed but without a replica identity, every mark of the V2 relay would fail: the guard
+    # said "or ALTER PUBLICATION … ADD TABLE" alone, and let V2 be deployed that way.
+    half_fixed = psql(pg_server, dsn, guard)
+    assert half_fixed.returncode != 0 and "no REPLICA IDENTITY FULL" in half_fixed.stderr
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE outbox_unpublished REPLICA IDENTITY FULL")
     assert psql(pg_server, dsn, guard).returncode == 0
+    with psycopg.connect(dsn, autocommit=True) as conn:  # what the V2 relay's mark does
+        conn.execute("INSERT INTO outbox_new (payload) VALUES ('{}')")
+        conn.execute("UPDATE outbox_new SET published_at = now() WHERE published_at IS NULL")
