@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from outbox_migrate.alembic_ext.revisions import Split, phase_targets, plan_revisions
+from outbox_migrate.alembic_ext.revisions import (
+    RevisionPlan,
+    Split,
+    phase_targets,
+    plan_revisions,
+)
 from outbox_migrate.config import Settings
 from outbox_migrate.errors import UsageError
 from outbox_migrate.patterns import build_from_settings
+from outbox_migrate.patterns.model import Pattern
 from outbox_migrate.plan import MARKER_KEYS
 
 
@@ -54,19 +62,93 @@ def load_config(directory: Path) -> Any:
     )
 
 
+VERSION_NUM_LENGTH = 32
+"""Alembic's `alembic_version.version_num` is VARCHAR(32): a longer revision id is written
+without complaint, and `alembic upgrade` fails on it once the pipeline reaches it."""
+
+
+@contextmanager
+def _history(script: Any) -> Iterator[None]:
+    """Alembic's errors reading the project's revisions (a cycle, a missing parent) as one
+    line: the history is the user's to repair, and nothing is written until it reads."""
+    from alembic.script.revision import RevisionError
+    from alembic.util import CommandError
+
+    try:
+        yield
+    except (CommandError, RevisionError) as exc:
+        raise UsageError(
+            f"the Alembic history in {script.versions} cannot be read ({exc}); repair it "
+            "(`alembic heads` and `alembic history` show it), then generate again"
+        ) from None
+
+
 def current_head(config: Any) -> str | None:
     """The project's single head (None for an empty project)."""
     from alembic.script import ScriptDirectory
+    from alembic.script.revision import MultipleHeads
     from alembic.util import CommandError
 
     script = ScriptDirectory.from_config(config)
-    try:
-        return script.get_current_head()
-    except CommandError:
-        heads = ", ".join(script.get_heads())
+    with _history(script):
+        try:
+            return script.get_current_head()
+        except CommandError as exc:
+            if not isinstance(exc.__cause__, MultipleHeads):
+                raise
+            heads = ", ".join(script.get_heads())
+    raise UsageError(
+        f"the Alembic project has several heads ({heads}); choose one with --down-revision"
+    )
+
+
+def _parent(script: Any, down_revision: str) -> bool:
+    """Check that `down_revision` exists; whether chaining after it splices (it is not a
+    head)."""
+    from alembic.script.revision import ResolutionError
+    from alembic.util import CommandError
+
+    with _history(script):
+        try:
+            script.get_revision(down_revision)
+        except CommandError as exc:
+            if not isinstance(exc.__cause__, ResolutionError):
+                raise
+            raise UsageError(
+                f"--down-revision {down_revision!r}: no such revision in {script.versions}; "
+                "`alembic history` lists them"
+            ) from None
+        return down_revision not in script.get_heads()
+
+
+def _plan(script: Any, pattern: Pattern, tag: str | None, split: Split) -> list[RevisionPlan]:
+    """The revisions to write, refused before any file when one cannot be: an id the project
+    already has (writing it would replace a reviewed, maybe applied revision and chain its
+    copy after the head, a cycle), or one longer than `alembic_version` holds. A random tag
+    that is taken is drawn again."""
+    with _history(script):
+        existing = {revision.revision for revision in script.walk_revisions()}
+    for _ in range(8):
+        plans = plan_revisions(pattern, tag or secrets.token_hex(2), split)
+        taken = [plan.rev_id for plan in plans if plan.rev_id in existing]
+        if not taken:
+            break
+        if tag is not None:
+            raise UsageError(
+                f"revision {taken[0]} already exists in {script.versions} (--tag {tag} was "
+                "used before): a generated revision is never rewritten; choose another --tag"
+            )
+    else:  # pragma: no cover - eight random tags of 65536 all taken
+        raise UsageError(f"every random tag drawn is taken in {script.versions}; pass --tag")
+    longest = max((plan.rev_id for plan in plans), key=len)
+    if len(longest) > VERSION_NUM_LENGTH:
+        room = VERSION_NUM_LENGTH - (len(longest) - len(tag or ""))
         raise UsageError(
-            f"the Alembic project has several heads ({heads}); choose one with --down-revision"
-        ) from None
+            f"--tag {tag}: revision id {longest} ({len(longest)} characters) would not fit "
+            f"Alembic's alembic_version.version_num, which holds {VERSION_NUM_LENGTH} "
+            f"characters; use a tag of at most {room} for this pattern"
+        )
+    return plans
 
 
 def _spec_of(settings: Settings) -> dict[str, Any]:
@@ -103,17 +185,14 @@ def generate(
 
     from outbox_migrate.alembic_ext.ops import IMPORT_LINE, OutboxPhaseOp, OutboxStepOp
 
+    if tag is not None and not re.fullmatch(r"[A-Za-z0-9]+", tag):
+        raise UsageError(f"--tag {tag!r}: use letters and digits only")
     config = load_config(directory)
     script = ScriptDirectory.from_config(config)
     parent = down_revision if down_revision is not None else current_head(config)
-    splice = False
-    if down_revision is not None:
-        script.get_revision(down_revision)  # an unknown id fails here, before any file
-        splice = down_revision not in script.get_heads()
+    splice = down_revision is not None and _parent(script, down_revision)
     pattern = build_from_settings(pattern_name, settings, include_optional=include_optional)
-    if tag is not None and not re.fullmatch(r"[A-Za-z0-9]{1,16}", tag):
-        raise UsageError(f"--tag {tag!r}: use 1 to 16 letters or digits")
-    plans = plan_revisions(pattern, tag or secrets.token_hex(2), split)
+    plans = _plan(script, pattern, tag, split)
     spec = _spec_of(settings)
     result = Generated(pattern.name, script.dir, parent)
     for plan in plans:

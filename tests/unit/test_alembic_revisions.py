@@ -163,3 +163,91 @@ def test_cli_generate_json_and_one_line_errors(tmp_path: Path) -> None:
     assert missing.returncode == 2
     assert missing.stderr.startswith("outbox-migrate: error: no Alembic project in")
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def _versions(root: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in (root / "migrations" / "versions").glob("*.py")}
+
+
+def _heads(ini: Path) -> list[str]:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(Config(str(ini))).get_heads()
+
+
+def test_generate_refuses_a_revision_id_that_exists(tmp_path: Path) -> None:
+    # A second run with the same tag used to rewrite the reviewed (maybe applied) files and
+    # chain the new copy of the first one after the old head: a cycle.
+    ini = _project(tmp_path, per_migration=True)
+    generate("cop", SETTINGS, tmp_path, tag="q1")
+    before = _versions(tmp_path)
+    with pytest.raises(UsageError, match=r"revision q1_cop_v2_01 already exists in .* --tag"):
+        generate("cop", SETTINGS, tmp_path, tag="q1")
+    assert _versions(tmp_path) == before
+    assert _heads(ini) == ["q1_cop_v3_02"]
+    # The same tag for another pattern makes other ids: chained after the head.
+    assert generate("hop", SETTINGS, tmp_path, tag="q1").down_revision == "q1_cop_v3_02"
+
+
+def test_generate_draws_another_random_tag_when_one_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import outbox_migrate.alembic_ext.generate as generation
+
+    _project(tmp_path, per_migration=True)
+    generate("hop", SETTINGS, tmp_path, tag="aaaa")
+    drawn = iter(["aaaa", "bbbb"])
+    monkeypatch.setattr(generation.secrets, "token_hex", lambda _n: next(drawn))
+    result = generate("hop", SETTINGS, tmp_path)
+    assert result.revisions[0]["revision"] == "bbbb_hop_v2_01"
+
+
+def test_generate_refuses_ids_longer_than_alembic_version_holds(tmp_path: Path) -> None:
+    # alembic_version.version_num is VARCHAR(32): a longer id is written, then `alembic
+    # upgrade` fails on it (StringDataRightTruncation) once the pipeline reaches it.
+    _project(tmp_path, per_migration=True)
+    with pytest.raises(UsageError, match=r"abcdefghijklmnop_hoper_copy_back_01 \(35 characters\)"
+                       r".* 32 .* at most 13"):  # fmt: skip
+        generate("hoper", SETTINGS, tmp_path, tag="abcdefghijklmnop")
+    with pytest.raises(UsageError, match=r"abcdefghij_hopia_original_name_01 \(33 characters\)"):
+        generate("hopia", SETTINGS, tmp_path, tag="abcdefghij", include_optional=True)
+    assert _versions(tmp_path) == {}
+    # The limit is the ids', not the tag's: a longer tag fits a pattern with shorter ids.
+    longest = generate("hoper", SETTINGS, tmp_path, tag="abcdefghijklm")
+    assert max(len(r["revision"]) for r in longest.revisions) == 32
+    phases = generate("hoper", SETTINGS, tmp_path, tag="abcdefghijklmnop", split=Split.PHASE)
+    assert phases.revisions[-1]["revision"] == "abcdefghijklmnop_hoper_copy_back"
+
+
+def _cycle(root: Path) -> None:
+    """Hand-edit the first revision to revise the last one: a history Alembic cannot read."""
+    first = next((root / "migrations" / "versions").glob("c1_hop_v2_01_*.py"))
+    first.write_text(first.read_text().replace(
+        "down_revision: Union[str, Sequence[str], None] = None",
+        "down_revision: Union[str, Sequence[str], None] = 'c1_hop_v3_02'",
+    ))  # fmt: skip
+
+
+def test_cli_generate_refusals_are_one_line_exit_2(tmp_path: Path) -> None:
+    _project(tmp_path, per_migration=True)
+    run = [sys.executable, "-m", "outbox_migrate", "alembic", "generate", "--pattern", "hop",
+           "--dir", str(tmp_path)]  # fmt: skip
+    assert subprocess.run([*run, "--tag", "c1"], capture_output=True).returncode == 0
+    before = _versions(tmp_path)
+
+    def refused(*args: str) -> str:
+        done = subprocess.run([*run, *args], capture_output=True, text=True)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("outbox-migrate: error: "), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "internal error" not in done.stderr
+        assert _versions(tmp_path) == before
+        return done.stderr
+
+    assert "c1_hop_v2_01 already exists" in refused("--tag", "c1")
+    assert "32" in refused("--tag", "a" * 23)
+    assert "--down-revision 'nosuch'" in refused("--down-revision", "nosuch", "--tag", "d1")
+    _cycle(tmp_path)
+    before = _versions(tmp_path)
+    assert "history" in refused("--down-revision", "c1_hop_v2_05", "--tag", "d1")
+    assert "history" in refused("--tag", "d1")
