@@ -39,6 +39,7 @@ def upgrade() -> None:
             'metadata_columns': (),
             'id_kind': 'database',
             'order_column': '',
+            'unpublished_guard': True,
         },
         in_revision_transaction=True,
     )
@@ -65,6 +66,7 @@ def downgrade() -> None:
             'metadata_columns': (),
             'id_kind': 'database',
             'order_column': '',
+            'unpublished_guard': True,
         },
         in_revision_transaction=True,
     )

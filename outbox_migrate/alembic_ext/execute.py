@@ -62,8 +62,13 @@ def pattern_of(step_id: str) -> str:
 
 def settings_for(spec: Mapping[str, Any] | None) -> Settings:
     """Environment and config file, with the names pinned in the revision taking precedence:
-    a revision keeps doing what it did when it was generated."""
-    return load_settings(dict(spec or {}))
+    a revision keeps doing what it did when it was generated. Revisions generated before the
+    guard was pinned whatever its value left it out when it was on, so a pinned spec without
+    it means on: the configuration must not take a step out of a chain that has its revision."""
+    pinned = dict(spec or {})
+    if spec is not None:
+        pinned.setdefault("unpublished_guard", True)
+    return load_settings(pinned)
 
 
 def select(pattern: Pattern, step_ids: list[str] | None, phase: str | None) -> list[Step]:

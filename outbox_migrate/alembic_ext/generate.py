@@ -162,10 +162,9 @@ def _spec_of(settings: Settings) -> dict[str, Any]:
     for key in MARKER_KEYS:
         if spec.get(key) == "":
             del spec[key]
-    # The guard is pinned only when turned off; on, the revision reads like those generated
-    # before the setting existed, and the default builds the guard.
-    if spec["unpublished_guard"]:
-        del spec["unpublished_guard"]
+    # Every setting that decides the step list stays, whatever its value (`unpublished_guard`:
+    # a guard-unpublished step): left to the configuration the revision runs with, it would
+    # name steps that pattern does not have and stop the phase half-way.
     return spec
 
 

@@ -251,3 +251,36 @@ def test_cli_generate_refusals_are_one_line_exit_2(tmp_path: Path) -> None:
     before = _versions(tmp_path)
     assert "history" in refused("--down-revision", "c1_hop_v2_05", "--tag", "d1")
     assert "history" in refused("--tag", "d1")
+
+
+def test_revisions_pin_the_guard_whatever_the_environment_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Generated with the guard on (the default), applied where the environment turns it off
+    # (OUTBOX_MIGRATE_UNPUBLISHED_GUARD=off, an outbox-migrate.toml in CI's cwd): V2 used to
+    # stop half-way, "pattern HOPER has no step 'hoper.v2.guard-unpublished'".
+    ini = _project(tmp_path, per_migration=True)
+    result = generate("hoper", SETTINGS, tmp_path, tag="g1")
+    assert all(
+        "'unpublished_guard': True," in Path(r["path"]).read_text() for r in result.revisions
+    )
+    monkeypatch.setenv("OUTBOX_MIGRATE_UNPUBLISHED_GUARD", "off")
+    assert 'CREATE TRIGGER "outbox_unpublished_guard"' in _sql(ini, "g1_hoper_v2_10")
+    # Generated off, it stays off where the environment says nothing.
+    monkeypatch.delenv("OUTBOX_MIGRATE_UNPUBLISHED_GUARD")
+    off = generate("hoper", load_settings({"unpublished_guard": False}, environ={}), tmp_path,
+                   tag="g2", down_revision="base")  # fmt: skip
+    assert len(off.revisions) == len(result.revisions) - 1
+    assert "unpublished_guard" not in _sql(ini, f"base:{off.phase_targets['V2']}")
+
+
+def test_revisions_generated_before_the_guard_was_pinned_keep_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Earlier versions left the key out when the guard was on: such a revision means "on".
+    ini = _project(tmp_path, per_migration=True)
+    for revision in generate("hop", SETTINGS, tmp_path, tag="o1").revisions:
+        path = Path(revision["path"])
+        path.write_text(path.read_text().replace("'unpublished_guard': True,", ""))
+    monkeypatch.setenv("OUTBOX_MIGRATE_UNPUBLISHED_GUARD", "off")
+    assert 'CREATE TRIGGER "outbox_unpublished_guard"' in _sql(ini, "o1_hop_v2_10")
