@@ -341,10 +341,14 @@ class Runner:
         Refused while steps of it are applied, unless `force` — the record is what knows how
         to undo them — and for another pattern, `force` or not (`decide.check_reset`)."""
         self.acquire()
-        if not ledger.ledger_exists(self.conn):
-            return False
-        active = ledger.active_for_table(self.conn, self.spec)
+        active = (
+            ledger.active_for_table(self.conn, self.spec)
+            if ledger.ledger_exists(self.conn)
+            else None
+        )
         if active is None:
+            # Nothing to abandon; a table that is not there is bad input, as for `run`.
+            require_table(self.conn, self.spec)
             return False
         rows = self._rows(active) if active.pattern == self.pattern.name else {}
         check_reset(self.pattern, active.pattern, rows, force=force, table=self.table_label)

@@ -165,9 +165,13 @@ def recorded(conn: psycopg.Connection[Any], settings: Settings, pattern: str | N
 
 def active_pattern(dsn: str, settings: Settings) -> str | None:
     """The pattern of the table's active (else latest) migration, for commands whose
-    `--pattern` defaults to it."""
+    `--pattern` defaults to it. With nothing recorded, a table that is not there is bad input
+    (exit 2), as for `status` and `run`, not "nothing to do"; a recorded migration is found
+    whatever became of its table (`reset` must still abandon it)."""
     with open_read_only(dsn) as conn:
         found = recorded(conn, settings, None).migration
+        if found is None:
+            require_table(conn, settings.spec)
     return found.pattern if found else None
 
 

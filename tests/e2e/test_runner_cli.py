@@ -156,3 +156,23 @@ def test_unknown_table_leaves_no_migration_record(dsn: str) -> None:
     with psycopg.connect(dsn) as conn:
         # Refused before anything is written: not even the ledger schema exists.
         assert conn.execute("SELECT to_regnamespace('outbox_migrate')").fetchone() == (None,)
+
+
+def test_reset_of_an_unknown_table_or_schema_is_bad_input(dsn: str) -> None:
+    """`reset --table nosuch --yes` said "no active migration to reset" and exited 0, where
+    `status`, `verify` and `run` exit 2 naming the table (docs/cli.md: an unknown table is
+    bad input). A recorded migration is still reset whatever its table became."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+    assert cli("run", "--pattern", "hop", "--to", "V2", "--dsn", dsn).returncode == 0
+    for names, label in (
+        (("--table", "nosuch"), "public.nosuch"),
+        (("--schema", "nosuchschema"), "nosuchschema.outbox"),
+        (("--pattern", "hop", "--table", "nosuch"), "public.nosuch"),
+    ):
+        line = error_line(cli("reset", "--yes", *names, "--dsn", dsn), 2, only=True)
+        assert f"table {label} does not exist" in line, line
+    with psycopg.connect(dsn) as conn:  # the table's own record was left alone
+        assert conn.execute("SELECT state FROM outbox_migrate.migration").fetchall() == [
+            ("active",)
+        ]
