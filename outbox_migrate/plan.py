@@ -88,6 +88,19 @@ def facts_document(facts: TableFacts, spec: OutboxSpec) -> dict[str, Any]:
     }
 
 
+def blocked_document(pattern: str, facts: TableFacts) -> dict[str, Any]:
+    """What `plan --format json` prints when blockers stop the plan: each with its `fix_sql`
+    (a fix a tool can apply, then plan again); no phases, since none may run yet."""
+    return {
+        "pattern": pattern,
+        "table": f"{facts.schema}.{facts.table}",
+        "blocked": True,
+        "blockers": [vars(b) for b in facts.blockers],
+        "warnings": [vars(w) for w in facts.warnings],
+        "notes": [vars(n) for n in facts.notes],
+    }
+
+
 def duplicate_ids_text(pattern: Pattern, spec: OutboxSpec) -> str:
     """What an INSERT of an id already used does once the partitioned table is in use: the
     parent can have no primary key on the id alone, so only a DEFAULT partition that is the

@@ -70,6 +70,12 @@ def plan(
         from outbox_migrate.advisory.introspect import inspect, raise_for_blockers
 
         facts = inspect(resolved.dsn, settings.spec, pattern.value)
+        if facts.blockers and output is PlanFormat.json:
+            # A tool reads the blockers and their `fix_sql` from stdout; the exit stays 2.
+            from outbox_migrate.cli.console import print_json
+            from outbox_migrate.plan import blocked_document
+
+            print_json(blocked_document(pattern.value, facts))
         raise_for_blockers(facts)
         from outbox_migrate.patterns.marker_catalog import resolve_settings
 

@@ -8,6 +8,7 @@ sequence fix left `"Id"` unquoted and created the sequence outside the table's s
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import psycopg
@@ -93,6 +94,15 @@ def test_every_fix_plan_prints_runs_against_its_table(
             break
         printed = run_cli("plan", "--pattern", "hoper", "--dsn", dsn, *cli_names(table))
         assert printed.returncode == 2, printed.stdout
+        # --format json printed nothing at all when blockers stopped the plan
+        as_json = run_cli("plan", "--pattern", "hoper", "--dsn", dsn, "--format", "json",
+                          *cli_names(table))  # fmt: skip
+        assert as_json.returncode == 2, as_json.stderr
+        document = json.loads(as_json.stdout)
+        assert document["blocked"] is True
+        assert [b["fix_sql"] for b in document["blockers"] if b["fix_sql"]] == [
+            b.fix_sql for b in fixes
+        ]
         if not ran:  # wizard measures for seconds: its first round shows the same fixes
             wizard = run_cli("wizard", "--dsn", dsn, "--no-pause", "--keep-old-rows",
                              "--no-immediate-access", *cli_names(table))  # fmt: skip
