@@ -2,6 +2,10 @@
 and see on this database, and what each missing grant will cost. Catalog reads only, in a
 read-only session: the server says what it would allow, so the check cannot disagree with what
 a step or the relay meets. Relations not created yet are not checked (their grants are carried).
+
+What the application and the relay need depends on the migration's phase (`uses`, the
+phase's `AppBehaviour` from the ledger): after the switch they use the partitioned table only,
+and asking for INSERT on the flat table again would undo the REVOKE the V3 gate requires.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from outbox_migrate.patterns.kinds.dead_letter_tables import (
     ATTEMPTS_TABLE_SUFFIX,
     DEAD_LETTER_TABLE,
 )
+from outbox_migrate.patterns.model import AppBehaviour, Table
 from outbox_migrate.relay.options import DEFAULT_PUBLICATION
 
 LEDGER_SCHEMA = "outbox_migrate"
@@ -55,9 +60,15 @@ def check_roles(
     cdc_relays: Sequence[str] = (),
     pattern: str | None = None,
     publication: str = DEFAULT_PUBLICATION,
+    uses: AppBehaviour | None = None,
 ) -> list[Check]:
     """Every check for the roles named; unnamed ones default to the outbox's owner, the
-    grantees with INSERT on it (the application) and those with UPDATE (the relay)."""
+    grantees with INSERT on the table the application inserts into (the application) and
+    those with UPDATE on the one the relay publishes from (the relay).
+
+    `uses`: what the application version of the migration's current phase inserts into and
+    publishes from; None (no migration recorded, or a ledger this role cannot read): every
+    outbox table that exists, as before a migration."""
     dead = (DEAD_LETTER_TABLE, DEAD_LETTER_TABLE + ATTEMPTS_TABLE_SUFFIX)
     names = (spec.table, spec.partitioned_table, spec.unpublished_partition, *dead)
     found = conn.execute(
@@ -70,33 +81,44 @@ def check_roles(
     if outbox is None:
         raise UsageError(f"neither {spec.schema}.{spec.table} nor "
                          f"{spec.schema}.{spec.partitioned_table} exists")  # fmt: skip
-    held = read_table_privileges(conn, OutboxSpec(schema=spec.schema, table=outbox))
-    grants = [g for g in held.grants if g.grantee != "PUBLIC"]
-    owner = owner or held.owner
-    apps = list(apps) or sorted({g.grantee for g in grants if g.privilege == "INSERT"})
-    relays = list(relays) or sorted(
-        {g.grantee for g in grants if g.privilege == "UPDATE" and g.column is None}
-    )
-    checker = _Checker(conn, spec, existing, outbox, publication)
+    checker = _Checker(conn, spec, existing, outbox, publication, uses)
+    owner = owner or read_table_privileges(conn, OutboxSpec(schema=spec.schema,
+                                                            table=outbox)).owner  # fmt: skip
+    apps = list(apps) or checker.grantees("INSERT", checker.inserted)
+    relays = list(relays) or checker.grantees("UPDATE", checker.claimed(flat=checker.flat))
     for role in (owner, *apps, *relays, *cdc_relays):
         checker.require_role(role)
     checks = checker.runner(owner)
     for role in apps:
         checks += checker.application(role)
-    see = pattern is None or pattern in SWITCHING_PATTERNS
+    switching = pattern is None or pattern in SWITCHING_PATTERNS
+    # Only V2's switching relay must see other sessions: once it has switched, none does.
+    see = switching and (uses is None or uses.publishes_from is not Table.NEW)
     for role in relays:
         checks += checker.relay(role, see_sessions=see)
     for role in cdc_relays:
         checks += checker.cdc_relay(role)
     if not apps:
-        checks.append(Check("-", "application", f"a role with INSERT on {spec.schema}.{outbox}",
-                            None, "none found: the application runs as the owner or a "
-                            "superuser; name it with --app", ""))  # fmt: skip
+        checks.append(Check("-", "application", NOT_CHECKED, None,
+                            f"no role but the owner has INSERT on "
+                            f"{checker.listed(checker.inserted)} (the application runs as the "
+                            "owner or a superuser?); name it with --app", ""))  # fmt: skip
     if not relays:
-        checks.append(Check("-", "relay", f"a role with UPDATE on {spec.schema}.{outbox}", None,
-                            "none found: the relay runs as the owner or a superuser; name it "
-                            "with --relay", ""))  # fmt: skip
+        checks.append(Check("-", "relay", NOT_CHECKED, None,
+                            f"no role but the owner has UPDATE on "
+                            f"{checker.listed(checker.claimed(flat=checker.flat))} (the relay "
+                            "runs as the owner or a superuser?); name it with --relay",
+                            ""))  # fmt: skip
     return checks
+
+
+NOT_CHECKED = "not checked"
+"""The `what` of a duty no role was named or found for: nothing was checked, nothing passed."""
+
+
+def not_checked(checks: Iterable[Check]) -> list[str]:
+    """The duties no role was checked for (`roles` says so: they must not read as a pass)."""
+    return [c.duty for c in checks if c.what == NOT_CHECKED]
 
 
 def missing(checks: Iterable[Check]) -> list[Check]:
@@ -114,7 +136,11 @@ def refusal(checks: Sequence[Check]) -> MissingGrants:
 
 
 def as_json(checks: Sequence[Check]) -> dict[str, Any]:
-    return {"ok": not missing(checks), "checks": [asdict(c) for c in checks]}
+    """`ok`: false when a check fails, null when none fails but a duty was not checked (no
+    role named or found for it, `not_checked`), true only when every duty was checked."""
+    unchecked = not_checked(checks)
+    ok = False if missing(checks) else (None if unchecked else True)
+    return {"ok": ok, "not_checked": unchecked, "checks": [asdict(c) for c in checks]}
 
 
 class _Checker:
@@ -125,10 +151,39 @@ class _Checker:
         existing: set[str],
         outbox: str,
         publication: str,
+        uses: AppBehaviour | None = None,
     ) -> None:
         self.conn, self.spec, self.existing = conn, spec, existing
         self.outbox, self.publication = outbox, publication
         self.outbox_reg = sql.Identifier(spec.schema, outbox).as_string(conn)
+        flat, new = spec.table, spec.partitioned_table
+        if uses is not None and uses.renamed:  # the partitioned table has the flat one's name
+            flat, new = "", spec.table
+        if uses is None:
+            self.inserted = [t for t in (flat, new) if t in existing] or [new]
+            self.flat = flat in existing
+        else:
+            self.inserted = {Table.OLD: [flat], Table.NEW: [new]}.get(uses.inserts_into,
+                                                                       [flat, new])  # fmt: skip
+            self.flat = uses.publishes_from is not Table.NEW and flat in existing
+        # `inserted`: the tables the application inserts into now; `flat`: whether the
+        # relay still publishes from the flat table (before the switch).
+        self.new = new
+
+    def listed(self, relations: Sequence[str]) -> str:
+        return ", ".join(f"{self.spec.schema}.{r}" for r in relations)
+
+    def grantees(self, privilege: str, relations: Sequence[str]) -> list[str]:
+        """The roles but PUBLIC granted `privilege` (on the whole table) on the first of
+        `relations` that exists: the roles that play a duty unless named."""
+        there = next((r for r in relations if r in self.existing), None)
+        if there is None:
+            return []
+        held = read_table_privileges(self.conn, OutboxSpec(schema=self.spec.schema, table=there))
+        # INSERT on some columns is still an application; UPDATE on some is no relay.
+        return sorted({g.grantee for g in held.grants if g.grantee != "PUBLIC"
+                       and g.privilege == privilege
+                       and (g.column is None or privilege == "INSERT")})  # fmt: skip
 
     def q(self, *name: str) -> str:
         """`name` quoted as an identifier (schema-qualified when two parts)."""
@@ -192,15 +247,16 @@ class _Checker:
         ]  # fmt: skip
 
     def application(self, role: str) -> list[Check]:
-        spec = self.spec
-        tables = [t for t in (spec.table, spec.partitioned_table) if t in self.existing]
-        return [self._grant(role, "application", "INSERT", tables or [spec.partitioned_table],
+        return [self._grant(role, "application", "INSERT", self.inserted,
                             "its inserts fail")]  # fmt: skip
+
+    def claimed(self, *, flat: bool) -> list[str]:
+        """The tables the relay claims from: the flat one only before the switch."""
+        return ([self.spec.table] if flat else []) + [self.new, self.spec.unpublished_partition]
 
     def _claims(self, role: str, duty: str, *, flat: bool) -> list[Check]:
         spec = self.spec
-        claimed = [spec.table] if flat else []
-        claimed += [spec.partitioned_table, spec.unpublished_partition]
+        claimed = self.claimed(flat=flat)
         dead = [DEAD_LETTER_TABLE, DEAD_LETTER_TABLE + ATTEMPTS_TABLE_SUFFIX]
         bad_row = "a bad row cannot be dead-lettered: the relay stops, the outbox with it"
         return [
@@ -210,7 +266,7 @@ class _Checker:
         ]
 
     def relay(self, role: str, *, see_sessions: bool) -> list[Check]:
-        found = self._claims(role, "relay", flat=self.spec.table in self.existing)
+        found = self._claims(role, "relay", flat=self.flat)
         if see_sessions:
             sees = bool(self._facts(role)[2])
             found.append(self._see(role, "relay", sees,

@@ -51,7 +51,8 @@ def test_missing_grants_are_named_with_their_cost(at_v2: DocumentedRoles) -> Non
     see = "sight of other roles' sessions"
     assert found[(roles.owner, "runner", see)] is False
     assert found[(roles.owner, "runner", "owner of outbox")] is True
-    assert found[(roles.app, "application", "INSERT on outbox, outbox_new")] is True
+    # V2 inserts into the partitioned table; V1's INSERT on the flat one is to be revoked.
+    assert found[(roles.app, "application", "INSERT on outbox_new")] is True
     assert found[(roles.relay, "relay", see)] is False
     assert found[(roles.relay, "relay", "DELETE on outbox_unpublished")] is False
     dead = "SELECT, INSERT, UPDATE, DELETE on outbox_dead_letter, outbox_dead_letter_attempts"
@@ -115,3 +116,76 @@ def test_a_runner_that_is_not_the_owner_is_told_which_steps_fail(at_v2: Document
     assert runner["CREATE on schema public"]["ok"] is False  # PostgreSQL 15+: not PUBLIC's
     assert runner["CREATE on the database"]["ok"] is False
     assert doc["ok"] is False
+
+
+@pytest.fixture
+def at_v3(roles: DocumentedRoles) -> DocumentedRoles:
+    """HOP completed as docs/roles.md and the playbook say: V2, then the REVOKE INSERT on the
+    flat table `run --to V2` asks for (V3's gate waits for it), then V3."""
+    with psycopg.connect(roles.owner_dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+    roles.grant("INSERT", "outbox", roles.app)
+    roles.grant("SELECT, UPDATE", "outbox", roles.relay)
+    roles.grant_stats(roles.owner)
+    roles.grant_stats(roles.relay)
+    settings = load_settings({"gate_window_s": 0.1}, environ={})
+    with Runner(roles.owner_dsn, settings, "hop") as runner:
+        runner.run("V2")
+    with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
+        owner.execute(sql.SQL("REVOKE INSERT ON outbox FROM {}").format(
+            sql.Identifier(roles.app)))  # fmt: skip
+    with Runner(roles.owner_dsn, settings, "hop") as runner:
+        runner.run("V3")
+    return roles
+
+
+def test_a_completed_hop_migration_needs_only_the_partitioned_table(at_v3: DocumentedRoles) -> None:
+    """After V3 the application inserts into, and the relay publishes from, the partitioned
+    table only: `roles` must not ask to undo the REVOKE the V3 gate required, nor UPDATE on
+    the flat table the partitioned relay never touches. Without --app the application is
+    found by its INSERT on the partitioned table."""
+    roles = at_v3
+    for named in (("--app", roles.app, "--relay", roles.relay), ()):
+        result = run_cli("roles", "--dsn", roles.owner_dsn, *named, "--format", "json")
+        assert result.returncode == 0, (result.stdout, result.stderr)
+        found = checks(result)
+        assert found[(roles.app, "application", "INSERT on outbox_new")] is True
+        claim = "SELECT, UPDATE on outbox_new, outbox_unpublished"
+        assert found[(roles.relay, "relay", claim)] is True
+        assert not any("on outbox," in what or what.endswith(" outbox")
+                       for _, duty, what in found if duty != "runner"), found  # fmt: skip
+        assert json.loads(result.stdout)["ok"] is True
+    # The flat table's INSERT given back would be V1 again: not what V3 needs, not asked for.
+    text = run_cli("roles", "--dsn", roles.owner_dsn, env={"COLUMNS": "200"})
+    assert text.returncode == 0, (text.stdout, text.stderr)
+    assert "GRANT INSERT" not in text.stdout
+
+
+def test_an_application_not_found_is_said_not_checked(at_v2: DocumentedRoles) -> None:
+    """No role but the owner has INSERT: the application's check cannot run, and neither the
+    text nor the JSON may read as if it passed."""
+    roles = at_v2
+    with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
+        for table in ("outbox", "outbox_new", "outbox_unpublished"):
+            owner.execute(sql.SQL("REVOKE INSERT ON {} FROM {}").format(
+                sql.Identifier(table), sql.Identifier(roles.app)))  # fmt: skip
+    args = ("roles", "--dsn", roles.owner_dsn, "--pattern", "copra")
+    roles.grant_stats(roles.owner)
+    text = run_cli(*args, env={"COLUMNS": "200"})
+    assert text.returncode == 0, (text.stdout, text.stderr)
+    assert "application: not checked" in text.stdout
+    assert "--app" in text.stdout
+    doc = json.loads(run_cli(*args, "--format", "json").stdout)
+    assert doc["ok"] is None
+    assert doc["not_checked"] == ["application"]
+
+
+def test_a_table_that_does_not_exist_is_bad_input(at_v2: DocumentedRoles) -> None:
+    """As `status --table nosuch`: one line, exit 2 — not a check of the partitioned table
+    the default names point at."""
+    result = run_cli("roles", "--table", "nosuch", "--dsn", at_v2.owner_dsn)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "public.nosuch does not exist" in line
+    assert result.stdout == ""
