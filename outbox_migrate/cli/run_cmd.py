@@ -119,7 +119,13 @@ def _report(result: Any, output: OutputFormat, runner: Runner | None = None) -> 
     from outbox_migrate.cli.console import text
     from outbox_migrate.cli.wording import count
 
-    state = "migration complete" if result.completed else f"stopped at the end of {result.phase}"
+    state = (
+        "migration complete"
+        if result.completed
+        else f"stopped inside {result.inside} ({result.phase} complete)"
+        if result.inside
+        else f"stopped at the end of {result.phase}"
+    )
     text(f"{result.pattern.upper()}: ran {count(len(result.ran), 'step')}, adopted "
          f"{len(result.adopted)}, {state}")  # fmt: skip
     if following:
@@ -134,6 +140,10 @@ def _what_next(result: Any, runner: Runner) -> str | None:
     if result.completed:
         return None
     pattern = runner.pattern
+    if result.inside:
+        # Part-way into a phase: its deploy boundary is not reached yet, nothing to deploy.
+        return (f"{result.inside}'s steps have begun; run the rest of them: `outbox-migrate "
+                f"run --pattern {pattern.name} --to {result.inside}`")  # fmt: skip
     names = [phase.name for phase in pattern.phases]
     if result.phase not in names:
         return None

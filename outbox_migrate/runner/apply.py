@@ -76,6 +76,9 @@ class RunResult:
     adopted: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     completed: bool = False
+    inside: str | None = None
+    """The phase after `phase` when some of its steps are done (`next` began it): the
+    command stopped inside that phase, not at `phase`'s deploy boundary."""
 
 
 class ApplyOptions(Protocol):

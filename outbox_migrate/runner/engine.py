@@ -296,6 +296,11 @@ class Runner:
         last = phase_index(self.pattern, self.pattern.last_required_phase())
         result.completed = reached_index >= last
         result.phase = reached
+        # Steps of the following phase already done (`next` began it): the command stopped
+        # inside that phase, where the next thing to do is to finish it, not to deploy.
+        for phase in self.pattern.phases[reached_index + 1 : reached_index + 2]:
+            if any(s.id in rows and rows[s.id].state == "done" for s in phase.steps):
+                result.inside = phase.name
         ledger.set_phase(
             self.conn, migration.id, reached, "completed" if result.completed else "active"
         )

@@ -16,7 +16,7 @@ from outbox_migrate.patterns import PATTERN_NAMES, build_pattern
 
 
 def next_line(pattern: str, phase: str) -> str | None:
-    result = SimpleNamespace(completed=False, phase=phase)
+    result = SimpleNamespace(completed=False, phase=phase, inside=None)
     runner = SimpleNamespace(pattern=build_pattern(pattern), spec=OutboxSpec())
     return _what_next(result, runner)  # type: ignore[arg-type]
 

@@ -283,3 +283,32 @@ def test_copy_back_does_not_adopt_steps_whose_undoer_merely_finds_nothing(
     assert check == (0,)  # the refusal changed nothing
     result = om(dsn, "run", "--pattern", "hoper", "--to", "V4")
     assert result.code == 0, result
+
+
+def test_next_inside_a_phase_reports_the_boundary_it_reached(
+    operator: tuple[str, psycopg.Connection[tuple[object, ...]]],
+) -> None:
+    """QA: HOPER done through V3, `next` applied `hoper.v4.drop-identity` and then said
+    "stopped at the end of V3" and "deploy application version V3 …, then run --to V4",
+    although V3 was deployed (V4's steps had begun) and the migration was part-way into V4.
+    `next` and `run` end with what to do where they actually stopped: inside V4, finish V4's
+    steps — no deploy first."""
+    dsn, conn = operator
+    publish_all(conn, "outbox")
+    for phase in ("V2", "V3"):
+        assert om(dsn, "run", "--pattern", "hoper", "--to", phase).code == 0
+    text = om(dsn, "next", "--pattern", "hoper")
+    assert text.code == 0, text
+    assert "hoper.v4.drop-identity" in text.stderr, text
+    assert "end of V3" not in text.stdout and "deploy" not in text.stdout, text.stdout
+    assert "inside V4" in text.stdout, text.stdout
+    assert "outbox-migrate run --pattern hoper --to V4" in text.stdout, text.stdout
+    as_json = om(dsn, "next", "--pattern", "hoper", "--format", "json")
+    result = json.loads(as_json.stdout.strip().splitlines()[-1])
+    assert result["ran"] == ["hoper.v4.add-not-valid-check"], result
+    assert (result["phase"], result["inside"]) == ("V3", "V4"), result
+    assert "deploy" not in result["next"] and "--to V4" in result["next"], result
+    # Its last step done, the phase's own boundary is reported again.
+    assert om(dsn, "run", "--pattern", "hoper", "--to", "V4").code == 0
+    document = json.loads(om(dsn, "status", "--pattern", "hoper", "--format", "json").stdout)
+    assert document["phase"] == "V4", document
