@@ -99,6 +99,27 @@ for module in (demo_cmd, rehearse_cmd, wizard_cmd, plan_cmd, run_cmd, config_cmd
     module.register(app)
 
 
+def _lay_out_examples(commands: typer.Typer) -> None:
+    """Every command's and group's `Example:` laid out for pasting (wording.help_examples),
+    in one place rather than in each command's help text."""
+    from outbox_migrate.cli.wording import help_examples
+
+    for command in commands.registered_commands:
+        if command.help:
+            command.help = help_examples(command.help)
+    for group in commands.registered_groups:
+        if group.help:
+            group.help = help_examples(group.help)
+        if group.typer_instance is not None:
+            info = group.typer_instance.info
+            if isinstance(info.help, str):
+                info.help = help_examples(info.help)
+            _lay_out_examples(group.typer_instance)
+
+
+_lay_out_examples(app)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the command, then exit with the code `exits.classify` gives: the only place the
     CLI exits (typer runs in non-standalone mode), so no path turns a failure into exit 0."""

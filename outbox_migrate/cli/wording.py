@@ -50,8 +50,10 @@ def command_lines(command: str, width: int, indent: str = "  ") -> list[str]:
     words = shlex.split(command)
     units: list[str] = []
     for word in words:
-        quoted = word if word == shlex.quote(word) or _is_variable(word) else shlex.quote(word)
-        takes_value = units and units[-1].startswith("-") and " " not in units[-1]
+        plain = word == shlex.quote(word) or _is_variable(word) or _is_redirect(word)
+        quoted = word if plain else shlex.quote(word)
+        last = units[-1] if units else ""
+        takes_value = (last.startswith("-") or _is_redirect(last)) and " " not in last
         if takes_value and not word.startswith("-"):
             units[-1] += " " + quoted
         else:
@@ -67,6 +69,27 @@ def command_lines(command: str, width: int, indent: str = "  ") -> list[str]:
             current = candidate
     lines.append(current)
     return lines
+
+
+HELP_WIDTH = 78
+"""Columns of a help paragraph: click lays help out at 80 at most, 2 of them its indent."""
+_EXAMPLE = re.compile(r"Example: (outbox-migrate [^\n]+)")
+
+
+def help_examples(text: str) -> str:
+    """`text` (a command's help) with each `Example:` a paragraph click prints as it is (`\b`):
+    click's own wrapping broke a long command at a hyphen (`--no-immediate-` / `access`), which
+    no longer ran when pasted. Laid out here at whole arguments with ` \\` continuations."""
+
+    def laid_out(match: re.Match[str]) -> str:
+        return "\b\nExample:\n" + "\n".join(command_lines(match.group(1).strip(), HELP_WIDTH))
+
+    return _EXAMPLE.sub(laid_out, text)
+
+
+def _is_redirect(word: str) -> bool:
+    """`>`, `2>>`, `|` in an example: the shell's, not an argument to quote."""
+    return re.fullmatch(r"[0-9]?[<>|]{1,2}", word) is not None
 
 
 def _is_variable(word: str) -> bool:

@@ -35,19 +35,16 @@ BEFORE = {"copy-back": ("run", "--pattern", "hoper", "--to", "V4")}
 
 
 def examples() -> list[str]:
-    """`outbox-migrate …` lines of the top-level help and every command's `Example:`."""
-    from typer.main import get_command
-
-    from outbox_migrate.cli.app import HELP, app
+    """`outbox-migrate …` lines of the top-level help and every command's `Example:`, as
+    pasted from the help a user reads (continuation lines joined)."""
+    from outbox_migrate.cli.app import HELP
+    from tests.support.help_examples import example_blocks, pasted, rendered_helps
 
     found = [
         m.group(1) for m in re.finditer(r"^\s+(outbox-migrate [^#\n]+?)\s*(?:#|$)", HELP, re.M)
     ]
-    pending = [get_command(app)]
-    while pending:
-        command = pending.pop()
-        found += re.findall(r"Example: (outbox-migrate [^\n]+)", command.help or "")
-        pending += list(getattr(command, "commands", {}).values())
+    for _path, text in rendered_helps():
+        found += [pasted(lines) for lines in example_blocks(text)]
     return list(dict.fromkeys(example.strip() for example in found))
 
 

@@ -84,3 +84,23 @@ def test_the_lock_budget_error_says_1_attempt() -> None:
 
     assert "in 1 attempt over 1.0 s" in str(LockBudgetExceeded("s.v4.swap", 1, 1.0, []))
     assert "in 3 attempts over" in str(LockBudgetExceeded("s.v4.swap", 3, 1.0, []))
+
+
+def test_every_help_example_is_laid_out_to_paste_without_a_cut_word() -> None:
+    """click wrapped `Example:` like prose and broke `--no-immediate-access` at its hyphen:
+    pasted, the second line ran `access --format json` as a command of its own (and `plan`'s
+    ran `sql > hoper.sql`). Each line now fits 80 columns and all but the last end in ` \\`."""
+    import shlex
+
+    from tests.support.help_examples import example_blocks, pasted, rendered_helps
+
+    seen = 0
+    for path, text in rendered_helps():
+        for lines in example_blocks(text):
+            seen += 1
+            assert all(len(line) <= 80 for line in lines), (path, lines)
+            assert all(line.endswith(" \\") for line in lines[:-1]), (path, lines)
+            words = shlex.split(pasted(lines))
+            assert words[0] == "outbox-migrate", (path, lines)
+            assert not [w for w in words if w.endswith("-") and w.strip("-")], (path, lines)
+    assert seen >= 20  # every command has one
