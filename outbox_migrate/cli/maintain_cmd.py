@@ -154,3 +154,5 @@ def _show(report: MaintenanceReport, as_json: bool, *, compact: bool = False) ->
         text(f"  retention on {r.table}: " + (f"skipped ({r.skipped})" if r.skipped else done))
     for note in report.notes:
         text(f"  note: {note}")
+    for denied in report.denied:
+        text(f"  not done: {denied}")

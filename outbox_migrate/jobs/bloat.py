@@ -189,11 +189,27 @@ def measure(
     index_oid: int,
     method: Literal["auto", "pgstattuple", "estimate"] = "auto",
 ) -> IndexBloat:
-    """`auto`: pgstattuple when it exists or can be created, else the estimate."""
+    """`auto`: pgstattuple when it exists or can be created and this role may call it, else
+    the estimate."""
     if method != "estimate":
         schema = pgstattuple_schema(conn, create=True)
-        if schema is not None:
+        if schema is not None and _may_call_pgstatindex(conn, schema):
             return measure_pgstattuple(conn, index_oid, schema)
         if method == "pgstattuple":
-            raise UsageError("pgstattuple is not available and cannot be created")
+            raise UsageError(
+                "pgstattuple is not available and cannot be created"
+                if schema is None
+                else f"pgstattuple: role {conn.info.user} may not call pgstatindex (GRANT "
+                "pg_stat_scan_tables to it, or use --bloat-method estimate)"
+            )
     return measure_estimate(conn, index_oid)
+
+
+def _may_call_pgstatindex(conn: psycopg.Connection[Any], schema: str) -> bool:
+    """The extension's functions are revoked from PUBLIC (granted to pg_stat_scan_tables): a
+    role that is not the owner meets "permission denied" where the estimate would do."""
+    signature = sql.SQL("{}.pgstatindex(regclass)").format(sql.Identifier(schema))
+    row = conn.execute(
+        "SELECT has_function_privilege(%s, 'EXECUTE')", (signature.as_string(conn),)
+    ).fetchone()
+    return bool(row and row[0])

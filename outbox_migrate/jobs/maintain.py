@@ -101,6 +101,11 @@ def ensure_autovacuum(
         sql.SQL("{} = {}").format(sql.Identifier(k), sql.Literal(v)) for k, v in expected.items()
     )
     statement = sql.SQL("ALTER TABLE {} SET ({})").format(table.ident, assignments)
+    if not _owns(conn, table):
+        # Storage parameters are the owner's to set (MAINTAIN does not cover them).
+        denied = (f"role {conn.info.user} does not own it: run maintain as its owner, or "
+                  "--no-autovacuum to only check")  # fmt: skip
+        return AutovacuumCheck(str(table), expected, actual, applied=False, error=denied)
     try:
         # One attempt (budget 0): a vacuum holding the table is normal; the next run retries.
         run_with_lock_budget(
@@ -158,22 +163,29 @@ class MaintenanceReport:
     autovacuum: list[AutovacuumCheck] = field(default_factory=list)
     """One check per leaf table of the published partition."""
     vacuumed: bool = False
+    """True only when the VACUUM ran: PostgreSQL skips one the role may not run with a
+    WARNING, not an error, and that is reported in `denied`."""
     indexes: list[IndexOutcome] = field(default_factory=list)
     retention: retention.RetentionResult | None = None
     time_partitions: time_partitions.TimePartitionResult | None = None
     notes: list[str] = field(default_factory=list)
+    denied: list[str] = field(default_factory=list)
+    """What the pass could not do for want of a privilege, each naming it (exit 5)."""
     seconds: float = 0.0
 
     @property
     def problems(self) -> list[str]:
         """What an operator (or a CronJob's exit code) should hear about."""
-        found = [o.message for o in self.indexes if o.status in ("refused", "failed")]
+        found = list(self.denied)
+        found += [o.message for o in self.indexes if o.status in ("refused", "failed")]
         for check in self.autovacuum:
             if not check.ok:
                 found.append(
                     f"autovacuum settings of {check.table} differ from the spec's"
                     + (f": {check.error}" if check.error else "")
                 )
+        if self.retention is not None and self.retention.denied:
+            found.append(f"retention on {self.retention.table}: {self.retention.skipped}")
         if self.time_partitions is not None and self.time_partitions.busy:
             found.append(
                 "could not get the lock to attach/detach "
@@ -237,8 +249,53 @@ def _btree_indexes(conn: psycopg.Connection[Any], table: Relation) -> list[tuple
     return [(int(r[0]), str(r[1])) for r in rows]
 
 
-def vacuum_analyze(conn: psycopg.Connection[Any], table: Relation) -> bool:
-    """VACUUM (ANALYZE) under a lock_timeout; False when another vacuum holds the table."""
+VacuumOutcome = Literal["vacuumed", "busy", "denied"]
+
+VACUUM_DENIED = (
+    "PostgreSQL skips the VACUUM of a table the role may not vacuum: only its owner or the "
+    "database's may (from PostgreSQL 17 also a role with MAINTAIN on it, or pg_maintain); run "
+    "maintain as the owner"
+)
+
+
+def _owns(conn: psycopg.Connection[Any], table: Relation) -> bool:
+    """Whether this role has the privileges of `table`'s owner (a superuser has)."""
+    row = conn.execute(
+        "SELECT pg_has_role(c.relowner, 'USAGE') FROM pg_class c WHERE c.oid = %s",
+        (common.oid_of(conn, table),),
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def may_vacuum(conn: psycopg.Connection[Any], table: Relation) -> bool:
+    """The server's own rule for VACUUM and ANALYZE: the owner of the table or of the
+    database, and from PostgreSQL 17 the MAINTAIN privilege (which pg_maintain holds)."""
+    maintain = "has_table_privilege(c.oid, 'MAINTAIN')"
+    owner = maintain if conn.info.server_version >= 170000 else "pg_has_role(c.relowner, 'USAGE')"
+    row = conn.execute(
+        sql.SQL(
+            "SELECT {} OR (SELECT pg_has_role(d.datdba, 'USAGE') FROM pg_database d "
+            "WHERE d.datname = current_database()) FROM pg_class c WHERE c.oid = %s"
+        ).format(sql.SQL(owner)),  # one of two constant expressions above
+        (common.oid_of(conn, table),),
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def vacuum_analyze(conn: psycopg.Connection[Any], table: Relation) -> VacuumOutcome:
+    """VACUUM (ANALYZE) under a lock_timeout: "busy" when another vacuum holds the table,
+    "denied" when the role may not vacuum it. PostgreSQL answers that with a WARNING and
+    skips the table, so it is checked first, and a privilege WARNING met anyway (SQLSTATE
+    42501 from PostgreSQL 16) counts as denied too: never reported as vacuumed."""
+    if not may_vacuum(conn, table):
+        return "denied"
+    warned: list[str] = []
+
+    def on_notice(diagnostic: psycopg.errors.Diagnostic) -> None:
+        if diagnostic.sqlstate == "42501":
+            warned.append(diagnostic.message_primary or "")
+
+    conn.add_notice_handler(on_notice)
     try:
         with lock_timeout(conn, VACUUM_LOCK_TIMEOUT_MS):
             # TRUNCATE false: truncating the empty tail needs ACCESS EXCLUSIVE on the busiest
@@ -247,8 +304,10 @@ def vacuum_analyze(conn: psycopg.Connection[Any], table: Relation) -> bool:
             # Autovacuum still may.
             conn.execute(sql.SQL("VACUUM (ANALYZE, TRUNCATE false) {}").format(table.ident))
     except psycopg.errors.LockNotAvailable:
-        return False
-    return True
+        return "busy"
+    finally:
+        conn.remove_notice_handler(on_notice)
+    return "denied" if warned else "vacuumed"
 
 
 def _verdict(
@@ -360,9 +419,15 @@ def maintain_once(
     else:
         report.notes.append("no DEFAULT (published) partition attached: autovacuum skipped")
     if options.vacuum_unpublished:
-        report.vacuumed = vacuum_analyze(conn, parts.unpublished)
-        if not report.vacuumed:
+        outcome = vacuum_analyze(conn, parts.unpublished)
+        report.vacuumed = outcome == "vacuumed"
+        if outcome == "busy":
             report.notes.append(f"{parts.unpublished} was busy; measured without a fresh vacuum")
+        elif outcome == "denied":
+            report.denied.append(
+                f"{parts.unpublished} not vacuumed: role {conn.info.user} may not vacuum it "
+                f"({VACUUM_DENIED}); its bloat is measured on the statistics of its last vacuum"
+            )
     # One index at a time: two concurrent rebuilds on one table would wait on each other.
     for oid, name in _btree_indexes(conn, parts.unpublished):
         if stop is not None and stop.is_set():

@@ -33,6 +33,8 @@ class RetentionResult:
     batches: int
     seconds: float
     skipped: str | None = None
+    denied: bool = False
+    """`skipped` (or stopped) for want of a privilege: a problem (exit 5), not a wait."""
 
 
 def copy_back_pending(conn: psycopg.Connection[Any], table: Relation) -> bool:
@@ -74,6 +76,10 @@ def delete_published_before(
     unusable = _not_a_time(conn, oid, published_column)
     if unusable:
         return RetentionResult(str(table), age_s, 0, 0, 0.0, skipped=unusable)
+    lacking = _lacking(conn, oid, published_column)
+    if lacking:
+        return RetentionResult(str(table), age_s, 0, 0, 0.0, skipped=_denied(conn, table, lacking),
+                               denied=True)  # fmt: skip
     row = conn.execute(
         "SELECT pg_relation_size(%s::oid) / current_setting('block_size')::int8,"
         " now() - make_interval(secs => %s)",
@@ -92,7 +98,13 @@ def delete_published_before(
         if stop is not None and stop.is_set():
             break
         bounds = {"lo": f"({low},0)", "hi": f"({low + batch_blocks},0)", "cutoff": cutoff}
-        cur = conn.execute(statement, bounds)
+        try:
+            cur = conn.execute(statement, bounds)
+        except psycopg.errors.InsufficientPrivilege as exc:  # revoked meanwhile, or a policy
+            stopped = f"stopped: {str(exc).strip().splitlines()[0]}; " + _denied(conn, table, "")
+            return RetentionResult(str(table), age_s, deleted, batches,
+                                   time.monotonic() - started, skipped=stopped,
+                                   denied=True)  # fmt: skip
         deleted += cur.rowcount
         batches += 1
         pause(rate_pause_s(deleted, time.monotonic() - started, max_rows_per_s), stop)
@@ -114,3 +126,26 @@ def _not_a_time(conn: psycopg.Connection[Any], oid: int, column: str) -> str:
         shown = "missing" if row is None else str(row[0])
         return f"column {column} ({shown}) is not a timestamp: no age to measure"
     return ""
+
+
+def _lacking(conn: psycopg.Connection[Any], oid: int, column: str) -> str:
+    """The privileges the batched DELETE needs and this role lacks ("" when none): DELETE on
+    the table and SELECT on the column its WHERE reads."""
+    row = conn.execute(
+        "SELECT has_table_privilege(%s::oid, 'DELETE'), "
+        "has_column_privilege(%s::oid, %s, 'SELECT')",
+        (oid, oid, column),
+    ).fetchone()
+    assert row is not None
+    names = [name for name, held in zip(("DELETE", f"SELECT ({column})"), row, strict=True)
+             if not held]  # fmt: skip
+    return " and ".join(names)
+
+
+def _denied(conn: psycopg.Connection[Any], table: Relation, lacking: str) -> str:
+    """Why retention did not run, with the grant that lets it."""
+    role = sql.Identifier(conn.info.user).as_string(conn)
+    grant = f"GRANT SELECT, DELETE ON {table.ident.as_string(conn)} TO {role}"
+    if not lacking:
+        return f"role {conn.info.user} needs {grant}"
+    return f"not applied: role {conn.info.user} lacks {lacking} on it ({grant})"
