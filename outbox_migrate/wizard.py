@@ -144,6 +144,8 @@ class Measurements:
     id_column: str = ""
     """The primary key, when the configured id column is missing: the id `plan` suggests,
     carried into the `Next:` command."""
+    table: str = "outbox"
+    """The table measured, as the user names it (schema-qualified outside `public`)."""
 
 
 def measure(dsn: str, spec: OutboxSpec, window_s: float = 2.0, pattern: str = "") -> Measurements:
@@ -163,6 +165,7 @@ def measure(dsn: str, spec: OutboxSpec, window_s: float = 2.0, pattern: str = ""
         heap_bytes=facts.heap_bytes,
         row_estimate=facts.row_estimate,
         unpublished=facts.unpublished,
+        table=spec.table if spec.schema == "public" else f"{spec.schema}.{spec.table}",
         inserts_per_s=max(second[0] - first[0], 0) / window_s,
         publishes_per_s=max(second[1] - first[1], 0) / window_s,
         window_s=window_s,
@@ -209,7 +212,7 @@ def interpret(m: Measurements, pattern: str) -> list[str]:
     notes: list[str] = []
     scan_s = m.heap_bytes / ASSUMED_SCAN_BYTES_PER_S
     notes.append(
-        f"outbox: ~{m.row_estimate:,} rows, {m.total_bytes / 1024 / 1024:,.1f} MiB, "
+        f"{m.table}: ~{m.row_estimate:,} rows, {m.total_bytes / 1024 / 1024:,.1f} MiB, "
         f"{m.unpublished:,} unpublished; {m.inserts_per_s:,.1f} inserts/s and "
         f"{m.publishes_per_s:,.1f} publishes/s over {m.window_s:g} s (PostgreSQL "
         f"{m.server_version})"

@@ -131,6 +131,8 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
                 conn, "unpublished", rel_q=n.q(spec.table), unpublished=marker.unpublished(resolved)
             )[0][0]
         )
+        # The count is exact, the estimate may be stale: never fewer rows than unpublished ones.
+        facts.row_estimate = max(facts.row_estimate, facts.unpublished)
         spec = resolved
     for relation in (spec.partitioned_table, spec.unpublished_partition, spec.published_partition):
         found = _rows(conn, "relation-kind", rel_reg=n.reg(relation))
@@ -142,12 +144,63 @@ def introspect(conn: Connection[Any], spec: OutboxSpec, pattern: str = "") -> Ta
                 else {"p": "partitioned table"}.get(kind, "table")
             )
     judge(facts, spec, pattern)
+    facts.blockers += _names_taken(conn, spec, list(facts.new_table_state))
     seen = read_table_privileges(conn, spec)  # what travels to the new tables (plan shows it)
     facts.objects[:0] = [ObjectFact(*o) for o in seen.objects(spec, pattern)]
     facts.blockers += [Finding(*b) for b in seen.blockers(spec)]
     if value_problem:
         facts.blockers.append(Finding("published-value", value_problem, "fix the setting"))
     return facts
+
+
+_NAME_OPTIONS = {
+    "partitioned_table": "--partitioned-table",
+    "unpublished_partition": "--unpublished-partition",
+    "published_partition": "--published-partition",
+}
+
+
+def _names_taken(conn: Connection[Any], spec: OutboxSpec, existing: list[str]) -> list[Finding]:
+    """The relations this migration would create that another table's live migration made
+    (the ledger's `owned_object`, by OID): its first step could only refuse, and the way out
+    is a name of this migration's own. Skipped when the ledger is absent or unreadable
+    (`plan` needs no grant on it); this table's own migrations are the runner's business."""
+    readable = conn.execute(
+        "SELECT count(*) = 2 AND bool_and(has_schema_privilege(n.oid, 'USAGE') "
+        "AND has_table_privilege(c.oid, 'SELECT')) FROM pg_class c JOIN pg_namespace n "
+        "ON n.oid = c.relnamespace WHERE n.nspname = 'outbox_migrate' "
+        "AND c.relname IN ('migration', 'owned_object')"
+    ).fetchone()
+    if not existing or not (readable and readable[0]):
+        return []
+    taken: dict[str, list[str]] = {}
+    for key, option in _NAME_OPTIONS.items():
+        relation = getattr(spec, key)
+        if relation not in existing:
+            continue
+        row = conn.execute(
+            "SELECT format('%s migration #%s of %s.%s (%s)', upper(m.pattern), m.id, "
+            "m.table_schema, m.table_name, m.state) FROM outbox_migrate.owned_object o "
+            "JOIN outbox_migrate.migration m ON m.id = o.migration_id WHERE o.kind = 'relation' "
+            "AND o.object_oid = to_regclass(%s) AND m.state <> 'abandoned' "
+            "AND (m.table_schema, m.table_name) <> (%s, %s) ORDER BY m.id LIMIT 1",
+            (ident(spec.schema, relation), spec.schema, spec.table),
+        ).fetchone()
+        if row is not None:
+            taken.setdefault(str(row[0]), []).append(f"{option} NAME")
+            taken[str(row[0])].insert(0, f"{spec.schema}.{relation}")
+    findings = []
+    for owner, parts in taken.items():
+        names = [p for p in parts if not p.startswith("--")]
+        options = [p for p in parts if p.startswith("--")]
+        findings.append(Finding(
+            "name-taken",
+            f"{', '.join(reversed(names))} already {'exists' if len(names) == 1 else 'exist'}: "
+            f"the {owner} created {'it' if len(names) == 1 else 'them'}",
+            f"give this migration names of its own ({' '.join(options)}); resetting the "
+            "ledger would not free them",
+        ))  # fmt: skip
+    return findings
 
 
 def marker_from_samples(facts: TableFacts, spec: OutboxSpec) -> OutboxSpec:

@@ -16,7 +16,9 @@ ORDER BY a.attnum
 -- name: table
 -- Kind, partition status, size and row estimate of the table.
 SELECT c.relkind::text, c.relispartition, pg_total_relation_size(c.oid) AS total_bytes,
-       pg_relation_size(c.oid) AS heap_bytes, greatest(c.reltuples, 0)::bigint AS row_estimate,
+       pg_relation_size(c.oid) AS heap_bytes,
+       -- reltuples is -1 until the first VACUUM or ANALYZE: the live-row counter then
+       CASE WHEN c.reltuples >= 0 THEN c.reltuples ELSE coalesce(s.n_live_tup, 0) END::bigint AS row_estimate,
        coalesce(s.n_tup_ins, 0) AS inserts, coalesce(s.n_tup_upd, 0) AS updates,
        coalesce(s.n_tup_del, 0) AS deletes
 FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid

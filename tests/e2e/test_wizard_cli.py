@@ -189,3 +189,29 @@ def test_a_terminal_on_stdin_is_asked_without_flags() -> None:
 def test_dsn_without_the_table_is_one_line_exit_2(dsn: str) -> None:
     line = one_line_usage_error(wizard(*FLAGS["cop"], "--dsn", dsn, "--table", "events"))
     assert "table events does not exist in database" in line
+
+
+def test_a_table_never_analyzed_is_not_reported_empty(dsn: str) -> None:
+    """`reltuples` is -1 until the first VACUUM or ANALYZE: the wizard said `outbox: ~0 rows,
+    … 2,000 unpublished` for a fresh 3,000-row table in schema `app`. Now the live-row
+    counter stands in, the unpublished count bounds it, and the line names the table."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA app")
+        conn.execute(
+            "CREATE TABLE app.event_outbox (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+            "payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now(), "
+            "published_at timestamptz) WITH (autovacuum_enabled = false)"
+        )
+        conn.execute(
+            "INSERT INTO app.event_outbox (payload, published_at) SELECT '{}', "
+            "CASE WHEN g % 3 = 0 THEN now() END FROM generate_series(1, 3000) g"
+        )
+        never = "SELECT reltuples FROM pg_class WHERE oid = 'app.event_outbox'::regclass"
+        assert conn.execute(never).fetchone() == (-1,)
+    result = wizard(*FLAGS["copra"], "--dsn", dsn, "--schema", "app", "--table", "event_outbox",
+                    "--format", "json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["measurements"]["unpublished"] == 2000
+    assert doc["measurements"]["row_estimate"] >= 2000
+    assert any(note.startswith("app.event_outbox: ~") for note in doc["notes"]), doc["notes"]
