@@ -138,6 +138,11 @@ def _driver(ctx: MigrationContext) -> psycopg.Connection[Any]:
     return raw
 
 
+def role_of(ctx: MigrationContext) -> str:
+    """The role Alembic's connection logged in as (the URL may leave it to libpq)."""
+    return _driver(ctx).info.user
+
+
 @contextmanager
 def _runner(
     ctx: MigrationContext, pattern: str, settings: Settings, include_optional: bool, joined: bool

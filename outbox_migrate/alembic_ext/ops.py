@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import KW_ONLY, dataclass, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from alembic.autogenerate import renderers
 from alembic.autogenerate.api import AutogenContext
@@ -15,7 +15,10 @@ from alembic.operations import MigrateOperation, Operations
 from alembic.util import CommandError
 
 from outbox_migrate.alembic_ext import execute
-from outbox_migrate.errors import OutboxMigrateError
+from outbox_migrate.errors import ExitCode, OutboxMigrateError, UsageError
+
+if TYPE_CHECKING:
+    from alembic.runtime.migration import MigrationContext
 
 IMPORT_LINE = (
     "import outbox_migrate.alembic_ext  # noqa: F401 - registers op.outbox_step and friends"
@@ -167,14 +170,63 @@ class AlembicStepError(OutboxMigrateError, CommandError):
         super().__init__(str(error))
 
 
+class _Interrupted(OutboxMigrateError):
+    """Ctrl-C during an operation under the `alembic` command."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+
+INSUFFICIENT_PRIVILEGE = "42501"
+
+
+def _missing_privilege(exc: BaseException) -> BaseException | None:
+    """The database error in `exc`'s chain that says the role lacks a privilege, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if getattr(cause, "sqlstate", None) == INSUFFICIENT_PRIVILEGE:
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _under_alembic_command(ctx: MigrationContext) -> bool:
+    """Whether the `alembic` command line runs us without `--raiseerr`: it prints a
+    `CommandError` as one `FAILED:` line. Called from Python, an interrupt stays one."""
+    options = getattr(ctx.config, "cmd_opts", None)
+    return getattr(options, "raiseerr", None) is False
+
+
 @contextmanager
-def _reported() -> Iterator[None]:
+def _reported(ctx: MigrationContext, doing: str) -> Iterator[None]:
+    """Errors as `AlembicStepError`, one line each: ours, a privilege the role lacks (as
+    `outbox-migrate run` reports it, the role named), and Ctrl-C under the `alembic` command
+    (the step's transaction rolled back and the revision unrecorded, like any failed step;
+    Alembic then exits 255, its status for every failure, not 130)."""
     try:
         yield
     except AlembicStepError:
         raise
     except OutboxMigrateError as exc:
         raise AlembicStepError(exc) from exc
+    except KeyboardInterrupt as exc:
+        if not _under_alembic_command(ctx):
+            raise
+        raise AlembicStepError(_Interrupted(
+            f"interrupted (Ctrl-C) during {doing}; alembic_version does not record this "
+            "revision and the ledger keeps every step that completed — re-run the same "
+            "`alembic` command to continue"
+        )) from exc  # fmt: skip
+    except Exception as exc:
+        denied = _missing_privilege(exc)
+        if denied is None:
+            raise
+        line = (str(denied).strip().splitlines() or [type(denied).__name__])[0]
+        raise AlembicStepError(UsageError(
+            f"{line}: the role {execute.role_of(ctx)} lacks a privilege the migration needs "
+            "(`outbox-migrate roles` checks them, docs/roles.md lists them)"
+        )) from exc  # fmt: skip
 
 
 def _run(operations: Operations, op: _OutboxOp) -> None:
@@ -182,9 +234,11 @@ def _run(operations: Operations, op: _OutboxOp) -> None:
     reverse = isinstance(op, ReverseOutboxStepOp | ReverseOutboxPhaseOp)
     pattern = execute.pattern_of(op.target) if op.phase is None else op.target
     steps = [op.target] if op.phase is None else None
-    with _reported():
+    what = f"step {op.target}" if op.phase is None else f"phase {op.phase} of {op.target}"
+    ctx = operations.get_context()
+    with _reported(ctx, f"the reverse of {what}" if reverse else what):
         execute.apply_steps(
-            operations.get_context(), pattern, steps, op.phase, op.spec,
+            ctx, pattern, steps, op.phase, op.spec,
             op.include_optional, op.in_revision_transaction, reverse=reverse,
         )  # fmt: skip
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -284,3 +285,34 @@ def test_revisions_generated_before_the_guard_was_pinned_keep_it(
         path.write_text(path.read_text().replace("'unpublished_guard': True,", ""))
     monkeypatch.setenv("OUTBOX_MIGRATE_UNPUBLISHED_GUARD", "off")
     assert 'CREATE TRIGGER "outbox_unpublished_guard"' in _sql(ini, "o1_hop_v2_10")
+
+
+def test_interrupt_under_the_alembic_command_is_one_failed_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from alembic.config import main as alembic_main
+
+    from outbox_migrate.alembic_ext import execute
+
+    ini = _project(tmp_path, per_migration=True)
+    generate("hop", SETTINGS, tmp_path, tag="i1")
+
+    def interrupted(*_args: object, **_kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(execute, "apply_steps", interrupted)
+    ini.write_text(
+        re.sub(r"(?m)^sqlalchemy\.url = .*$", f"sqlalchemy.url = {URL}", ini.read_text())
+    )
+    with pytest.raises(SystemExit) as exited:
+        alembic_main(["-c", str(ini), "upgrade", "i1_hop_v2_01", "--sql"])
+    assert exited.value.code == -1  # Alembic's own exit for a FAILED line
+    failed = [line for line in capsys.readouterr().out.splitlines() if "FAILED" in line]
+    assert failed == [
+        "FAILED: interrupted (Ctrl-C) during step hop.v2.create-partitioned-table; "
+        "alembic_version does not record this revision and the ledger keeps every step that "
+        "completed — re-run the same `alembic` command to continue"
+    ]
+    # Called from Python (command.upgrade), the KeyboardInterrupt is left as it is.
+    with pytest.raises(KeyboardInterrupt):
+        _sql(ini, "i1_hop_v2_01")

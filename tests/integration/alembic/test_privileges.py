@@ -7,7 +7,9 @@ import uuid
 from pathlib import Path
 
 import psycopg
+import pytest
 from alembic import command
+from alembic.util import CommandError
 from outbox_migrate_harness.testing.schema import create_flat_outbox
 from outbox_migrate_harness.testing.server import Server
 from psycopg import sql
@@ -16,7 +18,8 @@ from outbox_migrate.alembic_ext.generate import generate
 from outbox_migrate.config import load_settings
 from tests.integration.alembic.conftest import APP_REVISION
 from tests.integration.catalog.test_privileges_travel import acl
-from tests.support.alembic_project import config_for, offline_sql, psql
+from tests.support.alembic_project import config_for, offline_sql, psql, version_of
+from tests.support.roles import DocumentedRoles
 
 
 def test_revisions_carry_the_grants_online_and_offline(
@@ -52,3 +55,32 @@ def test_revisions_carry_the_grants_online_and_offline(
             for conn in (online, offline):
                 conn.execute(sql.SQL("DROP OWNED BY {}").format(ident))
             online.execute(sql.SQL("DROP ROLE {}").format(ident))
+
+
+def test_a_missing_privilege_is_one_failed_line(
+    project: Path, dsn: str, roles: DocumentedRoles
+) -> None:
+    # A role without CREATE on the database (the ledger's schema), then without any grant on
+    # the outbox (the marker's samples): each used to end `alembic upgrade` with a psycopg
+    # traceback where `outbox-migrate run` says one line.
+    targets = generate("hoper", load_settings({}, environ={}), project.parent, tag="r1")
+    app = sql.Identifier(roles.app)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        create_flat_outbox(admin)
+        admin.execute(sql.SQL("GRANT CREATE ON SCHEMA public TO {}").format(app))  # its version
+        config = config_for(project, roles.app_dsn)
+        command.upgrade(config, APP_REVISION)
+        with pytest.raises(CommandError) as database:
+            command.upgrade(config, targets.revisions[0]["revision"])
+        name = admin.info.dbname
+        admin.execute(
+            sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(name), app)
+        )
+        with pytest.raises(CommandError) as table:
+            command.upgrade(config, targets.revisions[0]["revision"])
+        assert version_of(admin) == APP_REVISION
+    for refused, what in ((database, f"database {name}"), (table, "table outbox")):
+        assert str(refused.value) == (
+            f"permission denied for {what}: the role {roles.app} lacks a privilege the "
+            "migration needs (`outbox-migrate roles` checks them, docs/roles.md lists them)"
+        )
