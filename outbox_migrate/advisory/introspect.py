@@ -173,32 +173,31 @@ def _names_taken(conn: Connection[Any], spec: OutboxSpec, existing: list[str]) -
     ).fetchone()
     if not existing or not (readable and readable[0]):
         return []
-    taken: dict[str, list[str]] = {}
+    taken: dict[str, tuple[list[str], list[str]]] = {}  # owner -> (relations, options)
     for key, option in _NAME_OPTIONS.items():
         relation = getattr(spec, key)
         if relation not in existing:
             continue
         row = conn.execute(
-            "SELECT format('%s migration #%s of %s.%s (%s)', upper(m.pattern), m.id, "
-            "m.table_schema, m.table_name, m.state) FROM outbox_migrate.owned_object o "
+            "SELECT upper(m.pattern) || ' migration #' || m.id || ' of ' || m.table_schema "
+            "|| '.' || m.table_name || ' (' || m.state || ')' FROM outbox_migrate.owned_object o "
             "JOIN outbox_migrate.migration m ON m.id = o.migration_id WHERE o.kind = 'relation' "
             "AND o.object_oid = to_regclass(%s) AND m.state <> 'abandoned' "
             "AND (m.table_schema, m.table_name) <> (%s, %s) ORDER BY m.id LIMIT 1",
             (ident(spec.schema, relation), spec.schema, spec.table),
         ).fetchone()
         if row is not None:
-            taken.setdefault(str(row[0]), []).append(f"{option} NAME")
-            taken[str(row[0])].insert(0, f"{spec.schema}.{relation}")
+            relations, options = taken.setdefault(str(row[0]), ([], []))
+            relations.append(f"{spec.schema}.{relation}")
+            options.append(f"{option} NAME")
     findings = []
-    for owner, parts in taken.items():
-        names = [p for p in parts if not p.startswith("--")]
-        options = [p for p in parts if p.startswith("--")]
+    for owner, (relations, options) in taken.items():
+        one = len(relations) == 1
         findings.append(Finding(
             "name-taken",
-            f"{', '.join(reversed(names))} already {'exists' if len(names) == 1 else 'exist'}: "
-            f"the {owner} created {'it' if len(names) == 1 else 'them'}",
-            f"give this migration names of its own ({' '.join(options)}); resetting the "
-            "ledger would not free them",
+            f"{', '.join(relations)} already {'exists' if one else 'exist'}: the {owner} "
+            f"created {'it' if one else 'them'}",
+            f"give this migration names of its own: {' '.join(options)}",
         ))  # fmt: skip
     return findings
 

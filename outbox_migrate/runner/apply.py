@@ -208,8 +208,9 @@ class StepApplier:
             fault(step.id, "before")
             waited_ms = executor_for(step).apply(self, step)
         except PreconditionFailed as exc:
+            exc = self._name_taken(exc)
             self._record_refusal(step, str(exc))
-            raise
+            raise exc from None
         except StepFailed:
             raise
         except psycopg.Error as exc:
@@ -231,6 +232,33 @@ class StepApplier:
             raise
         if waited_ms:
             ledger.record_lock_wait(self.conn, self._recording(), step.id, waited_ms)
+
+    def _name_taken(self, refused: PreconditionFailed) -> PreconditionFailed:
+        """A relation this migration would create exists already and is not its own (its
+        step would have been adopted): say whose it is and that the way out is a name of this
+        migration's own, not "reset the ledger", which would not free the name."""
+        base, _, relation = refused.condition.partition(":")
+        options = {
+            self.spec.partitioned_table: "--partitioned-table",
+            self.spec.unpublished_partition: "--unpublished-partition",
+            self.spec.published_partition: "--published-partition",
+        }
+        if base != "relation-absent" or relation not in options:
+            return refused
+        owner = ownership.relation_owner(self.conn, self.spec, relation)
+        whose = (
+            f"{owner.pattern.upper()} migration #{owner.migration_id} of "
+            f"{owner.table} ({owner.state}) created it"
+            if owner is not None
+            else "no migration recorded here created it"
+        )
+        return PreconditionFailed(
+            refused.step_id,
+            refused.condition,
+            f"{self.spec.schema}.{relation} already exists and is not this migration's "
+            f"({whose}): give this migration a name of its own with {options[relation]} NAME, "
+            "or drop the relation if it is a leftover nobody uses",
+        )
 
     def _record_refusal(self, step: Step, message: str) -> None:
         """A step refused at run time stays pending (it did nothing), with the reason for

@@ -4,6 +4,9 @@ plan → validate → apply. It reports through `RunnerEvents`; it never prints 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
 
@@ -179,6 +182,24 @@ class Runner:
         ledger.sync_steps(self.conn, migration, self.pattern)
         return migration
 
+    @contextmanager
+    def _recorded(self) -> Iterator[ledger.MigrationRow]:
+        """`_record` for a command that goes on to apply steps. A migration record this
+        command started is removed again when the command fails with none of its steps
+        applied (each still `pending`: refused at its turn, interrupted before it began): a
+        refused command writes nothing, and an `active` migration nothing was done for would
+        stand in another pattern's way. The per-table runner lock, held since before the
+        record was written, keeps any other runner from seeing it meanwhile."""
+        new = self._latest() is None
+        migration = self._record()
+        try:
+            yield migration
+        except BaseException:
+            if new and not self.session.borrowed and self.session.live:
+                with contextlib.suppress(psycopg.Error):  # the command's own error comes first
+                    ledger.discard_if_untouched(self.conn, migration.id)
+            raise
+
     def _latest(self) -> ledger.MigrationRow | None:
         """This table's migration with this pattern; None before any ledger exists (reading
         never creates the ledger)."""
@@ -209,31 +230,31 @@ class Runner:
         """Run every pending step through the end of `to_phase`, then stop at that boundary."""
         self.acquire()
         steps_to_run(self.pattern, self._admit(), to_phase)  # decided before anything is written
-        migration = self._record()
-        rows = self._rows(migration)
-        pending = steps_to_run(self.pattern, rows, to_phase)
-        applier = self._applier(migration.id)
-        result = RunResult(self.pattern.name, to_phase)
-        for step in pending:
-            self._execute(applier, step, rows, result)
-        return self._finish(migration, result, to_phase)
+        with self._recorded() as migration:
+            rows = self._rows(migration)
+            pending = steps_to_run(self.pattern, rows, to_phase)
+            applier = self._applier(migration.id)
+            result = RunResult(self.pattern.name, to_phase)
+            for step in pending:
+                self._execute(applier, step, rows, result)
+            return self._finish(migration, result, to_phase)
 
     def next(self) -> RunResult:
         """Run exactly one step: the first pending one, if it is in the next phase at most."""
         self.acquire()
         self._admit()
-        migration = self._record()
-        rows = self._rows(migration)
-        done = phase_index(self.pattern, completed_phase(self.pattern, rows))
-        target = self.pattern.phases[min(done + 1, len(self.pattern.phases) - 1)].name
-        pending = steps_to_run(self.pattern, rows, target)
-        result = RunResult(self.pattern.name, target)
-        target = completed_phase(self.pattern, rows)
-        if pending:
-            step = pending[0]
-            self._execute(self._applier(migration.id), step, rows, result)
-            target = step.phase
-        return self._finish(migration, result, target)
+        with self._recorded() as migration:
+            rows = self._rows(migration)
+            done = phase_index(self.pattern, completed_phase(self.pattern, rows))
+            target = self.pattern.phases[min(done + 1, len(self.pattern.phases) - 1)].name
+            pending = steps_to_run(self.pattern, rows, target)
+            result = RunResult(self.pattern.name, target)
+            target = completed_phase(self.pattern, rows)
+            if pending:
+                step = pending[0]
+                self._execute(self._applier(migration.id), step, rows, result)
+                target = step.phase
+            return self._finish(migration, result, target)
 
     def step(self, step_id: str) -> Step:
         return step_named(self.pattern, step_id)
@@ -250,16 +271,16 @@ class Runner:
         holds = facts.holding(steps[: steps.index(step)], rows)
         plan = plan_execute_step(self.pattern, rows, step.id, holds)
         self._check_adoptions([s for s, action in plan.actions if action is Action.ADOPT])
-        migration = self._record()
-        rows = self._rows(migration)
-        applier = self._applier(migration.id)
-        result = RunResult(self.pattern.name, step.phase)
-        for planned, action in plan.actions:
-            if action is Action.UNDONE:
-                applier.record_undone(planned, result)
-                continue
-            self._execute(applier, planned, rows, result)
-        return self._finish(migration, result, step.phase)
+        with self._recorded() as migration:
+            rows = self._rows(migration)
+            applier = self._applier(migration.id)
+            result = RunResult(self.pattern.name, step.phase)
+            for planned, action in plan.actions:
+                if action is Action.UNDONE:
+                    applier.record_undone(planned, result)
+                    continue
+                self._execute(applier, planned, rows, result)
+            return self._finish(migration, result, step.phase)
 
     def _check_adoptions(self, steps: list[Step]) -> None:
         """Adopting refuses an object another live migration owns: asked (read-only) before

@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any, LiteralString
 
 from psycopg import Connection, sql
+from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 
 from outbox_migrate import sql as queries
@@ -257,6 +258,35 @@ def set_phase(conn: Connection[Any], migration_id: int, phase: str, state: str =
         "updated_at = now() WHERE id = %s",
         (phase, state, migration_id),
     )
+
+
+def discard_if_untouched(conn: Connection[Any], migration_id: int) -> bool:
+    """Delete a migration record whose steps are all still `pending` and which owns no
+    object — nothing of it was applied — with its step and attempt rows, in one transaction;
+    False (and nothing changed) otherwise. For a command that started the record and then
+    failed before applying anything: what it leaves is the ledger as it found it."""
+    if conn.info.transaction_status is not TransactionStatus.IDLE:
+        return False  # inside someone else's transaction, or the session is busy
+    with conn.transaction():
+        row = conn.execute(
+            "SELECT NOT EXISTS (SELECT 1 FROM outbox_migrate.step WHERE migration_id = m.id "
+            "                   AND state <> 'pending') "
+            "   AND NOT EXISTS (SELECT 1 FROM outbox_migrate.owned_object "
+            "                   WHERE migration_id = m.id) "
+            "FROM outbox_migrate.migration m WHERE m.id = %s FOR UPDATE",
+            (migration_id,),
+        ).fetchone()
+        if not (row and row[0]):
+            return False
+        for table in ("attempt", "step", "migration"):
+            key = "id" if table == "migration" else "migration_id"
+            conn.execute(
+                sql.SQL("DELETE FROM {} WHERE {} = %s").format(
+                    sql.Identifier(SCHEMA, table), sql.Identifier(key)
+                ),
+                (migration_id,),
+            )
+    return True
 
 
 def abandon(conn: Connection[Any], migration_id: int) -> None:

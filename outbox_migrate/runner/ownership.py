@@ -54,6 +54,28 @@ def owners(conn: Connection[Any], kind: str, oid: int) -> list[Owner]:
     return [Owner(int(r[0]), str(r[1]), str(r[2]), str(r[3])) for r in rows]
 
 
+@dataclass(frozen=True)
+class RelationOwner:
+    migration_id: int
+    pattern: str
+    state: str
+    table: str
+    """The owning migration's table, schema-qualified."""
+
+
+def relation_owner(conn: Connection[Any], spec: OutboxSpec, relation: str) -> RelationOwner | None:
+    """The live (active or completed) migration that created or took over the relation
+    `relation` of the table's schema, by OID; None when none did (or it does not exist)."""
+    row = conn.execute(
+        "SELECT m.id, m.pattern, m.state, m.table_schema || '.' || m.table_name "
+        "FROM outbox_migrate.owned_object o JOIN outbox_migrate.migration m "
+        "ON m.id = o.migration_id WHERE o.kind = 'relation' "
+        "AND o.object_oid = to_regclass(%s) AND m.state <> 'abandoned' ORDER BY m.id LIMIT 1",
+        (sql.Identifier(spec.schema, relation).as_string(None),),
+    ).fetchone()
+    return RelationOwner(int(row[0]), str(row[1]), str(row[2]), str(row[3])) if row else None
+
+
 def record(
     conn: Connection[Any],
     migration_id: int,

@@ -16,8 +16,10 @@ import pytest
 from outbox_migrate_harness.testing.schema import create_flat_outbox, insert_rows
 from psycopg import sql
 
+from outbox_migrate.config import OutboxSpec
 from tests.integration.runner.test_operator_regressions import ENV, om
 from tests.support.app import publish_all
+from tests.support.roles import DocumentedRoles
 
 Conn = psycopg.Connection[tuple[object, ...]]
 PUBLISH = ("publish",)
@@ -142,3 +144,59 @@ def test_reset_force_cannot_hand_a_swapped_migration_to_another_pattern(
     assert ledger_snapshot(operator) == before
     plan = om(dsn, "plan", "--pattern", "hop")
     assert plan.code == 2, plan  # the same blocker `plan` reports
+
+
+@pytest.fixture
+def as_owner(roles: DocumentedRoles, monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> str:
+    """The CLI's environment, and the default outbox created by a non-superuser owner, who
+    runs the commands (its DSN is returned)."""
+    for key in [k for k in os.environ if k.startswith("OUTBOX_MIGRATE_") and "TEST" not in k]:
+        monkeypatch.delenv(key)
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(str(tmp_path))
+    with psycopg.connect(roles.owner_dsn, autocommit=True) as owner:
+        create_flat_outbox(owner)
+        insert_rows(owner, "outbox", 30, published=True)
+    return roles.owner_dsn
+
+
+def test_a_name_another_tables_migration_owns_is_a_blocker(as_owner: str, dsn: str) -> None:
+    """QA #4: COPRA of `outbox` created `outbox_new`; HOPER of a second table with the default
+    names failed its first step's precondition (exit 5) and left a second `active` migration
+    in the ledger, its hint "reset the ledger". The clash is known before anything is written:
+    `plan` and `run` report it as a blocker (exit 2) naming `--partitioned-table`, and the
+    ledger stays as it was."""
+    assert om(as_owner, "run", "--pattern", "copra", "--to", "V2").code == 0
+    with psycopg.connect(as_owner, autocommit=True) as owner:
+        create_flat_outbox(owner, OutboxSpec(table="uuid_outbox"))
+        before = ledger_snapshot(owner)
+        for command in ("plan", "run"):
+            argv = [command, "--pattern", "hoper", "--table", "uuid_outbox"]
+            result = om(as_owner, *argv, *(["--to", "V2"] if command == "run" else []))
+            assert result.code == 2, result
+            line = result.stderr.strip().splitlines()[-1]
+            assert len(result.stderr.strip().splitlines()) == 1, result
+            assert '"public"."outbox_new"' in line or "public.outbox_new" in line, line
+            assert "--partitioned-table" in line and "public.outbox" in line, line
+            assert "reset" not in line, line
+            assert ledger_snapshot(owner) == before
+
+
+def test_a_step_refused_at_its_turn_leaves_no_migration_behind(as_owner: str) -> None:
+    """A run whose very first step is refused at run time (a precondition only the step
+    checks: here a table by hand under the partitioned table's name) applied nothing, so it
+    leaves no migration record either: a second one, `active` and "completed through V1",
+    was what QA #4 found. The hint names `--partitioned-table`, not a ledger reset."""
+    with psycopg.connect(as_owner, autocommit=True) as owner:
+        owner.execute("CREATE TABLE outbox_new (note text)")
+        result = om(as_owner, "run", "--pattern", "hoper", "--to", "V2")
+        assert result.code == 5, result
+        line = result.stderr.strip().splitlines()[-1]
+        assert "relation-absent:outbox_new" in line and "--partitioned-table" in line, line
+        assert "reset the ledger" not in line, line
+        assert owner.execute("SELECT count(*) FROM outbox_migrate.migration").fetchone() == (0,)
+        assert owner.execute("SELECT count(*) FROM outbox_migrate.step").fetchone() == (0,)
+        # A next run starts afresh once the name is free.
+        owner.execute("DROP TABLE outbox_new")
+    assert om(as_owner, "run", "--pattern", "hoper", "--to", "V2").code == 0
