@@ -127,9 +127,10 @@ def with_oid(conn: Any, source: queries.Source) -> queries.Source:
 
 
 def check_markable(conn: Any, source: queries.Source) -> None:
-    """Refuse (exit 2) a source whose marks could not be confined to its claim relation: a
+    """Refuse (exit 2) a source whose marks could not be confined to its claim relation (a
     view under the partitioned table's former name made by an earlier release's rename has
-    `ctid` but no `tableoid` column."""
+    `ctid` but no `tableoid` column), or could not move a row anywhere (a partitioned table
+    whose only partition is the unpublished one: COPRA before V4)."""
     mark = queries.qualified(source.schema, source.mark_table)
     row = conn.execute(
         "SELECT c.relkind = 'v' AND NOT EXISTS (SELECT FROM pg_attribute a WHERE "
@@ -146,9 +147,9 @@ def check_markable(conn: Any, source: queries.Source) -> None:
     claim = queries.qualified(source.schema, source.claim_table)
     row = conn.execute(
         "SELECT c.relkind = 'p' AND NOT EXISTS (SELECT FROM pg_inherits i WHERE i.inhparent = "
-        "c.oid AND i.inhrelid IS DISTINCT FROM to_regclass(%s)) FROM pg_class c "
-        "WHERE c.oid = to_regclass(%s)",
-        (claim, mark),
+        "c.oid AND i.inhrelid <> u.oid) FROM pg_class c, pg_class u "
+        "WHERE c.oid = to_regclass(%s) AND u.oid = to_regclass(%s)",
+        (mark, claim),
     ).fetchone()
     if row and row[0]:
         # COPRA's V2 layout: the old table becomes the DEFAULT partition only before V4.
