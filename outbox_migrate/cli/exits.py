@@ -32,6 +32,8 @@ class _State:
     command: str = "outbox-migrate"
     activity: str | None = None  # what the command is doing now: `step hoper.v2.…`
     note: str | None = None
+    outcome: str | None = None  # how the interrupted step ended (`RunnerEvents.interrupted`)
+    committed: str | None = None  # the last step this command committed: `step hoper.v2.…`
 
 
 _state = _State()
@@ -47,6 +49,8 @@ def set_command(argv: list[str]) -> None:
     words = [a for a in argv if not a.startswith("-")]
     name = " ".join(words[:2]) if words[:1] == ["alembic"] else " ".join(words[:1])
     _state.command = name or "outbox-migrate"
+    # A new command (tests run several in one process): nothing of the last one's steps.
+    _state.activity = _state.note = _state.outcome = _state.committed = None
 
 
 def set_interrupt_note(note: str) -> None:
@@ -60,13 +64,31 @@ def doing() -> str:
     return f"{_state.activity} of {command}" if _state.activity else command
 
 
+_STEP_OUTCOMES = {
+    "committed": "{name} after {doing} committed (the ledger records it) — re-run the same "
+    "command to continue",
+    "unknown": "{name} during {doing} before its outcome reached the command: `outbox-migrate "
+    "status` shows whether it committed — re-run the same command to continue",
+    "unfinished": "{name} during {doing}; the step did not finish, and it runs outside one "
+    "transaction, so the work it did stays — re-run the same command to continue it",
+    "rolled-back": "{name} during {doing}; the step did not complete and its transaction was "
+    "rolled back — re-run the same command to continue",
+}
+"""An interrupted step's line, by how it ended (`RunnerEvents.interrupted`)."""
+
+
 def interrupt_message() -> str:
     name = signals.name()
     if _state.note:
         return f"{name} during {doing()}; {_state.note}"
     if _state.activity and _state.activity.startswith("step "):
-        return (f"{name} during {doing()}; the step did not complete and its transaction was "
-                "rolled back — re-run the same command to continue")  # fmt: skip
+        # As the runner read it back from the ledger: an interrupt just after a COMMIT must
+        # not be reported as a rollback (docs/cli.md, "An interrupt says what it stopped").
+        wording = _STEP_OUTCOMES.get(_state.outcome or "", _STEP_OUTCOMES["rolled-back"])
+        return wording.format(name=name, doing=doing())
+    if _state.committed:
+        return (f"{name} during {doing()} after {_state.committed} committed; nothing was left "
+                "half-done — re-run the same command to continue")  # fmt: skip
     return f"{name} during {doing()}; nothing was left half-done — re-run the same command"
 
 
@@ -152,11 +174,16 @@ class TrackedEvents:
     def step_started(self, step: Any, action: str) -> None:
         if action != "already-done":
             _state.activity = f"step {step.id}"
+            _state.outcome = None
         self._inner.step_started(step, action)
 
     def step_finished(self, step: Any, outcome: str, elapsed_s: float) -> None:
         _state.activity = None
+        _state.committed = f"step {step.id}"
         self._inner.step_finished(step, outcome, elapsed_s)
+
+    def interrupted(self, step: Any, outcome: str) -> None:
+        _state.outcome = outcome
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -97,6 +97,7 @@ def _runner(
     from outbox_migrate.cli.exits import TrackedEvents
     from outbox_migrate.runner import Runner
 
+    _quiet_psycopg()
     return Runner(
         require_dsn(dsn),
         settings_from(**names),
@@ -105,6 +106,18 @@ def _runner(
         events=TrackedEvents(runner_events(json_lines=output is OutputFormat.json)),
         on_long_tx=on_long_tx.value,
     )
+
+
+def _quiet_psycopg() -> None:
+    """An interrupt can leave a step's session busy, and psycopg then logs the ROLLBACK it
+    could not send ("error ignored in rollback of <psycopg.Transaction …>", with host, user
+    and database) at WARNING; with no handler anywhere Python's last resort printed it on
+    stderr above the one error line, which already says what became of the step."""
+    import logging
+
+    psycopg_log = logging.getLogger("psycopg")
+    if not any(isinstance(h, logging.NullHandler) for h in psycopg_log.handlers):
+        psycopg_log.addHandler(logging.NullHandler())
 
 
 def _report(result: Any, output: OutputFormat, runner: Runner | None = None) -> None:
@@ -123,7 +136,7 @@ def _report(result: Any, output: OutputFormat, runner: Runner | None = None) -> 
         "migration complete"
         if result.completed
         else f"stopped inside {result.inside} ({result.phase} complete)"
-        if result.inside
+        if getattr(result, "inside", None)
         else f"stopped at the end of {result.phase}"
     )
     text(f"{result.pattern.upper()}: ran {count(len(result.ran), 'step')}, adopted "
@@ -140,7 +153,7 @@ def _what_next(result: Any, runner: Runner) -> str | None:
     if result.completed:
         return None
     pattern = runner.pattern
-    if result.inside:
+    if getattr(result, "inside", None):
         # Part-way into a phase: its deploy boundary is not reached yet, nothing to deploy.
         return (f"{result.inside}'s steps have begun; run the rest of them: `outbox-migrate "
                 f"run --pattern {pattern.name} --to {result.inside}`")  # fmt: skip

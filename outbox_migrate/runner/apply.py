@@ -180,6 +180,43 @@ class StepApplier:
         just now (None when the ledger already says done)."""
         action = action_for(step, row, holds)
         self.events.step_started(step, action.value)
+        try:
+            self._carry_out(step, action, result)
+        except KeyboardInterrupt:  # SIGINT, SIGTERM (cli.signals.Terminated)
+            self.interrupted(step)
+            raise
+
+    def interrupted(self, step: Step, *, undoing: bool = False) -> None:
+        """Report how the interrupted step (or its inverse) ended, as the ledger has it: a
+        signal can land after the COMMIT was acknowledged and before the runner's next
+        statement, where only the ledger row that committed with the work knows."""
+        report = getattr(self.events, "interrupted", None)  # optional (`RunnerEvents`)
+        if report is not None:
+            report(step, self._outcome(step, undoing))
+
+    def _outcome(self, step: Step, undoing: bool) -> str:
+        conn = self.conn
+        if (
+            self.migration_id is None
+            or conn.closed
+            or conn.info.transaction_status is not TransactionStatus.IDLE
+        ):
+            # Busy with a query the interrupt cut short (its ROLLBACK could not be sent), or
+            # inside someone else's transaction: this session cannot tell.
+            return "unknown"
+        try:
+            row = conn.execute(
+                "SELECT state FROM outbox_migrate.step WHERE migration_id = %s AND step_id = %s",
+                (self.migration_id, step.id),
+            ).fetchone()
+        except psycopg.Error:
+            return "unknown"
+        state = row[0] if row else None
+        if state == ("rolled_back" if undoing else "done"):
+            return "committed"
+        return "unfinished" if state == "running" else "rolled-back"
+
+    def _carry_out(self, step: Step, action: Action, result: RunResult) -> None:
         started = time.monotonic()
         if action is Action.ALREADY_DONE:
             result.skipped.append(step.id)

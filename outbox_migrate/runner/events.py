@@ -10,7 +10,13 @@ from outbox_migrate.patterns.model import Step
 
 
 class RunnerEvents(Protocol):
-    """Every event is optional: a class deriving from it hears only what it overrides."""
+    """Every event is optional: a class deriving from it hears only what it overrides.
+
+    One more is looked up by name, so that implementations written before it (the benches'
+    timelines) still fit: `interrupted(step, outcome)`, when a signal ended the command while
+    `step` (or its inverse) was in hand — `committed`, `rolled-back`, `unfinished` (a step
+    outside one transaction, partly done) or `unknown` (the session was busy: the ledger
+    could not be asked). The CLI's `TrackedEvents` words the interrupt's line from it."""
 
     def step_started(self, step: Step, action: str) -> None:
         return None

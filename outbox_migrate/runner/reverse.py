@@ -79,7 +79,11 @@ def reverse_one(
         return False
     applier.events.step_started(step, "reverse")
     started = time.monotonic()
-    run_inverse(applier, step)
+    try:
+        run_inverse(applier, step)
+    except KeyboardInterrupt:
+        applier.interrupted(step, undoing=True)
+        raise
     if migration is not None:
         reached = completed_phase(pattern, ledger.step_rows(applier.conn, migration.id))
         ledger.set_phase(applier.conn, migration.id, reached, "active")
@@ -125,6 +129,9 @@ def rollback(
         started = time.monotonic()
         try:
             run_inverse(applier, step)
+        except KeyboardInterrupt:  # the inverse may have committed: the ledger says
+            applier.interrupted(step, undoing=True)
+            raise
         except PreconditionFailed:
             # Whatever was undone so far stays undone and recorded; the ledger's phase says
             # where the migration now stands.
