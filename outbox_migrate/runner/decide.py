@@ -201,10 +201,19 @@ def steps_to_run(pattern: Pattern, rows: Rows, target: str) -> list[Step]:
 
 
 def steps_to_reverse(pattern: Pattern, rows: Rows, target: str) -> list[Step]:
-    """Done steps after `target`, newest first (the order their inverses must run)."""
+    """Steps after `target` the ledger records done or running, newest first (the order
+    their inverses must run). A running one is an interrupted job (HOPER's copy-back):
+    skipped, it stayed `running` under a migration rolled back before it, and a later run
+    adopted it as finished (its postcondition read the rolled-back tables) — copying nothing
+    more before the old table was dropped."""
     goal = phase_index(pattern, target)
     later = [s for phase in pattern.phases[goal + 1 :] for s in phase.steps]
-    return [s for s in reversed(later) if _done(rows, s.id)]
+    return [s for s in reversed(later) if _taken(rows, s.id)]
+
+
+def _taken(rows: Rows, step_id: str) -> bool:
+    row = rows.get(step_id)
+    return row is not None and row.state in ("done", "running")
 
 
 def reached_phase(pattern: Pattern, recorded: str, rows: Rows) -> str:

@@ -117,3 +117,15 @@ def test_optional_steps_passed_by_stay_passed_by() -> None:
         expected = [f"{name}.original-name.take-original-name"]
         assert pending == ([trailing, *expected] if trailing else expected)
         assert f"{name}.v4.set-not-null" in skipped(full, rows)
+
+
+def test_a_running_step_after_the_target_is_rolled_back_too() -> None:
+    """A copy-back interrupted part-way stays `running`. Rollback to V3 skipped it (only done
+    steps were undone): the migration stood at V3 with a running copy-back, which a later
+    `run --to copy-back` adopted as finished."""
+    rows = rows_done_through("V4")
+    copy_back = HOPER.phase("copy-back").steps[0]
+    rows[copy_back.id] = row(copy_back.id, "running")
+    undo = steps_to_reverse(HOPER, rows, "V3")
+    assert undo[0].id == copy_back.id
+    assert [s.id for s in undo[1:]] == [s.id for s in reversed(HOPER.phase("V4").steps)]
