@@ -245,11 +245,14 @@ def judge(facts: TableFacts, spec: OutboxSpec, pattern: str = "") -> None:
     else:
         spec = marker_judge.judge_marker(facts, spec, table)
     for name, referrer in facts.foreign_keys_in:
+        # `referrer` is regclass text: quoted where needed, qualified outside the search_path.
+        drop = f"ALTER TABLE {referrer} DROP CONSTRAINT {ident(name)}"
         block.append(Finding(
             "fk-into-outbox",
-            f"foreign key {name} on {referrer} references {table}",
+            f"foreign key {ident(name)} on {referrer} references {table}",
             "drop it or point it elsewhere: uniqueness of ids is not enforced across "
-            "partitions, so no foreign key can reference the partitioned outbox",
+            f"partitions, so no foreign key can reference the partitioned outbox ({drop})",
+            drop,
         ))  # fmt: skip
     _warnings(facts, table)
     _judge_objects(facts, spec, table, pattern)

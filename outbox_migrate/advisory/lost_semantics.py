@@ -5,6 +5,8 @@ admission. One catalog query, otherwise no I/O; ids, CHECKs and triggers are int
 
 from __future__ import annotations
 
+import json
+import shlex
 from typing import TYPE_CHECKING, Any
 
 from psycopg import Connection
@@ -99,7 +101,8 @@ def judge_lost_semantics(facts: TableFacts, spec: OutboxSpec, table: str) -> Non
             "if the application relies on it (deduplication), keep the rule in a table of "
             "its own with that key, written in the same transaction as the outbox row "
             "(docs/patterns.md, \"Your table is not the spec's\"); then accept the loss: "
-            f'accept_lost_unique = ["{key.name}"] (--accept-lost-unique {key.name})',
+            f"accept_lost_unique = [{json.dumps(key.name)}] "
+            f"(--accept-lost-unique {shlex.quote(key.name)})",
         ))  # fmt: skip
     status = status_beside_timestamp(facts, spec)
     if status is not None and not spec.status_column:

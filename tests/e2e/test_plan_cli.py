@@ -88,7 +88,7 @@ def test_foreign_key_into_the_outbox(dsn: str) -> None:
         create_flat_outbox(conn)
         conn.execute("CREATE TABLE receipts (outbox_id int8 REFERENCES outbox (id))")
     line = one_line_error(plan("--pattern", "hoper", "--dsn", dsn))
-    assert "foreign key receipts_outbox_id_fkey on receipts references outbox" in line
+    assert 'foreign key "receipts_outbox_id_fkey" on receipts references outbox' in line
     assert "drop it or point it elsewhere" in line
     as_json = plan("--pattern", "hoper", "--dsn", dsn, "--format", "json")
     assert error_line(as_json, 2, only=True) == line  # stderr as without --format json

@@ -155,7 +155,7 @@ def test_dsn_reports_blockers_in_the_notes(dsn: str) -> None:
     result = wizard(*FLAGS["hop"], "--dsn", dsn)
     assert result.returncode == 0, result.stderr
     assert "Recommended pattern: HOP" in result.stdout
-    assert "blocker: foreign key receipts_outbox_id_fkey on receipts references outbox" in (
+    assert 'blocker: foreign key "receipts_outbox_id_fkey" on receipts references outbox' in (
         result.stdout
     )
 

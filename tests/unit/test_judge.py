@@ -82,7 +82,8 @@ def test_names_outside_public_are_qualified_in_messages() -> None:
     spec = OutboxSpec(schema="billing")
     found = judged(spec, schema="billing", foreign_keys_in=[("fk", "billing.receipts")])
     assert (
-        found.blockers[0].message == "foreign key fk on billing.receipts references billing.outbox"
+        found.blockers[0].message
+        == 'foreign key "fk" on billing.receipts references billing.outbox'
     )
 
 

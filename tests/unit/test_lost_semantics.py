@@ -278,3 +278,16 @@ def test_alembic_revisions_pin_an_acceptance_only_when_one_was_made() -> None:
     made = load_settings({"accept_lost_unique": "outbox_msg_key"}, environ={})
     assert _spec_of(made)["accept_lost_unique"] == ("outbox_msg_key",)
     assert load_settings(_spec_of(made), environ={}).spec.accept_lost_unique == ("outbox_msg_key",)
+
+
+def test_the_accept_hint_of_an_index_name_with_a_space_pastes_as_one_argument() -> None:
+    """`(--accept-lost-unique ob4 dedup)` pasted as printed gave `ob4` and an extra
+    argument `dedup` (exit 2): the name is quoted for the shell, and for TOML."""
+    import shlex
+
+    keys = [BRIGHTER_KEYS[0], UniqueKey('ob4 "dedup"', "unique constraint", ("messageid",),
+                                        False, "")]  # fmt: skip
+    (blocker,) = judged(BRIGHTER, keys, BRIGHTER_SPEC, sequence="public.brighter_id_seq").blockers
+    flag = blocker.remedy[blocker.remedy.index("(--accept-lost-unique") + 1 : -1]
+    assert shlex.split(flag) == ["--accept-lost-unique", 'ob4 "dedup"']
+    assert 'accept_lost_unique = ["ob4 \\"dedup\\""]' in blocker.remedy

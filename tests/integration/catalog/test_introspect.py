@@ -198,9 +198,14 @@ def test_foreign_key_into_the_outbox_blocks(conn: psycopg.Connection) -> None:
     with pytest.raises(SchemaError, match=r"^2 blockers stop the migration of outbox") as raised:
         raise_for_blockers(facts)
     assert [line.split(": ")[1] for line in str(raised.value).splitlines()[1:]] == [
-        "foreign key audit_fk on audits references outbox",
-        "foreign key receipts_outbox_id_fkey on receipts references outbox",
+        'foreign key "audit_fk" on audits references outbox',
+        'foreign key "receipts_outbox_id_fkey" on receipts references outbox',
     ]
+    # the printed fix runs, and clears the blockers (a name with a space and a capital too)
+    conn.execute('ALTER TABLE audits RENAME CONSTRAINT audit_fk TO "Audit fk"')
+    for blocker in introspect(conn, SPEC).blockers:
+        conn.execute(blocker.fix_sql)
+    assert introspect(conn, SPEC).blockers == []
 
 
 @pytest.mark.newest_pg_only
