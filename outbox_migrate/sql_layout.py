@@ -39,11 +39,31 @@ class _Token:
     """Parentheses open before this token, counted from the start of its line."""
 
 
+_ROUTINE = re.compile(r"\s*CREATE\s+(?:OR\s+REPLACE\s+)?(?:FUNCTION|PROCEDURE)\b", re.I)
+_DOLLAR = re.compile(r"\$(?:[A-Za-z_][A-Za-z_0-9]*)?\$")
+
+
 def layout(text: str, width: int) -> str:
-    """`text` with every line longer than `width` re-flowed, breaking only between tokens."""
+    """`text` with every line longer than `width` re-flowed, breaking only between tokens.
+    A function's body is left as it is: PostgreSQL stores it verbatim, and re-flowed it would
+    differ from the one `run` and Alembic create (a schema comparison would show it)."""
     out: list[str] = []
+    statement = ""  # the statement's text so far, to know a function's header
+    body_ends: str | None = None  # the dollar tag that closes the body being copied
     for line in text.split("\n"):
-        out.extend(_line(line, width))
+        if body_ends is not None:
+            out.append(line)
+            if body_ends in line:
+                body_ends = None
+        else:
+            out.extend(_line(line, width))
+            statement += line + "\n"
+            tags = _DOLLAR.findall(line)
+            opened = tags[-1] if tags and tags.count(tags[-1]) % 2 else None
+            if opened and _ROUTINE.match(statement):
+                body_ends = opened
+        if line.rstrip().endswith(";") and body_ends is None:
+            statement = ""
     return "\n".join(out)
 
 

@@ -65,3 +65,26 @@ def test_code_keeps_its_trailing_comment_below_it() -> None:
     laid = layout(line, 80).splitlines()
     assert laid[0] == "    FOR violation IN"
     assert all(piece.lstrip().startswith("--") for piece in laid[1:])
+
+
+def test_a_functions_body_is_left_as_postgresql_stores_it() -> None:
+    """The body was re-flowed like any SQL (`--   its` comments, a split PERFORM): the stored
+    function then differed from the one `run` and Alembic create. A DO block is not stored:
+    it is laid out as before."""
+    body = (
+        "BEGIN\n"
+        "    -- an idle relay holds this lock exclusively: only then is a NOTIFY worth its "
+        "commit-time cost\n"
+        '    PERFORM pg_notify(TG_ARGV[0], (SELECT min("id")::text FROM "new_rows" WHERE '
+        '"id" > 0));\n'
+        "    RETURN NULL;\n"
+        "END\n"
+    )
+    function = (
+        'CREATE OR REPLACE FUNCTION "public"."outbox_new_relay_notify"() RETURNS trigger '
+        "LANGUAGE plpgsql AS $om$\n" + body + "$om$;"
+    )
+    laid = layout(function + "\nDO $om_assert$\n" + body + "$om_assert$;", 80)
+    assert body + "$om$;" in laid
+    assert max(len(line) for line in laid.split("$om$;")[1].splitlines()) <= 80
+    assert max(len(line) for line in laid.split("$om$\n")[0].splitlines()) <= 80
