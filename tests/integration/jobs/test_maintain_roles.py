@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import psycopg
 import pytest
@@ -40,6 +41,16 @@ def _vacuum_count(dsn: str) -> int:
         ).fetchone()
     assert row is not None
     return int(row[0])
+
+
+def _vacuum_count_once_at(dsn: str, least: int) -> int:
+    """The count once it reached `least`: before PostgreSQL 15 the statistics collector
+    reports a VACUUM some time after it ended (later still on a busy machine)."""
+    deadline = time.monotonic() + 30
+    while _vacuum_count(dsn) < least and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)  # a report still on its way would land now
+    return _vacuum_count(dsn)
 
 
 @pytest.fixture
@@ -73,7 +84,6 @@ def test_a_vacuum_the_server_skipped_is_not_reported_as_done(
     assert result.returncode == 5, (result.stdout, result.stderr)
     report = json.loads(result.stdout)
     assert report["vacuumed"] is False
-    assert _vacuum_count(roles.dsn) == before  # PostgreSQL did skip it
     [problem] = report["problems"]
     assert "outbox_unpublished" in problem and "not vacuumed" in problem
     assert "owner" in problem
@@ -83,7 +93,8 @@ def test_a_vacuum_the_server_skipped_is_not_reported_as_done(
     owner = _maintain(roles.owner_dsn)
     assert owner.returncode == 0, (owner.stdout, owner.stderr)
     assert json.loads(owner.stdout)["vacuumed"] is True
-    assert _vacuum_count(roles.dsn) == before + 1
+    # One VACUUM in all: PostgreSQL did skip the relay's (counted before the owner's ends).
+    assert _vacuum_count_once_at(roles.dsn, before + 1) == before + 1
 
 
 @pytest.mark.pg_edges
@@ -127,4 +138,4 @@ def test_a_role_with_pg_maintain_vacuums_from_postgresql_17(
     result = _maintain(roles.relay_dsn)
     assert result.returncode == 0, (result.stdout, result.stderr)
     assert json.loads(result.stdout)["vacuumed"] is True
-    assert _vacuum_count(roles.dsn) == before + 1
+    assert _vacuum_count_once_at(roles.dsn, before + 1) == before + 1
