@@ -78,6 +78,7 @@ def copy_back(
         throttle=ThrottlePolicy(
             rate_rows_per_s=rate, adaptive=not no_adaptive, max_replica_lag_s=max_replica_lag
         ),
+        from_start=from_start,
     )
     if _recorded_migration(target, settings) is not None:
         # One path for the job: with a HOPER migration in the ledger, this command is

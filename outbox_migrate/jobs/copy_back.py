@@ -53,6 +53,9 @@ class CopyBackOptions:
     batch_rows: int = DEFAULT_BATCH_ROWS
     verify_range_ids: int = DEFAULT_VERIFY_RANGE_IDS
     throttle: ThrottlePolicy = field(default_factory=ThrottlePolicy)
+    from_start: bool = False
+    """Walk the whole source again (`CopyBack.run`): an option of the job, so the runner's
+    copy-back step honours it too (it was the CLI's alone, and ignored through the ledger)."""
 
 
 @dataclass(frozen=True)
@@ -463,7 +466,7 @@ def copy_back(
     Returns no verification when the copy was stopped or the source was already dropped.
     """
     job = CopyBack(conn, spec, options, dsn=dsn)
-    result = job.run(progress=progress, stop=stop)
+    result = job.run(progress=progress, stop=stop, from_start=job.options.from_start)
     if result.stopped or not common.exists(conn, job.source):
         return result, None
     verification = job.verify()

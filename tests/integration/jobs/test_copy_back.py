@@ -400,3 +400,21 @@ def test_the_plain_sql_loop_copies_uuid_ids(conn: psycopg.Connection[Any]) -> No
         "WHERE NOT EXISTS (SELECT FROM outbox_u o WHERE o.id = p.id)"
     ).fetchone()
     assert missing == (0,) and _count(conn, "outbox_u") == 25000
+
+
+def test_from_start_is_an_option_of_the_job_the_runner_honours(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    """`copy-back --from-start` was the CLI's alone: with the migration in the ledger the
+    command runs the runner's copy-back step, which resumed from the high-water mark, so a row
+    deleted from the target below it was never copied again (drop refused for ever)."""
+    spec = build_after_v4(conn, old_rows=10, published_rows=2_000, late_rows=10)
+    copy_back(conn, spec, UNTHROTTLED, dsn=dsn, drop=False)
+    low = conn.execute("SELECT min(id) FROM outbox_published").fetchone()[0]  # type: ignore[index]
+    conn.execute("DELETE FROM outbox WHERE id = %s", (low + 7,))
+    with pytest.raises(VerificationFailed, match="1999 of 2000 rows present"):
+        copy_back(conn, spec, UNTHROTTLED, dsn=dsn, drop=False)  # what the runner's step did
+    again = CopyBackOptions(throttle=ThrottlePolicy(adaptive=False), from_start=True)
+    result, verification = copy_back(conn, spec, again, dsn=dsn, drop=False)
+    assert result.inserted_rows == 1
+    assert verification is not None and verification.passed
