@@ -392,11 +392,20 @@ def _drop_slot(dsn: str, spec: OutboxSpec, flags: RelayFlags) -> None:
     with connect(dsn) as conn:
         state = slot.slot_state(conn, flags.slot)
         if state is None:
+            streaming = slot.active_relay_slots(conn)
+            if streaming:
+                # A misspelt --slot must not take a running relay's publication: pgoutput
+                # would then skip its rows in silence while it confirmed past them.
+                raise UsageError(
+                    f"no replication slot {flags.slot}, and slot(s) {', '.join(streaming)} "
+                    f"stream from this database now: publication {flags.publication} may be "
+                    "theirs; nothing dropped (stop that relay, or name its --slot)"
+                )
             text(f"no replication slot {flags.slot}; dropping publication {flags.publication}")
             slot.drop_publication(conn, flags.publication)
             return
-        # Refused before the question: the slot of another database is not ours to drop.
-        slot.check_database(state, conn.info.dbname, "run --drop-slot against that database")
+        # Refused before the question: only a relay's slot of this database is ours to drop.
+        slot.check_droppable(state, conn.info.dbname)
         row = conn.execute(
             sql.SQL("SELECT count(*) FROM {}").format(
                 sql.Identifier(spec.schema, spec.unpublished_partition)

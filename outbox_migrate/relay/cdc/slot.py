@@ -88,13 +88,39 @@ def check_owned(state: SlotState, database: str) -> None:
         )
 
 
+def check_droppable(state: SlotState, database: str) -> None:
+    """`--drop-slot` drops only what a relay could have made: a pgoutput slot of this
+    database. Another plugin's slot (test_decoding, wal2json: another consumer's) or a
+    physical one (a standby's) is refused before the question, with nothing dropped."""
+    if state.database is None:
+        raise RelayError(
+            f"replication slot {state.name} is a physical slot (a standby's), never a "
+            "relay's: nothing dropped"
+        )
+    check_database(state, database, "run --drop-slot against that database")
+    if state.plugin != "pgoutput":
+        raise RelayError(
+            f"replication slot {state.name} uses plugin {state.plugin}, not pgoutput: another "
+            "consumer's, not a relay's; nothing dropped"
+        )
+
+
+def active_relay_slots(conn: Any) -> list[str]:
+    """The pgoutput slots of this database something streams from now."""
+    rows = conn.execute(
+        "SELECT slot_name FROM pg_replication_slots WHERE database = current_database() "
+        "AND plugin = 'pgoutput' AND active ORDER BY slot_name"
+    ).fetchall()
+    return [str(row[0]) for row in rows]
+
+
 def drop_slot(conn: Any, slot: str) -> bool:
-    """Drop the slot if it exists, belongs to this database and nobody streams from it; True
-    when dropped."""
+    """Drop the slot if it exists, is a relay's of this database and nobody streams from it;
+    True when dropped."""
     state = slot_state(conn, slot)
     if state is None:
         return False
-    check_database(state, conn.info.dbname, "drop it from a session of that database")
+    check_droppable(state, conn.info.dbname)
     if state.active:
         raise RelayError(f"replication slot {slot} is in use by a running relay: stop it first")
     conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))

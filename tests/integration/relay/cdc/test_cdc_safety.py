@@ -88,6 +88,41 @@ def test_a_physical_slot_of_the_same_name_is_refused_and_kept(
         )
 
 
+def test_drop_slot_refuses_another_plugins_slot_and_keeps_slot_and_publication(
+    dsn: str, cdc_outbox: psycopg.Connection, collected: Collected
+) -> None:
+    """`relay --drop-slot --slot X` dropped a test_decoding slot (another consumer's) and the
+    relay's publication with it, exit 0; a running relay then skipped new rows in silence."""
+    insert_rows(cdc_outbox, "outbox_new", 2, spec=SPEC)
+    cdc_relay(dsn, collected.factory(), until_caught_up=True).run()  # the publication exists
+    cdc_outbox.execute("SELECT pg_create_logical_replication_slot('om_other', 'test_decoding')")
+    try:
+        dropped = _cli("--drop-slot", "--slot", "om_other", "--yes", "--dsn", dsn)
+        assert dropped.returncode == 2, dropped.stderr
+        (line,) = dropped.stderr.strip().splitlines()
+        assert "uses plugin test_decoding" in line and "nothing dropped" in line
+        kept = "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'om_other'"
+        assert cdc_outbox.execute(kept).fetchone() == (1,)
+        assert cdc_outbox.execute("SELECT count(*) FROM pg_publication").fetchone() == (1,)
+    finally:
+        cdc_outbox.execute("SELECT pg_drop_replication_slot('om_other')")
+
+
+def test_drop_slot_of_a_misspelt_slot_keeps_the_publication_a_running_relay_streams(
+    dsn: str, cdc_outbox: psycopg.Connection, collected: Collected
+) -> None:
+    """No slot by that name: the publication was dropped anyway, under a running relay."""
+    relay = cdc_relay(dsn, collected.factory())
+    with running(relay):
+        wait_for(
+            lambda: bool((slot_row(cdc_outbox) or (None, False))[1]), 30, "the relay to stream"
+        )
+        dropped = _cli("--drop-slot", "--slot", "outbox_migrate_cdx", "--yes", "--dsn", dsn)
+        assert dropped.returncode == 2, dropped.stderr
+        assert "nothing dropped" in dropped.stderr
+        assert cdc_outbox.execute("SELECT count(*) FROM pg_publication").fetchone() == (1,)
+
+
 # -- failed attempts in the database ---------------------------------------------------------
 
 
