@@ -241,7 +241,7 @@ class VerifyFailed(OutboxMigrateError):
     exit_code = ExitCode.FAILED
 
     def __init__(self, phase: str, violations: list[str]) -> None:
-        self.violations = violations
+        self.phase, self.violations = phase, violations
         super().__init__(f"invariants of phase {phase} do not hold: {first_of(violations)}")
 
 

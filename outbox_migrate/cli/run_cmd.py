@@ -283,12 +283,20 @@ def verify(
     *,
     names: dict[str, Any],
 ) -> None:
+    from outbox_migrate.errors import VerifyFailed
     from outbox_migrate.runner import inspect
 
     settings = settings_from(**names)
     name = pattern.value if pattern else None
-    phase = inspect.verify(require_dsn(dsn), settings, name, include_optional=with_optional)
     table = inspect.table_label(settings)
+    try:
+        phase = inspect.verify(require_dsn(dsn), settings, name, include_optional=with_optional)
+    except VerifyFailed as failed:
+        if output is OutputFormat.json:  # the same document, its violations listed; exit 1
+            from outbox_migrate.cli.console import print_json
+
+            print_json({"table": table, "phase": failed.phase, "violations": failed.violations})
+        raise
     data = {"table": table, "phase": phase, "violations": []}
     report(output, data, f"every invariant of phase {phase} holds on {table}")
 

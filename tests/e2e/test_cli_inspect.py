@@ -114,6 +114,12 @@ def test_verify_catches_a_broken_invariant(dsn: str) -> None:
         conn.execute("DROP TABLE outbox_published")
     line = error_line(run_cli("verify", "--dsn", dsn), ExitCode.FAILED, only=True)
     assert "invariants of phase V2 do not hold" in line
+    # --format json printed nothing on a failure: the document lists the violations
+    as_json = run_cli("verify", "--dsn", dsn, "--format", "json")
+    assert error_line(as_json, ExitCode.FAILED, only=True) == line
+    document = json.loads(as_json.stdout)
+    assert document["phase"] == "V2" and document["violations"]
+    assert any("outbox_published" in v for v in document["violations"])
 
 
 @pytest.mark.parametrize("command", ["verify", "status"])
