@@ -13,6 +13,7 @@ from outbox_migrate.cli.options import (
     OutputFormat,
     report,
     require_dsn,
+    require_finite,
     settings_from,
     with_names,
 )
@@ -71,6 +72,7 @@ def copy_back(
     from outbox_migrate.jobs.copy_back import CopyBack, CopyBackOptions
     from outbox_migrate.jobs.throttle import ThrottlePolicy
 
+    require_finite("--max-replica-lag", max_replica_lag)
     settings = settings_from(**names)
     target = require_dsn(dsn)
     options = CopyBackOptions(

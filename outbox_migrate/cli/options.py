@@ -203,6 +203,16 @@ ToOption = Annotated[
 ]
 
 
+def require_finite(flag: str, value: float | None) -> None:
+    """Reject an infinite or NaN number of seconds (0 may mean "off") before any work."""
+    import math
+
+    from outbox_migrate.errors import UsageError
+
+    if value is not None and not math.isfinite(value):
+        raise UsageError(f"{flag} must be a finite number of seconds, got {value}")
+
+
 def require_positive(flag: str, value: float | None) -> None:
     """Reject a zero, negative, infinite or NaN number before any work, naming the option."""
     import math

@@ -243,8 +243,10 @@ def status(
     *,
     names: dict[str, Any],
 ) -> None:
+    from outbox_migrate.cli.options import require_positive
     from outbox_migrate.runner import inspect
 
+    require_positive("--interval", interval)  # inf passed min=0.1: an internal error, exit 1
     settings = settings_from(**names)
     name = pattern.value if pattern else None
     if watch:

@@ -70,6 +70,8 @@ BAD_INPUT = [
     (["relay", "--sink", "stdout", "--metrics-port", "70000"], {}, "--metrics-port"),
     (["relay", "--sink", "stdout", "--sink-timeout", "-1"], {}, "--sink-timeout"),
     (["relay", "--sink", "stdout", "--session-timeout", "-3"], {}, "--session-timeout"),
+    (["status", "--watch", "--interval", "inf"], {}, "--interval"),
+    (["copy-back", "--max-replica-lag", "inf"], {}, "--max-replica-lag"),
     (["relay", "--sink", "stdout", "--session-timeout", "nan"], {}, "--session-timeout"),
     (["relay", "--sink", "stdout", "--workers", "4", "--shards", "2"], {}, "--shards"),
     (["relay", "--sink", "stdout", "--log-level", "loud"], {}, "--log-level"),
