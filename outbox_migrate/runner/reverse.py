@@ -106,6 +106,10 @@ def rollback(
             "go forward"
         )
     undo = steps_to_reverse(pattern, rows, to_phase)
+    if not undo:
+        # Nothing after `to_phase` is applied: a rollback that undoes nothing changes nothing
+        # (it set a completed migration back to `active`).
+        return []
     for step in undo:
         if step.reverse is None:
             raise OutOfOrder(f"cannot roll back past {step.id}: {step.reverse_note}")

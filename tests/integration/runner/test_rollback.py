@@ -136,3 +136,19 @@ def test_no_way_back_past_the_point_of_no_return(dsn: str) -> None:
         pytest.raises(OutOfOrder, match=r"cannot roll back past hoper\.copy-back\.drop-published"),
     ):
         runner.rollback("V3")
+
+
+def test_a_rollback_that_undoes_nothing_leaves_a_completed_migration_completed(dsn: str) -> None:
+    """`rollback --to V4` of a completed COPRA migration rolled back 0 steps and set it
+    back to `active`, as if it had a way still to go."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+        insert_rows(conn, "outbox", 5)
+    forward(dsn, "copra", "V4")
+    state = "SELECT state, current_phase FROM outbox_migrate.migration"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        before = conn.execute(state).fetchall()
+        assert before == [("completed", "V4")]
+        with Runner(dsn, SETTINGS, "copra") as runner:
+            assert runner.rollback("V4") == []
+        assert conn.execute(state).fetchall() == before
