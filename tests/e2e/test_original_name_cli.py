@@ -39,3 +39,15 @@ def test_run_to_original_name_and_status_by_the_new_names(dsn: str) -> None:
     verify = cli("verify", *names, "--dsn", dsn)
     assert verify.returncode == 0, verify.stderr
     assert "phase original-name holds" in verify.stdout
+    # The relay command the step's note gives starts and drains (the playbooks said
+    # `--partitioned-table outbox` alone, which exits 2: --table still named outbox too).
+    note = json.loads(cli("plan", "--pattern", "cop", "--with-optional", "--format", "json").stdout)
+    (step,) = [s for p in note["phases"] if p["name"] == "original-name" for s in p["steps"]]
+    advice = next(n for n in step["notes"] if "start new relays with" in n)
+    flags = advice.split("start new relays with ")[1].split(" (")[0].split()
+    assert flags == ["--partitioned-table", "outbox", "--table", "outbox_retired"]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox (payload) VALUES ('{}')")
+    relay = cli("relay", *flags, "--sink", "stdout", "--until-empty", "--no-listen", "--dsn", dsn)
+    assert relay.returncode == 0, relay.stderr
+    assert len(relay.stdout.splitlines()) == 1

@@ -210,7 +210,9 @@ def take_original_name(ctx: BuildContext, params: Mapping[str, Any]) -> Step:
             f"{n.table}'s defaults and identity); deploy the version that uses {n.table}, then "
             "run the next phase to drop the view.",
             f"A relay started with --partitioned-table {n.parent} keeps publishing (the view "
-            f"exposes ctid for its marks); start new relays with --partitioned-table {n.table}.",
+            f"exposes ctid for its marks); start new relays with --partitioned-table {n.table} "
+            f"--table {n.spec.retired_table} (the flat-table option may not name the same "
+            "table; partitioned mode does not read it).",
             f"SELECT * through the view {n.parent} returns two more columns, ctid and tableoid.",
         ),
         # Earlier releases' view had no tableoid column (nor did they seal): a rename they did

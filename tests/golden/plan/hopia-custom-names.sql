@@ -1692,7 +1692,8 @@ COMMIT;
 --   DEFAULT partition, takes the published partition's name, the partitioned table takes the original name, and a view
 --   under its former name keeps the previous version's inserts (and a relay started with the former name) working.
 -- Then deploy the version that inserts into and publishes from the original name (relay: --partitioned-table with the
---   original name).
+--   original name, and --table with the original name and _retired: the flat-table option must not name the same
+--   table).
 
 -- step: hopia.original-name.take-original-name: In one transaction: Events (the DEFAULT partition) becomes events_done,
 --   events_p becomes Events, and a view events_p over it keeps the previous version's inserts working
