@@ -22,6 +22,7 @@ from outbox_migrate.relay import queries
 from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.parking import Parking
+from outbox_migrate.sql import query
 
 _KEY_COLUMN = """
 SELECT a.attname, format_type(a.atttypid, a.atttypmod)
@@ -228,6 +229,33 @@ def settle_dead(
     if not left:
         return
     failed = mark_in_halves(conn, source, left)
+    if failed:
+        raise _neither(source, failed, refused)
+
+
+def settle_dead_ids(conn: Any, source: queries.Source, dead: Collection[MessageId]) -> None:
+    """`settle_dead` for a relay that knows its messages by id, not by ctid (CDC): the
+    unpublished rows of those ids, locked skipping any another session holds (that one
+    settles them), go the same way, in the transaction that wrote their dead letters.
+    Marked instead, as CDC did, a dead-lettered row sat in the published partition, and its
+    requeue made a second row of that id there."""
+    ids = list(dict.fromkeys(dead))
+    if not ids:
+        return
+    ident = sql.Identifier(source.id_column)
+    locked = conn.execute(
+        query("cdc", "repair-lock").compose(
+            table=source.claim_ident, id=ident, same=source.same_relation(),
+            locking=sql.SQL(" ORDER BY {}, ctid FOR UPDATE SKIP LOCKED").format(ident),
+        ),
+        {"ids": ids},
+    ).fetchall()  # fmt: skip
+    tids = [str(row[0]) for row in locked]
+    if not tids:
+        return
+    gone, refused = _delete_dead(conn, source, tids)
+    left = [tid for tid in tids if tid not in gone]
+    failed = mark_in_halves(conn, source, left) if left else {}
     if failed:
         raise _neither(source, failed, refused)
 

@@ -18,6 +18,7 @@ from outbox_migrate.errors import OutboxMigrateError, SinkError, SinkUnavailable
 from outbox_migrate.relay import publishing
 from outbox_migrate.relay.bad_rows import DeadLetter, FailedMessages, log_dead
 from outbox_migrate.relay.cdc.marks import MarkSession
+from outbox_migrate.relay.mark_repair import settle_dead_ids
 from outbox_migrate.relay.message import Message, MessageId
 from outbox_migrate.relay.metrics import Observer
 from outbox_migrate.relay.run_stats import CdcStats, count_failures
@@ -69,6 +70,7 @@ class Delivery:
             if exhausted:  # the relay went down during their last attempt
                 with self._session() as conn:
                     letters = failures.dead_letter_exhausted(conn, label, exhausted)
+                    self._out_of_the_outbox(conn, letters)
                 self._dead(letters)
                 gone = {d.message.id for d in letters}
                 todo = [m for m in todo if m.id not in gone]
@@ -123,6 +125,7 @@ class Delivery:
         refused = [m for m in todo if m.id in reasons]
         with self._session() as conn:
             verdict = self.failures.record(conn, self.label, refused, reasons, counted=counted)
+            self._out_of_the_outbox(conn, verdict.letters)
         self._dead(verdict.letters)
         retry = [m for m in refused if m.id in verdict.retry]
         log.warning("relay.rejected count=%d bad_rows=%d dead_lettered=%d",
@@ -158,8 +161,16 @@ class Delivery:
         count_failures(self.stats, self.observer, bad=len(bad))
         with self._session() as conn:
             verdict = self.failures.record(conn, self.label, bad, reasons, now=True)
+            self._out_of_the_outbox(conn, verdict.letters)
         self._dead(verdict.letters)
         return [m for m in batch if m.id not in reasons]
+
+    def _out_of_the_outbox(self, conn: Any, letters: list[DeadLetter]) -> None:
+        """Dead-lettered rows leave the unpublished partition in the dead letters'
+        transaction (docs/relay.md, "Dead letters"), deleted where the role may, as polling
+        does; the stream's later mark finds nothing of them."""
+        if letters:
+            settle_dead_ids(conn, self.marks.source, [d.message.id for d in letters])
 
     def _dead(self, letters: list[DeadLetter]) -> None:
         """Dead letters whose transaction committed: counted and logged (never before)."""
