@@ -201,6 +201,7 @@ class CdcRelay:
         with self._connect() as conn:
             spec = self.spec = marker_catalog.resolve(conn, self.spec)
             slot.check_wal_level(conn)
+            slot.check_replication(conn)
             self._server_version = conn.info.server_version
             present = {
                 str(r[0])

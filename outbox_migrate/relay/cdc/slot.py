@@ -131,6 +131,21 @@ def drop_publication(conn: Any, publication: str) -> None:
     conn.execute(query("cdc", "drop-publication").compose(publication=sql.Identifier(publication)))
 
 
+def check_replication(conn: Any) -> None:
+    """The role may open a replication connection (REPLICATION, or a superuser): without it
+    the stream's connection is refused at every try, which the relay took for an outage and
+    retried for ever. Read from the catalog, so the check holds in any server language."""
+    row = conn.execute(
+        "SELECT rolreplication OR rolsuper, current_user FROM pg_roles WHERE rolname = current_user"
+    ).fetchone()
+    if row and not row[0]:
+        role = sql.Identifier(str(row[1])).as_string(None)
+        raise RelayError(
+            f"--mode cdc streams through a replication connection, which role {row[1]} may not "
+            f"open: ALTER ROLE {role} REPLICATION (docs/roles.md)"
+        )
+
+
 def check_wal_level(conn: Any) -> None:
     row = conn.execute("SHOW wal_level").fetchone()
     level = str(row[0]) if row else "?"

@@ -444,3 +444,19 @@ def test_two_copies_of_one_id_refused_together_are_both_dead_lettered(
     ], dead
     assert ids_in(cdc_outbox, "outbox_unpublished") == []
     assert relay.stats.dead_lettered == 2
+
+
+def test_a_role_without_replication_is_refused_at_start_not_retried_for_ever(
+    dsn: str, cdc_outbox: psycopg.Connection
+) -> None:
+    """The stream's connection was refused at every try ("permission denied to start WAL
+    sender"), which the relay logged as a lost connection and retried until killed."""
+    from psycopg.conninfo import make_conninfo
+
+    cdc_outbox.execute("CREATE ROLE om_norep LOGIN")
+    cdc_outbox.execute("GRANT SELECT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO om_norep")
+    ran = _cli("--mode", "cdc", "--sink", "stdout", "--until-empty",
+               "--dsn", make_conninfo(dsn, user="om_norep"))  # fmt: skip
+    assert ran.returncode == 2, ran.stderr
+    (line,) = ran.stderr.strip().splitlines()
+    assert 'ALTER ROLE "om_norep" REPLICATION' in line
