@@ -310,6 +310,8 @@ class _Checker:
                            "its first start cannot create or comment it: exits",
                            f"as the owner: CREATE PUBLICATION {self.publication} FOR TABLE "
                            f"{partition_reg} WITH (publish "
-                           f"= 'insert'); ALTER PUBLICATION {self.publication} OWNER TO "
+                           f"= 'insert'); then as a superuser (the owner may hand it over only "
+                           f"if it may SET ROLE {quoted}, and {quoted} needs CREATE on the "
+                           f"database): ALTER PUBLICATION {self.publication} OWNER TO "
                            f"{quoted}"))  # fmt: skip
         return found
