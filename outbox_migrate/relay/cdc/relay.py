@@ -228,6 +228,7 @@ class CdcRelay:
             state = slot.slot_state(conn, self.options.slot)
             if state is not None:
                 slot.check_owned(state, conn.info.dbname)
+                slot.wait_inactive(conn, self.options.slot)
             slot.ensure_publication(
                 conn, self.options.publication, spec.schema, spec.unpublished_partition
             )

@@ -6,12 +6,13 @@ stream (docs/relay.md, "CDC mode").
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from psycopg import sql
 
-from outbox_migrate.errors import RelayError
+from outbox_migrate.errors import RelayError, RunnerBusy
 from outbox_migrate.sql import query
 
 FAILOVER_MIN_VERSION = 170000
@@ -86,6 +87,28 @@ def check_owned(state: SlotState, database: str) -> None:
             f"replication slot {state.name} uses plugin {state.plugin}, not pgoutput: give "
             "this relay its own --slot"
         )
+
+
+STREAMED_ELSEWHERE_WAIT_S = 5.0
+"""How long a start waits for the slot's last walsender to end: a relay stopped a moment ago
+(or killed: the server notices its socket close) leaves it for well under a second."""
+
+
+def wait_inactive(conn: Any, slot: str, wait_s: float = STREAMED_ELSEWHERE_WAIT_S) -> None:
+    """Refuse (exit 3) a slot another relay streams from: one stream per slot. A second relay
+    started anyway took the first's run record for an unclean stop, retried "slot is active"
+    for ever, and on its way out removed the record of the run still going."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = slot_state(conn, slot)
+        if state is None or not state.active:
+            return
+        if time.monotonic() >= deadline:
+            raise RunnerBusy(
+                f"replication slot {slot} is streamed by another process: one relay per "
+                "slot; stop it, or give this relay its own --slot and --publication"
+            )
+        time.sleep(0.2)
 
 
 def check_droppable(state: SlotState, database: str) -> None:

@@ -460,3 +460,21 @@ def test_a_role_without_replication_is_refused_at_start_not_retried_for_ever(
     assert ran.returncode == 2, ran.stderr
     (line,) = ran.stderr.strip().splitlines()
     assert 'ALTER ROLE "om_norep" REPLICATION' in line
+
+
+def test_a_second_relay_on_a_streamed_slot_is_refused_and_leaves_the_first_ones_run(
+    dsn: str, cdc_outbox: psycopg.Connection, collected: Collected
+) -> None:
+    """A second relay on the same slot took the first's run record for an unclean stop,
+    retried "slot is active" for ever, and on its way out removed the first's record."""
+    run = "SELECT count(*) FROM outbox_dead_letter_attempts WHERE source_table LIKE 'cdc-run:%'"
+    relay = cdc_relay(dsn, collected.factory())
+    with running(relay):
+        wait_for(lambda: bool((slot_row(cdc_outbox) or (None, False))[1]), 30, "the stream")
+        second = _cli("--mode", "cdc", "--sink", "stdout", "--until-empty", "--dsn", dsn)
+        assert second.returncode == 3, second.stderr
+        (line,) = second.stderr.strip().splitlines()
+        assert "streamed by another process" in line
+        assert cdc_outbox.execute(run).fetchone() == (1,)  # the first run's record is kept
+        insert_rows(cdc_outbox, "outbox_new", 2, spec=SPEC)
+        wait_for(lambda: len(collected.ids) == 2, 30, "the first relay to go on")
