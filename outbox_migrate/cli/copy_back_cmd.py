@@ -182,4 +182,10 @@ def _through_the_runner(
         f"adopted {len(result.adopted)}; "
         + ("migration complete" if result.completed else f"at the end of {result.phase}")
     )
+    if output is OutputFormat.json:
+        from outbox_migrate.cli.console import print_json
+
+        # One line, as `run`'s: the step events before it are JSON lines too.
+        print_json({"event": "result", "through": "runner", **asdict(result)}, indent=None)
+        return
     report(output, {"through": "runner", **asdict(result)}, line)

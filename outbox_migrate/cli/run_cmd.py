@@ -328,6 +328,12 @@ def rollback(
         undone = runner.rollback(to.value)
     from outbox_migrate.cli.wording import count
 
+    if output is OutputFormat.json:
+        from outbox_migrate.cli.console import print_json
+
+        # One line, as `run`'s: the step events before it are JSON lines too.
+        print_json({"event": "result", "rolled_back": undone, "phase": to.value}, indent=None)
+        return
     report(output, {"rolled_back": undone, "phase": to.value},
            f"rolled back {count(len(undone), 'step')}; now at the end of {to.value}")  # fmt: skip
 

@@ -176,3 +176,17 @@ def test_reset_of_an_unknown_table_or_schema_is_bad_input(dsn: str) -> None:
         assert conn.execute("SELECT state FROM outbox_migrate.migration").fetchall() == [
             ("active",)
         ]
+
+
+def test_run_and_rollback_json_are_json_lines_ending_with_the_result(dsn: str) -> None:
+    """`rollback --format json` printed one-line step events, then its result as an indented
+    document: neither one JSON document nor JSON lines (as `run`'s output is)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_flat_outbox(conn)
+    for command in (("run", "--pattern", "hoper", "--to", "V2"), ("rollback", "--to", "V1")):
+        done = cli(*command, "--format", "json", "--dsn", dsn)
+        assert done.returncode == 0, done.stderr
+        lines = [json.loads(line) for line in done.stdout.splitlines()]  # each line parses
+        assert lines[-1]["event"] == "result"
+    finished = [e["step"] for e in lines if e["event"] == "step_finished"]
+    assert lines[-1]["rolled_back"] == finished != []
