@@ -11,6 +11,7 @@ not checked here; error lines are one line by contract (docs/cli.md) and none is
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -93,11 +94,32 @@ def test_output_without_a_database_fits() -> None:
         assert too_wide(out) == [] and too_wide(err) == []
 
 
+def outside_function_bodies(sql_text: str) -> str:
+    """`sql_text` without the bodies of the functions it creates: PostgreSQL stores a body
+    verbatim, so the layout leaves it as `run` and Alembic create it (docs/plan.md)."""
+    kept: list[str] = []
+    statement = ""
+    closing: str | None = None
+    for line in sql_text.splitlines():
+        if closing is not None:
+            closing = None if closing in line else closing
+            continue
+        kept.append(line)
+        statement += line + " "
+        tag = re.search(r" AS (\$[A-Za-z_]*\$)\s*$", line)
+        if tag and re.match(r"\s*CREATE (OR REPLACE )?FUNCTION\b", statement):
+            closing = tag.group(1)
+        if line.rstrip().endswith(";"):
+            statement = ""
+    return "\n".join(kept)
+
+
 @pytest.mark.parametrize("pattern", PATTERN_NAMES)
 def test_plan_sql_is_laid_out_to_fit(pattern: str) -> None:
-    """psql runs it as laid out at 80 columns: tests/e2e/test_plan_sql_with_psql.py."""
+    """psql runs it as laid out at 80 columns: tests/e2e/test_plan_sql_with_psql.py. A
+    function's body is left as PostgreSQL stores it, whatever its width."""
     out, _ = cli("plan", "-p", pattern, "--with-optional", "--format", "sql", env=NAMES)
-    assert too_wide(out) == []
+    assert too_wide(outside_function_bodies(out)) == []
 
 
 @pytest.mark.newest_pg_only
