@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -52,9 +53,11 @@ def _signal_handlers_restored() -> Iterator[None]:
         yield
         return
     saved = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    unraisable = sys.unraisablehook  # `signals.install` chains its own in front of it
     try:
         yield
     finally:
+        sys.unraisablehook = unraisable
         for number, handler in saved.items():
             if handler is not None and signal.getsignal(number) is not handler:
                 signal.signal(number, handler)

@@ -159,11 +159,21 @@ def _usage_message(exc: BaseException) -> str:
 
 
 def _exit(code: int) -> None:
+    from outbox_migrate.cli import exits, signals
+
+    if signals.swallowed():  # interrupted, though Python dropped the exception
+        _fail(exits.interrupt_message(), signals.exit_code())
     sys.stdout.flush()
     sys.exit(code)
 
 
 def _fail(message: str, code: int) -> None:
+    from outbox_migrate.cli import exits, signals
+
+    if signals.swallowed() and code != signals.exit_code():
+        # The command went on after an interrupt Python dropped, and ended as it did: the
+        # exit still says it was interrupted (never 0, never another failure's code).
+        message, code = exits.interrupt_message(), signals.exit_code()
     first = message.strip().splitlines()[0] if message.strip() else "error"
     sys.stderr.write(f"outbox-migrate: error: {first}\n")
     sys.stderr.flush()

@@ -28,6 +28,25 @@ class Terminated(KeyboardInterrupt):
 _received: list[int] = []
 _raising = [True]
 """False while `defer()` is in force: the handler records and returns."""
+_swallowed: list[int] = []
+"""Signals whose exception Python dropped (`_unraisable`): the command went on regardless."""
+_chained = [sys.unraisablehook]
+"""The hook `_unraisable` hands everything else to: the one in place when `install` ran."""
+
+
+def _unraisable(hook_args: Any) -> None:
+    """An interrupt raised where Python ignores exceptions (a module lock's weakref callback,
+    while a command imports lazily) is dropped with an "Exception ignored" traceback, and the
+    command goes on. Recorded instead, without the traceback: the CLI then exits as the
+    signal (`swallowed`), whatever the command did after it."""
+    if isinstance(hook_args.exc_value, KeyboardInterrupt) and _received:
+        _swallowed.append(_received[-1])
+        return
+    _chained[0](hook_args)
+
+
+def swallowed() -> bool:
+    return bool(_swallowed)
 
 
 def _on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -65,7 +84,10 @@ def install() -> None:
     pending = None if _raising[0] else last()
     if _raising[0]:
         _received.clear()  # a new command in this process (tests call the CLI in-process)
+    _swallowed.clear()
     _raising[0] = True
+    if sys.unraisablehook is not _unraisable:
+        _chained[0], sys.unraisablehook = sys.unraisablehook, _unraisable
     _handle(_on_signal)
     if pending is not None:
         _raise(pending)
