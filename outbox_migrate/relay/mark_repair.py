@@ -221,14 +221,16 @@ def settle_dead(
     Deleted, not marked: in the published partition a requeue of its id would meet it."""
     wanted = set(dead)
     at = queries.CLAIM_CTID_COLUMN
-    tids = [r[at] for r in rows if r[0] in wanted]
+    _settle_tids(conn, source, [r[at] for r in rows if r[0] in wanted])
+
+
+def _settle_tids(conn: Any, source: queries.Source, tids: list[str]) -> None:
+    """Delete these rows; mark those a DELETE cannot remove; stop when neither works."""
     if not tids:
         return
     gone, refused = _delete_dead(conn, source, tids)
     left = [tid for tid in tids if tid not in gone]
-    if not left:
-        return
-    failed = mark_in_halves(conn, source, left)
+    failed = mark_in_halves(conn, source, left) if left else {}
     if failed:
         raise _neither(source, failed, refused)
 
@@ -250,14 +252,7 @@ def settle_dead_ids(conn: Any, source: queries.Source, dead: Collection[MessageI
         ),
         {"ids": ids},
     ).fetchall()  # fmt: skip
-    tids = [str(row[0]) for row in locked]
-    if not tids:
-        return
-    gone, refused = _delete_dead(conn, source, tids)
-    left = [tid for tid in tids if tid not in gone]
-    failed = mark_in_halves(conn, source, left) if left else {}
-    if failed:
-        raise _neither(source, failed, refused)
+    _settle_tids(conn, source, [str(row[0]) for row in locked])
 
 
 def redo_dead(
